@@ -1,0 +1,3 @@
+from batchd.cli import main
+import sys
+sys.exit(main())

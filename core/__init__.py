@@ -1,0 +1,35 @@
+"""batchd's batching core: pure grouping, DGAP alignment, balancing, loss scaling and the simulator.
+
+No I/O, no threads: the daemon (gRPC, Ray) and the simulator carry these functions' inputs and outputs.
+"""
+
+from ._align import (
+    MODES,
+    Coordinator,
+    ProtocolError,
+    RankCommit,
+    RankReport,
+    RoundDecision,
+    RoundTotals,
+    target_min,
+    target_odb,
+)
+from ._balance import plan_round
+from ._cost import COST_MODELS, CostModel
+from ._grouping import best_fit_decreasing, contiguous_greedy, fixed_chunks, odb_greedy, odb_split, split_largest
+from ._loss import loss_scale
+from ._policy import ALIGN_RULES, POLICIES, Entry, Policy, form_groups
+from ._rank import OVER_BUDGET, RankState, max_fitting_length
+from ._simulator import SimConfig, SimMetrics, Simulator, read_lengths, simulate, synthetic_token_loss
+from ._source import ViewSource, epoch_permutation
+from ._types import Sample, Step, StepInfo
+
+__all__ = sorted([
+    "ALIGN_RULES", "COST_MODELS", "MODES", "OVER_BUDGET", "POLICIES",
+    "Coordinator", "CostModel", "Entry", "Policy", "ProtocolError", "RankCommit", "RankReport",
+    "RankState", "RoundDecision", "RoundTotals", "Sample", "SimConfig", "SimMetrics", "Simulator",
+    "Step", "StepInfo", "ViewSource",
+    "best_fit_decreasing", "contiguous_greedy", "epoch_permutation", "fixed_chunks", "form_groups",
+    "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "plan_round", "read_lengths",
+    "simulate", "split_largest", "synthetic_token_loss", "target_min", "target_odb",
+])

@@ -1,0 +1,285 @@
+"""DGAP alignment: the round messages, the target rules and the coordinator's state machine.
+
+A round has two barriers (one RPC each in the daemon, plain calls in the simulator):
+
+    ranks --RankReport-->  Coordinator.decide  --RoundDecision(T)-->  ranks
+    ranks --RankCommit-->  Coordinator.commit  --RoundTotals------->  ranks -> T' steps each
+
+`decide` fixes the number of steps T every rank emits this round; `commit` learns the exact token
+counts of what each rank emitted (after splits) so every step carries exact loss-scale totals, and it
+closes the epoch: join mode when every rank is exhausted and empty, non-join mode when the cumulative
+sample count reaches the quota (the last step is cut so the count is exact).
+
+Target rules (T over the ranks that reported, "active" = holds at least one group):
+
+- `min` (batchd): T = min(min over active ranks of G_r, min over all ranks of C_r).
+  Why: every active rank has >= T groups, so no rank ever splits (a split makes an underfull step);
+  ranks with more overflow, which only defers samples into the next window. Every rank then emits T
+  full groups per round, i.e. ranks consume their streams at the same token rate and finish together,
+  which is the best any policy that keeps samples on their rank can do. Properties (tested):
+  capacity: T <= C_r for every rank; progress: T >= 1 whenever some rank holds data and every C_r >= 1,
+  so each such round emits >= 1 sample per active rank and an epoch of n samples takes at most
+  max_r n_r rounds and max_r n_r steps per rank (join); equal steps: every rank emits exactly T.
+- `odb` (ODB 0.1.2): T = max(1, min(max G_r, min positive C_r, min positive B_r)). Ranks below T split.
+  On odb-synthetic this spends ~1.6x the ideal step count (docs/benchmarks.md), most of it in splits.
+- The seed paper's max-based rule, T = max(min C_r, min B_r), is not offered: with buffers larger than
+  the output queue (always, in practice) it exceeds the capacity of every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._balance import plan_round
+from ._cost import CostModel
+from ._policy import Entry, Policy
+from ._types import Sample, check_choice, check_int
+
+MODES = ("join", "non-join")
+
+
+class ProtocolError(ValueError):
+    """A message that breaks the round protocol (wrong round, missing or duplicate rank, bad phase)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReport:
+    """What a rank tells the coordinator at the start of a round.
+
+    Attributes:
+        rank: The reporting rank.
+        round: The round it reports for.
+        capacity: Free output slots (steps it can queue for its trainer now).
+        buffered: Samples in its window.
+        groups: Candidate groups it formed from the window.
+        exhausted: Its source has no more samples this epoch.
+        pool: `balanced` only: its buffered samples and their arrival rounds.
+    """
+
+    rank: int
+    round: int
+    capacity: int
+    buffered: int
+    groups: int
+    exhausted: bool
+    pool: tuple[tuple[Sample, int], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundDecision:
+    """The coordinator's answer: T steps this round, and for `balanced` the whole plan[rank][step]."""
+
+    round: int
+    target: int
+    plan: tuple[tuple[tuple[Sample, ...], ...], ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCommit:
+    """What a rank emitted this round: per step, the (length, loss_tokens) of each sample (IDLE: ())."""
+
+    rank: int
+    round: int
+    steps: tuple[tuple[tuple[int, int], ...], ...]
+    remaining: int
+    exhausted: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundTotals:
+    """Closes a round: the steps every rank keeps (T' <= T), per-step global totals, and termination.
+
+    `keep_last[r]`, when set, is how many samples rank r keeps in its last step (non-join quota cut).
+    """
+
+    round: int
+    steps: int
+    step_samples: tuple[int, ...]
+    step_tokens: tuple[int, ...]
+    step_loss_tokens: tuple[int, ...]
+    done: bool
+    keep_last: tuple[int, ...] | None = None
+
+
+def target_min(reports: Sequence[RankReport]) -> int:
+    """batchd's rule (module docstring); 0 means "no step this round"."""
+    active = [r.groups for r in reports if r.groups > 0]
+    if not active:
+        return 0
+    return max(min(min(active), min(r.capacity for r in reports)), 0)
+
+
+def target_odb(reports: Sequence[RankReport]) -> int:
+    """ODB 0.1.2's rule (module docstring); 0 means "skip": some considered rank has no free slot."""
+    active = [r for r in reports if r.groups > 0]
+    if not active:
+        return 0
+    if min(r.capacity for r in reports) <= 0:
+        return 0
+    caps = [r.capacity for r in reports if r.capacity > 0]
+    bufs = [r.buffered for r in active if r.buffered > 0]
+    return max(1, min(max(r.groups for r in active), min(caps), min(bufs)))
+
+
+_RULES = {"min": target_min, "odb": target_odb}
+
+# state_dict keys
+K_VERSION, K_WORLD, K_SEED, K_EPOCH, K_MODE = "version", "world_size", "seed", "epoch", "mode"
+K_POLICY, K_ROUND, K_EMITTED, K_QUOTA, K_BUDGET = "policy", "round", "emitted", "quota", "token_budget"
+
+
+class Coordinator:
+    """The alignment coordinator's pure state machine for one epoch (see module docstring)."""
+
+    def __init__(
+        self,
+        world_size: int,
+        policy: Policy,
+        budget: int,
+        cost: CostModel | None = None,
+        mode: str = "join",
+        quota: int | None = None,
+        seed: int = 0,
+        epoch: int = 0,
+    ) -> None:
+        check_int("world_size", world_size, lo=1)
+        check_int("token_budget", budget, lo=1)
+        check_choice("mode", mode, MODES)
+        if mode == "non-join":
+            if quota is None:
+                raise ValueError("non-join mode needs a sample quota, got quota=None")
+            check_int("quota", quota, lo=0)
+        self.world_size, self.policy, self.budget = world_size, policy, budget
+        self.cost = cost or CostModel()
+        self.mode, self.quota, self.seed, self.epoch = mode, quota, seed, epoch
+        self.round = 0
+        self.emitted = 0
+        self.done = False
+        self._decided: RoundDecision | None = None
+
+    # -- validation ---------------------------------------------------------------------------------
+    def _check(self, msgs: Sequence[Any], what: str) -> list[Any]:
+        if self.done:
+            raise ProtocolError(f"epoch {self.epoch} is already complete; got a {what} for round {self.round}")
+        by_rank: dict[int, Any] = {}
+        for m in msgs:
+            if not 0 <= m.rank < self.world_size:
+                raise ProtocolError(f"{what} from rank {m.rank} outside world_size={self.world_size}")
+            if m.rank in by_rank:
+                raise ProtocolError(f"duplicate {what} from rank {m.rank} in round {self.round}")
+            if m.round != self.round:
+                raise ProtocolError(f"{what} from rank {m.rank} is for round {m.round}, expected {self.round}")
+            by_rank[m.rank] = m
+        missing = [r for r in range(self.world_size) if r not in by_rank]
+        if missing:
+            raise ProtocolError(f"round {self.round} is missing the {what} of rank(s) {missing}")
+        return [by_rank[r] for r in range(self.world_size)]
+
+    # -- phase 1 -------------------------------------------------------------------------------------
+    def decide(self, reports: Sequence[RankReport]) -> RoundDecision:
+        """Fixes this round's step count T (and the plan, for `balanced`)."""
+        if self._decided is not None:
+            raise ProtocolError(f"round {self.round} was already decided; waiting for commits")
+        reports = self._check(reports, "report")
+        for r in reports:
+            check_int(f"capacity of rank {r.rank}", r.capacity, lo=0)
+            check_int(f"buffered of rank {r.rank}", r.buffered, lo=0)
+            check_int(f"groups of rank {r.rank}", r.groups, lo=0)
+        if self.policy.pooled:
+            decision = self._plan(reports)
+        else:
+            decision = RoundDecision(self.round, _RULES[self.policy.align](reports))
+        self._decided = decision
+        return decision
+
+    def _plan(self, reports: Sequence[RankReport]) -> RoundDecision:
+        pool = [Entry(s, a) for r in reports for s, a in r.pool]
+        seen: set[int] = set()
+        for e in pool:
+            if e.sample.id in seen:
+                raise ProtocolError(f"sample id {e.sample.id} reported by two ranks in round {self.round}")
+            seen.add(e.sample.id)
+        final = self.mode == "join" and all(r.exhausted for r in reports)
+        rng = random.Random(f"plan:{self.seed}:{self.epoch}:{self.round}")
+        plan = plan_round(
+            pool, self.world_size, min(r.capacity for r in reports), final, self.budget, self.cost,
+            self.round, self.policy.max_wait, rng, self.policy.refine,
+        )
+        target = len(plan[0]) if plan else 0
+        return RoundDecision(self.round, target, tuple(tuple(p) for p in plan))
+
+    # -- phase 2 -------------------------------------------------------------------------------------
+    def commit(self, commits: Sequence[RankCommit]) -> RoundTotals:
+        """Sums what the ranks emitted, applies the non-join quota cut, and decides termination."""
+        if self._decided is None:
+            raise ProtocolError(f"commit for round {self.round} before its decision")
+        commits = self._check(commits, "commit")
+        target = self._decided.target
+        for c in commits:
+            if len(c.steps) != target:
+                raise ProtocolError(
+                    f"rank {c.rank} committed {len(c.steps)} steps in round {self.round}, expected {target}"
+                )
+        steps, keep_last = target, None
+        per_step = [[c.steps[s] for c in commits] for s in range(target)]
+        if self.mode == "non-join":
+            left = self.quota - self.emitted
+            if left <= 0:
+                steps, per_step, keep_last = 0, [], tuple(0 for _ in commits)
+            for s, row in enumerate(per_step):
+                n = sum(len(x) for x in row)
+                if n >= left:
+                    keep, budget_left = [], left
+                    for x in row:
+                        k = min(len(x), budget_left)
+                        keep.append(k)
+                        budget_left -= k
+                    keep_last = tuple(keep)
+                    per_step = per_step[: s + 1]
+                    per_step[s] = [x[:k] for x, k in zip(row, keep)]
+                    steps = s + 1
+                    break
+                left -= n
+        step_samples = tuple(sum(len(x) for x in row) for row in per_step)
+        step_tokens = tuple(sum(n for x in row for n, _ in x) for row in per_step)
+        step_loss = tuple(sum(m for x in row for _, m in x) for row in per_step)
+        self.emitted += sum(step_samples)
+        drained = all(c.exhausted and c.remaining == 0 for c in commits)
+        done = keep_last is not None or drained or (self.mode == "non-join" and self.emitted >= self.quota)
+        totals = RoundTotals(self.round, steps, step_samples, step_tokens, step_loss, done, keep_last)
+        self.round += 1
+        self.done = done
+        self._decided = None
+        return totals
+
+    # -- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe state at a round boundary."""
+        if self._decided is not None:
+            raise ProtocolError(f"state_dict() in the middle of round {self.round}; take it between rounds")
+        return {
+            K_VERSION: 1, K_WORLD: self.world_size, K_SEED: self.seed, K_EPOCH: self.epoch,
+            K_MODE: self.mode, K_POLICY: self.policy.name, K_BUDGET: self.budget, K_QUOTA: self.quota,
+            K_ROUND: self.round, K_EMITTED: self.emitted, "done": self.done,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores a `state_dict()`; refuses one taken with another world size, seed, mode or policy."""
+        expect = {K_WORLD: self.world_size, K_SEED: self.seed, K_MODE: self.mode, K_POLICY: self.policy.name,
+                  K_BUDGET: self.budget, K_QUOTA: self.quota}
+        check_state(state, expect, "Coordinator")
+        self.epoch = state[K_EPOCH]
+        self.round, self.emitted, self.done = state[K_ROUND], state[K_EMITTED], state["done"]
+        self._decided = None
+
+
+def check_state(state: Mapping[str, Any], expect: Mapping[str, Any], owner: str) -> None:
+    """Raises ValueError naming every field where `state` disagrees with this object's configuration."""
+    if state.get(K_VERSION) != 1:
+        raise ValueError(f"{owner} state has version {state.get(K_VERSION)!r}; this build reads version 1")
+    bad = [f"{k}: saved {state.get(k)!r}, current {v!r}" for k, v in expect.items() if state.get(k) != v]
+    if bad:
+        raise ValueError(f"{owner} state does not match this configuration ({'; '.join(bad)})")

@@ -1,0 +1,133 @@
+"""Cross-rank balancing (policy `balanced`): OrchMLLM-style batch post-balancing for one round.
+
+The coordinator sees every rank's buffered metadata (lengths, never payloads) and plans the round's
+T steps for all N ranks at once:
+
+1. Group the pooled window count-optimally under L (`form_groups`), rank the groups as `local` does
+   (old samples first, then quality) and take the best N x T, T = min(floor(K / N), capacity): whole
+   rows of N groups, so no rank idles; the rest recirculate. When every rank is exhausted (join) the
+   round takes everything, T = ceil(K / N).
+2. Refine (binary search over capacity): the smallest capacity c <= L whose grouping of the chosen
+   samples still needs at most N x T groups. All groups then cost <= c, which evens them out: the
+   slowest rank per step costs c instead of L. Greedy contiguous grouping is monotone in c, so the
+   search is exact for padded cost; for additive costs a non-monotone probe just keeps the last
+   grouping that fitted.
+3. Fill: if fewer than N x T groups remain (last round), split the costliest groups so idle slots get
+   work (splits never raise a group's cost).
+4. Deal: sort groups by cost and cut into rows of N (minimizes the sum over steps of the row maximum
+   for a fixed multiset of groups), then shuffle the rows (seeded) so step cost does not trend.
+5. Place: inside a row, each group goes to the rank that owns most of its samples (greedy on the
+   affinity count), so only the remainder moves; `moved` counts samples placed off their home rank.
+
+Cost: O(P log P) for P pooled samples plus O(log L) regroupings of the chosen ones.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+from ._cost import CostModel
+from ._grouping import split_largest
+from ._policy import Entry, Group, form_groups, group_lengths, rank_groups
+from ._types import Sample
+
+
+def _refine(chosen: list[Entry], slots: int, budget: int, cost: CostModel) -> list[Group] | None:
+    """Groups `chosen` under the smallest capacity that still needs <= `slots` groups."""
+    fitting = [cost.item(e.sample.length) for e in chosen if cost.item(e.sample.length) <= budget]
+    lo = int(math.ceil(max(fitting))) if fitting else budget
+    best = None
+    hi = budget
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        groups = form_groups(chosen, mid, cost)
+        if len(groups) <= slots:
+            best, hi = groups, mid - 1
+        else:
+            lo = mid + 1
+    return best
+
+
+def plan_round(
+    pool: Sequence[Entry],
+    world_size: int,
+    capacity: int,
+    final: bool,
+    budget: int,
+    cost: CostModel,
+    now: int,
+    max_wait: int,
+    rng: random.Random,
+    refine: bool = True,
+) -> list[list[tuple[Sample, ...]]]:
+    """Plans one round for every rank.
+
+    Args:
+        pool: Every rank's buffered entries (sample metadata and arrival round).
+        world_size: N.
+        capacity: The smallest free output capacity over ranks (T never exceeds it).
+        final: No rank will receive more samples this epoch: take everything that fits in `capacity`.
+        budget: L_max.
+        cost: The cost model.
+        now: The round number (for ages).
+        max_wait: Rounds after which a sample is emitted first.
+        rng: Seeded generator for the row shuffle.
+        refine: Run step 2 (capacity binary search).
+
+    Returns:
+        plan[rank][step] -> the samples of that rank's group (empty tuple = IDLE); T steps per rank.
+    """
+    if not pool or capacity < 1:
+        return [[] for _ in range(world_size)]
+    groups = rank_groups(form_groups(pool, budget, cost), budget, cost, now, max_wait)
+    k = len(groups)
+    if final:
+        target = min(-(-k // world_size), capacity)
+    else:
+        target = max(min(k // world_size, capacity), 1)
+    slots = world_size * target
+    chosen_groups = groups[:slots]
+    if refine and len(chosen_groups) == slots:
+        refined = _refine([e for g in chosen_groups for e in g], slots, budget, cost)
+        if refined is not None:
+            chosen_groups = refined
+    if len(chosen_groups) < slots:
+        flat = [e for g in chosen_groups for e in g]
+        idx, i = [], 0
+        for g in chosen_groups:
+            idx.append(list(range(i, i + len(g))))
+            i += len(g)
+        idx = split_largest(idx, slots, key=lambda g: cost.cost([flat[j].sample.length for j in g]))
+        chosen_groups = [[flat[j] for j in g] for g in idx]
+    chosen_groups.sort(key=lambda g: -cost.cost(group_lengths(g)))
+    rows = [chosen_groups[i : i + world_size] for i in range(0, len(chosen_groups), world_size)]
+    rng.shuffle(rows)
+    plan: list[list[tuple[Sample, ...]]] = [[] for _ in range(world_size)]
+    for row in rows:
+        for rank, group in enumerate(_place(row, world_size)):
+            plan[rank].append(tuple(e.sample for e in group) if group else ())
+    return plan
+
+
+def _place(row: Sequence[Group], world_size: int) -> list[Group | None]:
+    """Assigns each group of a row to a distinct rank, greedily by how many of its samples live there."""
+    pairs = []
+    for g, group in enumerate(row):
+        counts: dict[int, int] = {}
+        for e in group:
+            counts[e.sample.home_rank] = counts.get(e.sample.home_rank, 0) + 1
+        pairs.extend((-c, g, r) for r, c in counts.items() if r < world_size)
+    pairs.sort()
+    out: list[Group | None] = [None] * world_size
+    placed = set()
+    for _, g, r in pairs:
+        if g not in placed and out[r] is None:
+            out[r] = row[g]
+            placed.add(g)
+    free = iter(r for r in range(world_size) if out[r] is None)
+    for g, group in enumerate(row):
+        if g not in placed:
+            out[next(free)] = group
+    return out

@@ -1,0 +1,248 @@
+"""The per-rank DGAP state machine: buffer, grouping, split/overflow/recirculation, IDLE, step info.
+
+Life of a round on one rank (the coordinator side is `batchd.core.Coordinator`):
+
+    push(sample)*  ->  report(capacity)  ->  apply(decision)  ->  finalize(totals)  ->  [Step] * T'
+
+- `push` admits a sample into the window (at most `window` samples). A sample whose lone cost exceeds
+  L_max follows the over-budget policy: `singleton` (default; it forms a group alone and is counted),
+  `truncate` (cut to the longest length that fits, counted) or `reject` (not admitted; kept in
+  `rejected` with a reason). None of them raises or drops silently.
+- `report` forms candidate groups with the policy and says how many it has.
+- `apply` takes the decision's T: keeps the policy's top T groups (overflow recirculates, i.e. simply
+  stays in the window for the next round), splits if it has fewer (only under the `odb` rule), and
+  pads with IDLE. For `balanced` it emits the coordinator's plan and drops its own samples that the
+  plan placed anywhere. The emitted groups are shuffled with a generator seeded by
+  (seed, epoch, round, rank): the order of steps never follows length.
+- `finalize` turns groups into `Step`s with exact global totals and the loss scale, after the
+  non-join quota cut (cut samples return to the window).
+
+`state_dict()` is JSON-safe, taken between rounds, and stores rank, world size and seed; loading a
+state from another rank, world size, seed, policy or budget fails with a message that says which.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from typing import Any
+
+from ._align import (
+    K_BUDGET, K_EPOCH, K_POLICY, K_ROUND, K_SEED, K_VERSION, K_WORLD,
+    ProtocolError, RankCommit, RankReport, RoundDecision, RoundTotals, check_state,
+)
+from ._cost import CostModel
+from ._loss import loss_scale
+from ._policy import Entry, Group, Policy
+from ._types import Sample, Step, StepInfo, check_choice, check_int
+
+OVER_BUDGET = ("reject", "singleton", "truncate")
+
+K_RANK, K_BUFFER, K_STEP, K_EXHAUSTED, K_REJECTED, K_COUNTERS = (
+    "rank", "buffer", "step", "exhausted", "rejected", "counters",
+)
+
+
+def max_fitting_length(budget: int, cost: CostModel) -> int:
+    """The longest length whose lone cost is within `budget` (the `truncate` target)."""
+    if cost.name != "attention":
+        return budget
+    q = cost.quadratic
+    n = int((-q + math.sqrt(q * q + 4 * q * budget)) / 2)  # n + n^2/q <= budget
+    while n > 1 and cost.item(n) > budget:
+        n -= 1
+    while cost.item(n + 1) <= budget:
+        n += 1
+    return max(n, 1)
+
+
+class RankState:
+    """One rank's side of the protocol (see module docstring).
+
+    Args:
+        rank: This rank.
+        world_size: N.
+        policy: The grouping policy.
+        budget: L_max, in cost units (tokens).
+        cost: The cost model.
+        window: The most samples the rank buffers.
+        over_budget: `singleton`, `truncate` or `reject`.
+        seed: Seeds the emission order.
+        epoch: The epoch (also seeds the emission order).
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        policy: Policy,
+        budget: int,
+        cost: CostModel | None = None,
+        window: int = 512,
+        over_budget: str = "singleton",
+        seed: int = 0,
+        epoch: int = 0,
+    ) -> None:
+        check_int("world_size", world_size, lo=1)
+        check_int("rank", rank, lo=0, hi=world_size - 1)
+        check_int("token_budget", budget, lo=1)
+        check_int("window", window, lo=1)
+        check_choice("over_budget", over_budget, OVER_BUDGET)
+        self.rank, self.world_size, self.policy, self.budget = rank, world_size, policy, budget
+        self.cost = cost or CostModel()
+        self.window, self.over_budget, self.seed, self.epoch = window, over_budget, seed, epoch
+        self._truncate_to = max_fitting_length(budget, self.cost)
+        self.buffer: list[Entry] = []
+        self._ids: set[int] = set()
+        self.round = 0
+        self.step = 0
+        self.exhausted = False
+        self.rejected: list[tuple[int, str]] = []
+        self.counters = {"admitted": 0, "over_budget": 0, "truncated": 0, "rejected": 0, "moved_in": 0}
+        self._candidates: list[Group] | None = None
+        self._emitted: list[list[Sample]] | None = None
+
+    # -- input ---------------------------------------------------------------------------------------
+    @property
+    def room(self) -> int:
+        """Free places in the window."""
+        return self.window - len(self.buffer)
+
+    def push(self, sample: Sample) -> str:
+        """Admits one sample; returns "ok", "over_budget" (singleton), "truncated" or "rejected"."""
+        if self._candidates is not None:
+            raise ProtocolError(f"rank {self.rank}: push during round {self.round}; push between rounds")
+        if self.exhausted:
+            raise ProtocolError(f"rank {self.rank}: push of sample {sample.id} after its source was exhausted")
+        if self.room <= 0:
+            raise ProtocolError(f"rank {self.rank}: window of {self.window} samples is full")
+        if sample.id in self._ids:
+            raise ProtocolError(f"rank {self.rank}: sample id {sample.id} is already buffered")
+        outcome = "ok"
+        if self.cost.item(sample.length) > self.budget:
+            if self.over_budget == "reject":
+                reason = f"length {sample.length} costs {self.cost.item(sample.length):g} > budget {self.budget}"
+                self.rejected.append((sample.id, reason))
+                self.counters["rejected"] += 1
+                return "rejected"
+            if self.over_budget == "truncate":
+                n = self._truncate_to
+                sample = Sample(sample.id, n, min(sample.loss_tokens, n), sample.home_rank, sample.modality_tokens)
+                self.counters["truncated"] += 1
+                outcome = "truncated"
+            else:
+                self.counters["over_budget"] += 1
+                outcome = "over_budget"
+        self.buffer.append(Entry(sample, self.round))
+        self._ids.add(sample.id)
+        self.counters["admitted"] += 1
+        return outcome
+
+    def mark_exhausted(self) -> None:
+        """The source has no more samples for this epoch."""
+        self.exhausted = True
+
+    # -- round ---------------------------------------------------------------------------------------
+    def report(self, capacity: int) -> RankReport:
+        """Forms candidate groups and reports them (phase 1)."""
+        check_int("capacity", capacity, lo=0)
+        if self._emitted is not None:
+            raise ProtocolError(f"rank {self.rank}: report before round {self.round} was finalized")
+        if self.policy.pooled:
+            self._candidates = []
+            pool = tuple((e.sample, e.arrival) for e in self.buffer)
+            groups = 1 if self.buffer else 0
+        else:
+            self._candidates = self.policy.candidates(self.buffer, self.budget, self.cost, self.round)
+            pool, groups = (), len(self._candidates)
+        return RankReport(self.rank, self.round, capacity, len(self.buffer), groups, self.exhausted, pool)
+
+    def apply(self, decision: RoundDecision) -> RankCommit:
+        """Emits the decision's T groups (overflow recirculates, splits if needed, IDLE pads)."""
+        if self._candidates is None:
+            raise ProtocolError(f"rank {self.rank}: decision for round {decision.round} before a report")
+        if decision.round != self.round:
+            raise ProtocolError(f"rank {self.rank}: decision for round {decision.round}, expected {self.round}")
+        target = decision.target
+        if self.policy.pooled:
+            if decision.plan is None or len(decision.plan) != self.world_size:
+                raise ProtocolError(f"rank {self.rank}: balanced round {self.round} needs a plan for every rank")
+            planned = {s.id for steps in decision.plan for group in steps for s in group}
+            self._remove(planned)
+            emitted = [list(g) for g in decision.plan[self.rank]]
+            self.counters["moved_in"] += sum(s.home_rank != self.rank for g in emitted for s in g)
+        else:
+            groups, _rest = self.policy.fit(self._candidates, target, self.cost) if target else ([], [])
+            if self.policy.shuffle:
+                random.Random(f"emit:{self.seed}:{self.epoch}:{self.round}:{self.rank}").shuffle(groups)
+            emitted = [[e.sample for e in g] for g in groups[:target]]
+            self._remove({s.id for g in emitted for s in g})
+        emitted += [[] for _ in range(target - len(emitted))]
+        self._emitted = emitted
+        self._candidates = None
+        steps = tuple(tuple((s.length, s.loss_tokens) for s in g) for g in emitted)
+        return RankCommit(self.rank, self.round, steps, len(self.buffer), self.exhausted)
+
+    def finalize(self, totals: RoundTotals) -> list[Step]:
+        """Builds the round's steps with exact totals and loss scales (phase 2)."""
+        if self._emitted is None or totals.round != self.round:
+            raise ProtocolError(f"rank {self.rank}: totals for round {totals.round} out of order")
+        emitted = self._emitted
+        kept = emitted[: totals.steps]
+        back = [s for g in emitted[totals.steps :] for s in g]
+        if totals.keep_last is not None and kept:
+            k = totals.keep_last[self.rank]
+            back += kept[-1][k:]
+            kept[-1] = kept[-1][:k]
+        for s in back:  # quota cut: the samples return to the window
+            self.buffer.append(Entry(s, self.round))
+            self._ids.add(s.id)
+        out = []
+        for j, group in enumerate(kept):
+            tokens = sum(s.length for s in group)
+            loss_tokens = sum(s.loss_tokens for s in group)
+            info = StepInfo(
+                rank=self.rank, step=self.step, round=self.round, is_idle=not group,
+                local_samples=len(group), local_tokens=tokens, local_loss_tokens=loss_tokens,
+                global_samples=totals.step_samples[j], global_tokens=totals.step_tokens[j],
+                global_loss_tokens=totals.step_loss_tokens[j],
+                loss_scale=loss_scale(loss_tokens, totals.step_loss_tokens[j], self.world_size),
+                cost=self.cost.cost([s.length for s in group]),
+            )
+            out.append(Step(tuple(group), info))
+            self.step += 1
+        self._emitted = None
+        self.round += 1
+        return out
+
+    def _remove(self, ids: set[int]) -> None:
+        if ids:
+            self.buffer = [e for e in self.buffer if e.sample.id not in ids]
+            self._ids.difference_update(ids)
+
+    # -- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe state between rounds."""
+        if self._candidates is not None or self._emitted is not None:
+            raise ProtocolError(f"rank {self.rank}: state_dict() inside round {self.round}; take it between rounds")
+        return {
+            K_VERSION: 1, K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
+            K_EPOCH: self.epoch, K_POLICY: self.policy.name, K_BUDGET: self.budget,
+            K_ROUND: self.round, K_STEP: self.step, K_EXHAUSTED: self.exhausted,
+            K_BUFFER: [[e.sample.to_json(), e.arrival] for e in self.buffer],
+            K_REJECTED: [list(r) for r in self.rejected], K_COUNTERS: dict(self.counters),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores a `state_dict()`; refuses a state of another rank, world size, seed, policy or budget."""
+        expect = {K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
+                  K_POLICY: self.policy.name, K_BUDGET: self.budget}
+        check_state(state, expect, f"RankState(rank={self.rank})")
+        self.epoch, self.round, self.step = state[K_EPOCH], state[K_ROUND], state[K_STEP]
+        self.exhausted = state[K_EXHAUSTED]
+        self.buffer = [Entry(Sample.from_json(s), a) for s, a in state[K_BUFFER]]
+        self._ids = {e.sample.id for e in self.buffer}
+        self.rejected = [(int(i), str(r)) for i, r in state[K_REJECTED]]
+        self.counters = dict(state[K_COUNTERS])
+        self._candidates = self._emitted = None

@@ -1,0 +1,271 @@
+"""The simulator: N virtual ranks and the coordinator, driven through the same core the daemon runs.
+
+Each round every rank refills its window from its sampler view, then the round runs exactly as in the
+daemon (report -> decide -> apply -> commit -> finalize). Steps are consumed one global step at a
+time (one `Step` per rank), so the simulator can be checkpointed and resumed between any two steps:
+its state is the coordinator's, every rank's and every view's state at the last round boundary plus
+the steps of the current round not yet consumed.
+
+Metrics (see `SimMetrics.result`): padding efficiency = real / materialized tokens; step efficiency =
+real / (steps x N x L); compute_vs_limit = sum over steps of the slowest rank's cost / (real / N), i.e.
+how far the straggler-bound compute is from a perfectly packed, perfectly balanced run (1.0).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from ._align import MODES, Coordinator
+from ._cost import CostModel
+from ._policy import Policy
+from ._rank import OVER_BUDGET, RankState
+from ._source import ViewSource
+from ._types import Sample, Step, check_choice, check_int
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    """A simulated job. Field names follow `batchd simulate`'s flags."""
+
+    world_size: int
+    token_budget: int
+    policy: str = "local"
+    window: int = 512
+    batch_size: int = 8
+    mode: str = "join"
+    cost: str = "padded"
+    over_budget: str = "singleton"
+    seed: int = 0
+    shuffle: bool = False
+    depth: int = 8
+    max_wait: int = 16
+    align: str = "min"
+    refine: bool = True
+    quota: int | None = None
+
+    def __post_init__(self) -> None:
+        check_int("world_size", self.world_size, lo=1)
+        check_int("token_budget", self.token_budget, lo=1)
+        check_int("window", self.window, lo=1)
+        check_int("depth", self.depth, lo=1)
+        check_choice("mode", self.mode, MODES)
+        check_choice("over_budget", self.over_budget, OVER_BUDGET)
+        if self.quota is not None:
+            check_int("quota", self.quota, lo=0)
+        self.make_policy()
+        CostModel(self.cost)
+
+    def make_policy(self) -> Policy:
+        return Policy(self.policy, self.batch_size, self.max_wait, self.align, self.refine)
+
+
+def synthetic_token_loss(sample_id: int) -> float:
+    """The simulator's per-token loss of every token of a sample (deterministic, in [0.5, 10.5))."""
+    return 0.5 + ((sample_id * 2654435761) % 1000) / 100.0
+
+
+class Simulator:
+    """Runs one epoch of `config` over `lengths` (sample id = index)."""
+
+    def __init__(self, lengths: Sequence[int], config: SimConfig, epoch: int = 0) -> None:
+        for i, n in enumerate(lengths):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"lengths[{i}] must be a positive int, got {n!r}")
+        self.lengths = list(lengths)
+        self.config = c = config
+        self.epoch = epoch
+        self.cost = CostModel(c.cost)
+        policy = c.make_policy()
+        wrap = c.mode == "non-join"
+        self.sources = [ViewSource(len(self.lengths), r, c.world_size, c.seed, epoch, c.shuffle, wrap)
+                        for r in range(c.world_size)]
+        quota = c.quota if c.quota is not None else len(self.lengths)
+        self.coordinator = Coordinator(c.world_size, policy, c.token_budget, self.cost, c.mode,
+                                       quota if c.mode == "non-join" else None, c.seed, epoch)
+        self.ranks = [RankState(r, c.world_size, policy, c.token_budget, self.cost, c.window,
+                                c.over_budget, c.seed, epoch) for r in range(c.world_size)]
+        self.pending: list[collections.deque[Step]] = [collections.deque() for _ in range(c.world_size)]
+        self.rounds = 0
+        self._idle_rounds = 0
+
+    @property
+    def done(self) -> bool:
+        return self.coordinator.done and not self.pending[0]
+
+    def _fill(self) -> None:
+        for rank, src in zip(self.ranks, self.sources):
+            while rank.room > 0 and not rank.exhausted:
+                i = src.next()
+                if i is None:
+                    rank.mark_exhausted()
+                    break
+                rank.push(Sample(i, self.lengths[i], -1, rank.rank))
+            if src.exhausted() and not rank.exhausted:
+                rank.mark_exhausted()
+
+    def run_round(self) -> int:
+        """Runs one alignment round; returns the steps it added per rank."""
+        self._fill()
+        depth = self.config.depth
+        reports = [r.report(depth - len(q)) for r, q in zip(self.ranks, self.pending)]
+        decision = self.coordinator.decide(reports)
+        commits = [r.apply(decision) for r in self.ranks]
+        totals = self.coordinator.commit(commits)
+        for r, q in zip(self.ranks, self.pending):
+            q.extend(r.finalize(totals))
+        self.rounds += 1
+        return totals.steps
+
+    def next_step(self) -> tuple[Step, ...] | None:
+        """The next global step (one `Step` per rank), or None at the end of the epoch."""
+        while not self.pending[0]:
+            if self.coordinator.done:
+                return None
+            if self.run_round() == 0:
+                self._idle_rounds += 1
+                if self._idle_rounds > 3:
+                    raise RuntimeError(f"alignment stalled at round {self.coordinator.round}: no step in 4 rounds")
+            else:
+                self._idle_rounds = 0
+        return tuple(q.popleft() for q in self.pending)
+
+    def __iter__(self) -> Iterator[tuple[Step, ...]]:
+        while (step := self.next_step()) is not None:
+            yield step
+
+    # -- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-safe state between any two steps."""
+        return {
+            "config": dataclasses.asdict(self.config),
+            "epoch": self.epoch,
+            "coordinator": self.coordinator.state_dict(),
+            "ranks": [r.state_dict() for r in self.ranks],
+            "sources": [s.state_dict() for s in self.sources],
+            "pending": [[s.to_json() for s in q] for q in self.pending],
+            "rounds": self.rounds,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores a `state_dict()` taken with the same config and data."""
+        saved = dict(state["config"])
+        if saved != dataclasses.asdict(self.config):
+            diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(self.config).items() if saved.get(k) != v}
+            raise ValueError(f"simulator state was saved with another config (saved, current): {diff}")
+        self.coordinator.load_state_dict(state["coordinator"])
+        for r, s in zip(self.ranks, state["ranks"], strict=True):
+            r.load_state_dict(s)
+        for src, s in zip(self.sources, state["sources"], strict=True):
+            src.load_state_dict(s)
+        self.pending = [collections.deque(Step.from_json(s) for s in q) for q in state["pending"]]
+        self.rounds = state["rounds"]
+
+
+class SimMetrics:
+    """Accumulates the `batchd simulate` metrics from consumed steps."""
+
+    def __init__(self, num_samples: int, config: SimConfig) -> None:
+        self.n, self.c = num_samples, config
+        self.cost = CostModel(config.cost)
+        self.counts = [0] * num_samples
+        self.steps = [0] * config.world_size
+        self.idle = self.emitted = self.moved = self.real = self.padded = self.over_budget = 0
+        self.slowest = 0.0
+        self.loss_err = 0.0
+        self.step_mean_len: list[float] = []
+
+    def add(self, step: tuple[Step, ...]) -> None:
+        c = self.c
+        slowest, num, den = 0.0, 0.0, 0
+        tokens = count = 0
+        for rank, s in enumerate(step):
+            self.steps[rank] += 1
+            if s.info.is_idle:
+                self.idle += 1
+                continue
+            lengths = [x.length for x in s.samples]
+            self.emitted += len(lengths)
+            for x in s.samples:
+                self.counts[x.id] += 1
+                self.moved += x.home_rank != rank
+            self.real += sum(lengths)
+            self.padded += self.cost.materialized_tokens(lengths)
+            cost = s.info.cost
+            slowest = max(slowest, cost)
+            if cost > c.token_budget and not (len(lengths) == 1):
+                self.over_budget += 1
+            tokens += sum(lengths)
+            count += len(lengths)
+            rank_sum = math.fsum(synthetic_token_loss(x.id) * x.loss_tokens for x in s.samples)
+            if s.info.local_loss_tokens:
+                num += rank_sum / s.info.local_loss_tokens * s.info.loss_scale
+            den += s.info.local_loss_tokens
+        if den:
+            ref = math.fsum(synthetic_token_loss(x.id) * x.loss_tokens for s in step for x in s.samples) / den
+            self.loss_err = max(self.loss_err, abs(num / len(step) - ref))
+        self.slowest += slowest
+        self.step_mean_len.append(tokens / count if count else 0.0)
+
+    def result(self, sim: Simulator, wall_s: float) -> dict[str, Any]:
+        c = self.c
+        rejected = {i for r in sim.ranks for i, _ in r.rejected}
+        missing = sum(1 for i, k in enumerate(self.counts) if k == 0 and i not in rejected)
+        duplicates = sum(k - 1 for k in self.counts if k > 1)
+        steps = self.steps[0] if self.steps else 0
+        n = c.world_size
+        counters = collections.Counter()
+        for r in sim.ranks:
+            counters.update(r.counters)
+        return {
+            "policy": c.policy, "world_size": n, "token_budget": c.token_budget, "window": c.window,
+            "mode": c.mode, "cost": c.cost, "align": sim.coordinator.policy.align, "seed": c.seed,
+            "samples": self.n, "steps": steps, "steps_per_rank": list(self.steps), "rounds": sim.rounds,
+            "idle": self.idle, "emitted": self.emitted, "missing": missing, "duplicates": duplicates,
+            "moved": self.moved, "rejected": len(rejected), "truncated": counters["truncated"],
+            "over_budget_samples": counters["over_budget"],
+            "real_tokens": self.real, "padded_tokens": self.padded,
+            "padding_efficiency": self.real / self.padded if self.padded else 1.0,
+            "step_efficiency": self.real / (steps * n * c.token_budget) if steps else 0.0,
+            "ideal_steps": math.ceil(self.real / (n * c.token_budget)) if self.real else 0,
+            "compute_vs_limit": self.slowest / (self.real / n) if self.real else 0.0,
+            "over_budget": self.over_budget, "loss_scale_error": self.loss_err,
+            "wall_s": wall_s, "samples_per_s_per_rank": self.emitted / n / wall_s if wall_s > 0 else 0.0,
+        }
+
+
+def simulate(lengths: Sequence[int], config: SimConfig) -> dict[str, Any]:
+    """Runs one epoch and returns the metrics dict `batchd simulate --json` prints."""
+    t0 = time.perf_counter()
+    sim = Simulator(lengths, config)
+    metrics = SimMetrics(len(lengths), config)
+    for step in sim:
+        metrics.add(step)
+    return metrics.result(sim, time.perf_counter() - t0)
+
+
+def read_lengths(path: str) -> list[int]:
+    """Reads one positive integer length per line (blank lines ignored); errors name the line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            text = line.strip()
+            if not text:
+                raise ValueError(f"{path}:{lineno}: empty line (ids are 0-based line numbers)")
+            try:
+                n = int(text)
+            except ValueError:
+                raise ValueError(f"{path}:{lineno}: not an integer length: {text!r}") from None
+            if n < 1:
+                raise ValueError(f"{path}:{lineno}: length must be >= 1, got {n}")
+            out.append(n)
+    return out
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=False)

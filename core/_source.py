@@ -1,0 +1,93 @@
+"""Per-rank sampler views: which sample ids a rank's stream yields, in order, with exact resume.
+
+Without shuffle, rank r owns ids r, r+N, r+2N, ... (like `DistributedSampler(shuffle=False)` but
+without padding: views differ by at most one sample and the protocol, not the sampler, equalizes
+steps). With shuffle, the same split is applied to a permutation seeded by (seed, epoch). In
+non-join mode a view that runs out starts another pass in a fresh seeded order (`wrap=True`), so no
+rank idles before the epoch's quota closes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ._align import K_EPOCH, K_SEED, K_VERSION, K_WORLD, check_state
+from ._types import check_int
+
+K_RANK, K_POS, K_PASS, K_NUM = "rank", "position", "pass", "num_samples"
+
+
+def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """The epoch's seeded permutation of range(num_samples) (identical on every host)."""
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+
+
+class ViewSource:
+    """Rank `rank`'s stream of sample ids for one epoch.
+
+    Args:
+        num_samples: Samples in the dataset (ids 0..num_samples-1).
+        rank: This rank.
+        world_size: N.
+        seed: Seeds the permutation.
+        epoch: Epoch number.
+        shuffle: Permute before splitting.
+        wrap: Start a new seeded pass when the view runs out (non-join mode).
+    """
+
+    def __init__(self, num_samples: int, rank: int, world_size: int, seed: int = 0, epoch: int = 0,
+                 shuffle: bool = False, wrap: bool = False) -> None:
+        check_int("num_samples", num_samples, lo=0)
+        check_int("world_size", world_size, lo=1)
+        check_int("rank", rank, lo=0, hi=world_size - 1)
+        self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
+        self.seed, self.epoch, self.shuffle, self.wrap = seed, epoch, shuffle, wrap
+        base = epoch_permutation(num_samples, seed, epoch) if shuffle else np.arange(num_samples)
+        self._view = base[rank::world_size].tolist()
+        self._order = self._view
+        self.position = 0
+        self.passes = 0
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def _pass_order(self, p: int) -> list[int]:
+        if p == 0:
+            return self._view
+        rng = np.random.default_rng([self.seed, self.epoch, self.rank, p])
+        return [self._view[i] for i in rng.permutation(len(self._view))]
+
+    def exhausted(self) -> bool:
+        """True when no id is left (never, with wrap, unless the view is empty)."""
+        if not self._view:
+            return True
+        return not self.wrap and self.position >= len(self._view)
+
+    def next(self) -> int | None:
+        """The next id, or None when the view is exhausted."""
+        if self.exhausted():
+            return None
+        if self.position >= len(self._order):
+            self.passes += 1
+            self.position = 0
+            self._order = self._pass_order(self.passes)
+        i = self._order[self.position]
+        self.position += 1
+        return i
+
+    def reset(self) -> None:
+        """Back to the start of the epoch."""
+        self.position, self.passes, self._order = 0, 0, self._view
+
+    def state_dict(self) -> dict[str, Any]:
+        return {K_VERSION: 1, K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
+                K_EPOCH: self.epoch, K_NUM: self.num_samples, K_POS: self.position, K_PASS: self.passes}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_state(state, {K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
+                            K_EPOCH: self.epoch, K_NUM: self.num_samples}, f"ViewSource(rank={self.rank})")
+        self.passes, self.position = state[K_PASS], state[K_POS]
+        self._order = self._pass_order(self.passes)

@@ -1,0 +1,121 @@
+"""Sample metadata, steps and the validation shared by every core module.
+
+Only metadata travels through the protocol: a sample is an id, its realized length (tokens after
+augmentation, chat template, tokenization and visual-token expansion), how many of those tokens carry
+loss, the rank whose view produced it, and optional per-modality token counts. Payloads never enter
+the core; the daemon maps ids to payload references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+# JSON keys of a serialized sample (compact: samples appear by the hundred thousand in states).
+_ID, _LEN, _LOSS, _HOME, _MOD = "i", "n", "l", "h", "m"
+
+
+def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
+    """Returns `value` if it is an int within [lo, hi]; raises ValueError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {name}={value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {name}={value}")
+    return value
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """Returns `value` if it is one of `choices`; raises ValueError listing them otherwise."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {name}={value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sample:
+    """Metadata of one preprocessed sample.
+
+    Attributes:
+        id: Dataset-wide sample id (>= 0), unique within an epoch.
+        length: Realized length in tokens (>= 1).
+        loss_tokens: Tokens that carry loss (labels != -100); -1 means "all of them" (= length).
+        home_rank: The rank whose sampler view produced the sample.
+        modality_tokens: Optional per-modality counts, e.g. (("text", 300), ("vision", 1024)).
+    """
+
+    id: int
+    length: int
+    loss_tokens: int = -1
+    home_rank: int = 0
+    modality_tokens: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        check_int("id", self.id, lo=0)
+        check_int("length", self.length, lo=1)
+        check_int("home_rank", self.home_rank, lo=0)
+        if self.loss_tokens == -1:
+            object.__setattr__(self, "loss_tokens", self.length)
+        check_int("loss_tokens", self.loss_tokens, lo=0, hi=self.length)
+        for entry in self.modality_tokens:
+            if len(entry) != 2 or not isinstance(entry[0], str):
+                raise ValueError(f"modality_tokens entries must be (name, count), got {entry!r}")
+            check_int(f"modality_tokens[{entry[0]!r}]", entry[1], lo=0)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {_ID: self.id, _LEN: self.length, _HOME: self.home_rank}
+        if self.loss_tokens != self.length:
+            out[_LOSS] = self.loss_tokens
+        if self.modality_tokens:
+            out[_MOD] = [list(m) for m in self.modality_tokens]
+        return out
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any]) -> Sample:
+        return Sample(
+            id=obj[_ID],
+            length=obj[_LEN],
+            loss_tokens=obj.get(_LOSS, -1),
+            home_rank=obj.get(_HOME, 0),
+            modality_tokens=tuple((str(k), int(v)) for k, v in obj.get(_MOD, ())),
+        )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepInfo:
+    """What a trainer needs to know about one aligned step on one rank.
+
+    `loss_scale` multiplies the rank's per-token mean loss so that DDP's gradient mean equals the
+    gradient of the global per-token mean loss (see `batchd.core.loss_scale`). An IDLE step has no
+    samples and `loss_scale == 0`: the trainer runs a zero-weight forward/backward so collectives align.
+    """
+
+    rank: int
+    step: int
+    round: int
+    is_idle: bool
+    local_samples: int
+    local_tokens: int
+    local_loss_tokens: int
+    global_samples: int
+    global_tokens: int
+    global_loss_tokens: int
+    loss_scale: float
+    cost: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    """One aligned step on one rank: the samples of its group (empty when IDLE) and the step info."""
+
+    samples: tuple[Sample, ...]
+    info: StepInfo
+
+    def to_json(self) -> dict[str, Any]:
+        return {"samples": [s.to_json() for s in self.samples], "info": dataclasses.asdict(self.info)}
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any]) -> Step:
+        return Step(tuple(Sample.from_json(s) for s in obj["samples"]), StepInfo(**obj["info"]))
