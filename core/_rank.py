@@ -99,6 +99,7 @@ class RankState:
         self.step = 0
         self.exhausted = False
         self.rejected: list[tuple[int, str]] = []
+        self._rejected_ids: set[int] = set()
         self.counters = {"admitted": 0, "over_budget": 0, "truncated": 0, "rejected": 0, "moved_in": 0}
         self._candidates: list[Group] | None = None
         self._emitted: list[list[Sample]] | None = None
@@ -124,6 +125,7 @@ class RankState:
             if self.over_budget == "reject":
                 reason = f"length {sample.length} costs {self.cost.item(sample.length):g} > budget {self.budget}"
                 self.rejected.append((sample.id, reason))
+                self._rejected_ids.add(sample.id)
                 self.counters["rejected"] += 1
                 return "rejected"
             if self.over_budget == "truncate":
@@ -138,6 +140,18 @@ class RankState:
         self._ids.add(sample.id)
         self.counters["admitted"] += 1
         return outcome
+
+    def was_rejected(self, sample_id: int) -> bool:
+        """True when `sample_id` was quarantined by the `reject` policy this epoch."""
+        return sample_id in self._rejected_ids
+
+    def rejected_all(self, view_size: int) -> bool:
+        """True when every id of a view of `view_size` distinct ids has been rejected."""
+        return len(self._rejected_ids) >= view_size
+
+    def holds(self, sample_id: int) -> bool:
+        """True when `sample_id` is in the window."""
+        return sample_id in self._ids
 
     def mark_exhausted(self) -> None:
         """The source has no more samples for this epoch."""
@@ -244,5 +258,6 @@ class RankState:
         self.buffer = [Entry(Sample.from_json(s), a) for s, a in state[K_BUFFER]]
         self._ids = {e.sample.id for e in self.buffer}
         self.rejected = [(int(i), str(r)) for i, r in state[K_REJECTED]]
+        self._rejected_ids = {i for i, _ in self.rejected}
         self.counters = dict(state[K_COUNTERS])
         self._candidates = self._emitted = None

@@ -100,13 +100,19 @@ class Simulator:
 
     def _fill(self) -> None:
         for rank, src in zip(self.ranks, self.sources):
-            while rank.room > 0 and not rank.exhausted:
-                i = src.next()
+            attempts = 0
+            while rank.room > 0 and not rank.exhausted and attempts < len(src):
+                i = src.peek()
                 if i is None:
-                    rank.mark_exhausted()
                     break
+                if rank.holds(i):  # non-join wrap-around: the id's previous pass is still buffered
+                    break
+                src.next()
+                attempts += 1
+                if rank.was_rejected(i):  # non-join wrap-around: quarantined on an earlier pass
+                    continue
                 rank.push(Sample(i, self.lengths[i], -1, rank.rank))
-            if src.exhausted() and not rank.exhausted:
+            if not rank.exhausted and (src.exhausted() or rank.rejected_all(len(src))):
                 rank.mark_exhausted()
 
     def run_round(self) -> int:

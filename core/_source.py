@@ -66,6 +66,14 @@ class ViewSource:
             return True
         return not self.wrap and self.position >= len(self._view)
 
+    def peek(self) -> int | None:
+        """The id `next()` would return, without consuming it."""
+        if self.exhausted():
+            return None
+        if self.position >= len(self._order):
+            return self._pass_order(self.passes + 1)[0]
+        return self._order[self.position]
+
     def next(self) -> int | None:
         """The next id, or None when the view is exhausted."""
         if self.exhausted():
