@@ -9,6 +9,7 @@ appended at the end.
 from __future__ import annotations
 
 import math
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -57,6 +58,18 @@ All costs use the **padded** model unless stated: a group of `k` samples whose l
 - **targets**: the issue's acceptance targets on config A: `local`: padding_eff >= 0.95 and
   steps <= 1.15 x oracle; `balanced`: padding_eff >= 0.97, steps <= 1.05 x oracle and cvl <= 1.10.
 """
+
+
+def revision() -> str:
+    """The commit the numbers were measured on: short hash, plus "+dirty" if core/ has local changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "core", "batchd"], cwd=REPO,
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown revision"
+    return f"commit {head}" + (" + uncommitted core changes" if dirty else "")
 
 
 def begin(name: str) -> str:

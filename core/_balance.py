@@ -4,7 +4,7 @@ The coordinator sees every rank's buffered metadata (lengths, never payloads) an
 T steps for all N ranks at once:
 
 1. Group the pooled window count-optimally under L (`form_groups`), rank the groups as `local` does
-   (old samples first, then quality) and take the best N x T, T = min(floor(K / N), capacity): whole
+   (old samples first, then complete groups in random order, then incomplete ones by quality) and take the best N x T, T = min(floor(K / N), capacity): whole
    rows of N groups, so no rank idles; the rest recirculate. When every rank is exhausted (join) the
    round takes everything, T = ceil(K / N).
 2. Refine (binary search over capacity): the smallest capacity c <= L whose grouping of the chosen
@@ -81,7 +81,7 @@ def plan_round(
     """
     if not pool or capacity < 1:
         return [[] for _ in range(world_size)]
-    groups = rank_groups(form_groups(pool, budget, cost), budget, cost, now, max_wait)
+    groups = rank_groups(form_groups(pool, budget, cost), budget, cost, now, max_wait, rng, final)
     k = len(groups)
     if final:
         target = min(-(-k // world_size), capacity)

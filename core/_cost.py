@@ -68,6 +68,19 @@ class CostModel:
             return len(lengths) * max(lengths)
         return sum(lengths)
 
+    def complete(self, lengths: Sequence[int], budget: int) -> bool:
+        """True when no further sample like its own shortest one fits: waiting cannot improve the group.
+
+        Padded: rows == floor(L / longest). Additive: the room left is less than its shortest sample's
+        cost. A lone over-budget sample is complete.
+        """
+        longest = max(lengths)
+        if self.item(longest) > budget:
+            return True
+        if self.name == "padded":
+            return len(lengths) >= budget // longest
+        return budget - self.cost(lengths) < self.item(min(lengths))
+
     def quality(self, lengths: Sequence[int], budget: int) -> float:
         """How close a group is to the best group its longest sample allows, in (0, 1].
 

@@ -34,15 +34,19 @@ def contiguous_greedy(lengths: Sequence[int], budget: int) -> Groups:
     return groups
 
 
-def odb_greedy(lengths: Sequence[int], budget: int) -> Groups:
-    """ODB 0.1.2's `_group_by_length`, walked longest first (see module docstring)."""
+def odb_greedy(costs: Sequence[float], budget: float) -> Groups:
+    """ODB 0.1.2's `_group_by_length`, walked longest first (see module docstring).
+
+    `costs` are the samples' lone costs, longest first: their lengths for padded cost, exactly as
+    ODB does; for additive cost models k x cost(L_prev) bounds the group's cost the same way.
+    """
     groups: Groups = []
     batch: list[int] = []
     size = 0
-    for i, length in enumerate(lengths):
+    for i, c in enumerate(costs):
         batch.append(i)
         if len(batch) >= size:
-            size = max(budget // length, 1)
+            size = max(int(budget // c), 1)
             groups.append(batch)
             batch = []
     if batch:

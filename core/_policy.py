@@ -12,7 +12,7 @@ Policies:
 - `local`: never moves a sample off its rank. Count-optimal grouping for the cost model, then it emits
   the groups closest to the best group their length class allows (`CostModel.quality`) and keeps the
   worst ones back so new arrivals can complete them; a sample that has waited `max_wait` rounds leaves
-  first. Paired with the `min` alignment rule, it never splits.
+  first; complete groups leave in seeded random order. Paired with the `min` rule, it never splits.
 - `balanced`: groups are planned by the coordinator over every rank's window (`batchd.core.plan_round`);
   ranks only ship metadata and emit the plan.
 - `fixed` / `sorted`: fixed batch size B baselines, in arrival order or length-sorted within the window.
@@ -21,6 +21,7 @@ Policies:
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Sequence
 
 from ._cost import CostModel
@@ -111,8 +112,14 @@ class Policy:
     def enforces_budget(self) -> bool:
         return self.name not in ("fixed", "sorted")
 
-    def candidates(self, entries: Sequence[Entry], budget: int, cost: CostModel, now: int) -> list[Group]:
-        """Candidate groups of a window, most worth emitting first."""
+    def candidates(
+        self, entries: Sequence[Entry], budget: int, cost: CostModel, now: int, rng: random.Random,
+        exhausted: bool = False,
+    ) -> list[Group]:
+        """Candidate groups of a window, most worth emitting first (`rng` breaks ties, seeded per round).
+
+        `exhausted`: no sample will arrive any more, so holding incomplete groups back gains nothing.
+        """
         if not entries:
             return []
         if self.name == "fixed":
@@ -121,14 +128,16 @@ class Policy:
         if self.name == "sorted":
             ordered = _desc(entries)
             groups = [[ordered[i] for i in g] for g in fixed_chunks(len(ordered), self.batch_size)]
-            return sorted(groups, key=lambda g: min(e.arrival for e in g))
+            rng.shuffle(groups)  # like length-grouped samplers: batches of similar length, random order
+            return sorted(groups, key=lambda g: min(e.arrival for e in g))  # stable: oldest first
         if self.name == "odb":
             ordered = _desc(entries)
-            groups = [[ordered[i] for i in g] for g in odb_greedy(group_lengths(ordered), budget)]
+            costs = [cost.item(e.sample.length) for e in ordered]
+            groups = [[ordered[i] for i in g] for g in odb_greedy(costs, budget)]
             groups.reverse()  # ODB's own order: shortest group first
             return groups
         groups = form_groups(entries, budget, cost)
-        return rank_groups(groups, budget, cost, now, self.max_wait)
+        return rank_groups(groups, budget, cost, now, self.max_wait, rng, exhausted)
 
     def fit(self, groups: list[Group], target: int, cost: CostModel) -> tuple[list[Group], list[Entry]]:
         """Chooses the `target` groups to emit; returns (emitted groups, recirculated entries)."""
@@ -162,14 +171,30 @@ def _index_groups(groups: Sequence[Group]) -> list[list[int]]:
     return out
 
 
-def rank_groups(groups: list[Group], budget: int, cost: CostModel, now: int, max_wait: int) -> list[Group]:
-    """Orders groups: those holding a sample older than `max_wait` rounds first (oldest first), then by
-    `CostModel.quality` (best first); ties keep formation order."""
+def rank_groups(
+    groups: list[Group], budget: int, cost: CostModel, now: int, max_wait: int, rng: random.Random,
+    exhausted: bool = False,
+) -> list[Group]:
+    """Orders groups for emission.
 
-    def key(item: tuple[int, Group]) -> tuple[int, int, float, int]:
-        j, g = item
+    1. groups holding a sample that has waited `max_wait` rounds, oldest first (bounded latency);
+    2. complete groups (`CostModel.complete`: waiting cannot improve them) in seeded random order,
+       so the order of steps does not follow length (no length curriculum);
+    3. incomplete groups, best `CostModel.quality` first: these are the ones worth holding back, since
+       new arrivals may complete them. Once the source is `exhausted` nothing will arrive, and they
+       count as complete (holding them back would only push short tails to the end of the epoch).
+    """
+    tiebreak = list(range(len(groups)))
+    rng.shuffle(tiebreak)
+
+    def key(j: int) -> tuple[int, float, int]:
+        g = groups[j]
         age = now - min(e.arrival for e in g)
-        forced = age >= max_wait
-        return (0 if forced else 1, -age if forced else 0, -cost.quality(group_lengths(g), budget), j)
+        if age >= max_wait:
+            return (0, -age, tiebreak[j])
+        lengths = group_lengths(g)
+        if exhausted or cost.complete(lengths, budget):
+            return (1, 0.0, tiebreak[j])
+        return (2, -cost.quality(lengths, budget), tiebreak[j])
 
-    return [g for _, g in sorted(enumerate(groups), key=key)]
+    return [groups[j] for j in sorted(range(len(groups)), key=key)]

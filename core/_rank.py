@@ -168,7 +168,9 @@ class RankState:
             pool = tuple((e.sample, e.arrival) for e in self.buffer)
             groups = 1 if self.buffer else 0
         else:
-            self._candidates = self.policy.candidates(self.buffer, self.budget, self.cost, self.round)
+            rng = random.Random(f"rank:{self.seed}:{self.epoch}:{self.round}:{self.rank}")
+            self._candidates = self.policy.candidates(
+                self.buffer, self.budget, self.cost, self.round, rng, self.exhausted)
             pool, groups = (), len(self._candidates)
         return RankReport(self.rank, self.round, capacity, len(self.buffer), groups, self.exhausted, pool)
 

@@ -56,7 +56,9 @@ def check_epoch(lengths, config: SimConfig, sim, schedule):
     assert sim.coordinator.done
     if config.over_budget == "reject":
         cost = CostModel(config.cost)
-        assert rejected == {i for i, x in enumerate(lengths) if cost.item(x) > config.token_budget}
+        over = {i for i, x in enumerate(lengths) if cost.item(x) > config.token_budget}
+        # join reads every record; non-join may close its quota before reaching some of them
+        assert rejected == over if config.mode == "join" else rejected <= over
     assert not (rejected & set(counts)), "a rejected sample was emitted"
     if config.mode == "join":
         expected = {i for i in range(len(lengths)) if i not in rejected}
