@@ -21,6 +21,7 @@ Policies:
 from __future__ import annotations
 
 import dataclasses
+import operator
 import random
 from collections.abc import Sequence
 
@@ -40,20 +41,26 @@ ALIGN_RULES = ("min", "odb")
 
 
 class Entry:
-    """A buffered sample and the round it arrived in (its age drives `max_wait`)."""
+    """A buffered sample and the round it arrived in (its age drives `max_wait`).
 
-    __slots__ = ("sample", "arrival")
+    `order` is the longest-first sort key, computed once on arrival (windows are re-sorted each round).
+    """
+
+    __slots__ = ("sample", "arrival", "order")
 
     def __init__(self, sample: Sample, arrival: int) -> None:
         self.sample = sample
         self.arrival = arrival
+        self.order = (-sample.length, sample.id)
 
 
 Group = list[Entry]
+_ORDER = operator.attrgetter("order")
+_ARRIVAL = operator.attrgetter("arrival")
 
 
 def _desc(entries: Sequence[Entry]) -> list[Entry]:
-    return sorted(entries, key=lambda e: (-e.sample.length, e.sample.id))
+    return sorted(entries, key=_ORDER)
 
 
 def form_groups(entries: Sequence[Entry], budget: int, cost: CostModel) -> list[Group]:
@@ -186,14 +193,25 @@ def rank_groups(
     """
     tiebreak = list(range(len(groups)))
     rng.shuffle(tiebreak)
+    # Ages only matter when the window's oldest sample has waited max_wait rounds (rare): skip them.
+    check_age = bool(groups) and now - min(min(map(_ARRIVAL, g)) for g in groups) >= max_wait
+    padded = cost.name == "padded"
 
     def key(j: int) -> tuple[int, float, int]:
         g = groups[j]
-        age = now - min(e.arrival for e in g)
-        if age >= max_wait:
-            return (0, -age, tiebreak[j])
+        if check_age:
+            age = now - min(map(_ARRIVAL, g))
+            if age >= max_wait:
+                return (0, -age, tiebreak[j])
+        if exhausted:
+            return (1, 0.0, tiebreak[j])
+        if padded:  # groups are longest first: rows == floor(L / longest) means complete
+            longest = g[0].sample.length
+            if longest > budget or len(g) >= budget // longest:
+                return (1, 0.0, tiebreak[j])
+            return (2, -cost.quality(group_lengths(g), budget), tiebreak[j])
         lengths = group_lengths(g)
-        if exhausted or cost.complete(lengths, budget):
+        if cost.complete(lengths, budget):
             return (1, 0.0, tiebreak[j])
         return (2, -cost.quality(lengths, budget), tiebreak[j])
 

@@ -112,16 +112,10 @@ class RankState:
 
     def push(self, sample: Sample) -> str:
         """Admits one sample; returns "ok", "over_budget" (singleton), "truncated" or "rejected"."""
-        if self._candidates is not None:
-            raise ProtocolError(f"rank {self.rank}: push during round {self.round}; push between rounds")
-        if self.exhausted:
-            raise ProtocolError(f"rank {self.rank}: push of sample {sample.id} after its source was exhausted")
-        if self.room <= 0:
-            raise ProtocolError(f"rank {self.rank}: window of {self.window} samples is full")
-        if sample.id in self._ids:
-            raise ProtocolError(f"rank {self.rank}: sample id {sample.id} is already buffered")
+        if self._candidates is not None or self.exhausted or len(self.buffer) >= self.window or sample.id in self._ids:
+            self._refuse(sample)
         outcome = "ok"
-        if self.cost.item(sample.length) > self.budget:
+        if sample.length > self._truncate_to:  # cheaper than cost.item() for the common case
             if self.over_budget == "reject":
                 reason = f"length {sample.length} costs {self.cost.item(sample.length):g} > budget {self.budget}"
                 self.rejected.append((sample.id, reason))
@@ -152,6 +146,15 @@ class RankState:
     def holds(self, sample_id: int) -> bool:
         """True when `sample_id` is in the window."""
         return sample_id in self._ids
+
+    def _refuse(self, sample: Sample) -> None:
+        if self._candidates is not None:
+            raise ProtocolError(f"rank {self.rank}: push during round {self.round}; push between rounds")
+        if self.exhausted:
+            raise ProtocolError(f"rank {self.rank}: push of sample {sample.id} after its source was exhausted")
+        if len(self.buffer) >= self.window:
+            raise ProtocolError(f"rank {self.rank}: window of {self.window} samples is full")
+        raise ProtocolError(f"rank {self.rank}: sample id {sample.id} is already buffered")
 
     def mark_exhausted(self) -> None:
         """The source has no more samples for this epoch."""
@@ -216,7 +219,8 @@ class RankState:
             self._ids.add(s.id)
         out = []
         for j, group in enumerate(kept):
-            tokens = sum(s.length for s in group)
+            lengths = [s.length for s in group]
+            tokens = sum(lengths)
             loss_tokens = sum(s.loss_tokens for s in group)
             info = StepInfo(
                 rank=self.rank, step=self.step, round=self.round, is_idle=not group,
@@ -224,7 +228,7 @@ class RankState:
                 global_samples=totals.step_samples[j], global_tokens=totals.step_tokens[j],
                 global_loss_tokens=totals.step_loss_tokens[j],
                 loss_scale=loss_scale(loss_tokens, totals.step_loss_tokens[j], self.world_size),
-                cost=self.cost.cost([s.length for s in group]),
+                cost=self.cost.cost(lengths),
             )
             out.append(Step(tuple(group), info))
             self.step += 1

@@ -53,12 +53,19 @@ class Sample:
     modality_tokens: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
-        check_int("id", self.id, lo=0)
-        check_int("length", self.length, lo=1)
-        check_int("home_rank", self.home_rank, lo=0)
-        if self.loss_tokens == -1:
-            object.__setattr__(self, "loss_tokens", self.length)
-        check_int("loss_tokens", self.loss_tokens, lo=0, hi=self.length)
+        i, n, k, h = self.id, self.length, self.loss_tokens, self.home_rank
+        if k == -1 and type(n) is int:
+            object.__setattr__(self, "loss_tokens", n)
+            k = n
+        # Fast path (the daemon builds ~10^5 samples/s): exact ints in range need no further checks.
+        if not (type(i) is int and type(n) is int and type(k) is int and type(h) is int
+                and i >= 0 and n >= 1 and 0 <= k <= n and h >= 0):
+            check_int("id", i, lo=0)
+            check_int("length", n, lo=1)
+            check_int("home_rank", h, lo=0)
+            check_int("loss_tokens", k, lo=0, hi=n)
+        if not self.modality_tokens:
+            return
         for entry in self.modality_tokens:
             if len(entry) != 2 or not isinstance(entry[0], str):
                 raise ValueError(f"modality_tokens entries must be (name, count), got {entry!r}")
