@@ -1,4 +1,4 @@
-"""The `batchd` command line: `batchd simulate` (more subcommands arrive with the daemon)."""
+"""The `batchd` command line: simulate, coordinator, rank, demo."""
 
 from __future__ import annotations
 
@@ -70,10 +70,124 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_spec(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("job spec (identical on the coordinator and every rank)")
+    g.add_argument("--world-size", type=_positive, required=True, metavar="N", help="number of ranks")
+    g.add_argument("--token-budget", type=_positive, required=True, metavar="L", help="L_max per rank step")
+    g.add_argument("--policy", choices=POLICIES, default="local", help="grouping policy (default: local)")
+    g.add_argument("--window", type=_positive, default=512, metavar="W", help="per-rank buffer in samples")
+    g.add_argument("--depth", type=_positive, default=8, metavar="D", help="batches a rank keeps ready")
+    g.add_argument("--batch-size", type=_positive, default=8, metavar="B", help="B of fixed/sorted")
+    g.add_argument("--mode", choices=MODES, default="join", help="termination mode (default: join)")
+    g.add_argument("--quota", type=int, default=None, help="non-join sample quota (required in non-join)")
+    g.add_argument("--cost", choices=COST_MODELS, default="padded", help="cost model (default: padded)")
+    g.add_argument("--over-budget", choices=OVER_BUDGET, default="singleton", help="samples longer than L")
+    g.add_argument("--collate", choices=("padded", "packed"), default="padded", help="batch layout")
+    g.add_argument("--seed", type=int, default=0, help="seeds sampler views and emission order")
+    g.add_argument("--no-shuffle", action="store_true", help="rank r owns ids r, r+N, ... in file order")
+
+
+def _spec(args: argparse.Namespace):
+    from batchd.service import JobSpec
+
+    return JobSpec(world_size=args.world_size, token_budget=args.token_budget, policy=args.policy,
+                   window=args.window, batch_size=args.batch_size, mode=args.mode, cost=args.cost,
+                   over_budget=args.over_budget, seed=args.seed, shuffle=not args.no_shuffle, depth=args.depth,
+                   quota=args.quota, collate=args.collate)
+
+
+def _add_server(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=0, help="port (0 picks a free one)")
+    p.add_argument("--port-file", default=None, help="write the bound port here as JSON")
+    p.add_argument("--log-level", default="INFO", help="logging level")
+
+
+def _logging(args: argparse.Namespace) -> None:
+    import logging
+
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+
+
+def _coordinator(args: argparse.Namespace) -> int:
+    from batchd.service import run_coordinator
+
+    _logging(args)
+    return run_coordinator(_spec(args), args.host, args.port, args.port_file, args.lease, args.round_timeout)
+
+
+def _rank(args: argparse.Namespace) -> int:
+    from batchd.service import run_rank
+
+    _logging(args)
+    lengths = read_lengths(args.lengths) if args.lengths else None
+    return run_rank(_spec(args), args.rank, args.coordinator, lengths, args.host, args.port, args.port_file,
+                    args.state_dir, args.client_grace)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from batchd.demo import run_demo
+
+    progress = None if args.json else (lambda msg: print(f"[batchd demo] {msg}", file=sys.stderr, flush=True))
+    summary = run_demo(args.world_size, args.num_samples, args.token_budget, args.policy, args.window, args.depth,
+                       args.seed, baseline=not args.no_baseline, progress=progress)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"steps per rank      {summary['steps_per_rank']}  (idle rank-steps: {summary['idle']})")
+    print(f"samples             {summary['emitted']} emitted, {summary['missing']} missing, "
+          f"{summary['duplicates']} duplicated")
+    print(f"padding efficiency  {summary['padding_efficiency']:.3f}")
+    print(f"loss                {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
+    print(f"epoch wall time     {summary['wall_s']:.2f}s")
+    if "baseline" in summary:
+        b = summary["baseline"]
+        print(f"fixed batching      {b['wall_s']:.2f}s, {b['steps']} steps of {b['batch_size']}, padding "
+              f"efficiency {b['padding_efficiency']:.3f}")
+        print(f"speedup             {summary['speedup']:.2f}x")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batchd", description="batchd: token-budget batching as a service.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_simulate(sub)
+
+    p = sub.add_parser("coordinator", help="run the gRPC alignment coordinator",
+                       description="Runs the DGAP alignment coordinator for one job until the epoch ends.")
+    _add_spec(p)
+    _add_server(p)
+    p.add_argument("--lease", type=float, default=30.0, help="seconds a rank may stay silent")
+    p.add_argument("--round-timeout", type=float, default=120.0, help="seconds a round barrier waits")
+    p.set_defaults(func=_coordinator)
+
+    p = sub.add_parser("rank", help="run one rank's batching service",
+                       description="Runs the batching service of one trainer rank.")
+    _add_spec(p)
+    _add_server(p)
+    p.add_argument("--rank", type=int, required=True, help="this service's rank")
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's address")
+    p.add_argument("--lengths", default=None, metavar="FILE",
+                   help="serve a synthetic tokenized dataset with these realized lengths (else: Ingest)")
+    p.add_argument("--state-dir", default=None, help="journal here after every round (restartable)")
+    p.add_argument("--client-grace", type=float, default=30.0,
+                   help="seconds a disconnected trainer has to come back")
+    p.set_defaults(func=_rank)
+
+    p = sub.add_parser("demo", help="run the main job end to end on this machine",
+                       description="Starts a coordinator, N rank services and N gloo DDP trainers, trains a "
+                       "tiny causal LM for one epoch through batchd, then with fixed batching, and compares.")
+    p.add_argument("--world-size", type=_positive, default=2, metavar="N", help="trainer ranks (default 2)")
+    p.add_argument("--num-samples", type=_positive, default=1024, metavar="M", help="samples (default 1024)")
+    p.add_argument("--token-budget", type=_positive, default=1024, metavar="L", help="L_max (default 1024)")
+    p.add_argument("--policy", choices=POLICIES, default="balanced", help="grouping policy (default balanced)")
+    p.add_argument("--window", type=_positive, default=128, help="per-rank window (default 128)")
+    p.add_argument("--depth", type=_positive, default=4, help="batches kept ready per rank (default 4)")
+    p.add_argument("--seed", type=int, default=0, help="data and sampling seed")
+    p.add_argument("--no-baseline", action="store_true", help="skip the fixed-batching comparison run")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_demo)
     return parser
 
 
@@ -82,7 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, OSError) as exc:
+    except KeyboardInterrupt:
+        print(f"batchd {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError, TimeoutError) as exc:
         print(f"batchd {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

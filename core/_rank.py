@@ -106,12 +106,22 @@ class RankState:
 
     # -- input ---------------------------------------------------------------------------------------
     @property
+    def truncate_length(self) -> int:
+        """The length a sample is cut to under the `truncate` policy."""
+        return self._truncate_to
+
+    @property
     def room(self) -> int:
         """Free places in the window."""
         return self.window - len(self.buffer)
 
-    def push(self, sample: Sample) -> str:
-        """Admits one sample; returns "ok", "over_budget" (singleton), "truncated" or "rejected"."""
+    def push(self, sample: Sample, truncated_loss_tokens: int | None = None) -> str:
+        """Admits one sample; returns "ok", "over_budget" (singleton), "truncated" or "rejected".
+
+        Under `truncate`, the sample keeps its first `truncate_length` tokens; pass the loss tokens of
+        that prefix as `truncated_loss_tokens` when the caller knows them (the daemon recounts them
+        from the truncated labels); otherwise min(loss_tokens, new length) is assumed.
+        """
         if self._candidates is not None or self.exhausted or len(self.buffer) >= self.window or sample.id in self._ids:
             self._refuse(sample)
         outcome = "ok"
@@ -124,7 +134,8 @@ class RankState:
                 return "rejected"
             if self.over_budget == "truncate":
                 n = self._truncate_to
-                sample = Sample(sample.id, n, min(sample.loss_tokens, n), sample.home_rank, sample.modality_tokens)
+                k = min(sample.loss_tokens, n) if truncated_loss_tokens is None else truncated_loss_tokens
+                sample = Sample(sample.id, n, k, sample.home_rank, sample.modality_tokens)
                 self.counters["truncated"] += 1
                 outcome = "truncated"
             else:

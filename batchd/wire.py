@@ -1,0 +1,147 @@
+"""Conversions between the core's dataclasses and the batchd.v1 protobuf messages.
+
+Kept in one place so the coordinator, the rank service and the client agree field by field; every
+`*_from_pb` validates through the core's own constructors, so a malformed message raises ValueError
+(which the servicers turn into INVALID_ARGUMENT).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from batchd.core import RankCommit, RankReport, RoundDecision, RoundTotals, Sample, StepInfo
+from batchd.proto import batchd_pb2 as pb
+
+_DTYPES = {"int32", "int64", "float32", "float16", "uint8", "bool", "float64", "int16", "int8"}
+MAX_TENSOR_BYTES = 256 << 20
+
+
+def sample_to_pb(s: Sample) -> pb.SampleMeta:
+    return pb.SampleMeta(
+        id=s.id, length=s.length, loss_tokens=s.loss_tokens, home_rank=s.home_rank,
+        modality_tokens=[pb.ModalityTokens(name=n, tokens=t) for n, t in s.modality_tokens],
+    )
+
+
+def sample_from_pb(m: pb.SampleMeta) -> Sample:
+    return Sample(int(m.id), int(m.length), int(m.loss_tokens), int(m.home_rank),
+                  tuple((t.name, int(t.tokens)) for t in m.modality_tokens))
+
+
+def report_to_pb(r: RankReport, epoch: int) -> pb.AlignRequest:
+    return pb.AlignRequest(
+        rank=r.rank, epoch=epoch, round=r.round, capacity=r.capacity, buffered=r.buffered, groups=r.groups,
+        exhausted=r.exhausted, pool=[pb.PoolEntry(sample=sample_to_pb(s), arrival=a) for s, a in r.pool],
+    )
+
+
+def report_from_pb(m: pb.AlignRequest) -> RankReport:
+    pool = tuple((sample_from_pb(e.sample), int(e.arrival)) for e in m.pool)
+    return RankReport(int(m.rank), int(m.round), int(m.capacity), int(m.buffered), int(m.groups),
+                      bool(m.exhausted), pool)
+
+
+def decision_to_pb(d: RoundDecision, epoch: int) -> pb.AlignReply:
+    plan = []
+    if d.plan is not None:
+        plan = [pb.RankPlan(steps=[pb.Group(samples=[sample_to_pb(s) for s in g]) for g in steps])
+                for steps in d.plan]
+    return pb.AlignReply(epoch=epoch, round=d.round, target=d.target, plan=plan)
+
+
+def decision_from_pb(m: pb.AlignReply) -> RoundDecision:
+    plan = None
+    if len(m.plan):
+        plan = tuple(tuple(tuple(sample_from_pb(s) for s in g.samples) for g in p.steps) for p in m.plan)
+    return RoundDecision(int(m.round), int(m.target), plan)
+
+
+def commit_to_pb(c: RankCommit, epoch: int) -> pb.CommitRequest:
+    steps = [pb.StepSamples(lengths=[n for n, _ in st], loss_tokens=[k for _, k in st]) for st in c.steps]
+    return pb.CommitRequest(rank=c.rank, epoch=epoch, round=c.round, steps=steps, remaining=c.remaining,
+                            exhausted=c.exhausted)
+
+
+def commit_from_pb(m: pb.CommitRequest) -> RankCommit:
+    steps = []
+    for st in m.steps:
+        if len(st.lengths) != len(st.loss_tokens):
+            raise ValueError(f"commit of rank {m.rank}: {len(st.lengths)} lengths but {len(st.loss_tokens)} loss counts")
+        steps.append(tuple((int(n), int(k)) for n, k in zip(st.lengths, st.loss_tokens)))
+    return RankCommit(int(m.rank), int(m.round), tuple(steps), int(m.remaining), bool(m.exhausted))
+
+
+def totals_to_pb(t: RoundTotals, epoch: int) -> pb.CommitReply:
+    return pb.CommitReply(
+        epoch=epoch, round=t.round, steps=t.steps, step_samples=t.step_samples, step_tokens=t.step_tokens,
+        step_loss_tokens=t.step_loss_tokens, done=t.done, keep_last=t.keep_last or (),
+        has_keep_last=t.keep_last is not None,
+    )
+
+
+def totals_from_pb(m: pb.CommitReply) -> RoundTotals:
+    return RoundTotals(
+        int(m.round), int(m.steps), tuple(int(x) for x in m.step_samples), tuple(int(x) for x in m.step_tokens),
+        tuple(int(x) for x in m.step_loss_tokens), bool(m.done),
+        tuple(int(x) for x in m.keep_last) if m.has_keep_last else None,
+    )
+
+
+def info_to_pb(i: StepInfo, epoch: int) -> pb.StepInfo:
+    return pb.StepInfo(
+        rank=i.rank, step=i.step, round=i.round, is_idle=i.is_idle, local_samples=i.local_samples,
+        local_tokens=i.local_tokens, local_loss_tokens=i.local_loss_tokens, global_samples=i.global_samples,
+        global_tokens=i.global_tokens, global_loss_tokens=i.global_loss_tokens, loss_scale=i.loss_scale,
+        cost=i.cost, epoch=epoch,
+    )
+
+
+def info_from_pb(m: pb.StepInfo) -> StepInfo:
+    return StepInfo(
+        rank=int(m.rank), step=int(m.step), round=int(m.round), is_idle=bool(m.is_idle),
+        local_samples=int(m.local_samples), local_tokens=int(m.local_tokens),
+        local_loss_tokens=int(m.local_loss_tokens), global_samples=int(m.global_samples),
+        global_tokens=int(m.global_tokens), global_loss_tokens=int(m.global_loss_tokens),
+        loss_scale=float(m.loss_scale), cost=float(m.cost),
+    )
+
+
+def tensor_to_pb(name: str, array) -> pb.Tensor:
+    """Encodes a numpy array or CPU torch tensor as raw little-endian bytes."""
+    if hasattr(array, "numpy") and not isinstance(array, np.ndarray):
+        array = array.detach().cpu().numpy()
+    a = np.ascontiguousarray(array)
+    if a.dtype.name not in _DTYPES:
+        raise ValueError(f"tensor {name!r} has unsupported dtype {a.dtype.name!r}")
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    return pb.Tensor(name=name, dtype=a.dtype.name, shape=list(a.shape), data=a.tobytes())
+
+
+def tensor_from_pb(t: pb.Tensor) -> np.ndarray:
+    """Decodes a `Tensor`; raises ValueError when dtype, shape and byte count disagree."""
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"tensor {t.name!r}: unsupported dtype {t.dtype!r}")
+    shape = tuple(int(x) for x in t.shape)
+    if any(x < 0 for x in shape):
+        raise ValueError(f"tensor {t.name!r}: negative dimension in shape={shape}")
+    dtype = np.dtype(t.dtype).newbyteorder("<")
+    expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if expected != len(t.data):
+        raise ValueError(f"tensor {t.name!r}: {len(t.data)} bytes for shape={shape} dtype={t.dtype}, expected {expected}")
+    return np.frombuffer(t.data, dtype=dtype).reshape(shape)
+
+
+def tensors_to_pb(tensors: Mapping[str, object]) -> list[pb.Tensor]:
+    return [tensor_to_pb(k, v) for k, v in tensors.items() if not isinstance(v, (int, float))]
+
+
+def tensors_from_pb(ts: Sequence[pb.Tensor]) -> dict[str, np.ndarray]:
+    out = {}
+    for t in ts:
+        if t.name in out:
+            raise ValueError(f"duplicate tensor name {t.name!r}")
+        out[t.name] = tensor_from_pb(t)
+    return out

@@ -1,0 +1,139 @@
+"""The trainer-side client: an iterator over one rank's aligned batches, resumable mid-epoch.
+
+    client = BatchClient("127.0.0.1:7001", rank=r, world_size=n)
+    for batch, info in client:          # batch: dict of torch tensors, info: batchd.core.StepInfo
+        train_step(ddp_model, optimizer, batch, info)   # loss x info.loss_scale; IDLE: zero weight
+
+It opens the rank service's `Batches` bidi stream: the first message says where to start and how many
+batches it may hold (credits); each later message acknowledges what was consumed, so the service
+frees them. Every rank yields the same number of steps (the service's alignment guarantees it).
+
+- Resume: `state_dict()` stores rank, world size, epoch and the next step; `load_state_dict()` refuses
+  a state of another rank or world size. A new client resumes exactly where the old one stopped.
+- Rank service restart: UNAVAILABLE is retried for `reconnect_timeout_s`, from the next step.
+- Job failure: the service's ABORTED (its message names the failed rank) raises `JobFailed`.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import grpc
+import torch
+
+from batchd import wire
+from batchd.core import StepInfo
+from batchd.proto import batchd_pb2 as pb
+from batchd.proto import batchd_pb2_grpc as pb_grpc
+
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+class BatchdError(RuntimeError):
+    """The client could not get its batches (the message says from where and why)."""
+
+
+class JobFailed(BatchdError):
+    """The job failed somewhere; the message names the rank or the coordinator."""
+
+
+class BatchClient:
+    """Iterates over (batch, StepInfo) for one rank (see module docstring).
+
+    Args:
+        address: The rank service's host:port.
+        rank: This trainer's rank.
+        world_size: Ranks in the job.
+        epoch: Epoch to read.
+        credits: Batches the service may send ahead of consumption.
+        reconnect_timeout_s: How long to retry an unreachable rank service.
+    """
+
+    def __init__(self, address: str, rank: int, world_size: int, epoch: int = 0, credits: int = 2,
+                 reconnect_timeout_s: float = 30.0) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got {rank=} {world_size=}")
+        if credits < 1:
+            raise ValueError(f"credits must be >= 1, got {credits=}")
+        self.address, self.rank, self.world_size, self.epoch = address, rank, world_size, epoch
+        self.credits, self.reconnect_timeout_s = credits, reconnect_timeout_s
+        self.next_step = 0
+        self.finished = False
+        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.stub = pb_grpc.RankServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> BatchClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- state ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "rank": self.rank, "world_size": self.world_size, "epoch": self.epoch,
+                "next_step": self.next_step, "finished": self.finished}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        bad = [f"{k}: saved {state.get(k)!r}, current {v!r}"
+               for k, v in (("rank", self.rank), ("world_size", self.world_size)) if state.get(k) != v]
+        if state.get("version") != 1 or bad:
+            raise ValueError(f"BatchClient state does not match this client ({'; '.join(bad) or 'version'})")
+        self.epoch, self.next_step, self.finished = state["epoch"], state["next_step"], state["finished"]
+
+    # -- iteration -----------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:
+        deadline = None
+        while not self.finished:
+            try:
+                for item in self._stream():
+                    deadline = None
+                    yield item
+                return
+            except grpc.RpcError as exc:
+                code, details = exc.code(), exc.details()
+                if code == grpc.StatusCode.ABORTED:
+                    raise JobFailed(details) from None
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                            grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
+                    deadline = deadline or time.monotonic() + self.reconnect_timeout_s
+                    if time.monotonic() < deadline:
+                        time.sleep(0.2)
+                        continue
+                    raise BatchdError(f"rank service of rank {self.rank} at {self.address} unreachable for "
+                                      f"{self.reconnect_timeout_s:g}s: {code.name}: {details}") from None
+                raise BatchdError(f"rank service of rank {self.rank} at {self.address}: {code.name}: {details}") from None
+
+    def _stream(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:
+        acks: queue.Queue = queue.Queue()
+
+        def requests():
+            yield pb.BatchRequest(start_step=self.next_step, credits=self.credits, epoch=self.epoch)
+            while (ack := acks.get()) is not None:
+                yield pb.BatchRequest(ack_step=ack)
+
+        call = self.stub.Batches(requests())
+        try:
+            for batch in call:
+                if batch.end_of_epoch:
+                    self.finished = True
+                    return
+                info = wire.info_from_pb(batch.info)
+                if info.step != self.next_step:
+                    raise BatchdError(f"rank {self.rank}: expected step {self.next_step}, got {info.step}")
+                tensors = {name: torch.from_numpy(arr.copy()) for name, arr in
+                           wire.tensors_from_pb(batch.tensors).items()}
+                if "cu_seqlens" in tensors:
+                    tensors["max_seqlen"] = int((tensors["cu_seqlens"][1:] - tensors["cu_seqlens"][:-1]).max())
+                tensors["sample_ids"] = torch.tensor(list(batch.sample_ids), dtype=torch.int64)
+                self.next_step = info.step + 1
+                yield tensors, info
+                acks.put(self.next_step)
+        finally:
+            acks.put(None)
+            call.cancel()

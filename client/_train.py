@@ -1,0 +1,143 @@
+"""Trainer-side step logic: token-level loss, batchd's loss scale, and IDLE steps under DDP.
+
+Every rank r of a step holds a different number of loss-bearing tokens t_r. The trainer computes its
+per-token mean m_r = S_r / t_r and multiplies it by batchd's ``StepInfo.loss_scale`` = N t_r / T_tok
+(`batchd.core.loss_scale`); DDP averages the N gradients, so the update is the gradient of
+S / T_tok, the per-token mean over the whole step's tokens, exactly as a single process that saw
+every sample of the step would compute it. Two conditions make it exact:
+
+* t_r is the number of tokens the loss really averages over: ``Sample.loss_tokens`` must equal
+  `batchd.client.loss_tokens` of the sample's labels (shifted causal LM: labels[1:] != -100).
+  `scaled_loss` checks the collated labels against ``local_loss_tokens`` and raises on a mismatch
+  (a data bug: the raising rank skips its backward, so the others wait in the all-reduce until the
+  process group's timeout; silently wrong gradients would be worse).
+* every rank joins every all-reduce. An IDLE rank (no samples this step, scale 0) still runs a
+  forward/backward, on a 1-token dummy batch (`idle_batch`) with the loss ``logits.sum() * 0.0``:
+  the graph reaches every parameter, so DDP's gradient hooks fire and its buckets all-reduce zeros.
+  A rank whose samples carry no loss tokens at all does the same on its real batch.
+
+The trade-off of the zero-weight step: an IDLE rank spends one tiny forward/backward per step instead
+of skipping it, which costs microseconds and needs neither ``find_unused_parameters`` nor the
+``Join`` context manager. The loss is accumulated in at least fp32 (fp64 stays fp64) whatever the
+activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ._collate import IGNORE_INDEX, idle_batch
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The summed shifted cross-entropy over labels != -100, and how many tokens it sums.
+
+    Logits at position t predict labels at t + 1 (within each row; packed rows are safe because
+    every sample's first label is -100).
+
+    Args:
+        logits: [B, T, V] (any float dtype; the loss is computed in at least fp32).
+        labels: [B, T] int64, -100 = no loss.
+
+    Returns:
+        (loss_sum, n_tokens): a scalar tensor connected to `logits`, and a Python int.
+
+    Raises:
+        ValueError: if the shapes do not line up.
+    """
+    if logits.ndim != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(f"expected logits [B, T, V] and labels [B, T], got {tuple(logits.shape)=} "
+                         f"{tuple(labels.shape)=}")
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    shifted = logits[:, :-1].reshape(-1, logits.shape[-1]).to(dtype)
+    targets = labels[:, 1:].reshape(-1)
+    loss_sum = F.cross_entropy(shifted, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss_sum, int((targets != IGNORE_INDEX).sum().item())
+
+
+def scaled_loss(logits: torch.Tensor, labels: torch.Tensor, loss_scale: float,
+                local_loss_tokens: int) -> torch.Tensor:
+    """This rank's per-token mean loss times batchd's loss scale (the tensor to backward).
+
+    Args:
+        logits: [B, T, V] from the DDP-wrapped model.
+        labels: [B, T], -100 = no loss.
+        loss_scale: ``StepInfo.loss_scale`` (N t_r / T_tok).
+        local_loss_tokens: ``StepInfo.local_loss_tokens`` (t_r); 0 gives a zero-weight loss that is
+            still connected to every parameter, so DDP's all-reduce fires.
+
+    Raises:
+        ValueError: on a negative or non-finite scale, a negative token count, or when the labels
+            carry a different number of loss tokens than `local_loss_tokens` (the scale would be wrong).
+    """
+    _check_scale(loss_scale, local_loss_tokens)
+    return _scaled(logits, labels, loss_scale, local_loss_tokens)[0]
+
+
+def _check_scale(loss_scale: float, local_loss_tokens: int) -> None:
+    if not isinstance(loss_scale, (int, float)) or not math.isfinite(loss_scale) or loss_scale < 0:
+        raise ValueError(f"loss_scale must be a finite number >= 0, got {loss_scale=}")
+    if isinstance(local_loss_tokens, bool) or not isinstance(local_loss_tokens, int) or local_loss_tokens < 0:
+        raise ValueError(f"local_loss_tokens must be a non-negative int, got {local_loss_tokens=}")
+
+
+def _scaled(logits: torch.Tensor, labels: torch.Tensor, loss_scale: float,
+            local_loss_tokens: int) -> tuple[torch.Tensor, float]:
+    """`scaled_loss` (arguments already checked) and the unscaled local mean (nan without tokens)."""
+    if local_loss_tokens == 0:
+        return logits.sum() * 0.0, math.nan
+    loss_sum, n_tokens = token_loss_sum(logits, labels)
+    if n_tokens != local_loss_tokens:
+        raise ValueError(f"labels carry {n_tokens=} loss tokens but {local_loss_tokens=}: set Sample."
+                         f"loss_tokens to batchd.client.loss_tokens(labels) so the loss scale is exact")
+    mean = loss_sum / local_loss_tokens
+    return mean * loss_scale, float(mean.detach())
+
+
+def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()}
+
+
+def _forward(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    return model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                 position_ids=batch.get("position_ids"))
+
+
+def train_step(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               batch: Mapping[str, Any] | None, info: Any) -> float:
+    """One optimizer step of one rank: forward, scaled loss, backward (all-reduce), update.
+
+    Args:
+        ddp_model: The (DDP-wrapped) model; called as ``model(input_ids, attention_mask=...,
+            position_ids=...)``.
+        optimizer: Its optimizer; gradients are zeroed before the backward and kept after the step.
+        batch: A `collate_padded` / `collate_packed` batch; ignored (may be None) on IDLE steps.
+        info: The rank's `batchd.core.StepInfo` (uses ``is_idle``, ``loss_scale``,
+            ``local_loss_tokens``).
+
+    Returns:
+        The unscaled local per-token mean loss (nan for IDLE or loss-free steps).
+
+    Raises:
+        ValueError: if a non-IDLE step has no batch, or the labels disagree with ``local_loss_tokens``.
+    """
+    scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
+    _check_scale(scale, tokens)
+    if info.is_idle:
+        batch = idle_batch()
+    elif batch is None:
+        raise ValueError(f"a non-IDLE step needs a batch, got batch=None for step {info.step} "
+                         f"on rank {info.rank}")
+    batch = _to_device(batch, next(ddp_model.parameters()).device)
+    optimizer.zero_grad(set_to_none=True)
+    logits = _forward(ddp_model, batch)
+    loss, mean = _scaled(logits, batch["labels"], scale, tokens)
+    loss.backward()
+    optimizer.step()
+    return mean

@@ -1,0 +1,175 @@
+"""A DDP trainer process for the demo and the end-to-end tests: one epoch of a tiny causal LM.
+
+Two data paths over the same samples and model:
+- `batchd`: a `BatchClient` yields aligned variable-size batches with their loss scale; IDLE steps run
+  as zero-weight steps so the all-reduce stays aligned;
+- `fixed` (the baseline): the rank's `DistributedSampler`-style view (ids r, r+N, ... over the same
+  seeded permutation, padded by repetition to equal length like `DistributedSampler`), cut into fixed
+  batches of B samples, plain per-rank mean loss. B defaults to the out-of-memory-safe choice,
+  floor(L_max / longest sample): what a user must pick when lengths are unknown before preprocessing.
+
+Every step also all-reduces (loss sum, loss tokens) to log the global per-token loss.
+Writes one JSON result: steps, wall time, losses, sample ids per step, padded and real tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ._collate import collate_padded
+from ._model import TinyCausalLM
+from ._train import _forward, _scaled, token_loss_sum
+
+MODEL_DEFAULTS = {"vocab_size": 512, "d_model": 128, "n_layers": 2, "n_heads": 4}
+
+
+def build_model(model_cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyCausalLM:
+    torch.manual_seed(seed)
+    return TinyCausalLM(**{**MODEL_DEFAULTS, **model_cfg}).to(dtype)
+
+
+def fixed_batches(lengths: list[int], rank: int, world_size: int, seed: int, batch_size: int,
+                  vocab_size: int) -> list[list[int]]:
+    """The baseline's batches of sample ids for `rank` (DistributedSampler semantics, shuffle on)."""
+    from batchd.core import epoch_permutation
+
+    perm = epoch_permutation(len(lengths), seed, 0).tolist()
+    per_rank = math.ceil(len(perm) / world_size)
+    padded = perm + perm[: per_rank * world_size - len(perm)]
+    view = padded[rank::world_size]
+    return [view[i : i + batch_size] for i in range(0, len(view), batch_size)]
+
+
+def run(rank: int, world_size: int, master_port: int, out: str, mode: str = "batchd", service: str = "",
+        lengths: list[int] | None = None, batch_size: int = 0, seed: int = 0, lr: float = 1e-3,
+        model_cfg: dict[str, Any] | None = None, gloo_timeout_s: float = 60.0, grad_steps: int = 0,
+        dtype: str = "float32", threads: int = 1) -> dict[str, Any]:
+    """Trains one epoch on this rank; writes and returns the result dict."""
+    torch.set_num_threads(threads)
+    model_cfg = model_cfg or {}
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=gloo_timeout_s))
+    model = build_model(model_cfg, seed, getattr(torch, dtype))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    result: dict[str, Any] = {"rank": rank, "mode": mode, "losses": [], "sample_ids": [], "idle": 0,
+                              "real_tokens": 0, "padded_tokens": 0, "grads": []}
+    t0 = time.perf_counter()
+    try:
+        if mode == "batchd":
+            _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps)
+        else:
+            _run_fixed(rank, world_size, lengths or [], batch_size, seed, model_cfg, ddp, opt, result)
+        result["wall_s"] = time.perf_counter() - t0
+        result["steps"] = len(result["losses"])
+        dist.barrier()
+    finally:
+        Path(out).write_text(json.dumps(result))
+        dist.destroy_process_group()
+    return result
+
+
+def _log_global_loss(logits: torch.Tensor, labels: torch.Tensor, result: dict[str, Any]) -> None:
+    with torch.no_grad():
+        s, n = token_loss_sum(logits.detach().float(), labels)
+        buf = torch.tensor([float(s), float(n)], dtype=torch.float64)
+        dist.all_reduce(buf)
+        result["losses"].append(float(buf[0] / buf[1]) if buf[1] > 0 else float("nan"))
+
+
+def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps) -> None:
+    from batchd.client._client import BatchClient, JobFailed
+
+    from ._collate import idle_batch
+
+    client = BatchClient(service, rank, world_size)
+    try:
+        for batch, info in client:
+            ids = batch.pop("sample_ids").tolist()
+            if info.is_idle:
+                result["idle"] += 1
+                batch = idle_batch()
+            else:
+                mask = batch.get("attention_mask")
+                result["real_tokens"] += int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+                result["padded_tokens"] += int(batch["input_ids"].numel())
+            scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
+            opt.zero_grad(set_to_none=True)
+            logits = _forward(ddp, batch)
+            loss, _ = _scaled(logits, batch["labels"], scale, tokens)
+            loss.backward()
+            if len(result["grads"]) < grad_steps:  # the all-reduced gradient, for the equality test
+                result["grads"].append(torch.cat([p.grad.detach().flatten() for p in ddp.module.parameters()
+                                                  if p.grad is not None]).tolist())
+            opt.step()
+            result["sample_ids"].append(ids)
+            _log_global_loss(logits, batch["labels"], result)
+    except JobFailed:
+        raise
+    except Exception as exc:
+        failure = _job_failure(client)
+        if failure:
+            raise JobFailed(f"{failure} (this trainer saw: {type(exc).__name__}: {exc})") from exc
+        raise
+    finally:
+        client.close()
+
+
+def _job_failure(client) -> str | None:
+    """After a collective failed, ask this rank's service why (its message names the failed rank)."""
+    import grpc
+
+    from batchd.proto import batchd_pb2 as pb
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            status = client.stub.RankStatus(pb.RankStatusRequest(), timeout=2)
+            if status.failure:
+                return status.failure
+        except grpc.RpcError:
+            return f"rank service of rank {client.rank} at {client.address} is gone"
+        time.sleep(0.2)
+    return None
+
+
+def _run_fixed(rank, world_size, lengths, batch_size, seed, model_cfg, ddp, opt, result) -> None:
+    from batchd.service._sources import synthetic_payload
+
+    vocab = {**MODEL_DEFAULTS, **model_cfg}["vocab_size"]
+    for ids in fixed_batches(lengths, rank, world_size, seed, batch_size, vocab):
+        payloads = [synthetic_payload(i, lengths[i], seed, vocab) for i in ids]
+        batch = collate_padded(payloads)
+        result["real_tokens"] += int(batch["attention_mask"].sum())
+        result["padded_tokens"] += int(batch["input_ids"].numel())
+        opt.zero_grad(set_to_none=True)
+        logits = _forward(ddp, batch)
+        s, n = token_loss_sum(logits, batch["labels"])
+        (s / max(n, 1)).backward()
+        opt.step()
+        result["sample_ids"].append(ids)
+        _log_global_loss(logits, batch["labels"], result)
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="batchd demo trainer (one rank)")
+    p.add_argument("--config", required=True, help="JSON file with run()'s keyword arguments")
+    args = p.parse_args()
+    kwargs = json.loads(Path(args.config).read_text())
+    run(**kwargs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,365 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ModalityTokens(_message.Message):
+    __slots__ = ("name", "tokens")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tokens: int
+    def __init__(self, name: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class SampleMeta(_message.Message):
+    __slots__ = ("id", "length", "loss_tokens", "home_rank", "modality_tokens")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HOME_RANK_FIELD_NUMBER: _ClassVar[int]
+    MODALITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    length: int
+    loss_tokens: int
+    home_rank: int
+    modality_tokens: _containers.RepeatedCompositeFieldContainer[ModalityTokens]
+    def __init__(self, id: _Optional[int] = ..., length: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., home_rank: _Optional[int] = ..., modality_tokens: _Optional[_Iterable[_Union[ModalityTokens, _Mapping]]] = ...) -> None: ...
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class JobSpec(_message.Message):
+    __slots__ = ("world_size", "token_budget", "policy", "mode", "cost", "window", "depth", "seed", "batch_size", "max_wait", "align", "refine", "quota", "over_budget", "quadratic", "collate", "shuffle")
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_FIELD_NUMBER: _ClassVar[int]
+    ALIGN_FIELD_NUMBER: _ClassVar[int]
+    REFINE_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    OVER_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    QUADRATIC_FIELD_NUMBER: _ClassVar[int]
+    COLLATE_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    token_budget: int
+    policy: str
+    mode: str
+    cost: str
+    window: int
+    depth: int
+    seed: int
+    batch_size: int
+    max_wait: int
+    align: str
+    refine: bool
+    quota: int
+    over_budget: str
+    quadratic: int
+    collate: str
+    shuffle: bool
+    def __init__(self, world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., cost: _Optional[str] = ..., window: _Optional[int] = ..., depth: _Optional[int] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_wait: _Optional[int] = ..., align: _Optional[str] = ..., refine: _Optional[bool] = ..., quota: _Optional[int] = ..., over_budget: _Optional[str] = ..., quadratic: _Optional[int] = ..., collate: _Optional[str] = ..., shuffle: _Optional[bool] = ...) -> None: ...
+
+class StepInfo(_message.Message):
+    __slots__ = ("rank", "step", "round", "is_idle", "local_samples", "local_tokens", "local_loss_tokens", "global_samples", "global_tokens", "global_loss_tokens", "loss_scale", "cost", "epoch")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    IS_IDLE_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    step: int
+    round: int
+    is_idle: bool
+    local_samples: int
+    local_tokens: int
+    local_loss_tokens: int
+    global_samples: int
+    global_tokens: int
+    global_loss_tokens: int
+    loss_scale: float
+    cost: float
+    epoch: int
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., is_idle: _Optional[bool] = ..., local_samples: _Optional[int] = ..., local_tokens: _Optional[int] = ..., local_loss_tokens: _Optional[int] = ..., global_samples: _Optional[int] = ..., global_tokens: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., loss_scale: _Optional[float] = ..., cost: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("rank", "spec", "address")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    spec: JobSpec
+    address: str
+    def __init__(self, rank: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("epoch", "round", "lease_ms", "round_timeout_ms", "rank_addresses")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    RANK_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    round: int
+    lease_ms: int
+    round_timeout_ms: int
+    rank_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., lease_ms: _Optional[int] = ..., round_timeout_ms: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PoolEntry(_message.Message):
+    __slots__ = ("sample", "arrival")
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_FIELD_NUMBER: _ClassVar[int]
+    sample: SampleMeta
+    arrival: int
+    def __init__(self, sample: _Optional[_Union[SampleMeta, _Mapping]] = ..., arrival: _Optional[int] = ...) -> None: ...
+
+class AlignRequest(_message.Message):
+    __slots__ = ("rank", "epoch", "round", "capacity", "buffered", "groups", "exhausted", "pool")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    epoch: int
+    round: int
+    capacity: int
+    buffered: int
+    groups: int
+    exhausted: bool
+    pool: _containers.RepeatedCompositeFieldContainer[PoolEntry]
+    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., capacity: _Optional[int] = ..., buffered: _Optional[int] = ..., groups: _Optional[int] = ..., exhausted: _Optional[bool] = ..., pool: _Optional[_Iterable[_Union[PoolEntry, _Mapping]]] = ...) -> None: ...
+
+class Group(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[SampleMeta]
+    def __init__(self, samples: _Optional[_Iterable[_Union[SampleMeta, _Mapping]]] = ...) -> None: ...
+
+class RankPlan(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[Group]
+    def __init__(self, steps: _Optional[_Iterable[_Union[Group, _Mapping]]] = ...) -> None: ...
+
+class AlignReply(_message.Message):
+    __slots__ = ("epoch", "round", "target", "plan")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    round: int
+    target: int
+    plan: _containers.RepeatedCompositeFieldContainer[RankPlan]
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., target: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ...) -> None: ...
+
+class StepSamples(_message.Message):
+    __slots__ = ("lengths", "loss_tokens")
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    loss_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lengths: _Optional[_Iterable[int]] = ..., loss_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("rank", "epoch", "round", "steps", "remaining", "exhausted")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    REMAINING_FIELD_NUMBER: _ClassVar[int]
+    EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    epoch: int
+    round: int
+    steps: _containers.RepeatedCompositeFieldContainer[StepSamples]
+    remaining: int
+    exhausted: bool
+    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSamples, _Mapping]]] = ..., remaining: _Optional[int] = ..., exhausted: _Optional[bool] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("epoch", "round", "steps", "step_samples", "step_tokens", "step_loss_tokens", "done", "keep_last", "has_keep_last")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
+    HAS_KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    round: int
+    steps: int
+    step_samples: _containers.RepeatedScalarFieldContainer[int]
+    step_tokens: _containers.RepeatedScalarFieldContainer[int]
+    step_loss_tokens: _containers.RepeatedScalarFieldContainer[int]
+    done: bool
+    keep_last: _containers.RepeatedScalarFieldContainer[int]
+    has_keep_last: bool
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[int] = ..., step_samples: _Optional[_Iterable[int]] = ..., step_tokens: _Optional[_Iterable[int]] = ..., step_loss_tokens: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., keep_last: _Optional[_Iterable[int]] = ..., has_keep_last: _Optional[bool] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("rank",)
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    def __init__(self, rank: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("state", "failure")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    failure: str
+    def __init__(self, state: _Optional[str] = ..., failure: _Optional[str] = ...) -> None: ...
+
+class FailRequest(_message.Message):
+    __slots__ = ("rank", "reason")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    reason: str
+    def __init__(self, rank: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class FailReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("state", "failure", "epoch", "round", "registered", "round_latency_ms")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    ROUND_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    failure: str
+    epoch: int
+    round: int
+    registered: _containers.RepeatedScalarFieldContainer[int]
+    round_latency_ms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, state: _Optional[str] = ..., failure: _Optional[str] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., registered: _Optional[_Iterable[int]] = ..., round_latency_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class IngestRequest(_message.Message):
+    __slots__ = ("meta", "tensors", "end_of_epoch", "epoch")
+    META_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    END_OF_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    meta: SampleMeta
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    end_of_epoch: bool
+    epoch: int
+    def __init__(self, meta: _Optional[_Union[SampleMeta, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., end_of_epoch: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class Quarantined(_message.Message):
+    __slots__ = ("id", "reason")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    reason: str
+    def __init__(self, id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class IngestReply(_message.Message):
+    __slots__ = ("accepted", "quarantined")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    QUARANTINED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    quarantined: _containers.RepeatedCompositeFieldContainer[Quarantined]
+    def __init__(self, accepted: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[Quarantined, _Mapping]]] = ...) -> None: ...
+
+class BatchRequest(_message.Message):
+    __slots__ = ("start_step", "credits", "ack_step", "epoch")
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    CREDITS_FIELD_NUMBER: _ClassVar[int]
+    ACK_STEP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    start_step: int
+    credits: int
+    ack_step: int
+    epoch: int
+    def __init__(self, start_step: _Optional[int] = ..., credits: _Optional[int] = ..., ack_step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class Batch(_message.Message):
+    __slots__ = ("info", "tensors", "sample_ids", "end_of_epoch")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_IDS_FIELD_NUMBER: _ClassVar[int]
+    END_OF_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    info: StepInfo
+    tensors: _containers.RepeatedCompositeFieldContainer[Tensor]
+    sample_ids: _containers.RepeatedScalarFieldContainer[int]
+    end_of_epoch: bool
+    def __init__(self, info: _Optional[_Union[StepInfo, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., end_of_epoch: _Optional[bool] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("ids", "epoch")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    epoch: int
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class FetchReply(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[IngestRequest]
+    def __init__(self, samples: _Optional[_Iterable[_Union[IngestRequest, _Mapping]]] = ...) -> None: ...
+
+class RankStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RankStatusReply(_message.Message):
+    __slots__ = ("rank", "buffered", "ready", "next_step", "round", "state", "failure")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    buffered: int
+    ready: int
+    next_step: int
+    round: int
+    state: str
+    failure: str
+    def __init__(self, rank: _Optional[int] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., next_step: _Optional[int] = ..., round: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,423 @@
+"""The per-rank batching service: buffer + grouping + alignment rounds + collation + trainer stream.
+
+One process per trainer rank. A loop thread runs the core's round protocol against the coordinator:
+
+    fill the window from the source -> wait for a free output slot -> report -> Align -> apply
+    -> Commit -> finalize -> collate the steps -> journal -> expose them to the trainer
+
+and a gRPC server serves `Batches` (the trainer client's bidi stream: credits and acks in, collated
+batches out), `Ingest` (producers push samples), `Fetch` (payloads a balanced plan moved to another
+rank) and `RankStatus`.
+
+Output flow control: at most `depth` collated batches wait for the trainer (D of the ODB paper); the
+capacity the rank reports is `depth - ready`, so the round never makes more steps than fit.
+
+Restart: with `state_dir`, after every round the service writes a metadata-only journal (the rank
+state, the source position, the steps the trainer has not acknowledged). A restarted service reloads
+it, re-materializes payloads by id (`SyntheticSource`; see `_sources`), re-registers and resends its
+report: the coordinator replays rounds that were already decided, so nothing is lost or duplicated.
+
+Failure: the coordinator's failure (it names the rank) is passed to the trainer as ABORTED. A trainer
+that disconnects and does not come back within `client_grace_s` fails the job, naming this rank.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from batchd import wire
+from batchd.core import RankState, Sample, Step
+from batchd.proto import batchd_pb2 as pb
+from batchd.proto import batchd_pb2_grpc as pb_grpc
+
+from ._coord_client import CoordinatorClient, CoordinatorError
+from ._coordinator import GRPC_OPTIONS
+from ._sources import EXHAUSTED, IngestSource, Payload, loss_tokens_of
+from ._spec import JobSpec
+
+log = logging.getLogger("batchd.rank")
+
+JOURNAL = "rank-{rank}.json"
+
+
+def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0) -> dict[str, Any]:
+    """Collates payloads into the step's tensors (padded or packed, per the job spec)."""
+    from batchd.client._collate import collate_packed, collate_padded, idle_batch
+
+    if not payloads:
+        return idle_batch(pad_id)
+    if spec.collate == "packed":
+        return collate_packed(payloads)
+    return collate_padded(payloads, pad_id=pad_id)
+
+
+class RankServiceCore:
+    """State and loop of one rank service (see module docstring)."""
+
+    def __init__(self, rank: int, spec: JobSpec, coordinator: CoordinatorClient, source,
+                 state_dir: str | os.PathLike | None = None, epoch: int = 0, client_grace_s: float = 30.0,
+                 fill_timeout_s: float = 0.5) -> None:
+        self.rank, self.spec, self.coord, self.source = rank, spec, coordinator, source
+        self.epoch = epoch
+        self.client_grace_s, self.fill_timeout_s = client_grace_s, fill_timeout_s
+        self.state = RankState(rank, spec.world_size, spec.make_policy(), spec.token_budget, spec.cost_model(),
+                               spec.window, spec.over_budget, spec.seed, epoch)
+        self.payloads: dict[int, Payload] = {}
+        self.lent: dict[int, Payload] = {}
+        self.ready: collections.deque[tuple[int, Step, pb.Batch]] = collections.deque()
+        self.acked = 0
+        self.done = False
+        self.delivered_end = False
+        self.failure: str | None = None
+        self.address = ""
+        self.peers: list[str] = []
+        self.cond = threading.Condition()
+        self.journal = Path(state_dir) / JOURNAL.format(rank=rank) if state_dir else None
+        self._clients = 0
+        self._grace_timer: threading.Timer | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        if self.journal is not None and self.journal.exists():
+            self._restore()
+
+    # -- journal -------------------------------------------------------------------------------------
+    def _write_journal(self) -> None:
+        if self.journal is None:
+            return
+        state = {
+            "epoch": self.epoch, "rank": self.state.state_dict(), "source": self.source.state_dict(),
+            "ready": [step.to_json() for _, step, _ in self.ready],
+            "acked": self.acked, "done": self.done,
+        }
+        tmp = self.journal.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, self.journal)
+
+    def _restore(self) -> None:
+        state = json.loads(self.journal.read_text())
+        self.epoch = state["epoch"]
+        self.state.load_state_dict(state["rank"])
+        self.source.load_state_dict(state["source"])
+        for entry in self.state.buffer:
+            self.payloads[entry.sample.id] = self.source.materialize(entry.sample.id)
+        for step_json in state["ready"]:
+            step = Step.from_json(step_json)
+            payloads = [self.source.materialize(s.id) for s in step.samples]
+            self.ready.append((step.info.step, step, self._batch(step, payloads)))
+        self.acked, self.done = state["acked"], state["done"]
+        log.info("rank %d restored from %s at round %d (step %d)", self.rank, self.journal,
+                 self.state.round, self.state.step)
+
+    # -- loop ----------------------------------------------------------------------------------------
+    def start(self, my_address: str) -> None:
+        self.address = my_address
+        self._thread = threading.Thread(target=self._run, name=f"batchd-rank-{self.rank}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        if self._grace_timer:
+            self._grace_timer.cancel()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread:
+            self._thread.join(timeout)
+
+    def set_failure(self, message: str) -> None:
+        with self.cond:
+            if self.failure is None:
+                self.failure = message
+                log.error("rank %d: job failed: %s", self.rank, message)
+            self.cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            reply = self.coord.register(self.address)
+            self.peers = list(reply.rank_addresses)
+            self.coord.start_heartbeats(self.set_failure)
+            while not self.done and not self._stop.is_set():
+                self._round()
+        except CoordinatorError as exc:
+            self.set_failure(str(exc))
+        except Exception as exc:  # noqa: BLE001 - any bug must reach the trainer and the job, not vanish
+            log.exception("rank %d loop crashed", self.rank)
+            msg = f"rank {self.rank} service crashed: {type(exc).__name__}: {exc}"
+            self.coord.fail(msg)
+            self.set_failure(msg)
+
+    def _fill(self) -> None:
+        deadline = time.monotonic() + self.fill_timeout_s
+        while self.state.room > 0 and not self.state.exhausted:
+            if self.spec.mode == "non-join":
+                peek = self.source.peek_id()
+                if peek is not None and self.state.holds(peek):
+                    break  # wrap-around: this id's previous pass is still buffered
+            wait = 0.0 if self.state.buffer else max(deadline - time.monotonic(), 0.0)
+            item = self.source.poll(wait if not self.state.buffer else 0.0)
+            if item is EXHAUSTED:
+                self.state.mark_exhausted()
+                break
+            if item is None:
+                if self.state.buffer or time.monotonic() >= deadline:
+                    break
+                continue
+            sample, payload = item
+            if self.state.was_rejected(sample.id):
+                continue
+            cut = None
+            if self.spec.over_budget == "truncate" and sample.length > self.state.truncate_length:
+                n = self.state.truncate_length
+                payload = {k: v[:n] for k, v in payload.items()}
+                cut = loss_tokens_of(payload["labels"]) if "labels" in payload else n - 1
+            if self.state.push(sample, cut) == "rejected":
+                continue
+            self.payloads[sample.id] = payload
+
+    def _round(self) -> None:
+        self._fill()
+        with self.cond:
+            while len(self.ready) >= self.spec.depth and self.failure is None and not self._stop.is_set():
+                self.cond.wait(0.5)
+            if self.failure is not None or self._stop.is_set():
+                raise CoordinatorError(self.failure or "stopped")
+            capacity = self.spec.depth - len(self.ready)
+        report = self.state.report(capacity)
+        decision = self.coord.align(self.epoch, report)
+        commit = self.state.apply(decision)
+        totals = self.coord.commit(self.epoch, commit)
+        steps = self.state.finalize(totals)
+        batches = []
+        for step in steps:
+            payloads = [self._take_payload(s) for s in step.samples]
+            batches.append((step.info.step, step, self._batch(step, payloads)))
+        if decision.plan is not None:  # samples of mine that the plan placed on other ranks
+            for rank, plan_steps in enumerate(decision.plan):
+                if rank != self.rank:
+                    for group in plan_steps:
+                        for s in group:
+                            if s.home_rank == self.rank and s.id in self.payloads:
+                                self.lent[s.id] = self.payloads.pop(s.id)
+        with self.cond:
+            self.ready.extend(batches)
+            if totals.done:
+                self.done = True
+            self._write_journal()
+            self.cond.notify_all()
+
+    def _take_payload(self, s: Sample) -> Payload:
+        payload = self.payloads.pop(s.id, None)
+        if payload is not None:
+            return payload
+        if s.home_rank != self.rank and self.peers:
+            return self._fetch(s)
+        return self.source.materialize(s.id)
+
+    def _fetch(self, s: Sample) -> Payload:
+        channel = grpc.insecure_channel(self.peers[s.home_rank], options=GRPC_OPTIONS)
+        try:
+            reply = pb_grpc.RankServiceStub(channel).Fetch(pb.FetchRequest(ids=[s.id], epoch=self.epoch), timeout=30)
+        finally:
+            channel.close()
+        return wire.tensors_from_pb(reply.samples[0].tensors)
+
+    def _batch(self, step: Step, payloads: list[Payload]) -> pb.Batch:
+        tensors = collate(self.spec, payloads)
+        return pb.Batch(info=wire.info_to_pb(step.info, self.epoch), tensors=wire.tensors_to_pb(tensors),
+                        sample_ids=[s.id for s in step.samples])
+
+    # -- trainer side --------------------------------------------------------------------------------
+    def attach(self, start_step: int) -> None:
+        with self.cond:
+            if self._grace_timer:
+                self._grace_timer.cancel()
+                self._grace_timer = None
+            self._clients += 1
+            self._ack_locked(start_step)
+
+    def detach(self) -> None:
+        with self.cond:
+            self._clients -= 1
+            if self._clients == 0 and not self.done and self.failure is None and not self._stop.is_set():
+                self._grace_timer = threading.Timer(self.client_grace_s, self._client_lost)
+                self._grace_timer.daemon = True
+                self._grace_timer.start()
+
+    def _client_lost(self) -> None:
+        with self.cond:
+            if self._clients > 0 or self.done:
+                return
+        msg = (f"trainer of rank {self.rank} disconnected and did not reconnect within "
+               f"{self.client_grace_s:g}s")
+        self.coord.fail(msg)
+        self.set_failure(f"rank {self.rank}: {msg}")
+
+    def _ack_locked(self, step: int) -> None:
+        if step > self.acked:
+            self.acked = step
+        while self.ready and self.ready[0][0] < self.acked:
+            self.ready.popleft()
+        self.cond.notify_all()
+
+    def ack(self, step: int) -> None:
+        with self.cond:
+            self._ack_locked(step)
+
+    def next_batch(self, step: int, timeout: float) -> pb.Batch | None:
+        """The batch of `step`; None at the end of the epoch. Raises RuntimeError with the job failure."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                if self.failure is not None:
+                    raise RuntimeError(self.failure)
+                for i, _, b in self.ready:
+                    if i == step:
+                        return b
+                if self.done and (not self.ready or self.ready[-1][0] < step):
+                    return None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"rank {self.rank}: no batch for step {step} within {timeout:g}s")
+                self.cond.wait(min(left, 0.5))
+
+
+class RankServicer(pb_grpc.RankServiceServicer):
+    """Thin gRPC layer over `RankServiceCore`."""
+
+    def __init__(self, core: RankServiceCore, batch_timeout_s: float = 600.0) -> None:
+        self.core = core
+        self.batch_timeout_s = batch_timeout_s
+
+    def Batches(self, request_iterator, context):
+        core = self.core
+        try:
+            first = next(request_iterator)
+        except StopIteration:
+            return
+        if first.epoch != core.epoch:
+            log.warning("Batches: client asked for epoch %d, rank %d serves epoch %d", first.epoch, core.rank, core.epoch)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"rank {core.rank} serves epoch {core.epoch}, client asked for epoch {first.epoch}")
+        credits = max(int(first.credits), 1)
+        core.attach(int(first.start_step))
+        context.add_callback(core.detach)
+
+        def read_acks() -> None:
+            try:
+                for req in request_iterator:
+                    core.ack(int(req.ack_step))
+            except grpc.RpcError:
+                pass
+
+        threading.Thread(target=read_acks, name=f"batchd-acks-{core.rank}", daemon=True).start()
+        step = int(first.start_step)
+        deadline = time.monotonic() + self.batch_timeout_s
+        while context.is_active():
+            with core.cond:
+                while step - core.acked >= credits and context.is_active() and core.failure is None:
+                    core.cond.wait(0.5)
+            try:
+                batch = core.next_batch(step, timeout=0.5)
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"rank {core.rank}: no batch for step {step} in {self.batch_timeout_s:g}s")
+                continue
+            except RuntimeError as exc:
+                context.abort(grpc.StatusCode.ABORTED, str(exc))
+            if batch is None:
+                core.delivered_end = True
+                yield pb.Batch(end_of_epoch=True)
+                return
+            deadline = time.monotonic() + self.batch_timeout_s
+            yield batch
+            step += 1
+
+    def Ingest(self, request_iterator, context):
+        core = self.core
+        source = core.source
+        if not isinstance(source, IngestSource):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"rank {core.rank} reads its own source; it does not accept Ingest streams")
+        accepted, quarantined = 0, []
+        for req in request_iterator:
+            if req.epoch != core.epoch:
+                log.warning("Ingest: sample %d for epoch %d, rank %d is in epoch %d", req.meta.id, req.epoch,
+                            core.rank, core.epoch)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"sample {req.meta.id} is for epoch {req.epoch}; rank {core.rank} is in epoch {core.epoch}")
+            if req.end_of_epoch:
+                source.end()
+                continue
+            try:
+                sample = wire.sample_from_pb(req.meta)
+                payload = wire.tensors_from_pb(req.tensors)
+                ids = payload.get("input_ids")
+                if ids is None or ids.ndim != 1:
+                    raise ValueError("needs a 1-D input_ids tensor")
+                if len(ids) != sample.length:
+                    raise ValueError(f"input_ids has {len(ids)} tokens, metadata says length={sample.length}")
+                labels = payload.get("labels")
+                if labels is not None:
+                    if labels.shape != ids.shape:
+                        raise ValueError(f"labels shape {labels.shape} != input_ids shape {ids.shape}")
+                    if loss_tokens_of(labels) != sample.loss_tokens:
+                        raise ValueError(f"labels carry {loss_tokens_of(labels)} loss tokens, "
+                                         f"metadata says loss_tokens={sample.loss_tokens}")
+            except ValueError as exc:
+                log.warning("Ingest: quarantined sample %d: %s", req.meta.id, exc)
+                quarantined.append(pb.Quarantined(id=req.meta.id, reason=str(exc)))
+                continue
+            try:
+                source.put(Sample(sample.id, sample.length, sample.loss_tokens, core.rank, sample.modality_tokens),
+                           payload)
+            except ValueError as exc:
+                log.warning("Ingest: %s", exc)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rank {core.rank}: {exc}")
+            accepted += 1
+        return pb.IngestReply(accepted=accepted, quarantined=quarantined)
+
+    def Fetch(self, request, context):
+        core = self.core
+        out = []
+        for i in request.ids:
+            payload = core.lent.pop(int(i), None)
+            if payload is None:
+                try:
+                    payload = core.source.materialize(int(i))
+                except (KeyError, IndexError) as exc:
+                    context.abort(grpc.StatusCode.NOT_FOUND, f"rank {core.rank} has no payload for sample {i}: {exc}")
+            out.append(pb.IngestRequest(tensors=wire.tensors_to_pb(payload), epoch=core.epoch))
+        return pb.FetchReply(samples=out)
+
+    def RankStatus(self, request, context):
+        core = self.core
+        with core.cond:
+            return pb.RankStatusReply(
+                rank=core.rank, buffered=len(core.state.buffer), ready=len(core.ready), next_step=core.state.step,
+                round=core.state.round, state="failed" if core.failure else ("done" if core.done else "running"),
+                failure=core.failure or "",
+            )
+
+
+def create_rank_server(address: str, core: RankServiceCore) -> tuple[grpc.Server, int]:
+    """Builds (not starts) the rank service's server bound to `address`; returns (server, port)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"batchd-rank{core.rank}"),
+                         options=GRPC_OPTIONS)
+    pb_grpc.add_RankServiceServicer_to_server(RankServicer(core), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"rank service could not bind {address}")
+    return server, port

@@ -1,0 +1,130 @@
+"""Sample sources a rank service pulls from: (metadata, payload) pairs for its view of the epoch.
+
+- `SyntheticSource`: deterministic tokenized samples with realized lengths from a list (e.g. one of
+  ../shared/workloads): token ids and the prompt mask come from a generator seeded by (seed, id), so
+  any payload can be re-materialized from its id alone. That is what makes a rank service restartable
+  from a metadata-only journal, and what lets a balanced plan move a reference instead of a payload.
+- `IngestSource`: samples pushed by external producers through `RankService.Ingest`; a bounded queue,
+  so a full window blocks the producer's stream (gRPC flow control). Not replayable: a rank service fed
+  this way cannot be restarted mid-epoch without the producer resending (documented limitation).
+
+A source's `poll(timeout)` returns an item, `None` (nothing yet) or `EXHAUSTED`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from batchd.core import Sample, ViewSource
+
+EXHAUSTED = object()
+Payload = dict[str, np.ndarray]
+
+
+def synthetic_payload(sample_id: int, length: int, seed: int, vocab_size: int) -> Payload:
+    """A learnable token sequence and labels with a masked prompt (-100) of 1..length/2 tokens.
+
+    Each sample walks the vocabulary [1, vocab) from a random start with a per-sample stride in 1..4,
+    with 10% of the tokens replaced by noise: a model can learn to continue the walk, so the demo's
+    loss falls well below ln(vocab) (uniform random tokens would keep it there).
+    """
+    rng = np.random.default_rng([seed, sample_id])
+    span = vocab_size - 1
+    start, stride = int(rng.integers(0, span)), int(rng.integers(1, 5))
+    ids = (1 + (start + stride * np.arange(length, dtype=np.int64)) % span).astype(np.int32)
+    noise = rng.random(length) < 0.1
+    ids[noise] = rng.integers(1, vocab_size, size=int(noise.sum()), dtype=np.int64)
+    prompt = int(rng.integers(1, max(length // 2, 1) + 1))
+    labels = ids.copy()
+    labels[:prompt] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def loss_tokens_of(labels: np.ndarray) -> int:
+    """Tokens that carry the shifted causal-LM loss: count(labels[1:] != -100)."""
+    return int(np.count_nonzero(labels[1:] != -100))
+
+
+class SyntheticSource:
+    """Rank `rank`'s view of a synthetic tokenized dataset with the given realized lengths."""
+
+    def __init__(self, lengths: Sequence[int], rank: int, world_size: int, seed: int = 0, epoch: int = 0,
+                 shuffle: bool = True, vocab_size: int = 512, wrap: bool = False) -> None:
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size=}")
+        self.lengths = list(lengths)
+        self.rank, self.seed, self.vocab_size = rank, seed, vocab_size
+        self.view = ViewSource(len(self.lengths), rank, world_size, seed, epoch, shuffle, wrap)
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def materialize(self, sample_id: int) -> Payload:
+        return synthetic_payload(sample_id, self.lengths[sample_id], self.seed, self.vocab_size)
+
+    def meta(self, sample_id: int, payload: Payload, home_rank: int | None = None) -> Sample:
+        n = self.lengths[sample_id]
+        return Sample(sample_id, n, loss_tokens_of(payload["labels"]), self.rank if home_rank is None else home_rank)
+
+    def peek_id(self) -> int | None:
+        return self.view.peek()
+
+    def poll(self, timeout: float = 0.0):
+        i = self.view.next()
+        if i is None:
+            return EXHAUSTED
+        payload = self.materialize(i)
+        return self.meta(i, payload), payload
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.view.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.view.load_state_dict(state)
+
+
+class IngestSource:
+    """A bounded queue filled by `RankService.Ingest` (see module docstring)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._q: queue.Queue = queue.Queue(maxsize=max(capacity, 1))
+        self._ended = threading.Event()
+        self._ids: set[int] = set()
+        self._lock = threading.Lock()
+
+    def put(self, sample: Sample, payload: Payload, timeout: float | None = None) -> None:
+        """Blocks while the queue is full (backpressure); raises ValueError on a duplicate id."""
+        with self._lock:
+            if self._ended.is_set():
+                raise ValueError(f"sample {sample.id} arrived after end_of_epoch")
+            if sample.id in self._ids:
+                raise ValueError(f"duplicate sample id {sample.id} in this epoch")
+            self._ids.add(sample.id)
+        self._q.put((sample, payload), timeout=timeout)
+
+    def end(self) -> None:
+        self._ended.set()
+
+    def materialize(self, sample_id: int) -> Payload:
+        raise KeyError(f"sample {sample_id}: an ingest source cannot re-materialize payloads")
+
+    def peek_id(self) -> int | None:
+        return None
+
+    def poll(self, timeout: float = 0.0):
+        try:
+            return self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait()
+        except queue.Empty:
+            return EXHAUSTED if self._ended.is_set() and self._q.empty() else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if state:
+            raise ValueError("an ingest source has no resumable state")

@@ -1,0 +1,87 @@
+"""The job every party agrees on (`JobSpec`) and its wire form.
+
+A rank registering with a spec that differs from the coordinator's is refused, naming the fields: a
+silent mismatch (another window, seed or budget on one rank) would break the protocol's guarantees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from batchd.core import CostModel, Policy, SimConfig
+from batchd.core._types import check_choice
+from batchd.proto import batchd_pb2 as pb
+
+COLLATE = ("packed", "padded")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """Batching configuration shared by the coordinator and every rank service.
+
+    Fields mirror `batchd.core.SimConfig` (validated by it), plus the collation layout and the
+    attention cost model's quadratic constant.
+    """
+
+    world_size: int
+    token_budget: int
+    policy: str = "local"
+    window: int = 512
+    batch_size: int = 8
+    mode: str = "join"
+    cost: str = "padded"
+    over_budget: str = "singleton"
+    seed: int = 0
+    shuffle: bool = True
+    depth: int = 8
+    max_wait: int = 16
+    align: str = "min"
+    refine: bool = True
+    quota: int | None = None
+    quadratic: int = 4096
+    collate: str = "padded"
+
+    def __post_init__(self) -> None:
+        self.sim_config()
+        check_choice("collate", self.collate, COLLATE)
+        if self.mode == "non-join" and self.quota is None:
+            raise ValueError("non-join mode needs an explicit sample quota in the job spec, got quota=None")
+        CostModel(self.cost, self.quadratic)
+
+    def sim_config(self) -> SimConfig:
+        fields = {f.name for f in dataclasses.fields(SimConfig)}
+        return SimConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in fields})
+
+    def make_policy(self) -> Policy:
+        return self.sim_config().make_policy()
+
+    def cost_model(self) -> CostModel:
+        return CostModel(self.cost, self.quadratic)
+
+    def diff(self, other: JobSpec) -> dict[str, tuple[Any, Any]]:
+        """Fields where `other` differs: {field: (self's, other's)}."""
+        a, b = dataclasses.asdict(self), dataclasses.asdict(other)
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+    def replace(self, **changes: Any) -> JobSpec:
+        return dataclasses.replace(self, **changes)
+
+    @staticmethod
+    def from_mapping(m: Mapping[str, Any]) -> JobSpec:
+        return JobSpec(**dict(m))
+
+    def to_pb(self) -> pb.JobSpec:
+        d = dataclasses.asdict(self)
+        d["quota"] = -1 if self.quota is None else self.quota
+        return pb.JobSpec(**d)
+
+    @staticmethod
+    def from_pb(m: pb.JobSpec) -> JobSpec:
+        return JobSpec(
+            world_size=m.world_size, token_budget=m.token_budget, policy=m.policy, window=m.window,
+            batch_size=m.batch_size, mode=m.mode, cost=m.cost, over_budget=m.over_budget, seed=m.seed,
+            shuffle=m.shuffle, depth=m.depth, max_wait=m.max_wait, align=m.align, refine=m.refine,
+            quota=None if m.quota < 0 else int(m.quota), quadratic=m.quadratic, collate=m.collate,
+        )
