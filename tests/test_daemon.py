@@ -1,0 +1,310 @@
+"""The daemon in one process: a real gRPC coordinator and rank services on loopback (port 0)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from batchd import wire
+from batchd.client import BatchClient, JobFailed
+from batchd.core import RankState
+from batchd.proto import batchd_pb2 as pb
+from batchd.proto import batchd_pb2_grpc as pb_grpc
+from batchd.service import (
+    CoordinatorClient, IngestSource, JobSpec, RankServiceCore, SyntheticSource, create_rank_server, create_server,
+    synthetic_payload,
+)
+
+
+class Job:
+    """A coordinator and N rank services in this process; stopped on exit."""
+
+    def __init__(self, spec: JobSpec, lengths, lease_s=10.0, round_timeout_s=20.0, sources=None, grace=30.0):
+        self.spec, self.lengths = spec, lengths
+        self.server, self.port, self.state = create_server("127.0.0.1:0", spec, lease_s, round_timeout_s)
+        self.server.start()
+        self.cores, self.servers, self.ports = [], [], []
+        for r in range(spec.world_size):
+            src = sources[r] if sources else SyntheticSource(lengths, r, spec.world_size, spec.seed, 0, spec.shuffle)
+            core = RankServiceCore(r, spec, CoordinatorClient(self.address, r, spec, connect_timeout_s=5), src,
+                                   client_grace_s=grace)
+            server, port = create_rank_server("127.0.0.1:0", core)
+            server.start()
+            core.start(f"127.0.0.1:{port}")
+            self.cores.append(core)
+            self.servers.append(server)
+            self.ports.append(port)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def client(self, r: int) -> BatchClient:
+        return BatchClient(f"127.0.0.1:{self.ports[r]}", r, self.spec.world_size, reconnect_timeout_s=5)
+
+    def stop(self) -> None:
+        for core in self.cores:
+            core.stop()
+            core.coord.close()
+        for s in self.servers:
+            s.stop(0)
+        self.state.close()
+        self.server.stop(0)
+
+
+@pytest.fixture
+def job_factory():
+    jobs = []
+
+    def make(*args, **kwargs):
+        jobs.append(Job(*args, **kwargs))
+        return jobs[-1]
+
+    yield make
+    for j in jobs:
+        j.stop()
+
+
+def _consume_all(job, limit_s=60.0):
+    results = [None] * job.spec.world_size
+    errors = []
+
+    def consume(r):
+        try:
+            with job.client(r) as c:
+                results[r] = [(b["sample_ids"].tolist(), b["input_ids"].shape, info) for b, info in c]
+        except Exception as exc:  # noqa: BLE001
+            errors.append((r, exc))
+
+    threads = [threading.Thread(target=consume, args=(r,)) for r in range(job.spec.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(limit_s)
+    assert not errors, errors
+    return results
+
+
+def _lengths(n=400, seed=1):
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(4.0, 0.9, n), 2, 900).astype(int).tolist()
+
+
+@pytest.mark.parametrize("policy", ["local", "balanced", "odb"])
+def test_four_ranks_equal_steps_every_id_once(job_factory, policy):
+    lengths = _lengths()
+    spec = JobSpec(world_size=4, token_budget=1024, policy=policy, window=32, depth=4, seed=3)
+    results = _consume_all(job_factory(spec, lengths))
+    steps = [len(r) for r in results]
+    assert len(set(steps)) == 1 and steps[0] > 0
+    ids = [i for r in results for ids, _, _ in r for i in ids]
+    assert sorted(ids) == list(range(len(lengths)))
+    for s in range(steps[0]):
+        infos = [r[s][2] for r in results]
+        assert {i.step for i in infos} == {s}
+        assert abs(sum(i.loss_scale for i in infos) - 4) < 1e-9 or all(i.is_idle for i in infos)
+        for ids_, shape, info in (r[s] for r in results):
+            assert info.local_samples == len(ids_)
+            if ids_:
+                assert shape[0] == len(ids_) and shape[0] * shape[1] <= 1024
+                assert shape[1] == max(lengths[i] for i in ids_)
+    if policy == "balanced":
+        assert any(info.local_samples and any(i % 4 != r for i in ids_)
+                   for r, res in enumerate(results) for ids_, _, info in res), "balanced moved nothing"
+
+
+def test_batches_carry_the_payloads_collated(job_factory):
+    lengths = _lengths(60)
+    spec = JobSpec(world_size=2, token_budget=2048, policy="local", window=16, depth=2, seed=5, collate="packed")
+    job = job_factory(spec, lengths)
+    with job.client(0) as c:
+        batch, info = next(iter(c))
+    ids = batch["sample_ids"].tolist()
+    payloads = [synthetic_payload(i, lengths[i], 5, 512) for i in ids]
+    assert batch["input_ids"].shape == (1, sum(lengths[i] for i in ids))
+    np.testing.assert_array_equal(batch["input_ids"][0].numpy(), np.concatenate([p["input_ids"] for p in payloads]))
+    assert batch["cu_seqlens"].tolist() == list(np.cumsum([0] + [lengths[i] for i in ids]))
+    assert info.local_loss_tokens == int((batch["labels"] != -100).sum())
+
+
+def test_client_resumes_mid_epoch_from_its_state(job_factory):
+    lengths = _lengths(200)
+    spec = JobSpec(world_size=1, token_budget=512, policy="local", window=32, depth=3, seed=1)
+    job = job_factory(spec, lengths)
+    c = job.client(0)
+    seen = []
+    for k, (batch, info) in enumerate(c):
+        seen.append(batch["sample_ids"].tolist())
+        if k == 4:
+            break
+    state = c.state_dict()
+    c.close()
+    assert state["next_step"] == 5
+    c2 = job.client(0)
+    c2.load_state_dict(state)
+    seen += [b["sample_ids"].tolist() for b, _ in c2]
+    assert sorted(i for ids in seen for i in ids) == list(range(200))
+    with pytest.raises(ValueError, match="world_size: saved 1, current 2"):
+        BatchClient(f"127.0.0.1:{job.ports[0]}", 0, 2).load_state_dict(state)
+    with pytest.raises(ValueError, match="rank: saved 0, current 1"):
+        BatchClient(f"127.0.0.1:{job.ports[0]}", 1, 2).load_state_dict(state)
+
+
+def _coord_stub(job):
+    return pb_grpc.CoordinatorStub(grpc.insecure_channel(job.address))
+
+
+def test_coordinator_rejects_bad_messages_with_status_codes(caplog):
+    spec = JobSpec(world_size=2, token_budget=100, window=4)
+    server, port, state = create_server("127.0.0.1:0", spec, 60, 5)
+    server.start()
+    try:
+        stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        other = spec.replace(window=8)
+        with caplog.at_level(logging.WARNING, logger="batchd.coordinator"):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Register(pb.RegisterRequest(rank=0, spec=other.to_pb(), address="x"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "window" in e.value.details()
+        assert any("window" in r.message for r in caplog.records), "no log line for the refused call"
+        stub.Register(pb.RegisterRequest(rank=0, spec=spec.to_pb(), address="x"), timeout=5)
+        with pytest.raises(grpc.RpcError) as e:  # out of order: round 7 while the coordinator is at 0
+            stub.Align(pb.AlignRequest(rank=0, epoch=0, round=7, capacity=1), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "round" in e.value.details()
+        bad = pb.AlignRequest(rank=0, epoch=0, round=0, capacity=1, buffered=1, groups=1,
+                              pool=[pb.PoolEntry(sample=pb.SampleMeta(id=1, length=3, loss_tokens=9))])
+        with pytest.raises(grpc.RpcError) as e:  # malformed: more loss tokens than tokens
+            stub.Align(bad, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "loss_tokens" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Align(pb.AlignRequest(rank=9, epoch=0, round=0), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rank 9" in e.value.details()
+        blob = pb.ModalityTokens(name="x" * (65 << 20), tokens=1)
+        huge = pb.AlignRequest(rank=0, pool=[pb.PoolEntry(sample=pb.SampleMeta(id=1, length=1, modality_tokens=[blob]))])
+        with pytest.raises(grpc.RpcError) as e:  # oversized: beyond the 64 MiB message limit
+            stub.Align(huge, timeout=30)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert state.state == "running", "a bad message must not fail or crash the job"
+    finally:
+        state.close()
+        server.stop(0)
+
+
+def test_missing_rank_fails_the_round_naming_it():
+    spec = JobSpec(world_size=3, token_budget=100, window=4)
+    server, port, state = create_server("127.0.0.1:0", spec, lease_s=30, round_timeout_s=1.0)
+    server.start()
+    try:
+        clients = [CoordinatorClient(f"127.0.0.1:{port}", r, spec, connect_timeout_s=2) for r in range(3)]
+        for c in clients:
+            c.register("x")
+        ranks = [RankState(r, 3, spec.make_policy(), 100, window=4) for r in range(3)]
+        errors = []
+
+        def report(r):
+            try:
+                clients[r].align(0, ranks[r].report(1))
+            except Exception as exc:  # noqa: BLE001
+                errors.append(str(exc))
+
+        threads = [threading.Thread(target=report, args=(r,)) for r in (0, 2)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert time.monotonic() - t0 < 5
+        assert len(errors) == 2 and all("rank(s) [1]" in e for e in errors), errors
+        assert state.state == "failed" and "[1]" in state.failure
+        with pytest.raises(Exception, match=r"ABORTED.*rank\(s\) \[1\]"):
+            clients[0].align(0, ranks[0].report(1))
+    finally:
+        state.close()
+        server.stop(0)
+
+
+def test_silent_rank_misses_its_lease():
+    spec = JobSpec(world_size=2, token_budget=100, window=4)
+    server, port, state = create_server("127.0.0.1:0", spec, lease_s=0.6, round_timeout_s=30)
+    server.start()
+    try:
+        c0, c1 = (CoordinatorClient(f"127.0.0.1:{port}", r, spec, connect_timeout_s=2) for r in (0, 1))
+        c0.register("a")
+        c1.register("b")
+        failures = []
+        c0.start_heartbeats(failures.append)
+        deadline = time.monotonic() + 5
+        while not failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert failures and "rank 1 missed its lease" in failures[0]
+        c0.close()
+    finally:
+        state.close()
+        server.stop(0)
+
+
+def test_dead_trainer_fails_every_party_naming_its_rank(job_factory):
+    lengths = _lengths(300)
+    spec = JobSpec(world_size=2, token_budget=512, policy="local", window=16, depth=2, seed=2)
+    job = job_factory(spec, lengths, lease_s=3, grace=0.5)
+    c0, c1 = job.client(0), job.client(1)
+    it1 = iter(c1)
+    next(it1)
+    c1.close()  # rank 1's trainer goes away and does not come back
+    t0 = time.monotonic()
+    with pytest.raises(JobFailed, match="rank 1"):
+        for _ in c0:
+            pass
+    assert time.monotonic() - t0 < 15
+    assert job.state.state == "failed" and "rank 1" in job.state.failure
+
+
+def test_ingest_validates_quarantines_and_pushes_back(caplog):
+    spec = JobSpec(world_size=1, token_budget=64, window=4)
+    server, port, state = create_server("127.0.0.1:0", spec, 10, 10)
+    server.start()
+    source = IngestSource(capacity=4)
+    core = RankServiceCore(0, spec, CoordinatorClient(f"127.0.0.1:{port}", 0, spec), source)
+    rserver, rport = create_rank_server("127.0.0.1:0", core)
+    rserver.start()
+    core.start(f"127.0.0.1:{rport}")
+    try:
+        stub = pb_grpc.RankServiceStub(grpc.insecure_channel(f"127.0.0.1:{rport}"))
+
+        def req(i, n, loss=None, ids=None, epoch=0):
+            p = synthetic_payload(i, n, 0, 100)
+            if ids is not None:
+                p["input_ids"] = ids
+            k = int((p["labels"][1:] != -100).sum()) if loss is None else loss
+            return pb.IngestRequest(meta=pb.SampleMeta(id=i, length=n, loss_tokens=k),
+                                    tensors=wire.tensors_to_pb(p), epoch=epoch)
+
+        bad_bytes = req(3, 5)
+        bad_bytes.tensors[0].data = b"\x00\x01"
+        msgs = [req(0, 10), req(1, 12, loss=0), req(2, 7, ids=np.zeros(3, np.int32)), bad_bytes, req(4, 9),
+                pb.IngestRequest(end_of_epoch=True)]
+        with caplog.at_level(logging.WARNING, logger="batchd.rank"):
+            reply = stub.Ingest(iter(msgs), timeout=20)
+        assert reply.accepted == 2
+        reasons = {q.id: q.reason for q in reply.quarantined}
+        assert set(reasons) == {1, 2, 3}
+        assert "loss_tokens" in reasons[1] and "length" in reasons[2] and "bytes" in reasons[3]
+        assert sum("quarantined" in r.message for r in caplog.records) == 3
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Ingest(iter([req(5, 4, epoch=3)]), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "epoch" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Ingest(iter([req(0, 10)]), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        with BatchClient(f"127.0.0.1:{rport}", 0, 1) as c:
+            got = sorted(i for b, _ in c for i in b["sample_ids"].tolist())
+        assert got == [0, 4]
+    finally:
+        core.stop()
+        rserver.stop(0)
+        state.close()
+        server.stop(0)
