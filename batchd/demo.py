@@ -17,10 +17,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Runs in each child before it execs the real command: Linux then sends it SIGTERM when the demo dies,
+# even by SIGKILL (PR_SET_PDEATHSIG survives exec). A launcher rather than Popen(preexec_fn=...): a
+# preexec_fn forces a plain fork() that runs the parent's at-fork handlers, and gRPC's abort the child
+# (epoll_wait: Bad file descriptor) when the parent has gRPC threads, as a test driving the daemon does.
+_PARENT_DEATH_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(143)  # the parent is already gone\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _die_with_parent(argv: list[str]) -> list[str]:
+    """`argv` wrapped so that the child is SIGTERMed when this process dies (Linux; elsewhere unchanged)."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-c", _PARENT_DEATH_LAUNCHER, str(os.getpid()), *argv]
+
+
 class Processes:
     """Children that are terminated (then killed) whatever happens."""
 
@@ -57,11 +79,14 @@ class Processes:
         self.log_dir = log_dir
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        with open(self.log_dir / f"{name}.log", "w") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(_die_with_parent(argv), stdout=log, stderr=subprocess.STDOUT, env=env)
         self.procs.append((name, proc))
         return proc
+
+    def get(self, name: str) -> subprocess.Popen:
+        return dict(self.procs)[name]
 
     def log(self, name: str) -> str:
         path = self.log_dir / f"{name}.log"
@@ -91,13 +116,38 @@ def _wait_port(path: Path, proc: subprocess.Popen, name: str, timeout: float = 6
     raise TimeoutError(f"{name} did not listen within {timeout:g}s")
 
 
-def _spec_args(world_size: int, budget: int, policy: str, window: int, depth: int, seed: int) -> list[str]:
+def spec_args(world_size: int, budget: int, policy: str, window: int, depth: int, seed: int) -> list[str]:
     return ["--world-size", str(world_size), "--token-budget", str(budget), "--policy", policy,
             "--window", str(window), "--depth", str(depth), "--seed", str(seed)]
 
 
-def _trainers(procs: Processes, work: Path, tag: str, world_size: int, common: dict[str, Any],
-              per_rank: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+def rank_argv(spec: list[str], rank: int, coordinator_port: int, lengths_file: Path, port: int,
+              port_file: Path, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The command line of rank service `rank` (`port` 0 picks a free one)."""
+    return [sys.executable, "-m", "batchd", "rank", *spec, "--rank", str(rank),
+            "--coordinator", f"127.0.0.1:{coordinator_port}", "--lengths", str(lengths_file),
+            "--port", str(port), "--port-file", str(port_file), *extra]
+
+
+def start_services(procs: Processes, work: Path, spec: list[str], world_size: int, lengths_file: Path,
+                   coordinator_args: list[str] | tuple[str, ...] = (),
+                   rank_args: list[str] | tuple[str, ...] = ()) -> tuple[int, list[int]]:
+    """Starts the coordinator ("coordinator") and the rank services ("rank-R") on free loopback ports;
+    returns (coordinator port, rank service ports) once every one listens."""
+    coord = procs.start("coordinator", [sys.executable, "-m", "batchd", "coordinator", *spec, "--port", "0",
+                                        "--port-file", str(work / "coord.port"), *coordinator_args])
+    cport = _wait_port(work / "coord.port", coord, "coordinator")
+    ports = []
+    for r in range(world_size):
+        argv = rank_argv(spec, r, cport, lengths_file, 0, work / f"rank-{r}.port", rank_args)
+        p = procs.start(f"rank-{r}", argv)
+        ports.append(_wait_port(work / f"rank-{r}.port", p, f"rank service {r}"))
+    return cport, ports
+
+
+def start_trainers(procs: Processes, work: Path, tag: str, world_size: int, common: dict[str, Any],
+                   per_rank: list[dict[str, Any]]) -> tuple[int, list[Path]]:
+    """Starts `world_size` trainer processes ("TAG-R"); returns (gloo master port, result paths)."""
     port = free_port()
     outs = []
     for r in range(world_size):
@@ -107,15 +157,33 @@ def _trainers(procs: Processes, work: Path, tag: str, world_size: int, common: d
         cfg_path.write_text(json.dumps(cfg))
         procs.start(f"{tag}-{r}", [sys.executable, "-m", "batchd.client._trainer", "--config", str(cfg_path)])
         outs.append(Path(cfg["out"]))
+    return port, outs
+
+
+def wait_trainers(procs: Processes, tag: str, outs: list[Path], timeout: float) -> list[dict[str, Any]]:
+    """Waits for the "TAG-*" trainers; raises with the first failing one's log, else returns results."""
     deadline = time.monotonic() + timeout
-    running = [p for n, p in procs.procs if n.startswith(f"{tag}-")]
-    for p in running:
-        p.wait(max(deadline - time.monotonic(), 1))
-    bad = [(n, p.returncode) for n, p in procs.procs if n.startswith(f"{tag}-") and p.returncode != 0]
+    mine = [(n, p) for n, p in procs.procs if n.startswith(f"{tag}-")]
+    for _, p in mine:
+        try:
+            p.wait(max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"trainers {tag} did not finish within {timeout:g}s") from None
+    bad = [(n, p.returncode) for n, p in mine if p.returncode != 0]
     if bad:
         name = bad[0][0]
         raise RuntimeError(f"trainer {name} exited with {bad[0][1]}:\n{procs.log(name)}")
     return [json.loads(o.read_text()) for o in outs]
+
+
+def _trainers(procs: Processes, work: Path, tag: str, world_size: int, common: dict[str, Any],
+              per_rank: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+    _, outs = start_trainers(procs, work, tag, world_size, common, per_rank)
+    return wait_trainers(procs, tag, outs, timeout)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = DEMO_BUDGET, policy: str = "balanced",
@@ -123,6 +191,8 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
              timeout: float = 900.0, keep_dir: bool = False) -> dict[str, Any]:
     """Runs the demo; returns the summary dict `batchd demo --json` prints."""
     say = progress or (lambda msg: None)
+    if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds like Ctrl-C: children stop
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     work = Path(tempfile.mkdtemp(prefix="batchd-demo-"))
     procs = Processes(work)
     lengths = demo_lengths(num_samples)
@@ -130,18 +200,10 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
     lengths_file.write_text("\n".join(map(str, lengths)) + "\n")
     t_start = time.perf_counter()
     try:
-        spec = _spec_args(world_size, token_budget, policy, window, depth, seed)
+        spec = spec_args(world_size, token_budget, policy, window, depth, seed)
         say(f"starting coordinator and {world_size} rank services ({num_samples} samples, L={token_budget}, "
             f"policy {policy})")
-        coord = procs.start("coordinator", [sys.executable, "-m", "batchd", "coordinator", *spec,
-                                            "--port", "0", "--port-file", str(work / "coord.port")])
-        cport = _wait_port(work / "coord.port", coord, "coordinator")
-        ports = []
-        for r in range(world_size):
-            p = procs.start(f"rank-{r}", [sys.executable, "-m", "batchd", "rank", *spec, "--rank", str(r),
-                                          "--coordinator", f"127.0.0.1:{cport}", "--lengths", str(lengths_file),
-                                          "--port", "0", "--port-file", str(work / f"rank-{r}.port")])
-            ports.append(_wait_port(work / f"rank-{r}.port", p, f"rank service {r}"))
+        _, ports = start_services(procs, work, spec, world_size, lengths_file)
         say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
         results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed},
                             [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout)

@@ -93,8 +93,12 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps) -> None
     from ._collate import idle_batch
 
     client = BatchClient(service, rank, world_size)
+    # Held in a variable: when a step fails, the loop must not close the stream before _job_failure has
+    # asked the service why (a closed stream looks like this trainer died, and would be blamed on it).
+    batches = iter(client)
+    watch = _FailureWatch(client)
     try:
-        for batch, info in client:
+        for batch, info in batches:
             ids = batch.pop("sample_ids").tolist()
             if info.is_idle:
                 result["idle"] += 1
@@ -117,15 +121,51 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps) -> None
     except JobFailed:
         raise
     except Exception as exc:
-        failure = _job_failure(client)
+        failure = _job_failure(client, watch)
         if failure:
             raise JobFailed(f"{failure} (this trainer saw: {type(exc).__name__}: {exc})") from exc
         raise
     finally:
+        watch.stop()
+        batches.close()
         client.close()
 
 
-def _job_failure(client) -> str | None:
+class _FailureWatch:
+    """Polls this rank's service for the job's failure in the background and keeps the message.
+
+    A trainer blocked in a collective learns that a peer died only when a peer it exchanges with
+    drops the connection (in a ring, after its neighbours have exited), by which time its rank service
+    may have failed and exited too; the message kept here still names the rank that caused it.
+    """
+
+    def __init__(self, client, period_s: float = 0.5) -> None:
+        import threading
+
+        self.client, self.period_s = client, period_s
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="batchd-failure-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        import grpc
+
+        from batchd.proto import batchd_pb2 as pb
+
+        while not self._stop.wait(self.period_s):
+            try:
+                failure = self.client.stub.RankStatus(pb.RankStatusRequest(), timeout=2).failure
+            except (grpc.RpcError, ValueError):  # ValueError: the channel was closed under us
+                continue
+            if failure:
+                self.failure = failure
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _job_failure(client, watch: _FailureWatch) -> str | None:
     """After a collective failed, ask this rank's service why (its message names the failed rank)."""
     import grpc
 
@@ -138,9 +178,9 @@ def _job_failure(client) -> str | None:
             if status.failure:
                 return status.failure
         except grpc.RpcError:
-            return f"rank service of rank {client.rank} at {client.address} is gone"
+            return watch.failure or f"rank service of rank {client.rank} at {client.address} is gone"
         time.sleep(0.2)
-    return None
+    return watch.failure
 
 
 def _run_fixed(rank, world_size, lengths, batch_size, seed, model_cfg, ddp, opt, result) -> None:

@@ -84,6 +84,8 @@ class RankServiceCore:
         self.peers: list[str] = []
         self.cond = threading.Condition()
         self.journal = Path(state_dir) / JOURNAL.format(rank=rank) if state_dir else None
+        if self.journal is not None:  # fail here, at startup, rather than mid-round at the first journal
+            self.journal.parent.mkdir(parents=True, exist_ok=True)
         self._clients = 0
         self._grace_timer: threading.Timer | None = None
         self._thread: threading.Thread | None = None
@@ -228,7 +230,9 @@ class RankServiceCore:
     def _fetch(self, s: Sample) -> Payload:
         channel = grpc.insecure_channel(self.peers[s.home_rank], options=GRPC_OPTIONS)
         try:
-            reply = pb_grpc.RankServiceStub(channel).Fetch(pb.FetchRequest(ids=[s.id], epoch=self.epoch), timeout=30)
+            # wait_for_ready: a peer that is restarting (journal replay) is waited for, not failed on
+            reply = pb_grpc.RankServiceStub(channel).Fetch(pb.FetchRequest(ids=[s.id], epoch=self.epoch),
+                                                           timeout=60, wait_for_ready=True)
         finally:
             channel.close()
         return wire.tensors_from_pb(reply.samples[0].tensors)
