@@ -6,6 +6,7 @@
 import os
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", max_examples=60, deadline=None,
@@ -20,3 +21,17 @@ REPO = Path(__file__).resolve().parents[1]
 def workload_dir() -> Path:
     """The shared benchmark workloads (../shared/workloads beside the checkout)."""
     return REPO.parent / "shared" / "workloads"
+
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole test session (2 CPUs, no dashboard), started on first use only."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False)
+    yield ray
+    if started:
+        ray.shutdown()

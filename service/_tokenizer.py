@@ -1,0 +1,129 @@
+"""A tiny byte-level BPE tokenizer trained locally (no downloads), and a picklable tokenizer reference.
+
+`train_tokenizer` trains a byte-level BPE with the `tokenizers` library on the given texts (by default
+the demo dataset's generated text) and adds the special tokens the built-in chat templates and vision
+stages use: ChatML/Qwen2 (`<|im_start|>`, `<|im_end|>`), Qwen2-VL (`<|vision_start|>`, `<|vision_end|>`,
+`<|image_pad|>`), Llama-3 (`<|begin_of_text|>`, `<|start_header_id|>`, `<|end_header_id|>`, `<|eot_id|>`)
+and LLaVA (`<image>`). Id 0 is `<|endoftext|>`, which doubles as the pad token.
+
+`TokenizerRef` is how stages hold a tokenizer: it carries the tokenizer.json *text* (so it pickles to
+any Ray worker, on any node) and builds the `transformers.PreTrainedTokenizerFast` lazily, once per
+process.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>", "<|im_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+    "<image>",
+)
+PAD_TOKEN = "<|endoftext|>"
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048,
+                    special_tokens: Iterable[str] = SPECIAL_TOKENS):
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts` (deterministic for the same input)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("BATCHD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "batchd")
+    return Path(root)
+
+
+def demo_tokenizer(path: str | os.PathLike | None = None, vocab_size: int = 1024) -> Path:
+    """The demo tokenizer.json (trained on the demo generator's text), written to `path` or a cache file.
+
+    Training takes about a second; the cached file is reused (its name carries a hash of the recipe).
+    """
+    from ._demo_data import demo_corpus
+
+    if path is None:
+        recipe = f"v1-{vocab_size}-{','.join(SPECIAL_TOKENS)}".encode()
+        path = _cache_dir() / f"demo-tokenizer-{hashlib.sha1(recipe).hexdigest()[:12]}.json"
+    path = Path(path)
+    if path.exists():
+        return path
+    tok = train_tokenizer(demo_corpus(), vocab_size=vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tok.save(str(tmp))
+    os.replace(tmp, path)
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def _build(json_text: str, pad_token: str | None):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    kwargs: dict[str, Any] = {}
+    if pad_token is not None:
+        kwargs["pad_token"] = pad_token
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json_text), **kwargs)
+
+
+class TokenizerRef:
+    """A picklable handle on an HF fast tokenizer built from a local tokenizer.json.
+
+    Args:
+        source: Path to a tokenizer.json, its JSON text, or another TokenizerRef.
+        pad_token: The pad token (default `<|endoftext|>` when the vocabulary has it).
+    """
+
+    def __init__(self, source: str | os.PathLike | TokenizerRef | None = None, pad_token: str | None = None) -> None:
+        if isinstance(source, TokenizerRef):
+            self.json_text, self.pad_token, self.name = source.json_text, source.pad_token, source.name
+            return
+        if source is None:
+            source = demo_tokenizer()
+        text = os.fspath(source)
+        if text.lstrip().startswith("{"):
+            self.json_text, self.name = text, "<inline tokenizer.json>"
+        else:
+            self.json_text, self.name = Path(text).read_text(encoding="utf-8"), text
+        self.pad_token = pad_token
+        if pad_token is None and f'"{PAD_TOKEN}"' in self.json_text:
+            self.pad_token = PAD_TOKEN
+
+    @property
+    def hf(self):
+        """The `transformers.PreTrainedTokenizerFast` (built once per process)."""
+        return _build(self.json_text, self.pad_token)
+
+    def token_id(self, token: str) -> int:
+        """The id of a token that must be in the vocabulary (a special token, usually)."""
+        i = self.hf.convert_tokens_to_ids(token)
+        if i is None or i == self.hf.unk_token_id or self.hf.convert_ids_to_tokens(i) != token:
+            raise ValueError(f"token {token!r} is not in the tokenizer {self.name}")
+        return int(i)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.hf.pad_token_id) if self.hf.pad_token_id is not None else 0
+
+    def __repr__(self) -> str:
+        return f"TokenizerRef({self.name})"
