@@ -18,33 +18,19 @@ COLLATE = ("packed", "padded")
 
 
 @dataclasses.dataclass(frozen=True)
-class JobSpec:
+class JobSpec(SimConfig):
     """Batching configuration shared by the coordinator and every rank service.
 
-    Fields mirror `batchd.core.SimConfig` (validated by it), plus the collation layout and the
-    attention cost model's quadratic constant.
+    The simulator's fields (`batchd.core.SimConfig`, validated by it) plus the collation layout and the
+    attention cost model's quadratic constant; sampler views are shuffled by default.
     """
 
-    world_size: int
-    token_budget: int
-    policy: str = "local"
-    window: int = 512
-    batch_size: int = 8
-    mode: str = "join"
-    cost: str = "padded"
-    over_budget: str = "singleton"
-    seed: int = 0
     shuffle: bool = True
-    depth: int = 8
-    max_wait: int = 16
-    align: str = "min"
-    refine: bool = True
-    quota: int | None = None
     quadratic: int = 4096
     collate: str = "padded"
 
     def __post_init__(self) -> None:
-        self.sim_config()
+        super().__post_init__()
         check_choice("collate", self.collate, COLLATE)
         if self.mode == "non-join" and self.quota is None:
             raise ValueError("non-join mode needs an explicit sample quota in the job spec, got quota=None")
