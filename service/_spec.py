@@ -7,10 +7,9 @@ silent mismatch (another window, seed or budget on one rank) would break the pro
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
-from batchd.core import CostModel, Policy, SimConfig
+from batchd.core import CostModel, SimConfig
 from batchd.core._types import check_choice
 from batchd.proto import batchd_pb2 as pb
 
@@ -36,13 +35,6 @@ class JobSpec(SimConfig):
             raise ValueError("non-join mode needs an explicit sample quota in the job spec, got quota=None")
         CostModel(self.cost, self.quadratic)
 
-    def sim_config(self) -> SimConfig:
-        fields = {f.name for f in dataclasses.fields(SimConfig)}
-        return SimConfig(**{k: v for k, v in dataclasses.asdict(self).items() if k in fields})
-
-    def make_policy(self) -> Policy:
-        return self.sim_config().make_policy()
-
     def cost_model(self) -> CostModel:
         return CostModel(self.cost, self.quadratic)
 
@@ -53,10 +45,6 @@ class JobSpec(SimConfig):
 
     def replace(self, **changes: Any) -> JobSpec:
         return dataclasses.replace(self, **changes)
-
-    @staticmethod
-    def from_mapping(m: Mapping[str, Any]) -> JobSpec:
-        return JobSpec(**dict(m))
 
     def to_pb(self) -> pb.JobSpec:
         d = dataclasses.asdict(self)
