@@ -123,7 +123,9 @@ def _rank(args: argparse.Namespace) -> int:
     _logging(args)
     lengths = read_lengths(args.lengths) if args.lengths else None
     return run_rank(_spec(args), args.rank, args.coordinator, lengths, args.host, args.port, args.port_file,
-                    args.state_dir, args.client_grace)
+                    args.state_dir, args.client_grace, dataset=args.dataset, tokenizer=args.tokenizer,
+                    num_actors=args.num_actors, ray_address=args.ray_address, quarantine=args.quarantine,
+                    stats_file=args.stats_file)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -131,22 +133,33 @@ def _demo(args: argparse.Namespace) -> int:
 
     progress = None if args.json else (lambda msg: print(f"[batchd demo] {msg}", file=sys.stderr, flush=True))
     summary = run_demo(args.world_size, args.num_samples, args.token_budget, args.policy, args.window, args.depth,
-                       args.seed, baseline=not args.no_baseline, progress=progress)
+                       args.seed, baseline=not args.no_baseline, progress=progress, synthetic=args.synthetic,
+                       dataset=args.dataset, num_actors=args.num_actors, ray_address=args.ray_address,
+                       tokenizer=args.tokenizer)
+    pre = summary.get("preprocess")
+    ok = pre is None or pre["accounting_ok"]
+    if not ok:
+        print(f"batchd demo: error: emitted + quarantined != records read: {pre}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary))
-        return 0
+        return 0 if ok else 1
     print(f"steps per rank      {summary['steps_per_rank']}  (idle rank-steps: {summary['idle']})")
     print(f"samples             {summary['emitted']} emitted, {summary['missing']} missing, "
           f"{summary['duplicates']} duplicated")
     print(f"padding efficiency  {summary['padding_efficiency']:.3f}")
     print(f"loss                {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
     print(f"epoch wall time     {summary['wall_s']:.2f}s")
+    if pre is not None:
+        print(f"preprocessing       {pre['actors']} Ray actors: {pre['samples']} samples + {pre['quarantined']} "
+              f"quarantined = {pre['records_read']} of {pre['records']} records read; "
+              f"{pre['samples_per_s']:.0f} samples/s; trainers waited for data "
+              f"{100 * pre['stall_fraction']:.1f}% of their time (slowest rank)")
     if "baseline" in summary:
         b = summary["baseline"]
         print(f"fixed batching      {b['wall_s']:.2f}s, {b['steps']} steps of {b['batch_size']}, padding "
               f"efficiency {b['padding_efficiency']:.3f}")
         print(f"speedup             {summary['speedup']:.2f}x")
-    return 0
+    return 0 if ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,24 +181,51 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server(p)
     p.add_argument("--rank", type=int, required=True, help="this service's rank")
     p.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's address")
-    p.add_argument("--lengths", default=None, metavar="FILE",
-                   help="serve a synthetic tokenized dataset with these realized lengths (else: Ingest)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", default=None, metavar="FILE",
+                     help="serve a synthetic tokenized dataset with these realized lengths")
+    src.add_argument("--dataset", default=None, metavar="PATH",
+                     help="preprocess these records (Parquet/JSONL/Arrow) with a Ray actor pool "
+                     "(neither --lengths nor --dataset: producers push samples through Ingest)")
+    g = p.add_argument_group("preprocessing (with --dataset)")
+    g.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="tokenizer.json (default: the demo tokenizer, trained locally on first use)")
+    g.add_argument("--num-actors", type=_positive, default=2, metavar="K", help="this rank's actors (default 2)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (default: start a local Ray)")
+    g.add_argument("--quarantine", default=None, metavar="FILE", help="append bad records here (JSONL)")
+    g.add_argument("--stats-file", default=None, metavar="FILE",
+                   help="write the source's counters here as JSON on exit")
     p.add_argument("--state-dir", default=None, help="journal here after every round (restartable)")
     p.add_argument("--client-grace", type=float, default=30.0,
                    help="seconds a disconnected trainer has to come back")
     p.set_defaults(func=_rank)
 
     p = sub.add_parser("demo", help="run the main job end to end on this machine",
-                       description="Starts a coordinator, N rank services and N gloo DDP trainers, trains a "
-                       "tiny causal LM for one epoch through batchd, then with fixed batching, and compares.")
+                       description="Starts a local Ray, a coordinator, N rank services (each preprocessing its "
+                       "view of the dataset with Ray actors: chat template, tokenizer, Qwen2-VL visual tokens) "
+                       "and N gloo DDP trainers, trains a tiny causal LM for one epoch through batchd, then "
+                       "with fixed batching on the same preprocessed samples, and compares. Default data: a "
+                       "generated demo dataset (conversations, images and a few bad records).")
     p.add_argument("--world-size", type=_positive, default=2, metavar="N", help="trainer ranks (default 2)")
-    p.add_argument("--num-samples", type=_positive, default=1024, metavar="M", help="samples (default 1024)")
+    p.add_argument("--num-samples", type=_positive, default=1024, metavar="M",
+                   help="records of the generated dataset, or synthetic samples (default 1024)")
     p.add_argument("--token-budget", type=_positive, default=1024, metavar="L", help="L_max (default 1024)")
     p.add_argument("--policy", choices=POLICIES, default="balanced", help="grouping policy (default balanced)")
     p.add_argument("--window", type=_positive, default=128, help="per-rank window (default 128)")
     p.add_argument("--depth", type=_positive, default=4, help="batches kept ready per rank (default 4)")
     p.add_argument("--seed", type=int, default=0, help="data and sampling seed")
     p.add_argument("--no-baseline", action="store_true", help="skip the fixed-batching comparison run")
+    data = p.add_mutually_exclusive_group()
+    data.add_argument("--dataset", default=None, metavar="PATH",
+                      help="your records (Parquet/JSONL/Arrow IPC) instead of the generated demo dataset")
+    data.add_argument("--synthetic", action="store_true",
+                      help="no Ray: synthetic tokenized samples with long-tail lengths (`batchd rank --lengths`)")
+    p.add_argument("--num-actors", type=_positive, default=2, metavar="K",
+                   help="preprocessing actors in all, spread over the rank services (default 2)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (default: start one local Ray that every rank service joins)")
+    p.add_argument("--tokenizer", default=None, metavar="FILE", help="tokenizer.json (default: the demo's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_demo)
     return parser

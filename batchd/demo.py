@@ -1,10 +1,27 @@
 """`batchd demo`: the main job on an embedded default, end to end, against fixed batching.
 
-One command starts the coordinator, N rank services (each feeding its rank from a synthetic tokenized
-dataset with long-tail realized lengths), and N trainer processes (torch.distributed gloo on CPU) that
-train a tiny causal LM for one epoch through the batchd client. Then it runs the same model on the same
-samples with fixed batching (DistributedSampler semantics, OOM-safe batch size floor(L / longest))
-and reports both. Every process is a child of this one and is terminated on any exit path.
+One command starts one local Ray (or joins `--ray-address`), the coordinator, N rank services and N
+trainer processes (torch.distributed gloo on CPU) that train a tiny causal LM for one epoch through the
+batchd client. Each rank service preprocesses its sampler view of the dataset with its own Ray actors
+(`batchd rank --dataset`: chat template, the demo BPE tokenizer, Qwen2-VL visual tokens with pixel
+values, cutoff L) and batches the realized lengths; the default dataset is generated
+(`make_demo_dataset`: conversations, images and a few deliberately bad records, no downloads). Then it
+runs the same model with fixed batching on the same preprocessed samples (each baseline trainer runs
+the same RaySource view; DistributedSampler semantics, OOM-safe batch size floor(L / longest realized
+length)) and reports both. `synthetic=True` (`--synthetic`) serves synthetic tokenized samples with
+long-tail lengths instead, without Ray (`batchd rank --lengths`).
+
+Every process is a child of this one and is terminated on any exit path; the Ray this demo started is
+shut down on every exit path too (Ctrl-C and SIGTERM included), and its raylet and workers with it.
+
+The JSON's `preprocess` (Ray path only): `actors` (in all), `samples` (emitted by the rank services'
+sources), `quarantined`, `records_read` (= samples + quarantined, must equal `records`, the dataset's
+size: `accounting_ok`), `samples_per_s` (samples / the batchd epoch's wall time: the rate the pipeline
+delivered to training, which backpressure holds to the trainers' pace), `capacity_samples_per_s` (records
+per second of actor busy time, all actors: what the pool could sustain), `actor_busy_fraction` (actor
+time inside preprocessing / (actors x the sources' active time)), and `stall_fraction`: the largest over
+ranks of (trainer time blocked in the batch iterator's `next()`) / (trainer epoch wall time), with
+the per-rank values in `stall_fraction_per_rank`.
 
 Why the tiny model is compute-bound: each step costs ~6 x 0.5M params x padded tokens FLOPs (about
 3 GFLOP for a 1024-token step, ~100 ms on one CPU thread) while the per-step overhead (2 MB gloo
@@ -24,12 +41,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 DEMO_BUDGET = 1024
+SERVICE_START_S = 120.0  # a rank service with --dataset starts its actors before it listens
 
 
 def demo_lengths(num_samples: int, seed: int = 7, longest: int = 512) -> list[int]:
@@ -121,27 +140,34 @@ def spec_args(world_size: int, budget: int, policy: str, window: int, depth: int
             "--window", str(window), "--depth", str(depth), "--seed", str(seed)]
 
 
-def rank_argv(spec: list[str], rank: int, coordinator_port: int, lengths_file: Path, port: int,
+def rank_argv(spec: list[str], rank: int, coordinator_port: int, lengths_file: Path | None, port: int,
               port_file: Path, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """The command line of rank service `rank` (`port` 0 picks a free one)."""
+    """The command line of rank service `rank` (`port` 0 picks a free one; no `lengths_file`: the data
+    source comes from `extra`, e.g. `--dataset`)."""
+    lengths = ["--lengths", str(lengths_file)] if lengths_file is not None else []
     return [sys.executable, "-m", "batchd", "rank", *spec, "--rank", str(rank),
-            "--coordinator", f"127.0.0.1:{coordinator_port}", "--lengths", str(lengths_file),
+            "--coordinator", f"127.0.0.1:{coordinator_port}", *lengths,
             "--port", str(port), "--port-file", str(port_file), *extra]
 
 
-def start_services(procs: Processes, work: Path, spec: list[str], world_size: int, lengths_file: Path,
+def start_services(procs: Processes, work: Path, spec: list[str], world_size: int, lengths_file: Path | None,
                    coordinator_args: list[str] | tuple[str, ...] = (),
-                   rank_args: list[str] | tuple[str, ...] = ()) -> tuple[int, list[int]]:
+                   rank_args: list[str] | tuple[str, ...] | Callable[[int], list[str]] = ()
+                   ) -> tuple[int, list[int]]:
     """Starts the coordinator ("coordinator") and the rank services ("rank-R") on free loopback ports;
-    returns (coordinator port, rank service ports) once every one listens."""
+    returns (coordinator port, rank service ports) once every one listens. `rank_args` may be a function
+    of the rank."""
     coord = procs.start("coordinator", [sys.executable, "-m", "batchd", "coordinator", *spec, "--port", "0",
                                         "--port-file", str(work / "coord.port"), *coordinator_args])
     cport = _wait_port(work / "coord.port", coord, "coordinator")
     ports = []
-    for r in range(world_size):
-        argv = rank_argv(spec, r, cport, lengths_file, 0, work / f"rank-{r}.port", rank_args)
-        p = procs.start(f"rank-{r}", argv)
-        ports.append(_wait_port(work / f"rank-{r}.port", p, f"rank service {r}"))
+    procs_r = []
+    for r in range(world_size):  # started together: each may spend seconds starting its Ray actors
+        extra = rank_args(r) if callable(rank_args) else rank_args
+        argv = rank_argv(spec, r, cport, lengths_file, 0, work / f"rank-{r}.port", extra)
+        procs_r.append(procs.start(f"rank-{r}", argv))
+    for r, p in enumerate(procs_r):
+        ports.append(_wait_port(work / f"rank-{r}.port", p, f"rank service {r}", SERVICE_START_S))
     return cport, ports
 
 
@@ -188,45 +214,191 @@ def _raise_interrupt(signum, frame) -> None:
 
 def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = DEMO_BUDGET, policy: str = "balanced",
              window: int = 128, depth: int = 4, seed: int = 0, baseline: bool = True, progress=None,
-             timeout: float = 900.0, keep_dir: bool = False) -> dict[str, Any]:
-    """Runs the demo; returns the summary dict `batchd demo --json` prints."""
+             timeout: float = 900.0, keep_dir: bool = False, synthetic: bool = False, dataset: str | None = None,
+             num_actors: int = 2, ray_address: str | None = None, tokenizer: str | None = None) -> dict[str, Any]:
+    """Runs the demo; returns the summary dict `batchd demo --json` prints.
+
+    Ray path (default): `dataset` (None: generate `num_samples` demo records), `num_actors` preprocessing
+    actors in all (spread over the ranks, at least one each), `ray_address` (None: start a local Ray
+    here, which every rank service joins), `tokenizer` (None: the demo tokenizer). `synthetic=True`:
+    synthetic samples, no Ray.
+    """
     say = progress or (lambda msg: None)
-    if threading.current_thread() is threading.main_thread():  # SIGTERM unwinds like Ctrl-C: children stop
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:  # SIGTERM unwinds like Ctrl-C: children stop, Ray is shut down
         signal.signal(signal.SIGTERM, _raise_interrupt)
     work = Path(tempfile.mkdtemp(prefix="batchd-demo-"))
     procs = Processes(work)
-    lengths = demo_lengths(num_samples)
-    lengths_file = work / "lengths.txt"
-    lengths_file.write_text("\n".join(map(str, lengths)) + "\n")
+    ray_started = False
     t_start = time.perf_counter()
     try:
         spec = spec_args(world_size, token_budget, policy, window, depth, seed)
-        say(f"starting coordinator and {world_size} rank services ({num_samples} samples, L={token_budget}, "
-            f"policy {policy})")
-        _, ports = start_services(procs, work, spec, world_size, lengths_file)
-        say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
-        results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed},
-                            [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout)
-        summary = summarize(lengths, results)
-        summary["startup_and_teardown_s"] = time.perf_counter() - t_start - summary["wall_s"]
-        if baseline:
-            bs = max(1, token_budget // max(lengths))
-            say(f"baseline: the same epoch with fixed batching (batch size {bs})")
-            base = _trainers(procs, work, "fixed", world_size,
-                             {"mode": "fixed", "seed": seed, "lengths": lengths, "batch_size": bs},
-                             [{} for _ in range(world_size)], timeout)
-            b = summarize(lengths, base, check_coverage=False)
-            summary["baseline"] = {"wall_s": b["wall_s"], "steps": b["steps_per_rank"][0], "batch_size": bs,
-                                   "padding_efficiency": b["padding_efficiency"], "loss_last": b["loss_last"]}
-            summary["speedup"] = b["wall_s"] / summary["wall_s"]
-        return summary
+        if synthetic:
+            return _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline,
+                                  say, timeout, t_start)
+        ray_started = ray_address is None
+        return _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say,
+                        timeout, t_start, dataset, num_actors, ray_address, tokenizer, main_thread)
     finally:
         procs.stop()
+        if ray_started:
+            import ray
+
+            ray.shutdown()
         if not keep_dir:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def summarize(lengths: list[int], results: list[dict[str, Any]], check_coverage: bool = True) -> dict[str, Any]:
+def _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
+                   t_start) -> dict[str, Any]:
+    lengths = demo_lengths(num_samples)
+    lengths_file = work / "lengths.txt"
+    lengths_file.write_text("\n".join(map(str, lengths)) + "\n")
+    say(f"starting coordinator and {world_size} rank services ({num_samples} synthetic samples, L={token_budget}, "
+        f"policy {policy})")
+    _, ports = start_services(procs, work, spec, world_size, lengths_file)
+    say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
+    results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed},
+                        [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout)
+    summary = summarize(lengths, results)
+    summary["startup_and_teardown_s"] = time.perf_counter() - t_start - summary["wall_s"]
+    if baseline:
+        bs = max(1, token_budget // max(lengths))
+        say(f"baseline: the same epoch with fixed batching (batch size {bs})")
+        base = _trainers(procs, work, "fixed", world_size,
+                         {"mode": "fixed", "seed": seed, "lengths": lengths, "batch_size": bs},
+                         [{} for _ in range(world_size)], timeout)
+        _add_baseline(summary, summarize(lengths, base, check_coverage=False), bs)
+    return summary
+
+
+def _add_baseline(summary: dict[str, Any], b: dict[str, Any], bs: int) -> None:
+    summary["baseline"] = {"wall_s": b["wall_s"], "steps": b["steps_per_rank"][0], "batch_size": bs,
+                           "padding_efficiency": b["padding_efficiency"], "loss_last": b["loss_last"],
+                           "stall_fraction": b["stall_fraction"]}
+    summary["speedup"] = b["wall_s"] / summary["wall_s"]
+
+
+def actors_per_rank(num_actors: int, world_size: int) -> list[int]:
+    """`num_actors` spread over the ranks as evenly as possible, at least one per rank."""
+    return [max(1, num_actors // world_size + (1 if r < num_actors % world_size else 0)) for r in range(world_size)]
+
+
+def _vocab_size(tokenizer_json: Path) -> int:
+    """1 + the largest token id of a tokenizer.json (model vocabulary and added tokens)."""
+    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    ids = list(data.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in data.get("added_tokens", [])]
+    return max(ids) + 1
+
+
+def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
+             t_start, dataset, num_actors, ray_address, tokenizer, main_thread) -> dict[str, Any]:
+    from batchd.service._records import Quarantine, RecordDataset
+    from batchd.service._tokenizer import demo_tokenizer
+
+    expected_bad: dict[int, str] | None = None
+    if dataset is None:
+        from batchd.service._demo_data import make_demo_dataset
+
+        demo = make_demo_dataset(work / "data", num_samples=num_samples, seed=seed)
+        dataset, expected_bad = str(demo.path), demo.bad
+        records = demo.num_records
+    else:
+        records = len(RecordDataset(dataset))  # validates the schema here, before any process starts
+    tok = Path(tokenizer) if tokenizer else demo_tokenizer()
+    per_rank = actors_per_rank(num_actors, world_size)
+    if ray_address is None:
+        import ray
+
+        ray.init(num_cpus=sum(per_rank), include_dashboard=False, log_to_driver=False)
+        ray_address = ray.get_runtime_context().gcs_address
+        if main_thread:  # ray.init installs its own SIGTERM handler; ours unwinds through the finally blocks
+            signal.signal(signal.SIGTERM, _raise_interrupt)
+    say(f"Ray at {ray_address}; {sum(per_rank)} preprocessing actors ({per_rank} per rank) on {records} records "
+        f"of {dataset}")
+
+    def rank_args(r: int) -> list[str]:
+        return ["--dataset", str(dataset), "--tokenizer", str(tok), "--num-actors", str(per_rank[r]),
+                "--ray-address", ray_address, "--quarantine", str(work / f"quarantine-{r}.jsonl"),
+                "--stats-file", str(work / f"stats-{r}.json")]
+
+    say(f"starting coordinator and {world_size} rank services (L={token_budget}, policy {policy})")
+    _, ports = start_services(procs, work, spec, world_size, None, rank_args=rank_args)
+    model_cfg = {"vocab_size": _vocab_size(tok)}
+    say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
+    results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed, "model_cfg": model_cfg},
+                        [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout)
+    for r in range(world_size):  # they exit on their own once their trainer took the last batch
+        try:
+            procs.get(f"rank-{r}").wait(60)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"rank service {r} did not exit after the epoch:\n{procs.log(f'rank-{r}')}") from None
+    stats = []
+    for r in range(world_size):
+        path = work / f"stats-{r}.json"
+        if not path.exists():
+            raise RuntimeError(f"rank service {r} wrote no stats (exit {procs.get(f'rank-{r}').returncode}):\n"
+                               f"{procs.log(f'rank-{r}')}")
+        stats.append(json.loads(path.read_text()))
+    quarantined_ids = set()
+    for r in range(world_size):
+        q = work / f"quarantine-{r}.jsonl"
+        if q.exists():
+            quarantined_ids |= {int(line["id"]) for line in Quarantine.read(q)}
+    good = [i for i in range(records) if i not in quarantined_ids]
+    summary = summarize(good, results, expected_ids=good)
+    summary["startup_and_teardown_s"] = time.perf_counter() - t_start - summary["wall_s"]
+    pre = {
+        "actors": sum(s["actors"] for s in stats),
+        "samples": sum(s["samples"] for s in stats),
+        "quarantined": sum(s["quarantined"] for s in stats),
+        "records_read": sum(s["records_read"] for s in stats),
+        "records": records,
+        "samples_per_s": sum(s["samples"] for s in stats) / summary["wall_s"] if summary["wall_s"] > 0 else 0.0,
+        "capacity_samples_per_s": _capacity(stats),
+        "actor_busy_fraction": (sum(s.get("actor_busy_s", 0.0) for s in stats)
+                                / max(sum(s["actors"] * s["wall_s"] for s in stats), 1e-9)),
+        "stall_fraction": summary["stall_fraction"],
+        "stall_fraction_per_rank": summary["stall_fraction_per_rank"],
+        "reasons": _sum_counts(s["reasons"] for s in stats),
+        "retries": sum(s["retries"] for s in stats),
+    }
+    pre["accounting_ok"] = (pre["samples"] + pre["quarantined"] == pre["records_read"] == records
+                            and pre["samples"] == summary["emitted"] and len(quarantined_ids) == pre["quarantined"])
+    if expected_bad is not None:
+        pre["expected_quarantined"] = len(expected_bad)
+        pre["accounting_ok"] = pre["accounting_ok"] and quarantined_ids == set(expected_bad)
+    summary["preprocess"] = pre
+    if baseline:
+        bs = max(1, token_budget // max(r["longest"] for r in results))
+        say(f"baseline: the same epoch with fixed batching on the same preprocessed samples (batch size {bs})")
+        common = {"mode": "fixed", "seed": seed, "batch_size": bs, "model_cfg": model_cfg, "dataset": str(dataset),
+                  "tokenizer": str(tok), "cutoff": token_budget, "ray_address": ray_address}
+        base = _trainers(procs, work, "fixed", world_size, common, [{"num_actors": n} for n in per_rank], timeout)
+        _add_baseline(summary, summarize(good, base, check_coverage=False), bs)
+    return summary
+
+
+def _capacity(stats: list[dict[str, Any]]) -> float | None:
+    """Records the actors preprocess per second of their busy time, all actors together."""
+    busy = sum(s.get("actor_busy_s", 0.0) for s in stats)
+    if busy <= 0:
+        return None
+    return sum(s["records_read"] for s in stats) * sum(s["actors"] for s in stats) / busy
+
+
+def _sum_counts(dicts: Iterable[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+def summarize(lengths: list[int], results: list[dict[str, Any]], check_coverage: bool = True,
+              expected_ids: Iterable[int] | None = None) -> dict[str, Any]:
+    """The demo's metrics over the trainers' results; `missing` counts ids of `expected_ids` (default:
+    0 .. len(lengths) - 1) that no trainer trained on."""
     ids = [i for r in results for step in r["sample_ids"] for i in step]
     counts: dict[int, int] = {}
     for i in ids:
@@ -234,14 +406,17 @@ def summarize(lengths: list[int], results: list[dict[str, Any]], check_coverage:
     real = sum(r["real_tokens"] for r in results)
     padded = sum(r["padded_tokens"] for r in results)
     losses = [x for x in results[0]["losses"] if x == x]
+    stalls = [r.get("wait_s", 0.0) / r["wall_s"] if r["wall_s"] > 0 else 0.0 for r in results]
     return {
         "steps_per_rank": [r["steps"] for r in results],
         "emitted": len(ids),
-        "missing": sum(1 for i in range(len(lengths)) if i not in counts),
+        "missing": sum(1 for i in (range(len(lengths)) if expected_ids is None else expected_ids) if i not in counts),
         "duplicates": sum(c - 1 for c in counts.values() if c > 1),
         "idle": sum(r["idle"] for r in results),
         "real_tokens": real, "padded_tokens": padded,
         "padding_efficiency": real / padded if padded else 1.0,
         "wall_s": max(r["wall_s"] for r in results),
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        "stall_fraction": max(stalls),
+        "stall_fraction_per_rank": stalls,
     }

@@ -22,6 +22,12 @@ length n contributes ``count(labels[1:] != -100)`` tokens (`loss_tokens`). batch
 loss actually averages over. Label position 0 never counts, so setting it to -100 in the packed
 layout changes no sample's count.
 
+Vision inputs: when samples carry ``pixel_values`` (and, for Qwen2-VL, ``image_grid_thw``), both
+layouts add them to the batch, concatenated along dim 0 over the samples that have them, in row
+order: Qwen2-VL ``pixel_values`` [sum of patches, C] and ``image_grid_thw`` [images, 3] (the model
+splits them per image with the grid, as Qwen2-VL's own collator does), LLaVA ``pixel_values``
+[images, 3, S, S]. Their dtype is kept (float32/float16). Samples without images add nothing.
+
 All functions are pure: numpy in, fresh CPU torch tensors out (int64 unless stated).
 """
 
@@ -33,6 +39,7 @@ import numpy as np
 import torch
 
 IGNORE_INDEX = -100
+VISION_KEYS = ("pixel_values", "image_grid_thw")
 
 Payload = Mapping[str, np.ndarray]
 
@@ -73,6 +80,19 @@ def _parse(samples: Sequence[Payload]) -> list[tuple[np.ndarray, np.ndarray]]:
     return out
 
 
+def _vision(samples: Sequence[Payload]) -> dict[str, torch.Tensor]:
+    """The samples' vision tensors, concatenated along dim 0 in sample order (see the module docstring)."""
+    out: dict[str, torch.Tensor] = {}
+    for key in VISION_KEYS:
+        parts = [np.asarray(s[key]) for s in samples if s.get(key) is not None]
+        if parts:
+            try:
+                out[key] = torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=0)))
+            except ValueError as exc:
+                raise ValueError(f"{key}: samples disagree on the trailing shape: {exc}") from None
+    return out
+
+
 def _check_pad_id(pad_id: int) -> int:
     if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
         raise ValueError(f"pad_id must be a non-negative int, got {pad_id=}")
@@ -88,7 +108,8 @@ def collate_padded(samples: Sequence[Payload], pad_id: int = 0) -> dict[str, tor
 
     Returns:
         ``input_ids``, ``attention_mask`` (1 real, 0 pad), ``labels`` (-100 at pads) and
-        ``position_ids`` (0..n-1 on real tokens, 0 on pads), all int64 [B, T].
+        ``position_ids`` (0..n-1 on real tokens, 0 on pads), all int64 [B, T]; plus ``pixel_values``
+        / ``image_grid_thw`` when samples carry them (see the module docstring).
 
     Raises:
         ValueError: on an empty list, a malformed payload or a negative `pad_id`.
@@ -109,6 +130,7 @@ def collate_padded(samples: Sequence[Payload], pad_id: int = 0) -> dict[str, tor
         "attention_mask": torch.from_numpy(mask),
         "labels": torch.from_numpy(labels),
         "position_ids": torch.from_numpy(positions),
+        **_vision(samples),
     }
 
 
@@ -121,7 +143,8 @@ def collate_packed(samples: Sequence[Payload]) -> dict[str, torch.Tensor | int]:
     Returns:
         ``input_ids``, ``labels`` (first token of every sample -100) and ``position_ids``
         (restarting at 0 per sample), int64 [1, S]; ``cu_seqlens`` int32 [B + 1] (cumulative
-        lengths, starting at 0); ``max_seqlen`` (a Python int).
+        lengths, starting at 0); ``max_seqlen`` (a Python int); plus ``pixel_values`` /
+        ``image_grid_thw`` when samples carry them (see the module docstring).
 
     Raises:
         ValueError: on an empty list or a malformed payload.
@@ -140,6 +163,7 @@ def collate_packed(samples: Sequence[Payload]) -> dict[str, torch.Tensor | int]:
         "position_ids": torch.from_numpy(positions[None]),
         "cu_seqlens": torch.from_numpy(cu),
         "max_seqlen": int(lengths.max()),
+        **_vision(samples),
     }
 
 

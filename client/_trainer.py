@@ -8,8 +8,17 @@ Two data paths over the same samples and model:
   batches of B samples, plain per-rank mean loss. B defaults to the out-of-memory-safe choice,
   floor(L_max / longest sample): what a user must pick when lengths are unknown before preprocessing.
 
+With `dataset` (the demo's Ray path), the fixed baseline preprocesses its own view with a `RaySource`
+(the same view, seed and chain as the rank services, so it trains on the same preprocessed samples;
+quarantined records drop out of both). Its ranks then hold different sample counts, so every step
+all-reduces "has data": a rank that runs out while another has data repeats its first batch
+(`DistributedSampler`'s padding by repetition), and the epoch ends when no rank has data.
+
 Every step also all-reduces (loss sum, loss tokens) to log the global per-token loss.
-Writes one JSON result: steps, wall time, losses, sample ids per step, padded and real tokens.
+Writes one JSON result: steps, wall time, losses, sample ids per step, padded and real tokens, the
+longest sample, and `wait_s`: the time the loop spent blocked waiting for its next batch (the
+`next()` of the batch iterator, or the fixed path's polls), from which the demo's stall fraction
+`wait_s / wall_s` comes.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -53,29 +63,48 @@ def fixed_batches(lengths: list[int], rank: int, world_size: int, seed: int, bat
 def run(rank: int, world_size: int, master_port: int, out: str, mode: str = "batchd", service: str = "",
         lengths: list[int] | None = None, batch_size: int = 0, seed: int = 0, lr: float = 1e-3,
         model_cfg: dict[str, Any] | None = None, gloo_timeout_s: float = 60.0, grad_steps: int = 0,
-        dtype: str = "float32", threads: int = 1) -> dict[str, Any]:
+        dtype: str = "float32", threads: int = 1, dataset: str | None = None, tokenizer: str | None = None,
+        cutoff: int = 4096, num_actors: int = 1, ray_address: str | None = None, shuffle: bool = True
+        ) -> dict[str, Any]:
     """Trains one epoch on this rank; writes and returns the result dict."""
     torch.set_num_threads(threads)
     model_cfg = model_cfg or {}
+    source = None
+    if mode != "batchd" and dataset is not None:  # started before the clock, like the rank services
+        from batchd.service._pipeline import RaySource, ensure_ray
+        from batchd.service._stages import default_stages
+
+        ensure_ray(ray_address)
+        source = RaySource(dataset, rank, world_size, seed, 0, shuffle, num_actors=num_actors,
+                           stages=default_stages(tokenizer, cutoff=cutoff))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=gloo_timeout_s))
     model = build_model(model_cfg, seed, getattr(torch, dtype))
     ddp = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     result: dict[str, Any] = {"rank": rank, "mode": mode, "losses": [], "sample_ids": [], "idle": 0,
-                              "real_tokens": 0, "padded_tokens": 0, "grads": []}
+                              "real_tokens": 0, "padded_tokens": 0, "grads": [], "wait_s": 0.0, "longest": 0}
     t0 = time.perf_counter()
     try:
         if mode == "batchd":
             _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps)
+        elif source is not None:
+            _run_fixed_source(source, batch_size, ddp, opt, result)
         else:
             _run_fixed(rank, world_size, lengths or [], batch_size, seed, model_cfg, ddp, opt, result)
         result["wall_s"] = time.perf_counter() - t0
         result["steps"] = len(result["losses"])
         dist.barrier()
     finally:
+        if source is not None:
+            result["preprocess"] = source.stats()
         Path(out).write_text(json.dumps(result))
         dist.destroy_process_group()
+        if source is not None:
+            import ray
+
+            source.close()
+            ray.shutdown()
     return result
 
 
@@ -98,7 +127,16 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps) -> None
     batches = iter(client)
     watch = _FailureWatch(client)
     try:
-        for batch, info in batches:
+        while True:
+            t_wait = time.perf_counter()
+            try:
+                batch, info = next(batches)
+            except StopIteration:
+                break
+            finally:
+                waited = time.perf_counter() - t_wait
+                result["wait_s"] += waited
+                result.setdefault("waits", []).append(round(waited, 5))  # per step, for diagnosis
             ids = batch.pop("sample_ids").tolist()
             if info.is_idle:
                 result["idle"] += 1
@@ -106,6 +144,8 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps) -> None
             else:
                 mask = batch.get("attention_mask")
                 result["real_tokens"] += int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+                if mask is not None:
+                    result["longest"] = max(result["longest"], int(mask.sum(1).max()))
                 result["padded_tokens"] += int(batch["input_ids"].numel())
             scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
             opt.zero_grad(set_to_none=True)
@@ -196,6 +236,45 @@ def _run_fixed(rank, world_size, lengths, batch_size, seed, model_cfg, ddp, opt,
         logits = _forward(ddp, batch)
         s, n = token_loss_sum(logits, batch["labels"])
         (s / max(n, 1)).backward()
+        opt.step()
+        result["sample_ids"].append(ids)
+        _log_global_loss(logits, batch["labels"], result)
+
+
+def _run_fixed_source(source, batch_size, ddp, opt, result) -> None:
+    """The fixed baseline over a `RaySource` (see the module docstring)."""
+    from batchd.service._pipeline import resolve_many
+    from batchd.service._sources import EXHAUSTED
+
+    exhausted, first = False, None
+    while True:
+        t_wait = time.perf_counter()
+        items = []
+        while len(items) < batch_size and not exhausted:
+            item = source.poll(1.0)
+            if item is EXHAUSTED:
+                exhausted = True
+            elif item is not None:
+                items.append(item)
+        ids = [s.id for s, _ in items]
+        payloads = resolve_many([p for _, p in items])
+        result["wait_s"] += time.perf_counter() - t_wait
+        more = torch.tensor([1 if items else 0], dtype=torch.int64)
+        dist.all_reduce(more, op=dist.ReduceOp.MAX)
+        if not int(more):
+            break
+        if not items:  # this rank is done, another is not: repeat the first batch (DistributedSampler padding)
+            ids, payloads = first or ([], [{"input_ids": np.zeros(1, np.int64), "labels": np.full(1, -100)}])
+        elif first is None:
+            first = (ids, payloads)
+        batch = collate_padded(payloads)
+        result["real_tokens"] += int(batch["attention_mask"].sum())
+        result["padded_tokens"] += int(batch["input_ids"].numel())
+        result["longest"] = max(result["longest"], int(batch["attention_mask"].sum(1).max()))
+        opt.zero_grad(set_to_none=True)
+        logits = _forward(ddp, batch)
+        s, n = token_loss_sum(logits, batch["labels"])
+        (s / max(n, 1) if n else logits.sum() * 0.0).backward()
         opt.step()
         result["sample_ids"].append(ids)
         _log_global_loss(logits, batch["labels"], result)

@@ -4,6 +4,12 @@ Both bind port 0 when asked (tests, the demo), print/write the bound port, and e
 the coordinator once the epoch is done or the job failed, a rank service once its trainer has taken
 the last batch or the job failed (after a short linger so every party reads the failure message).
 Exit status: 0 done, 1 job failed, 130 interrupted.
+
+`batchd rank` reads from one of three sources: `--lengths` (synthetic tokenized samples), `--dataset`
+(records preprocessed by a Ray actor pool: `RaySource`; it joins `--ray-address` or starts a local Ray)
+or neither (producers push samples through `Ingest`). With `--stats-file`, a rank service reading a
+dataset writes its source's counters (samples, quarantined, records read, samples/s, actor busy time)
+there as JSON when it exits.
 """
 
 from __future__ import annotations
@@ -61,14 +67,70 @@ def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_
     return 0 if state.state == "done" else 1
 
 
+def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | None = None, num_actors: int = 2,
+                    ray_address: str | None = None, quarantine: str | None = None, cutoff: int | None = None):
+    """Rank `rank`'s `RaySource` over `dataset` with `default_stages(tokenizer)`, in the job's sampler view.
+
+    The chain's cutoff is at most the longest length a lone sample may have under the job's budget and
+    cost (`max_fitting_length`), so no sample ever reaches the rank's own truncation, which could not
+    cut pixel values consistently (the Truncate stage drops whole images).
+    """
+    from batchd.core import max_fitting_length
+
+    from ._pipeline import RaySource, ensure_ray
+    from ._stages import default_stages
+
+    limit = max_fitting_length(spec.token_budget, spec.cost_model())
+    cutoff = limit if cutoff is None else min(cutoff, limit)
+    ensure_ray(ray_address)
+    return RaySource(dataset, rank, spec.world_size, spec.seed, 0, spec.shuffle,
+                     stages=default_stages(tokenizer, cutoff=cutoff), num_actors=num_actors,
+                     quarantine=quarantine, wrap=spec.mode == "non-join")
+
+
+def _write_stats(path: str | None, rank: int, source) -> None:
+    if not path or not hasattr(source, "stats"):
+        return
+    stats = {"rank": rank, **source.stats(), "view": len(source)}
+    try:
+        actors = source.pool.stats(timeout=5.0)
+        stats["actor_busy_s"] = sum(a["busy_s"] for a in actors)
+        stats["actor_cpu_s"] = sum(a["cpu_s"] for a in actors)
+    except Exception as exc:  # noqa: BLE001 - counters are best effort; the sample counts above are exact
+        log.warning("rank %d: no actor stats: %s", rank, exc)
+    p = Path(path)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(stats))
+    os.replace(tmp, p)
+
+
 def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | None, host: str = "127.0.0.1",
              port: int = 0, port_file: str | None = None, state_dir: str | None = None,
-             client_grace_s: float = 30.0, vocab_size: int = 512) -> int:
-    if lengths is None:
+             client_grace_s: float = 30.0, vocab_size: int = 512, dataset: str | None = None,
+             tokenizer: str | None = None, num_actors: int = 2, ray_address: str | None = None,
+             quarantine: str | None = None, stats_file: str | None = None) -> int:
+    if lengths is not None and dataset is not None:
+        raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
+    if dataset is not None:
+        source = make_ray_source(spec, rank, dataset, tokenizer, num_actors, ray_address, quarantine)
+    elif lengths is None:
         source = IngestSource(spec.window)
     else:
         source = SyntheticSource(lengths, rank, spec.world_size, spec.seed, 0, spec.shuffle, vocab_size,
                                  wrap=spec.mode == "non-join")
+    try:
+        return _serve_rank(spec, rank, coordinator, source, host, port, port_file, state_dir, client_grace_s)
+    finally:
+        if dataset is not None:
+            _write_stats(stats_file, rank, source)
+            source.close()
+            import ray
+
+            ray.shutdown()
+
+
+def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source, host: str, port: int, port_file: str | None,
+                state_dir: str | None, client_grace_s: float) -> int:
     coord = CoordinatorClient(coordinator, rank, spec)
     core = RankServiceCore(rank, spec, coord, source, state_dir=state_dir, client_grace_s=client_grace_s)
     server, bound = create_rank_server(f"{host}:{port}", core)

@@ -12,9 +12,13 @@ rank) and `RankStatus`.
 Output flow control: at most `depth` collated batches wait for the trainer (D of the ODB paper); the
 capacity the rank reports is `depth - ready`, so the round never makes more steps than fit.
 
+Payloads: a dict of numpy arrays, or a reference to one (a `RaySource` yields Ray ObjectRefs; the bytes
+stay in the Ray object store). References are resolved at collate time, one `ray.get` per step
+(`resolve_many`), when a peer `Fetch`es a lent sample, and when a restart re-materializes payloads.
+
 Restart: with `state_dir`, after every round the service writes a metadata-only journal (the rank
 state, the source position, the steps the trainer has not acknowledged). A restarted service reloads
-it, re-materializes payloads by id (`SyntheticSource`; see `_sources`), re-registers and resends its
+it, re-materializes payloads by id (`SyntheticSource`, `RaySource`; see `_sources`), re-registers and resends its
 report: the coordinator replays rounds that were already decided, so nothing is lost or duplicated.
 
 Failure: the coordinator's failure (it names the rank) is passed to the trainer as ABORTED. A trainer
@@ -49,6 +53,25 @@ from ._spec import JobSpec
 log = logging.getLogger("batchd.rank")
 
 JOURNAL = "rank-{rank}.json"
+
+
+def resolve_payloads(payloads: list[Any]) -> list[Payload]:
+    """Payload dicts for `payloads`, fetching Ray ObjectRefs with one `ray.get` (Ray is imported only then)."""
+    if all(isinstance(p, dict) for p in payloads):
+        return payloads
+    from ._pipeline import resolve_many
+
+    return resolve_many(payloads)
+
+
+def materialize_many(source, ids: list[int]) -> list[Payload]:
+    """The payload dicts of `ids`, re-made by `source` (in one batch when it can: `RaySource`)."""
+    if not ids:
+        return []
+    many = getattr(source, "materialize_many", None)
+    if many is not None:
+        return list(many(ids))
+    return resolve_payloads([source.materialize(i) for i in ids])
 
 
 def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0) -> dict[str, Any]:
@@ -111,11 +134,11 @@ class RankServiceCore:
         self.epoch = state["epoch"]
         self.state.load_state_dict(state["rank"])
         self.source.load_state_dict(state["source"])
-        for entry in self.state.buffer:
-            self.payloads[entry.sample.id] = self.source.materialize(entry.sample.id)
+        ids = [entry.sample.id for entry in self.state.buffer]
+        self.payloads.update(zip(ids, materialize_many(self.source, ids)))
         for step_json in state["ready"]:
             step = Step.from_json(step_json)
-            payloads = [self.source.materialize(s.id) for s in step.samples]
+            payloads = materialize_many(self.source, [s.id for s in step.samples])
             self.ready.append((step.info.step, step, self._batch(step, payloads)))
         self.acked, self.done = state["acked"], state["done"]
         log.info("rank %d restored from %s at round %d (step %d)", self.rank, self.journal,
@@ -181,8 +204,15 @@ class RankServiceCore:
                 continue
             cut = None
             if self.spec.over_budget == "truncate" and sample.length > self.state.truncate_length:
+                # Cut the token sequences only. Other arrays (pixel_values, image_grid_thw) are kept whole:
+                # an image whose tokens are cut would need the pipeline's spans to drop consistently, which
+                # is why `batchd rank --dataset` preprocesses with cutoff <= truncate_length (the Truncate
+                # stage drops whole images) and never reaches this branch.
                 n = self.state.truncate_length
-                payload = {k: v[:n] for k, v in payload.items()}
+                payload = dict(resolve_payloads([payload])[0])
+                for k in ("input_ids", "labels"):
+                    if k in payload:
+                        payload[k] = payload[k][:n]
                 cut = loss_tokens_of(payload["labels"]) if "labels" in payload else n - 1
             if self.state.push(sample, cut) == "rejected":
                 continue
@@ -237,8 +267,8 @@ class RankServiceCore:
             channel.close()
         return wire.tensors_from_pb(reply.samples[0].tensors)
 
-    def _batch(self, step: Step, payloads: list[Payload]) -> pb.Batch:
-        tensors = collate(self.spec, payloads)
+    def _batch(self, step: Step, payloads: list[Any]) -> pb.Batch:
+        tensors = collate(self.spec, resolve_payloads(payloads))
         return pb.Batch(info=wire.info_to_pb(step.info, self.epoch), tensors=wire.tensors_to_pb(tensors),
                         sample_ids=[s.id for s in step.samples])
 
@@ -395,7 +425,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
 
     def Fetch(self, request, context):
         core = self.core
-        out = []
+        payloads = []
         for i in request.ids:
             payload = core.lent.pop(int(i), None)
             if payload is None:
@@ -403,7 +433,8 @@ class RankServicer(pb_grpc.RankServiceServicer):
                     payload = core.source.materialize(int(i))
                 except (KeyError, IndexError) as exc:
                     context.abort(grpc.StatusCode.NOT_FOUND, f"rank {core.rank} has no payload for sample {i}: {exc}")
-            out.append(pb.IngestRequest(tensors=wire.tensors_to_pb(payload), epoch=core.epoch))
+            payloads.append(payload)
+        out = [pb.IngestRequest(tensors=wire.tensors_to_pb(p), epoch=core.epoch) for p in resolve_payloads(payloads)]
         return pb.FetchReply(samples=out)
 
     def RankStatus(self, request, context):

@@ -199,3 +199,16 @@ def test_model_size_and_determinism():
         TinyCausalLM(d_model=100, n_heads=3)
     with pytest.raises(ValueError, match="n_layers=0"):
         TinyCausalLM(n_layers=0)
+
+
+def test_vision_tensors_are_concatenated_in_sample_order():
+    text = {"input_ids": np.arange(1, 4), "labels": np.arange(1, 4)}
+    a = {"input_ids": np.arange(1, 6), "labels": np.arange(1, 6),
+         "pixel_values": np.ones((4, 6), np.float32), "image_grid_thw": np.array([[1, 2, 2]])}
+    b = {"input_ids": np.arange(1, 3), "labels": np.arange(1, 3),
+         "pixel_values": np.full((8, 6), 2, np.float32), "image_grid_thw": np.array([[1, 2, 2], [1, 2, 2]])}
+    for batch in (collate_padded([a, text, b]), collate_packed([a, text, b])):
+        assert batch["pixel_values"].shape == (12, 6) and batch["pixel_values"].dtype == torch.float32
+        assert batch["pixel_values"][:4].eq(1).all() and batch["pixel_values"][4:].eq(2).all()
+        assert batch["image_grid_thw"].tolist() == [[1, 2, 2]] * 3
+    assert "pixel_values" not in collate_padded([text])

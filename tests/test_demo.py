@@ -1,0 +1,78 @@
+"""`batchd demo --json` through the Ray preprocessing pipeline, as a user runs it (a subprocess).
+
+The demo generates its dataset (conversations, images and a few deliberately bad records), starts one
+local Ray, the coordinator, two rank services that each preprocess their view with a Ray actor, two gloo
+trainers, then the fixed-batching baseline on the same preprocessed samples. Checked: equal steps per
+rank, every good record trained on exactly once, `emitted + quarantined == records read`, exactly the
+generated bad records quarantined, the `preprocess` keys, and that no process of the demo (its children,
+Ray's raylet, GCS and workers) outlives it: they are found by an environment marker they all inherit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from batchd.service._demo_data import demo_bad_ids
+
+pytestmark = pytest.mark.slow
+
+NUM = 128
+
+
+def processes_with_marker(marker: str) -> list[str]:
+    """Live (non-zombie) processes whose environment holds `marker`."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker.encode() not in (proc / "environ").read_bytes():
+                continue
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        found.append(f"{proc.name}: {cmd[:200]}")
+    return found
+
+
+def test_demo_runs_through_the_ray_pipeline():
+    marker = f"BATCHD_TEST_DEMO={uuid.uuid4().hex}"
+    env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "batchd", "demo", "--json", "--num-samples", str(NUM)],
+                          capture_output=True, text=True, timeout=240, env=env)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    steps = s["steps_per_rank"]
+    assert len(steps) == 2 and steps[0] == steps[1] > 0, steps
+    assert s["missing"] == 0 and s["duplicates"] == 0, s
+
+    pre = s["preprocess"]
+    assert {"actors", "samples", "quarantined", "samples_per_s", "stall_fraction"} <= set(pre), pre
+    bad = demo_bad_ids(NUM, 0)
+    assert pre["quarantined"] == len(bad) > 0, pre
+    assert pre["samples"] + pre["quarantined"] == pre["records_read"] == pre["records"] == NUM, pre
+    assert s["emitted"] == pre["samples"] == NUM - len(bad), (s["emitted"], pre)
+    assert pre["accounting_ok"] is True and pre["actors"] == 2, pre
+    assert 0.0 <= pre["stall_fraction"] < 1.0 and pre["samples_per_s"] > 0, pre
+
+    b = s["baseline"]
+    assert b["steps"] > 0 and b["batch_size"] >= 1 and s["speedup"] > 0, b
+
+    deadline = time.monotonic() + 15  # Ray's processes are killed by ray.shutdown(); allow them to exit
+    left = processes_with_marker(marker)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = processes_with_marker(marker)
+    assert not left, "processes outlived the demo:\n" + "\n".join(left)
+    print(f"demo: {elapsed:.1f}s, stall {pre['stall_fraction']:.3f}, {pre['samples_per_s']:.0f} samples/s")
