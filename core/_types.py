@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 # JSON keys of a serialized sample (compact: samples appear by the hundred thousand in states).
 _ID, _LEN, _LOSS, _HOME, _MOD = "i", "n", "l", "h", "m"
@@ -34,42 +34,50 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     return value
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Sample:
-    """Metadata of one preprocessed sample.
+class _SampleFields(NamedTuple):
+    id: int
+    length: int
+    loss_tokens: int
+    home_rank: int
+    modality_tokens: tuple[tuple[str, int], ...]
+
+
+class Sample(_SampleFields):
+    """Metadata of one preprocessed sample (an immutable named tuple: ~0.5 us to build, which matters
+    at 10^5 samples/s per rank; a frozen dataclass costs twice that).
 
     Attributes:
         id: Dataset-wide sample id (>= 0), unique within an epoch.
         length: Realized length in tokens (>= 1).
-        loss_tokens: Tokens that carry loss (labels != -100); -1 means "all of them" (= length).
+        loss_tokens: Tokens that carry loss (labels != -100); -1 on construction means "all of them".
         home_rank: The rank whose sampler view produced the sample.
         modality_tokens: Optional per-modality counts, e.g. (("text", 300), ("vision", 1024)).
     """
 
-    id: int
-    length: int
-    loss_tokens: int = -1
-    home_rank: int = 0
-    modality_tokens: tuple[tuple[str, int], ...] = ()
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        i, n, k, h = self.id, self.length, self.loss_tokens, self.home_rank
-        if k == -1 and type(n) is int:
-            object.__setattr__(self, "loss_tokens", n)
-            k = n
-        # Fast path (the daemon builds ~10^5 samples/s): exact ints in range need no further checks.
-        if not (type(i) is int and type(n) is int and type(k) is int and type(h) is int
-                and i >= 0 and n >= 1 and 0 <= k <= n and h >= 0):
-            check_int("id", i, lo=0)
-            check_int("length", n, lo=1)
-            check_int("home_rank", h, lo=0)
-            check_int("loss_tokens", k, lo=0, hi=n)
-        if not self.modality_tokens:
-            return
-        for entry in self.modality_tokens:
-            if len(entry) != 2 or not isinstance(entry[0], str):
-                raise ValueError(f"modality_tokens entries must be (name, count), got {entry!r}")
-            check_int(f"modality_tokens[{entry[0]!r}]", entry[1], lo=0)
+    def __new__(cls, id: int, length: int, loss_tokens: int = -1, home_rank: int = 0,
+                modality_tokens: tuple[tuple[str, int], ...] = ()) -> Sample:
+        if loss_tokens == -1 and type(length) is int:
+            loss_tokens = length
+        # Fast path: exact ints in range need no further checks.
+        if not (type(id) is int and type(length) is int and type(loss_tokens) is int and type(home_rank) is int
+                and id >= 0 and length >= 1 and 0 <= loss_tokens <= length and home_rank >= 0):
+            check_int("id", id, lo=0)
+            check_int("length", length, lo=1)
+            check_int("home_rank", home_rank, lo=0)
+            check_int("loss_tokens", loss_tokens, lo=0, hi=length)
+        if modality_tokens:
+            modality_tokens = tuple(modality_tokens)
+            for entry in modality_tokens:
+                if len(entry) != 2 or not isinstance(entry[0], str):
+                    raise ValueError(f"modality_tokens entries must be (name, count), got {entry!r}")
+                check_int(f"modality_tokens[{entry[0]!r}]", entry[1], lo=0)
+        return tuple.__new__(cls, (id, length, loss_tokens, home_rank, modality_tokens))
+
+    def replace(self, **changes: Any) -> Sample:
+        """A copy with some fields changed (validated again)."""
+        return Sample(**{**self._asdict(), **changes})
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {_ID: self.id, _LEN: self.length, _HOME: self.home_rank}

@@ -60,7 +60,7 @@ def make_payload(sample_id: int, length: int) -> dict[str, np.ndarray]:
 
 def rescale(step: tuple[Step, ...], true_loss: dict[int, int]) -> list[Step]:
     """The global step with each Sample's loss_tokens, the totals and the loss scales recomputed."""
-    groups = [tuple(dataclasses.replace(s, loss_tokens=true_loss[s.id]) for s in st.samples) for st in step]
+    groups = [tuple(s.replace(loss_tokens=true_loss[s.id]) for s in st.samples) for st in step]
     local = [sum(s.loss_tokens for s in g) for g in groups]
     total = sum(local)
     return [Step(g, dataclasses.replace(st.info, local_loss_tokens=t, global_loss_tokens=total,
