@@ -54,27 +54,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DEFAULT_WORKLOADS, REPO, revision, table, update_section  # noqa: E402
+from _mdsection import DEFAULT_WORKLOADS, REPO, format_profile, idle_share, merged_stats, revision, table, update_section  # noqa: E402
 
 SECTION = "align-latency"
 BUDGET, WINDOW, DEPTH = 8192, 64, 8
 TARGET_P99_MS, TARGET_N = 5.0, 64
-
-
-def idle_share(seconds: float = 3.0) -> float:
-    """Share of the machine's CPU time that was idle over the next `seconds` (from /proc/stat)."""
-    def snap() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:]]
-        return vals[3] + vals[4], sum(vals)
-
-    try:
-        i0, t0 = snap()
-        time.sleep(seconds)
-        i1, t1 = snap()
-    except OSError:
-        return float("nan")
-    return (i1 - i0) / max(t1 - t0, 1)
 
 
 def job_spec(world_size: int):
@@ -91,43 +75,6 @@ def pct(xs: list[float], q: float) -> float:
         return float("nan")
     k = max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))
     return s[k]
-
-
-class _Snapshot:
-    """A per-thread profiler's completed calls, read without disabling it from another thread.
-
-    `Profile.create_stats()` (what `pstats.Stats(profile)` calls) closes the frames still open in the
-    profiled thread with the *calling* thread's `thread_time`, which charges garbage to whatever was
-    blocked or running at that moment; `snapshot_stats()` counts only completed calls.
-    """
-
-    def __init__(self, prof) -> None:
-        prof.snapshot_stats()
-        self.stats = prof.stats
-
-    def create_stats(self) -> None:
-        pass
-
-
-def merged_stats(profiles):
-    import pstats
-
-    stats = None
-    for prof in profiles:
-        snap = _Snapshot(prof)
-        if not snap.stats:
-            continue
-        stats = pstats.Stats(snap) if stats is None else (stats.add(snap) or stats)
-    return stats
-
-
-def format_profile(stats, top: int) -> str:
-    import io
-
-    buf = io.StringIO()
-    stats.stream = buf
-    stats.sort_stats("tottime").print_stats(top)
-    return buf.getvalue().rstrip() + "\n"
 
 
 PROFILE_GROUPS = (

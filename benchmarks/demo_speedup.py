@@ -32,25 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import REPO, revision, table, update_section  # noqa: E402
+from _mdsection import REPO, idle_share, revision, table, update_section  # noqa: E402
 
 SECTION = "demo"
-
-
-def idle_share(seconds: float = 3.0) -> float:
-    """Share of the machine's CPU time that was idle over the next `seconds` (from /proc/stat)."""
-    def snap() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:]]
-        return vals[3] + vals[4], sum(vals)
-
-    try:
-        i0, t0 = snap()
-        time.sleep(seconds)
-        i1, t1 = snap()
-    except OSError:
-        return float("nan")
-    return (i1 - i0) / max(t1 - t0, 1)
 
 
 def run_demo(extra: list[str], timeout: float) -> dict:

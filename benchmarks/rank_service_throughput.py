@@ -37,65 +37,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DEFAULT_WORKLOADS, revision, table, update_section  # noqa: E402
+from _mdsection import DEFAULT_WORKLOADS, format_profile, idle_share, merged_stats, revision, table, update_section  # noqa: E402
 
 SECTION = "rank-service"
 BUDGET, WINDOW, DEPTH = 8192, 512, 8
 # The GPU step this is compared with: a ~100M-parameter model on 8k tokens.
 PARAMS, PEAK_TFLOPS, MFU = 1e8, 989.0, 0.5
-
-
-class _Snapshot:
-    """A per-thread profiler's completed calls, read without disabling it from another thread.
-
-    `Profile.create_stats()` (what `pstats.Stats(profile)` calls) closes the frames still open in the
-    profiled thread with the *calling* thread's `thread_time`, which charges garbage to whatever was
-    blocked or running at that moment; `snapshot_stats()` counts only completed calls.
-    """
-
-    def __init__(self, prof) -> None:
-        prof.snapshot_stats()
-        self.stats = prof.stats
-
-    def create_stats(self) -> None:
-        pass
-
-
-def idle_share(seconds: float = 3.0) -> float:
-    """Share of the machine's CPU time that was idle over the next `seconds` (from /proc/stat)."""
-    def snap() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:]]
-        return vals[3] + vals[4], sum(vals)
-
-    try:
-        i0, t0 = snap()
-        time.sleep(seconds)
-        i1, t1 = snap()
-    except OSError:
-        return float("nan")
-    return (i1 - i0) / max(t1 - t0, 1)
-
-
-def merged_stats(profiles):
-    import pstats
-
-    stats = None
-    for prof in profiles:
-        snap = _Snapshot(prof)
-        if not snap.stats:
-            continue
-        stats = pstats.Stats(snap) if stats is None else (stats.add(snap) or stats)
-    return stats
-
-
-def format_profile(stats, top: int) -> str:
-    import io
-
-    buf = io.StringIO()
-    stats.stream = buf
-    stats.sort_stats("tottime").print_stats(top)
-    return buf.getvalue().rstrip() + "\n"
 
 
 def cpu_s() -> float:
