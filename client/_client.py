@@ -17,6 +17,7 @@ frees them. Every rank yields the same number of steps (the service's alignment 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -52,7 +53,7 @@ class BatchClient:
         reconnect_timeout_s: How long to retry an unreachable rank service.
     """
 
-    def __init__(self, address: str, rank: int, world_size: int, epoch: int = 0, credits: int = 2,
+    def __init__(self, address: str, rank: int, world_size: int, epoch: int = 0, credits: int = 4,
                  reconnect_timeout_s: float = 30.0) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got {rank=} {world_size=}")
@@ -110,6 +111,8 @@ class BatchClient:
                 raise BatchdError(f"rank service of rank {self.rank} at {self.address}: {code.name}: {details}") from None
 
     def _stream(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:
+        """One `Batches` call. A receiver thread reads and decodes up to `credits` batches ahead while the
+        trainer computes (torch releases the GIL), so receiving and decoding hide behind the step."""
         acks: queue.Queue = queue.Queue()
 
         def requests():
@@ -118,22 +121,62 @@ class BatchClient:
                 yield pb.BatchRequest(ack_step=ack)
 
         call = self.stub.Batches(requests())
+        ready: queue.Queue = queue.Queue(maxsize=self.credits)
+        stop = threading.Event()
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def receive(expected: int) -> None:
+            try:
+                for batch in call:
+                    if batch.end_of_epoch:
+                        put(_END)
+                        return
+                    info = wire.info_from_pb(batch.info)
+                    if info.step != expected:
+                        raise BatchdError(f"rank {self.rank}: expected step {expected}, got {info.step}")
+                    tensors = {name: torch.from_numpy(arr.copy()) for name, arr in
+                               wire.tensors_from_pb(batch.tensors).items()}
+                    if "cu_seqlens" in tensors:
+                        tensors["max_seqlen"] = int((tensors["cu_seqlens"][1:] - tensors["cu_seqlens"][:-1]).max())
+                    tensors["sample_ids"] = torch.tensor(list(batch.sample_ids), dtype=torch.int64)
+                    expected += 1
+                    if not put((tensors, info)):
+                        return
+                put(_EOF)
+            except Exception as exc:  # noqa: BLE001 - re-raised in the iterating thread
+                put(exc)
+
+        receiver = threading.Thread(target=receive, args=(self.next_step,), name=f"batchd-client-{self.rank}",
+                                    daemon=True)
+        receiver.start()
         try:
-            for batch in call:
-                if batch.end_of_epoch:
+            while True:
+                item = ready.get()
+                if item is _END:
                     self.finished = True
                     return
-                info = wire.info_from_pb(batch.info)
-                if info.step != self.next_step:
-                    raise BatchdError(f"rank {self.rank}: expected step {self.next_step}, got {info.step}")
-                tensors = {name: torch.from_numpy(arr.copy()) for name, arr in
-                           wire.tensors_from_pb(batch.tensors).items()}
-                if "cu_seqlens" in tensors:
-                    tensors["max_seqlen"] = int((tensors["cu_seqlens"][1:] - tensors["cu_seqlens"][:-1]).max())
-                tensors["sample_ids"] = torch.tensor(list(batch.sample_ids), dtype=torch.int64)
+                if item is _EOF:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                tensors, info = item
                 self.next_step = info.step + 1
                 yield tensors, info
                 acks.put(self.next_step)
         finally:
+            stop.set()
             acks.put(None)
             call.cancel()
+            receiver.join(5)
+
+
+_END = object()  # the service said: end of epoch
+_EOF = object()  # the stream closed without saying so
