@@ -11,7 +11,8 @@ Setup (all on one machine, loopback TCP):
   `CoordinatorClient.align` -> `apply` -> `CoordinatorClient.commit` -> `finalize`. The trainer is
   assumed to drain every step at once, so every round offers capacity 8. The ranks' samples are
   built before the clock starts (lengths drawn with `random.Random(seed + rank).choices` from
-  odb-synthetic; ids rank + N*i), so the window fill is just `RankState.push`;
+  odb-synthetic; ids rank + N*i), so the window fill is just `RankState.push`; they are then
+  `gc.freeze()`d, so the cyclic GC does not rescan them (a rank service only holds one window);
 - the N clients are threads spread over `--client-procs` processes (default 2: ranks 0..N/2-1 in
   one, the rest in the other), so a rank's Python work shares a GIL with N/2 - 1 others; the machine
   the published numbers come from has 2 cores, shared by the coordinator and both client processes.
@@ -40,7 +41,7 @@ Usage: python benchmarks/align_latency.py [--ranks 8,32,64] [--rounds 250] [--wa
 from __future__ import annotations
 
 import argparse
-import io
+import gc
 import multiprocessing as mp
 import os
 import platform
@@ -192,6 +193,10 @@ def client_main(ranks: list[int], world_size: int, address: str, pool: list[int]
     for r in ranks:
         lengths = random.Random(1000 + r).choices(pool, k=per_rank)
         data[r] = [Sample(r + world_size * i, n, n - 1, r) for i, n in enumerate(lengths)]
+    # The pre-built samples (up to ~600k objects per process) would make every full cyclic-GC pass scan
+    # them, stalling all rank threads of the process for ~100 ms; a rank service holds one window.
+    gc.collect()
+    gc.freeze()
     clients = {r: CoordinatorClient(address, r, spec) for r in ranks}
     failures: list[str] = []
     for r in ranks:
@@ -534,8 +539,8 @@ def main(argv: list[str] | None = None) -> int:
         f"`apply` -> `CoordinatorClient.commit` -> `finalize`; policy local, window {WINDOW}, depth {DEPTH}, "
         f"L={BUDGET}, lengths drawn from odb-synthetic, every round offers capacity {DEPTH}) as **threads "
         f"in {args.client_procs} client processes** (one `CoordinatorClient` per rank, registered, with "
-        f"heartbeats). {args.warmup} warm-up rounds are discarded, then {args.rounds} rounds are measured "
-        "per N.",
+        f"heartbeats; the pre-built samples are `gc.freeze()`d). {args.warmup} warm-up rounds are "
+        f"discarded, then {args.rounds} rounds are measured per N.",
         "",
         "- **coord**: the coordinator's own figure, `Status().round_latency_ms` (first Align received -> "
         "round totals decided; the full per-round record is taken from the coordinator process because "

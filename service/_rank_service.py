@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import numpy as np
 
 from batchd import wire
 from batchd.core import RankState, Sample, Step
