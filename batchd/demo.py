@@ -24,9 +24,10 @@ ranks of (trainer time blocked in the batch iterator's `next()`) / (trainer epoc
 the per-rank values in `stall_fraction_per_rank`.
 
 Why the tiny model is compute-bound: each step costs ~6 x 0.5M params x padded tokens FLOPs (about
-3 GFLOP for a 1024-token step, ~100 ms on one CPU thread) while the per-step overhead (2 MB gloo
-all-reduce, AdamW over 0.5M params, Python) is a few ms, so wall time follows padded tokens and step
-count, which is what batching changes.
+3 GFLOP for a 1024-token step, ~70-80 ms on one CPU thread), while the per-step overhead (2 MB gloo
+all-reduce, AdamW over 0.5M params, Python) measures ~11-15 ms (docs/benchmarks.md fits both): a full
+batchd step is ~85% per-token work, so wall time follows padded tokens and step count, which is what
+batching changes; the baseline's tiny OOM-safe batches pay the per-step cost about 5x more often.
 """
 
 from __future__ import annotations
