@@ -47,8 +47,7 @@ def build_model(model_cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = t
     return TinyCausalLM(**{**MODEL_DEFAULTS, **model_cfg}).to(dtype)
 
 
-def fixed_batches(lengths: list[int], rank: int, world_size: int, seed: int, batch_size: int,
-                  vocab_size: int) -> list[list[int]]:
+def fixed_batches(lengths: list[int], rank: int, world_size: int, seed: int, batch_size: int) -> list[list[int]]:
     """The baseline's batches of sample ids for `rank` (DistributedSampler semantics, shuffle on)."""
     from batchd.core import epoch_permutation
 
@@ -226,7 +225,7 @@ def _run_fixed(rank, world_size, lengths, batch_size, seed, model_cfg, ddp, opt,
     from batchd.service._sources import synthetic_payload
 
     vocab = {**MODEL_DEFAULTS, **model_cfg}["vocab_size"]
-    for ids in fixed_batches(lengths, rank, world_size, seed, batch_size, vocab):
+    for ids in fixed_batches(lengths, rank, world_size, seed, batch_size):
         payloads = [synthetic_payload(i, lengths[i], seed, vocab) for i in ids]
         batch = collate_padded(payloads)
         result["real_tokens"] += int(batch["attention_mask"].sum())

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -184,12 +183,11 @@ class SimMetrics:
         self.idle = self.emitted = self.moved = self.real = self.padded = self.over_budget = 0
         self.slowest = 0.0
         self.loss_err = 0.0
-        self.step_mean_len: list[float] = []
 
     def add(self, step: tuple[Step, ...]) -> None:
         c = self.c
         slowest, num, den = 0.0, 0.0, 0
-        tokens = count = 0
+        rank_sums = []
         for rank, s in enumerate(step):
             self.steps[rank] += 1
             if s.info.is_idle:
@@ -206,17 +204,15 @@ class SimMetrics:
             slowest = max(slowest, cost)
             if cost > c.token_budget and not (len(lengths) == 1):
                 self.over_budget += 1
-            tokens += sum(lengths)
-            count += len(lengths)
             rank_sum = math.fsum(synthetic_token_loss(x.id) * x.loss_tokens for x in s.samples)
+            rank_sums.append(rank_sum)
             if s.info.local_loss_tokens:
                 num += rank_sum / s.info.local_loss_tokens * s.info.loss_scale
             den += s.info.local_loss_tokens
         if den:
-            ref = math.fsum(synthetic_token_loss(x.id) * x.loss_tokens for s in step for x in s.samples) / den
+            ref = math.fsum(rank_sums) / den
             self.loss_err = max(self.loss_err, abs(num / len(step) - ref))
         self.slowest += slowest
-        self.step_mean_len.append(tokens / count if count else 0.0)
 
     def result(self, sim: Simulator, wall_s: float) -> dict[str, Any]:
         c = self.c
@@ -272,6 +268,3 @@ def read_lengths(path: str) -> list[int]:
             out.append(n)
     return out
 
-
-def dumps(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=False)
