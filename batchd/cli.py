@@ -1,4 +1,10 @@
-"""The `batchd` command line: simulate, coordinator, rank, demo."""
+"""The `batchd` command line: simulate, config, coordinator, rank, demo, bench.
+
+`batchd coordinator` and `batchd rank` take a job config file (`--config`, see `batchd._config`);
+every flag overrides one key of it, and the merged result is validated before anything starts.
+Errors (bad flags, bad config, a dead peer) exit with status 2 and a one-line message naming the field
+or party; a failed job exits 1, Ctrl-C / SIGTERM 130.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from batchd._config import load_config
 from batchd.core import COST_MODELS, MODES, OVER_BUDGET, POLICIES, SimConfig, read_lengths, simulate
 
 
@@ -20,45 +27,63 @@ def _positive(text: str) -> int:
     return value
 
 
+# Flags default to None ("not given") so a config file's value survives unless the flag is given;
+# the help strings state the built-in defaults, which live in the config dataclasses / SimConfig.
+
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "simulate",
         help="run N virtual ranks and the coordinator over a length file (the daemon's core code)",
         description="Simulates one epoch of batchd over realized lengths (one integer per line; the sample "
-        "id is the 0-based line number) and prints the batching metrics.",
+        "id is the 0-based line number) and prints the batching metrics. With --config, the [job] section "
+        "of a job config is the starting point and flags override it.",
     )
     p.add_argument("--lengths", required=True, metavar="FILE", help="one integer length per line")
-    p.add_argument("--world-size", type=_positive, required=True, metavar="N", help="number of ranks")
-    p.add_argument("--token-budget", type=_positive, required=True, metavar="L", help="L_max per rank step")
-    p.add_argument("--policy", choices=POLICIES, default="local", help="grouping policy (default: local)")
-    p.add_argument("--window", type=_positive, default=512, metavar="W", help="per-rank buffer in samples")
-    p.add_argument("--batch-size", type=_positive, default=8, metavar="B", help="B of fixed/sorted")
-    p.add_argument("--mode", choices=MODES, default="join", help="termination mode (default: join)")
-    p.add_argument("--cost", choices=COST_MODELS, default="padded", help="cost model (default: padded)")
-    p.add_argument("--over-budget", choices=OVER_BUDGET, default="singleton",
-                   help="samples longer than L (default: singleton)")
-    p.add_argument("--seed", type=int, default=0, help="seeds views and emission order")
-    p.add_argument("--shuffle", action="store_true", help="permute ids before splitting them over ranks")
-    p.add_argument("--depth", type=_positive, default=8, metavar="D",
-                   help="output slots per rank (alignment capacity)")
-    p.add_argument("--max-wait", type=_positive, default=16, help="rounds a sample may wait in a window")
-    p.add_argument("--align", choices=("min", "odb"), default="min",
-                   help="DGAP target rule (policy odb always uses odb)")
-    p.add_argument("--quota", type=int, default=None, help="non-join sample quota (default: all samples)")
-    p.add_argument("--no-refine", action="store_true", help="balanced: skip the capacity binary search")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--config", default=None, metavar="FILE", help="job config (TOML/YAML); its [job] is used")
+    p.add_argument("--world-size", type=_positive, metavar="N", help="number of ranks (required without --config)")
+    p.add_argument("--token-budget", type=_positive, metavar="L",
+                   help="L_max per rank step (required without --config)")
+    p.add_argument("--policy", choices=POLICIES, help="grouping policy (default: local)")
+    p.add_argument("--window", type=_positive, metavar="W", help="per-rank buffer in samples (default 512)")
+    p.add_argument("--batch-size", type=_positive, metavar="B", help="B of fixed/sorted (default 8)")
+    p.add_argument("--mode", choices=MODES, help="termination mode (default: join)")
+    p.add_argument("--cost", choices=COST_MODELS, help="cost model (default: padded)")
+    p.add_argument("--over-budget", choices=OVER_BUDGET, help="samples longer than L (default: singleton)")
+    p.add_argument("--seed", type=int, help="seeds views and emission order (default 0)")
+    p.add_argument("--shuffle", action="store_const", const=True,
+                   help="permute ids before splitting them over ranks (default: off)")
+    p.add_argument("--depth", type=_positive, metavar="D", help="output slots per rank (alignment capacity, default 8)")
+    p.add_argument("--max-wait", type=_positive, help="rounds a sample may wait in a window (default 16)")
+    p.add_argument("--align", choices=("min", "odb"), help="DGAP target rule (default min; policy odb always uses odb)")
+    p.add_argument("--quota", type=int, help="non-join sample quota (default: all samples)")
+    p.add_argument("--no-refine", dest="refine", action="store_const", const=False,
+                   help="balanced: skip the capacity binary search")
+    p.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_simulate)
 
 
+SIM_KEYS = ("world_size", "token_budget", "policy", "window", "batch_size", "mode", "cost", "over_budget", "seed",
+            "shuffle", "depth", "max_wait", "align", "quota", "refine")
+
+
 def _simulate(args: argparse.Namespace) -> int:
+    from batchd._progress import Progress
+
+    given = {k: getattr(args, k) for k in SIM_KEYS if getattr(args, k) is not None}
+    if args.config:
+        job = load_config(args.config, {f"job.{k}": v for k, v in given.items()}, check_files=False).job
+        fields = {k: getattr(job, k) for k in SIM_KEYS}
+    else:
+        for req in ("world_size", "token_budget"):
+            if req not in given:
+                raise ValueError(f"--{req.replace('_', '-')} is required (or give --config with [job] {req})")
+        fields = given
+    config = SimConfig(**fields)
     lengths = read_lengths(args.lengths)
-    config = SimConfig(
-        world_size=args.world_size, token_budget=args.token_budget, policy=args.policy, window=args.window,
-        batch_size=args.batch_size, mode=args.mode, cost=args.cost, over_budget=args.over_budget,
-        seed=args.seed, shuffle=args.shuffle, depth=args.depth, max_wait=args.max_wait, align=args.align,
-        refine=not args.no_refine, quota=args.quota,
-    )
-    result = simulate(lengths, config)
+    total = len(lengths) if config.quota is None else min(config.quota, len(lengths))
+    with Progress(total, "simulate", "samples", enabled=not (args.json or args.quiet)) as bar:
+        result = simulate(lengths, config, on_step=lambda step: bar.update(sum(len(s.samples) for s in step)))
     if args.json:
         print(json.dumps(result))
     else:
@@ -70,62 +95,145 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="job config file (TOML, or YAML by extension); flags override its keys. "
+                   "`batchd config --example` prints a commented one")
+
+
 def _add_spec(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("job spec (identical on the coordinator and every rank)")
-    g.add_argument("--world-size", type=_positive, required=True, metavar="N", help="number of ranks")
-    g.add_argument("--token-budget", type=_positive, required=True, metavar="L", help="L_max per rank step")
-    g.add_argument("--policy", choices=POLICIES, default="local", help="grouping policy (default: local)")
-    g.add_argument("--window", type=_positive, default=512, metavar="W", help="per-rank buffer in samples")
-    g.add_argument("--depth", type=_positive, default=8, metavar="D", help="batches a rank keeps ready")
-    g.add_argument("--batch-size", type=_positive, default=8, metavar="B", help="B of fixed/sorted")
-    g.add_argument("--mode", choices=MODES, default="join", help="termination mode (default: join)")
-    g.add_argument("--quota", type=int, default=None, help="non-join sample quota (required in non-join)")
-    g.add_argument("--cost", choices=COST_MODELS, default="padded", help="cost model (default: padded)")
-    g.add_argument("--over-budget", choices=OVER_BUDGET, default="singleton", help="samples longer than L")
-    g.add_argument("--collate", choices=("padded", "packed"), default="padded", help="batch layout")
-    g.add_argument("--seed", type=int, default=0, help="seeds sampler views and emission order")
-    g.add_argument("--no-shuffle", action="store_true", help="rank r owns ids r, r+N, ... in file order")
+    g = p.add_argument_group("job spec ([job]; identical on the coordinator and every rank)")
+    g.add_argument("--world-size", type=_positive, metavar="N", help="number of ranks (config or flag required)")
+    g.add_argument("--token-budget", type=_positive, metavar="L", help="L_max per rank step (config or flag required)")
+    g.add_argument("--policy", choices=POLICIES, help="grouping policy (default: local)")
+    g.add_argument("--window", type=_positive, metavar="W", help="per-rank buffer in samples (default 512)")
+    g.add_argument("--depth", type=_positive, metavar="D", help="batches a rank keeps ready (default 8)")
+    g.add_argument("--batch-size", type=_positive, metavar="B", help="B of fixed/sorted (default 8)")
+    g.add_argument("--mode", choices=MODES, help="termination mode (default: join)")
+    g.add_argument("--quota", type=int, help="non-join sample quota (required in non-join)")
+    g.add_argument("--cost", choices=COST_MODELS, help="cost model (default: padded)")
+    g.add_argument("--over-budget", choices=OVER_BUDGET, help="samples longer than L (default: singleton)")
+    g.add_argument("--collate", choices=("padded", "packed"), help="batch layout (default: padded)")
+    g.add_argument("--seed", type=int, help="seeds sampler views and emission order (default 0)")
+    g.add_argument("--no-shuffle", dest="shuffle", action="store_const", const=False,
+                   help="rank r owns ids r, r+N, ... in file order (default: a seeded permutation)")
 
 
-def _spec(args: argparse.Namespace):
-    from batchd.service import JobSpec
-
-    return JobSpec(world_size=args.world_size, token_budget=args.token_budget, policy=args.policy,
-                   window=args.window, batch_size=args.batch_size, mode=args.mode, cost=args.cost,
-                   over_budget=args.over_budget, seed=args.seed, shuffle=not args.no_shuffle, depth=args.depth,
-                   quota=args.quota, collate=args.collate)
+SPEC_FLAGS = ("world_size", "token_budget", "policy", "window", "depth", "batch_size", "mode", "quota", "cost",
+              "over_budget", "collate", "seed", "shuffle")
 
 
-def _add_server(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    p.add_argument("--port", type=int, default=0, help="port (0 picks a free one)")
-    p.add_argument("--port-file", default=None, help="write the bound port here as JSON")
-    p.add_argument("--log-level", default="INFO", help="logging level")
+def _add_security(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("security ([security]; default: plaintext, no token, loopback only)")
+    g.add_argument("--tls-cert", metavar="FILE", help="PEM certificate chain this service presents")
+    g.add_argument("--tls-key", metavar="FILE", help="PEM private key of --tls-cert")
+    g.add_argument("--tls-ca", metavar="FILE", help="PEM CA bundle that peers' certificates must chain to")
+    g.add_argument("--tls-client-auth", dest="client_auth", action="store_const", const=True,
+                   help="mutual TLS: require callers to present a certificate signed by --tls-ca")
+    g.add_argument("--token-file", metavar="FILE", help="file holding the shared bearer token")
 
 
-def _logging(args: argparse.Namespace) -> None:
-    import logging
+SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_ca", "client_auth", "token_file")
 
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s")
+
+def _add_server(p: argparse.ArgumentParser, role: str) -> None:
+    g = p.add_argument_group(f"serving ([{role}], [logging])")
+    g.add_argument("--host", help="address to listen on (default: 127.0.0.1, loopback only)")
+    g.add_argument("--port", type=int, help="port (0 picks a free one; default from the config, else 0)")
+    g.add_argument("--port-file", default=None, help="write the bound ports here as JSON")
+    g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (0: a free one)")
+    g.add_argument("--metrics-host", help="address of the metrics endpoint (default: --host)")
+    g.add_argument("--log-level", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                   help="logging level (default INFO)")
+    g.add_argument("--log-format", choices=("text", "json"), help="text lines or one JSON object per line")
+
+
+def _overrides(args: argparse.Namespace, section: str, names: Sequence[str],
+               rename: dict[str, str] | None = None) -> dict[str, object]:
+    rename = rename or {}
+    return {f"{section}.{rename.get(n, n)}": getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+def _common_overrides(args: argparse.Namespace) -> dict[str, object]:
+    out = _overrides(args, "job", SPEC_FLAGS)
+    out |= _overrides(args, "security", SECURITY_FLAGS)
+    out |= _overrides(args, "logging", ("log_level", "log_format"), {"log_level": "level", "log_format": "format"})
+    return out
+
+
+def _logging(cfg) -> None:
+    from batchd._logging import setup_logging
+
+    setup_logging(cfg.logging.level, cfg.logging.format)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
     from batchd.service import run_coordinator
 
-    _logging(args)
-    return run_coordinator(_spec(args), args.host, args.port, args.port_file, args.lease, args.round_timeout)
+    overrides = _common_overrides(args)
+    overrides |= _overrides(args, "coordinator", ("host", "port", "lease", "round_timeout", "metrics_port"),
+                            {"lease": "lease_s", "round_timeout": "round_timeout_s"})
+    cfg = load_config(args.config, overrides)
+    _logging(cfg)
+    c = cfg.coordinator
+    return run_coordinator(cfg.job, c.host, c.port, args.port_file, c.lease_s, c.round_timeout_s,
+                           security=cfg.security_object(), metrics_port=c.metrics_port,
+                           metrics_host=args.metrics_host or c.host)
 
 
 def _rank(args: argparse.Namespace) -> int:
     from batchd.service import run_rank
 
-    _logging(args)
-    lengths = read_lengths(args.lengths) if args.lengths else None
-    return run_rank(_spec(args), args.rank, args.coordinator, lengths, args.host, args.port, args.port_file,
-                    args.state_dir, args.client_grace, dataset=args.dataset, tokenizer=args.tokenizer,
-                    num_actors=args.num_actors, ray_address=args.ray_address, quarantine=args.quarantine,
-                    stats_file=args.stats_file)
+    if args.rank < 0:
+        raise ValueError(f"--rank must be >= 0, got rank={args.rank}")
+    overrides = _common_overrides(args)
+    overrides |= _overrides(args, "coordinator", ("coordinator",), {"coordinator": "address"})
+    overrides |= _overrides(args, "rank", ("host", "state_dir", "client_grace"), {"client_grace": "client_grace_s"})
+    overrides |= _overrides(args, "data", ("lengths", "dataset", "num_actors", "ray_address", "quarantine",
+                                           "stats_file"))
+    overrides |= _overrides(args, "pipeline", ("tokenizer", "template", "vision", "augment"))
+    if args.lengths is not None:
+        overrides["data.dataset"] = None
+    cfg = load_config(args.config, overrides)
+    if args.rank >= cfg.job.world_size:
+        raise ValueError(f"--rank must be < world size {cfg.job.world_size}, got rank={args.rank}")
+    coordinator = cfg.coordinator.dial_address()
+    if coordinator is None:
+        raise ValueError("the coordinator's address is unknown: pass --coordinator HOST:PORT or set "
+                         "coordinator.address (or a fixed coordinator.port) in the config")
+    _logging(cfg)
+    port = args.port if args.port is not None else cfg.rank.port_of(args.rank)
+    metrics_port = args.metrics_port if args.metrics_port is not None else cfg.rank.metrics_port_of(args.rank)
+    d = cfg.data
+    lengths = read_lengths(d.lengths) if d.lengths else None
+    return run_rank(cfg.job, args.rank, coordinator, lengths, cfg.rank.host, port, args.port_file,
+                    cfg.rank.state_dir, cfg.rank.client_grace_s, dataset=d.dataset, tokenizer=cfg.pipeline.tokenizer,
+                    num_actors=d.num_actors, ray_address=d.ray_address, quarantine=d.quarantine,
+                    stats_file=d.stats_file, pipeline=cfg.pipeline.stage_kwargs(), cutoff=cfg.pipeline.cutoff,
+                    security=cfg.security_object(), metrics_port=metrics_port,
+                    metrics_host=args.metrics_host or cfg.rank.host)
+
+
+def _config_cmd(args: argparse.Namespace) -> int:
+    from batchd._config import EXAMPLE
+
+    if args.example:
+        print(EXAMPLE, end="")
+        return 0
+    if not args.file:
+        raise ValueError("give a config FILE to check, or --example")
+    cfg = load_config(args.file, check_files=not args.no_file_check)
+    if args.json:
+        import dataclasses
+
+        out = {"job": dataclasses.asdict(cfg.job)}
+        for name in ("data", "pipeline", "coordinator", "rank", "security", "logging"):
+            out[name] = dataclasses.asdict(getattr(cfg, name))
+        print(json.dumps(out))
+    else:
+        print(f"{args.file}: ok ({cfg.job.world_size} ranks, L_max {cfg.job.token_budget}, policy {cfg.job.policy}, "
+              f"mode {cfg.job.mode})")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -167,38 +275,56 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_simulate(sub)
 
+    p = sub.add_parser("config", help="check a job config file, or print a commented example",
+                       description="Validates a job config (TOML/YAML) the way the services will load it; "
+                       "errors name the field and the bad value.")
+    p.add_argument("file", nargs="?", metavar="FILE", help="the config to check")
+    p.add_argument("--example", action="store_true", help="print a commented example config")
+    p.add_argument("--no-file-check", action="store_true",
+                   help="do not require the files the config names to exist (a config for another machine)")
+    p.add_argument("--json", action="store_true", help="print the merged, validated config as JSON")
+    p.set_defaults(func=_config_cmd)
+
     p = sub.add_parser("coordinator", help="run the gRPC alignment coordinator",
-                       description="Runs the DGAP alignment coordinator for one job until the epoch ends.")
+                       description="Runs the DGAP alignment coordinator for one job until the epoch ends. "
+                       "Settings come from --config ([job], [coordinator], [security], [logging]) and flags.")
+    _add_config_flag(p)
     _add_spec(p)
-    _add_server(p)
-    p.add_argument("--lease", type=float, default=30.0, help="seconds a rank may stay silent")
-    p.add_argument("--round-timeout", type=float, default=120.0, help="seconds a round barrier waits")
+    _add_server(p, "coordinator")
+    _add_security(p)
+    p.add_argument("--lease", type=float, help="seconds a rank may stay silent (default 30)")
+    p.add_argument("--round-timeout", type=float, help="seconds a round barrier waits (default 120)")
     p.set_defaults(func=_coordinator)
 
     p = sub.add_parser("rank", help="run one rank's batching service",
-                       description="Runs the batching service of one trainer rank.")
+                       description="Runs the batching service of one trainer rank. Settings come from --config "
+                       "([job], [data], [pipeline], [rank], [coordinator].address, [security], [logging]) and "
+                       "flags; rank r listens on rank.base_port + r unless --port is given.")
+    _add_config_flag(p)
     _add_spec(p)
-    _add_server(p)
+    _add_server(p, "rank")
+    _add_security(p)
     p.add_argument("--rank", type=int, required=True, help="this service's rank")
-    p.add_argument("--coordinator", required=True, metavar="HOST:PORT", help="the coordinator's address")
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="the coordinator's address (default: coordinator.address of the config)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--lengths", default=None, metavar="FILE",
+    src.add_argument("--lengths", metavar="FILE",
                      help="serve a synthetic tokenized dataset with these realized lengths")
-    src.add_argument("--dataset", default=None, metavar="PATH",
+    src.add_argument("--dataset", metavar="PATH",
                      help="preprocess these records (Parquet/JSONL/Arrow) with a Ray actor pool "
                      "(neither --lengths nor --dataset: producers push samples through Ingest)")
-    g = p.add_argument_group("preprocessing (with --dataset)")
-    g.add_argument("--tokenizer", default=None, metavar="FILE",
+    g = p.add_argument_group("preprocessing (with --dataset; [data], [pipeline])")
+    g.add_argument("--tokenizer", metavar="FILE",
                    help="tokenizer.json (default: the demo tokenizer, trained locally on first use)")
-    g.add_argument("--num-actors", type=_positive, default=2, metavar="K", help="this rank's actors (default 2)")
-    g.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="join this Ray cluster (default: start a local Ray)")
-    g.add_argument("--quarantine", default=None, metavar="FILE", help="append bad records here (JSONL)")
-    g.add_argument("--stats-file", default=None, metavar="FILE",
-                   help="write the source's counters here as JSON on exit")
-    p.add_argument("--state-dir", default=None, help="journal here after every round (restartable)")
-    p.add_argument("--client-grace", type=float, default=30.0,
-                   help="seconds a disconnected trainer has to come back")
+    g.add_argument("--template", help="chat template: chatml, qwen2, llama3 or Jinja text (default qwen2)")
+    g.add_argument("--vision", choices=("qwen2_vl", "llava", "none"), help="visual-token expansion (default qwen2_vl)")
+    g.add_argument("--augment", action="store_const", const=True, help="add the augmentation stages")
+    g.add_argument("--num-actors", type=_positive, metavar="K", help="this rank's actors (default 2)")
+    g.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (default: start a local Ray)")
+    g.add_argument("--quarantine", metavar="FILE", help="append bad records here (JSONL)")
+    g.add_argument("--stats-file", metavar="FILE", help="write the source's counters here as JSON on exit")
+    p.add_argument("--state-dir", help="journal here after every round (restartable)")
+    p.add_argument("--client-grace", type=float, help="seconds a disconnected trainer has to come back (default 30)")
     p.set_defaults(func=_rank)
 
     p = sub.add_parser("demo", help="run the main job end to end on this machine",
@@ -228,6 +354,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, metavar="FILE", help="tokenizer.json (default: the demo's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_demo)
+
+    try:
+        from batchd.bench import add_bench_parser
+    except ImportError:  # pragma: no cover - TEMPORARY until batchd.bench lands
+        pass
+    else:
+        add_bench_parser(sub)
     return parser
 
 

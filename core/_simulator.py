@@ -17,7 +17,7 @@ import collections
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ._align import MODES, Coordinator
@@ -241,13 +241,19 @@ class SimMetrics:
         }
 
 
-def simulate(lengths: Sequence[int], config: SimConfig) -> dict[str, Any]:
-    """Runs one epoch and returns the metrics dict `batchd simulate --json` prints."""
+def simulate(lengths: Sequence[int], config: SimConfig,
+             on_step: Callable[[tuple[Step, ...]], None] | None = None) -> dict[str, Any]:
+    """Runs one epoch and returns the metrics dict `batchd simulate --json` prints.
+
+    `on_step` (e.g. a progress bar) sees each aligned step (one `Step` per rank) as it is emitted.
+    """
     t0 = time.perf_counter()
     sim = Simulator(lengths, config)
     metrics = SimMetrics(len(lengths), config)
     for step in sim:
         metrics.add(step)
+        if on_step is not None:
+            on_step(step)
     return metrics.result(sim, time.perf_counter() - t0)
 
 

@@ -1,0 +1,477 @@
+"""The job config file: one TOML (or YAML) file for the coordinator, every rank service and the client side.
+
+A file has up to seven sections; every key is optional except `job.world_size` and `job.token_budget`
+(which may also come from the command line). Unknown sections or keys are errors, not silently ignored:
+a typo such as `token_buget` would otherwise run a job with the default budget.
+
+    [job]          the `JobSpec` every party must agree on (validated by `batchd.core.SimConfig`)
+    [data]         where a rank service's samples come from: dataset | lengths, Ray actors, quarantine
+    [pipeline]     the preprocessing chain: template, tokenizer, vision, augmentation, cutoff
+    [coordinator]  listen address, the address ranks dial, lease and round deadlines, metrics port
+    [rank]         listen host, base port (rank r listens on base_port + r), state dir, metrics base port
+    [security]     TLS certificate/key/CA, mutual TLS, a shared bearer token (from a file)
+    [logging]      level and format (text | json)
+
+Precedence: built-in defaults < the file < command-line flags (`load_config(path, overrides)`; the CLI
+passes every flag the user gave as an override keyed `section.key`). Validation runs once, up front, on
+the merged result, and every error names the field, the bad value and the file, e.g.
+``batchd.toml: job.token_budget must be a positive integer, got job.token_budget='8k'``.
+
+Paths are resolved relative to the config file's directory. With `check_files=True` (the default;
+the services use it) the files a party will open (dataset, lengths, tokenizer, TLS material, token) must
+exist when the config is loaded, so a wrong path fails at start-up rather than minutes into a job; the
+deployment-file tests load configs written for another machine with `check_files=False`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from batchd.core import COST_MODELS, MODES, OVER_BUDGET, POLICIES
+
+SECTIONS = ("job", "data", "pipeline", "coordinator", "rank", "security", "logging")
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+VISIONS = ("qwen2_vl", "llava", "none")
+TRUNCATE_POLICIES = ("truncate", "reject")
+JOB_KEYS = ("world_size", "token_budget", "policy", "window", "batch_size", "mode", "cost", "over_budget", "seed",
+            "shuffle", "depth", "max_wait", "align", "refine", "quota", "quadratic", "collate")
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the field and the bad value."""
+
+
+def _fail(field: str, message: str, value: Any) -> ConfigError:
+    return ConfigError(f"{field} {message}, got {field}={value!r}")
+
+
+def _int(field: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(field, "must be an integer", value)
+    if minimum is not None and value < minimum:
+        raise _fail(field, f"must be >= {minimum}", value)
+    if maximum is not None and value > maximum:
+        raise _fail(field, f"must be <= {maximum}", value)
+    return value
+
+
+def _port(field: str, value: Any) -> int:
+    return _int(field, value, 0, 65535)
+
+
+def _opt_port(field: str, value: Any) -> int | None:
+    return None if value is None else _port(field, value)
+
+
+def _float(field: str, value: Any, minimum: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > minimum:
+        raise _fail(field, f"must be a number > {minimum:g}", value)
+    return float(value)
+
+
+def _bool(field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(field, "must be true or false", value)
+    return value
+
+
+def _str(field: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _fail(field, "must be a non-empty string", value)
+    return value
+
+
+def _opt_str(field: str, value: Any) -> str | None:
+    return None if value is None else _str(field, value)
+
+
+def _choice(field: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise _fail(field, f"must be one of {list(choices)}", value)
+    return value
+
+
+def _address(field: str, value: Any) -> str | None:
+    if value is None:
+        return None
+    text = _str(field, value)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _fail(field, "must be HOST:PORT with a port in 1..65535", value)
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """A rank service's data source. Neither dataset nor lengths: producers push samples through Ingest."""
+
+    dataset: str | None = None
+    lengths: str | None = None
+    num_actors: int = 2
+    ray_address: str | None = None
+    quarantine: str | None = None
+    stats_file: str | None = None
+
+    def __post_init__(self) -> None:
+        _opt_str("data.dataset", self.dataset)
+        _opt_str("data.lengths", self.lengths)
+        if self.dataset is not None and self.lengths is not None:
+            raise ConfigError(f"data.dataset and data.lengths are exclusive, got data.dataset={self.dataset!r} "
+                              f"and data.lengths={self.lengths!r}")
+        _int("data.num_actors", self.num_actors, 1)
+        _opt_str("data.ray_address", self.ray_address)
+        _opt_str("data.quarantine", self.quarantine)
+        _opt_str("data.stats_file", self.stats_file)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    """The preprocessing chain run by a rank service's Ray actors (`batchd.preprocess.default_stages`)."""
+
+    tokenizer: str | None = None
+    template: str = "qwen2"
+    vision: str = "qwen2_vl"
+    augment: bool = False
+    cutoff: int | None = None
+    truncate: str = "truncate"
+    min_pixels: int = 56 * 56
+    max_pixels: int = 14 * 14 * 4 * 1280
+
+    def __post_init__(self) -> None:
+        _opt_str("pipeline.tokenizer", self.tokenizer)
+        _str("pipeline.template", self.template)
+        _choice("pipeline.vision", self.vision, VISIONS)
+        _bool("pipeline.augment", self.augment)
+        if self.cutoff is not None:
+            _int("pipeline.cutoff", self.cutoff, 1)
+        _choice("pipeline.truncate", self.truncate, TRUNCATE_POLICIES)
+        _int("pipeline.min_pixels", self.min_pixels, 1)
+        _int("pipeline.max_pixels", self.max_pixels, self.min_pixels)
+
+    def stage_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `default_stages` (tokenizer and cutoff are passed separately)."""
+        return {"template": self.template, "vision": None if self.vision == "none" else self.vision,
+                "augment": self.augment, "policy": self.truncate, "min_pixels": self.min_pixels,
+                "max_pixels": self.max_pixels}
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    """Where the coordinator listens, where ranks reach it, and its failure deadlines."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    address: str | None = None
+    lease_s: float = 30.0
+    round_timeout_s: float = 120.0
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        _str("coordinator.host", self.host)
+        _port("coordinator.port", self.port)
+        _address("coordinator.address", self.address)
+        _float("coordinator.lease_s", self.lease_s)
+        _float("coordinator.round_timeout_s", self.round_timeout_s)
+        _opt_port("coordinator.metrics_port", self.metrics_port)
+
+    def dial_address(self) -> str | None:
+        """The address rank services dial: `address`, else this host's port when it is fixed."""
+        if self.address is not None:
+            return self.address
+        if self.port:
+            host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "[::]") else self.host
+            return f"{host}:{self.port}"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class RankConfig:
+    """Rank services: rank r listens on `base_port + r` (0: a free port) and serves metrics on
+    `metrics_base_port + r` when that is set."""
+
+    host: str = "127.0.0.1"
+    base_port: int = 0
+    metrics_base_port: int | None = None
+    state_dir: str | None = None
+    client_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _str("rank.host", self.host)
+        _port("rank.base_port", self.base_port)
+        _opt_port("rank.metrics_base_port", self.metrics_base_port)
+        _opt_str("rank.state_dir", self.state_dir)
+        _float("rank.client_grace_s", self.client_grace_s)
+
+    def port_of(self, rank: int) -> int:
+        return self.base_port + rank if self.base_port else 0
+
+    def metrics_port_of(self, rank: int) -> int | None:
+        return None if self.metrics_base_port is None else self.metrics_base_port + rank
+
+
+@dataclasses.dataclass(frozen=True)
+class SecurityConfig:
+    """TLS material and the shared bearer token (read from `token_file`; never written in the config)."""
+
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    client_auth: bool = False
+    token_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tls_cert", "tls_key", "tls_ca", "token_file"):
+            _opt_str(f"security.{name}", getattr(self, name))
+        _bool("security.client_auth", self.client_auth)
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("security.tls_cert and security.tls_key go together, got "
+                              f"security.tls_cert={self.tls_cert!r} and security.tls_key={self.tls_key!r}")
+        if self.client_auth and (self.tls_ca is None or self.tls_cert is None):
+            raise ConfigError("security.client_auth (mutual TLS) needs security.tls_ca and a certificate, got "
+                              f"security.tls_ca={self.tls_ca!r} and security.tls_cert={self.tls_cert!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return any(getattr(self, n) is not None for n in ("tls_cert", "tls_ca", "token_file"))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    level: str = "INFO"
+    format: str = "text"
+
+    def __post_init__(self) -> None:
+        _choice("logging.level", self.level.upper() if isinstance(self.level, str) else self.level, LOG_LEVELS)
+        _choice("logging.format", self.format, LOG_FORMATS)
+
+
+_SECTION_TYPES = {"data": DataConfig, "pipeline": PipelineConfig, "coordinator": CoordinatorConfig,
+                  "rank": RankConfig, "security": SecurityConfig, "logging": LoggingConfig}
+PATH_FIELDS = {"data": ("dataset", "lengths", "quarantine", "stats_file"), "pipeline": ("tokenizer",),
+               "rank": ("state_dir",), "security": ("tls_cert", "tls_key", "tls_ca", "token_file")}
+MUST_EXIST = {"data": ("dataset", "lengths"), "pipeline": ("tokenizer",),
+              "security": ("tls_cert", "tls_key", "tls_ca", "token_file")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A validated job config. `job` is a `batchd.service.JobSpec`."""
+
+    job: Any
+    data: DataConfig = DataConfig()
+    pipeline: PipelineConfig = PipelineConfig()
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    rank: RankConfig = RankConfig()
+    security: SecurityConfig = SecurityConfig()
+    logging: LoggingConfig = LoggingConfig()
+    source: str | None = None
+
+    def security_object(self):
+        """The `batchd.service.Security` these settings describe, or None (plaintext, no token)."""
+        if not self.security.enabled:
+            return None
+        from batchd.service import Security
+
+        s = self.security
+        return Security.from_files(tls_cert=s.tls_cert, tls_key=s.tls_key, tls_ca=s.tls_ca,
+                                   client_auth=s.client_auth, token_file=s.token_file)
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Parses a TOML (.toml) or YAML (.yaml/.yml) file into nested dicts; errors name the file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror or exc}") from None
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p}: not valid YAML: {exc}") from None
+        data = {} if data is None else data
+    else:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the top level must be a table of sections, got {type(data).__name__}")
+    return data
+
+
+def _merge(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    merged: dict[str, dict[str, Any]] = {}
+    for section, body in raw.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"unknown section [{section}]; sections are {list(SECTIONS)}")
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"[{section}] must be a table of keys, got {section}={body!r}")
+        merged[section] = dict(body)
+    for dotted, value in overrides.items():
+        section, _, key = dotted.partition(".")
+        if section not in SECTIONS or not key:
+            raise ConfigError(f"override keys are 'section.key' with a known section, got {dotted!r}")
+        if value is not None:
+            merged.setdefault(section, {})[key] = value
+    return merged
+
+
+def _check_keys(section: str, body: Mapping[str, Any], known: tuple[str, ...]) -> None:
+    for key in body:
+        if key not in known:
+            raise ConfigError(f"unknown key {section}.{key}; [{section}] takes {sorted(known)}")
+
+
+def _resolve_paths(section: str, body: dict[str, Any], base: Path | None, from_file: set[str]) -> None:
+    for name in PATH_FIELDS.get(section, ()):
+        value = body.get(name)
+        if isinstance(value, str) and base is not None and f"{section}.{name}" in from_file:
+            body[name] = str((base / os.path.expanduser(value)) if not os.path.isabs(value) else Path(value))
+
+
+def _check_files(cfg: Config) -> None:
+    for section, names in MUST_EXIST.items():
+        body = getattr(cfg, section)
+        for name in names:
+            value = getattr(body, name)
+            if value is not None and not os.path.exists(value):
+                raise ConfigError(f"{section}.{name} names a file that does not exist, got {section}.{name}={value!r}")
+
+
+def _job_spec(body: dict[str, Any]):
+    from batchd.service import JobSpec
+
+    _check_keys("job", body, JOB_KEYS)
+    for req in ("world_size", "token_budget"):
+        if req not in body:
+            flag = "--" + req.replace("_", "-")
+            raise ConfigError(f"job.{req} is required: set it under [job] in the config file or pass {flag}")
+    for name in ("policy", "mode", "cost", "over_budget"):
+        if name in body:
+            _choice(f"job.{name}", body[name], {"policy": POLICIES, "mode": MODES, "cost": COST_MODELS,
+                                                "over_budget": OVER_BUDGET}[name])
+    try:
+        return JobSpec(**body)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"[job]: {exc}") from None
+
+
+def build_config(raw: Mapping[str, Any], overrides: Mapping[str, Any] | None = None, *,
+                 base_dir: str | os.PathLike | None = None, check_files: bool = True,
+                 source: str | None = None) -> Config:
+    """Validates `raw` (parsed file contents) merged with `overrides` ({"section.key": value}).
+
+    Args:
+        raw: Nested sections as read from a file (`{}` for flags only).
+        overrides: Values from the command line; None values are ignored (flag not given).
+        base_dir: Directory that relative paths *from the file* are resolved against.
+        check_files: Require the input files the config names to exist.
+        source: Name used in error messages (the file path).
+    """
+    overrides = dict(overrides or {})
+    from_file = {f"{s}.{k}" for s, body in raw.items() if isinstance(body, Mapping) for k in body}
+    from_file -= {k for k, v in overrides.items() if v is not None}
+    try:
+        merged = _merge(raw, overrides)
+        base = Path(base_dir) if base_dir is not None else None
+        sections: dict[str, Any] = {}
+        for name, cls in _SECTION_TYPES.items():
+            body = merged.get(name, {})
+            _check_keys(name, body, tuple(f.name for f in dataclasses.fields(cls)))
+            _resolve_paths(name, body, base, from_file)
+            try:
+                sections[name] = cls(**body)
+            except TypeError as exc:
+                raise ConfigError(f"[{name}]: {exc}") from None
+        if "logging" in merged and isinstance(merged["logging"].get("level"), str):
+            sections["logging"] = dataclasses.replace(sections["logging"],
+                                                      level=sections["logging"].level.upper())
+        cfg = Config(job=_job_spec(merged.get("job", {})), source=source, **sections)
+        if check_files:
+            _check_files(cfg)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}" if source else str(exc)) from None
+    return cfg
+
+
+def load_config(path: str | os.PathLike | None, overrides: Mapping[str, Any] | None = None, *,
+                check_files: bool = True) -> Config:
+    """Reads, merges and validates a job config (`path` None: defaults and `overrides` only).
+
+    Raises:
+        ConfigError: (a ValueError) naming the file, the field and the bad value.
+    """
+    if path is None:
+        return build_config({}, overrides, check_files=check_files)
+    raw = read_config_file(path)
+    return build_config(raw, overrides, base_dir=Path(path).resolve().parent, check_files=check_files,
+                        source=str(path))
+
+
+def example_config() -> str:
+    """A commented example config with every section (`batchd config --example`)."""
+    return EXAMPLE
+
+
+EXAMPLE = """\
+# batchd job config. Every party of a job (coordinator, rank services) reads the same file;
+# command-line flags override single keys. Paths are relative to this file.
+
+[job]                      # must be identical for every party (ranks register with it)
+world_size = 2             # trainer ranks
+token_budget = 8192        # L_max: tokens a rank's step may materialize
+policy = "balanced"        # local | balanced | odb | fixed | sorted
+mode = "join"              # join (every sample once) | non-join (quota, then stop)
+window = 512               # samples buffered per rank before grouping
+depth = 8                  # batches a rank keeps ready
+cost = "padded"            # padded | packed | attention
+collate = "padded"         # padded | packed rows
+over_budget = "singleton"  # singleton | truncate | reject (samples longer than L_max)
+seed = 0
+
+[data]
+dataset = "train.parquet"  # Parquet / JSONL / Arrow records; or lengths = "lengths.txt"
+num_actors = 2             # Ray preprocessing actors per rank service
+# ray_address = "auto"     # join a running Ray cluster (default: start a local one)
+quarantine = "quarantine.jsonl"
+
+[pipeline]
+# tokenizer = "tokenizer.json"   # default: the demo tokenizer, trained locally
+template = "qwen2"         # chatml | qwen2 | llama3 | Jinja text
+vision = "qwen2_vl"        # qwen2_vl | llava | none
+augment = false
+
+[coordinator]
+host = "127.0.0.1"         # listen address (0.0.0.0 to accept other hosts)
+port = 7000
+# address = "coordinator.example:7000"   # where rank services dial (default 127.0.0.1:port)
+lease_s = 30.0
+round_timeout_s = 120.0
+# metrics_port = 9100
+
+[rank]
+host = "127.0.0.1"
+base_port = 7100           # rank r listens on base_port + r
+# metrics_base_port = 9200
+# state_dir = "/var/lib/batchd"
+
+[security]
+# tls_cert = "tls/server.crt"
+# tls_key = "tls/server.key"
+# tls_ca = "tls/ca.crt"
+# client_auth = false      # mutual TLS
+# token_file = "token"     # shared bearer token
+
+[logging]
+level = "INFO"
+format = "text"            # text | json (one JSON object per line)
+"""
