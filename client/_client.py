@@ -29,6 +29,8 @@ from batchd import wire
 from batchd.core import StepInfo
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
+from batchd.service._security import Security
+from batchd.service._security import channel as secure_channel
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -51,10 +53,15 @@ class BatchClient:
         epoch: Epoch to read.
         credits: Batches the service may send ahead of consumption.
         reconnect_timeout_s: How long to retry an unreachable rank service.
+        security: TLS / mutual TLS / bearer token of this trainer process (`batchd.service.Security`);
+            None connects in plaintext without a token.
+        token: Shortcut for `Security(token=token, tls_ca=tls_ca)`; not together with `security`.
+        tls_ca: Shortcut: the CA that signed the rank service's certificate (turns TLS on).
     """
 
     def __init__(self, address: str, rank: int, world_size: int, epoch: int = 0, credits: int = 4,
-                 reconnect_timeout_s: float = 30.0) -> None:
+                 reconnect_timeout_s: float = 30.0, security: Security | None = None,
+                 token: str | None = None, tls_ca: str | None = None) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got {rank=} {world_size=}")
         if credits < 1:
@@ -63,7 +70,12 @@ class BatchClient:
         self.credits, self.reconnect_timeout_s = credits, reconnect_timeout_s
         self.next_step = 0
         self.finished = False
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        if security is not None and (token is not None or tls_ca is not None):
+            raise ValueError(f"give security or the token/tls_ca shortcuts, not both, got {security=} "
+                             f"{tls_ca=} token={'<set>' if token is not None else None}")
+        if token is not None or tls_ca is not None:
+            security = Security(tls_ca=tls_ca, token=token)
+        self.channel = secure_channel(address, security, GRPC_OPTIONS)
         self.stub = pb_grpc.RankServiceStub(self.channel)
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
 from ._coordinator import GRPC_OPTIONS
+from ._security import Security, channel
 from ._spec import JobSpec
 
 log = logging.getLogger("batchd.rank")
@@ -34,12 +35,13 @@ class CoordinatorError(RuntimeError):
 
 
 class CoordinatorClient:
-    """Talks to the coordinator on behalf of one rank."""
+    """Talks to the coordinator on behalf of one rank (`security`: TLS / token, None = plaintext)."""
 
-    def __init__(self, address: str, rank: int, spec: JobSpec, connect_timeout_s: float = 30.0) -> None:
+    def __init__(self, address: str, rank: int, spec: JobSpec, connect_timeout_s: float = 30.0,
+                 security: Security | None = None) -> None:
         self.address, self.rank, self.spec = address, rank, spec
         self.connect_timeout_s = connect_timeout_s
-        self.channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = channel(address, security, GRPC_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.lease_s = 30.0
         self.round_timeout_s = 120.0

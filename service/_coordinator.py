@@ -34,6 +34,8 @@ from batchd.core import Coordinator, ProtocolError, RankCommit, RankReport, Roun
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
+from ._metrics import CoordinatorMetrics
+from ._security import Security, add_port, server_interceptors
 from ._spec import JobSpec
 
 log = logging.getLogger("batchd.coordinator")
@@ -50,10 +52,12 @@ class BarrierTimeout(JobFailed):
 class CoordinatorState:
     """Thread-safe coordinator logic for one job (see module docstring)."""
 
-    def __init__(self, spec: JobSpec, lease_s: float = 30.0, round_timeout_s: float = 120.0) -> None:
+    def __init__(self, spec: JobSpec, lease_s: float = 30.0, round_timeout_s: float = 120.0,
+                 metrics: CoordinatorMetrics | None = None) -> None:
         if lease_s <= 0 or round_timeout_s <= 0:
             raise ValueError(f"timeouts must be positive, got {lease_s=} {round_timeout_s=}")
         self.spec = spec
+        self.metrics = metrics  # Prometheus metrics (`_metrics`), updated once per round; None = off
         self.lease_s, self.round_timeout_s = lease_s, round_timeout_s
         self._cond = threading.Condition()
         self.epoch = 0
@@ -70,6 +74,8 @@ class CoordinatorState:
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="batchd-lease-watchdog", daemon=True)
         self._watchdog.start()
+        if metrics is not None:
+            metrics.bind(lambda: self.state, lambda: self.epoch, lambda: len(self.addresses))
 
     def _new_core(self, epoch: int) -> Coordinator:
         s = self.spec
@@ -180,11 +186,15 @@ class CoordinatorState:
                 self._round_started = time.perf_counter()
             self._reports[report.rank] = report
             if len(self._reports) == self.spec.world_size:
+                t_last = time.perf_counter()
                 try:
                     decision = self.core.decide(list(self._reports.values()))
                 except ValueError as exc:
                     self._fail_locked(f"round {report.round} could not be decided: {exc}")
                     raise
+                if self.metrics is not None:
+                    self._observe(self.metrics.observe_decision, t_last - (self._round_started or t_last),
+                                  time.perf_counter() - t_last)
                 self._decisions[key] = decision
                 self._forget(self._decisions)
                 self._reports.clear()
@@ -212,12 +222,22 @@ class CoordinatorState:
                     raise
                 self._totals[key] = totals
                 self._forget(self._totals)
+                if self.metrics is not None:
+                    self._observe(self.metrics.observe_commit, list(self._commits.values()), totals,
+                                  time.perf_counter() - (self._round_started or time.perf_counter()))
                 self._commits.clear()
                 if self._round_started is not None:
                     self.latencies_ms.append((time.perf_counter() - self._round_started) * 1000)
                 self._cond.notify_all()
                 return totals
             return self._await(key, self._totals, self._commits, "commit")
+
+    @staticmethod
+    def _observe(fn, *args) -> None:
+        try:  # metrics must never fail or stall the protocol
+            fn(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("metrics update failed")
 
     @staticmethod
     def _forget(table: dict) -> None:
@@ -300,17 +320,24 @@ GRPC_OPTIONS = [
 
 
 def create_server(address: str, spec: JobSpec, lease_s: float = 30.0, round_timeout_s: float = 120.0,
+                  security: Security | None = None, metrics: CoordinatorMetrics | None = None,
                   ) -> tuple[grpc.Server, int, CoordinatorState]:
     """Builds (not starts) a coordinator server bound to `address` ("127.0.0.1:0" picks a free port).
 
     Returns (server, port, state). The thread pool holds one blocked barrier call per rank plus slack.
+    `security` (TLS / mutual TLS / bearer token, see `_security`); None serves plaintext without a token.
+    `metrics` (a `CoordinatorMetrics`) is updated once per round; serve it with `start_metrics_server`.
     """
-    state = CoordinatorState(spec, lease_s, round_timeout_s)
+    state = CoordinatorState(spec, lease_s, round_timeout_s, metrics=metrics)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * spec.world_size + 16,
                                                     thread_name_prefix="batchd-coord"),
-                         options=GRPC_OPTIONS)
+                         options=GRPC_OPTIONS, interceptors=server_interceptors(security))
     pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state), server)
-    port = server.add_insecure_port(address)
+    try:
+        port = add_port(server, address, security)
+    except ValueError:
+        state.close()
+        raise
     if port == 0:
         raise OSError(f"coordinator could not bind {address}")
     return server, port, state

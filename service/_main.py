@@ -24,7 +24,9 @@ from pathlib import Path
 
 from ._coord_client import CoordinatorClient
 from ._coordinator import create_server
+from ._metrics import CoordinatorMetrics, RankMetrics, start_metrics_server, stop_metrics_server
 from ._rank_service import RankServiceCore, create_rank_server
+from ._security import Security
 from ._sources import IngestSource, SyntheticSource
 from ._spec import JobSpec
 
@@ -32,12 +34,24 @@ log = logging.getLogger("batchd")
 LINGER_S = 2.0
 
 
-def write_port_file(path: str | os.PathLike | None, port: int) -> None:
+def write_port_file(path: str | os.PathLike | None, port: int, metrics_port: int | None = None) -> None:
     if path:
         p = Path(path)
         tmp = p.with_suffix(p.suffix + ".tmp")
-        tmp.write_text(json.dumps({"port": port, "pid": os.getpid()}))
+        info = {"port": port, "pid": os.getpid()}
+        if metrics_port is not None:
+            info["metrics_port"] = metrics_port
+        tmp.write_text(json.dumps(info))
         os.replace(tmp, p)
+
+
+def _start_metrics(metrics, host: str, port: int | None, who: str):
+    """Serves `metrics.registry` on host:port (0 = a free port) when `port` is given: (server, bound) or (None, None)."""
+    if port is None:
+        return None, None
+    server, bound = start_metrics_server(metrics.registry, host, port)
+    log.info("%s: Prometheus metrics on http://%s:%d/metrics", who, host, bound)
+    return server, bound
 
 
 def _stop_event() -> threading.Event:
@@ -48,11 +62,21 @@ def _stop_event() -> threading.Event:
 
 
 def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_file: str | None = None,
-                    lease_s: float = 30.0, round_timeout_s: float = 120.0) -> int:
-    server, bound, state = create_server(f"{host}:{port}", spec, lease_s, round_timeout_s)
+                    lease_s: float = 30.0, round_timeout_s: float = 120.0,
+                    security: Security | None = None, metrics_port: int | None = None,
+                    metrics_host: str = "127.0.0.1") -> int:
+    metrics = CoordinatorMetrics(spec.world_size, spec.cost_model()) if metrics_port is not None else None
+    server, bound, state = create_server(f"{host}:{port}", spec, lease_s, round_timeout_s, security=security,
+                                         metrics=metrics)
+    try:
+        metrics_server, metrics_bound = _start_metrics(metrics, metrics_host, metrics_port, "coordinator")
+    except OSError:
+        state.close()
+        raise
     server.start()
-    write_port_file(port_file, bound)
-    log.info("coordinator listening on %s:%d for %d ranks", host, bound, spec.world_size)
+    write_port_file(port_file, bound, metrics_bound)
+    log.info("coordinator listening on %s:%d for %d ranks (%s)", host, bound, spec.world_size,
+             security.describe() if security else "plaintext")
     stop = _stop_event()
     try:
         while not stop.wait(0.2):
@@ -62,13 +86,16 @@ def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_
     finally:
         state.close()
         server.stop(1.0).wait()
+        if metrics_server is not None:
+            stop_metrics_server(metrics_server)
     if stop.is_set() and state.state == "running":
         return 130
     return 0 if state.state == "done" else 1
 
 
 def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | None = None, num_actors: int = 2,
-                    ray_address: str | None = None, quarantine: str | None = None, cutoff: int | None = None):
+                    ray_address: str | None = None, quarantine: str | None = None, cutoff: int | None = None,
+                    pipeline: dict | None = None):
     """Rank `rank`'s `RaySource` over `dataset` with `default_stages(tokenizer)`, in the job's sampler view.
 
     The chain's cutoff is at most the longest length a lone sample may have under the job's budget and
@@ -84,7 +111,8 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
     cutoff = limit if cutoff is None else min(cutoff, limit)
     ensure_ray(ray_address)
     return RaySource(dataset, rank, spec.world_size, spec.seed, 0, spec.shuffle,
-                     stages=default_stages(tokenizer, cutoff=cutoff), num_actors=num_actors,
+                     stages=default_stages(tokenizer, cutoff=cutoff, **(pipeline or {})),
+                     num_actors=num_actors,
                      quarantine=quarantine, wrap=spec.mode == "non-join")
 
 
@@ -108,18 +136,23 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
              port: int = 0, port_file: str | None = None, state_dir: str | None = None,
              client_grace_s: float = 30.0, vocab_size: int = 512, dataset: str | None = None,
              tokenizer: str | None = None, num_actors: int = 2, ray_address: str | None = None,
-             quarantine: str | None = None, stats_file: str | None = None) -> int:
+             quarantine: str | None = None, stats_file: str | None = None,
+             pipeline: dict | None = None, cutoff: int | None = None,
+             security: Security | None = None, metrics_port: int | None = None,
+             metrics_host: str = "127.0.0.1") -> int:
     if lengths is not None and dataset is not None:
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
     if dataset is not None:
-        source = make_ray_source(spec, rank, dataset, tokenizer, num_actors, ray_address, quarantine)
+        source = make_ray_source(spec, rank, dataset, tokenizer, num_actors, ray_address, quarantine, cutoff,
+                                 pipeline)
     elif lengths is None:
         source = IngestSource(spec.window)
     else:
         source = SyntheticSource(lengths, rank, spec.world_size, spec.seed, 0, spec.shuffle, vocab_size,
                                  wrap=spec.mode == "non-join")
     try:
-        return _serve_rank(spec, rank, coordinator, source, host, port, port_file, state_dir, client_grace_s)
+        return _serve_rank(spec, rank, coordinator, source, host, port, port_file, state_dir, client_grace_s,
+                           security, metrics_port, metrics_host)
     finally:
         if dataset is not None:
             _write_stats(stats_file, rank, source)
@@ -130,14 +163,19 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
 
 
 def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source, host: str, port: int, port_file: str | None,
-                state_dir: str | None, client_grace_s: float) -> int:
-    coord = CoordinatorClient(coordinator, rank, spec)
-    core = RankServiceCore(rank, spec, coord, source, state_dir=state_dir, client_grace_s=client_grace_s)
-    server, bound = create_rank_server(f"{host}:{port}", core)
+                state_dir: str | None, client_grace_s: float, security: Security | None = None,
+                metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
+    coord = CoordinatorClient(coordinator, rank, spec, security=security)
+    metrics = RankMetrics(rank) if metrics_port is not None else None
+    core = RankServiceCore(rank, spec, coord, source, state_dir=state_dir, client_grace_s=client_grace_s,
+                           security=security, metrics=metrics)
+    server, bound = create_rank_server(f"{host}:{port}", core, security)
+    metrics_server, metrics_bound = _start_metrics(metrics, metrics_host, metrics_port, f"rank {rank}")
     server.start()
     core.start(f"{host}:{bound}")
-    write_port_file(port_file, bound)
-    log.info("rank %d service listening on %s:%d", rank, host, bound)
+    write_port_file(port_file, bound, metrics_bound)
+    log.info("rank %d service listening on %s:%d (%s)", rank, host, bound,
+             security.describe() if security else "plaintext")
     stop = _stop_event()
     status = 0
     try:
@@ -155,6 +193,8 @@ def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source, host: str, p
         core.stop()
         coord.close()
         server.stop(1.0).wait()
+        if metrics_server is not None:
+            stop_metrics_server(metrics_server)
     if stop.is_set() and not core.done:
         return 130
     return status

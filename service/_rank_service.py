@@ -46,6 +46,8 @@ from batchd.proto import batchd_pb2_grpc as pb_grpc
 
 from ._coord_client import CoordinatorClient, CoordinatorError
 from ._coordinator import GRPC_OPTIONS
+from ._metrics import RankMetrics, materialized_tokens
+from ._security import Security, add_port, channel, server_interceptors
 from ._sources import EXHAUSTED, IngestSource, Payload, loss_tokens_of
 from ._spec import JobSpec
 
@@ -89,8 +91,11 @@ class RankServiceCore:
 
     def __init__(self, rank: int, spec: JobSpec, coordinator: CoordinatorClient, source,
                  state_dir: str | os.PathLike | None = None, epoch: int = 0, client_grace_s: float = 30.0,
-                 fill_timeout_s: float = 0.5) -> None:
+                 fill_timeout_s: float = 0.5, security: Security | None = None,
+                 metrics: RankMetrics | None = None) -> None:
         self.rank, self.spec, self.coord, self.source = rank, spec, coordinator, source
+        self.metrics = metrics  # Prometheus metrics (`_metrics`), updated once per round; None = off
+        self.security = security  # this process's TLS / token: its server and its peer (Fetch) channels
         self.epoch = epoch
         self.client_grace_s, self.fill_timeout_s = client_grace_s, fill_timeout_s
         self.state = RankState(rank, spec.world_size, spec.make_policy(), spec.token_budget, spec.cost_model(),
@@ -114,6 +119,8 @@ class RankServiceCore:
         self._stop = threading.Event()
         if self.journal is not None and self.journal.exists():
             self._restore()
+        if metrics is not None:  # read at scrape time, lock-free: len() of a list / deque
+            metrics.bind(lambda: len(self.state.buffer), lambda: len(self.ready))
 
     # -- journal -------------------------------------------------------------------------------------
     def _write_journal(self) -> None:
@@ -219,21 +226,32 @@ class RankServiceCore:
 
     def _round(self) -> None:
         self._fill()
+        metrics = self.metrics
+        if metrics is not None:
+            self._observe(metrics.observe_quarantine, getattr(self.source, "reasons", None),
+                          self.state.counters["rejected"])
+        t_wait = time.perf_counter()
         with self.cond:
             while len(self.ready) >= self.spec.depth and self.failure is None and not self._stop.is_set():
                 self.cond.wait(0.5)
             if self.failure is not None or self._stop.is_set():
                 raise CoordinatorError(self.failure or "stopped")
             capacity = self.spec.depth - len(self.ready)
+        t_report = time.perf_counter()
         report = self.state.report(capacity)
         decision = self.coord.align(self.epoch, report)
         commit = self.state.apply(decision)
         totals = self.coord.commit(self.epoch, commit)
+        t_totals = time.perf_counter()
         steps = self.state.finalize(totals)
         batches = []
         for step in steps:
             payloads = [self._take_payload(s) for s in step.samples]
             batches.append((step.info.step, step, self._batch(step, payloads)))
+        if metrics is not None:  # before the batches become visible: a drained trainer sees final counts
+            self._observe(metrics.observe_output_wait, t_report - t_wait)
+            self._observe(metrics.observe_round, t_totals - t_report, [st.info for st in steps],
+                          [materialized_tokens(b) for _, _, b in batches])
         if decision.plan is not None:  # samples of mine that the plan placed on other ranks
             for rank, plan_steps in enumerate(decision.plan):
                 if rank != self.rank:
@@ -248,6 +266,13 @@ class RankServiceCore:
             self._write_journal()
             self.cond.notify_all()
 
+    @staticmethod
+    def _observe(fn, *args) -> None:
+        try:  # metrics must never fail or stall the round loop
+            fn(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("metrics update failed")
+
     def _take_payload(self, s: Sample) -> Payload:
         payload = self.payloads.pop(s.id, None)
         if payload is not None:
@@ -257,13 +282,13 @@ class RankServiceCore:
         return self.source.materialize(s.id)
 
     def _fetch(self, s: Sample) -> Payload:
-        channel = grpc.insecure_channel(self.peers[s.home_rank], options=GRPC_OPTIONS)
+        peer = channel(self.peers[s.home_rank], self.security, GRPC_OPTIONS)
         try:
             # wait_for_ready: a peer that is restarting (journal replay) is waited for, not failed on
-            reply = pb_grpc.RankServiceStub(channel).Fetch(pb.FetchRequest(ids=[s.id], epoch=self.epoch),
-                                                           timeout=60, wait_for_ready=True)
+            reply = pb_grpc.RankServiceStub(peer).Fetch(pb.FetchRequest(ids=[s.id], epoch=self.epoch),
+                                                        timeout=60, wait_for_ready=True)
         finally:
-            channel.close()
+            peer.close()
         return wire.tensors_from_pb(reply.samples[0].tensors)
 
     def _batch(self, step: Step, payloads: list[Any]) -> pb.Batch:
@@ -412,6 +437,8 @@ class RankServicer(pb_grpc.RankServiceServicer):
             except ValueError as exc:
                 log.warning("Ingest: quarantined sample %d: %s", req.meta.id, exc)
                 quarantined.append(pb.Quarantined(id=req.meta.id, reason=str(exc)))
+                if core.metrics is not None:
+                    core.metrics.ingest_quarantined()
                 continue
             try:
                 source.put(Sample(sample.id, sample.length, sample.loss_tokens, core.rank, sample.modality_tokens),
@@ -446,12 +473,17 @@ class RankServicer(pb_grpc.RankServiceServicer):
             )
 
 
-def create_rank_server(address: str, core: RankServiceCore) -> tuple[grpc.Server, int]:
-    """Builds (not starts) the rank service's server bound to `address`; returns (server, port)."""
+def create_rank_server(address: str, core: RankServiceCore, security: Security | None = None,
+                       ) -> tuple[grpc.Server, int]:
+    """Builds (not starts) the rank service's server bound to `address`; returns (server, port).
+
+    `security` (TLS / mutual TLS / bearer token) defaults to `core.security`: one object per process.
+    """
+    security = core.security if security is None else security
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"batchd-rank{core.rank}"),
-                         options=GRPC_OPTIONS)
+                         options=GRPC_OPTIONS, interceptors=server_interceptors(security))
     pb_grpc.add_RankServiceServicer_to_server(RankServicer(core), server)
-    port = server.add_insecure_port(address)
+    port = add_port(server, address, security)
     if port == 0:
         raise OSError(f"rank service could not bind {address}")
     return server, port
