@@ -1,0 +1,146 @@
+"""batchd with Hugging Face Accelerate, and the pieces the HF Trainer integration shares.
+
+Every rank already reads its own aligned stream from its own rank service, so the stream must
+**never** go through ``accelerator.prepare`` (that would shard it a second time and drop batches);
+only the model and the optimizer do. `batchd_batches` moves each batch to ``accelerator.device``;
+`batchd_loss` turns the model output into the tensor to backward: this rank's per-token mean loss
+times ``StepInfo.loss_scale`` (N t_r / T_tok), so DDP's gradient average over the N ranks is the
+gradient of the global per-token mean, and IDLE steps become zero-weight steps (a 1-token dummy batch,
+loss ``logits.sum() * 0``) that still join every all-reduce::
+
+    from accelerate import Accelerator
+    from batchd.client import BatchClient, batchd_backward, batchd_batches
+
+    accelerator = Accelerator()
+    model, optimizer = accelerator.prepare(model, optimizer)          # not the stream
+    client = BatchClient(address, accelerator.process_index, accelerator.num_processes)
+    for batch, info in batchd_batches(accelerator, client):           # same step count on every rank
+        optimizer.zero_grad()
+        batchd_backward(accelerator, model, batch, info)              # forward, scaled loss, backward
+        optimizer.step()
+    # accelerator.reduce(loss.detach(), "mean") of batchd_loss is the global per-token mean loss
+
+The loss is computed from the logits (`batchd.client.token_loss_sum`: shifted cross-entropy summed
+over labels != -100, in at least fp32), not taken from the model: a model's own loss is a per-batch
+mean (or a sum over ``num_items_in_batch``) and would have to be rescaled anyway, while computing it
+here lets `batchd_loss` check the labels against ``StepInfo.local_loss_tokens``. The model is called
+the Hugging Face way, ``model(**hf_model_inputs(batch))``: ``labels`` stay out (the model does not
+compute a second loss), ``use_cache=False`` always. That flag matters for the packed layout: an HF
+model derives the block-diagonal mask of packed samples from the restarting ``position_ids`` only
+when no cache is in use; with the default ``use_cache=True`` the packed samples attend to each other
+silently.
+
+Trade-off: one batchd step is one optimizer step. Gradient accumulation is refused (the loss scale
+normalizes within a step; a larger ``token_budget`` gives larger steps). This module imports neither
+accelerate nor transformers; the accelerator is only used through ``device``, ``process_index``,
+``num_processes``, ``gradient_accumulation_steps`` and ``backward``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ._train import _check_scale, _scaled, _to_device
+
+INFO_KEY = "batchd_info"
+"""Key under which `batchd.client.BatchdTrainer`'s stream carries the StepInfo inside each batch dict."""
+
+NON_MODEL_KEYS = frozenset({"labels", "sample_ids", "cu_seqlens", "max_seqlen", INFO_KEY})
+"""Batch entries that are not model keyword arguments (the packed layout's boundaries are given to an
+HF model by the restarting ``position_ids``)."""
+
+
+def hf_model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a Hugging Face causal LM for a batchd batch.
+
+    Keeps ``input_ids``, ``attention_mask`` (padded layout), ``position_ids`` and vision inputs
+    (``pixel_values``, ``image_grid_thw``); drops `NON_MODEL_KEYS`; adds ``use_cache=False`` (see the
+    module docstring: required for the packed layout).
+
+    Raises:
+        ValueError: if the batch has no ``input_ids``.
+    """
+    if "input_ids" not in batch:
+        raise ValueError(f"a batchd batch needs 'input_ids', got keys={sorted(batch)}")
+    kwargs = {k: v for k, v in batch.items() if k not in NON_MODEL_KEYS}
+    kwargs["use_cache"] = False
+    return kwargs
+
+
+def logits_of(outputs: Any) -> torch.Tensor:
+    """The [B, T, V] logits of a model output: a tensor, a ModelOutput / dict with ``logits``, or a tuple."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) or hasattr(outputs, "keys"):
+        if "logits" in outputs:
+            return outputs["logits"]
+        raise ValueError(f"the model output has no 'logits': keys={list(outputs.keys())}")
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
+        return outputs[0]
+    raise ValueError(f"cannot find logits in a model output of type {type(outputs).__name__}")
+
+
+def batchd_loss(outputs: Any, batch: Mapping[str, Any], info: Any) -> torch.Tensor:
+    """The tensor to backward for one rank's step: per-token mean x ``info.loss_scale``.
+
+    IDLE steps (and steps whose samples carry no loss token) give ``logits.sum() * 0``: zero weight,
+    but connected to every parameter, so DDP's all-reduce still fires.
+
+    Args:
+        outputs: The model output for ``batch`` (anything `logits_of` accepts).
+        batch: The batchd batch (uses ``labels``).
+        info: Its `batchd.core.StepInfo`.
+
+    Raises:
+        ValueError: on a bad scale, or labels that carry a different number of loss tokens than
+            ``info.local_loss_tokens`` (the scale would be wrong).
+    """
+    scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
+    _check_scale(scale, tokens)
+    return _scaled(logits_of(outputs), batch["labels"], scale, tokens)[0]
+
+
+def _check_accelerator(accelerator: Any, client: Any) -> None:
+    steps = getattr(accelerator, "gradient_accumulation_steps", 1)
+    if steps != 1:
+        raise ValueError(f"batchd needs one batch per optimizer step (its loss scale normalizes within a step), "
+                         f"got gradient_accumulation_steps={steps!r}")
+    want = (accelerator.process_index, accelerator.num_processes)
+    if (client.rank, client.world_size) != want:
+        raise ValueError(f"the BatchClient is for rank {client.rank} of {client.world_size} but this process is "
+                         f"rank {want[0]} of {want[1]}: client.rank={client.rank} client.world_size={client.world_size}")
+
+
+def batchd_batches(accelerator: Any, client: Any) -> Iterator[tuple[dict[str, Any], Any]]:
+    """Yields (batch on ``accelerator.device``, StepInfo) from this rank's `BatchClient`.
+
+    Pass the client itself, never a prepared dataloader: the stream is already this rank's own.
+    IDLE steps come with the rank service's 1-token dummy batch. Closing the generator (or leaving the
+    loop) closes the client's stream; ``client.state_dict()`` resumes after the last yielded step.
+
+    Raises:
+        ValueError: (at the call, not at the first step) if the accelerator accumulates gradients, or
+            the client's rank / world size are not the accelerator's process index / process count.
+    """
+    _check_accelerator(accelerator, client)
+    return _device_batches(client, torch.device(accelerator.device))
+
+
+def _device_batches(client: Any, device: torch.device) -> Iterator[tuple[dict[str, Any], Any]]:
+    for batch, info in client:
+        yield _to_device(batch, device), info
+
+
+def batchd_backward(accelerator: Any, model: torch.nn.Module, batch: Mapping[str, Any], info: Any) -> torch.Tensor:
+    """Forward ``model(**hf_model_inputs(batch))``, `batchd_loss`, ``accelerator.backward``.
+
+    Returns:
+        The detached scaled loss (``accelerator.reduce(loss, "mean")`` of it is the global per-token
+        mean loss of the step; 0 on IDLE steps).
+    """
+    loss = batchd_loss(model(**hf_model_inputs(batch)), batch, info)
+    accelerator.backward(loss)
+    return loss.detach()

@@ -1,0 +1,205 @@
+"""batchd with the Hugging Face ``transformers.Trainer``: `BatchdTrainer`.
+
+``BatchdTrainer(model=..., args=TrainingArguments(max_steps=UPPER_BOUND, ...), client=BatchClient(...))``
+trains on this rank's batchd stream instead of a dataset:
+
+* **Data.** ``get_train_dataloader()`` returns the stream itself (an iterable of batch dicts, the
+  StepInfo under `INFO_KEY`), not a ``DataLoader`` and never passed through ``accelerator.prepare``:
+  every rank already reads its own aligned stream, re-sharding it would drop batches. The client may be
+  given as a factory (called on first use, after the process group exists); its rank and world size
+  must equal ``args.process_index`` / ``args.world_size``.
+* **Loss.** `compute_loss` calls the model without labels (``hf_model_inputs``: ``use_cache=False``, so
+  packed batches get their block-diagonal mask) and computes the shifted cross-entropy sum over
+  labels != -100 itself (`batchd.client.token_loss_sum`, at least fp32), divides by the rank's loss
+  tokens t_r and multiplies by ``loss_scale`` = N t_r / T_tok. The model's own loss is not used: it is
+  a per-batch mean, or divided by Trainer's ``num_items_in_batch`` (which, with
+  ``average_tokens_across_devices``, costs an extra all-gather per step); batchd already knows T_tok.
+  `get_batch_samples` therefore returns ``num_items_in_batch=None``, and ``loss_is_scaled_for_ga`` is
+  True (nothing divides the loss again). DDP's average over ranks then is the gradient of the global
+  per-token mean, and the logged ``loss`` (Trainer's mean of the ranks' losses) is exactly the global
+  per-token mean loss of the logged steps. IDLE steps run the service's 1-token dummy batch with a
+  zero-weight loss, so the all-reduce happens on every rank. Evaluation batches (without a StepInfo)
+  use Trainer's default loss.
+* **End of stream.** The number of steps is known only at the end (join mode), so Trainer needs
+  ``max_steps`` > 0 as an upper bound (an iterable without ``__len__``; it also sizes the LR schedule,
+  so prefer a constant or warmup-constant schedule, or an estimate from ``batchd simulate``). When the
+  stream ends, `get_batch_samples` sets ``control.should_training_stop``: the epoch ends after the last
+  batch and Trainer never starts a second pass over a finished stream. If ``max_steps`` is reached
+  first, training stops there on every rank (same step counts) and the stream is closed; a later
+  ``train()`` continues from the client's position.
+* **Checkpoints.** Every Trainer checkpoint also gets ``batchd_client_rank{r}.json`` (the client's
+  ``state_dict()``, written by each rank); ``train(resume_from_checkpoint=...)`` loads it into the
+  client and sets ``args.ignore_data_skip = True``, since batchd resumes the stream itself (Trainer's
+  own batch skipping needs a DataLoader and would skip a second time).
+
+Trade-offs: one batchd step is one optimizer step; ``gradient_accumulation_steps`` > 1 and
+DataParallel (``n_gpu`` > 1 in one process) are refused with a ValueError. ``max_steps`` must be an
+upper bound, not the exact count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import transformers
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from ._accelerate import INFO_KEY, hf_model_inputs, logits_of
+from ._client import BatchClient
+from ._train import _check_scale, _scaled
+
+CLIENT_STATE_FILE = "batchd_client_rank{rank}.json"
+
+
+class BatchdStream:
+    """The iterable `BatchdTrainer` trains on: the client's batches with the StepInfo inside each dict.
+
+    Iterating it again continues the client (a finished client yields nothing); `close` ends the
+    current gRPC stream.
+    """
+
+    def __init__(self, client: BatchClient) -> None:
+        self.client = client
+        self._it: Iterator | None = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self.close()
+        self._it = iter(self.client)
+        return self._batches(self._it)
+
+    @staticmethod
+    def _batches(it: Iterator) -> Iterator[dict[str, Any]]:
+        for batch, info in it:
+            batch[INFO_KEY] = info
+            yield batch
+
+    def close(self) -> None:
+        if self._it is not None:
+            self._it.close()
+            self._it = None
+
+
+class BatchdTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` that trains one epoch of this rank's batchd stream (module docstring).
+
+    Args:
+        *args: ``transformers.Trainer``'s positional arguments (model, args, ...).
+        client: This rank's `BatchClient`, or a zero-argument factory returning it.
+        **kwargs: ``transformers.Trainer``'s keyword arguments; ``train_dataset`` must stay None.
+
+    Raises:
+        ValueError: on a train_dataset, ``max_steps`` <= 0, ``gradient_accumulation_steps`` != 1,
+            ``n_gpu`` > 1, or (on first use) a client whose rank / world size do not match ``args``.
+    """
+
+    loss_is_scaled_for_ga = True
+
+    def __init__(self, *args: Any, client: BatchClient | Callable[[], BatchClient], **kwargs: Any) -> None:
+        if kwargs.get("train_dataset") is not None:
+            raise ValueError(f"BatchdTrainer takes its data from the batchd client, got train_dataset="
+                             f"{type(kwargs['train_dataset']).__name__}")
+        if not (isinstance(client, BatchClient) or callable(client)):
+            raise ValueError(  # noqa: TRY004 - bad arguments raise ValueError in this project
+                f"client must be a BatchClient or a factory returning one, got {client=}")
+        super().__init__(*args, **kwargs)
+        a = self.args
+        if a.max_steps <= 0:
+            raise ValueError(f"batchd's stream has no length: set max_steps to an upper bound on the steps "
+                             f"(e.g. the number of samples), got max_steps={a.max_steps}")
+        if a.gradient_accumulation_steps != 1:
+            raise ValueError(f"batchd needs one batch per optimizer step (its loss scale normalizes within a "
+                             f"step; raise the token budget instead), got "
+                             f"gradient_accumulation_steps={a.gradient_accumulation_steps}")
+        if a.n_gpu > 1:
+            raise ValueError(f"DataParallel would split batchd's batches; launch one process per device, got "
+                             f"n_gpu={a.n_gpu}")
+        self._client_source = client
+        self._client: BatchClient | None = None
+        self._stream: BatchdStream | None = None
+
+    @property
+    def client(self) -> BatchClient:
+        """This rank's client (created by the factory on first use, and checked against ``args``)."""
+        if self._client is None:
+            client = self._client_source if isinstance(self._client_source, BatchClient) else self._client_source()
+            if not isinstance(client, BatchClient):
+                raise ValueError(f"the client factory must return a BatchClient, got {type(client).__name__}")
+            want = (self.args.process_index, self.args.world_size)
+            if (client.rank, client.world_size) != want:
+                raise ValueError(f"the BatchClient is for rank {client.rank} of {client.world_size} but this "
+                                 f"Trainer is rank {want[0]} of {want[1]}: {client.rank=} {client.world_size=}")
+            self._client = client
+        return self._client
+
+    # -- data ------------------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> BatchdStream:  # type: ignore[override]
+        """This rank's batchd stream, as is (no DataLoader, no ``accelerator.prepare``)."""
+        if self._stream is None:
+            self._stream = BatchdStream(self.client)
+        return self._stream
+
+    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
+                          device: torch.device) -> tuple[list, None]:
+        """Takes the next batch; at the end of the stream stops training (see the module docstring)."""
+        batches = []
+        for _ in range(num_batches):
+            try:
+                batches.append(next(epoch_iterator))
+            except StopIteration:
+                self.control.should_training_stop = True
+                break
+        return batches, None
+
+    # -- loss ------------------------------------------------------------------------------------------
+    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """Per-token mean x loss scale for batchd batches; Trainer's default for other batches."""
+        if INFO_KEY not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        info = inputs[INFO_KEY]
+        scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
+        _check_scale(scale, tokens)
+        outputs = model(**hf_model_inputs(inputs))
+        loss = _scaled(logits_of(outputs), inputs["labels"], scale, tokens)[0]
+        return (loss, outputs) if return_outputs else loss
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, CLIENT_STATE_FILE.format(rank=self.client.rank))
+        tmp = f"{path}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(self.client.state_dict(), f)
+        os.replace(tmp, path)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
+              ignore_keys_for_eval: list[str] | None = None) -> transformers.trainer_utils.TrainOutput:
+        """``Trainer.train``, restoring the client's position from the checkpoint when resuming.
+
+        Raises:
+            ValueError: if the checkpoint to resume from has no batchd client state for this rank.
+        """
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"no checkpoint to resume from in {self.args.output_dir=}")
+        if resume_from_checkpoint:
+            path = os.path.join(resume_from_checkpoint, CLIENT_STATE_FILE.format(rank=self.client.rank))
+            if not os.path.isfile(path):
+                raise ValueError(f"{resume_from_checkpoint=} has no batchd client state ({path} is missing): "
+                                 f"the stream position cannot be restored")
+            with open(path, encoding="utf-8") as f:
+                self.client.load_state_dict(json.load(f))
+            self.args.ignore_data_skip = True
+        try:
+            return super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial,
+                                 ignore_keys_for_eval=ignore_keys_for_eval)
+        finally:
+            if self._stream is not None:
+                self._stream.close()

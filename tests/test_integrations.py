@@ -1,0 +1,532 @@
+"""Trainer integrations: `BatchdTrainer` (transformers.Trainer) and the Accelerate helpers, end to end.
+
+A tiny randomly initialised ``transformers.LlamaForCausalLM`` (vocab 512, hidden 64, 2 layers, 4 heads;
+seeded, float32, no downloads) trains on batches from a real in-process coordinator and rank services
+(gRPC on loopback, port 0) over synthetic lengths (`batchd.service.synthetic_payload`: masked prompts,
+so loss tokens differ from lengths). The decisive checks compare gradients with a reference computed
+directly: a copy of the initial model, each sample of the step forwarded alone and unpadded, and the
+plain per-token mean loss over the step's samples (sum of shifted cross-entropies / their loss tokens).
+
+* HF Trainer, world size 1, padded and packed layouts: one epoch, every id exactly once, the first
+  step's gradient equals the reference (a control shows the per-sample-mean gradient is measurably
+  different), the logged loss is finite and falls, the stream is finished. Resume: a checkpoint after
+  3 steps carries the client state and a new Trainer finishes the epoch with no id lost or repeated.
+* Accelerate (``Accelerator(cpu=True)``), world size 1: the same.
+* The loss scale at world size 2 in one process: two rank services' real StepInfos (balanced policy),
+  the mean of the two ranks' `batchd_loss` gradients (what DDP computes) equals the union's per-token
+  gradient on every step, IDLE steps included; the unscaled mean of rank means does not.
+* slow: two gloo processes, each an Accelerate loop against its own rank service: the all-reduced
+  gradient of every step equals the single-process per-token gradient over both ranks' batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from batchd.client import (
+    BatchClient,
+    batchd_backward,
+    batchd_batches,
+    batchd_loss,
+    collate_packed,
+    collate_padded,
+    hf_model_inputs,
+    token_loss_sum,
+)
+from batchd.service import (
+    CoordinatorClient,
+    JobSpec,
+    RankServiceCore,
+    SyntheticSource,
+    create_rank_server,
+    create_server,
+    synthetic_payload,
+)
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+VOCAB = 512
+SEED = 7
+ATOL = 2e-5  # float32 gradients of a ~2-layer model; the controls differ by > 100x this
+
+
+# -- fixtures ------------------------------------------------------------------------------------------
+def tiny_llama(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def lengths_for(n: int = 48, seed: int = 3) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(3.3, 0.6, n), 3, 120).astype(int).tolist()
+
+
+class Job:
+    """A coordinator and N rank services in this process (real gRPC on loopback); stopped on exit."""
+
+    def __init__(self, spec: JobSpec, lengths: list[int]) -> None:
+        self.spec, self.lengths = spec, lengths
+        self.server, self.port, self.state = create_server("127.0.0.1:0", spec, 10.0, 20.0)
+        self.server.start()
+        self.cores, self.servers, self.ports = [], [], []
+        for r in range(spec.world_size):
+            src = SyntheticSource(lengths, r, spec.world_size, spec.seed, 0, spec.shuffle, vocab_size=VOCAB)
+            core = RankServiceCore(r, spec, CoordinatorClient(f"127.0.0.1:{self.port}", r, spec, connect_timeout_s=5),
+                                   src, client_grace_s=30.0)
+            server, port = create_rank_server("127.0.0.1:0", core)
+            server.start()
+            core.start(f"127.0.0.1:{port}")
+            self.cores.append(core)
+            self.servers.append(server)
+            self.ports.append(port)
+
+    def client(self, r: int = 0) -> BatchClient:
+        return BatchClient(f"127.0.0.1:{self.ports[r]}", r, self.spec.world_size, reconnect_timeout_s=5)
+
+    def payload(self, sample_id: int) -> dict[str, np.ndarray]:
+        return synthetic_payload(sample_id, self.lengths[sample_id], self.spec.seed, VOCAB)
+
+    def stop(self) -> None:
+        for core in self.cores:
+            core.stop()
+            core.coord.close()
+        for s in self.servers:
+            s.stop(0)
+        self.state.close()
+        self.server.stop(0)
+
+
+@pytest.fixture
+def make_job():
+    jobs: list[Job] = []
+
+    def make(world_size: int = 1, collate: str = "padded", policy: str = "local", n: int = 48,
+             budget: int = 256, skewed: bool = False) -> Job:
+        """`skewed`: unshuffled views, rank 0 (even ids) long samples, rank 1 (odd ids) a few tokens each:
+        under the local policy rank 1 runs out after its first step and is IDLE from then on."""
+        spec = JobSpec(world_size=world_size, token_budget=budget, policy=policy, window=16, depth=3, seed=SEED,
+                       collate=collate, shuffle=not skewed)
+        lengths = [150 if i % 2 == 0 else 5 for i in range(n)] if skewed else lengths_for(n)
+        jobs.append(Job(spec, lengths))
+        return jobs[-1]
+
+    yield make
+    for job in jobs:
+        job.stop()
+
+
+def flat_grad(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                      for p in model.parameters()])
+
+
+def reference_grad(model: torch.nn.Module, payloads: list[dict], per_sample_mean: bool = False) -> torch.Tensor:
+    """The gradient of the per-token mean loss over `payloads`, each sample forwarded alone, unpadded.
+
+    With `per_sample_mean` (the control): the mean over samples of each sample's own per-token mean.
+    """
+    model = copy.deepcopy(model)
+    model.zero_grad(set_to_none=True)
+    sums, counts = [], []
+    for p in payloads:
+        logits = model(input_ids=torch.as_tensor(p["input_ids"], dtype=torch.int64)[None], use_cache=False).logits
+        s, n = token_loss_sum(logits, torch.as_tensor(p["labels"], dtype=torch.int64)[None])
+        sums.append(s)
+        counts.append(n)
+    if per_sample_mean:
+        loss = torch.stack([s / n for s, n in zip(sums, counts, strict=True) if n]).mean()
+    else:
+        loss = torch.stack(sums).sum() / sum(counts)
+    loss.backward()
+    return flat_grad(model)
+
+
+def dataset_loss(model: torch.nn.Module, job: Job) -> float:
+    """The per-token mean loss of `model` over all of the job's samples (each alone, unpadded)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(job.lengths)):
+            p = job.payload(i)
+            logits = model(input_ids=torch.as_tensor(p["input_ids"], dtype=torch.int64)[None], use_cache=False).logits
+            s, n = token_loss_sum(logits, torch.as_tensor(p["labels"], dtype=torch.int64)[None])
+            total, count = total + float(s), count + n
+    return total / count
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max())
+
+
+# -- HF Trainer ----------------------------------------------------------------------------------------
+class FirstGrads(transformers.TrainerCallback):
+    """Keeps the (all-reduced, unclipped) gradient of the first `k` optimizer steps."""
+
+    def __init__(self, k: int = 1) -> None:
+        self.k, self.grads = k, []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if len(self.grads) < self.k:
+            self.grads.append(flat_grad(model))
+
+
+def recording_trainer_cls():
+    from batchd.client import BatchdTrainer
+
+    class RecordingTrainer(BatchdTrainer):
+        """Records each step's sample ids and StepInfo as compute_loss sees them."""
+
+        seen: list
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            self.seen.append((inputs["sample_ids"].tolist(), inputs["batchd_info"]))
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    return RecordingTrainer
+
+
+def trainer_args(tmp_path, **overrides) -> transformers.TrainingArguments:
+    kwargs = {"output_dir": str(tmp_path / "out"), "max_steps": 1000, "learning_rate": 1e-2,
+              "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "logging_steps": 1, "save_strategy": "no",
+              "report_to": "none", "use_cpu": True, "seed": 0, "disable_tqdm": True, "dataloader_pin_memory": False}
+    kwargs.update(overrides)
+    return transformers.TrainingArguments(**kwargs)
+
+
+def make_trainer(job: Job, tmp_path, model=None, client=None, **overrides):
+    cls = recording_trainer_cls()
+    grads = FirstGrads()
+    trainer = cls(model=model or tiny_llama(), args=trainer_args(tmp_path, **overrides),
+                  client=client or (lambda: job.client(0)), callbacks=[grads])
+    trainer.seen = []
+    return trainer, grads
+
+
+@pytest.mark.parametrize("collate", ["padded", "packed"])
+def test_hf_trainer_one_epoch_exact_first_gradient(make_job, tmp_path, collate):
+    job = make_job(collate=collate)
+    model = tiny_llama()
+    initial = copy.deepcopy(model)
+    trainer, grads = make_trainer(job, tmp_path, model=model)
+    t0 = time.perf_counter()
+    out = trainer.train()
+    wall = time.perf_counter() - t0
+    steps = len(trainer.seen)
+    ids = [i for step_ids, _ in trainer.seen for i in step_ids]
+    assert sorted(ids) == list(range(len(job.lengths))), "every sample exactly once"
+    assert out.global_step == steps == trainer.client.next_step and 3 < steps < 1000
+    assert trainer.client.finished and trainer.control.should_training_stop
+    assert [info.step for _, info in trainer.seen] == list(range(steps))
+    # first step: the Trainer's (scaled) loss gives the plain per-token-mean gradient over the same samples
+    first = [job.payload(i) for i in trainer.seen[0][0]]
+    assert len(first) > 1 and len({len(p["input_ids"]) for p in first}) > 1  # padding / packing matters
+    want = reference_grad(initial, first)
+    assert max_err(grads.grads[0], want) <= ATOL, max_err(grads.grads[0], want)
+    control = reference_grad(initial, first, per_sample_mean=True)
+    assert max_err(control, want) > 100 * ATOL, "the control must differ, or the check above cannot fail"
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == steps and all(math.isfinite(x) for x in losses)
+    before, after = dataset_loss(initial, job), dataset_loss(trainer.model, job)
+    assert after < before - 0.1, (before, after)
+    assert wall < 60, wall  # ~2 s on an idle 2-core machine; a bound against hangs, not a benchmark
+
+
+def test_hf_trainer_checkpoint_resumes_the_stream(make_job, tmp_path):
+    job = make_job()
+    trainer, _ = make_trainer(job, tmp_path, max_steps=3, save_strategy="steps", save_steps=3)
+    trainer.train()
+    assert trainer.state.global_step == 3 and not trainer.client.finished
+    ckpt = tmp_path / "out" / "checkpoint-3"
+    state = json.loads((ckpt / "batchd_client_rank0.json").read_text())
+    assert state["next_step"] == 3 and state["rank"] == 0
+    first = [i for ids, _ in trainer.seen for i in ids]
+
+    resumed, _ = make_trainer(job, tmp_path, model=tiny_llama(), max_steps=1000)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert resumed.args.ignore_data_skip
+    assert resumed.seen[0][1].step == 3
+    rest = [i for ids, _ in resumed.seen for i in ids]
+    assert sorted(first + rest) == list(range(len(job.lengths)))
+    assert resumed.state.global_step == 3 + len(resumed.seen) and resumed.client.finished
+
+
+def test_hf_trainer_refuses_bad_setups(make_job, tmp_path):
+    from batchd.client import BatchdTrainer
+
+    job = make_job()
+    model = tiny_llama()
+    with pytest.raises(ValueError, match="max_steps"):
+        BatchdTrainer(model=model, args=trainer_args(tmp_path, max_steps=-1), client=job.client(0))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
+        BatchdTrainer(model=model, args=trainer_args(tmp_path, gradient_accumulation_steps=2), client=job.client(0))
+    with pytest.raises(ValueError, match="train_dataset"):
+        BatchdTrainer(model=model, args=trainer_args(tmp_path), client=job.client(0), train_dataset=[1])
+    other = BatchClient("127.0.0.1:1", rank=1, world_size=2)
+    trainer = BatchdTrainer(model=model, args=trainer_args(tmp_path), client=other)
+    with pytest.raises(ValueError, match="rank 1 of 2"):
+        trainer.train()
+    empty = tmp_path / "checkpoint-9"
+    empty.mkdir()
+    trainer = BatchdTrainer(model=model, args=trainer_args(tmp_path), client=job.client(0))
+    with pytest.raises(ValueError, match="no batchd client state"):
+        trainer.train(resume_from_checkpoint=str(empty))
+
+
+# -- Accelerate ----------------------------------------------------------------------------------------
+def test_accelerate_loop_one_epoch_exact_first_gradient(make_job):
+    from accelerate import Accelerator
+
+    job = make_job(collate="packed")
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    initial = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    client = job.client(0)
+    seen, losses, first_grad = [], [], None
+    for batch, info in batchd_batches(accelerator, client):
+        assert batch["input_ids"].device == accelerator.device
+        optimizer.zero_grad()
+        losses.append(float(accelerator.reduce(batchd_backward(accelerator, model, batch, info), "mean")))
+        if first_grad is None:
+            first_grad = flat_grad(accelerator.unwrap_model(model))
+        optimizer.step()
+        seen.append(batch["sample_ids"].tolist())
+    assert client.finished and len(seen) == client.next_step > 3
+    assert sorted(i for ids in seen for i in ids) == list(range(len(job.lengths)))
+    want = reference_grad(initial, [job.payload(i) for i in seen[0]])
+    assert max_err(first_grad, want) <= ATOL, max_err(first_grad, want)
+    assert all(math.isfinite(x) for x in losses)
+    before, after = dataset_loss(initial, job), dataset_loss(accelerator.unwrap_model(model), job)
+    assert after < before - 0.1, (before, after)
+
+
+def test_batchd_batches_refuses_a_mismatched_accelerator():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    with pytest.raises(ValueError, match="rank 1 of 2"):
+        batchd_batches(accelerator, BatchClient("127.0.0.1:1", rank=1, world_size=2))
+    accelerator.gradient_accumulation_steps = 4
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=4"):
+        batchd_batches(accelerator, BatchClient("127.0.0.1:1", rank=0, world_size=1))
+
+
+# -- the helpers -----------------------------------------------------------------------------------------
+def test_hf_model_inputs_packed_layout_needs_no_cache():
+    """Packed samples through hf_model_inputs give each sample's own logits (use_cache=False); the HF
+    default (a cache) silently lets packed samples attend to each other: why the flag is set."""
+    model = tiny_llama()
+    rng = np.random.default_rng(0)
+    payloads = [{"input_ids": rng.integers(1, VOCAB, n)} for n in (7, 12, 4)]
+    batch = collate_packed(payloads)
+    kwargs = hf_model_inputs(batch)
+    assert kwargs["use_cache"] is False and not {"labels", "cu_seqlens", "max_seqlen"} & set(kwargs)
+    with torch.no_grad():
+        packed = model(**kwargs).logits[0]
+        cached = model(**{**kwargs, "use_cache": True}).logits[0]
+        cu = batch["cu_seqlens"].tolist()
+        alone = [model(input_ids=torch.as_tensor(p["input_ids"])[None], use_cache=False).logits[0] for p in payloads]
+    assert max(max_err(packed[cu[i]:cu[i + 1]], alone[i]) for i in range(3)) < 1e-5
+    assert max(max_err(cached[cu[i]:cu[i + 1]], alone[i]) for i in range(3)) > 1e-2
+    with pytest.raises(ValueError, match="input_ids"):
+        hf_model_inputs({"labels": batch["labels"]})
+
+
+@pytest.mark.parametrize("policy,skewed", [("balanced", False), ("local", True)])
+def test_loss_scale_two_ranks_in_one_process(make_job, policy, skewed):
+    """What DDP computes, without processes: the mean of both ranks' batchd_loss gradients equals the
+    per-token gradient over the union of the step's samples, on every step (IDLE ones included)."""
+    job = make_job(world_size=2, policy=policy, n=40, budget=200, skewed=skewed)
+    streams: list = [None, None]
+
+    def consume(r):
+        with job.client(r) as c:
+            streams[r] = [(b, info) for b, info in c]
+
+    threads = [threading.Thread(target=consume, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(streams[0]) == len(streams[1]) > 2
+    model = tiny_llama()
+    errors, gaps, idle = [], [], 0
+    for (b0, i0), (b1, i1) in zip(streams[0][:6], streams[1][:6], strict=True):  # IDLE from step 1 if skewed
+        assert i0.step == i1.step and i0.global_loss_tokens == i1.global_loss_tokens
+        idle += i0.is_idle + i1.is_idle
+        per_rank, naive = [], []
+        for b, info in ((b0, i0), (b1, i1)):
+            model.zero_grad(set_to_none=True)
+            batchd_loss(model(**hf_model_inputs(b)), b, info).backward()
+            per_rank.append(flat_grad(model))
+            if not info.is_idle:
+                model.zero_grad(set_to_none=True)
+                logits = model(**hf_model_inputs(b)).logits
+                s, n = token_loss_sum(logits, b["labels"])
+                (s / n).backward()
+                naive.append(flat_grad(model))
+        ddp = (per_rank[0] + per_rank[1]) / 2
+        union = [job.payload(i) for b in (b0, b1) for i in b["sample_ids"].tolist()]
+        want = reference_grad(model, union)
+        errors.append(max_err(ddp, want))
+        gaps.append(max_err(sum(naive) / 2, want))  # an IDLE rank adds a zero gradient to DDP's mean
+    assert max(errors) <= ATOL, errors
+    assert max(gaps) > 100 * ATOL, "plain averaging of rank means must differ, or the check cannot fail"
+    if skewed:
+        assert idle > 0, "the skewed job must exercise IDLE steps"
+    ids = [i for s in streams for b, _ in s for i in b["sample_ids"].tolist()]
+    assert sorted(ids) == list(range(40))
+
+
+def test_collate_layouts_give_the_same_batchd_loss(make_job):
+    """The padded and packed layouts of one group give the same loss and gradient through the helpers."""
+    job = make_job()
+    payloads = [job.payload(i) for i in (0, 1, 2)]
+    model = tiny_llama()
+
+    class Info:  # a StepInfo's fields that batchd_loss reads
+        is_idle, loss_scale = False, 1.0
+        local_loss_tokens = sum(int((p["labels"][1:] != -100).sum()) for p in payloads)
+
+    results = []
+    for batch in (collate_padded(payloads), collate_packed(payloads)):
+        model.zero_grad(set_to_none=True)
+        loss = batchd_loss(model(**hf_model_inputs(batch)), batch, Info)
+        loss.backward()
+        results.append((float(loss.detach()), flat_grad(model)))
+    assert abs(results[0][0] - results[1][0]) < 1e-5 and max_err(results[0][1], results[1][1]) <= ATOL
+    Info.local_loss_tokens += 1
+    with pytest.raises(ValueError, match="loss tokens"):
+        batchd_loss(model(**hf_model_inputs(batch)), batch, Info)
+
+
+# -- two processes, gloo ---------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _params(model: torch.nn.Module) -> list[float]:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+
+
+def _accelerate_epoch(address: str, grad_steps: int) -> dict:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    out = {"num_processes": accelerator.num_processes, "ddp": type(model).__name__, "steps": []}
+    with BatchClient(address, accelerator.process_index, accelerator.num_processes) as client:
+        for batch, info in batchd_batches(accelerator, client):
+            optimizer.zero_grad()
+            batchd_backward(accelerator, model, batch, info)
+            step = {"ids": batch["sample_ids"].tolist(), "idle": info.is_idle}
+            if len(out["steps"]) < grad_steps:
+                step["grad"] = flat_grad(accelerator.unwrap_model(model)).tolist()
+                step["params"] = _params(model)
+            optimizer.step()
+            out["steps"].append(step)
+    return out
+
+
+def _trainer_epoch(address: str, grad_steps: int, out_dir: str) -> dict:
+    class Grads(FirstGrads):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            if len(self.grads) < self.k:
+                self.grads.append((flat_grad(model), _params(model)))
+
+    grads = Grads(grad_steps)
+    trainer = recording_trainer_cls()(
+        model=tiny_llama(), args=trainer_args(Path(out_dir), optim="sgd", learning_rate=0.1, logging_steps=1000),
+        client=lambda: BatchClient(address, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])), callbacks=[grads])
+    trainer.seen = []
+    trainer.train()
+    steps = [{"ids": ids, "idle": info.is_idle} for ids, info in trainer.seen]
+    for step, (grad, params) in zip(steps, grads.grads, strict=False):
+        step.update(grad=grad.tolist(), params=params)
+    return {"num_processes": trainer.args.world_size, "ddp": type(trainer.model_wrapped).__name__, "steps": steps}
+
+
+def _rank_main(rank: int, world: int, port: int, addresses: dict[str, list[str]], out_dir: str,
+               grad_steps: int) -> None:
+    """One rank: an Accelerate epoch on one job, then a BatchdTrainer epoch on another (DDP over gloo)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    out = {"accelerate": _accelerate_epoch(addresses["accelerate"][rank], grad_steps)}
+    t1 = time.perf_counter()
+    out["trainer"] = _trainer_epoch(addresses["trainer"][rank], grad_steps, out_dir)
+    out["wall_s"] = {"accelerate": t1 - t0, "trainer": time.perf_counter() - t1}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(out, f)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_gradients_equal_single_process_reference(make_job, tmp_path):
+    """Accelerate and BatchdTrainer under real DDP (2 gloo processes): every step's all-reduced gradient
+    equals the single-process per-token gradient over both ranks' samples."""
+    import torch.multiprocessing as mp
+
+    # accelerate: balanced plan over shuffled lengths; trainer: skewed, rank 1 IDLE from its second step on
+    jobs = {"accelerate": make_job(world_size=2, policy="balanced", n=40, budget=200),
+            "trainer": make_job(world_size=2, policy="local", n=40, budget=200, skewed=True)}
+    addresses = {kind: [f"127.0.0.1:{port}" for port in job.ports] for kind, job in jobs.items()}
+    grad_steps = 3
+    t0 = time.perf_counter()
+    mp.spawn(_rank_main, args=(2, _free_port(), addresses, str(tmp_path), grad_steps), nprocs=2, join=True)
+    wall = time.perf_counter() - t0
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for kind, job in jobs.items():
+        res = [r[kind] for r in ranks]
+        assert [r["num_processes"] for r in res] == [2, 2] and res[0]["ddp"] == "DistributedDataParallel"
+        assert len(res[0]["steps"]) == len(res[1]["steps"]) > grad_steps
+        assert sorted(i for r in res for s in r["steps"] for i in s["ids"]) == list(range(40))
+        gaps = []
+        for k in range(grad_steps):
+            s0, s1 = res[0]["steps"][k], res[1]["steps"][k]
+            assert s0["grad"] == s1["grad"] and s0["params"] == s1["params"]  # DDP: identical on both ranks
+            model = tiny_llama()
+            with torch.no_grad():
+                torch.nn.utils.vector_to_parameters(torch.tensor(s0["params"]), model.parameters())
+            p0, p1 = ([job.payload(i) for i in s["ids"]] for s in (s0, s1))
+            assert s0["idle"] == (not p0) and s1["idle"] == (not p1)
+            want = reference_grad(model, p0 + p1)
+            got = torch.tensor(s0["grad"])
+            assert max_err(got, want) <= ATOL, (kind, k, max_err(got, want))
+            # control: DDP's plain mean of the ranks' per-token means (an IDLE rank contributes zeros)
+            naive = sum(reference_grad(model, p) if p else torch.zeros_like(want) for p in (p0, p1)) / 2
+            gaps.append(max_err(naive, want))
+        assert max(gaps) > 100 * ATOL, (kind, gaps)
+    assert any(s["idle"] for r in ranks for s in r["trainer"]["steps"][:grad_steps]), "no IDLE step checked"
+    assert sum(s["idle"] for s in ranks[1]["trainer"]["steps"]) > 5
+    assert wall < 90, (wall, [r["wall_s"] for r in ranks])  # ~23 s unloaded (spawn + imports dominate)
+
+
+def test_client_package_imports_without_transformers():
+    """transformers / accelerate are imported lazily: batchd.client alone loads neither."""
+    import subprocess
+    import sys
+
+    code = ("import sys, batchd.client as c; assert 'batchd_loss' in c.__all__; "
+            "print(sorted(m for m in ('transformers', 'accelerate') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out
