@@ -1,0 +1,231 @@
+"""A torchrun-launched reference trainer: one DDP rank that trains on its batchd rank service.
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \\
+        -m batchd.client.train --rank-host batchd-head --base-port 7100
+
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous (MASTER_ADDR/PORT); this module reads
+them, initialises the process group (NCCL on `cuda:LOCAL_RANK` when CUDA is available, else gloo on
+CPU), connects a `BatchClient` to the rank service of its global rank and runs `train_step` on every
+(batch, StepInfo) until the epoch ends. The rank service address comes from `--rank-services` (a comma
+list indexed by global rank, or one address with a `{rank}` placeholder) or `--rank-host HOST
+--base-port P` (rank r at HOST:P+r, the layout `deploy/ray/start-batchd.sh` starts).
+
+The model is the demo's `TinyCausalLM` (size flags below): this is a smoke-test and template trainer;
+a real job swaps in its own model and keeps the loop. With `--checkpoint DIR` every rank saves the
+model, the optimizer and `BatchClient.state_dict()` every `--checkpoint-every` steps and at the end,
+and resumes from its file when it exists, so a restarted torchrun continues the epoch mid-way (the
+rank services must still be running, or have been restarted with `--state-dir`).
+
+Trade-offs: one checkpoint file per rank (the DDP model is replicated, so this stores N copies; simple
+and independent of a shared filesystem's consistency); the trainer fails fast with exit code 1 and
+the job's failure message (naming the failed rank) when any party fails, and leaves restarts to torchrun
+(`--max-restarts`) or the orchestrator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(f"{name} is not set: start this module with torchrun ({name}=None)")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value=}") from None
+
+
+def rank_service_address(rank: int, world_size: int, rank_services: str | None = None,
+                         rank_host: str | None = None, base_port: int | None = None) -> str:
+    """The host:port of `rank`'s batching service.
+
+    Args:
+        rank: The global trainer rank.
+        world_size: Ranks in the job.
+        rank_services: A comma list of `world_size` addresses (indexed by rank), or one address
+            containing `{rank}` (formatted with the rank).
+        rank_host: With `base_port`: rank r's service listens on rank_host:base_port + r.
+        base_port: See `rank_host`.
+
+    Raises:
+        ValueError: when neither or both forms are given, or the list has the wrong length.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size), got {rank=} {world_size=}")
+    if (rank_services is None) == (base_port is None):
+        raise ValueError(f"give either rank_services or rank_host + base_port, got {rank_services=} {base_port=}")
+    if rank_services is not None:
+        if "{rank}" in rank_services:
+            return rank_services.format(rank=rank)
+        addresses = [a.strip() for a in rank_services.split(",") if a.strip()]
+        if len(addresses) != world_size:
+            raise ValueError(f"rank_services must list world_size={world_size} addresses, got {addresses=}")
+        return addresses[rank]
+    if base_port is None or not 0 < base_port + rank < 65536:
+        raise ValueError(f"base_port + rank must be a TCP port, got {base_port=} {rank=}")
+    return f"{rank_host or '127.0.0.1'}:{base_port + rank}"
+
+
+def vocab_size(explicit: int | None, tokenizer: str | None) -> int:
+    """The model's vocabulary: `explicit`, else 1 + the largest id of `tokenizer`, else 512.
+
+    Raises:
+        ValueError: when `explicit` is smaller than the tokenizer's vocabulary (ids would overflow).
+    """
+    from batchd.demo import _vocab_size
+
+    needed = _vocab_size(Path(tokenizer)) if tokenizer else None
+    if explicit is not None and needed is not None and explicit < needed:
+        raise ValueError(f"vocab_size is smaller than the tokenizer's, got {explicit=} {needed=} ({tokenizer=})")
+    return explicit if explicit is not None else (needed or 512)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m batchd.client.train",
+                                description="One torchrun-launched DDP rank training on its batchd rank service.")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--rank-services", metavar="ADDRS",
+                       help="comma list of rank service addresses by global rank, or one with {rank}")
+    where.add_argument("--base-port", type=int, metavar="P", help="rank r's service listens on --rank-host:P+r")
+    p.add_argument("--rank-host", default="127.0.0.1", metavar="HOST", help="host of the rank services")
+    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
+                   help="process group backend (auto: nccl when CUDA is available, else gloo)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="model vocabulary (default: --tokenizer's, else 512 = `batchd rank --lengths`)")
+    p.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="the rank services' tokenizer.json: the model's vocabulary covers its ids")
+    p.add_argument("--d-model", type=int, default=128, help="model width")
+    p.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
+    p.add_argument("--n-heads", type=int, default=4, help="attention heads")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation seed")
+    p.add_argument("--epoch", type=int, default=0, help="epoch to read from the rank services")
+    p.add_argument("--credits", type=int, default=4, help="batches the rank service may send ahead")
+    p.add_argument("--reconnect-timeout", type=float, default=60.0,
+                   help="seconds to retry an unreachable rank service (covers its restart)")
+    p.add_argument("--timeout", type=float, default=600.0, help="process group collective timeout, seconds")
+    p.add_argument("--checkpoint", default=None, metavar="DIR", help="save/resume rank-<r>.pt here")
+    p.add_argument("--checkpoint-every", type=int, default=100, metavar="K", help="steps between checkpoints")
+    p.add_argument("--log-every", type=int, default=10, metavar="K", help="rank 0 logs every K steps")
+    sec = p.add_argument_group("security (as the rank services: batchd.service.Security)")
+    sec.add_argument("--tls-ca", default=None, metavar="FILE", help="CA of the rank service's certificate (TLS on)")
+    sec.add_argument("--tls-cert", default=None, metavar="FILE", help="client certificate (mutual TLS)")
+    sec.add_argument("--tls-key", default=None, metavar="FILE", help="key of --tls-cert")
+    sec.add_argument("--tls-client-auth", action="store_true", help="present --tls-cert (mutual TLS)")
+    sec.add_argument("--token-file", default=None, metavar="FILE", help="shared bearer token")
+    p.add_argument("--summary", default=None, metavar="FILE", help="write this rank's JSON summary here ({rank} is replaced)")
+    return p
+
+
+def security_from_args(args: argparse.Namespace):
+    """The trainer's `batchd.service.Security` from its flags, or None (plaintext, no token)."""
+    if not any((args.tls_ca, args.tls_cert, args.tls_key, args.token_file, args.tls_client_auth)):
+        return None
+    from batchd.service import Security
+
+    return Security.from_files(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                               client_auth=args.tls_client_auth, token_file=args.token_file)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one rank's epoch; returns the exit code (1 when the job failed)."""
+    from batchd.client import BatchClient, JobFailed, TinyCausalLM, train_step
+
+    args = build_parser().parse_args(argv)
+    rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+    address = rank_service_address(rank, world_size, args.rank_services, args.rank_host, args.base_port)
+    security = security_from_args(args)  # bad TLS/token/tokenizer files fail here, before the rendezvous
+    vocab = vocab_size(args.vocab_size, args.tokenizer)
+    cuda = torch.cuda.is_available() and args.backend != "gloo"
+    backend = args.backend if args.backend != "auto" else ("nccl" if cuda else "gloo")
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    try:
+        torch.manual_seed(args.seed)
+        model = TinyCausalLM(vocab_size=vocab, d_model=args.d_model, n_layers=args.n_layers,
+                             n_heads=args.n_heads).to(device)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        client = BatchClient(address, rank, world_size, epoch=args.epoch, credits=args.credits,
+                             reconnect_timeout_s=args.reconnect_timeout, security=security)
+        ckpt = Path(args.checkpoint) / f"rank-{rank}.pt" if args.checkpoint else None
+        if ckpt is not None and ckpt.exists():
+            state = torch.load(ckpt, map_location=device, weights_only=False)
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            client.load_state_dict(state["data"])
+            print(f"[rank {rank}] resumed from {ckpt} at step {client.next_step}", file=sys.stderr, flush=True)
+        summary = _loop(client, ddp, opt, rank, args, ckpt, train_step)
+    except JobFailed as exc:
+        print(f"[rank {rank}] batchd job failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        dist.destroy_process_group()
+    summary.update(rank=rank, world_size=world_size, backend=backend, device=str(device), rank_service=address)
+    line = json.dumps(summary)
+    print(line, flush=True)
+    if args.summary:
+        Path(args.summary.format(rank=rank)).write_text(line)
+    return 0
+
+
+def _save(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, client: Any) -> None:
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "data": client.state_dict()}, tmp)
+    tmp.replace(ckpt)  # atomic: a crash mid-save keeps the previous checkpoint
+
+
+def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
+    from batchd.client import JobFailed
+
+    from ._trainer import _FailureWatch, _job_failure
+
+    steps = idle = 0
+    loss = float("nan")
+    t0 = time.perf_counter()
+    batches = iter(client)  # closed only after a failure was asked about (see _trainer._run_batchd)
+    watch = _FailureWatch(client)
+    try:
+        for batch, info in batches:
+            batch.pop("sample_ids", None)
+            loss = train_step(ddp, opt, batch, info)
+            steps += 1
+            idle += int(info.is_idle)
+            if rank == 0 and args.log_every and steps % args.log_every == 0:
+                print(f"[rank 0] step {info.step} loss {loss:.4f}", file=sys.stderr, flush=True)
+            if ckpt is not None and steps % args.checkpoint_every == 0:
+                _save(ckpt, ddp.module, opt, client)
+    except JobFailed:
+        raise
+    except Exception as exc:  # a collective broke because a peer died: ask the rank service which
+        failure = _job_failure(client, watch)
+        if failure:
+            raise JobFailed(f"{failure} (this trainer saw: {type(exc).__name__}: {exc})") from exc
+        raise
+    finally:
+        watch.stop()
+        batches.close()
+    if ckpt is not None:
+        _save(ckpt, ddp.module, opt, client)
+    client.close()
+    return {"steps": steps, "idle": idle, "next_step": client.next_step, "last_loss": loss,
+            "wall_s": round(time.perf_counter() - t0, 3)}
+
+if __name__ == "__main__":
+    sys.exit(main())

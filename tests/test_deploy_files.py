@@ -1,0 +1,740 @@
+"""The deployment files (deploy/, docker/, docs/deployment.md) against the code they drive.
+
+Every command line they run is extracted and parsed by the parser that will run it:
+
+- `batchd ...` (compose `command:`/`entrypoint:`, `bash -c` strings, shell scripts, `ray up` commands,
+  Dockerfile ENTRYPOINT + CMD, the shell blocks of docs/deployment.md) by `batchd.cli.build_parser()`;
+- `torchrun ...` by torch's own `torch.distributed.run.get_args_parser()`, and the trainer module's
+  arguments after it by `batchd.client.train.build_parser()` (also the Kubernetes trainer Job's args,
+  which deploy/torchrun/launch.sh forwards).
+
+argparse exits on an unknown flag or a bad value: the test catches it and fails naming the file, the
+command and argparse's message. Shell variables are expanded with the example values each script
+documents in `# example: NAME=value` lines (compose `${VAR:-default}` with its default); a variable
+without one fails the test, so a command can never be skipped silently. The job configs (deploy/,
+docker/, the ConfigMaps) are loaded with `tomllib` and validated by `batchd.config.load_config`
+(`check_files=False`: they name paths on other machines), and cross-checked against the files that
+start the job: world size = rank services = trainer processes = GPUs, ports = base_port + r, healthchecks
+on the metrics ports. The KubeRay manifests are checked for the fields the CRDs require.
+
+One slow test runs deploy/torchrun/launch.sh for real: torchrun starts 2 gloo trainers
+(`python -m batchd.client.train`) against a real coordinator and 2 rank services on loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fnmatch
+import importlib
+import io
+import itertools
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from batchd.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+SHELL_SCRIPTS = ["deploy/ray/start-batchd.sh", "deploy/torchrun/launch.sh"]
+TOML_CONFIGS = ["deploy/ray/job.toml", "docker/job.toml"]
+K8S = ["deploy/kubernetes/raycluster.yaml", "deploy/kubernetes/rayjob.yaml"]
+DOCKERFILES = ["docker/Dockerfile", "docker/Dockerfile.cpu"]
+# Variables the platform sets (not documented in the files): Ray sets RAY_HEAD_IP on `ray up` workers.
+PLATFORM_VALUES = {"RAY_HEAD_IP": "10.0.0.1", "USER": "ubuntu", "HOME": "/home/ubuntu"}
+# Placeholders used in the shell blocks of docs/deployment.md.
+DOC_VALUES = {"HEAD_IP": "10.0.0.1", "BATCHD_TOKEN": "t0ken", "i": "0", "r": "0", "POD": "pod-0",
+              "POD0_IP": "10.0.0.2", **PLATFORM_VALUES}
+OPERATORS = {"&&", "||", ";", "|", "&", "(", ")", ";;", "|&"}
+KEYWORDS = {"then", "do", "else", "elif", "if", "while", "until", "!", "{"}
+PREFIXES = {"exec", "nohup", "time", "command"}
+
+
+def read(rel: str) -> str:
+    return (REPO / rel).read_text()
+
+
+# -- shell parsing ----------------------------------------------------------------------------------
+class Undocumented(KeyError):
+    """A shell variable with neither a documented example value nor a default."""
+
+
+def example_values(text: str) -> dict[str, str]:
+    """`# example: NAME=value` lines of a script."""
+    return dict(m.groups() for m in re.finditer(r"^#\s*example:\s*(\w+)=(.*?)\s*$", text, re.MULTILINE))
+
+
+def _var(name: str, values: dict[str, str], default: str | None) -> str:
+    if name in values:
+        return values[name]
+    if default is not None:
+        return default
+    raise Undocumented(f"shell variable ${name} has no example value and no default")
+
+
+def expand_word(word: str, values: dict[str, str]) -> list[str]:
+    """One (unquoted) shell word -> its words after parameter and arithmetic expansion."""
+    if word in ("$@", "${@}", "$*"):
+        return []
+    if m := re.fullmatch(r"\$\{(\w+)\[@\]\}", word):
+        return _var(m.group(1), values, None).split()
+
+    def arith(m: re.Match) -> str:
+        expr = re.sub(r"\$?\b([A-Za-z_]\w*)\b", lambda v: _var(v.group(1), values, None), m.group(1))
+        if not re.fullmatch(r"[\d\s+\-*/%()]+", expr):
+            raise ValueError(f"cannot evaluate $(({m.group(1)})) -> {expr!r}")
+        return str(eval(expr, {"__builtins__": {}}))  # digits and + - * / % only (checked above)
+
+    word = re.sub(r"\$\(\((.+?)\)\)", arith, word)
+    word = re.sub(r"\$\{(\w+)(?::?-([^}]*))?\}", lambda m: _var(m.group(1), values, m.group(2)), word)
+    word = re.sub(r"\$([A-Za-z_]\w*)", lambda m: _var(m.group(1), values, None), word)
+    return [word]
+
+
+def logical_lines(text: str) -> list[str]:
+    """Shell lines with backslash continuations joined; comments and here-document bodies dropped."""
+    out: list[str] = []
+    lines = iter(text.splitlines())
+    buf = ""
+    for line in lines:
+        if not buf and line.lstrip().startswith("#"):
+            continue
+        if heredoc := re.search(r"<<-?\s*['\"]?(\w+)['\"]?", line):
+            for body in lines:
+                if body.strip() == heredoc.group(1):
+                    break
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        out.append(buf + line)
+        buf = ""
+    if buf:
+        out.append(buf)
+    return out
+
+
+@dataclasses.dataclass
+class Invocation:
+    source: str
+    program: str          # "batchd" | "torchrun" | "trainer" (args of batchd.client.train)
+    argv: list[str]
+
+    def __str__(self) -> str:
+        return f"{self.source}: `{shlex.join([self.program, *self.argv])}`"
+
+
+def shell_invocations(text: str, values: dict[str, str], source: str,
+                      programs: tuple[str, ...] = ("batchd", "torchrun")) -> list[Invocation]:
+    """Every `batchd`/`torchrun` command (in command position) of a shell text, expanded."""
+    found: list[Invocation] = []
+    for line in logical_lines(text):
+        try:
+            # `2>&1`, `1>log`: the fd number touching the redirection is not an argument
+            lex = shlex.shlex(re.sub(r"(?<=\s)\d+(?=[<>])", "", line), posix=True, punctuation_chars=True)
+            lex.whitespace_split = True
+            tokens = list(lex)
+        except ValueError:
+            if re.search(r"(^|[\s;&|])(exec\s+)?(\"?\$\{?(BATCHD|TORCHRUN)\}?\"?|batchd|torchrun)\s", line):
+                raise ValueError(f"{source}: cannot tokenize command line {line!r}") from None
+            continue
+        cmd_pos = True
+        i = 0
+        while i < len(tokens):
+            tok = tokens[i]
+            if tok in OPERATORS or set(tok) <= set("();<>|&"):
+                cmd_pos = tok in OPERATORS
+                i += 1
+                continue
+            if not cmd_pos:
+                i += 1
+                continue
+            if tok in KEYWORDS or tok in PREFIXES or re.fullmatch(r"\w+=.*", tok):
+                i += 1  # still in command position
+                continue
+            name = Path(expand_word(tok, values)[0]).name if tok.startswith("$") or "/" in tok else tok
+            cmd_pos = False
+            if name not in programs:
+                i += 1
+                continue
+            args: list[str] = []
+            i += 1
+            while i < len(tokens) and not (tokens[i] in OPERATORS or set(tokens[i]) <= set("();<>|&")):
+                args.append(tokens[i])
+                i += 1
+            argv = [w for a in args for w in expand_word(a, values)]
+            found.append(Invocation(source, name, argv))
+    return found
+
+
+# -- checking ---------------------------------------------------------------------------------------
+def parse_error(parser, argv: list[str]) -> str | None:
+    """argparse's message when `argv` does not parse (None when it does; `--help` counts as parsing)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            parser.parse_args(argv)
+    except SystemExit as exc:
+        if exc.code == 0 and ("--help" in argv or "-h" in argv):
+            return None
+        return err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else f"exit {exc.code}"
+    return None
+
+
+def trainer_parser():
+    return importlib.import_module("batchd.client.train").build_parser()
+
+
+def check(inv: Invocation) -> str | None:
+    """Why `inv` would not start (None when every parser accepts it)."""
+    if inv.program == "batchd":
+        error = parse_error(build_parser(), inv.argv)
+        return f"{inv}: {error}" if error else None
+    if inv.program == "trainer":
+        error = parse_error(trainer_parser(), inv.argv)
+        return f"{inv}: trainer: {error}" if error else None
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    error = parse_error(parser, inv.argv)
+    if error:
+        return f"{inv}: torchrun: {error}"
+    args = parser.parse_args(inv.argv)
+    if not (args.module and args.training_script == "batchd.client.train"):
+        return f"{inv}: torchrun must run `-m batchd.client.train`, got {args.training_script!r}"
+    error = parse_error(trainer_parser(), list(args.training_script_args))
+    return f"{inv}: trainer: {error}" if error else None
+
+
+def failures(invocations: list[Invocation]) -> list[str]:
+    return [msg for inv in invocations if (msg := check(inv))]
+
+
+# -- file-specific extraction -----------------------------------------------------------------------
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(read("docker/compose.yaml"))
+
+
+def compose_interpolate(value: Any) -> Any:
+    """Compose's `${VAR:-default}` with the default and `$$` -> `$`, recursively."""
+    if isinstance(value, str):
+        value = re.sub(r"(?<!\$)\$\{(\w+):?-([^}]*)\}", lambda m: m.group(2), value)
+        if re.search(r"(?<!\$)\$\{?\w", value):
+            raise Undocumented(f"compose variable without a default in {value!r}")
+        return value.replace("$$", "$")
+    if isinstance(value, list):
+        return [compose_interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: compose_interpolate(v) for k, v in value.items()}
+    return value
+
+
+def dockerfile_instructions(rel: str) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", read(rel))
+    return [(m.group(1).upper(), m.group(2).strip())
+            for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", text, re.MULTILINE) if not m.group(0).lstrip().startswith("#")]
+
+
+def dockerfile_entry(rel: str) -> tuple[list[str], list[str]]:
+    """ENTRYPOINT and CMD (exec form) of the final stage."""
+    entry: list[str] = []
+    cmd: list[str] = []
+    for op, arg in dockerfile_instructions(rel):
+        if op == "FROM":
+            entry, cmd = [], []
+        elif op == "ENTRYPOINT":
+            entry = json.loads(arg)
+        elif op == "CMD":
+            cmd = json.loads(arg)
+    return entry, cmd
+
+
+def compose_invocations() -> list[Invocation]:
+    services = compose_interpolate(compose()["services"])
+    image_entry = {"batchd:0.1.0-cpu": dockerfile_entry("docker/Dockerfile.cpu")[0],
+                   "batchd:0.1.0-cuda": dockerfile_entry("docker/Dockerfile")[0]}
+    found = []
+    for name, svc in services.items():
+        source = f"docker/compose.yaml services.{name}"
+        entry = svc.get("entrypoint", image_entry[svc["image"]])
+        entry = shlex.split(entry) if isinstance(entry, str) else entry
+        command = svc.get("command", [])
+        command = shlex.split(command) if isinstance(command, str) else command
+        argv = [*entry, *command]
+        if argv[:2] == ["bash", "-c"]:
+            found += shell_invocations(argv[2], {}, source)
+        elif Path(argv[0]).name in ("batchd", "torchrun"):
+            found.append(Invocation(source, Path(argv[0]).name, argv[1:]))
+    return found
+
+
+def cluster_yaml() -> dict[str, Any]:
+    return yaml.safe_load(read("deploy/ray/cluster.yaml"))
+
+
+def cluster_invocations() -> list[Invocation]:
+    cfg = cluster_yaml()
+    found = []
+    for key in ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+                "head_start_ray_commands", "worker_start_ray_commands"):
+        for command in cfg.get(key) or []:
+            found += shell_invocations(command, PLATFORM_VALUES, f"deploy/ray/cluster.yaml {key}")
+    return found
+
+
+def k8s_docs(rel: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(read(rel)) if d]
+
+
+def pod_specs(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, str]]]:
+    """(where, pod spec, pod labels) of every pod template in a manifest."""
+    kind, spec = doc["kind"], doc.get("spec", {})
+    if kind in ("RayCluster", "RayJob"):
+        cluster = spec["rayClusterSpec"] if kind == "RayJob" else spec
+        # KubeRay labels the pods it creates with the cluster name (known only for a RayCluster).
+        name = {"ray.io/cluster": doc["metadata"]["name"]} if kind == "RayCluster" else {}
+        head = cluster["headGroupSpec"]["template"]
+        out = [("headGroupSpec", head["spec"],
+                {**head.get("metadata", {}).get("labels", {}), **name, "ray.io/node-type": "head"})]
+        for g in cluster["workerGroupSpecs"]:
+            t = g["template"]
+            out.append((f"workerGroupSpecs[{g['groupName']}]", t["spec"],
+                        {**t.get("metadata", {}).get("labels", {}), **name, "ray.io/node-type": "worker"}))
+        return out
+    if kind == "Job":
+        t = spec["template"]
+        return [("Job", t["spec"], t.get("metadata", {}).get("labels", {}))]
+    return []
+
+
+def configmap_toml(rel: str) -> str:
+    (cm,) = [d for d in k8s_docs(rel) if d["kind"] == "ConfigMap"]
+    return cm["data"]["job.toml"]
+
+
+def repo_path_of_image_path(path: str) -> Path:
+    """/opt/batchd/deploy/... (COPY deploy /opt/batchd/deploy in the Dockerfiles) -> the repo file."""
+    assert path.startswith("/opt/batchd/deploy/"), path
+    return REPO / path.removeprefix("/opt/batchd/")
+
+
+def k8s_invocations(rel: str) -> list[Invocation]:
+    found: list[Invocation] = []
+    for doc in k8s_docs(rel):
+        if doc["kind"] == "RayJob":
+            found += shell_invocations(doc["spec"]["entrypoint"], {}, f"{rel} RayJob.entrypoint")
+        for where, pod, _ in pod_specs(doc):
+            for c in pod.get("containers", []):
+                argv = [*c.get("command", []), *c.get("args", [])]
+                if argv[:1] == ["bash"] and argv[1].endswith("/torchrun/launch.sh"):
+                    env = {e["name"]: e["value"] for e in c.get("env", [])}
+                    target = (["--rank-services", env["RANK_SERVICES"]] if "RANK_SERVICES" in env else
+                              ["--rank-host", env.get("RANK_HOST", "127.0.0.1"), "--base-port",
+                               env.get("BASE_PORT", "7100")])
+                    found.append(Invocation(f"{rel} {where} {c['name']} (via launch.sh)", "trainer",
+                                            [*target, *argv[2:]]))
+                elif argv and Path(argv[0]).name in ("batchd", "torchrun"):
+                    found.append(Invocation(f"{rel} {where} {c['name']}", Path(argv[0]).name, argv[1:]))
+    return found
+
+
+def docs_invocations() -> list[Invocation]:
+    text = read("docs/deployment.md")
+    found = []
+    for block in re.findall(r"```(?:bash|sh|shell)\n(.*?)```", text, re.DOTALL):
+        found += shell_invocations(block, DOC_VALUES, "docs/deployment.md")
+    return found
+
+
+SOURCES = {
+    "deploy/ray/start-batchd.sh": lambda: shell_invocations(read("deploy/ray/start-batchd.sh"),
+                                                            example_values(read("deploy/ray/start-batchd.sh")),
+                                                            "deploy/ray/start-batchd.sh"),
+    "deploy/torchrun/launch.sh": lambda: shell_invocations(read("deploy/torchrun/launch.sh"),
+                                                           example_values(read("deploy/torchrun/launch.sh")),
+                                                           "deploy/torchrun/launch.sh"),
+    "deploy/ray/cluster.yaml": cluster_invocations,
+    "docker/compose.yaml": compose_invocations,
+    "deploy/kubernetes/rayjob.yaml": lambda: k8s_invocations("deploy/kubernetes/rayjob.yaml"),
+    "docker/Dockerfile": lambda: [Invocation("docker/Dockerfile ENTRYPOINT+CMD", "batchd",
+                                             dockerfile_entry("docker/Dockerfile")[1])],
+    "docker/Dockerfile.cpu": lambda: [Invocation("docker/Dockerfile.cpu ENTRYPOINT+CMD", "batchd",
+                                                 dockerfile_entry("docker/Dockerfile.cpu")[1])],
+    "docs/deployment.md": docs_invocations,
+}
+# The least each file must yield: a refactor that hides commands from the extractor fails here.
+MIN_INVOCATIONS = {"deploy/ray/start-batchd.sh": {"batchd": 2}, "deploy/torchrun/launch.sh": {"torchrun": 1},
+                   "deploy/ray/cluster.yaml": {"batchd": 1}, "docker/compose.yaml": {"batchd": 3, "torchrun": 1},
+                   "deploy/kubernetes/rayjob.yaml": {"trainer": 1}, "docker/Dockerfile": {"batchd": 1},
+                   "docker/Dockerfile.cpu": {"batchd": 1}, "docs/deployment.md": {"batchd": 3, "torchrun": 1}}
+
+
+# -- the command lines ------------------------------------------------------------------------------
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_every_command_parses(source: str) -> None:
+    invocations = SOURCES[source]()
+    counts = {p: sum(inv.program == p for inv in invocations) for p in ("batchd", "torchrun", "trainer")}
+    for program, least in MIN_INVOCATIONS[source].items():
+        assert counts[program] >= least, f"{source}: expected >= {least} `{program}` commands, found {counts}"
+    bad = failures(invocations)
+    assert not bad, "commands the CLI rejects:\n" + "\n".join(bad)
+
+
+def test_checker_rejects_unknown_flags_and_bad_values() -> None:
+    good = "batchd rank --rank 0 --coordinator 127.0.0.1:7000 --world-size 2 --token-budget 64 --port 7100"
+    script = f"#!/bin/bash\n# example: P=7101\n{good} \\\n    --no-such-flag 1 >log 2>&1 &\n"
+    (inv,) = shell_invocations(script, example_values(script), "synthetic.sh")
+    assert inv.argv[-2:] == ["--no-such-flag", "1"]  # joined continuation, redirections dropped
+    assert "unrecognized arguments: --no-such-flag 1" in check(inv)
+    assert check(Invocation("x", "batchd", shlex.split(good)[1:])) is None
+    assert "invalid choice" in check(Invocation("x", "batchd", ["coordinator", "--world-size", "2",
+                                                                 "--token-budget", "8", "--policy", "fastest"]))
+    bad_torchrun = Invocation("x", "torchrun", ["--nproc-per-node", "2", "-m", "batchd.client.train",
+                                                "--base-port", "7100", "--bogus"])
+    assert "trainer: " in check(bad_torchrun) and "--bogus" in check(bad_torchrun)
+    assert "torchrun: " in check(Invocation("x", "torchrun", ["--nprocs-per-nod", "2", "train.py"]))
+
+
+def test_expansion_is_strict() -> None:
+    values = {"BASE": "7100", "r": "1", "target": "--rank-host h --base-port 1"}
+    assert expand_word("$((BASE + r))", values) == ["7101"]
+    assert expand_word("${target[@]}", values) == ["--rank-host", "h", "--base-port", "1"]
+    assert expand_word("${MISSING:-x}/$BASE", values) == ["x/7100"]
+    with pytest.raises(Undocumented, match="MISSING"):
+        expand_word("--port=$MISSING", values)
+    with pytest.raises(Undocumented, match="MISSING"):
+        shell_invocations('batchd rank --port "$MISSING"\n', {}, "synthetic.sh")
+    # not in command position: a path that ends in batchd, and an echo of a batchd command line
+    assert shell_invocations("pip install -e ~/batchd && echo batchd rank --bogus\n", {}, "s") == []
+
+
+# -- job configs ------------------------------------------------------------------------------------
+def all_configs() -> dict[str, str]:
+    out = {rel: read(rel) for rel in TOML_CONFIGS}
+    out.update({f"{rel} ConfigMap": configmap_toml(rel) for rel in K8S})
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(all_configs()))
+def test_job_configs_load_and_validate(name: str, tmp_path: Path) -> None:
+    text = all_configs()[name]
+    raw = tomllib.loads(text)
+    assert raw["job"]["world_size"] >= 1 and raw["job"]["token_budget"] >= 1
+    try:
+        from batchd.config import load_config
+    except ImportError:
+        pytest.skip("batchd.config.load_config does not exist yet (tomllib parse checked only)")
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    try:
+        cfg = load_config(path, check_files=False)
+    except ValueError as exc:
+        pytest.fail(f"{name}: the config loader rejects it: {exc}")
+    assert cfg.job.world_size == raw["job"]["world_size"]
+    assert cfg.rank.base_port == 7100 and cfg.coordinator.port == 7000, "the files below assume these ports"
+
+
+def test_config_validation_rejects_a_bad_config(tmp_path: Path) -> None:
+    load_config = pytest.importorskip("batchd.config", reason="batchd.config not there yet").load_config
+    path = tmp_path / "job.toml"
+    path.write_text(read("docker/job.toml").replace("policy = \"balanced\"", "policy = \"fastest\""))
+    with pytest.raises(ValueError, match="policy"):
+        load_config(path, check_files=False)
+
+
+# -- consistency between a job's config and the files that start it ---------------------------------
+def test_compose_matches_its_config() -> None:
+    cfg = tomllib.loads(read("docker/job.toml"))
+    world, base, mbase = cfg["job"]["world_size"], cfg["rank"]["base_port"], cfg["rank"]["metrics_base_port"]
+    services = compose_interpolate(compose()["services"])
+    by_service = {inv.source.split("services.")[1]: inv for inv in compose_invocations()}
+    ranks = sorted(n for n in services if n.startswith("rank-"))
+    assert ranks == [f"rank-{r}" for r in range(world)], f"one rank service per rank, got {ranks}"
+    for r in range(world):
+        argv = by_service[f"rank-{r}"].argv
+        opt = dict(itertools.pairwise(argv))
+        assert opt["--rank"] == str(r) and opt["--port"] == str(base + r)
+        assert opt["--metrics-port"] == str(mbase + r)
+        assert opt["--coordinator"] == cfg["coordinator"]["address"]
+        assert f":{mbase + r}/metrics" in " ".join(services[f"rank-{r}"]["healthcheck"]["test"])
+    coord = by_service["coordinator"].argv
+    assert f":{dict(itertools.pairwise(coord))['--metrics-port']}/metrics" in " ".join(
+        services["coordinator"]["healthcheck"]["test"])
+    assert cfg["coordinator"]["address"].split(":")[0] in services
+    trainer = by_service["trainer"].argv
+    from torch.distributed.run import get_args_parser
+
+    targs = get_args_parser().parse_args(trainer)
+    assert int(targs.nnodes) * int(targs.nproc_per_node) == world
+    rank_services = dict(itertools.pairwise(targs.training_script_args))["--rank-services"]
+    assert rank_services.split(",") == [f"rank-{r}:{base + r}" for r in range(world)]
+    (gpus,) = services["trainer"]["deploy"]["resources"]["reservations"]["devices"]
+    assert "gpu" in gpus["capabilities"] and gpus["count"] == int(targs.nproc_per_node)
+    for name, svc in services.items():
+        for dep in svc.get("depends_on", {}):
+            assert dep in services, f"{name} depends on unknown service {dep}"
+        assert set(svc.get("secrets", [])) <= set(compose()["secrets"])
+        if name != "trainer":
+            assert "healthcheck" in svc, f"service {name} has no healthcheck"
+
+
+def test_ray_cluster_config() -> None:
+    cfg = cluster_yaml()
+    job = tomllib.loads(read("deploy/ray/job.toml"))
+    types = cfg["available_node_types"]
+    assert cfg["head_node_type"] in types and cfg["provider"]["type"]
+    gpu = [t for t in types.values() if t.get("resources", {}).get("GPU")]
+    assert gpu, "no GPU worker node type"
+    trainers = sum(t["min_workers"] * t["resources"]["GPU"] for t in gpu)
+    assert trainers == job["job"]["world_size"], f"{trainers=} GPUs but world_size={job['job']['world_size']}"
+    setup = " ".join(cfg["setup_commands"])
+    assert "pip install" in setup and "~/batchd" in setup and cfg["file_mounts"]["~/batchd"] == "."
+    assert any("ray start --head" in c for c in cfg["head_start_ray_commands"])
+    assert any("--address=$RAY_HEAD_IP:6379" in c for c in cfg["worker_start_ray_commands"])
+
+
+# -- KubeRay manifests ------------------------------------------------------------------------------
+@pytest.mark.parametrize("rel", K8S)
+def test_kuberay_manifest(rel: str) -> None:
+    docs = k8s_docs(rel)
+    ray = [d for d in docs if d["kind"] in ("RayCluster", "RayJob")]
+    assert len(ray) == 1 and ray[0]["apiVersion"] == "ray.io/v1"
+    spec = ray[0]["spec"]
+    cluster = spec["rayClusterSpec"] if ray[0]["kind"] == "RayJob" else spec
+    assert cluster["headGroupSpec"]["template"]["spec"]["containers"]
+    assert cluster["workerGroupSpecs"], "no worker groups"
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        params = group.get("rayStartParams", {})
+        assert all(isinstance(v, str) for v in params.values()), f"rayStartParams must be strings: {params}"
+    for g in cluster["workerGroupSpecs"]:
+        assert g["groupName"] and g["minReplicas"] <= g["replicas"] <= g["maxReplicas"]
+    world = tomllib.loads(configmap_toml(rel))["job"]["world_size"]
+    gpus = 0
+    pods = [p for d in docs for p in pod_specs(d)]
+    for where, pod, _ in pods:
+        for c in [*pod.get("initContainers", []), *pod["containers"]]:
+            assert c.get("image") and "batchd" in c["image"], f"{rel} {where} {c['name']}: image"
+            names = [p["name"] for p in c.get("ports", [])]
+            assert len(names) == len(set(names)) and all(len(n) <= 15 for n in names), names
+            res = c.get("resources", {})
+            if "nvidia.com/gpu" in res.get("limits", {}):
+                assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"]
+                env = {e["name"]: e["value"] for e in c.get("env", [])}
+                replicas = next((g["replicas"] for g in cluster["workerGroupSpecs"]
+                                 if g["template"]["spec"] is pod), None)
+                gpus += res["limits"]["nvidia.com/gpu"] * (replicas or int(env.get("NNODES", 1)))
+                if "NPROC_PER_NODE" in env:
+                    assert int(env["NPROC_PER_NODE"]) == res["limits"]["nvidia.com/gpu"]
+            mounts = {m["name"] for m in c.get("volumeMounts", [])}
+            assert mounts <= {v["name"] for v in pod.get("volumes", [])}, f"{where}: unknown volume"
+    assert gpus == world, f"{rel}: {gpus} GPUs requested for trainers but world_size={world}"
+    for svc in (d for d in docs if d["kind"] == "Service"):
+        sel = svc["spec"]["selector"]
+        assert any(sel.items() <= labels.items() for _, _, labels in pods), f"Service {svc['metadata']['name']}"
+        ports = {p["port"] for p in svc["spec"]["ports"]}
+        if "coordinator" in {p["name"] for p in svc["spec"]["ports"]}:
+            assert {7000, *range(7100, 7100 + world), 9100, *range(9200, 9200 + world)} <= ports
+
+
+def test_rayjob_entrypoint_runs_the_start_script_on_the_mounted_config() -> None:
+    docs = k8s_docs("deploy/kubernetes/rayjob.yaml")
+    (job,) = [d for d in docs if d["kind"] == "RayJob"]
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[0] == "bash" and repo_path_of_image_path(argv[1]) == REPO / "deploy/ray/start-batchd.sh"
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m for m in head["containers"][0]["volumeMounts"]}
+    assert argv[2] in mounts and mounts[argv[2]]["subPath"] == "job.toml"
+    volume = {v["name"]: v for v in head["volumes"]}[mounts[argv[2]]["name"]]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert volume["configMap"]["name"] == cm["metadata"]["name"]
+    token = tomllib.loads(cm["data"]["job.toml"])["security"]["token_file"]
+    assert any(token.startswith(path + "/") for path in mounts), f"{token=} is not mounted on the head"
+    for _, pod, _ in pod_specs(next(d for d in docs if d["kind"] == "Job")):
+        for c in pod["containers"]:
+            assert repo_path_of_image_path(c["command"][1]).is_file()
+
+
+# -- Dockerfiles, scripts ---------------------------------------------------------------------------
+def dockerignored(rel: str) -> bool:
+    patterns = [p.strip() for p in read(".dockerignore").splitlines() if p.strip() and not p.startswith("#")]
+    parts = Path(rel).parts
+    return any(fnmatch.fnmatch("/".join(parts[: i + 1]), p) for p in patterns for i in range(len(parts)))
+
+
+@pytest.mark.parametrize("rel", DOCKERFILES)
+def test_dockerfile(rel: str) -> None:
+    ins = dockerfile_instructions(rel)
+    args = {m.group(1): m.group(2) for op, a in ins if op == "ARG" and (m := re.match(r"(\w+)=(\S+)", a))}
+    bases = [a.split()[0] for op, a in ins if op == "FROM"]
+    bases = [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], b) for b in bases]
+    if rel.endswith(".cpu"):
+        assert bases[-1] == "python:3.11-slim"
+        assert any("whl/cpu" in v for v in args.values())
+    else:
+        assert bases[-1].startswith("nvidia/cuda:")
+        assert any(re.search(r"whl/cu\d+", v) for v in args.values())
+    assert dockerfile_entry(rel)[0] == ["batchd"]
+    for op, a in ins:
+        if op == "COPY" and not a.startswith("--from"):
+            *srcs, _ = a.split()
+            for src in srcs:
+                assert (REPO / src).exists(), f"{rel}: COPY {src} does not exist"
+                assert not dockerignored(src), f"{rel}: COPY {src} is excluded by .dockerignore"
+    pyproject = tomllib.loads(read("pyproject.toml"))
+    for pkg_dir in pyproject["tool"]["setuptools"]["package-dir"].values():
+        assert any(op == "COPY" and a.split()[0] == pkg_dir for op, a in ins), f"{rel} misses COPY {pkg_dir}"
+
+
+@pytest.mark.parametrize("rel", SHELL_SCRIPTS)
+def test_shell_script_syntax(rel: str) -> None:
+    path = REPO / rel
+    assert os.access(path, os.X_OK), f"{rel} is not executable"
+    assert read(rel).startswith("#!/usr/bin/env bash\n") and "set -euo pipefail" in read(rel)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+
+
+def test_start_script_reads_the_layout_from_the_config(tmp_path: Path) -> None:
+    """Runs the script's config-reading part (its here-document) on each config; checks the layout."""
+    text = read("deploy/ray/start-batchd.sh")
+    program = re.search(r"<<'PY'\n(.*?)\nPY\n", text, re.DOTALL).group(1)
+    for name, toml in all_configs().items():
+        path = tmp_path / "job.toml"
+        path.write_text(toml)
+        out = subprocess.run([sys.executable, "-c", program, str(path)], capture_output=True, text=True, check=True)
+        layout = dict(line.split("=", 1) for line in out.stdout.split())
+        cfg = tomllib.loads(toml)
+        assert layout["WORLD_SIZE"] == str(cfg["job"]["world_size"]), name
+        assert layout["RANK_BASE_PORT"] == str(cfg["rank"]["base_port"])
+        assert layout["CONFIG_COORD_ADDRESS"] == cfg["coordinator"]["address"]
+
+
+# -- the trainer entry point ------------------------------------------------------------------------
+def test_trainer_module_imports_and_resolves_addresses() -> None:
+    train = importlib.import_module("batchd.client.train")
+    assert callable(train.main) and callable(train.build_parser)
+    assert train.rank_service_address(1, 2, rank_services="a:1,b:2") == "b:2"
+    assert train.rank_service_address(3, 4, rank_services="rank-{rank}:7100") == "rank-3:7100"
+    assert train.rank_service_address(1, 2, rank_host="h", base_port=7100) == "h:7101"
+    with pytest.raises(ValueError, match="world_size=2"):
+        train.rank_service_address(0, 2, rank_services="a:1")
+    with pytest.raises(ValueError, match="either"):
+        train.rank_service_address(0, 2)
+    with pytest.raises(ValueError, match="rank must be"):
+        train.rank_service_address(2, 2, base_port=7100)
+
+
+def test_trainer_refuses_to_start_outside_torchrun(monkeypatch) -> None:
+    train = importlib.import_module("batchd.client.train")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="RANK"):
+        train.main(["--base-port", "7100"])
+
+
+def free_block(n: int) -> int:
+    """A port p with p .. p + n - 1 all free on loopback right now."""
+    import socket
+
+    from batchd.demo import free_port
+
+    for _ in range(50):
+        base = free_port()
+        if base + n >= 65536:
+            continue
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports")
+
+
+@pytest.mark.slow
+def test_start_and_launch_scripts_run_a_job(tmp_path: Path) -> None:
+    """deploy/ray/start-batchd.sh (coordinator + 2 rank services from a config, with a bearer token) and
+    deploy/torchrun/launch.sh (torchrun -> 2 x batchd.client.train on gloo) run one epoch for real."""
+    from batchd.demo import demo_lengths
+
+    world = 2
+    (tmp_path / "lengths.txt").write_text("\n".join(map(str, demo_lengths(160))) + "\n")
+    token = tmp_path / "token"
+    token.write_text("s3cret-token\n")
+    token.chmod(0o600)
+    cport, base, mbase = free_block(1), free_block(world), free_block(world + 1)
+    config = tmp_path / "job.toml"
+    config.write_text(f"""
+[job]
+world_size = {world}
+token_budget = 1024
+policy = "balanced"
+window = 64
+depth = 4
+[data]
+lengths = "lengths.txt"
+[coordinator]
+host = "127.0.0.1"
+port = {cport}
+metrics_port = {mbase + world}
+[rank]
+host = "127.0.0.1"
+base_port = {base}
+metrics_base_port = {mbase}
+state_dir = "state"
+[security]
+token_file = "token"
+""")
+    bindir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ.get('PATH', '')}", "PYTHON": sys.executable,
+           "BATCHD_LOG_DIR": str(tmp_path / "logs"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COORD_ADDRESS", "RANK_SERVICES"):
+        env.pop(var, None)
+    services = subprocess.Popen(["bash", str(REPO / "deploy/ray/start-batchd.sh"), str(config)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        trainer_env = {**env, "NPROC_PER_NODE": str(world), "RDZV_ENDPOINT": f"127.0.0.1:{free_block(1)}",
+                       "RANK_HOST": "127.0.0.1", "BASE_PORT": str(base),
+                       "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
+        run = subprocess.run(["bash", str(REPO / "deploy/torchrun/launch.sh"), "--d-model", "32", "--n-layers",
+                              "1", "--n-heads", "2", "--token-file", str(token), "--checkpoint",
+                              str(tmp_path / "ckpt"), "--summary", str(tmp_path / "summary-{rank}.json")],
+                             env=trainer_env, capture_output=True, text=True, timeout=120, check=False)
+        out, _ = services.communicate(timeout=60)  # the services exit on their own when the epoch ends
+    finally:
+        if services.poll() is None:
+            services.terminate()
+            services.wait(10)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
+    assert run.returncode == 0, f"{run.stderr[-3000:]}\n{logs}"
+    assert services.returncode == 0, f"{out}\n{logs}"
+    results = [json.loads((tmp_path / f"summary-{r}.json").read_text()) for r in range(world)]
+    assert [r["rank"] for r in results] == [0, 1]
+    assert results[0]["steps"] == results[1]["steps"] > 0, results  # aligned: same step count per rank
+    assert all(r["backend"] == "gloo" and r["world_size"] == world for r in results)
+    assert [r["rank_service"] for r in results] == [f"127.0.0.1:{base + r}" for r in range(world)]
+    assert all((tmp_path / "ckpt" / f"rank-{r}.pt").is_file() for r in range(world))
+    assert len(list((tmp_path / "state").iterdir())) == world, "one journal per rank (state_dir of the config)"
+
+
+def test_compose_config_with_docker_compose(tmp_path: Path) -> None:
+    """`docker compose config` as an extra check, where the compose plugin is installed."""
+    docker = shutil.which("docker")
+    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True, check=False).returncode != 0:
+        pytest.skip("docker compose is not installed here (the YAML checks above still ran)")
+    run = subprocess.run([docker, "compose", "-f", str(REPO / "docker/compose.yaml"), "config", "-q"],
+                         capture_output=True, text=True, env={**os.environ, "BATCHD_TOKEN": "t"}, check=False)
+    assert run.returncode == 0, run.stderr
