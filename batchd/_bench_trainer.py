@@ -1,0 +1,304 @@
+"""One rank of `batchd bench`: one epoch of the same model on the same samples, fed by one of four systems.
+
+Systems (the `system` key of the config):
+
+- `fixed`: the rank's sampler view (the same seeded permutation split as batchd's views, ids r, r+N, ...,
+  no padding by repetition) cut into fixed batches of B samples, padded; plain per-rank per-token mean
+  loss, DDP averages. B is the out-of-memory-safe choice floor(L_max / longest sample).
+- `odb-0.1.2`: the seed's own package, run the way its README says: a map-style torch `Dataset` that
+  returns exactly the samples batchd's `SyntheticSource` produces for these ids, a multi-worker
+  `DataLoader(batch_size=1)` over the rank's view, `odb.apply(loader, token_budget=L, loss_scaling="exact",
+  join=True, buffer_size=window)`, the user collate (`collate_padded`, the layout batchd's padded path
+  uses), `odb.pop_step_info` + `loss * info.loss_scale`, and the DDP model under torch's `Join` context
+  (ODB's join mode lets ranks end on different step counts; its README pairs it with DDP Join).
+- `batchd` (policies `odb` / `balanced`, chosen by the rank services): a `BatchClient` against this
+  rank's service; loss x `StepInfo.loss_scale`; IDLE steps run a zero-weight forward/backward.
+
+Clock (identical for every system): after process-group init and model build, the rank creates its
+data iterator and fetches its first batch (ODB: DataLoader workers, its collate process, its startup
+jitter and first grouping round; batchd: connect and first round; fixed: materialize), then all ranks
+meet in a barrier; `t0` is taken right after it. Every step records its end time; the rank's wall time
+is its last step's end - t0, and the epoch's is the largest over ranks (`time.monotonic`, one clock for
+all processes on the machine). The start-up before `t0` is reported separately (`startup_s`), and
+`cpu_s` is this trainer process's CPU time over the timed epoch (less sensitive to other load on the
+machine than wall time; the data-side processes are not in it).
+
+No collective is added to the timed loop: each step records this rank's loss sum, loss tokens, sample
+ids, real and materialized tokens; the parent combines step k across ranks into the global per-token
+loss (the k-th backward of every rank is the same DDP all-reduce). After the epoch, rank 0 evaluates
+the final model on a held-out set of samples (ids beyond the training set) outside the timed window.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from batchd.client._collate import collate_padded, idle_batch
+from batchd.client._model import TinyCausalLM
+from batchd.client._train import _forward, _scaled, token_loss_sum
+
+# Model presets. `llama-100m`: 12 layers, d_model 768, 12 heads, SwiGLU 2048, vocab 32000 (tied head):
+# 24.6M embedding + 12 x 7.1M = 109.5M parameters, a Llama-style decoder for the GPU run.
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": {"vocab_size": 512, "d_model": 128, "n_layers": 2, "n_heads": 4, "max_len": 4096},
+    "llama-100m": {"vocab_size": 32000, "d_model": 768, "n_layers": 12, "n_heads": 12, "max_len": 32768},
+}
+SYNTHETIC_VOCAB = 512  # token ids of the synthetic samples (SyntheticSource's default vocabulary)
+
+
+def build_model(name: str, seed: int, max_len: int) -> TinyCausalLM:
+    """The preset `name`, randomly initialised from `seed` (identical on every rank)."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model, expected one of {sorted(MODELS)}, got {name=}")
+    cfg = dict(MODELS[name])
+    cfg["max_len"] = max(cfg["max_len"], max_len)
+    torch.manual_seed(seed)
+    return TinyCausalLM(**cfg)
+
+
+def view_ids(num_samples: int, rank: int, world_size: int, seed: int) -> list[int]:
+    """This rank's sampler view: the ids batchd's `SyntheticSource` (shuffle on, epoch 0) gives it."""
+    from batchd.core import ViewSource
+
+    return list(ViewSource(num_samples, rank, world_size, seed, 0, shuffle=True)._view)
+
+
+def fixed_batches(num_samples: int, rank: int, world_size: int, seed: int, batch_size: int) -> list[list[int]]:
+    """The fixed baseline's batches: the rank's view cut into runs of `batch_size` ids."""
+    view = view_ids(num_samples, rank, world_size, seed)
+    return [view[i:i + batch_size] for i in range(0, len(view), batch_size)]
+
+
+def payload(sample_id: int, lengths: list[int], seed: int) -> dict[str, np.ndarray]:
+    """The sample batchd's SyntheticSource serves for `sample_id` (same tokens, labels, length)."""
+    from batchd.service._sources import synthetic_payload
+
+    return synthetic_payload(sample_id, lengths[sample_id], seed, SYNTHETIC_VOCAB)
+
+
+class SyntheticDataset(torch.utils.data.Dataset):
+    """Map-style dataset of the synthetic samples, one torch dict per id (what ODB's workers load)."""
+
+    def __init__(self, lengths: list[int], seed: int) -> None:
+        self.lengths, self.seed = list(lengths), seed
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        p = payload(int(i), self.lengths, self.seed)
+        return {"input_ids": torch.from_numpy(p["input_ids"].astype(np.int64)),
+                "labels": torch.from_numpy(p["labels"].astype(np.int64)), "sample_id": int(i)}
+
+
+ODB_PASS_KEYS = ("total_batch_size", "odb_total_tokens")  # set per sample by ODB's grouping
+
+
+def odb_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The user collate handed to ODB: `collate_padded` (batchd's padded layout) + ids + ODB's metadata."""
+    out: dict[str, Any] = collate_padded([{"input_ids": s["input_ids"].numpy(), "labels": s["labels"].numpy()}
+                                          for s in samples])
+    out["sample_ids"] = torch.tensor([s["sample_id"] for s in samples], dtype=torch.int64)
+    for key in ODB_PASS_KEYS:
+        if key in samples[0]:
+            out[key] = samples[0][key]
+    return out
+
+
+def _device_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class _Recorder:
+    """Per-step records of one rank (no collectives)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+
+    def add(self, ids: list[int], batch: dict[str, Any] | None, logits: torch.Tensor | None, t0: float,
+            wait_s: float) -> None:
+        if batch is None:
+            rec = {"ids": [], "real": 0, "materialized": 0, "loss_sum": 0.0, "loss_tokens": 0}
+        else:
+            mask = batch["attention_mask"]
+            with torch.no_grad():
+                s, n = token_loss_sum(logits.detach(), batch["labels"])
+            rec = {"ids": ids, "real": int(mask.sum()), "materialized": int(mask.numel()),
+                   "loss_sum": float(s), "loss_tokens": int(n)}
+        rec["t"] = time.monotonic() - t0
+        rec["wait_s"] = wait_s
+        self.steps.append(rec)
+
+
+def _step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any], scale: float | None,
+          tokens: int) -> torch.Tensor:
+    """Forward, loss (x scale; None: plain per-token mean), backward (DDP all-reduce), update."""
+    opt.zero_grad(set_to_none=True)
+    logits = _forward(ddp, batch)
+    if scale is None:
+        s, n = token_loss_sum(logits, batch["labels"])
+        loss = s / n if n else logits.sum() * 0.0
+    else:
+        loss = _scaled(logits, batch["labels"], scale, tokens)[0]
+    loss.backward()
+    opt.step()
+    return logits
+
+
+def _iter_fixed(cfg: dict[str, Any]):
+    lengths, seed = cfg["lengths"], cfg["seed"]
+    for ids in fixed_batches(cfg["num_samples"], cfg["rank"], cfg["world_size"], seed, cfg["batch_size"]):
+        batch = collate_padded([payload(i, lengths, seed) for i in ids])
+        yield ids, batch, None, 0
+
+
+def _iter_odb(cfg: dict[str, Any], holder: dict[str, Any]):
+    import odb
+
+    ids = view_ids(cfg["num_samples"], cfg["rank"], cfg["world_size"], cfg["seed"])
+    workers = cfg["odb_workers"]
+    loader = torch.utils.data.DataLoader(
+        SyntheticDataset(cfg["lengths"], cfg["seed"]), batch_size=1, sampler=ids, num_workers=workers,
+        prefetch_factor=max(1, math.ceil(cfg["window"] / workers)), collate_fn=odb_collate)
+    odb.apply(loader, token_budget=cfg["token_budget"], loss_scaling="exact", join=True, buffer_size=cfg["window"])
+    holder["loader"] = loader
+    for batch in loader:
+        info = odb.pop_step_info(batch, loss_scaling="exact")
+        sample_ids = batch.pop("sample_ids").tolist()
+        tokens = int((batch["labels"][:, 1:] != -100).sum())
+        yield sample_ids, batch, float(info.loss_scale), tokens
+
+
+def _iter_batchd(cfg: dict[str, Any], holder: dict[str, Any]):
+    from batchd.client._client import BatchClient
+
+    client = BatchClient(cfg["service"], cfg["rank"], cfg["world_size"])
+    holder["client"] = client
+    it = iter(client)
+    holder["close"] = it.close
+    for batch, info in it:
+        ids = batch.pop("sample_ids").tolist()
+        if info.is_idle:
+            yield [], None, 0.0, 0
+        else:
+            yield ids, batch, float(info.loss_scale), int(info.local_loss_tokens)
+
+
+def evaluate(model: torch.nn.Module, cfg: dict[str, Any], device: torch.device) -> dict[str, Any] | None:
+    """Per-token loss of `model` on the held-out samples (padded batches under the token budget)."""
+    ids = cfg.get("heldout_ids") or []
+    if not ids:
+        return None
+    lengths, seed, budget = cfg["all_lengths"], cfg["seed"], cfg["token_budget"]
+    order = sorted(ids, key=lambda i: lengths[i])
+    total, count, group = 0.0, 0, []
+    model.eval()
+    with torch.no_grad():
+        def flush(g):
+            nonlocal total, count
+            batch = _device_batch(collate_padded([payload(i, lengths, seed) for i in g]), device)
+            s, n = token_loss_sum(_forward(model, batch).float(), batch["labels"])
+            total += float(s)
+            count += n
+        for i in order:
+            if group and (len(group) + 1) * lengths[i] > budget:
+                flush(group)
+                group = []
+            group.append(i)
+        if group:
+            flush(group)
+    model.train()
+    return {"samples": len(ids), "tokens": count, "loss": total / count if count else float("nan")}
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Trains one epoch on this rank (see the module docstring); writes and returns the result."""
+    rank, world_size, system = cfg["rank"], cfg["world_size"], cfg["system"]
+    torch.set_num_threads(cfg.get("threads", 1))
+    cuda = cfg.get("device", "cpu") == "cuda"
+    device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1)) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    t_proc = time.monotonic()
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{cfg['master_port']}",
+                            rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.get("gloo_timeout_s", 600)))
+    model = build_model(cfg["model"], cfg["seed"], max(cfg["all_lengths"]) + 1).to(device)
+    if cuda:
+        model = model.to(torch.bfloat16)
+    ddp = DDP(model, device_ids=[device.index] if cuda else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", 1e-3))
+    holder: dict[str, Any] = {}
+    if system == "fixed":
+        batches = _iter_fixed(cfg)
+    elif system == "odb-0.1.2":
+        batches = _iter_odb(cfg, holder)
+    elif system.startswith("batchd"):
+        batches = _iter_batchd(cfg, holder)
+    else:
+        raise ValueError(f"unknown system, expected fixed, odb-0.1.2 or batchd-*, got {system=}")
+    rec = _Recorder()
+    # ODB's join mode and a fixed view that does not split evenly end ranks on different step counts:
+    # torch's Join shadows the finished rank's all-reduces (ODB's README pairs join=True with it).
+    uneven = system == "odb-0.1.2" or (system == "fixed" and cfg["num_samples"] % (world_size * cfg["batch_size"]))
+    first = next(batches, None)  # start-up: the pipeline's first batch, outside the clock
+    dist.barrier()
+    t0 = time.monotonic()
+    cpu0 = time.process_time()
+    startup_s = t0 - t_proc
+    try:
+        with torch.distributed.algorithms.Join([ddp]) if uneven else nullcontext():
+            item = first
+            while item is not None:
+                ids, batch, scale, tokens = item
+                wait_s = 0.0 if item is first else holder.get("wait", 0.0)
+                if batch is None:  # batchd IDLE step: zero-weight forward/backward keeps DDP aligned
+                    _step(ddp, opt, _device_batch(idle_batch(), device), 0.0, 0)
+                    rec.add([], None, None, t0, wait_s)
+                else:
+                    batch = _device_batch(batch, device)
+                    logits = _step(ddp, opt, batch, scale, tokens)
+                    rec.add(ids, batch, logits, t0, wait_s)
+                t_wait = time.monotonic()
+                item = next(batches, None)
+                holder["wait"] = time.monotonic() - t_wait
+        if cuda:
+            torch.cuda.synchronize()
+        wall_s = rec.steps[-1]["t"] if rec.steps else 0.0
+        cpu_s = time.process_time() - cpu0
+        dist.barrier()
+        evaluation = evaluate(ddp.module, cfg, device) if rank == 0 else None
+        result = {"rank": rank, "system": system, "wall_s": wall_s, "startup_s": startup_s, "cpu_s": cpu_s,
+                  "steps": rec.steps,
+                  "eval": evaluation, "params": model.num_parameters()}
+        Path(cfg["out"]).write_text(json.dumps(result))
+        return result
+    finally:
+        if "close" in holder:
+            holder["close"]()
+        if "client" in holder:
+            holder["client"].close()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="batchd bench trainer (one rank; started by `batchd bench`)")
+    p.add_argument("--config", required=True, help="JSON file with the rank's configuration")
+    args = p.parse_args(argv)
+    cfg = json.loads(Path(args.config).read_text())
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

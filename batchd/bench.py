@@ -1,0 +1,500 @@
+"""`batchd bench`: the side-by-side real training run of fixed batching, ODB 0.1.2 and batchd.
+
+Same data, same model, same seed, optimizer and token budget, N real trainer processes in DDP
+(`batchd._bench_trainer`, gloo on CPU): for each system in turn it trains one epoch over the first
+`num_samples` lengths of a workload file (synthetic tokenized samples of exactly those lengths: the
+content batchd's `SyntheticSource` makes for each id) and reports wall time, samples, steps, padding
+efficiency, the loss curve, the final loss and a held-out loss, plus the speedups over `fixed` and
+`odb-0.1.2`, and draws PNG plots (matplotlib, Agg).
+
+Systems:
+
+- `fixed`: DistributedSampler-style views, fixed batch size B = floor(L_max / longest sample) (the
+  out-of-memory-safe choice when lengths are not known before preprocessing), padded.
+- `odb-0.1.2`: the seed's own package (`online-dynamic-batching==0.1.2`, the `bench` extra only;
+  skipped with a message when it is not installed), driven as its README says: `odb.apply` on a
+  multi-worker `DataLoader(batch_size=1)`, its collate process and Gloo alignment group, exact token
+  loss scaling, join mode with torch's DDP `Join` context. Its `buffer_size` is batchd's window.
+- `batchd-odb`, `batchd-balanced`: a coordinator and N rank services (`batchd rank --lengths`, launched
+  with `batchd.demo`'s helpers) with that policy, the same window, padded collation.
+
+Every system trains on the same ids, split into the same per-rank views (batchd's seeded permutation);
+the check `missing` / `duplicates` is reported per system. Wall time: the clock starts after every
+rank has fetched its first batch (a barrier), so process start-up, gloo rendezvous, model build, Ray
+(none is used here), ODB's worker/collate-process start and startup jitter, and batchd's first round
+are excluded for every system alike (reported as `startup_s`); it stops at the last rank's last
+optimizer step. See `batchd/_bench_trainer.py` for the per-rank loop.
+
+`--device cuda` runs world size 1 with a randomly initialised ~110M-parameter Llama-style model
+(`--model llama-100m`, bf16) on the sharegpt4o-like workload by default. Trade-offs: the systems run
+one after another on the same machine (not interleaved), so slow drift of the machine's speed lands
+on one system; on a 2-core box the data-side processes (ODB's workers and collate process, batchd's
+coordinator and rank services) compete with the trainers for CPU, which is part of what is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("fixed", "odb-0.1.2", "batchd-odb", "batchd-balanced")
+REPO = Path(__file__).resolve().parents[1]
+WORKLOAD_DIRS = (REPO / "shared" / "workloads", REPO.parent / "shared" / "workloads")
+DEFAULTS = {  # per device: world size, model, workload file name, token budget, samples
+    "cpu": {"world_size": 2, "model": "tiny", "workload": "odb-synthetic.txt", "token_budget": 8192,
+            "num_samples": 1024},
+    "cuda": {"world_size": 1, "model": "llama-100m", "workload": "sharegpt4o-like.txt", "token_budget": 16384,
+             "num_samples": 2048},
+}
+
+
+def default_workload(name: str = "odb-synthetic.txt") -> Path | None:
+    """The shared workload file `name` ($BATCHD_WORKLOADS, ./shared/workloads or ../shared/workloads)."""
+    dirs = [Path(os.environ["BATCHD_WORKLOADS"])] if os.environ.get("BATCHD_WORKLOADS") else []
+    for d in [*dirs, *WORKLOAD_DIRS]:
+        if (d / name).is_file():
+            return d / name
+    return None
+
+
+def odb_available() -> str | None:
+    """None when `odb` 0.1.2 imports, else why not."""
+    try:
+        import odb
+    except ImportError as exc:
+        return f"online-dynamic-batching is not installed ({exc}); pip install 'batchd[bench]'"
+    if getattr(odb, "__version__", "") != "0.1.2":
+        return f"odb {getattr(odb, '__version__', '?')} is installed, the bench compares against 0.1.2"
+    return None
+
+
+def parse_systems(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in SYSTEMS]
+    if not names or bad or len(set(names)) != len(names):
+        raise ValueError(f"systems must be distinct names from {','.join(SYSTEMS)}, got {text=}")
+    return names
+
+
+def read_lengths(path: Path) -> list[int]:
+    lengths = [int(x) for x in Path(path).read_text().split()]
+    if not lengths or min(lengths) < 1:
+        raise ValueError(f"a workload file holds one positive length per line, got {path=}")
+    return lengths
+
+
+# -- running one system ----------------------------------------------------------------------------
+def _start_trainers(procs, work: Path, tag: str, world_size: int, common: dict[str, Any],
+                    per_rank: Sequence[dict[str, Any]]) -> list[Path]:
+    from batchd.demo import free_port
+
+    port = free_port()
+    outs = []
+    for r in range(world_size):
+        cfg = {**common, **per_rank[r], "rank": r, "world_size": world_size, "master_port": port,
+               "out": str(work / f"{tag}-{r}.json")}
+        cfg_path = work / f"{tag}-{r}.cfg.json"
+        cfg_path.write_text(json.dumps(cfg))
+        procs.start(f"{tag}-{r}", [sys.executable, "-m", "batchd._bench_trainer", "--config", str(cfg_path)])
+        outs.append(Path(cfg["out"]))
+    return outs
+
+
+def run_system(system: str, work: Path, common: dict[str, Any], world_size: int, spec: dict[str, Any],
+               timeout: float, tag: str | None = None) -> list[dict[str, Any]]:
+    """Runs one system's N trainers (and, for batchd, its coordinator and rank services) in `work/tag`;
+    returns their results."""
+    from batchd.demo import Processes, spec_args, start_services, wait_trainers
+
+    sys_dir = work / (tag or system)
+    sys_dir.mkdir()
+    procs = Processes(sys_dir)
+    try:
+        per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
+        if system.startswith("batchd-"):
+            args = spec_args(world_size, spec["token_budget"], system.split("-", 1)[1], spec["window"],
+                             spec["depth"], spec["seed"])
+            _, ports = start_services(procs, sys_dir, args, world_size, work / "lengths.txt",
+                                      coordinator_args=["--collate", "padded"], rank_args=["--collate", "padded"])
+            per_rank = [{"service": f"127.0.0.1:{p}"} for p in ports]
+        outs = _start_trainers(procs, sys_dir, "trainer", world_size, {**common, "system": system}, per_rank)
+        return wait_trainers(procs, "trainer", outs, timeout)
+    finally:
+        procs.stop()
+
+
+def summarize(system: str, results: list[dict[str, Any]], num_samples: int) -> dict[str, Any]:
+    """One system's metrics from its ranks' step records (steps combined across ranks by index)."""
+    n_steps = max(len(r["steps"]) for r in results)
+    curve, times, mats = [], [], []
+    for k in range(n_steps):
+        recs = [r["steps"][k] for r in results if k < len(r["steps"])]
+        ls, lt = sum(x["loss_sum"] for x in recs), sum(x["loss_tokens"] for x in recs)
+        curve.append(ls / lt if lt else float("nan"))
+        times.append(max(x["t"] for x in recs))
+        mats.append(max(x["materialized"] for x in recs))
+    counts: dict[int, int] = {}
+    for r in results:
+        for s in r["steps"]:
+            for i in s["ids"]:
+                counts[i] = counts.get(i, 0) + 1
+    real = sum(s["real"] for r in results for s in r["steps"])
+    mat = sum(s["materialized"] for r in results for s in r["steps"])
+    tail = max(1, math.ceil(0.1 * n_steps))
+    tail_recs = [r["steps"][k] for r in results for k in range(n_steps - tail, n_steps) if k < len(r["steps"])]
+    t_ls, t_lt = sum(x["loss_sum"] for x in tail_recs), sum(x["loss_tokens"] for x in tail_recs)
+    wall = max(r["wall_s"] for r in results)
+    wait = max(sum(s["wait_s"] for s in r["steps"]) for r in results)
+    mean_mat = [sum(r["steps"][k]["materialized"] for r in results if k < len(r["steps"])) / len(results)
+                for k in range(n_steps)]
+    ev = next((r["eval"] for r in results if r.get("eval")), None)
+    return {
+        "wall_s": wall,
+        "samples": sum(counts.values()),
+        "steps": n_steps,
+        "steps_per_rank": [len(r["steps"]) for r in results],
+        "idle": sum(1 for r in results for s in r["steps"] if not s["ids"]),
+        "missing": sum(1 for i in range(num_samples) if i not in counts),
+        "duplicates": sum(c - 1 for c in counts.values() if c > 1),
+        "unexpected": sum(1 for i in counts if not 0 <= i < num_samples),
+        "real_tokens": real,
+        "materialized_tokens": mat,
+        "padding_efficiency": real / mat if mat else 1.0,
+        "tokens_per_rank_step": mat / max(sum(len(r["steps"]) for r in results), 1),
+        "final_loss": t_ls / t_lt if t_lt else float("nan"),
+        "final_loss_steps": tail,
+        "heldout_loss": ev["loss"] if ev else None,
+        "heldout_samples": ev["samples"] if ev else 0,
+        "first_loss": next((x for x in curve if x == x), float("nan")),
+        "samples_per_s": sum(counts.values()) / wall if wall > 0 else float("nan"),
+        "stall_fraction": wait / wall if wall > 0 else 0.0,
+        "startup_s": max(r["startup_s"] for r in results),
+        "trainer_cpu_s": max(r.get("cpu_s", 0.0) for r in results),
+        "rank_imbalance": sum(mats) / sum(mean_mat) if sum(mean_mat) else 1.0,
+        "params": results[0].get("params"),
+        "loss_curve": curve,
+        "step_times": times,
+    }
+
+
+# -- plots -----------------------------------------------------------------------------------------
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, acc = [], []
+    for v in values:
+        if v == v:
+            acc.append(v)
+        acc = acc[-window:]
+        out.append(sum(acc) / len(acc) if acc else float("nan"))
+    return out
+
+
+def write_plots(systems: dict[str, dict[str, Any]], out: Path, title: str, prefix: str = "bench_") -> list[Path]:
+    """loss vs step, loss vs wall time, and a wall-time bar chart, as PNGs under `out`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = {k: v for k, v in systems.items() if "wall_s" in v}
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for kind, xlabel in (("step", "optimizer step"), ("time", "wall time (s)")):
+        fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+        for name, s in ran.items():
+            xs = list(range(1, len(s["loss_curve"]) + 1)) if kind == "step" else s["step_times"]
+            w = max(1, len(s["loss_curve"]) // 20)
+            line, = ax.plot(xs, s["loss_curve"], alpha=0.25, linewidth=0.8)
+            ax.plot(xs, _smooth(s["loss_curve"], w), color=line.get_color(), linewidth=1.8,
+                    label=f"{name} ({len(xs)} steps, {s['wall_s']:.1f} s)")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("global per-token loss (train)")
+        ax.set_title(f"loss vs {xlabel.split(' (')[0]}: {title}", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / f"{prefix}loss_vs_{kind}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    names = list(ran)
+    walls = [ran[n]["wall_s"] for n in names]
+    bars = ax.bar(names, walls, color=["#888888" if n == "fixed" else "#d98c3a" if n.startswith("odb") else "#3a7bd5"
+                                       for n in names])
+    base = ran.get("fixed", {}).get("wall_s")
+    for b, n in zip(bars, names):
+        label = f"{ran[n]['wall_s']:.1f} s" + (f"\n{base / ran[n]['wall_s']:.2f}x vs fixed" if base else "")
+        ax.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("epoch wall time (s)")
+    ax.set_ylim(0, max(walls) * 1.3 if walls else 1)
+    ax.set_title(f"wall time: {title}", fontsize=9)
+    fig.tight_layout()
+    path = out / f"{prefix}wall_time.png"
+    fig.savefig(path)
+    plt.close(fig)
+    paths.append(path)
+    return paths
+
+
+# -- the bench -------------------------------------------------------------------------------------
+def run_bench(workload: str | Path | None = None, num_samples: int | None = None, world_size: int | None = None,
+              token_budget: int | None = None, systems: Sequence[str] = SYSTEMS, device: str = "cpu",
+              model: str | None = None, out: str | Path | None = None, seed: int = 0, window: int = 128,
+              depth: int = 8, heldout: int = 64, odb_workers: int = 2, lr: float = 1e-3, timeout: float = 1800.0,
+              repeats: int = 1, plots: bool = True, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Runs the bench; returns the dict `batchd bench --json` prints (see the module docstring).
+
+    Args:
+        workload: Length file (one length per line; id = line number). None: the device's default
+            shared workload (odb-synthetic on CPU, sharegpt4o-like on CUDA).
+        num_samples: Train on the first `num_samples` lengths (None: the device default).
+        world_size: Trainer processes (None: 2 on CPU, 1 on CUDA).
+        token_budget: L_max per rank step (None: 8192 on CPU, 16384 on CUDA).
+        systems: Names from `SYSTEMS`, run in this order.
+        device: "cpu" (gloo) or "cuda" (NCCL, bf16).
+        model: "tiny" or "llama-100m" (None: tiny on CPU, llama-100m on CUDA).
+        out: Directory for bench.json and the PNG plots (None: no files).
+        seed: Seeds the model, the sampler views and the synthetic samples.
+        window: Per-rank window in samples (batchd `--window`, ODB `buffer_size`).
+        depth: batchd's per-rank ready batches (`--depth`).
+        heldout: Samples after the training set evaluated after the epoch (0: none).
+        odb_workers: ODB DataLoader workers per rank (prefetch_factor = window / workers).
+        lr: AdamW learning rate (all systems).
+        timeout: Seconds per system.
+        repeats: Runs per system, interleaved (the order rotates each round so that drift in the
+            machine's speed does not land on one system); each system reports its median-wall run.
+        plots: Write PNGs under `out`.
+        progress: Called with one line per event (e.g. print to stderr).
+
+    Raises:
+        ValueError: on bad arguments (the message names the value).
+    """
+    say = progress or (lambda msg: None)
+    if device not in DEFAULTS:
+        raise ValueError(f"device must be cpu or cuda, got {device=}")
+    d = DEFAULTS[device]
+    world_size = d["world_size"] if world_size is None else world_size
+    model = d["model"] if model is None else model
+    token_budget = d["token_budget"] if token_budget is None else token_budget
+    num_samples = d["num_samples"] if num_samples is None else num_samples
+    systems = list(systems)
+    from batchd._bench_trainer import MODELS
+
+    for name, value, lo in (("world_size", world_size, 1), ("token_budget", token_budget, 2),
+                            ("num_samples", num_samples, 1), ("window", window, 1), ("depth", depth, 1),
+                            ("heldout", heldout, 0), ("odb_workers", odb_workers, 1), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {name}={value!r}")
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {model=}")
+    parse_systems(",".join(systems))
+    if workload is None:
+        found = default_workload(d["workload"])
+        if found is None:
+            raise ValueError(f"no workload given and {d['workload']} not found under {WORKLOAD_DIRS}; pass --workload")
+        workload = found
+    workload = Path(workload)
+    if not workload.is_file():
+        raise ValueError(f"workload file not found: {workload=}")
+    all_lengths = read_lengths(workload)
+    if num_samples > len(all_lengths):
+        raise ValueError(f"{workload} holds {len(all_lengths)} lengths, fewer than {num_samples=}")
+    if num_samples < world_size:
+        raise ValueError(f"num_samples must be >= world_size, got {num_samples=} {world_size=}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
+            raise ValueError(f"device cuda needs {world_size} visible GPU(s), found "
+                             f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    heldout = min(heldout, len(all_lengths) - num_samples)
+    lengths = all_lengths[:num_samples]
+    used = all_lengths[:num_samples + heldout]
+    batch_size = max(1, token_budget // max(lengths))
+    title = (f"{workload.stem}, {num_samples} samples, N={world_size}, L={token_budget}, {model}, {device}")
+    common = {"num_samples": num_samples, "lengths": used, "all_lengths": used, "seed": seed, "lr": lr,
+              "model": model, "device": device, "token_budget": token_budget, "batch_size": batch_size,
+              "window": window, "odb_workers": odb_workers,
+              "heldout_ids": list(range(num_samples, num_samples + heldout))}
+    spec = {"token_budget": token_budget, "window": window, "depth": depth, "seed": seed}
+    work = Path(tempfile.mkdtemp(prefix="batchd-bench-"))
+    (work / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
+    results: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
+    t_all = time.perf_counter()
+    try:
+        # each round rotates the order, so that drift in the machine's speed does not land on one system
+        order = [(rep, name) for rep in range(repeats)
+                 for name in systems[rep % len(systems):] + systems[:rep % len(systems)]]
+        for rep, system in order:
+            if system == "odb-0.1.2" and (why := odb_available()):
+                if rep == 0:
+                    say(f"[bench] {system}: skipped: {why}")
+                results[system] = {"skipped": why}
+                continue
+            what = {"fixed": f"fixed batch size B={batch_size}", "odb-0.1.2": f"odb.apply, buffer_size={window}, "
+                    f"{odb_workers} workers/rank"}.get(system, f"policy {system.split('-', 1)[-1]}, window {window}, "
+                                                          f"depth {depth}")
+            say(f"[bench] {system}: training {num_samples} samples on {world_size} {device} rank(s) ({what})")
+            t_sys = time.perf_counter()
+            res = run_system(system, work, common, world_size, spec, timeout, f"{system}-{rep}")
+            s = summarize(system, res, num_samples)
+            s["outer_s"] = time.perf_counter() - t_sys
+            runs[system].append(s)
+            run = f" (run {rep + 1}/{repeats})" if repeats > 1 else ""
+            say(f"[bench] {system}{run}: {s['wall_s']:.1f} s wall, {s['steps']} steps, {s['samples']} samples "
+                f"(missing {s['missing']}, dup {s['duplicates']}), padding eff {s['padding_efficiency']:.3f}, "
+                f"final loss {s['final_loss']:.3f}, held-out {_f(s['heldout_loss'])} ({s['outer_s']:.0f} s in all)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for system in systems:
+        if runs[system]:
+            results[system] = _median_run(runs[system])
+    results = {name: results[name] for name in systems if name in results}
+    for s in results.values():
+        if "wall_s" not in s:
+            continue
+        for ref in ("fixed", "odb-0.1.2"):
+            r = results.get(ref, {})
+            s[f"speedup_vs_{ref}"] = r["wall_s"] / s["wall_s"] if "wall_s" in r and s["wall_s"] > 0 else None
+    summary: dict[str, Any] = {
+        "workload": str(workload), "num_samples": num_samples, "heldout": heldout, "world_size": world_size,
+        "token_budget": token_budget, "device": device, "model": model, "seed": seed, "lr": lr, "window": window,
+        "depth": depth, "odb_workers": odb_workers, "repeats": repeats, "fixed_batch_size": batch_size,
+        "longest": max(lengths),
+        "mean_length": sum(lengths) / len(lengths), "layout": "padded (all systems)",
+        "systems": results, "total_s": time.perf_counter() - t_all, "plots": [],
+    }
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        if plots and any("wall_s" in s for s in results.values()):
+            summary["plots"] = [str(p) for p in write_plots(results, out, title)]
+        (out / "bench.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose wall time is the median (lower median for an even count) + every run's wall time."""
+    ordered = sorted(runs, key=lambda r: r["wall_s"])
+    pick = dict(ordered[(len(ordered) - 1) // 2])
+    pick["wall_s_runs"] = [r["wall_s"] for r in runs]
+    pick["runs"] = len(runs)
+    return pick
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None or x != x else f"{x:.3f}"
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+HELP = """Side-by-side real training run: fixed batching, the seed's ODB 0.1.2 package and batchd
+(policies odb and balanced) train the same model on the same samples, one system after another, as N
+real processes in DDP (gloo on CPU). Reports per system the epoch wall time (from the moment every rank
+holds its first batch to the last rank's last optimizer step; start-up is excluded for all systems
+alike and shown as startup_s), samples, steps, padding efficiency (real / materialized tokens), the
+loss curve, the final loss (per-token, last 10% of steps) and a held-out loss of the final model,
+with speedups vs fixed and vs odb-0.1.2; every system must train on every sample id exactly once
+(missing / duplicates). PNG plots (loss vs step, loss vs wall time, wall-time bars) and bench.json go
+to --out. odb-0.1.2 is skipped when online-dynamic-batching 0.1.2 is not installed (pip install
+'batchd[bench]')."""
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", metavar="FILE", default=None,
+                   help="length file, one length per line (default: shared/workloads/odb-synthetic.txt on cpu, "
+                        "sharegpt4o-like.txt on cuda)")
+    p.add_argument("--num-samples", type=int, default=None, metavar="M",
+                   help="train on the first M lengths (default: 1024 on cpu, 2048 on cuda)")
+    p.add_argument("--heldout", type=int, default=64, metavar="H",
+                   help="evaluate the final model on the H samples after the training set (default 64; 0: none)")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="trainer processes (default: 2 on cpu, 1 on cuda)")
+    p.add_argument("--token-budget", type=int, default=None, metavar="L",
+                   help="L_max, tokens per rank step (default: 8192 on cpu, 16384 on cuda); fixed uses "
+                        "B = floor(L / longest sample)")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma-separated, run in this order (default: {','.join(SYSTEMS)})")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo DDP; cuda: NCCL, bf16, one GPU per rank (default cpu)")
+    p.add_argument("--model", choices=("tiny", "llama-100m"), default=None,
+                   help="tiny: ~0.5M-param Llama-style LM (cpu default); llama-100m: ~110M params, 12 layers, "
+                        "d_model 768, randomly initialised (cuda default)")
+    p.add_argument("--window", type=int, default=128, metavar="W",
+                   help="per-rank window in samples: batchd --window and ODB buffer_size (default 128)")
+    p.add_argument("--depth", type=int, default=8, metavar="D", help="batchd --depth (default 8)")
+    p.add_argument("--odb-workers", type=int, default=2, metavar="K",
+                   help="ODB DataLoader workers per rank; prefetch_factor = W / K (default 2)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, all systems (default 1e-3)")
+    p.add_argument("--seed", type=int, default=0, help="model init, sampler views and sample content (default 0)")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds per system run (default 1800)")
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="runs per system, interleaved in rotating order; the median-wall run is reported (default 1)")
+    p.add_argument("--out", metavar="DIR", default=None, help="write bench.json and PNG plots here")
+    p.add_argument("--json", action="store_true", help="print one JSON object (loss curves included)")
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds the `bench` subcommand to an argparse subparsers object; its handler is `args.func`."""
+    p = subparsers.add_parser("bench", help="real side-by-side run: fixed, ODB 0.1.2, batchd", description=HELP,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(p)
+    p.set_defaults(func=bench_command)
+    return p
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    """Runs `batchd bench` from parsed arguments; prints a table (or JSON); returns the exit status."""
+    try:
+        summary = run_bench(workload=args.workload, num_samples=args.num_samples, world_size=args.world_size,
+                            token_budget=args.token_budget, systems=parse_systems(args.systems),
+                            device=args.device, model=args.model, out=args.out, seed=args.seed,
+                            window=args.window, depth=args.depth, heldout=args.heldout,
+                            odb_workers=args.odb_workers, lr=args.lr, timeout=args.timeout, repeats=args.repeats,
+                            progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except ValueError as exc:
+        print(f"batchd bench: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(format_table(summary))
+    bad = [n for n, s in summary["systems"].items() if s.get("missing") or s.get("duplicates") or s.get("unexpected")]
+    return 1 if bad else 0
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    rows = [f"{'system':<16} {'wall s':>8} {'vs fixed':>9} {'vs odb':>8} {'steps':>6} {'samples':>8} "
+            f"{'pad eff':>8} {'final loss':>10} {'held-out':>9}"]
+    for name, s in summary["systems"].items():
+        if "wall_s" not in s:
+            rows.append(f"{name:<16} skipped: {s.get('skipped')}")
+            continue
+        vf, vo = s.get("speedup_vs_fixed"), s.get("speedup_vs_odb-0.1.2")
+        rows.append(f"{name:<16} {s['wall_s']:>8.2f} {_x(vf):>9} {_x(vo):>8} {s['steps']:>6} {s['samples']:>8} "
+                    f"{s['padding_efficiency']:>8.3f} {s['final_loss']:>10.3f} {_f(s['heldout_loss']):>9}")
+    return "\n".join(rows)
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m batchd.bench", description=HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(p)
+    return bench_command(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

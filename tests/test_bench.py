@@ -1,0 +1,113 @@
+"""`batchd bench`: a small real side-by-side run (gloo DDP trainers, real rank services, the real ODB
+0.1.2 package when installed) through `python -m batchd.bench --json`, plus its argument checks.
+
+The run uses a short-length workload written here (48 samples of 16..300 tokens, L=600) so the four
+systems finish in well under a minute on two cores; what it checks is the bench's contract: the JSON
+schema, every system trained on exactly the same ids once, padding efficiencies in (0, 1], the
+speedup ratios, the progress lines, and non-empty PNGs.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from batchd import bench
+
+NUM = 48
+
+
+def _workload(tmp_path: Path, n: int) -> Path:
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([rng.integers(16, 80, n - n // 4), rng.integers(150, 300, n // 4)])
+    rng.shuffle(lengths)
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths.tolist())) + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_bench_runs_all_systems_on_the_same_samples(tmp_path):
+    workload = _workload(tmp_path, NUM + 8)
+    out = tmp_path / "out"
+    systems = list(bench.SYSTEMS) if bench.odb_available() is None else ["fixed", "batchd-odb", "batchd-balanced"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchd.bench", "--json", "--workload", str(workload), "--num-samples", str(NUM),
+         "--heldout", "8", "--token-budget", "600", "--window", "16", "--depth", "4", "--systems",
+         ",".join(systems), "--out", str(out)],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert list(s["systems"]) == systems
+    assert s["num_samples"] == NUM and s["world_size"] == 2 and s["token_budget"] == 600
+    assert s["fixed_batch_size"] == 600 // s["longest"]
+    for name, r in s["systems"].items():
+        assert f"[bench] {name}:" in proc.stderr
+        for key, kind in (("wall_s", float), ("samples", int), ("steps", int), ("padding_efficiency", float),
+                          ("final_loss", float)):
+            assert isinstance(r[key], kind), (name, key, r[key])
+        # exactly the same ids, each once: all of 0..NUM-1 present, none twice, nothing else
+        assert (r["samples"], r["missing"], r["duplicates"], r["unexpected"]) == (NUM, 0, 0, 0), (name, r)
+        assert 0 < r["padding_efficiency"] <= 1, (name, r["padding_efficiency"])
+        assert r["wall_s"] > 0 and r["steps"] == len(r["loss_curve"]) == len(r["step_times"]) > 0
+        assert r["step_times"] == sorted(r["step_times"]) and r["step_times"][-1] == pytest.approx(r["wall_s"])
+        assert np.isfinite(r["final_loss"]) and 0 < r["final_loss"] < 10
+        assert r["heldout_samples"] == 8 and np.isfinite(r["heldout_loss"])
+        assert r["speedup_vs_fixed"] == pytest.approx(s["systems"]["fixed"]["wall_s"] / r["wall_s"])
+    assert s["systems"]["fixed"]["steps"] == -(-NUM // 2 // s["fixed_batch_size"])
+    bd = s["systems"]["batchd-balanced"]
+    assert bd["steps_per_rank"][0] == bd["steps_per_rank"][1]  # batchd aligns the ranks' step counts
+    if "odb-0.1.2" in systems:
+        assert s["systems"]["batchd-odb"]["speedup_vs_odb-0.1.2"] == pytest.approx(
+            s["systems"]["odb-0.1.2"]["wall_s"] / s["systems"]["batchd-odb"]["wall_s"])
+
+    names = {Path(p).name for p in s["plots"]}
+    assert names == {"bench_loss_vs_step.png", "bench_loss_vs_time.png", "bench_wall_time.png"}
+    for p in s["plots"]:
+        data = Path(p).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, p
+    assert json.loads((out / "bench.json").read_text())["systems"].keys() == s["systems"].keys()
+
+
+def test_bench_help_and_bad_arguments(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--help"])
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    for flag in ("--workload", "--num-samples", "--world-size", "--token-budget", "--systems", "--device",
+                 "--model", "--out", "--json", "--seed", "--window"):
+        assert flag in help_text, flag
+
+    workload = _workload(tmp_path, 16)
+    with pytest.raises(ValueError, match="systems"):
+        bench.parse_systems("fixed,nope")
+    with pytest.raises(ValueError, match="systems"):
+        bench.parse_systems("fixed,fixed")
+    with pytest.raises(ValueError, match="num_samples"):
+        bench.run_bench(workload=workload, num_samples=17)
+    with pytest.raises(ValueError, match="window"):
+        bench.run_bench(workload=workload, num_samples=8, window=0)
+    with pytest.raises(ValueError, match="model"):
+        bench.run_bench(workload=workload, num_samples=8, model="gpt5")
+    with pytest.raises(ValueError, match="device"):
+        bench.run_bench(workload=workload, num_samples=8, device="tpu")
+    with pytest.raises(ValueError, match="workload"):
+        bench.run_bench(workload=tmp_path / "missing.txt", num_samples=8)
+    assert bench.main(["--workload", str(workload), "--num-samples", "99"]) == 2
+    assert "num_samples=99" in capsys.readouterr().err
+
+
+def test_odb_missing_is_skipped_with_a_message(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "odb_available", lambda: "online-dynamic-batching is not installed")
+    lines: list[str] = []
+    s = bench.run_bench(workload=_workload(tmp_path, 16), num_samples=8, systems=["odb-0.1.2"], out=tmp_path / "o",
+                        progress=lines.append)
+    assert s["systems"] == {"odb-0.1.2": {"skipped": "online-dynamic-batching is not installed"}}
+    assert lines == ["[bench] odb-0.1.2: skipped: online-dynamic-batching is not installed"]
+    assert s["plots"] == [] and (tmp_path / "o" / "bench.json").exists()
