@@ -9,85 +9,25 @@ import time
 import grpc
 import numpy as np
 import pytest
+from _jobs import InProcessJob, job_pool
 
 from batchd import wire
 from batchd.client import BatchClient, JobFailed
 from batchd.core import RankState
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
-from batchd.service import (
-    CoordinatorClient, IngestSource, JobSpec, RankServiceCore, SyntheticSource, create_rank_server, create_server,
-    synthetic_payload,
-)
-
-
-class Job:
-    """A coordinator and N rank services in this process; stopped on exit."""
-
-    def __init__(self, spec: JobSpec, lengths, lease_s=10.0, round_timeout_s=20.0, sources=None, grace=30.0):
-        self.spec, self.lengths = spec, lengths
-        self.server, self.port, self.state = create_server("127.0.0.1:0", spec, lease_s, round_timeout_s)
-        self.server.start()
-        self.cores, self.servers, self.ports = [], [], []
-        for r in range(spec.world_size):
-            src = sources[r] if sources else SyntheticSource(lengths, r, spec.world_size, spec.seed, 0, spec.shuffle)
-            core = RankServiceCore(r, spec, CoordinatorClient(self.address, r, spec, connect_timeout_s=5), src,
-                                   client_grace_s=grace)
-            server, port = create_rank_server("127.0.0.1:0", core)
-            server.start()
-            core.start(f"127.0.0.1:{port}")
-            self.cores.append(core)
-            self.servers.append(server)
-            self.ports.append(port)
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def client(self, r: int) -> BatchClient:
-        return BatchClient(f"127.0.0.1:{self.ports[r]}", r, self.spec.world_size, reconnect_timeout_s=5)
-
-    def stop(self) -> None:
-        for core in self.cores:
-            core.stop()
-            core.coord.close()
-        for s in self.servers:
-            s.stop(0)
-        self.state.close()
-        self.server.stop(0)
+from batchd.service import CoordinatorClient, IngestSource, JobSpec, create_server, synthetic_payload
 
 
 @pytest.fixture
 def job_factory():
-    jobs = []
-
-    def make(*args, **kwargs):
-        jobs.append(Job(*args, **kwargs))
-        return jobs[-1]
-
-    yield make
-    for j in jobs:
-        j.stop()
+    with job_pool() as make:
+        yield make
 
 
 def _consume_all(job, limit_s=60.0):
-    results = [None] * job.spec.world_size
-    errors = []
-
-    def consume(r):
-        try:
-            with job.client(r) as c:
-                results[r] = [(b["sample_ids"].tolist(), b["input_ids"].shape, info) for b, info in c]
-        except Exception as exc:  # noqa: BLE001
-            errors.append((r, exc))
-
-    threads = [threading.Thread(target=consume, args=(r,)) for r in range(job.spec.world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(limit_s)
-    assert not errors, errors
-    return results
+    """Each rank's received steps: (sample ids, input_ids shape, StepInfo)."""
+    return job.drain(limit_s, lambda b, info: (b["sample_ids"].tolist(), b["input_ids"].shape, info))
 
 
 def _lengths(n=400, seed=1):
@@ -265,14 +205,8 @@ def test_dead_trainer_fails_every_party_naming_its_rank(job_factory):
 
 def test_ingest_validates_quarantines_and_pushes_back(caplog):
     spec = JobSpec(world_size=1, token_budget=64, window=4)
-    server, port, state = create_server("127.0.0.1:0", spec, 10, 10)
-    server.start()
-    source = IngestSource(capacity=4)
-    core = RankServiceCore(0, spec, CoordinatorClient(f"127.0.0.1:{port}", 0, spec), source)
-    rserver, rport = create_rank_server("127.0.0.1:0", core)
-    rserver.start()
-    core.start(f"127.0.0.1:{rport}")
-    try:
+    with InProcessJob(spec, sources=[IngestSource(capacity=4)], round_timeout_s=10, connect_timeout_s=30) as job:
+        rport = job.ports[0]
         stub = pb_grpc.RankServiceStub(grpc.insecure_channel(f"127.0.0.1:{rport}"))
 
         def req(i, n, loss=None, ids=None, epoch=0):
@@ -303,8 +237,3 @@ def test_ingest_validates_quarantines_and_pushes_back(caplog):
         with BatchClient(f"127.0.0.1:{rport}", 0, 1) as c:
             got = sorted(i for b, _ in c for i in b["sample_ids"].tolist())
         assert got == [0, 4]
-    finally:
-        core.stop()
-        rserver.stop(0)
-        state.close()
-        server.stop(0)

@@ -26,13 +26,13 @@ import json
 import math
 import os
 import socket
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _jobs import InProcessJob, job_pool
 from batchd.client import (
     BatchClient,
     batchd_backward,
@@ -43,15 +43,7 @@ from batchd.client import (
     hf_model_inputs,
     token_loss_sum,
 )
-from batchd.service import (
-    CoordinatorClient,
-    JobSpec,
-    RankServiceCore,
-    SyntheticSource,
-    create_rank_server,
-    create_server,
-    synthetic_payload,
-)
+from batchd.service import JobSpec
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -74,58 +66,20 @@ def lengths_for(n: int = 48, seed: int = 3) -> list[int]:
     return np.clip(rng.lognormal(3.3, 0.6, n), 3, 120).astype(int).tolist()
 
 
-class Job:
-    """A coordinator and N rank services in this process (real gRPC on loopback); stopped on exit."""
-
-    def __init__(self, spec: JobSpec, lengths: list[int]) -> None:
-        self.spec, self.lengths = spec, lengths
-        self.server, self.port, self.state = create_server("127.0.0.1:0", spec, 10.0, 20.0)
-        self.server.start()
-        self.cores, self.servers, self.ports = [], [], []
-        for r in range(spec.world_size):
-            src = SyntheticSource(lengths, r, spec.world_size, spec.seed, 0, spec.shuffle, vocab_size=VOCAB)
-            core = RankServiceCore(r, spec, CoordinatorClient(f"127.0.0.1:{self.port}", r, spec, connect_timeout_s=5),
-                                   src, client_grace_s=30.0)
-            server, port = create_rank_server("127.0.0.1:0", core)
-            server.start()
-            core.start(f"127.0.0.1:{port}")
-            self.cores.append(core)
-            self.servers.append(server)
-            self.ports.append(port)
-
-    def client(self, r: int = 0) -> BatchClient:
-        return BatchClient(f"127.0.0.1:{self.ports[r]}", r, self.spec.world_size, reconnect_timeout_s=5)
-
-    def payload(self, sample_id: int) -> dict[str, np.ndarray]:
-        return synthetic_payload(sample_id, self.lengths[sample_id], self.spec.seed, VOCAB)
-
-    def stop(self) -> None:
-        for core in self.cores:
-            core.stop()
-            core.coord.close()
-        for s in self.servers:
-            s.stop(0)
-        self.state.close()
-        self.server.stop(0)
-
-
 @pytest.fixture
 def make_job():
-    jobs: list[Job] = []
+    with job_pool(vocab_size=VOCAB) as start:
 
-    def make(world_size: int = 1, collate: str = "padded", policy: str = "local", n: int = 48,
-             budget: int = 256, skewed: bool = False) -> Job:
-        """`skewed`: unshuffled views, rank 0 (even ids) long samples, rank 1 (odd ids) a few tokens each:
-        under the local policy rank 1 runs out after its first step and is IDLE from then on."""
-        spec = JobSpec(world_size=world_size, token_budget=budget, policy=policy, window=16, depth=3, seed=SEED,
-                       collate=collate, shuffle=not skewed)
-        lengths = [150 if i % 2 == 0 else 5 for i in range(n)] if skewed else lengths_for(n)
-        jobs.append(Job(spec, lengths))
-        return jobs[-1]
+        def make(world_size: int = 1, collate: str = "padded", policy: str = "local", n: int = 48,
+                 budget: int = 256, skewed: bool = False) -> InProcessJob:
+            """`skewed`: unshuffled views, rank 0 (even ids) long samples, rank 1 (odd ids) a few tokens each:
+            under the local policy rank 1 runs out after its first step and is IDLE from then on."""
+            spec = JobSpec(world_size=world_size, token_budget=budget, policy=policy, window=16, depth=3, seed=SEED,
+                           collate=collate, shuffle=not skewed)
+            lengths = [150 if i % 2 == 0 else 5 for i in range(n)] if skewed else lengths_for(n)
+            return start(spec, lengths)
 
-    yield make
-    for job in jobs:
-        job.stop()
+        yield make
 
 
 def flat_grad(model: torch.nn.Module) -> torch.Tensor:
@@ -154,7 +108,7 @@ def reference_grad(model: torch.nn.Module, payloads: list[dict], per_sample_mean
     return flat_grad(model)
 
 
-def dataset_loss(model: torch.nn.Module, job: Job) -> float:
+def dataset_loss(model: torch.nn.Module, job: InProcessJob) -> float:
     """The per-token mean loss of `model` over all of the job's samples (each alone, unpadded)."""
     total, count = 0.0, 0
     with torch.no_grad():
@@ -205,7 +159,7 @@ def trainer_args(tmp_path, **overrides) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(**kwargs)
 
 
-def make_trainer(job: Job, tmp_path, model=None, client=None, **overrides):
+def make_trainer(job: InProcessJob, tmp_path, model=None, client=None, **overrides):
     cls = recording_trainer_cls()
     grads = FirstGrads()
     trainer = cls(model=model or tiny_llama(), args=trainer_args(tmp_path, **overrides),
@@ -350,17 +304,7 @@ def test_loss_scale_two_ranks_in_one_process(make_job, policy, skewed):
     """What DDP computes, without processes: the mean of both ranks' batchd_loss gradients equals the
     per-token gradient over the union of the step's samples, on every step (IDLE ones included)."""
     job = make_job(world_size=2, policy=policy, n=40, budget=200, skewed=skewed)
-    streams: list = [None, None]
-
-    def consume(r):
-        with job.client(r) as c:
-            streams[r] = [(b, info) for b, info in c]
-
-    threads = [threading.Thread(target=consume, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    streams = job.drain(60)  # (batch, info) per step and rank
     assert len(streams[0]) == len(streams[1]) > 2
     model = tiny_llama()
     errors, gaps, idle = [], [], 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +22,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from _jobs import InProcessJob, job_pool
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchd import wire
@@ -30,8 +30,8 @@ from batchd.client import BatchClient
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.service import (
-    CoordinatorClient, CoordinatorMetrics, IngestSource, JobSpec, RankMetrics, RankServiceCore, SyntheticSource,
-    create_rank_server, create_server, start_metrics_server, stop_metrics_server, synthetic_payload,
+    CoordinatorMetrics, IngestSource, JobSpec, RankMetrics, start_metrics_server, stop_metrics_server,
+    synthetic_payload,
 )
 from batchd.service._metrics import RateWindow
 
@@ -50,85 +50,15 @@ def value(m: dict, name: str, **labels: str) -> float:
     return m[(name, tuple(sorted(labels.items())))]
 
 
-class MeteredJob:
-    """A coordinator and N rank services in this process, each with metrics served over HTTP."""
-
-    def __init__(self, spec: JobSpec, lengths: list[int] | None = None, sources=None,
-                 coordinator_metrics: CoordinatorMetrics | None = None) -> None:
-        self.spec = spec
-        self.cmetrics = coordinator_metrics or CoordinatorMetrics(spec.world_size, spec.cost_model())
-        self.server, self.port, self.state = create_server("127.0.0.1:0", spec, 10.0, 20.0, metrics=self.cmetrics)
-        self.server.start()
-        self.http = [start_metrics_server(self.cmetrics.registry)]
-        self.cores, self.servers, self.ports, self.rmetrics = [], [], [], []
-        self.t_created = time.monotonic()
-        for r in range(spec.world_size):
-            src = sources[r] if sources else SyntheticSource(lengths, r, spec.world_size, spec.seed, 0, spec.shuffle,
-                                                             wrap=spec.mode == "non-join")
-            m = RankMetrics(r)
-            core = RankServiceCore(r, spec, CoordinatorClient(f"127.0.0.1:{self.port}", r, spec, connect_timeout_s=5),
-                                   src, client_grace_s=30.0, metrics=m)
-            server, port = create_rank_server("127.0.0.1:0", core)
-            server.start()
-            core.start(f"127.0.0.1:{port}")
-            self.cores.append(core)
-            self.servers.append(server)
-            self.ports.append(port)
-            self.rmetrics.append(m)
-            self.http.append(start_metrics_server(m.registry))
-        self.t_started = time.monotonic()
-
-    @property
-    def coordinator_metrics_port(self) -> int:
-        return self.http[0][1]
-
-    def rank_metrics_port(self, r: int) -> int:
-        return self.http[1 + r][1]
-
-    def drain(self, limit_s: float = 60.0) -> list[list[tuple[list[int], int, object]]]:
-        """Each rank's received steps: (sample ids, input_ids elements, StepInfo)."""
-        results: list = [None] * self.spec.world_size
-        errors: list = []
-
-        def consume(r: int) -> None:
-            try:
-                with BatchClient(f"127.0.0.1:{self.ports[r]}", r, self.spec.world_size, reconnect_timeout_s=5) as c:
-                    results[r] = [(b["sample_ids"].tolist(), int(b["input_ids"].numel()), info) for b, info in c]
-            except Exception as exc:  # noqa: BLE001
-                errors.append((r, exc))
-
-        threads = [threading.Thread(target=consume, args=(r,)) for r in range(self.spec.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(limit_s)
-        assert not errors, errors
-        assert all(r is not None for r in results), "a trainer did not finish"
-        return results
-
-    def stop(self) -> None:
-        for core in self.cores:
-            core.stop()
-            core.coord.close()
-        for s in self.servers:
-            s.stop(0)
-        self.state.close()
-        self.server.stop(0)
-        for srv, _ in self.http:
-            stop_metrics_server(srv)
-
-
 @pytest.fixture
 def jobs():
-    made: list[MeteredJob] = []
+    with job_pool(metrics=True) as make:
+        yield make
 
-    def make(*args, **kwargs) -> MeteredJob:
-        made.append(MeteredJob(*args, **kwargs))
-        return made[-1]
 
-    yield make
-    for j in made:
-        j.stop()
+def _drain(job: InProcessJob, limit_s: float = 60.0) -> list[list[tuple[list[int], int, object]]]:
+    """Each rank's received steps: (sample ids, input_ids elements, StepInfo)."""
+    return job.drain(limit_s, lambda b, info: (b["sample_ids"].tolist(), int(b["input_ids"].numel()), info))
 
 
 def skewed_lengths(n: int = 240, seed: int = 7) -> list[int]:
@@ -145,7 +75,7 @@ def test_counters_equal_what_the_trainers_received(jobs, policy, collate, quota)
     spec = JobSpec(world_size=2, token_budget=1024, policy=policy, window=24, depth=3, seed=2, shuffle=False,
                    collate=collate, mode=mode, quota=quota)
     job = jobs(spec, lengths)
-    got = job.drain()
+    got = _drain(job)
     t_scrape0 = time.monotonic()
     coord = scrape(job.coordinator_metrics_port)
     ranks = [scrape(job.rank_metrics_port(r)) for r in range(2)]
@@ -236,23 +166,15 @@ def test_live_gauges_while_the_trainer_is_behind(jobs):
     assert value(m, "batchd_steps_total", rank="0") == spec.depth
     assert value(m, "batchd_buffer_depth", rank="0") == len(job.cores[0].state.buffer) > 0
     assert value(scrape(job.coordinator_metrics_port), "batchd_job_state", batchd_job_state="running") == 1
-    got = job.drain()[0]
+    got = _drain(job)[0]
     assert value(scrape(job.rank_metrics_port(0)), "batchd_steps_total", rank="0") == len(got)
 
 
 def test_quarantined_records_by_reason():
     spec = JobSpec(world_size=1, token_budget=64, window=4, over_budget="reject")
-    metrics = CoordinatorMetrics(1, spec.cost_model())
-    server, port, state = create_server("127.0.0.1:0", spec, 10, 10, metrics=metrics)
-    server.start()
-    rmetrics = RankMetrics(0)
-    core = RankServiceCore(0, spec, CoordinatorClient(f"127.0.0.1:{port}", 0, spec), IngestSource(capacity=4),
-                           metrics=rmetrics)
-    rserver, rport = create_rank_server("127.0.0.1:0", core)
-    rserver.start()
-    core.start(f"127.0.0.1:{rport}")
-    http, hport = start_metrics_server(rmetrics.registry)
-    try:
+    with InProcessJob(spec, sources=[IngestSource(capacity=4)], round_timeout_s=10, connect_timeout_s=30,
+                      metrics=True) as job:
+        rport, hport = job.ports[0], job.rank_metrics_port(0)
         stub = pb_grpc.RankServiceStub(grpc.insecure_channel(f"127.0.0.1:{rport}"))
 
         def req(i, n, loss=None):
@@ -274,12 +196,6 @@ def test_quarantined_records_by_reason():
         assert value(m, "batchd_quarantined_total", rank="0", reason="over_budget") == 2
         assert value(m, "batchd_samples_total", rank="0") == 2
         assert value(m, "batchd_real_tokens_total", rank="0") == 10 + 9
-    finally:
-        core.stop()
-        rserver.stop(0)
-        state.close()
-        server.stop(0)
-        stop_metrics_server(http)
 
 
 def test_a_failing_metrics_update_never_fails_the_job(jobs, caplog):
@@ -287,7 +203,7 @@ def test_a_failing_metrics_update_never_fails_the_job(jobs, caplog):
     spec = JobSpec(world_size=2, token_budget=1024, policy="local", window=16, depth=2, seed=0, shuffle=False)
     wrong = CoordinatorMetrics(1, spec.cost_model())  # one per-rank series: rank 1's update raises IndexError
     job = jobs(spec, lengths, coordinator_metrics=wrong)
-    got = job.drain()
+    got = _drain(job)
     assert sorted(i for steps in got for ids, _, _ in steps for i in ids) == list(range(len(lengths)))
     assert job.state.state == "done"
     assert any("metrics update failed" in r.message for r in caplog.records)

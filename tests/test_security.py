@@ -12,13 +12,13 @@ import datetime
 import ipaddress
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+from _jobs import InProcessJob
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -27,10 +27,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from batchd.client import BatchClient, BatchdError
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
-from batchd.service import (
-    CoordinatorClient, CoordinatorError, JobSpec, RankServiceCore, Security, SyntheticSource, channel,
-    create_rank_server, create_server,
-)
+from batchd.service import CoordinatorClient, CoordinatorError, JobSpec, Security, channel, create_server
 
 TOKEN = "s3cret-batchd-token-0123456789"
 SPEC = JobSpec(world_size=1, token_budget=1024)
@@ -301,60 +298,22 @@ def test_job_end_to_end_under_mutual_tls_and_token(pki):
                                   token_file=pki["token_file"])
     trainer = Security(tls_cert=pki["client"], tls_key=pki["client_key"], tls_ca=pki["ca"], client_auth=True,
                        token=TOKEN)
-    coord_server, coord_port, coord_state = create_server("127.0.0.1:0", spec, 10.0, 20.0, security=service)
-    coord_server.start()
-    cores, servers, ports = [], [], []
-    try:
-        for r in range(2):
-            coord = CoordinatorClient(f"127.0.0.1:{coord_port}", r, spec, connect_timeout_s=5,
-                                      security=service)
-            core = RankServiceCore(r, spec, coord, SyntheticSource(lengths, r, 2, spec.seed, 0, spec.shuffle),
-                                   security=service)
-            server, port = create_rank_server("127.0.0.1:0", core)  # the core's security
-            server.start()
-            core.start(f"127.0.0.1:{port}")
-            cores.append(core)
-            servers.append(server)
-            ports.append(port)
-
+    with InProcessJob(spec, lengths, security=service) as job:  # every service, channel and server
         # a trainer without the token, and one without a certificate, get nothing
         no_token = Security(tls_cert=pki["client"], tls_key=pki["client_key"], tls_ca=pki["ca"],
                             client_auth=True)
-        with BatchClient(f"127.0.0.1:{ports[0]}", 0, 2, security=no_token) as c, \
+        with BatchClient(job.rank_address(0), 0, 2, security=no_token) as c, \
                 pytest.raises(BatchdError, match="UNAUTHENTICATED: missing 'authorization"):
             _first_batch(c)
         no_cert = dict(tls_ca=pki["ca"], token=TOKEN, reconnect_timeout_s=0.5)  # the shortcuts
-        with BatchClient(f"127.0.0.1:{ports[0]}", 0, 2, **no_cert) as c, \
+        with BatchClient(job.rank_address(0), 0, 2, **no_cert) as c, \
                 pytest.raises(BatchdError, match="unreachable for 0.5s: UNAVAILABLE"):
             _first_batch(c)
 
-        results: list = [None, None]
-        errors: list = []
-
-        def consume(r: int) -> None:
-            try:
-                with BatchClient(f"127.0.0.1:{ports[r]}", r, 2, reconnect_timeout_s=5, security=trainer) as c:
-                    results[r] = [(b["sample_ids"].tolist(), info) for b, info in c]
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append((r, exc))
-
-        threads = [threading.Thread(target=consume, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not errors, errors
+        results = job.drain(60, lambda b, info: (b["sample_ids"].tolist(), info), security=trainer)
         assert len(results[0]) == len(results[1]) > 0
         ids = sorted(i for res in results for step_ids, _ in res for i in step_ids)
         assert ids == list(range(len(lengths)))
         moved = [i for r, res in enumerate(results) for step_ids, _ in res for i in step_ids if i % 2 != r]
         assert moved, "balanced moved nothing, so the rank-to-rank Fetch path was not exercised"
-        assert coord_state.state == "done"
-    finally:
-        for core in cores:
-            core.stop()
-            core.coord.close()
-        for s in servers:
-            s.stop(0)
-        coord_state.close()
-        coord_server.stop(0)
+        assert job.state.state == "done"

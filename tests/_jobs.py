@@ -1,0 +1,217 @@
+"""One in-process batchd job for the tests: a real gRPC coordinator and N rank services on loopback.
+
+`InProcessJob` starts a coordinator (`create_server`) and one `RankServiceCore` + rank server per rank,
+all in this process, bound to 127.0.0.1 port 0, optionally under TLS / token (`security=`) and with
+Prometheus metrics served over HTTP (`metrics=True`). Trainers are real `BatchClient`s (`client`,
+`drain`). `job_pool()` makes jobs and always stops them, for pytest fixtures:
+
+    @pytest.fixture
+    def job_factory():
+        with job_pool() as make:
+            yield make
+
+Trade-offs: everything shares one process and the GIL, so timings are not those of a deployment (the
+multi-process tests cover that); in exchange a job starts in milliseconds and the tests can inspect the
+coordinator's and the rank services' state (`state`, `cores`) directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from batchd.client import BatchClient
+from batchd.service import (
+    CoordinatorClient, CoordinatorMetrics, JobSpec, RankMetrics, RankServiceCore, Security, SyntheticSource,
+    create_rank_server, create_server, start_metrics_server, stop_metrics_server, synthetic_payload,
+)
+
+HOST = "127.0.0.1"
+
+
+class InProcessJob:
+    """A coordinator and `spec.world_size` rank services in this process; `stop()` (or `with`) ends them.
+
+    Attributes:
+        spec, lengths: The job and the synthetic sample lengths (None when `sources` are given).
+        server, port, state: The coordinator's gRPC server, its port and its `CoordinatorState`.
+        cores, servers, ports: Per rank: the `RankServiceCore`, its gRPC server and its port.
+        cmetrics, rmetrics, http: With metrics: the coordinator's and the ranks' metrics and the HTTP
+            servers as (server, port), the coordinator's first.
+        t_created, t_started: `time.monotonic()` right before the first rank service was made and
+            right after the last one started.
+    """
+
+    def __init__(self, spec: JobSpec, lengths: Sequence[int] | None = None, *, lease_s: float = 10.0,
+                 round_timeout_s: float = 20.0, sources: Sequence[Any] | None = None, grace: float = 30.0,
+                 security: Security | None = None, metrics: bool = False,
+                 coordinator_metrics: CoordinatorMetrics | None = None, connect_timeout_s: float = 5.0,
+                 vocab_size: int = 512) -> None:
+        """Starts the job.
+
+        Args:
+            spec: The job.
+            lengths: Realized sample lengths of a `SyntheticSource` per rank (a wrapping view in
+                non-join mode); needed unless `sources` are given.
+            lease_s: The coordinator's heartbeat lease.
+            round_timeout_s: The coordinator's barrier timeout.
+            sources: One sample source per rank instead of the synthetic ones.
+            grace: Each rank service's `client_grace_s` (how long it waits for a gone trainer).
+            security: TLS / token of the coordinator, the rank services and their channels.
+            metrics: Give every service its own registry, served over HTTP on a free port.
+            coordinator_metrics: The coordinator's `CoordinatorMetrics` (implies `metrics`); by
+                default one for `spec`.
+            connect_timeout_s: The rank services' coordinator connect timeout.
+            vocab_size: Token ids of the synthetic payloads lie in [1, vocab_size).
+        """
+        if lengths is None and sources is None:
+            raise ValueError(f"give lengths or sources, got {lengths=} and {sources=}")
+        if sources is not None and len(sources) != spec.world_size:
+            raise ValueError(f"one source per rank: {len(sources)=} for world_size={spec.world_size}")
+        self.spec, self.lengths, self.vocab_size = spec, None if lengths is None else list(lengths), vocab_size
+        self.security = security
+        self.cores: list[RankServiceCore] = []
+        self.servers: list = []
+        self.ports: list[int] = []
+        self.rmetrics: list[RankMetrics] = []
+        self.http: list[tuple[Any, int]] = []
+        self.server = self.state = None
+        self._stopped = False
+        metrics = metrics or coordinator_metrics is not None
+        self.cmetrics = (coordinator_metrics or CoordinatorMetrics(spec.world_size, spec.cost_model())
+                         if metrics else None)
+        try:
+            self.server, self.port, self.state = create_server(f"{HOST}:0", spec, lease_s, round_timeout_s,
+                                                               security=security, metrics=self.cmetrics)
+            self.server.start()
+            if metrics:
+                self.http.append(start_metrics_server(self.cmetrics.registry))
+            self.t_created = time.monotonic()
+            for r in range(spec.world_size):
+                self._start_rank(r, sources[r] if sources is not None else None, grace, metrics,
+                                 connect_timeout_s)
+            self.t_started = time.monotonic()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_rank(self, r: int, source: Any, grace: float, metrics: bool, connect_timeout_s: float) -> None:
+        spec = self.spec
+        if source is None:
+            source = SyntheticSource(self.lengths, r, spec.world_size, spec.seed, 0, spec.shuffle,
+                                     vocab_size=self.vocab_size, wrap=spec.mode == "non-join")
+        m = RankMetrics(r) if metrics else None
+        coord = CoordinatorClient(self.address, r, spec, connect_timeout_s=connect_timeout_s, security=self.security)
+        core = RankServiceCore(r, spec, coord, source, client_grace_s=grace, security=self.security, metrics=m)
+        self.cores.append(core)
+        server, port = create_rank_server(f"{HOST}:0", core)  # the core's security
+        self.servers.append(server)
+        server.start()
+        core.start(f"{HOST}:{port}")
+        self.ports.append(port)
+        if m is not None:
+            self.rmetrics.append(m)
+            self.http.append(start_metrics_server(m.registry))
+
+    @property
+    def address(self) -> str:
+        """The coordinator's "host:port"."""
+        return f"{HOST}:{self.port}"
+
+    def rank_address(self, r: int) -> str:
+        """Rank `r`'s service "host:port"."""
+        return f"{HOST}:{self.ports[r]}"
+
+    @property
+    def coordinator_metrics_port(self) -> int:
+        """The coordinator's metrics HTTP port (with metrics)."""
+        return self.http[0][1]
+
+    def rank_metrics_port(self, r: int) -> int:
+        """Rank `r`'s metrics HTTP port (with metrics)."""
+        return self.http[1 + r][1]
+
+    def client(self, r: int = 0, **kwargs: Any) -> BatchClient:
+        """A trainer client of rank `r` (reconnect timeout 5 s unless given); `kwargs` go to `BatchClient`."""
+        kwargs.setdefault("reconnect_timeout_s", 5)
+        return BatchClient(self.rank_address(r), r, self.spec.world_size, **kwargs)
+
+    def payload(self, sample_id: int) -> dict[str, np.ndarray]:
+        """The synthetic payload of `sample_id`, as the rank services produce it."""
+        return synthetic_payload(sample_id, self.lengths[sample_id], self.spec.seed, self.vocab_size)
+
+    def drain(self, limit_s: float = 60.0, project: Callable[[dict, Any], Any] | None = None,
+              **client_kwargs: Any) -> list[list[Any]]:
+        """Consumes every rank's stream to its end, one trainer thread per rank.
+
+        Args:
+            limit_s: How long to wait for each trainer thread.
+            project: Maps each received (batch, info) to what is kept; by default the pair itself.
+            **client_kwargs: Passed to `client` (e.g. `security=`).
+
+        Returns:
+            Per rank, the projected steps in order. Asserts that no trainer raised and all finished.
+        """
+        results: list = [None] * self.spec.world_size
+        errors: list = []
+
+        def consume(r: int) -> None:
+            try:
+                with self.client(r, **client_kwargs) as c:
+                    results[r] = [(b, info) if project is None else project(b, info) for b, info in c]
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append((r, exc))
+
+        threads = [threading.Thread(target=consume, args=(r,), daemon=True) for r in range(self.spec.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(limit_s)
+        assert not errors, errors
+        assert all(r is not None for r in results), "a trainer did not finish"
+        return results
+
+    def stop(self) -> None:
+        """Stops the rank services, then the coordinator, then the metrics servers; idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for core in self.cores:
+            core.stop()
+            core.coord.close()
+        for s in self.servers:
+            s.stop(0)
+        if self.state is not None:
+            self.state.close()
+        if self.server is not None:
+            self.server.stop(0)
+        for srv, _ in self.http:
+            stop_metrics_server(srv)
+
+    def __enter__(self) -> InProcessJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def job_pool(**defaults: Any) -> Iterator[Callable[..., InProcessJob]]:
+    """Yields `make(spec, lengths, **kwargs) -> InProcessJob` (`defaults` under `kwargs`); stops every job
+    made on exit, also when the body raised."""
+    made: list[InProcessJob] = []
+
+    def make(*args: Any, **kwargs: Any) -> InProcessJob:
+        made.append(InProcessJob(*args, **{**defaults, **kwargs}))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for job in made:
+            job.stop()
