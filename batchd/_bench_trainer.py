@@ -142,9 +142,24 @@ class _Recorder:
         self.steps.append(rec)
 
 
+def step_lr(base_lr: float, global_tokens: int, ref_tokens: int | None, power: float = 0.5) -> float:
+    """The square-root scaling rule for adaptive optimizers, the same for every system: a step that
+    trains on `global_tokens` real tokens (all ranks) uses `base_lr * sqrt(global_tokens / ref_tokens)`
+    (`power` 1.0: the linear rule).
+    `ref_tokens` is fixed batching's mean tokens per step, so fixed batching keeps `base_lr` on average
+    while token-budget batchers, whose steps carry several times more tokens, take proportionally
+    larger (sqrt) steps instead of fewer steps of the same size. None: constant `base_lr`."""
+    if not ref_tokens or global_tokens <= 0:
+        return base_lr
+    ratio = global_tokens / ref_tokens
+    return base_lr * (ratio if power == 1.0 else ratio ** power)
+
+
 def _step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any], scale: float | None,
-          tokens: int) -> torch.Tensor:
-    """Forward, loss (x scale; None: plain per-token mean), backward (DDP all-reduce), update."""
+          tokens: int, lr: float) -> torch.Tensor:
+    """Forward, loss (x scale; None: plain per-token mean), backward (DDP all-reduce), update at `lr`."""
+    for group in opt.param_groups:
+        group["lr"] = lr
     opt.zero_grad(set_to_none=True)
     logits = _forward(ddp, batch)
     if scale is None:
@@ -157,9 +172,12 @@ def _step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any
     return logits
 
 
-def _iter_fixed(cfg: dict[str, Any]):
-    lengths, seed = cfg["lengths"], cfg["seed"]
-    for ids in fixed_batches(cfg["num_samples"], cfg["rank"], cfg["world_size"], seed, cfg["batch_size"]):
+def _iter_fixed(cfg: dict[str, Any], holder: dict[str, Any]):
+    lengths, seed, n, size = cfg["lengths"], cfg["seed"], cfg["world_size"], cfg["batch_size"]
+    views = [fixed_batches(cfg["num_samples"], r, n, seed, size) for r in range(n)]
+    for k, ids in enumerate(views[cfg["rank"]]):
+        # every rank knows every view: the step's real tokens over all ranks, without a collective
+        holder["global_tokens"] = sum(lengths[i] for view in views if k < len(view) for i in view[k])
         batch = collate_padded([payload(i, lengths, seed) for i in ids])
         yield ids, batch, None, 0
 
@@ -175,6 +193,7 @@ def _iter_odb(cfg: dict[str, Any], holder: dict[str, Any]):
     odb.apply(loader, token_budget=cfg["token_budget"], loss_scaling="exact", join=True, buffer_size=cfg["window"])
     holder["loader"] = loader
     for batch in loader:
+        holder["global_tokens"] = int(batch.get(odb.TOTAL_TOKENS_KEY, 0) or 0)
         info = odb.pop_step_info(batch, loss_scaling="exact")
         sample_ids = batch.pop("sample_ids").tolist()
         tokens = int((batch["labels"][:, 1:] != -100).sum())
@@ -190,6 +209,7 @@ def _iter_batchd(cfg: dict[str, Any], holder: dict[str, Any]):
     holder["close"] = it.close
     for batch, info in it:
         ids = batch.pop("sample_ids").tolist()
+        holder["global_tokens"] = int(info.global_tokens)
         if info.is_idle:
             yield [], None, 0.0, 0
         else:
@@ -238,10 +258,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         model = model.to(torch.bfloat16)
     ddp = DDP(model, device_ids=[device.index] if cuda else None)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.get("lr", 1e-3))
+    base_lr, ref_tokens = cfg.get("lr", 1e-3), cfg.get("lr_ref_tokens")
+    opt = torch.optim.AdamW(model.parameters(), lr=base_lr)
     holder: dict[str, Any] = {}
     if system == "fixed":
-        batches = _iter_fixed(cfg)
+        batches = _iter_fixed(cfg, holder)
     elif system == "odb-0.1.2":
         batches = _iter_odb(cfg, holder)
     elif system.startswith("batchd"):
@@ -263,13 +284,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             while item is not None:
                 ids, batch, scale, tokens = item
                 wait_s = 0.0 if item is first else holder.get("wait", 0.0)
+                lr = step_lr(base_lr, holder.get("global_tokens", 0), ref_tokens, cfg.get("lr_power", 0.5))
                 if batch is None:  # batchd IDLE step: zero-weight forward/backward keeps DDP aligned
-                    _step(ddp, opt, _device_batch(idle_batch(), device), 0.0, 0)
+                    _step(ddp, opt, _device_batch(idle_batch(), device), 0.0, 0, lr)
                     rec.add([], None, None, t0, wait_s)
                 else:
                     batch = _device_batch(batch, device)
-                    logits = _step(ddp, opt, batch, scale, tokens)
+                    logits = _step(ddp, opt, batch, scale, tokens, lr)
                     rec.add(ids, batch, logits, t0, wait_s)
+                rec.steps[-1]["lr"] = lr
+                rec.steps[-1]["global_tokens"] = holder.get("global_tokens", 0)
                 t_wait = time.monotonic()
                 item = next(batches, None)
                 holder["wait"] = time.monotonic() - t_wait

@@ -245,12 +245,15 @@ def write_plots(systems: dict[str, dict[str, Any]], out: Path, title: str, prefi
     return paths
 
 
+LR_SCALING = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}
+
+
 # -- the bench -------------------------------------------------------------------------------------
 def run_bench(workload: str | Path | None = None, num_samples: int | None = None, world_size: int | None = None,
               token_budget: int | None = None, systems: Sequence[str] = SYSTEMS, device: str = "cpu",
               model: str | None = None, out: str | Path | None = None, seed: int = 0, window: int = 128,
               depth: int = 8, heldout: int = 64, odb_workers: int = 2, lr: float = 1e-3, timeout: float = 1800.0,
-              repeats: int = 1, plots: bool = True, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              repeats: int = 1, lr_scaling: str = "sqrt", plots: bool = True, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Runs the bench; returns the dict `batchd bench --json` prints (see the module docstring).
 
     Args:
@@ -269,6 +272,10 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         heldout: Samples after the training set evaluated after the epoch (0: none).
         odb_workers: ODB DataLoader workers per rank (prefetch_factor = window / workers).
         lr: AdamW learning rate (all systems).
+        lr_scaling: "sqrt": every system's step uses lr x sqrt(step tokens / fixed batching's mean step
+            tokens) (the square-root scaling rule for Adam-type optimizers, one rule for all systems);
+            "linear": lr x that ratio; "none": the constant lr everywhere (token-budget batchers then
+            take fewer steps of the same size as fixed batching's and end an epoch at a higher loss).
         timeout: Seconds per system.
         repeats: Runs per system, interleaved (the order rotates each round so that drift in the
             machine's speed does not land on one system); each system reports its median-wall run.
@@ -320,8 +327,15 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     lengths = all_lengths[:num_samples]
     used = all_lengths[:num_samples + heldout]
     batch_size = max(1, token_budget // max(lengths))
+    if lr_scaling not in LR_SCALING:
+        raise ValueError(f"lr_scaling must be one of {list(LR_SCALING)}, got {lr_scaling=}")
+    from batchd._bench_trainer import fixed_batches
+
+    fixed_steps = max(len(fixed_batches(num_samples, r, world_size, seed, batch_size)) for r in range(world_size))
+    lr_ref_tokens = round(sum(lengths) / fixed_steps) if lr_scaling != "none" else None
     title = (f"{workload.stem}, {num_samples} samples, N={world_size}, L={token_budget}, {model}, {device}")
     common = {"num_samples": num_samples, "lengths": used, "all_lengths": used, "seed": seed, "lr": lr,
+              "lr_ref_tokens": lr_ref_tokens, "lr_power": LR_SCALING[lr_scaling],
               "model": model, "device": device, "token_budget": token_budget, "batch_size": batch_size,
               "window": window, "odb_workers": odb_workers,
               "heldout_ids": list(range(num_samples, num_samples + heldout))}
@@ -368,7 +382,8 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
             s[f"speedup_vs_{ref}"] = r["wall_s"] / s["wall_s"] if "wall_s" in r and s["wall_s"] > 0 else None
     summary: dict[str, Any] = {
         "workload": str(workload), "num_samples": num_samples, "heldout": heldout, "world_size": world_size,
-        "token_budget": token_budget, "device": device, "model": model, "seed": seed, "lr": lr, "window": window,
+        "token_budget": token_budget, "device": device, "model": model, "seed": seed, "lr": lr,
+        "lr_scaling": lr_scaling, "lr_ref_tokens": lr_ref_tokens, "window": window,
         "depth": depth, "odb_workers": odb_workers, "repeats": repeats, "fixed_batch_size": batch_size,
         "longest": max(lengths),
         "mean_length": sum(lengths) / len(lengths), "layout": "padded (all systems)",
@@ -435,6 +450,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--odb-workers", type=int, default=2, metavar="K",
                    help="ODB DataLoader workers per rank; prefetch_factor = W / K (default 2)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, all systems (default 1e-3)")
+    p.add_argument("--lr-scaling", choices=tuple(LR_SCALING), default="sqrt",
+                   help="sqrt: each step's lr = lr x sqrt(its tokens / fixed batching's mean step tokens), the "
+                        "same rule for every system; linear: lr x that ratio; none: constant lr (default sqrt)")
     p.add_argument("--seed", type=int, default=0, help="model init, sampler views and sample content (default 0)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per system run (default 1800)")
     p.add_argument("--repeats", type=int, default=1, metavar="R",
@@ -460,7 +478,7 @@ def bench_command(args: argparse.Namespace) -> int:
                             device=args.device, model=args.model, out=args.out, seed=args.seed,
                             window=args.window, depth=args.depth, heldout=args.heldout,
                             odb_workers=args.odb_workers, lr=args.lr, timeout=args.timeout, repeats=args.repeats,
-                            progress=lambda m: print(m, file=sys.stderr, flush=True))
+                            lr_scaling=args.lr_scaling, progress=lambda m: print(m, file=sys.stderr, flush=True))
     except ValueError as exc:
         print(f"batchd bench: error: {exc}", file=sys.stderr)
         return 2

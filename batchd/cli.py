@@ -355,12 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_demo)
 
-    try:
-        from batchd.bench import add_bench_parser
-    except ImportError:  # pragma: no cover - TEMPORARY until batchd.bench lands
-        pass
-    else:
-        add_bench_parser(sub)
+    from batchd.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -111,3 +111,11 @@ def test_odb_missing_is_skipped_with_a_message(tmp_path, monkeypatch):
     assert s["systems"] == {"odb-0.1.2": {"skipped": "online-dynamic-batching is not installed"}}
     assert lines == ["[bench] odb-0.1.2: skipped: online-dynamic-batching is not installed"]
     assert s["plots"] == [] and (tmp_path / "o" / "bench.json").exists()
+
+
+def test_learning_rate_rule_is_one_rule_for_every_system():
+    from batchd._bench_trainer import step_lr
+
+    assert step_lr(1e-3, 400, 100) == pytest.approx(2e-3)            # sqrt: 4x the tokens, 2x the lr
+    assert step_lr(1e-3, 400, 100, power=1.0) == pytest.approx(4e-3)  # linear
+    assert step_lr(1e-3, 400, None) == 1e-3 and step_lr(1e-3, 0, 100) == 1e-3  # off; IDLE step

@@ -213,3 +213,26 @@ def test_services_run_from_one_config_file(tmp_path):
             f.close()
     lines = [json.loads(line) for line in (tmp_path / "coord.log").read_text().splitlines() if line.startswith("{")]
     assert any("listening" in rec["msg"] for rec in lines) and all("level" in rec for rec in lines)
+
+
+def test_readme_commands_parse():
+    """Every `batchd ...` line in the README's bash blocks is a valid command line for this CLI."""
+    import re
+    import shlex
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.S)
+    parser = build_parser()
+    checked = 0
+    for block in blocks:
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in re.split(r"[;&|]+|\bdo\b", line.split("#")[0]):
+                words = shlex.split(part.replace("$r", "0").replace(">", " > ").split(" > ")[0])
+                if words[:1] != ["batchd"]:
+                    continue
+                try:
+                    parser.parse_args(words[1:])
+                except SystemExit as exc:
+                    pytest.fail(f"README command does not parse ({exc.code}): {' '.join(words)}")
+                checked += 1
+    assert checked >= 5
