@@ -132,10 +132,11 @@ class _Recorder:
         if batch is None:
             rec = {"ids": [], "real": 0, "materialized": 0, "loss_sum": 0.0, "loss_tokens": 0}
         else:
-            mask = batch["attention_mask"]
+            mask = batch.get("attention_mask")  # a packed row has none: every position is real
+            real = int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
             with torch.no_grad():
                 s, n = token_loss_sum(logits.detach(), batch["labels"])
-            rec = {"ids": ids, "real": int(mask.sum()), "materialized": int(mask.numel()),
+            rec = {"ids": ids, "real": real, "materialized": int(batch["input_ids"].numel()),
                    "loss_sum": float(s), "loss_tokens": int(n)}
         rec["t"] = time.monotonic() - t0
         rec["wait_s"] = wait_s

@@ -17,6 +17,10 @@ Systems:
   loss scaling, join mode with torch's DDP `Join` context. Its `buffer_size` is batchd's window.
 - `batchd-odb`, `batchd-balanced`: a coordinator and N rank services (`batchd rank --lengths`, launched
   with `batchd.demo`'s helpers) with that policy, the same window, padded collation.
+- `batchd-packed`: policy `balanced` under the packed cost model (a group costs its token sum, up to
+  L_max), one packed row per step (`--collate packed --cost packed`), trained with the model's varlen
+  attention (one causal attention per sample). The only system that does not pad: ODB 0.1.2 groups
+  under the padded cost (k x longest <= L), which is what its budget means.
 
 Every system trains on the same ids, split into the same per-rank views (batchd's seeded permutation);
 the check `missing` / `duplicates` is reported per system. Wall time: the clock starts after every
@@ -46,7 +50,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-SYSTEMS = ("fixed", "odb-0.1.2", "batchd-odb", "batchd-balanced")
+SYSTEMS = ("fixed", "odb-0.1.2", "batchd-odb", "batchd-balanced", "batchd-packed")
+# batchd systems: (policy, collate = cost model). `batchd-packed` groups under the packed cost model (a
+# group's cost is its token sum) and collates one packed row per step, trained with varlen attention.
+BATCHD_SYSTEMS = {"batchd-odb": ("odb", "padded"), "batchd-balanced": ("balanced", "padded"),
+                  "batchd-packed": ("balanced", "packed")}
+DEFAULT_SYSTEMS = SYSTEMS
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD_DIRS = (REPO / "shared" / "workloads", REPO.parent / "shared" / "workloads")
 DEFAULTS = {  # per device: world size, model, workload file name, token budget, samples
@@ -93,27 +102,11 @@ def read_lengths(path: Path) -> list[int]:
 
 
 # -- running one system ----------------------------------------------------------------------------
-def _start_trainers(procs, work: Path, tag: str, world_size: int, common: dict[str, Any],
-                    per_rank: Sequence[dict[str, Any]]) -> list[Path]:
-    from batchd.demo import free_port
-
-    port = free_port()
-    outs = []
-    for r in range(world_size):
-        cfg = {**common, **per_rank[r], "rank": r, "world_size": world_size, "master_port": port,
-               "out": str(work / f"{tag}-{r}.json")}
-        cfg_path = work / f"{tag}-{r}.cfg.json"
-        cfg_path.write_text(json.dumps(cfg))
-        procs.start(f"{tag}-{r}", [sys.executable, "-m", "batchd._bench_trainer", "--config", str(cfg_path)])
-        outs.append(Path(cfg["out"]))
-    return outs
-
-
 def run_system(system: str, work: Path, common: dict[str, Any], world_size: int, spec: dict[str, Any],
                timeout: float, tag: str | None = None) -> list[dict[str, Any]]:
     """Runs one system's N trainers (and, for batchd, its coordinator and rank services) in `work/tag`;
     returns their results."""
-    from batchd.demo import Processes, spec_args, start_services, wait_trainers
+    from batchd.demo import Processes, spec_args, start_services, start_trainers, wait_trainers
 
     sys_dir = work / (tag or system)
     sys_dir.mkdir()
@@ -121,12 +114,13 @@ def run_system(system: str, work: Path, common: dict[str, Any], world_size: int,
     try:
         per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
         if system.startswith("batchd-"):
-            args = spec_args(world_size, spec["token_budget"], system.split("-", 1)[1], spec["window"],
-                             spec["depth"], spec["seed"])
-            _, ports = start_services(procs, sys_dir, args, world_size, work / "lengths.txt",
-                                      coordinator_args=["--collate", "padded"], rank_args=["--collate", "padded"])
+            policy, layout = BATCHD_SYSTEMS[system]
+            args = spec_args(world_size, spec["token_budget"], policy, spec["window"], spec["depth"], spec["seed"])
+            args += ["--collate", layout, "--cost", layout]
+            _, ports = start_services(procs, sys_dir, args, world_size, work / "lengths.txt")
             per_rank = [{"service": f"127.0.0.1:{p}"} for p in ports]
-        outs = _start_trainers(procs, sys_dir, "trainer", world_size, {**common, "system": system}, per_rank)
+        _, outs = start_trainers(procs, sys_dir, "trainer", world_size, {**common, "system": system}, per_rank,
+                                 module="batchd._bench_trainer")
         return wait_trainers(procs, "trainer", outs, timeout)
     finally:
         procs.stop()
@@ -356,8 +350,8 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
                 results[system] = {"skipped": why}
                 continue
             what = {"fixed": f"fixed batch size B={batch_size}", "odb-0.1.2": f"odb.apply, buffer_size={window}, "
-                    f"{odb_workers} workers/rank"}.get(system, f"policy {system.split('-', 1)[-1]}, window {window}, "
-                                                          f"depth {depth}")
+                    f"{odb_workers} workers/rank"}.get(system, "policy {}, {} rows, window {}, depth {}".format(
+                        *BATCHD_SYSTEMS.get(system, ("?", "?")), window, depth))
             say(f"[bench] {system}: training {num_samples} samples on {world_size} {device} rank(s) ({what})")
             t_sys = time.perf_counter()
             res = run_system(system, work, common, world_size, spec, timeout, f"{system}-{rep}")
@@ -386,7 +380,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         "lr_scaling": lr_scaling, "lr_ref_tokens": lr_ref_tokens, "window": window,
         "depth": depth, "odb_workers": odb_workers, "repeats": repeats, "fixed_batch_size": batch_size,
         "longest": max(lengths),
-        "mean_length": sum(lengths) / len(lengths), "layout": "padded (all systems)",
+        "mean_length": sum(lengths) / len(lengths), "layout": {name: BATCHD_SYSTEMS.get(name, ("", "padded"))[1] for name in systems},
         "systems": results, "total_s": time.perf_counter() - t_all, "plots": [],
     }
     if out is not None:

@@ -9,6 +9,7 @@ or party; a failed job exits 1, Ctrl-C / SIGTERM 130.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import sys
 from collections.abc import Sequence
@@ -364,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command in ("coordinator", "rank") and not faulthandler.is_enabled():
+        faulthandler.enable()  # a daemon that dies in native code (gRPC, torch) leaves its stacks in its log
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -173,8 +173,10 @@ def start_services(procs: Processes, work: Path, spec: list[str], world_size: in
 
 
 def start_trainers(procs: Processes, work: Path, tag: str, world_size: int, common: dict[str, Any],
-                   per_rank: list[dict[str, Any]]) -> tuple[int, list[Path]]:
-    """Starts `world_size` trainer processes ("TAG-R"); returns (gloo master port, result paths)."""
+                   per_rank: list[dict[str, Any]] | tuple[dict[str, Any], ...],
+                   module: str = "batchd.client._trainer") -> tuple[int, list[Path]]:
+    """Starts `world_size` trainer processes ("TAG-R") of `module` (`python -m module --config
+    TAG-R.cfg.json`); returns (gloo master port, result paths)."""
     port = free_port()
     outs = []
     for r in range(world_size):
@@ -182,7 +184,7 @@ def start_trainers(procs: Processes, work: Path, tag: str, world_size: int, comm
                "out": str(work / f"{tag}-{r}.json")}
         cfg_path = work / f"{tag}-{r}.cfg.json"
         cfg_path.write_text(json.dumps(cfg))
-        procs.start(f"{tag}-{r}", [sys.executable, "-m", "batchd.client._trainer", "--config", str(cfg_path)])
+        procs.start(f"{tag}-{r}", [sys.executable, "-m", module, "--config", str(cfg_path)])
         outs.append(Path(cfg["out"]))
     return port, outs
 

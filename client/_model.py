@@ -28,8 +28,9 @@ against a per-step overhead (fetching ids, collating, a 1.9 MB fp32 gradient all
 milliseconds. Step time is therefore roughly proportional to materialized tokens, which is the
 quantity batchd's cost models balance; padding shows up directly as wasted time.
 
-The trade-off: no KV cache, no fused varlen kernel (the block-diagonal mask is a dense [T, T] mask,
-quadratic in the packed row length), no dropout. It exists to make loss/gradient equivalences and
+The trade-off: no KV cache, no fused varlen kernel (given `cu_seqlens`, a packed row's attention runs
+one SDPA call per sample, sum(n_i^2) work but a Python loop over samples; without it the block-diagonal
+mask is a dense [T, T] mask, quadratic in the packed row length), no dropout. It exists to make loss/gradient equivalences and
 straggler effects measurable, not to be fast.
 
 Initialisation is deterministic given `torch.manual_seed` (normal(0, 0.02) for matrices, ones for
@@ -105,11 +106,16 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor,
+                segments: list[tuple[int, int]] | None = None) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         q, k = rotary(q, position_ids), rotary(k, position_ids)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if segments is None:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:  # varlen: one causal attention per packed sample, sum(n_i^2) instead of T^2
+            y = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True)
+                           for s, e in segments], dim=2)
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -134,8 +140,9 @@ class Block(nn.Module):
         self.attn_norm, self.attn = RMSNorm(d_model), Attention(d_model, n_heads)
         self.mlp_norm, self.mlp = RMSNorm(d_model), SwiGLU(d_model, d_ff)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), mask, position_ids)
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor,
+                segments: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), mask, position_ids, segments)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -180,7 +187,7 @@ class TinyCausalLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [B, T, vocab] for input_ids [B, T].
 
         Args:
@@ -188,6 +195,9 @@ class TinyCausalLM(nn.Module):
             attention_mask: [B, T], 1 real / 0 pad; None means all real.
             position_ids: [B, T]; None means 0..T-1 per row. Zeros after the first token start a new
                 sample (packed rows); pads should carry 0 and be masked by `attention_mask`.
+            cu_seqlens: For one packed row (B = 1, no pads): the sample boundaries [0, n_1, ..., T]
+                (`collate_packed`'s). Attention then runs per sample (varlen), costing sum(n_i^2)
+                instead of the dense block-diagonal mask's T^2; the logits are the same.
 
         Raises:
             ValueError: on shape mismatches, out-of-range ids or positions.
@@ -204,10 +214,19 @@ class TinyCausalLM(nn.Module):
                 raise ValueError(f"{name} must match input_ids {tuple(input_ids.shape)}, "
                                  f"got {tuple(x.shape)=}")
         max_pos = int(position_ids.max())
-        if t > self.max_len or max_pos >= self.max_len:
+        if (t > self.max_len and cu_seqlens is None) or max_pos >= self.max_len:  # packed rows: positions count
             raise ValueError(f"positions must be < max_len={self.max_len}, got {t=} {max_pos=}")
-        mask = attention_mask_4d(attention_mask, position_ids)
+        segments = None
+        if cu_seqlens is not None:
+            cu = [int(c) for c in cu_seqlens.tolist()]
+            if b != 1 or cu[0] != 0 or cu[-1] != t or any(e <= s for s, e in zip(cu, cu[1:])):
+                raise ValueError(f"cu_seqlens must rise strictly from 0 to T={t} for one packed row, got "
+                                 f"{cu=} with batch size {b}")
+            if not bool(attention_mask.all()):
+                raise ValueError("cu_seqlens describes a packed row without pads, but attention_mask has zeros")
+            segments = list(zip(cu, cu[1:]))
+        mask = None if segments is not None else attention_mask_4d(attention_mask, position_ids)
         x = self.embed(input_ids)
         for block in self.blocks:
-            x = block(x, mask, position_ids)
+            x = block(x, mask, position_ids, segments)
         return self.head(self.norm(x))

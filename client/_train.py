@@ -105,6 +105,9 @@ def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]
 
 
 def _forward(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    if batch.get("cu_seqlens") is not None:  # a packed row: varlen attention
+        return model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                     position_ids=batch.get("position_ids"), cu_seqlens=batch["cu_seqlens"])
     return model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
                  position_ids=batch.get("position_ids"))
 

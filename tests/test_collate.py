@@ -151,9 +151,11 @@ def padded_means(model: TinyCausalLM, samples) -> list[float]:
     return [float(ce[i].sum()) / loss_tokens(s["labels"]) for i, s in enumerate(samples)]
 
 
-def packed_means(model: TinyCausalLM, samples) -> list[float]:
+def packed_means(model: TinyCausalLM, samples, varlen: bool = False) -> list[float]:
     batch = collate_packed(samples)
-    ce = per_token_ce(model(batch["input_ids"], position_ids=batch["position_ids"]), batch["labels"])[0]
+    cu = batch["cu_seqlens"] if varlen else None
+    ce = per_token_ce(model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=cu),
+                      batch["labels"])[0]
     cu = batch["cu_seqlens"].tolist()
     # target index j (label j + 1) belongs to the sample whose range holds j + 1
     return [float(ce[cu[i]:cu[i + 1] - 1].sum()) / loss_tokens(s["labels"]) for i, s in enumerate(samples)]
@@ -166,6 +168,21 @@ def test_padded_packed_alone_same_loss(model, lengths):
     alone = alone_means(model, samples)
     np.testing.assert_allclose(padded_means(model, samples), alone, rtol=0, atol=1e-5)
     np.testing.assert_allclose(packed_means(model, samples), alone, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(packed_means(model, samples, varlen=True), alone, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_varlen_attention_equals_the_block_diagonal_mask(model):
+    samples = [make_sample(7 + i, n) for i, n in enumerate([5, 31, 1, 12])]
+    batch = collate_packed(samples)
+    dense = model(batch["input_ids"], position_ids=batch["position_ids"])
+    varlen = model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=batch["cu_seqlens"])
+    torch.testing.assert_close(varlen, dense, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="cu_seqlens must rise strictly"):
+        model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=torch.tensor([0, 5, 5, 49]))
+    padded = collate_padded(samples[:2])
+    with pytest.raises(ValueError, match="cu_seqlens must rise strictly"):
+        model(padded["input_ids"], padded["attention_mask"], padded["position_ids"], cu_seqlens=torch.tensor([0, 5]))
 
 
 @given(st.lists(st.integers(2, 24), min_size=1, max_size=4), st.integers(0, 10_000))

@@ -719,7 +719,7 @@ token_file = "token"
             services.terminate()
             services.wait(10)
     logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
-    assert run.returncode == 0, f"{run.stderr[-3000:]}\n{logs}"
+    assert run.returncode == 0, f"{run.stderr[-3000:]}\n--- start-batchd.sh\n{out}\n{logs}"
     assert services.returncode == 0, f"{out}\n{logs}"
     results = [json.loads((tmp_path / f"summary-{r}.json").read_text()) for r in range(world)]
     assert [r["rank"] for r in results] == [0, 1]

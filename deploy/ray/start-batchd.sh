@@ -78,8 +78,14 @@ for ((r = 0; r < WORLD_SIZE; r++)); do
 done
 
 status=0
-for pid in "${pids[@]}"; do
-    wait "$pid" || status=$?
+for i in "${!pids[@]}"; do
+    code=0
+    wait "${pids[$i]}" || code=$?
+    if ((code != 0)); then
+        name=$([ "$i" -eq 0 ] && echo coordinator || echo "rank $((i - 1))")
+        echo "start-batchd: $name (pid ${pids[$i]}) exited with status $code" >&2
+        status=$code
+    fi
 done
 if ((status != 0)); then
     echo "start-batchd: a service failed (exit $status); see $LOG_DIR/*.log" >&2
