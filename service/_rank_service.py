@@ -52,6 +52,8 @@ from ._sources import EXHAUSTED, IngestSource, Payload, loss_tokens_of
 from ._spec import JobSpec
 
 log = logging.getLogger("batchd.rank")
+FETCH_CHUNK = 64  # sample ids per Fetch request
+FETCH_REPLY_BYTES = 16 << 20  # a Fetch reply stops adding samples past this (the message cap is 64 MiB)
 
 JOURNAL = "rank-{rank}.json"
 
@@ -109,6 +111,8 @@ class RankServiceCore:
         self.failure: str | None = None
         self.address = ""
         self.peers: list[str] = []
+        self._peer_stubs: dict[int, pb_grpc.RankServiceStub] = {}  # one channel per peer, for the whole job
+        self._peer_channels: list[grpc.Channel] = []
         self.cond = threading.Condition()
         self.journal = Path(state_dir) / JOURNAL.format(rank=rank) if state_dir else None
         if self.journal is not None:  # fail here, at startup, rather than mid-round at the first journal
@@ -162,6 +166,9 @@ class RankServiceCore:
             self.cond.notify_all()
         if self._grace_timer:
             self._grace_timer.cancel()
+        for ch in self._peer_channels:
+            ch.close()
+        self._peer_channels.clear()
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread:
@@ -244,6 +251,7 @@ class RankServiceCore:
         totals = self.coord.commit(self.epoch, commit)
         t_totals = time.perf_counter()
         steps = self.state.finalize(totals)
+        self._fetch_moved(steps)
         batches = []
         for step in steps:
             payloads = [self._take_payload(s) for s in step.samples]
@@ -277,19 +285,51 @@ class RankServiceCore:
         payload = self.payloads.pop(s.id, None)
         if payload is not None:
             return payload
-        if s.home_rank != self.rank and self.peers:
+        if s.home_rank != self.rank:
             return self._fetch(s)
         return self.source.materialize(s.id)
 
-    def _fetch(self, s: Sample) -> Payload:
-        peer = channel(self.peers[s.home_rank], self.security, GRPC_OPTIONS)
-        try:
+    def _peer(self, rank: int) -> pb_grpc.RankServiceStub:
+        if len(self.peers) != self.spec.world_size or not all(self.peers):
+            # The coordinator sends the addresses only once every rank registered, so the first ranks
+            # to register have none; a plan that moves samples comes after every rank reported.
+            self.peers = list(self.coord.register(self.address).rank_addresses)
+            if len(self.peers) != self.spec.world_size or not all(self.peers):
+                raise CoordinatorError(f"rank {self.rank}: the coordinator does not know every rank's address")
+        stub = self._peer_stubs.get(rank)
+        if stub is None:
+            ch = channel(self.peers[rank], self.security, GRPC_OPTIONS)
+            self._peer_channels.append(ch)
+            stub = self._peer_stubs[rank] = pb_grpc.RankServiceStub(ch)
+        return stub
+
+    def _fetch_ids(self, home: int, ids: list[int]) -> list[Payload]:
+        out: list[Payload] = []
+        while len(out) < len(ids):  # a reply may hold a prefix (size cap): ask for the rest
             # wait_for_ready: a peer that is restarting (journal replay) is waited for, not failed on
-            reply = pb_grpc.RankServiceStub(peer).Fetch(pb.FetchRequest(ids=[s.id], epoch=self.epoch),
-                                                        timeout=60, wait_for_ready=True)
-        finally:
-            peer.close()
-        return wire.tensors_from_pb(reply.samples[0].tensors)
+            reply = self._peer(home).Fetch(pb.FetchRequest(ids=ids[len(out):], epoch=self.epoch), timeout=60,
+                                           wait_for_ready=True)
+            if not reply.samples:
+                raise RuntimeError(f"rank {home} returned no payload for samples {ids[len(out):]}")
+            out += [wire.tensors_from_pb(m.tensors) for m in reply.samples]
+        return out
+
+    def _fetch_moved(self, steps) -> None:
+        """Fetches the payloads of the samples the balanced plan moved here: one Fetch per home rank
+        and round over one long-lived channel per peer (FETCH_CHUNK ids per request; a reply stops at
+        FETCH_REPLY_BYTES, far below the message cap, and the rest is asked for again)."""
+        wanted: dict[int, list[int]] = {}
+        for step in steps:
+            for s in step.samples:
+                if s.home_rank != self.rank and s.id not in self.payloads:
+                    wanted.setdefault(s.home_rank, []).append(s.id)
+        for home, ids in wanted.items():
+            for k in range(0, len(ids), FETCH_CHUNK):
+                chunk = ids[k:k + FETCH_CHUNK]
+                self.payloads.update(zip(chunk, self._fetch_ids(home, chunk), strict=True))
+
+    def _fetch(self, s: Sample) -> Payload:
+        return self._fetch_ids(s.home_rank, [s.id])[0]
 
     def _batch(self, step: Step, payloads: list[Any]) -> pb.Batch:
         tensors = collate(self.spec, resolve_payloads(payloads))
@@ -450,17 +490,26 @@ class RankServicer(pb_grpc.RankServiceServicer):
         return pb.IngestReply(accepted=accepted, quarantined=quarantined)
 
     def Fetch(self, request, context):
+        """The payloads of `request.ids`, in order: a prefix of them when the reply would pass
+        FETCH_REPLY_BYTES (at least one); the caller asks again for the rest."""
         core = self.core
-        payloads = []
+        out, size = [], 0
         for i in request.ids:
-            payload = core.lent.pop(int(i), None)
+            i = int(i)
+            lent = core.lent.pop(i, None)
+            payload = lent
             if payload is None:
                 try:
-                    payload = core.source.materialize(int(i))
+                    payload = core.source.materialize(i)
                 except (KeyError, IndexError) as exc:
                     context.abort(grpc.StatusCode.NOT_FOUND, f"rank {core.rank} has no payload for sample {i}: {exc}")
-            payloads.append(payload)
-        out = [pb.IngestRequest(tensors=wire.tensors_to_pb(p), epoch=core.epoch) for p in resolve_payloads(payloads)]
+            msg = pb.IngestRequest(tensors=wire.tensors_to_pb(resolve_payloads([payload])[0]), epoch=core.epoch)
+            size += msg.ByteSize()
+            if out and size > FETCH_REPLY_BYTES:
+                if lent is not None:
+                    core.lent[i] = lent
+                break
+            out.append(msg)
         return pb.FetchReply(samples=out)
 
     def RankStatus(self, request, context):
