@@ -159,9 +159,7 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps) -> None
     except JobFailed:
         raise
     except Exception as exc:
-        failure = _job_failure(client, watch)
-        if failure:
-            raise JobFailed(f"{failure} (this trainer saw: {type(exc).__name__}: {exc})") from exc
+        raise_job_failure(client, watch, exc)
         raise
     finally:
         watch.stop()
@@ -201,6 +199,16 @@ class _FailureWatch:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def raise_job_failure(client, watch: _FailureWatch, exc: BaseException) -> None:
+    """A step raised (typically a collective broke because a peer died): when the rank service knows the
+    job failed, raise `JobFailed` with its message (it names the rank); otherwise return."""
+    from batchd.client._client import JobFailed
+
+    failure = _job_failure(client, watch)
+    if failure:
+        raise JobFailed(f"{failure} (this trainer saw: {type(exc).__name__}: {exc})") from exc
 
 
 def _job_failure(client, watch: _FailureWatch) -> str | None:

@@ -194,7 +194,7 @@ def _save(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, client
 def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
     from batchd.client import JobFailed
 
-    from ._trainer import _FailureWatch, _job_failure
+    from ._trainer import _FailureWatch, raise_job_failure
 
     steps = idle = 0
     loss = float("nan")
@@ -214,9 +214,7 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
     except JobFailed:
         raise
     except Exception as exc:  # a collective broke because a peer died: ask the rank service which
-        failure = _job_failure(client, watch)
-        if failure:
-            raise JobFailed(f"{failure} (this trainer saw: {type(exc).__name__}: {exc})") from exc
+        raise_job_failure(client, watch, exc)
         raise
     finally:
         watch.stop()
