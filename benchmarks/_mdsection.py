@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -95,6 +96,16 @@ def update_section(name: str, body: str, path: Path = DOCS) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return path
+
+
+def publish(name: str, body: str | Sequence[str], no_write: bool, path: Path = DOCS, echo: bool = False) -> None:
+    """A script's last step: writes `body` (text or lines) as section `name` of `path`, saying so on
+    stderr; with `no_write` only prints it; with `echo` prints it on stdout as well as writing it."""
+    text = body if isinstance(body, str) else "\n".join(body)
+    if no_write or echo:
+        print(text)
+    if not no_write:
+        print(f"wrote section {name!r} of {update_section(name, text, path)}", file=sys.stderr)
 
 
 def fmt(value: object, digits: int = 3) -> str:

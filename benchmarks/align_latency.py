@@ -55,7 +55,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DEFAULT_WORKLOADS, REPO, format_profile, idle_share, merged_stats, revision, table, update_section  # noqa: E402
+from _mdsection import DEFAULT_WORKLOADS, REPO, format_profile, idle_share, merged_stats, publish, revision, table  # noqa: E402
 
 SECTION = "align-latency"
 BUDGET, WINDOW, DEPTH = 8192, 64, 8
@@ -619,10 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if target_row is not None:
         body += analysis(target_row, diag_phase, floor)
-    if args.no_write:
-        print("\n".join(body))
-    else:
-        print(f"wrote {update_section(SECTION, chr(10).join(body))}")
+    publish(SECTION, body, args.no_write)
     return 0
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import REPO, idle_share, revision, table, update_section  # noqa: E402
+from _mdsection import REPO, idle_share, publish, revision, table  # noqa: E402
 
 SECTION = "bench"
 IMG = REPO / "docs" / "img"
@@ -202,10 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(s, cmd, wall, (idle0, idle1)) + "\n" + reading(s)
     if args.analysis:
         text += "\n" + Path(args.analysis).read_text()
-    if args.no_write:
-        print(text)
-    else:
-        print(f"wrote {update_section(SECTION, text)}")
+    publish(SECTION, text, args.no_write)
     return 0
 
 

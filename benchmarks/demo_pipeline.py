@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import REPO, revision, table, update_section  # noqa: E402
+from _mdsection import REPO, publish, revision, table  # noqa: E402
 
 SECTION = "demo-pipeline"
 TARGET = 0.05
@@ -118,10 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Target: stall < {100 * TARGET:.0f}%; median over the runs {100 * med:.1f}%: **{verdict}**.",
     ]
-    text = "\n".join(body)
-    print(text)
-    if not args.no_write:
-        update_section(SECTION, text)
+    publish(SECTION, body, args.no_write, echo=True)
     return 0
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import REPO, idle_share, revision, table, update_section  # noqa: E402
+from _mdsection import REPO, idle_share, publish, revision, table  # noqa: E402
 
 SECTION = "demo"
 
@@ -188,10 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         "the direction is stable.",
         "",
     ]
-    if args.no_write:
-        print("\n".join(body))
-    else:
-        print(f"wrote {update_section(SECTION, chr(10).join(body))}")
+    publish(SECTION, body, args.no_write)
     return 0
 
 

@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DOCS, revision, table, update_section  # noqa: E402
+from _mdsection import DOCS, publish, revision, table  # noqa: E402
 
 SECTION = "preprocess"
 WORKLOADS = {  # name -> (image_fraction, max_image_side, share of --samples)
@@ -197,11 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         table(["chunk_size", "samples/s", "actor-busy rate (per actor)"], sweep_rows),
         "",
     ]
-    text = "\n".join(body)
-    print(text)
-    if not args.no_write:
-        path = update_section(SECTION, text, args.docs)
-        print(f"\nwrote section '{SECTION}' of {path}", file=sys.stderr)
+    publish(SECTION, body, args.no_write, args.docs, echo=True)
     return 0
 
 

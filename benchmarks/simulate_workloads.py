@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DEFAULT_WORKLOADS, DOCS, revision, table, update_section  # noqa: E402
+from _mdsection import DEFAULT_WORKLOADS, DOCS, publish, revision, table  # noqa: E402
 
 from batchd.core import CostModel, SimConfig, contiguous_greedy, read_lengths, simulate  # noqa: E402
 
@@ -315,11 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "- `over_L` > 0 only for the fixed-batch-size baselines, which ignore the budget; that is also why "
         "they can take fewer steps than the oracle.",
     ]
-    text = "\n".join(body)
-    print(text)
-    if not args.no_write:
-        path = update_section(SECTION, text, args.docs)
-        print(f"\nwrote section '{SECTION}' of {path}", file=sys.stderr)
+    publish(SECTION, body, args.no_write, args.docs, echo=True)
     return 0
 
 

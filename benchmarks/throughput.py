@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DEFAULT_WORKLOADS, DOCS, REPO, revision, table, update_section  # noqa: E402
+from _mdsection import DEFAULT_WORKLOADS, DOCS, REPO, publish, revision, table  # noqa: E402
 
 from batchd.core import (  # noqa: E402
     Coordinator, CostModel, RankState, Sample, SimConfig, read_lengths, simulate,
@@ -259,11 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "```",
             "",
         ]
-    text = "\n".join(body)
-    print(text)
-    if not args.no_write:
-        path = update_section(SECTION, text, args.docs)
-        print(f"\nwrote section '{SECTION}' of {path}", file=sys.stderr)
+    publish(SECTION, body, args.no_write, args.docs, echo=True)
     return 0
 
 
