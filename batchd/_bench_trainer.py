@@ -152,8 +152,7 @@ def step_lr(base_lr: float, global_tokens: int, ref_tokens: int | None, power: f
     larger (sqrt) steps instead of fewer steps of the same size. None: constant `base_lr`."""
     if not ref_tokens or global_tokens <= 0:
         return base_lr
-    ratio = global_tokens / ref_tokens
-    return base_lr * (ratio if power == 1.0 else ratio ** power)
+    return base_lr * (global_tokens / ref_tokens) ** power
 
 
 def _step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any], scale: float | None,

@@ -247,7 +247,8 @@ class LoggingConfig:
     format: str = "text"
 
     def __post_init__(self) -> None:
-        _choice("logging.level", self.level.upper() if isinstance(self.level, str) else self.level, LOG_LEVELS)
+        level = self.level.upper() if isinstance(self.level, str) else self.level
+        object.__setattr__(self, "level", _choice("logging.level", level, LOG_LEVELS))
         _choice("logging.format", self.format, LOG_FORMATS)
 
 
@@ -392,9 +393,6 @@ def build_config(raw: Mapping[str, Any], overrides: Mapping[str, Any] | None = N
                 sections[name] = cls(**body)
             except TypeError as exc:
                 raise ConfigError(f"[{name}]: {exc}") from None
-        if "logging" in merged and isinstance(merged["logging"].get("level"), str):
-            sections["logging"] = dataclasses.replace(sections["logging"],
-                                                      level=sections["logging"].level.upper())
         cfg = Config(job=_job_spec(merged.get("job", {})), source=source, **sections)
         if check_files:
             _check_files(cfg)

@@ -55,7 +55,6 @@ SYSTEMS = ("fixed", "odb-0.1.2", "batchd-odb", "batchd-balanced", "batchd-packed
 # group's cost is its token sum) and collates one packed row per step, trained with varlen attention.
 BATCHD_SYSTEMS = {"batchd-odb": ("odb", "padded"), "batchd-balanced": ("balanced", "padded"),
                   "batchd-packed": ("balanced", "packed")}
-DEFAULT_SYSTEMS = SYSTEMS
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD_DIRS = (REPO / "shared" / "workloads", REPO.parent / "shared" / "workloads")
 DEFAULTS = {  # per device: world size, model, workload file name, token budget, samples

@@ -41,22 +41,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--lengths", required=True, metavar="FILE", help="one integer length per line")
     p.add_argument("--config", default=None, metavar="FILE", help="job config (TOML/YAML); its [job] is used")
-    p.add_argument("--world-size", type=_positive, metavar="N", help="number of ranks (required without --config)")
-    p.add_argument("--token-budget", type=_positive, metavar="L",
-                   help="L_max per rank step (required without --config)")
-    p.add_argument("--policy", choices=POLICIES, help="grouping policy (default: local)")
-    p.add_argument("--window", type=_positive, metavar="W", help="per-rank buffer in samples (default 512)")
-    p.add_argument("--batch-size", type=_positive, metavar="B", help="B of fixed/sorted (default 8)")
-    p.add_argument("--mode", choices=MODES, help="termination mode (default: join)")
-    p.add_argument("--cost", choices=COST_MODELS, help="cost model (default: padded)")
-    p.add_argument("--over-budget", choices=OVER_BUDGET, help="samples longer than L (default: singleton)")
-    p.add_argument("--seed", type=int, help="seeds views and emission order (default 0)")
+    _add_job_flags(p, depth="output slots per rank (alignment capacity, default 8)",
+                   quota="non-join sample quota (default: all samples)")
     p.add_argument("--shuffle", action="store_const", const=True,
                    help="permute ids before splitting them over ranks (default: off)")
-    p.add_argument("--depth", type=_positive, metavar="D", help="output slots per rank (alignment capacity, default 8)")
     p.add_argument("--max-wait", type=_positive, help="rounds a sample may wait in a window (default 16)")
     p.add_argument("--align", choices=("min", "odb"), help="DGAP target rule (default min; policy odb always uses odb)")
-    p.add_argument("--quota", type=int, help="non-join sample quota (default: all samples)")
     p.add_argument("--no-refine", dest="refine", action="store_const", const=False,
                    help="balanced: skip the capacity binary search")
     p.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
@@ -102,20 +92,27 @@ def _add_config_flag(p: argparse.ArgumentParser) -> None:
                    "`batchd config --example` prints a commented one")
 
 
-def _add_spec(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("job spec ([job]; identical on the coordinator and every rank)")
-    g.add_argument("--world-size", type=_positive, metavar="N", help="number of ranks (config or flag required)")
-    g.add_argument("--token-budget", type=_positive, metavar="L", help="L_max per rank step (config or flag required)")
+def _add_job_flags(g, depth: str, quota: str) -> None:
+    """The [job] flags `simulate` and the services share (`depth` and `quota` help differ)."""
+    g.add_argument("--world-size", type=_positive, metavar="N", help="number of ranks (a flag or --config's [job])")
+    g.add_argument("--token-budget", type=_positive, metavar="L",
+                   help="L_max per rank step (a flag or --config's [job])")
     g.add_argument("--policy", choices=POLICIES, help="grouping policy (default: local)")
     g.add_argument("--window", type=_positive, metavar="W", help="per-rank buffer in samples (default 512)")
-    g.add_argument("--depth", type=_positive, metavar="D", help="batches a rank keeps ready (default 8)")
+    g.add_argument("--depth", type=_positive, metavar="D", help=depth)
     g.add_argument("--batch-size", type=_positive, metavar="B", help="B of fixed/sorted (default 8)")
     g.add_argument("--mode", choices=MODES, help="termination mode (default: join)")
-    g.add_argument("--quota", type=int, help="non-join sample quota (required in non-join)")
+    g.add_argument("--quota", type=int, help=quota)
     g.add_argument("--cost", choices=COST_MODELS, help="cost model (default: padded)")
     g.add_argument("--over-budget", choices=OVER_BUDGET, help="samples longer than L (default: singleton)")
-    g.add_argument("--collate", choices=("padded", "packed"), help="batch layout (default: padded)")
     g.add_argument("--seed", type=int, help="seeds sampler views and emission order (default 0)")
+
+
+def _add_spec(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("job spec ([job]; identical on the coordinator and every rank)")
+    _add_job_flags(g, depth="batches a rank keeps ready (default 8)",
+                   quota="non-join sample quota (required in non-join)")
+    g.add_argument("--collate", choices=("padded", "packed"), help="batch layout (default: padded)")
     g.add_argument("--no-shuffle", dest="shuffle", action="store_const", const=False,
                    help="rank r owns ids r, r+N, ... in file order (default: a seeded permutation)")
 

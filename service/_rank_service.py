@@ -285,8 +285,8 @@ class RankServiceCore:
         payload = self.payloads.pop(s.id, None)
         if payload is not None:
             return payload
-        if s.home_rank != self.rank:
-            return self._fetch(s)
+        if s.home_rank != self.rank:  # a moved sample that _fetch_moved did not prefetch
+            return self._fetch_ids(s.home_rank, [s.id])[0]
         return self.source.materialize(s.id)
 
     def _peer(self, rank: int) -> pb_grpc.RankServiceStub:
@@ -327,9 +327,6 @@ class RankServiceCore:
             for k in range(0, len(ids), FETCH_CHUNK):
                 chunk = ids[k:k + FETCH_CHUNK]
                 self.payloads.update(zip(chunk, self._fetch_ids(home, chunk), strict=True))
-
-    def _fetch(self, s: Sample) -> Payload:
-        return self._fetch_ids(s.home_rank, [s.id])[0]
 
     def _batch(self, step: Step, payloads: list[Any]) -> pb.Batch:
         tensors = collate(self.spec, resolve_payloads(payloads))
