@@ -43,6 +43,9 @@ JOB_KEYS = ("world_size", "token_budget", "policy", "window", "batch_size", "mod
             "shuffle", "depth", "max_wait", "align", "refine", "quota", "quadratic", "collate")
 
 
+DROP = object()  # an override with this value removes the key (e.g. `--lengths` drops the file's dataset)
+
+
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names the field and the bad value."""
 
@@ -321,7 +324,9 @@ def _merge(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, di
         section, _, key = dotted.partition(".")
         if section not in SECTIONS or not key:
             raise ConfigError(f"override keys are 'section.key' with a known section, got {dotted!r}")
-        if value is not None:
+        if value is DROP:
+            merged.get(section, {}).pop(key, None)
+        elif value is not None:
             merged.setdefault(section, {})[key] = value
     return merged
 
@@ -373,7 +378,8 @@ def build_config(raw: Mapping[str, Any], overrides: Mapping[str, Any] | None = N
 
     Args:
         raw: Nested sections as read from a file (`{}` for flags only).
-        overrides: Values from the command line; None values are ignored (flag not given).
+        overrides: Values from the command line; None values are ignored (flag not given), `DROP`
+            removes the key.
         base_dir: Directory that relative paths *from the file* are resolved against.
         check_files: Require the input files the config names to exist.
         source: Name used in error messages (the file path).

@@ -14,7 +14,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from batchd._config import load_config
+from batchd._config import DROP, load_config
 from batchd.core import COST_MODELS, MODES, OVER_BUDGET, POLICIES, SimConfig, read_lengths, simulate
 
 
@@ -190,8 +190,8 @@ def _rank(args: argparse.Namespace) -> int:
     overrides |= _overrides(args, "data", ("lengths", "dataset", "num_actors", "ray_address", "quarantine",
                                            "stats_file"))
     overrides |= _overrides(args, "pipeline", ("tokenizer", "template", "vision", "augment"))
-    if args.lengths is not None:
-        overrides["data.dataset"] = None
+    if args.lengths is not None:  # the flag's source replaces the file's, whichever that was
+        overrides["data.dataset"] = DROP
     cfg = load_config(args.config, overrides)
     if args.rank >= cfg.job.world_size:
         raise ValueError(f"--rank must be < world size {cfg.job.world_size}, got rank={args.rank}")

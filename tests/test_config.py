@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from batchd._config import EXAMPLE, ConfigError, build_config, load_config
+from batchd._config import DROP, EXAMPLE, ConfigError, build_config, load_config
 from batchd._logging import JsonFormatter
 from batchd._progress import Progress
 from batchd.cli import build_parser, main
@@ -103,6 +103,14 @@ def test_overrides_beat_the_file_and_none_means_not_given(example):
     assert cfg.coordinator.dial_address() == "10.0.0.5:7000"
     with pytest.raises(ConfigError, match="override keys are 'section.key'"):
         load_config(example, {"token_budget": 1}, check_files=False)
+
+
+def test_a_dropped_key_gives_way_to_an_exclusive_flag():
+    raw = {"job": {"world_size": 1, "token_budget": 8}, "data": {"dataset": "train.parquet"}}
+    with pytest.raises(ConfigError, match="data.dataset and data.lengths are exclusive"):
+        build_config(raw, {"data.lengths": "l.txt"}, check_files=False)
+    cfg = build_config(raw, {"data.lengths": "l.txt", "data.dataset": DROP}, check_files=False)
+    assert (cfg.data.dataset, cfg.data.lengths) == (None, "l.txt")
 
 
 def test_every_command_has_a_full_help(capsys):
