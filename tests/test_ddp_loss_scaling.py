@@ -23,7 +23,6 @@ import json
 import math
 import os
 import random
-import socket
 import time
 
 import numpy as np
@@ -157,10 +156,12 @@ def run_case(rank: int, case: dict) -> dict:
     return out
 
 
-def worker(rank: int, port: int, cases: list[dict], out_dir: str) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+def worker(rank: int, cases: list[dict], out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    # A file rendezvous: a port picked free by the parent can be taken by another process before rank 0
+    # binds it (CI once lost a spawned rank to SIGABRT at start-up); the file cannot.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
     try:
         results = {case["policy"]: run_case(rank, case) for case in cases}
     finally:
@@ -169,18 +170,12 @@ def worker(rank: int, port: int, cases: list[dict], out_dir: str) -> None:
         json.dump(results, f)
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory) -> dict:
     cases = [build_case(p) for p in POLICIES]
     out_dir = tmp_path_factory.mktemp("ddp")
     t0 = time.perf_counter()
-    mp.spawn(worker, args=(free_port(), cases, str(out_dir)), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(cases, str(out_dir)), nprocs=WORLD, join=True)
     wall = time.perf_counter() - t0
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
     return {"cases": {c["policy"]: c for c in cases}, "ranks": ranks, "wall_s": wall}
