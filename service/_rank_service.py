@@ -10,7 +10,9 @@ batches out), `Ingest` (producers push samples), `Fetch` (payloads a balanced pl
 rank) and `RankStatus`.
 
 Output flow control: at most `depth` collated batches wait for the trainer (D of the ODB paper); the
-capacity the rank reports is `depth - ready`, so the round never makes more steps than fit.
+capacity the rank reports is `depth - ready`, so the round never makes more steps than fit. A batch stays
+held until the trainer acknowledges it (it asks for the next step), so a restarted trainer gets it again;
+end of epoch is sent only after every step is acknowledged.
 
 Payloads: a dict of numpy arrays, or a reference to one (a `RaySource` yields Ray ObjectRefs; the bytes
 stay in the Ray object store). References are resolved at collate time, one `ray.get` per step
@@ -433,6 +435,17 @@ class RankServicer(pb_grpc.RankServiceServicer):
             except RuntimeError as exc:
                 context.abort(grpc.StatusCode.ABORTED, str(exc))
             if batch is None:
+                # End of epoch only once the trainer acknowledged every step: until then the batches it
+                # holds unconsumed stay in `ready` for a restarted trainer, and the service must not exit.
+                with core.cond:
+                    while core.acked < step and context.is_active() and core.failure is None:
+                        if time.monotonic() > deadline:
+                            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                          f"rank {core.rank}: steps before {step} not acknowledged in "
+                                          f"{self.batch_timeout_s:g}s")
+                        core.cond.wait(0.5)
+                if core.acked < step:
+                    continue  # the trainer left or the job failed: the loop above reports it
                 core.delivered_end = True
                 yield pb.Batch(end_of_epoch=True)
                 return

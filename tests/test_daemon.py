@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 
@@ -128,6 +129,47 @@ def test_client_resumes_mid_epoch_from_its_state(job_factory):
         BatchClient(f"127.0.0.1:{job.ports[0]}", 0, 2).load_state_dict(state)
     with pytest.raises(ValueError, match="rank: saved 0, current 1"):
         BatchClient(f"127.0.0.1:{job.ports[0]}", 1, 2).load_state_dict(state)
+
+
+def test_end_of_epoch_waits_until_every_step_is_acknowledged(job_factory):
+    """A trainer that holds its last batch unacknowledged does not get end of epoch, and the batch stays
+    held for a restart; acknowledging it ends the stream with nothing left held."""
+    spec = JobSpec(world_size=1, token_budget=512, policy="local", window=16, depth=3, seed=1)
+    job = job_factory(spec, _lengths(60))
+    core = job.cores[0]
+    requests: queue.Queue = queue.Queue()
+    received: queue.Queue = queue.Queue()
+    stub = pb_grpc.RankServiceStub(grpc.insecure_channel(job.rank_address(0)))
+    call = stub.Batches(iter(requests.get, None))
+
+    def receive():
+        try:
+            for b in call:
+                received.put(b)
+        except grpc.RpcError as exc:  # the test's own cancel at the end
+            assert exc.code() == grpc.StatusCode.CANCELLED, exc
+
+    threading.Thread(target=receive, daemon=True).start()
+    requests.put(pb.BatchRequest(start_step=0, credits=8, epoch=0))
+    last = -1
+    try:
+        while True:  # acknowledge every step but the one just received
+            try:
+                batch = received.get(timeout=2.0)
+            except queue.Empty:
+                break
+            assert not batch.end_of_epoch, "end of epoch before the last step was acknowledged"
+            assert batch.info.step == last + 1
+            last = batch.info.step
+            requests.put(pb.BatchRequest(ack_step=last))
+        assert core.done and last > 2
+        assert [i for i, _, _ in core.ready] == [last] and not core.delivered_end
+        requests.put(pb.BatchRequest(ack_step=last + 1))
+        assert received.get(timeout=10).end_of_epoch
+        assert len(core.ready) == 0 and core.delivered_end
+    finally:
+        requests.put(None)
+        call.cancel()
 
 
 def _coord_stub(job):
