@@ -6,7 +6,8 @@
 
 It opens the rank service's `Batches` bidi stream: the first message says where to start and how many
 batches it may hold (credits); each later message acknowledges what was consumed, so the service
-frees them; end of epoch comes once every step is acknowledged. Every rank yields the same number of steps (the service's alignment guarantees it).
+frees them; end of epoch comes once every step is acknowledged. Every rank yields the same number of
+steps (the service's alignment guarantees it).
 
 - Resume: `state_dict()` stores rank, world size, epoch and the next step; `load_state_dict()` refuses
   a state of another rank or world size. A new client resumes exactly where the old one stopped.
