@@ -30,10 +30,9 @@ from batchd import wire
 from batchd.core import StepInfo
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
+from batchd.service._coordinator import CHANNEL_OPTIONS
 from batchd.service._security import Security
 from batchd.service._security import channel as secure_channel
-
-GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
 class BatchdError(RuntimeError):
@@ -76,7 +75,7 @@ class BatchClient:
                              f"{tls_ca=} token={'<set>' if token is not None else None}")
         if token is not None or tls_ca is not None:
             security = Security(tls_ca=tls_ca, token=token)
-        self.channel = secure_channel(address, security, GRPC_OPTIONS)
+        self.channel = secure_channel(address, security, CHANNEL_OPTIONS)
         self.stub = pb_grpc.RankServiceStub(self.channel)
 
     def close(self) -> None:

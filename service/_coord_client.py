@@ -19,7 +19,7 @@ from batchd.core import RankCommit, RankReport, RoundDecision, RoundTotals
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
-from ._coordinator import GRPC_OPTIONS
+from ._coordinator import CHANNEL_OPTIONS
 from ._security import Security, channel
 from ._spec import JobSpec
 
@@ -41,7 +41,7 @@ class CoordinatorClient:
                  security: Security | None = None) -> None:
         self.address, self.rank, self.spec = address, rank, spec
         self.connect_timeout_s = connect_timeout_s
-        self.channel = channel(address, security, GRPC_OPTIONS)
+        self.channel = channel(address, security, CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.lease_s = 30.0
         self.round_timeout_s = 120.0

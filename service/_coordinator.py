@@ -317,6 +317,15 @@ GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+# Channels between batchd parties retry a refused connection at least every second. gRPC's default
+# backoff (1 s, x1.6 per failure, up to 120 s) makes a party that starts 20 s before its peer connect
+# ~6 s after the peer is up, and one that started earlier miss its whole connect timeout.
+CHANNEL_OPTIONS = [
+    *GRPC_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 def create_server(address: str, spec: JobSpec, lease_s: float = 30.0, round_timeout_s: float = 120.0,

@@ -47,7 +47,7 @@ from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
 from ._coord_client import CoordinatorClient, CoordinatorError
-from ._coordinator import GRPC_OPTIONS
+from ._coordinator import CHANNEL_OPTIONS, GRPC_OPTIONS
 from ._metrics import RankMetrics, materialized_tokens
 from ._security import Security, add_port, channel, server_interceptors
 from ._sources import EXHAUSTED, IngestSource, Payload, loss_tokens_of
@@ -300,7 +300,7 @@ class RankServiceCore:
                 raise CoordinatorError(f"rank {self.rank}: the coordinator does not know every rank's address")
         stub = self._peer_stubs.get(rank)
         if stub is None:
-            ch = channel(self.peers[rank], self.security, GRPC_OPTIONS)
+            ch = channel(self.peers[rank], self.security, CHANNEL_OPTIONS)
             self._peer_channels.append(ch)
             stub = self._peer_stubs[rank] = pb_grpc.RankServiceStub(ch)
         return stub

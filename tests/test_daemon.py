@@ -211,6 +211,36 @@ def test_coordinator_rejects_bad_messages_with_status_codes(caplog):
         server.stop(0)
 
 
+def test_rank_started_long_before_its_coordinator_registers_in_time():
+    """Services start in any order: a rank that has been refused for 6 s registers within its 8 s connect
+    timeout once the coordinator is up. (With gRPC's default reconnect backoff its channel would be waiting
+    out a ~4-6 s backoff then, and miss the deadline.)"""
+    from batchd.demo import free_port
+
+    spec = JobSpec(world_size=1, token_budget=100, window=4)
+    port = free_port()
+    client = CoordinatorClient(f"127.0.0.1:{port}", 0, spec, connect_timeout_s=8)
+    started: list = []
+
+    def start_late():
+        time.sleep(6.0)
+        server, _, state = create_server(f"127.0.0.1:{port}", spec)
+        server.start()
+        started.append((server, state))
+
+    t = threading.Thread(target=start_late, daemon=True)
+    t.start()
+    try:
+        reply = client.register("127.0.0.1:1")
+        assert reply.epoch == 0 and started
+    finally:
+        t.join()
+        client.close()
+        for server, state in started:
+            state.close()
+            server.stop(0)
+
+
 def test_missing_rank_fails_the_round_naming_it():
     spec = JobSpec(world_size=3, token_budget=100, window=4)
     server, port, state = create_server("127.0.0.1:0", spec, lease_s=30, round_timeout_s=1.0)
