@@ -40,7 +40,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 VISIONS = ("qwen2_vl", "llava", "none")
 TRUNCATE_POLICIES = ("truncate", "reject")
 JOB_KEYS = ("world_size", "token_budget", "policy", "window", "batch_size", "mode", "cost", "over_budget", "seed",
-            "shuffle", "depth", "max_wait", "align", "refine", "quota", "quadratic", "collate")
+            "shuffle", "depth", "max_wait", "align", "refine", "quota", "quadratic", "collate", "epochs")
 
 
 DROP = object()  # an override with this value removes the key (e.g. `--lengths` drops the file's dataset)
@@ -441,6 +441,7 @@ cost = "padded"            # padded | packed | attention
 collate = "padded"         # padded | packed rows
 over_budget = "singleton"  # singleton | truncate | reject (samples longer than L_max)
 seed = 0
+epochs = 1                 # each epoch: a new seeded view of the data per rank
 
 [data]
 dataset = "train.parquet"  # Parquet / JSONL / Arrow records; or lengths = "lengths.txt"

@@ -113,12 +113,14 @@ def _add_spec(p: argparse.ArgumentParser) -> None:
     _add_job_flags(g, depth="batches a rank keeps ready (default 8)",
                    quota="non-join sample quota (required in non-join)")
     g.add_argument("--collate", choices=("padded", "packed"), help="batch layout (default: padded)")
+    g.add_argument("--epochs", type=_positive, metavar="E",
+                   help="epochs the job runs; each is a new seeded view of the data per rank (default 1)")
     g.add_argument("--no-shuffle", dest="shuffle", action="store_const", const=False,
                    help="rank r owns ids r, r+N, ... in file order (default: a seeded permutation)")
 
 
 SPEC_FLAGS = ("world_size", "token_budget", "policy", "window", "depth", "batch_size", "mode", "quota", "cost",
-              "over_budget", "collate", "seed", "shuffle")
+              "over_budget", "collate", "seed", "shuffle", "epochs")
 
 
 def _add_security(p: argparse.ArgumentParser) -> None:

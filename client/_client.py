@@ -9,6 +9,7 @@ batches it may hold (credits); each later message acknowledges what was consumed
 frees them; end of epoch comes once every step is acknowledged. Every rank yields the same number of
 steps (the service's alignment guarantees it).
 
+- Epochs: `client.set_epoch(e)` before each epoch's loop (the job's `epochs`, see `JobSpec`).
 - Resume: `state_dict()` stores rank, world size, epoch and the next step; `load_state_dict()` refuses
   a state of another rank or world size. A new client resumes exactly where the old one stopped.
 - Rank service restart: UNAVAILABLE is retried for `reconnect_timeout_s`, from the next step.
@@ -98,6 +99,16 @@ class BatchClient:
         if state.get("version") != 1 or bad:
             raise ValueError(f"BatchClient state does not match this client ({'; '.join(bad) or 'version'})")
         self.epoch, self.next_step, self.finished = state["epoch"], state["next_step"], state["finished"]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reads `epoch` next, from its first step: call it before each epoch's loop, like
+        `DistributedSampler.set_epoch`. The current epoch keeps its position (a client restored with
+        `load_state_dict` resumes mid-epoch). The rank service starts epoch e+1 once this trainer has
+        taken the end of epoch e; an epoch the job does not run fails with the service's message."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be an integer >= 0, got {epoch=}")
+        if epoch != self.epoch:
+            self.epoch, self.next_step, self.finished = epoch, 0, False
 
     # -- iteration -----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:

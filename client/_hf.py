@@ -22,9 +22,10 @@ trains on this rank's batchd stream instead of a dataset:
   use Trainer's default loss.
 * **End of stream.** The number of steps is known only at the end (join mode), so Trainer needs
   ``max_steps`` > 0 as an upper bound (an iterable without ``__len__``; it also sizes the LR schedule,
-  so prefer a constant or warmup-constant schedule, or an estimate from ``batchd simulate``). When the
-  stream ends, `get_batch_samples` sets ``control.should_training_stop``: the epoch ends after the last
-  batch and Trainer never starts a second pass over a finished stream. If ``max_steps`` is reached
+  so prefer a constant or warmup-constant schedule, or an estimate from ``batchd simulate``). The
+  stream runs through ``epochs`` batchd epochs (``set_epoch`` between them); when it ends,
+  `get_batch_samples` sets ``control.should_training_stop``: training ends after the last batch and
+  Trainer never starts a second pass over a finished stream. If ``max_steps`` is reached
   first, training stops there on every rank (same step counts) and the stream is closed; a later
   ``train()`` continues from the client's position.
 * **Checkpoints.** Every Trainer checkpoint also gets ``batchd_client_rank{r}.json`` (the client's
@@ -56,26 +57,33 @@ CLIENT_STATE_FILE = "batchd_client_rank{rank}.json"
 
 
 class BatchdStream:
-    """The iterable `BatchdTrainer` trains on: the client's batches with the StepInfo inside each dict.
+    """The iterable `BatchdTrainer` trains on: the client's batches with the StepInfo inside each dict,
+    through the client's epoch and the ones after it up to `epochs` - 1 (`set_epoch` between them).
 
-    Iterating it again continues the client (a finished client yields nothing); `close` ends the
+    Iterating it again continues the client (a finished last epoch yields nothing); `close` ends the
     current gRPC stream.
     """
 
-    def __init__(self, client: BatchClient) -> None:
-        self.client = client
+    def __init__(self, client: BatchClient, epochs: int = 1) -> None:
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be an integer >= 1, got {epochs=}")
+        self.client, self.epochs = client, epochs
         self._it: Iterator | None = None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.close()
-        self._it = iter(self.client)
-        return self._batches(self._it)
+        return self._batches()
 
-    @staticmethod
-    def _batches(it: Iterator) -> Iterator[dict[str, Any]]:
-        for batch, info in it:
-            batch[INFO_KEY] = info
-            yield batch
+    def _batches(self) -> Iterator[dict[str, Any]]:
+        client = self.client
+        while True:
+            self._it = iter(client)
+            for batch, info in self._it:
+                batch[INFO_KEY] = info
+                yield batch
+            if client.epoch + 1 >= self.epochs:
+                return
+            client.set_epoch(client.epoch + 1)
 
     def close(self) -> None:
         if self._it is not None:
@@ -84,11 +92,13 @@ class BatchdStream:
 
 
 class BatchdTrainer(transformers.Trainer):
-    """A ``transformers.Trainer`` that trains one epoch of this rank's batchd stream (module docstring).
+    """A ``transformers.Trainer`` that trains on this rank's batchd stream (module docstring).
 
     Args:
         *args: ``transformers.Trainer``'s positional arguments (model, args, ...).
         client: This rank's `BatchClient`, or a zero-argument factory returning it.
+        epochs: batchd epochs to train, from the client's (the job's ``[job] epochs``); to Trainer they
+            are one stream, so its own ``epoch`` counter does not follow them.
         **kwargs: ``transformers.Trainer``'s keyword arguments; ``train_dataset`` must stay None.
 
     Raises:
@@ -98,7 +108,10 @@ class BatchdTrainer(transformers.Trainer):
 
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args: Any, client: BatchClient | Callable[[], BatchClient], **kwargs: Any) -> None:
+    def __init__(self, *args: Any, client: BatchClient | Callable[[], BatchClient], epochs: int = 1,
+                 **kwargs: Any) -> None:
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs must be an integer >= 1, got {epochs=}")
         if kwargs.get("train_dataset") is not None:
             raise ValueError(f"BatchdTrainer takes its data from the batchd client, got train_dataset="
                              f"{type(kwargs['train_dataset']).__name__}")
@@ -117,7 +130,7 @@ class BatchdTrainer(transformers.Trainer):
         if a.n_gpu > 1:
             raise ValueError(f"DataParallel would split batchd's batches; launch one process per device, got "
                              f"n_gpu={a.n_gpu}")
-        self._client_source = client
+        self._client_source, self.epochs = client, epochs
         self._client: BatchClient | None = None
         self._stream: BatchdStream | None = None
 
@@ -139,7 +152,7 @@ class BatchdTrainer(transformers.Trainer):
     def get_train_dataloader(self) -> BatchdStream:  # type: ignore[override]
         """This rank's batchd stream, as is (no DataLoader, no ``accelerator.prepare``)."""
         if self._stream is None:
-            self._stream = BatchdStream(self.client)
+            self._stream = BatchdStream(self.client, self.epochs)
         return self._stream
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,

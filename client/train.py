@@ -6,14 +6,14 @@
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous (MASTER_ADDR/PORT); this module reads
 them, initialises the process group (NCCL on `cuda:LOCAL_RANK` when CUDA is available, else gloo on
 CPU), connects a `BatchClient` to the rank service of its global rank and runs `train_step` on every
-(batch, StepInfo) until the epoch ends. The rank service address comes from `--rank-services` (a comma
+(batch, StepInfo) of epochs 0..`--epochs`-1 (`client.set_epoch(e)` before each). The rank service address comes from `--rank-services` (a comma
 list indexed by global rank, or one address with a `{rank}` placeholder) or `--rank-host HOST
 --base-port P` (rank r at HOST:P+r, the layout `deploy/ray/start-batchd.sh` starts).
 
 The model is the demo's `TinyCausalLM` (size flags below): this is a smoke-test and template trainer;
 a real job swaps in its own model and keeps the loop. With `--checkpoint DIR` every rank saves the
 model, the optimizer and `BatchClient.state_dict()` every `--checkpoint-every` steps and at the end,
-and resumes from its file when it exists, so a restarted torchrun continues the epoch mid-way (the
+and resumes from its file when it exists, so a restarted torchrun continues mid-epoch (the
 rank services must still be running, or have been restarted with `--state-dir`).
 
 Trade-offs: one checkpoint file per rank (the DDP model is replicated, so this stores N copies; simple
@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-heads", type=int, default=4, help="attention heads")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed")
-    p.add_argument("--epoch", type=int, default=0, help="epoch to read from the rank services")
+    p.add_argument("--epochs", type=int, default=1, metavar="E",
+                   help="epochs to train, 0..E-1 (the job's [job] epochs); a checkpoint resumes mid-epoch")
     p.add_argument("--credits", type=int, default=4, help="batches the rank service may send ahead")
     p.add_argument("--reconnect-timeout", type=float, default=60.0,
                    help="seconds to retry an unreachable rank service (covers its restart)")
@@ -141,10 +142,12 @@ def security_from_args(args: argparse.Namespace):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs one rank's epoch; returns the exit code (1 when the job failed)."""
+    """Runs one rank's epochs; returns the exit code (1 when the job failed)."""
     from batchd.client import BatchClient, JobFailed, TinyCausalLM, train_step
 
     args = build_parser().parse_args(argv)
+    if args.epochs < 1:
+        raise SystemExit(f"--epochs must be >= 1, got {args.epochs}")
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     address = rank_service_address(rank, world_size, args.rank_services, args.rank_host, args.base_port)
     security = security_from_args(args)  # bad TLS/token/tokenizer files fail here, before the rendezvous
@@ -161,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              n_heads=args.n_heads).to(device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        client = BatchClient(address, rank, world_size, epoch=args.epoch, credits=args.credits,
+        client = BatchClient(address, rank, world_size, credits=args.credits,
                              reconnect_timeout_s=args.reconnect_timeout, security=security)
         ckpt = Path(args.checkpoint) / f"rank-{rank}.pt" if args.checkpoint else None
         if ckpt is not None and ckpt.exists():
@@ -169,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             client.load_state_dict(state["data"])
-            print(f"[rank {rank}] resumed from {ckpt} at step {client.next_step}", file=sys.stderr, flush=True)
+            print(f"[rank {rank}] resumed from {ckpt} at epoch {client.epoch} step {client.next_step}",
+                  file=sys.stderr, flush=True)
         summary = _loop(client, ddp, opt, rank, args, ckpt, train_step)
     except JobFailed as exc:
         print(f"[rank {rank}] batchd job failed: {exc}", file=sys.stderr, flush=True)
@@ -197,33 +201,41 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
     from ._trainer import _FailureWatch, raise_job_failure
 
     steps = idle = 0
+    epoch_steps: list[int] = []
     loss = float("nan")
     t0 = time.perf_counter()
-    batches = iter(client)  # closed only after a failure was asked about (see _trainer._run_batchd)
     watch = _FailureWatch(client)
     try:
-        for batch, info in batches:
-            batch.pop("sample_ids", None)
-            loss = train_step(ddp, opt, batch, info)
-            steps += 1
-            idle += int(info.is_idle)
-            if rank == 0 and args.log_every and steps % args.log_every == 0:
-                print(f"[rank 0] step {info.step} loss {loss:.4f}", file=sys.stderr, flush=True)
-            if ckpt is not None and steps % args.checkpoint_every == 0:
-                _save(ckpt, ddp.module, opt, client)
-    except JobFailed:
-        raise
-    except Exception as exc:  # a collective broke because a peer died: ask the rank service which
-        raise_job_failure(client, watch, exc)
-        raise
+        for epoch in range(client.epoch, args.epochs):
+            client.set_epoch(epoch)  # the checkpoint's epoch keeps its position
+            n = 0
+            batches = iter(client)  # closed only after a failure was asked about (see _trainer._run_batchd)
+            try:
+                for batch, info in batches:
+                    batch.pop("sample_ids", None)
+                    loss = train_step(ddp, opt, batch, info)
+                    steps, n = steps + 1, n + 1
+                    idle += int(info.is_idle)
+                    if rank == 0 and args.log_every and steps % args.log_every == 0:
+                        print(f"[rank 0] epoch {epoch} step {info.step} loss {loss:.4f}", file=sys.stderr,
+                              flush=True)
+                    if ckpt is not None and steps % args.checkpoint_every == 0:
+                        _save(ckpt, ddp.module, opt, client)
+            except JobFailed:
+                raise
+            except Exception as exc:  # a collective broke because a peer died: ask the rank service which
+                raise_job_failure(client, watch, exc)
+                raise
+            finally:
+                batches.close()
+            epoch_steps.append(n)
     finally:
         watch.stop()
-        batches.close()
     if ckpt is not None:
         _save(ckpt, ddp.module, opt, client)
     client.close()
-    return {"steps": steps, "idle": idle, "next_step": client.next_step, "last_loss": loss,
-            "wall_s": round(time.perf_counter() - t0, 3)}
+    return {"steps": steps, "idle": idle, "epoch_steps": epoch_steps, "epoch": client.epoch,
+            "next_step": client.next_step, "last_loss": loss, "wall_s": round(time.perf_counter() - t0, 3)}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,6 +8,10 @@ decides T (or the balanced plan) and every call returns it; `Commit` works the s
 exact per-step totals. A restarted rank may resend a report or commit of a round that is already
 decided: the stored answer is replayed (the rank's state is deterministic, so it gets what it had).
 
+Epochs: once epoch e is done, the first `Align` of epoch e+1 starts a fresh protocol core for it; the
+job is done (the coordinator process exits) when epoch `spec.epochs - 1` is. Between epochs the job
+stays running, so leases still hold while trainers finish their last steps.
+
 Failure is fast and names its cause, never a silent hang:
 - a barrier that has not heard from some rank within `round_timeout_s` fails the job, naming the
   missing ranks (DEADLINE_EXCEEDED for the callers, ABORTED for everyone afterwards);
@@ -84,10 +88,15 @@ class CoordinatorState:
 
     # -- lifecycle -----------------------------------------------------------------------------------
     @property
+    def job_done(self) -> bool:
+        """The last epoch is done (between epochs the job is still running)."""
+        return self.core.done and self.epoch + 1 >= self.spec.epochs
+
+    @property
     def state(self) -> str:
         if self.failure is not None:
             return "failed"
-        if self.core.done:
+        if self.job_done:
             return "done"
         return "running"
 
@@ -116,7 +125,7 @@ class CoordinatorState:
     def _watch(self) -> None:
         while not self._stop.wait(min(self.lease_s / 4, 1.0)):
             with self._cond:
-                if self.failure is not None or self.core.done:
+                if self.failure is not None or self.job_done:
                     continue
                 now = time.monotonic()
                 for rank, seen in sorted(self.last_seen.items()):
@@ -148,6 +157,9 @@ class CoordinatorState:
     def _advance_epoch(self, epoch: int) -> None:
         if epoch == self.epoch:
             return
+        if epoch >= self.spec.epochs:
+            raise ProtocolError(f"epoch {epoch} requested, but the job runs {self.spec.epochs} epoch(s): "
+                                f"0..{self.spec.epochs - 1}")
         if epoch == self.epoch + 1 and self.core.done:
             self.epoch = epoch
             self.core = self._new_core(epoch)

@@ -1,8 +1,8 @@
 """Process entry points: `batchd coordinator` and `batchd rank` (one process each).
 
 Both bind port 0 when asked (tests, the demo), print/write the bound port, and exit on their own:
-the coordinator once the epoch is done or the job failed, a rank service once its trainer has taken
-the last batch or the job failed (after a short linger so every party reads the failure message).
+the coordinator once the last epoch is done or the job failed, a rank service once its trainer has
+taken the last batch of the last epoch or the job failed (after a short linger so every party reads the failure message).
 Exit status: 0 done, 1 job failed, 130 interrupted.
 
 `batchd rank` reads from one of three sources: `--lengths` (synthetic tokenized samples), `--dataset`
@@ -182,7 +182,8 @@ def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source, host: str, p
         while not stop.wait(0.2):
             with core.cond:
                 failed = core.failure is not None
-                drained = core.done and core.delivered_end and core._clients == 0
+                drained = (core.done and core.delivered_end and core._clients == 0
+                           and core.epoch + 1 >= spec.epochs)
             if failed:
                 status = 1
                 time.sleep(LINGER_S)
@@ -195,6 +196,6 @@ def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source, host: str, p
         server.stop(1.0).wait()
         if metrics_server is not None:
             stop_metrics_server(metrics_server)
-    if stop.is_set() and not core.done:
+    if stop.is_set() and not (core.done and core.epoch + 1 >= spec.epochs):
         return 130
     return status

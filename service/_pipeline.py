@@ -353,7 +353,7 @@ class RaySource:
 
     @property
     def quarantined(self) -> int:
-        """Records of this source's view quarantined so far (this epoch)."""
+        """Records of this source's views quarantined so far (all epochs)."""
         return sum(self.reasons.values())
 
     @property
@@ -620,6 +620,16 @@ class RaySource:
         return {"actors": self.pool.num_actors, "samples": self.emitted, "quarantined": self.quarantined,
                 "reasons": dict(self.reasons), "records_read": self.records_read, "retries": self.retries,
                 "wall_s": wall, "samples_per_s": self.emitted / wall if wall > 0 else 0.0, "poll_wait_s": self.wait_s}
+
+    def start_epoch(self, epoch: int) -> None:
+        """Moves to `epoch`'s view (a new seeded permutation) from its start, keeping the pool, the counters
+        (they count all epochs) and the quarantine. Work still in flight (non-join mode stops mid-view) is
+        dropped; its actors are released when it ends."""
+        with self._lock:
+            self.epoch = epoch
+            self.view = ViewSource(len(self.dataset), self.rank, self.world_size, self.seed, epoch,
+                                   self.view.shuffle, self.wrap)
+            self._reset(0, set())
 
     def close(self) -> None:
         """Drops outstanding work; closes the pool if this source created it."""

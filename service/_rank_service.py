@@ -102,8 +102,9 @@ class RankServiceCore:
         self.security = security  # this process's TLS / token: its server and its peer (Fetch) channels
         self.epoch = epoch
         self.client_grace_s, self.fill_timeout_s = client_grace_s, fill_timeout_s
-        self.state = RankState(rank, spec.world_size, spec.make_policy(), spec.token_budget, spec.cost_model(),
-                               spec.window, spec.over_budget, spec.seed, epoch)
+        self.state = self._new_state(epoch)
+        self._rejected_before = 0  # over-budget rejections of the epochs before this one (metrics)
+        self.prev_epoch_steps = 0  # steps of the epoch before this one (a trainer that missed its end)
         self.payloads: dict[int, Payload] = {}
         self.lent: dict[int, Payload] = {}
         self.ready: collections.deque[tuple[int, Step, pb.Batch]] = collections.deque()
@@ -128,6 +129,11 @@ class RankServiceCore:
         if metrics is not None:  # read at scrape time, lock-free: len() of a list / deque
             metrics.bind(lambda: len(self.state.buffer), lambda: len(self.ready))
 
+    def _new_state(self, epoch: int) -> RankState:
+        spec = self.spec
+        return RankState(self.rank, spec.world_size, spec.make_policy(), spec.token_budget, spec.cost_model(),
+                         spec.window, spec.over_budget, spec.seed, epoch)
+
     # -- journal -------------------------------------------------------------------------------------
     def _write_journal(self) -> None:
         if self.journal is None:
@@ -135,7 +141,8 @@ class RankServiceCore:
         state = {
             "epoch": self.epoch, "rank": self.state.state_dict(), "source": self.source.state_dict(),
             "ready": [step.to_json() for _, step, _ in self.ready],
-            "acked": self.acked, "done": self.done,
+            "acked": self.acked, "done": self.done, "rejected_before": self._rejected_before,
+            "prev_epoch_steps": self.prev_epoch_steps,
         }
         tmp = self.journal.with_suffix(".tmp")
         tmp.write_text(json.dumps(state))
@@ -143,7 +150,11 @@ class RankServiceCore:
 
     def _restore(self) -> None:
         state = json.loads(self.journal.read_text())
-        self.epoch = state["epoch"]
+        if state["epoch"] != self.epoch:
+            self.epoch = state["epoch"]
+            self.state = self._new_state(self.epoch)
+            self.source.start_epoch(self.epoch)
+        self._rejected_before = state.get("rejected_before", 0)
         self.state.load_state_dict(state["rank"])
         self.source.load_state_dict(state["source"])
         ids = [entry.sample.id for entry in self.state.buffer]
@@ -153,6 +164,10 @@ class RankServiceCore:
             payloads = materialize_many(self.source, [s.id for s in step.samples])
             self.ready.append((step.info.step, step, self._batch(step, payloads)))
         self.acked, self.done = state["acked"], state["done"]
+        self.prev_epoch_steps = state.get("prev_epoch_steps", 0)
+        # The trainer acknowledges every step before it is sent the end of an epoch: then the next epoch
+        # may start (a trainer that lost the end gets it again). The last epoch's end is sent again.
+        self.delivered_end = self.done and self.acked >= self.state.step and self.epoch + 1 < self.spec.epochs
         log.info("rank %d restored from %s at round %d (step %d)", self.rank, self.journal,
                  self.state.round, self.state.step)
 
@@ -188,8 +203,12 @@ class RankServiceCore:
             reply = self.coord.register(self.address)
             self.peers = list(reply.rank_addresses)
             self.coord.start_heartbeats(self.set_failure)
-            while not self.done and not self._stop.is_set():
-                self._round()
+            while True:
+                while not self.done and not self._stop.is_set():
+                    self._round()
+                if self.epoch + 1 >= self.spec.epochs or not self._end_delivered():
+                    break
+                self._next_epoch()
         except CoordinatorError as exc:
             self.set_failure(str(exc))
         except Exception as exc:  # noqa: BLE001 - any bug must reach the trainer and the job, not vanish
@@ -197,6 +216,31 @@ class RankServiceCore:
             msg = f"rank {self.rank} service crashed: {type(exc).__name__}: {exc}"
             self.coord.fail(msg)
             self.set_failure(msg)
+
+    def _end_delivered(self) -> bool:
+        """Waits until the trainer has taken this epoch's end (every step acknowledged); False if the job
+        failed or the service stops first."""
+        with self.cond:
+            while not self.delivered_end and self.failure is None and not self._stop.is_set():
+                self.cond.wait(0.5)
+            return self.delivered_end and self.failure is None and not self._stop.is_set()
+
+    def _next_epoch(self) -> None:
+        """Starts the next epoch: a fresh rank state and the source's next view. In non-join mode the
+        samples still buffered at the quota are dropped, as at the end of a one-epoch job."""
+        with self.cond:
+            self._rejected_before += self.state.counters["rejected"]
+            self.prev_epoch_steps = self.state.step
+            self.epoch += 1
+            self.state = self._new_state(self.epoch)
+            self.source.start_epoch(self.epoch)
+            self.payloads.clear()
+            self.ready.clear()
+            self.acked = 0
+            self.done = self.delivered_end = False
+            self._write_journal()
+            self.cond.notify_all()
+        log.info("rank %d: epoch %d of %d starts", self.rank, self.epoch, self.spec.epochs)
 
     def _fill(self) -> None:
         deadline = time.monotonic() + self.fill_timeout_s
@@ -238,7 +282,7 @@ class RankServiceCore:
         metrics = self.metrics
         if metrics is not None:
             self._observe(metrics.observe_quarantine, getattr(self.source, "reasons", None),
-                          self.state.counters["rejected"])
+                          self._rejected_before + self.state.counters["rejected"])
         t_wait = time.perf_counter()
         with self.cond:
             while len(self.ready) >= self.spec.depth and self.failure is None and not self._stop.is_set():
@@ -403,10 +447,23 @@ class RankServicer(pb_grpc.RankServiceServicer):
             first = next(request_iterator)
         except StopIteration:
             return
-        if first.epoch != core.epoch:
-            log.warning("Batches: client asked for epoch %d, rank %d serves epoch %d", first.epoch, core.rank, core.epoch)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"rank {core.rank} serves epoch {core.epoch}, client asked for epoch {first.epoch}")
+        epoch = int(first.epoch)
+        with core.cond:  # the next epoch: this rank starts it as soon as its trainer took the end of this one
+            while (epoch == core.epoch + 1 < core.spec.epochs and core.delivered_end and core.failure is None
+                   and context.is_active()):
+                core.cond.wait(0.5)
+            failure, now, prev_steps = core.failure, core.epoch, core.prev_epoch_steps
+        if failure is not None:
+            context.abort(grpc.StatusCode.ABORTED, failure)
+        if epoch + 1 == now and first.start_step >= prev_steps:  # it took every step but lost the end
+            yield pb.Batch(end_of_epoch=True)
+            return
+        if epoch != now:
+            why = (f"the job runs {core.spec.epochs} epoch(s), 0..{core.spec.epochs - 1}"
+                   if epoch >= core.spec.epochs else f"rank {core.rank} is in epoch {now}" +
+                   (" and its trainer has not taken that epoch's last step" if epoch == now + 1 else ""))
+            log.warning("Batches: client asked for epoch %d: %s", epoch, why)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"client asked for epoch {epoch}, but {why}")
         credits = max(int(first.credits), 1)
         core.attach(int(first.start_step))
         context.add_callback(core.detach)
@@ -444,9 +501,10 @@ class RankServicer(pb_grpc.RankServiceServicer):
                                           f"rank {core.rank}: steps before {step} not acknowledged in "
                                           f"{self.batch_timeout_s:g}s")
                         core.cond.wait(0.5)
-                if core.acked < step:
-                    continue  # the trainer left or the job failed: the loop above reports it
-                core.delivered_end = True
+                    if core.acked < step:
+                        continue  # the trainer left or the job failed: the loop above reports it
+                    core.delivered_end = True
+                    core.cond.notify_all()
                 yield pb.Batch(end_of_epoch=True)
                 return
             deadline = time.monotonic() + self.batch_timeout_s

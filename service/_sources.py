@@ -8,7 +8,8 @@
   so a full window blocks the producer's stream (gRPC flow control). Not replayable: a rank service fed
   this way cannot be restarted mid-epoch without the producer resending (documented limitation).
 
-A source's `poll(timeout)` returns an item, `None` (nothing yet) or `EXHAUSTED`.
+A source's `poll(timeout)` returns an item, `None` (nothing yet) or `EXHAUSTED`; `start_epoch(e)`
+moves it to epoch e's view from its start (the rank service calls it between epochs).
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ class SyntheticSource:
         self.rank, self.seed, self.vocab_size = rank, seed, vocab_size
         self.view = ViewSource(len(self.lengths), rank, world_size, seed, epoch, shuffle, wrap)
 
+    def start_epoch(self, epoch: int) -> None:
+        """Moves to `epoch`'s view (a new seeded permutation when shuffled), from its start."""
+        v = self.view
+        self.view = ViewSource(v.num_samples, v.rank, v.world_size, v.seed, epoch, v.shuffle, v.wrap)
+
     def __len__(self) -> int:
         return len(self.view)
 
@@ -109,6 +115,17 @@ class IngestSource:
 
     def end(self) -> None:
         self._ended.set()
+
+    def start_epoch(self, epoch: int) -> None:
+        """Accepts the next epoch's samples (ids may repeat across epochs); anything left is dropped."""
+        with self._lock:
+            while True:
+                try:
+                    self._q.get_nowait()
+                except queue.Empty:
+                    break
+            self._ids.clear()
+            self._ended.clear()
 
     def materialize(self, sample_id: int) -> Payload:
         raise KeyError(f"sample {sample_id}: an ingest source cannot re-materialize payloads")

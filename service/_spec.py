@@ -20,17 +20,21 @@ COLLATE = ("packed", "padded")
 class JobSpec(SimConfig):
     """Batching configuration shared by the coordinator and every rank service.
 
-    The simulator's fields (`batchd.core.SimConfig`, validated by it) plus the collation layout and the
-    attention cost model's quadratic constant; sampler views are shuffled by default.
+    The simulator's fields (`batchd.core.SimConfig`, validated by it) plus the collation layout, the
+    attention cost model's quadratic constant and the number of epochs (each epoch a new seeded view of
+    the dataset per rank); sampler views are shuffled by default.
     """
 
     shuffle: bool = True
     quadratic: int = 4096
     collate: str = "padded"
+    epochs: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choice("collate", self.collate, COLLATE)
+        if isinstance(self.epochs, bool) or not isinstance(self.epochs, int) or self.epochs < 1:
+            raise ValueError(f"epochs must be an integer >= 1, got epochs={self.epochs!r}")
         if self.mode == "non-join" and self.quota is None:
             raise ValueError("non-join mode needs an explicit sample quota in the job spec, got quota=None")
         CostModel(self.cost, self.quadratic)
@@ -58,4 +62,5 @@ class JobSpec(SimConfig):
             batch_size=m.batch_size, mode=m.mode, cost=m.cost, over_budget=m.over_budget, seed=m.seed,
             shuffle=m.shuffle, depth=m.depth, max_wait=m.max_wait, align=m.align, refine=m.refine,
             quota=None if m.quota < 0 else int(m.quota), quadratic=m.quadratic, collate=m.collate,
+            epochs=max(m.epochs, 1),
         )

@@ -13,11 +13,14 @@ import pytest
 from _jobs import InProcessJob, job_pool
 
 from batchd import wire
-from batchd.client import BatchClient, JobFailed
+from batchd.client import BatchClient, BatchdError, JobFailed
 from batchd.core import RankState
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
-from batchd.service import CoordinatorClient, IngestSource, JobSpec, create_server, synthetic_payload
+from batchd.service import (
+    CoordinatorClient, IngestSource, JobSpec, RankServiceCore, SyntheticSource, create_rank_server, create_server,
+    synthetic_payload,
+)
 
 
 @pytest.fixture
@@ -131,6 +134,113 @@ def test_client_resumes_mid_epoch_from_its_state(job_factory):
         BatchClient(f"127.0.0.1:{job.ports[0]}", 1, 2).load_state_dict(state)
 
 
+@pytest.mark.parametrize("policy", ["local", "balanced"])
+def test_each_epoch_serves_every_sample_once_in_a_new_order(job_factory, policy):
+    n, epochs = 160, 3
+    spec = JobSpec(world_size=2, token_budget=512, policy=policy, window=16, depth=3, seed=3, epochs=epochs)
+    job = job_factory(spec, _lengths(n))
+    got: list = [[], []]
+    errors: list = []
+
+    def train(r):
+        try:
+            with job.client(r) as c:
+                for e in range(epochs):
+                    c.set_epoch(e)
+                    got[r].append([(b["sample_ids"].tolist(), info) for b, info in c])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append((r, exc))
+
+    threads = [threading.Thread(target=train, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    orders = []
+    for e in range(epochs):
+        assert len(got[0][e]) == len(got[1][e]) > 0, "every rank runs the same steps in every epoch"
+        for r in range(2):
+            assert [info.step for _, info in got[r][e]] == list(range(len(got[r][e])))
+        assert sorted(i for r in range(2) for ids, _ in got[r][e] for i in ids) == list(range(n))
+        orders.append([i for ids, _ in got[0][e] for i in ids])
+    assert len({tuple(o) for o in orders}) == epochs, "each epoch is a new seeded view"
+    assert job.state.state == "done" and job.state.epoch == epochs - 1
+    with job.client(0) as c:  # the job runs `epochs` epochs: another one is refused, saying so
+        c.set_epoch(epochs)
+        with pytest.raises(BatchdError, match=f"the job runs {epochs} epoch"):
+            list(c)
+
+
+def test_rank_service_restarted_in_a_later_epoch_resumes_it(tmp_path):
+    """A rank service restarted from its journal in epoch 1 (of 3) reloads that epoch's view, and the
+    trainer's restored client finishes it and the next one: every id once per epoch."""
+    n, epochs = 90, 3
+    spec = JobSpec(world_size=1, token_budget=512, policy="local", window=16, depth=3, seed=5, epochs=epochs)
+    lengths = _lengths(n)
+    server, port, state = create_server("127.0.0.1:0", spec, lease_s=30, round_timeout_s=20)
+    server.start()
+    started: list = []
+
+    def start_rank():
+        coord = CoordinatorClient(f"127.0.0.1:{port}", 0, spec, connect_timeout_s=5)
+        core = RankServiceCore(0, spec, coord, SyntheticSource(lengths, 0, 1, spec.seed, 0, spec.shuffle),
+                               state_dir=tmp_path)
+        rank_server, rank_port = create_rank_server("127.0.0.1:0", core)
+        rank_server.start()
+        core.start(f"127.0.0.1:{rank_port}")
+        started.append((core, coord, rank_server))
+        return core, f"127.0.0.1:{rank_port}"
+
+    def stop(core, coord, rank_server):
+        core.stop()
+        core.join(10)
+        coord.close()
+        rank_server.stop(0)
+
+    try:
+        core, address = start_rank()
+        seen: list[list[int]] = [[] for _ in range(epochs)]
+        with BatchClient(address, 0, 1) as c:
+            seen[0] += [i for b, _ in c for i in b["sample_ids"].tolist()]
+            c.set_epoch(1)
+            for k, (b, _) in enumerate(c):
+                seen[1] += b["sample_ids"].tolist()
+                if k == 2:
+                    break
+            saved = c.state_dict()
+        stop(*started[-1])  # the service dies mid-epoch 1
+        assert core.epoch == 1
+        core, address = start_rank()
+        assert core.epoch == 1 and core.state.epoch == 1 and core.source.view.epoch == 1
+        with BatchClient(address, 0, 1) as c:
+            c.load_state_dict(saved)
+            c.set_epoch(1)  # the current epoch: keeps the restored position
+            seen[1] += [i for b, _ in c for i in b["sample_ids"].tolist()]
+            c.set_epoch(2)
+            seen[2] += [i for b, _ in c for i in b["sample_ids"].tolist()]
+        for e in range(epochs):
+            assert sorted(seen[e]) == list(range(n)), f"epoch {e}"
+        assert state.state == "done"
+    finally:
+        for parts in started:
+            stop(*parts)
+        state.close()
+        server.stop(0)
+
+
+def test_next_epoch_needs_the_end_of_this_one(job_factory):
+    spec = JobSpec(world_size=1, token_budget=512, policy="local", window=16, depth=3, seed=1, epochs=2)
+    job = job_factory(spec, _lengths(80))
+    with job.client(0) as c:
+        first = next(iter(c))
+        c.set_epoch(1)  # skips the rest of epoch 0
+        with pytest.raises(BatchdError, match="client asked for epoch 1, but rank 0 is in epoch 0 and its "
+                                              "trainer has not taken that epoch's last step"):
+            list(c)
+    assert first[1].step == 0
+
+
 def test_end_of_epoch_waits_until_every_step_is_acknowledged(job_factory):
     """A trainer that holds its last batch unacknowledged does not get end of epoch, and the batch stays
     held for a restart; acknowledging it ends the stream with nothing left held."""
@@ -188,6 +298,9 @@ def test_coordinator_rejects_bad_messages_with_status_codes(caplog):
                 stub.Register(pb.RegisterRequest(rank=0, spec=other.to_pb(), address="x"), timeout=5)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "window" in e.value.details()
         assert any("window" in r.message for r in caplog.records), "no log line for the refused call"
+        with pytest.raises(grpc.RpcError) as e:  # the epoch count is part of the spec, over the wire
+            stub.Register(pb.RegisterRequest(rank=0, spec=spec.replace(epochs=3).to_pb(), address="x"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "epochs: coordinator 1, rank 3" in e.value.details()
         stub.Register(pb.RegisterRequest(rank=0, spec=spec.to_pb(), address="x"), timeout=5)
         with pytest.raises(grpc.RpcError) as e:  # out of order: round 7 while the coordinator is at 0
             stub.Align(pb.AlignRequest(rank=0, epoch=0, round=7, capacity=1), timeout=5)

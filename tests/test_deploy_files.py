@@ -667,7 +667,7 @@ def free_block(n: int) -> int:
 @pytest.mark.slow
 def test_start_and_launch_scripts_run_a_job(tmp_path: Path) -> None:
     """deploy/ray/start-batchd.sh (coordinator + 2 rank services from a config, with a bearer token) and
-    deploy/torchrun/launch.sh (torchrun -> 2 x batchd.client.train on gloo) run one epoch for real."""
+    deploy/torchrun/launch.sh (torchrun -> 2 x batchd.client.train on gloo) run a 2-epoch job for real."""
     from batchd.demo import demo_lengths
 
     world = 2
@@ -684,6 +684,7 @@ token_budget = 1024
 policy = "balanced"
 window = 64
 depth = 4
+epochs = 2
 [data]
 lengths = "lengths.txt"
 [coordinator]
@@ -710,7 +711,7 @@ token_file = "token"
                        "RANK_HOST": "127.0.0.1", "BASE_PORT": str(base),
                        "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
         run = subprocess.run(["bash", str(REPO / "deploy/torchrun/launch.sh"), "--d-model", "32", "--n-layers",
-                              "1", "--n-heads", "2", "--token-file", str(token), "--checkpoint",
+                              "1", "--n-heads", "2", "--epochs", "2", "--token-file", str(token), "--checkpoint",
                               str(tmp_path / "ckpt"), "--summary", str(tmp_path / "summary-{rank}.json")],
                              env=trainer_env, capture_output=True, text=True, timeout=120, check=False)
         out, _ = services.communicate(timeout=60)  # the services exit on their own when the epoch ends
@@ -724,6 +725,8 @@ token_file = "token"
     results = [json.loads((tmp_path / f"summary-{r}.json").read_text()) for r in range(world)]
     assert [r["rank"] for r in results] == [0, 1]
     assert results[0]["steps"] == results[1]["steps"] > 0, results  # aligned: same step count per rank
+    assert results[0]["epoch_steps"] == results[1]["epoch_steps"] and len(results[0]["epoch_steps"]) == 2
+    assert all(r["epoch"] == 1 and r["steps"] == sum(r["epoch_steps"]) for r in results)
     assert all(r["backend"] == "gloo" and r["world_size"] == world for r in results)
     assert [r["rank_service"] for r in results] == [f"127.0.0.1:{base + r}" for r in range(world)]
     assert all((tmp_path / "ckpt" / f"rank-{r}.pt").is_file() for r in range(world))

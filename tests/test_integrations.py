@@ -71,11 +71,11 @@ def make_job():
     with job_pool(vocab_size=VOCAB) as start:
 
         def make(world_size: int = 1, collate: str = "padded", policy: str = "local", n: int = 48,
-                 budget: int = 256, skewed: bool = False) -> InProcessJob:
+                 budget: int = 256, skewed: bool = False, epochs: int = 1) -> InProcessJob:
             """`skewed`: unshuffled views, rank 0 (even ids) long samples, rank 1 (odd ids) a few tokens each:
             under the local policy rank 1 runs out after its first step and is IDLE from then on."""
             spec = JobSpec(world_size=world_size, token_budget=budget, policy=policy, window=16, depth=3, seed=SEED,
-                           collate=collate, shuffle=not skewed)
+                           collate=collate, shuffle=not skewed, epochs=epochs)
             lengths = [150 if i % 2 == 0 else 5 for i in range(n)] if skewed else lengths_for(n)
             return start(spec, lengths)
 
@@ -161,11 +161,11 @@ def trainer_args(tmp_path, **overrides) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(**kwargs)
 
 
-def make_trainer(job: InProcessJob, tmp_path, model=None, client=None, **overrides):
+def make_trainer(job: InProcessJob, tmp_path, model=None, client=None, epochs: int = 1, **overrides):
     cls = recording_trainer_cls()
     grads = FirstGrads()
     trainer = cls(model=model or tiny_llama(), args=trainer_args(tmp_path, **overrides),
-                  client=client or (lambda: job.client(0)), callbacks=[grads])
+                  client=client or (lambda: job.client(0)), callbacks=[grads], epochs=epochs)
     trainer.seen = []
     return trainer, grads
 
@@ -216,6 +216,22 @@ def test_hf_trainer_checkpoint_resumes_the_stream(make_job, tmp_path):
     rest = [i for ids, _ in resumed.seen for i in ids]
     assert sorted(first + rest) == list(range(len(job.lengths)))
     assert resumed.state.global_step == 3 + len(resumed.seen) and resumed.client.finished
+
+
+def test_hf_trainer_runs_the_jobs_epochs_as_one_stream(make_job, tmp_path):
+    job = make_job(epochs=3, n=32)
+    trainer, _ = make_trainer(job, tmp_path, epochs=3)
+    out = trainer.train()
+    assert trainer.client.epoch == 2 and trainer.client.finished and trainer.control.should_training_stop
+    steps = [info.step for _, info in trainer.seen]
+    starts = [k for k, s in enumerate(steps) if s == 0]
+    assert len(starts) == 3 and starts[0] == 0, steps  # each epoch's steps count from 0
+    epochs = [trainer.seen[a:b] for a, b in zip(starts, [*starts[1:], len(steps)])]
+    for seen in epochs:
+        assert sorted(i for ids, _ in seen for i in ids) == list(range(32)), "every sample once per epoch"
+    assert out.global_step == len(trainer.seen)
+    with pytest.raises(ValueError, match="epochs must be an integer >= 1, got epochs=0"):
+        make_trainer(job, tmp_path, epochs=0)
 
 
 def test_hf_trainer_refuses_bad_setups(make_job, tmp_path):

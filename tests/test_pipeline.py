@@ -132,6 +132,23 @@ def test_resume_from_a_saved_state_gives_exactly_the_rest(pool, ordered):
         RaySource(None, 0, 1, seed=5, epoch=1, pool=pool).load_state_dict(state)
 
 
+def test_start_epoch_gives_the_next_epochs_view_with_cumulative_counters(pool, demo):
+    src = RaySource(None, 0, 2, seed=6, epoch=0, pool=pool, chunk_size=4)
+    first = drain(src)
+    src.start_epoch(1)
+    second = drain(src)
+    expected = [s for s, _ in drain(RaySource(None, 0, 2, seed=6, epoch=1, pool=pool))]
+    assert [s for s, _ in second] == expected  # exactly a fresh epoch-1 source's samples, in its order
+    assert [s.id for s, _ in first] != [s.id for s, _ in second]  # a new seeded permutation and split
+    assert src.emitted + src.quarantined == 2 * len(src) and src.emitted == len(first) + len(second)
+    # mid-view (non-join stops at a quota with work in flight): dropped, and the next view starts clean
+    src.start_epoch(2)
+    drain(src, limit=5)
+    assert src.in_flight > 0
+    src.start_epoch(3)
+    assert [s for s, _ in drain(src)] == [s for s, _ in drain(RaySource(None, 0, 2, seed=6, epoch=3, pool=pool))]
+
+
 def test_wrap_mode_starts_a_new_pass_and_resumes_in_it(pool, demo):
     src = RaySource(None, 1, 4, seed=0, epoch=0, pool=pool, wrap=True, max_in_flight=8)
     view = ViewSource(NUM, 1, 4, seed=0, epoch=0, shuffle=True)
