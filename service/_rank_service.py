@@ -519,6 +519,10 @@ class RankServicer(pb_grpc.RankServiceServicer):
                           f"rank {core.rank} reads its own source; it does not accept Ingest streams")
         accepted, quarantined = 0, []
         for req in request_iterator:
+            if core.epoch < req.epoch < core.spec.epochs:  # a later epoch: wait until this rank starts it
+                with core.cond:
+                    while core.epoch < req.epoch and core.failure is None and context.is_active():
+                        core.cond.wait(0.5)
             if req.epoch != core.epoch:
                 log.warning("Ingest: sample %d for epoch %d, rank %d is in epoch %d", req.meta.id, req.epoch,
                             core.rank, core.epoch)

@@ -423,6 +423,36 @@ def test_dead_trainer_fails_every_party_naming_its_rank(job_factory):
     assert job.state.state == "failed" and "rank 1" in job.state.failure
 
 
+def test_ingest_producer_of_the_next_epoch_waits_for_it():
+    """A producer pushes epoch 0 and then epoch 1 (the same ids again) in one stream: the epoch-1 samples
+    wait until the trainer has taken epoch 0, then fill epoch 1."""
+    spec = JobSpec(world_size=1, token_budget=64, window=4, epochs=2)
+    n = 12
+    with InProcessJob(spec, sources=[IngestSource(capacity=4)], round_timeout_s=10, connect_timeout_s=30) as job:
+        stub = pb_grpc.RankServiceStub(grpc.insecure_channel(job.rank_address(0)))
+
+        def stream():
+            for epoch in range(2):
+                for i in range(n):
+                    p = synthetic_payload(i, 5 + i, epoch, 100)
+                    k = int((p["labels"][1:] != -100).sum())
+                    yield pb.IngestRequest(meta=pb.SampleMeta(id=i, length=5 + i, loss_tokens=k),
+                                           tensors=wire.tensors_to_pb(p), epoch=epoch)
+                yield pb.IngestRequest(end_of_epoch=True, epoch=epoch)
+
+        replies: list = []
+        producer = threading.Thread(target=lambda: replies.append(stub.Ingest(stream(), timeout=60)), daemon=True)
+        producer.start()
+        seen = []
+        with job.client(0) as c:
+            for epoch in range(2):
+                c.set_epoch(epoch)
+                seen.append(sorted(i for b, _ in c for i in b["sample_ids"].tolist()))
+        producer.join(30)
+        assert seen == [list(range(n))] * 2
+        assert replies and replies[0].accepted == 2 * n and not replies[0].quarantined
+
+
 def test_ingest_validates_quarantines_and_pushes_back(caplog):
     spec = JobSpec(world_size=1, token_budget=64, window=4)
     with InProcessJob(spec, sources=[IngestSource(capacity=4)], round_timeout_s=10, connect_timeout_s=30) as job:
