@@ -157,13 +157,22 @@ class InProcessJob:
         Returns:
             Per rank, the projected steps in order. Asserts that no trainer raised and all finished.
         """
+        return [epochs[0] for epochs in self.drain_epochs(1, limit_s, project, **client_kwargs)]
+
+    def drain_epochs(self, epochs: int, limit_s: float = 60.0, project: Callable[[dict, Any], Any] | None = None,
+                     **client_kwargs: Any) -> list[list[list[Any]]]:
+        """Like `drain`, through epochs 0..epochs-1 (`set_epoch` before each); per rank, per epoch, the steps."""
         results: list = [None] * self.spec.world_size
         errors: list = []
 
         def consume(r: int) -> None:
             try:
                 with self.client(r, **client_kwargs) as c:
-                    results[r] = [(b, info) if project is None else project(b, info) for b, info in c]
+                    out = []
+                    for e in range(epochs):
+                        c.set_epoch(e)
+                        out.append([(b, info) if project is None else project(b, info) for b, info in c])
+                    results[r] = out
             except Exception as exc:  # noqa: BLE001 - reported below
                 errors.append((r, exc))
 

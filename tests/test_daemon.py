@@ -139,24 +139,7 @@ def test_each_epoch_serves_every_sample_once_in_a_new_order(job_factory, policy)
     n, epochs = 160, 3
     spec = JobSpec(world_size=2, token_budget=512, policy=policy, window=16, depth=3, seed=3, epochs=epochs)
     job = job_factory(spec, _lengths(n))
-    got: list = [[], []]
-    errors: list = []
-
-    def train(r):
-        try:
-            with job.client(r) as c:
-                for e in range(epochs):
-                    c.set_epoch(e)
-                    got[r].append([(b["sample_ids"].tolist(), info) for b, info in c])
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append((r, exc))
-
-    threads = [threading.Thread(target=train, args=(r,), daemon=True) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    got = job.drain_epochs(epochs, 60, lambda b, info: (b["sample_ids"].tolist(), info))
     orders = []
     for e in range(epochs):
         assert len(got[0][e]) == len(got[1][e]) > 0, "every rank runs the same steps in every epoch"

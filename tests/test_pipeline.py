@@ -201,3 +201,22 @@ def test_backpressure_bounds_outstanding_work(pool):
     assert len(drain(src)) + 1 == src.emitted
     st = src.stats()
     assert st["actors"] == 2 and st["samples"] == src.emitted and st["records_read"] == NUM
+
+
+def test_rank_services_on_ray_sources_run_several_epochs(pool, demo):
+    """Two in-process rank services read RaySources on one pool through a 2-epoch balanced job: every good
+    record reaches a trainer exactly once per epoch, and each source's counters cover both epochs."""
+    from _jobs import InProcessJob
+
+    from batchd.service import JobSpec
+
+    spec = JobSpec(world_size=2, token_budget=2048, policy="balanced", window=16, depth=3, seed=2, epochs=2)
+    sources = [RaySource(None, r, 2, seed=spec.seed, epoch=0, pool=pool) for r in range(2)]
+    good = sorted(set(range(NUM)) - set(demo.bad))
+    with InProcessJob(spec, sources=sources, round_timeout_s=60) as job:
+        got = job.drain_epochs(2, 120, lambda b, info: b["sample_ids"].tolist())
+    for e in range(2):
+        assert len(got[0][e]) == len(got[1][e]) > 0, "the same steps on every rank"
+        assert sorted(i for r in range(2) for ids in got[r][e] for i in ids) == good, f"epoch {e}"
+    for src in sources:
+        assert src.emitted + src.quarantined == 2 * len(src) and src.epoch == 1
