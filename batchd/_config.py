@@ -203,6 +203,7 @@ class RankConfig:
     metrics_base_port: int | None = None
     state_dir: str | None = None
     client_grace_s: float = 30.0
+    trainer_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
         _str("rank.host", self.host)
@@ -210,6 +211,7 @@ class RankConfig:
         _opt_port("rank.metrics_base_port", self.metrics_base_port)
         _opt_str("rank.state_dir", self.state_dir)
         _float("rank.client_grace_s", self.client_grace_s)
+        _float("rank.trainer_timeout_s", self.trainer_timeout_s)
 
     def port_of(self, rank: int) -> int:
         return self.base_port + rank if self.base_port else 0
@@ -468,6 +470,7 @@ host = "127.0.0.1"
 base_port = 7100           # rank r listens on base_port + r
 # metrics_base_port = 9200
 # state_dir = "/var/lib/batchd"
+# trainer_timeout_s = 1800.0   # ready batches wait this long for a trainer that has not connected
 
 [security]
 # tls_cert = "tls/server.crt"

@@ -188,7 +188,8 @@ def _rank(args: argparse.Namespace) -> int:
         raise ValueError(f"--rank must be >= 0, got rank={args.rank}")
     overrides = _common_overrides(args)
     overrides |= _overrides(args, "coordinator", ("coordinator",), {"coordinator": "address"})
-    overrides |= _overrides(args, "rank", ("host", "state_dir", "client_grace"), {"client_grace": "client_grace_s"})
+    overrides |= _overrides(args, "rank", ("host", "state_dir", "client_grace", "trainer_timeout"),
+                            {"client_grace": "client_grace_s", "trainer_timeout": "trainer_timeout_s"})
     overrides |= _overrides(args, "data", ("lengths", "dataset", "num_actors", "ray_address", "quarantine",
                                            "stats_file"))
     overrides |= _overrides(args, "pipeline", ("tokenizer", "template", "vision", "augment"))
@@ -211,7 +212,7 @@ def _rank(args: argparse.Namespace) -> int:
                     num_actors=d.num_actors, ray_address=d.ray_address, quarantine=d.quarantine,
                     stats_file=d.stats_file, pipeline=cfg.pipeline.stage_kwargs(), cutoff=cfg.pipeline.cutoff,
                     security=cfg.security_object(), metrics_port=metrics_port,
-                    metrics_host=args.metrics_host or cfg.rank.host)
+                    metrics_host=args.metrics_host or cfg.rank.host, trainer_timeout_s=cfg.rank.trainer_timeout_s)
 
 
 def _config_cmd(args: argparse.Namespace) -> int:
@@ -325,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stats-file", metavar="FILE", help="write the source's counters here as JSON on exit")
     p.add_argument("--state-dir", help="journal here after every round (restartable)")
     p.add_argument("--client-grace", type=float, help="seconds a disconnected trainer has to come back (default 30)")
+    p.add_argument("--trainer-timeout", type=float, metavar="S",
+                   help="seconds ready batches wait for a trainer that has not connected yet, at the start or "
+                   "for the next epoch, before the job fails naming this rank (default 1800)")
     p.set_defaults(func=_rank)
 
     p = sub.add_parser("demo", help="run the main job end to end on this machine",

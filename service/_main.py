@@ -139,7 +139,7 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
              quarantine: str | None = None, stats_file: str | None = None,
              pipeline: dict | None = None, cutoff: int | None = None,
              security: Security | None = None, metrics_port: int | None = None,
-             metrics_host: str = "127.0.0.1") -> int:
+             metrics_host: str = "127.0.0.1", trainer_timeout_s: float = 1800.0) -> int:
     if lengths is not None and dataset is not None:
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
     if dataset is not None:
@@ -152,7 +152,7 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
                                  wrap=spec.mode == "non-join")
     try:
         return _serve_rank(spec, rank, coordinator, source, host, port, port_file, state_dir, client_grace_s,
-                           security, metrics_port, metrics_host)
+                           security, metrics_port, metrics_host, trainer_timeout_s)
     finally:
         if dataset is not None:
             _write_stats(stats_file, rank, source)
@@ -164,10 +164,12 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
 
 def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source, host: str, port: int, port_file: str | None,
                 state_dir: str | None, client_grace_s: float, security: Security | None = None,
-                metrics_port: int | None = None, metrics_host: str = "127.0.0.1") -> int:
+                metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                trainer_timeout_s: float = 1800.0) -> int:
     coord = CoordinatorClient(coordinator, rank, spec, security=security)
     metrics = RankMetrics(rank) if metrics_port is not None else None
     core = RankServiceCore(rank, spec, coord, source, state_dir=state_dir, client_grace_s=client_grace_s,
+                           trainer_timeout_s=trainer_timeout_s,
                            security=security, metrics=metrics)
     server, bound = create_rank_server(f"{host}:{port}", core, security)
     metrics_server, metrics_bound = _start_metrics(metrics, metrics_host, metrics_port, f"rank {rank}")

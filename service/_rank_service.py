@@ -24,7 +24,9 @@ it, re-materializes payloads by id (`SyntheticSource`, `RaySource`; see `_source
 report: the coordinator replays rounds that were already decided, so nothing is lost or duplicated.
 
 Failure: the coordinator's failure (it names the rank) is passed to the trainer as ABORTED. A trainer
-that disconnects and does not come back within `client_grace_s` fails the job, naming this rank.
+that disconnects mid-epoch and does not come back within `client_grace_s` (30 s) fails the job, naming
+this rank; so does a trainer that never connects, or does not come back for the next epoch, while the
+rank's batches wait for it for `trainer_timeout_s` (30 min: model loading and evaluation take long).
 """
 
 from __future__ import annotations
@@ -96,12 +98,16 @@ class RankServiceCore:
     def __init__(self, rank: int, spec: JobSpec, coordinator: CoordinatorClient, source,
                  state_dir: str | os.PathLike | None = None, epoch: int = 0, client_grace_s: float = 30.0,
                  fill_timeout_s: float = 0.5, security: Security | None = None,
-                 metrics: RankMetrics | None = None) -> None:
+                 metrics: RankMetrics | None = None, trainer_timeout_s: float = 1800.0) -> None:
+        if not trainer_timeout_s > 0 or not client_grace_s > 0:
+            raise ValueError(f"timeouts must be > 0, got {trainer_timeout_s=} {client_grace_s=}")
         self.rank, self.spec, self.coord, self.source = rank, spec, coordinator, source
         self.metrics = metrics  # Prometheus metrics (`_metrics`), updated once per round; None = off
         self.security = security  # this process's TLS / token: its server and its peer (Fetch) channels
         self.epoch = epoch
         self.client_grace_s, self.fill_timeout_s = client_grace_s, fill_timeout_s
+        self.trainer_timeout_s = trainer_timeout_s
+        self._unattended_since = time.monotonic()  # since when no trainer is connected
         self.state = self._new_state(epoch)
         self._rejected_before = 0  # over-budget rejections of the epochs before this one (metrics)
         self.prev_epoch_steps = 0  # steps of the epoch before this one (a trainer that missed its end)
@@ -284,9 +290,18 @@ class RankServiceCore:
             self._observe(metrics.observe_quarantine, getattr(self.source, "reasons", None),
                           self._rejected_before + self.state.counters["rejected"])
         t_wait = time.perf_counter()
+        unattended = None
         with self.cond:
             while len(self.ready) >= self.spec.depth and self.failure is None and not self._stop.is_set():
                 self.cond.wait(0.5)
+                if self._clients == 0 and time.monotonic() - self._unattended_since > self.trainer_timeout_s:
+                    unattended = (f"no trainer connected to rank {self.rank}'s service for "
+                                  f"{self.trainer_timeout_s:g}s while its batches were ready")
+                    break
+        if unattended is not None:
+            self.coord.fail(unattended)
+            self.set_failure(f"rank {self.rank}: {unattended}")
+        with self.cond:
             if self.failure is not None or self._stop.is_set():
                 raise CoordinatorError(self.failure or "stopped")
             capacity = self.spec.depth - len(self.ready)
@@ -391,6 +406,8 @@ class RankServiceCore:
     def detach(self) -> None:
         with self.cond:
             self._clients -= 1
+            if self._clients == 0:
+                self._unattended_since = time.monotonic()
             if self._clients == 0 and not self.done and self.failure is None and not self._stop.is_set():
                 self._grace_timer = threading.Timer(self.client_grace_s, self._client_lost)
                 self._grace_timer.daemon = True

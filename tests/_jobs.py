@@ -51,7 +51,7 @@ class InProcessJob:
                  round_timeout_s: float = 20.0, sources: Sequence[Any] | None = None, grace: float = 30.0,
                  security: Security | None = None, metrics: bool = False,
                  coordinator_metrics: CoordinatorMetrics | None = None, connect_timeout_s: float = 5.0,
-                 vocab_size: int = 512) -> None:
+                 vocab_size: int = 512, trainer_timeout_s: float = 1800.0) -> None:
         """Starts the job.
 
         Args:
@@ -68,13 +68,14 @@ class InProcessJob:
                 default one for `spec`.
             connect_timeout_s: The rank services' coordinator connect timeout.
             vocab_size: Token ids of the synthetic payloads lie in [1, vocab_size).
+            trainer_timeout_s: Each rank service's wait for a trainer that has not connected.
         """
         if lengths is None and sources is None:
             raise ValueError(f"give lengths or sources, got {lengths=} and {sources=}")
         if sources is not None and len(sources) != spec.world_size:
             raise ValueError(f"one source per rank: {len(sources)=} for world_size={spec.world_size}")
         self.spec, self.lengths, self.vocab_size = spec, None if lengths is None else list(lengths), vocab_size
-        self.security = security
+        self.security, self.trainer_timeout_s = security, trainer_timeout_s
         self.cores: list[RankServiceCore] = []
         self.servers: list = []
         self.ports: list[int] = []
@@ -107,7 +108,8 @@ class InProcessJob:
                                      vocab_size=self.vocab_size, wrap=spec.mode == "non-join")
         m = RankMetrics(r) if metrics else None
         coord = CoordinatorClient(self.address, r, spec, connect_timeout_s=connect_timeout_s, security=self.security)
-        core = RankServiceCore(r, spec, coord, source, client_grace_s=grace, security=self.security, metrics=m)
+        core = RankServiceCore(r, spec, coord, source, client_grace_s=grace, security=self.security, metrics=m,
+                               trainer_timeout_s=self.trainer_timeout_s)
         self.cores.append(core)
         server, port = create_rank_server(f"{HOST}:0", core)  # the core's security
         self.servers.append(server)

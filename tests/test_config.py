@@ -65,6 +65,7 @@ def test_yaml_and_toml_give_the_same_config(tmp_path):
     ("coordinator", "address", '"nohost"', "coordinator.address must be HOST:PORT"),
     ("coordinator", "lease_s", "0", "coordinator.lease_s must be a number > 0"),
     ("rank", "base_port", "-1", "rank.base_port must be >= 0"),
+    ("rank", "trainer_timeout_s", "0", "rank.trainer_timeout_s must be a number > 0"),
     ("data", "num_actors", "0", "data.num_actors must be >= 1"),
     ("pipeline", "vision", '"clip"', "pipeline.vision must be one of"),
     ("security", "client_auth", '"yes"', "security.client_auth must be true or false"),

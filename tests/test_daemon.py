@@ -406,6 +406,23 @@ def test_dead_trainer_fails_every_party_naming_its_rank(job_factory):
     assert job.state.state == "failed" and "rank 1" in job.state.failure
 
 
+@pytest.mark.parametrize("epochs", [1, 2])
+def test_trainer_that_never_connects_fails_the_job_naming_its_rank(job_factory, epochs):
+    """Rank 1's trainer never connects (epochs=1) or does not come back for epoch 1 (epochs=2): once its
+    ready batches waited trainer_timeout_s, rank 0's trainer gets JobFailed naming rank 1."""
+    spec = JobSpec(world_size=2, token_budget=512, policy="local", window=16, depth=2, seed=2, epochs=epochs)
+    job = job_factory(spec, _lengths(200), trainer_timeout_s=1.5)
+    if epochs == 2:
+        got = job.drain(30)  # both trainers take epoch 0; then only rank 0's comes back
+        assert len(got[0]) == len(got[1]) > 0
+    with job.client(0) as c0:
+        c0.set_epoch(epochs - 1)
+        with pytest.raises(JobFailed, match=r"rank 1: no trainer connected to rank 1's service for 1.5s"):
+            for _ in c0:
+                pass
+    assert job.state.state == "failed" and "rank 1" in job.state.failure
+
+
 def test_ingest_producer_of_the_next_epoch_waits_for_it():
     """A producer pushes epoch 0 and then epoch 1 (the same ids again) in one stream: the epoch-1 samples
     wait until the trainer has taken epoch 0, then fill epoch 1."""
