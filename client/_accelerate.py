@@ -48,7 +48,10 @@ from ._train import _check_scale, _scaled, _to_device
 INFO_KEY = "batchd_info"
 """Key under which `batchd.client.BatchdTrainer`'s stream carries the StepInfo inside each batch dict."""
 
-NON_MODEL_KEYS = frozenset({"labels", "sample_ids", "cu_seqlens", "max_seqlen", INFO_KEY})
+GA_WEIGHT_KEY = "batchd_ga_weight"
+"""Key under which `batchd.client.BatchdTrainer` puts a batch's share T_j / sum(T) of its accumulation window."""
+
+NON_MODEL_KEYS = frozenset({"labels", "sample_ids", "cu_seqlens", "max_seqlen", INFO_KEY, GA_WEIGHT_KEY})
 """Batch entries that are not model keyword arguments (the packed layout's boundaries are given to an
 HF model by the restarting ``position_ids``)."""
 

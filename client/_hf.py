@@ -33,13 +33,19 @@ trains on this rank's batchd stream instead of a dataset:
   client and sets ``args.ignore_data_skip = True``, since batchd resumes the stream itself (Trainer's
   own batch skipping needs a DataLoader and would skip a second time).
 
-Trade-offs: one batchd step is one optimizer step; ``gradient_accumulation_steps`` > 1 and
-DataParallel (``n_gpu`` > 1 in one process) are refused with a ValueError. ``max_steps`` must be an
-upper bound, not the exact count.
+* **Gradient accumulation.** With ``gradient_accumulation_steps`` = k, one optimizer step takes k
+  batchd steps (the same k on every rank: their step counts are aligned), and each step's loss scale is
+  multiplied by T_j / (T_1 + ... + T_k), its share of the window's global loss tokens, so the update is
+  the gradient of the per-token mean over the whole window. When the stream ends mid-window, zero-weight
+  IDLE batches fill it, so Trainer still takes the last optimizer step.
+
+Trade-offs: DataParallel (``n_gpu`` > 1 in one process) is refused with a ValueError; ``max_steps``
+(optimizer steps) must be an upper bound, not the exact count.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -49,8 +55,11 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ._accelerate import INFO_KEY, hf_model_inputs, logits_of
+from batchd.core import StepInfo
+
+from ._accelerate import GA_WEIGHT_KEY, INFO_KEY, hf_model_inputs, logits_of
 from ._client import BatchClient
+from ._collate import idle_batch
 from ._train import _check_scale, _scaled
 
 CLIENT_STATE_FILE = "batchd_client_rank{rank}.json"
@@ -91,6 +100,16 @@ class BatchdStream:
             self._it = None
 
 
+def _idle_inputs(last: StepInfo) -> dict[str, Any]:
+    """A zero-weight IDLE batch after the stream's last step (it fills the last accumulation window)."""
+    batch: dict[str, Any] = idle_batch()
+    batch["sample_ids"] = torch.empty(0, dtype=torch.int64)
+    batch[INFO_KEY] = dataclasses.replace(
+        last, step=last.step + 1, is_idle=True, local_samples=0, local_tokens=0, local_loss_tokens=0,
+        global_samples=0, global_tokens=0, global_loss_tokens=0, loss_scale=0.0, cost=0.0)
+    return batch
+
+
 class BatchdTrainer(transformers.Trainer):
     """A ``transformers.Trainer`` that trains on this rank's batchd stream (module docstring).
 
@@ -102,8 +121,8 @@ class BatchdTrainer(transformers.Trainer):
         **kwargs: ``transformers.Trainer``'s keyword arguments; ``train_dataset`` must stay None.
 
     Raises:
-        ValueError: on a train_dataset, ``max_steps`` <= 0, ``gradient_accumulation_steps`` != 1,
-            ``n_gpu`` > 1, or (on first use) a client whose rank / world size do not match ``args``.
+        ValueError: on a train_dataset, ``max_steps`` <= 0, ``n_gpu`` > 1, or (on first use) a client whose
+            rank / world size do not match ``args``.
     """
 
     loss_is_scaled_for_ga = True
@@ -123,10 +142,6 @@ class BatchdTrainer(transformers.Trainer):
         if a.max_steps <= 0:
             raise ValueError(f"batchd's stream has no length: set max_steps to an upper bound on the steps "
                              f"(e.g. the number of samples), got max_steps={a.max_steps}")
-        if a.gradient_accumulation_steps != 1:
-            raise ValueError(f"batchd needs one batch per optimizer step (its loss scale normalizes within a "
-                             f"step; raise the token budget instead), got "
-                             f"gradient_accumulation_steps={a.gradient_accumulation_steps}")
         if a.n_gpu > 1:
             raise ValueError(f"DataParallel would split batchd's batches; launch one process per device, got "
                              f"n_gpu={a.n_gpu}")
@@ -157,14 +172,20 @@ class BatchdTrainer(transformers.Trainer):
 
     def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
                           device: torch.device) -> tuple[list, None]:
-        """Takes the next batch; at the end of the stream stops training (see the module docstring)."""
+        """Takes the next accumulation window's batches and weights them (see the module docstring)."""
         batches = []
         for _ in range(num_batches):
             try:
                 batches.append(next(epoch_iterator))
             except StopIteration:
-                self.control.should_training_stop = True
                 break
+        if not batches:  # the stream has ended: stop here, between optimizer steps
+            self.control.should_training_stop = True
+        elif len(batches) < num_batches:  # it ended mid-window: IDLE batches fill it, so Trainer still steps
+            batches += [_idle_inputs(batches[-1][INFO_KEY]) for _ in range(num_batches - len(batches))]
+        total = sum(b[INFO_KEY].global_loss_tokens for b in batches)
+        for b in batches:
+            b[GA_WEIGHT_KEY] = b[INFO_KEY].global_loss_tokens / total if total else 0.0
         return batches, None
 
     # -- loss ------------------------------------------------------------------------------------------
@@ -176,6 +197,7 @@ class BatchdTrainer(transformers.Trainer):
         info = inputs[INFO_KEY]
         scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
         _check_scale(scale, tokens)
+        scale *= inputs.get(GA_WEIGHT_KEY, 1.0)  # N t_rj / T_j -> N t_rj / sum of T over the window
         outputs = model(**hf_model_inputs(inputs))
         loss = _scaled(logits_of(outputs), inputs["labels"], scale, tokens)[0]
         return (loss, outputs) if return_outputs else loss

@@ -234,6 +234,29 @@ def test_hf_trainer_runs_the_jobs_epochs_as_one_stream(make_job, tmp_path):
         make_trainer(job, tmp_path, epochs=0)
 
 
+@pytest.mark.parametrize("k", [2, 64])
+def test_hf_trainer_gradient_accumulation_is_the_windows_per_token_mean(make_job, tmp_path, k):
+    """k batchd steps per optimizer step, each weighted by its share of the window's loss tokens: the first
+    update's gradient is the per-token-mean gradient over the window's samples. k=64 is more than the
+    epoch's steps: one window, filled with zero-weight IDLE batches, and the optimizer still steps."""
+    job = make_job()
+    model = tiny_llama()
+    initial = copy.deepcopy(model)
+    trainer, grads = make_trainer(job, tmp_path, model=model, gradient_accumulation_steps=k)
+    out = trainer.train()
+    real = [(ids, info) for ids, info in trainer.seen if not info.is_idle]
+    assert sorted(i for ids, _ in real for i in ids) == list(range(len(job.lengths))), "every sample once"
+    assert out.global_step == math.ceil(len(real) / k) and len(trainer.seen) == k * out.global_step
+    window = [job.payload(i) for ids, _ in real[:k] for i in ids]
+    assert len({len(p["input_ids"]) for p in window}) > 1
+    want = reference_grad(initial, window)
+    assert max_err(grads.grads[0], want) <= ATOL, max_err(grads.grads[0], want)
+    if k == 2:  # the control: weighting each step's mean equally is measurably different
+        halves = [reference_grad(initial, [job.payload(i) for i in ids]) for ids, _ in real[:2]]
+        assert real[0][1].global_loss_tokens != real[1][1].global_loss_tokens
+        assert max_err((halves[0] + halves[1]) / 2, want) > 10 * ATOL, max_err((halves[0] + halves[1]) / 2, want)
+
+
 def test_hf_trainer_refuses_bad_setups(make_job, tmp_path):
     from batchd.client import BatchdTrainer
 
@@ -241,8 +264,6 @@ def test_hf_trainer_refuses_bad_setups(make_job, tmp_path):
     model = tiny_llama()
     with pytest.raises(ValueError, match="max_steps"):
         BatchdTrainer(model=model, args=trainer_args(tmp_path, max_steps=-1), client=job.client(0))
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=2"):
-        BatchdTrainer(model=model, args=trainer_args(tmp_path, gradient_accumulation_steps=2), client=job.client(0))
     with pytest.raises(ValueError, match="train_dataset"):
         BatchdTrainer(model=model, args=trainer_args(tmp_path), client=job.client(0), train_dataset=[1])
     other = BatchClient("127.0.0.1:1", rank=1, world_size=2)
@@ -407,7 +428,9 @@ def _accelerate_epoch(address: str, grad_steps: int) -> dict:
     return out
 
 
-def _trainer_epoch(address: str, grad_steps: int, out_dir: str) -> dict:
+def _trainer_epoch(address: str, grad_steps: int, out_dir: str, ga: int = 1) -> dict:
+    """A BatchdTrainer epoch; with `ga` > 1 each reported step is one accumulation window (its ids joined)."""
+
     class Grads(FirstGrads):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             if len(self.grads) < self.k:
@@ -415,11 +438,14 @@ def _trainer_epoch(address: str, grad_steps: int, out_dir: str) -> dict:
 
     grads = Grads(grad_steps)
     trainer = recording_trainer_cls()(
-        model=tiny_llama(), args=trainer_args(Path(out_dir), optim="sgd", learning_rate=0.1, logging_steps=1000),
+        model=tiny_llama(), args=trainer_args(Path(out_dir), optim="sgd", learning_rate=0.1, logging_steps=1000,
+                                              gradient_accumulation_steps=ga),
         client=lambda: BatchClient(address, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])), callbacks=[grads])
     trainer.seen = []
     trainer.train()
-    steps = [{"ids": ids, "idle": info.is_idle} for ids, info in trainer.seen]
+    windows = [trainer.seen[w:w + ga] for w in range(0, len(trainer.seen), ga)]
+    steps = [{"ids": [i for ids, _ in win for i in ids], "idle": all(info.is_idle for _, info in win)}
+             for win in windows]
     for step, (grad, params) in zip(steps, grads.grads, strict=False):
         step.update(grad=grad.tolist(), params=params)
     return {"num_processes": trainer.args.world_size, "ddp": type(trainer.model_wrapped).__name__, "steps": steps}
@@ -427,7 +453,8 @@ def _trainer_epoch(address: str, grad_steps: int, out_dir: str) -> dict:
 
 def _rank_main(rank: int, world: int, port: int, addresses: dict[str, list[str]], out_dir: str,
                grad_steps: int) -> None:
-    """One rank: an Accelerate epoch on one job, then a BatchdTrainer epoch on another (DDP over gloo)."""
+    """One rank: an Accelerate epoch on one job, then BatchdTrainer epochs on two others, the second with
+    gradient accumulation over 2 steps (DDP over gloo)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -435,7 +462,9 @@ def _rank_main(rank: int, world: int, port: int, addresses: dict[str, list[str]]
     out = {"accelerate": _accelerate_epoch(addresses["accelerate"][rank], grad_steps)}
     t1 = time.perf_counter()
     out["trainer"] = _trainer_epoch(addresses["trainer"][rank], grad_steps, out_dir)
-    out["wall_s"] = {"accelerate": t1 - t0, "trainer": time.perf_counter() - t1}
+    t2 = time.perf_counter()
+    out["trainer_ga"] = _trainer_epoch(addresses["trainer_ga"][rank], grad_steps, out_dir, ga=2)
+    out["wall_s"] = {"accelerate": t1 - t0, "trainer": t2 - t1, "trainer_ga": time.perf_counter() - t2}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(out, f)
     torch.distributed.barrier()
@@ -445,12 +474,14 @@ def _rank_main(rank: int, world: int, port: int, addresses: dict[str, list[str]]
 @pytest.mark.slow
 def test_two_ranks_gradients_equal_single_process_reference(make_job, tmp_path):
     """Accelerate and BatchdTrainer under real DDP (2 gloo processes): every step's all-reduced gradient
-    equals the single-process per-token gradient over both ranks' samples."""
+    equals the single-process per-token gradient over both ranks' samples; with gradient accumulation
+    over 2 steps, every update's gradient is that over the window's samples of both ranks."""
     import torch.multiprocessing as mp
 
     # accelerate: balanced plan over shuffled lengths; trainer: skewed, rank 1 IDLE from its second step on
     jobs = {"accelerate": make_job(world_size=2, policy="balanced", n=40, budget=200),
-            "trainer": make_job(world_size=2, policy="local", n=40, budget=200, skewed=True)}
+            "trainer": make_job(world_size=2, policy="local", n=40, budget=200, skewed=True),
+            "trainer_ga": make_job(world_size=2, policy="balanced", n=40, budget=120)}
     addresses = {kind: [f"127.0.0.1:{port}" for port in job.ports] for kind, job in jobs.items()}
     grad_steps = 3
     t0 = time.perf_counter()
