@@ -9,7 +9,8 @@ batches it may hold (credits); each later message acknowledges what was consumed
 frees them; end of epoch comes once every step is acknowledged. Every rank yields the same number of
 steps (the service's alignment guarantees it).
 
-- Epochs: `client.set_epoch(e)` before each epoch's loop (the job's `epochs`, see `JobSpec`).
+- Epochs: `for e in range(client.epoch, client.job_epochs()): client.set_epoch(e); for ... in client:`
+  (a restored client starts at its saved epoch and keeps its position in it).
 - Resume: `state_dict()` stores rank, world size, epoch and the next step; `load_state_dict()` refuses
   a state of another rank or world size. A new client resumes exactly where the old one stopped.
 - Rank service restart: UNAVAILABLE is retried for `reconnect_timeout_s`, from the next step.
@@ -109,6 +110,14 @@ class BatchClient:
             raise ValueError(f"epoch must be an integer >= 0, got {epoch=}")
         if epoch != self.epoch:
             self.epoch, self.next_step, self.finished = epoch, 0, False
+
+    def job_epochs(self, timeout: float = 10.0) -> int:
+        """The number of epochs the job runs, asked of the rank service (waits for it up to `timeout`)."""
+        try:
+            return max(self.stub.RankStatus(pb.RankStatusRequest(), timeout=timeout, wait_for_ready=True).epochs, 1)
+        except grpc.RpcError as exc:
+            raise BatchdError(f"rank service of rank {self.rank} at {self.address}: {exc.code().name}: "
+                              f"{exc.details()}") from None
 
     # -- iteration -----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:

@@ -67,15 +67,15 @@ CLIENT_STATE_FILE = "batchd_client_rank{rank}.json"
 
 class BatchdStream:
     """The iterable `BatchdTrainer` trains on: the client's batches with the StepInfo inside each dict,
-    through the client's epoch and the ones after it up to `epochs` - 1 (`set_epoch` between them).
+    through the client's epoch and the ones after it up to `epochs` - 1 (`set_epoch` between them; by
+    default all the job's epochs, asked of the rank service).
 
     Iterating it again continues the client (a finished last epoch yields nothing); `close` ends the
     current gRPC stream.
     """
 
-    def __init__(self, client: BatchClient, epochs: int = 1) -> None:
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs must be an integer >= 1, got {epochs=}")
+    def __init__(self, client: BatchClient, epochs: int | None = None) -> None:
+        _check_epochs(epochs)
         self.client, self.epochs = client, epochs
         self._it: Iterator | None = None
 
@@ -85,6 +85,8 @@ class BatchdStream:
 
     def _batches(self) -> Iterator[dict[str, Any]]:
         client = self.client
+        if self.epochs is None:
+            self.epochs = client.job_epochs()
         while True:
             self._it = iter(client)
             for batch, info in self._it:
@@ -98,6 +100,11 @@ class BatchdStream:
         if self._it is not None:
             self._it.close()
             self._it = None
+
+
+def _check_epochs(epochs: int | None) -> None:
+    if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+        raise ValueError(f"epochs must be None or an integer >= 1, got {epochs=}")
 
 
 def _idle_inputs(last: StepInfo) -> dict[str, Any]:
@@ -116,8 +123,9 @@ class BatchdTrainer(transformers.Trainer):
     Args:
         *args: ``transformers.Trainer``'s positional arguments (model, args, ...).
         client: This rank's `BatchClient`, or a zero-argument factory returning it.
-        epochs: batchd epochs to train, from the client's (the job's ``[job] epochs``); to Trainer they
-            are one stream, so its own ``epoch`` counter does not follow them.
+        epochs: batchd epochs to train, from the client's; by default all the job's (``[job] epochs``,
+            asked of the rank service). To Trainer they are one stream, so its own ``epoch`` counter does
+            not follow them.
         **kwargs: ``transformers.Trainer``'s keyword arguments; ``train_dataset`` must stay None.
 
     Raises:
@@ -127,10 +135,9 @@ class BatchdTrainer(transformers.Trainer):
 
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args: Any, client: BatchClient | Callable[[], BatchClient], epochs: int = 1,
+    def __init__(self, *args: Any, client: BatchClient | Callable[[], BatchClient], epochs: int | None = None,
                  **kwargs: Any) -> None:
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs must be an integer >= 1, got {epochs=}")
+        _check_epochs(epochs)
         if kwargs.get("train_dataset") is not None:
             raise ValueError(f"BatchdTrainer takes its data from the batchd client, got train_dataset="
                              f"{type(kwargs['train_dataset']).__name__}")

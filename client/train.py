@@ -6,7 +6,8 @@
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous (MASTER_ADDR/PORT); this module reads
 them, initialises the process group (NCCL on `cuda:LOCAL_RANK` when CUDA is available, else gloo on
 CPU), connects a `BatchClient` to the rank service of its global rank and runs `train_step` on every
-(batch, StepInfo) of epochs 0..`--epochs`-1 (`client.set_epoch(e)` before each). The rank service address comes from `--rank-services` (a comma
+(batch, StepInfo) of epochs 0..E-1 (`client.set_epoch(e)` before each; E: `--epochs`, by default the
+job's, asked of the rank service). The rank service address comes from `--rank-services` (a comma
 list indexed by global rank, or one address with a `{rank}` placeholder) or `--rank-host HOST
 --base-port P` (rank r at HOST:P+r, the layout `deploy/ray/start-batchd.sh` starts).
 
@@ -112,8 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-heads", type=int, default=4, help="attention heads")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed")
-    p.add_argument("--epochs", type=int, default=1, metavar="E",
-                   help="epochs to train, 0..E-1 (the job's [job] epochs); a checkpoint resumes mid-epoch")
+    p.add_argument("--epochs", type=int, default=None, metavar="E",
+                   help="epochs to train, 0..E-1 (default: all the job's epochs, asked of the rank service); "
+                   "a checkpoint resumes mid-epoch")
     p.add_argument("--credits", type=int, default=4, help="batches the rank service may send ahead")
     p.add_argument("--reconnect-timeout", type=float, default=60.0,
                    help="seconds to retry an unreachable rank service (covers its restart)")
@@ -146,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from batchd.client import BatchClient, JobFailed, TinyCausalLM, train_step
 
     args = build_parser().parse_args(argv)
-    if args.epochs < 1:
+    if args.epochs is not None and args.epochs < 1:
         raise SystemExit(f"--epochs must be >= 1, got {args.epochs}")
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     address = rank_service_address(rank, world_size, args.rank_services, args.rank_host, args.base_port)
@@ -206,7 +208,8 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
     t0 = time.perf_counter()
     watch = _FailureWatch(client)
     try:
-        for epoch in range(client.epoch, args.epochs):
+        epochs = args.epochs or client.job_epochs()
+        for epoch in range(client.epoch, epochs):
             client.set_epoch(epoch)  # the checkpoint's epoch keeps its position
             n = 0
             batches = iter(client)  # closed only after a failure was asked about (see _trainer._run_batchd)

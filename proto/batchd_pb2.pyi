@@ -349,7 +349,7 @@ class RankStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankStatusReply(_message.Message):
-    __slots__ = ("rank", "buffered", "ready", "next_step", "round", "state", "failure")
+    __slots__ = ("rank", "buffered", "ready", "next_step", "round", "state", "failure", "epoch", "epochs")
     RANK_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +357,8 @@ class RankStatusReply(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     buffered: int
     ready: int
@@ -364,4 +366,6 @@ class RankStatusReply(_message.Message):
     round: int
     state: str
     failure: str
-    def __init__(self, rank: _Optional[int] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., next_step: _Optional[int] = ..., round: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ...) -> None: ...
+    epoch: int
+    epochs: int
+    def __init__(self, rank: _Optional[int] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., next_step: _Optional[int] = ..., round: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ...) -> None: ...

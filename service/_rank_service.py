@@ -607,7 +607,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
             return pb.RankStatusReply(
                 rank=core.rank, buffered=len(core.state.buffer), ready=len(core.ready), next_step=core.state.step,
                 round=core.state.round, state="failed" if core.failure else ("done" if core.done else "running"),
-                failure=core.failure or "",
+                failure=core.failure or "", epoch=core.epoch, epochs=core.spec.epochs,
             )
 
 

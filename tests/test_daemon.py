@@ -150,6 +150,7 @@ def test_each_epoch_serves_every_sample_once_in_a_new_order(job_factory, policy)
     assert len({tuple(o) for o in orders}) == epochs, "each epoch is a new seeded view"
     assert job.state.state == "done" and job.state.epoch == epochs - 1
     with job.client(0) as c:  # the job runs `epochs` epochs: another one is refused, saying so
+        assert c.job_epochs() == epochs
         c.set_epoch(epochs)
         with pytest.raises(BatchdError, match=f"the job runs {epochs} epoch"):
             list(c)

@@ -711,7 +711,7 @@ token_file = "token"
                        "RANK_HOST": "127.0.0.1", "BASE_PORT": str(base),
                        "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
         run = subprocess.run(["bash", str(REPO / "deploy/torchrun/launch.sh"), "--d-model", "32", "--n-layers",
-                              "1", "--n-heads", "2", "--epochs", "2", "--token-file", str(token), "--checkpoint",
+                              "1", "--n-heads", "2", "--token-file", str(token), "--checkpoint",
                               str(tmp_path / "ckpt"), "--summary", str(tmp_path / "summary-{rank}.json")],
                              env=trainer_env, capture_output=True, text=True, timeout=120, check=False)
         out, _ = services.communicate(timeout=60)  # the services exit on their own when the epoch ends
@@ -725,6 +725,7 @@ token_file = "token"
     results = [json.loads((tmp_path / f"summary-{r}.json").read_text()) for r in range(world)]
     assert [r["rank"] for r in results] == [0, 1]
     assert results[0]["steps"] == results[1]["steps"] > 0, results  # aligned: same step count per rank
+    # the trainers ran the job's 2 epochs (no --epochs: they asked their rank service)
     assert results[0]["epoch_steps"] == results[1]["epoch_steps"] and len(results[0]["epoch_steps"]) == 2
     assert all(r["epoch"] == 1 and r["steps"] == sum(r["epoch_steps"]) for r in results)
     assert all(r["backend"] == "gloo" and r["world_size"] == world for r in results)

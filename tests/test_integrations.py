@@ -161,7 +161,7 @@ def trainer_args(tmp_path, **overrides) -> transformers.TrainingArguments:
     return transformers.TrainingArguments(**kwargs)
 
 
-def make_trainer(job: InProcessJob, tmp_path, model=None, client=None, epochs: int = 1, **overrides):
+def make_trainer(job: InProcessJob, tmp_path, model=None, client=None, epochs: int | None = None, **overrides):
     cls = recording_trainer_cls()
     grads = FirstGrads()
     trainer = cls(model=model or tiny_llama(), args=trainer_args(tmp_path, **overrides),
@@ -220,7 +220,7 @@ def test_hf_trainer_checkpoint_resumes_the_stream(make_job, tmp_path):
 
 def test_hf_trainer_runs_the_jobs_epochs_as_one_stream(make_job, tmp_path):
     job = make_job(epochs=3, n=32)
-    trainer, _ = make_trainer(job, tmp_path, epochs=3)
+    trainer, _ = make_trainer(job, tmp_path)  # epochs=None: the job's 3, asked of the rank service
     out = trainer.train()
     assert trainer.client.epoch == 2 and trainer.client.finished and trainer.control.should_training_stop
     steps = [info.step for _, info in trainer.seen]
@@ -230,7 +230,7 @@ def test_hf_trainer_runs_the_jobs_epochs_as_one_stream(make_job, tmp_path):
     for seen in epochs:
         assert sorted(i for ids, _ in seen for i in ids) == list(range(32)), "every sample once per epoch"
     assert out.global_step == len(trainer.seen)
-    with pytest.raises(ValueError, match="epochs must be an integer >= 1, got epochs=0"):
+    with pytest.raises(ValueError, match="epochs must be None or an integer >= 1, got epochs=0"):
         make_trainer(job, tmp_path, epochs=0)
 
 
