@@ -162,21 +162,24 @@ class RankMetrics:
         self._totals = (0, 0)  # (real, padded), replaced as one tuple so a scrape sees a consistent pair
         self._buffer_fn: Callable[[], int] = lambda: 0
         self._ready_fn: Callable[[], int] = lambda: 0
+        self._epoch_fn: Callable[[], int] = lambda: 0
         gauge("batchd_padding_efficiency", "Real / materialized tokens of the emitted non-IDLE batches "
               "(cumulative; 1.0 = no padding; 0 before the first batch).", self._efficiency)
         gauge("batchd_buffer_depth", "Samples in the rank's window now.", lambda: self._buffer_fn())
         gauge("batchd_ready_batches", "Collated batches held for the trainer, not yet acknowledged (filled "
               "output slots).",
               lambda: self._ready_fn())
+        gauge("batchd_rank_epoch", "The epoch this rank service is in (0-based).", lambda: self._epoch_fn())
         self._quarantine_snapshot: dict[str, int] = {}
         self._ingest_quarantined = 0
         self._ingest_lock = threading.Lock()
         self.registry.register(_QuarantineCollector(self))
         self.registry.register(_RateCollector(self))
 
-    def bind(self, buffer_depth: Callable[[], int], ready_batches: Callable[[], int]) -> None:
-        """Sets the live readers of the window depth and the ready-batch count (read at scrape time)."""
-        self._buffer_fn, self._ready_fn = buffer_depth, ready_batches
+    def bind(self, buffer_depth: Callable[[], int], ready_batches: Callable[[], int],
+             epoch: Callable[[], int] = lambda: 0) -> None:
+        """Sets the live readers of the window depth, the ready-batch count and the epoch (read at scrape time)."""
+        self._buffer_fn, self._ready_fn, self._epoch_fn = buffer_depth, ready_batches, epoch
 
     def _efficiency(self) -> float:
         real, padded = self._totals

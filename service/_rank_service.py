@@ -133,7 +133,7 @@ class RankServiceCore:
         if self.journal is not None and self.journal.exists():
             self._restore()
         if metrics is not None:  # read at scrape time, lock-free: len() of a list / deque
-            metrics.bind(lambda: len(self.state.buffer), lambda: len(self.ready))
+            metrics.bind(lambda: len(self.state.buffer), lambda: len(self.ready), lambda: self.epoch)
 
     def _new_state(self, epoch: int) -> RankState:
         spec = self.spec

@@ -113,6 +113,7 @@ def test_counters_equal_what_the_trainers_received(jobs, policy, collate, quota)
         assert value(m, "batchd_ready_batches", **rk) == len(job.cores[r].ready) == 0
         # join mode drains every window; non-join stops at the quota with samples still buffered
         assert value(m, "batchd_buffer_depth", **rk) == len(job.cores[r].state.buffer)
+        assert value(m, "batchd_rank_epoch", **rk) == job.cores[r].epoch == 0
         assert (len(job.cores[r].state.buffer) == 0) == (quota is None)
         assert value(m, "batchd_output_wait_seconds_total", **rk) >= 0
         # Rates: every round lies in the 10 s window (the job is younger), so rate = total / service age.
@@ -151,6 +152,24 @@ def test_counters_equal_what_the_trainers_received(jobs, policy, collate, quota)
     assert value(coord, "batchd_job_state", batchd_job_state="failed") == 0
     assert value(coord, "batchd_ranks_registered") == 2
     assert value(coord, "batchd_job_epoch") == 0
+
+
+def test_counters_span_every_epoch_and_gauges_name_the_epoch(jobs):
+    lengths = skewed_lengths(120)
+    spec = JobSpec(world_size=2, token_budget=1024, policy="balanced", window=24, depth=3, seed=2, epochs=3)
+    job = jobs(spec, lengths)
+    got = job.drain_epochs(3, 60, lambda b, info: (b["sample_ids"].tolist(), info))
+    coord = scrape(job.coordinator_metrics_port)
+    ranks = [scrape(job.rank_metrics_port(r)) for r in range(2)]
+    for r, m in enumerate(ranks):
+        rk = {"rank": str(r)}
+        assert value(m, "batchd_rank_epoch", **rk) == 2
+        assert value(m, "batchd_samples_total", **rk) == sum(len(ids) for ep in got[r] for ids, _ in ep)
+        assert value(m, "batchd_steps_total", **rk) == sum(len(ep) for ep in got[r])
+    assert value(coord, "batchd_job_epoch") == 2
+    assert value(coord, "batchd_job_samples_total") == 3 * len(lengths)
+    assert value(coord, "batchd_job_steps_total") == sum(len(ep) for ep in got[0])
+    assert value(coord, "batchd_job_state", batchd_job_state="done") == 1
 
 
 def test_live_gauges_while_the_trainer_is_behind(jobs):
