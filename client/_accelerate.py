@@ -30,19 +30,27 @@ model derives the block-diagonal mask of packed samples from the restarting ``po
 when no cache is in use; with the default ``use_cache=True`` the packed samples attend to each other
 silently.
 
-Trade-off: one batchd step is one optimizer step. Gradient accumulation is refused (the loss scale
-normalizes within a step; a larger ``token_budget`` gives larger steps). This module imports neither
-accelerate nor transformers; the accelerator is only used through ``device``, ``process_index``,
-``num_processes``, ``gradient_accumulation_steps`` and ``backward``.
+Gradient accumulation: with ``Accelerator(gradient_accumulation_steps=k)`` wrap the step in
+``with accelerator.accumulate(model):``. `batchd_batches` then reads k steps at a time and rescales
+each step's ``loss_scale`` by k T_j / (T_1 + ... + T_k) (its share of the window's global loss tokens;
+k undoes ``accelerator.backward``'s division), so the update is the gradient of the per-token mean over
+the whole window; a window the stream ends in is filled with zero-weight IDLE steps, so the last
+optimizer step happens. Checkpoint after optimizer steps: the client has read the whole window.
+
+This module imports neither accelerate nor transformers; the accelerator is only used through
+``device``, ``process_index``, ``num_processes``, ``gradient_accumulation_steps`` and ``backward``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import dataclasses
+import itertools
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from ._collate import idle_batch
 from ._train import _check_scale, _scaled, _to_device
 
 INFO_KEY = "batchd_info"
@@ -106,11 +114,33 @@ def batchd_loss(outputs: Any, batch: Mapping[str, Any], info: Any) -> torch.Tens
     return _scaled(logits_of(outputs), batch["labels"], scale, tokens)[0]
 
 
+def idle_step(last: Any) -> tuple[dict[str, Any], Any]:
+    """A zero-weight IDLE step after the stream's last one (`last`, a StepInfo): it fills the last
+    gradient accumulation window. The batch is the 1-token dummy with no sample."""
+    batch: dict[str, Any] = idle_batch()
+    batch["sample_ids"] = torch.empty(0, dtype=torch.int64)
+    info = dataclasses.replace(last, step=last.step + 1, is_idle=True, local_samples=0, local_tokens=0,
+                               local_loss_tokens=0, global_samples=0, global_tokens=0, global_loss_tokens=0,
+                               loss_scale=0.0, cost=0.0)
+    return batch, info
+
+
+def accumulation_windows(steps: Iterable[tuple[Any, Any]], k: int) -> Iterator[list[tuple[Any, Any, float]]]:
+    """Groups (batch, StepInfo) pairs into windows of `k` steps, each with its weight T_j / sum of the
+    window's T (global loss tokens); the last window is filled with `idle_step`s (weight 0)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be an integer >= 1, got {k=}")
+    it = iter(steps)
+    while window := list(itertools.islice(it, k)):
+        window += [idle_step(window[-1][1]) for _ in range(k - len(window))]
+        total = sum(info.global_loss_tokens for _, info in window)
+        yield [(batch, info, info.global_loss_tokens / total if total else 0.0) for batch, info in window]
+
+
 def _check_accelerator(accelerator: Any, client: Any) -> None:
     steps = getattr(accelerator, "gradient_accumulation_steps", 1)
-    if steps != 1:
-        raise ValueError(f"batchd needs one batch per optimizer step (its loss scale normalizes within a step), "
-                         f"got gradient_accumulation_steps={steps!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"the accelerator's gradient_accumulation_steps must be an integer >= 1, got {steps=}")
     want = (accelerator.process_index, accelerator.num_processes)
     if (client.rank, client.world_size) != want:
         raise ValueError(f"the BatchClient is for rank {client.rank} of {client.world_size} but this process is "
@@ -122,19 +152,26 @@ def batchd_batches(accelerator: Any, client: Any) -> Iterator[tuple[dict[str, An
 
     Pass the client itself, never a prepared dataloader: the stream is already this rank's own.
     IDLE steps come with the rank service's 1-token dummy batch. Closing the generator (or leaving the
-    loop) closes the client's stream; ``client.state_dict()`` resumes after the last yielded step.
+    loop) closes the client's stream; ``client.state_dict()`` resumes after the last step read (with
+    gradient accumulation, after the current window). With ``gradient_accumulation_steps`` = k > 1 the
+    StepInfos' ``loss_scale`` is reweighted over each window of k steps (module docstring).
 
     Raises:
-        ValueError: (at the call, not at the first step) if the accelerator accumulates gradients, or
-            the client's rank / world size are not the accelerator's process index / process count.
+        ValueError: (at the call, not at the first step) if the client's rank / world size are not the
+            accelerator's process index / process count.
     """
     _check_accelerator(accelerator, client)
-    return _device_batches(client, torch.device(accelerator.device))
+    return _device_batches(client, torch.device(accelerator.device), accelerator.gradient_accumulation_steps)
 
 
-def _device_batches(client: Any, device: torch.device) -> Iterator[tuple[dict[str, Any], Any]]:
-    for batch, info in client:
-        yield _to_device(batch, device), info
+def _device_batches(client: Any, device: torch.device, k: int) -> Iterator[tuple[dict[str, Any], Any]]:
+    if k == 1:
+        for batch, info in client:
+            yield _to_device(batch, device), info
+        return
+    for window in accumulation_windows(client, k):
+        for batch, info, weight in window:  # x k: accelerator.backward divides by k
+            yield _to_device(batch, device), dataclasses.replace(info, loss_scale=info.loss_scale * weight * k)
 
 
 def batchd_backward(accelerator: Any, model: torch.nn.Module, batch: Mapping[str, Any], info: Any) -> torch.Tensor:

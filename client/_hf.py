@@ -45,7 +45,6 @@ Trade-offs: DataParallel (``n_gpu`` > 1 in one process) is refused with a ValueE
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -55,11 +54,8 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from batchd.core import StepInfo
-
-from ._accelerate import GA_WEIGHT_KEY, INFO_KEY, hf_model_inputs, logits_of
+from ._accelerate import GA_WEIGHT_KEY, INFO_KEY, accumulation_windows, hf_model_inputs, logits_of
 from ._client import BatchClient
-from ._collate import idle_batch
 from ._train import _check_scale, _scaled
 
 CLIENT_STATE_FILE = "batchd_client_rank{rank}.json"
@@ -105,16 +101,6 @@ class BatchdStream:
 def _check_epochs(epochs: int | None) -> None:
     if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
         raise ValueError(f"epochs must be None or an integer >= 1, got {epochs=}")
-
-
-def _idle_inputs(last: StepInfo) -> dict[str, Any]:
-    """A zero-weight IDLE batch after the stream's last step (it fills the last accumulation window)."""
-    batch: dict[str, Any] = idle_batch()
-    batch["sample_ids"] = torch.empty(0, dtype=torch.int64)
-    batch[INFO_KEY] = dataclasses.replace(
-        last, step=last.step + 1, is_idle=True, local_samples=0, local_tokens=0, local_loss_tokens=0,
-        global_samples=0, global_tokens=0, global_loss_tokens=0, loss_scale=0.0, cost=0.0)
-    return batch
 
 
 class BatchdTrainer(transformers.Trainer):
@@ -188,12 +174,13 @@ class BatchdTrainer(transformers.Trainer):
                 break
         if not batches:  # the stream has ended: stop here, between optimizer steps
             self.control.should_training_stop = True
-        elif len(batches) < num_batches:  # it ended mid-window: IDLE batches fill it, so Trainer still steps
-            batches += [_idle_inputs(batches[-1][INFO_KEY]) for _ in range(num_batches - len(batches))]
-        total = sum(b[INFO_KEY].global_loss_tokens for b in batches)
-        for b in batches:
-            b[GA_WEIGHT_KEY] = b[INFO_KEY].global_loss_tokens / total if total else 0.0
-        return batches, None
+            return [], None
+        # a window the stream ended in is filled with IDLE batches, so Trainer still takes its step
+        out = []
+        for batch, info, weight in next(accumulation_windows([(b, b[INFO_KEY]) for b in batches], num_batches)):
+            batch[INFO_KEY], batch[GA_WEIGHT_KEY] = info, weight
+            out.append(batch)
+        return out, None
 
     # -- loss ------------------------------------------------------------------------------------------
     def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,

@@ -306,14 +306,44 @@ def test_accelerate_loop_one_epoch_exact_first_gradient(make_job):
     assert after < before - 0.1, (before, after)
 
 
+@pytest.mark.parametrize("k", [3, 64])
+def test_accelerate_gradient_accumulation_is_the_windows_per_token_mean(make_job, k):
+    """Accelerator(gradient_accumulation_steps=k) + accumulate(): each update's gradient is the per-token
+    mean over its window's samples; k=64 (more than the epoch's steps) exercises the IDLE filling."""
+    from accelerate import Accelerator
+
+    job = make_job()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=k)
+    model = tiny_llama()
+    initial = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    client = job.client(0)
+    seen, updates = [], []
+    for batch, info in batchd_batches(accelerator, client):
+        with accelerator.accumulate(model):
+            batchd_backward(accelerator, model, batch, info)
+            if accelerator.sync_gradients:
+                updates.append((flat_grad(accelerator.unwrap_model(model)), len(seen)))
+            optimizer.step()
+            optimizer.zero_grad()
+        seen.append(batch["sample_ids"].tolist())
+    real = [ids for ids in seen if ids]
+    assert sorted(i for ids in real for i in ids) == list(range(len(job.lengths))), "every sample once"
+    assert len(seen) % k == 0 and len(updates) == len(seen) // k == math.ceil(len(real) / k)
+    grad, n = updates[0]
+    want = reference_grad(initial, [job.payload(i) for ids in seen[:n + 1] for i in ids])
+    assert n == k - 1 and max_err(grad, want) <= ATOL, max_err(grad, want)
+
+
 def test_batchd_batches_refuses_a_mismatched_accelerator():
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
     with pytest.raises(ValueError, match="rank 1 of 2"):
         batchd_batches(accelerator, BatchClient("127.0.0.1:1", rank=1, world_size=2))
-    accelerator.gradient_accumulation_steps = 4
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=4"):
+    accelerator.gradient_accumulation_steps = 0
+    with pytest.raises(ValueError, match="gradient_accumulation_steps must be an integer >= 1, got steps=0"):
         batchd_batches(accelerator, BatchClient("127.0.0.1:1", rank=0, world_size=1))
 
 
