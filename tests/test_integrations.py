@@ -437,24 +437,31 @@ def _params(model: torch.nn.Module) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
-def _accelerate_epoch(address: str, grad_steps: int) -> dict:
+def _accelerate_epoch(address: str, grad_steps: int, ga: int = 1) -> dict:
+    """An Accelerate epoch; with `ga` > 1 (accumulate()) each reported step is one window (its ids joined)."""
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ga)
     model = tiny_llama()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     out = {"num_processes": accelerator.num_processes, "ddp": type(model).__name__, "steps": []}
+    window = {"ids": [], "idle": True}
     with BatchClient(address, accelerator.process_index, accelerator.num_processes) as client:
         for batch, info in batchd_batches(accelerator, client):
-            optimizer.zero_grad()
-            batchd_backward(accelerator, model, batch, info)
-            step = {"ids": batch["sample_ids"].tolist(), "idle": info.is_idle}
-            if len(out["steps"]) < grad_steps:
-                step["grad"] = flat_grad(accelerator.unwrap_model(model)).tolist()
-                step["params"] = _params(model)
-            optimizer.step()
-            out["steps"].append(step)
+            with accelerator.accumulate(model):
+                batchd_backward(accelerator, model, batch, info)
+                window["ids"] += batch["sample_ids"].tolist()
+                window["idle"] = window["idle"] and info.is_idle
+                if accelerator.sync_gradients:
+                    if len(out["steps"]) < grad_steps:
+                        window["grad"] = flat_grad(accelerator.unwrap_model(model)).tolist()
+                        window["params"] = _params(model)
+                    out["steps"].append(window)
+                    window = {"ids": [], "idle": True}
+                optimizer.step()
+                optimizer.zero_grad()
+    assert not window["ids"], "samples after the last update"
     return out
 
 
@@ -483,13 +490,14 @@ def _trainer_epoch(address: str, grad_steps: int, out_dir: str, ga: int = 1) -> 
 
 def _rank_main(rank: int, world: int, port: int, addresses: dict[str, list[str]], out_dir: str,
                grad_steps: int) -> None:
-    """One rank: an Accelerate epoch on one job, then BatchdTrainer epochs on two others, the second with
-    gradient accumulation over 2 steps (DDP over gloo)."""
+    """One rank: Accelerate epochs on two jobs, then BatchdTrainer epochs on two others; the second of
+    each with gradient accumulation over 2 steps (DDP over gloo)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     out = {"accelerate": _accelerate_epoch(addresses["accelerate"][rank], grad_steps)}
+    out["accelerate_ga"] = _accelerate_epoch(addresses["accelerate_ga"][rank], grad_steps, ga=2)
     t1 = time.perf_counter()
     out["trainer"] = _trainer_epoch(addresses["trainer"][rank], grad_steps, out_dir)
     t2 = time.perf_counter()
@@ -505,13 +513,15 @@ def _rank_main(rank: int, world: int, port: int, addresses: dict[str, list[str]]
 def test_two_ranks_gradients_equal_single_process_reference(make_job, tmp_path):
     """Accelerate and BatchdTrainer under real DDP (2 gloo processes): every step's all-reduced gradient
     equals the single-process per-token gradient over both ranks' samples; with gradient accumulation
-    over 2 steps, every update's gradient is that over the window's samples of both ranks."""
+    over 2 steps (both integrations), every update's gradient is that over the window's samples of both
+    ranks."""
     import torch.multiprocessing as mp
 
     # accelerate: balanced plan over shuffled lengths; trainer: skewed, rank 1 IDLE from its second step on
     jobs = {"accelerate": make_job(world_size=2, policy="balanced", n=40, budget=200),
             "trainer": make_job(world_size=2, policy="local", n=40, budget=200, skewed=True),
-            "trainer_ga": make_job(world_size=2, policy="balanced", n=40, budget=120)}
+            "trainer_ga": make_job(world_size=2, policy="balanced", n=40, budget=120),
+            "accelerate_ga": make_job(world_size=2, policy="local", n=40, budget=120, skewed=True)}
     addresses = {kind: [f"127.0.0.1:{port}" for port in job.ports] for kind, job in jobs.items()}
     grad_steps = 3
     t0 = time.perf_counter()
