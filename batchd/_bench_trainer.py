@@ -1,4 +1,4 @@
-"""One rank of `batchd bench`: one epoch of the same model on the same samples, fed by one of four systems.
+"""One rank of `batchd bench`: epochs of the same model on the same samples, fed by one of four systems.
 
 Systems (the `system` key of the config):
 
@@ -7,7 +7,8 @@ Systems (the `system` key of the config):
   loss, DDP averages. B is the out-of-memory-safe choice floor(L_max / longest sample).
 - `odb-0.1.2`: the seed's own package, run the way its README says: a map-style torch `Dataset` that
   returns exactly the samples batchd's `SyntheticSource` produces for these ids, a multi-worker
-  `DataLoader(batch_size=1)` over the rank's view, `odb.apply(loader, token_budget=L, loss_scaling="exact",
+  `DataLoader(batch_size=1)` over the rank's view (one loader, re-iterated every epoch after the view
+  sampler's `set_epoch`, as ODB expects: it names each iteration's gloo group after an iteration count), `odb.apply(loader, token_budget=L, loss_scaling="exact",
   join=True, buffer_size=window)`, the user collate (`collate_padded`, the layout batchd's padded path
   uses), `odb.pop_step_info` + `loss * info.loss_scale`, and the DDP model under torch's `Join` context
   (ODB's join mode lets ranks end on different step counts; its README pairs it with DDP Join).
@@ -25,8 +26,10 @@ machine than wall time; the data-side processes are not in it).
 
 No collective is added to the timed loop: each step records this rank's loss sum, loss tokens, sample
 ids, real and materialized tokens; the parent combines step k across ranks into the global per-token
-loss (the k-th backward of every rank is the same DDP all-reduce). After the epoch, rank 0 evaluates
-the final model on a held-out set of samples (ids beyond the training set) outside the timed window.
+loss (the k-th backward of every rank is the same DDP all-reduce). After every epoch, rank 0 evaluates
+the model on a held-out set of samples (ids beyond the training set) with the clock paused. Epoch e
+uses every system's view of epoch e (the same seeded permutation batchd's sources use); batchd's rank
+services keep preparing the next epoch during that pause, as they would during a real evaluation.
 """
 
 from __future__ import annotations
@@ -68,16 +71,17 @@ def build_model(name: str, seed: int, max_len: int) -> TinyCausalLM:
     return TinyCausalLM(**cfg)
 
 
-def view_ids(num_samples: int, rank: int, world_size: int, seed: int) -> list[int]:
-    """This rank's sampler view: the ids batchd's `SyntheticSource` (shuffle on, epoch 0) gives it."""
+def view_ids(num_samples: int, rank: int, world_size: int, seed: int, epoch: int = 0) -> list[int]:
+    """This rank's sampler view: the ids batchd's `SyntheticSource` (shuffle on) gives it in `epoch`."""
     from batchd.core import ViewSource
 
-    return list(ViewSource(num_samples, rank, world_size, seed, 0, shuffle=True)._view)
+    return list(ViewSource(num_samples, rank, world_size, seed, epoch, shuffle=True)._view)
 
 
-def fixed_batches(num_samples: int, rank: int, world_size: int, seed: int, batch_size: int) -> list[list[int]]:
-    """The fixed baseline's batches: the rank's view cut into runs of `batch_size` ids."""
-    view = view_ids(num_samples, rank, world_size, seed)
+def fixed_batches(num_samples: int, rank: int, world_size: int, seed: int, batch_size: int,
+                  epoch: int = 0) -> list[list[int]]:
+    """The fixed baseline's batches: the rank's view of `epoch` cut into runs of `batch_size` ids."""
+    view = view_ids(num_samples, rank, world_size, seed, epoch)
     return [view[i:i + batch_size] for i in range(0, len(view), batch_size)]
 
 
@@ -172,9 +176,9 @@ def _step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any
     return logits
 
 
-def _iter_fixed(cfg: dict[str, Any], holder: dict[str, Any]):
+def _iter_fixed(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
     lengths, seed, n, size = cfg["lengths"], cfg["seed"], cfg["world_size"], cfg["batch_size"]
-    views = [fixed_batches(cfg["num_samples"], r, n, seed, size) for r in range(n)]
+    views = [fixed_batches(cfg["num_samples"], r, n, seed, size, epoch) for r in range(n)]
     for k, ids in enumerate(views[cfg["rank"]]):
         # every rank knows every view: the step's real tokens over all ranks, without a collective
         holder["global_tokens"] = sum(lengths[i] for view in views if k < len(view) for i in view[k])
@@ -182,17 +186,36 @@ def _iter_fixed(cfg: dict[str, Any], holder: dict[str, Any]):
         yield ids, batch, None, 0
 
 
-def _iter_odb(cfg: dict[str, Any], holder: dict[str, Any]):
+class ViewSampler(torch.utils.data.Sampler):
+    """A rank's sampler view of the epoch set by `set_epoch` (like `DistributedSampler`)."""
+
+    def __init__(self, num_samples: int, rank: int, world_size: int, seed: int) -> None:
+        self.args, self.epoch = (num_samples, rank, world_size, seed), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(view_ids(*self.args, self.epoch))
+
+    def __len__(self) -> int:
+        return len(view_ids(*self.args, self.epoch))
+
+
+def _iter_odb(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
     import odb
 
-    ids = view_ids(cfg["num_samples"], cfg["rank"], cfg["world_size"], cfg["seed"])
-    workers = cfg["odb_workers"]
-    loader = torch.utils.data.DataLoader(
-        SyntheticDataset(cfg["lengths"], cfg["seed"]), batch_size=1, sampler=ids, num_workers=workers,
-        prefetch_factor=max(1, math.ceil(cfg["window"] / workers)), collate_fn=odb_collate)
-    odb.apply(loader, token_budget=cfg["token_budget"], loss_scaling="exact", join=True, buffer_size=cfg["window"])
-    holder["loader"] = loader
-    for batch in loader:
+    if "loader" not in holder:  # one loader, iterated once per epoch: ODB numbers its per-iteration
+        workers = cfg["odb_workers"]  # gloo group by iteration, a fresh loader would reuse the first name
+        sampler = ViewSampler(cfg["num_samples"], cfg["rank"], cfg["world_size"], cfg["seed"])
+        loader = torch.utils.data.DataLoader(
+            SyntheticDataset(cfg["lengths"], cfg["seed"]), batch_size=1, sampler=sampler, num_workers=workers,
+            prefetch_factor=max(1, math.ceil(cfg["window"] / workers)), collate_fn=odb_collate)
+        odb.apply(loader, token_budget=cfg["token_budget"], loss_scaling="exact", join=True,
+                  buffer_size=cfg["window"])
+        holder["loader"], holder["sampler"] = loader, sampler
+    holder["sampler"].set_epoch(epoch)
+    for batch in holder["loader"]:
         holder["global_tokens"] = int(batch.get(odb.TOTAL_TOKENS_KEY, 0) or 0)
         info = odb.pop_step_info(batch, loss_scaling="exact")
         sample_ids = batch.pop("sample_ids").tolist()
@@ -200,11 +223,13 @@ def _iter_odb(cfg: dict[str, Any], holder: dict[str, Any]):
         yield sample_ids, batch, float(info.loss_scale), tokens
 
 
-def _iter_batchd(cfg: dict[str, Any], holder: dict[str, Any]):
+def _iter_batchd(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
     from batchd.client._client import BatchClient
 
-    client = BatchClient(cfg["service"], cfg["rank"], cfg["world_size"])
-    holder["client"] = client
+    if "client" not in holder:
+        holder["client"] = BatchClient(cfg["service"], cfg["rank"], cfg["world_size"])
+    client = holder["client"]
+    client.set_epoch(epoch)
     it = iter(client)
     holder["close"] = it.close
     for batch, info in it:
@@ -244,7 +269,7 @@ def evaluate(model: torch.nn.Module, cfg: dict[str, Any], device: torch.device) 
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Trains one epoch on this rank (see the module docstring); writes and returns the result."""
+    """Trains `cfg["epochs"]` epochs on this rank (module docstring); writes and returns the result."""
     rank, world_size, system = cfg["rank"], cfg["world_size"], cfg["system"]
     torch.set_num_threads(cfg.get("threads", 1))
     cuda = cfg.get("device", "cpu") == "cuda"
@@ -261,51 +286,64 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     base_lr, ref_tokens = cfg.get("lr", 1e-3), cfg.get("lr_ref_tokens")
     opt = torch.optim.AdamW(model.parameters(), lr=base_lr)
     holder: dict[str, Any] = {}
-    if system == "fixed":
-        batches = _iter_fixed(cfg, holder)
-    elif system == "odb-0.1.2":
-        batches = _iter_odb(cfg, holder)
-    elif system.startswith("batchd"):
-        batches = _iter_batchd(cfg, holder)
-    else:
+    iters = {"fixed": _iter_fixed, "odb-0.1.2": _iter_odb}
+    if system not in iters and not system.startswith("batchd"):
         raise ValueError(f"unknown system, expected fixed, odb-0.1.2 or batchd-*, got {system=}")
+    epoch_batches = iters.get(system, _iter_batchd)
+    epochs = cfg.get("epochs", 1)
     rec = _Recorder()
     # ODB's join mode and a fixed view that does not split evenly end ranks on different step counts:
-    # torch's Join shadows the finished rank's all-reduces (ODB's README pairs join=True with it).
+    # torch's Join shadows the finished rank's all-reduces (ODB's README pairs join=True with it), one
+    # Join per epoch so that the per-epoch evaluation's barriers meet.
     uneven = system == "odb-0.1.2" or (system == "fixed" and cfg["num_samples"] % (world_size * cfg["batch_size"]))
+    batches = epoch_batches(cfg, holder, 0)
     first = next(batches, None)  # start-up: the pipeline's first batch, outside the clock
     dist.barrier()
     t0 = time.monotonic()
     cpu0 = time.process_time()
     startup_s = t0 - t_proc
+    evals: list[dict[str, Any]] = []
     try:
-        with torch.distributed.algorithms.Join([ddp]) if uneven else nullcontext():
-            item = first
-            while item is not None:
-                ids, batch, scale, tokens = item
-                wait_s = 0.0 if item is first else holder.get("wait", 0.0)
-                lr = step_lr(base_lr, holder.get("global_tokens", 0), ref_tokens, cfg.get("lr_power", 0.5))
-                if batch is None:  # batchd IDLE step: zero-weight forward/backward keeps DDP aligned
-                    _step(ddp, opt, _device_batch(idle_batch(), device), 0.0, 0, lr)
-                    rec.add([], None, None, t0, wait_s)
-                else:
-                    batch = _device_batch(batch, device)
-                    logits = _step(ddp, opt, batch, scale, tokens, lr)
-                    rec.add(ids, batch, logits, t0, wait_s)
-                rec.steps[-1]["lr"] = lr
-                rec.steps[-1]["global_tokens"] = holder.get("global_tokens", 0)
+        for epoch in range(epochs):
+            if epoch:
+                batches = epoch_batches(cfg, holder, epoch)
                 t_wait = time.monotonic()
-                item = next(batches, None)
+                first = next(batches, None)
                 holder["wait"] = time.monotonic() - t_wait
-        if cuda:
-            torch.cuda.synchronize()
+            with torch.distributed.algorithms.Join([ddp]) if uneven else nullcontext():
+                item = first
+                while item is not None:
+                    ids, batch, scale, tokens = item
+                    wait_s = 0.0 if item is first and not epoch else holder.get("wait", 0.0)
+                    lr = step_lr(base_lr, holder.get("global_tokens", 0), ref_tokens, cfg.get("lr_power", 0.5))
+                    if batch is None:  # batchd IDLE step: zero-weight forward/backward keeps DDP aligned
+                        _step(ddp, opt, _device_batch(idle_batch(), device), 0.0, 0, lr)
+                        rec.add([], None, None, t0, wait_s)
+                    else:
+                        batch = _device_batch(batch, device)
+                        logits = _step(ddp, opt, batch, scale, tokens, lr)
+                        rec.add(ids, batch, logits, t0, wait_s)
+                    rec.steps[-1]["lr"] = lr
+                    rec.steps[-1]["global_tokens"] = holder.get("global_tokens", 0)
+                    rec.steps[-1]["epoch"] = epoch
+                    t_wait = time.monotonic()
+                    item = next(batches, None)
+                    holder["wait"] = time.monotonic() - t_wait
+            if cuda:
+                torch.cuda.synchronize()
+            # held-out loss after every epoch, outside the clock: every rank's t0 moves by the same span, from
+            # the moment all ranks finished the epoch to the end of the evaluation
+            dist.barrier()
+            t_pause = time.monotonic()
+            ev = evaluate(ddp.module, cfg, device) if rank == 0 else None
+            dist.barrier()
+            evals.append({"epoch": epoch, "t": t_pause - t0, "eval": ev})
+            t0 += time.monotonic() - t_pause
         wall_s = rec.steps[-1]["t"] if rec.steps else 0.0
         cpu_s = time.process_time() - cpu0
-        dist.barrier()
-        evaluation = evaluate(ddp.module, cfg, device) if rank == 0 else None
         result = {"rank": rank, "system": system, "wall_s": wall_s, "startup_s": startup_s, "cpu_s": cpu_s,
-                  "steps": rec.steps,
-                  "eval": evaluation, "params": model.num_parameters()}
+                  "steps": rec.steps, "eval": evals[-1]["eval"] if evals else None, "epoch_evals": evals,
+                  "params": model.num_parameters()}
         Path(cfg["out"]).write_text(json.dumps(result))
         return result
     finally:

@@ -115,7 +115,7 @@ def run_system(system: str, work: Path, common: dict[str, Any], world_size: int,
         if system.startswith("batchd-"):
             policy, layout = BATCHD_SYSTEMS[system]
             args = spec_args(world_size, spec["token_budget"], policy, spec["window"], spec["depth"], spec["seed"])
-            args += ["--collate", layout, "--cost", layout]
+            args += ["--collate", layout, "--cost", layout, "--epochs", str(spec.get("epochs", 1))]
             _, ports = start_services(procs, sys_dir, args, world_size, work / "lengths.txt")
             per_rank = [{"service": f"127.0.0.1:{p}"} for p in ports]
         _, outs = start_trainers(procs, sys_dir, "trainer", world_size, {**common, "system": system}, per_rank,
@@ -125,8 +125,16 @@ def run_system(system: str, work: Path, common: dict[str, Any], world_size: int,
         procs.stop()
 
 
-def summarize(system: str, results: list[dict[str, Any]], num_samples: int) -> dict[str, Any]:
-    """One system's metrics from its ranks' step records (steps combined across ranks by index)."""
+def _epoch_evals(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Held-out loss after each epoch (rank 0 evaluates), with the time the epoch ended (all ranks done)."""
+    evals = next((r["epoch_evals"] for r in results if r.get("eval")), [])
+    return [{"epoch": e["epoch"], "t": max(r["epoch_evals"][k]["t"] for r in results), "loss": e["eval"]["loss"]}
+            for k, e in enumerate(evals)]
+
+
+def summarize(system: str, results: list[dict[str, Any]], num_samples: int, epochs: int = 1) -> dict[str, Any]:
+    """One system's metrics from its ranks' step records (steps combined across ranks by index); every
+    id is expected `epochs` times."""
     n_steps = max(len(r["steps"]) for r in results)
     curve, times, mats = [], [], []
     for k in range(n_steps):
@@ -156,8 +164,8 @@ def summarize(system: str, results: list[dict[str, Any]], num_samples: int) -> d
         "steps": n_steps,
         "steps_per_rank": [len(r["steps"]) for r in results],
         "idle": sum(1 for r in results for s in r["steps"] if not s["ids"]),
-        "missing": sum(1 for i in range(num_samples) if i not in counts),
-        "duplicates": sum(c - 1 for c in counts.values() if c > 1),
+        "missing": sum(epochs - counts.get(i, 0) for i in range(num_samples) if counts.get(i, 0) < epochs),
+        "duplicates": sum(c - epochs for c in counts.values() if c > epochs),
         "unexpected": sum(1 for i in counts if not 0 <= i < num_samples),
         "real_tokens": real,
         "materialized_tokens": mat,
@@ -166,6 +174,7 @@ def summarize(system: str, results: list[dict[str, Any]], num_samples: int) -> d
         "final_loss": t_ls / t_lt if t_lt else float("nan"),
         "final_loss_steps": tail,
         "heldout_loss": ev["loss"] if ev else None,
+        "heldout_by_epoch": _epoch_evals(results),
         "heldout_samples": ev["samples"] if ev else 0,
         "first_loss": next((x for x in curve if x == x), float("nan")),
         "samples_per_s": sum(counts.values()) / wall if wall > 0 else float("nan"),
@@ -246,7 +255,8 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
               token_budget: int | None = None, systems: Sequence[str] = SYSTEMS, device: str = "cpu",
               model: str | None = None, out: str | Path | None = None, seed: int = 0, window: int = 128,
               depth: int = 8, heldout: int = 64, odb_workers: int = 2, lr: float = 1e-3, timeout: float = 1800.0,
-              repeats: int = 1, lr_scaling: str = "sqrt", plots: bool = True, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              repeats: int = 1, lr_scaling: str = "sqrt", plots: bool = True, progress: Callable[[str], None] | None = None,
+              epochs: int = 1) -> dict[str, Any]:
     """Runs the bench; returns the dict `batchd bench --json` prints (see the module docstring).
 
     Args:
@@ -262,7 +272,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         seed: Seeds the model, the sampler views and the synthetic samples.
         window: Per-rank window in samples (batchd `--window`, ODB `buffer_size`).
         depth: batchd's per-rank ready batches (`--depth`).
-        heldout: Samples after the training set evaluated after the epoch (0: none).
+        heldout: Samples after the training set evaluated after every epoch, clock paused (0: none).
         odb_workers: ODB DataLoader workers per rank (prefetch_factor = window / workers).
         lr: AdamW learning rate (all systems).
         lr_scaling: "sqrt": every system's step uses lr x sqrt(step tokens / fixed batching's mean step
@@ -274,6 +284,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
             machine's speed does not land on one system); each system reports its median-wall run.
         plots: Write PNGs under `out`.
         progress: Called with one line per event (e.g. print to stderr).
+        epochs: Epochs every system trains (epoch e: the views of epoch e, for every system).
 
     Raises:
         ValueError: on bad arguments (the message names the value).
@@ -291,7 +302,8 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
 
     for name, value, lo in (("world_size", world_size, 1), ("token_budget", token_budget, 2),
                             ("num_samples", num_samples, 1), ("window", window, 1), ("depth", depth, 1),
-                            ("heldout", heldout, 0), ("odb_workers", odb_workers, 1), ("repeats", repeats, 1)):
+                            ("heldout", heldout, 0), ("odb_workers", odb_workers, 1), ("repeats", repeats, 1),
+                            ("epochs", epochs, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {name}={value!r}")
     if model not in MODELS:
@@ -330,9 +342,9 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     common = {"num_samples": num_samples, "lengths": used, "all_lengths": used, "seed": seed, "lr": lr,
               "lr_ref_tokens": lr_ref_tokens, "lr_power": LR_SCALING[lr_scaling],
               "model": model, "device": device, "token_budget": token_budget, "batch_size": batch_size,
-              "window": window, "odb_workers": odb_workers,
+              "window": window, "odb_workers": odb_workers, "epochs": epochs,
               "heldout_ids": list(range(num_samples, num_samples + heldout))}
-    spec = {"token_budget": token_budget, "window": window, "depth": depth, "seed": seed}
+    spec = {"token_budget": token_budget, "window": window, "depth": depth, "seed": seed, "epochs": epochs}
     work = Path(tempfile.mkdtemp(prefix="batchd-bench-"))
     (work / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
     results: dict[str, dict[str, Any]] = {}
@@ -354,7 +366,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
             say(f"[bench] {system}: training {num_samples} samples on {world_size} {device} rank(s) ({what})")
             t_sys = time.perf_counter()
             res = run_system(system, work, common, world_size, spec, timeout, f"{system}-{rep}")
-            s = summarize(system, res, num_samples)
+            s = summarize(system, res, num_samples, epochs)
             s["outer_s"] = time.perf_counter() - t_sys
             runs[system].append(s)
             run = f" (run {rep + 1}/{repeats})" if repeats > 1 else ""
@@ -378,6 +390,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         "token_budget": token_budget, "device": device, "model": model, "seed": seed, "lr": lr,
         "lr_scaling": lr_scaling, "lr_ref_tokens": lr_ref_tokens, "window": window,
         "depth": depth, "odb_workers": odb_workers, "repeats": repeats, "fixed_batch_size": batch_size,
+        "epochs": epochs,
         "longest": max(lengths),
         "mean_length": sum(lengths) / len(lengths), "layout": {name: BATCHD_SYSTEMS.get(name, ("", "padded"))[1] for name in systems},
         "systems": results, "total_s": time.perf_counter() - t_all, "plots": [],
@@ -411,8 +424,8 @@ real processes in DDP (gloo on CPU). Reports per system the epoch wall time (fro
 holds its first batch to the last rank's last optimizer step; start-up is excluded for all systems
 alike and shown as startup_s), samples, steps, padding efficiency (real / materialized tokens), the
 loss curve, the final loss (per-token, last 10% of steps) and a held-out loss of the final model,
-with speedups vs fixed and vs odb-0.1.2; every system must train on every sample id exactly once
-(missing / duplicates). PNG plots (loss vs step, loss vs wall time, wall-time bars) and bench.json go
+with speedups vs fixed and vs odb-0.1.2; every system must train on every sample id exactly once per
+epoch (missing / duplicates; --epochs). PNG plots (loss vs step, loss vs wall time, wall-time bars) and bench.json go
 to --out. odb-0.1.2 is skipped when online-dynamic-batching 0.1.2 is not installed (pip install
 'batchd[bench]')."""
 
@@ -424,7 +437,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-samples", type=int, default=None, metavar="M",
                    help="train on the first M lengths (default: 1024 on cpu, 2048 on cuda)")
     p.add_argument("--heldout", type=int, default=64, metavar="H",
-                   help="evaluate the final model on the H samples after the training set (default 64; 0: none)")
+                   help="evaluate the model after every epoch on the H samples after the training set, clock "
+                        "paused (default 64; 0: none)")
+    p.add_argument("--epochs", type=int, default=1, metavar="E",
+                   help="epochs every system trains; epoch e uses every system's view of epoch e (default 1)")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
                    help="trainer processes (default: 2 on cpu, 1 on cuda)")
     p.add_argument("--token-budget", type=int, default=None, metavar="L",
@@ -471,7 +487,8 @@ def bench_command(args: argparse.Namespace) -> int:
                             device=args.device, model=args.model, out=args.out, seed=args.seed,
                             window=args.window, depth=args.depth, heldout=args.heldout,
                             odb_workers=args.odb_workers, lr=args.lr, timeout=args.timeout, repeats=args.repeats,
-                            lr_scaling=args.lr_scaling, progress=lambda m: print(m, file=sys.stderr, flush=True))
+                            lr_scaling=args.lr_scaling, progress=lambda m: print(m, file=sys.stderr, flush=True),
+                            epochs=args.epochs)
     except ValueError as exc:
         print(f"batchd bench: error: {exc}", file=sys.stderr)
         return 2

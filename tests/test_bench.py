@@ -38,29 +38,32 @@ def test_bench_runs_all_systems_on_the_same_samples(tmp_path):
     systems = list(bench.SYSTEMS) if bench.odb_available() is None else ["fixed", "batchd-odb", "batchd-balanced"]
     proc = subprocess.run(
         [sys.executable, "-m", "batchd.bench", "--json", "--workload", str(workload), "--num-samples", str(NUM),
-         "--heldout", "8", "--token-budget", "600", "--window", "16", "--depth", "4", "--systems",
+         "--heldout", "8", "--token-budget", "600", "--window", "16", "--depth", "4", "--epochs", "2", "--systems",
          ",".join(systems), "--out", str(out)],
         capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = json.loads(proc.stdout.strip().splitlines()[-1])
 
     assert list(s["systems"]) == systems
-    assert s["num_samples"] == NUM and s["world_size"] == 2 and s["token_budget"] == 600
+    assert s["num_samples"] == NUM and s["world_size"] == 2 and s["token_budget"] == 600 and s["epochs"] == 2
     assert s["fixed_batch_size"] == 600 // s["longest"]
     for name, r in s["systems"].items():
         assert f"[bench] {name}:" in proc.stderr
         for key, kind in (("wall_s", float), ("samples", int), ("steps", int), ("padding_efficiency", float),
                           ("final_loss", float)):
             assert isinstance(r[key], kind), (name, key, r[key])
-        # exactly the same ids, each once: all of 0..NUM-1 present, none twice, nothing else
-        assert (r["samples"], r["missing"], r["duplicates"], r["unexpected"]) == (NUM, 0, 0, 0), (name, r)
+        # exactly the same ids, each once per epoch: all of 0..NUM-1 present twice, none more, nothing else
+        assert (r["samples"], r["missing"], r["duplicates"], r["unexpected"]) == (2 * NUM, 0, 0, 0), (name, r)
         assert 0 < r["padding_efficiency"] <= 1, (name, r["padding_efficiency"])
         assert r["wall_s"] > 0 and r["steps"] == len(r["loss_curve"]) == len(r["step_times"]) > 0
         assert r["step_times"] == sorted(r["step_times"]) and r["step_times"][-1] == pytest.approx(r["wall_s"])
         assert np.isfinite(r["final_loss"]) and 0 < r["final_loss"] < 10
         assert r["heldout_samples"] == 8 and np.isfinite(r["heldout_loss"])
+        evals = r["heldout_by_epoch"]  # after each epoch, on the clock of the steps (paused while evaluating)
+        assert [e["epoch"] for e in evals] == [0, 1] and evals[-1]["loss"] == r["heldout_loss"]
+        assert 0 < evals[0]["t"] < evals[1]["t"] and r["wall_s"] <= evals[1]["t"] < r["wall_s"] + 10
         assert r["speedup_vs_fixed"] == pytest.approx(s["systems"]["fixed"]["wall_s"] / r["wall_s"])
-    assert s["systems"]["fixed"]["steps"] == -(-NUM // 2 // s["fixed_batch_size"])
+    assert s["systems"]["fixed"]["steps"] == 2 * -(-NUM // 2 // s["fixed_batch_size"])
     bd = s["systems"]["batchd-balanced"]
     assert bd["steps_per_rank"][0] == bd["steps_per_rank"][1]  # batchd aligns the ranks' step counts
     if "odb-0.1.2" in systems:
