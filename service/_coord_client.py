@@ -88,6 +88,8 @@ class CoordinatorClient:
             self.stub.Fail(pb.FailRequest(rank=self.rank, reason=reason), timeout=5)
         except grpc.RpcError as exc:
             log.warning("could not report failure to the coordinator: %s", exc.details())
+        except ValueError as exc:  # the channel was closed (this client is shutting down)
+            log.warning("could not report failure to the coordinator: %s", exc)
 
     def start_heartbeats(self, on_failure: Callable[[str], None]) -> None:
         """Heartbeats every lease/3 in a daemon thread; `on_failure(message)` when the job failed or the
@@ -102,6 +104,8 @@ class CoordinatorClient:
                     if reply.state == "failed":
                         on_failure(reply.failure)
                         return
+                except ValueError:  # close() closed the channel between the wait and the call
+                    return
                 except grpc.RpcError as exc:
                     if exc.code() == grpc.StatusCode.ABORTED:
                         on_failure(exc.details())

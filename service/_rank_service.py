@@ -218,6 +218,9 @@ class RankServiceCore:
         except CoordinatorError as exc:
             self.set_failure(str(exc))
         except Exception as exc:  # noqa: BLE001 - any bug must reach the trainer and the job, not vanish
+            if self._stop.is_set():  # stopped mid-round: its channels are closing under it, not a crash
+                log.debug("rank %d loop ended by stop(): %s: %s", self.rank, type(exc).__name__, exc)
+                return
             log.exception("rank %d loop crashed", self.rank)
             msg = f"rank {self.rank} service crashed: {type(exc).__name__}: {exc}"
             self.coord.fail(msg)
