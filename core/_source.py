@@ -86,6 +86,10 @@ class ViewSource:
         self.position += 1
         return i
 
+    def for_epoch(self, epoch: int) -> ViewSource:
+        """The same rank's view of `epoch` (its own seeded permutation when shuffled), from its start."""
+        return ViewSource(self.num_samples, self.rank, self.world_size, self.seed, epoch, self.shuffle, self.wrap)
+
     def reset(self) -> None:
         """Back to the start of the epoch."""
         self.position, self.passes, self._order = 0, 0, self._view

@@ -627,8 +627,7 @@ class RaySource:
         dropped; its actors are released when it ends."""
         with self._lock:
             self.epoch = epoch
-            self.view = ViewSource(len(self.dataset), self.rank, self.world_size, self.seed, epoch,
-                                   self.view.shuffle, self.wrap)
+            self.view = self.view.for_epoch(epoch)
             self._reset(0, set())
 
     def close(self) -> None:

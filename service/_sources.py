@@ -64,8 +64,7 @@ class SyntheticSource:
 
     def start_epoch(self, epoch: int) -> None:
         """Moves to `epoch`'s view (a new seeded permutation when shuffled), from its start."""
-        v = self.view
-        self.view = ViewSource(v.num_samples, v.rank, v.world_size, v.seed, epoch, v.shuffle, v.wrap)
+        self.view = self.view.for_epoch(epoch)
 
     def __len__(self) -> int:
         return len(self.view)
