@@ -56,10 +56,7 @@ from ._train import _check_scale, _scaled, _to_device
 INFO_KEY = "batchd_info"
 """Key under which `batchd.client.BatchdTrainer`'s stream carries the StepInfo inside each batch dict."""
 
-GA_WEIGHT_KEY = "batchd_ga_weight"
-"""Key under which `batchd.client.BatchdTrainer` puts a batch's share T_j / sum(T) of its accumulation window."""
-
-NON_MODEL_KEYS = frozenset({"labels", "sample_ids", "cu_seqlens", "max_seqlen", INFO_KEY, GA_WEIGHT_KEY})
+NON_MODEL_KEYS = frozenset({"labels", "sample_ids", "cu_seqlens", "max_seqlen", INFO_KEY})
 """Batch entries that are not model keyword arguments (the packed layout's boundaries are given to an
 HF model by the restarting ``position_ids``)."""
 
@@ -125,16 +122,20 @@ def idle_step(last: Any) -> tuple[dict[str, Any], Any]:
     return batch, info
 
 
-def accumulation_windows(steps: Iterable[tuple[Any, Any]], k: int) -> Iterator[list[tuple[Any, Any, float]]]:
-    """Groups (batch, StepInfo) pairs into windows of `k` steps, each with its weight T_j / sum of the
-    window's T (global loss tokens); the last window is filled with `idle_step`s (weight 0)."""
+def accumulation_windows(steps: Iterable[tuple[Any, Any]], k: int, factor: float = 1.0
+                         ) -> Iterator[list[tuple[Any, Any]]]:
+    """Groups (batch, StepInfo) pairs into windows of `k` steps. Each StepInfo's ``loss_scale`` is
+    multiplied by its weight T_j / (T_1 + ... + T_k) (global loss tokens) and by `factor`; the last
+    window is filled with `idle_step`s (scale 0)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be an integer >= 1, got {k=}")
     it = iter(steps)
     while window := list(itertools.islice(it, k)):
         window += [idle_step(window[-1][1]) for _ in range(k - len(window))]
         total = sum(info.global_loss_tokens for _, info in window)
-        yield [(batch, info, info.global_loss_tokens / total if total else 0.0) for batch, info in window]
+        yield [(batch, dataclasses.replace(
+                    info, loss_scale=info.loss_scale * (info.global_loss_tokens / total if total else 0.0) * factor))
+               for batch, info in window]
 
 
 def _check_accelerator(accelerator: Any, client: Any) -> None:
@@ -169,9 +170,9 @@ def _device_batches(client: Any, device: torch.device, k: int) -> Iterator[tuple
         for batch, info in client:
             yield _to_device(batch, device), info
         return
-    for window in accumulation_windows(client, k):
-        for batch, info, weight in window:  # x k: accelerator.backward divides by k
-            yield _to_device(batch, device), dataclasses.replace(info, loss_scale=info.loss_scale * weight * k)
+    for window in accumulation_windows(client, k, factor=k):  # x k: accelerator.backward divides by k
+        for batch, info in window:
+            yield _to_device(batch, device), info
 
 
 def batchd_backward(accelerator: Any, model: torch.nn.Module, batch: Mapping[str, Any], info: Any) -> torch.Tensor:

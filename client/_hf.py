@@ -54,7 +54,7 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ._accelerate import GA_WEIGHT_KEY, INFO_KEY, accumulation_windows, hf_model_inputs, logits_of
+from ._accelerate import INFO_KEY, accumulation_windows, hf_model_inputs, logits_of
 from ._client import BatchClient
 from ._train import _check_scale, _scaled
 
@@ -177,8 +177,8 @@ class BatchdTrainer(transformers.Trainer):
             return [], None
         # a window the stream ended in is filled with IDLE batches, so Trainer still takes its step
         out = []
-        for batch, info, weight in next(accumulation_windows([(b, b[INFO_KEY]) for b in batches], num_batches)):
-            batch[INFO_KEY], batch[GA_WEIGHT_KEY] = info, weight
+        for batch, info in next(accumulation_windows([(b, b[INFO_KEY]) for b in batches], num_batches)):
+            batch[INFO_KEY] = info  # its loss_scale now weighs the step within the window
             out.append(batch)
         return out, None
 
@@ -191,7 +191,6 @@ class BatchdTrainer(transformers.Trainer):
         info = inputs[INFO_KEY]
         scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
         _check_scale(scale, tokens)
-        scale *= inputs.get(GA_WEIGHT_KEY, 1.0)  # N t_rj / T_j -> N t_rj / sum of T over the window
         outputs = model(**hf_model_inputs(inputs))
         loss = _scaled(logits_of(outputs), inputs["labels"], scale, tokens)[0]
         return (loss, outputs) if return_outputs else loss
