@@ -187,14 +187,16 @@ class PreprocessPool:
         return len(self.actors)
 
     def submit(self, ids: Sequence[int], epoch: int, seed: int, mode: str = "normal"
-               ) -> tuple[int, list[ray.ObjectRef], bool] | None:
-        """Sends `ids` to an actor: (actor index, [metadata ref, payload refs...], alone) or None if refused.
+               ) -> tuple[int, list[ray.ObjectRef], ray.ObjectRef | None] | None:
+        """Sends `ids` to an actor: (actor index, [metadata ref, payload refs...], probe) or None if refused.
 
         mode "normal": the least loaded actor; refused while a source waits for an idle actor (`hold`).
         mode "isolated": only an idle actor (nothing queued ahead), else refused.
         mode "force": the least loaded actor, always.
-        `alone` is True when the task is a single sample with nothing queued ahead of it on its actor:
-        if that actor dies before the task finishes, the task was the one executing.
+        `probe` is set when the task is a single sample with nothing queued ahead of it on its actor: a
+        `ping` sent to the same actor just before it. If that actor dies before the task finishes and
+        the probe succeeded (`probe_ok`), the actor was alive when the task started: the task was the one
+        executing. A failed probe means the actor was already dead (e.g. a restart not yet seen here).
         """
         if self._closed:
             raise RuntimeError("the preprocessing pool is closed")
@@ -210,10 +212,22 @@ class PreprocessPool:
                 k = min(range(len(self.actors)), key=self.loads.__getitem__)
             alone = self.loads[k] == 0 and len(ids) == 1
             self.loads[k] += 1
+        probe = self.actors[k].ping.remote() if alone else None  # actor tasks run in submission order
         refs = self.actors[k].process.options(num_returns=len(ids) + 1).remote(list(ids), epoch, seed)
         # Released when the task really ends (result or failure), whoever reads it and whenever.
         refs[0].future().add_done_callback(lambda _f, k=k: self._release(k))
-        return k, refs, alone
+        return k, refs, probe
+
+    @staticmethod
+    def probe_ok(probe: ray.ObjectRef | None) -> bool:
+        """Whether a `submit` probe succeeded (the actor answered it before running the task)."""
+        if probe is None:
+            return False
+        try:
+            ray.get(probe, timeout=10)
+        except (ray.exceptions.RayError, TimeoutError):
+            return False
+        return True
 
     def _release(self, actor: int) -> None:
         with self._lock:
@@ -266,7 +280,7 @@ class _Task:
     seqs: list[int]
     actor: int
     payloads: list[ray.ObjectRef]
-    alone: bool
+    probe: ray.ObjectRef | None  # set when the task ran alone on its actor (`PreprocessPool.submit`)
 
 
 class RaySource:
@@ -384,8 +398,8 @@ class RaySource:
         sent = self.pool.submit([self._entries[s].id for s in seqs], self.epoch, self.seed, mode)
         if sent is None:
             return False
-        actor, refs, alone = sent
-        self._tasks[refs[0]] = _Task(seqs, actor, refs[1:], alone)
+        actor, refs, probe = sent
+        self._tasks[refs[0]] = _Task(seqs, actor, refs[1:], probe)
         return True
 
     def _hold(self, on: bool) -> None:
@@ -459,12 +473,14 @@ class RaySource:
             metas = ray.get(ref)
         except ray.exceptions.RayError as exc:
             # The actor died (or the task failed) before this task ended. Only a task that ran alone with
-            # nothing queued ahead of it was certainly executing: only then is the crash charged to its
-            # sample. The others were collateral and are rerun (alone) at no charge.
+            # nothing queued ahead of it, on an actor that answered the probe just before it, was certainly
+            # executing: only then is the crash charged to its sample. The others were collateral (or
+            # were sent to an actor that was already dead) and are rerun (alone) at no charge.
             self.retries += len(task.seqs)
+            charged = self.pool.probe_ok(task.probe)
             for seq in task.seqs:
                 e = self._entries[seq]
-                if task.alone:
+                if charged:
                     e.attempts += 1
                     if e.attempts >= self.max_attempts:
                         log.warning("sample %d: its actor died %d times while processing it; quarantined",
