@@ -7,7 +7,7 @@ a typo such as `token_buget` would otherwise run a job with the default budget.
     [job]          the `JobSpec` every party must agree on (validated by `batchd.core.SimConfig`)
     [data]         where a rank service's samples come from: dataset | lengths, Ray actors, quarantine
     [pipeline]     the preprocessing chain: template, tokenizer, vision, augmentation, cutoff
-    [coordinator]  listen address, the address ranks dial, lease and round deadlines, metrics port
+    [coordinator]  listen address, the address ranks dial, lease and start-up timeout, journal, metrics port
     [rank]         listen host, base port (rank r listens on base_port + r), state dir, metrics base port
     [security]     TLS certificate/key/CA, mutual TLS, a shared bearer token (from a file)
     [logging]      level and format (text | json)
@@ -166,13 +166,18 @@ class PipelineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CoordinatorConfig:
-    """Where the coordinator listens, where ranks reach it, and its failure deadlines."""
+    """Where the coordinator listens, where ranks reach it, its liveness timeouts and its journal.
+
+    `lease_s`: a party silent this long is gone (the job fails naming it); `startup_timeout_s`: how long
+    the coordinator waits for every rank to register, and a rank service for the coordinator to answer
+    (parties start in any order); `state_dir`: the coordinator's journal (restartable)."""
 
     host: str = "127.0.0.1"
     port: int = 0
     address: str | None = None
-    lease_s: float = 30.0
-    round_timeout_s: float = 120.0
+    lease_s: float = 60.0
+    startup_timeout_s: float = 600.0
+    state_dir: str | None = None
     metrics_port: int | None = None
 
     def __post_init__(self) -> None:
@@ -180,7 +185,8 @@ class CoordinatorConfig:
         _port("coordinator.port", self.port)
         _address("coordinator.address", self.address)
         _float("coordinator.lease_s", self.lease_s)
-        _float("coordinator.round_timeout_s", self.round_timeout_s)
+        _float("coordinator.startup_timeout_s", self.startup_timeout_s)
+        _opt_str("coordinator.state_dir", self.state_dir)
         _opt_port("coordinator.metrics_port", self.metrics_port)
 
     def dial_address(self) -> str | None:
@@ -260,7 +266,7 @@ class LoggingConfig:
 _SECTION_TYPES = {"data": DataConfig, "pipeline": PipelineConfig, "coordinator": CoordinatorConfig,
                   "rank": RankConfig, "security": SecurityConfig, "logging": LoggingConfig}
 PATH_FIELDS = {"data": ("dataset", "lengths", "quarantine", "stats_file"), "pipeline": ("tokenizer",),
-               "rank": ("state_dir",), "security": ("tls_cert", "tls_key", "tls_ca", "token_file")}
+               "rank": ("state_dir",), "coordinator": ("state_dir",), "security": ("tls_cert", "tls_key", "tls_ca", "token_file")}
 MUST_EXIST = {"data": ("dataset", "lengths"), "pipeline": ("tokenizer",),
               "security": ("tls_cert", "tls_key", "tls_ca", "token_file")}
 
@@ -461,8 +467,9 @@ augment = false
 host = "127.0.0.1"         # listen address (0.0.0.0 to accept other hosts)
 port = 7000
 # address = "coordinator.example:7000"   # where rank services dial (default 127.0.0.1:port)
-lease_s = 30.0
-round_timeout_s = 120.0
+lease_s = 60.0             # a party silent this long is gone: the job fails naming it
+startup_timeout_s = 600.0  # parties start in any order; each waits this long for the others
+# state_dir = "/var/lib/batchd"   # the coordinator's journal: kill -9 and restart resumes the job
 # metrics_port = 9100
 
 [rank]

@@ -171,14 +171,15 @@ def _coordinator(args: argparse.Namespace) -> int:
     from batchd.service import run_coordinator
 
     overrides = _common_overrides(args)
-    overrides |= _overrides(args, "coordinator", ("host", "port", "lease", "round_timeout", "metrics_port"),
-                            {"lease": "lease_s", "round_timeout": "round_timeout_s"})
+    overrides |= _overrides(args, "coordinator", ("host", "port", "lease", "startup_timeout", "state_dir",
+                                                  "metrics_port"),
+                            {"lease": "lease_s", "startup_timeout": "startup_timeout_s"})
     cfg = load_config(args.config, overrides)
     _logging(cfg)
     c = cfg.coordinator
-    return run_coordinator(cfg.job, c.host, c.port, args.port_file, c.lease_s, c.round_timeout_s,
+    return run_coordinator(cfg.job, c.host, c.port, args.port_file, c.lease_s, c.startup_timeout_s,
                            security=cfg.security_object(), metrics_port=c.metrics_port,
-                           metrics_host=args.metrics_host or c.host)
+                           metrics_host=args.metrics_host or c.host, state_dir=c.state_dir)
 
 
 def _rank(args: argparse.Namespace) -> int:
@@ -187,7 +188,8 @@ def _rank(args: argparse.Namespace) -> int:
     if args.rank < 0:
         raise ValueError(f"--rank must be >= 0, got rank={args.rank}")
     overrides = _common_overrides(args)
-    overrides |= _overrides(args, "coordinator", ("coordinator",), {"coordinator": "address"})
+    overrides |= _overrides(args, "coordinator", ("coordinator", "startup_timeout"),
+                            {"coordinator": "address", "startup_timeout": "startup_timeout_s"})
     overrides |= _overrides(args, "rank", ("host", "state_dir", "client_grace", "trainer_timeout"),
                             {"client_grace": "client_grace_s", "trainer_timeout": "trainer_timeout_s"})
     overrides |= _overrides(args, "data", ("lengths", "dataset", "num_actors", "ray_address", "quarantine",
@@ -212,7 +214,8 @@ def _rank(args: argparse.Namespace) -> int:
                     num_actors=d.num_actors, ray_address=d.ray_address, quarantine=d.quarantine,
                     stats_file=d.stats_file, pipeline=cfg.pipeline.stage_kwargs(), cutoff=cfg.pipeline.cutoff,
                     security=cfg.security_object(), metrics_port=metrics_port,
-                    metrics_host=args.metrics_host or cfg.rank.host, trainer_timeout_s=cfg.rank.trainer_timeout_s)
+                    metrics_host=args.metrics_host or cfg.rank.host, trainer_timeout_s=cfg.rank.trainer_timeout_s,
+                    startup_timeout_s=cfg.coordinator.startup_timeout_s)
 
 
 def _config_cmd(args: argparse.Namespace) -> int:
@@ -287,14 +290,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_config_cmd)
 
     p = sub.add_parser("coordinator", help="run the gRPC alignment coordinator",
-                       description="Runs the DGAP alignment coordinator for one job until the epoch ends. "
+                       description="Runs the DGAP alignment coordinator for one job until every rank's trainer took its last step. "
                        "Settings come from --config ([job], [coordinator], [security], [logging]) and flags.")
     _add_config_flag(p)
     _add_spec(p)
     _add_server(p, "coordinator")
     _add_security(p)
-    p.add_argument("--lease", type=float, help="seconds a rank may stay silent (default 30)")
-    p.add_argument("--round-timeout", type=float, help="seconds a round barrier waits (default 120)")
+    p.add_argument("--lease", type=float, help="seconds a rank may stay silent before the job fails naming it "
+                   "(default 60); a slow trainer never fails a job, only a gone party does")
+    p.add_argument("--startup-timeout", type=float, metavar="S",
+                   help="seconds to wait for every rank to register (default 600)")
+    p.add_argument("--state-dir", help="journal the job here (fsynced); a coordinator restarted with the same "
+                   "command resumes it")
     p.set_defaults(func=_coordinator)
 
     p = sub.add_parser("rank", help="run one rank's batching service",
@@ -325,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quarantine", metavar="FILE", help="append bad records here (JSONL)")
     g.add_argument("--stats-file", metavar="FILE", help="write the source's counters here as JSON on exit")
     p.add_argument("--state-dir", help="journal here after every round (restartable)")
+    p.add_argument("--startup-timeout", type=float, metavar="S",
+                   help="seconds to wait for the coordinator to answer at start (default 600)")
     p.add_argument("--client-grace", type=float, help="seconds a disconnected trainer has to come back (default 30)")
     p.add_argument("--trainer-timeout", type=float, metavar="S",
                    help="seconds ready batches wait for a trainer that has not connected yet, at the start or "

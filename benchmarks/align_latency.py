@@ -124,7 +124,7 @@ def coordinator_main(conn, world_size: int, mode: str) -> None:
 
         threading.setprofile(install)
     server, port, state = create_server("127.0.0.1:0", job_spec(world_size), lease_s=120.0,
-                                        round_timeout_s=120.0)
+                                        startup_timeout_s=600.0)
     events: list[tuple] = []
     if mode == "phases":
         orig_align, orig_commit = state.align, state.commit

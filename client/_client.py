@@ -13,12 +13,17 @@ steps (the service's alignment guarantees it).
   (a restored client starts at its saved epoch and keeps its position in it).
 - Resume: `state_dict()` stores rank, world size, epoch and the next step; `load_state_dict()` refuses
   a state of another rank or world size. A new client resumes exactly where the old one stopped.
+- Start order: the first connection waits up to `startup_timeout_s` (default 10 min) for a rank service
+  that is not up yet (it may be starting Ray), logging every few seconds whom it waits for.
 - Rank service restart: UNAVAILABLE is retried for `reconnect_timeout_s`, from the next step.
+- Step time: unlimited. A trainer may take minutes per step; only a party that is gone fails the job.
+- One trainer per rank: a second client on a rank's service is refused (`BatchdError` naming the holder).
 - Job failure: the service's ABORTED (its message names the failed rank) raises `JobFailed`.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -35,6 +40,9 @@ from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.service._coordinator import CHANNEL_OPTIONS
 from batchd.service._security import Security
 from batchd.service._security import channel as secure_channel
+
+log = logging.getLogger("batchd.client")
+WAIT_LOG_S = 5.0
 
 
 class BatchdError(RuntimeError):
@@ -54,7 +62,8 @@ class BatchClient:
         world_size: Ranks in the job.
         epoch: Epoch to read.
         credits: Batches the service may send ahead of consumption.
-        reconnect_timeout_s: How long to retry an unreachable rank service.
+        reconnect_timeout_s: How long to retry a rank service that became unreachable (a restart).
+        startup_timeout_s: How long the first connection waits for a rank service that is not up yet.
         security: TLS / mutual TLS / bearer token of this trainer process (`batchd.service.Security`);
             None connects in plaintext without a token.
         token: Shortcut for `Security(token=token, tls_ca=tls_ca)`; not together with `security`.
@@ -62,14 +71,18 @@ class BatchClient:
     """
 
     def __init__(self, address: str, rank: int, world_size: int, epoch: int = 0, credits: int = 4,
-                 reconnect_timeout_s: float = 30.0, security: Security | None = None,
-                 token: str | None = None, tls_ca: str | None = None) -> None:
+                 reconnect_timeout_s: float = 60.0, security: Security | None = None,
+                 token: str | None = None, tls_ca: str | None = None, startup_timeout_s: float = 600.0) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got {rank=} {world_size=}")
         if credits < 1:
             raise ValueError(f"credits must be >= 1, got {credits=}")
+        if not reconnect_timeout_s > 0 or not startup_timeout_s > 0:
+            raise ValueError(f"timeouts must be > 0, got {reconnect_timeout_s=} {startup_timeout_s=}")
         self.address, self.rank, self.world_size, self.epoch = address, rank, world_size, epoch
         self.credits, self.reconnect_timeout_s = credits, reconnect_timeout_s
+        self.startup_timeout_s = startup_timeout_s
+        self._connected = False  # once a stream got through, an unreachable service is a restart
         self.next_step = 0
         self.finished = False
         if security is not None and (token is not None or tls_ca is not None):
@@ -111,21 +124,38 @@ class BatchClient:
         if epoch != self.epoch:
             self.epoch, self.next_step, self.finished = epoch, 0, False
 
-    def job_epochs(self, timeout: float = 10.0) -> int:
-        """The number of epochs the job runs, asked of the rank service (waits for it up to `timeout`)."""
-        try:
-            return max(self.stub.RankStatus(pb.RankStatusRequest(), timeout=timeout, wait_for_ready=True).epochs, 1)
-        except grpc.RpcError as exc:
-            raise BatchdError(f"rank service of rank {self.rank} at {self.address}: {exc.code().name}: "
-                              f"{exc.details()}") from None
+    def job_epochs(self, timeout: float | None = None) -> int:
+        """The number of epochs the job runs, asked of the rank service (waits for it up to `timeout`,
+        default `startup_timeout_s`, logging every few seconds)."""
+        timeout = self.startup_timeout_s if timeout is None else timeout
+        start = last_log = time.monotonic()
+        while True:
+            left = timeout - (time.monotonic() - start)
+            try:
+                reply = self.stub.RankStatus(pb.RankStatusRequest(), timeout=max(min(left, WAIT_LOG_S), 0.01),
+                                             wait_for_ready=True)
+                return max(reply.epochs, 1)
+            except grpc.RpcError as exc:
+                now = time.monotonic()
+                waiting = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not waiting or now - start >= timeout:
+                    raise BatchdError(f"rank service of rank {self.rank} at {self.address}: {exc.code().name}: "
+                                      f"{exc.details()}" + (f" (waited {now - start:.0f}s)" if waiting else "")
+                                      ) from None
+                if now - last_log >= WAIT_LOG_S:
+                    log.info("rank %d: waiting for its rank service at %s (%.0fs of %gs)", self.rank, self.address,
+                             now - start, timeout)
+                    last_log = now
 
     # -- iteration -----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:
-        deadline = None
+        start = None
+        last_log = time.monotonic()
         while not self.finished:
             try:
                 for item in self._stream():
-                    deadline = None
+                    start = None
+                    self._connected = True
                     yield item
                 return
             except grpc.RpcError as exc:
@@ -134,12 +164,18 @@ class BatchClient:
                     raise JobFailed(details) from None
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
                             grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
-                    deadline = deadline or time.monotonic() + self.reconnect_timeout_s
-                    if time.monotonic() < deadline:
+                    now = time.monotonic()
+                    start = start or now
+                    limit = self.reconnect_timeout_s if self._connected else self.startup_timeout_s
+                    if now - start < limit:
+                        if now - last_log >= WAIT_LOG_S:
+                            log.info("rank %d: waiting for its rank service at %s (%.0fs of %gs): %s: %s", self.rank,
+                                     self.address, now - start, limit, code.name, details)
+                            last_log = now
                         time.sleep(0.2)
                         continue
                     raise BatchdError(f"rank service of rank {self.rank} at {self.address} unreachable for "
-                                      f"{self.reconnect_timeout_s:g}s: {code.name}: {details}") from None
+                                      f"{limit:g}s: {code.name}: {details}") from None
                 raise BatchdError(f"rank service of rank {self.rank} at {self.address}: {code.name}: {details}") from None
 
     def _stream(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:

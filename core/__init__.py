@@ -1,4 +1,5 @@
-"""batchd's batching core: pure grouping, DGAP alignment, balancing, loss scaling and the simulator.
+"""batchd's batching core: pure grouping, DGAP alignment, balancing, loss scaling, the simulator, and the
+lifecycle state machines (a rank's delivery to its trainer, the coordinator's view of who is alive).
 
 No I/O, no threads: the daemon (gRPC, Ray) and the simulator carry these functions' inputs and outputs.
 """
@@ -15,6 +16,8 @@ from ._align import (
     target_odb,
 )
 from ._balance import plan_round
+from ._delivery import ATTACHED, END, REFUSED, SEND_END, WAIT, Connect, Delivery
+from ._liveness import Liveness
 from ._cost import COST_MODELS, CostModel
 from ._grouping import best_fit_decreasing, contiguous_greedy, fixed_chunks, odb_greedy, odb_split, split_largest
 from ._loss import loss_scale
@@ -25,8 +28,9 @@ from ._source import ViewSource, epoch_permutation
 from ._types import Sample, Step, StepInfo
 
 __all__ = sorted([
-    "ALIGN_RULES", "COST_MODELS", "MODES", "OVER_BUDGET", "POLICIES",
-    "Coordinator", "CostModel", "Entry", "Policy", "ProtocolError", "RankCommit", "RankReport",
+    "ALIGN_RULES", "ATTACHED", "COST_MODELS", "END", "MODES", "OVER_BUDGET", "POLICIES", "REFUSED",
+    "SEND_END", "WAIT",
+    "Connect", "Coordinator", "CostModel", "Delivery", "Entry", "Liveness", "Policy", "ProtocolError", "RankCommit", "RankReport",
     "RankState", "RoundDecision", "RoundTotals", "Sample", "SimConfig", "SimMetrics", "Simulator",
     "Step", "StepInfo", "ViewSource",
     "best_fit_decreasing", "contiguous_greedy", "epoch_permutation", "fixed_chunks", "form_groups",

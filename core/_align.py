@@ -257,6 +257,14 @@ class Coordinator:
         return totals
 
     # -- state ---------------------------------------------------------------------------------------
+    def resume_decided(self, decision: RoundDecision) -> None:
+        """Restores a decision taken before a restart (journaled) for the current round: the round then
+        waits for its commits, as if `decide` had just returned `decision`."""
+        if self.done or self._decided is not None or decision.round != self.round:
+            raise ProtocolError(f"cannot resume a decision of round {decision.round}: the coordinator is at "
+                                f"round {self.round} ({'done' if self.done else 'running'})")
+        self._decided = decision
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe state at a round boundary."""
         if self._decided is not None:

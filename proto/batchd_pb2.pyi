@@ -258,25 +258,37 @@ class FailReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class FinishRequest(_message.Message):
+    __slots__ = ("rank",)
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    def __init__(self, rank: _Optional[int] = ...) -> None: ...
+
+class FinishReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("state", "failure", "epoch", "round", "registered", "round_latency_ms")
+    __slots__ = ("state", "failure", "epoch", "round", "registered", "round_latency_ms", "finished")
     STATE_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     ROUND_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     state: str
     failure: str
     epoch: int
     round: int
     registered: _containers.RepeatedScalarFieldContainer[int]
     round_latency_ms: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, state: _Optional[str] = ..., failure: _Optional[str] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., registered: _Optional[_Iterable[int]] = ..., round_latency_ms: _Optional[_Iterable[float]] = ...) -> None: ...
+    finished: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, state: _Optional[str] = ..., failure: _Optional[str] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., registered: _Optional[_Iterable[int]] = ..., round_latency_ms: _Optional[_Iterable[float]] = ..., finished: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class IngestRequest(_message.Message):
     __slots__ = ("meta", "tensors", "end_of_epoch", "epoch")

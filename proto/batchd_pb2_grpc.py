@@ -66,6 +66,11 @@ class CoordinatorStub:
                 request_serializer=batchd_dot_proto_dot_batchd__pb2.StatusRequest.SerializeToString,
                 response_deserializer=batchd_dot_proto_dot_batchd__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.Finish = channel.unary_unary(
+                '/batchd.v1.Coordinator/Finish',
+                request_serializer=batchd_dot_proto_dot_batchd__pb2.FinishRequest.SerializeToString,
+                response_deserializer=batchd_dot_proto_dot_batchd__pb2.FinishReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -112,6 +117,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Finish(self, request, context):
+        """A rank's trainer took the last step of the last epoch: the rank stops heartbeating. The job ends
+        (the coordinator exits) once every rank finished.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -144,6 +157,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=batchd_dot_proto_dot_batchd__pb2.StatusRequest.FromString,
                     response_serializer=batchd_dot_proto_dot_batchd__pb2.StatusReply.SerializeToString,
+            ),
+            'Finish': grpc.unary_unary_rpc_method_handler(
+                    servicer.Finish,
+                    request_deserializer=batchd_dot_proto_dot_batchd__pb2.FinishRequest.FromString,
+                    response_serializer=batchd_dot_proto_dot_batchd__pb2.FinishReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -310,6 +328,33 @@ class Coordinator:
             '/batchd.v1.Coordinator/Status',
             batchd_dot_proto_dot_batchd__pb2.StatusRequest.SerializeToString,
             batchd_dot_proto_dot_batchd__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Finish(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchd.v1.Coordinator/Finish',
+            batchd_dot_proto_dot_batchd__pb2.FinishRequest.SerializeToString,
+            batchd_dot_proto_dot_batchd__pb2.FinishReply.FromString,
             options,
             channel_credentials,
             insecure,

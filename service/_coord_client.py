@@ -1,8 +1,14 @@
-"""A rank service's connection to the coordinator: registration, the two round barriers, heartbeats.
+"""A rank service's connection to the coordinator: registration, the two round barriers, heartbeats, finish.
 
-Every call has a deadline. UNAVAILABLE (coordinator restarting or not up yet) is retried until
-`connect_timeout_s`; then the call fails with a message naming the coordinator's address. ABORTED
-carries the job's failure message (it names the failed rank) and is never retried.
+Timeouts judge liveness, never speed:
+- start-up: `register` waits up to `startup_timeout_s` (default 10 min) for a coordinator that is not up
+  yet, logging every few seconds whom it waits for;
+- during the job, a call that finds the coordinator unreachable (restarting from its journal, say) is
+  retried for up to the coordinator's lease, then fails with a message naming its address;
+- the barrier calls themselves have no deadline: a barrier lasts as long as the slowest rank's trainer
+  needs; a coordinator that vanished is found by the connection breaking (or keepalive pings);
+- heartbeats every min(lease/3, 2 s); a coordinator unreachable for a whole lease fails the job, naming it.
+ABORTED carries the job's failure message (it names the failed rank) and is never retried.
 """
 
 from __future__ import annotations
@@ -34,17 +40,33 @@ class CoordinatorError(RuntimeError):
         self.code = code
 
 
+WAIT_LOG_S = 5.0  # how often a waiting party says what it waits for
+HEARTBEAT_S = 2.0  # at most this long between two heartbeats
+
+
+def transient(exc: grpc.RpcError) -> bool:
+    """A call that failed because its peer is (for now) unreachable: worth retrying."""
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    details = exc.details() or ""
+    return code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and (
+        "Stream removed" in details or "Socket closed" in details)
+
+
 class CoordinatorClient:
     """Talks to the coordinator on behalf of one rank (`security`: TLS / token, None = plaintext)."""
 
-    def __init__(self, address: str, rank: int, spec: JobSpec, connect_timeout_s: float = 30.0,
+    def __init__(self, address: str, rank: int, spec: JobSpec, startup_timeout_s: float = 600.0,
                  security: Security | None = None) -> None:
+        if not startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s=}")
         self.address, self.rank, self.spec = address, rank, spec
-        self.connect_timeout_s = connect_timeout_s
+        self.startup_timeout_s = startup_timeout_s
         self.channel = channel(address, security, CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
-        self.lease_s = 30.0
-        self.round_timeout_s = 120.0
+        self.lease_s = 60.0  # the coordinator's, once registered
+        self.registered = False
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
 
@@ -52,36 +74,52 @@ class CoordinatorClient:
         self._stop.set()
         self.channel.close()
 
-    def _call(self, what: str, fn: Callable, request, timeout: float):
-        deadline = time.monotonic() + self.connect_timeout_s
+    def _call(self, what: str, fn: Callable, request, timeout: float | None, retry_s: float):
+        start = time.monotonic()
+        last_log = start
         while True:
             try:
                 return fn(request, timeout=timeout)
             except grpc.RpcError as exc:
-                code = exc.code()
-                if code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline and not self._stop.is_set():
-                    time.sleep(0.1)
+                now = time.monotonic()
+                if transient(exc) and now - start < retry_s and not self._stop.is_set():
+                    if now - last_log >= WAIT_LOG_S:
+                        log.info("rank %d: waiting for the coordinator at %s (%s, %.0fs of %gs): %s", self.rank,
+                                 self.address, what, now - start, retry_s, exc.details())
+                        last_log = now
+                    self._stop.wait(0.2)
                     continue
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    raise CoordinatorError(f"coordinator at {self.address} is unreachable ({what} from rank "
-                                           f"{self.rank}): {exc.details()}", code) from None
-                raise CoordinatorError(f"{what} from rank {self.rank} failed: {code.name}: {exc.details()}",
-                                       code) from None
+                if transient(exc):
+                    raise CoordinatorError(f"coordinator at {self.address} unreachable for {now - start:.0f}s "
+                                           f"({what} from rank {self.rank}): {exc.details()}", exc.code()) from None
+                raise CoordinatorError(f"{what} from rank {self.rank} failed: {exc.code().name}: {exc.details()}",
+                                       exc.code()) from None
 
     def register(self, my_address: str) -> pb.RegisterReply:
+        """Registers (again: a restarted rank, or a rank refreshing its peers' addresses)."""
+        retry = self.lease_s if self.registered else self.startup_timeout_s
         reply = self._call("Register", self.stub.Register,
-                           pb.RegisterRequest(rank=self.rank, spec=self.spec.to_pb(), address=my_address), 10.0)
-        self.lease_s = reply.lease_ms / 1000
-        self.round_timeout_s = reply.round_timeout_ms / 1000
+                           pb.RegisterRequest(rank=self.rank, spec=self.spec.to_pb(), address=my_address), 10.0,
+                           retry)
+        self.lease_s = reply.lease_ms / 1000 or self.lease_s
+        self.registered = True
         return reply
 
     def align(self, epoch: int, report: RankReport) -> RoundDecision:
-        reply = self._call("Align", self.stub.Align, wire.report_to_pb(report, epoch), self.round_timeout_s + 5)
+        reply = self._call("Align", self.stub.Align, wire.report_to_pb(report, epoch), None, self.lease_s)
         return wire.decision_from_pb(reply)
 
     def commit(self, epoch: int, commit: RankCommit) -> RoundTotals:
-        reply = self._call("Commit", self.stub.Commit, wire.commit_to_pb(commit, epoch), self.round_timeout_s + 5)
+        reply = self._call("Commit", self.stub.Commit, wire.commit_to_pb(commit, epoch), None, self.lease_s)
         return wire.totals_from_pb(reply)
+
+    def finish(self) -> None:
+        """Tells the coordinator this rank's trainer took the job's last step; stops the heartbeats."""
+        self._call("Finish", self.stub.Finish, pb.FinishRequest(rank=self.rank), 10.0, self.lease_s)
+        self.stop_heartbeats()
+
+    def stop_heartbeats(self) -> None:
+        self._stop.set()
 
     def fail(self, reason: str) -> None:
         try:
@@ -92,12 +130,13 @@ class CoordinatorClient:
             log.warning("could not report failure to the coordinator: %s", exc)
 
     def start_heartbeats(self, on_failure: Callable[[str], None]) -> None:
-        """Heartbeats every lease/3 in a daemon thread; `on_failure(message)` when the job failed or the
-        coordinator has been unreachable for a whole lease."""
+        """Heartbeats every min(lease/3, HEARTBEAT_S) in a daemon thread (so a failure elsewhere reaches this
+        rank within seconds); `on_failure(message)` when the job failed or the coordinator has been
+        unreachable for a whole lease."""
 
         def beat() -> None:
             last_ok = time.monotonic()
-            while not self._stop.wait(self.lease_s / 3):
+            while not self._stop.wait(min(self.lease_s / 3, HEARTBEAT_S)):
                 try:
                     reply = self.stub.Heartbeat(pb.HeartbeatRequest(rank=self.rank), timeout=self.lease_s / 3)
                     last_ok = time.monotonic()
@@ -107,12 +146,18 @@ class CoordinatorClient:
                 except ValueError:  # close() closed the channel between the wait and the call
                     return
                 except grpc.RpcError as exc:
+                    if self._stop.is_set():
+                        return
                     if exc.code() == grpc.StatusCode.ABORTED:
                         on_failure(exc.details())
                         return
+                    if not transient(exc) and exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        on_failure(f"the coordinator at {self.address} refused rank {self.rank}'s heartbeat: "
+                                   f"{exc.code().name}: {exc.details()}")
+                        return
                     if time.monotonic() - last_ok > self.lease_s:
                         on_failure(f"coordinator at {self.address} unreachable for {self.lease_s:g}s: "
-                                   f"{exc.code().name}")
+                                   f"{exc.code().name}: {exc.details()}")
                         return
 
         self._hb = threading.Thread(target=beat, name=f"batchd-heartbeat-{self.rank}", daemon=True)

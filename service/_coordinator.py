@@ -1,23 +1,30 @@
-"""The gRPC alignment coordinator: the core's `Coordinator` behind two barrier RPCs, with deadlines.
+"""The gRPC alignment coordinator: the core's `Coordinator` behind two barrier RPCs, journaled.
 
 `CoordinatorState` holds the logic (thread-safe, no gRPC); `CoordinatorServicer` is a thin layer that
-turns its exceptions into status codes; `create_server(address, spec) -> (server, port)`.
+turns its exceptions into status codes; `create_server(address, spec) -> (server, port, state)`.
 
 Per round: every rank calls `Align` (its report) and blocks until all N reports are in, then the core
 decides T (or the balanced plan) and every call returns it; `Commit` works the same way and returns
 exact per-step totals. A restarted rank may resend a report or commit of a round that is already
 decided: the stored answer is replayed (the rank's state is deterministic, so it gets what it had).
 
-Epochs: once epoch e is done, the first `Align` of epoch e+1 starts a fresh protocol core for it; the
-job is done (the coordinator process exits) when epoch `spec.epochs - 1` is. Between epochs the job
-stays running, so leases still hold while trainers finish their last steps.
+Epochs: once epoch e is done, the first `Align` of epoch e+1 starts a fresh protocol core for it.
+Job end: after the last epoch's rounds, each rank calls `Finish` once its trainer took its last step;
+the job is done (the coordinator process exits) when every rank finished. Until then the coordinator
+stays, whatever the trainers' step times: a job never fails because a trainer is slow.
 
-Failure is fast and names its cause, never a silent hang:
-- a barrier that has not heard from some rank within `round_timeout_s` fails the job, naming the
-  missing ranks (DEADLINE_EXCEEDED for the callers, ABORTED for everyone afterwards);
-- a registered rank silent for longer than `lease_s` (no heartbeat, no call) fails the job naming it;
+Timeouts judge liveness, never speed (`batchd.core.Liveness`):
+- every rank must register within `startup_timeout_s` (parties start in any order; the coordinator
+  logs every few seconds whom it waits for);
+- a registered, unfinished rank silent for longer than `lease_s` (no heartbeat, no call) fails the job
+  naming it; a barrier waits as long as every missing rank is alive;
 - any party may call `Fail(rank, reason)`;
 after which every pending and later call returns ABORTED with the failure message.
+
+Restart: with `state_dir`, every decision, totals, registration, finish and failure is appended to a
+journal (`_journal`: fsynced, checksummed) before any rank sees it. A coordinator killed with `kill -9`
+and restarted with the same command resumes: ranks reconnect (their calls retry while it is away, for
+up to a lease) and go on; rounds already decided are replayed from the journal.
 
 Status codes: INVALID_ARGUMENT for malformed messages, FAILED_PRECONDITION for protocol-order errors
 (wrong epoch or round, unregistered rank, spec mismatch), ABORTED once the job failed.
@@ -25,19 +32,24 @@ Status codes: INVALID_ARGUMENT for malformed messages, FAILED_PRECONDITION for p
 
 from __future__ import annotations
 
+import base64
 import collections
+import dataclasses
 import logging
+import os
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 
 from batchd import wire
-from batchd.core import Coordinator, ProtocolError, RankCommit, RankReport, RoundDecision, RoundTotals
+from batchd.core import Coordinator, Liveness, ProtocolError, RankCommit, RankReport, RoundDecision, RoundTotals
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
+from ._journal import Journal
 from ._metrics import CoordinatorMetrics
 from ._security import Security, add_port, server_interceptors
 from ._spec import JobSpec
@@ -49,32 +61,40 @@ class JobFailed(RuntimeError):
     """The job failed; the message names the rank and the cause."""
 
 
-class BarrierTimeout(JobFailed):
-    """A round barrier missed its deadline."""
+JOURNAL = "coordinator.journal"
+COMPACT_EVERY = 4096  # journal records between compactions (a compacted journal holds ~20 records)
+WAIT_LOG_S = 5.0  # how often a waiting coordinator says whom it waits for
 
 
 class CoordinatorState:
     """Thread-safe coordinator logic for one job (see module docstring)."""
 
-    def __init__(self, spec: JobSpec, lease_s: float = 30.0, round_timeout_s: float = 120.0,
-                 metrics: CoordinatorMetrics | None = None) -> None:
-        if lease_s <= 0 or round_timeout_s <= 0:
-            raise ValueError(f"timeouts must be positive, got {lease_s=} {round_timeout_s=}")
+    def __init__(self, spec: JobSpec, lease_s: float = 60.0, startup_timeout_s: float = 600.0,
+                 metrics: CoordinatorMetrics | None = None, state_dir: str | os.PathLike | None = None) -> None:
+        if lease_s <= 0 or startup_timeout_s <= 0:
+            raise ValueError(f"timeouts must be positive, got {lease_s=} {startup_timeout_s=}")
         self.spec = spec
         self.metrics = metrics  # Prometheus metrics (`_metrics`), updated once per round; None = off
-        self.lease_s, self.round_timeout_s = lease_s, round_timeout_s
+        self.lease_s, self.startup_timeout_s = lease_s, startup_timeout_s
         self._cond = threading.Condition()
         self.epoch = 0
         self.core = self._new_core(0)
         self.failure: str | None = None
+        self.informed: set[int] = set()  # ranks told of the failure (they fail their trainers with it)
         self.addresses: dict[int, str] = {}
-        self.last_seen: dict[int, float] = {}
+        self.liveness = Liveness(spec.world_size, lease_s, startup_timeout_s, time.monotonic())
         self._reports: dict[int, RankReport] = {}
         self._commits: dict[int, RankCommit] = {}
         self._decisions: dict[tuple[int, int], RoundDecision] = {}
         self._totals: dict[tuple[int, int], RoundTotals] = {}
         self._round_started: float | None = None
         self.latencies_ms: collections.deque[float] = collections.deque(maxlen=1000)
+        self._last_core_state: dict | None = None  # the core's state after the newest totals (journal)
+        self._last_totals_key: tuple[int, int] | None = None
+        self.journal = Journal(Path(state_dir) / JOURNAL, _job_of(spec)) if state_dir is not None else None
+        self.restored = False
+        if self.journal is not None:
+            self._restore(self.journal.open())
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="batchd-lease-watchdog", daemon=True)
         self._watchdog.start()
@@ -86,11 +106,87 @@ class CoordinatorState:
         return Coordinator(s.world_size, s.make_policy(), s.token_budget, s.cost_model(), s.mode,
                            s.quota if s.mode == "non-join" else None, s.seed, epoch)
 
+    # -- journal -------------------------------------------------------------------------------------
+    def _log(self, record: dict) -> None:
+        """Journals `record` before anyone is told (write-ahead); compacts now and then."""
+        if self.journal is None:
+            return
+        self.journal.append(record)
+        if self.journal.records_written >= COMPACT_EVERY:
+            self.journal.compact(self._snapshot())
+
+    def _snapshot(self) -> list[dict]:
+        """The records a restart needs: ranks, the recent decisions and totals, finishes, the failure."""
+        out: list[dict] = [{"kind": "register", "rank": r, "address": a} for r, a in sorted(self.addresses.items())]
+        keys = sorted(set(self._decisions) | set(self._totals))
+        for key in keys:
+            if key in self._decisions:
+                out.append(_decision_record(key, self._decisions[key]))
+            if key in self._totals:
+                out.append(_totals_record(key, self._totals[key], self._core_state_at(key)))
+        out += [{"kind": "finish", "rank": r} for r in sorted(self.liveness.finished)]
+        if self.failure is not None:
+            out.append({"kind": "failure", "message": self.failure})
+        return out
+
+    def _core_state_at(self, key: tuple[int, int]) -> dict:
+        # Only the newest totals' core state is read back (older ones only fill the replay tables).
+        return self._last_core_state if key == self._last_totals_key else {}
+
+    def _restore(self, records: list[dict]) -> None:
+        """Rebuilds the state from journal records (see `_journal`): the core from the newest totals, a
+        decision newer than those totals as the round's pending decision, the replay tables, the ranks."""
+        core_state, core_key, pending = None, None, None
+        registered, finished = set(), set()
+        for rec in records:
+            kind = rec["kind"]
+            if kind == "register":
+                self.addresses[rec["rank"]] = rec["address"]
+                registered.add(rec["rank"])
+            elif kind == "decision":
+                key = (rec["epoch"], rec["round"])
+                self._decisions[key] = wire.decision_from_pb(pb.AlignReply.FromString(base64.b64decode(rec["reply"])))
+                pending = key
+            elif kind == "totals":
+                key = (rec["epoch"], rec["round"])
+                self._totals[key] = wire.totals_from_pb(pb.CommitReply.FromString(base64.b64decode(rec["reply"])))
+                if rec.get("core"):
+                    core_state, core_key = rec["core"], key
+            elif kind == "finish":
+                finished.add(rec["rank"])
+            elif kind == "failure":
+                self.failure = rec["message"]
+        self._forget(self._decisions)
+        self._forget(self._totals)
+        self._last_core_state, self._last_totals_key = core_state, core_key
+        if core_state is not None:
+            self.epoch = core_state["epoch"]
+            self.core = self._new_core(self.epoch)
+            self.core.load_state_dict(core_state)
+        if pending is not None and pending not in self._totals:
+            epoch, rnd = pending
+            if epoch == self.epoch + 1 and self.core.done:
+                self.epoch, self.core = epoch, self._new_core(epoch)
+            self.core.resume_decided(self._decisions[pending])
+        self.liveness.restore(registered, finished, time.monotonic())
+        self.restored = bool(records)
+        if self.restored:
+            log.info("coordinator restored from %s: epoch %d round %d%s, %d rank(s) registered, %d finished%s",
+                     self.journal.path, self.epoch, self.core.round,
+                     " (decided, waiting for commits)" if pending is not None and pending not in self._totals else "",
+                     len(registered), len(finished), f"; the job had failed: {self.failure}" if self.failure else "")
+            self.journal.compact(self._snapshot())
+
     # -- lifecycle -----------------------------------------------------------------------------------
     @property
-    def job_done(self) -> bool:
-        """The last epoch is done (between epochs the job is still running)."""
+    def rounds_done(self) -> bool:
+        """The last epoch's rounds are done (between epochs the job is still running)."""
         return self.core.done and self.epoch + 1 >= self.spec.epochs
+
+    @property
+    def job_done(self) -> bool:
+        """The last epoch is done and every rank's trainer took its last step."""
+        return self.rounds_done and self.liveness.all_finished
 
     @property
     def state(self) -> str:
@@ -102,57 +198,106 @@ class CoordinatorState:
 
     def close(self) -> None:
         self._stop.set()
+        if self.journal is not None:
+            self.journal.close()
 
     def _fail_locked(self, message: str) -> None:
         if self.failure is None:
             self.failure = message
             log.error("job failed: %s", message)
+            try:
+                self._log({"kind": "failure", "message": message})
+            except OSError as exc:
+                log.error("could not journal the failure: %s", exc)
         self._cond.notify_all()
 
     def fail(self, rank: int, reason: str) -> None:
         with self._cond:
             self._fail_locked(f"rank {rank}: {reason}")
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, rank: int | None = None) -> None:
         if self.failure is not None:
+            if rank is not None:
+                self.informed.add(rank)
             raise JobFailed(self.failure)
 
-    def _touch(self, rank: int) -> None:
+    def all_informed(self) -> bool:
+        """Every registered rank that has not finished has been told of the failure (or the job is fine)."""
+        with self._cond:
+            waiting = set(self.addresses) - self.liveness.finished - self.informed
+            return not waiting
+
+    def _check_rank(self, rank: int, what: str) -> None:
         if not 0 <= rank < self.spec.world_size:
-            raise ValueError(f"rank {rank} outside world_size={self.spec.world_size}")
-        self.last_seen[rank] = time.monotonic()
+            raise ValueError(f"{what} from rank {rank}, but the job has ranks 0..{self.spec.world_size - 1} "
+                             f"(world_size={self.spec.world_size})")
+
+    def _touch(self, rank: int, what: str) -> None:
+        self._check_rank(rank, what)
+        if rank not in self.addresses:
+            raise ProtocolError(f"{what} from rank {rank}, which has not registered")
+        self.liveness.seen(rank, time.monotonic())
 
     def _watch(self) -> None:
+        last_log = time.monotonic()
         while not self._stop.wait(min(self.lease_s / 4, 1.0)):
             with self._cond:
                 if self.failure is not None or self.job_done:
                     continue
                 now = time.monotonic()
-                for rank, seen in sorted(self.last_seen.items()):
-                    if now - seen > self.lease_s:
-                        self._fail_locked(f"rank {rank} missed its lease: silent for {now - seen:.1f}s "
-                                          f"(lease {self.lease_s:g}s)")
-                        break
+                failure = self.liveness.check(now)
+                if failure is not None:
+                    self._fail_locked(failure)
+                    continue
+                if now - last_log >= WAIT_LOG_S:
+                    waiting = self.liveness.waiting(now) or self._waiting_barrier()
+                    if waiting:
+                        log.info("%s", waiting)
+                        last_log = now
+
+    def _waiting_barrier(self) -> str | None:
+        if self.rounds_done:
+            left = [r for r in range(self.spec.world_size) if r not in self.liveness.finished]
+            return f"rounds done; waiting for the trainers of rank(s) {left} to take their last step"
+        return None
 
     # -- RPC logic -----------------------------------------------------------------------------------
     def register(self, rank: int, spec: JobSpec, address: str) -> tuple[int, int, list[str]]:
         with self._cond:
-            self._check_alive()
-            self._touch(rank)
+            self._check_alive(rank)
+            self._check_rank(rank, "Register")
             diff = self.spec.diff(spec)
             if diff:
                 detail = ", ".join(f"{k}: coordinator {a!r}, rank {b!r}" for k, a, b in
                                    ((k, *v) for k, v in sorted(diff.items())))
                 raise ProtocolError(f"rank {rank} registered with a different job spec ({detail})")
-            self.addresses[rank] = address
+            if self.addresses.get(rank) != address:
+                self._log({"kind": "register", "rank": rank, "address": address})
+                self.addresses[rank] = address
+            self.liveness.register(rank, time.monotonic())
             self._cond.notify_all()
             addrs = [self.addresses.get(r, "") for r in range(self.spec.world_size)]
             return self.epoch, self.core.round, addrs if all(addrs) else []
 
     def heartbeat(self, rank: int) -> tuple[str, str]:
         with self._cond:
-            self._touch(rank)
+            self._touch(rank, "Heartbeat")
+            if self.failure is not None:
+                self.informed.add(rank)
             return self.state, self.failure or ""
+
+    def finish(self, rank: int) -> None:
+        with self._cond:
+            self._check_alive(rank)
+            self._touch(rank, "Finish")
+            if not self.rounds_done:
+                raise ProtocolError(f"rank {rank} finished while the job is in epoch {self.epoch} round "
+                                    f"{self.core.round} of {self.spec.epochs} epoch(s)")
+            if rank not in self.liveness.finished:
+                self._log({"kind": "finish", "rank": rank})
+                self.liveness.finish(rank, time.monotonic())
+                log.info("rank %d finished (%d of %d)", rank, len(self.liveness.finished), self.spec.world_size)
+            self._cond.notify_all()
 
     def _advance_epoch(self, epoch: int) -> None:
         if epoch == self.epoch:
@@ -169,24 +314,18 @@ class CoordinatorState:
         raise ProtocolError(f"epoch {epoch} requested while the coordinator is in epoch {self.epoch} "
                             f"({'done' if self.core.done else 'running'})")
 
-    def _await(self, key: tuple[int, int], table: dict, pending: dict, what: str) -> object:
-        deadline = time.monotonic() + self.round_timeout_s
+    def _await(self, key: tuple[int, int], table: dict, rank: int) -> object:
+        """Waits for the barrier as long as the job is alive: a slow rank is waited for; a gone one misses
+        its lease and fails the job (the watchdog), which wakes this wait."""
         while key not in table:
-            self._check_alive()
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = [r for r in range(self.spec.world_size) if r not in pending]
-                msg = (f"epoch {key[0]} round {key[1]}: no {what} from rank(s) {missing} "
-                       f"within {self.round_timeout_s:g}s")
-                self._fail_locked(msg)
-                raise BarrierTimeout(msg)
-            self._cond.wait(left)
+            self._check_alive(rank)
+            self._cond.wait(1.0)
         return table[key]
 
     def align(self, epoch: int, report: RankReport) -> RoundDecision:
         with self._cond:
-            self._check_alive()
-            self._touch(report.rank)
+            self._check_alive(report.rank)
+            self._touch(report.rank, "Align")
             key = (epoch, report.round)
             if key in self._decisions:  # replay for a restarted rank
                 return self._decisions[key]
@@ -204,6 +343,7 @@ class CoordinatorState:
                 except ValueError as exc:
                     self._fail_locked(f"round {report.round} could not be decided: {exc}")
                     raise
+                self._log(_decision_record(key, decision))
                 if self.metrics is not None:
                     self._observe(self.metrics.observe_decision, t_last - (self._round_started or t_last),
                                   time.perf_counter() - t_last)
@@ -212,12 +352,12 @@ class CoordinatorState:
                 self._reports.clear()
                 self._cond.notify_all()
                 return decision
-            return self._await(key, self._decisions, self._reports, "report")
+            return self._await(key, self._decisions, report.rank)
 
     def commit(self, epoch: int, commit: RankCommit) -> RoundTotals:
         with self._cond:
-            self._check_alive()
-            self._touch(commit.rank)
+            self._check_alive(commit.rank)
+            self._touch(commit.rank, "Commit")
             key = (epoch, commit.round)
             if key in self._totals:
                 return self._totals[key]
@@ -232,6 +372,8 @@ class CoordinatorState:
                 except ValueError as exc:
                     self._fail_locked(f"round {commit.round} could not be committed: {exc}")
                     raise
+                self._last_core_state, self._last_totals_key = self.core.state_dict(), key
+                self._log(_totals_record(key, totals, self._last_core_state))
                 self._totals[key] = totals
                 self._forget(self._totals)
                 if self.metrics is not None:
@@ -242,7 +384,7 @@ class CoordinatorState:
                     self.latencies_ms.append((time.perf_counter() - self._round_started) * 1000)
                 self._cond.notify_all()
                 return totals
-            return self._await(key, self._totals, self._commits, "commit")
+            return self._await(key, self._totals, commit.rank)
 
     @staticmethod
     def _observe(fn, *args) -> None:
@@ -260,7 +402,23 @@ class CoordinatorState:
         with self._cond:
             return pb.StatusReply(state=self.state, failure=self.failure or "", epoch=self.epoch,
                                   round=self.core.round, registered=sorted(self.addresses),
-                                  round_latency_ms=list(self.latencies_ms)[-100:])
+                                  round_latency_ms=list(self.latencies_ms)[-100:],
+                                  finished=sorted(self.liveness.finished))
+
+
+def _job_of(spec: JobSpec) -> dict:
+    """What names a job in its journal: its spec."""
+    return dataclasses.asdict(spec)
+
+
+def _decision_record(key: tuple[int, int], decision: RoundDecision) -> dict:
+    return {"kind": "decision", "epoch": key[0], "round": key[1],
+            "reply": base64.b64encode(wire.decision_to_pb(decision, key[0]).SerializeToString()).decode()}
+
+
+def _totals_record(key: tuple[int, int], totals: RoundTotals, core_state: dict) -> dict:
+    return {"kind": "totals", "epoch": key[0], "round": key[1], "core": core_state,
+            "reply": base64.b64encode(wire.totals_to_pb(totals, key[0]).SerializeToString()).decode()}
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -271,9 +429,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @staticmethod
     def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
-        if isinstance(exc, BarrierTimeout):
-            code = grpc.StatusCode.DEADLINE_EXCEEDED
-        elif isinstance(exc, JobFailed):
+        if isinstance(exc, JobFailed):
             code = grpc.StatusCode.ABORTED
         elif isinstance(exc, ProtocolError):
             code = grpc.StatusCode.FAILED_PRECONDITION
@@ -290,10 +446,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Register(self, request, context):
         def run():
-            spec = JobSpec.from_pb(request.spec)
+            self.state._check_rank(request.rank, "Register")
+            try:
+                spec = JobSpec.from_pb(request.spec)
+            except ValueError as exc:
+                raise ValueError(f"Register from rank {request.rank} carries an invalid job spec: {exc}") from None
             epoch, rnd, addrs = self.state.register(request.rank, spec, request.address)
             return pb.RegisterReply(epoch=epoch, round=rnd, lease_ms=int(self.state.lease_s * 1000),
-                                    round_timeout_ms=int(self.state.round_timeout_s * 1000),
                                     rank_addresses=addrs)
         return self._call(context, run)
 
@@ -315,6 +474,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return pb.HeartbeatReply(state=state, failure=failure)
         return self._call(context, run)
 
+    def Finish(self, request, context):
+        def run():
+            self.state.finish(request.rank)
+            return pb.FinishReply()
+        return self._call(context, run)
+
     def Fail(self, request, context):
         self.state.fail(request.rank, request.reason or "reported a failure")
         return pb.FailReply()
@@ -324,10 +489,20 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
 
 MAX_MESSAGE_BYTES = 64 << 20
+KEEPALIVE_MS = 10_000  # every connection between batchd parties is pinged when idle this long
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
+    # A peer that vanished without closing its connection (a host gone, a partition) is found by keepalive
+    # pings within ~2 x KEEPALIVE_MS, so a call waiting on it (a barrier, a batch stream) ends instead of
+    # hanging; servers accept such pings (gRPC's default would answer them with GOAWAY too_many_pings).
+    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 # Channels between batchd parties retry a refused connection at least every second. gRPC's default
 # backoff (1 s, x1.6 per failure, up to 120 s) makes a party that starts 20 s before its peer connect
@@ -340,16 +515,18 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def create_server(address: str, spec: JobSpec, lease_s: float = 30.0, round_timeout_s: float = 120.0,
+def create_server(address: str, spec: JobSpec, lease_s: float = 60.0, startup_timeout_s: float = 600.0,
                   security: Security | None = None, metrics: CoordinatorMetrics | None = None,
-                  ) -> tuple[grpc.Server, int, CoordinatorState]:
+                  state_dir: str | os.PathLike | None = None) -> tuple[grpc.Server, int, CoordinatorState]:
     """Builds (not starts) a coordinator server bound to `address` ("127.0.0.1:0" picks a free port).
 
     Returns (server, port, state). The thread pool holds one blocked barrier call per rank plus slack.
+    `state_dir` journals the job there (`coordinator.journal`) and resumes it from a journal left by a
+    coordinator that was killed; a journal of another job raises `JournalError`.
     `security` (TLS / mutual TLS / bearer token, see `_security`); None serves plaintext without a token.
     `metrics` (a `CoordinatorMetrics`) is updated once per round; serve it with `start_metrics_server`.
     """
-    state = CoordinatorState(spec, lease_s, round_timeout_s, metrics=metrics)
+    state = CoordinatorState(spec, lease_s, startup_timeout_s, metrics=metrics, state_dir=state_dir)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * spec.world_size + 16,
                                                     thread_name_prefix="batchd-coord"),
                          options=GRPC_OPTIONS, interceptors=server_interceptors(security))

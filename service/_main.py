@@ -1,9 +1,10 @@
 """Process entry points: `batchd coordinator` and `batchd rank` (one process each).
 
 Both bind port 0 when asked (tests, the demo), print/write the bound port, and exit on their own:
-the coordinator once the last epoch is done or the job failed, a rank service once its trainer has
-taken the last batch of the last epoch or the job failed (after a short linger so every party reads the failure message).
-Exit status: 0 done, 1 job failed, 130 interrupted.
+a rank service once its trainer has taken the last batch of the last epoch (it then tells the
+coordinator: `Finish`), the coordinator once every rank finished; either once the job failed (after a
+short linger so every party reads the failure message). Exit status: 0 done, 1 job failed, 130
+interrupted. With `--state-dir`, each journals its state and a restart with the same command resumes.
 
 `batchd rank` reads from one of three sources: `--lengths` (synthetic tokenized samples), `--dataset`
 (records preprocessed by a Ray actor pool: `RaySource`; it joins `--ray-address` or starts a local Ray)
@@ -32,6 +33,7 @@ from ._spec import JobSpec
 
 log = logging.getLogger("batchd")
 LINGER_S = 2.0
+RESTORED_LINGER_S = 10.0
 
 
 def write_port_file(path: str | os.PathLike | None, port: int, metrics_port: int | None = None) -> None:
@@ -62,12 +64,17 @@ def _stop_event() -> threading.Event:
 
 
 def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_file: str | None = None,
-                    lease_s: float = 30.0, round_timeout_s: float = 120.0,
+                    lease_s: float = 60.0, startup_timeout_s: float = 600.0,
                     security: Security | None = None, metrics_port: int | None = None,
-                    metrics_host: str = "127.0.0.1") -> int:
+                    metrics_host: str = "127.0.0.1", state_dir: str | None = None) -> int:
     metrics = CoordinatorMetrics(spec.world_size, spec.cost_model()) if metrics_port is not None else None
-    server, bound, state = create_server(f"{host}:{port}", spec, lease_s, round_timeout_s, security=security,
-                                         metrics=metrics)
+    server, bound, state = create_server(f"{host}:{port}", spec, lease_s, startup_timeout_s, security=security,
+                                         metrics=metrics, state_dir=state_dir)
+    if state.job_done:
+        log.warning("the job in %s already finished; nothing to do (remove the state dir to run it again)",
+                    state_dir)
+        state.close()
+        return 0
     try:
         metrics_server, metrics_bound = _start_metrics(metrics, metrics_host, metrics_port, "coordinator")
     except OSError:
@@ -75,20 +82,27 @@ def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_
         raise
     server.start()
     write_port_file(port_file, bound, metrics_bound)
-    log.info("coordinator listening on %s:%d for %d ranks (%s)", host, bound, spec.world_size,
-             security.describe() if security else "plaintext")
+    log.info("coordinator listening on %s:%d for %d ranks (%s)%s", host, bound, spec.world_size,
+             security.describe() if security else "plaintext",
+             f", journal in {state_dir}" if state_dir else "")
     stop = _stop_event()
     try:
         while not stop.wait(0.2):
-            if state.state in ("done", "failed"):
-                time.sleep(LINGER_S)
+            if state.state == "done":
+                stop.wait(LINGER_S)
+                break
+            if state.state == "failed":  # stay until every rank heard why (they tell their trainers), <= a lease
+                deadline = time.monotonic() + max(lease_s, LINGER_S)
+                stop.wait(LINGER_S)
+                while not state.all_informed() and time.monotonic() < deadline and not stop.wait(0.2):
+                    pass
                 break
     finally:
         state.close()
         server.stop(1.0).wait()
         if metrics_server is not None:
             stop_metrics_server(metrics_server)
-    if stop.is_set() and state.state == "running":
+    if state.state == "running":
         return 130
     return 0 if state.state == "done" else 1
 
@@ -139,7 +153,8 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
              quarantine: str | None = None, stats_file: str | None = None,
              pipeline: dict | None = None, cutoff: int | None = None,
              security: Security | None = None, metrics_port: int | None = None,
-             metrics_host: str = "127.0.0.1", trainer_timeout_s: float = 1800.0) -> int:
+             metrics_host: str = "127.0.0.1", trainer_timeout_s: float = 1800.0,
+             startup_timeout_s: float = 600.0) -> int:
     if lengths is not None and dataset is not None:
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
     if dataset is not None:
@@ -152,7 +167,7 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
                                  wrap=spec.mode == "non-join")
     try:
         return _serve_rank(spec, rank, coordinator, source, host, port, port_file, state_dir, client_grace_s,
-                           security, metrics_port, metrics_host, trainer_timeout_s)
+                           security, metrics_port, metrics_host, trainer_timeout_s, startup_timeout_s)
     finally:
         if dataset is not None:
             _write_stats(stats_file, rank, source)
@@ -165,8 +180,12 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
 def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source, host: str, port: int, port_file: str | None,
                 state_dir: str | None, client_grace_s: float, security: Security | None = None,
                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-                trainer_timeout_s: float = 1800.0) -> int:
-    coord = CoordinatorClient(coordinator, rank, spec, security=security)
+                trainer_timeout_s: float = 1800.0, startup_timeout_s: float = 600.0) -> int:
+    """Serves one rank until its trainer took the job's last step (and left), or the job failed.
+
+    A service restored from a journal written after its trainer took the last step lingers up to
+    RESTORED_LINGER_S for a trainer that lost that end and asks for it again."""
+    coord = CoordinatorClient(coordinator, rank, spec, startup_timeout_s=startup_timeout_s, security=security)
     metrics = RankMetrics(rank) if metrics_port is not None else None
     core = RankServiceCore(rank, spec, coord, source, state_dir=state_dir, client_grace_s=client_grace_s,
                            trainer_timeout_s=trainer_timeout_s,
@@ -180,24 +199,28 @@ def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source, host: str, p
              security.describe() if security else "plaintext")
     stop = _stop_event()
     status = 0
+    finished_at = None
     try:
         while not stop.wait(0.2):
             with core.cond:
                 failed = core.failure is not None
-                drained = (core.done and core.delivered_end and core._clients == 0
-                           and core.epoch + 1 >= spec.epochs)
+                finished = core.finished and core.delivery.holder is None
             if failed:
                 status = 1
-                time.sleep(LINGER_S)
+                stop.wait(LINGER_S)
                 break
-            if drained:
-                break
+            if finished:
+                finished_at = finished_at or time.monotonic()
+                if not core.restored_finished or time.monotonic() - finished_at >= RESTORED_LINGER_S:
+                    break
+            else:
+                finished_at = None
     finally:
         core.stop()
         coord.close()
         server.stop(1.0).wait()
         if metrics_server is not None:
             stop_metrics_server(metrics_server)
-    if stop.is_set() and not (core.done and core.epoch + 1 >= spec.epochs):
+    if stop.is_set() and not core.finished and status == 0:
         return 130
     return status

@@ -44,11 +44,11 @@ from typing import Any
 import grpc
 
 from batchd import wire
-from batchd.core import RankState, Sample, Step
+from batchd.core import ATTACHED, END, SEND_END, WAIT, Connect, Delivery, RankState, Sample, Step
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
-from ._coord_client import CoordinatorClient, CoordinatorError
+from ._coord_client import CoordinatorClient, CoordinatorError, transient
 from ._coordinator import CHANNEL_OPTIONS, GRPC_OPTIONS
 from ._metrics import RankMetrics, materialized_tokens
 from ._security import Security, add_port, channel, server_interceptors
@@ -92,6 +92,23 @@ def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0) -> dict[str
     return collate_padded(payloads, pad_id=pad_id)
 
 
+JOURNAL_VERSION = 2
+WATCH_S = 0.5  # how often the liveness of the trainer is judged (`Delivery.check`)
+BUSY_WAIT_S = 2.0  # a new trainer stream waits this long for a holder whose stream is ending
+
+
+class _Stream:
+    """One trainer `Batches` stream: identity per call, shown as the trainer's address."""
+
+    __slots__ = ("peer", "context")
+
+    def __init__(self, peer: str, context) -> None:
+        self.peer, self.context = peer, context
+
+    def __str__(self) -> str:
+        return self.peer
+
+
 class RankServiceCore:
     """State and loop of one rank service (see module docstring)."""
 
@@ -104,19 +121,17 @@ class RankServiceCore:
         self.rank, self.spec, self.coord, self.source = rank, spec, coordinator, source
         self.metrics = metrics  # Prometheus metrics (`_metrics`), updated once per round; None = off
         self.security = security  # this process's TLS / token: its server and its peer (Fetch) channels
-        self.epoch = epoch
         self.client_grace_s, self.fill_timeout_s = client_grace_s, fill_timeout_s
         self.trainer_timeout_s = trainer_timeout_s
-        self._unattended_since = time.monotonic()  # since when no trainer is connected
+        self.delivery = Delivery(rank, spec.epochs, spec.depth, client_grace_s, trainer_timeout_s,
+                                 time.monotonic(), epoch)
         self.state = self._new_state(epoch)
         self._rejected_before = 0  # over-budget rejections of the epochs before this one (metrics)
-        self.prev_epoch_steps = 0  # steps of the epoch before this one (a trainer that missed its end)
         self.payloads: dict[int, Payload] = {}
         self.lent: dict[int, Payload] = {}
-        self.ready: collections.deque[tuple[int, Step, pb.Batch]] = collections.deque()
-        self.acked = 0
-        self.done = False
-        self.delivered_end = False
+        self.batches: dict[int, tuple[Step, pb.Batch]] = {}  # ready steps (Delivery.ready) by number
+        self.finished = False  # the coordinator knows this rank's trainer took the job's last step
+        self.restored_finished = False  # restored from a journal written after the job's last end
         self.failure: str | None = None
         self.address = ""
         self.peers: list[str] = []
@@ -126,41 +141,58 @@ class RankServiceCore:
         self.journal = Path(state_dir) / JOURNAL.format(rank=rank) if state_dir else None
         if self.journal is not None:  # fail here, at startup, rather than mid-round at the first journal
             self.journal.parent.mkdir(parents=True, exist_ok=True)
-        self._clients = 0
-        self._grace_timer: threading.Timer | None = None
         self._thread: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
         self._stop = threading.Event()
         if self.journal is not None and self.journal.exists():
             self._restore()
-        if metrics is not None:  # read at scrape time, lock-free: len() of a list / deque
-            metrics.bind(lambda: len(self.state.buffer), lambda: len(self.ready), lambda: self.epoch)
+        if metrics is not None:  # read at scrape time, lock-free: len() of a list / dict
+            metrics.bind(lambda: len(self.state.buffer), lambda: len(self.batches), lambda: self.epoch)
 
     def _new_state(self, epoch: int) -> RankState:
         spec = self.spec
         return RankState(self.rank, spec.world_size, spec.make_policy(), spec.token_budget, spec.cost_model(),
                          spec.window, spec.over_budget, spec.seed, epoch)
 
+    @property
+    def epoch(self) -> int:
+        return self.delivery.epoch
+
+    @property
+    def done(self) -> bool:
+        """This epoch has no further step."""
+        return self.delivery.done
+
     # -- journal -------------------------------------------------------------------------------------
     def _write_journal(self) -> None:
         if self.journal is None:
             return
         state = {
-            "epoch": self.epoch, "rank": self.state.state_dict(), "source": self.source.state_dict(),
-            "ready": [step.to_json() for _, step, _ in self.ready],
-            "acked": self.acked, "done": self.done, "rejected_before": self._rejected_before,
-            "prev_epoch_steps": self.prev_epoch_steps,
+            "version": JOURNAL_VERSION, "delivery": self.delivery.state_dict(),
+            "rank": self.state.state_dict(), "source": self.source.state_dict(),
+            "ready": [self.batches[i][0].to_json() for i in self.delivery.ready],
+            "rejected_before": self._rejected_before,
         }
         tmp = self.journal.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
+        with open(tmp, "w") as fh:
+            fh.write(json.dumps(state))
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, self.journal)
 
     def _restore(self) -> None:
-        state = json.loads(self.journal.read_text())
-        if state["epoch"] != self.epoch:
-            self.epoch = state["epoch"]
+        try:
+            state = json.loads(self.journal.read_text())
+        except ValueError as exc:
+            raise ValueError(f"{self.journal}: not a readable rank journal ({exc}); remove it to start over") from None
+        if state.get("version") != JOURNAL_VERSION:
+            raise ValueError(f"{self.journal}: rank journal version {state.get('version')!r}, this build reads "
+                             f"version {JOURNAL_VERSION}; remove it to start over")
+        self.delivery.load_state_dict(state["delivery"], time.monotonic())
+        if self.epoch != 0:
             self.state = self._new_state(self.epoch)
             self.source.start_epoch(self.epoch)
-        self._rejected_before = state.get("rejected_before", 0)
+        self._rejected_before = state["rejected_before"]
         self.state.load_state_dict(state["rank"])
         self.source.load_state_dict(state["source"])
         ids = [entry.sample.id for entry in self.state.buffer]
@@ -168,27 +200,24 @@ class RankServiceCore:
         for step_json in state["ready"]:
             step = Step.from_json(step_json)
             payloads = materialize_many(self.source, [s.id for s in step.samples])
-            self.ready.append((step.info.step, step, self._batch(step, payloads)))
-        self.acked, self.done = state["acked"], state["done"]
-        self.prev_epoch_steps = state.get("prev_epoch_steps", 0)
-        # The trainer acknowledges every step before it is sent the end of an epoch: then the next epoch
-        # may start (a trainer that lost the end gets it again). The last epoch's end is sent again.
-        self.delivered_end = self.done and self.acked >= self.state.step and self.epoch + 1 < self.spec.epochs
-        log.info("rank %d restored from %s at round %d (step %d)", self.rank, self.journal,
-                 self.state.round, self.state.step)
+            self.batches[step.info.step] = (step, self._batch(step, payloads))
+        self.restored_finished = self.delivery.finished
+        log.info("rank %d restored from %s at epoch %d round %d (step %d)%s", self.rank, self.journal, self.epoch,
+                 self.state.round, self.state.step, "; its trainer took the job's last step" if
+                 self.restored_finished else "")
 
     # -- loop ----------------------------------------------------------------------------------------
     def start(self, my_address: str) -> None:
         self.address = my_address
         self._thread = threading.Thread(target=self._run, name=f"batchd-rank-{self.rank}", daemon=True)
         self._thread.start()
+        self._watcher = threading.Thread(target=self._watch, name=f"batchd-rank-watch-{self.rank}", daemon=True)
+        self._watcher.start()
 
     def stop(self) -> None:
         self._stop.set()
         with self.cond:
             self.cond.notify_all()
-        if self._grace_timer:
-            self._grace_timer.cancel()
         for ch in self._peer_channels:
             ch.close()
         self._peer_channels.clear()
@@ -204,6 +233,18 @@ class RankServiceCore:
                 log.error("rank %d: job failed: %s", self.rank, message)
             self.cond.notify_all()
 
+    def _watch(self) -> None:
+        """Judges the trainer's liveness (`Delivery.check`): a gone trainer fails the job, naming this rank."""
+        while not self._stop.wait(WATCH_S):
+            with self.cond:
+                if self.failure is not None:
+                    return
+                why = self.delivery.check(time.monotonic())
+            if why is not None:
+                self.coord.fail(why)
+                self.set_failure(f"rank {self.rank}: {why}")
+                return
+
     def _run(self) -> None:
         try:
             reply = self.coord.register(self.address)
@@ -212,7 +253,14 @@ class RankServiceCore:
             while True:
                 while not self.done and not self._stop.is_set():
                     self._round()
-                if self.epoch + 1 >= self.spec.epochs or not self._end_delivered():
+                if not self._end_sent():
+                    break
+                if self.delivery.finished:
+                    self.coord.finish()
+                    with self.cond:
+                        self.finished = True
+                        self.cond.notify_all()
+                    log.info("rank %d: its trainer took the job's last step", self.rank)
                     break
                 self._next_epoch()
         except CoordinatorError as exc:
@@ -226,31 +274,27 @@ class RankServiceCore:
             self.coord.fail(msg)
             self.set_failure(msg)
 
-    def _end_delivered(self) -> bool:
+    def _end_sent(self) -> bool:
         """Waits until the trainer has taken this epoch's end (every step acknowledged); False if the job
         failed or the service stops first."""
         with self.cond:
-            while not self.delivered_end and self.failure is None and not self._stop.is_set():
+            while not self.delivery.end_sent and self.failure is None and not self._stop.is_set():
                 self.cond.wait(0.5)
-            return self.delivered_end and self.failure is None and not self._stop.is_set()
+            return self.delivery.end_sent and self.failure is None and not self._stop.is_set()
 
     def _next_epoch(self) -> None:
         """Starts the next epoch: a fresh rank state and the source's next view. In non-join mode the
         samples still buffered at the quota are dropped, as at the end of a one-epoch job."""
         with self.cond:
             self._rejected_before += self.state.counters["rejected"]
-            self.prev_epoch_steps = self.state.step
-            self.epoch += 1
+            self.delivery.advance(time.monotonic())
             self.state = self._new_state(self.epoch)
             self.source.start_epoch(self.epoch)
             self.payloads.clear()
-            self.ready.clear()
-            self.acked = 0
-            self.done = self.delivered_end = False
+            self.batches.clear()
             self._write_journal()
             self.cond.notify_all()
         log.info("rank %d: epoch %d of %d starts", self.rank, self.epoch, self.spec.epochs)
-
     def _fill(self) -> None:
         deadline = time.monotonic() + self.fill_timeout_s
         while self.state.room > 0 and not self.state.exhausted:
@@ -293,21 +337,12 @@ class RankServiceCore:
             self._observe(metrics.observe_quarantine, getattr(self.source, "reasons", None),
                           self._rejected_before + self.state.counters["rejected"])
         t_wait = time.perf_counter()
-        unattended = None
-        with self.cond:
-            while len(self.ready) >= self.spec.depth and self.failure is None and not self._stop.is_set():
+        with self.cond:  # a slow trainer is waited for as long as it takes; a gone one fails in `_watch`
+            while self.delivery.capacity <= 0 and self.failure is None and not self._stop.is_set():
                 self.cond.wait(0.5)
-                if self._clients == 0 and time.monotonic() - self._unattended_since > self.trainer_timeout_s:
-                    unattended = (f"no trainer connected to rank {self.rank}'s service for "
-                                  f"{self.trainer_timeout_s:g}s while its batches were ready")
-                    break
-        if unattended is not None:
-            self.coord.fail(unattended)
-            self.set_failure(f"rank {self.rank}: {unattended}")
-        with self.cond:
             if self.failure is not None or self._stop.is_set():
                 raise CoordinatorError(self.failure or "stopped")
-            capacity = self.spec.depth - len(self.ready)
+            capacity = self.delivery.capacity
         t_report = time.perf_counter()
         report = self.state.report(capacity)
         decision = self.coord.align(self.epoch, report)
@@ -332,9 +367,11 @@ class RankServiceCore:
                             if s.home_rank == self.rank and s.id in self.payloads:
                                 self.lent[s.id] = self.payloads.pop(s.id)
         with self.cond:
-            self.ready.extend(batches)
+            for i, step, b in batches:
+                self.batches[i] = (step, b)
+            self.delivery.add([i for i, _, _ in batches])
             if totals.done:
-                self.done = True
+                self.delivery.close()
             self._write_journal()
             self.cond.notify_all()
 
@@ -368,15 +405,42 @@ class RankServiceCore:
         return stub
 
     def _fetch_ids(self, home: int, ids: list[int]) -> list[Payload]:
+        """The payloads of `ids` from rank `home`. A peer that is unreachable (restarting from its journal)
+        is retried, with its address asked anew of the coordinator, for up to the coordinator's lease;
+        one that stays away fails the job, naming it."""
         out: list[Payload] = []
+        start = last_log = time.monotonic()
         while len(out) < len(ids):  # a reply may hold a prefix (size cap): ask for the rest
-            # wait_for_ready: a peer that is restarting (journal replay) is waited for, not failed on
-            reply = self._peer(home).Fetch(pb.FetchRequest(ids=ids[len(out):], epoch=self.epoch), timeout=60,
-                                           wait_for_ready=True)
+            try:
+                reply = self._peer(home).Fetch(pb.FetchRequest(ids=ids[len(out):], epoch=self.epoch), timeout=60)
+            except grpc.RpcError as exc:
+                now = time.monotonic()
+                if not transient(exc) or self._stop.is_set():
+                    raise CoordinatorError(f"rank {self.rank} could not fetch moved samples from rank {home} at "
+                                           f"{self.peers[home]}: {exc.code().name}: {exc.details()}") from None
+                if now - start > self.coord.lease_s:
+                    raise CoordinatorError(f"rank {home} at {self.peers[home]} unreachable for {now - start:.0f}s "
+                                           f"(rank {self.rank} fetching moved samples): {exc.details()}") from None
+                if now - last_log >= 5.0:
+                    log.info("rank %d: waiting for rank %d at %s to fetch moved samples (%.0fs): %s", self.rank, home,
+                             self.peers[home], now - start, exc.details())
+                    last_log = now
+                self._refresh_peers()
+                self._stop.wait(0.2)
+                continue
             if not reply.samples:
                 raise RuntimeError(f"rank {home} returned no payload for samples {ids[len(out):]}")
             out += [wire.tensors_from_pb(m.tensors) for m in reply.samples]
         return out
+
+    def _refresh_peers(self) -> None:
+        """Asks the coordinator for the ranks' addresses again (a restarted peer may listen elsewhere)."""
+        peers = list(self.coord.register(self.address).rank_addresses)
+        if peers and peers != self.peers:
+            for r, (old, new) in enumerate(zip(self.peers, peers)):
+                if old != new:
+                    self._peer_stubs.pop(r, None)
+            self.peers = peers
 
     def _fetch_moved(self, steps) -> None:
         """Fetches the payloads of the samples the balanced plan moved here: one Fetch per home rank
@@ -398,68 +462,75 @@ class RankServiceCore:
                         sample_ids=[s.id for s in step.samples])
 
     # -- trainer side --------------------------------------------------------------------------------
-    def attach(self, start_step: int) -> None:
+    def _prune_locked(self) -> None:
+        for i in [i for i in self.batches if i < self.delivery.acked]:
+            del self.batches[i]
+
+    def detach(self, stream: _Stream) -> None:
         with self.cond:
-            if self._grace_timer:
-                self._grace_timer.cancel()
-                self._grace_timer = None
-            self._clients += 1
-            self._ack_locked(start_step)
+            self.delivery.disconnect(stream, time.monotonic())
+            self.cond.notify_all()
 
-    def detach(self) -> None:
+    def ack(self, stream: _Stream, step: int) -> None:
         with self.cond:
-            self._clients -= 1
-            if self._clients == 0:
-                self._unattended_since = time.monotonic()
-            if self._clients == 0 and not self.done and self.failure is None and not self._stop.is_set():
-                self._grace_timer = threading.Timer(self.client_grace_s, self._client_lost)
-                self._grace_timer.daemon = True
-                self._grace_timer.start()
+            self.delivery.ack(stream, step)
+            self._prune_locked()
+            self.cond.notify_all()
 
-    def _client_lost(self) -> None:
-        with self.cond:
-            if self._clients > 0 or self.done:
-                return
-        msg = (f"trainer of rank {self.rank} disconnected and did not reconnect within "
-               f"{self.client_grace_s:g}s")
-        self.coord.fail(msg)
-        self.set_failure(f"rank {self.rank}: {msg}")
-
-    def _ack_locked(self, step: int) -> None:
-        if step > self.acked:
-            self.acked = step
-        while self.ready and self.ready[0][0] < self.acked:
-            self.ready.popleft()
-        self.cond.notify_all()
-
-    def ack(self, step: int) -> None:
-        with self.cond:
-            self._ack_locked(step)
-
-    def next_batch(self, step: int, timeout: float) -> pb.Batch | None:
-        """The batch of `step`; None at the end of the epoch. Raises RuntimeError with the job failure."""
-        deadline = time.monotonic() + timeout
+    def connect(self, stream: _Stream, epoch: int, start_step: int, credits: int) -> Connect:
+        """Attaches a trainer stream (see `Delivery.connect`): waits while the next epoch is about to start
+        or a previous stream of this rank is ending; returns the final outcome."""
+        busy_until = time.monotonic() + BUSY_WAIT_S
         with self.cond:
             while True:
                 if self.failure is not None:
                     raise RuntimeError(self.failure)
-                for i, _, b in self.ready:
-                    if i == step:
-                        return b
-                if self.done and (not self.ready or self.ready[-1][0] < step):
+                holder = self.delivery.holder
+                now = time.monotonic()
+                if holder is not None and holder is not stream:
+                    if not holder.context.is_active():  # its end is not processed yet
+                        self.delivery.disconnect(holder, now)
+                    elif now < busy_until and stream.context.is_active():
+                        self.cond.wait(0.1)
+                        continue
+                outcome = self.delivery.connect(stream, epoch, start_step, credits, now)
+                if outcome.outcome != WAIT or not stream.context.is_active() or self._stop.is_set():
+                    if outcome.outcome == ATTACHED:
+                        self._prune_locked()
+                    self.cond.notify_all()
+                    return outcome
+                self.cond.wait(0.5)
+
+    def next_item(self, stream: _Stream) -> tuple[int, pb.Batch] | None:
+        """Waits for what to send `stream` next: (step, batch), or None for the end of the epoch (journaled
+        as sent before it is written). Raises RuntimeError with the job failure; ConnectionAbortedError when
+        the stream ended."""
+        with self.cond:
+            while True:
+                if self.failure is not None:
+                    raise RuntimeError(self.failure)
+                if not stream.context.is_active() or self._stop.is_set() or self.delivery.holder is not stream:
+                    raise ConnectionAbortedError
+                nxt = self.delivery.next_for(stream)
+                if nxt == SEND_END:
+                    self.delivery.mark_end_sent(stream)
+                    self._write_journal()
+                    self.cond.notify_all()
                     return None
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"rank {self.rank}: no batch for step {step} within {timeout:g}s")
-                self.cond.wait(min(left, 0.5))
+                if nxt is not None:
+                    return nxt, self.batches[nxt][1]
+                self.cond.wait(0.5)
+
+    def sent(self, stream: _Stream, step: int) -> None:
+        with self.cond:
+            self.delivery.sent(stream, step)
 
 
 class RankServicer(pb_grpc.RankServiceServicer):
     """Thin gRPC layer over `RankServiceCore`."""
 
-    def __init__(self, core: RankServiceCore, batch_timeout_s: float = 600.0) -> None:
+    def __init__(self, core: RankServiceCore) -> None:
         self.core = core
-        self.batch_timeout_s = batch_timeout_s
 
     def Batches(self, request_iterator, context):
         core = self.core
@@ -467,69 +538,44 @@ class RankServicer(pb_grpc.RankServiceServicer):
             first = next(request_iterator)
         except StopIteration:
             return
-        epoch = int(first.epoch)
-        with core.cond:  # the next epoch: this rank starts it as soon as its trainer took the end of this one
-            while (epoch == core.epoch + 1 < core.spec.epochs and core.delivered_end and core.failure is None
-                   and context.is_active()):
-                core.cond.wait(0.5)
-            failure, now, prev_steps = core.failure, core.epoch, core.prev_epoch_steps
-        if failure is not None:
-            context.abort(grpc.StatusCode.ABORTED, failure)
-        if epoch + 1 == now and first.start_step >= prev_steps:  # it took every step but lost the end
+        stream = _Stream(context.peer(), context)
+        try:
+            outcome = core.connect(stream, int(first.epoch), int(first.start_step), int(first.credits))
+        except RuntimeError as exc:
+            context.abort(grpc.StatusCode.ABORTED, str(exc))
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank {core.rank}: {exc}")
+        if outcome.outcome == END:  # it took every step of the epoch before but lost the end
             yield pb.Batch(end_of_epoch=True)
             return
-        if epoch != now:
-            why = (f"the job runs {core.spec.epochs} epoch(s), 0..{core.spec.epochs - 1}"
-                   if epoch >= core.spec.epochs else f"rank {core.rank} is in epoch {now}" +
-                   (" and its trainer has not taken that epoch's last step" if epoch == now + 1 else ""))
-            log.warning("Batches: client asked for epoch %d: %s", epoch, why)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"client asked for epoch {epoch}, but {why}")
-        credits = max(int(first.credits), 1)
-        core.attach(int(first.start_step))
-        context.add_callback(core.detach)
+        if outcome.outcome != ATTACHED:
+            log.warning("Batches: refused trainer %s: %s", stream, outcome.reason)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, outcome.reason or "not attached")
+        context.add_callback(lambda: core.detach(stream))
 
         def read_acks() -> None:
             try:
                 for req in request_iterator:
-                    core.ack(int(req.ack_step))
+                    core.ack(stream, int(req.ack_step))
             except grpc.RpcError:
+                pass
+            except ValueError:  # the stream ended under the reader
                 pass
 
         threading.Thread(target=read_acks, name=f"batchd-acks-{core.rank}", daemon=True).start()
-        step = int(first.start_step)
-        deadline = time.monotonic() + self.batch_timeout_s
-        while context.is_active():
-            with core.cond:
-                while step - core.acked >= credits and context.is_active() and core.failure is None:
-                    core.cond.wait(0.5)
+        while True:
             try:
-                batch = core.next_batch(step, timeout=0.5)
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  f"rank {core.rank}: no batch for step {step} in {self.batch_timeout_s:g}s")
-                continue
+                item = core.next_item(stream)
             except RuntimeError as exc:
                 context.abort(grpc.StatusCode.ABORTED, str(exc))
-            if batch is None:
-                # End of epoch only once the trainer acknowledged every step: until then the batches it
-                # holds unconsumed stay in `ready` for a restarted trainer, and the service must not exit.
-                with core.cond:
-                    while core.acked < step and context.is_active() and core.failure is None:
-                        if time.monotonic() > deadline:
-                            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                          f"rank {core.rank}: steps before {step} not acknowledged in "
-                                          f"{self.batch_timeout_s:g}s")
-                        core.cond.wait(0.5)
-                    if core.acked < step:
-                        continue  # the trainer left or the job failed: the loop above reports it
-                    core.delivered_end = True
-                    core.cond.notify_all()
+            except ConnectionAbortedError:
+                return
+            if item is None:
                 yield pb.Batch(end_of_epoch=True)
                 return
-            deadline = time.monotonic() + self.batch_timeout_s
+            step, batch = item
             yield batch
-            step += 1
+            core.sent(stream, step)
 
     def Ingest(self, request_iterator, context):
         core = self.core
@@ -583,8 +629,14 @@ class RankServicer(pb_grpc.RankServiceServicer):
 
     def Fetch(self, request, context):
         """The payloads of `request.ids`, in order: a prefix of them when the reply would pass
-        FETCH_REPLY_BYTES (at least one); the caller asks again for the rest."""
+        FETCH_REPLY_BYTES (at least one); the caller asks again for the rest. Samples of this epoch or of
+        the one before (a peer still finishing it) are served; another epoch is refused."""
         core = self.core
+        epoch = int(request.epoch)
+        if not core.epoch - 1 <= epoch <= core.epoch:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"Fetch of samples of epoch {epoch}, but rank {core.rank} is in epoch {core.epoch} "
+                          f"(the job runs {core.spec.epochs} epoch(s))")
         out, size = [], 0
         for i in request.ids:
             i = int(i)
@@ -593,8 +645,11 @@ class RankServicer(pb_grpc.RankServiceServicer):
             if payload is None:
                 try:
                     payload = core.source.materialize(i)
-                except (KeyError, IndexError) as exc:
-                    context.abort(grpc.StatusCode.NOT_FOUND, f"rank {core.rank} has no payload for sample {i}: {exc}")
+                except (KeyError, IndexError, ValueError) as exc:
+                    log.warning("Fetch: sample %d: %s: %s", i, type(exc).__name__, exc)
+                    context.abort(grpc.StatusCode.NOT_FOUND,
+                                  f"rank {core.rank} has no payload for sample {i} of epoch {epoch}: it was not lent "
+                                  f"to a peer and its source cannot make it ({type(exc).__name__}: {exc})")
             msg = pb.IngestRequest(tensors=wire.tensors_to_pb(resolve_payloads([payload])[0]), epoch=core.epoch)
             size += msg.ByteSize()
             if out and size > FETCH_REPLY_BYTES:
@@ -607,9 +662,10 @@ class RankServicer(pb_grpc.RankServiceServicer):
     def RankStatus(self, request, context):
         core = self.core
         with core.cond:
+            state = "failed" if core.failure else ("done" if core.done else "running")
             return pb.RankStatusReply(
-                rank=core.rank, buffered=len(core.state.buffer), ready=len(core.ready), next_step=core.state.step,
-                round=core.state.round, state="failed" if core.failure else ("done" if core.done else "running"),
+                rank=core.rank, buffered=len(core.state.buffer), ready=len(core.delivery.ready),
+                next_step=core.state.step, round=core.state.round, state=state,
                 failure=core.failure or "", epoch=core.epoch, epochs=core.spec.epochs,
             )
 

@@ -70,6 +70,8 @@ class SyntheticSource:
         return len(self.view)
 
     def materialize(self, sample_id: int) -> Payload:
+        if not 0 <= sample_id < len(self.lengths):
+            raise KeyError(f"sample {sample_id} is not in this dataset of {len(self.lengths)} samples")
         return synthetic_payload(sample_id, self.lengths[sample_id], self.seed, self.vocab_size)
 
     def meta(self, sample_id: int, payload: Payload, home_rank: int | None = None) -> Sample:

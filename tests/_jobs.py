@@ -48,7 +48,7 @@ class InProcessJob:
     """
 
     def __init__(self, spec: JobSpec, lengths: Sequence[int] | None = None, *, lease_s: float = 10.0,
-                 round_timeout_s: float = 20.0, sources: Sequence[Any] | None = None, grace: float = 30.0,
+                 startup_timeout_s: float = 60.0, sources: Sequence[Any] | None = None, grace: float = 30.0,
                  security: Security | None = None, metrics: bool = False,
                  coordinator_metrics: CoordinatorMetrics | None = None, connect_timeout_s: float = 5.0,
                  vocab_size: int = 512, trainer_timeout_s: float = 1800.0) -> None:
@@ -59,7 +59,7 @@ class InProcessJob:
             lengths: Realized sample lengths of a `SyntheticSource` per rank (a wrapping view in
                 non-join mode); needed unless `sources` are given.
             lease_s: The coordinator's heartbeat lease.
-            round_timeout_s: The coordinator's barrier timeout.
+            startup_timeout_s: How long the coordinator waits for every rank to register.
             sources: One sample source per rank instead of the synthetic ones.
             grace: Each rank service's `client_grace_s` (how long it waits for a gone trainer).
             security: TLS / token of the coordinator, the rank services and their channels.
@@ -87,7 +87,7 @@ class InProcessJob:
         self.cmetrics = (coordinator_metrics or CoordinatorMetrics(spec.world_size, spec.cost_model())
                          if metrics else None)
         try:
-            self.server, self.port, self.state = create_server(f"{HOST}:0", spec, lease_s, round_timeout_s,
+            self.server, self.port, self.state = create_server(f"{HOST}:0", spec, lease_s, startup_timeout_s,
                                                                security=security, metrics=self.cmetrics)
             self.server.start()
             if metrics:
@@ -107,7 +107,7 @@ class InProcessJob:
             source = SyntheticSource(self.lengths, r, spec.world_size, spec.seed, 0, spec.shuffle,
                                      vocab_size=self.vocab_size, wrap=spec.mode == "non-join")
         m = RankMetrics(r) if metrics else None
-        coord = CoordinatorClient(self.address, r, spec, connect_timeout_s=connect_timeout_s, security=self.security)
+        coord = CoordinatorClient(self.address, r, spec, startup_timeout_s=connect_timeout_s, security=self.security)
         core = RankServiceCore(r, spec, coord, source, client_grace_s=grace, security=self.security, metrics=m,
                                trainer_timeout_s=self.trainer_timeout_s)
         self.cores.append(core)
@@ -186,6 +186,16 @@ class InProcessJob:
         assert not errors, errors
         assert all(r is not None for r in results), "a trainer did not finish"
         return results
+
+    def wait_state(self, state: str, limit_s: float = 30.0) -> None:
+        """Waits until the coordinator's state is `state` ("done": every rank's trainer took its last step
+        and the rank told the coordinator); fails naming what it saw instead."""
+        deadline = time.monotonic() + limit_s
+        while self.state.state != state:
+            assert time.monotonic() < deadline, (
+                f"the coordinator did not reach state {state!r} within {limit_s:g}s: it is {self.state.state!r} "
+                f"({self.state.failure or 'no failure'}; finished ranks {sorted(self.state.liveness.finished)})")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         """Stops the rank services, then the coordinator, then the metrics servers; idempotent."""

@@ -148,7 +148,8 @@ def test_each_epoch_serves_every_sample_once_in_a_new_order(job_factory, policy)
         assert sorted(i for r in range(2) for ids, _ in got[r][e] for i in ids) == list(range(n))
         orders.append([i for ids, _ in got[0][e] for i in ids])
     assert len({tuple(o) for o in orders}) == epochs, "each epoch is a new seeded view"
-    assert job.state.state == "done" and job.state.epoch == epochs - 1
+    job.wait_state("done")
+    assert job.state.epoch == epochs - 1
     with job.client(0) as c:  # the job runs `epochs` epochs: another one is refused, saying so
         assert c.job_epochs() == epochs
         c.set_epoch(epochs)
@@ -162,12 +163,12 @@ def test_rank_service_restarted_in_a_later_epoch_resumes_it(tmp_path):
     n, epochs = 90, 3
     spec = JobSpec(world_size=1, token_budget=512, policy="local", window=16, depth=3, seed=5, epochs=epochs)
     lengths = _lengths(n)
-    server, port, state = create_server("127.0.0.1:0", spec, lease_s=30, round_timeout_s=20)
+    server, port, state = create_server("127.0.0.1:0", spec, lease_s=30, startup_timeout_s=60)
     server.start()
     started: list = []
 
     def start_rank():
-        coord = CoordinatorClient(f"127.0.0.1:{port}", 0, spec, connect_timeout_s=5)
+        coord = CoordinatorClient(f"127.0.0.1:{port}", 0, spec, startup_timeout_s=5)
         core = RankServiceCore(0, spec, coord, SyntheticSource(lengths, 0, 1, spec.seed, 0, spec.shuffle),
                                state_dir=tmp_path)
         rank_server, rank_port = create_rank_server("127.0.0.1:0", core)
@@ -205,7 +206,10 @@ def test_rank_service_restarted_in_a_later_epoch_resumes_it(tmp_path):
             seen[2] += [i for b, _ in c for i in b["sample_ids"].tolist()]
         for e in range(epochs):
             assert sorted(seen[e]) == list(range(n)), f"epoch {e}"
-        assert state.state == "done"
+        deadline = time.monotonic() + 30
+        while state.state != "done":  # the rank tells the coordinator once its trainer took the last step
+            assert time.monotonic() < deadline, f"coordinator still {state.state!r}: {state.failure}"
+            time.sleep(0.05)
     finally:
         for parts in started:
             stop(*parts)
@@ -219,7 +223,7 @@ def test_next_epoch_needs_the_end_of_this_one(job_factory):
     with job.client(0) as c:
         first = next(iter(c))
         c.set_epoch(1)  # skips the rest of epoch 0
-        with pytest.raises(BatchdError, match="client asked for epoch 1, but rank 0 is in epoch 0 and its "
+        with pytest.raises(BatchdError, match="trainer asked for epoch 1, but rank 0 is in epoch 0 and its "
                                               "trainer has not taken that epoch's last step"):
             list(c)
     assert first[1].step == 0
@@ -263,10 +267,10 @@ def test_end_of_epoch_waits_until_every_step_is_acknowledged(job_factory):
             last = batch.info.step
             requests.put(pb.BatchRequest(ack_step=last))
         assert core.done and last > 2
-        assert [i for i, _, _ in core.ready] == [last] and not core.delivered_end
+        assert core.delivery.ready == [last] and not core.delivery.end_sent
         requests.put(pb.BatchRequest(ack_step=last + 1))
         assert received.get(timeout=10).end_of_epoch
-        assert len(core.ready) == 0 and core.delivered_end
+        assert core.delivery.ready == [] and core.delivery.end_sent
     finally:
         requests.put(None)
         call.cancel()
@@ -278,7 +282,7 @@ def _coord_stub(job):
 
 def test_coordinator_rejects_bad_messages_with_status_codes(caplog):
     spec = JobSpec(world_size=2, token_budget=100, window=4)
-    server, port, state = create_server("127.0.0.1:0", spec, 60, 5)
+    server, port, state = create_server("127.0.0.1:0", spec, 60, 60)
     server.start()
     try:
         stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
@@ -322,7 +326,7 @@ def test_rank_started_long_before_its_coordinator_registers_in_time():
 
     spec = JobSpec(world_size=1, token_budget=100, window=4)
     port = free_port()
-    client = CoordinatorClient(f"127.0.0.1:{port}", 0, spec, connect_timeout_s=8)
+    client = CoordinatorClient(f"127.0.0.1:{port}", 0, spec, startup_timeout_s=8)
     started: list = []
 
     def start_late():
@@ -344,45 +348,83 @@ def test_rank_started_long_before_its_coordinator_registers_in_time():
             server.stop(0)
 
 
-def test_missing_rank_fails_the_round_naming_it():
+def test_round_waits_for_a_live_rank_and_fails_on_a_gone_one():
+    """Timeouts judge liveness, not speed: a round waits for rank 1 for three leases while it heartbeats;
+    once rank 1 goes silent, the next round fails every waiting rank with a message naming it."""
     spec = JobSpec(world_size=3, token_budget=100, window=4)
-    server, port, state = create_server("127.0.0.1:0", spec, lease_s=30, round_timeout_s=1.0)
+    server, port, state = create_server("127.0.0.1:0", spec, lease_s=1.0, startup_timeout_s=30)
     server.start()
+    clients = [CoordinatorClient(f"127.0.0.1:{port}", r, spec, startup_timeout_s=10) for r in range(3)]
     try:
-        clients = [CoordinatorClient(f"127.0.0.1:{port}", r, spec, connect_timeout_s=2) for r in range(3)]
+        failures: list = []
         for c in clients:
             c.register("x")
+            c.start_heartbeats(failures.append)
         ranks = [RankState(r, 3, spec.make_policy(), 100, window=4) for r in range(3)]
-        errors = []
+        results: dict = {}
 
-        def report(r):
+        def report(r, delay=0.0):
+            time.sleep(delay)  # rank 1 is slow to report, but alive
             try:
-                clients[r].align(0, ranks[r].report(1))
+                results[r] = clients[r].align(0, ranks[r].report(1))
             except Exception as exc:  # noqa: BLE001
-                errors.append(str(exc))
+                results[r] = exc
 
-        threads = [threading.Thread(target=report, args=(r,)) for r in (0, 2)]
-        t0 = time.monotonic()
+        threads = [threading.Thread(target=report, args=(r, 3.0 if r == 1 else 0.0)) for r in range(3)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(10)
-        assert time.monotonic() - t0 < 5
-        assert len(errors) == 2 and all("rank(s) [1]" in e for e in errors), errors
-        assert state.state == "failed" and "[1]" in state.failure
-        with pytest.raises(Exception, match=r"ABORTED.*rank\(s\) \[1\]"):
-            clients[0].align(0, ranks[0].report(1))
+            t.join(30)
+        assert all(not isinstance(results.get(r), Exception) and results.get(r) is not None for r in range(3)), results
+        assert not failures and state.state == "running"
+        clients[1].close()  # rank 1 is gone: no commit, no heartbeat
+        commits: dict = {}
+
+        def commit(r):
+            try:
+                commits[r] = clients[r].commit(0, ranks[r].apply(results[r]))
+            except Exception as exc:  # noqa: BLE001
+                commits[r] = exc
+
+        threads = [threading.Thread(target=commit, args=(r,)) for r in (0, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert sorted(commits) == [0, 2], "a commit barrier did not end"
+        for r in (0, 2):
+            assert "rank 1 missed its lease" in str(commits[r]), commits[r]
+        assert state.state == "failed" and "rank 1 missed its lease" in state.failure
+        with pytest.raises(Exception, match=r"ABORTED.*rank 1 missed its lease"):
+            clients[0].register("x")  # every later call gets the failure
     finally:
+        for c in clients:
+            c.close()
+        state.close()
+        server.stop(0)
+
+
+def test_rank_that_never_registers_fails_the_job_at_the_startup_timeout():
+    spec = JobSpec(world_size=2, token_budget=100, window=4)
+    server, port, state = create_server("127.0.0.1:0", spec, lease_s=30, startup_timeout_s=1.0)
+    server.start()
+    client = CoordinatorClient(f"127.0.0.1:{port}", 0, spec, startup_timeout_s=10)
+    try:
+        client.register("x")
+        with pytest.raises(Exception, match=r"ABORTED.*rank\(s\) \[1\] did not register within the start-up"):
+            client.align(0, RankState(0, 2, spec.make_policy(), 100, window=4).report(1))
+    finally:
+        client.close()
         state.close()
         server.stop(0)
 
 
 def test_silent_rank_misses_its_lease():
     spec = JobSpec(world_size=2, token_budget=100, window=4)
-    server, port, state = create_server("127.0.0.1:0", spec, lease_s=0.6, round_timeout_s=30)
+    server, port, state = create_server("127.0.0.1:0", spec, lease_s=0.6, startup_timeout_s=30)
     server.start()
     try:
-        c0, c1 = (CoordinatorClient(f"127.0.0.1:{port}", r, spec, connect_timeout_s=2) for r in (0, 1))
+        c0, c1 = (CoordinatorClient(f"127.0.0.1:{port}", r, spec, startup_timeout_s=2) for r in (0, 1))
         c0.register("a")
         c1.register("b")
         failures = []
@@ -435,7 +477,7 @@ def test_ingest_producer_of_the_next_epoch_waits_for_it():
     wait until the trainer has taken epoch 0, then fill epoch 1."""
     spec = JobSpec(world_size=1, token_budget=64, window=4, epochs=2)
     n = 12
-    with InProcessJob(spec, sources=[IngestSource(capacity=4)], round_timeout_s=10, connect_timeout_s=30) as job:
+    with InProcessJob(spec, sources=[IngestSource(capacity=4)], connect_timeout_s=30) as job:
         stub = pb_grpc.RankServiceStub(grpc.insecure_channel(job.rank_address(0)))
 
         def stream():
@@ -462,7 +504,7 @@ def test_ingest_producer_of_the_next_epoch_waits_for_it():
 
 def test_ingest_validates_quarantines_and_pushes_back(caplog):
     spec = JobSpec(world_size=1, token_budget=64, window=4)
-    with InProcessJob(spec, sources=[IngestSource(capacity=4)], round_timeout_s=10, connect_timeout_s=30) as job:
+    with InProcessJob(spec, sources=[IngestSource(capacity=4)], connect_timeout_s=30) as job:
         rport = job.ports[0]
         stub = pb_grpc.RankServiceStub(grpc.insecure_channel(f"127.0.0.1:{rport}"))
 

@@ -76,6 +76,7 @@ def test_counters_equal_what_the_trainers_received(jobs, policy, collate, quota)
                    collate=collate, mode=mode, quota=quota)
     job = jobs(spec, lengths)
     got = _drain(job)
+    job.wait_state("done")  # every rank told the coordinator its trainer took the last step
     t_scrape0 = time.monotonic()
     coord = scrape(job.coordinator_metrics_port)
     ranks = [scrape(job.rank_metrics_port(r)) for r in range(2)]
@@ -109,8 +110,8 @@ def test_counters_equal_what_the_trainers_received(jobs, policy, collate, quota)
         assert value(m, "batchd_round_latency_seconds_bucket", le="+Inf", **rk) == rounds
         assert 0 < value(m, "batchd_round_latency_seconds_sum", **rk) < t_scrape0 - job.t_created
         # end of epoch comes only after the trainer acknowledged every step: nothing is left held
-        assert job.cores[r].acked == len(steps)
-        assert value(m, "batchd_ready_batches", **rk) == len(job.cores[r].ready) == 0
+        assert job.cores[r].delivery.acked == len(steps)
+        assert value(m, "batchd_ready_batches", **rk) == len(job.cores[r].delivery.ready) == 0
         # join mode drains every window; non-join stops at the quota with samples still buffered
         assert value(m, "batchd_buffer_depth", **rk) == len(job.cores[r].state.buffer)
         assert value(m, "batchd_rank_epoch", **rk) == job.cores[r].epoch == 0
@@ -159,6 +160,7 @@ def test_counters_span_every_epoch_and_gauges_name_the_epoch(jobs):
     spec = JobSpec(world_size=2, token_budget=1024, policy="balanced", window=24, depth=3, seed=2, epochs=3)
     job = jobs(spec, lengths)
     got = job.drain_epochs(3, 60, lambda b, info: (b["sample_ids"].tolist(), info))
+    job.wait_state("done")
     coord = scrape(job.coordinator_metrics_port)
     ranks = [scrape(job.rank_metrics_port(r)) for r in range(2)]
     for r, m in enumerate(ranks):
@@ -192,7 +194,7 @@ def test_live_gauges_while_the_trainer_is_behind(jobs):
 
 def test_quarantined_records_by_reason():
     spec = JobSpec(world_size=1, token_budget=64, window=4, over_budget="reject")
-    with InProcessJob(spec, sources=[IngestSource(capacity=4)], round_timeout_s=10, connect_timeout_s=30,
+    with InProcessJob(spec, sources=[IngestSource(capacity=4)], connect_timeout_s=30,
                       metrics=True) as job:
         rport, hport = job.ports[0], job.rank_metrics_port(0)
         stub = pb_grpc.RankServiceStub(grpc.insecure_channel(f"127.0.0.1:{rport}"))
@@ -225,7 +227,7 @@ def test_a_failing_metrics_update_never_fails_the_job(jobs, caplog):
     job = jobs(spec, lengths, coordinator_metrics=wrong)
     got = _drain(job)
     assert sorted(i for steps in got for ids, _, _ in steps for i in ids) == list(range(len(lengths)))
-    assert job.state.state == "done"
+    job.wait_state("done")
     assert any("metrics update failed" in r.message for r in caplog.records)
 
 
@@ -301,7 +303,10 @@ def test_run_coordinator_and_run_rank_serve_metrics(tmp_path):
         assert value(m, "batchd_steps_total", rank="0") == 2 and value(m, "batchd_samples_total", rank="0") > 0
         with BatchClient(f"127.0.0.1:{rinfo['port']}", 0, 1) as c:
             got = [b["sample_ids"].tolist() for b, _ in c]
-        m = scrape(cinfo["metrics_port"])  # the coordinator lingers 2 s after the epoch
+        deadline = time.monotonic() + 30  # done once the rank told it its trainer took the last step
+        while value(m := scrape(cinfo["metrics_port"]), "batchd_job_state", batchd_job_state="done") != 1:
+            assert time.monotonic() < deadline, m  # (the coordinator then lingers 2 s)
+            time.sleep(0.05)
         assert value(m, "batchd_job_samples_total") == len(lengths)
         assert value(m, "batchd_job_steps_total") == len(got)
         assert value(m, "batchd_job_state", batchd_job_state="done") == 1

@@ -225,7 +225,7 @@ def test_epoch_gradients_equal_single_process_reference(jobs, policy):
 def test_killed_trainer_fails_every_party_naming_its_rank(jobs):
     victim = 1
     job = jobs(demo_lengths(512), "balanced", budget=1024,
-               coordinator_args=("--lease", "5", "--round-timeout", "20"), rank_args=("--client-grace", "2"))
+               coordinator_args=("--lease", "5"), rank_args=("--client-grace", "2"))
     job.start_trainers(gloo_timeout_s=30)
     job.wait_training()
     job.proc(f"trainer-{victim}").send_signal(signal.SIGKILL)
@@ -264,7 +264,7 @@ def test_restarted_rank_service_completes_the_epoch(jobs, tmp_path):
     assert set(codes.values()) == {0}, job.logs()
     results = job.results()
     assert_epoch(results, len(lengths))
-    restored = re.search(r"restored from \S+ at round \d+ \(step (\d+)\)",
+    restored = re.search(r"restored from \S+ at epoch \d+ round \d+ \(step (\d+)\)",
                          job.log(f"rank-{victim}-restarted"))
     assert restored and 0 < int(restored[1]) < results[0]["steps"], job.logs()  # it resumed mid-epoch
     assert_clean_exit(job, expected={f"rank-{victim}": -signal.SIGKILL})

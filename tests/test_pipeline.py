@@ -213,7 +213,7 @@ def test_rank_services_on_ray_sources_run_several_epochs(pool, demo):
     spec = JobSpec(world_size=2, token_budget=2048, policy="balanced", window=16, depth=3, seed=2, epochs=2)
     sources = [RaySource(None, r, 2, seed=spec.seed, epoch=0, pool=pool) for r in range(2)]
     good = sorted(set(range(NUM)) - set(demo.bad))
-    with InProcessJob(spec, sources=sources, round_timeout_s=60) as job:
+    with InProcessJob(spec, sources=sources, startup_timeout_s=120) as job:
         got = job.drain_epochs(2, 120, lambda b, info: b["sample_ids"].tolist())
     for e in range(2):
         assert len(got[0][e]) == len(got[1][e]) > 0, "the same steps on every rank"

@@ -1,0 +1,275 @@
+"""The lifecycle state machines, driven by hand-moved clocks: `Delivery` (a rank's steps to its trainer)
+and `Liveness` (the coordinator's view of who is alive). Pure code, so every interleaving hypothesis
+finds is a real one, and every timeout is judged at the exact instants that matter.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchd.core import ATTACHED, END, REFUSED, SEND_END, WAIT, Delivery, Liveness
+
+GRACE, TRAINER = 30.0, 1800.0
+
+
+def _delivery(epochs=1, depth=3, now=0.0) -> Delivery:
+    return Delivery(0, epochs, depth, GRACE, TRAINER, now)
+
+
+# -- Delivery: a driven model of the round loop and a trainer that may be slow, leave and come back --------
+
+ACTIONS = st.lists(st.tuples(st.sampled_from(["make", "take", "ack", "leave", "back", "wait"]),
+                             st.floats(min_value=0.0, max_value=3600.0)), max_size=120)
+
+
+@given(steps_per_epoch=st.lists(st.integers(0, 12), min_size=1, max_size=3), depth=st.integers(1, 4),
+       credits=st.integers(1, 4), actions=ACTIONS)
+def test_every_step_reaches_the_trainer_once_in_order_and_timeouts_judge_only_absence(
+        steps_per_epoch, depth, credits, actions):
+    """Whatever the order of events and however long the trainer takes per step, the trainer receives
+    every step of every epoch exactly once, in order (a restarted trainer resumes at the step after its
+    last consumed one), then the end of each epoch after acknowledging all of it; a failure is only
+    ever raised while no trainer is connected, after the grace (gone mid-epoch) or trainer timeout."""
+    epochs = len(steps_per_epoch)
+    d = Delivery(0, epochs, depth, GRACE, TRAINER, 0.0)
+    now, client, n_clients = 0.0, "t0", 0
+    consumed: list[list[int]] = [[] for _ in range(epochs)]
+    in_flight: list[int] = []  # sent, not yet consumed (lost if the trainer leaves)
+    attached = d.connect(client, 0, 0, credits, now).outcome == ATTACHED
+    trainer_epoch = 0
+    for kind, dt in actions + [("drain", 0.0)] * 200:
+        if d.finished:
+            break
+        now += dt
+        failure = d.check(now)
+        if failure is not None:
+            assert not attached, f"failed while a trainer was connected: {failure}"
+            assert d.gone_since is not None or not d.end_sent
+            return
+        if kind in ("make", "drain") and not d.done:  # the round loop: one round, up to its capacity
+            todo = steps_per_epoch[d.epoch] - d.made
+            k = min(d.capacity, todo, 2)
+            if k > 0:
+                d.add(list(range(d.made, d.made + k)))
+            if d.made == steps_per_epoch[d.epoch]:
+                d.close()
+        if d.can_advance:
+            d.advance(now)
+        if kind == "leave" and attached:
+            d.disconnect(client, now)
+            attached, in_flight = False, []
+            continue
+        if kind in ("back", "drain") and not attached:
+            n_clients += 1
+            client = f"t{n_clients}"
+            start = len(consumed[trainer_epoch])
+            c = d.connect(client, trainer_epoch, start, credits, now)
+            if c.outcome == END:
+                trainer_epoch += 1
+                continue
+            if c.outcome == WAIT:
+                continue
+            assert c.outcome == ATTACHED, c
+            attached = True
+        if not attached:
+            continue
+        nxt = d.next_for(client)
+        if nxt == SEND_END:
+            d.mark_end_sent(client)
+            assert consumed[trainer_epoch] == list(range(steps_per_epoch[trainer_epoch]))
+            d.disconnect(client, now)
+            attached, in_flight = False, []
+            trainer_epoch += 1
+            continue
+        if nxt is not None and kind in ("take", "drain", "make", "wait"):
+            in_flight.append(nxt)
+            d.sent(client, nxt)
+        if kind in ("ack", "drain", "take") and in_flight:
+            step = in_flight.pop(0)
+            consumed[trainer_epoch].append(step)
+            d.ack(client, step + 1)
+    assert d.finished, f"the drain did not finish the job: {d.state_dict()}"
+    if d.finished:
+        assert trainer_epoch == epochs
+        for e in range(epochs):
+            assert consumed[e] == list(range(steps_per_epoch[e])), f"epoch {e}"
+        assert d.check(now + 10 * TRAINER) is None, "a finished rank never fails"
+
+
+def test_a_slow_trainer_never_fails_however_long_a_step_takes():
+    d = _delivery(depth=2)
+    assert d.connect("t", 0, 0, 2, 0.0).outcome == ATTACHED
+    d.add([0, 1])
+    for step, now in ((0, 1e3), (1, 1e6)):  # ~12 days for the second step
+        assert d.next_for("t") == step
+        d.sent("t", step)
+        assert d.check(now) is None
+        d.ack("t", step + 1)
+    d.close()
+    assert d.next_for("t") == SEND_END and d.check(1e9) is None
+
+
+def test_a_trainer_gone_mid_epoch_fails_after_the_grace_naming_the_rank():
+    d = Delivery(3, 1, 2, GRACE, TRAINER, 0.0)
+    d.connect("t", 0, 0, 2, 0.0)
+    d.add([0])
+    d.disconnect("t", 100.0)
+    assert d.check(100.0 + GRACE) is None  # exactly the grace: still allowed
+    assert d.check(100.0 + GRACE + 0.01) == "trainer of rank 3 disconnected and did not reconnect within 30s"
+    assert d.connect("t2", 0, 0, 2, 120.0).outcome == ATTACHED  # back in time: no failure
+    assert d.check(1e6) is None
+
+
+def test_a_trainer_that_never_connects_fails_after_the_trainer_timeout_only_once_batches_wait():
+    d = _delivery()
+    assert d.check(10 * TRAINER) is None, "nothing is ready: nobody is kept waiting"
+    d.add([0])  # made at 2 * TRAINER; waiting counts from the last time a trainer was there (never)
+    assert "no trainer connected to rank 0's service for 1800s" in d.check(10 * TRAINER)
+
+
+def test_the_next_epoch_may_start_after_a_long_evaluation():
+    d = _delivery(epochs=2)
+    d.connect("t", 0, 0, 1, 0.0)
+    d.add([0])
+    d.close()
+    d.sent("t", d.next_for("t"))
+    d.ack("t", 1)
+    d.mark_end_sent("t")
+    d.disconnect("t", 10.0)
+    d.advance(10.0)
+    d.add([0])  # epoch 1's first step waits while the trainer evaluates
+    assert d.check(10.0 + TRAINER - 1) is None, "the grace does not apply between epochs"
+    assert d.check(10.0 + TRAINER + 1) is not None
+
+
+def test_end_of_epoch_waits_for_every_acknowledgement():
+    d = _delivery(depth=3)
+    d.connect("t", 0, 0, 3, 0.0)
+    d.add([0, 1])
+    d.close()
+    for s in (0, 1):
+        assert d.next_for("t") == s
+        d.sent("t", s)
+    d.ack("t", 1)
+    assert d.next_for("t") is None and d.ready == [1], "step 1 stays held for a restarted trainer"
+    with pytest.raises(ValueError, match="not due"):
+        d.mark_end_sent("t")
+    d.ack("t", 2)
+    assert d.next_for("t") == SEND_END and d.ready == []
+
+
+def test_credits_bound_what_is_sent_ahead():
+    d = _delivery(depth=4)
+    d.connect("t", 0, 0, 2, 0.0)
+    d.add([0, 1, 2, 3])
+    sent = []
+    while (n := d.next_for("t")) is not None:
+        sent.append(n)
+        d.sent("t", n)
+    assert sent == [0, 1]
+    d.ack("t", 1)
+    assert d.next_for("t") == 2
+
+
+def test_refusals_name_the_problem():
+    d = _delivery(epochs=2, depth=2)
+    assert d.connect("a", 0, 0, 1, 0.0).outcome == ATTACHED
+    busy = d.connect("b", 0, 0, 1, 0.0)
+    assert busy.outcome == REFUSED and "already stream to trainer a" in busy.reason
+    d.add([0, 1])
+    d.ack("a", 2)
+    d.disconnect("a", 1.0)
+    freed = d.connect("b", 0, 1, 1, 1.0)
+    assert freed.outcome == REFUSED and "at step 1 of epoch 0, but steps < 2 were acknowledged" in freed.reason
+    ahead = d.connect("b", 0, 5, 1, 1.0)
+    assert ahead.outcome == REFUSED and "made 2 step(s) so far" in ahead.reason
+    early = d.connect("b", 1, 0, 1, 1.0)
+    assert early.outcome == REFUSED and "has not taken that epoch's last step" in early.reason
+    beyond = d.connect("b", 7, 0, 1, 1.0)
+    assert beyond.outcome == REFUSED and "the job runs 2 epoch(s), 0..1" in beyond.reason
+
+
+def test_epoch_hand_off_wait_and_a_lost_end():
+    d = _delivery(epochs=2, depth=1)
+    d.connect("a", 0, 0, 1, 0.0)
+    d.add([0])
+    d.close()
+    d.sent("a", 0)
+    d.ack("a", 1)
+    d.mark_end_sent("a")
+    d.disconnect("a", 1.0)
+    assert d.connect("b", 1, 0, 1, 1.0).outcome == WAIT, "epoch 1 starts once the loop hands off"
+    d.advance(1.0)
+    assert d.connect("c", 0, 1, 1, 1.0).outcome == END, "took every step of epoch 0 but lost the end"
+    assert d.connect("c", 0, 0, 1, 1.0).outcome == REFUSED
+    assert d.connect("b", 1, 0, 1, 1.0).outcome == ATTACHED
+
+
+def test_state_round_trip_resumes_delivery():
+    d = _delivery(epochs=2, depth=3)
+    d.connect("a", 0, 0, 3, 0.0)
+    d.add([0, 1, 2])
+    d.ack("a", 1)
+    state = d.state_dict()
+    e = _delivery(epochs=2, depth=3, now=50.0)
+    e.load_state_dict(state, 50.0)
+    assert e.state_dict() == state and e.holder is None and e.ready == [1, 2]
+    assert e.connect("b", 0, 1, 3, 50.0).outcome == ATTACHED and e.next_for("b") == 1
+
+
+# -- Liveness ------------------------------------------------------------------------------------------
+
+@given(world=st.integers(1, 5), lease=st.floats(0.5, 100), startup=st.floats(1, 1000),
+       events=st.lists(st.tuples(st.sampled_from(["register", "seen", "finish", "tick"]), st.integers(0, 4),
+                                 st.floats(0, 200)), max_size=60))
+def test_liveness_fails_exactly_when_a_party_is_gone(world, lease, startup, events):
+    """`check` fails iff some rank never registered within the start-up timeout, or some registered,
+    unfinished rank has been silent for longer than the lease; the message names that rank."""
+    lv = Liveness(world, lease, startup, 0.0)
+    now = 0.0
+    last: dict[int, float] = {}
+    finished: set[int] = set()
+    for kind, rank, dt in events:
+        now += dt
+        rank %= world
+        if kind == "register":
+            lv.register(rank, now)
+            last[rank] = now
+        elif kind == "seen":
+            lv.seen(rank, now)
+            if rank in last:
+                last[rank] = now
+        elif kind == "finish":
+            lv.finish(rank, now)
+            last.setdefault(rank, now)
+            finished.add(rank)
+        missing = [r for r in range(world) if r not in last]
+        silent = [r for r in sorted(last) if r not in finished and now - last[r] > lease]
+        failure = lv.check(now)
+        if missing and now > startup:
+            assert failure is not None and f"rank(s) {missing} did not register" in failure
+        elif silent:
+            assert failure is not None and f"rank {silent[0]} missed its lease" in failure
+        else:
+            assert failure is None
+        assert lv.all_finished == (len(finished) == world)
+
+
+def test_liveness_restore_gives_every_rank_a_fresh_lease():
+    lv = Liveness(2, 10.0, 60.0, 0.0)
+    lv.register(0, 0.0)
+    lv.register(1, 0.0)
+    lv.finish(1, 5.0)
+    state = lv.state_dict()
+    restarted = Liveness(2, 10.0, 60.0, 500.0)
+    restarted.load_state_dict(state, 500.0)
+    assert restarted.check(509.0) is None and "rank 0 missed its lease" in restarted.check(511.0)
+    assert restarted.finished == {1} and restarted.waiting(500.0) is None
+
+
+def test_liveness_says_whom_it_waits_for():
+    lv = Liveness(3, 10.0, 60.0, 0.0)
+    lv.register(1, 0.0)
+    assert lv.waiting(12.0) == "waiting for rank(s) [0, 2] to register (12s so far, 48s left of the start-up timeout)"
