@@ -102,7 +102,8 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
 
     The dataset (files, schema, at least one record) and the tokenizer are checked before Ray is touched,
     so a bad input fails in a second with an error naming the file. Ray: `ray_address`, else the Ray
-    already running on this host, else an embedded one (`share_ray`).
+    already running on this host, else an embedded one (`share_ray`) with `num_actors * world_size`
+    logical CPUs (at least the host's cores), room for every rank service of the job on this host.
 
     The chain's cutoff is at most the longest length a lone sample may have under the job's budget and
     cost (`max_fitting_length`), so no sample ever reaches the rank's own truncation, which could not
@@ -118,7 +119,10 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
     cutoff = limit if cutoff is None else min(cutoff, limit)
     records = RecordDataset(dataset)
     stages = default_stages(tokenizer, cutoff=cutoff, **(pipeline or {}))
-    shared = share_ray(ray_address, who=f"rank {rank}")
+    # An embedded Ray gets logical CPUs for every rank service of the job to run its actors on this host
+    # (each actor reserves one), at least the host's cores: the services started together share it.
+    shared = share_ray(ray_address, num_cpus=max(os.cpu_count() or 1, num_actors * spec.world_size),
+                       who=f"rank {rank}")
     try:
         source = RaySource(records, rank, spec.world_size, spec.seed, 0, spec.shuffle, stages=stages,
                            num_actors=num_actors, quarantine=quarantine, wrap=spec.mode == "non-join")
