@@ -1,4 +1,4 @@
-"""The `batchd` command line: simulate, config, coordinator, rank, demo, bench.
+"""The `batchd` command line: simulate, config, tokenizer, coordinator, rank, demo, bench.
 
 `batchd coordinator` and `batchd rank` take a job config file (`--config`, see `batchd._config`);
 every flag overrides one key of it, and the merged result is validated before anything starts.
