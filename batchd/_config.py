@@ -454,11 +454,13 @@ epochs = 1                 # each epoch: a new seeded view of the data per rank
 [data]
 dataset = "train.parquet"  # Parquet / JSONL / Arrow records; or lengths = "lengths.txt"
 num_actors = 2             # Ray preprocessing actors per rank service
-# ray_address = "auto"     # join a running Ray cluster (default: start a local one)
+# ray_address = "auto"     # join a running Ray cluster (default: the Ray already running on this host,
+                           # else the first rank service starts one and the others on this host join it)
 quarantine = "quarantine.jsonl"
 
 [pipeline]
-# tokenizer = "tokenizer.json"   # default: the demo tokenizer, trained locally
+tokenizer = "tok.json"     # a tokenizer.json or a Hugging Face tokenizer directory (read offline);
+                           # `batchd tokenizer tok.json` writes the default (demo) one there
 template = "qwen2"         # chatml | qwen2 | llama3 | Jinja text
 vision = "qwen2_vl"        # qwen2_vl | llava | none
 augment = false

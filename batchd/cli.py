@@ -1,4 +1,4 @@
-"""The `batchd` command line: simulate, config, coordinator, rank, demo, bench.
+"""The `batchd` command line: simulate, config, tokenizer, coordinator, rank, demo, bench.
 
 `batchd coordinator` and `batchd rank` take a job config file (`--config`, see `batchd._config`);
 every flag overrides one key of it, and the merged result is validated before anything starts.
@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import json
+import os
+import shutil
 import sys
 from collections.abc import Sequence
 
@@ -240,6 +242,22 @@ def _config_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenizer_cmd(args: argparse.Namespace) -> int:
+    from batchd.service._tokenizer import TokenizerRef, demo_tokenizer
+
+    if args.check:
+        ref = TokenizerRef(args.path)
+        print(f"{args.path}: ok ({ref.id_space} token ids, pad token {ref.pad_token!r})")
+        return 0
+    cached = demo_tokenizer()
+    if os.path.isdir(args.path):
+        raise ValueError(f"FILE must be a file path, got a directory: path={args.path!r}")
+    shutil.copyfile(cached, args.path)
+    print(f"wrote the demo tokenizer to {args.path} ({TokenizerRef(args.path).id_space} token ids; "
+          f"cached at {cached})")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from batchd.demo import run_demo
 
@@ -289,6 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the merged, validated config as JSON")
     p.set_defaults(func=_config_cmd)
 
+    p = sub.add_parser("tokenizer", help="write the default (demo) tokenizer to a file, or check a tokenizer",
+                       description="Writes the default tokenizer of `batchd rank --dataset` and `batchd demo` "
+                       "to FILE: a byte-level BPE trained locally on the demo generator's text (no download), "
+                       "cached in $BATCHD_CACHE or ~/.cache/batchd. Trainers pass the same file "
+                       "(`--tokenizer FILE`) so their vocabulary covers its ids. With --check, loads PATH "
+                       "(a tokenizer.json or a Hugging Face tokenizer directory) offline and prints its size.")
+    p.add_argument("path", metavar="FILE", help="where to write tokenizer.json (with --check: the tokenizer to load)")
+    p.add_argument("--check", action="store_true", help="load PATH as batchd would and print its vocabulary size")
+    p.set_defaults(func=_tokenizer_cmd)
+
     p = sub.add_parser("coordinator", help="run the gRPC alignment coordinator",
                        description="Runs the DGAP alignment coordinator for one job until every rank's trainer took its last step. "
                        "Settings come from --config ([job], [coordinator], [security], [logging]) and flags.")
@@ -322,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="preprocess these records (Parquet/JSONL/Arrow) with a Ray actor pool "
                      "(neither --lengths nor --dataset: producers push samples through Ingest)")
     g = p.add_argument_group("preprocessing (with --dataset; [data], [pipeline])")
-    g.add_argument("--tokenizer", metavar="FILE",
-                   help="tokenizer.json (default: the demo tokenizer, trained locally on first use)")
+    g.add_argument("--tokenizer", metavar="PATH",
+                   help="a tokenizer.json or a Hugging Face tokenizer directory, read offline (default: the "
+                   "demo tokenizer, trained locally on first use; `batchd tokenizer FILE` writes it out)")
     g.add_argument("--template", help="chat template: chatml, qwen2, llama3 or Jinja text (default qwen2)")
     g.add_argument("--vision", choices=("qwen2_vl", "llava", "none"), help="visual-token expansion (default qwen2_vl)")
     g.add_argument("--augment", action="store_const", const=True, help="add the augmentation stages")
@@ -364,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="preprocessing actors in all, spread over the rank services (default 2)")
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="join this Ray cluster (default: start one local Ray that every rank service joins)")
-    p.add_argument("--tokenizer", default=None, metavar="FILE", help="tokenizer.json (default: the demo's)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="a tokenizer.json or a Hugging Face tokenizer directory (default: the demo's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_demo)
 
@@ -381,8 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         faulthandler.enable()  # a daemon that dies in native code (gRPC, torch) leaves its stacks in its log
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print(f"batchd {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"batchd {args.command}: interrupted{f' {exc}' if str(exc) else ''}", file=sys.stderr, flush=True)
         return 130
     except (ValueError, OSError, RuntimeError, TimeoutError) as exc:
         print(f"batchd {args.command}: error: {exc}", file=sys.stderr)

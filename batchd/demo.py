@@ -12,7 +12,13 @@ length)) and reports both. `synthetic=True` (`--synthetic`) serves synthetic tok
 long-tail lengths instead, without Ray (`batchd rank --lengths`).
 
 Every process is a child of this one and is terminated on any exit path; the Ray this demo started is
-shut down on every exit path too (Ctrl-C and SIGTERM included), and its raylet and workers with it.
+shut down on every exit path too, and its raylet and workers with it. Ctrl-C (SIGINT) and SIGTERM stop
+the children and Ray in order and `batchd demo` exits 130 with one line; the children run in their own
+session, so a terminal's Ctrl-C reaches only the demo, which stops them. If the demo itself is killed
+(SIGKILL), its children get SIGTERM from the kernel (PR_SET_PDEATHSIG, Linux) and a small reaper
+process, which notices the demo's death through a pipe, ends every process that inherited the demo's
+run marker (the rank services, trainers, the Ray it started and Ray's workers and agents) and removes
+the demo's temp dir. A Ray the demo only joined (`--ray-address`) is never stopped.
 
 The JSON's `preprocess` (Ray path only): `actors` (in all), `samples` (emitted by the rank services'
 sources), `quarantined`, `records_read` (= samples + quarantined, must equal `records`, the dataset's
@@ -42,6 +48,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -91,17 +98,105 @@ def _die_with_parent(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", _PARENT_DEATH_LAUNCHER, str(os.getpid()), *argv]
 
 
-class Processes:
-    """Children that are terminated (then killed) whatever happens."""
+# The reaper (`start_reaper`): blocks on a pipe whose only writer is the demo, so the read returns
+# (EOF) when the demo exits, however it exits. It then ends the processes that carry the demo's run
+# marker in their environment (SIGTERM, then SIGKILL after a grace), except the demo itself if it is
+# still alive (a normal exit), and removes the demo's temp dir. /proc only, no psutil.
+_REAPER = r"""
+import os, shutil, signal, sys, time
+fd, parent, work, marker = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].encode()
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+try:
+    while os.read(fd, 4096):
+        pass
+except OSError:
+    pass
 
-    def __init__(self, log_dir: Path) -> None:
+def marked():
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (os.getpid(), parent):
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if marker not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+        except OSError:
+            continue
+        found.append(int(name))
+    return found
+
+for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
+    pids = marked()
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pids = marked()
+    if not pids:
+        break
+shutil.rmtree(work, ignore_errors=True)
+"""
+
+MARKER_ENV = "BATCHD_DEMO_RUN"
+
+
+class Reaper:
+    """A process that cleans up after the demo when the demo exits, even by SIGKILL (see `_REAPER`).
+
+    It ends every process whose environment holds `MARKER_ENV=<marker>` and removes `work`. `close()`
+    (the demo's normal exit) lets it run at once and waits for it.
+    """
+
+    def __init__(self, work: Path, marker: str) -> None:
+        self.marker = marker
+        read_fd, self._write_fd = os.pipe()  # neither end is inherited by other children (PEP 446)
+        env = {k: v for k, v in os.environ.items() if k != MARKER_ENV}
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _REAPER, str(read_fd), str(os.getpid()), str(work),
+                 f"{MARKER_ENV}={marker}"],
+                pass_fds=(read_fd,), env=env, start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        finally:
+            os.close(read_fd)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._write_fd is None:
+            return
+        os.close(self._write_fd)
+        self._write_fd = None
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class Processes:
+    """Children that are terminated (then killed) whatever happens.
+
+    Each child runs in its own session (a terminal's Ctrl-C reaches only this process, which stops the
+    children in order) and gets SIGTERM from the kernel when this process dies (Linux). `env` is added
+    to every child's environment.
+    """
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self.log_dir = log_dir
+        self.env = dict(env or {})
 
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env}
         with open(self.log_dir / f"{name}.log", "w") as log:  # the child keeps its own descriptor
-            proc = subprocess.Popen(_die_with_parent(argv), stdout=log, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(_die_with_parent(argv), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
         self.procs.append((name, proc))
         return proc
 
@@ -211,8 +306,34 @@ def _trainers(procs: Processes, work: Path, tag: str, world_size: int, common: d
     return wait_trainers(procs, tag, outs, timeout)
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+class _Signals:
+    """SIGINT and SIGTERM -> KeyboardInterrupt, once: later signals are ignored while the demo cleans up.
+
+    Installed only on the main thread (`install`), and restored by `restore`.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            raise KeyboardInterrupt(f"by {signal.Signals(signum).name}")
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._old.setdefault(sig, signal.getsignal(sig))
+            signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+
+    def interrupt(self) -> KeyboardInterrupt:
+        name = signal.Signals(self.received).name if self.received is not None else "signal"
+        return KeyboardInterrupt(f"by {name}")
 
 
 def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = DEMO_BUDGET, policy: str = "balanced",
@@ -228,28 +349,41 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
     """
     say = progress or (lambda msg: None)
     main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread:  # SIGTERM unwinds like Ctrl-C: children stop, Ray is shut down
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+    signals = _Signals()
+    if main_thread:  # SIGINT and SIGTERM unwind through the finally below: children stop, Ray is shut down
+        signals.install()
     work = Path(tempfile.mkdtemp(prefix="batchd-demo-"))
-    procs = Processes(work)
+    marker = uuid.uuid4().hex
+    reaper = None if keep_dir or not sys.platform.startswith("linux") else Reaper(work, marker)
+    procs = Processes(work, {MARKER_ENV: marker})
     ray_started = False
     t_start = time.perf_counter()
     try:
+        say(f"logs and temporary files in {work}")
         spec = spec_args(world_size, token_budget, policy, window, depth, seed)
         if synthetic:
             return _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline,
                                   say, timeout, t_start)
         ray_started = ray_address is None
         return _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say,
-                        timeout, t_start, dataset, num_actors, ray_address, tokenizer, main_thread)
+                        timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker)
+    except BaseException:
+        if signals.received is not None:  # whatever the signal broke on its way (a child's exit, a wait)
+            raise signals.interrupt() from None
+        raise
     finally:
-        procs.stop()
-        if ray_started:
-            import ray
+        try:
+            procs.stop()
+            if ray_started:
+                import ray
 
-            ray.shutdown()
-        if not keep_dir:
-            shutil.rmtree(work, ignore_errors=True)
+                ray.shutdown()
+            if not keep_dir:
+                shutil.rmtree(work, ignore_errors=True)
+        finally:
+            if reaper is not None:
+                reaper.close()
+            signals.restore()
 
 
 def _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
@@ -287,15 +421,19 @@ def actors_per_rank(num_actors: int, world_size: int) -> list[int]:
     return [max(1, num_actors // world_size + (1 if r < num_actors % world_size else 0)) for r in range(world_size)]
 
 
-def _vocab_size(tokenizer_json: Path) -> int:
-    """1 + the largest token id of a tokenizer.json (model vocabulary and added tokens)."""
-    data = json.loads(tokenizer_json.read_text(encoding="utf-8"))
-    ids = list(data.get("model", {}).get("vocab", {}).values()) + [t["id"] for t in data.get("added_tokens", [])]
-    return max(ids) + 1
+def _vocab_size(tokenizer: str | os.PathLike) -> int:
+    """1 + the largest token id of a tokenizer.json or HF tokenizer directory (vocabulary and added tokens).
+
+    Raises:
+        FileNotFoundError, ValueError: naming `tokenizer` when it is missing or not a tokenizer.
+    """
+    from batchd.service._tokenizer import TokenizerRef
+
+    return TokenizerRef(tokenizer).id_space
 
 
 def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
-             t_start, dataset, num_actors, ray_address, tokenizer, main_thread) -> dict[str, Any]:
+             t_start, dataset, num_actors, ray_address, tokenizer, marker) -> dict[str, Any]:
     from batchd.service._records import Quarantine, RecordDataset
     from batchd.service._tokenizer import demo_tokenizer
 
@@ -309,14 +447,25 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
     else:
         records = len(RecordDataset(dataset))  # validates the schema here, before any process starts
     tok = Path(tokenizer) if tokenizer else demo_tokenizer()
+    model_cfg = {"vocab_size": _vocab_size(tok)}  # a missing or bad tokenizer fails here, before any process
     per_rank = actors_per_rank(num_actors, world_size)
-    if ray_address is None:
+    if ray_address is None:  # one Ray for the whole demo: every rank service joins it (--ray-address)
         import ray
 
-        ray.init(num_cpus=sum(per_rank), include_dashboard=False, log_to_driver=False)
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = os.environ.get(MARKER_ENV)
+        os.environ[MARKER_ENV] = marker  # Ray's processes inherit it: the reaper finds them by it
+        try:
+            ray.init(num_cpus=sum(per_rank), include_dashboard=False, log_to_driver=False)
+        finally:
+            if previous is None:
+                os.environ.pop(MARKER_ENV, None)
+            else:
+                os.environ[MARKER_ENV] = previous
+            for sig, handler in handlers.items():  # ray.init installs its own SIGTERM handler; ours stays
+                if handler is not None:
+                    signal.signal(sig, handler)
         ray_address = ray.get_runtime_context().gcs_address
-        if main_thread:  # ray.init installs its own SIGTERM handler; ours unwinds through the finally blocks
-            signal.signal(signal.SIGTERM, _raise_interrupt)
     say(f"Ray at {ray_address}; {sum(per_rank)} preprocessing actors ({per_rank} per rank) on {records} records "
         f"of {dataset}")
 
@@ -327,7 +476,6 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
 
     say(f"starting coordinator and {world_size} rank services (L={token_budget}, policy {policy})")
     _, ports = start_services(procs, work, spec, world_size, None, rank_args=rank_args)
-    model_cfg = {"vocab_size": _vocab_size(tok)}
     say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
     results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed, "model_cfg": model_cfg},
                         [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout)

@@ -15,6 +15,7 @@ The implementation lives in private modules of `batchd.service` (`_records`, `_s
 from batchd.service._demo_data import DemoDataset, demo_records, make_demo_dataset
 from batchd.service._pipeline import PreprocessPool, PreprocessWorker, RaySource, ensure_ray, resolve, resolve_many
 from batchd.service._records import (
+    EmptyDatasetError,
     Quarantine,
     Record,
     RecordDataset,
@@ -48,7 +49,7 @@ from batchd.service._tokenizer import SPECIAL_TOKENS, TokenizerRef, demo_tokeniz
 
 __all__ = sorted([
     "EXHAUSTED", "QWEN2VL_IMAGE", "SPECIAL_TOKENS", "TEMPLATES",
-    "ChatTemplate", "DemoDataset", "Example", "LlavaVision", "PreprocessPool", "PreprocessWorker", "Preprocessor",
+    "ChatTemplate", "DemoDataset", "EmptyDatasetError", "Example", "LlavaVision", "PreprocessPool", "PreprocessWorker", "Preprocessor",
     "Quarantine", "Qwen2VLVision", "RandomResizedCrop", "RaySource", "Record", "RecordDataset", "Reject",
     "SampleMeta", "SchemaError", "Stage", "StageContext", "SystemPrompt", "Tokenize", "TokenizerRef", "Truncate",
     "TurnSubsample", "default_stages", "demo_records", "demo_tokenizer", "ensure_ray", "iter_records",

@@ -81,14 +81,17 @@ def rank_service_address(rank: int, world_size: int, rank_services: str | None =
 
 
 def vocab_size(explicit: int | None, tokenizer: str | None) -> int:
-    """The model's vocabulary: `explicit`, else 1 + the largest id of `tokenizer`, else 512.
+    """The model's vocabulary: `explicit`, else 1 + the largest id of `tokenizer` (a tokenizer.json or a
+    Hugging Face tokenizer directory), else 512.
 
     Raises:
-        ValueError: when `explicit` is smaller than the tokenizer's vocabulary (ids would overflow).
+        ValueError: when `explicit` is smaller than the tokenizer's vocabulary (ids would overflow), or
+            `tokenizer` is not a tokenizer.
+        FileNotFoundError: naming `tokenizer` when it does not exist.
     """
-    from batchd.demo import _vocab_size
+    from batchd.service._tokenizer import TokenizerRef
 
-    needed = _vocab_size(Path(tokenizer)) if tokenizer else None
+    needed = TokenizerRef(tokenizer).id_space if tokenizer else None
     if explicit is not None and needed is not None and explicit < needed:
         raise ValueError(f"vocab_size is smaller than the tokenizer's, got {explicit=} {needed=} ({tokenizer=})")
     return explicit if explicit is not None else (needed or 512)
@@ -107,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab-size", type=int, default=None,
                    help="model vocabulary (default: --tokenizer's, else 512 = `batchd rank --lengths`)")
     p.add_argument("--tokenizer", default=None, metavar="FILE",
-                   help="the rank services' tokenizer.json: the model's vocabulary covers its ids")
+                   help="the rank services' tokenizer (a tokenizer.json or a Hugging Face tokenizer directory): "
+                   "the model's vocabulary covers its ids")
     p.add_argument("--d-model", type=int, default=128, help="model width")
     p.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--n-heads", type=int, default=4, help="attention heads")
@@ -151,9 +155,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.epochs is not None and args.epochs < 1:
         raise SystemExit(f"--epochs must be >= 1, got {args.epochs}")
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
-    address = rank_service_address(rank, world_size, args.rank_services, args.rank_host, args.base_port)
-    security = security_from_args(args)  # bad TLS/token/tokenizer files fail here, before the rendezvous
-    vocab = vocab_size(args.vocab_size, args.tokenizer)
+    try:  # bad addresses and TLS/token/tokenizer files fail here, before the rendezvous, in one line
+        address = rank_service_address(rank, world_size, args.rank_services, args.rank_host, args.base_port)
+        security = security_from_args(args)
+        vocab = vocab_size(args.vocab_size, args.tokenizer)
+    except (ValueError, OSError) as exc:
+        print(f"[rank {rank}] batchd.client.train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     cuda = torch.cuda.is_available() and args.backend != "gloo"
     backend = args.backend if args.backend != "auto" else ("nccl" if cuda else "gloo")
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")

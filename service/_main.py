@@ -7,10 +7,11 @@ short linger so every party reads the failure message). Exit status: 0 done, 1 j
 interrupted. With `--state-dir`, each journals its state and a restart with the same command resumes.
 
 `batchd rank` reads from one of three sources: `--lengths` (synthetic tokenized samples), `--dataset`
-(records preprocessed by a Ray actor pool: `RaySource`; it joins `--ray-address` or starts a local Ray)
+(records preprocessed by a Ray actor pool: `RaySource`; it joins `--ray-address`, else the Ray already
+running on this host, else starts an embedded one that the next rank services on this host join)
 or neither (producers push samples through `Ingest`). With `--stats-file`, a rank service reading a
 dataset writes its source's counters (samples, quarantined, records read, samples/s, actor busy time)
-there as JSON when it exits.
+there as JSON when it exits (with `ray_address`, the GCS address of the Ray it ran on).
 """
 
 from __future__ import annotations
@@ -110,7 +111,13 @@ def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_
 def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | None = None, num_actors: int = 2,
                     ray_address: str | None = None, quarantine: str | None = None, cutoff: int | None = None,
                     pipeline: dict | None = None):
-    """Rank `rank`'s `RaySource` over `dataset` with `default_stages(tokenizer)`, in the job's sampler view.
+    """Rank `rank`'s `RaySource` over `dataset` with `default_stages(tokenizer)`, in the job's sampler view,
+    and the `SharedRay` it runs on: `(source, shared_ray)`; the caller closes both, the source first.
+
+    The dataset (files, schema, at least one record) and the tokenizer are checked before Ray is touched,
+    so a bad input fails in a second with an error naming the file. Ray: `ray_address`, else the Ray
+    already running on this host, else an embedded one (`share_ray`) with `num_actors * world_size`
+    logical CPUs (at least the host's cores), room for every rank service of the job on this host.
 
     The chain's cutoff is at most the longest length a lone sample may have under the job's budget and
     cost (`max_fitting_length`), so no sample ever reaches the rank's own truncation, which could not
@@ -118,22 +125,33 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
     """
     from batchd.core import max_fitting_length
 
-    from ._pipeline import RaySource, ensure_ray
+    from ._pipeline import RaySource, share_ray
+    from ._records import RecordDataset
     from ._stages import default_stages
 
     limit = max_fitting_length(spec.token_budget, spec.cost_model())
     cutoff = limit if cutoff is None else min(cutoff, limit)
-    ensure_ray(ray_address)
-    return RaySource(dataset, rank, spec.world_size, spec.seed, 0, spec.shuffle,
-                     stages=default_stages(tokenizer, cutoff=cutoff, **(pipeline or {})),
-                     num_actors=num_actors,
-                     quarantine=quarantine, wrap=spec.mode == "non-join")
+    records = RecordDataset(dataset)
+    stages = default_stages(tokenizer, cutoff=cutoff, **(pipeline or {}))
+    # An embedded Ray gets logical CPUs for every rank service of the job to run its actors on this host
+    # (each actor reserves one), at least the host's cores: the services started together share it.
+    shared = share_ray(ray_address, num_cpus=max(os.cpu_count() or 1, num_actors * spec.world_size),
+                       who=f"rank {rank}")
+    try:
+        source = RaySource(records, rank, spec.world_size, spec.seed, 0, spec.shuffle, stages=stages,
+                           num_actors=num_actors, quarantine=quarantine, wrap=spec.mode == "non-join")
+    except BaseException:
+        shared.close()
+        raise
+    return source, shared
 
 
-def _write_stats(path: str | None, rank: int, source) -> None:
+def _write_stats(path: str | None, rank: int, source, ray_address: str | None = None) -> None:
     if not path or not hasattr(source, "stats"):
         return
     stats = {"rank": rank, **source.stats(), "view": len(source)}
+    if ray_address is not None:
+        stats["ray_address"] = ray_address
     try:
         actors = source.pool.stats(timeout=5.0)
         stats["actor_busy_s"] = sum(a["busy_s"] for a in actors)
@@ -157,9 +175,10 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
              startup_timeout_s: float = 600.0) -> int:
     if lengths is not None and dataset is not None:
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
+    shared = None
     if dataset is not None:
-        source = make_ray_source(spec, rank, dataset, tokenizer, num_actors, ray_address, quarantine, cutoff,
-                                 pipeline)
+        source, shared = make_ray_source(spec, rank, dataset, tokenizer, num_actors, ray_address, quarantine,
+                                         cutoff, pipeline)
     elif lengths is None:
         source = IngestSource(spec.window)
     else:
@@ -169,12 +188,12 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
         return _serve_rank(spec, rank, coordinator, source, host, port, port_file, state_dir, client_grace_s,
                            security, metrics_port, metrics_host, trainer_timeout_s, startup_timeout_s)
     finally:
-        if dataset is not None:
-            _write_stats(stats_file, rank, source)
-            source.close()
-            import ray
-
-            ray.shutdown()
+        if shared is not None:
+            try:
+                _write_stats(stats_file, rank, source, shared.address)
+                source.close()
+            finally:
+                shared.close()  # stops only a Ray this service started, once no other service uses it
 
 
 def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source, host: str, port: int, port_file: str | None,

@@ -70,6 +70,15 @@ class SchemaError(ValueError):
         super().__init__(f"{where}: field {field!r}: {problem}")
 
 
+class EmptyDatasetError(ValueError):
+    """A dataset with no records at all (every file empty or blank): names the files."""
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self.paths = list(paths)
+        shown = ", ".join(self.paths[:3]) + (f" and {len(self.paths) - 3} more" if len(self.paths) > 3 else "")
+        super().__init__(f"the dataset has no records: {shown}")
+
+
 class Reject(Exception):
     """Raised by a stage (or the record parser) to quarantine a record: `code` groups the counts."""
 
@@ -375,6 +384,8 @@ class RecordDataset:
 
     Raises:
         SchemaError: naming file, row and field, on a schema problem.
+        EmptyDatasetError: (a ValueError) naming the files, when they hold no record at all: an epoch
+            of 0 steps is never what a job means.
         FileNotFoundError: on a missing file.
     """
 
@@ -393,6 +404,8 @@ class RecordDataset:
             self.tables.append(table)
             self._errors.append(errors)
             offset += table.num_rows
+        if offset == 0:
+            raise EmptyDatasetError(self.paths)
         self._handle = DatasetHandle(self.files, self.tables, self._errors)
 
     def __len__(self) -> int:

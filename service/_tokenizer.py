@@ -8,13 +8,20 @@ and LLaVA (`<image>`). Id 0 is `<|endoftext|>`, which doubles as the pad token.
 
 `TokenizerRef` is how stages hold a tokenizer: it carries the tokenizer.json *text* (so it pickles to
 any Ray worker, on any node) and builds the `transformers.PreTrainedTokenizerFast` lazily, once per
-process.
+process. It reads a `tokenizer.json` file or a Hugging Face tokenizer directory (what
+`save_pretrained` writes: its `tokenizer.json`, or a slow tokenizer that `AutoTokenizer` converts),
+offline, from local files only.
+
+The default tokenizer (`demo_tokenizer()`) is trained on first use and cached in
+`$BATCHD_CACHE` (default `~/.cache/batchd`) as `demo-tokenizer-<hash>.json`; `batchd tokenizer FILE`
+writes it to FILE, for trainers that need its vocabulary size.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -82,12 +89,33 @@ def _build(json_text: str, pad_token: str | None):
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json_text), **kwargs)
 
 
+def _read_tokenizer_dir(path: Path) -> tuple[str, str | None]:
+    """(tokenizer.json text, pad token or None) of a Hugging Face tokenizer directory, offline."""
+    try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError... by case
+        raise ValueError(f"tokenizer directory {path} cannot be loaded as a Hugging Face tokenizer: "
+                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if not getattr(hf, "is_fast", False):
+        raise ValueError(f"tokenizer directory {path} holds a slow tokenizer that cannot be converted to a fast "
+                         f"one (batchd needs tokenizer.json)")
+    return hf.backend_tokenizer.to_str(), hf.pad_token
+
+
 class TokenizerRef:
-    """A picklable handle on an HF fast tokenizer built from a local tokenizer.json.
+    """A picklable handle on an HF fast tokenizer built from local files (never downloads).
 
     Args:
-        source: Path to a tokenizer.json, its JSON text, or another TokenizerRef.
-        pad_token: The pad token (default `<|endoftext|>` when the vocabulary has it).
+        source: A tokenizer.json file, a Hugging Face tokenizer directory (`save_pretrained` output),
+            tokenizer.json text, another TokenizerRef, or None (the demo tokenizer, `demo_tokenizer()`).
+        pad_token: The pad token (default: the directory's pad token, else `<|endoftext|>` when the
+            vocabulary has it).
+
+    Raises:
+        FileNotFoundError: naming `source` when it does not exist.
+        ValueError: naming `source` when it is not a tokenizer.
     """
 
     def __init__(self, source: str | os.PathLike | TokenizerRef | None = None, pad_token: str | None = None) -> None:
@@ -97,12 +125,26 @@ class TokenizerRef:
         if source is None:
             source = demo_tokenizer()
         text = os.fspath(source)
+        dir_pad = None
         if text.lstrip().startswith("{"):
             self.json_text, self.name = text, "<inline tokenizer.json>"
         else:
-            self.json_text, self.name = Path(text).read_text(encoding="utf-8"), text
-        self.pad_token = pad_token
-        if pad_token is None and f'"{PAD_TOKEN}"' in self.json_text:
+            path = Path(text).expanduser()
+            if path.is_dir():
+                self.json_text, dir_pad = _read_tokenizer_dir(path)
+            elif path.is_file():
+                self.json_text = path.read_text(encoding="utf-8")
+                try:
+                    json.loads(self.json_text)
+                except ValueError:
+                    raise ValueError(f"tokenizer file {text} is not a tokenizer.json (not JSON)") from None
+            else:
+                raise FileNotFoundError(f"tokenizer not found: {text} (expected a tokenizer.json file or a "
+                                        f"Hugging Face tokenizer directory; `batchd tokenizer FILE` writes the "
+                                        f"demo one)")
+            self.name = text
+        self.pad_token = pad_token or dir_pad
+        if self.pad_token is None and f'"{PAD_TOKEN}"' in self.json_text:
             self.pad_token = PAD_TOKEN
 
     @property
@@ -120,6 +162,15 @@ class TokenizerRef:
     @property
     def vocab_size(self) -> int:
         return len(self.hf)
+
+    @property
+    def id_space(self) -> int:
+        """1 + the largest token id (model vocabulary and added tokens): the embedding rows a model needs."""
+        data = json.loads(self.json_text)
+        vocab = data.get("model", {}).get("vocab", {})
+        ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+        ids += [t["id"] for t in data.get("added_tokens", [])]
+        return max(ids) + 1 if ids else len(self.hf)
 
     @property
     def pad_id(self) -> int:

@@ -3,6 +3,9 @@
 # `batchd rank` (rank r on port base_port + r), all reading the same job config. Each rank service
 # preprocesses its view of [data].dataset with Ray actors that join the cluster ([data].ray_address,
 # "auto" on a `ray up` node or in a KubeRay pod), so the actors run on any node with free CPUs.
+# Without [data].ray_address the rank services still share one Ray: each joins the Ray already running
+# on this node, and the first one started (they serialize on a lock file) starts it and keeps it up
+# until the others have exited.
 #
 #   deploy/ray/start-batchd.sh [CONFIG]        # CONFIG default: $BATCHD_CONFIG or /etc/batchd/job.toml
 #   ray exec deploy/ray/cluster.yaml 'bash ~/batchd/deploy/ray/start-batchd.sh ~/batchd/deploy/ray/job.toml'

@@ -1,0 +1,107 @@
+"""Bad inputs fail fast, in one line, naming the file: empty datasets, missing or wrong tokenizers.
+
+Real files and the real CLI in subprocesses (`python -m batchd ...`); no Ray is started: every check
+runs before Ray would be.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchd.preprocess import EmptyDatasetError, RecordDataset, TokenizerRef, demo_tokenizer
+
+
+def batchd(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "batchd", *args], capture_output=True, text=True, cwd=cwd,
+                          env=env, timeout=timeout)
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
+    """Asserts exit 2 and a single stderr line holding every needle, with no traceback; returns it.
+    (`batchd demo`'s progress lines, `[batchd demo] ...`, are not errors.)"""
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("[batchd demo] ")]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.fixture
+def empty_files(tmp_path) -> dict[str, Path]:
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n")
+    parquet = tmp_path / "empty.parquet"
+    msg = pa.struct([("role", pa.string()), ("content", pa.string())])
+    pq.write_table(pa.table({"messages": pa.array([], pa.list_(msg))}), parquet)
+    return {"jsonl": blank, "parquet": parquet}
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_an_empty_dataset_is_an_error_naming_the_file(empty_files, fmt):
+    path = empty_files[fmt]
+    with pytest.raises(EmptyDatasetError, match=f"no records: {path}"):
+        RecordDataset(path)
+    with pytest.raises(ValueError, match="no records"):  # a directory of empty files too
+        RecordDataset(path.parent)
+
+
+def test_rank_and_demo_refuse_an_empty_dataset(empty_files, tmp_path):
+    path = str(empty_files["jsonl"])
+    rank = batchd("rank", "--world-size", "1", "--token-budget", "256", "--rank", "0", "--coordinator",
+                  "127.0.0.1:9", "--dataset", path, cwd=tmp_path)
+    one_line_error(rank, "batchd rank: error:", "no records", path)
+    demo = batchd("demo", "--dataset", path, "--no-baseline", cwd=tmp_path)
+    one_line_error(demo, "batchd demo: error:", "no records", path)
+
+
+def test_missing_inputs_are_one_line_errors(tmp_path):
+    missing = str(tmp_path / "nope.json")
+    demo = batchd("demo", "--tokenizer", missing, "--num-samples", "8", "--no-baseline", cwd=tmp_path)
+    one_line_error(demo, "batchd demo: error:", "tokenizer not found", missing)
+    demo = batchd("demo", "--dataset", str(tmp_path / "nope.parquet"), cwd=tmp_path)
+    one_line_error(demo, "batchd demo: error:", "nope.parquet")
+    rank = batchd("rank", "--world-size", "1", "--token-budget", "256", "--rank", "0", "--coordinator",
+                  "127.0.0.1:9", "--dataset", str(tmp_path / "nope.parquet"), cwd=tmp_path)
+    one_line_error(rank, "batchd rank: error:", "data.dataset", "nope.parquet")
+    check = batchd("tokenizer", "--check", missing, cwd=tmp_path)
+    one_line_error(check, "batchd tokenizer: error:", missing)
+    not_json = tmp_path / "tok.txt"
+    not_json.write_text("hello")
+    one_line_error(batchd("tokenizer", "--check", str(not_json), cwd=tmp_path), "not a tokenizer.json", "tok.txt")
+
+
+def test_trainer_reports_a_missing_tokenizer_in_one_line(tmp_path):
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    missing = str(tmp_path / "tok.json")
+    proc = subprocess.run([sys.executable, "-m", "batchd.client.train", "--base-port", "7100", "--tokenizer",
+                           missing], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().count("\n") == 0 and missing in proc.stderr, proc.stderr
+
+
+def test_tokenizer_command_writes_the_demo_tokenizer_and_a_directory_loads_the_same(tmp_path):
+    out = batchd("tokenizer", "tok.json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "tok.json").read_text() == demo_tokenizer().read_text()
+    check = batchd("tokenizer", "--check", "tok.json", cwd=tmp_path)
+    assert check.returncode == 0 and "tok.json: ok" in check.stdout, check.stderr
+
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok.json"), pad_token="<|endoftext|>")
+    hf.save_pretrained(tmp_path / "hf-tok")  # what a model repository's tokenizer directory holds
+    by_dir, by_file = TokenizerRef(tmp_path / "hf-tok"), TokenizerRef(tmp_path / "tok.json")
+    text = "<|im_start|>user\nhello <|image_pad|> world<|im_end|>"
+    assert by_dir.hf(text)["input_ids"] == by_file.hf(text)["input_ids"]
+    assert by_dir.id_space == by_file.id_space and by_dir.pad_id == by_file.pad_id
+    assert batchd("tokenizer", "--check", "hf-tok", cwd=tmp_path).returncode == 0

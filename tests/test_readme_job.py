@@ -1,0 +1,119 @@
+"""The README's "A real job" recipe, run as written by bash in an empty directory.
+
+The block is taken from README.md and run line by line; the test only adds what a user edits or what
+a shared test machine needs: after `batchd config --example`, job.toml gets free ports, a smaller
+budget and window (the README's "edit" step), the sample dataset is smaller, the trainer gets a
+smaller model and the port of the edited config, and a final `wait` for the services. Checked: the
+script succeeds, both trainers ran the same number of steps, the coordinator and both rank services
+exited 0 on their own, the two rank services ran on one Ray (one started it, the other joined it), and
+no process of the job is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def readme_job_block() -> str:
+    text = (REPO / "README.md").read_text()
+    start = text.index("A real job")
+    return re.search(r"```bash\n(.*?)```", text[start:], re.S).group(1)
+
+
+def free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 free on loopback right now."""
+    for _ in range(50):
+        socks = []
+        try:
+            first = socket.socket()
+            socks.append(first)
+            first.bind(("127.0.0.1", 0))
+            base = first.getsockname()[1]
+            for port in range(base + 1, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports")
+
+
+def marked(marker: str) -> dict[int, str]:
+    """Live processes whose environment holds `marker`: pid -> command line."""
+    out = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker.encode() in (proc / "environ").read_bytes().split(b"\0") and \
+                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                out[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
+        except OSError:
+            continue
+    return out
+
+
+def test_readme_real_job_runs_as_written(tmp_path):
+    block = readme_job_block()
+    cport, rport = free_ports(1), free_ports(2)
+    script = ["set -euo pipefail"]
+    for line in block.splitlines():
+        if line.startswith("torchrun "):
+            assert "--base-port 7100" in line, line
+            line = line.split("#")[0].replace("--base-port 7100", f"--base-port {rport}")
+            line += " --d-model 32 --n-layers 1 --n-heads 2 --summary summary-{rank}.json"
+        line = line.replace("make_demo_dataset(\".\", 256)", "make_demo_dataset(\".\", 48)")
+        script.append(line)
+        if line.startswith("batchd config --example"):  # the user's edit
+            script.append(f"sed -i -e 's/^port = 7000/port = {cport}/' -e 's/^base_port = 7100/base_port = {rport}/' "
+                          "-e 's/^token_budget = 8192/token_budget = 1024/' -e 's/^window = 512/window = 64/' job.toml")
+    script += ['for p in $(jobs -p); do wait "$p"; done']  # the services exit on their own, status 0
+    assert any(ln.startswith("batchd rank ") or " batchd rank " in ln for ln in script), block
+    ray_tmp = tempfile.mkdtemp(prefix="bdj-", dir="/tmp")  # this job's own Ray temp root (short socket paths)
+    marker = f"BATCHD_TEST_README={uuid.uuid4().hex}"
+    bindir = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ.get('PATH', '')}", "TMPDIR": ray_tmp,
+           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", marker.split("=")[0]: marker.split("=")[1]}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
+        env.pop(var, None)
+    try:
+        run = subprocess.run(["bash", "-c", "\n".join(script)], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=400)
+        out = run.stdout[-4000:] + "\n--- stderr\n" + run.stderr[-6000:]
+        assert run.returncode == 0, out
+        results = [json.loads((tmp_path / f"summary-{r}.json").read_text()) for r in range(2)]
+        assert results[0]["steps"] == results[1]["steps"] > 0, results
+        started = re.findall(r"rank (\d): no Ray running on this host: started an embedded Ray \(gcs (\S+)\)", run.stderr)
+        joined = re.findall(r"rank (\d): joined the Ray already running on this host \(gcs (\S+)\)", run.stderr)
+        assert len(started) == 1 and len(joined) == 1 and started[0][1] == joined[0][1], out
+        assert "Traceback" not in run.stderr, out
+    finally:
+        deadline = time.monotonic() + 15  # the Ray a rank service started stops with it; let it exit
+        while marked(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = marked(marker)
+        for pid in left:  # this test's own processes, by pid
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert not left, "processes outlived the job:\n" + "\n".join(left.values())
