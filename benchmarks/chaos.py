@@ -69,7 +69,7 @@ BUDGET, WINDOW, DEPTH = 1024, 32, 4
 MODEL = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2"]  # a few ms per step: the sleep dominates
 TRAIN_S = 40.0  # training time a job aims at (steps x step time), before faults and startup
 SYNTH_TOKENS_PER_SAMPLE = 66  # demo_lengths(longest=512)'s mean, for the step estimate
-DATASET_TOKENS_PER_RECORD = 200  # the demo dataset with 64-pixel images (measured), for the step estimate
+DATASET_TOKENS_PER_RECORD = 160  # the demo dataset with 64-pixel images (measured), for the step estimate
 START_S = 120.0  # a rank service with --dataset starts its actors before it listens
 
 
@@ -214,10 +214,13 @@ def last_error(log: Path, incarnation_only: bool = True) -> str:
         text = text.rsplit("\n=== ", 1)[-1]
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for pat in _ERR_PATTERNS:
-        for ln in reversed(lines):
-            m = re.search(pat, ln)
+        for k in range(len(lines) - 1, -1, -1):
+            m = re.search(pat, lines[k])
             if m:
-                return m.group(1)[:400]
+                msg = m.group(1)
+                if msg.endswith("terminated with:"):  # a gRPC error: its status and details follow
+                    msg += " " + " ".join(ln for ln in lines[k + 1:k + 4] if ln.startswith(("status =", "details =")))
+                return msg[:400]
     return lines[-1][:400] if lines else "(empty log)"
 
 
@@ -569,15 +572,18 @@ class RayCluster:
             ray.shutdown()
 
 
+COORDINATOR_NOTE = ("coordinator faults skipped: `batchd coordinator --help` has no --state-dir, so a killed "
+                    "coordinator cannot be restarted from a journal (unrecoverable by design today)")
+
+
 def run_jobs(plans: list[JobPlan], work: Path, coordinator_journal: bool | None = None, job_timeout_s: float = 240.0,
-             log=print) -> dict[str, Any]:
+             log=print, notes: list[str] | None = None) -> dict[str, Any]:
     """Runs the jobs one after another in `work`; returns the report (see `summarize`)."""
     if coordinator_journal is None:
         coordinator_journal = coordinator_has_state_dir()
-    notes = []
+    notes = list(notes or [])
     if not coordinator_journal and any(f.kind == "coordinator" for p in plans for f in p.faults):
-        notes.append("coordinator faults skipped: `batchd coordinator --help` has no --state-dir, so a killed "
-                     "coordinator cannot be restarted from a journal (unrecoverable by design today)")
+        notes.append(COORDINATOR_NOTE)
         log(notes[-1])
     ray = RayCluster(num_cpus=2 * max(p.world_size for p in plans))  # actors of a restarted rank start meanwhile
     results = []
@@ -640,12 +646,13 @@ def job_rows(report: dict[str, Any]) -> list[list[object]]:
         rows.append([r["job"], p["source"], p["num_samples"], f"{p['step_time']:g}",
                      "; ".join(fault_text(f) for f in r["faults"]) or "-", steps,
                      "-" if r["lost"] is None else r["lost"], r["duplicated"],
-                     sum(e["quarantined"] for e in r["epochs"]), r["verdict"], f"{r['wall_s']:.0f}"])
+                     f"{sum(e['quarantined'] for e in r['epochs'])} "
+                     f"({sum(len(e['quarantined_by_fault']) for e in r['epochs'])})", r["verdict"], f"{r['wall_s']:.0f}"])
     return rows
 
 
 JOB_HEADERS = ["job", "source", "samples", "step s", "faults (kind@step victim time)", "steps/epoch", "lost",
-               "dup", "quarantined", "result", "wall s"]
+               "dup", "quarantined (by fault)", "result", "wall s"]
 
 
 def render(report: dict[str, Any], cmd: str) -> list[str]:
@@ -730,11 +737,17 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"need 0 < --min-step-time <= --max-step-time, got {args.min_step_time} {args.max_step_time}")
     raw = argv if argv is not None else sys.argv[1:]
     cmd = "python benchmarks/chaos.py" + (" " + " ".join(raw) if raw else "")
+    journal = coordinator_has_state_dir()
+    notes = []
+    if not journal and "coordinator" in kinds and len(kinds) > 1:
+        kinds.remove("coordinator")  # plan the jobs with the kinds that can run today
+        notes.append(COORDINATOR_NOTE)
+        print(f"note: {COORDINATOR_NOTE}", file=sys.stderr)
     plans = plan_jobs(args.jobs, args.seed, kinds, args.min_step_time, args.max_step_time, args.faults_per_job,
                       dataset=args.dataset)
     with tempfile.TemporaryDirectory(prefix="batchd-chaos-") as tmp:
         work = args.work or Path(tmp)
-        report = run_jobs(plans, work, job_timeout_s=args.job_timeout)
+        report = run_jobs(plans, work, journal, job_timeout_s=args.job_timeout, notes=notes)
         report["command"] = cmd
     print_report(report)
     if args.json:
