@@ -205,7 +205,7 @@ class Party:
 
 
 _ERR_PATTERNS = [r"job failed: (.*)", r"JobFailed: (.*)", r"BatchdError: (.*)", r"CoordinatorError: (.*)",
-                 r"^(\w*(?:Error|Exception)\b.*)", r"(Traceback.*)"]
+                 r"^(?:\[rank\d+\]:\s*)?(\w*(?:Error|Exception)\b.*)", r"(Traceback.*)"]
 
 
 def last_error(log: Path, incarnation_only: bool = True) -> str:
@@ -629,7 +629,7 @@ def summarize(results: list[dict[str, Any]], notes: list[str], wall_s: float) ->
         "duplicated": sum(r["duplicated"] for r in results),
         "unexpected": sum(r["unexpected"] for r in results),
         "conflicting_replays": sum(r["conflicting_replays"] for r in results),
-        "jobs_unequal_steps": sum(bool(r["unequal_steps"]) for r in results),
+        "jobs_unequal_steps": sum(bool(r["unequal_steps"]) for r in results if r["completed"]),
         "jobs_failed": len(failed), "failures": failed, "notes": notes, "results": results,
     }
 
