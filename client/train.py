@@ -15,7 +15,15 @@ The model is the demo's `TinyCausalLM` (size flags below): this is a smoke-test 
 a real job swaps in its own model and keeps the loop. With `--checkpoint DIR` every rank saves the
 model, the optimizer and `BatchClient.state_dict()` every `--checkpoint-every` steps and at the end,
 and resumes from its file when it exists, so a restarted torchrun continues mid-epoch (the
-rank services must still be running, or have been restarted with `--state-dir`).
+rank services must still be running, or have been restarted with `--state-dir`). A restarted group
+first agrees on the furthest saved position (a rank killed between the all-reduce of step s and its own
+save is one step behind: step s was consumed by the collective, so it skips it rather than replaying it
+against the others' next step).
+
+Test hooks (`benchmarks/chaos.py`): `--step-time S` sleeps S seconds per step (a stand-in for a slow
+model); `--ids-log FILE` appends one JSON line per step as the batch arrives, before it is trained
+(`{"epoch", "step", "ids"}`, fsynced), so a restarted trainer that replays a step logs it again with
+the same ids.
 
 Trade-offs: one checkpoint file per rank (the DDP model is replicated, so this stores N copies; simple
 and independent of a shared filesystem's consistency); the trainer fails fast with exit code 1 and
@@ -134,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_argument("--tls-client-auth", action="store_true", help="present --tls-cert (mutual TLS)")
     sec.add_argument("--token-file", default=None, metavar="FILE", help="shared bearer token")
     p.add_argument("--summary", default=None, metavar="FILE", help="write this rank's JSON summary here ({rank} is replaced)")
+    p.add_argument("--step-time", type=float, default=0.0, metavar="S",
+                   help="sleep S seconds per step, before training it (simulates a slower model)")
+    p.add_argument("--ids-log", default=None, metavar="FILE",
+                   help="append each step's epoch, step and sample ids here as a JSON line, fsynced, before "
+                   "training it ({rank} is replaced)")
     return p
 
 
@@ -172,18 +185,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.manual_seed(args.seed)
         model = TinyCausalLM(vocab_size=vocab, d_model=args.d_model, n_layers=args.n_layers,
                              n_heads=args.n_heads).to(device)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         client = BatchClient(address, rank, world_size, credits=args.credits,
                              reconnect_timeout_s=args.reconnect_timeout, security=security)
         ckpt = Path(args.checkpoint) / f"rank-{rank}.pt" if args.checkpoint else None
-        if ckpt is not None and ckpt.exists():
+        if ckpt is not None and ckpt.exists():  # before DDP wraps the model: DDP broadcasts rank 0's weights
             state = torch.load(ckpt, map_location=device, weights_only=False)
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             client.load_state_dict(state["data"])
             print(f"[rank {rank}] resumed from {ckpt} at epoch {client.epoch} step {client.next_step}",
                   file=sys.stderr, flush=True)
+        if ckpt is not None:
+            _agree_position(client, device)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
         summary = _loop(client, ddp, opt, rank, args, ckpt, train_step)
     except JobFailed as exc:
         print(f"[rank {rank}] batchd job failed: {exc}", file=sys.stderr, flush=True)
@@ -205,6 +220,26 @@ def _save(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, client
     tmp.replace(ckpt)  # atomic: a crash mid-save keeps the previous checkpoint
 
 
+def _agree_position(client: Any, device: torch.device) -> None:
+    """Moves this rank to the furthest (epoch, next_step, finished) any rank saved. Checkpoints are per
+    rank, so a group killed between one rank's save and another's resumes up to one step apart; the step
+    in between went through the all-reduce on every rank, so the rank behind skips it."""
+    mine = torch.tensor([client.epoch, client.next_step, int(client.finished)], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    epoch, next_step, finished = max(tuple(int(x) for x in t.tolist()) for t in every)
+    if (epoch, next_step, finished) != (client.epoch, client.next_step, int(client.finished)):
+        print(f"[rank {client.rank}] a peer saved a later position: epoch {epoch} step {next_step} "
+              f"(mine: epoch {client.epoch} step {client.next_step})", file=sys.stderr, flush=True)
+        client.epoch, client.next_step, client.finished = epoch, next_step, bool(finished)
+
+
+def _log_step(fd: int | None, epoch: int, step: int, ids: list[int]) -> None:
+    if fd is not None:  # one write per line: a kill leaves whole lines
+        os.write(fd, (json.dumps({"epoch": epoch, "step": step, "ids": ids}) + "\n").encode())
+        os.fsync(fd)
+
+
 def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
     from batchd.client import JobFailed
 
@@ -215,6 +250,8 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
     loss = float("nan")
     t0 = time.perf_counter()
     watch = _FailureWatch(client)
+    ids_log = (os.open(args.ids_log.format(rank=rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+               if args.ids_log else None)
     try:
         epochs = args.epochs or client.job_epochs()
         for epoch in range(client.epoch, epochs):
@@ -223,7 +260,10 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
             batches = iter(client)  # closed only after a failure was asked about (see _trainer._run_batchd)
             try:
                 for batch, info in batches:
-                    batch.pop("sample_ids", None)
+                    ids = batch.pop("sample_ids", None)
+                    _log_step(ids_log, epoch, info.step, ids.tolist() if ids is not None else [])
+                    if args.step_time > 0:
+                        time.sleep(args.step_time)
                     loss = train_step(ddp, opt, batch, info)
                     steps, n = steps + 1, n + 1
                     idle += int(info.is_idle)
@@ -242,6 +282,8 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
             epoch_steps.append(n)
     finally:
         watch.stop()
+        if ids_log is not None:
+            os.close(ids_log)
     if ckpt is not None:
         _save(ckpt, ddp.module, opt, client)
     client.close()
