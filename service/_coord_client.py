@@ -45,9 +45,11 @@ HEARTBEAT_S = 2.0  # at most this long between two heartbeats
 
 
 def transient(exc: grpc.RpcError) -> bool:
-    """A call that failed because its peer is (for now) unreachable: worth retrying."""
+    """A call that failed because its peer is (for now) unreachable or stopping (its server cancelled the
+    call: a restart): worth retrying. batchd's own calls between parties are never cancelled by the caller
+    except when it closes, which ends the retries."""
     code = exc.code()
-    if code == grpc.StatusCode.UNAVAILABLE:
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
         return True
     details = exc.details() or ""
     return code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and (

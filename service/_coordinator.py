@@ -61,6 +61,10 @@ class JobFailed(RuntimeError):
     """The job failed; the message names the rank and the cause."""
 
 
+class ShuttingDown(RuntimeError):
+    """This coordinator is stopping (a restart may follow): callers retry (UNAVAILABLE)."""
+
+
 JOURNAL = "coordinator.journal"
 COMPACT_EVERY = 4096  # journal records between compactions (a compacted journal holds ~20 records)
 WAIT_LOG_S = 5.0  # how often a waiting coordinator says whom it waits for
@@ -89,13 +93,13 @@ class CoordinatorState:
         self._totals: dict[tuple[int, int], RoundTotals] = {}
         self._round_started: float | None = None
         self.latencies_ms: collections.deque[float] = collections.deque(maxlen=1000)
+        self._stop = threading.Event()
         self._last_core_state: dict | None = None  # the core's state after the newest totals (journal)
         self._last_totals_key: tuple[int, int] | None = None
         self.journal = Journal(Path(state_dir) / JOURNAL, _job_of(spec)) if state_dir is not None else None
         self.restored = False
         if self.journal is not None:
             self._restore(self.journal.open())
-        self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="batchd-lease-watchdog", daemon=True)
         self._watchdog.start()
         if metrics is not None:
@@ -111,6 +115,8 @@ class CoordinatorState:
         """Journals `record` before anyone is told (write-ahead); compacts now and then."""
         if self.journal is None:
             return
+        if self._stop.is_set():
+            raise ShuttingDown("the coordinator is shutting down")
         self.journal.append(record)
         if self.journal.records_written >= COMPACT_EVERY:
             self.journal.compact(self._snapshot())
@@ -197,9 +203,11 @@ class CoordinatorState:
         return "running"
 
     def close(self) -> None:
-        self._stop.set()
-        if self.journal is not None:
-            self.journal.close()
+        with self._cond:
+            self._stop.set()
+            self._cond.notify_all()
+            if self.journal is not None:
+                self.journal.close()
 
     def _fail_locked(self, message: str) -> None:
         if self.failure is None:
@@ -220,6 +228,8 @@ class CoordinatorState:
             if rank is not None:
                 self.informed.add(rank)
             raise JobFailed(self.failure)
+        if self._stop.is_set():
+            raise ShuttingDown("the coordinator is shutting down")
 
     def all_informed(self) -> bool:
         """Every registered rank that has not finished has been told of the failure (or the job is fine)."""
@@ -319,6 +329,8 @@ class CoordinatorState:
         its lease and fails the job (the watchdog), which wakes this wait."""
         while key not in table:
             self._check_alive(rank)
+            if self._stop.is_set():
+                raise ShuttingDown("the coordinator is shutting down")
             self._cond.wait(1.0)
         return table[key]
 
@@ -429,7 +441,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     @staticmethod
     def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
-        if isinstance(exc, JobFailed):
+        if isinstance(exc, ShuttingDown):
+            code = grpc.StatusCode.UNAVAILABLE
+        elif isinstance(exc, JobFailed):
             code = grpc.StatusCode.ABORTED
         elif isinstance(exc, ProtocolError):
             code = grpc.StatusCode.FAILED_PRECONDITION
@@ -441,7 +455,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def _call(self, context, fn, *args):
         try:
             return fn(*args)
-        except (JobFailed, ValueError) as exc:
+        except (JobFailed, ShuttingDown, ValueError) as exc:
             self._abort(context, exc)
 
     def Register(self, request, context):

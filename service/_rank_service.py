@@ -264,6 +264,8 @@ class RankServiceCore:
                     break
                 self._next_epoch()
         except CoordinatorError as exc:
+            if exc.code != grpc.StatusCode.ABORTED and not self._stop.is_set():  # not the job's failure: tell it
+                self.coord.fail(str(exc))
             self.set_failure(str(exc))
         except Exception as exc:  # noqa: BLE001 - any bug must reach the trainer and the job, not vanish
             if self._stop.is_set():  # stopped mid-round: its channels are closing under it, not a crash

@@ -51,7 +51,8 @@ class InProcessJob:
                  startup_timeout_s: float = 60.0, sources: Sequence[Any] | None = None, grace: float = 30.0,
                  security: Security | None = None, metrics: bool = False,
                  coordinator_metrics: CoordinatorMetrics | None = None, connect_timeout_s: float = 5.0,
-                 vocab_size: int = 512, trainer_timeout_s: float = 1800.0) -> None:
+                 vocab_size: int = 512, trainer_timeout_s: float = 1800.0,
+                 coordinator_state_dir: str | None = None) -> None:
         """Starts the job.
 
         Args:
@@ -69,6 +70,7 @@ class InProcessJob:
             connect_timeout_s: The rank services' coordinator connect timeout.
             vocab_size: Token ids of the synthetic payloads lie in [1, vocab_size).
             trainer_timeout_s: Each rank service's wait for a trainer that has not connected.
+            coordinator_state_dir: The coordinator's journal (`restart_coordinator` resumes from it).
         """
         if lengths is None and sources is None:
             raise ValueError(f"give lengths or sources, got {lengths=} and {sources=}")
@@ -76,6 +78,8 @@ class InProcessJob:
             raise ValueError(f"one source per rank: {len(sources)=} for world_size={spec.world_size}")
         self.spec, self.lengths, self.vocab_size = spec, None if lengths is None else list(lengths), vocab_size
         self.security, self.trainer_timeout_s = security, trainer_timeout_s
+        self.lease_s, self.startup_timeout_s = lease_s, startup_timeout_s
+        self.coordinator_state_dir = coordinator_state_dir
         self.cores: list[RankServiceCore] = []
         self.servers: list = []
         self.ports: list[int] = []
@@ -88,7 +92,8 @@ class InProcessJob:
                          if metrics else None)
         try:
             self.server, self.port, self.state = create_server(f"{HOST}:0", spec, lease_s, startup_timeout_s,
-                                                               security=security, metrics=self.cmetrics)
+                                                               security=security, metrics=self.cmetrics,
+                                                               state_dir=coordinator_state_dir)
             self.server.start()
             if metrics:
                 self.http.append(start_metrics_server(self.cmetrics.registry))
@@ -186,6 +191,16 @@ class InProcessJob:
         assert not errors, errors
         assert all(r is not None for r in results), "a trainer did not finish"
         return results
+
+    def restart_coordinator(self) -> None:
+        """Kills the coordinator abruptly (its server drops every call; nothing is flushed beyond what its
+        journal already holds) and starts a new one on the same port from the same journal."""
+        self.server.stop(0)
+        self.state.close()
+        self.server, port, self.state = create_server(self.address, self.spec, self.lease_s, self.startup_timeout_s,
+                                                      security=self.security, state_dir=self.coordinator_state_dir)
+        assert port == self.port
+        self.server.start()
 
     def wait_state(self, state: str, limit_s: float = 30.0) -> None:
         """Waits until the coordinator's state is `state` ("done": every rank's trainer took its last step
