@@ -265,7 +265,7 @@ def _demo(args: argparse.Namespace) -> int:
     summary = run_demo(args.world_size, args.num_samples, args.token_budget, args.policy, args.window, args.depth,
                        args.seed, baseline=not args.no_baseline, progress=progress, synthetic=args.synthetic,
                        dataset=args.dataset, num_actors=args.num_actors, ray_address=args.ray_address,
-                       tokenizer=args.tokenizer)
+                       tokenizer=args.tokenizer, step_time=args.step_time)
     pre = summary.get("preprocess")
     ok = pre is None or pre["accounting_ok"]
     if not ok:
@@ -384,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=_positive, default=4, help="batches kept ready per rank (default 4)")
     p.add_argument("--seed", type=int, default=0, help="data and sampling seed")
     p.add_argument("--no-baseline", action="store_true", help="skip the fixed-batching comparison run")
+    p.add_argument("--step-time", type=float, default=0.0, metavar="S",
+                   help="batchd trainers sleep S seconds per step (a real model's step time; default 0)")
     data = p.add_mutually_exclusive_group()
     data.add_argument("--dataset", default=None, metavar="PATH",
                       help="your records (Parquet/JSONL/Arrow IPC) instead of the generated demo dataset")

@@ -339,8 +339,10 @@ class _Signals:
 def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = DEMO_BUDGET, policy: str = "balanced",
              window: int = 128, depth: int = 4, seed: int = 0, baseline: bool = True, progress=None,
              timeout: float = 900.0, keep_dir: bool = False, synthetic: bool = False, dataset: str | None = None,
-             num_actors: int = 2, ray_address: str | None = None, tokenizer: str | None = None) -> dict[str, Any]:
-    """Runs the demo; returns the summary dict `batchd demo --json` prints.
+             num_actors: int = 2, ray_address: str | None = None, tokenizer: str | None = None,
+             step_time: float = 0.0) -> dict[str, Any]:
+    """Runs the demo; returns the summary dict `batchd demo --json` prints. `step_time`: seconds each batchd
+    trainer sleeps per step (a real model's step time; the job must not mind).
 
     Ray path (default): `dataset` (None: generate `num_samples` demo records), `num_actors` preprocessing
     actors in all (spread over the ranks, at least one each), `ray_address` (None: start a local Ray
@@ -363,10 +365,10 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
         spec = spec_args(world_size, token_budget, policy, window, depth, seed)
         if synthetic:
             return _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline,
-                                  say, timeout, t_start)
+                                  say, timeout, t_start, step_time)
         ray_started = ray_address is None
         return _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say,
-                        timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker)
+                        timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time)
     except BaseException:
         if signals.received is not None:  # whatever the signal broke on its way (a child's exit, a wait)
             raise signals.interrupt() from None
@@ -387,7 +389,7 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
 
 
 def _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
-                   t_start) -> dict[str, Any]:
+                   t_start, step_time=0.0) -> dict[str, Any]:
     lengths = demo_lengths(num_samples)
     lengths_file = work / "lengths.txt"
     lengths_file.write_text("\n".join(map(str, lengths)) + "\n")
@@ -395,7 +397,7 @@ def _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, pol
         f"policy {policy})")
     _, ports = start_services(procs, work, spec, world_size, lengths_file)
     say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
-    results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed},
+    results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed, "step_time": step_time},
                         [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout)
     summary = summarize(lengths, results)
     summary["startup_and_teardown_s"] = time.perf_counter() - t_start - summary["wall_s"]
@@ -433,7 +435,7 @@ def _vocab_size(tokenizer: str | os.PathLike) -> int:
 
 
 def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
-             t_start, dataset, num_actors, ray_address, tokenizer, marker) -> dict[str, Any]:
+             t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time=0.0) -> dict[str, Any]:
     from batchd.service._records import Quarantine, RecordDataset
     from batchd.service._tokenizer import demo_tokenizer
 
@@ -477,7 +479,8 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
     say(f"starting coordinator and {world_size} rank services (L={token_budget}, policy {policy})")
     _, ports = start_services(procs, work, spec, world_size, None, rank_args=rank_args)
     say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
-    results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed, "model_cfg": model_cfg},
+    results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed, "model_cfg": model_cfg,
+                                                                    "step_time": step_time},
                         [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout)
     for r in range(world_size):  # they exit on their own once their trainer took the last batch
         try:

@@ -62,9 +62,10 @@ def run(rank: int, world_size: int, master_port: int, out: str, mode: str = "bat
         lengths: list[int] | None = None, batch_size: int = 0, seed: int = 0, lr: float = 1e-3,
         model_cfg: dict[str, Any] | None = None, gloo_timeout_s: float = 60.0, grad_steps: int = 0,
         dtype: str = "float32", threads: int = 1, dataset: str | None = None, tokenizer: str | None = None,
-        cutoff: int = 4096, num_actors: int = 1, ray_address: str | None = None, shuffle: bool = True
-        ) -> dict[str, Any]:
-    """Trains one epoch on this rank; writes and returns the result dict."""
+        cutoff: int = 4096, num_actors: int = 1, ray_address: str | None = None, shuffle: bool = True,
+        step_time: float = 0.0) -> dict[str, Any]:
+    """Trains one epoch on this rank; writes and returns the result dict. `step_time` (batchd mode):
+    seconds slept per step, a stand-in for a real model's step (tests of slow trainers)."""
     torch.set_num_threads(threads)
     model_cfg = model_cfg or {}
     source = None
@@ -85,7 +86,7 @@ def run(rank: int, world_size: int, master_port: int, out: str, mode: str = "bat
     t0 = time.perf_counter()
     try:
         if mode == "batchd":
-            _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps)
+            _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_time)
         elif source is not None:
             _run_fixed_source(source, batch_size, ddp, opt, result)
         else:
@@ -114,7 +115,7 @@ def _log_global_loss(logits: torch.Tensor, labels: torch.Tensor, result: dict[st
         result["losses"].append(float(buf[0] / buf[1]) if buf[1] > 0 else float("nan"))
 
 
-def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps) -> None:
+def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_time=0.0) -> None:
     from batchd.client._client import BatchClient, JobFailed
 
     from ._collate import idle_batch
@@ -146,6 +147,8 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps) -> None
                     result["longest"] = max(result["longest"], int(mask.sum(1).max()))
                 result["padded_tokens"] += int(batch["input_ids"].numel())
             scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
+            if step_time > 0:
+                time.sleep(step_time)
             opt.zero_grad(set_to_none=True)
             logits = _forward(ddp, batch)
             loss, _ = _scaled(logits, batch["labels"], scale, tokens)
