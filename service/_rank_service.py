@@ -31,7 +31,6 @@ rank's batches wait for it for `trainer_timeout_s` (30 min: model loading and ev
 
 from __future__ import annotations
 
-import collections
 import json
 import logging
 import os
@@ -171,7 +170,7 @@ class RankServiceCore:
             "version": JOURNAL_VERSION, "delivery": self.delivery.state_dict(),
             "rank": self.state.state_dict(), "source": self.source.state_dict(),
             "ready": [self.batches[i][0].to_json() for i in self.delivery.ready],
-            "rejected_before": self._rejected_before,
+            "rejected_before": self._rejected_before, "finish_acked": self.finished,
         }
         tmp = self.journal.with_suffix(".tmp")
         with open(tmp, "w") as fh:
@@ -202,6 +201,7 @@ class RankServiceCore:
             payloads = materialize_many(self.source, [s.id for s in step.samples])
             self.batches[step.info.step] = (step, self._batch(step, payloads))
         self.restored_finished = self.delivery.finished
+        self.finished = bool(state.get("finish_acked"))  # the coordinator knew: it may be gone by now
         log.info("rank %d restored from %s at epoch %d round %d (step %d)%s", self.rank, self.journal, self.epoch,
                  self.state.round, self.state.step, "; its trainer took the job's last step" if
                  self.restored_finished else "")
@@ -246,6 +246,9 @@ class RankServiceCore:
                 return
 
     def _run(self) -> None:
+        if self.finished:  # restored after the coordinator took this rank's Finish: nothing left to ask it
+            log.info("rank %d: the job's last step was taken before this restart; serving only its end", self.rank)
+            return
         try:
             reply = self.coord.register(self.address)
             self.peers = list(reply.rank_addresses)
@@ -259,6 +262,7 @@ class RankServiceCore:
                     self.coord.finish()
                     with self.cond:
                         self.finished = True
+                        self._write_journal()
                         self.cond.notify_all()
                     log.info("rank %d: its trainer took the job's last step", self.rank)
                     break

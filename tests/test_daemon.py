@@ -210,6 +210,20 @@ def test_rank_service_restarted_in_a_later_epoch_resumes_it(tmp_path):
         while state.state != "done":  # the rank tells the coordinator once its trainer took the last step
             assert time.monotonic() < deadline, f"coordinator still {state.state!r}: {state.failure}"
             time.sleep(0.05)
+        # Killed after the job ended and the coordinator left: a restart needs no coordinator; it gives a
+        # trainer that lost the last end that end again, and is done.
+        stop(*started[-1])
+        state.close()
+        server.stop(0)
+        core, address = start_rank()
+        deadline = time.monotonic() + 10
+        while not core.finished:
+            assert time.monotonic() < deadline and core.failure is None, core.failure
+            time.sleep(0.05)
+        with BatchClient(address, 0, 1) as c:
+            c.load_state_dict({**c.state_dict(), "epoch": epochs - 1, "next_step": core.delivery.made})
+            assert list(c) == [] and c.finished
+        assert core.failure is None
     finally:
         for parts in started:
             stop(*parts)

@@ -16,31 +16,15 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
+from _procs import processes_with_marker
 
 from batchd.service._demo_data import demo_bad_ids
 
 pytestmark = pytest.mark.slow
 
 NUM = 128
-
-
-def processes_with_marker(marker: str) -> list[str]:
-    """Live (non-zombie) processes whose environment holds `marker`."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if marker.encode() not in (proc / "environ").read_bytes():
-                continue
-            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        found.append(f"{proc.name}: {cmd[:200]}")
-    return found
 
 
 def test_demo_runs_through_the_ray_pipeline():

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _procs import free_block
 import yaml
 
 from batchd.cli import build_parser
@@ -637,31 +638,6 @@ def test_trainer_refuses_to_start_outside_torchrun(monkeypatch) -> None:
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="RANK"):
         train.main(["--base-port", "7100"])
-
-
-def free_block(n: int) -> int:
-    """A port p with p .. p + n - 1 all free on loopback right now."""
-    import socket
-
-    from batchd.demo import free_port
-
-    for _ in range(50):
-        base = free_port()
-        if base + n >= 65536:
-            continue
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no block of {n} free ports")
 
 
 @pytest.mark.slow

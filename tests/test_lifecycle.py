@@ -27,28 +27,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _procs import processes_with_marker
 
 from batchd.demo import Processes, spec_args, start_services
 
 pytestmark = pytest.mark.slow
 
 STARTED = "training one epoch"  # the demo's progress line once its coordinator and rank services listen
-
-
-def marked(marker: str) -> list[str]:
-    """Live (non-zombie) processes whose environment holds `marker` ("NAME=value")."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if marker.encode() not in (proc / "environ").read_bytes().split(b"\0"):
-                continue
-            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                continue
-            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        found.append(f"{proc.name}: {cmd[:160]}")
-    return found
 
 
 def wait_until(what: str, done, timeout: float, detail=lambda: "") -> None:
@@ -96,8 +81,8 @@ class Demo:
 
 
 def assert_nothing_left(marker: str, work: Path, timeout: float) -> None:
-    wait_until("every process of the demo exiting", lambda: not marked(marker), timeout,
-               lambda: "\n".join(marked(marker)))
+    wait_until("every process of the demo exiting", lambda: not processes_with_marker(marker), timeout,
+               lambda: "\n".join(processes_with_marker(marker)))
     wait_until(f"the demo's temp dir {work} being removed", lambda: not work.exists(), timeout)
 
 
@@ -128,8 +113,8 @@ def test_a_killed_demo_leaves_no_process_or_temp_dir():
     try:
         work = demo.work_dir()
         demo.wait_line(STARTED, 240)
-        ray_procs = [p for p in marked(demo.marker) if "raylet" in p or "ray::" in p or "gcs_server" in p]
-        assert ray_procs, "the demo's Ray processes should carry its environment:\n" + "\n".join(marked(demo.marker))
+        ray_procs = [p for p in processes_with_marker(demo.marker) if "raylet" in p or "ray::" in p or "gcs_server" in p]
+        assert ray_procs, "the demo's Ray processes should carry its environment:\n" + "\n".join(processes_with_marker(demo.marker))
         demo.proc.kill()
         demo.proc.wait()
         assert_nothing_left(demo.marker, work, 10)
@@ -177,8 +162,8 @@ def test_rank_services_on_one_host_share_one_ray(tmp_path):
         addresses = {m.group(1) for m in started + joined if m is not None}
         stats = [json.loads((tmp_path / f"stats-{r}.json").read_text()) for r in range(world)]
         assert {s["ray_address"] for s in stats} == addresses and len(addresses) == 1, (stats, addresses)
-        wait_until("the shared Ray stopping after the last rank service", lambda: not marked(marker), 15,
-                   lambda: "\n".join(marked(marker)))
+        wait_until("the shared Ray stopping after the last rank service", lambda: not processes_with_marker(marker), 15,
+                   lambda: "\n".join(processes_with_marker(marker)))
     finally:
         procs.stop()
         import shutil

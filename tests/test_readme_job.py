@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _procs import free_block, processes_with_marker
 
 pytestmark = pytest.mark.slow
 
@@ -38,44 +38,9 @@ def readme_job_block() -> str:
     return re.search(r"```bash\n(.*?)```", text[start:], re.S).group(1)
 
 
-def free_ports(n: int) -> int:
-    """A port p with p .. p + n - 1 free on loopback right now."""
-    for _ in range(50):
-        socks = []
-        try:
-            first = socket.socket()
-            socks.append(first)
-            first.bind(("127.0.0.1", 0))
-            base = first.getsockname()[1]
-            for port in range(base + 1, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no block of {n} free ports")
-
-
-def marked(marker: str) -> dict[int, str]:
-    """Live processes whose environment holds `marker`: pid -> command line."""
-    out = {}
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if marker.encode() in (proc / "environ").read_bytes().split(b"\0") and \
-                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                out[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:160]
-        except OSError:
-            continue
-    return out
-
-
 def test_readme_real_job_runs_as_written(tmp_path):
     block = readme_job_block()
-    cport, rport = free_ports(1), free_ports(2)
+    cport, rport = free_block(1), free_block(2)
     script = ["set -euo pipefail"]
     for line in block.splitlines():
         if line.startswith("torchrun "):
@@ -109,11 +74,11 @@ def test_readme_real_job_runs_as_written(tmp_path):
         assert "Traceback" not in run.stderr, out
     finally:
         deadline = time.monotonic() + 15  # the Ray a rank service started stops with it; let it exit
-        while marked(marker) and time.monotonic() < deadline:
+        while processes_with_marker(marker) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = marked(marker)
-        for pid in left:  # this test's own processes, by pid
+        left = processes_with_marker(marker)
+        for entry in left:  # this test's own processes, by pid ("pid: cmdline")
             with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(int(entry.split(":", 1)[0]), signal.SIGKILL)
         shutil.rmtree(ray_tmp, ignore_errors=True)
-    assert not left, "processes outlived the job:\n" + "\n".join(left.values())
+    assert not left, "processes outlived the job:\n" + "\n".join(left)
