@@ -223,6 +223,14 @@ def _iter_odb(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
         yield sample_ids, batch, float(info.loss_scale), tokens
 
 
+def _slowed(batches, step_time: float):
+    """`batches`, each after `step_time` seconds: a stand-in for a real model's step (every system alike)."""
+    for item in batches:
+        if step_time > 0:
+            time.sleep(step_time)
+        yield item
+
+
 def _iter_batchd(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
     from batchd.client._client import BatchClient
 
@@ -296,7 +304,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     # torch's Join shadows the finished rank's all-reduces (ODB's README pairs join=True with it), one
     # Join per epoch so that the per-epoch evaluation's barriers meet.
     uneven = system == "odb-0.1.2" or (system == "fixed" and cfg["num_samples"] % (world_size * cfg["batch_size"]))
-    batches = epoch_batches(cfg, holder, 0)
+    step_time = float(cfg.get("step_time", 0.0))
+    batches = _slowed(epoch_batches(cfg, holder, 0), step_time)
     first = next(batches, None)  # start-up: the pipeline's first batch, outside the clock
     dist.barrier()
     t0 = time.monotonic()
@@ -306,7 +315,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     try:
         for epoch in range(epochs):
             if epoch:
-                batches = epoch_batches(cfg, holder, epoch)
+                batches = _slowed(epoch_batches(cfg, holder, epoch), step_time)
                 t_wait = time.monotonic()
                 first = next(batches, None)
                 holder["wait"] = time.monotonic() - t_wait

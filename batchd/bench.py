@@ -256,7 +256,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
               model: str | None = None, out: str | Path | None = None, seed: int = 0, window: int = 128,
               depth: int = 8, heldout: int = 64, odb_workers: int = 2, lr: float = 1e-3, timeout: float = 1800.0,
               repeats: int = 1, lr_scaling: str = "sqrt", plots: bool = True, progress: Callable[[str], None] | None = None,
-              epochs: int = 1) -> dict[str, Any]:
+              epochs: int = 1, step_time: float = 0.0) -> dict[str, Any]:
     """Runs the bench; returns the dict `batchd bench --json` prints (see the module docstring).
 
     Args:
@@ -285,6 +285,8 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         plots: Write PNGs under `out`.
         progress: Called with one line per event (e.g. print to stderr).
         epochs: Epochs every system trains (epoch e: the views of epoch e, for every system).
+        step_time: Seconds every system's trainers sleep per step, a stand-in for a large model's step
+            (tests that slow trainers never fail a job); 0 in measurements.
 
     Raises:
         ValueError: on bad arguments (the message names the value).
@@ -342,7 +344,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     common = {"num_samples": num_samples, "lengths": used, "all_lengths": used, "seed": seed, "lr": lr,
               "lr_ref_tokens": lr_ref_tokens, "lr_power": LR_SCALING[lr_scaling],
               "model": model, "device": device, "token_budget": token_budget, "batch_size": batch_size,
-              "window": window, "odb_workers": odb_workers, "epochs": epochs,
+              "window": window, "odb_workers": odb_workers, "epochs": epochs, "step_time": step_time,
               "heldout_ids": list(range(num_samples, num_samples + heldout))}
     spec = {"token_budget": token_budget, "window": window, "depth": depth, "seed": seed, "epochs": epochs}
     work = Path(tempfile.mkdtemp(prefix="batchd-bench-"))
@@ -456,6 +458,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", type=int, default=128, metavar="W",
                    help="per-rank window in samples: batchd --window and ODB buffer_size (default 128)")
     p.add_argument("--depth", type=int, default=8, metavar="D", help="batchd --depth (default 8)")
+    p.add_argument("--step-time", type=float, default=0.0, metavar="S",
+                   help="every trainer sleeps S seconds per step (a large model's step time; default 0)")
     p.add_argument("--odb-workers", type=int, default=2, metavar="K",
                    help="ODB DataLoader workers per rank; prefetch_factor = W / K (default 2)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, all systems (default 1e-3)")
@@ -488,7 +492,7 @@ def bench_command(args: argparse.Namespace) -> int:
                             window=args.window, depth=args.depth, heldout=args.heldout,
                             odb_workers=args.odb_workers, lr=args.lr, timeout=args.timeout, repeats=args.repeats,
                             lr_scaling=args.lr_scaling, progress=lambda m: print(m, file=sys.stderr, flush=True),
-                            epochs=args.epochs)
+                            epochs=args.epochs, step_time=args.step_time)
     except ValueError as exc:
         print(f"batchd bench: error: {exc}", file=sys.stderr)
         return 2

@@ -122,3 +122,20 @@ def test_learning_rate_rule_is_one_rule_for_every_system():
     assert step_lr(1e-3, 400, 100) == pytest.approx(2e-3)            # sqrt: 4x the tokens, 2x the lr
     assert step_lr(1e-3, 400, 100, power=1.0) == pytest.approx(4e-3)  # linear
     assert step_lr(1e-3, 400, None) == 1e-3 and step_lr(1e-3, 0, 100) == 1e-3  # off; IDLE step
+
+
+@pytest.mark.slow
+def test_bench_batchd_systems_with_trainers_that_take_5s_per_step(tmp_path):
+    """`batchd bench` once failed at the end of every batchd system when the machine was busy (the
+    coordinator left before the trainers' last steps); with 5 s steps it ends cleanly."""
+    workload = _workload(tmp_path, 16)
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchd.bench", "--json", "--workload", str(workload), "--num-samples", "16",
+         "--heldout", "0", "--token-budget", "600", "--window", "8", "--depth", "2", "--step-time", "5",
+         "--systems", "batchd-odb"], capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    systems = json.loads(proc.stdout.strip().splitlines()[-1])["systems"]
+    for name in ("batchd-odb",):
+        s = systems[name]
+        assert s["samples"] == 16 and not s.get("missing") and not s.get("duplicates"), (name, s)
+        assert s["steps"] >= 2 and s["wall_s"] >= 5 * (s["steps"] - 1), (name, s)
