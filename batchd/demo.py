@@ -129,19 +129,26 @@ def marked():
         found.append(int(name))
     return found
 
-for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
+def signal_all(sig):
     pids = marked()
     for pid in pids:
         try:
             os.kill(pid, sig)
         except OSError:
             pass
-    deadline = time.monotonic() + grace
-    while pids and time.monotonic() < deadline:
-        time.sleep(0.05)
-        pids = marked()
-    if not pids:
-        break
+    return pids
+
+# SIGTERM, a grace, then SIGKILL again and again: a dying parent (Ray's raylet) may still spawn a child
+# (its agents) after a pass, so the passes repeat until nothing marked is left (or 8 s passed).
+pids, deadline = signal_all(signal.SIGTERM), time.monotonic() + 2.0
+while pids and time.monotonic() < deadline:
+    time.sleep(0.05)
+    pids = marked()
+deadline = time.monotonic() + 6.0
+while pids and time.monotonic() < deadline:
+    signal_all(signal.SIGKILL)
+    time.sleep(0.1)
+    pids = marked()
 shutil.rmtree(work, ignore_errors=True)
 """
 
