@@ -118,9 +118,11 @@ def test_counters_equal_what_the_trainers_received(jobs, policy, collate, quota)
         assert (len(job.cores[r].state.buffer) == 0) == (quota is None)
         assert value(m, "batchd_output_wait_seconds_total", **rk) >= 0
         # Rates: every round lies in the 10 s window (the job is younger), so rate = total / service age.
-        assert t_scrape1 - job.t_created < 10.0
         sps = value(m, "batchd_samples_per_second", **rk)
-        assert samples / (t_scrape1 - job.t_created) <= sps <= samples / (t_scrape0 - job.t_started)
+        if t_scrape1 - job.t_created < 10.0:  # (on a very busy machine the job may be older: bounds only)
+            assert samples / (t_scrape1 - job.t_created) <= sps <= samples / (t_scrape0 - job.t_started)
+        else:
+            assert 0 < sps <= samples / (t_scrape0 - job.t_started)
         # the three rates share one time span: their ratios are exact
         assert value(m, "batchd_real_tokens_per_second", **rk) / sps == pytest.approx(tokens / samples, rel=1e-12)
         assert value(m, "batchd_padded_tokens_per_second", **rk) / sps == pytest.approx(padded / samples, rel=1e-12)

@@ -49,8 +49,9 @@ def pool(ray_session, demo, tok):
         yield p
 
 
-def drain(src, limit=None, timeout=30.0):
-    """Polls until EXHAUSTED (or `limit` items): [(Sample, payload)]."""
+def drain(src, limit=None, timeout=120.0):
+    """Polls until EXHAUSTED (or `limit` items): [(Sample, payload)]. Fails if no item (nor the end) came
+    for `timeout` seconds: a stall, not slowness (an actor restart on a busy machine takes many seconds)."""
     out, deadline = [], time.monotonic() + timeout
     while limit is None or len(out) < limit:
         item = src.poll(0.5)
@@ -58,7 +59,8 @@ def drain(src, limit=None, timeout=30.0):
             break
         if item is not None:
             out.append(item)
-        assert time.monotonic() < deadline, "source stalled"
+            deadline = time.monotonic() + timeout
+        assert time.monotonic() < deadline, f"source stalled: nothing for {timeout:g}s after {len(out)} item(s)"
         assert src.in_flight <= src.max_in_flight
     return out
 
