@@ -1,3 +1,5 @@
-from batchd.cli import main
 import sys
+
+from batchd.cli import main
+
 sys.exit(main())

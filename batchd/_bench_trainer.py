@@ -48,9 +48,17 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from batchd.client._collate import collate_padded, idle_batch
-from batchd.client._model import TinyCausalLM
-from batchd.client._train import _forward, _scaled, token_loss_sum
+from batchd._model import TinyCausalLM
+from batchd.client import (
+    BatchClient,
+    collate_padded,
+    forward_logits,
+    idle_batch,
+    scaled_loss_and_mean,
+    token_loss_sum,
+)
+from batchd.core import ViewSource
+from batchd.service.preprocess import synthetic_payload
 
 # Model presets. `llama-100m`: 12 layers, d_model 768, 12 heads, SwiGLU 2048, vocab 32000 (tied head):
 # 24.6M embedding + 12 x 7.1M = 109.5M parameters, a Llama-style decoder for the GPU run.
@@ -73,8 +81,6 @@ def build_model(name: str, seed: int, max_len: int) -> TinyCausalLM:
 
 def view_ids(num_samples: int, rank: int, world_size: int, seed: int, epoch: int = 0) -> list[int]:
     """This rank's sampler view: the ids batchd's `SyntheticSource` (shuffle on) gives it in `epoch`."""
-    from batchd.core import ViewSource
-
     return list(ViewSource(num_samples, rank, world_size, seed, epoch, shuffle=True)._view)
 
 
@@ -87,8 +93,6 @@ def fixed_batches(num_samples: int, rank: int, world_size: int, seed: int, batch
 
 def payload(sample_id: int, lengths: list[int], seed: int) -> dict[str, np.ndarray]:
     """The sample batchd's SyntheticSource serves for `sample_id` (same tokens, labels, length)."""
-    from batchd.service._sources import synthetic_payload
-
     return synthetic_payload(sample_id, lengths[sample_id], seed, SYNTHETIC_VOCAB)
 
 
@@ -165,12 +169,12 @@ def _step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any
     for group in opt.param_groups:
         group["lr"] = lr
     opt.zero_grad(set_to_none=True)
-    logits = _forward(ddp, batch)
+    logits = forward_logits(ddp, batch)
     if scale is None:
         s, n = token_loss_sum(logits, batch["labels"])
         loss = s / n if n else logits.sum() * 0.0
     else:
-        loss = _scaled(logits, batch["labels"], scale, tokens)[0]
+        loss = scaled_loss_and_mean(logits, batch["labels"], scale, tokens)[0]
     loss.backward()
     opt.step()
     return logits
@@ -232,8 +236,6 @@ def _slowed(batches, step_time: float):
 
 
 def _iter_batchd(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
-    from batchd.client._client import BatchClient
-
     if "client" not in holder:
         holder["client"] = BatchClient(cfg["service"], cfg["rank"], cfg["world_size"])
     client = holder["client"]
@@ -262,7 +264,7 @@ def evaluate(model: torch.nn.Module, cfg: dict[str, Any], device: torch.device) 
         def flush(g):
             nonlocal total, count
             batch = _device_batch(collate_padded([payload(i, lengths, seed) for i in g]), device)
-            s, n = token_loss_sum(_forward(model, batch).float(), batch["labels"])
+            s, n = token_loss_sum(forward_logits(model, batch).float(), batch["labels"])
             total += float(s)
             count += n
         for i in order:

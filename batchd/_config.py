@@ -4,7 +4,7 @@ A file has up to seven sections; every key is optional except `job.world_size` a
 (which may also come from the command line). Unknown sections or keys are errors, not silently ignored:
 a typo such as `token_buget` would otherwise run a job with the default budget.
 
-    [job]          the `JobSpec` every party must agree on (validated by `batchd.core.SimConfig`)
+    [job]          the `batchd.core.JobSpec` every party must agree on (its keys are its fields)
     [data]         where a rank service's samples come from: dataset | lengths, Ray actors, quarantine
     [pipeline]     the preprocessing chain: template, tokenizer, vision, augmentation, cutoff
     [coordinator]  listen address, the address ranks dial, lease and start-up timeout, journal, metrics port
@@ -32,15 +32,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from batchd.core import COST_MODELS, MODES, OVER_BUDGET, POLICIES
+from batchd.core import FIELDS, REQUIRED, JobSpec
+from batchd.proto import Security
 
 SECTIONS = ("job", "data", "pipeline", "coordinator", "rank", "security", "logging")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 VISIONS = ("qwen2_vl", "llava", "none")
 TRUNCATE_POLICIES = ("truncate", "reject")
-JOB_KEYS = ("world_size", "token_budget", "policy", "window", "batch_size", "mode", "cost", "over_budget", "seed",
-            "shuffle", "depth", "max_wait", "align", "refine", "quota", "quadratic", "collate", "epochs")
+JOB_KEYS = tuple(f.name for f in FIELDS)  # [job] is the JobSpec: its keys are the dataclass's fields
 
 
 DROP = object()  # an override with this value removes the key (e.g. `--lengths` drops the file's dataset)
@@ -273,7 +273,7 @@ MUST_EXIST = {"data": ("dataset", "lengths"), "pipeline": ("tokenizer",),
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """A validated job config. `job` is a `batchd.service.JobSpec`."""
+    """A validated job config. `job` is a `batchd.core.JobSpec`."""
 
     job: Any
     data: DataConfig = DataConfig()
@@ -285,11 +285,9 @@ class Config:
     source: str | None = None
 
     def security_object(self):
-        """The `batchd.service.Security` these settings describe, or None (plaintext, no token)."""
+        """The `batchd.proto.Security` these settings describe, or None (plaintext, no token)."""
         if not self.security.enabled:
             return None
-        from batchd.service import Security
-
         s = self.security
         return Security.from_files(tls_cert=s.tls_cert, tls_key=s.tls_key, tls_ca=s.tls_ca,
                                    client_auth=s.client_auth, token_file=s.token_file)
@@ -361,22 +359,17 @@ def _check_files(cfg: Config) -> None:
                 raise ConfigError(f"{section}.{name} names a file that does not exist, got {section}.{name}={value!r}")
 
 
-def _job_spec(body: dict[str, Any]):
-    from batchd.service import JobSpec
-
+def _job_spec(body: dict[str, Any]) -> JobSpec:
+    """The `JobSpec` of a [job] section, validated by JobSpec itself (its errors name the field)."""
     _check_keys("job", body, JOB_KEYS)
-    for req in ("world_size", "token_budget"):
+    for req in REQUIRED:
         if req not in body:
             flag = "--" + req.replace("_", "-")
             raise ConfigError(f"job.{req} is required: set it under [job] in the config file or pass {flag}")
-    for name in ("policy", "mode", "cost", "over_budget"):
-        if name in body:
-            _choice(f"job.{name}", body[name], {"policy": POLICIES, "mode": MODES, "cost": COST_MODELS,
-                                                "over_budget": OVER_BUDGET}[name])
     try:
-        return JobSpec(**body)
+        return JobSpec(**body).check_daemon()
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"[job]: {exc}") from None
+        raise ConfigError(f"job.{exc}") from None
 
 
 def build_config(raw: Mapping[str, Any], overrides: Mapping[str, Any] | None = None, *,

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from batchd._config import DROP, load_config
-from batchd.core import COST_MODELS, MODES, OVER_BUDGET, POLICIES, SimConfig, read_lengths, simulate
+from batchd.core import FIELDS, POLICIES, REQUIRED, JobSpec, read_lengths, simulate
 
 
 def _positive(text: str) -> int:
@@ -43,21 +43,14 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--lengths", required=True, metavar="FILE", help="one integer length per line")
     p.add_argument("--config", default=None, metavar="FILE", help="job config (TOML/YAML); its [job] is used")
-    _add_job_flags(p, depth="output slots per rank (alignment capacity, default 8)",
-                   quota="non-join sample quota (default: all samples)")
-    p.add_argument("--shuffle", action="store_const", const=True,
-                   help="permute ids before splitting them over ranks (default: off)")
-    p.add_argument("--max-wait", type=_positive, help="rounds a sample may wait in a window (default 16)")
-    p.add_argument("--align", choices=("min", "odb"), help="DGAP target rule (default min; policy odb always uses odb)")
-    p.add_argument("--no-refine", dest="refine", action="store_const", const=False,
-                   help="balanced: skip the capacity binary search")
+    _add_job_flags(p, exclude=("collate", "epochs"), defaults={"shuffle": False})
+    p.set_defaults(shuffle=None)  # the simulator's own default: ids in file order (see _simulate)
     p.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_simulate)
 
 
-SIM_KEYS = ("world_size", "token_budget", "policy", "window", "batch_size", "mode", "cost", "over_budget", "seed",
-            "shuffle", "depth", "max_wait", "align", "quota", "refine")
+SIM_KEYS = tuple(f.name for f in FIELDS if f.name not in ("collate", "epochs"))
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -66,17 +59,16 @@ def _simulate(args: argparse.Namespace) -> int:
     given = {k: getattr(args, k) for k in SIM_KEYS if getattr(args, k) is not None}
     if args.config:
         job = load_config(args.config, {f"job.{k}": v for k, v in given.items()}, check_files=False).job
-        fields = {k: getattr(job, k) for k in SIM_KEYS}
+        spec = job
     else:
-        for req in ("world_size", "token_budget"):
+        for req in REQUIRED:
             if req not in given:
                 raise ValueError(f"--{req.replace('_', '-')} is required (or give --config with [job] {req})")
-        fields = given
-    config = SimConfig(**fields)
+        spec = JobSpec(**{"shuffle": False, **given})  # simulate's default: no shuffle (a file's order)
     lengths = read_lengths(args.lengths)
-    total = len(lengths) if config.quota is None else min(config.quota, len(lengths))
+    total = len(lengths) if spec.quota is None else min(spec.quota, len(lengths))
     with Progress(total, "simulate", "samples", enabled=not (args.json or args.quiet)) as bar:
-        result = simulate(lengths, config, on_step=lambda step: bar.update(sum(len(s.samples) for s in step)))
+        result = simulate(lengths, spec, on_step=lambda step: bar.update(sum(len(s.samples) for s in step)))
     if args.json:
         print(json.dumps(result))
     else:
@@ -94,35 +86,37 @@ def _add_config_flag(p: argparse.ArgumentParser) -> None:
                    "`batchd config --example` prints a commented one")
 
 
-def _add_job_flags(g, depth: str, quota: str) -> None:
-    """The [job] flags `simulate` and the services share (`depth` and `quota` help differ)."""
-    g.add_argument("--world-size", type=_positive, metavar="N", help="number of ranks (a flag or --config's [job])")
-    g.add_argument("--token-budget", type=_positive, metavar="L",
-                   help="L_max per rank step (a flag or --config's [job])")
-    g.add_argument("--policy", choices=POLICIES, help="grouping policy (default: local)")
-    g.add_argument("--window", type=_positive, metavar="W", help="per-rank buffer in samples (default 512)")
-    g.add_argument("--depth", type=_positive, metavar="D", help=depth)
-    g.add_argument("--batch-size", type=_positive, metavar="B", help="B of fixed/sorted (default 8)")
-    g.add_argument("--mode", choices=MODES, help="termination mode (default: join)")
-    g.add_argument("--quota", type=int, help=quota)
-    g.add_argument("--cost", choices=COST_MODELS, help="cost model (default: padded)")
-    g.add_argument("--over-budget", choices=OVER_BUDGET, help="samples longer than L (default: singleton)")
-    g.add_argument("--seed", type=int, help="seeds sampler views and emission order (default 0)")
+def _flag_type(f):
+    """argparse type of a JobSpec field: int for ints (JobSpec validates ranges and names the field)."""
+    return {"int": int, "int | None": int, "str": str}[str(f.type)]
+
+
+def _add_job_flags(g, exclude: Sequence[str] = (), defaults: dict[str, object] | None = None) -> None:
+    """One flag per `JobSpec` field (`--token-budget` for `token_budget`), help and choices from its metadata.
+
+    Flags default to None ("not given"), so a config file's value survives unless the flag is given.
+    """
+    for f in FIELDS:
+        if f.name in exclude:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        meta = f.metadata
+        shown = (defaults or {}).get(f.name, f.default)
+        default = "" if f.name in REQUIRED else f" (default: {shown})"
+        text = meta["help"] + (" (a flag or --config's [job])" if f.name in REQUIRED else default)
+        if f.type == "bool":
+            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            g.add_argument(flag, dest=f.name, type=_flag_type(f), choices=meta.get("choices"),
+                           metavar=meta.get("metavar"), default=None, help=text)
 
 
 def _add_spec(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job spec ([job]; identical on the coordinator and every rank)")
-    _add_job_flags(g, depth="batches a rank keeps ready (default 8)",
-                   quota="non-join sample quota (required in non-join)")
-    g.add_argument("--collate", choices=("padded", "packed"), help="batch layout (default: padded)")
-    g.add_argument("--epochs", type=_positive, metavar="E",
-                   help="epochs the job runs; each is a new seeded view of the data per rank (default 1)")
-    g.add_argument("--no-shuffle", dest="shuffle", action="store_const", const=False,
-                   help="rank r owns ids r, r+N, ... in file order (default: a seeded permutation)")
+    _add_job_flags(g)
 
 
-SPEC_FLAGS = ("world_size", "token_budget", "policy", "window", "depth", "batch_size", "mode", "quota", "cost",
-              "over_budget", "collate", "seed", "shuffle", "epochs")
+SPEC_FLAGS = tuple(f.name for f in FIELDS)
 
 
 def _add_security(p: argparse.ArgumentParser) -> None:
@@ -243,7 +237,7 @@ def _config_cmd(args: argparse.Namespace) -> int:
 
 
 def _tokenizer_cmd(args: argparse.Namespace) -> int:
-    from batchd.service._tokenizer import TokenizerRef, demo_tokenizer
+    from batchd.service.preprocess import TokenizerRef, demo_tokenizer
 
     if args.check:
         ref = TokenizerRef(args.path)

@@ -436,19 +436,18 @@ def _vocab_size(tokenizer: str | os.PathLike) -> int:
     Raises:
         FileNotFoundError, ValueError: naming `tokenizer` when it is missing or not a tokenizer.
     """
-    from batchd.service._tokenizer import TokenizerRef
+    from batchd.service.preprocess import TokenizerRef
 
     return TokenizerRef(tokenizer).id_space
 
 
 def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
              t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time=0.0) -> dict[str, Any]:
-    from batchd.service._records import Quarantine, RecordDataset
-    from batchd.service._tokenizer import demo_tokenizer
+    from batchd.service.preprocess import Quarantine, RecordDataset, demo_tokenizer
 
     expected_bad: dict[int, str] | None = None
     if dataset is None:
-        from batchd.service._demo_data import make_demo_dataset
+        from batchd.service.preprocess import make_demo_dataset
 
         demo = make_demo_dataset(work / "data", num_samples=num_samples, seed=seed)
         dataset, expected_bad = str(demo.path), demo.bad

@@ -55,7 +55,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DEFAULT_WORKLOADS, REPO, format_profile, idle_share, merged_stats, publish, revision, table  # noqa: E402
+from _mdsection import (  # noqa: E402
+    DEFAULT_WORKLOADS,
+    REPO,
+    format_profile,
+    idle_share,
+    merged_stats,
+    publish,
+    revision,
+    table,
+)
 
 SECTION = "align-latency"
 BUDGET, WINDOW, DEPTH = 8192, 64, 8
@@ -63,7 +72,7 @@ TARGET_P99_MS, TARGET_N = 5.0, 64
 
 
 def job_spec(world_size: int):
-    from batchd.service import JobSpec
+    from batchd.core import JobSpec
 
     return JobSpec(world_size=world_size, token_budget=BUDGET, policy="local", window=WINDOW, depth=DEPTH,
                    seed=0)
@@ -207,8 +216,7 @@ def client_main(ranks: list[int], world_size: int, address: str, pool: list[int]
     cpu: dict[str, float] = {}
 
     def run(r: int) -> None:
-        state = RankState(r, world_size, spec.make_policy(), BUDGET, spec.cost_model(), WINDOW,
-                          spec.over_budget, spec.seed, 0)
+        state = RankState(spec, r)
         coord = clients[r]
         it = iter(data[r])
         rows = []

@@ -3,7 +3,7 @@
 Each job runs the real command lines on loopback: one `batchd coordinator`, N `batchd rank` services
 (each with `--state-dir`; `--lengths FILE` synthetic samples, or `--dataset` on a small generated demo
 dataset preprocessed by Ray actors, one per rank, on a Ray this process starts) and N trainers
-(`python -m batchd.client.train`, gloo DDP on CPU, `--checkpoint DIR --checkpoint-every 1`, a per-job
+(`python -m batchd.train`, gloo DDP on CPU, `--checkpoint DIR --checkpoint-every 1`, a per-job
 `--step-time` drawn log-uniformly from [--min-step-time, --max-step-time], and `--ids-log`: one fsynced
 JSON line per step, written as the batch arrives, before it is trained).
 
@@ -19,7 +19,7 @@ At seeded points of a job's progress (steps every rank has logged) it kills one 
 - `trainer`: one trainer. A gloo process group cannot take a new member, so the harness does what
   torchrun's agent does on a worker failure (`--max-restarts`): it stops the other trainers (SIGTERM)
   and restarts all N with the same commands (a fresh rendezvous port); each resumes from its own
-  checkpoint (`BatchClient.state_dict`), the group from the furthest saved step (client/train.py).
+  checkpoint (`BatchClient.state_dict`), the group from the furthest saved step (batchd/train.py).
 - `trainer-gone` (not in the defaults): one trainer killed and never restarted. Unrecoverable by
   design: the job must fail, every party exiting non-zero with a message naming that rank (its rank
   services get `--client-grace 3`, as in tests/test_multiprocess.py, so the failure comes in seconds).
@@ -295,8 +295,7 @@ class Job:
             f = self.work / "lengths.txt"
             f.write_text("\n".join(map(str, lengths)) + "\n")
             return ["--lengths", str(f)], ["--vocab-size", "512"]
-        from batchd.service._demo_data import make_demo_dataset
-        from batchd.service._tokenizer import demo_tokenizer
+        from batchd.service.preprocess import demo_tokenizer, make_demo_dataset
 
         demo = make_demo_dataset(self.work / "data", num_samples=p.num_samples, seed=p.seed, max_image_side=64)
         self.bad = dict(demo.bad)
@@ -324,7 +323,7 @@ class Job:
             self.parties[f"rank-{r}"] = Party(f"rank-{r}", argv, w / f"rank-{r}.log", port_file=w / f"rank-{r}.port")
         services = ",".join(f"127.0.0.1:{port}" for port in ports)
         for r in range(p.world_size):
-            argv = [PY, "-m", "batchd.client.train", "--rank-services", services, *model, *MODEL,
+            argv = [PY, "-m", "batchd.train", "--rank-services", services, *model, *MODEL,
                     "--checkpoint", str(w / "ckpt"), "--checkpoint-every", "1", "--step-time", str(p.step_time),
                     "--ids-log", str(w / "ids-{rank}.jsonl"), "--summary", str(w / "summary-{rank}.json"),
                     "--log-every", "0", "--timeout", "120"]
@@ -672,7 +671,7 @@ def render(report: dict[str, Any], cmd: str) -> list[str]:
         "",
         "Each job: the real CLI as separate processes on loopback: `batchd coordinator`, 2 `batchd rank` "
         f"(`--state-dir`; `--lengths` synthetic samples or `--dataset` on a generated demo dataset with one Ray "
-        f"actor per rank), 2 `python -m batchd.client.train` (gloo DDP, `--checkpoint-every 1`, a per-job "
+        f"actor per rank), 2 `python -m batchd.train` (gloo DDP, `--checkpoint-every 1`, a per-job "
         f"`--step-time`), L={BUDGET}, policy balanced, window {WINDOW}, depth {DEPTH}, 2 epochs, join mode. "
         "At a seeded step one party is SIGKILLed: an actor (Ray restarts it), a rank service or the "
         "coordinator (restarted with the same command), a trainer (the group is stopped and restarted as "

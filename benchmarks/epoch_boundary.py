@@ -48,7 +48,7 @@ SYNTHETIC_SAMPLES, RAY_RECORDS = 2048, 600
 
 
 def job_spec():
-    from batchd.service import JobSpec
+    from batchd.core import JobSpec
 
     return JobSpec(world_size=WORLD, token_budget=BUDGET, policy="balanced", window=WINDOW, depth=DEPTH, seed=0,
                    collate="padded", epochs=EPOCHS)
@@ -56,16 +56,21 @@ def job_spec():
 
 def service_main(conn, source_kind: str, lengths: list[int]) -> None:
     """Coordinator + WORLD rank services in this process until told to stop."""
-    from batchd.service import (
-        CoordinatorClient, RankServiceCore, SyntheticSource, create_rank_server, create_server,
-    )
+    from batchd.service import CoordinatorClient, RankServiceCore, create_rank_server, create_server
+    from batchd.service.preprocess import SyntheticSource
 
     spec = job_spec()
     pool = None
     if source_kind == "ray":
         import ray
 
-        from batchd.preprocess import PreprocessPool, RaySource, default_stages, demo_tokenizer, make_demo_dataset
+        from batchd.preprocess import (
+            PreprocessPool,
+            RaySource,
+            default_stages,
+            demo_tokenizer,
+            make_demo_dataset,
+        )
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         work = Path(tempfile.mkdtemp(prefix="batchd-epoch-bench-"))

@@ -51,7 +51,7 @@ def cpu_s() -> float:
 
 
 def job_spec(samples: int):
-    from batchd.service import JobSpec
+    from batchd.core import JobSpec
 
     return JobSpec(world_size=1, token_budget=BUDGET, policy="local", window=WINDOW, depth=DEPTH, seed=0,
                    mode="non-join", quota=samples, collate="padded")
@@ -61,9 +61,8 @@ def service_main(conn, lengths: list[int], samples: int, profile: bool = False) 
     """Coordinator + rank service of rank 0 in this process until told to stop."""
     import threading
 
-    from batchd.service import (
-        CoordinatorClient, RankServiceCore, SyntheticSource, create_rank_server, create_server,
-    )
+    from batchd.service import CoordinatorClient, RankServiceCore, create_rank_server, create_server
+    from batchd.service.preprocess import SyntheticSource
 
     profiles: list = []
     if profile:

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _mdsection import DEFAULT_WORKLOADS, DOCS, publish, revision, table  # noqa: E402
 
-from batchd.core import CostModel, SimConfig, contiguous_greedy, read_lengths, simulate  # noqa: E402
+from batchd.core import CostModel, JobSpec, contiguous_greedy, read_lengths, simulate  # noqa: E402
 
 SECTION = "simulate"
 
@@ -93,9 +93,9 @@ def odb_package(lengths: Sequence[int], world_size: int, budget: int, window: in
                 max_rounds: int = 1_000_000) -> dict[str, Any] | str:
     """Drives `odb.grouping.grouping_data` for `world_size` ranks (module docstring); a str on failure."""
     try:
-        import torch
         import odb
         import odb.grouping as odb_grouping
+        import torch
     except Exception as exc:  # noqa: BLE001 - any import failure means "no baseline"
         return f"not installed ({type(exc).__name__})"
     n = len(lengths)
@@ -230,7 +230,7 @@ def run_config(name: str, lengths: Sequence[int], cfg: dict[str, Any], policies:
     ideal = orc["ideal_steps"]
     rows = []
     for policy in policies:
-        m = simulate(lengths, SimConfig(policy=policy, **cfg))
+        m = simulate(lengths, JobSpec(**{"shuffle": False, **cfg, "policy": policy}))
         assert m["ideal_steps"] == ideal, (m["ideal_steps"], ideal)
         rows.append(row(name, policy, m, orc["steps"], ideal, judge))
         if judge and policy in TARGETS:

@@ -40,7 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _mdsection import DEFAULT_WORKLOADS, DOCS, REPO, publish, revision, table  # noqa: E402
 
 from batchd.core import (  # noqa: E402
-    Coordinator, CostModel, RankState, Sample, SimConfig, read_lengths, simulate,
+    Coordinator,
+    CostModel,
+    JobSpec,
+    RankState,
+    Sample,
+    read_lengths,
+    simulate,
 )
 
 SECTION = "throughput"
@@ -59,11 +65,10 @@ def draw_lengths(workloads: Path, n: int, seed: int) -> list[int]:
 def drive(lengths: Sequence[int], world_size: int, policy: str, seed: int = 0) -> dict[str, Any]:
     """Runs one epoch of `lengths` through N ranks and a coordinator, timing every call."""
     pc = time.perf_counter
-    cfg = SimConfig(world_size=world_size, token_budget=BUDGET, policy=policy, window=WINDOW, depth=DEPTH)
-    pol, cost = cfg.make_policy(), CostModel(cfg.cost)
-    ranks = [RankState(r, world_size, pol, BUDGET, cost, WINDOW, "singleton", seed, 0)
-             for r in range(world_size)]
-    coord = Coordinator(world_size, pol, BUDGET, cost, "join", None, seed, 0)
+    cfg = JobSpec(shuffle=False, world_size=world_size, token_budget=BUDGET, policy=policy, window=WINDOW,
+                  depth=DEPTH, seed=seed)
+    ranks = [RankState(cfg, r) for r in range(world_size)]
+    coord = Coordinator(cfg)
     n = len(lengths)
     position = list(range(world_size))  # rank r's view: ids r, r+N, r+2N, ...
     rank_t = [dict.fromkeys(PHASES, 0.0) for _ in range(world_size)]
@@ -136,7 +141,7 @@ def bench_rank(lengths: Sequence[int], world_size: int, policy: str, runs: int) 
 
 
 def bench_e2e(lengths: Sequence[int], policy: str) -> dict[str, Any]:
-    cfg = SimConfig(world_size=64, token_budget=BUDGET, policy=policy, window=WINDOW, depth=DEPTH)
+    cfg = JobSpec(shuffle=False, world_size=64, token_budget=BUDGET, policy=policy, window=WINDOW, depth=DEPTH)
     t0 = time.perf_counter()
     m = simulate(lengths, cfg)
     m["outer_wall_s"] = time.perf_counter() - t0

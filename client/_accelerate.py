@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from ._collate import idle_batch
-from ._train import _check_scale, _scaled, _to_device
+from ._train import _check_scale, _to_device, scaled_loss_and_mean
 
 INFO_KEY = "batchd_info"
 """Key under which `batchd.client.BatchdTrainer`'s stream carries the StepInfo inside each batch dict."""
@@ -108,7 +108,7 @@ def batchd_loss(outputs: Any, batch: Mapping[str, Any], info: Any) -> torch.Tens
     """
     scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
     _check_scale(scale, tokens)
-    return _scaled(logits_of(outputs), batch["labels"], scale, tokens)[0]
+    return scaled_loss_and_mean(logits_of(outputs), batch["labels"], scale, tokens)[0]
 
 
 def idle_step(last: Any) -> tuple[dict[str, Any], Any]:

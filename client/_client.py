@@ -33,24 +33,14 @@ from typing import Any
 import grpc
 import torch
 
-from batchd import wire
-from batchd.core import StepInfo
+from batchd.core import BatchdError, JobFailed, StepInfo
+from batchd.proto import CHANNEL_OPTIONS, Security, wire
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
-from batchd.service._coordinator import CHANNEL_OPTIONS
-from batchd.service._security import Security
-from batchd.service._security import channel as secure_channel
+from batchd.proto import channel as secure_channel
 
 log = logging.getLogger("batchd.client")
 WAIT_LOG_S = 5.0
-
-
-class BatchdError(RuntimeError):
-    """The client could not get its batches (the message says from where and why)."""
-
-
-class JobFailed(BatchdError):
-    """The job failed somewhere; the message names the rank or the coordinator."""
 
 
 class BatchClient:

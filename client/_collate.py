@@ -1,198 +1,54 @@
-"""Collation: per-sample payloads to the tensors a causal LM consumes, padded or packed.
+"""Collation for trainers: `batchd.core`'s numpy collation, returned as CPU torch tensors.
 
-A sample payload is a dict of 1-D numpy arrays: ``"input_ids"`` (int32/int64, shape [n]) and an
-optional ``"labels"`` (same shape, -100 = no loss). Without labels the sample is plain causal-LM
-data: ``labels = input_ids`` with position 0 set to -100 (nothing predicts the first token).
-
-Two layouts, matching `batchd.core.CostModel`'s ``padded`` and ``packed`` costs:
-
-* **padded** (`collate_padded`): B rows right-padded to the longest sample T. Works with any
-  attention kernel; costs B x T tokens of compute, so it relies on batchd grouping similar lengths.
-  Pads get ``attention_mask == 0``, ``labels == -100`` and ``position_ids == 0``.
-* **packed** (`collate_packed`): one row of S = sum(n_i) tokens with ``cu_seqlens`` boundaries and
-  ``position_ids`` that restart at 0 per sample. No padding compute, but attention must be
-  block-diagonal (varlen kernels take ``cu_seqlens``; `batchd.client.TinyCausalLM` derives the
-  blocks from the position restarts). The first label of every sample is -100, so the last token of
-  sample i never learns to predict the first token of sample i + 1.
-
-The loss is the *shifted* causal-LM loss (logits at t predict labels at t + 1), so a sample of
-length n contributes ``count(labels[1:] != -100)`` tokens (`loss_tokens`). batchd's
-``Sample.loss_tokens`` must be set to exactly that number: the per-step loss scale
-``N * t_r / T_tok`` (`batchd.core.loss_scale`) is exact only when every t_r counts the tokens the
-loss actually averages over. Label position 0 never counts, so setting it to -100 in the packed
-layout changes no sample's count.
-
-Vision inputs: when samples carry ``pixel_values`` (and, for Qwen2-VL, ``image_grid_thw``), both
-layouts add them to the batch, concatenated along dim 0 over the samples that have them, in row
-order: Qwen2-VL ``pixel_values`` [sum of patches, C] and ``image_grid_thw`` [images, 3] (the model
-splits them per image with the grid, as Qwen2-VL's own collator does), LLaVA ``pixel_values``
-[images, 3, S, S]. Their dtype is kept (float32/float16). Samples without images add nothing.
-
-All functions are pure: numpy in, fresh CPU torch tensors out (int64 unless stated).
+The layouts, label rules and vision keys are those of `batchd.core.collate_padded` /
+`batchd.core.collate_packed` (see `core/_collate.py`); these wrappers only turn each array into a
+torch tensor (sharing memory with it) so a batch goes straight into a model.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
-VISION_KEYS = ("pixel_values", "image_grid_thw")
+from batchd import core
+from batchd.core import IGNORE_INDEX
 
 Payload = Mapping[str, np.ndarray]
 
-
-def _input_ids(sample: Payload, index: int) -> np.ndarray:
-    """Returns sample `index`'s input_ids as int64, validating shape and dtype."""
-    if "input_ids" not in sample:
-        raise ValueError(f"sample {index} has no 'input_ids': keys={sorted(sample)}")
-    ids = np.asarray(sample["input_ids"])
-    if ids.ndim != 1 or ids.shape[0] < 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"sample {index}: input_ids must be a non-empty 1-D integer array, got "
-                         f"{ids.shape=} {ids.dtype=}")
-    return ids.astype(np.int64, copy=False)
+__all__ = ["IGNORE_INDEX", "collate_packed", "collate_padded", "idle_batch", "loss_tokens", "to_torch"]
 
 
-def _labels(sample: Payload, ids: np.ndarray, index: int) -> np.ndarray:
-    """Returns sample `index`'s labels as a fresh int64 array (default: shifted input_ids)."""
-    if sample.get("labels") is None:
-        labels = ids.copy()
-        labels[0] = IGNORE_INDEX
-        return labels
-    labels = np.asarray(sample["labels"])
-    if labels.shape != ids.shape or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(f"sample {index}: labels must be an integer array shaped like input_ids, got "
-                         f"{labels.shape=} {labels.dtype=} vs {ids.shape=}")
-    return labels.astype(np.int64, copy=True)
-
-
-def _parse(samples: Sequence[Payload]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Validates `samples` and returns (input_ids, labels) int64 pairs."""
-    if isinstance(samples, Mapping) or len(samples) == 0:
-        raise ValueError(f"samples must be a non-empty sequence of payload dicts, got "
-                         f"{type(samples).__name__} with {len(samples)=}")
-    out = []
-    for i, sample in enumerate(samples):
-        ids = _input_ids(sample, i)
-        out.append((ids, _labels(sample, ids, i)))
-    return out
-
-
-def _vision(samples: Sequence[Payload]) -> dict[str, torch.Tensor]:
-    """The samples' vision tensors, concatenated along dim 0 in sample order (see the module docstring)."""
-    out: dict[str, torch.Tensor] = {}
-    for key in VISION_KEYS:
-        parts = [np.asarray(s[key]) for s in samples if s.get(key) is not None]
-        if parts:
-            try:
-                out[key] = torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=0)))
-            except ValueError as exc:
-                raise ValueError(f"{key}: samples disagree on the trailing shape: {exc}") from None
-    return out
-
-
-def _check_pad_id(pad_id: int) -> int:
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
-        raise ValueError(f"pad_id must be a non-negative int, got {pad_id=}")
-    return pad_id
+def to_torch(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """Arrays of a collated batch as torch tensors (sharing memory); other values (ints) as they are."""
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
+            for k, v in batch.items()}
 
 
 def collate_padded(samples: Sequence[Payload], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pads samples into a [B, T] batch, T = the longest sample.
-
-    Args:
-        samples: Payload dicts (see the module docstring).
-        pad_id: Token id written at pad positions (never attended to, never in the loss).
-
-    Returns:
-        ``input_ids``, ``attention_mask`` (1 real, 0 pad), ``labels`` (-100 at pads) and
-        ``position_ids`` (0..n-1 on real tokens, 0 on pads), all int64 [B, T]; plus ``pixel_values``
-        / ``image_grid_thw`` when samples carry them (see the module docstring).
-
-    Raises:
-        ValueError: on an empty list, a malformed payload or a negative `pad_id`.
-    """
-    _check_pad_id(pad_id)
-    parsed = _parse(samples)
-    b, t = len(parsed), max(ids.shape[0] for ids, _ in parsed)
-    input_ids = np.full((b, t), pad_id, dtype=np.int64)
-    labels = np.full((b, t), IGNORE_INDEX, dtype=np.int64)
-    mask = np.zeros((b, t), dtype=np.int64)
-    positions = np.zeros((b, t), dtype=np.int64)
-    for row, (ids, lab) in enumerate(parsed):
-        n = ids.shape[0]
-        input_ids[row, :n], labels[row, :n], mask[row, :n] = ids, lab, 1
-        positions[row, :n] = np.arange(n)
-    return {
-        "input_ids": torch.from_numpy(input_ids),
-        "attention_mask": torch.from_numpy(mask),
-        "labels": torch.from_numpy(labels),
-        "position_ids": torch.from_numpy(positions),
-        **_vision(samples),
-    }
+    """`batchd.core.collate_padded` as torch tensors: int64 [B, T] ids, mask, labels, positions."""
+    return to_torch(core.collate_padded(samples, pad_id))
 
 
 def collate_packed(samples: Sequence[Payload]) -> dict[str, torch.Tensor | int]:
-    """Concatenates samples into one [1, S] row with varlen boundaries, S = sum of lengths.
-
-    Args:
-        samples: Payload dicts (see the module docstring).
-
-    Returns:
-        ``input_ids``, ``labels`` (first token of every sample -100) and ``position_ids``
-        (restarting at 0 per sample), int64 [1, S]; ``cu_seqlens`` int32 [B + 1] (cumulative
-        lengths, starting at 0); ``max_seqlen`` (a Python int); plus ``pixel_values`` /
-        ``image_grid_thw`` when samples carry them (see the module docstring).
-
-    Raises:
-        ValueError: on an empty list or a malformed payload.
-    """
-    parsed = _parse(samples)
-    lengths = np.array([ids.shape[0] for ids, _ in parsed], dtype=np.int64)
-    labels = [lab for _, lab in parsed]
-    for lab in labels:
-        lab[0] = IGNORE_INDEX
-    cu = np.zeros(len(parsed) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=cu[1:])
-    positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
-    return {
-        "input_ids": torch.from_numpy(np.concatenate([ids for ids, _ in parsed])[None]),
-        "labels": torch.from_numpy(np.concatenate(labels)[None]),
-        "position_ids": torch.from_numpy(positions[None]),
-        "cu_seqlens": torch.from_numpy(cu),
-        "max_seqlen": int(lengths.max()),
-        **_vision(samples),
-    }
+    """`batchd.core.collate_packed` as torch tensors: one [1, S] row, `cu_seqlens`, `max_seqlen`."""
+    return to_torch(core.collate_packed(samples))
 
 
 def idle_batch(pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """A 1-token dummy batch for IDLE steps: padded layout, real token `pad_id`, no loss.
-
-    The token is marked real (``attention_mask == 1``) so the forward is well defined; its label is
-    -100, so the batch carries no loss tokens and the trainer weights it by zero.
-    """
-    _check_pad_id(pad_id)
-    return collate_padded([{"input_ids": np.array([pad_id], dtype=np.int64),
-                            "labels": np.array([IGNORE_INDEX], dtype=np.int64)}], pad_id=pad_id)
+    """`batchd.core.idle_batch` as torch tensors: the 1-token, loss-free batch of an IDLE step."""
+    return to_torch(core.idle_batch(pad_id))
 
 
 def loss_tokens(labels_row: np.ndarray | torch.Tensor) -> int:
     """Tokens of one sample that enter the shifted causal-LM loss: count(labels[1:] != -100).
 
-    Set ``batchd.core.Sample.loss_tokens`` to exactly this value (on the sample's own labels, before
-    any packing): the loss scale is exact only then. Position 0 never counts (nothing predicts it).
-
-    Args:
-        labels_row: One sample's 1-D labels (numpy or torch, any integer dtype).
-
-    Raises:
-        ValueError: if `labels_row` is not 1-D.
+    Set ``Sample.loss_tokens`` to exactly this value: the loss scale is exact only then.
     """
-    shape = tuple(labels_row.shape)
-    if len(shape) != 1:
-        raise ValueError(f"labels_row must be 1-D (one sample), got {shape=}")
     if isinstance(labels_row, torch.Tensor):
+        if labels_row.ndim != 1:
+            raise ValueError(f"labels_row must be 1-D (one sample), got shape={tuple(labels_row.shape)}")
         return int((labels_row[1:] != IGNORE_INDEX).sum().item())
-    return int(np.count_nonzero(np.asarray(labels_row)[1:] != IGNORE_INDEX))
+    return core.loss_tokens(labels_row)

@@ -56,7 +56,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 
 from ._accelerate import INFO_KEY, accumulation_windows, hf_model_inputs, logits_of
 from ._client import BatchClient
-from ._train import _check_scale, _scaled
+from ._train import _check_scale, scaled_loss_and_mean
 
 CLIENT_STATE_FILE = "batchd_client_rank{rank}.json"
 
@@ -192,7 +192,7 @@ class BatchdTrainer(transformers.Trainer):
         scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
         _check_scale(scale, tokens)
         outputs = model(**hf_model_inputs(inputs))
-        loss = _scaled(logits_of(outputs), inputs["labels"], scale, tokens)[0]
+        loss = scaled_loss_and_mean(logits_of(outputs), inputs["labels"], scale, tokens)[0]
         return (loss, outputs) if return_outputs else loss
 
     # -- checkpoints -----------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ def scaled_loss(logits: torch.Tensor, labels: torch.Tensor, loss_scale: float,
             carry a different number of loss tokens than `local_loss_tokens` (the scale would be wrong).
     """
     _check_scale(loss_scale, local_loss_tokens)
-    return _scaled(logits, labels, loss_scale, local_loss_tokens)[0]
+    return scaled_loss_and_mean(logits, labels, loss_scale, local_loss_tokens)[0]
 
 
 def _check_scale(loss_scale: float, local_loss_tokens: int) -> None:
@@ -86,9 +86,10 @@ def _check_scale(loss_scale: float, local_loss_tokens: int) -> None:
         raise ValueError(f"local_loss_tokens must be a non-negative int, got {local_loss_tokens=}")
 
 
-def _scaled(logits: torch.Tensor, labels: torch.Tensor, loss_scale: float,
-            local_loss_tokens: int) -> tuple[torch.Tensor, float]:
-    """`scaled_loss` (arguments already checked) and the unscaled local mean (nan without tokens)."""
+def scaled_loss_and_mean(logits: torch.Tensor, labels: torch.Tensor, loss_scale: float,
+                         local_loss_tokens: int) -> tuple[torch.Tensor, float]:
+    """`scaled_loss`, and the unscaled local per-token mean for logging (nan without loss tokens)."""
+    _check_scale(loss_scale, local_loss_tokens)
     if local_loss_tokens == 0:
         return logits.sum() * 0.0, math.nan
     loss_sum, n_tokens = token_loss_sum(logits, labels)
@@ -104,7 +105,8 @@ def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]
             for k, v in batch.items()}
 
 
-def _forward(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+def forward_logits(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
+    """`model`'s logits for a collated batch: `cu_seqlens` goes along for a packed row (varlen attention)."""
     if batch.get("cu_seqlens") is not None:  # a packed row: varlen attention
         return model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
                      position_ids=batch.get("position_ids"), cu_seqlens=batch["cu_seqlens"])
@@ -139,8 +141,8 @@ def train_step(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                          f"on rank {info.rank}")
     batch = _to_device(batch, next(ddp_model.parameters()).device)
     optimizer.zero_grad(set_to_none=True)
-    logits = _forward(ddp_model, batch)
-    loss, mean = _scaled(logits, batch["labels"], scale, tokens)
+    logits = forward_logits(ddp_model, batch)
+    loss, mean = scaled_loss_and_mean(logits, batch["labels"], scale, tokens)
     loss.backward()
     optimizer.step()
     return mean

@@ -1,5 +1,5 @@
 """batchd's batching core: pure grouping, DGAP alignment, balancing, loss scaling, the simulator, and the
-lifecycle state machines (a rank's delivery to its trainer, the coordinator's view of who is alive).
+lifecycle state machines, the job spec, numpy collation, the error hierarchy (a rank's delivery to its trainer, the coordinator's view of who is alive).
 
 No I/O, no threads: the daemon (gRPC, Ray) and the simulator carry these functions' inputs and outputs.
 """
@@ -16,22 +16,34 @@ from ._align import (
     target_odb,
 )
 from ._balance import plan_round
-from ._delivery import ATTACHED, END, REFUSED, SEND_END, WAIT, Connect, Delivery
-from ._liveness import Liveness
+from ._collate import IGNORE_INDEX, VISION_KEYS, collate_packed, collate_padded, idle_batch, loss_tokens
 from ._cost import COST_MODELS, CostModel
-from ._grouping import best_fit_decreasing, contiguous_greedy, fixed_chunks, odb_greedy, odb_split, split_largest
+from ._delivery import ATTACHED, END, REFUSED, SEND_END, WAIT, Connect, Delivery
+from ._errors import BatchdError, CoordinatorError, JobFailed
+from ._grouping import (
+    best_fit_decreasing,
+    contiguous_greedy,
+    fixed_chunks,
+    odb_greedy,
+    odb_split,
+    split_largest,
+)
+from ._liveness import Liveness
 from ._loss import loss_scale
 from ._policy import ALIGN_RULES, POLICIES, Entry, Policy, form_groups
 from ._rank import OVER_BUDGET, RankState, max_fitting_length
-from ._simulator import SimConfig, SimMetrics, Simulator, read_lengths, simulate, synthetic_token_loss
+from ._simulator import SimMetrics, Simulator, read_lengths, simulate, synthetic_token_loss
 from ._source import ViewSource, epoch_permutation
+from ._spec import COLLATE, FIELDS, REQUIRED, JobSpec
 from ._types import Sample, Step, StepInfo
 
 __all__ = sorted([
+    "BatchdError", "COLLATE", "CoordinatorError", "FIELDS", "IGNORE_INDEX", "JobFailed", "JobSpec", "REQUIRED",
+    "VISION_KEYS", "collate_packed", "collate_padded", "idle_batch", "loss_tokens",
     "ALIGN_RULES", "ATTACHED", "COST_MODELS", "END", "MODES", "OVER_BUDGET", "POLICIES", "REFUSED",
     "SEND_END", "WAIT",
     "Connect", "Coordinator", "CostModel", "Delivery", "Entry", "Liveness", "Policy", "ProtocolError", "RankCommit", "RankReport",
-    "RankState", "RoundDecision", "RoundTotals", "Sample", "SimConfig", "SimMetrics", "Simulator",
+    "RankState", "RoundDecision", "RoundTotals", "Sample", "SimMetrics", "Simulator",
     "Step", "StepInfo", "ViewSource",
     "best_fit_decreasing", "contiguous_greedy", "epoch_permutation", "fixed_chunks", "form_groups",
     "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "plan_round", "read_lengths",

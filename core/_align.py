@@ -32,12 +32,14 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._balance import plan_round
-from ._cost import CostModel
-from ._policy import Entry, Policy
-from ._types import Sample, check_choice, check_int
+from ._policy import Entry
+from ._types import Sample, check_int
+
+if TYPE_CHECKING:
+    from ._spec import JobSpec
 
 MODES = ("join", "non-join")
 
@@ -135,27 +137,13 @@ K_POLICY, K_ROUND, K_EMITTED, K_QUOTA, K_BUDGET = "policy", "round", "emitted", 
 class Coordinator:
     """The alignment coordinator's pure state machine for one epoch (see module docstring)."""
 
-    def __init__(
-        self,
-        world_size: int,
-        policy: Policy,
-        budget: int,
-        cost: CostModel | None = None,
-        mode: str = "join",
-        quota: int | None = None,
-        seed: int = 0,
-        epoch: int = 0,
-    ) -> None:
-        check_int("world_size", world_size, lo=1)
-        check_int("token_budget", budget, lo=1)
-        check_choice("mode", mode, MODES)
-        if mode == "non-join":
-            if quota is None:
-                raise ValueError("non-join mode needs a sample quota, got quota=None")
-            check_int("quota", quota, lo=0)
-        self.world_size, self.policy, self.budget = world_size, policy, budget
-        self.cost = cost or CostModel()
-        self.mode, self.quota, self.seed, self.epoch = mode, quota, seed, epoch
+    def __init__(self, spec: JobSpec, epoch: int = 0) -> None:
+        spec.check_daemon()
+        self.spec = spec
+        self.world_size, self.policy, self.token_budget = spec.world_size, spec.policy_object(), spec.token_budget
+        self.cost = spec.cost_model()
+        self.mode, self.seed, self.epoch = spec.mode, spec.seed, epoch
+        self.quota = spec.quota if spec.mode == "non-join" else None
         self.round = 0
         self.emitted = 0
         self.done = False
@@ -206,7 +194,7 @@ class Coordinator:
         final = self.mode == "join" and all(r.exhausted for r in reports)
         rng = random.Random(f"plan:{self.seed}:{self.epoch}:{self.round}")
         plan = plan_round(
-            pool, self.world_size, min(r.capacity for r in reports), final, self.budget, self.cost,
+            pool, self.world_size, min(r.capacity for r in reports), final, self.token_budget, self.cost,
             self.round, self.policy.max_wait, rng, self.policy.refine,
         )
         target = len(plan[0]) if plan else 0
@@ -271,14 +259,14 @@ class Coordinator:
             raise ProtocolError(f"state_dict() in the middle of round {self.round}; take it between rounds")
         return {
             K_VERSION: 1, K_WORLD: self.world_size, K_SEED: self.seed, K_EPOCH: self.epoch,
-            K_MODE: self.mode, K_POLICY: self.policy.name, K_BUDGET: self.budget, K_QUOTA: self.quota,
+            K_MODE: self.mode, K_POLICY: self.policy.name, K_BUDGET: self.token_budget, K_QUOTA: self.quota,
             K_ROUND: self.round, K_EMITTED: self.emitted, "done": self.done,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a `state_dict()`; refuses one taken with another world size, seed, mode or policy."""
         expect = {K_WORLD: self.world_size, K_SEED: self.seed, K_MODE: self.mode, K_POLICY: self.policy.name,
-                  K_BUDGET: self.budget, K_QUOTA: self.quota}
+                  K_BUDGET: self.token_budget, K_QUOTA: self.quota}
         check_state(state, expect, "Coordinator")
         self.epoch = state[K_EPOCH]
         self.round, self.emitted, self.done = state[K_ROUND], state[K_EMITTED], state["done"]

@@ -34,12 +34,12 @@ from ._policy import Entry, Group, form_groups, group_lengths, rank_groups
 from ._types import Sample
 
 
-def _refine(chosen: list[Entry], slots: int, budget: int, cost: CostModel) -> list[Group] | None:
+def _refine(chosen: list[Entry], slots: int, token_budget: int, cost: CostModel) -> list[Group] | None:
     """Groups `chosen` under the smallest capacity that still needs <= `slots` groups."""
-    fitting = [cost.item(e.sample.length) for e in chosen if cost.item(e.sample.length) <= budget]
-    lo = int(math.ceil(max(fitting))) if fitting else budget
+    fitting = [cost.item(e.sample.length) for e in chosen if cost.item(e.sample.length) <= token_budget]
+    lo = int(math.ceil(max(fitting))) if fitting else token_budget
     best = None
-    hi = budget
+    hi = token_budget
     while lo <= hi:
         mid = (lo + hi) // 2
         groups = form_groups(chosen, mid, cost)
@@ -55,7 +55,7 @@ def plan_round(
     world_size: int,
     capacity: int,
     final: bool,
-    budget: int,
+    token_budget: int,
     cost: CostModel,
     now: int,
     max_wait: int,
@@ -69,7 +69,7 @@ def plan_round(
         world_size: N.
         capacity: The smallest free output capacity over ranks (T never exceeds it).
         final: No rank will receive more samples this epoch: take everything that fits in `capacity`.
-        budget: L_max.
+        token_budget: L_max.
         cost: The cost model.
         now: The round number (for ages).
         max_wait: Rounds after which a sample is emitted first.
@@ -81,7 +81,7 @@ def plan_round(
     """
     if not pool or capacity < 1:
         return [[] for _ in range(world_size)]
-    groups = rank_groups(form_groups(pool, budget, cost), budget, cost, now, max_wait, rng, final)
+    groups = rank_groups(form_groups(pool, token_budget, cost), token_budget, cost, now, max_wait, rng, final)
     k = len(groups)
     if final:
         target = min(-(-k // world_size), capacity)
@@ -90,7 +90,7 @@ def plan_round(
     slots = world_size * target
     chosen_groups = groups[:slots]
     if refine and len(chosen_groups) == slots:
-        refined = _refine([e for g in chosen_groups for e in g], slots, budget, cost)
+        refined = _refine([e for g in chosen_groups for e in g], slots, token_budget, cost)
         if refined is not None:
             chosen_groups = refined
     if len(chosen_groups) < slots:

@@ -1,10 +1,10 @@
 """Cost models: what a group of samples costs a training step, in tokens.
 
-- `padded`: rows x longest. Standard attention over a padded [rows, longest] batch; the budget
+- `padded`: rows x longest. Standard attention over a padded [rows, longest] batch; the token budget
   L_max bounds the padded tensor, which is what sets activation memory.
 - `packed`: sum of lengths. Varlen/flash attention over a packed sequence (`cu_seqlens`); no padding.
 - `attention`: sum of (len + len^2 / q), Lhotse's `quadratic_duration` idea: attention's quadratic FLOPs
-  become visible to the budget, so one 8k sample costs more than eight 1k samples. q ~ the length at
+  become visible to the token budget, so one 8k sample costs more than eight 1k samples. q ~ the length at
   which the quadratic term equals the linear one (a few thousand tokens for typical hidden sizes).
 
 Each model also says how its groups are formed (contiguous runs of the sorted window for `padded`,
@@ -68,20 +68,20 @@ class CostModel:
             return len(lengths) * max(lengths)
         return sum(lengths)
 
-    def complete(self, lengths: Sequence[int], budget: int) -> bool:
+    def complete(self, lengths: Sequence[int], token_budget: int) -> bool:
         """True when no further sample like its own shortest one fits: waiting cannot improve the group.
 
         Padded: rows == floor(L / longest). Additive: the room left is less than its shortest sample's
         cost. A lone over-budget sample is complete.
         """
         longest = max(lengths)
-        if self.item(longest) > budget:
+        if self.item(longest) > token_budget:
             return True
         if self.name == "padded":
-            return len(lengths) >= budget // longest
-        return budget - self.cost(lengths) < self.item(min(lengths))
+            return len(lengths) >= token_budget // longest
+        return token_budget - self.cost(lengths) < self.item(min(lengths))
 
-    def quality(self, lengths: Sequence[int], budget: int) -> float:
+    def quality(self, lengths: Sequence[int], token_budget: int) -> float:
         """How close a group is to the best group its longest sample allows, in (0, 1].
 
         Padded: real tokens / (floor(L / longest) x longest): a full group of near-equal lengths scores 1
@@ -89,8 +89,8 @@ class CostModel:
         Additive: cost / L. A lone over-budget sample scores 1 (it is as good as it will ever be).
         """
         longest = max(lengths)
-        if self.item(longest) > budget:
+        if self.item(longest) > token_budget:
             return 1.0
         if self.name == "padded":
-            return sum(lengths) / ((budget // longest) * longest)
-        return min(self.cost(lengths) / budget, 1.0)
+            return sum(lengths) / ((token_budget // longest) * longest)
+        return min(self.cost(lengths) / token_budget, 1.0)

@@ -7,7 +7,7 @@ All functions take lengths sorted longest first and return groups as lists of in
   shorter and can only hold more), and groups hold near-equal lengths, so padding is low.
 - `odb_greedy`: the published ODB 0.1.2 rule, kept faithful as the reference baseline: the longest
   sample stands alone, and each later group holds floor(L / L_prev) samples where L_prev is the shortest
-  length of the previous group. It is conservative (never over budget) but forms up to ~2x more groups
+  length of the previous group. It is conservative (never over token_budget) but forms up to ~2x more groups
   than `contiguous_greedy` in the long tail.
 - `best_fit_decreasing` (additive costs): each sample goes to the open group with the least room that
   still fits it (11/9 OPT + 6/9 bins worst case), O(n log n) with bisect.
@@ -23,18 +23,18 @@ from collections.abc import Callable, Sequence
 Groups = list[list[int]]
 
 
-def contiguous_greedy(lengths: Sequence[int], budget: int) -> Groups:
-    """Count-optimal padded grouping of a longest-first window; a sample over budget stands alone."""
+def contiguous_greedy(lengths: Sequence[int], token_budget: int) -> Groups:
+    """Count-optimal padded grouping of a longest-first window; a sample over token_budget stands alone."""
     groups: Groups = []
     i, n = 0, len(lengths)
     while i < n:
-        k = max(budget // lengths[i], 1)
+        k = max(token_budget // lengths[i], 1)
         groups.append(list(range(i, min(i + k, n))))
         i += k
     return groups
 
 
-def odb_greedy(costs: Sequence[float], budget: float) -> Groups:
+def odb_greedy(costs: Sequence[float], token_budget: float) -> Groups:
     """ODB 0.1.2's `_group_by_length`, walked longest first (see module docstring).
 
     `costs` are the samples' lone costs, longest first: their lengths for padded cost, exactly as
@@ -46,7 +46,7 @@ def odb_greedy(costs: Sequence[float], budget: float) -> Groups:
     for i, c in enumerate(costs):
         batch.append(i)
         if len(batch) >= size:
-            size = max(int(budget // c), 1)
+            size = max(int(token_budget // c), 1)
             groups.append(batch)
             batch = []
     if batch:
@@ -54,12 +54,12 @@ def odb_greedy(costs: Sequence[float], budget: float) -> Groups:
     return groups
 
 
-def best_fit_decreasing(costs: Sequence[float], budget: float) -> Groups:
+def best_fit_decreasing(costs: Sequence[float], token_budget: float) -> Groups:
     """Best-fit decreasing bin packing of costs sorted largest first; over-budget items stand alone."""
     groups: Groups = []
     room: list[tuple[float, int]] = []  # (remaining room, group index), sorted
     for i, c in enumerate(costs):
-        if c > budget:
+        if c > token_budget:
             groups.append([i])
             continue
         j = bisect.bisect_left(room, (c, -1))
@@ -70,7 +70,7 @@ def best_fit_decreasing(costs: Sequence[float], budget: float) -> Groups:
         else:
             g = len(groups)
             groups.append([i])
-            rem = budget - c
+            rem = token_budget - c
         if rem > 0:
             bisect.insort(room, (rem, g))
     return groups

@@ -63,14 +63,14 @@ def _desc(entries: Sequence[Entry]) -> list[Entry]:
     return sorted(entries, key=_ORDER)
 
 
-def form_groups(entries: Sequence[Entry], budget: int, cost: CostModel) -> list[Group]:
-    """Count-optimal groups of `entries` under `budget` for `cost`, each listed longest first."""
+def form_groups(entries: Sequence[Entry], token_budget: int, cost: CostModel) -> list[Group]:
+    """Count-optimal groups of `entries` under `token_budget` for `cost`, each listed longest first."""
     ordered = _desc(entries)
     lengths = [e.sample.length for e in ordered]
     if cost.additive:
-        idx = best_fit_decreasing([cost.item(n) for n in lengths], budget)
+        idx = best_fit_decreasing([cost.item(n) for n in lengths], token_budget)
     else:
-        idx = contiguous_greedy(lengths, budget)
+        idx = contiguous_greedy(lengths, token_budget)
     return [[ordered[i] for i in g] for g in idx]
 
 
@@ -120,7 +120,7 @@ class Policy:
         return self.name not in ("fixed", "sorted")
 
     def candidates(
-        self, entries: Sequence[Entry], budget: int, cost: CostModel, now: int, rng: random.Random,
+        self, entries: Sequence[Entry], token_budget: int, cost: CostModel, now: int, rng: random.Random,
         exhausted: bool = False,
     ) -> list[Group]:
         """Candidate groups of a window, most worth emitting first (`rng` breaks ties, seeded per round).
@@ -140,11 +140,11 @@ class Policy:
         if self.name == "odb":
             ordered = _desc(entries)
             costs = [cost.item(e.sample.length) for e in ordered]
-            groups = [[ordered[i] for i in g] for g in odb_greedy(costs, budget)]
+            groups = [[ordered[i] for i in g] for g in odb_greedy(costs, token_budget)]
             groups.reverse()  # ODB's own order: shortest group first
             return groups
-        groups = form_groups(entries, budget, cost)
-        return rank_groups(groups, budget, cost, now, self.max_wait, rng, exhausted)
+        groups = form_groups(entries, token_budget, cost)
+        return rank_groups(groups, token_budget, cost, now, self.max_wait, rng, exhausted)
 
     def fit(self, groups: list[Group], target: int, cost: CostModel) -> tuple[list[Group], list[Entry]]:
         """Chooses the `target` groups to emit; returns (emitted groups, recirculated entries)."""
@@ -179,7 +179,7 @@ def _index_groups(groups: Sequence[Group]) -> list[list[int]]:
 
 
 def rank_groups(
-    groups: list[Group], budget: int, cost: CostModel, now: int, max_wait: int, rng: random.Random,
+    groups: list[Group], token_budget: int, cost: CostModel, now: int, max_wait: int, rng: random.Random,
     exhausted: bool = False,
 ) -> list[Group]:
     """Orders groups for emission.
@@ -207,12 +207,12 @@ def rank_groups(
             return (1, 0.0, tiebreak[j])
         if padded:  # groups are longest first: rows == floor(L / longest) means complete
             longest = g[0].sample.length
-            if longest > budget or len(g) >= budget // longest:
+            if longest > token_budget or len(g) >= token_budget // longest:
                 return (1, 0.0, tiebreak[j])
-            return (2, -cost.quality(group_lengths(g), budget), tiebreak[j])
+            return (2, -cost.quality(group_lengths(g), token_budget), tiebreak[j])
         lengths = group_lengths(g)
-        if cost.complete(lengths, budget):
+        if cost.complete(lengths, token_budget):
             return (1, 0.0, tiebreak[j])
-        return (2, -cost.quality(lengths, budget), tiebreak[j])
+        return (2, -cost.quality(lengths, token_budget), tiebreak[j])
 
     return [groups[j] for j in sorted(range(len(groups)), key=key)]

@@ -18,7 +18,7 @@ Life of a round on one rank (the coordinator side is `batchd.core.Coordinator`):
   non-join quota cut (cut samples return to the window).
 
 `state_dict()` is JSON-safe, taken between rounds, and stores rank, world size and seed; loading a
-state from another rank, world size, seed, policy or budget fails with a message that says which.
+state from another rank, world size, seed, policy or token budget fails with a message that says which.
 """
 
 from __future__ import annotations
@@ -26,16 +26,30 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._align import (
-    K_BUDGET, K_EPOCH, K_POLICY, K_ROUND, K_SEED, K_VERSION, K_WORLD,
-    ProtocolError, RankCommit, RankReport, RoundDecision, RoundTotals, check_state,
+    K_BUDGET,
+    K_EPOCH,
+    K_POLICY,
+    K_ROUND,
+    K_SEED,
+    K_VERSION,
+    K_WORLD,
+    ProtocolError,
+    RankCommit,
+    RankReport,
+    RoundDecision,
+    RoundTotals,
+    check_state,
 )
 from ._cost import CostModel
 from ._loss import loss_scale
-from ._policy import Entry, Group, Policy
-from ._types import Sample, Step, StepInfo, check_choice, check_int
+from ._policy import Entry, Group
+from ._types import Sample, Step, StepInfo, check_int
+
+if TYPE_CHECKING:
+    from ._spec import JobSpec
 
 OVER_BUDGET = ("reject", "singleton", "truncate")
 
@@ -44,15 +58,15 @@ K_RANK, K_BUFFER, K_STEP, K_EXHAUSTED, K_REJECTED, K_COUNTERS = (
 )
 
 
-def max_fitting_length(budget: int, cost: CostModel) -> int:
-    """The longest length whose lone cost is within `budget` (the `truncate` target)."""
+def max_fitting_length(token_budget: int, cost: CostModel) -> int:
+    """The longest length whose lone cost is within `token_budget` (the `truncate` target)."""
     if cost.name != "attention":
-        return budget
+        return token_budget
     q = cost.quadratic
-    n = int((-q + math.sqrt(q * q + 4 * q * budget)) / 2)  # n + n^2/q <= budget
-    while n > 1 and cost.item(n) > budget:
+    n = int((-q + math.sqrt(q * q + 4 * q * token_budget)) / 2)  # n + n^2/q <= token_budget
+    while n > 1 and cost.item(n) > token_budget:
         n -= 1
-    while cost.item(n + 1) <= budget:
+    while cost.item(n + 1) <= token_budget:
         n += 1
     return max(n, 1)
 
@@ -61,38 +75,19 @@ class RankState:
     """One rank's side of the protocol (see module docstring).
 
     Args:
+        spec: The job (world size, policy, token budget, cost model, window, over-budget policy, seed).
         rank: This rank.
-        world_size: N.
-        policy: The grouping policy.
-        budget: L_max, in cost units (tokens).
-        cost: The cost model.
-        window: The most samples the rank buffers.
-        over_budget: `singleton`, `truncate` or `reject`.
-        seed: Seeds the emission order.
         epoch: The epoch (also seeds the emission order).
     """
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        policy: Policy,
-        budget: int,
-        cost: CostModel | None = None,
-        window: int = 512,
-        over_budget: str = "singleton",
-        seed: int = 0,
-        epoch: int = 0,
-    ) -> None:
-        check_int("world_size", world_size, lo=1)
-        check_int("rank", rank, lo=0, hi=world_size - 1)
-        check_int("token_budget", budget, lo=1)
-        check_int("window", window, lo=1)
-        check_choice("over_budget", over_budget, OVER_BUDGET)
-        self.rank, self.world_size, self.policy, self.budget = rank, world_size, policy, budget
-        self.cost = cost or CostModel()
-        self.window, self.over_budget, self.seed, self.epoch = window, over_budget, seed, epoch
-        self._truncate_to = max_fitting_length(budget, self.cost)
+    def __init__(self, spec: JobSpec, rank: int, epoch: int = 0) -> None:
+        check_int("rank", rank, lo=0, hi=spec.world_size - 1)
+        self.spec = spec
+        self.rank, self.world_size, self.policy = rank, spec.world_size, spec.policy_object()
+        self.token_budget = spec.token_budget
+        self.cost = spec.cost_model()
+        self.window, self.over_budget, self.seed, self.epoch = spec.window, spec.over_budget, spec.seed, epoch
+        self._truncate_to = max_fitting_length(self.token_budget, self.cost)
         self.buffer: list[Entry] = []
         self._ids: set[int] = set()
         self.round = 0
@@ -127,7 +122,7 @@ class RankState:
         outcome = "ok"
         if sample.length > self._truncate_to:  # cheaper than cost.item() for the common case
             if self.over_budget == "reject":
-                reason = f"length {sample.length} costs {self.cost.item(sample.length):g} > budget {self.budget}"
+                reason = f"length {sample.length} costs {self.cost.item(sample.length):g} > token_budget {self.token_budget}"
                 self.rejected.append((sample.id, reason))
                 self._rejected_ids.add(sample.id)
                 self.counters["rejected"] += 1
@@ -184,7 +179,7 @@ class RankState:
         else:
             rng = random.Random(f"rank:{self.seed}:{self.epoch}:{self.round}:{self.rank}")
             self._candidates = self.policy.candidates(
-                self.buffer, self.budget, self.cost, self.round, rng, self.exhausted)
+                self.buffer, self.token_budget, self.cost, self.round, rng, self.exhausted)
             pool, groups = (), len(self._candidates)
         return RankReport(self.rank, self.round, capacity, len(self.buffer), groups, self.exhausted, pool)
 
@@ -259,16 +254,16 @@ class RankState:
             raise ProtocolError(f"rank {self.rank}: state_dict() inside round {self.round}; take it between rounds")
         return {
             K_VERSION: 1, K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
-            K_EPOCH: self.epoch, K_POLICY: self.policy.name, K_BUDGET: self.budget,
+            K_EPOCH: self.epoch, K_POLICY: self.policy.name, K_BUDGET: self.token_budget,
             K_ROUND: self.round, K_STEP: self.step, K_EXHAUSTED: self.exhausted,
             K_BUFFER: [[e.sample.to_json(), e.arrival] for e in self.buffer],
             K_REJECTED: [list(r) for r in self.rejected], K_COUNTERS: dict(self.counters),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores a `state_dict()`; refuses a state of another rank, world size, seed, policy or budget."""
+        """Restores a `state_dict()`; refuses a state of another rank, world size, seed, policy or token_budget."""
         expect = {K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
-                  K_POLICY: self.policy.name, K_BUDGET: self.budget}
+                  K_POLICY: self.policy.name, K_BUDGET: self.token_budget}
         check_state(state, expect, f"RankState(rank={self.rank})")
         self.epoch, self.round, self.step = state[K_EPOCH], state[K_ROUND], state[K_STEP]
         self.exhausted = state[K_EXHAUSTED]

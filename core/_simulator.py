@@ -20,48 +20,11 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ._align import MODES, Coordinator
-from ._cost import CostModel
-from ._policy import Policy
-from ._rank import OVER_BUDGET, RankState
+from ._align import Coordinator
+from ._rank import RankState
 from ._source import ViewSource
-from ._types import Sample, Step, check_choice, check_int
-
-
-@dataclasses.dataclass(frozen=True)
-class SimConfig:
-    """A simulated job. Field names follow `batchd simulate`'s flags."""
-
-    world_size: int
-    token_budget: int
-    policy: str = "local"
-    window: int = 512
-    batch_size: int = 8
-    mode: str = "join"
-    cost: str = "padded"
-    over_budget: str = "singleton"
-    seed: int = 0
-    shuffle: bool = False
-    depth: int = 8
-    max_wait: int = 16
-    align: str = "min"
-    refine: bool = True
-    quota: int | None = None
-
-    def __post_init__(self) -> None:
-        check_int("world_size", self.world_size, lo=1)
-        check_int("token_budget", self.token_budget, lo=1)
-        check_int("window", self.window, lo=1)
-        check_int("depth", self.depth, lo=1)
-        check_choice("mode", self.mode, MODES)
-        check_choice("over_budget", self.over_budget, OVER_BUDGET)
-        if self.quota is not None:
-            check_int("quota", self.quota, lo=0)
-        self.make_policy()
-        CostModel(self.cost)
-
-    def make_policy(self) -> Policy:
-        return Policy(self.policy, self.batch_size, self.max_wait, self.align, self.refine)
+from ._spec import JobSpec
+from ._types import Sample, Step
 
 
 def synthetic_token_loss(sample_id: int) -> float:
@@ -70,25 +33,23 @@ def synthetic_token_loss(sample_id: int) -> float:
 
 
 class Simulator:
-    """Runs one epoch of `config` over `lengths` (sample id = index)."""
+    """Runs one epoch of `spec` over `lengths` (sample id = index)."""
 
-    def __init__(self, lengths: Sequence[int], config: SimConfig, epoch: int = 0) -> None:
+    def __init__(self, lengths: Sequence[int], spec: JobSpec, epoch: int = 0) -> None:
         for i, n in enumerate(lengths):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"lengths[{i}] must be a positive int, got {n!r}")
         self.lengths = list(lengths)
-        self.config = c = config
+        if spec.mode == "non-join" and spec.quota is None:  # the simulator's default quota: every sample
+            spec = spec.replace(quota=len(self.lengths))
+        self.spec = c = spec
         self.epoch = epoch
-        self.cost = CostModel(c.cost)
-        policy = c.make_policy()
+        self.cost = spec.cost_model()
         wrap = c.mode == "non-join"
         self.sources = [ViewSource(len(self.lengths), r, c.world_size, c.seed, epoch, c.shuffle, wrap)
                         for r in range(c.world_size)]
-        quota = c.quota if c.quota is not None else len(self.lengths)
-        self.coordinator = Coordinator(c.world_size, policy, c.token_budget, self.cost, c.mode,
-                                       quota if c.mode == "non-join" else None, c.seed, epoch)
-        self.ranks = [RankState(r, c.world_size, policy, c.token_budget, self.cost, c.window,
-                                c.over_budget, c.seed, epoch) for r in range(c.world_size)]
+        self.coordinator = Coordinator(c, epoch)
+        self.ranks = [RankState(c, r, epoch) for r in range(c.world_size)]
         self.pending: list[collections.deque[Step]] = [collections.deque() for _ in range(c.world_size)]
         self.rounds = 0
         self._idle_rounds = 0
@@ -117,7 +78,7 @@ class Simulator:
     def run_round(self) -> int:
         """Runs one alignment round; returns the steps it added per rank."""
         self._fill()
-        depth = self.config.depth
+        depth = self.spec.depth
         reports = [r.report(depth - len(q)) for r, q in zip(self.ranks, self.pending)]
         decision = self.coordinator.decide(reports)
         commits = [r.apply(decision) for r in self.ranks]
@@ -148,7 +109,7 @@ class Simulator:
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe state between any two steps."""
         return {
-            "config": dataclasses.asdict(self.config),
+            "config": dataclasses.asdict(self.spec),
             "epoch": self.epoch,
             "coordinator": self.coordinator.state_dict(),
             "ranks": [r.state_dict() for r in self.ranks],
@@ -158,10 +119,10 @@ class Simulator:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores a `state_dict()` taken with the same config and data."""
+        """Restores a `state_dict()` taken with the same spec and data."""
         saved = dict(state["config"])
-        if saved != dataclasses.asdict(self.config):
-            diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(self.config).items() if saved.get(k) != v}
+        if saved != dataclasses.asdict(self.spec):
+            diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(self.spec).items() if saved.get(k) != v}
             raise ValueError(f"simulator state was saved with another config (saved, current): {diff}")
         self.coordinator.load_state_dict(state["coordinator"])
         for r, s in zip(self.ranks, state["ranks"], strict=True):
@@ -175,11 +136,11 @@ class Simulator:
 class SimMetrics:
     """Accumulates the `batchd simulate` metrics from consumed steps."""
 
-    def __init__(self, num_samples: int, config: SimConfig) -> None:
-        self.n, self.c = num_samples, config
-        self.cost = CostModel(config.cost)
+    def __init__(self, num_samples: int, spec: JobSpec) -> None:
+        self.n, self.c = num_samples, spec
+        self.cost = spec.cost_model()
         self.counts = [0] * num_samples
-        self.steps = [0] * config.world_size
+        self.steps = [0] * spec.world_size
         self.idle = self.emitted = self.moved = self.real = self.padded = self.over_budget = 0
         self.slowest = 0.0
         self.loss_err = 0.0
@@ -241,15 +202,15 @@ class SimMetrics:
         }
 
 
-def simulate(lengths: Sequence[int], config: SimConfig,
+def simulate(lengths: Sequence[int], spec: JobSpec,
              on_step: Callable[[tuple[Step, ...]], None] | None = None) -> dict[str, Any]:
     """Runs one epoch and returns the metrics dict `batchd simulate --json` prints.
 
     `on_step` (e.g. a progress bar) sees each aligned step (one `Step` per rank) as it is emitted.
     """
     t0 = time.perf_counter()
-    sim = Simulator(lengths, config)
-    metrics = SimMetrics(len(lengths), config)
+    sim = Simulator(lengths, spec)
+    metrics = SimMetrics(len(lengths), spec)
     for step in sim:
         metrics.add(step)
         if on_step is not None:

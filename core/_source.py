@@ -98,6 +98,12 @@ class ViewSource:
         return {K_VERSION: 1, K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
                 K_EPOCH: self.epoch, K_NUM: self.num_samples, K_POS: self.position, K_PASS: self.passes}
 
+    def state_at(self, seq: int) -> dict[str, Any]:
+        """The `state_dict()` this view has after yielding `seq` ids from its start (passes wrap in non-join)."""
+        n = len(self)
+        passes, position = divmod(seq, n) if self.wrap and n else (0, seq)
+        return {**self.state_dict(), K_POS: position, K_PASS: passes}
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_state(state, {K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
                             K_EPOCH: self.epoch, K_NUM: self.num_samples}, f"ViewSource(rank={self.rank})")

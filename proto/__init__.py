@@ -1,1 +1,25 @@
-"""batchd.v1 wire schema: generated protobuf and gRPC stubs (see generate.py)."""
+"""batchd's wire layer: the batchd.v1 schema (generated protobuf and gRPC stubs, see generate.py), the
+conversion between its messages and the core's types (`wire`), and the transport every party shares
+(channel options, TLS, the bearer token, which failures are transient; `_transport`).
+
+Imports only `batchd.core`; the service and the client both build on it.
+"""
+
+from . import wire
+from ._transport import (
+    AUTH_HEADER,
+    CHANNEL_OPTIONS,
+    GRPC_OPTIONS,
+    KEEPALIVE_MS,
+    MAX_MESSAGE_BYTES,
+    BearerTokenChannel,
+    Security,
+    channel,
+    check_token,
+    transient,
+)
+
+__all__ = sorted([
+    "AUTH_HEADER", "BearerTokenChannel", "CHANNEL_OPTIONS", "GRPC_OPTIONS", "KEEPALIVE_MS", "MAX_MESSAGE_BYTES",
+    "Security", "channel", "check_token", "transient", "wire",
+])

@@ -1,18 +1,19 @@
-"""batchd's daemon: the gRPC alignment coordinator and the per-rank batching service."""
+"""batchd's daemon: the gRPC alignment coordinator, the per-rank batching service, the server side of
+the security policy, metrics, and (in `batchd.service.preprocess`) the preprocessing data plane.
 
-from ._coord_client import CoordinatorClient, CoordinatorError
-from ._coordinator import CoordinatorServicer, CoordinatorState, JobFailed, create_server
+Imports `batchd.core` and `batchd.proto` only; it needs no torch (batches are collated in numpy).
+"""
+
+from ._coord_client import CoordinatorClient
+from ._coordinator import CoordinatorServicer, CoordinatorState, create_server
+from ._journal import Journal, JournalError
 from ._main import run_coordinator, run_rank
 from ._metrics import CoordinatorMetrics, RankMetrics, start_metrics_server, stop_metrics_server
 from ._rank_service import RankServiceCore, RankServicer, collate, create_rank_server
-from ._security import Security, add_port, channel, server_interceptors
-from ._sources import EXHAUSTED, IngestSource, SyntheticSource, loss_tokens_of, synthetic_payload
-from ._spec import JobSpec
+from ._security import add_port, server_interceptors
 
 __all__ = sorted([
-    "EXHAUSTED", "CoordinatorClient", "CoordinatorError", "CoordinatorServicer", "CoordinatorState",
-    "IngestSource", "JobFailed", "JobSpec", "RankServiceCore", "RankServicer", "SyntheticSource", "collate",
-    "create_rank_server", "create_server", "loss_tokens_of", "run_coordinator", "run_rank", "synthetic_payload",
-    "CoordinatorMetrics", "RankMetrics", "start_metrics_server", "stop_metrics_server",
-    "Security", "add_port", "channel", "server_interceptors",
+    "CoordinatorClient", "CoordinatorMetrics", "CoordinatorServicer", "CoordinatorState", "Journal", "JournalError",
+    "RankMetrics", "RankServiceCore", "RankServicer", "add_port", "collate", "create_rank_server", "create_server",
+    "run_coordinator", "run_rank", "server_interceptors", "start_metrics_server", "stop_metrics_server",
 ])

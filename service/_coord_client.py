@@ -20,40 +20,16 @@ from collections.abc import Callable
 
 import grpc
 
-from batchd import wire
-from batchd.core import RankCommit, RankReport, RoundDecision, RoundTotals
+from batchd.core import CoordinatorError, JobSpec, RankCommit, RankReport, RoundDecision, RoundTotals
+from batchd.proto import CHANNEL_OPTIONS, Security, channel, transient, wire
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
-
-from ._coordinator import CHANNEL_OPTIONS
-from ._security import Security, channel
-from ._spec import JobSpec
 
 log = logging.getLogger("batchd.rank")
 
 
-class CoordinatorError(RuntimeError):
-    """A coordinator call failed for good; `code` is the gRPC status code."""
-
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 WAIT_LOG_S = 5.0  # how often a waiting party says what it waits for
 HEARTBEAT_S = 2.0  # at most this long between two heartbeats
-
-
-def transient(exc: grpc.RpcError) -> bool:
-    """A call that failed because its peer is (for now) unreachable or stopping (its server cancelled the
-    call: a restart): worth retrying. batchd's own calls between parties are never cancelled by the caller
-    except when it closes, which ends the retries."""
-    code = exc.code()
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return True
-    details = exc.details() or ""
-    return code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and (
-        "Stream removed" in details or "Socket closed" in details)
 
 
 class CoordinatorClient:
@@ -101,7 +77,7 @@ class CoordinatorClient:
         """Registers (again: a restarted rank, or a rank refreshing its peers' addresses)."""
         retry = self.lease_s if self.registered else self.startup_timeout_s
         reply = self._call("Register", self.stub.Register,
-                           pb.RegisterRequest(rank=self.rank, spec=self.spec.to_pb(), address=my_address), 10.0,
+                           pb.RegisterRequest(rank=self.rank, spec=wire.spec_to_pb(self.spec), address=my_address), 10.0,
                            retry)
         self.lease_s = reply.lease_ms / 1000 or self.lease_s
         self.registered = True

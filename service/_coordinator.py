@@ -44,21 +44,26 @@ from pathlib import Path
 
 import grpc
 
-from batchd import wire
-from batchd.core import Coordinator, Liveness, ProtocolError, RankCommit, RankReport, RoundDecision, RoundTotals
+from batchd.core import (
+    Coordinator,
+    JobFailed,
+    JobSpec,
+    Liveness,
+    ProtocolError,
+    RankCommit,
+    RankReport,
+    RoundDecision,
+    RoundTotals,
+)
+from batchd.proto import GRPC_OPTIONS, Security, wire
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
 from ._journal import Journal
 from ._metrics import CoordinatorMetrics
-from ._security import Security, add_port, server_interceptors
-from ._spec import JobSpec
+from ._security import add_port, server_interceptors
 
 log = logging.getLogger("batchd.coordinator")
-
-
-class JobFailed(RuntimeError):
-    """The job failed; the message names the rank and the cause."""
 
 
 class ShuttingDown(RuntimeError):
@@ -106,9 +111,7 @@ class CoordinatorState:
             metrics.bind(lambda: self.state, lambda: self.epoch, lambda: len(self.addresses))
 
     def _new_core(self, epoch: int) -> Coordinator:
-        s = self.spec
-        return Coordinator(s.world_size, s.make_policy(), s.token_budget, s.cost_model(), s.mode,
-                           s.quota if s.mode == "non-join" else None, s.seed, epoch)
+        return Coordinator(self.spec, epoch)
 
     # -- journal -------------------------------------------------------------------------------------
     def _log(self, record: dict) -> None:
@@ -462,7 +465,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         def run():
             self.state._check_rank(request.rank, "Register")
             try:
-                spec = JobSpec.from_pb(request.spec)
+                spec = wire.spec_from_pb(request.spec)
             except ValueError as exc:
                 raise ValueError(f"Register from rank {request.rank} carries an invalid job spec: {exc}") from None
             epoch, rnd, addrs = self.state.register(request.rank, spec, request.address)
@@ -500,33 +503,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Status(self, request, context):
         return self.state.status()
-
-
-MAX_MESSAGE_BYTES = 64 << 20
-KEEPALIVE_MS = 10_000  # every connection between batchd parties is pinged when idle this long
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),
-    # A peer that vanished without closing its connection (a host gone, a partition) is found by keepalive
-    # pings within ~2 x KEEPALIVE_MS, so a call waiting on it (a barrier, a batch stream) ends instead of
-    # hanging; servers accept such pings (gRPC's default would answer them with GOAWAY too_many_pings).
-    ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
-    ("grpc.http2.max_ping_strikes", 0),
-]
-# Channels between batchd parties retry a refused connection at least every second. gRPC's default
-# backoff (1 s, x1.6 per failure, up to 120 s) makes a party that starts 20 s before its peer connect
-# ~6 s after the peer is up, and one that started earlier miss its whole connect timeout.
-CHANNEL_OPTIONS = [
-    *GRPC_OPTIONS,
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 def create_server(address: str, spec: JobSpec, lease_s: float = 60.0, startup_timeout_s: float = 600.0,

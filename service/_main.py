@@ -24,13 +24,21 @@ import threading
 import time
 from pathlib import Path
 
+from batchd.core import JobSpec, max_fitting_length
+from batchd.proto import Security
+
 from ._coord_client import CoordinatorClient
 from ._coordinator import create_server
 from ._metrics import CoordinatorMetrics, RankMetrics, start_metrics_server, stop_metrics_server
 from ._rank_service import RankServiceCore, create_rank_server
-from ._security import Security
-from ._sources import IngestSource, SyntheticSource
-from ._spec import JobSpec
+from .preprocess import (
+    IngestSource,
+    RaySource,
+    RecordDataset,
+    SyntheticSource,
+    default_stages,
+    share_ray,
+)
 
 log = logging.getLogger("batchd")
 LINGER_S = 2.0
@@ -123,12 +131,6 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
     cost (`max_fitting_length`), so no sample ever reaches the rank's own truncation, which could not
     cut pixel values consistently (the Truncate stage drops whole images).
     """
-    from batchd.core import max_fitting_length
-
-    from ._pipeline import RaySource, share_ray
-    from ._records import RecordDataset
-    from ._stages import default_stages
-
     limit = max_fitting_length(spec.token_budget, spec.cost_model())
     cutoff = limit if cutoff is None else min(cutoff, limit)
     records = RecordDataset(dataset)

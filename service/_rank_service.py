@@ -42,17 +42,30 @@ from typing import Any
 
 import grpc
 
-from batchd import wire
-from batchd.core import ATTACHED, END, SEND_END, WAIT, Connect, Delivery, RankState, Sample, Step
+from batchd.core import (
+    ATTACHED,
+    END,
+    SEND_END,
+    WAIT,
+    Connect,
+    CoordinatorError,
+    Delivery,
+    JobSpec,
+    RankState,
+    Sample,
+    Step,
+    collate_packed,
+    collate_padded,
+    idle_batch,
+)
+from batchd.proto import CHANNEL_OPTIONS, GRPC_OPTIONS, Security, channel, transient, wire
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
-from ._coord_client import CoordinatorClient, CoordinatorError, transient
-from ._coordinator import CHANNEL_OPTIONS, GRPC_OPTIONS
+from ._coord_client import CoordinatorClient
 from ._metrics import RankMetrics, materialized_tokens
-from ._security import Security, add_port, channel, server_interceptors
-from ._sources import EXHAUSTED, IngestSource, Payload, loss_tokens_of
-from ._spec import JobSpec
+from ._security import add_port, server_interceptors
+from .preprocess import EXHAUSTED, IngestSource, Payload, Source, loss_tokens_of, resolve_many
 
 log = logging.getLogger("batchd.rank")
 FETCH_CHUNK = 64  # sample ids per Fetch request
@@ -65,25 +78,18 @@ def resolve_payloads(payloads: list[Any]) -> list[Payload]:
     """Payload dicts for `payloads`, fetching Ray ObjectRefs with one `ray.get` (Ray is imported only then)."""
     if all(isinstance(p, dict) for p in payloads):
         return payloads
-    from ._pipeline import resolve_many
-
     return resolve_many(payloads)
 
 
-def materialize_many(source, ids: list[int]) -> list[Payload]:
-    """The payload dicts of `ids`, re-made by `source` (in one batch when it can: `RaySource`)."""
+def materialize_many(source: Source, ids: list[int]) -> list[Payload]:
+    """The payload dicts of `ids`, re-made by `source` (in one batch: `Source.materialize_many`)."""
     if not ids:
         return []
-    many = getattr(source, "materialize_many", None)
-    if many is not None:
-        return list(many(ids))
-    return resolve_payloads([source.materialize(i) for i in ids])
+    return resolve_payloads(list(source.materialize_many(ids)))
 
 
 def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0) -> dict[str, Any]:
-    """Collates payloads into the step's tensors (padded or packed, per the job spec)."""
-    from batchd.client._collate import collate_packed, collate_padded, idle_batch
-
+    """Collates payloads into the step's arrays (padded or packed, per the job spec; numpy, no torch)."""
     if not payloads:
         return idle_batch(pad_id)
     if spec.collate == "packed":
@@ -149,9 +155,7 @@ class RankServiceCore:
             metrics.bind(lambda: len(self.state.buffer), lambda: len(self.batches), lambda: self.epoch)
 
     def _new_state(self, epoch: int) -> RankState:
-        spec = self.spec
-        return RankState(self.rank, spec.world_size, spec.make_policy(), spec.token_budget, spec.cost_model(),
-                         spec.window, spec.over_budget, spec.seed, epoch)
+        return RankState(self.spec, self.rank, epoch)
 
     @property
     def epoch(self) -> int:

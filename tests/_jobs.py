@@ -26,10 +26,19 @@ from typing import Any
 import numpy as np
 
 from batchd.client import BatchClient
+from batchd.core import JobSpec
+from batchd.proto import Security
 from batchd.service import (
-    CoordinatorClient, CoordinatorMetrics, JobSpec, RankMetrics, RankServiceCore, Security, SyntheticSource,
-    create_rank_server, create_server, start_metrics_server, stop_metrics_server, synthetic_payload,
+    CoordinatorClient,
+    CoordinatorMetrics,
+    RankMetrics,
+    RankServiceCore,
+    create_rank_server,
+    create_server,
+    start_metrics_server,
+    stop_metrics_server,
 )
+from batchd.service.preprocess import SyntheticSource, synthetic_payload
 
 HOST = "127.0.0.1"
 

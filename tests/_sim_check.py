@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from batchd.core import CostModel, SimConfig, Simulator, synthetic_token_loss
+from batchd.core import CostModel, JobSpec, Simulator, synthetic_token_loss
 
 
-def run_checked(lengths, config: SimConfig):
+def run_checked(lengths, config: JobSpec):
     """Runs `config` over `lengths`, asserting the per-step invariants; returns (sim, schedule)."""
     sim = Simulator(lengths, config)
     n = config.world_size
@@ -47,7 +47,7 @@ def run_checked(lengths, config: SimConfig):
     return sim, schedule
 
 
-def check_epoch(lengths, config: SimConfig, sim, schedule):
+def check_epoch(lengths, config: JobSpec, sim, schedule):
     """End-of-epoch invariants: coverage (join) or quota closure (non-join), termination bound."""
     n = config.world_size
     views = [len(range(r, len(lengths), n)) for r in range(n)]

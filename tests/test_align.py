@@ -7,7 +7,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchd.core import (
-    Coordinator, Policy, ProtocolError, RankCommit, RankReport, RankState, Sample, target_min, target_odb,
+    Coordinator,
+    JobSpec,
+    ProtocolError,
+    RankCommit,
+    RankReport,
+    RankState,
+    Sample,
+    target_min,
+    target_odb,
 )
 
 report_st = st.builds(
@@ -54,7 +62,7 @@ def test_seed_max_rule_would_break_capacity():
 
 
 def test_coordinator_rejects_bad_rounds():
-    c = Coordinator(2, Policy("local"), 100)
+    c = Coordinator(JobSpec(world_size=2, token_budget=100))
     ok = [RankReport(0, 0, 1, 1, 1, False), RankReport(1, 0, 1, 1, 1, False)]
     with pytest.raises(ProtocolError, match=r"missing .* rank\(s\) \[1\]"):
         c.decide(ok[:1])
@@ -75,14 +83,14 @@ def test_coordinator_rejects_bad_rounds():
 
 
 def test_rank_rejects_out_of_order_messages():
-    r = RankState(0, 1, Policy("local"), 100, window=2)
+    r = RankState(JobSpec(world_size=1, token_budget=100, window=2), 0)
     r.push(Sample(1, 10))
     with pytest.raises(ProtocolError, match="already buffered"):
         r.push(Sample(1, 10))
     r.push(Sample(2, 10))
     with pytest.raises(ProtocolError, match="full"):
         r.push(Sample(3, 10))
-    c = Coordinator(1, Policy("local"), 100)
+    c = Coordinator(JobSpec(world_size=1, token_budget=100))
     report = r.report(4)
     with pytest.raises(ProtocolError, match="push during round"):
         r.push(Sample(4, 10))
@@ -98,10 +106,10 @@ def test_rank_rejects_out_of_order_messages():
 
 def test_over_budget_policies():
     for policy, outcome in (("singleton", "over_budget"), ("truncate", "truncated"), ("reject", "rejected")):
-        r = RankState(0, 1, Policy("local"), 100, window=4, over_budget=policy)
+        r = RankState(JobSpec(world_size=1, token_budget=100, window=4, over_budget=policy), 0)
         assert r.push(Sample(1, 150, 120)) == outcome
         if policy == "reject":
-            assert r.rejected == [(1, "length 150 costs 150 > budget 100")] and not r.buffer
+            assert r.rejected == [(1, "length 150 costs 150 > token_budget 100")] and not r.buffer
         elif policy == "truncate":
             assert r.buffer[0].sample.length == 100 and r.buffer[0].sample.loss_tokens == 100
         else:

@@ -15,9 +15,15 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd.client._collate import IGNORE_INDEX, collate_packed, collate_padded, idle_batch, loss_tokens
-from batchd.client._model import TinyCausalLM
-from batchd.client._train import token_loss_sum
+from batchd._model import TinyCausalLM
+from batchd.client import (
+    IGNORE_INDEX,
+    collate_packed,
+    collate_padded,
+    idle_batch,
+    loss_tokens,
+    token_loss_sum,
+)
 
 VOCAB = 512
 

@@ -59,7 +59,7 @@ def test_yaml_and_toml_give_the_same_config(tmp_path):
     ("job", "token_budget", '"8k"', "token_budget must be an int"),
     ("job", "policy", '"greedy"', "job.policy must be one of"),
     ("job", "world_size", "0", "world_size"),
-    ("job", "epochs", "0", "epochs must be an integer >= 1, got epochs=0"),
+    ("job", "epochs", "0", "job.epochs must be >= 1, got epochs=0"),
     ("job", "windw", "512", "unknown key job.windw"),
     ("coordinator", "port", "70000", "coordinator.port must be <= 65535"),
     ("coordinator", "address", '"nohost"', "coordinator.address must be HOST:PORT"),

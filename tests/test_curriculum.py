@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from batchd.core import SimConfig, Simulator, read_lengths
 from conftest import workload_dir
+
+from batchd.core import JobSpec, Simulator, read_lengths
 
 
 def _lengths(name: str) -> list[int]:
@@ -29,7 +29,7 @@ def spearman(values: list[float]) -> float:
     return float(np.corrcoef(np.arange(len(values)), ranks)[0, 1])
 
 
-def step_trend(lengths: list[int], config: SimConfig) -> float:
+def step_trend(lengths: list[int], config: JobSpec) -> float:
     means = []
     for step in Simulator(lengths, config):
         ls = [x.length for s in step for x in s.samples]
@@ -40,7 +40,7 @@ def step_trend(lengths: list[int], config: SimConfig) -> float:
 def mean_trend(name: str, policy: str, seeds=range(3)) -> float:
     lengths = _lengths(name)
     return float(np.mean([
-        step_trend(lengths, SimConfig(world_size=4, token_budget=8192, policy=policy, window=128,
+        step_trend(lengths, JobSpec(world_size=4, token_budget=8192, policy=policy, window=128,
                                       seed=s, shuffle=True))
         for s in seeds
     ]))

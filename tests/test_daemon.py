@@ -12,15 +12,13 @@ import numpy as np
 import pytest
 from _jobs import InProcessJob, job_pool
 
-from batchd import wire
 from batchd.client import BatchClient, BatchdError, JobFailed
-from batchd.core import RankState
+from batchd.core import JobSpec, RankState
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
-from batchd.service import (
-    CoordinatorClient, IngestSource, JobSpec, RankServiceCore, SyntheticSource, create_rank_server, create_server,
-    synthetic_payload,
-)
+from batchd.proto import wire
+from batchd.service import CoordinatorClient, RankServiceCore, create_rank_server, create_server
+from batchd.service.preprocess import IngestSource, SyntheticSource, synthetic_payload
 
 
 @pytest.fixture
@@ -305,13 +303,13 @@ def test_coordinator_rejects_bad_messages_with_status_codes(caplog):
         other = spec.replace(window=8)
         with caplog.at_level(logging.WARNING, logger="batchd.coordinator"):
             with pytest.raises(grpc.RpcError) as e:
-                stub.Register(pb.RegisterRequest(rank=0, spec=other.to_pb(), address="x"), timeout=5)
+                stub.Register(pb.RegisterRequest(rank=0, spec=wire.spec_to_pb(other), address="x"), timeout=5)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "window" in e.value.details()
         assert any("window" in r.message for r in caplog.records), "no log line for the refused call"
         with pytest.raises(grpc.RpcError) as e:  # the epoch count is part of the spec, over the wire
-            stub.Register(pb.RegisterRequest(rank=0, spec=spec.replace(epochs=3).to_pb(), address="x"), timeout=5)
+            stub.Register(pb.RegisterRequest(rank=0, spec=wire.spec_to_pb(spec.replace(epochs=3)), address="x"), timeout=5)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "epochs: coordinator 1, rank 3" in e.value.details()
-        stub.Register(pb.RegisterRequest(rank=0, spec=spec.to_pb(), address="x"), timeout=5)
+        stub.Register(pb.RegisterRequest(rank=0, spec=wire.spec_to_pb(spec), address="x"), timeout=5)
         with pytest.raises(grpc.RpcError) as e:  # out of order: round 7 while the coordinator is at 0
             stub.Align(pb.AlignRequest(rank=0, epoch=0, round=7, capacity=1), timeout=5)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "round" in e.value.details()
@@ -407,7 +405,7 @@ def test_round_waits_for_a_live_rank_and_fails_on_a_gone_one():
         for c in clients:
             c.register("x")
             c.start_heartbeats(failures.append)
-        ranks = [RankState(r, 3, spec.make_policy(), 100, window=4) for r in range(3)]
+        ranks = [RankState(spec.replace(world_size=3, token_budget=100, window=4), r) for r in range(3)]
         results: dict = {}
 
         def report(r, delay=0.0):
@@ -459,7 +457,7 @@ def test_rank_that_never_registers_fails_the_job_at_the_startup_timeout():
     try:
         client.register("x")
         with pytest.raises(Exception, match=r"ABORTED.*rank\(s\) \[1\] did not register within the start-up"):
-            client.align(0, RankState(0, 2, spec.make_policy(), 100, window=4).report(1))
+            client.align(0, RankState(spec.replace(world_size=2, token_budget=100, window=4), 0).report(1))
     finally:
         client.close()
         state.close()

@@ -32,10 +32,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from batchd.client._collate import IGNORE_INDEX, collate_packed, collate_padded, loss_tokens
-from batchd.client._model import TinyCausalLM
-from batchd.client._train import scaled_loss, token_loss_sum, train_step
-from batchd.core import SimConfig, Simulator, Step, loss_scale
+from batchd._model import TinyCausalLM
+from batchd.client import (
+    IGNORE_INDEX,
+    collate_packed,
+    collate_padded,
+    loss_tokens,
+    scaled_loss,
+    token_loss_sum,
+    train_step,
+)
+from batchd.core import JobSpec, Simulator, Step, loss_scale
 
 WORLD = 4
 VOCAB = 128
@@ -73,7 +80,7 @@ def build_case(policy: str) -> dict:
     for seed in range(64):
         rng = random.Random(seed)
         lengths = [rng.randint(4, 96) for _ in range(NUM_SAMPLES)]
-        config = SimConfig(world_size=WORLD, token_budget=192, policy=policy, window=8)
+        config = JobSpec(shuffle=False, world_size=WORLD, token_budget=192, policy=policy, window=8)
         steps = list(Simulator(lengths, config))
         idle = [j for j, st in enumerate(steps) if any(s.info.is_idle for s in st)]
         if idle:
@@ -255,7 +262,7 @@ def test_train_step_idle_and_errors(tiny):
     model, batch = tiny
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
-    info = Simulator([3], SimConfig(world_size=2, token_budget=8)).next_step()[1].info
+    info = Simulator([3], JobSpec(shuffle=False, world_size=2, token_budget=8)).next_step()[1].info
     assert info.is_idle
     assert math.isnan(train_step(model, optimizer, None, info))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # zero gradient, no move

@@ -20,7 +20,7 @@ import uuid
 import pytest
 from _procs import processes_with_marker
 
-from batchd.service._demo_data import demo_bad_ids
+from batchd.service.preprocess import demo_bad_ids
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ Every command line they run is extracted and parsed by the parser that will run 
 - `batchd ...` (compose `command:`/`entrypoint:`, `bash -c` strings, shell scripts, `ray up` commands,
   Dockerfile ENTRYPOINT + CMD, the shell blocks of docs/deployment.md) by `batchd.cli.build_parser()`;
 - `torchrun ...` by torch's own `torch.distributed.run.get_args_parser()`, and the trainer module's
-  arguments after it by `batchd.client.train.build_parser()` (also the Kubernetes trainer Job's args,
+  arguments after it by `batchd.train.build_parser()` (also the Kubernetes trainer Job's args,
   which deploy/torchrun/launch.sh forwards).
 
 argparse exits on an unknown flag or a bad value: the test catches it and fails naming the file, the
@@ -18,7 +18,7 @@ start the job: world size = rank services = trainer processes = GPUs, ports = ba
 on the metrics ports. The KubeRay manifests are checked for the fields the CRDs require.
 
 One slow test runs deploy/torchrun/launch.sh for real: torchrun starts 2 gloo trainers
-(`python -m batchd.client.train`) against a real coordinator and 2 rank services on loopback.
+(`python -m batchd.train`) against a real coordinator and 2 rank services on loopback.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _procs import free_block
 import yaml
+from _procs import free_block
 
 from batchd.cli import build_parser
 
@@ -127,7 +127,7 @@ def logical_lines(text: str) -> list[str]:
 @dataclasses.dataclass
 class Invocation:
     source: str
-    program: str          # "batchd" | "torchrun" | "trainer" (args of batchd.client.train)
+    program: str          # "batchd" | "torchrun" | "trainer" (args of batchd.train)
     argv: list[str]
 
     def __str__(self) -> str:
@@ -192,7 +192,7 @@ def parse_error(parser, argv: list[str]) -> str | None:
 
 
 def trainer_parser():
-    return importlib.import_module("batchd.client.train").build_parser()
+    return importlib.import_module("batchd.train").build_parser()
 
 
 def check(inv: Invocation) -> str | None:
@@ -210,8 +210,8 @@ def check(inv: Invocation) -> str | None:
     if error:
         return f"{inv}: torchrun: {error}"
     args = parser.parse_args(inv.argv)
-    if not (args.module and args.training_script == "batchd.client.train"):
-        return f"{inv}: torchrun must run `-m batchd.client.train`, got {args.training_script!r}"
+    if not (args.module and args.training_script == "batchd.train"):
+        return f"{inv}: torchrun must run `-m batchd.train`, got {args.training_script!r}"
     error = parse_error(trainer_parser(), list(args.training_script_args))
     return f"{inv}: trainer: {error}" if error else None
 
@@ -399,7 +399,7 @@ def test_checker_rejects_unknown_flags_and_bad_values() -> None:
     assert check(Invocation("x", "batchd", shlex.split(good)[1:])) is None
     assert "invalid choice" in check(Invocation("x", "batchd", ["coordinator", "--world-size", "2",
                                                                  "--token-budget", "8", "--policy", "fastest"]))
-    bad_torchrun = Invocation("x", "torchrun", ["--nproc-per-node", "2", "-m", "batchd.client.train",
+    bad_torchrun = Invocation("x", "torchrun", ["--nproc-per-node", "2", "-m", "batchd.train",
                                                 "--base-port", "7100", "--bogus"])
     assert "trainer: " in check(bad_torchrun) and "--bogus" in check(bad_torchrun)
     assert "torchrun: " in check(Invocation("x", "torchrun", ["--nprocs-per-nod", "2", "train.py"]))
@@ -620,7 +620,7 @@ def test_start_script_reads_the_layout_from_the_config(tmp_path: Path) -> None:
 
 # -- the trainer entry point ------------------------------------------------------------------------
 def test_trainer_module_imports_and_resolves_addresses() -> None:
-    train = importlib.import_module("batchd.client.train")
+    train = importlib.import_module("batchd.train")
     assert callable(train.main) and callable(train.build_parser)
     assert train.rank_service_address(1, 2, rank_services="a:1,b:2") == "b:2"
     assert train.rank_service_address(3, 4, rank_services="rank-{rank}:7100") == "rank-3:7100"
@@ -634,7 +634,7 @@ def test_trainer_module_imports_and_resolves_addresses() -> None:
 
 
 def test_trainer_refuses_to_start_outside_torchrun(monkeypatch) -> None:
-    train = importlib.import_module("batchd.client.train")
+    train = importlib.import_module("batchd.train")
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="RANK"):
         train.main(["--base-port", "7100"])
@@ -644,7 +644,7 @@ def test_trainer_refuses_to_start_outside_torchrun(monkeypatch) -> None:
 @pytest.mark.parametrize("step_time", [0.0, 5.0])
 def test_start_and_launch_scripts_run_a_job(tmp_path: Path, step_time: float) -> None:
     """deploy/ray/start-batchd.sh (coordinator + 2 rank services from a config, with a bearer token) and
-    deploy/torchrun/launch.sh (torchrun -> 2 x batchd.client.train on gloo) run a 2-epoch job for real.
+    deploy/torchrun/launch.sh (torchrun -> 2 x batchd.train on gloo) run a 2-epoch job for real.
 
     With 5 s trainer steps and a 5 s lease the job still ends cleanly: a slow trainer never fails a job
     (the coordinator stays until every trainer took its last step; leases judge liveness only)."""

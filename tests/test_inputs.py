@@ -83,7 +83,7 @@ def test_missing_inputs_are_one_line_errors(tmp_path):
 def test_trainer_reports_a_missing_tokenizer_in_one_line(tmp_path):
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     missing = str(tmp_path / "tok.json")
-    proc = subprocess.run([sys.executable, "-m", "batchd.client.train", "--base-port", "7100", "--tokenizer",
+    proc = subprocess.run([sys.executable, "-m", "batchd.train", "--base-port", "7100", "--tokenizer",
                            missing], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().count("\n") == 0 and missing in proc.stderr, proc.stderr

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 import torch
 from _jobs import InProcessJob, job_pool
+
 from batchd.client import (
     BatchClient,
     batchd_backward,
@@ -43,7 +44,7 @@ from batchd.client import (
     hf_model_inputs,
     token_loss_sum,
 )
-from batchd.service import JobSpec
+from batchd.core import JobSpec
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")

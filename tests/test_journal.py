@@ -8,7 +8,7 @@ import threading
 import pytest
 from _jobs import InProcessJob
 
-from batchd.service import JobSpec
+from batchd.core import JobSpec
 from batchd.service._coordinator import JOURNAL, create_server
 from batchd.service._journal import Journal, JournalError, decode_records, encode_record
 

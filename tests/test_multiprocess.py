@@ -25,14 +25,21 @@ import grpc
 import pytest
 import torch
 
+from batchd._trainer import build_model
 from batchd.client import collate_padded, token_loss_sum
-from batchd.client._trainer import build_model
 from batchd.core import epoch_permutation
-from batchd.demo import (Processes, _wait_port, demo_lengths, rank_argv, spec_args, start_services,
-                         start_trainers)
+from batchd.demo import (
+    Processes,
+    _wait_port,
+    demo_lengths,
+    rank_argv,
+    spec_args,
+    start_services,
+    start_trainers,
+)
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
-from batchd.service import synthetic_payload
+from batchd.service.preprocess import synthetic_payload
 
 pytestmark = pytest.mark.slow
 

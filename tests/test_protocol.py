@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from _sim_check import check_epoch, run_checked
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd.core import POLICIES, SimConfig, Simulator
-from _sim_check import check_epoch, run_checked
+from batchd.core import POLICIES, JobSpec, Simulator
 
 
 @st.composite
@@ -34,7 +34,7 @@ def workloads(draw, max_samples=160):
 @st.composite
 def configs(draw, budget, policies=POLICIES, modes=("join", "non-join")):
     policy = draw(st.sampled_from(policies))
-    return SimConfig(
+    return JobSpec(
         world_size=draw(st.sampled_from([1, 2, 3, 4, 7, 8, 16, 64])),
         token_budget=budget,
         policy=policy,
@@ -78,7 +78,7 @@ def test_resume_from_any_step_reproduces_the_rest(data):
 
 
 def test_world_larger_than_dataset_idles_but_aligns():
-    config = SimConfig(world_size=64, token_budget=100, policy="local", window=4)
+    config = JobSpec(shuffle=False, world_size=64, token_budget=100, policy="local", window=4)
     sim, schedule = run_checked([50, 60, 70], config)
     check_epoch([50, 60, 70], config, sim, schedule)
     assert len(schedule) == 1
@@ -86,5 +86,5 @@ def test_world_larger_than_dataset_idles_but_aligns():
 
 def test_empty_dataset_ends_immediately():
     for mode in ("join", "non-join"):
-        sim, schedule = run_checked([], SimConfig(world_size=4, token_budget=100, mode=mode))
+        sim, schedule = run_checked([], JobSpec(shuffle=False, world_size=4, token_budget=100, mode=mode))
         assert schedule == [] and sim.coordinator.done

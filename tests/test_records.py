@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchd.preprocess import Quarantine, RecordDataset, Reject, SchemaError, make_demo_dataset, parse_record
-from batchd.service._records import iter_records
+from batchd.service.preprocess import iter_records
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from batchd.client import BatchClient, BatchdError
+from batchd.core import CoordinatorError, JobSpec
+from batchd.proto import Security, channel
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
-from batchd.service import CoordinatorClient, CoordinatorError, JobSpec, Security, channel, create_server
+from batchd.service import CoordinatorClient, create_server
 
 TOKEN = "s3cret-batchd-token-0123456789"
 SPEC = JobSpec(world_size=1, token_budget=1024)
@@ -222,7 +224,7 @@ def test_call_on_a_closed_token_channel_raises_instead_of_crashing():
     raise like a plain channel. Run in a child process so a regression cannot take pytest down."""
     code = (
         "from batchd.proto import batchd_pb2 as pb, batchd_pb2_grpc as pb_grpc\n"
-        "from batchd.service import Security, channel\n"
+        "from batchd.proto import Security, channel\n"
         "ch = channel('127.0.0.1:1', Security(token='abc'))\n"
         "stub = pb_grpc.CoordinatorStub(ch)\n"
         "ch.close()\n"

@@ -31,7 +31,7 @@ from batchd.preprocess import (
     parse_record,
     smart_resize,
 )
-from batchd.service._demo_data import demo_record
+from batchd.service.preprocess import demo_record
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from batchd.core import Coordinator, Policy, RankState, Sample, SimConfig, Simulator, ViewSource
+from batchd.core import Coordinator, JobSpec, RankState, Sample, Simulator, ViewSource
 
 
-def _rank(**kw):
-    args = dict(rank=1, world_size=4, policy=Policy("local"), budget=1000, window=8, seed=3)
+def _rank(rank=1, **kw):
+    args = dict(world_size=4, policy="local", token_budget=1000, window=8, seed=3)
     args.update(kw)
-    return RankState(**args)
+    return RankState(JobSpec(**args), rank)
 
 
 def _busy_rank():
@@ -31,13 +31,13 @@ def _source():
 
 
 def _coordinator():
-    c = Coordinator(4, Policy("local"), 1000, seed=3, mode="non-join", quota=20)
+    c = Coordinator(JobSpec(world_size=4, token_budget=1000, seed=3, mode="non-join", quota=20))
     c.round, c.emitted = 5, 12
     return c
 
 
 def _simulator():
-    sim = Simulator(list(range(1, 80)), SimConfig(world_size=3, token_budget=200, seed=3, window=7))
+    sim = Simulator(list(range(1, 80)), JobSpec(shuffle=False, world_size=3, token_budget=200, seed=3, window=7))
     for _ in range(4):
         sim.next_step()
     return sim
@@ -46,9 +46,9 @@ def _simulator():
 STAGES = {
     "rank": (_busy_rank, _rank),
     "source": (_source, lambda: ViewSource(50, rank=1, world_size=4, seed=3, shuffle=True, wrap=True)),
-    "coordinator": (_coordinator, lambda: Coordinator(4, Policy("local"), 1000, seed=3, mode="non-join", quota=20)),
+    "coordinator": (_coordinator, lambda: Coordinator(JobSpec(world_size=4, token_budget=1000, seed=3, mode="non-join", quota=20))),
     "simulator": (_simulator, lambda: Simulator(list(range(1, 80)),
-                                                SimConfig(world_size=3, token_budget=200, seed=3, window=7))),
+                                                JobSpec(shuffle=False, world_size=3, token_budget=200, seed=3, window=7))),
 }
 
 
@@ -70,8 +70,8 @@ def test_state_round_trip(name):
         (dict(rank=2), "rank"),
         (dict(world_size=8), "world_size"),
         (dict(seed=4), "seed"),
-        (dict(policy=Policy("odb")), "policy"),
-        (dict(budget=999), "token_budget"),
+        (dict(policy="odb"), "policy"),
+        (dict(token_budget=999), "token_budget"),
     ],
 )
 def test_rank_state_refuses_a_mismatched_state(other, needle):
@@ -84,10 +84,10 @@ def test_source_and_coordinator_refuse_mismatched_states():
     with pytest.raises(ValueError, match="seed"):
         ViewSource(50, rank=1, world_size=4, seed=4).load_state_dict(_source().state_dict())
     with pytest.raises(ValueError, match="world_size"):
-        Coordinator(8, Policy("local"), 1000, seed=3, mode="non-join", quota=20).load_state_dict(
+        Coordinator(JobSpec(world_size=8, token_budget=1000, seed=3, mode="non-join", quota=20)).load_state_dict(
             _coordinator().state_dict())
     with pytest.raises(ValueError, match="window"):
-        Simulator(list(range(1, 80)), SimConfig(world_size=3, token_budget=200, seed=3, window=8)).load_state_dict(
+        Simulator(list(range(1, 80)), JobSpec(shuffle=False, world_size=3, token_budget=200, seed=3, window=8)).load_state_dict(
             _simulator().state_dict())
 
 

@@ -13,8 +13,8 @@
 #   RANK_SERVICES: rank service addresses by global rank, a comma list or one address with {rank}
 #     (e.g. batchd-rank-{rank}:7100); without it, rank r's service is RANK_HOST:BASE_PORT + r
 #     (RANK_HOST default 127.0.0.1, BASE_PORT default 7100),
-#   TORCHRUN (torchrun), TRAINER_MODULE (batchd.client.train: any module with the same flags).
-# The trainer (python -m batchd.client.train --help) uses NCCL on cuda:LOCAL_RANK when CUDA is
+#   TORCHRUN (torchrun), TRAINER_MODULE (batchd.train: any module with the same flags).
+# The trainer (python -m batchd.train --help) uses NCCL on cuda:LOCAL_RANK when CUDA is
 # available, else gloo; the global RANK torchrun assigns picks its rank service, so the dynamic
 # rendezvous may place ranks on any node.
 #
@@ -26,7 +26,7 @@
 # example: RDZV_ENDPOINT=127.0.0.1:29500
 # example: RDZV_ID=batchd
 # example: MAX_RESTARTS=0
-# example: TRAINER_MODULE=batchd.client.train
+# example: TRAINER_MODULE=batchd.train
 # example: target=--rank-host 127.0.0.1 --base-port 7100
 set -euo pipefail
 
@@ -40,7 +40,7 @@ RDZV_ENDPOINT="${RDZV_ENDPOINT:-127.0.0.1:29500}"
 RDZV_ID="${RDZV_ID:-batchd}"
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 TORCHRUN="${TORCHRUN:-torchrun}"
-TRAINER_MODULE="${TRAINER_MODULE:-batchd.client.train}"
+TRAINER_MODULE="${TRAINER_MODULE:-batchd.train}"
 
 if [[ -n "${RANK_SERVICES:-}" ]]; then
     target=(--rank-services "$RANK_SERVICES")

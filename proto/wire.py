@@ -7,15 +7,32 @@ Kept in one place so the coordinator, the rank service and the client agree fiel
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from batchd.core import RankCommit, RankReport, RoundDecision, RoundTotals, Sample, StepInfo
-from batchd.proto import batchd_pb2 as pb
+from batchd.core import FIELDS, JobSpec, RankCommit, RankReport, RoundDecision, RoundTotals, Sample, StepInfo
+
+from . import batchd_pb2 as pb
 
 _DTYPES = {"int32", "int64", "float32", "float16", "uint8", "bool", "float64", "int16", "int8"}
 MAX_TENSOR_BYTES = 256 << 20
+
+
+def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
+    """Every `JobSpec` field by name (the message mirrors the dataclass; quota None travels as -1)."""
+    d = dataclasses.asdict(spec)
+    d["quota"] = -1 if spec.quota is None else spec.quota
+    return pb.JobSpec(**d)
+
+
+def spec_from_pb(m: pb.JobSpec) -> JobSpec:
+    """The `JobSpec` of a message, validated by its constructor (ValueError names a bad field)."""
+    d = {f.name: getattr(m, f.name) for f in FIELDS}
+    d["quota"] = None if m.quota < 0 else int(m.quota)
+    d["epochs"] = max(m.epochs, 1)  # a peer that predates the field sends 0
+    return JobSpec(**d)
 
 
 def sample_to_pb(s: Sample) -> pb.SampleMeta:

@@ -8,8 +8,8 @@
   so a full window blocks the producer's stream (gRPC flow control). Not replayable: a rank service fed
   this way cannot be restarted mid-epoch without the producer resending (documented limitation).
 
-A source's `poll(timeout)` returns an item, `None` (nothing yet) or `EXHAUSTED`; `start_epoch(e)`
-moves it to epoch e's view from its start (the rank service calls it between epochs).
+Every source implements `Source` (a `typing.Protocol`, checked at run time by `isinstance`): the rank
+service depends on that interface only. `RaySource` (`_pipeline`) is the third implementation.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -25,6 +25,42 @@ from batchd.core import Sample, ViewSource
 
 EXHAUSTED = object()
 Payload = dict[str, np.ndarray]
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What a rank service pulls samples from: one rank's view of one epoch, resumable.
+
+    Contract:
+        poll(timeout): the next `(Sample, payload)`, `None` when nothing is ready within `timeout`
+            seconds, or `EXHAUSTED` once the epoch's view is done (and forever after).
+        peek_id(): the id `poll` will yield next if the source knows it (None otherwise); the rank
+            service uses it to skip ids a restored journal already holds.
+        materialize(id) / materialize_many(ids): the payloads of ids of this epoch (for a peer's
+            `Fetch` of a moved sample and for a restored journal); KeyError names an id it cannot give.
+        start_epoch(e): epoch e's view, from its start (called between epochs).
+        state_dict() / load_state_dict(state): a JSON-safe resume point taken between polls; loading a
+            state of another rank, world size, seed, epoch or dataset raises ValueError naming it.
+        stats(): counters for logs and metrics (JSON-safe); close(): frees workers (idempotent).
+    """
+
+    def poll(self, timeout: float = 0.0) -> Any: ...
+
+    def peek_id(self) -> int | None: ...
+
+    def materialize(self, sample_id: int) -> Payload: ...
+
+    def materialize_many(self, sample_ids: Sequence[int]) -> list[Payload]: ...
+
+    def start_epoch(self, epoch: int) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 def synthetic_payload(sample_id: int, length: int, seed: int, vocab_size: int) -> Payload:
@@ -74,6 +110,9 @@ class SyntheticSource:
             raise KeyError(f"sample {sample_id} is not in this dataset of {len(self.lengths)} samples")
         return synthetic_payload(sample_id, self.lengths[sample_id], self.seed, self.vocab_size)
 
+    def materialize_many(self, sample_ids: Sequence[int]) -> list[Payload]:
+        return [self.materialize(int(i)) for i in sample_ids]
+
     def meta(self, sample_id: int, payload: Payload, home_rank: int | None = None) -> Sample:
         n = self.lengths[sample_id]
         return Sample(sample_id, n, loss_tokens_of(payload["labels"]), self.rank if home_rank is None else home_rank)
@@ -93,6 +132,12 @@ class SyntheticSource:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.view.load_state_dict(state)
+
+    def stats(self) -> dict[str, Any]:
+        return {"samples": len(self.lengths), "view": len(self.view), "position": self.view.position}
+
+    def close(self) -> None:
+        pass
 
 
 class IngestSource:
@@ -130,6 +175,15 @@ class IngestSource:
 
     def materialize(self, sample_id: int) -> Payload:
         raise KeyError(f"sample {sample_id}: an ingest source cannot re-materialize payloads")
+
+    def materialize_many(self, sample_ids: Sequence[int]) -> list[Payload]:
+        return [self.materialize(int(i)) for i in sample_ids]
+
+    def stats(self) -> dict[str, Any]:
+        return {"queued": self._q.qsize(), "ingested": len(self._ids), "ended": self._ended.is_set()}
+
+    def close(self) -> None:
+        self.end()
 
     def peek_id(self) -> int | None:
         return None

@@ -1,7 +1,7 @@
 """A torchrun-launched reference trainer: one DDP rank that trains on its batchd rank service.
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \\
-        -m batchd.client.train --rank-host batchd-head --base-port 7100
+        -m batchd.train --rank-host batchd-head --base-port 7100
 
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous (MASTER_ADDR/PORT); this module reads
 them, initialises the process group (NCCL on `cuda:LOCAL_RANK` when CUDA is available, else gloo on
@@ -45,6 +45,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from batchd.client import BatchClient, JobFailed, train_step
+from batchd.proto import Security
+from batchd.service.preprocess import TokenizerRef
+
+from ._model import TinyCausalLM
+from ._trainer import _FailureWatch, raise_job_failure
 
 
 def _env_int(name: str) -> int:
@@ -97,8 +104,6 @@ def vocab_size(explicit: int | None, tokenizer: str | None) -> int:
             `tokenizer` is not a tokenizer.
         FileNotFoundError: naming `tokenizer` when it does not exist.
     """
-    from batchd.service._tokenizer import TokenizerRef
-
     needed = TokenizerRef(tokenizer).id_space if tokenizer else None
     if explicit is not None and needed is not None and explicit < needed:
         raise ValueError(f"vocab_size is smaller than the tokenizer's, got {explicit=} {needed=} ({tokenizer=})")
@@ -106,7 +111,7 @@ def vocab_size(explicit: int | None, tokenizer: str | None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m batchd.client.train",
+    p = argparse.ArgumentParser(prog="python -m batchd.train",
                                 description="One torchrun-launched DDP rank training on its batchd rank service.")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--rank-services", metavar="ADDRS",
@@ -151,19 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def security_from_args(args: argparse.Namespace):
-    """The trainer's `batchd.service.Security` from its flags, or None (plaintext, no token)."""
+    """The trainer's `batchd.proto.Security` from its flags, or None (plaintext, no token)."""
     if not any((args.tls_ca, args.tls_cert, args.tls_key, args.token_file, args.tls_client_auth)):
         return None
-    from batchd.service import Security
-
     return Security.from_files(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                                client_auth=args.tls_client_auth, token_file=args.token_file)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one rank's epochs; returns the exit code (1 when the job failed)."""
-    from batchd.client import BatchClient, JobFailed, TinyCausalLM, train_step
-
     args = build_parser().parse_args(argv)
     if args.epochs is not None and args.epochs < 1:
         raise SystemExit(f"--epochs must be >= 1, got {args.epochs}")
@@ -173,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         security = security_from_args(args)
         vocab = vocab_size(args.vocab_size, args.tokenizer)
     except (ValueError, OSError) as exc:
-        print(f"[rank {rank}] batchd.client.train: error: {exc}", file=sys.stderr, flush=True)
+        print(f"[rank {rank}] batchd.train: error: {exc}", file=sys.stderr, flush=True)
         return 2
     cuda = torch.cuda.is_available() and args.backend != "gloo"
     backend = args.backend if args.backend != "auto" else ("nccl" if cuda else "gloo")
@@ -241,10 +242,6 @@ def _log_step(fd: int | None, epoch: int, step: int, ids: list[int]) -> None:
 
 
 def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
-    from batchd.client import JobFailed
-
-    from ._trainer import _FailureWatch, raise_job_failure
-
     steps = idle = 0
     epoch_steps: list[int] = []
     loss = float("nan")

@@ -58,7 +58,6 @@ import numpy as np
 import ray
 
 from batchd.core import Sample, ViewSource
-from batchd.core._source import K_PASS, K_POS
 
 from ._records import DatasetHandle, Quarantine, RecordDataset, Reject
 from ._sources import EXHAUSTED
@@ -757,11 +756,7 @@ class RaySource:
 
     # -- state ---------------------------------------------------------------------------------------
     def _view_state_at(self, seq: int) -> dict[str, Any]:
-        state = self.view.state_dict()
-        n = len(self.view)
-        passes, position = divmod(seq, n) if self.wrap and n else (0, seq)
-        state[K_PASS], state[K_POS] = passes, position
-        return state
+        return self.view.state_at(seq)
 
     def state_dict(self) -> dict[str, Any]:
         """Exact resume point: the view at the first unresolved sample, plus what is resolved beyond it."""

@@ -23,21 +23,42 @@ longest sample, and `wait_s`: the time the loop spent blocked waiting for its ne
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ._collate import collate_padded
+from batchd.client import (
+    BatchClient,
+    JobFailed,
+    collate_padded,
+    forward_logits,
+    idle_batch,
+    scaled_loss_and_mean,
+    token_loss_sum,
+)
+from batchd.core import epoch_permutation
+from batchd.proto import batchd_pb2 as pb
+from batchd.service.preprocess import (
+    EXHAUSTED,
+    RaySource,
+    default_stages,
+    ensure_ray,
+    resolve_many,
+    synthetic_payload,
+)
+
 from ._model import TinyCausalLM
-from ._train import _forward, _scaled, token_loss_sum
 
 MODEL_DEFAULTS = {"vocab_size": 512, "d_model": 128, "n_layers": 2, "n_heads": 4}
 
@@ -49,8 +70,6 @@ def build_model(model_cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = t
 
 def fixed_batches(lengths: list[int], rank: int, world_size: int, seed: int, batch_size: int) -> list[list[int]]:
     """The baseline's batches of sample ids for `rank` (DistributedSampler semantics, shuffle on)."""
-    from batchd.core import epoch_permutation
-
     perm = epoch_permutation(len(lengths), seed, 0).tolist()
     per_rank = math.ceil(len(perm) / world_size)
     padded = perm + perm[: per_rank * world_size - len(perm)]
@@ -70,9 +89,6 @@ def run(rank: int, world_size: int, master_port: int, out: str, mode: str = "bat
     model_cfg = model_cfg or {}
     source = None
     if mode != "batchd" and dataset is not None:  # started before the clock, like the rank services
-        from batchd.service._pipeline import RaySource, ensure_ray
-        from batchd.service._stages import default_stages
-
         ensure_ray(ray_address)
         source = RaySource(dataset, rank, world_size, seed, 0, shuffle, num_actors=num_actors,
                            stages=default_stages(tokenizer, cutoff=cutoff))
@@ -116,10 +132,6 @@ def _log_global_loss(logits: torch.Tensor, labels: torch.Tensor, result: dict[st
 
 
 def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_time=0.0) -> None:
-    from batchd.client._client import BatchClient, JobFailed
-
-    from ._collate import idle_batch
-
     client = BatchClient(service, rank, world_size)
     # Held in a variable: when a step fails, the loop must not close the stream before _job_failure has
     # asked the service why (a closed stream looks like this trainer died, and would be blamed on it).
@@ -150,8 +162,8 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_ti
             if step_time > 0:
                 time.sleep(step_time)
             opt.zero_grad(set_to_none=True)
-            logits = _forward(ddp, batch)
-            loss, _ = _scaled(logits, batch["labels"], scale, tokens)
+            logits = forward_logits(ddp, batch)
+            loss, _ = scaled_loss_and_mean(logits, batch["labels"], scale, tokens)
             loss.backward()
             if len(result["grads"]) < grad_steps:  # the all-reduced gradient, for the equality test
                 result["grads"].append(torch.cat([p.grad.detach().flatten() for p in ddp.module.parameters()
@@ -179,18 +191,12 @@ class _FailureWatch:
     """
 
     def __init__(self, client, period_s: float = 0.5) -> None:
-        import threading
-
         self.client, self.period_s = client, period_s
         self.failure: str | None = None
         self._stop = threading.Event()
         threading.Thread(target=self._run, name="batchd-failure-watch", daemon=True).start()
 
     def _run(self) -> None:
-        import grpc
-
-        from batchd.proto import batchd_pb2 as pb
-
         while not self._stop.wait(self.period_s):
             try:
                 failure = self.client.stub.RankStatus(pb.RankStatusRequest(), timeout=2).failure
@@ -207,8 +213,6 @@ class _FailureWatch:
 def raise_job_failure(client, watch: _FailureWatch, exc: BaseException) -> None:
     """A step raised (typically a collective broke because a peer died): when the rank service knows the
     job failed, raise `JobFailed` with its message (it names the rank); otherwise return."""
-    from batchd.client._client import JobFailed
-
     failure = _job_failure(client, watch)
     if failure:
         raise JobFailed(f"{failure} (this trainer saw: {type(exc).__name__}: {exc})") from exc
@@ -216,10 +220,6 @@ def raise_job_failure(client, watch: _FailureWatch, exc: BaseException) -> None:
 
 def _job_failure(client, watch: _FailureWatch) -> str | None:
     """After a collective failed, ask this rank's service why (its message names the failed rank)."""
-    import grpc
-
-    from batchd.proto import batchd_pb2 as pb
-
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -233,8 +233,6 @@ def _job_failure(client, watch: _FailureWatch) -> str | None:
 
 
 def _run_fixed(rank, world_size, lengths, batch_size, seed, model_cfg, ddp, opt, result) -> None:
-    from batchd.service._sources import synthetic_payload
-
     vocab = {**MODEL_DEFAULTS, **model_cfg}["vocab_size"]
     for ids in fixed_batches(lengths, rank, world_size, seed, batch_size):
         payloads = [synthetic_payload(i, lengths[i], seed, vocab) for i in ids]
@@ -242,7 +240,7 @@ def _run_fixed(rank, world_size, lengths, batch_size, seed, model_cfg, ddp, opt,
         result["real_tokens"] += int(batch["attention_mask"].sum())
         result["padded_tokens"] += int(batch["input_ids"].numel())
         opt.zero_grad(set_to_none=True)
-        logits = _forward(ddp, batch)
+        logits = forward_logits(ddp, batch)
         s, n = token_loss_sum(logits, batch["labels"])
         (s / max(n, 1)).backward()
         opt.step()
@@ -252,9 +250,6 @@ def _run_fixed(rank, world_size, lengths, batch_size, seed, model_cfg, ddp, opt,
 
 def _run_fixed_source(source, batch_size, ddp, opt, result) -> None:
     """The fixed baseline over a `RaySource` (see the module docstring)."""
-    from batchd.service._pipeline import resolve_many
-    from batchd.service._sources import EXHAUSTED
-
     exhausted, first = False, None
     while True:
         t_wait = time.perf_counter()
@@ -281,7 +276,7 @@ def _run_fixed_source(source, batch_size, ddp, opt, result) -> None:
         result["padded_tokens"] += int(batch["input_ids"].numel())
         result["longest"] = max(result["longest"], int(batch["attention_mask"].sum(1).max()))
         opt.zero_grad(set_to_none=True)
-        logits = _forward(ddp, batch)
+        logits = forward_logits(ddp, batch)
         s, n = token_loss_sum(logits, batch["labels"])
         (s / max(n, 1) if n else logits.sum() * 0.0).backward()
         opt.step()
@@ -290,8 +285,6 @@ def _run_fixed_source(source, batch_size, ddp, opt, result) -> None:
 
 
 def main() -> None:
-    import argparse
-
     p = argparse.ArgumentParser(description="batchd demo trainer (one rank)")
     p.add_argument("--config", required=True, help="JSON file with run()'s keyword arguments")
     args = p.parse_args()

@@ -1,0 +1,102 @@
+"""`JobSpec`: the one description of a job that every party agrees on, and the simulator runs.
+
+The coordinator, every rank service and `batchd simulate` take the same frozen dataclass; the
+config file's `[job]` keys, the command line's job flags and the wire message are all derived from
+its fields (`FIELDS`, each field's `metadata["help"]`). A rank registering with a spec that differs
+from the coordinator's is refused, naming the fields (`diff`): a silent mismatch (another window,
+seed or token_budget on one rank) would break the protocol's guarantees.
+
+Validation happens once, here, in `__post_init__`; every error names the field and the bad value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ._align import MODES
+from ._cost import COST_MODELS, CostModel
+from ._policy import ALIGN_RULES, POLICIES, Policy
+from ._rank import OVER_BUDGET
+from ._types import check_choice, check_int
+
+COLLATE = ("packed", "padded")
+
+
+def _field(default: Any, help: str, **meta: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """The batching configuration of one job (see the module docstring).
+
+    Attributes are listed with their help text in `batchd config --example` and `--help`. The two
+    without defaults are `world_size` and `token_budget` (L_max: the most one rank's step may cost, in
+    the cost model's tokens).
+    """
+
+    world_size: int = dataclasses.field(metadata={"help": "number of trainer ranks", "metavar": "N"})
+    token_budget: int = dataclasses.field(metadata={"help": "L_max: the most one rank's step may cost, in tokens",
+                                                    "metavar": "L"})
+    policy: str = _field("local", "grouping policy", choices=POLICIES)
+    window: int = _field(512, "samples a rank buffers before grouping", metavar="W")
+    batch_size: int = _field(8, "B of the fixed and sorted baselines", metavar="B")
+    mode: str = _field("join", "termination: join (every sample once) or non-join (a sample quota)",
+                       choices=MODES)
+    cost: str = _field("padded", "cost model of a group", choices=COST_MODELS)
+    over_budget: str = _field("singleton", "what a sample longer than token_budget does", choices=OVER_BUDGET)
+    seed: int = _field(0, "seeds sampler views and the emission order")
+    shuffle: bool = _field(True, "a seeded permutation of ids per epoch (off: rank r owns ids r, r+N, ...)")
+    depth: int = _field(8, "batches a rank keeps ready (the alignment capacity)", metavar="D")
+    max_wait: int = _field(16, "rounds a sample may wait in a window", metavar="R")
+    align: str = _field("min", "DGAP target rule: min (batchd's) or odb (ODB 0.1.2's max-target rule)",
+                        choices=ALIGN_RULES)
+    refine: bool = _field(True, "balanced: shrink the round's group capacity so groups cost alike")
+    quota: int | None = _field(None, "non-join: samples per epoch (the simulator's default: all samples)")
+    quadratic: int = _field(4096, "q of the attention cost model (len + len^2 / q)", metavar="Q")
+    collate: str = _field("padded", "batch layout the rank service builds", choices=COLLATE)
+    epochs: int = _field(1, "epochs the job runs; each is a new seeded view of the data per rank", metavar="E")
+
+    def __post_init__(self) -> None:
+        check_int("world_size", self.world_size, lo=1)
+        check_int("token_budget", self.token_budget, lo=1)
+        check_int("window", self.window, lo=1)
+        check_int("depth", self.depth, lo=1)
+        check_int("seed", self.seed)
+        check_int("epochs", self.epochs, lo=1)
+        check_choice("mode", self.mode, MODES)
+        check_choice("over_budget", self.over_budget, OVER_BUDGET)
+        check_choice("collate", self.collate, COLLATE)
+        for name in ("shuffle", "refine"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {name}={getattr(self, name)!r}")
+        if self.quota is not None:
+            check_int("quota", self.quota, lo=0)
+        self.policy_object()
+        self.cost_model()
+
+    def policy_object(self) -> Policy:
+        """The grouping policy these fields describe."""
+        return Policy(self.policy, self.batch_size, self.max_wait, self.align, self.refine)
+
+    def cost_model(self) -> CostModel:
+        return CostModel(self.cost, self.quadratic)
+
+    def check_daemon(self) -> JobSpec:
+        """Raises ValueError if the daemon cannot run this spec (the simulator can): non-join needs a quota."""
+        if self.mode == "non-join" and self.quota is None:
+            raise ValueError("non-join mode needs an explicit sample quota in the job spec, got quota=None")
+        return self
+
+    def diff(self, other: JobSpec) -> dict[str, tuple[Any, Any]]:
+        """Fields where `other` differs: {field: (self's, other's)}."""
+        a, b = dataclasses.asdict(self), dataclasses.asdict(other)
+        return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+
+    def replace(self, **changes: Any) -> JobSpec:
+        return dataclasses.replace(self, **changes)
+
+
+FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(JobSpec)
+REQUIRED = ("world_size", "token_budget")

@@ -1,0 +1,79 @@
+"""batchd's preprocessing data plane: records -> stages -> Ray actor pool -> per-rank sources.
+
+    from batchd.service.preprocess import RaySource, make_demo_dataset, default_stages, resolve
+
+    demo = make_demo_dataset("/tmp/demo", num_samples=512)
+    with RaySource(demo.path, rank=0, world_size=2, seed=0, epoch=0, num_actors=2,
+                   stages=default_stages(cutoff=1024), quarantine="/tmp/demo/quarantine.jsonl") as src:
+        item = src.poll(1.0)              # (Sample, ObjectRef) | None | EXHAUSTED
+        payload = resolve(item[1])        # {"input_ids", "labels", ["pixel_values", "image_grid_thw"]}
+
+Modules: `_records` (dataset files, record schema, quarantine), `_stages` (the chain: templates, text,
+vision, augmentation), `_tokenizer`, `_demo_data`, `_pipeline` (Ray actors, the pool, `RaySource`),
+`_sources` (the `Source` protocol, synthetic and pushed sources). Imports only `batchd.core`: the rank
+service builds on it, never the other way.
+"""
+
+
+from ._demo_data import DemoDataset, demo_bad_ids, demo_record, demo_records, make_demo_dataset
+from ._pipeline import (
+    PreprocessPool,
+    PreprocessWorker,
+    RaySource,
+    SharedRay,
+    ensure_ray,
+    resolve,
+    resolve_many,
+    share_ray,
+)
+from ._records import (
+    EmptyDatasetError,
+    Quarantine,
+    Record,
+    RecordDataset,
+    Reject,
+    SchemaError,
+    iter_records,
+    parse_record,
+)
+from ._sources import (
+    EXHAUSTED,
+    IngestSource,
+    Payload,
+    Source,
+    SyntheticSource,
+    loss_tokens_of,
+    synthetic_payload,
+)
+from ._stages import (
+    QWEN2VL_IMAGE,
+    TEMPLATES,
+    ChatTemplate,
+    Example,
+    LlavaVision,
+    Preprocessor,
+    Qwen2VLVision,
+    RandomResizedCrop,
+    SampleMeta,
+    Stage,
+    StageContext,
+    SystemPrompt,
+    Tokenize,
+    Truncate,
+    TurnSubsample,
+    default_stages,
+    resolve_stage,
+    smart_resize,
+)
+from ._tokenizer import SPECIAL_TOKENS, TokenizerRef, demo_tokenizer, train_tokenizer
+
+__all__ = sorted([
+    "IngestSource", "Payload", "SharedRay", "Source", "SyntheticSource", "loss_tokens_of", "share_ray", "synthetic_payload",
+    "EXHAUSTED", "demo_bad_ids", "demo_record", "QWEN2VL_IMAGE", "SPECIAL_TOKENS", "TEMPLATES",
+    "ChatTemplate", "DemoDataset", "EmptyDatasetError", "Example", "LlavaVision", "PreprocessPool", "PreprocessWorker", "Preprocessor",
+    "Quarantine", "Qwen2VLVision", "RandomResizedCrop", "RaySource", "Record", "RecordDataset", "Reject",
+    "SampleMeta", "SchemaError", "Stage", "StageContext", "SystemPrompt", "Tokenize", "TokenizerRef", "Truncate",
+    "TurnSubsample", "default_stages", "demo_records", "demo_tokenizer", "ensure_ray", "iter_records",
+    "make_demo_dataset", "parse_record", "resolve", "resolve_many", "resolve_stage", "smart_resize",
+    "train_tokenizer",
+])
