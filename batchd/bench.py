@@ -105,7 +105,8 @@ def run_system(system: str, work: Path, common: dict[str, Any], world_size: int,
                timeout: float, tag: str | None = None) -> list[dict[str, Any]]:
     """Runs one system's N trainers (and, for batchd, its coordinator and rank services) in `work/tag`;
     returns their results."""
-    from batchd.demo import Processes, spec_args, start_services, start_trainers, wait_trainers
+    from batchd.core import JobSpec
+    from batchd.launch import Processes, spec_argv, start_services, start_trainers, wait_trainers
 
     sys_dir = work / (tag or system)
     sys_dir.mkdir()
@@ -114,7 +115,8 @@ def run_system(system: str, work: Path, common: dict[str, Any], world_size: int,
         per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
         if system.startswith("batchd-"):
             policy, layout = BATCHD_SYSTEMS[system]
-            args = spec_args(world_size, spec["token_budget"], policy, spec["window"], spec["depth"], spec["seed"])
+            args = spec_argv(JobSpec(world_size=world_size, token_budget=spec["token_budget"], policy=policy,
+                                    window=spec["window"], depth=spec["depth"], seed=spec["seed"]))
             args += ["--collate", layout, "--cost", layout, "--epochs", str(spec.get("epochs", 1))]
             _, ports = start_services(procs, sys_dir, args, world_size, work / "lengths.txt")
             per_rank = [{"service": f"127.0.0.1:{p}"} for p in ports]

@@ -165,7 +165,7 @@ class Party:
         self.expected_end: dict[int, str] = {}  # incarnation index -> why it did not exit on its own
 
     def start(self, env: dict[str, str] | None = None) -> subprocess.Popen:
-        from batchd.demo import _die_with_parent
+        from batchd.launch import die_with_parent
 
         if env:
             self.env = {**self.env, **env}
@@ -175,7 +175,7 @@ class Party:
         with open(self.log, "a") as log:
             log.write(f"\n=== {self.name} incarnation {len(self.procs)}: {' '.join(self.argv)}\n")
             log.flush()
-            self.procs.append(subprocess.Popen(_die_with_parent(self.argv), stdout=log, stderr=subprocess.STDOUT,
+            self.procs.append(subprocess.Popen(die_with_parent(self.argv), stdout=log, stderr=subprocess.STDOUT,
                                                env=full))
         return self.procs[-1]
 
@@ -259,7 +259,7 @@ def actor_pids() -> list[int]:
 
 
 def free_port() -> int:
-    from batchd.demo import free_port as fp
+    from batchd.launch import free_port as fp
 
     return fp()
 

@@ -367,7 +367,7 @@ def test_rank_started_long_before_its_coordinator_registers_in_time():
     """Services start in any order: a rank that has been refused for 6 s registers within its 8 s connect
     timeout once the coordinator is up. (With gRPC's default reconnect backoff its channel would be waiting
     out a ~4-6 s backoff then, and miss the deadline.)"""
-    from batchd.demo import free_port
+    from batchd.launch import free_port
 
     spec = JobSpec(world_size=1, token_budget=100, window=4)
     port = free_port()

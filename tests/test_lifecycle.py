@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 from _procs import processes_with_marker
 
-from batchd.demo import Processes, spec_args, start_services
+from batchd.core import JobSpec
+from batchd.launch import Processes, spec_argv, start_services
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +134,7 @@ def test_rank_services_on_one_host_share_one_ray(tmp_path):
     ray_tmp = tempfile.mkdtemp(prefix="bdr-", dir="/tmp")
     marker = f"BATCHD_TEST_SHARED_RAY={uuid.uuid4().hex}"
     procs = Processes(tmp_path, {"TMPDIR": ray_tmp, marker.split("=")[0]: marker.split("=")[1]})
-    spec = spec_args(world, 1024, "balanced", 32, 2, 0)
+    spec = spec_argv(JobSpec(world_size=world, token_budget=1024, policy="balanced", window=32, depth=2))
     try:
         _, ports = start_services(procs, tmp_path, spec, world, None, rank_args=lambda r: [
             "--dataset", str(data.path), "--num-actors", "1", "--stats-file", str(tmp_path / f"stats-{r}.json")])

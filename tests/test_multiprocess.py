@@ -1,5 +1,5 @@
 """The daemon as real processes: `batchd coordinator`, 4 x `batchd rank` and 4 gloo DDP trainers
-(`python -m batchd.client._trainer`) on loopback, every server on port 0, CPU only.
+(`python -m batchd._trainer`) on loopback, every server on port 0, CPU only.
 
 1. A full epoch: equal step counts, every sample id exactly once, and the all-reduced float64 gradients
    of the first two steps equal a single-process reference on the union of each step's samples
@@ -27,16 +27,9 @@ import torch
 
 from batchd._trainer import build_model
 from batchd.client import collate_padded, token_loss_sum
-from batchd.core import epoch_permutation
-from batchd.demo import (
-    Processes,
-    _wait_port,
-    demo_lengths,
-    rank_argv,
-    spec_args,
-    start_services,
-    start_trainers,
-)
+from batchd.core import JobSpec, epoch_permutation
+from batchd.demo import demo_lengths
+from batchd.launch import Processes, rank_argv, spec_argv, start_services, start_trainers, wait_port
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.service.preprocess import synthetic_payload
@@ -61,7 +54,8 @@ class Job:
                  rank_args: tuple[str, ...] = ()) -> None:
         self.work, self.lengths, self.depth = work, lengths, depth
         self.procs = Processes(work)
-        self.spec = spec_args(WORLD, budget, policy, window, depth, SEED)
+        self.spec = spec_argv(JobSpec(world_size=WORLD, token_budget=budget, policy=policy, window=window,
+                                      depth=depth, seed=SEED))
         self.lengths_file = work / "lengths.txt"
         self.lengths_file.write_text("\n".join(map(str, lengths)) + "\n")
         self.rank_args = rank_args
@@ -266,7 +260,7 @@ def test_restarted_rank_service_completes_the_epoch(jobs, tmp_path):
     port_file = job.work / f"rank-{victim}-restarted.port"
     new = job.procs.start(f"rank-{victim}-restarted", rank_argv(job.spec, victim, job.cport, job.lengths_file,
                                                                 job.ports[victim], port_file, job.rank_args))
-    assert _wait_port(port_file, new, "the restarted rank service") == job.ports[victim]
+    assert wait_port(port_file, new, "the restarted rank service") == job.ports[victim]
     codes = job.wait_exit(TRAINERS, 90)
     assert set(codes.values()) == {0}, job.logs()
     results = job.results()

@@ -1,0 +1,272 @@
+"""Starting and stopping batchd's processes on one machine: what `batchd demo`, `batchd bench` and the
+multi-process tests share.
+
+`Processes` starts children in their own session with a run marker in their environment and stops them
+all on any exit path (a `Reaper` process ends them even if the parent is SIGKILLed); `start_services`
+starts a coordinator and N rank services (`batchd coordinator` / `batchd rank` as subprocesses) and
+waits for their ports; `start_trainers` / `wait_trainers` run the demo trainer (`batchd._trainer`) on
+each rank. Linux only (PR_SET_PDEATHSIG, /proc).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from batchd.core import FIELDS, JobSpec
+
+SERVICE_START_S = 120.0  # a rank service with --dataset starts its actors before it listens
+
+__all__ = ["MARKER_ENV", "SERVICE_START_S", "Processes", "Reaper", "die_with_parent", "free_port", "marked",
+           "rank_argv", "signal_all", "spec_argv", "start_services", "start_trainers", "wait_port",
+           "wait_trainers"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Runs in each child before it execs the real command: Linux then sends it SIGTERM when the demo dies,
+# even by SIGKILL (PR_SET_PDEATHSIG survives exec). A launcher rather than Popen(preexec_fn=...): a
+# preexec_fn forces a plain fork() that runs the parent's at-fork handlers, and gRPC's abort the child
+# (epoll_wait: Bad file descriptor) when the parent has gRPC threads, as a test driving the daemon does.
+_PARENT_DEATH_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(143)  # the parent is already gone\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def die_with_parent(argv: list[str]) -> list[str]:
+    """`argv` wrapped so that the child is SIGTERMed when this process dies (Linux; elsewhere unchanged)."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-c", _PARENT_DEATH_LAUNCHER, str(os.getpid()), *argv]
+
+
+# The reaper (`start_reaper`): blocks on a pipe whose only writer is the demo, so the read returns
+# (EOF) when the demo exits, however it exits. It then ends the processes that carry the demo's run
+# marker in their environment (SIGTERM, then SIGKILL after a grace), except the demo itself if it is
+# still alive (a normal exit), and removes the demo's temp dir. /proc only, no psutil.
+_REAPER = r"""
+import os, shutil, signal, sys, time
+fd, parent, work, marker = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].encode()
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+try:
+    while os.read(fd, 4096):
+        pass
+except OSError:
+    pass
+
+def marked():
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (os.getpid(), parent):
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if marker not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+        except OSError:
+            continue
+        found.append(int(name))
+    return found
+
+def signal_all(sig):
+    pids = marked()
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except OSError:
+            pass
+    return pids
+
+# SIGTERM, a grace, then SIGKILL again and again: a dying parent (Ray's raylet) may still spawn a child
+# (its agents) after a pass, so the passes repeat until nothing marked is left (or 8 s passed).
+pids, deadline = signal_all(signal.SIGTERM), time.monotonic() + 2.0
+while pids and time.monotonic() < deadline:
+    time.sleep(0.05)
+    pids = marked()
+deadline = time.monotonic() + 6.0
+while pids and time.monotonic() < deadline:
+    signal_all(signal.SIGKILL)
+    time.sleep(0.1)
+    pids = marked()
+shutil.rmtree(work, ignore_errors=True)
+"""
+
+MARKER_ENV = "BATCHD_DEMO_RUN"
+
+
+class Reaper:
+    """A process that cleans up after the demo when the demo exits, even by SIGKILL (see `_REAPER`).
+
+    It ends every process whose environment holds `MARKER_ENV=<marker>` and removes `work`. `close()`
+    (the demo's normal exit) lets it run at once and waits for it.
+    """
+
+    def __init__(self, work: Path, marker: str) -> None:
+        self.marker = marker
+        read_fd, self._write_fd = os.pipe()  # neither end is inherited by other children (PEP 446)
+        env = {k: v for k, v in os.environ.items() if k != MARKER_ENV}
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _REAPER, str(read_fd), str(os.getpid()), str(work),
+                 f"{MARKER_ENV}={marker}"],
+                pass_fds=(read_fd,), env=env, start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        finally:
+            os.close(read_fd)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._write_fd is None:
+            return
+        os.close(self._write_fd)
+        self._write_fd = None
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class Processes:
+    """Children that are terminated (then killed) whatever happens.
+
+    Each child runs in its own session (a terminal's Ctrl-C reaches only this process, which stops the
+    children in order) and gets SIGTERM from the kernel when this process dies (Linux). `env` is added
+    to every child's environment.
+    """
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.log_dir = log_dir
+        self.env = dict(env or {})
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env}
+        with open(self.log_dir / f"{name}.log", "w") as log:  # the child keeps its own descriptor
+            proc = subprocess.Popen(die_with_parent(argv), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append((name, proc))
+        return proc
+
+    def get(self, name: str) -> subprocess.Popen:
+        return dict(self.procs)[name]
+
+    def log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text()[-3000:] if path.exists() else ""
+
+    def stop(self) -> None:
+        for _, p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + 5
+        for _, p in self.procs:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def wait_port(path: Path, proc: subprocess.Popen, name: str, timeout: float = 60.0) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())["port"]
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with status {proc.returncode} before listening")
+        time.sleep(0.05)
+    raise TimeoutError(f"{name} did not listen within {timeout:g}s")
+
+
+def spec_argv(spec: JobSpec) -> list[str]:
+    """The `batchd coordinator` / `batchd rank` flags that give exactly `spec` (every field, by name):
+    the inverse of the CLI's flags, which are derived from the same `JobSpec` fields."""
+    argv = []
+    for f in FIELDS:
+        value, flag = getattr(spec, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def rank_argv(spec: list[str], rank: int, coordinator_port: int, lengths_file: Path | None, port: int,
+              port_file: Path, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The command line of rank service `rank` (`port` 0 picks a free one; no `lengths_file`: the data
+    source comes from `extra`, e.g. `--dataset`)."""
+    lengths = ["--lengths", str(lengths_file)] if lengths_file is not None else []
+    return [sys.executable, "-m", "batchd", "rank", *spec, "--rank", str(rank),
+            "--coordinator", f"127.0.0.1:{coordinator_port}", *lengths,
+            "--port", str(port), "--port-file", str(port_file), *extra]
+
+
+def start_services(procs: Processes, work: Path, spec: list[str], world_size: int, lengths_file: Path | None,
+                   coordinator_args: list[str] | tuple[str, ...] = (),
+                   rank_args: list[str] | tuple[str, ...] | Callable[[int], list[str]] = ()
+                   ) -> tuple[int, list[int]]:
+    """Starts the coordinator ("coordinator") and the rank services ("rank-R") on free loopback ports;
+    returns (coordinator port, rank service ports) once every one listens. `rank_args` may be a function
+    of the rank."""
+    coord = procs.start("coordinator", [sys.executable, "-m", "batchd", "coordinator", *spec, "--port", "0",
+                                        "--port-file", str(work / "coord.port"), *coordinator_args])
+    cport = wait_port(work / "coord.port", coord, "coordinator")
+    ports = []
+    procs_r = []
+    for r in range(world_size):  # started together: each may spend seconds starting its Ray actors
+        extra = rank_args(r) if callable(rank_args) else rank_args
+        argv = rank_argv(spec, r, cport, lengths_file, 0, work / f"rank-{r}.port", extra)
+        procs_r.append(procs.start(f"rank-{r}", argv))
+    for r, p in enumerate(procs_r):
+        ports.append(wait_port(work / f"rank-{r}.port", p, f"rank service {r}", SERVICE_START_S))
+    return cport, ports
+
+
+def start_trainers(procs: Processes, work: Path, tag: str, world_size: int, common: dict[str, Any],
+                   per_rank: list[dict[str, Any]] | tuple[dict[str, Any], ...],
+                   module: str = "batchd._trainer") -> tuple[int, list[Path]]:
+    """Starts `world_size` trainer processes ("TAG-R") of `module` (`python -m module --config
+    TAG-R.cfg.json`); returns (gloo master port, result paths)."""
+    port = free_port()
+    outs = []
+    for r in range(world_size):
+        cfg = {**common, **per_rank[r], "rank": r, "world_size": world_size, "master_port": port,
+               "out": str(work / f"{tag}-{r}.json")}
+        cfg_path = work / f"{tag}-{r}.cfg.json"
+        cfg_path.write_text(json.dumps(cfg))
+        procs.start(f"{tag}-{r}", [sys.executable, "-m", module, "--config", str(cfg_path)])
+        outs.append(Path(cfg["out"]))
+    return port, outs
+
+
+def wait_trainers(procs: Processes, tag: str, outs: list[Path], timeout: float) -> list[dict[str, Any]]:
+    """Waits for the "TAG-*" trainers; raises with the first failing one's log, else returns results."""
+    deadline = time.monotonic() + timeout
+    mine = [(n, p) for n, p in procs.procs if n.startswith(f"{tag}-")]
+    for _, p in mine:
+        try:
+            p.wait(max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"trainers {tag} did not finish within {timeout:g}s") from None
+    bad = [(n, p.returncode) for n, p in mine if p.returncode != 0]
+    if bad:
+        name = bad[0][0]
+        raise RuntimeError(f"trainer {name} exited with {bad[0][1]}:\n{procs.log(name)}")
+    return [json.loads(o.read_text()) for o in outs]
