@@ -256,7 +256,7 @@ def evaluate(model: torch.nn.Module, cfg: dict[str, Any], device: torch.device) 
     ids = cfg.get("heldout_ids") or []
     if not ids:
         return None
-    lengths, seed, budget = cfg["all_lengths"], cfg["seed"], cfg["token_budget"]
+    lengths, seed, token_budget = cfg["all_lengths"], cfg["seed"], cfg["token_budget"]
     order = sorted(ids, key=lambda i: lengths[i])
     total, count, group = 0.0, 0, []
     model.eval()
@@ -268,7 +268,7 @@ def evaluate(model: torch.nn.Module, cfg: dict[str, Any], device: torch.device) 
             total += float(s)
             count += n
         for i in order:
-            if group and (len(group) + 1) * lengths[i] > budget:
+            if group and (len(group) + 1) * lengths[i] > token_budget:
                 flush(group)
                 group = []
             group.append(i)

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from batchd.core import FIELDS, REQUIRED, JobSpec
+from batchd.core import FIELDS, REQUIRED, JobSpec, check_bool, check_choice, check_int, check_number, check_str
 from batchd.proto import Security
 
 SECTIONS = ("job", "data", "pipeline", "coordinator", "rank", "security", "logging")
@@ -50,63 +50,22 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names the field and the bad value."""
 
 
-def _fail(field: str, message: str, value: Any) -> ConfigError:
-    return ConfigError(f"{field} {message}, got {field}={value!r}")
-
-
-def _int(field: str, value: Any, minimum: int | None = None, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _fail(field, "must be an integer", value)
-    if minimum is not None and value < minimum:
-        raise _fail(field, f"must be >= {minimum}", value)
-    if maximum is not None and value > maximum:
-        raise _fail(field, f"must be <= {maximum}", value)
-    return value
-
-
+# The validators are batchd.core's (the ones JobSpec uses); a field's name is its "section.key".
 def _port(field: str, value: Any) -> int:
-    return _int(field, value, 0, 65535)
+    return check_int(field, value, 0, 65535)
 
 
 def _opt_port(field: str, value: Any) -> int | None:
     return None if value is None else _port(field, value)
 
 
-def _float(field: str, value: Any, minimum: float = 0.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > minimum:
-        raise _fail(field, f"must be a number > {minimum:g}", value)
-    return float(value)
-
-
-def _bool(field: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise _fail(field, "must be true or false", value)
-    return value
-
-
-def _str(field: str, value: Any) -> str:
-    if not isinstance(value, str) or not value:
-        raise _fail(field, "must be a non-empty string", value)
-    return value
-
-
-def _opt_str(field: str, value: Any) -> str | None:
-    return None if value is None else _str(field, value)
-
-
-def _choice(field: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise _fail(field, f"must be one of {list(choices)}", value)
-    return value
-
-
 def _address(field: str, value: Any) -> str | None:
     if value is None:
         return None
-    text = _str(field, value)
+    text = check_str(field, value)
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise _fail(field, "must be HOST:PORT with a port in 1..65535", value)
+        raise ValueError(f"{field} must be HOST:PORT with a port in 1..65535, got {field}={value!r}")
     return text
 
 
@@ -122,15 +81,15 @@ class DataConfig:
     stats_file: str | None = None
 
     def __post_init__(self) -> None:
-        _opt_str("data.dataset", self.dataset)
-        _opt_str("data.lengths", self.lengths)
+        check_str("data.dataset", self.dataset, optional=True)
+        check_str("data.lengths", self.lengths, optional=True)
         if self.dataset is not None and self.lengths is not None:
             raise ConfigError(f"data.dataset and data.lengths are exclusive, got data.dataset={self.dataset!r} "
                               f"and data.lengths={self.lengths!r}")
-        _int("data.num_actors", self.num_actors, 1)
-        _opt_str("data.ray_address", self.ray_address)
-        _opt_str("data.quarantine", self.quarantine)
-        _opt_str("data.stats_file", self.stats_file)
+        check_int("data.num_actors", self.num_actors, lo=1)
+        check_str("data.ray_address", self.ray_address, optional=True)
+        check_str("data.quarantine", self.quarantine, optional=True)
+        check_str("data.stats_file", self.stats_file, optional=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,15 +106,15 @@ class PipelineConfig:
     max_pixels: int = 14 * 14 * 4 * 1280
 
     def __post_init__(self) -> None:
-        _opt_str("pipeline.tokenizer", self.tokenizer)
-        _str("pipeline.template", self.template)
-        _choice("pipeline.vision", self.vision, VISIONS)
-        _bool("pipeline.augment", self.augment)
+        check_str("pipeline.tokenizer", self.tokenizer, optional=True)
+        check_str("pipeline.template", self.template)
+        check_choice("pipeline.vision", self.vision, VISIONS)
+        check_bool("pipeline.augment", self.augment)
         if self.cutoff is not None:
-            _int("pipeline.cutoff", self.cutoff, 1)
-        _choice("pipeline.truncate", self.truncate, TRUNCATE_POLICIES)
-        _int("pipeline.min_pixels", self.min_pixels, 1)
-        _int("pipeline.max_pixels", self.max_pixels, self.min_pixels)
+            check_int("pipeline.cutoff", self.cutoff, lo=1)
+        check_choice("pipeline.truncate", self.truncate, TRUNCATE_POLICIES)
+        check_int("pipeline.min_pixels", self.min_pixels, lo=1)
+        check_int("pipeline.max_pixels", self.max_pixels, lo=self.min_pixels)
 
     def stage_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `default_stages` (tokenizer and cutoff are passed separately)."""
@@ -181,12 +140,12 @@ class CoordinatorConfig:
     metrics_port: int | None = None
 
     def __post_init__(self) -> None:
-        _str("coordinator.host", self.host)
+        check_str("coordinator.host", self.host)
         _port("coordinator.port", self.port)
         _address("coordinator.address", self.address)
-        _float("coordinator.lease_s", self.lease_s)
-        _float("coordinator.startup_timeout_s", self.startup_timeout_s)
-        _opt_str("coordinator.state_dir", self.state_dir)
+        check_number("coordinator.lease_s", self.lease_s)
+        check_number("coordinator.startup_timeout_s", self.startup_timeout_s)
+        check_str("coordinator.state_dir", self.state_dir, optional=True)
         _opt_port("coordinator.metrics_port", self.metrics_port)
 
     def dial_address(self) -> str | None:
@@ -212,12 +171,12 @@ class RankConfig:
     trainer_timeout_s: float = 1800.0
 
     def __post_init__(self) -> None:
-        _str("rank.host", self.host)
+        check_str("rank.host", self.host)
         _port("rank.base_port", self.base_port)
         _opt_port("rank.metrics_base_port", self.metrics_base_port)
-        _opt_str("rank.state_dir", self.state_dir)
-        _float("rank.client_grace_s", self.client_grace_s)
-        _float("rank.trainer_timeout_s", self.trainer_timeout_s)
+        check_str("rank.state_dir", self.state_dir, optional=True)
+        check_number("rank.client_grace_s", self.client_grace_s)
+        check_number("rank.trainer_timeout_s", self.trainer_timeout_s)
 
     def port_of(self, rank: int) -> int:
         return self.base_port + rank if self.base_port else 0
@@ -238,8 +197,8 @@ class SecurityConfig:
 
     def __post_init__(self) -> None:
         for name in ("tls_cert", "tls_key", "tls_ca", "token_file"):
-            _opt_str(f"security.{name}", getattr(self, name))
-        _bool("security.client_auth", self.client_auth)
+            check_str(f"security.{name}", getattr(self, name), optional=True)
+        check_bool("security.client_auth", self.client_auth)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("security.tls_cert and security.tls_key go together, got "
                               f"security.tls_cert={self.tls_cert!r} and security.tls_key={self.tls_key!r}")
@@ -259,8 +218,8 @@ class LoggingConfig:
 
     def __post_init__(self) -> None:
         level = self.level.upper() if isinstance(self.level, str) else self.level
-        object.__setattr__(self, "level", _choice("logging.level", level, LOG_LEVELS))
-        _choice("logging.format", self.format, LOG_FORMATS)
+        object.__setattr__(self, "level", check_choice("logging.level", level, LOG_LEVELS))
+        check_choice("logging.format", self.format, LOG_FORMATS)
 
 
 _SECTION_TYPES = {"data": DataConfig, "pipeline": PipelineConfig, "coordinator": CoordinatorConfig,
@@ -400,6 +359,8 @@ def build_config(raw: Mapping[str, Any], overrides: Mapping[str, Any] | None = N
                 sections[name] = cls(**body)
             except TypeError as exc:
                 raise ConfigError(f"[{name}]: {exc}") from None
+            except ValueError as exc:  # a validator's message already names section.key and the value
+                raise ConfigError(str(exc)) from None
         cfg = Config(job=_job_spec(merged.get("job", {})), source=source, **sections)
         if check_files:
             _check_files(cfg)

@@ -50,6 +50,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from batchd.core import JobSpec, check_int
+
 SYSTEMS = ("fixed", "odb-0.1.2", "batchd-odb", "batchd-balanced", "batchd-packed")
 # batchd systems: (policy, collate = cost model). `batchd-packed` groups under the packed cost model (a
 # group's cost is its token sum) and collates one packed row per step, trained with varlen attention.
@@ -105,7 +107,6 @@ def run_system(system: str, work: Path, common: dict[str, Any], world_size: int,
                timeout: float, tag: str | None = None) -> list[dict[str, Any]]:
     """Runs one system's N trainers (and, for batchd, its coordinator and rank services) in `work/tag`;
     returns their results."""
-    from batchd.core import JobSpec
     from batchd.launch import Processes, spec_argv, start_services, start_trainers, wait_trainers
 
     sys_dir = work / (tag or system)
@@ -304,12 +305,11 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     systems = list(systems)
     from batchd._bench_trainer import MODELS
 
-    for name, value, lo in (("world_size", world_size, 1), ("token_budget", token_budget, 2),
-                            ("num_samples", num_samples, 1), ("window", window, 1), ("depth", depth, 1),
-                            ("heldout", heldout, 0), ("odb_workers", odb_workers, 1), ("repeats", repeats, 1),
-                            ("epochs", epochs, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {name}={value!r}")
+    # the job's fields are validated by JobSpec itself (the one set of rules every command uses)
+    JobSpec(world_size=world_size, token_budget=token_budget, window=window, depth=depth, seed=seed, epochs=epochs)
+    for name, value, lo in (("num_samples", num_samples, 1), ("heldout", heldout, 0),
+                            ("odb_workers", odb_workers, 1), ("repeats", repeats, 1)):
+        check_int(name, value, lo=lo)
     if model not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {model=}")
     parse_systems(",".join(systems))

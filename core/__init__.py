@@ -35,11 +35,11 @@ from ._rank import OVER_BUDGET, RankState, max_fitting_length
 from ._simulator import SimMetrics, Simulator, read_lengths, simulate, synthetic_token_loss
 from ._source import ViewSource, epoch_permutation
 from ._spec import COLLATE, FIELDS, REQUIRED, JobSpec
-from ._types import Sample, Step, StepInfo
+from ._types import Sample, Step, StepInfo, check_bool, check_choice, check_int, check_number, check_str
 
 __all__ = sorted([
     "BatchdError", "COLLATE", "CoordinatorError", "FIELDS", "IGNORE_INDEX", "JobFailed", "JobSpec", "REQUIRED",
-    "VISION_KEYS", "collate_packed", "collate_padded", "idle_batch", "loss_tokens",
+    "VISION_KEYS", "check_bool", "check_choice", "check_int", "check_number", "check_str", "collate_packed", "collate_padded", "idle_batch", "loss_tokens",
     "ALIGN_RULES", "ATTACHED", "COST_MODELS", "END", "MODES", "OVER_BUDGET", "POLICIES", "REFUSED",
     "SEND_END", "WAIT",
     "Connect", "Coordinator", "CostModel", "Delivery", "Entry", "Liveness", "Policy", "ProtocolError", "RankCommit", "RankReport",

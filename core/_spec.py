@@ -18,7 +18,7 @@ from ._align import MODES
 from ._cost import COST_MODELS, CostModel
 from ._policy import ALIGN_RULES, POLICIES, Policy
 from ._rank import OVER_BUDGET
-from ._types import check_choice, check_int
+from ._types import check_bool, check_choice, check_int
 
 COLLATE = ("packed", "padded")
 
@@ -68,9 +68,8 @@ class JobSpec:
         check_choice("mode", self.mode, MODES)
         check_choice("over_budget", self.over_budget, OVER_BUDGET)
         check_choice("collate", self.collate, COLLATE)
-        for name in ("shuffle", "refine"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {name}={getattr(self, name)!r}")
+        check_bool("shuffle", self.shuffle)
+        check_bool("refine", self.refine)
         if self.quota is not None:
             check_int("quota", self.quota, lo=0)
         self.policy_object()

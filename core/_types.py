@@ -19,7 +19,7 @@ _ID, _LEN, _LOSS, _HOME, _MOD = "i", "n", "l", "h", "m"
 def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
     """Returns `value` if it is an int within [lo, hi]; raises ValueError naming it otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{name} must be an int, got {name}={value!r} ({type(value).__name__})")
     if lo is not None and value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {name}={value}")
     if hi is not None and value > hi:
@@ -31,6 +31,29 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     """Returns `value` if it is one of `choices`; raises ValueError listing them otherwise."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {name}={value!r}")
+    return value
+
+
+def check_number(name: str, value: Any, gt: float = 0.0) -> float:
+    """Returns `value` as a float if it is a number > `gt`; raises ValueError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > gt:
+        raise ValueError(f"{name} must be a number > {gt:g}, got {name}={value!r}")
+    return float(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """Returns `value` if it is a bool; raises ValueError naming it otherwise (1 and "yes" are not bools)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {name}={value!r}")
+    return value
+
+
+def check_str(name: str, value: Any, optional: bool = False) -> str | None:
+    """Returns `value` if it is a non-empty string (or None when `optional`); raises ValueError otherwise."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string, got {name}={value!r}")
     return value
 
 
