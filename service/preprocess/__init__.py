@@ -8,34 +8,27 @@
         item = src.poll(1.0)              # (Sample, ObjectRef) | None | EXHAUSTED
         payload = resolve(item[1])        # {"input_ids", "labels", ["pixel_values", "image_grid_thw"]}
 
-Modules: `_records` (dataset files, record schema, quarantine), `_stages` (the chain: templates, text,
-vision, augmentation), `_tokenizer`, `_demo_data`, `_pipeline` (Ray actors, the pool, `RaySource`),
-`_sources` (the `Source` protocol, synthetic and pushed sources). Imports only `batchd.core`: the rank
-service builds on it, never the other way.
+Private modules, one concern each (`_chain` is the one that imports every stage):
+    records    `_files` (paths, URIs, formats), `_schema` (`SchemaError`), `_quarantine` (`Reject`,
+               `Quarantine`), `_parse` (one record), `_dataset` (`RecordDataset`)
+    stages     `_tokenizer`, `_stage` (the stage contract), `_augment`, `_text` (template, tokenize,
+               truncate), `_vision` (images, visual tokens), `_chain` (`default_stages`, `Preprocessor`)
+    Ray        `_ray` (connect, `resolve`), `_pool` (the actor pool), `_ray_source` (`RaySource`)
+    sources    `_sources` (the `Source` protocol, synthetic and pushed sources); `_demo_data`
+Imports only `batchd.core`: the rank service builds on it, never the other way.
 """
 
 
+from ._augment import RandomResizedCrop, SystemPrompt, TurnSubsample
+from ._chain import Preprocessor, SampleMeta, default_stages
+from ._dataset import EmptyDatasetError, RecordDataset, iter_records
 from ._demo_data import DemoDataset, demo_bad_ids, demo_record, demo_records, make_demo_dataset
-from ._pipeline import (
-    PreprocessPool,
-    PreprocessWorker,
-    RaySource,
-    SharedRay,
-    ensure_ray,
-    resolve,
-    resolve_many,
-    share_ray,
-)
-from ._records import (
-    EmptyDatasetError,
-    Quarantine,
-    Record,
-    RecordDataset,
-    Reject,
-    SchemaError,
-    iter_records,
-    parse_record,
-)
+from ._parse import Record, parse_record
+from ._pool import PreprocessPool, PreprocessWorker
+from ._quarantine import Quarantine, Reject
+from ._ray import SharedRay, ensure_ray, resolve, resolve_many, share_ray
+from ._ray_source import RaySource
+from ._schema import SchemaError
 from ._sources import (
     EXHAUSTED,
     IngestSource,
@@ -45,27 +38,10 @@ from ._sources import (
     loss_tokens_of,
     synthetic_payload,
 )
-from ._stages import (
-    QWEN2VL_IMAGE,
-    TEMPLATES,
-    ChatTemplate,
-    Example,
-    LlavaVision,
-    Preprocessor,
-    Qwen2VLVision,
-    RandomResizedCrop,
-    SampleMeta,
-    Stage,
-    StageContext,
-    SystemPrompt,
-    Tokenize,
-    Truncate,
-    TurnSubsample,
-    default_stages,
-    resolve_stage,
-    smart_resize,
-)
+from ._stage import Example, Stage, StageContext, resolve_stage
+from ._text import QWEN2VL_IMAGE, TEMPLATES, ChatTemplate, Tokenize, Truncate
 from ._tokenizer import SPECIAL_TOKENS, TokenizerRef, demo_tokenizer, train_tokenizer
+from ._vision import LlavaVision, Qwen2VLVision, smart_resize
 
 __all__ = sorted([
     "IngestSource", "Payload", "SharedRay", "Source", "SyntheticSource", "loss_tokens_of", "share_ray", "synthetic_payload",

@@ -1,4 +1,4 @@
-"""The Ray preprocessing data plane: an actor pool running the stage chain, and `RaySource` per rank.
+"""`RaySource`: rank r's stream of preprocessed samples, from its sampler view through a `PreprocessPool`.
 
     RecordDataset (pyarrow) --ray.put once--> PreprocessPool: N actors, each with the tables and the chain
         ^ ids, epoch, seed (tiny task args)          |  per task: [metadata list, payload_1, ..., payload_k]
@@ -10,45 +10,21 @@ Only metadata (id, realized length, loss tokens, per-modality counts) reaches th
 eagerly; `resolve(payload)` fetches the payload dict at collate time (a balanced plan that moves a sample
 to another rank moves the reference, not the bytes).
 
-Why an actor pool of our own rather than Ray Data (`map_batches` with an actor pool strategy):
-batchd needs per-sample control that Ray Data's streaming executor does not expose.
-- Order and exact resume: each rank walks its own epoch-seeded view in a fixed order, and a restarted
-  rank service must continue from a saved state exactly: what was emitted is skipped, what was in flight
-  is requested again. Ray Data's iterators (and `streaming_split`) are not checkpointable.
-- Re-materialization by id: a restarted rank service (metadata-only journal) and a balanced plan need
-  any single sample again, deterministically; Ray Data works on whole datasets and blocks.
-- One object per sample: payloads must be addressable one by one (so a sample moves as a single
-  ObjectRef); Ray Data yields blocks/batches of rows.
-- Backpressure in samples, from the consumer: the rank's window decides how much may be outstanding.
-- Faults at sample granularity: an actor that dies costs only its in-flight tasks, which are resubmitted
-  (split into single samples, so a record that crashes the worker is isolated and quarantined after
-  `max_attempts`, instead of being retried forever); Python errors in a stage quarantine one record.
-What it costs: no autoscaling of the pool and no locality-aware block scheduling (actors can be spread
-over nodes with Ray's scheduling options; the tables are shared through the object store).
-
-Fault model: actors are created with `max_restarts=-1` and `max_task_retries=0`: Ray restarts a dead
-actor (its __init__ fetches the shared tables again), and RaySource itself resubmits the tasks that
-died with it. Preprocessing is a pure function of (record, seed, epoch, sample id), so the rerun gives
-the identical sample: nothing is lost or duplicated.
-
-Embedded default: `ensure_ray()` starts a local Ray when none is running and no address is given;
-`ray_address` joins a running cluster (where batchd must be importable on every node). Rank services
-use `share_ray()` instead: without an address they join a Ray already running on this host (one Ray
-per host, however many rank services), start the embedded one only when there is none, and keep it up
-until the last rank service using it has exited.
+Fault model, the source's part: RaySource resubmits the tasks that died with an actor (the pool has
+Ray restart it). Preprocessing is a pure function of (record, seed, epoch, sample id), so the rerun
+gives the identical sample: nothing is lost or duplicated. A sample whose actor died while it was
+certainly executing is charged an attempt, and quarantined (`worker_crashed`) after `max_attempts`.
+`state_dict` / `load_state_dict` resume a view exactly: what was emitted or quarantined is skipped,
+what was in flight is requested again.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import heapq
 import logging
 import os
-import re
-import socket
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -59,368 +35,16 @@ import ray
 
 from batchd.core import Sample, ViewSource
 
-from ._records import DatasetHandle, Quarantine, RecordDataset, Reject
+from ._dataset import RecordDataset
+from ._pool import PreprocessPool
+from ._quarantine import Quarantine
 from ._sources import EXHAUSTED
-from ._stages import Preprocessor, default_stages
 
 log = logging.getLogger("batchd.preprocess")
 
 STATE_VERSION = 1
 
 
-def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
-    """Connects to Ray: no-op when initialized, joins `address` when given, else starts a local instance."""
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
-
-
-def _gcs_reachable(address: str, timeout: float = 1.0) -> bool:
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host, int(port)), timeout=timeout):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
-def _ray_root() -> str:
-    """Ray's temp root on this host (where `ray start` writes `ray_current_cluster`)."""
-    base = os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if os.name == "posix" else None) or "/tmp"
-    return os.path.join(base, "ray")
-
-
-def running_ray_address() -> str | None:
-    """The GCS address of a Ray already running on this host, or None.
-
-    Looked for in order: `RAY_ADDRESS`; the cluster `ray start` last wrote to Ray's temp root; a Ray
-    process of this user on this host whose session lives under the same temp root (the
-    `--gcs-address=` of Ray's monitors and raylet). The temp root is Ray's: `$RAY_TMPDIR/ray`, else
-    `$TMPDIR/ray`, else `/tmp/ray`, so processes with another `TMPDIR` do not see each other's Ray. An
-    address counts only while its GCS accepts TCP connections (a stale address file, or a Ray being
-    torn down, is skipped).
-    """
-    env = os.environ.get("RAY_ADDRESS")
-    if env and env not in ("auto", "local"):
-        return env
-    candidates = []
-    with contextlib.suppress(OSError):
-        with open(os.path.join(_ray_root(), "ray_current_cluster"), encoding="utf-8") as f:
-            candidates.append(f.read().strip())
-    uid = os.getuid() if hasattr(os, "getuid") else None
-    session = os.path.join(_ray_root(), "session_")
-    with contextlib.suppress(OSError):
-        for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int):
-            try:
-                if uid is not None and os.stat(f"/proc/{pid}").st_uid != uid:
-                    continue
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().decode(errors="replace")
-            except OSError:
-                continue
-            if session in cmd:
-                candidates += [m for m in re.findall(r"--gcs-address=([^\x00\s]+)", cmd) if m not in candidates]
-    return next((a for a in candidates if a and _gcs_reachable(a)), None)
-
-
-class SharedRay:
-    """This process's use of a Ray (`share_ray`): `address` (GCS), `started` (this process started it).
-
-    While it is held, the process holds a shared lock on a per-Ray "users" file in the temp dir; the
-    lock dies with the process, however it ends (kill -9 included). `close()`: a Ray only joined is
-    left alone (never stopped, not even `ray.shutdown()`: the process's exit disconnects it); a Ray
-    started here is stopped (`ray.shutdown()`) only once no other process holds the lock, since the
-    rank services that joined it keep their payloads in its object store. Waiting for them is logged.
-    """
-
-    def __init__(self, address: str, started: bool) -> None:
-        self.address, self.started = address, started
-        name = re.sub(r"[^0-9A-Za-z.]+", "_", address)
-        self.users_file = os.path.join(tempfile.gettempdir(), f"batchd-ray-{name}.users")
-        self._fd: int | None = os.open(self.users_file, os.O_RDWR | os.O_CREAT, 0o600)
-        _flock(self._fd, shared=True, wait=True)
-
-    def close(self, poll_s: float = 0.5) -> None:
-        """Releases this process's use; stops a Ray started here once nobody else uses it (see class)."""
-        if self._fd is None:
-            return
-        fd, self._fd = self._fd, None
-        try:
-            if self.started:
-                if not _flock(fd, shared=False, wait=False):
-                    log.info("waiting for the other rank services that joined the Ray at %s to exit before "
-                             "stopping it", self.address)
-                    while not _flock(fd, shared=False, wait=False):
-                        time.sleep(poll_s)
-                ray.shutdown()
-                log.info("stopped the embedded Ray at %s", self.address)
-        finally:
-            os.close(fd)
-
-
-def _flock(fd: int, shared: bool, wait: bool) -> bool:
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no sharing protocol, every process acts alone
-        return True
-    flags = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB)
-    try:
-        fcntl.flock(fd, flags)
-    except BlockingIOError:
-        return False
-    return True
-
-
-def _local_auth() -> None:
-    """Enables Ray's token auth the way Ray's own discovery of a local cluster does (`ray.init()` without
-    an address): a Ray started on this host by `ray.init` (Ray >= 2.5x) requires the token in
-    ~/.ray/auth_token, and an explicit address does not turn token auth on by itself."""
-    try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
-    except ImportError:  # a Ray without token auth
-        return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-
-
-@contextlib.contextmanager
-def _host_lock():
-    """Serializes `share_ray`'s look-or-start across the processes of this host (a lock file in the temp dir)."""
-    fd = os.open(os.path.join(tempfile.gettempdir(), "batchd-ray-start.lock"), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        _flock(fd, shared=False, wait=True)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def share_ray(address: str | None = None, num_cpus: int | None = None, who: str = "batchd") -> SharedRay:
-    """Connects this process to Ray the way a rank service does; returns the `SharedRay` to close at exit.
-
-    `address` given: joins it. None: joins a Ray already running on this host (`running_ray_address`),
-    else starts the embedded one (logged). Look-and-start is serialized across the host, so rank
-    services started together share one Ray rather than each starting their own.
-
-    A process already connected to Ray keeps that connection, as joined (not its to stop).
-    """
-    if ray.is_initialized():
-        return SharedRay(ray.get_runtime_context().gcs_address, started=False)
-    if address:
-        ray.init(address=address)
-        gcs = ray.get_runtime_context().gcs_address
-        log.info("%s: joined the Ray cluster at %s (gcs %s)", who, address, gcs)
-        return SharedRay(gcs, started=False)
-    with _host_lock():
-        found = running_ray_address()
-        if found:
-            _local_auth()
-            ray.init(address=found)
-            gcs = ray.get_runtime_context().gcs_address
-            log.info("%s: joined the Ray already running on this host (gcs %s)", who, gcs)
-            return SharedRay(gcs, started=False)
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
-        gcs = ray.get_runtime_context().gcs_address
-        shared = SharedRay(gcs, started=True)  # holds its lock before the next process may look
-    log.info("%s: no Ray running on this host: started an embedded Ray (gcs %s); rank services started later "
-             "on this host join it", who, gcs)
-    return shared
-
-
-def resolve(payload: Any) -> dict[str, np.ndarray]:
-    """The payload dict of a sample: `ray.get` when it is an ObjectRef, the value itself otherwise."""
-    if isinstance(payload, ray.ObjectRef):
-        return ray.get(payload)
-    return payload
-
-
-def resolve_many(payloads: Sequence[Any]) -> list[dict[str, np.ndarray]]:
-    """`resolve` for a list, with one `ray.get` round trip for all the references in it."""
-    idx = [k for k, p in enumerate(payloads) if isinstance(p, ray.ObjectRef)]
-    out = list(payloads)
-    if idx:
-        for k, value in zip(idx, ray.get([payloads[k] for k in idx])):
-            out[k] = value
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# Actor pool
-# ---------------------------------------------------------------------------------------------------
-class PreprocessWorker:
-    """The actor: reads records from the shared tables and runs the chain (one task = a few samples)."""
-
-    def __init__(self, args: list[ray.ObjectRef]) -> None:
-        handle, stages = ray.get(args[0])
-        tables = [ray.get(t) if isinstance(t, ray.ObjectRef) else t for t in handle.tables]
-        self.handle: DatasetHandle = handle.with_tables(tables)
-        self.pre = Preprocessor(stages)
-        self.pre.setup()
-        self.processed = 0
-        self.busy_s = 0.0
-        self.cpu_s = 0.0
-
-    def process(self, ids: Sequence[int], epoch: int, seed: int) -> list[Any]:
-        """[metadata per sample, payload per sample...]; metadata = (length, loss, text, vision, reason)."""
-        t0, c0 = time.perf_counter(), time.process_time()
-        metas, payloads = [], []
-        for i in ids:
-            try:
-                k, _ = self.handle.locate(i)
-                meta, payload = self.pre(self.handle.record(i), i, epoch, self.handle.source(i),
-                                         self.handle.files[k].base_dir, seed)
-                metas.append((meta.length, meta.loss_tokens, meta.text_tokens, meta.vision_tokens, None))
-                payloads.append(payload)
-            except Reject as exc:
-                metas.append((0, 0, 0, 0, exc.reason))
-                payloads.append(None)
-            except Exception as exc:
-                metas.append((0, 0, 0, 0, f"stage_error: {type(exc).__name__}: {exc}"))
-                payloads.append(None)
-        self.processed += len(ids)
-        self.busy_s += time.perf_counter() - t0
-        self.cpu_s += time.process_time() - c0
-        return [metas, *payloads]
-
-    def ping(self) -> int:
-        return os.getpid()
-
-    def stats(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "processed": self.processed, "busy_s": self.busy_s, "cpu_s": self.cpu_s}
-
-
-class PreprocessPool:
-    """`num_actors` Ray actors that preprocess samples of one dataset with one stage chain.
-
-    Several RaySources (ranks, epochs, seeds) may share a pool: seed and epoch travel with each task.
-
-    Args:
-        dataset: A RecordDataset, or what `RecordDataset` accepts (paths, directory, URIs).
-        stages: The chain (instances, classes, functions, 'module:attr' strings); None = `default_stages()`.
-            Validated here (imported and built once in this process) before any actor starts.
-        num_actors: Actors in the pool.
-        actor_num_cpus: Logical CPUs each actor reserves (Ray scheduling; lower it to oversubscribe).
-        ray_address: Join this Ray cluster instead of starting a local one (when Ray is not initialized).
-        start_timeout_s: How long to wait for the actors to start before failing with a clear error.
-        actor_options: Extra `ray.remote` options for the actors (e.g. a scheduling strategy).
-    """
-
-    def __init__(self, dataset: RecordDataset | str | os.PathLike | Sequence[str | os.PathLike],
-                 stages: Sequence[Any] | None = None, num_actors: int = 2, *, actor_num_cpus: float = 1.0,
-                 ray_address: str | None = None, start_timeout_s: float = 120.0,
-                 actor_options: Mapping[str, Any] | None = None) -> None:
-        if num_actors < 1:
-            raise ValueError(f"num_actors must be >= 1, got {num_actors=}")
-        self.dataset = dataset if isinstance(dataset, RecordDataset) else RecordDataset(dataset)
-        self.stages = list(default_stages() if stages is None else stages)
-        Preprocessor(self.stages)  # fail fast, here, on a stage that cannot be imported or built
-        ensure_ray(ray_address)
-        handle = self.dataset.handle()
-        self._table_refs = [ray.put(t) for t in handle.tables]
-        # The constructor arguments stay referenced by the pool for its lifetime, so a restarted actor
-        # can always fetch them again (they are passed nested, and fetched by the actor itself).
-        self._args_ref = ray.put((handle.with_tables(self._table_refs), self.stages))
-        options = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": actor_num_cpus, **dict(actor_options or {})}
-        cls = ray.remote(PreprocessWorker).options(**options)
-        self.actors = [cls.remote([self._args_ref]) for _ in range(num_actors)]
-        self.loads = [0] * num_actors  # tasks submitted and not finished, per actor
-        self._holds = 0  # sources waiting for an idle actor (normal submissions pause meanwhile)
-        self._lock = threading.Lock()
-        self._closed = False
-        try:
-            ray.get([a.ping.remote() for a in self.actors], timeout=start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            total = ray.cluster_resources().get("CPU", 0)
-            self.close()
-            raise RuntimeError(
-                f"only some of {num_actors} preprocessing actors started within {start_timeout_s:.0f}s: each "
-                f"reserves {actor_num_cpus} CPU and the Ray cluster has {total:g} CPUs in all (other pools may "
-                f"hold some); lower num_actors or actor_num_cpus, or start Ray with more logical CPUs") from None
-
-    @property
-    def num_actors(self) -> int:
-        return len(self.actors)
-
-    def submit(self, ids: Sequence[int], epoch: int, seed: int, mode: str = "normal"
-               ) -> tuple[int, list[ray.ObjectRef], ray.ObjectRef | None] | None:
-        """Sends `ids` to an actor: (actor index, [metadata ref, payload refs...], probe) or None if refused.
-
-        mode "normal": the least loaded actor; refused while a source waits for an idle actor (`hold`).
-        mode "isolated": only an idle actor (nothing queued ahead), else refused.
-        mode "force": the least loaded actor, always.
-        `probe` is set when the task is a single sample with nothing queued ahead of it on its actor: a
-        `ping` sent to the same actor just before it. If that actor dies before the task finishes and
-        the probe succeeded (`probe_ok`), the actor was alive when the task started: the task was the one
-        executing. A failed probe means the actor was already dead (e.g. a restart not yet seen here).
-        """
-        if self._closed:
-            raise RuntimeError("the preprocessing pool is closed")
-        with self._lock:
-            if mode == "isolated":
-                idle = [k for k, load in enumerate(self.loads) if load == 0]
-                if not idle:
-                    return None
-                k = idle[0]
-            elif mode == "normal" and self._holds > 0:
-                return None
-            else:
-                k = min(range(len(self.actors)), key=self.loads.__getitem__)
-            alone = self.loads[k] == 0 and len(ids) == 1
-            self.loads[k] += 1
-        probe = self.actors[k].ping.remote() if alone else None  # actor tasks run in submission order
-        refs = self.actors[k].process.options(num_returns=len(ids) + 1).remote(list(ids), epoch, seed)
-        # Released when the task really ends (result or failure), whoever reads it and whenever.
-        refs[0].future().add_done_callback(lambda _f, k=k: self._release(k))
-        return k, refs, probe
-
-    @staticmethod
-    def probe_ok(probe: ray.ObjectRef | None) -> bool:
-        """Whether a `submit` probe succeeded (the actor answered it before running the task)."""
-        if probe is None:
-            return False
-        try:
-            ray.get(probe, timeout=10)
-        except (ray.exceptions.RayError, TimeoutError):
-            return False
-        return True
-
-    def _release(self, actor: int) -> None:
-        with self._lock:
-            self.loads[actor] = max(self.loads[actor] - 1, 0)
-
-    def hold(self, on: bool) -> None:
-        """A source starts (on) or stops waiting for an idle actor; normal submissions pause meanwhile."""
-        with self._lock:
-            self._holds = max(self._holds + (1 if on else -1), 0)
-
-    def stats(self, timeout: float = 10.0) -> list[dict[str, Any]]:
-        """Per actor: pid, samples processed, busy (wall) and CPU seconds inside `process`, since its last start."""
-        return ray.get([a.stats.remote() for a in self.actors], timeout=timeout)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for a in self.actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:
-                pass
-        self.actors = []
-
-    def __enter__(self) -> PreprocessPool:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-# ---------------------------------------------------------------------------------------------------
-# RaySource
-# ---------------------------------------------------------------------------------------------------
 _FLIGHT, _READY, _DONE = 0, 1, 2
 
 

@@ -1,0 +1,151 @@
+"""Chains: `default_stages` builds the standard chain; `Preprocessor` runs a chain on a parsed record.
+
+The default chain and what each stage reads -> writes:
+
+    [SystemPrompt, TurnSubsample, RandomResizedCrop]   messages/system/images -> same (augment=True)
+    ChatTemplate      messages, system             -> text, assistant_spans (char spans that carry loss)
+    Tokenize          text, assistant_spans        -> input_ids, labels (-100 outside assistant spans)
+    Qwen2VLVision     input_ids, labels, images    -> expanded input_ids/labels, image_spans, image_tensors
+      | LlavaVision
+    Truncate          everything above             -> cut to the cutoff (never inside an image) or Reject
+
+`Preprocessor` runs a chain on a parsed record and returns the sample's metadata and payload: the
+payload is a dict of numpy arrays (`input_ids` and `labels` int32, plus `pixel_values` and, for
+Qwen2-VL, `image_grid_thw` when the sample has images, plus any `example.extra` arrays a plug-in adds).
+The realized length is `len(input_ids)` after every stage; `loss_tokens = count(labels[1:] != -100)`;
+modality tokens: ("text", length - vision) and ("vision", expanded image placeholder tokens). Any other
+error a stage raises becomes `Reject("stage_error", ...)`: it quarantines the record, not the actor.
+
+The only module that imports every built-in stage (`_augment`, `_text`, `_vision`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ._augment import RandomResizedCrop, SystemPrompt, TurnSubsample
+from ._parse import IMAGE_MARKER, Record
+from ._quarantine import Reject
+from ._stage import IGNORE_INDEX, Example, Stage, StageContext, _as_ref, resolve_stage
+from ._text import QWEN2VL_IMAGE, ChatTemplate, Tokenize, Truncate
+from ._tokenizer import TokenizerRef
+from ._vision import LlavaVision, Qwen2VLVision, _NoImages, decode_images
+
+
+def default_stages(tokenizer: str | os.PathLike | TokenizerRef | None = None, template: str = "qwen2",
+                   vision: str | None = "qwen2_vl", cutoff: int = 4096, policy: str = "truncate",
+                   augment: bool = False, system_prompts: Sequence[str] | None = None,
+                   min_pixels: int = 56 * 56, max_pixels: int = 14 * 14 * 4 * 1280) -> list[Stage]:
+    """The standard chain: [augmentation] -> chat template -> tokenize -> vision -> truncate.
+
+    Args:
+        tokenizer: Local tokenizer.json (default: the demo tokenizer, trained locally on first use).
+        template: "chatml", "qwen2", "llama3" or Jinja text.
+        vision: "qwen2_vl", "llava" or None (text only; records with images are then quarantined).
+        cutoff, policy: The Truncate stage.
+        augment: Add SystemPrompt, TurnSubsample and RandomResizedCrop.
+        system_prompts: Candidates for SystemPrompt (default: three generic prompts).
+        min_pixels, max_pixels: Qwen2-VL's smart_resize bounds.
+    """
+    tok = _as_ref(tokenizer)
+    chain: list[Stage] = []
+    if augment:
+        chain += [SystemPrompt(system_prompts or ["You are a helpful assistant.", "Answer concisely.",
+                                                  "You are a careful, precise assistant."], p=0.3),
+                  TurnSubsample(p=0.3), RandomResizedCrop(p=0.5)]
+    if vision == "qwen2_vl":
+        chain += [ChatTemplate(template, image_placeholder=QWEN2VL_IMAGE), Tokenize(tok),
+                  Qwen2VLVision(tok, min_pixels=min_pixels, max_pixels=max_pixels)]
+    elif vision == "llava":
+        chain += [ChatTemplate(template, image_placeholder=IMAGE_MARKER), Tokenize(tok), LlavaVision(tok)]
+    elif vision is None:
+        chain += [ChatTemplate(template, image_placeholder=IMAGE_MARKER), Tokenize(tok), _NoImages()]
+    else:
+        raise ValueError(f"vision must be 'qwen2_vl', 'llava' or None, got {vision=}")
+    chain.append(Truncate(cutoff, policy))
+    return chain
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleMeta:
+    """Metadata of a preprocessed sample (what travels to the batching service)."""
+
+    length: int
+    loss_tokens: int
+    text_tokens: int
+    vision_tokens: int
+
+    def modality_tokens(self) -> tuple[tuple[str, int], ...]:
+        return (("text", self.text_tokens), ("vision", self.vision_tokens))
+
+
+class Preprocessor:
+    """Runs a stage chain on records: `(record, id, epoch) -> (SampleMeta, payload)` or raises Reject.
+
+    Args:
+        stages: The chain (see `resolve_stage` for what an entry may be); None = `default_stages()`.
+        seed: Seeds every stage's generator together with (epoch, sample id, stage index).
+    """
+
+    def __init__(self, stages: Sequence[Any] | None = None, seed: int = 0) -> None:
+        self.specs = list(default_stages() if stages is None else stages)
+        self.stages = [resolve_stage(s) for s in self.specs]
+        self.seed = seed
+
+    def setup(self) -> None:
+        """Runs every stage's `setup` (imports, tokenizer builds), so the first sample is not slow."""
+        for stage in self.stages:
+            fn = getattr(stage, "setup", None)
+            if callable(fn):
+                fn()
+
+    def __call__(self, record: Record, sample_id: int, epoch: int, source: str = "", base_dir: str = "",
+                 seed: int | None = None) -> tuple[SampleMeta, dict[str, np.ndarray]]:
+        seed = self.seed if seed is None else seed
+        ex = Example(sample_id, epoch, source, [dict(m) for m in record.messages], record.system,
+                     decode_images(record, base_dir))
+        for k, stage in enumerate(self.stages):
+            ctx = StageContext(sample_id, epoch, seed, k)
+            try:
+                out = stage(ex, ctx)
+            except Reject:
+                raise
+            except Exception as exc:
+                name = getattr(stage, "name", type(stage).__name__)
+                raise Reject("stage_error", f"{name}: {type(exc).__name__}: {exc}") from None
+            if out is not None:
+                if not isinstance(out, Example):
+                    raise Reject("stage_error", f"stage {k} returned {type(out).__name__}, expected Example or None")
+                ex = out
+        return finalize(ex)
+
+
+def finalize(ex: Example) -> tuple[SampleMeta, dict[str, np.ndarray]]:
+    """The payload dict and metadata of a finished example; Reject when it carries no loss."""
+    if ex.input_ids is None or ex.labels is None:
+        raise Reject("stage_error", "the chain produced no input_ids/labels (no Tokenize stage?)")
+    ids = np.ascontiguousarray(ex.input_ids, dtype=np.int32)
+    labels = np.ascontiguousarray(ex.labels, dtype=np.int32)
+    if ids.ndim != 1 or labels.shape != ids.shape:
+        raise Reject("stage_error", f"input_ids {ids.shape} and labels {labels.shape} must be equal 1-D shapes")
+    n = len(ids)
+    if n == 0:
+        raise Reject("empty_sample", "no tokens after the stages")
+    loss = int(np.count_nonzero(labels[1:] != IGNORE_INDEX))
+    if loss == 0:
+        raise Reject("no_loss_tokens", f"{n} tokens, none carries loss (after truncation?)")
+    payload: dict[str, np.ndarray] = {"input_ids": ids, "labels": labels}
+    if ex.image_tensors:
+        for key in ex.image_tensors[0]:
+            payload[key] = np.concatenate([t[key] for t in ex.image_tensors], axis=0)
+    for key, value in ex.extra.items():
+        if key in payload:
+            raise Reject("stage_error", f"extra payload key {key!r} clashes with a built-in key")
+        payload[key] = np.asarray(value)
+    vision = int(sum(ex.image_tokens))
+    return SampleMeta(n, loss, n - vision, vision), payload

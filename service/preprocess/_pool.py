@@ -1,0 +1,210 @@
+"""The preprocessing actor pool: `PreprocessPool`, N Ray actors (`PreprocessWorker`) running one stage chain.
+
+The pool puts the dataset's tables in the object store once; each actor fetches them and builds the
+chain, then runs tasks of a few sample ids: per task it returns [metadata list, payload_1, ...,
+payload_k], one object per sample, so payloads stay in the store and move as references. Seed and epoch
+travel with each task, so several `RaySource`s (ranks, epochs, seeds) may share a pool.
+
+Why an actor pool of our own rather than Ray Data (`map_batches` with an actor pool strategy):
+batchd needs per-sample control that Ray Data's streaming executor does not expose.
+- Order and exact resume: each rank walks its own epoch-seeded view in a fixed order, and a restarted
+  rank service must continue from a saved state exactly: what was emitted is skipped, what was in flight
+  is requested again. Ray Data's iterators (and `streaming_split`) are not checkpointable.
+- Re-materialization by id: a restarted rank service (metadata-only journal) and a balanced plan need
+  any single sample again, deterministically; Ray Data works on whole datasets and blocks.
+- One object per sample: payloads must be addressable one by one (so a sample moves as a single
+  ObjectRef); Ray Data yields blocks/batches of rows.
+- Backpressure in samples, from the consumer: the rank's window decides how much may be outstanding.
+- Faults at sample granularity: an actor that dies costs only its in-flight tasks, which are resubmitted
+  (split into single samples, so a record that crashes the worker is isolated and quarantined after
+  `max_attempts`, instead of being retried forever); Python errors in a stage quarantine one record.
+What it costs: no autoscaling of the pool and no locality-aware block scheduling (actors can be spread
+over nodes with Ray's scheduling options; the tables are shared through the object store).
+
+Fault model, the pool's part: actors are created with `max_restarts=-1` and `max_task_retries=0`: Ray
+restarts a dead actor (its __init__ fetches the shared tables again); resubmitting the tasks that died
+with it is the caller's (`RaySource`). `submit`'s probe tells whether a dead task was the one executing.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+
+from ._chain import Preprocessor, default_stages
+from ._dataset import DatasetHandle, RecordDataset
+from ._quarantine import Reject
+from ._ray import ensure_ray
+
+
+class PreprocessWorker:
+    """The actor: reads records from the shared tables and runs the chain (one task = a few samples)."""
+
+    def __init__(self, args: list[ray.ObjectRef]) -> None:
+        handle, stages = ray.get(args[0])
+        tables = [ray.get(t) if isinstance(t, ray.ObjectRef) else t for t in handle.tables]
+        self.handle: DatasetHandle = handle.with_tables(tables)
+        self.pre = Preprocessor(stages)
+        self.pre.setup()
+        self.processed = 0
+        self.busy_s = 0.0
+        self.cpu_s = 0.0
+
+    def process(self, ids: Sequence[int], epoch: int, seed: int) -> list[Any]:
+        """[metadata per sample, payload per sample...]; metadata = (length, loss, text, vision, reason)."""
+        t0, c0 = time.perf_counter(), time.process_time()
+        metas, payloads = [], []
+        for i in ids:
+            try:
+                k, _ = self.handle.locate(i)
+                meta, payload = self.pre(self.handle.record(i), i, epoch, self.handle.source(i),
+                                         self.handle.files[k].base_dir, seed)
+                metas.append((meta.length, meta.loss_tokens, meta.text_tokens, meta.vision_tokens, None))
+                payloads.append(payload)
+            except Reject as exc:
+                metas.append((0, 0, 0, 0, exc.reason))
+                payloads.append(None)
+            except Exception as exc:
+                metas.append((0, 0, 0, 0, f"stage_error: {type(exc).__name__}: {exc}"))
+                payloads.append(None)
+        self.processed += len(ids)
+        self.busy_s += time.perf_counter() - t0
+        self.cpu_s += time.process_time() - c0
+        return [metas, *payloads]
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def stats(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "processed": self.processed, "busy_s": self.busy_s, "cpu_s": self.cpu_s}
+
+
+class PreprocessPool:
+    """`num_actors` Ray actors that preprocess samples of one dataset with one stage chain.
+
+    Several RaySources (ranks, epochs, seeds) may share a pool: seed and epoch travel with each task.
+
+    Args:
+        dataset: A RecordDataset, or what `RecordDataset` accepts (paths, directory, URIs).
+        stages: The chain (instances, classes, functions, 'module:attr' strings); None = `default_stages()`.
+            Validated here (imported and built once in this process) before any actor starts.
+        num_actors: Actors in the pool.
+        actor_num_cpus: Logical CPUs each actor reserves (Ray scheduling; lower it to oversubscribe).
+        ray_address: Join this Ray cluster instead of starting a local one (when Ray is not initialized).
+        start_timeout_s: How long to wait for the actors to start before failing with a clear error.
+        actor_options: Extra `ray.remote` options for the actors (e.g. a scheduling strategy).
+    """
+
+    def __init__(self, dataset: RecordDataset | str | os.PathLike | Sequence[str | os.PathLike],
+                 stages: Sequence[Any] | None = None, num_actors: int = 2, *, actor_num_cpus: float = 1.0,
+                 ray_address: str | None = None, start_timeout_s: float = 120.0,
+                 actor_options: Mapping[str, Any] | None = None) -> None:
+        if num_actors < 1:
+            raise ValueError(f"num_actors must be >= 1, got {num_actors=}")
+        self.dataset = dataset if isinstance(dataset, RecordDataset) else RecordDataset(dataset)
+        self.stages = list(default_stages() if stages is None else stages)
+        Preprocessor(self.stages)  # fail fast, here, on a stage that cannot be imported or built
+        ensure_ray(ray_address)
+        handle = self.dataset.handle()
+        self._table_refs = [ray.put(t) for t in handle.tables]
+        # The constructor arguments stay referenced by the pool for its lifetime, so a restarted actor
+        # can always fetch them again (they are passed nested, and fetched by the actor itself).
+        self._args_ref = ray.put((handle.with_tables(self._table_refs), self.stages))
+        options = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": actor_num_cpus, **dict(actor_options or {})}
+        cls = ray.remote(PreprocessWorker).options(**options)
+        self.actors = [cls.remote([self._args_ref]) for _ in range(num_actors)]
+        self.loads = [0] * num_actors  # tasks submitted and not finished, per actor
+        self._holds = 0  # sources waiting for an idle actor (normal submissions pause meanwhile)
+        self._lock = threading.Lock()
+        self._closed = False
+        try:
+            ray.get([a.ping.remote() for a in self.actors], timeout=start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            total = ray.cluster_resources().get("CPU", 0)
+            self.close()
+            raise RuntimeError(
+                f"only some of {num_actors} preprocessing actors started within {start_timeout_s:.0f}s: each "
+                f"reserves {actor_num_cpus} CPU and the Ray cluster has {total:g} CPUs in all (other pools may "
+                f"hold some); lower num_actors or actor_num_cpus, or start Ray with more logical CPUs") from None
+
+    @property
+    def num_actors(self) -> int:
+        return len(self.actors)
+
+    def submit(self, ids: Sequence[int], epoch: int, seed: int, mode: str = "normal"
+               ) -> tuple[int, list[ray.ObjectRef], ray.ObjectRef | None] | None:
+        """Sends `ids` to an actor: (actor index, [metadata ref, payload refs...], probe) or None if refused.
+
+        mode "normal": the least loaded actor; refused while a source waits for an idle actor (`hold`).
+        mode "isolated": only an idle actor (nothing queued ahead), else refused.
+        mode "force": the least loaded actor, always.
+        `probe` is set when the task is a single sample with nothing queued ahead of it on its actor: a
+        `ping` sent to the same actor just before it. If that actor dies before the task finishes and
+        the probe succeeded (`probe_ok`), the actor was alive when the task started: the task was the one
+        executing. A failed probe means the actor was already dead (e.g. a restart not yet seen here).
+        """
+        if self._closed:
+            raise RuntimeError("the preprocessing pool is closed")
+        with self._lock:
+            if mode == "isolated":
+                idle = [k for k, load in enumerate(self.loads) if load == 0]
+                if not idle:
+                    return None
+                k = idle[0]
+            elif mode == "normal" and self._holds > 0:
+                return None
+            else:
+                k = min(range(len(self.actors)), key=self.loads.__getitem__)
+            alone = self.loads[k] == 0 and len(ids) == 1
+            self.loads[k] += 1
+        probe = self.actors[k].ping.remote() if alone else None  # actor tasks run in submission order
+        refs = self.actors[k].process.options(num_returns=len(ids) + 1).remote(list(ids), epoch, seed)
+        # Released when the task really ends (result or failure), whoever reads it and whenever.
+        refs[0].future().add_done_callback(lambda _f, k=k: self._release(k))
+        return k, refs, probe
+
+    @staticmethod
+    def probe_ok(probe: ray.ObjectRef | None) -> bool:
+        """Whether a `submit` probe succeeded (the actor answered it before running the task)."""
+        if probe is None:
+            return False
+        try:
+            ray.get(probe, timeout=10)
+        except (ray.exceptions.RayError, TimeoutError):
+            return False
+        return True
+
+    def _release(self, actor: int) -> None:
+        with self._lock:
+            self.loads[actor] = max(self.loads[actor] - 1, 0)
+
+    def hold(self, on: bool) -> None:
+        """A source starts (on) or stops waiting for an idle actor; normal submissions pause meanwhile."""
+        with self._lock:
+            self._holds = max(self._holds + (1 if on else -1), 0)
+
+    def stats(self, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """Per actor: pid, samples processed, busy (wall) and CPU seconds inside `process`, since its last start."""
+        return ray.get([a.stats.remote() for a in self.actors], timeout=timeout)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        self.actors = []
+
+    def __enter__(self) -> PreprocessPool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

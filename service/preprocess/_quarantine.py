@@ -1,0 +1,86 @@
+"""Bad records: `Reject`, the exception that quarantines one record, and the `Quarantine` that logs them.
+
+Problems with a record's values (invalid JSON lines, missing or null fields, an empty conversation,
+unknown roles, no assistant turn, undecodable images, a stage's error...) are raised as `Reject(code,
+detail)` by the record parser or a stage, inside the pipeline, and end up in a `Quarantine`: a JSONL
+file of `{id, source, reason, epoch}` lines plus counts by reason code. They are never raised to the
+caller: a bad record never kills the epoch. (Problems with a file's schema are `SchemaError`, raised
+when the dataset is opened: see `_schema`.)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+class Reject(Exception):
+    """Raised by a stage (or the record parser) to quarantine a record: `code` groups the counts."""
+
+    def __init__(self, code: str, detail: str = "") -> None:
+        self.code, self.detail = code, detail
+        super().__init__(f"{code}: {detail}" if detail else code)
+
+    @property
+    def reason(self) -> str:
+        return str(self)
+
+
+class Quarantine:
+    """Bad records: appended to a JSONL file (one `{id, source, reason, epoch}` object per line) and counted.
+
+    Counts are keyed by the reason's code (the part before the first ':', e.g. ``invalid_json``,
+    ``missing_field``, ``empty_conversation``, ``bad_image``, ``over_cutoff``). Thread-safe; several
+    processes may append to the same file (one short write per line, O_APPEND). The file is an
+    at-least-once log: after a resume, records quarantined between the checkpoint and the crash are
+    written again; the counts (restored with `load_state_dict`) stay exact.
+
+    Args:
+        path: JSONL file to append to (parent directories are created); None keeps counts only.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def code_of(reason: str) -> str:
+        return reason.split(":", 1)[0].strip() or "unknown"
+
+    def add(self, sample_id: int, source: str, reason: str, epoch: int | None = None) -> None:
+        line = {"id": int(sample_id), "source": source, "reason": reason}
+        if epoch is not None:
+            line["epoch"] = int(epoch)
+        with self._lock:
+            self.counts[self.code_of(reason)] += 1
+            if self.path is not None:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(line) + "\n")
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __len__(self) -> int:
+        return self.total
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"counts": dict(self.counts)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        with self._lock:
+            self.counts = collections.Counter({str(k): int(v) for k, v in state.get("counts", {}).items()})
+
+    @staticmethod
+    def read(path: str | os.PathLike) -> list[dict[str, Any]]:
+        """The lines of a quarantine file."""
+        with open(path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]

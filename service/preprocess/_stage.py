@@ -1,0 +1,132 @@
+"""The stage contract: the `Example` a chain edits, its `StageContext`, the `Stage` base, `resolve_stage`.
+
+A stage is a small object called as ``stage(example, ctx)``; it reads and writes fields of the
+`Example` and returns it (or None after editing it in place). It raises `Reject(code, detail)` to
+quarantine the record. Randomness comes only from ``ctx.rng``, a generator seeded by
+(seed, epoch, sample id, stage index): rerunning a sample in the same epoch is bit-identical, on any
+actor, after any restart, in any order, and the next epoch draws fresh augmentations.
+
+Plug in a stage of your own without forking: pass an instance, a class (built with no arguments), a
+function `f(example)` or `f(example, ctx)`, or a "package.module:attr" string (imported where the
+chain runs, i.e. in each Ray actor) anywhere in the `stages` list; `resolve_stage` makes each one a
+callable stage.
+
+This module knows no concrete stage: the built-in ones (`_augment`, `_text`, `_vision`) build on it,
+and `_chain` puts them together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ._tokenizer import TokenizerRef
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass
+class Example:
+    """One sample on its way through the stages (fields are filled in chain order)."""
+
+    id: int
+    epoch: int
+    source: str
+    messages: list[dict[str, str]]
+    system: str | None = None
+    images: list[Any] = dataclasses.field(default_factory=list)          # PIL images (RGB)
+    text: str | None = None
+    assistant_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    input_ids: np.ndarray | None = None
+    labels: np.ndarray | None = None
+    image_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # token spans per image
+    image_tokens: list[int] = dataclasses.field(default_factory=list)             # expanded tokens per image
+    image_tensors: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+
+class StageContext:
+    """What a stage knows besides the example: ids and a generator seeded per (seed, epoch, id, stage)."""
+
+    __slots__ = ("_rng", "epoch", "sample_id", "seed", "stage_index")
+
+    def __init__(self, sample_id: int, epoch: int, seed: int, stage_index: int) -> None:
+        self.sample_id, self.epoch, self.seed, self.stage_index = sample_id, epoch, seed, stage_index
+        self._rng: np.random.Generator | None = None
+
+    @property
+    def rng(self) -> np.random.Generator:
+        if self._rng is None:
+            self._rng = np.random.default_rng([self.seed, self.epoch, self.sample_id, self.stage_index])
+        return self._rng
+
+
+class Stage:
+    """Base class of the built-in stages (subclassing it is optional for plug-ins)."""
+
+    def __call__(self, ex: Example, ctx: StageContext) -> Example | None:
+        raise NotImplementedError
+
+    def setup(self) -> None:
+        """Loads what the stage needs (imports, tokenizers) ahead of the first sample; optional."""
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def __repr__(self) -> str:
+        fields = {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
+
+def _as_ref(tokenizer: str | os.PathLike | TokenizerRef | None) -> TokenizerRef:
+    return tokenizer if isinstance(tokenizer, TokenizerRef) else TokenizerRef(tokenizer)
+
+
+class _FunctionStage(Stage):
+    def __init__(self, fn: Callable, wants_ctx: bool) -> None:
+        self.fn, self.wants_ctx = fn, wants_ctx
+
+    @property
+    def name(self) -> str:
+        return getattr(self.fn, "__qualname__", repr(self.fn))
+
+    def __call__(self, ex: Example, ctx: StageContext) -> Example | None:
+        return self.fn(ex, ctx) if self.wants_ctx else self.fn(ex)
+
+
+def _import_attr(spec: str) -> Any:
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"a stage given as a string must be 'package.module:attr', got {spec!r}")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def resolve_stage(spec: Any) -> Stage | Callable:
+    """A callable stage from an instance, a class (built without arguments), a function or 'module:attr'."""
+    if isinstance(spec, str):
+        spec = _import_attr(spec)
+    if isinstance(spec, type):
+        spec = spec()
+    if isinstance(spec, Stage):
+        return spec
+    if not callable(spec):
+        raise TypeError(f"a stage must be callable as stage(example, ctx), got {spec!r}")
+    target = spec if inspect.isfunction(spec) or inspect.ismethod(spec) else getattr(spec, "__call__", spec)
+    try:
+        params = [p for p in inspect.signature(target).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        wants_ctx = len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL
+                                            for p in inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        wants_ctx = True
+    return _FunctionStage(spec, wants_ctx)
