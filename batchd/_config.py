@@ -32,7 +32,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from batchd.core import FIELDS, REQUIRED, JobSpec, check_bool, check_choice, check_int, check_number, check_str
+from batchd.core import (
+    FIELDS,
+    REQUIRED,
+    JobSpec,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_str,
+)
 from batchd.proto import Security
 
 SECTIONS = ("job", "data", "pipeline", "coordinator", "rank", "security", "logging")

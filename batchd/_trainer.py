@@ -34,6 +34,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import ray
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -116,8 +117,6 @@ def run(rank: int, world_size: int, master_port: int, out: str, mode: str = "bat
         Path(out).write_text(json.dumps(result))
         dist.destroy_process_group()
         if source is not None:
-            import ray
-
             source.close()
             ray.shutdown()
     return result

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from batchd.core import JobSpec, check_int
+from batchd.launch import Processes, spec_argv, start_services, start_trainers, wait_trainers
 
 SYSTEMS = ("fixed", "odb-0.1.2", "batchd-odb", "batchd-balanced", "batchd-packed")
 # batchd systems: (policy, collate = cost model). `batchd-packed` groups under the packed cost model (a
@@ -107,8 +108,6 @@ def run_system(system: str, work: Path, common: dict[str, Any], world_size: int,
                timeout: float, tag: str | None = None) -> list[dict[str, Any]]:
     """Runs one system's N trainers (and, for batchd, its coordinator and rank services) in `work/tag`;
     returns their results."""
-    from batchd.launch import Processes, spec_argv, start_services, start_trainers, wait_trainers
-
     sys_dir = work / (tag or system)
     sys_dir.mkdir()
     procs = Processes(sys_dir)

@@ -9,6 +9,7 @@ or party; a failed job exits 1, Ctrl-C / SIGTERM 130.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import json
 import os
@@ -16,7 +17,10 @@ import shutil
 import sys
 from collections.abc import Sequence
 
-from batchd._config import DROP, load_config
+from batchd._config import DROP, EXAMPLE, load_config
+from batchd._logging import setup_logging
+from batchd._progress import Progress
+from batchd.bench import add_bench_parser
 from batchd.core import FIELDS, POLICIES, REQUIRED, JobSpec, read_lengths, simulate
 
 
@@ -54,8 +58,6 @@ SIM_KEYS = tuple(f.name for f in FIELDS if f.name not in ("collate", "epochs"))
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from batchd._progress import Progress
-
     given = {k: getattr(args, k) for k in SIM_KEYS if getattr(args, k) is not None}
     if args.config:
         job = load_config(args.config, {f"job.{k}": v for k, v in given.items()}, check_files=False).job
@@ -158,13 +160,11 @@ def _common_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _logging(cfg) -> None:
-    from batchd._logging import setup_logging
-
     setup_logging(cfg.logging.level, cfg.logging.format)
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from batchd.service import run_coordinator
+    from batchd.service import run_coordinator  # lazily: the daemon imports Ray and gRPC
 
     overrides = _common_overrides(args)
     overrides |= _overrides(args, "coordinator", ("host", "port", "lease", "startup_timeout", "state_dir",
@@ -215,8 +215,6 @@ def _rank(args: argparse.Namespace) -> int:
 
 
 def _config_cmd(args: argparse.Namespace) -> int:
-    from batchd._config import EXAMPLE
-
     if args.example:
         print(EXAMPLE, end="")
         return 0
@@ -224,8 +222,6 @@ def _config_cmd(args: argparse.Namespace) -> int:
         raise ValueError("give a config FILE to check, or --example")
     cfg = load_config(args.file, check_files=not args.no_file_check)
     if args.json:
-        import dataclasses
-
         out = {"job": dataclasses.asdict(cfg.job)}
         for name in ("data", "pipeline", "coordinator", "rank", "security", "logging"):
             out[name] = dataclasses.asdict(getattr(cfg, name))
@@ -253,9 +249,9 @@ def _tokenizer_cmd(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from batchd.demo import run_demo
-
     progress = None if args.json else (lambda msg: print(f"[batchd demo] {msg}", file=sys.stderr, flush=True))
+    from batchd.demo import run_demo  # lazily, like the services: it imports Ray
+
     summary = run_demo(args.world_size, args.num_samples, args.token_budget, args.policy, args.window, args.depth,
                        args.seed, baseline=not args.no_baseline, progress=progress, synthetic=args.synthetic,
                        dataset=args.dataset, num_actors=args.num_actors, ray_address=args.ray_address,
@@ -393,8 +389,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a tokenizer.json or a Hugging Face tokenizer directory (default: the demo's)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_demo)
-
-    from batchd.bench import add_bench_parser
 
     add_bench_parser(sub)
     return parser

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import ray
 
 from batchd.core import JobSpec
 from batchd.launch import (
@@ -63,6 +64,13 @@ from batchd.launch import (
     start_services,
     start_trainers,
     wait_trainers,
+)
+from batchd.service.preprocess import (
+    Quarantine,
+    RecordDataset,
+    TokenizerRef,
+    demo_tokenizer,
+    make_demo_dataset,
 )
 
 DEMO_BUDGET = 1024
@@ -159,8 +167,6 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
         try:
             procs.stop()
             if ray_started:
-                import ray
-
                 ray.shutdown()
             if not keep_dir:
                 shutil.rmtree(work, ignore_errors=True)
@@ -211,19 +217,13 @@ def _vocab_size(tokenizer: str | os.PathLike) -> int:
     Raises:
         FileNotFoundError, ValueError: naming `tokenizer` when it is missing or not a tokenizer.
     """
-    from batchd.service.preprocess import TokenizerRef
-
     return TokenizerRef(tokenizer).id_space
 
 
 def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
              t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time=0.0) -> dict[str, Any]:
-    from batchd.service.preprocess import Quarantine, RecordDataset, demo_tokenizer
-
     expected_bad: dict[int, str] | None = None
     if dataset is None:
-        from batchd.service.preprocess import make_demo_dataset
-
         demo = make_demo_dataset(work / "data", num_samples=num_samples, seed=seed)
         dataset, expected_bad = str(demo.path), demo.bad
         records = demo.num_records
@@ -233,8 +233,6 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
     model_cfg = {"vocab_size": _vocab_size(tok)}  # a missing or bad tokenizer fails here, before any process
     per_rank = actors_per_rank(num_actors, world_size)
     if ray_address is None:  # one Ray for the whole demo: every rank service joins it (--ray-address)
-        import ray
-
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         previous = os.environ.get(MARKER_ENV)
         os.environ[MARKER_ENV] = marker  # Ray's processes inherit it: the reaper finds them by it
