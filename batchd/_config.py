@@ -25,10 +25,11 @@ deployment-file tests load configs written for another machine with `check_files
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -303,6 +304,33 @@ def _merge(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, di
         elif value is not None:
             merged.setdefault(section, {})[key] = value
     return merged
+
+
+def add_job_flags(parser: Any, only: Sequence[str] | None = None, exclude: Sequence[str] = (),
+                  defaults: Mapping[str, Any] | None = None, shown: Mapping[str, Any] | None = None) -> None:
+    """Adds one flag per `JobSpec` field to `parser` (`--token-budget` for `token_budget`, `--shuffle` /
+    `--no-shuffle` for a bool), with the help, choices and metavar of the field's metadata.
+
+    A flag's default is None ("not given", so a config file's value survives) unless `defaults` gives
+    one (commands without a config file: demo, bench); `shown` changes only the default the help
+    states. Values are validated by `JobSpec` when the spec is built, so errors name the field.
+    """
+    types = {"int": int, "int | None": int, "str": str}
+    for f in FIELDS:
+        if (only is not None and f.name not in only) or f.name in exclude:
+            continue
+        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+        default, shown = (defaults or {}).get(f.name), shown or {}
+        stated = shown.get(f.name, f.default if default is None else default)
+        if f.name in REQUIRED and default is None and f.name not in shown:
+            text = meta["help"] + " (a flag or --config's [job])"
+        else:
+            text = f"{meta['help']} (default: {stated})"
+        if f.type == "bool":
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            parser.add_argument(flag, dest=f.name, type=types[str(f.type)], choices=meta.get("choices"),
+                                metavar=meta.get("metavar"), default=default, help=text)
 
 
 def _check_keys(section: str, body: Mapping[str, Any], known: tuple[str, ...]) -> None:

@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from batchd._config import add_job_flags
 from batchd.core import JobSpec, check_int
 from batchd.launch import Processes, spec_argv, start_services, start_trainers, wait_trainers
 
@@ -434,6 +435,9 @@ to --out. odb-0.1.2 is skipped when online-dynamic-batching 0.1.2 is not install
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
+    add_job_flags(p, only=("world_size", "token_budget", "window", "depth", "seed", "epochs"),
+                  defaults={"window": 128, "depth": 8, "seed": 0, "epochs": 1},
+                  shown={"world_size": "2 on cpu, 1 on cuda", "token_budget": "8192 on cpu, 16384 on cuda"})
     p.add_argument("--workload", metavar="FILE", default=None,
                    help="length file, one length per line (default: shared/workloads/odb-synthetic.txt on cpu, "
                         "sharegpt4o-like.txt on cuda)")
@@ -442,13 +446,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heldout", type=int, default=64, metavar="H",
                    help="evaluate the model after every epoch on the H samples after the training set, clock "
                         "paused (default 64; 0: none)")
-    p.add_argument("--epochs", type=int, default=1, metavar="E",
-                   help="epochs every system trains; epoch e uses every system's view of epoch e (default 1)")
-    p.add_argument("--world-size", type=int, default=None, metavar="N",
-                   help="trainer processes (default: 2 on cpu, 1 on cuda)")
-    p.add_argument("--token-budget", type=int, default=None, metavar="L",
-                   help="L_max, tokens per rank step (default: 8192 on cpu, 16384 on cuda); fixed uses "
-                        "B = floor(L / longest sample)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma-separated, run in this order (default: {','.join(SYSTEMS)})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -456,9 +453,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=("tiny", "llama-100m"), default=None,
                    help="tiny: ~0.5M-param Llama-style LM (cpu default); llama-100m: ~110M params, 12 layers, "
                         "d_model 768, randomly initialised (cuda default)")
-    p.add_argument("--window", type=int, default=128, metavar="W",
-                   help="per-rank window in samples: batchd --window and ODB buffer_size (default 128)")
-    p.add_argument("--depth", type=int, default=8, metavar="D", help="batchd --depth (default 8)")
     p.add_argument("--step-time", type=float, default=0.0, metavar="S",
                    help="every trainer sleeps S seconds per step (a large model's step time; default 0)")
     p.add_argument("--odb-workers", type=int, default=2, metavar="K",
@@ -467,7 +461,6 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-scaling", choices=tuple(LR_SCALING), default="sqrt",
                    help="sqrt: each step's lr = lr x sqrt(its tokens / fixed batching's mean step tokens), the "
                         "same rule for every system; linear: lr x that ratio; none: constant lr (default sqrt)")
-    p.add_argument("--seed", type=int, default=0, help="model init, sampler views and sample content (default 0)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per system run (default 1800)")
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="runs per system, interleaved in rotating order; the median-wall run is reported (default 1)")

@@ -17,11 +17,11 @@ import shutil
 import sys
 from collections.abc import Sequence
 
-from batchd._config import DROP, EXAMPLE, load_config
+from batchd._config import DROP, EXAMPLE, add_job_flags, load_config
 from batchd._logging import setup_logging
 from batchd._progress import Progress
 from batchd.bench import add_bench_parser
-from batchd.core import FIELDS, POLICIES, REQUIRED, JobSpec, read_lengths, simulate
+from batchd.core import FIELDS, REQUIRED, JobSpec, read_lengths, simulate
 
 
 def _positive(text: str) -> int:
@@ -47,7 +47,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--lengths", required=True, metavar="FILE", help="one integer length per line")
     p.add_argument("--config", default=None, metavar="FILE", help="job config (TOML/YAML); its [job] is used")
-    _add_job_flags(p, exclude=("collate", "epochs"), defaults={"shuffle": False})
+    add_job_flags(p, exclude=("collate", "epochs"), shown={"shuffle": False})
     p.set_defaults(shuffle=None)  # the simulator's own default: ids in file order (see _simulate)
     p.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -88,34 +88,9 @@ def _add_config_flag(p: argparse.ArgumentParser) -> None:
                    "`batchd config --example` prints a commented one")
 
 
-def _flag_type(f):
-    """argparse type of a JobSpec field: int for ints (JobSpec validates ranges and names the field)."""
-    return {"int": int, "int | None": int, "str": str}[str(f.type)]
-
-
-def _add_job_flags(g, exclude: Sequence[str] = (), defaults: dict[str, object] | None = None) -> None:
-    """One flag per `JobSpec` field (`--token-budget` for `token_budget`), help and choices from its metadata.
-
-    Flags default to None ("not given"), so a config file's value survives unless the flag is given.
-    """
-    for f in FIELDS:
-        if f.name in exclude:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        meta = f.metadata
-        shown = (defaults or {}).get(f.name, f.default)
-        default = "" if f.name in REQUIRED else f" (default: {shown})"
-        text = meta["help"] + (" (a flag or --config's [job])" if f.name in REQUIRED else default)
-        if f.type == "bool":
-            g.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
-        else:
-            g.add_argument(flag, dest=f.name, type=_flag_type(f), choices=meta.get("choices"),
-                           metavar=meta.get("metavar"), default=None, help=text)
-
-
 def _add_spec(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job spec ([job]; identical on the coordinator and every rank)")
-    _add_job_flags(g)
+    add_job_flags(g)
 
 
 SPEC_FLAGS = tuple(f.name for f in FIELDS)
@@ -365,14 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "and N gloo DDP trainers, trains a tiny causal LM for one epoch through batchd, then "
                        "with fixed batching on the same preprocessed samples, and compares. Default data: a "
                        "generated demo dataset (conversations, images and a few bad records).")
-    p.add_argument("--world-size", type=_positive, default=2, metavar="N", help="trainer ranks (default 2)")
+    add_job_flags(p, only=("world_size", "token_budget", "policy", "window", "depth", "seed"),
+                  defaults={"world_size": 2, "token_budget": 1024, "policy": "balanced", "window": 128, "depth": 4,
+                            "seed": 0})
     p.add_argument("--num-samples", type=_positive, default=1024, metavar="M",
                    help="records of the generated dataset, or synthetic samples (default 1024)")
-    p.add_argument("--token-budget", type=_positive, default=1024, metavar="L", help="L_max (default 1024)")
-    p.add_argument("--policy", choices=POLICIES, default="balanced", help="grouping policy (default balanced)")
-    p.add_argument("--window", type=_positive, default=128, help="per-rank window (default 128)")
-    p.add_argument("--depth", type=_positive, default=4, help="batches kept ready per rank (default 4)")
-    p.add_argument("--seed", type=int, default=0, help="data and sampling seed")
     p.add_argument("--no-baseline", action="store_true", help="skip the fixed-batching comparison run")
     p.add_argument("--step-time", type=float, default=0.0, metavar="S",
                    help="batchd trainers sleep S seconds per step (a real model's step time; default 0)")
