@@ -276,7 +276,7 @@ def start_services(procs: Processes, work: Path, spec: list[str], world_size: in
 
 def start_trainers(procs: Processes, work: Path, tag: str, world_size: int, common: dict[str, Any],
                    per_rank: list[dict[str, Any]] | tuple[dict[str, Any], ...],
-                   module: str = "batchd.client._trainer") -> tuple[int, list[Path]]:
+                   module: str = "batchd._trainer") -> tuple[int, list[Path]]:
     """Starts `world_size` trainer processes ("TAG-R") of `module` (`python -m module --config
     TAG-R.cfg.json`); returns (gloo master port, result paths)."""
     port = free_port()
