@@ -11,7 +11,7 @@ At seeded points of a job's progress (steps every rank has logged) it kills one 
 
 - `actor`: a Ray preprocessing actor (`ray::PreprocessWorker` processes under this process's Ray;
   the actor's pid). Nothing is restarted by hand: the pool's actors have `max_restarts=-1` and RaySource
-  resubmits the tasks that died with them (service/_pipeline.py).
+  resubmits the tasks that died with them (service/preprocess/_pipeline.py).
 - `rank`: a rank service, restarted with the same command (same `--port`, same `--state-dir`).
 - `coordinator`: the coordinator, restarted with the same command, which includes `--state-dir`.
   Skipped, with a note, while `batchd coordinator --help` has no `--state-dir` (no journal: a killed
