@@ -21,12 +21,13 @@ rounded up to a multiple of 32, tied head) the model has 467,584 parameters: emb
 per block 4 d^2 = 65,536 (attention) + 3 d d_ff = 135,168 (SwiGLU) + 2 d (norms) = 200,960; final
 norm 128 (untied head: +65,536 = 533,120). A training step costs about 6 x params x tokens FLOPs
 (forward 2, backward 4 per parameter per *materialized* token, the head included) plus
-12 x n_layers x d x sum(T_row^2) for attention (dense kernels compute the full T x T square): at the
-demo's budget of 8,192 materialized tokens that is ~23 GFLOP of matmuls plus ~3.2 GFLOP of attention
-for 64 rows of 128 (linear in the row length), i.e. hundreds of milliseconds on a few CPU cores,
-against a per-step overhead (fetching ids, collating, a 1.9 MB fp32 gradient all-reduce) of a few
-milliseconds. Step time is therefore roughly proportional to materialized tokens, which is the
-quantity batchd's cost models balance; padding shows up directly as wasted time.
+12 x n_layers x d x sum(T_row^2) for attention (dense kernels compute the full T x T square): at a
+budget of 8,192 materialized tokens that is ~23 GFLOP of matmuls plus ~3.2 GFLOP of attention for 64
+rows of 128 (linear in the row length), against a per-step overhead that does not grow with tokens
+(fetching ids, collating, a 1.9 MB fp32 gradient all-reduce). Step time is therefore roughly
+proportional to materialized tokens, which is the quantity batchd's cost models balance; padding
+shows up directly as wasted time. Measured step times: docs/benchmarks.md (`batchd bench`,
+`batchd demo`).
 
 The trade-off: no KV cache, no fused varlen kernel (given `cu_seqlens`, a packed row's attention runs
 one SDPA call per sample, sum(n_i^2) work but a Python loop over samples; without it the block-diagonal

@@ -35,7 +35,8 @@ def _positive(text: str) -> int:
 
 
 # Flags default to None ("not given") so a config file's value survives unless the flag is given;
-# the help strings state the built-in defaults, which live in the config dataclasses / SimConfig.
+# the help strings state the built-in defaults, which live in the config dataclasses and
+# batchd.core.JobSpec (the job flags are derived from its fields).
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(

@@ -30,10 +30,11 @@ ranks of (trainer time blocked in the batch iterator's `next()`) / (trainer epoc
 the per-rank values in `stall_fraction_per_rank`.
 
 Why the tiny model is compute-bound: each step costs ~6 x 0.5M params x padded tokens FLOPs (about
-3 GFLOP for a 1024-token step, ~70-80 ms on one CPU thread), while the per-step overhead (2 MB gloo
-all-reduce, AdamW over 0.5M params, Python) measures ~11-15 ms (docs/benchmarks.md fits both): a full
-batchd step is ~85% per-token work, so wall time follows padded tokens and step count, which is what
-batching changes; the baseline's tiny OOM-safe batches pay the per-step cost about 5x more often.
+3 GFLOP for a full 1024-token step), while the per-step overhead (2 MB gloo all-reduce, AdamW over 0.5M
+params, Python) does not grow with the tokens: a full batchd step is mostly per-token work, so wall
+time follows padded tokens and step count, which is what batching changes, and the baseline's small
+OOM-safe batches pay the per-step cost once per few samples. docs/benchmarks.md (`batchd demo`)
+measures both parts.
 """
 
 from __future__ import annotations

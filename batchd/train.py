@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save/resume rank-<r>.pt here")
     p.add_argument("--checkpoint-every", type=int, default=100, metavar="K", help="steps between checkpoints")
     p.add_argument("--log-every", type=int, default=10, metavar="K", help="rank 0 logs every K steps")
-    sec = p.add_argument_group("security (as the rank services: batchd.service.Security)")
+    sec = p.add_argument_group("security (as the rank services: batchd.proto.Security)")
     sec.add_argument("--tls-ca", default=None, metavar="FILE", help="CA of the rank service's certificate (TLS on)")
     sec.add_argument("--tls-cert", default=None, metavar="FILE", help="client certificate (mutual TLS)")
     sec.add_argument("--tls-key", default=None, metavar="FILE", help="key of --tls-cert")

@@ -92,7 +92,7 @@ PROFILE_GROUPS = (
     ("locks, conditions, queues (thread hand-offs)",
      lambda f, fn: f.endswith("threading.py") or f.endswith("queue.py")
      or any(x in fn for x in ("_thread.lock", "_thread.RLock", "SimpleQueue"))),
-    ("batchd.wire (protobuf <-> core dataclasses)", lambda f, fn: f.endswith("batchd/wire.py")),
+    ("batchd.proto.wire (protobuf <-> core dataclasses)", lambda f, fn: f.endswith("proto/wire.py")),
     ("coordinator state + core (decide/commit)",
      lambda f, fn: "/core/" in f or f.endswith("_coordinator.py") or f.endswith("_align.py")),
 )
@@ -451,7 +451,7 @@ def analysis(run: dict[str, Any], diag: dict[str, Any] | None, floor: dict[str, 
         f"across N ({run['coord_cpu_per_round_ms'] * 1000 / (2 * n):.0f} us at N={n}){floor_txt}: the cost "
         "is gRPC Python's per-call machinery (completion-queue event on the serve thread, hand-off to a "
         "pool thread, `unary_request`, `_status`/`_send_response`, protobuf <-> dataclass conversion in "
-        "`batchd.wire`) plus the barrier's `notify_all` waking N blocked handler threads that each "
+        "`batchd.proto.wire`) plus the barrier's `notify_all` waking N blocked handler threads that each "
         "re-take the lock and the GIL. It grows linearly with the 2N calls of a round and the GIL "
         "serializes most of it, so extra cores help this process little.",
         f"- **The gap:** p99 <= {TARGET_P99_MS:g} ms at {n} ranks leaves ~{budget_us:.0f} us of coordinator "

@@ -172,13 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         "The demo's model is tiny (~0.5M parameters: vocab 512, d_model 128, 2 layers, 4 heads). A step "
         "costs about 6 x 0.5M x padded tokens FLOPs, ~3 GFLOP for a full 1024-token step, i.e. ~100 ms on "
         "one CPU thread, while the per-step work that does not scale with tokens (a ~2 MB gloo all-reduce, "
-        "AdamW over 0.5M parameters, Python) is small next to it (batchd/demo.py). So a full step is "
+        "AdamW over 0.5M parameters, Python) is small next to it. So a full step is "
         f"compute-bound: in the default variant a batchd step ({dflt['tok_b']:.0f} padded tokens) spends "
         f"~{1 - dflt['overhead_share_b']:.0%} of its time in per-token work, so batchd's wall time follows the "
         "padded tokens, which is what batching changes.",
         "",
-        "batchd/demo.py puts the per-step overhead at a few ms; the fit gives more, "
-        f"~{dflt['a_ms']:.0f} ms, and it is not negligible for the baseline: its out-of-memory-safe batch "
+        f"The fit puts the per-step overhead at ~{dflt['a_ms']:.0f} ms: small next to a full step, but "
+        "not negligible for the baseline: its out-of-memory-safe batch "
         f"is tiny (B = floor(L / longest) samples, {dflt['tok_f']:.0f} padded tokens per step), so "
         f"`a` is ~{dflt['overhead_share_f']:.0%} of each of its steps, and it takes "
         f"{dflt['step_ratio']:.1f}x as many. The speedup is therefore larger than the padded-token ratio: "

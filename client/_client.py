@@ -54,7 +54,7 @@ class BatchClient:
         credits: Batches the service may send ahead of consumption.
         reconnect_timeout_s: How long to retry a rank service that became unreachable (a restart).
         startup_timeout_s: How long the first connection waits for a rank service that is not up yet.
-        security: TLS / mutual TLS / bearer token of this trainer process (`batchd.service.Security`);
+        security: TLS / mutual TLS / bearer token of this trainer process (`batchd.proto.Security`);
             None connects in plaintext without a token.
         token: Shortcut for `Security(token=token, tls_ca=tls_ca)`; not together with `security`.
         tls_ca: Shortcut: the CA that signed the rank service's certificate (turns TLS on).

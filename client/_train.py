@@ -16,10 +16,9 @@ every sample of the step would compute it. Two conditions make it exact:
   the graph reaches every parameter, so DDP's gradient hooks fire and its buckets all-reduce zeros.
   A rank whose samples carry no loss tokens at all does the same on its real batch.
 
-The trade-off of the zero-weight step: an IDLE rank spends one tiny forward/backward per step instead
-of skipping it, which costs microseconds and needs neither ``find_unused_parameters`` nor the
-``Join`` context manager. The loss is accumulated in at least fp32 (fp64 stays fp64) whatever the
-activation dtype.
+The trade-off of the zero-weight step: an IDLE rank spends one 1-token forward/backward per step
+instead of skipping it, which needs neither ``find_unused_parameters`` nor the ``Join`` context
+manager. The loss is accumulated in at least fp32 (fp64 stays fp64) whatever the activation dtype.
 """
 
 from __future__ import annotations

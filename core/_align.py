@@ -10,21 +10,40 @@ counts of what each rank emitted (after splits) so every step carries exact loss
 closes the epoch: join mode when every rank is exhausted and empty, non-join mode when the cumulative
 sample count reaches the quota (the last step is cut so the count is exact).
 
-Target rules (T over the ranks that reported, "active" = holds at least one group):
+Target rules. Each rank r reports C_r (free output slots), B_r (buffered samples) and G_r (candidate
+groups); "active" ranks hold at least one group. Whatever the rule, every rank emits exactly T steps,
+IDLE ones when it has no group left.
 
-- `min` (batchd): T = min(min over active ranks of G_r, min over all ranks of C_r).
-  Why: every active rank has >= T groups, so no rank ever splits (a split makes an underfull step);
-  ranks with more overflow, which only defers samples into the next window. Every rank then emits T
-  full groups per round, i.e. ranks consume their streams at the same token rate and finish together,
-  which is the best any policy that keeps samples on their rank can do. Properties (tested):
-  capacity: T <= C_r for every rank; progress: T >= 1 whenever some rank holds data and every C_r >= 1,
-  so each such round emits >= 1 sample per active rank and an epoch of n samples takes at most
-  max_r n_r rounds and max_r n_r steps per rank (join); equal steps: every rank emits exactly T.
-- `odb` (ODB 0.1.2): T = max(1, min(max G_r, min positive C_r, min positive B_r)). Ranks below T split.
-  Splits are rare in practice (2 in 189 steps on odb-synthetic, N=2, window 128); ODB's extra steps
-  (1.44x ideal there, vs 1.09x for the offline oracle) come from its conservative grouping rule.
-- The seed paper's max-based rule, T = max(min C_r, min B_r), is not offered: with buffers larger than
-  the output queue (always, in practice) it exceeds the capacity of every rank.
+- `odb` (`align = "odb"`; the `odb` policy always uses it) is ODB's max-target protocol, the rule of
+  the ODB package (online-dynamic-batching 0.1.2, `odb.grouping`), which batchd offers as is:
+
+      T = max(1, min(max G_r, min positive C_r, min positive B_r))
+
+  and no step at all (T = 0) in a round where some rank has no free slot. It is the seed paper's
+  bidirectional max-based alignment: T starts from the largest group count; ranks with fewer groups
+  split toward singletons, ranks with more overflow into the next round. The paper's prose gives the
+  target as max(min positive C_r, min positive B_r); read literally, that exceeds every rank's output
+  capacity whenever buffers hold more samples than output queues have slots, and the package caps it
+  as above. One difference of setting, not of rule: the package takes min C_r over the ranks still
+  iterating (a drained rank stops, and the user wraps training in `Join`); batchd takes it over every
+  rank, since a drained batchd rank emits IDLE steps. Properties (tested): capacity: T <= C_r for
+  every rank; split feasibility: T <= B_r for every active rank, so a rank below T can split up to T.
+- `min` (batchd's default): T = min(min over active ranks of G_r, min over all ranks of C_r).
+  It differs from ODB's rule on purpose:
+  - no splits: every active rank has >= T groups, so no rank ever splits (a split turns a group into
+    under-full steps that waste the token budget); ranks with more groups overflow, which only defers
+    samples into the next window;
+  - equal token rate per rank: every rank emits T full groups per round, so ranks consume their
+    streams at the same token rate and finish together, the best any policy that keeps samples on
+    their rank can do;
+  - capacity bound by construction: T <= C_r for every rank, drained ones included (they emit IDLE
+    steps, so no trainer needs `Join`); a rank with no free slot makes T = 0 by itself, where ODB's
+    rule needs a skip test on top of its floor of 1.
+  Properties (tested): capacity as above; progress: T >= 1 whenever some rank holds data and every
+  C_r >= 1, so each such round emits >= 1 sample per active rank and an epoch of n samples takes at
+  most max_r n_r rounds and max_r n_r steps per rank (join); equal steps: every rank emits exactly T.
+
+Measured steps, splits and IDLE steps under both rules: docs/benchmarks.md (Batching quality, config B).
 """
 
 from __future__ import annotations

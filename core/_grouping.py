@@ -7,8 +7,9 @@ All functions take lengths sorted longest first and return groups as lists of in
   shorter and can only hold more), and groups hold near-equal lengths, so padding is low.
 - `odb_greedy`: the published ODB 0.1.2 rule, kept faithful as the reference baseline: the longest
   sample stands alone, and each later group holds floor(L / L_prev) samples where L_prev is the shortest
-  length of the previous group. It is conservative (never over token_budget) but forms up to ~2x more groups
-  than `contiguous_greedy` in the long tail.
+  length of the previous group. It is conservative (never over token_budget) but forms more groups than
+  `contiguous_greedy` where groups are small (the long tail): a group sized by the previous group's
+  shortest sample may hold fewer samples than its own longest allows. Counts: docs/benchmarks.md.
 - `best_fit_decreasing` (additive costs): each sample goes to the open group with the least room that
   still fits it (11/9 OPT + 6/9 bins worst case), O(n log n) with bisect.
 - `fixed_chunks`: the fixed-batch-size baselines.

@@ -66,8 +66,10 @@ class _SampleFields(NamedTuple):
 
 
 class Sample(_SampleFields):
-    """Metadata of one preprocessed sample (an immutable named tuple: ~0.5 us to build, which matters
-    at 10^5 samples/s per rank; a frozen dataclass costs twice that).
+    """Metadata of one preprocessed sample: an immutable named tuple, validated on construction.
+
+    A named tuple rather than a frozen dataclass because every sample a rank handles is built once on
+    the per-rank hot path; construction cost, measured: docs/benchmarks.md (Throughput).
 
     Attributes:
         id: Dataset-wide sample id (>= 0), unique within an epoch.

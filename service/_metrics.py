@@ -6,11 +6,11 @@ names). `CoordinatorMetrics` and `RankMetrics` hold the metric objects; the serv
 `observe_*` methods at round boundaries, and `start_metrics_server` serves a registry over HTTP.
 
 Cost and honesty trade-offs:
-- Updates happen once per round (a rank service emits ~500 batches/s in rounds of several steps), so a
-  round adds a handful of `inc`/`observe` calls (each one small lock inside prometheus_client) and no
-  lock of ours on the protocol path. Values that are cheap to read live (ready batches, window depth,
-  job state, rates over a sliding window, padding efficiency) are computed at scrape time from plain
-  attributes, so the hot path does not touch them at all.
+- Updates happen once per round, not per batch: a round adds a handful of `inc`/`observe` calls
+  (each one small lock inside prometheus_client) and no lock of ours on the protocol path. Values
+  that are cheap to read live (ready batches, window depth, job state, rates over a sliding window,
+  padding efficiency) are computed at scrape time from plain attributes, so the hot path does not
+  touch them at all.
 - "Emitted" means collated and queued for the trainer (what the trainer then receives, in order). A
   restarted rank service starts its counters at zero, as Prometheus counters do; the batches it replays
   from its journal are not counted again.
@@ -44,7 +44,8 @@ from batchd.core import CostModel
 
 log = logging.getLogger("batchd.metrics")
 
-# Round latencies: sub-millisecond in one process, up to the round timeout across hosts.
+# Round-latency buckets: from 0.5 ms (every party in one process) to 120 s (a round lasts as long as its
+# slowest rank's trainer needs). Measured latencies: docs/benchmarks.md (Alignment round latency).
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
                    60.0, 120.0, math.inf)
 JOB_STATES = ("running", "done", "failed")
