@@ -49,7 +49,7 @@ _EXPORTS = {
     "load_config": "batchd._config",
     "loss_scale": "batchd.core",
     "loss_tokens": "batchd.client",
-    "read_lengths": "batchd.core",
+    "read_lengths": "batchd._lengths",
     "scaled_loss": "batchd.client",
     "simulate": "batchd.core",
     "token_loss_sum": "batchd.client",

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from batchd._config import add_job_flags
+from batchd._lengths import read_lengths
 from batchd.core import JobSpec, check_int
 from batchd.launch import Processes, spec_argv, start_services, start_trainers, wait_trainers
 
@@ -95,13 +96,6 @@ def parse_systems(text: str) -> list[str]:
     if not names or bad or len(set(names)) != len(names):
         raise ValueError(f"systems must be distinct names from {','.join(SYSTEMS)}, got {text=}")
     return names
-
-
-def read_lengths(path: Path) -> list[int]:
-    lengths = [int(x) for x in Path(path).read_text().split()]
-    if not lengths or min(lengths) < 1:
-        raise ValueError(f"a workload file holds one positive length per line, got {path=}")
-    return lengths
 
 
 # -- running one system ----------------------------------------------------------------------------

@@ -18,10 +18,11 @@ import sys
 from collections.abc import Sequence
 
 from batchd._config import DROP, EXAMPLE, add_job_flags, load_config
+from batchd._lengths import read_lengths
 from batchd._logging import setup_logging
 from batchd._progress import Progress
 from batchd.bench import add_bench_parser
-from batchd.core import FIELDS, REQUIRED, JobSpec, read_lengths, simulate
+from batchd.core import FIELDS, REQUIRED, JobSpec, simulate
 
 
 def _positive(text: str) -> int:

@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cmd = "python benchmarks/align_latency.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
                                                   if (argv if argv is not None else sys.argv[1:]) else "")
-    from batchd.core import read_lengths
+    from batchd import read_lengths
 
     pool = read_lengths(str(args.workloads / "odb-synthetic.txt"))
     t_all = time.perf_counter()

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     raw = argv if argv is not None else sys.argv[1:]
     cmd = "python benchmarks/epoch_boundary.py" + (" " + " ".join(raw) if raw else "")
-    from batchd.core import read_lengths
+    from batchd import read_lengths
 
     lengths = read_lengths(args.workloads / "odb-synthetic.txt")[:SYNTHETIC_SAMPLES]
     idle_before = idle_share()

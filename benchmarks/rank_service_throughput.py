@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     raw = argv if argv is not None else sys.argv[1:]
     cmd = "python benchmarks/rank_service_throughput.py" + (" " + " ".join(raw) if raw else "")
-    from batchd.core import read_lengths
+    from batchd import read_lengths
 
     lengths = read_lengths(str(args.workloads / "odb-synthetic.txt"))
     t_all = time.perf_counter()

@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _mdsection import DEFAULT_WORKLOADS, DOCS, publish, revision, table  # noqa: E402
 
-from batchd.core import CostModel, JobSpec, contiguous_greedy, read_lengths, simulate  # noqa: E402
+from batchd import read_lengths
+from batchd.core import CostModel, JobSpec, contiguous_greedy, simulate  # noqa: E402
 
 SECTION = "simulate"
 

@@ -39,13 +39,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _mdsection import DEFAULT_WORKLOADS, DOCS, REPO, publish, revision, table  # noqa: E402
 
+from batchd import read_lengths
 from batchd.core import (  # noqa: E402
     Coordinator,
-    CostModel,
     JobSpec,
     RankState,
     Sample,
-    read_lengths,
     simulate,
 )
 

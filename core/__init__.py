@@ -32,7 +32,7 @@ from ._liveness import Liveness
 from ._loss import loss_scale
 from ._policy import ALIGN_RULES, POLICIES, Entry, Policy, form_groups
 from ._rank import OVER_BUDGET, RankState, max_fitting_length
-from ._simulator import SimMetrics, Simulator, read_lengths, simulate, synthetic_token_loss
+from ._simulator import SimMetrics, Simulator, parse_lengths, simulate, synthetic_token_loss
 from ._source import ViewSource, epoch_permutation
 from ._spec import COLLATE, FIELDS, REQUIRED, JobSpec
 from ._types import Sample, Step, StepInfo, check_bool, check_choice, check_int, check_number, check_str
@@ -46,6 +46,6 @@ __all__ = sorted([
     "RankState", "RoundDecision", "RoundTotals", "Sample", "SimMetrics", "Simulator",
     "Step", "StepInfo", "ViewSource",
     "best_fit_decreasing", "contiguous_greedy", "epoch_permutation", "fixed_chunks", "form_groups",
-    "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "plan_round", "read_lengths",
+    "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "parse_lengths", "plan_round",
     "simulate", "split_largest", "synthetic_token_loss", "target_min", "target_odb",
 ])

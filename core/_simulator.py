@@ -17,7 +17,7 @@ import collections
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ._align import Coordinator
@@ -218,20 +218,19 @@ def simulate(lengths: Sequence[int], spec: JobSpec,
     return metrics.result(sim, time.perf_counter() - t0)
 
 
-def read_lengths(path: str) -> list[int]:
-    """Reads one positive integer length per line (blank lines ignored); errors name the line."""
+def parse_lengths(lines: Iterable[str], source: str = "<lengths>") -> list[int]:
+    """Parses one positive integer length per line; errors name `source` and the line (no I/O here:
+    `batchd.read_lengths(path)` opens the file)."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            text = line.strip()
-            if not text:
-                raise ValueError(f"{path}:{lineno}: empty line (ids are 0-based line numbers)")
-            try:
-                n = int(text)
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: not an integer length: {text!r}") from None
-            if n < 1:
-                raise ValueError(f"{path}:{lineno}: length must be >= 1, got {n}")
-            out.append(n)
+    for lineno, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text:
+            raise ValueError(f"{source}:{lineno}: empty line (ids are 0-based line numbers)")
+        try:
+            n = int(text)
+        except ValueError:
+            raise ValueError(f"{source}:{lineno}: not an integer length: {text!r}") from None
+        if n < 1:
+            raise ValueError(f"{source}:{lineno}: length must be >= 1, got {n}")
+        out.append(n)
     return out
-

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import workload_dir
 
-from batchd.core import JobSpec, Simulator, read_lengths
+from batchd import read_lengths
+from batchd.core import JobSpec, Simulator
 
 
 def _lengths(name: str) -> list[int]:
