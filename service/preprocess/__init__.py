@@ -38,11 +38,14 @@ from ._records import (
 )
 from ._sources import (
     EXHAUSTED,
+    NO_REASONS,
+    SOURCE_MEMBERS,
     IngestSource,
     Payload,
     Source,
     SyntheticSource,
     loss_tokens_of,
+    missing_source_members,
     synthetic_payload,
 )
 from ._stages import (
@@ -69,6 +72,7 @@ from ._tokenizer import SPECIAL_TOKENS, TokenizerRef, demo_tokenizer, train_toke
 
 __all__ = sorted([
     "IngestSource", "Payload", "SharedRay", "Source", "SyntheticSource", "loss_tokens_of", "share_ray", "synthetic_payload",
+    "NO_REASONS", "SOURCE_MEMBERS", "missing_source_members",
     "EXHAUSTED", "demo_bad_ids", "demo_record", "QWEN2VL_IMAGE", "SPECIAL_TOKENS", "TEMPLATES",
     "ChatTemplate", "DemoDataset", "EmptyDatasetError", "Example", "LlavaVision", "PreprocessPool", "PreprocessWorker", "Preprocessor",
     "Quarantine", "Qwen2VLVision", "RandomResizedCrop", "RaySource", "Record", "RecordDataset", "Reject",
