@@ -283,9 +283,10 @@ class Coordinator:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores a `state_dict()`; refuses one taken with another world size, seed, mode or policy."""
-        expect = {K_WORLD: self.world_size, K_SEED: self.seed, K_MODE: self.mode, K_POLICY: self.policy.name,
-                  K_BUDGET: self.token_budget, K_QUOTA: self.quota}
+        """Restores a `state_dict()`; refuses one taken with another world size, seed, epoch, mode, policy,
+        token budget or quota (ValueError naming each field that differs)."""
+        expect = {K_WORLD: self.world_size, K_SEED: self.seed, K_EPOCH: self.epoch, K_MODE: self.mode,
+                  K_POLICY: self.policy.name, K_BUDGET: self.token_budget, K_QUOTA: self.quota}
         check_state(state, expect, "Coordinator")
         self.epoch = state[K_EPOCH]
         self.round, self.emitted, self.done = state[K_ROUND], state[K_EMITTED], state["done"]

@@ -17,8 +17,9 @@ Life of a round on one rank (the coordinator side is `batchd.core.Coordinator`):
 - `finalize` turns groups into `Step`s with exact global totals and the loss scale, after the
   non-join quota cut (cut samples return to the window).
 
-`state_dict()` is JSON-safe, taken between rounds, and stores rank, world size and seed; loading a
-state from another rank, world size, seed, policy or token budget fails with a message that says which.
+`state_dict()` is JSON-safe, taken between rounds, and stores rank, world size, seed and epoch; loading
+a state from another rank, world size, seed, epoch, policy or token budget fails with a message that says
+which.
 """
 
 from __future__ import annotations
@@ -261,8 +262,9 @@ class RankState:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores a `state_dict()`; refuses a state of another rank, world size, seed, policy or token_budget."""
-        expect = {K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
+        """Restores a `state_dict()`; refuses a state of another rank, world size, seed, epoch, policy or
+        token_budget (ValueError naming each field that differs)."""
+        expect = {K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed, K_EPOCH: self.epoch,
                   K_POLICY: self.policy.name, K_BUDGET: self.token_budget}
         check_state(state, expect, f"RankState(rank={self.rank})")
         self.epoch, self.round, self.step = state[K_EPOCH], state[K_ROUND], state[K_STEP]

@@ -35,6 +35,8 @@ from .preprocess import (
     IngestSource,
     RaySource,
     RecordDataset,
+    SharedRay,
+    Source,
     SyntheticSource,
     default_stages,
     share_ray,
@@ -118,7 +120,7 @@ def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_
 
 def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | None = None, num_actors: int = 2,
                     ray_address: str | None = None, quarantine: str | None = None, cutoff: int | None = None,
-                    pipeline: dict | None = None):
+                    pipeline: dict | None = None) -> tuple[RaySource, SharedRay]:
     """Rank `rank`'s `RaySource` over `dataset` with `default_stages(tokenizer)`, in the job's sampler view,
     and the `SharedRay` it runs on: `(source, shared_ray)`; the caller closes both, the source first.
 
@@ -148,8 +150,13 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
     return source, shared
 
 
-def _write_stats(path: str | None, rank: int, source, ray_address: str | None = None) -> None:
-    if not path or not hasattr(source, "stats"):
+def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: str | None = None) -> None:
+    """Writes `source`'s counters (`Source.stats()`), its view's size and its pool's actor time to `path` as JSON.
+
+    Only a `RaySource` has a view of known size and actors; the actor counters are best effort (a dead
+    Ray is logged, not raised), the sample counts are exact.
+    """
+    if not path:
         return
     stats = {"rank": rank, **source.stats(), "view": len(source)}
     if ray_address is not None:
@@ -177,10 +184,12 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
              startup_timeout_s: float = 600.0) -> int:
     if lengths is not None and dataset is not None:
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
-    shared = None
+    shared = ray_source = None
+    source: Source
     if dataset is not None:
-        source, shared = make_ray_source(spec, rank, dataset, tokenizer, num_actors, ray_address, quarantine,
-                                         cutoff, pipeline)
+        ray_source, shared = make_ray_source(spec, rank, dataset, tokenizer, num_actors, ray_address, quarantine,
+                                             cutoff, pipeline)
+        source = ray_source
     elif lengths is None:
         source = IngestSource(spec.window)
     else:
@@ -190,16 +199,16 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
         return _serve_rank(spec, rank, coordinator, source, host, port, port_file, state_dir, client_grace_s,
                            security, metrics_port, metrics_host, trainer_timeout_s, startup_timeout_s)
     finally:
-        if shared is not None:
+        if ray_source is not None:
             try:
-                _write_stats(stats_file, rank, source, shared.address)
-                source.close()
+                _write_stats(stats_file, rank, ray_source, shared.address)
+                ray_source.close()
             finally:
                 shared.close()  # stops only a Ray this service started, once no other service uses it
 
 
-def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source, host: str, port: int, port_file: str | None,
-                state_dir: str | None, client_grace_s: float, security: Security | None = None,
+def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source: Source, host: str, port: int,
+                port_file: str | None, state_dir: str | None, client_grace_s: float, security: Security | None = None,
                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                 trainer_timeout_s: float = 1800.0, startup_timeout_s: float = 600.0) -> int:
     """Serves one rank until its trainer took the job's last step (and left), or the job failed.

@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
 from batchd.core import (
     ATTACHED,
     END,
@@ -65,13 +64,27 @@ from batchd.proto import batchd_pb2_grpc as pb_grpc
 from ._coord_client import CoordinatorClient
 from ._metrics import RankMetrics, materialized_tokens
 from ._security import add_port, server_interceptors
-from .preprocess import EXHAUSTED, IngestSource, Payload, Source, loss_tokens_of, resolve_many
+from .preprocess import (
+    EXHAUSTED,
+    IngestSource,
+    Payload,
+    Source,
+    loss_tokens_of,
+    missing_source_members,
+    resolve_many,
+)
 
 log = logging.getLogger("batchd.rank")
 FETCH_CHUNK = 64  # sample ids per Fetch request
 FETCH_REPLY_BYTES = 16 << 20  # a Fetch reply stops adding samples past this (the message cap is 64 MiB)
 
 JOURNAL = "rank-{rank}.json"
+# The rank journal (one JSON object, rewritten whole after every round): its version and keys.
+JOURNAL_VERSION = 2
+J_VERSION, J_DELIVERY, J_RANK, J_SOURCE, J_READY, J_REJECTED_BEFORE, J_FINISH_ACKED = (
+    "version", "delivery", "rank", "source", "ready", "rejected_before", "finish_acked")
+JOURNAL_KEYS = {J_VERSION: int, J_DELIVERY: dict, J_RANK: dict, J_SOURCE: dict, J_READY: list,
+                J_REJECTED_BEFORE: int, J_FINISH_ACKED: bool}  # every key is required, of this type
 
 
 def resolve_payloads(payloads: list[Any]) -> list[Payload]:
@@ -88,6 +101,45 @@ def materialize_many(source: Source, ids: list[int]) -> list[Payload]:
     return resolve_payloads(list(source.materialize_many(ids)))
 
 
+def read_journal(path: str | os.PathLike) -> dict[str, Any]:
+    """The rank journal at `path`, checked strictly: a JSON object of version JOURNAL_VERSION with every key
+    of JOURNAL_KEYS, each of its type, and no other key.
+
+    Raises:
+        ValueError: naming the file and what is wrong (unreadable, the version found and the one this build
+            reads, a missing or unknown key, a key of the wrong type); the nested states are checked by
+            their owners when they are loaded.
+    """
+    path = Path(path)
+    try:
+        state = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{path}: not a readable rank journal ({exc}); remove it to start over") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: not a rank journal: a JSON {type(state).__name__}, expected an object "
+                         f"of version {JOURNAL_VERSION}; remove it to start over")
+    if J_VERSION not in state:
+        raise ValueError(f"{path}: rank journal without a {J_VERSION!r} key, this build reads version "
+                         f"{JOURNAL_VERSION}; remove it to start over")
+    version = state[J_VERSION]
+    if type(version) is not int or version != JOURNAL_VERSION:
+        raise ValueError(f"{path}: rank journal version {version!r}, this build reads version {JOURNAL_VERSION}; "
+                         f"remove it to start over")
+    missing = [k for k in JOURNAL_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"{path}: rank journal version {version} lacks the required key(s) {missing}; "
+                         f"remove it to start over")
+    unknown = sorted(set(state) - set(JOURNAL_KEYS))
+    if unknown:
+        raise ValueError(f"{path}: rank journal version {version} has unknown key(s) {unknown}; "
+                         f"remove it to start over")
+    for key, kind in JOURNAL_KEYS.items():
+        if type(state[key]) is not kind:
+            raise ValueError(f"{path}: rank journal version {version}: {key!r} is a {type(state[key]).__name__}, "
+                             f"expected a {kind.__name__}; remove it to start over")
+    return state
+
+
 def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0) -> dict[str, Any]:
     """Collates payloads into the step's arrays (padded or packed, per the job spec; numpy, no torch)."""
     if not payloads:
@@ -97,7 +149,6 @@ def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0) -> dict[str
     return collate_padded(payloads, pad_id=pad_id)
 
 
-JOURNAL_VERSION = 2
 WATCH_S = 0.5  # how often the liveness of the trainer is judged (`Delivery.check`)
 BUSY_WAIT_S = 2.0  # a new trainer stream waits this long for a holder whose stream is ending
 
@@ -117,12 +168,17 @@ class _Stream:
 class RankServiceCore:
     """State and loop of one rank service (see module docstring)."""
 
-    def __init__(self, rank: int, spec: JobSpec, coordinator: CoordinatorClient, source,
+    def __init__(self, rank: int, spec: JobSpec, coordinator: CoordinatorClient, source: Source,
                  state_dir: str | os.PathLike | None = None, epoch: int = 0, client_grace_s: float = 30.0,
                  fill_timeout_s: float = 0.5, security: Security | None = None,
                  metrics: RankMetrics | None = None, trainer_timeout_s: float = 1800.0) -> None:
+        """Raises TypeError naming the missing members when `source` is not a `Source`, and ValueError
+        naming the file and why when `state_dir` holds a journal this build cannot resume from."""
         if not trainer_timeout_s > 0 or not client_grace_s > 0:
             raise ValueError(f"timeouts must be > 0, got {trainer_timeout_s=} {client_grace_s=}")
+        if not isinstance(source, Source):
+            raise TypeError(f"rank {rank}: the source must implement batchd.service.preprocess.Source; "
+                            f"{type(source).__name__} lacks {missing_source_members(source)}")
         self.rank, self.spec, self.coord, self.source = rank, spec, coordinator, source
         self.metrics = metrics  # Prometheus metrics (`_metrics`), updated once per round; None = off
         self.security = security  # this process's TLS / token: its server and its peer (Fetch) channels
@@ -171,10 +227,10 @@ class RankServiceCore:
         if self.journal is None:
             return
         state = {
-            "version": JOURNAL_VERSION, "delivery": self.delivery.state_dict(),
-            "rank": self.state.state_dict(), "source": self.source.state_dict(),
-            "ready": [self.batches[i][0].to_json() for i in self.delivery.ready],
-            "rejected_before": self._rejected_before, "finish_acked": self.finished,
+            J_VERSION: JOURNAL_VERSION, J_DELIVERY: self.delivery.state_dict(),
+            J_RANK: self.state.state_dict(), J_SOURCE: self.source.state_dict(),
+            J_READY: [self.batches[i][0].to_json() for i in self.delivery.ready],
+            J_REJECTED_BEFORE: self._rejected_before, J_FINISH_ACKED: self.finished,
         }
         tmp = self.journal.with_suffix(".tmp")
         with open(tmp, "w") as fh:
@@ -184,28 +240,26 @@ class RankServiceCore:
         os.replace(tmp, self.journal)
 
     def _restore(self) -> None:
+        state = read_journal(self.journal)
         try:
-            state = json.loads(self.journal.read_text())
-        except ValueError as exc:
-            raise ValueError(f"{self.journal}: not a readable rank journal ({exc}); remove it to start over") from None
-        if state.get("version") != JOURNAL_VERSION:
-            raise ValueError(f"{self.journal}: rank journal version {state.get('version')!r}, this build reads "
-                             f"version {JOURNAL_VERSION}; remove it to start over")
-        self.delivery.load_state_dict(state["delivery"], time.monotonic())
-        if self.epoch != 0:
-            self.state = self._new_state(self.epoch)
-            self.source.start_epoch(self.epoch)
-        self._rejected_before = state["rejected_before"]
-        self.state.load_state_dict(state["rank"])
-        self.source.load_state_dict(state["source"])
+            self.delivery.load_state_dict(state[J_DELIVERY], time.monotonic())
+            if self.epoch != 0:
+                self.state = self._new_state(self.epoch)
+                self.source.start_epoch(self.epoch)
+            self._rejected_before = state[J_REJECTED_BEFORE]
+            self.state.load_state_dict(state[J_RANK])
+            self.source.load_state_dict(state[J_SOURCE])
+        except (ValueError, KeyError) as exc:  # a state of another job, rank or configuration
+            raise ValueError(f"{self.journal}: cannot resume rank {self.rank} from this journal: "
+                             f"{type(exc).__name__}: {exc}") from exc
         ids = [entry.sample.id for entry in self.state.buffer]
         self.payloads.update(zip(ids, materialize_many(self.source, ids)))
-        for step_json in state["ready"]:
+        for step_json in state[J_READY]:
             step = Step.from_json(step_json)
             payloads = materialize_many(self.source, [s.id for s in step.samples])
             self.batches[step.info.step] = (step, self._batch(step, payloads))
         self.restored_finished = self.delivery.finished
-        self.finished = bool(state.get("finish_acked"))  # the coordinator knew: it may be gone by now
+        self.finished = state[J_FINISH_ACKED]  # the coordinator knew: it may be gone by now
         log.info("rank %d restored from %s at epoch %d round %d (step %d)%s", self.rank, self.journal, self.epoch,
                  self.state.round, self.state.step, "; its trainer took the job's last step" if
                  self.restored_finished else "")
@@ -344,7 +398,7 @@ class RankServiceCore:
         self._fill()
         metrics = self.metrics
         if metrics is not None:
-            self._observe(metrics.observe_quarantine, getattr(self.source, "reasons", None),
+            self._observe(metrics.observe_quarantine, self.source.reasons,
                           self._rejected_before + self.state.counters["rejected"])
         t_wait = time.perf_counter()
         with self.cond:  # a slow trainer is waited for as long as it takes; a gone one fails in `_watch`

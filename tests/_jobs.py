@@ -18,6 +18,7 @@ coordinator's and the rank services' state (`state`, `cores`) directly.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -61,7 +62,7 @@ class InProcessJob:
                  security: Security | None = None, metrics: bool = False,
                  coordinator_metrics: CoordinatorMetrics | None = None, connect_timeout_s: float = 5.0,
                  vocab_size: int = 512, trainer_timeout_s: float = 1800.0,
-                 coordinator_state_dir: str | None = None) -> None:
+                 coordinator_state_dir: str | None = None, rank_state_dir: str | os.PathLike | None = None) -> None:
         """Starts the job.
 
         Args:
@@ -80,6 +81,7 @@ class InProcessJob:
             vocab_size: Token ids of the synthetic payloads lie in [1, vocab_size).
             trainer_timeout_s: Each rank service's wait for a trainer that has not connected.
             coordinator_state_dir: The coordinator's journal (`restart_coordinator` resumes from it).
+            rank_state_dir: The rank services' journals (`restart_rank` resumes from them).
         """
         if lengths is None and sources is None:
             raise ValueError(f"give lengths or sources, got {lengths=} and {sources=}")
@@ -88,7 +90,8 @@ class InProcessJob:
         self.spec, self.lengths, self.vocab_size = spec, None if lengths is None else list(lengths), vocab_size
         self.security, self.trainer_timeout_s = security, trainer_timeout_s
         self.lease_s, self.startup_timeout_s = lease_s, startup_timeout_s
-        self.coordinator_state_dir = coordinator_state_dir
+        self.coordinator_state_dir, self.rank_state_dir = coordinator_state_dir, rank_state_dir
+        self.grace, self.connect_timeout_s = grace, connect_timeout_s
         self.cores: list[RankServiceCore] = []
         self.servers: list = []
         self.ports: list[int] = []
@@ -116,23 +119,56 @@ class InProcessJob:
             raise
 
     def _start_rank(self, r: int, source: Any, grace: float, metrics: bool, connect_timeout_s: float) -> None:
-        spec = self.spec
-        if source is None:
-            source = SyntheticSource(self.lengths, r, spec.world_size, spec.seed, 0, spec.shuffle,
-                                     vocab_size=self.vocab_size, wrap=spec.mode == "non-join")
         m = RankMetrics(r) if metrics else None
-        coord = CoordinatorClient(self.address, r, spec, startup_timeout_s=connect_timeout_s, security=self.security)
-        core = RankServiceCore(r, spec, coord, source, client_grace_s=grace, security=self.security, metrics=m,
-                               trainer_timeout_s=self.trainer_timeout_s)
+        core, server, port = self._serve_rank(r, source, m)
         self.cores.append(core)
-        server, port = create_rank_server(f"{HOST}:0", core)  # the core's security
         self.servers.append(server)
-        server.start()
-        core.start(f"{HOST}:{port}")
         self.ports.append(port)
         if m is not None:
             self.rmetrics.append(m)
             self.http.append(start_metrics_server(m.registry))
+
+    def _serve_rank(self, r: int, source: Any, m: RankMetrics | None, port: int = 0
+                    ) -> tuple[RankServiceCore, Any, int]:
+        """Rank `r`'s core (restored from `rank_state_dir` when it holds its journal), its server on `port`
+        (0: a free one), started: (core, server, port)."""
+        spec = self.spec
+        if source is None:
+            source = SyntheticSource(self.lengths, r, spec.world_size, spec.seed, 0, spec.shuffle,
+                                     vocab_size=self.vocab_size, wrap=spec.mode == "non-join")
+        coord = CoordinatorClient(self.address, r, spec, startup_timeout_s=self.connect_timeout_s,
+                                  security=self.security)
+        try:
+            core = RankServiceCore(r, spec, coord, source, client_grace_s=self.grace, security=self.security,
+                                   metrics=m, trainer_timeout_s=self.trainer_timeout_s,
+                                   state_dir=self.rank_state_dir)
+        except BaseException:
+            coord.close()
+            raise
+        server, bound = create_rank_server(f"{HOST}:{port}", core)  # the core's security
+        server.start()
+        core.start(f"{HOST}:{bound}")
+        return core, server, bound
+
+    def restart_rank(self, r: int, source: Any = None, before_start: Callable[[], None] | None = None
+                     ) -> RankServiceCore:
+        """Kills rank `r`'s service abruptly (its loop stops, its server drops every call; nothing is
+        written beyond what its journal already holds), calls `before_start` (e.g. to edit the journal),
+        and starts a new one on the same port from its journal in `rank_state_dir`, reading `source`
+        (by default a fresh synthetic one). Returns the new core."""
+        if self.rank_state_dir is None:
+            raise ValueError(f"restart_rank needs the job's rank_state_dir, got {self.rank_state_dir=}")
+        old = self.cores[r]
+        old.stop()
+        old.join(10)
+        old.coord.close()
+        self.servers[r].stop(0)
+        if before_start is not None:
+            before_start()
+        core, server, port = self._serve_rank(r, source, old.metrics, self.ports[r])
+        assert port == self.ports[r]
+        self.cores[r], self.servers[r] = core, server
+        return core
 
     @property
     def address(self) -> str:

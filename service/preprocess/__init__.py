@@ -31,11 +31,14 @@ from ._ray_source import RaySource
 from ._schema import SchemaError
 from ._sources import (
     EXHAUSTED,
+    NO_REASONS,
+    SOURCE_MEMBERS,
     IngestSource,
     Payload,
     Source,
     SyntheticSource,
     loss_tokens_of,
+    missing_source_members,
     synthetic_payload,
 )
 from ._stage import Example, Stage, StageContext, resolve_stage
@@ -45,6 +48,7 @@ from ._vision import LlavaVision, Qwen2VLVision, smart_resize
 
 __all__ = sorted([
     "IngestSource", "Payload", "SharedRay", "Source", "SyntheticSource", "loss_tokens_of", "share_ray", "synthetic_payload",
+    "NO_REASONS", "SOURCE_MEMBERS", "missing_source_members",
     "EXHAUSTED", "demo_bad_ids", "demo_record", "QWEN2VL_IMAGE", "SPECIAL_TOKENS", "TEMPLATES",
     "ChatTemplate", "DemoDataset", "EmptyDatasetError", "Example", "LlavaVision", "PreprocessPool", "PreprocessWorker", "Preprocessor",
     "Quarantine", "Qwen2VLVision", "RandomResizedCrop", "RaySource", "Record", "RecordDataset", "Reject",

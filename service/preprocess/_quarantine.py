@@ -31,6 +31,9 @@ class Reject(Exception):
         return str(self)
 
 
+K_COUNTS = "counts"  # Quarantine.state_dict(): counts by reason code
+
+
 class Quarantine:
     """Bad records: appended to a JSONL file (one `{id, source, reason, epoch}` object per line) and counted.
 
@@ -73,11 +76,20 @@ class Quarantine:
         return self.total
 
     def state_dict(self) -> dict[str, Any]:
-        return {"counts": dict(self.counts)}
+        """The counts by reason code (JSON-safe); the file is not part of the state (it is a log)."""
+        return {K_COUNTS: dict(self.counts)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores the counts of a `state_dict()`; raises ValueError naming the field of a malformed one."""
+        if K_COUNTS not in state:
+            raise ValueError(f"Quarantine state lacks the {K_COUNTS!r} field, got fields {sorted(state)}")
+        counts = state[K_COUNTS]
+        if not isinstance(counts, Mapping) or not all(
+                isinstance(k, str) and type(v) is int and v >= 0 for k, v in counts.items()):
+            raise ValueError(f"Quarantine state field {K_COUNTS!r} must map reason codes to counts >= 0, "
+                             f"got {counts!r}")
         with self._lock:
-            self.counts = collections.Counter({str(k): int(v) for k, v in state.get("counts", {}).items()})
+            self.counts = collections.Counter(counts)
 
     @staticmethod
     def read(path: str | os.PathLike) -> list[dict[str, Any]]:

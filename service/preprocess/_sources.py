@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import types
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -25,6 +26,7 @@ from batchd.core import Sample, ViewSource
 
 EXHAUSTED = object()
 Payload = dict[str, np.ndarray]
+NO_REASONS: Mapping[str, int] = types.MappingProxyType({})  # `Source.reasons` of a source that quarantines nothing
 
 
 @runtime_checkable
@@ -42,7 +44,12 @@ class Source(Protocol):
         state_dict() / load_state_dict(state): a JSON-safe resume point taken between polls; loading a
             state of another rank, world size, seed, epoch or dataset raises ValueError naming it.
         stats(): counters for logs and metrics (JSON-safe); close(): frees workers (idempotent).
+        reasons: the records this source quarantined (all epochs so far), counted by reason code
+            (`Quarantine.code_of`); read from the thread that polls; empty for a source that cannot
+            quarantine (`NO_REASONS`).
     """
+
+    reasons: Mapping[str, int]
 
     def poll(self, timeout: float = 0.0) -> Any: ...
 
@@ -61,6 +68,14 @@ class Source(Protocol):
     def stats(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
+
+
+SOURCE_MEMBERS = tuple(sorted({*Source.__annotations__, *(n for n in vars(Source) if not n.startswith("_"))}))
+
+
+def missing_source_members(obj: object) -> list[str]:
+    """The `Source` members `obj` lacks (what `isinstance(obj, Source)` checks); empty for a source."""
+    return [name for name in SOURCE_MEMBERS if not hasattr(obj, name)]
 
 
 def synthetic_payload(sample_id: int, length: int, seed: int, vocab_size: int) -> Payload:
@@ -88,7 +103,14 @@ def loss_tokens_of(labels: np.ndarray) -> int:
 
 
 class SyntheticSource:
-    """Rank `rank`'s view of a synthetic tokenized dataset with the given realized lengths."""
+    """Rank `rank`'s view of a synthetic tokenized dataset with the given realized lengths (a `Source`).
+
+    Every sample is valid: nothing is quarantined (`reasons` stays empty). `state_dict()` is the view's
+    (rank, world size, seed, epoch, dataset size, position); loading another one raises ValueError
+    naming the field.
+    """
+
+    reasons: Mapping[str, int] = NO_REASONS
 
     def __init__(self, lengths: Sequence[int], rank: int, world_size: int, seed: int = 0, epoch: int = 0,
                  shuffle: bool = True, vocab_size: int = 512, wrap: bool = False) -> None:
@@ -141,7 +163,13 @@ class SyntheticSource:
 
 
 class IngestSource:
-    """A bounded queue filled by `RankService.Ingest` (see module docstring)."""
+    """A bounded queue filled by `RankService.Ingest` (a `Source`; see module docstring).
+
+    Malformed pushes are refused by the `Ingest` handler before they reach the queue, so the source
+    itself quarantines nothing (`reasons` stays empty).
+    """
+
+    reasons: Mapping[str, int] = NO_REASONS
 
     def __init__(self, capacity: int) -> None:
         self._q: queue.Queue = queue.Queue(maxsize=max(capacity, 1))
