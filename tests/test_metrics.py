@@ -283,14 +283,14 @@ def _wait_json(path: Path, timeout: float = 60.0) -> dict:
 def test_run_coordinator_and_run_rank_serve_metrics(tmp_path):
     lengths = skewed_lengths(80)
     spec_kw = "world_size=1, token_budget=1024, window=16, depth=2, seed=0"
-    coord_code = ("from batchd.core import JobSpec, run_coordinator; import sys; "
+    coord_code = ("from batchd.core import JobSpec; from batchd.service import run_coordinator; import sys; "
                   f"sys.exit(run_coordinator(JobSpec({spec_kw}), port_file={str(tmp_path / 'c.json')!r}, "
                   "metrics_port=0))")
     coord = subprocess.Popen([sys.executable, "-c", coord_code])
     procs = [coord]
     try:
         cinfo = _wait_json(tmp_path / "c.json")
-        rank_code = ("from batchd.core import JobSpec, run_rank; import sys; "
+        rank_code = ("from batchd.core import JobSpec; from batchd.service import run_rank; import sys; "
                      f"sys.exit(run_rank(JobSpec({spec_kw}), 0, '127.0.0.1:{cinfo['port']}', {lengths!r}, "
                      f"port_file={str(tmp_path / 'r.json')!r}, metrics_port=0))")
         rank = subprocess.Popen([sys.executable, "-c", rank_code])
