@@ -42,6 +42,9 @@ IDLE ones when it has no group left.
   Properties (tested): capacity as above; progress: T >= 1 whenever some rank holds data and every
   C_r >= 1, so each such round emits >= 1 sample per active rank and an epoch of n samples takes at
   most max_r n_r rounds and max_r n_r steps per rank (join); equal steps: every rank emits exactly T.
+- `balanced` plans the round itself (`plan_round`, no target rule) and keeps the same bound: each
+  round of T steps emits >= min(T, B_r) of every rank's buffered samples, and T never exceeds the
+  window, so a join epoch takes at most max_r n_r steps (proof in `batchd.core._balance`; tested).
 
 Measured steps, splits and IDLE steps under both rules: docs/benchmarks.md (Batching quality, config B).
 """

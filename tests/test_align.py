@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from batchd.core import (
     Coordinator,
+    CostModel,
+    Entry,
     JobSpec,
     ProtocolError,
     RankCommit,
     RankReport,
     RankState,
     Sample,
+    plan_round,
     target_min,
     target_odb,
 )
@@ -51,6 +56,43 @@ def test_odb_rule_capacity_and_split_feasibility(raw):
         return
     assert 1 <= t <= min(r.capacity for r in reports)
     assert all(t <= r.buffered for r in active), "a rank could not split up to T"
+
+
+
+@given(
+    world_size=st.integers(1, 8),
+    pool=st.lists(st.tuples(st.integers(1, 200), st.integers(0, 7), st.integers(0, 6)), max_size=60),
+    capacity=st.integers(1, 6),
+    final=st.booleans(),
+    cost=st.sampled_from(["padded", "packed", "attention"]),
+    refine=st.booleans(),
+)
+# Two complete 64-token groups on rank 0 outrank rank 1's incomplete [1, 1]: ranked alone, the round
+# (T = 1, 2 slots) left rank 1 with nothing, the starvation behind the join step bound's failure.
+@example(world_size=2, pool=[(64, 0, 0), (64, 0, 0), (1, 1, 0), (1, 1, 0)], capacity=1, final=False,
+         cost="padded", refine=True)
+def test_balanced_plan_emits_a_quota_of_every_rank(world_size, pool, capacity, final, cost, refine):
+    """`plan_round`: T steps for every rank, each sample at most once, and every rank r gets at least
+    min(T, B_r) of its B_r pooled samples (the progress behind the join bound max_r n_r steps)."""
+    entries = [Entry(Sample(i, n, -1, home % world_size), age) for i, (n, home, age) in enumerate(pool)]
+    budget = 64
+    plan = plan_round(entries, world_size, capacity, final, budget, CostModel(cost), 6, 4,
+                      random.Random(0), refine)
+    assert len(plan) == world_size
+    target = len(plan[0])
+    assert all(len(steps) == target for steps in plan)
+    assert target <= capacity and (target >= 1 or not entries)
+    emitted = [s for steps in plan for group in steps for s in group]
+    ids = {s.id for s in emitted}
+    assert len(ids) == len(emitted) and ids <= {e.sample.id for e in entries}
+    if entries:  # T <= ceil(P / N) <= max_r B_r: no round outlasts every rank's pooled samples
+        assert target <= max(1, -(-len(entries) // world_size))
+    for r in range(world_size):
+        held = sum(1 for e in entries if e.sample.home_rank == r)
+        got = sum(1 for s in emitted if s.home_rank == r)
+        assert got >= min(target, held), f"rank {r}: {got} of its {held} samples in a round of {target} steps"
+    if final and capacity * world_size >= len(entries):
+        assert len(emitted) == len(entries)
 
 
 def test_seed_max_rule_would_break_capacity():

@@ -88,3 +88,37 @@ def test_empty_dataset_ends_immediately():
     for mode in ("join", "non-join"):
         sim, schedule = run_checked([], JobSpec(shuffle=False, world_size=4, token_budget=100, mode=mode))
         assert schedule == [] and sim.coordinator.done
+
+
+# Found by hypothesis (test_protocol_invariants[balanced]): 138 samples on 16 ranks (views of <= 9).
+# Rank 4's window held two short samples (4 and 1 tokens) whose group ranked below every complete group
+# for five rounds, so rank 4 read nothing new and the epoch took 10 steps. The planner now gives every
+# rank min(T, B_r) of its samples per round (`batchd.core._balance._choose`).
+HYPOTHESIS_BALANCED_LENGTHS = (
+    69, 69, 69, 127, 4, 127, 110, 22, 127, 68, 111, 58, 5, 33, 112, 128, 73, 70, 19, 150, 1, 46, 106,
+    111, 127, 1, 70, 127, 70, 69, 127, 127, 40, 69, 1, 74, 1, 20, 70, 1, 1, 1, 1, 33, 70, 70, 1, 70,
+    157, 41, 1, 41, 1, 68, 69, 52, 70, 1, 34, 34, 65, 70, 68, 68, 69, 70, 1, 22, 1, 70, 70, 127, 1, 1,
+    70, 70, 33, 127, 70, 70, 127, 33, 1, 70, 1, 70, 33, 33, 1, 1, 1, 22, 33, 33, 33, 128, 33, 33, 1,
+    33, 1, 70, 70, 1, 1, 1, 1, 128, 1, 1, 1, 1, 1, 1, 1, 33, 1, 1, 33, 1, 1, 1, 1, 33, 1, 1, 1, 1, 1,
+    1, 1, 1, 1, 1, 1, 1, 1, 1,
+)
+HYPOTHESIS_BALANCED_SPEC = JobSpec(
+    world_size=16, token_budget=64, policy="balanced", window=2, batch_size=1, mode="join", cost="padded",
+    over_budget="singleton", seed=0, shuffle=False, depth=1, max_wait=5, align="min", refine=True, quota=None,
+)
+
+
+@pytest.mark.parametrize("lengths, config", [
+    (HYPOTHESIS_BALANCED_LENGTHS, HYPOTHESIS_BALANCED_SPEC),
+    # The smallest shape of the same starvation: ranks 0-2 hold complete 64-token groups, rank 3 only
+    # 1-token samples; before the fix 5 steps for views of 4 (N=8, views of 12: 16 steps).
+    ([64, 64, 64, 1] * 4, JobSpec(world_size=4, token_budget=64, policy="balanced", window=2, depth=1,
+                                  shuffle=False, max_wait=100)),
+    (([64] * 7 + [1]) * 12, JobSpec(world_size=8, token_budget=64, policy="balanced", window=2, depth=1,
+                                    shuffle=False, max_wait=100)),
+])
+def test_balanced_join_epoch_takes_at_most_the_longest_view(lengths, config):
+    sim, schedule = run_checked(list(lengths), config)
+    check_epoch(list(lengths), config, sim, schedule)
+    views = [len(range(r, len(lengths), config.world_size)) for r in range(config.world_size)]
+    assert len(schedule) <= max(views)
