@@ -15,11 +15,15 @@ from ._transport import (
     BearerTokenChannel,
     Security,
     channel,
+    Unreachable,
+    WAIT_LOG_S,
     check_token,
+    retry_while_unreachable,
     transient,
 )
 
 __all__ = sorted([
     "AUTH_HEADER", "BearerTokenChannel", "CHANNEL_OPTIONS", "GRPC_OPTIONS", "KEEPALIVE_MS", "MAX_MESSAGE_BYTES",
-    "Security", "channel", "check_token", "transient", "wire",
+    "Security", "Unreachable", "WAIT_LOG_S", "channel", "check_token", "retry_while_unreachable", "transient",
+    "wire",
 ])

@@ -67,6 +67,7 @@ import logging
 import os
 import ssl
 import stat
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,51 @@ def transient(exc: grpc.RpcError) -> bool:
     details = exc.details() or ""
     return code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and (
         "Stream removed" in details or "Socket closed" in details)
+
+
+
+
+WAIT_LOG_S = 5.0  # how often a party that waits for an unreachable peer says so
+
+
+class Unreachable(Exception):
+    """`retry_while_unreachable` gave up: the peer stayed unreachable for `elapsed_s` (`error`: the last failure)."""
+
+    def __init__(self, error: grpc.RpcError, elapsed_s: float) -> None:
+        super().__init__(error.details() or error.code().name)
+        self.error, self.elapsed_s = error, elapsed_s
+
+
+def retry_while_unreachable(call: Callable[[], Any], retry_s: float, waiting_for: str,
+                            stop: Any = None, on_retry: Callable[[], None] | None = None,
+                            logger: logging.Logger = log, period_s: float = 0.2) -> Any:
+    """Returns `call()`, retrying it while it fails `transient`ly, for up to `retry_s` seconds.
+
+    Every `WAIT_LOG_S` the wait is logged as "waiting for <waiting_for> (Ns of Ms): <details>";
+    `on_retry` runs before each retry (e.g. to ask for a restarted peer's new address); `stop` (a
+    threading.Event) ends the retries early. Raises `Unreachable` when the time is up (or `stop` is
+    set) and the last failure was transient; a non-transient `grpc.RpcError` propagates at once.
+    Liveness, not speed: the time bound is how long a peer may be *gone*, never how long a call takes.
+    """
+    start = last_log = time.monotonic()
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as exc:
+            if not transient(exc):
+                raise
+            now = time.monotonic()
+            if now - start >= retry_s or (stop is not None and stop.is_set()):
+                raise Unreachable(exc, now - start) from None
+            if now - last_log >= WAIT_LOG_S:
+                logger.info("waiting for %s (%.0fs of %gs): %s", waiting_for, now - start, retry_s, exc.details())
+                last_log = now
+            if on_retry is not None:
+                on_retry()
+            if stop is not None:
+                stop.wait(period_s)
+            else:
+                time.sleep(period_s)
 
 
 # -- client side ---------------------------------------------------------------------------------------

@@ -21,14 +21,13 @@ from collections.abc import Callable
 import grpc
 
 from batchd.core import CoordinatorError, JobSpec, RankCommit, RankReport, RoundDecision, RoundTotals
-from batchd.proto import CHANNEL_OPTIONS, Security, channel, transient, wire
+from batchd.proto import CHANNEL_OPTIONS, Security, Unreachable, channel, retry_while_unreachable, transient, wire
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("batchd.rank")
 
 
-WAIT_LOG_S = 5.0  # how often a waiting party says what it waits for
 HEARTBEAT_S = 2.0  # at most this long between two heartbeats
 
 
@@ -53,25 +52,16 @@ class CoordinatorClient:
         self.channel.close()
 
     def _call(self, what: str, fn: Callable, request, timeout: float | None, retry_s: float):
-        start = time.monotonic()
-        last_log = start
-        while True:
-            try:
-                return fn(request, timeout=timeout)
-            except grpc.RpcError as exc:
-                now = time.monotonic()
-                if transient(exc) and now - start < retry_s and not self._stop.is_set():
-                    if now - last_log >= WAIT_LOG_S:
-                        log.info("rank %d: waiting for the coordinator at %s (%s, %.0fs of %gs): %s", self.rank,
-                                 self.address, what, now - start, retry_s, exc.details())
-                        last_log = now
-                    self._stop.wait(0.2)
-                    continue
-                if transient(exc):
-                    raise CoordinatorError(f"coordinator at {self.address} unreachable for {now - start:.0f}s "
-                                           f"({what} from rank {self.rank}): {exc.details()}", exc.code()) from None
-                raise CoordinatorError(f"{what} from rank {self.rank} failed: {exc.code().name}: {exc.details()}",
-                                       exc.code()) from None
+        try:
+            return retry_while_unreachable(lambda: fn(request, timeout=timeout), retry_s,
+                                           f"the coordinator at {self.address} ({what} of rank {self.rank})",
+                                           stop=self._stop, logger=log)
+        except Unreachable as gone:
+            raise CoordinatorError(f"coordinator at {self.address} unreachable for {gone.elapsed_s:.0f}s "
+                                   f"({what} from rank {self.rank}): {gone.error.details()}", gone.error.code()) from None
+        except grpc.RpcError as exc:
+            raise CoordinatorError(f"{what} from rank {self.rank} failed: {exc.code().name}: {exc.details()}",
+                                   exc.code()) from None
 
     def register(self, my_address: str) -> pb.RegisterReply:
         """Registers (again: a restarted rank, or a rank refreshing its peers' addresses)."""

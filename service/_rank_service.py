@@ -57,7 +57,15 @@ from batchd.core import (
     collate_padded,
     idle_batch,
 )
-from batchd.proto import CHANNEL_OPTIONS, GRPC_OPTIONS, Security, channel, transient, wire
+from batchd.proto import (
+    CHANNEL_OPTIONS,
+    GRPC_OPTIONS,
+    Security,
+    Unreachable,
+    channel,
+    retry_while_unreachable,
+    wire,
+)
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
@@ -473,25 +481,19 @@ class RankServiceCore:
         is retried, with its address asked anew of the coordinator, for up to the coordinator's lease;
         one that stays away fails the job, naming it."""
         out: list[Payload] = []
-        start = last_log = time.monotonic()
         while len(out) < len(ids):  # a reply may hold a prefix (size cap): ask for the rest
+            request = pb.FetchRequest(ids=ids[len(out):], epoch=self.epoch)
             try:
-                reply = self._peer(home).Fetch(pb.FetchRequest(ids=ids[len(out):], epoch=self.epoch), timeout=60)
+                reply = retry_while_unreachable(
+                    lambda: self._peer(home).Fetch(request, timeout=60), self.coord.lease_s,
+                    f"rank {home} (rank {self.rank} fetching moved samples)",
+                    stop=self._stop, on_retry=self._refresh_peers, logger=log)
+            except Unreachable as gone:
+                raise CoordinatorError(f"rank {home} at {self.peers[home]} unreachable for {gone.elapsed_s:.0f}s "
+                                       f"(rank {self.rank} fetching moved samples): {gone.error.details()}") from None
             except grpc.RpcError as exc:
-                now = time.monotonic()
-                if not transient(exc) or self._stop.is_set():
-                    raise CoordinatorError(f"rank {self.rank} could not fetch moved samples from rank {home} at "
-                                           f"{self.peers[home]}: {exc.code().name}: {exc.details()}") from None
-                if now - start > self.coord.lease_s:
-                    raise CoordinatorError(f"rank {home} at {self.peers[home]} unreachable for {now - start:.0f}s "
-                                           f"(rank {self.rank} fetching moved samples): {exc.details()}") from None
-                if now - last_log >= 5.0:
-                    log.info("rank %d: waiting for rank %d at %s to fetch moved samples (%.0fs): %s", self.rank, home,
-                             self.peers[home], now - start, exc.details())
-                    last_log = now
-                self._refresh_peers()
-                self._stop.wait(0.2)
-                continue
+                raise CoordinatorError(f"rank {self.rank} could not fetch moved samples from rank {home} at "
+                                       f"{self.peers[home]}: {exc.code().name}: {exc.details()}") from None
             if not reply.samples:
                 raise RuntimeError(f"rank {home} returned no payload for samples {ids[len(out):]}")
             out += [wire.tensors_from_pb(m.tensors) for m in reply.samples]
