@@ -114,7 +114,7 @@ def service_main(conn, lengths: list[int], samples: int, profile: bool = False) 
             total = sum(row[2] for row in stats.stats.values()) or 1.0
             cum = {}
             for (filename, _line, func), row in stats.stats.items():
-                if filename.endswith(("_sources.py", "_collate.py", "wire.py", "_rank_service.py")):
+                if filename.endswith(("_sources.py", "_collate.py", "wire.py", "_rank_service.py", "_rank_server.py")):
                     cum[f"{Path(filename).name}:{func}"] = row[3] / total
             out["profile_cum"] = sorted(cum.items(), key=lambda kv: -kv[1])[:9]
     conn.send(out)

@@ -9,7 +9,8 @@ from ._coordinator import CoordinatorServicer, CoordinatorState, create_server
 from ._journal import Journal, JournalError
 from ._main import run_coordinator, run_rank
 from ._metrics import CoordinatorMetrics, RankMetrics, start_metrics_server, stop_metrics_server
-from ._rank_service import RankServiceCore, RankServicer, collate, create_rank_server
+from ._rank_server import RankServicer, create_rank_server
+from ._rank_service import RankServiceCore, collate
 from ._security import add_port, server_interceptors
 
 __all__ = sorted([

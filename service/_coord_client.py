@@ -21,7 +21,15 @@ from collections.abc import Callable
 import grpc
 
 from batchd.core import CoordinatorError, JobSpec, RankCommit, RankReport, RoundDecision, RoundTotals
-from batchd.proto import CHANNEL_OPTIONS, Security, Unreachable, channel, retry_while_unreachable, transient, wire
+from batchd.proto import (
+    CHANNEL_OPTIONS,
+    Security,
+    Unreachable,
+    channel,
+    retry_while_unreachable,
+    transient,
+    wire,
+)
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 

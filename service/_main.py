@@ -30,7 +30,8 @@ from batchd.proto import Security
 from ._coord_client import CoordinatorClient
 from ._coordinator import create_server
 from ._metrics import CoordinatorMetrics, RankMetrics, start_metrics_server, stop_metrics_server
-from ._rank_service import RankServiceCore, create_rank_server
+from ._rank_server import create_rank_server
+from ._rank_service import RankServiceCore
 from .preprocess import (
     IngestSource,
     RaySource,

@@ -36,14 +36,13 @@ import logging
 import os
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
 import grpc
+
 from batchd.core import (
     ATTACHED,
-    END,
     SEND_END,
     WAIT,
     Connect,
@@ -59,7 +58,6 @@ from batchd.core import (
 )
 from batchd.proto import (
     CHANNEL_OPTIONS,
-    GRPC_OPTIONS,
     Security,
     Unreachable,
     channel,
@@ -71,10 +69,8 @@ from batchd.proto import batchd_pb2_grpc as pb_grpc
 
 from ._coord_client import CoordinatorClient
 from ._metrics import RankMetrics, materialized_tokens
-from ._security import add_port, server_interceptors
 from .preprocess import (
     EXHAUSTED,
-    IngestSource,
     Payload,
     Source,
     loss_tokens_of,
@@ -84,7 +80,6 @@ from .preprocess import (
 
 log = logging.getLogger("batchd.rank")
 FETCH_CHUNK = 64  # sample ids per Fetch request
-FETCH_REPLY_BYTES = 16 << 20  # a Fetch reply stops adding samples past this (the message cap is 64 MiB)
 
 JOURNAL = "rank-{rank}.json"
 # The rank journal (one JSON object, rewritten whole after every round): its version and keys.
@@ -511,7 +506,7 @@ class RankServiceCore:
     def _fetch_moved(self, steps) -> None:
         """Fetches the payloads of the samples the balanced plan moved here: one Fetch per home rank
         and round over one long-lived channel per peer (FETCH_CHUNK ids per request; a reply stops at
-        FETCH_REPLY_BYTES, far below the message cap, and the rest is asked for again)."""
+        `_rank_server.FETCH_REPLY_BYTES`, far below the message cap, and the rest is asked for again)."""
         wanted: dict[int, list[int]] = {}
         for step in steps:
             for s in step.samples:
@@ -590,163 +585,3 @@ class RankServiceCore:
     def sent(self, stream: _Stream, step: int) -> None:
         with self.cond:
             self.delivery.sent(stream, step)
-
-
-class RankServicer(pb_grpc.RankServiceServicer):
-    """Thin gRPC layer over `RankServiceCore`."""
-
-    def __init__(self, core: RankServiceCore) -> None:
-        self.core = core
-
-    def Batches(self, request_iterator, context):
-        core = self.core
-        try:
-            first = next(request_iterator)
-        except StopIteration:
-            return
-        stream = _Stream(context.peer(), context)
-        try:
-            outcome = core.connect(stream, int(first.epoch), int(first.start_step), int(first.credits))
-        except RuntimeError as exc:
-            context.abort(grpc.StatusCode.ABORTED, str(exc))
-        except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank {core.rank}: {exc}")
-        if outcome.outcome == END:  # it took every step of the epoch before but lost the end
-            yield pb.Batch(end_of_epoch=True)
-            return
-        if outcome.outcome != ATTACHED:
-            log.warning("Batches: refused trainer %s: %s", stream, outcome.reason)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, outcome.reason or "not attached")
-        context.add_callback(lambda: core.detach(stream))
-
-        def read_acks() -> None:
-            try:
-                for req in request_iterator:
-                    core.ack(stream, int(req.ack_step))
-            except grpc.RpcError:
-                pass
-            except ValueError:  # the stream ended under the reader
-                pass
-
-        threading.Thread(target=read_acks, name=f"batchd-acks-{core.rank}", daemon=True).start()
-        while True:
-            try:
-                item = core.next_item(stream)
-            except RuntimeError as exc:
-                context.abort(grpc.StatusCode.ABORTED, str(exc))
-            except ConnectionAbortedError:
-                return
-            if item is None:
-                yield pb.Batch(end_of_epoch=True)
-                return
-            step, batch = item
-            yield batch
-            core.sent(stream, step)
-
-    def Ingest(self, request_iterator, context):
-        core = self.core
-        source = core.source
-        if not isinstance(source, IngestSource):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"rank {core.rank} reads its own source; it does not accept Ingest streams")
-        accepted, quarantined = 0, []
-        for req in request_iterator:
-            if core.epoch < req.epoch < core.spec.epochs:  # a later epoch: wait until this rank starts it
-                with core.cond:
-                    while core.epoch < req.epoch and core.failure is None and context.is_active():
-                        core.cond.wait(0.5)
-            if req.epoch != core.epoch:
-                log.warning("Ingest: sample %d for epoch %d, rank %d is in epoch %d", req.meta.id, req.epoch,
-                            core.rank, core.epoch)
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"sample {req.meta.id} is for epoch {req.epoch}; rank {core.rank} is in epoch {core.epoch}")
-            if req.end_of_epoch:
-                source.end()
-                continue
-            try:
-                sample = wire.sample_from_pb(req.meta)
-                payload = wire.tensors_from_pb(req.tensors)
-                ids = payload.get("input_ids")
-                if ids is None or ids.ndim != 1:
-                    raise ValueError("needs a 1-D input_ids tensor")
-                if len(ids) != sample.length:
-                    raise ValueError(f"input_ids has {len(ids)} tokens, metadata says length={sample.length}")
-                labels = payload.get("labels")
-                if labels is not None:
-                    if labels.shape != ids.shape:
-                        raise ValueError(f"labels shape {labels.shape} != input_ids shape {ids.shape}")
-                    if loss_tokens_of(labels) != sample.loss_tokens:
-                        raise ValueError(f"labels carry {loss_tokens_of(labels)} loss tokens, "
-                                         f"metadata says loss_tokens={sample.loss_tokens}")
-            except ValueError as exc:
-                log.warning("Ingest: quarantined sample %d: %s", req.meta.id, exc)
-                quarantined.append(pb.Quarantined(id=req.meta.id, reason=str(exc)))
-                if core.metrics is not None:
-                    core.metrics.ingest_quarantined()
-                continue
-            try:
-                source.put(Sample(sample.id, sample.length, sample.loss_tokens, core.rank, sample.modality_tokens),
-                           payload)
-            except ValueError as exc:
-                log.warning("Ingest: %s", exc)
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rank {core.rank}: {exc}")
-            accepted += 1
-        return pb.IngestReply(accepted=accepted, quarantined=quarantined)
-
-    def Fetch(self, request, context):
-        """The payloads of `request.ids`, in order: a prefix of them when the reply would pass
-        FETCH_REPLY_BYTES (at least one); the caller asks again for the rest. Samples of this epoch or of
-        the one before (a peer still finishing it) are served; another epoch is refused."""
-        core = self.core
-        epoch = int(request.epoch)
-        if not core.epoch - 1 <= epoch <= core.epoch:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"Fetch of samples of epoch {epoch}, but rank {core.rank} is in epoch {core.epoch} "
-                          f"(the job runs {core.spec.epochs} epoch(s))")
-        out, size = [], 0
-        for i in request.ids:
-            i = int(i)
-            lent = core.lent.pop(i, None)
-            payload = lent
-            if payload is None:
-                try:
-                    payload = core.source.materialize(i)
-                except (KeyError, IndexError, ValueError) as exc:
-                    log.warning("Fetch: sample %d: %s: %s", i, type(exc).__name__, exc)
-                    context.abort(grpc.StatusCode.NOT_FOUND,
-                                  f"rank {core.rank} has no payload for sample {i} of epoch {epoch}: it was not lent "
-                                  f"to a peer and its source cannot make it ({type(exc).__name__}: {exc})")
-            msg = pb.IngestRequest(tensors=wire.tensors_to_pb(resolve_payloads([payload])[0]), epoch=core.epoch)
-            size += msg.ByteSize()
-            if out and size > FETCH_REPLY_BYTES:
-                if lent is not None:
-                    core.lent[i] = lent
-                break
-            out.append(msg)
-        return pb.FetchReply(samples=out)
-
-    def RankStatus(self, request, context):
-        core = self.core
-        with core.cond:
-            state = "failed" if core.failure else ("done" if core.done else "running")
-            return pb.RankStatusReply(
-                rank=core.rank, buffered=len(core.state.buffer), ready=len(core.delivery.ready),
-                next_step=core.state.step, round=core.state.round, state=state,
-                failure=core.failure or "", epoch=core.epoch, epochs=core.spec.epochs,
-            )
-
-
-def create_rank_server(address: str, core: RankServiceCore, security: Security | None = None,
-                       ) -> tuple[grpc.Server, int]:
-    """Builds (not starts) the rank service's server bound to `address`; returns (server, port).
-
-    `security` (TLS / mutual TLS / bearer token) defaults to `core.security`: one object per process.
-    """
-    security = core.security if security is None else security
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"batchd-rank{core.rank}"),
-                         options=GRPC_OPTIONS, interceptors=server_interceptors(security))
-    pb_grpc.add_RankServiceServicer_to_server(RankServicer(core), server)
-    port = add_port(server, address, security)
-    if port == 0:
-        raise OSError(f"rank service could not bind {address}")
-    return server, port

@@ -79,9 +79,9 @@ def test_moved_samples_arrive_intact_in_any_fetch_reply_size(job_factory, monkey
     """The balanced plan moves samples: the training rank fetches their payloads from their home rank
     in one request per peer and round; a reply capped at 1 byte carries one sample at a time and the
     fetcher asks again for the rest. Every moved sample's tokens must arrive intact, in order."""
-    from batchd.service import _rank_service
+    from batchd.service import _rank_server, _rank_service
 
-    monkeypatch.setattr(_rank_service, "FETCH_REPLY_BYTES", reply_bytes)
+    monkeypatch.setattr(_rank_server, "FETCH_REPLY_BYTES", reply_bytes)
     calls = []
     real = _rank_service.RankServiceCore._fetch_ids
 
