@@ -9,7 +9,7 @@
   this way cannot be restarted mid-epoch without the producer resending (documented limitation).
 
 Every source implements `Source` (a `typing.Protocol`, checked at run time by `isinstance`): the rank
-service depends on that interface only. `RaySource` (`_pipeline`) is the third implementation.
+service depends on that interface only. `RaySource` (`_ray_source`) is the third implementation.
 """
 
 from __future__ import annotations
