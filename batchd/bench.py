@@ -428,7 +428,8 @@ to --out. odb-0.1.2 is skipped when online-dynamic-batching 0.1.2 is not install
 'batchd[bench]')."""
 
 
-def _add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `batchd bench` (shared with benchmarks/bench_systems.py, which parses the same ones)."""
     add_job_flags(p, only=("world_size", "token_budget", "window", "depth", "seed", "epochs"),
                   defaults={"window": 128, "depth": 8, "seed": 0, "epochs": 1},
                   shown={"world_size": "2 on cpu, 1 on cuda", "token_budget": "8192 on cpu, 16384 on cuda"})
@@ -466,7 +467,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the `bench` subcommand to an argparse subparsers object; its handler is `args.func`."""
     p = subparsers.add_parser("bench", help="real side-by-side run: fixed, ODB 0.1.2, batchd", description=HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_arguments(p)
+    add_arguments(p)
     p.set_defaults(func=bench_command)
     return p
 
@@ -512,7 +513,7 @@ def _x(v: float | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m batchd.bench", description=HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_arguments(p)
+    add_arguments(p)
     return bench_command(p.parse_args(argv))
 
 

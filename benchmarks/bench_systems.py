@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -172,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("extra", nargs="*", help="more `batchd bench` flags (after --)")
     args = ap.parse_args(argv)
-    bench_args = ["--num-samples", str(args.num_samples), "--repeats", str(args.repeats), "--out", "docs/img",
-                  *args.extra]
+    # --no-write: the plots and bench.json go to a temp dir, so a check run never touches docs/img
+    out = "docs/img" if not args.no_write else tempfile.mkdtemp(prefix="bench-systems-")
+    bench_args = ["--num-samples", str(args.num_samples), "--repeats", str(args.repeats), "--out", out, *args.extra]
     cmd = "batchd bench " + " ".join(bench_args)
     t0 = time.perf_counter()
     idle0 = idle_share()
@@ -187,16 +189,17 @@ def main(argv: list[str] | None = None) -> int:
                      f"L={s['token_budget']}, {s['model']}, {s['device']}")
             s["plots"] = [str(p) for p in write_plots(s["systems"], IMG, title)]
     else:
-        from batchd.bench import _add_arguments, parse_systems, run_bench
+        from batchd.bench import add_arguments, parse_systems, run_bench
 
         p = argparse.ArgumentParser()  # the CLI's own flags and defaults
-        _add_arguments(p)
+        add_arguments(p)
         a = p.parse_args(bench_args)
         s = run_bench(workload=a.workload, num_samples=a.num_samples, world_size=a.world_size,
                       token_budget=a.token_budget, systems=parse_systems(a.systems), device=a.device, model=a.model,
                       out=REPO / a.out, seed=a.seed, window=a.window, depth=a.depth, heldout=a.heldout,
                       odb_workers=a.odb_workers, lr=a.lr, timeout=a.timeout, repeats=a.repeats,
-                      lr_scaling=a.lr_scaling, progress=lambda m: print(m, file=sys.stderr, flush=True))
+                      lr_scaling=a.lr_scaling, epochs=a.epochs, step_time=a.step_time,
+                      progress=lambda m: print(m, file=sys.stderr, flush=True))
         wall = time.perf_counter() - t0
     idle1 = idle_share()
     text = render(s, cmd, wall, (idle0, idle1)) + "\n" + reading(s)
