@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import json
 import math
 import os
@@ -164,6 +165,10 @@ def run_case(rank: int, case: dict) -> dict:
 
 
 def worker(rank: int, cases: list[dict], out_dir: str) -> None:
+    # A rank has twice died of SIGABRT ("terminate called without an active exception", native, in gloo)
+    # in a full CI run and never in 30+ runs of this file alone, quiet or under load; faulthandler prints
+    # every thread's Python stack on SIGABRT, so the next occurrence says where (init, a step, teardown).
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     # A file rendezvous: a port picked free by the parent can be taken by another process before rank 0
     # binds it (CI once lost a spawned rank to SIGABRT at start-up); the file cannot.
