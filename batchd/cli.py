@@ -50,7 +50,6 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lengths", required=True, metavar="FILE", help="one integer length per line")
     p.add_argument("--config", default=None, metavar="FILE", help="job config (TOML/YAML); its [job] is used")
     add_job_flags(p, exclude=("collate", "epochs"), shown={"shuffle": False})
-    p.set_defaults(shuffle=None)  # the simulator's own default: ids in file order (see _simulate)
     p.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_simulate)
@@ -62,8 +61,7 @@ SIM_KEYS = tuple(f.name for f in FIELDS if f.name not in ("collate", "epochs"))
 def _simulate(args: argparse.Namespace) -> int:
     given = {k: getattr(args, k) for k in SIM_KEYS if getattr(args, k) is not None}
     if args.config:
-        job = load_config(args.config, {f"job.{k}": v for k, v in given.items()}, check_files=False).job
-        spec = job
+        spec = load_config(args.config, {f"job.{k}": v for k, v in given.items()}, check_files=False).job
     else:
         for req in REQUIRED:
             if req not in given:
