@@ -91,7 +91,7 @@ JOURNAL_KEYS = {J_VERSION: int, J_DELIVERY: dict, J_RANK: dict, J_SOURCE: dict, 
 
 
 def resolve_payloads(payloads: list[Any]) -> list[Payload]:
-    """Payload dicts for `payloads`, fetching Ray ObjectRefs with one `ray.get` (Ray is imported only then)."""
+    """Payload dicts for `payloads`, fetching Ray ObjectRefs (if any) with one `ray.get`."""
     if all(isinstance(p, dict) for p in payloads):
         return payloads
     return resolve_many(payloads)
