@@ -99,10 +99,11 @@ def parse_systems(text: str) -> list[str]:
 
 
 # -- running one system ----------------------------------------------------------------------------
-def run_system(system: str, work: Path, common: dict[str, Any], world_size: int, spec: dict[str, Any],
-               timeout: float, tag: str | None = None) -> list[dict[str, Any]]:
-    """Runs one system's N trainers (and, for batchd, its coordinator and rank services) in `work/tag`;
-    returns their results."""
+def run_system(system: str, work: Path, common: dict[str, Any], job: JobSpec, timeout: float,
+               tag: str | None = None) -> list[dict[str, Any]]:
+    """Runs one system's N trainers (and, for batchd, its coordinator and rank services, on `job` with the
+    system's policy and layout) in `work/tag`; returns their results."""
+    world_size = job.world_size
     sys_dir = work / (tag or system)
     sys_dir.mkdir()
     procs = Processes(sys_dir)
@@ -110,9 +111,7 @@ def run_system(system: str, work: Path, common: dict[str, Any], world_size: int,
         per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
         if system.startswith("batchd-"):
             policy, layout = BATCHD_SYSTEMS[system]
-            args = spec_argv(JobSpec(world_size=world_size, token_budget=spec["token_budget"], policy=policy,
-                                    window=spec["window"], depth=spec["depth"], seed=spec["seed"]))
-            args += ["--collate", layout, "--cost", layout, "--epochs", str(spec.get("epochs", 1))]
+            args = spec_argv(job.replace(policy=policy, collate=layout, cost=layout))
             _, ports = start_services(procs, sys_dir, args, world_size, work / "lengths.txt")
             per_rank = [{"service": f"127.0.0.1:{p}"} for p in ports]
         _, outs = start_trainers(procs, sys_dir, "trainer", world_size, {**common, "system": system}, per_rank,
@@ -300,7 +299,8 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     from batchd._bench_trainer import MODELS
 
     # the job's fields are validated by JobSpec itself (the one set of rules every command uses)
-    JobSpec(world_size=world_size, token_budget=token_budget, window=window, depth=depth, seed=seed, epochs=epochs)
+    job = JobSpec(world_size=world_size, token_budget=token_budget, window=window, depth=depth, seed=seed,
+                  epochs=epochs)
     for name, value, lo in (("num_samples", num_samples, 1), ("heldout", heldout, 0),
                             ("odb_workers", odb_workers, 1), ("repeats", repeats, 1)):
         check_int(name, value, lo=lo)
@@ -342,7 +342,6 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
               "model": model, "device": device, "token_budget": token_budget, "batch_size": batch_size,
               "window": window, "odb_workers": odb_workers, "epochs": epochs, "step_time": step_time,
               "heldout_ids": list(range(num_samples, num_samples + heldout))}
-    spec = {"token_budget": token_budget, "window": window, "depth": depth, "seed": seed, "epochs": epochs}
     work = Path(tempfile.mkdtemp(prefix="batchd-bench-"))
     (work / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
     results: dict[str, dict[str, Any]] = {}
@@ -363,7 +362,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
                         *BATCHD_SYSTEMS.get(system, ("?", "?")), window, depth))
             say(f"[bench] {system}: training {num_samples} samples on {world_size} {device} rank(s) ({what})")
             t_sys = time.perf_counter()
-            res = run_system(system, work, common, world_size, spec, timeout, f"{system}-{rep}")
+            res = run_system(system, work, common, job, timeout, f"{system}-{rep}")
             s = summarize(system, res, num_samples, epochs)
             s["outer_s"] = time.perf_counter() - t_sys
             runs[system].append(s)
