@@ -24,8 +24,8 @@ from batchd.core import FIELDS, JobSpec
 
 SERVICE_START_S = 120.0  # a rank service with --dataset starts its actors before it listens
 
-__all__ = ["MARKER_ENV", "SERVICE_START_S", "Processes", "Reaper", "die_with_parent", "free_port", "marked",
-           "rank_argv", "signal_all", "spec_argv", "start_services", "start_trainers", "wait_port",
+__all__ = ["MARKER_ENV", "SERVICE_START_S", "Processes", "Reaper", "die_with_parent", "free_port",
+           "rank_argv", "spec_argv", "start_services", "start_trainers", "wait_port",
            "wait_trainers"]
 
 
@@ -55,39 +55,81 @@ def die_with_parent(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", _PARENT_DEATH_LAUNCHER, str(os.getpid()), *argv]
 
 
-# The reaper (`start_reaper`): blocks on a pipe whose only writer is the demo, so the read returns
-# (EOF) when the demo exits, however it exits. It then ends the processes that carry the demo's run
-# marker in their environment (SIGTERM, then SIGKILL after a grace), except the demo itself if it is
-# still alive (a normal exit), and removes the demo's temp dir. /proc only, no psutil.
+# The reaper (`Reaper`): blocks on a pipe whose only writer is the demo, so the read returns (EOF) when
+# the demo exits, however it exits. It then ends the demo's processes (SIGTERM, then SIGKILL after a
+# grace), except the demo itself if it is still alive (a normal exit), and removes the demo's temp dir.
+# /proc only, no psutil.
+#
+# The demo's processes are those that carry its run marker in their environment, their descendants, and
+# every process it saw as one while it waited. The marker alone misses some: a process that sets its
+# title (Ray's agents, `ray::DashboardAgent`, via setproctitle) zeroes the start of its environment
+# block in /proc/PID/environ, and where the marker falls there depends on the environment's order.
+# Their parent (the raylet) carries it, so descent finds them while it lives, and the snapshot taken
+# while waiting finds them once it is gone (they are reparented then). A (pid, start time) pair names a
+# process, so a reused pid is never signalled.
 _REAPER = r"""
-import os, shutil, signal, sys, time
+import os, select, shutil, signal, sys, time
 fd, parent, work, marker = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4].encode()
 signal.signal(signal.SIGINT, signal.SIG_IGN)
-try:
-    while os.read(fd, 4096):
-        pass
-except OSError:
-    pass
+me = os.getpid()
 
-def marked():
-    found = []
+def start_time(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+parent_start = start_time(parent)
+
+def scan():
+    # {pid: (ppid, start time, marked)} of live processes. A process that exits while it is read can
+    # give a short or empty file (it counts as gone for this pass): nothing here may end the reaper.
+    procs = {}
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in (os.getpid(), parent):
+        if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if marker not in f.read().split(b"\0"):
-                    continue
             with open(f"/proc/{name}/stat", "rb") as f:
-                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    continue
-        except OSError:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if fields[0] in (b"Z", b"X"):
+                continue
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    has = marker in f.read().split(b"\0")
+            except OSError:
+                has = False  # another user's process
+            procs[int(name)] = (int(fields[1]), fields[19], has)
+        except (OSError, IndexError, ValueError):
             continue
-        found.append(int(name))
+    return procs
+
+known = {}  # pid -> start time of each process seen as the demo's
+
+def targets():
+    procs = scan()
+    children = {}
+    for pid, (ppid, _, _) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    roots = [pid for pid, (_, _, has) in procs.items() if has]
+    if parent in procs and procs[parent][1] == parent_start:  # the demo, not a process that reused its pid
+        roots += children.get(parent, [])
+    found, stack = set(), roots
+    while stack:
+        pid = stack.pop()
+        if pid not in found:
+            found.add(pid)
+            stack.extend(children.get(pid, []))
+    found |= {pid for pid, start in known.items() if pid in procs and procs[pid][1] == start}
+    found -= {me, parent}
+    for pid in list(known):
+        if pid not in procs or procs[pid][1] != known[pid]:
+            del known[pid]
+    known.update((pid, procs[pid][1]) for pid in found)
     return found
 
 def signal_all(sig):
-    pids = marked()
+    pids = targets()
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -95,18 +137,31 @@ def signal_all(sig):
             pass
     return pids
 
+try:
+    while True:
+        if select.select([fd], [], [], 1.0)[0]:
+            if not os.read(fd, 4096):
+                break
+        else:
+            targets()
+except OSError:
+    pass
+
 # SIGTERM, a grace, then SIGKILL again and again: a dying parent (Ray's raylet) may still spawn a child
-# (its agents) after a pass, so the passes repeat until nothing marked is left (or 8 s passed).
-pids, deadline = signal_all(signal.SIGTERM), time.monotonic() + 2.0
-while pids and time.monotonic() < deadline:
-    time.sleep(0.05)
-    pids = marked()
-deadline = time.monotonic() + 6.0
-while pids and time.monotonic() < deadline:
-    signal_all(signal.SIGKILL)
-    time.sleep(0.1)
-    pids = marked()
-shutil.rmtree(work, ignore_errors=True)
+# (its agents) after a pass, so the passes repeat until none is left (or 8 s passed). The temp dir goes
+# whatever happens.
+try:
+    pids, deadline = signal_all(signal.SIGTERM), time.monotonic() + 2.0
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pids = targets()
+    deadline = time.monotonic() + 6.0
+    while pids and time.monotonic() < deadline:
+        signal_all(signal.SIGKILL)
+        time.sleep(0.1)
+        pids = targets()
+finally:
+    shutil.rmtree(work, ignore_errors=True)
 """
 
 MARKER_ENV = "BATCHD_DEMO_RUN"
@@ -115,8 +170,9 @@ MARKER_ENV = "BATCHD_DEMO_RUN"
 class Reaper:
     """A process that cleans up after the demo when the demo exits, even by SIGKILL (see `_REAPER`).
 
-    It ends every process whose environment holds `MARKER_ENV=<marker>` and removes `work`. `close()`
-    (the demo's normal exit) lets it run at once and waits for it.
+    It ends every process whose environment holds `MARKER_ENV=<marker>`, every descendant of those and of
+    this process, and every process it saw as one of them while this process lived; then it removes
+    `work`. `close()` (the demo's normal exit) lets it run at once and waits for it.
     """
 
     def __init__(self, work: Path, marker: str) -> None:

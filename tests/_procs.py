@@ -43,3 +43,59 @@ def processes_with_marker(marker: str) -> list[str]:
             continue
         found.append(f"{proc.name}: {cmd[:200]}")
     return found
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Live descendants of `root` now, as {pid: start time} (a pid with another start time is reused).
+
+    The environment marker alone can miss a process: one that sets its title (Ray's agents) zeroes the
+    start of its environment block as /proc shows it, and the marker may fall there.
+    """
+    children: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    for proc in Path("/proc").glob("[0-9]*"):
+        fields = _stat(proc.name)
+        if fields is None or fields[0] in ("Z", "X"):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(proc.name))
+        starts[int(proc.name)] = fields[19]
+    found: dict[int, str] = {}
+    stack = list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        if pid not in found:
+            found[pid] = starts[pid]
+            stack.extend(children.get(pid, []))
+    return found
+
+
+def still_alive(snapshot: dict[int, str]) -> list[str]:
+    """The processes of a `descendants` snapshot that are still alive (not zombies), as "pid: cmdline"."""
+    found = []
+    for pid, start in snapshot.items():
+        fields = _stat(pid)
+        if fields is None or fields[0] in ("Z", "X") or fields[19] != start:
+            continue
+        try:
+            cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        found.append(f"{pid}: {cmd[:200]}")
+    return found
+
+
+def start_times(pids: list[int]) -> dict[int, str]:
+    """{pid: start time} of those of `pids` alive now, in the form `descendants` gives."""
+    found = {}
+    for pid in pids:
+        fields = _stat(pid)
+        if fields is not None and fields[0] not in ("Z", "X"):
+            found[pid] = fields[19]
+    return found

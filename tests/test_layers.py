@@ -79,3 +79,18 @@ def test_import_batchd_gives_the_public_api_without_torch():
             "assert issubclass(batchd.JobFailed, batchd.BatchdError); print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
+
+
+def test_every_modules_all_names_what_it_defines():
+    # `from m import *` fails on a name in `__all__` that `m` does not define (a stale export).
+    code = ("import importlib, pkgutil, batchd\n"
+            "bad = []\n"
+            "for info in pkgutil.walk_packages(batchd.__path__, 'batchd.'):\n"
+            "    if info.name.endswith('__main__'):\n"
+            "        continue\n"
+            "    mod = importlib.import_module(info.name)\n"
+            "    bad += [f'{info.name}.{n}' for n in getattr(mod, '__all__', []) if not hasattr(mod, n)]\n"
+            "print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]", out.stdout

@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _procs import processes_with_marker
+from _procs import descendants, processes_with_marker, start_times, still_alive
 
 from batchd.core import JobSpec
 from batchd.launch import Processes, spec_argv, start_services
@@ -81,9 +81,11 @@ class Demo:
             self.proc.wait()
 
 
-def assert_nothing_left(marker: str, work: Path, timeout: float) -> None:
-    wait_until("every process of the demo exiting", lambda: not processes_with_marker(marker), timeout,
-               lambda: "\n".join(processes_with_marker(marker)))
+def assert_nothing_left(marker: str, work: Path, timeout: float, tree: dict[int, str] | None = None) -> None:
+    """No process with `marker`, none of the `descendants` snapshot `tree`, and no `work` left."""
+    def left() -> list[str]:
+        return sorted(set(processes_with_marker(marker)) | set(still_alive(tree or {})))
+    wait_until("every process of the demo exiting", lambda: not left(), timeout, lambda: "\n".join(left()))
     wait_until(f"the demo's temp dir {work} being removed", lambda: not work.exists(), timeout)
 
 
@@ -95,6 +97,7 @@ def test_an_interrupted_demo_exits_130_in_one_line_and_leaves_nothing(sig, ray):
     try:
         work = demo.work_dir()
         demo.wait_line(STARTED, 240 if ray else 120)
+        tree = descendants(demo.proc.pid)
         demo.proc.send_signal(sig)
         try:
             code = demo.proc.wait(10)
@@ -104,7 +107,7 @@ def test_an_interrupted_demo_exits_130_in_one_line_and_leaves_nothing(sig, ray):
         assert code == 130, demo.stderr[-3000:]
         assert "Traceback" not in demo.stderr, demo.stderr
         assert demo.lines[-1] == f"batchd demo: interrupted by {sig.name}", demo.stderr
-        assert_nothing_left(demo.marker, work, 10)
+        assert_nothing_left(demo.marker, work, 10, tree)
     finally:
         demo.kill()
 
@@ -114,13 +117,67 @@ def test_a_killed_demo_leaves_no_process_or_temp_dir():
     try:
         work = demo.work_dir()
         demo.wait_line(STARTED, 240)
-        ray_procs = [p for p in processes_with_marker(demo.marker) if "raylet" in p or "ray::" in p or "gcs_server" in p]
-        assert ray_procs, "the demo's Ray processes should carry its environment:\n" + "\n".join(processes_with_marker(demo.marker))
+        tree = descendants(demo.proc.pid)
+        ray_procs = [p for p in still_alive(tree) if "raylet" in p or "ray::" in p or "gcs_server" in p]
+        assert ray_procs, "the demo should have started Ray:\n" + "\n".join(still_alive(tree))
         demo.proc.kill()
         demo.proc.wait()
-        assert_nothing_left(demo.marker, work, 10)
+        assert_nothing_left(demo.marker, work, 10, tree)
     finally:
         demo.kill()
+
+
+# A demo stand-in for the reaper test: it starts the reaper, then a marked child A that starts B without
+# the marker (as a process that sets its title hides it), and a marked child that starts C without it
+# and exits 3 s later (as a raylet that ran a while dies before its agents, which are reparented). It
+# prints the pids and waits to be killed.
+_TREE = r"""
+import os, subprocess, sys, time
+from pathlib import Path
+from batchd.launch import MARKER_ENV, Reaper
+work, marker = Path(sys.argv[1]), sys.argv[2]
+reaper = Reaper(work, marker)
+bare = {k: v for k, v in os.environ.items() if k != MARKER_ENV}
+sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+a = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                      "b = subprocess.Popen(sys.argv[1:], env={}); "
+                      "print(b.pid, flush=True); time.sleep(600)", *sleeper],
+                     env={**bare, MARKER_ENV: marker}, stdout=subprocess.PIPE, text=True)
+b = int(a.stdout.readline())
+c_parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
+                             "print(subprocess.Popen(sys.argv[1:], env={}).pid, flush=True); time.sleep(3)", *sleeper],
+                            env={**bare, MARKER_ENV: marker}, stdout=subprocess.PIPE, text=True)
+c = int(c_parent.stdout.readline())
+c_parent.wait()  # C is reparented now, and carries no marker
+print(a.pid, b, c, reaper.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_reaper_ends_descendants_and_orphans_that_hide_the_marker(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    marker = uuid.uuid4().hex
+    parent = subprocess.Popen([sys.executable, "-c", _TREE, str(work), marker], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 4, pids
+        tree = {**descendants(parent.pid), **start_times(pids)}
+        assert len(tree) == 4, tree
+        assert set(pids[2:3]).isdisjoint(descendants(parent.pid)), "C should have been reparented"
+        parent.kill()
+        parent.wait()
+        wait_until("the reaper ending A, B (no marker) and C (no marker, reparented), and removing the work dir",
+                   lambda: not still_alive(tree) and not work.exists(), 15, lambda: "\n".join(still_alive(tree)))
+    finally:
+        parent.kill()
+        for pid, start in locals().get("tree", {}).items():
+            if start_times([pid]).get(pid) != start:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def test_rank_services_on_one_host_share_one_ray(tmp_path):
@@ -138,6 +195,7 @@ def test_rank_services_on_one_host_share_one_ray(tmp_path):
     try:
         _, ports = start_services(procs, tmp_path, spec, world, None, rank_args=lambda r: [
             "--dataset", str(data.path), "--num-actors", "1", "--stats-file", str(tmp_path / f"stats-{r}.json")])
+        tree = {**descendants(procs.get("rank-0").pid), **descendants(procs.get("rank-1").pid)}
         errors: list[BaseException] = []
 
         def drain(r: int) -> None:
@@ -163,8 +221,9 @@ def test_rank_services_on_one_host_share_one_ray(tmp_path):
         addresses = {m.group(1) for m in started + joined if m is not None}
         stats = [json.loads((tmp_path / f"stats-{r}.json").read_text()) for r in range(world)]
         assert {s["ray_address"] for s in stats} == addresses and len(addresses) == 1, (stats, addresses)
-        wait_until("the shared Ray stopping after the last rank service", lambda: not processes_with_marker(marker), 15,
-                   lambda: "\n".join(processes_with_marker(marker)))
+        left = lambda: processes_with_marker(marker) + still_alive(tree)
+        wait_until("the shared Ray stopping after the last rank service", lambda: not left(), 15,
+                   lambda: "\n".join(left()))
     finally:
         procs.stop()
         import shutil
