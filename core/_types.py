@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 # JSON keys of a serialized sample (compact: samples appear by the hundred thousand in states).
-_ID, _LEN, _LOSS, _HOME, _MOD = "i", "n", "l", "h", "m"
+_ID, _LEN, _LOSS, _HOME, _MOD, _BYTES = "i", "n", "l", "h", "m", "b"
 
 
 def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
@@ -63,6 +63,7 @@ class _SampleFields(NamedTuple):
     loss_tokens: int
     home_rank: int
     modality_tokens: tuple[tuple[str, int], ...]
+    nbytes: int
 
 
 class Sample(_SampleFields):
@@ -77,18 +78,22 @@ class Sample(_SampleFields):
         loss_tokens: Tokens that carry loss (labels != -100); -1 on construction means "all of them".
         home_rank: The rank whose sampler view produced the sample.
         modality_tokens: Optional per-modality counts, e.g. (("text", 300), ("vision", 1024)).
+        nbytes: Bytes of its payload (token ids, labels, pixel values) as it would cross the network;
+            0 = unknown. A node-aware balanced plan moves the groups that carry the fewest bytes.
     """
 
     __slots__ = ()
 
     def __new__(cls, id: int, length: int, loss_tokens: int = -1, home_rank: int = 0,
-                modality_tokens: tuple[tuple[str, int], ...] = ()) -> Sample:
+                modality_tokens: tuple[tuple[str, int], ...] = (), nbytes: int = 0) -> Sample:
         if loss_tokens == -1 and type(length) is int:
             loss_tokens = length
         # Fast path: exact ints in range need no further checks.
         if not (type(id) is int and type(length) is int and type(loss_tokens) is int and type(home_rank) is int
-                and id >= 0 and length >= 1 and 0 <= loss_tokens <= length and home_rank >= 0):
+                and type(nbytes) is int and id >= 0 and length >= 1 and 0 <= loss_tokens <= length
+                and home_rank >= 0 and nbytes >= 0):
             check_int("id", id, lo=0)
+            check_int("nbytes", nbytes, lo=0)
             check_int("length", length, lo=1)
             check_int("home_rank", home_rank, lo=0)
             check_int("loss_tokens", loss_tokens, lo=0, hi=length)
@@ -98,7 +103,7 @@ class Sample(_SampleFields):
                 if len(entry) != 2 or not isinstance(entry[0], str):
                     raise ValueError(f"modality_tokens entries must be (name, count), got {entry!r}")
                 check_int(f"modality_tokens[{entry[0]!r}]", entry[1], lo=0)
-        return tuple.__new__(cls, (id, length, loss_tokens, home_rank, modality_tokens))
+        return tuple.__new__(cls, (id, length, loss_tokens, home_rank, modality_tokens, nbytes))
 
     def replace(self, **changes: Any) -> Sample:
         """A copy with some fields changed (validated again)."""
@@ -110,6 +115,8 @@ class Sample(_SampleFields):
             out[_LOSS] = self.loss_tokens
         if self.modality_tokens:
             out[_MOD] = [list(m) for m in self.modality_tokens]
+        if self.nbytes:
+            out[_BYTES] = self.nbytes
         return out
 
     @staticmethod
@@ -120,6 +127,7 @@ class Sample(_SampleFields):
             loss_tokens=obj.get(_LOSS, -1),
             home_rank=obj.get(_HOME, 0),
             modality_tokens=tuple((str(k), int(v)) for k, v in obj.get(_MOD, ())),
+            nbytes=obj.get(_BYTES, 0),
         )
 
 

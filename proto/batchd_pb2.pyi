@@ -1,10 +1,18 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class NodeProtocol(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_PROTOCOL_UNSPECIFIED: _ClassVar[NodeProtocol]
+    NODE_PROTOCOL_V1: _ClassVar[NodeProtocol]
+NODE_PROTOCOL_UNSPECIFIED: NodeProtocol
+NODE_PROTOCOL_V1: NodeProtocol
 
 class ModalityTokens(_message.Message):
     __slots__ = ("name", "tokens")
@@ -15,18 +23,20 @@ class ModalityTokens(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class SampleMeta(_message.Message):
-    __slots__ = ("id", "length", "loss_tokens", "home_rank", "modality_tokens")
+    __slots__ = ("id", "length", "loss_tokens", "home_rank", "modality_tokens", "nbytes")
     ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOME_RANK_FIELD_NUMBER: _ClassVar[int]
     MODALITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
     id: int
     length: int
     loss_tokens: int
     home_rank: int
     modality_tokens: _containers.RepeatedCompositeFieldContainer[ModalityTokens]
-    def __init__(self, id: _Optional[int] = ..., length: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., home_rank: _Optional[int] = ..., modality_tokens: _Optional[_Iterable[_Union[ModalityTokens, _Mapping]]] = ...) -> None: ...
+    nbytes: int
+    def __init__(self, id: _Optional[int] = ..., length: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., home_rank: _Optional[int] = ..., modality_tokens: _Optional[_Iterable[_Union[ModalityTokens, _Mapping]]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -233,10 +243,12 @@ class CommitReply(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[int] = ..., step_samples: _Optional[_Iterable[int]] = ..., step_tokens: _Optional[_Iterable[int]] = ..., step_loss_tokens: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., keep_last: _Optional[_Iterable[int]] = ..., has_keep_last: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("rank",)
+    __slots__ = ("rank", "ranks")
     RANK_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
     rank: int
-    def __init__(self, rank: _Optional[int] = ...) -> None: ...
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("state", "failure")
@@ -267,6 +279,60 @@ class FinishRequest(_message.Message):
 class FinishReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class NodeHello(_message.Message):
+    __slots__ = ("protocol", "node", "ranks", "spec", "address")
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    protocol: NodeProtocol
+    node: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    spec: JobSpec
+    address: str
+    def __init__(self, protocol: _Optional[_Union[NodeProtocol, str]] = ..., node: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
+
+class NodeAlign(_message.Message):
+    __slots__ = ("epoch", "round", "reports")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    round: int
+    reports: _containers.RepeatedCompositeFieldContainer[AlignRequest]
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., reports: _Optional[_Iterable[_Union[AlignRequest, _Mapping]]] = ...) -> None: ...
+
+class NodeCommit(_message.Message):
+    __slots__ = ("epoch", "round", "commits")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COMMITS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    round: int
+    commits: _containers.RepeatedCompositeFieldContainer[CommitRequest]
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., commits: _Optional[_Iterable[_Union[CommitRequest, _Mapping]]] = ...) -> None: ...
+
+class NodeRequest(_message.Message):
+    __slots__ = ("hello", "align", "commit")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    ALIGN_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    hello: NodeHello
+    align: NodeAlign
+    commit: NodeCommit
+    def __init__(self, hello: _Optional[_Union[NodeHello, _Mapping]] = ..., align: _Optional[_Union[NodeAlign, _Mapping]] = ..., commit: _Optional[_Union[NodeCommit, _Mapping]] = ...) -> None: ...
+
+class NodeReply(_message.Message):
+    __slots__ = ("registered", "decision", "totals")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    TOTALS_FIELD_NUMBER: _ClassVar[int]
+    registered: RegisterReply
+    decision: AlignReply
+    totals: CommitReply
+    def __init__(self, registered: _Optional[_Union[RegisterReply, _Mapping]] = ..., decision: _Optional[_Union[AlignReply, _Mapping]] = ..., totals: _Optional[_Union[CommitReply, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -319,16 +385,18 @@ class IngestReply(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[Quarantined, _Mapping]]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("start_step", "credits", "ack_step", "epoch")
+    __slots__ = ("start_step", "credits", "ack_step", "epoch", "rank")
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     ACK_STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     start_step: int
     credits: int
     ack_step: int
     epoch: int
-    def __init__(self, start_step: _Optional[int] = ..., credits: _Optional[int] = ..., ack_step: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, start_step: _Optional[int] = ..., credits: _Optional[int] = ..., ack_step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("info", "tensors", "sample_ids", "end_of_epoch")
@@ -343,12 +411,14 @@ class Batch(_message.Message):
     def __init__(self, info: _Optional[_Union[StepInfo, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., sample_ids: _Optional[_Iterable[int]] = ..., end_of_epoch: _Optional[bool] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("ids", "epoch")
+    __slots__ = ("ids", "epoch", "rank")
     IDS_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
     epoch: int
-    def __init__(self, ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class FetchReply(_message.Message):
     __slots__ = ("samples",)
@@ -357,8 +427,10 @@ class FetchReply(_message.Message):
     def __init__(self, samples: _Optional[_Iterable[_Union[IngestRequest, _Mapping]]] = ...) -> None: ...
 
 class RankStatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("rank",)
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    def __init__(self, rank: _Optional[int] = ...) -> None: ...
 
 class RankStatusReply(_message.Message):
     __slots__ = ("rank", "buffered", "ready", "next_step", "round", "state", "failure", "epoch", "epochs")

@@ -71,6 +71,11 @@ class CoordinatorStub:
                 request_serializer=batchd_dot_proto_dot_batchd__pb2.FinishRequest.SerializeToString,
                 response_deserializer=batchd_dot_proto_dot_batchd__pb2.FinishReply.FromString,
                 _registered_method=True)
+        self.Node = channel.stream_stream(
+                '/batchd.v1.Coordinator/Node',
+                request_serializer=batchd_dot_proto_dot_batchd__pb2.NodeRequest.SerializeToString,
+                response_deserializer=batchd_dot_proto_dot_batchd__pb2.NodeReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -125,6 +130,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Node(self, request_iterator, context):
+        """One persistent stream per node agent (`batchd node`): it registers the node's ranks (hello), then
+        sends its ranks' reports and commits of a round as one message each and gets one reply per message.
+        Replies come in request order; a barrier reply comes once every rank of the job is in.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +176,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Finish,
                     request_deserializer=batchd_dot_proto_dot_batchd__pb2.FinishRequest.FromString,
                     response_serializer=batchd_dot_proto_dot_batchd__pb2.FinishReply.SerializeToString,
+            ),
+            'Node': grpc.stream_stream_rpc_method_handler(
+                    servicer.Node,
+                    request_deserializer=batchd_dot_proto_dot_batchd__pb2.NodeRequest.FromString,
+                    response_serializer=batchd_dot_proto_dot_batchd__pb2.NodeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -355,6 +374,33 @@ class Coordinator:
             '/batchd.v1.Coordinator/Finish',
             batchd_dot_proto_dot_batchd__pb2.FinishRequest.SerializeToString,
             batchd_dot_proto_dot_batchd__pb2.FinishReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Node(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/batchd.v1.Coordinator/Node',
+            batchd_dot_proto_dot_batchd__pb2.NodeRequest.SerializeToString,
+            batchd_dot_proto_dot_batchd__pb2.NodeReply.FromString,
             options,
             channel_credentials,
             insecure,

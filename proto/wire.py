@@ -38,13 +38,13 @@ def spec_from_pb(m: pb.JobSpec) -> JobSpec:
 def sample_to_pb(s: Sample) -> pb.SampleMeta:
     return pb.SampleMeta(
         id=s.id, length=s.length, loss_tokens=s.loss_tokens, home_rank=s.home_rank,
-        modality_tokens=[pb.ModalityTokens(name=n, tokens=t) for n, t in s.modality_tokens],
+        modality_tokens=[pb.ModalityTokens(name=n, tokens=t) for n, t in s.modality_tokens], nbytes=s.nbytes,
     )
 
 
 def sample_from_pb(m: pb.SampleMeta) -> Sample:
     return Sample(int(m.id), int(m.length), int(m.loss_tokens), int(m.home_rank),
-                  tuple((t.name, int(t.tokens)) for t in m.modality_tokens))
+                  tuple((t.name, int(t.tokens)) for t in m.modality_tokens), int(m.nbytes))
 
 
 def report_to_pb(r: RankReport, epoch: int) -> pb.AlignRequest:
