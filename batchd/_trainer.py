@@ -198,7 +198,7 @@ class _FailureWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
             try:
-                failure = self.client.stub.RankStatus(pb.RankStatusRequest(), timeout=2).failure
+                failure = self.client.stub.RankStatus(pb.RankStatusRequest(rank=self.client.rank), timeout=2).failure
             except (grpc.RpcError, ValueError):  # ValueError: the channel was closed under us
                 continue
             if failure:
@@ -222,7 +222,7 @@ def _job_failure(client, watch: _FailureWatch) -> str | None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
-            status = client.stub.RankStatus(pb.RankStatusRequest(), timeout=2)
+            status = client.stub.RankStatus(pb.RankStatusRequest(rank=client.rank), timeout=2)
             if status.failure:
                 return status.failure
         except grpc.RpcError:

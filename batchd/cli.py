@@ -88,6 +88,40 @@ def _add_config_flag(p: argparse.ArgumentParser) -> None:
                    "`batchd config --example` prints a commented one")
 
 
+def _add_rank_args(p: argparse.ArgumentParser, who: str) -> None:
+    """The options of a rank service, shared by `batchd rank` and `batchd node` (`who`: whose actors)."""
+    _add_config_flag(p)
+    _add_spec(p)
+    _add_server(p, "rank")
+    _add_security(p)
+    p.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="the coordinator's address (default: coordinator.address of the config)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--lengths", metavar="FILE",
+                     help="serve a synthetic tokenized dataset with these realized lengths")
+    src.add_argument("--dataset", metavar="PATH",
+                     help="preprocess these records (Parquet/JSONL/Arrow) with a Ray actor pool "
+                     "(neither --lengths nor --dataset: producers push samples through Ingest)")
+    g = p.add_argument_group("preprocessing (with --dataset; [data], [pipeline])")
+    g.add_argument("--tokenizer", metavar="PATH",
+                   help="a tokenizer.json or a Hugging Face tokenizer directory, read offline (default: the "
+                   "demo tokenizer, trained locally on first use; `batchd tokenizer FILE` writes it out)")
+    g.add_argument("--template", help="chat template: chatml, qwen2, llama3 or Jinja text (default qwen2)")
+    g.add_argument("--vision", choices=("qwen2_vl", "llava", "none"), help="visual-token expansion (default qwen2_vl)")
+    g.add_argument("--augment", action="store_const", const=True, help="add the augmentation stages")
+    g.add_argument("--num-actors", type=_positive, metavar="K", help=f"{who} actors (default 2)")
+    g.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (default: start a local Ray)")
+    g.add_argument("--quarantine", metavar="FILE", help="append bad records here (JSONL)")
+    g.add_argument("--stats-file", metavar="FILE", help="write the source's counters here as JSON on exit")
+    p.add_argument("--state-dir", help="journal here after every round (restartable)")
+    p.add_argument("--startup-timeout", type=float, metavar="S",
+                   help="seconds to wait for the coordinator to answer at start (default 600)")
+    p.add_argument("--client-grace", type=float, help="seconds a disconnected trainer has to come back (default 30)")
+    p.add_argument("--trainer-timeout", type=float, metavar="S",
+                   help="seconds ready batches wait for a trainer that has not connected yet, at the start or "
+                   "for the next epoch, before the job fails naming this rank (default 1800)")
+
+
 def _add_spec(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job spec ([job]; identical on the coordinator and every rank)")
     add_job_flags(g)
@@ -185,6 +219,42 @@ def _rank(args: argparse.Namespace) -> int:
                     num_actors=d.num_actors, ray_address=d.ray_address, quarantine=d.quarantine,
                     stats_file=d.stats_file, pipeline=cfg.pipeline.stage_kwargs(), cutoff=cfg.pipeline.cutoff,
                     security=cfg.security_object(), metrics_port=metrics_port,
+                    metrics_host=args.metrics_host or cfg.rank.host, trainer_timeout_s=cfg.rank.trainer_timeout_s,
+                    startup_timeout_s=cfg.coordinator.startup_timeout_s)
+
+
+def _node(args: argparse.Namespace) -> int:
+    from batchd.service import node_ranks, run_node
+
+    ranks = node_ranks(args.local_ranks, args.node_rank)
+    overrides = _common_overrides(args)
+    overrides |= _overrides(args, "coordinator", ("coordinator", "startup_timeout"),
+                            {"coordinator": "address", "startup_timeout": "startup_timeout_s"})
+    overrides |= _overrides(args, "rank", ("host", "state_dir", "client_grace", "trainer_timeout"),
+                            {"client_grace": "client_grace_s", "trainer_timeout": "trainer_timeout_s"})
+    overrides |= _overrides(args, "data", ("lengths", "dataset", "num_actors", "ray_address", "quarantine",
+                                           "stats_file"))
+    overrides |= _overrides(args, "pipeline", ("tokenizer", "template", "vision", "augment"))
+    if args.lengths is not None:
+        overrides["data.dataset"] = DROP
+    cfg = load_config(args.config, overrides)
+    if ranks[-1] >= cfg.job.world_size:
+        raise ValueError(f"node rank {ranks[0] // len(ranks)} with {len(ranks)} local ranks serves ranks "
+                         f"{ranks[0]}..{ranks[-1]}, but the job's world size is {cfg.job.world_size}")
+    coordinator = cfg.coordinator.dial_address()
+    if coordinator is None:
+        raise ValueError("the coordinator's address is unknown: pass --coordinator HOST:PORT or set "
+                         "coordinator.address (or a fixed coordinator.port) in the config")
+    _logging(cfg)
+    port = args.port if args.port is not None else cfg.rank.port_of(0)
+    metrics_port = args.metrics_port if args.metrics_port is not None else cfg.rank.metrics_port_of(0)
+    d = cfg.data
+    lengths = read_lengths(d.lengths) if d.lengths else None
+    return run_node(cfg.job, ranks, coordinator, lengths, args.name, cfg.rank.host, port, args.advertise,
+                    args.port_file, cfg.rank.state_dir, cfg.rank.client_grace_s, dataset=d.dataset,
+                    tokenizer=cfg.pipeline.tokenizer, num_actors=d.num_actors, ray_address=d.ray_address,
+                    quarantine=d.quarantine, stats_file=d.stats_file, pipeline=cfg.pipeline.stage_kwargs(),
+                    cutoff=cfg.pipeline.cutoff, security=cfg.security_object(), metrics_port=metrics_port,
                     metrics_host=args.metrics_host or cfg.rank.host, trainer_timeout_s=cfg.rank.trainer_timeout_s,
                     startup_timeout_s=cfg.coordinator.startup_timeout_s)
 
@@ -301,38 +371,28 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Runs the batching service of one trainer rank. Settings come from --config "
                        "([job], [data], [pipeline], [rank], [coordinator].address, [security], [logging]) and "
                        "flags; rank r listens on rank.base_port + r unless --port is given.")
-    _add_config_flag(p)
-    _add_spec(p)
-    _add_server(p, "rank")
-    _add_security(p)
     p.add_argument("--rank", type=int, required=True, help="this service's rank")
-    p.add_argument("--coordinator", metavar="HOST:PORT",
-                   help="the coordinator's address (default: coordinator.address of the config)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--lengths", metavar="FILE",
-                     help="serve a synthetic tokenized dataset with these realized lengths")
-    src.add_argument("--dataset", metavar="PATH",
-                     help="preprocess these records (Parquet/JSONL/Arrow) with a Ray actor pool "
-                     "(neither --lengths nor --dataset: producers push samples through Ingest)")
-    g = p.add_argument_group("preprocessing (with --dataset; [data], [pipeline])")
-    g.add_argument("--tokenizer", metavar="PATH",
-                   help="a tokenizer.json or a Hugging Face tokenizer directory, read offline (default: the "
-                   "demo tokenizer, trained locally on first use; `batchd tokenizer FILE` writes it out)")
-    g.add_argument("--template", help="chat template: chatml, qwen2, llama3 or Jinja text (default qwen2)")
-    g.add_argument("--vision", choices=("qwen2_vl", "llava", "none"), help="visual-token expansion (default qwen2_vl)")
-    g.add_argument("--augment", action="store_const", const=True, help="add the augmentation stages")
-    g.add_argument("--num-actors", type=_positive, metavar="K", help="this rank's actors (default 2)")
-    g.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (default: start a local Ray)")
-    g.add_argument("--quarantine", metavar="FILE", help="append bad records here (JSONL)")
-    g.add_argument("--stats-file", metavar="FILE", help="write the source's counters here as JSON on exit")
-    p.add_argument("--state-dir", help="journal here after every round (restartable)")
-    p.add_argument("--startup-timeout", type=float, metavar="S",
-                   help="seconds to wait for the coordinator to answer at start (default 600)")
-    p.add_argument("--client-grace", type=float, help="seconds a disconnected trainer has to come back (default 30)")
-    p.add_argument("--trainer-timeout", type=float, metavar="S",
-                   help="seconds ready batches wait for a trainer that has not connected yet, at the start or "
-                   "for the next epoch, before the job fails naming this rank (default 1800)")
+    _add_rank_args(p, "this rank's")
     p.set_defaults(func=_rank)
+
+    p = sub.add_parser("node", help="run a node agent: the batching services of all of a host's ranks",
+                       description="Runs the node agent of one host: the batching services of its K trainer ranks "
+                       "(global ranks G*K .. G*K+K-1, torchrun's numbering) in one process, on one port every "
+                       "local trainer connects to (python -m batchd.train --node-agent HOST:PORT), with one "
+                       "stream to the coordinator. Samples a balanced plan moves between its ranks are handed "
+                       "over in process; only moves to other nodes cross the network. Same settings as "
+                       "`batchd rank`; it listens on rank.base_port unless --port is given.")
+    g = p.add_argument_group("node")
+    g.add_argument("--local-ranks", type=_positive, metavar="K",
+                   help="trainer ranks on this host (default: $LOCAL_WORLD_SIZE, as torchrun sets it)")
+    g.add_argument("--node-rank", type=int, metavar="G",
+                   help="this host's index among the job's nodes (default: $GROUP_RANK, else $NODE_RANK)")
+    g.add_argument("--name", help="the agent's name in logs and failures (default: the host name)")
+    g.add_argument("--advertise", metavar="HOST",
+                   help="the host other nodes reach this agent at (default: --host, or this machine's name "
+                   "when --host is 0.0.0.0)")
+    _add_rank_args(p, "each rank's")
+    p.set_defaults(func=_node)
 
     p = sub.add_parser("demo", help="run the main job end to end on this machine",
                        description="Starts a local Ray, a coordinator, N rank services (each preprocessing its "
@@ -369,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in ("coordinator", "rank") and not faulthandler.is_enabled():
+    if args.command in ("coordinator", "rank", "node") and not faulthandler.is_enabled():
         faulthandler.enable()  # a daemon that dies in native code (gRPC, torch) leaves its stacks in its log
     try:
         return args.func(args)

@@ -122,7 +122,7 @@ class BatchClient:
         while True:
             left = timeout - (time.monotonic() - start)
             try:
-                reply = self.stub.RankStatus(pb.RankStatusRequest(), timeout=max(min(left, WAIT_LOG_S), 0.01),
+                reply = self.stub.RankStatus(pb.RankStatusRequest(rank=self.rank), timeout=max(min(left, WAIT_LOG_S), 0.01),
                                              wait_for_ready=True)
                 return max(reply.epochs, 1)
             except grpc.RpcError as exc:
@@ -174,7 +174,7 @@ class BatchClient:
         acks: queue.Queue = queue.Queue()
 
         def requests():
-            yield pb.BatchRequest(start_step=self.next_step, credits=self.credits, epoch=self.epoch)
+            yield pb.BatchRequest(start_step=self.next_step, credits=self.credits, epoch=self.epoch, rank=self.rank)
             while (ack := acks.get()) is not None:
                 yield pb.BatchRequest(ack_step=ack)
 

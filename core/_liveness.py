@@ -38,6 +38,7 @@ class Liveness:
         self.started = now
         self.last_seen: dict[int, float] = {}
         self.finished: set[int] = set()
+        self.labels: dict[int, str] = {}  # what a failure says after "rank r" (a node agent serving it)
 
     def _check_rank(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
@@ -70,6 +71,14 @@ class Liveness:
         for r in finished:
             self.finish(r, now)
 
+    def label(self, rank: int, text: str) -> None:
+        """Failures that name `rank` add `text` (e.g. "node agent gpu-1 at 10.0.0.2:7100, ranks 4-7")."""
+        self._check_rank(rank)
+        self.labels[rank] = text
+
+    def _name(self, rank: int) -> str:
+        return f"rank {rank} ({self.labels[rank]})" if rank in self.labels else f"rank {rank}"
+
     # -- queries -------------------------------------------------------------------------------------
     @property
     def registered(self) -> list[int]:
@@ -94,7 +103,7 @@ class Liveness:
                     f"({self.startup_timeout_s:g}s)")
         for rank, seen in sorted(self.last_seen.items()):
             if rank not in self.finished and now - seen > self.lease_s:
-                return f"rank {rank} missed its lease: silent for {now - seen:.1f}s (lease {self.lease_s:g}s)"
+                return f"{self._name(rank)} missed its lease: silent for {now - seen:.1f}s (lease {self.lease_s:g}s)"
         return None
 
     def waiting(self, now: float) -> str | None:

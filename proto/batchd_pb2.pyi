@@ -433,7 +433,7 @@ class RankStatusRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ...) -> None: ...
 
 class RankStatusReply(_message.Message):
-    __slots__ = ("rank", "buffered", "ready", "next_step", "round", "state", "failure", "epoch", "epochs")
+    __slots__ = ("rank", "buffered", "ready", "next_step", "round", "state", "failure", "epoch", "epochs", "fetched_local", "fetched_remote")
     RANK_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -443,6 +443,8 @@ class RankStatusReply(_message.Message):
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_REMOTE_FIELD_NUMBER: _ClassVar[int]
     rank: int
     buffered: int
     ready: int
@@ -452,4 +454,6 @@ class RankStatusReply(_message.Message):
     failure: str
     epoch: int
     epochs: int
-    def __init__(self, rank: _Optional[int] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., next_step: _Optional[int] = ..., round: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ...) -> None: ...
+    fetched_local: int
+    fetched_remote: int
+    def __init__(self, rank: _Optional[int] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., next_step: _Optional[int] = ..., round: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., fetched_local: _Optional[int] = ..., fetched_remote: _Optional[int] = ...) -> None: ...

@@ -1,4 +1,5 @@
-"""batchd's daemon: the gRPC alignment coordinator, the per-rank batching service, the server side of
+"""batchd's daemon: the gRPC alignment coordinator, the per-rank batching service, the node agent that
+serves a host's ranks over one coordinator stream, the server side of
 the security policy, metrics, and (in `batchd.service.preprocess`) the preprocessing data plane.
 
 Imports `batchd.core` and `batchd.proto` only; it needs no torch (batches are collated in numpy).
@@ -7,14 +8,15 @@ Imports `batchd.core` and `batchd.proto` only; it needs no torch (batches are co
 from ._coord_client import CoordinatorClient
 from ._coordinator import CoordinatorServicer, CoordinatorState, create_server
 from ._journal import Journal, JournalError
-from ._main import run_coordinator, run_rank
-from ._metrics import CoordinatorMetrics, RankMetrics, start_metrics_server, stop_metrics_server
+from ._main import node_ranks, run_coordinator, run_node, run_rank
+from ._metrics import CoordinatorMetrics, MergedRegistry, RankMetrics, start_metrics_server, stop_metrics_server
+from ._node_link import LocalRankClient, NodeLink
 from ._rank_server import RankServicer, create_rank_server
 from ._rank_service import RankServiceCore, collate
 from ._security import add_port, server_interceptors
 
 __all__ = sorted([
     "CoordinatorClient", "CoordinatorMetrics", "CoordinatorServicer", "CoordinatorState", "Journal", "JournalError",
-    "RankMetrics", "RankServiceCore", "RankServicer", "add_port", "collate", "create_rank_server", "create_server",
-    "run_coordinator", "run_rank", "server_interceptors", "start_metrics_server", "stop_metrics_server",
+    "LocalRankClient", "MergedRegistry", "NodeLink", "RankMetrics", "RankServiceCore", "RankServicer", "add_port",
+    "collate", "create_rank_server", "create_server", "node_ranks", "run_coordinator", "run_node", "run_rank", "server_interceptors", "start_metrics_server", "stop_metrics_server",
 ])

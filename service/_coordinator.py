@@ -91,6 +91,7 @@ class CoordinatorState:
         self.failure: str | None = None
         self.informed: set[int] = set()  # ranks told of the failure (they fail their trainers with it)
         self.addresses: dict[int, str] = {}
+        self.node_of: dict[int, str] = {}  # rank -> the name of the node agent serving it
         self.liveness = Liveness(spec.world_size, lease_s, startup_timeout_s, time.monotonic())
         self._reports: dict[int, RankReport] = {}
         self._commits: dict[int, RankCommit] = {}
@@ -126,7 +127,8 @@ class CoordinatorState:
 
     def _snapshot(self) -> list[dict]:
         """The records a restart needs: ranks, the recent decisions and totals, finishes, the failure."""
-        out: list[dict] = [{"kind": "register", "rank": r, "address": a} for r, a in sorted(self.addresses.items())]
+        out: list[dict] = [{"kind": "register", "rank": r, "address": a, **({"node": self.node_of[r]} if r in
+                            self.node_of else {})} for r, a in sorted(self.addresses.items())]
         keys = sorted(set(self._decisions) | set(self._totals))
         for key in keys:
             if key in self._decisions:
@@ -152,6 +154,10 @@ class CoordinatorState:
             if kind == "register":
                 self.addresses[rec["rank"]] = rec["address"]
                 registered.add(rec["rank"])
+                if rec.get("node"):
+                    self.node_of[rec["rank"]] = rec["node"]
+                else:
+                    self.node_of.pop(rec["rank"], None)
             elif kind == "decision":
                 key = (rec["epoch"], rec["round"])
                 self._decisions[key] = wire.decision_from_pb(pb.AlignReply.FromString(base64.b64decode(rec["reply"])))
@@ -178,6 +184,8 @@ class CoordinatorState:
                 self.epoch, self.core = epoch, self._new_core(epoch)
             self.core.resume_decided(self._decisions[pending])
         self.liveness.restore(registered, finished, time.monotonic())
+        for node in set(self.node_of.values()):
+            self._label_node(node)
         self.restored = bool(records)
         if self.restored:
             log.info("coordinator restored from %s: epoch %d round %d%s, %d rank(s) registered, %d finished%s",
@@ -226,10 +234,10 @@ class CoordinatorState:
         with self._cond:
             self._fail_locked(f"rank {rank}: {reason}")
 
-    def _check_alive(self, rank: int | None = None) -> None:
+    def _check_alive(self, rank: int | list[int] | None = None) -> None:
         if self.failure is not None:
             if rank is not None:
-                self.informed.add(rank)
+                self.informed.update([rank] if isinstance(rank, int) else rank)
             raise JobFailed(self.failure)
         if self._stop.is_set():
             raise ShuttingDown("the coordinator is shutting down")
@@ -275,28 +283,98 @@ class CoordinatorState:
         return None
 
     # -- RPC logic -----------------------------------------------------------------------------------
+    def _check_spec(self, who: str, spec: JobSpec) -> None:
+        diff = self.spec.diff(spec)
+        if diff:
+            party = who.split(" ")[0] if who.startswith("rank") else "node agent"
+            detail = ", ".join(f"{k}: coordinator {a!r}, {party} {b!r}" for k, a, b in
+                               ((k, *v) for k, v in sorted(diff.items())))
+            raise ProtocolError(f"{who} registered with a different job spec ({detail})")
+
+    def _register_locked(self, rank: int, address: str, node: str | None) -> None:
+        if self.addresses.get(rank) != address or self.node_of.get(rank) != node:
+            record = {"kind": "register", "rank": rank, "address": address}
+            if node is not None:
+                record["node"] = node
+            self._log(record)
+            self.addresses[rank] = address
+            if node is None:
+                self.node_of.pop(rank, None)
+            else:
+                self.node_of[rank] = node
+        self.liveness.register(rank, time.monotonic())
+
+    def _addresses(self) -> list[str]:
+        addrs = [self.addresses.get(r, "") for r in range(self.spec.world_size)]
+        return addrs if all(addrs) else []
+
     def register(self, rank: int, spec: JobSpec, address: str) -> tuple[int, int, list[str]]:
         with self._cond:
             self._check_alive(rank)
             self._check_rank(rank, "Register")
-            diff = self.spec.diff(spec)
-            if diff:
-                detail = ", ".join(f"{k}: coordinator {a!r}, rank {b!r}" for k, a, b in
-                                   ((k, *v) for k, v in sorted(diff.items())))
-                raise ProtocolError(f"rank {rank} registered with a different job spec ({detail})")
-            if self.addresses.get(rank) != address:
-                self._log({"kind": "register", "rank": rank, "address": address})
-                self.addresses[rank] = address
-            self.liveness.register(rank, time.monotonic())
+            self._check_spec(f"rank {rank}", spec)
+            # A rank a node agent serves keeps its node when it registers alone (refreshing its peers).
+            node = self.node_of.get(rank) if self.addresses.get(rank) == address else None
+            self._register_locked(rank, address, node)
             self._cond.notify_all()
-            addrs = [self.addresses.get(r, "") for r in range(self.spec.world_size)]
-            return self.epoch, self.core.round, addrs if all(addrs) else []
+            return self.epoch, self.core.round, self._addresses()
+
+    def register_node(self, node: str, ranks: list[int], spec: JobSpec, address: str) -> tuple[int, int, list[str]]:
+        """A node agent (`node`, its name) serving `ranks` at `address` registers them all (again, after a
+        restart). Refuses a rank that another node agent serves and that is still alive (two agents
+        configured with the same node rank)."""
+        if not node:
+            raise ValueError("a node agent must give its name")
+        if not ranks:
+            raise ValueError(f"node agent {node!r} serves no rank")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"node agent {node!r} names a rank twice: {sorted(ranks)}")
+        with self._cond:
+            self._check_alive(ranks)
+            for r in ranks:
+                self._check_rank(r, f"Register of node agent {node!r}")
+            self._check_spec(f"node agent {node!r}", spec)
+            now = time.monotonic()
+            for r in ranks:
+                owner = self.node_of.get(r)
+                seen = self.liveness.last_seen.get(r)
+                if (owner is not None and owner != node and seen is not None and r not in self.liveness.finished
+                        and now - seen <= self.lease_s):
+                    raise ProtocolError(f"node agent {node!r} claims rank {r}, which node agent {owner!r} at "
+                                        f"{self.addresses.get(r)} serves and is alive: are two agents "
+                                        f"configured with the same node rank?")
+            for r in ranks:
+                self._register_locked(r, address, node)
+            self._label_node(node)
+            log.info("node agent %r at %s registered rank(s) %s", node, address, _span(sorted(ranks)))
+            self._cond.notify_all()
+            return self.epoch, self.core.round, self._addresses()
+
+    def _label_node(self, node: str) -> None:
+        ranks = sorted(r for r, n in self.node_of.items() if n == node)
+        for r in ranks:
+            self.liveness.label(r, f"node agent {node!r} at {self.addresses.get(r)}, ranks {_span(ranks)}")
+
+    def _topology(self) -> list[int] | None:
+        """The node index of every rank (nodes in order of their lowest rank; a rank registered alone is a
+        node of its own), or None while no node agent serves two ranks (the plan is then node-blind)."""
+        if not self.node_of or len(set(self.node_of.values())) == len(self.node_of):
+            return None
+        names = [self.node_of.get(r, f"\0rank-{r}") for r in range(self.spec.world_size)]
+        index: dict[str, int] = {}
+        for name in names:
+            index.setdefault(name, len(index))
+        return [index[n] for n in names]
 
     def heartbeat(self, rank: int) -> tuple[str, str]:
+        return self.heartbeat_many([rank])
+
+    def heartbeat_many(self, ranks: list[int]) -> tuple[str, str]:
         with self._cond:
-            self._touch(rank, "Heartbeat")
+            for r in ranks:
+                self._touch(r, "Heartbeat")
             if self.failure is not None:
-                self.informed.add(rank)
+                self.informed.update(ranks)
             return self.state, self.failure or ""
 
     def finish(self, rank: int) -> None:
@@ -327,36 +405,62 @@ class CoordinatorState:
         raise ProtocolError(f"epoch {epoch} requested while the coordinator is in epoch {self.epoch} "
                             f"({'done' if self.core.done else 'running'})")
 
-    def _await(self, key: tuple[int, int], table: dict, rank: int) -> object:
+    def _await(self, key: tuple[int, int], table: dict, ranks: list[int], active=None) -> object:
         """Waits for the barrier as long as the job is alive: a slow rank is waited for; a gone one misses
-        its lease and fails the job (the watchdog), which wakes this wait."""
+        its lease and fails the job (the watchdog), which wakes this wait. `active()` False (the caller's
+        stream ended) stops waiting."""
         while key not in table:
-            self._check_alive(rank)
+            self._check_alive(ranks)
             if self._stop.is_set():
                 raise ShuttingDown("the coordinator is shutting down")
+            if active is not None and not active():
+                raise ShuttingDown("the caller's stream ended")
             self._cond.wait(1.0)
         return table[key]
 
+    @staticmethod
+    def _one_round(msgs: list, what: str) -> int:
+        rounds = {m.round for m in msgs}
+        if len(rounds) != 1:
+            raise ProtocolError(f"one {what} message holds rounds {sorted(rounds)} of ranks "
+                                f"{sorted(m.rank for m in msgs)}; a message carries one round")
+        ranks = [m.rank for m in msgs]
+        if len(set(ranks)) != len(ranks):
+            raise ProtocolError(f"one {what} message names a rank twice: {sorted(ranks)}")
+        return rounds.pop()
+
     def align(self, epoch: int, report: RankReport) -> RoundDecision:
+        return self.align_many(epoch, [report])
+
+    def align_many(self, epoch: int, reports: list[RankReport], active=None) -> RoundDecision:
+        """The reports of one or more ranks (a node agent sends its ranks' at once) for one round; returns
+        the round's decision once every rank of the job reported."""
+        if not reports:
+            raise ValueError("an Align without any report")
+        ranks = [r.rank for r in reports]
         with self._cond:
-            self._check_alive(report.rank)
-            self._touch(report.rank, "Align")
-            key = (epoch, report.round)
+            self._check_alive(ranks)
+            for r in ranks:
+                self._touch(r, "Align")
+            rnd = self._one_round(reports, "Align")
+            key = (epoch, rnd)
             if key in self._decisions:  # replay for a restarted rank
                 return self._decisions[key]
             self._advance_epoch(epoch)
-            if report.round != self.core.round:
-                raise ProtocolError(f"rank {report.rank} reports round {report.round} of epoch {epoch}; "
+            if rnd != self.core.round:
+                raise ProtocolError(f"rank(s) {ranks} report round {rnd} of epoch {epoch}; "
                                     f"the coordinator is at round {self.core.round}")
             if not self._reports:
                 self._round_started = time.perf_counter()
-            self._reports[report.rank] = report
+            for report in reports:
+                self._reports[report.rank] = report
             if len(self._reports) == self.spec.world_size:
                 t_last = time.perf_counter()
+                self.core.nodes = self._topology()
                 try:
                     decision = self.core.decide(list(self._reports.values()))
                 except ValueError as exc:
-                    self._fail_locked(f"round {report.round} could not be decided: {exc}")
+                    self._fail_locked(f"round {rnd} could not be decided: {exc}")
                     raise
                 self._log(_decision_record(key, decision))
                 if self.metrics is not None:
@@ -367,25 +471,36 @@ class CoordinatorState:
                 self._reports.clear()
                 self._cond.notify_all()
                 return decision
-            return self._await(key, self._decisions, report.rank)
+            return self._await(key, self._decisions, ranks, active)
 
     def commit(self, epoch: int, commit: RankCommit) -> RoundTotals:
+        return self.commit_many(epoch, [commit])
+
+    def commit_many(self, epoch: int, commits: list[RankCommit], active=None) -> RoundTotals:
+        """The commits of one or more ranks for one round; returns the round's totals once every rank
+        committed."""
+        if not commits:
+            raise ValueError("a Commit without any commit")
+        ranks = [c.rank for c in commits]
         with self._cond:
-            self._check_alive(commit.rank)
-            self._touch(commit.rank, "Commit")
-            key = (epoch, commit.round)
+            self._check_alive(ranks)
+            for r in ranks:
+                self._touch(r, "Commit")
+            rnd = self._one_round(commits, "Commit")
+            key = (epoch, rnd)
             if key in self._totals:
                 return self._totals[key]
-            if epoch != self.epoch or commit.round != self.core.round or key not in self._decisions:
-                raise ProtocolError(f"rank {commit.rank} commits round {commit.round} of epoch {epoch} "
+            if epoch != self.epoch or rnd != self.core.round or key not in self._decisions:
+                raise ProtocolError(f"rank(s) {ranks} commit round {rnd} of epoch {epoch} "
                                     f"before it was decided (coordinator at epoch {self.epoch} "
                                     f"round {self.core.round})")
-            self._commits[commit.rank] = commit
+            for commit in commits:
+                self._commits[commit.rank] = commit
             if len(self._commits) == self.spec.world_size:
                 try:
                     totals = self.core.commit(list(self._commits.values()))
                 except ValueError as exc:
-                    self._fail_locked(f"round {commit.round} could not be committed: {exc}")
+                    self._fail_locked(f"round {rnd} could not be committed: {exc}")
                     raise
                 self._last_core_state, self._last_totals_key = self.core.state_dict(), key
                 self._log(_totals_record(key, totals, self._last_core_state))
@@ -399,7 +514,7 @@ class CoordinatorState:
                     self.latencies_ms.append((time.perf_counter() - self._round_started) * 1000)
                 self._cond.notify_all()
                 return totals
-            return self._await(key, self._totals, commit.rank)
+            return self._await(key, self._totals, ranks, active)
 
     @staticmethod
     def _observe(fn, *args) -> None:
@@ -419,6 +534,13 @@ class CoordinatorState:
                                   round=self.core.round, registered=sorted(self.addresses),
                                   round_latency_ms=list(self.latencies_ms)[-100:],
                                   finished=sorted(self.liveness.finished))
+
+
+def _span(ranks: list[int]) -> str:
+    """"4-7" for a contiguous run of ranks, else the list."""
+    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1:
+        return f"{ranks[0]}-{ranks[-1]}"
+    return str(ranks)
 
 
 def _job_of(spec: JobSpec) -> dict:
@@ -487,7 +609,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Heartbeat(self, request, context):
         def run():
-            state, failure = self.state.heartbeat(request.rank)
+            ranks = [int(r) for r in request.ranks] or [int(request.rank)]
+            state, failure = self.state.heartbeat_many(ranks)
             return pb.HeartbeatReply(state=state, failure=failure)
         return self._call(context, run)
 
@@ -503,6 +626,76 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Status(self, request, context):
         return self.state.status()
+
+    def Node(self, request_iterator, context):
+        """A node agent's stream: a hello first, then its ranks' aligns and commits, one reply each in
+        order. Domain errors end the stream with their status code (the agent reports them)."""
+        node: NodeView | None = None
+        active = context.is_active
+        for request in request_iterator:
+            kind = request.WhichOneof("kind")
+            try:
+                if kind == "hello":
+                    hello = request.hello
+                    if hello.protocol != pb.NODE_PROTOCOL_V1:
+                        raise ProtocolError(f"node agent {hello.node!r} speaks node protocol {hello.protocol}; "
+                                            f"this coordinator speaks {pb.NODE_PROTOCOL_V1} (batchd.v1): run the "
+                                            f"same batchd version on every party")
+                    try:
+                        spec = wire.spec_from_pb(hello.spec)
+                    except ValueError as exc:
+                        raise ValueError(f"node agent {hello.node!r} sent an invalid job spec: {exc}") from None
+                    ranks = [int(r) for r in hello.ranks]
+                    epoch, rnd, addrs = self.state.register_node(hello.node, ranks, spec, hello.address)
+                    node = NodeView(hello.node, ranks)
+                    yield pb.NodeReply(registered=pb.RegisterReply(
+                        epoch=epoch, round=rnd, lease_ms=int(self.state.lease_s * 1000), rank_addresses=addrs))
+                elif kind in ("align", "commit"):
+                    if node is None:
+                        raise ProtocolError(f"a node stream sent {kind} before its hello")
+                    msg = getattr(request, kind)
+                    items = msg.reports if kind == "align" else msg.commits
+                    foreign = sorted({int(m.rank) for m in items} - node.ranks)
+                    if foreign:
+                        raise ProtocolError(f"node agent {node.name!r} sent {kind} for rank(s) {foreign}, which it "
+                                            f"did not register (it serves {sorted(node.ranks)})")
+                    if kind == "align":
+                        decision = self.state.align_many(int(msg.epoch), [wire.report_from_pb(m) for m in items],
+                                                         active)
+                        yield pb.NodeReply(decision=node.decision_pb(decision, int(msg.epoch)))
+                    else:
+                        totals = self.state.commit_many(int(msg.epoch), [wire.commit_from_pb(m) for m in items],
+                                                        active)
+                        yield pb.NodeReply(totals=wire.totals_to_pb(totals, int(msg.epoch)))
+                else:
+                    raise ValueError(f"a node stream sent an empty request ({kind=})")
+            except (JobFailed, ShuttingDown, ValueError) as exc:
+                if isinstance(exc, ShuttingDown) and not active():
+                    return
+                self._abort(context, exc)
+
+
+class NodeView:
+    """What one node agent's stream sees: its ranks, and the part of a balanced plan it needs."""
+
+    def __init__(self, name: str, ranks: list[int]) -> None:
+        self.name, self.ranks = name, set(ranks)
+        self._cache: tuple[int, int, object, pb.AlignReply] | None = None
+
+    def decision_pb(self, decision: RoundDecision, epoch: int) -> pb.AlignReply:
+        """The decision as this node needs it: whole for its ranks; of every other rank's groups only the
+        samples whose home is one of its ranks (those it lends). Without a plan: the decision as is."""
+        cached, original = self._cache, decision
+        if cached is not None and cached[0] == epoch and cached[1] == decision.round and cached[2] is decision:
+            return cached[3]
+        if decision.plan is not None:
+            mine = self.ranks
+            plan = tuple(steps if r in mine else tuple(tuple(s for s in g if s.home_rank in mine) for g in steps)
+                         for r, steps in enumerate(decision.plan))
+            decision = RoundDecision(decision.round, decision.target, plan)
+        reply = wire.decision_to_pb(decision, epoch)
+        self._cache = (epoch, decision.round, original, reply)
+        return reply
 
 
 def create_server(address: str, spec: JobSpec, lease_s: float = 60.0, startup_timeout_s: float = 600.0,

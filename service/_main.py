@@ -1,4 +1,8 @@
-"""Process entry points: `batchd coordinator` and `batchd rank` (one process each).
+"""Process entry points: `batchd coordinator`, `batchd rank` and `batchd node` (one process each).
+
+`batchd node` is the node agent: one process per host serving all its trainer ranks (`run_node`), each
+with its own rank service core and source, one gRPC server for its trainers and peers, and one stream
+to the coordinator (`_node_link`). Moved samples between its ranks are handed over in process.
 
 Both bind port 0 when asked (tests, the demo), print/write the bound port, and exit on their own:
 a rank service once its trainer has taken the last batch of the last epoch (it then tells the
@@ -20,6 +24,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -29,7 +34,8 @@ from batchd.proto import Security
 
 from ._coord_client import CoordinatorClient
 from ._coordinator import create_server
-from ._metrics import CoordinatorMetrics, RankMetrics, start_metrics_server, stop_metrics_server
+from ._metrics import CoordinatorMetrics, MergedRegistry, RankMetrics, start_metrics_server, stop_metrics_server
+from ._node_link import NodeLink
 from ._rank_server import create_rank_server
 from ._rank_service import RankServiceCore
 from .preprocess import (
@@ -253,5 +259,166 @@ def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source: Source, host
         if metrics_server is not None:
             stop_metrics_server(metrics_server)
     if stop.is_set() and not core.finished and status == 0:
+        return 130
+    return status
+
+
+def node_ranks(local_ranks: int | None = None, node_rank: int | None = None,
+               env: dict[str, str] | None = None) -> list[int]:
+    """The global ranks a node agent serves: node_rank * K .. node_rank * K + K - 1, torchrun's numbering.
+
+    K is `local_ranks`, else $LOCAL_WORLD_SIZE (torchrun's); the node rank is `node_rank`, else $GROUP_RANK
+    (torchrun), else $NODE_RANK. Raises ValueError naming what is missing or bad.
+    """
+    env = os.environ if env is None else env
+
+    def pick(value: int | None, names: tuple[str, ...], what: str) -> int:
+        if value is not None:
+            return value
+        for name in names:
+            if env.get(name, "").strip():
+                try:
+                    return int(env[name])
+                except ValueError:
+                    raise ValueError(f"${name}={env[name]!r} is not an integer ({what})") from None
+        raise ValueError(f"the node agent needs {what}: pass --{what.replace('_', '-')} or set "
+                         f"{' or '.join('$' + n for n in names)}")
+
+    k = pick(local_ranks, ("LOCAL_WORLD_SIZE",), "local_ranks")
+    g = pick(node_rank, ("GROUP_RANK", "NODE_RANK"), "node_rank")
+    if k < 1:
+        raise ValueError(f"local_ranks must be >= 1, got local_ranks={k}")
+    if g < 0:
+        raise ValueError(f"node_rank must be >= 0, got node_rank={g}")
+    return list(range(g * k, g * k + k))
+
+
+def run_node(spec: JobSpec, ranks: list[int], coordinator: str, lengths: list[int] | None, name: str | None = None,
+             host: str = "127.0.0.1", port: int = 0, advertise: str | None = None, port_file: str | None = None,
+             state_dir: str | None = None, client_grace_s: float = 30.0, vocab_size: int = 512,
+             dataset: str | None = None, tokenizer: str | None = None, num_actors: int = 2,
+             ray_address: str | None = None, quarantine: str | None = None, stats_file: str | None = None,
+             pipeline: dict | None = None, cutoff: int | None = None, security: Security | None = None,
+             metrics_port: int | None = None, metrics_host: str = "127.0.0.1", trainer_timeout_s: float = 1800.0,
+             startup_timeout_s: float = 600.0) -> int:
+    """`batchd node`: serves `ranks` (one `RankServiceCore` each, one gRPC server, one coordinator stream)
+    until every one of its trainers took the job's last step, or the job failed. Sources as for
+    `run_rank`, one per rank (`num_actors` actors per rank; `stats_file` gets `{rank}` filled in or, without
+    it, ".rank<r>" before its suffix). `advertise` is the host peers on other nodes reach it at (default
+    `host`, or this machine's name when `host` is 0.0.0.0)."""
+    if lengths is not None and dataset is not None:
+        raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
+    bad = [r for r in ranks if not 0 <= r < spec.world_size]
+    if not ranks or bad:
+        raise ValueError(f"a node agent's ranks must lie in 0..{spec.world_size - 1} (world_size="
+                         f"{spec.world_size}), got {ranks}")
+    name = name or socket.gethostname()
+    sources: dict[int, Source] = {}
+    shared: list[SharedRay] = []
+    try:
+        for r in ranks:
+            if dataset is not None:
+                src, ray_handle = make_ray_source(spec, r, dataset, tokenizer, num_actors, ray_address, quarantine,
+                                                  cutoff, pipeline)
+                shared.append(ray_handle)
+                sources[r] = src
+            elif lengths is None:
+                sources[r] = IngestSource(spec.window)
+            else:
+                sources[r] = SyntheticSource(lengths, r, spec.world_size, spec.seed, 0, spec.shuffle, vocab_size,
+                                             wrap=spec.mode == "non-join")
+        return _serve_node(spec, ranks, coordinator, name, sources, host, port, advertise, port_file, state_dir,
+                           client_grace_s, security, metrics_port, metrics_host, trainer_timeout_s,
+                           startup_timeout_s)
+    finally:
+        try:
+            for r, src in sources.items():
+                if isinstance(src, RaySource):
+                    path = _rank_path(stats_file, r)
+                    try:
+                        _write_stats(path, r, src, shared[0].address if shared else None)
+                    finally:
+                        src.close()
+        finally:
+            for handle in reversed(shared):  # the one that started an embedded Ray (the first) goes last
+                handle.close()
+
+
+def _rank_path(path: str | None, rank: int) -> str | None:
+    if not path:
+        return None
+    if "{rank}" in path:
+        return path.format(rank=rank)
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
+
+
+def _advertised(host: str, advertise: str | None) -> str:
+    if advertise:
+        return advertise
+    if host in ("0.0.0.0", "::", "[::]"):
+        return socket.getfqdn()
+    return host
+
+
+def _serve_node(spec: JobSpec, ranks: list[int], coordinator: str, name: str, sources: dict[int, Source], host: str,
+                port: int, advertise: str | None, port_file: str | None, state_dir: str | None,
+                client_grace_s: float, security: Security | None, metrics_port: int | None, metrics_host: str,
+                trainer_timeout_s: float, startup_timeout_s: float) -> int:
+    cores: dict[int, RankServiceCore] = {}
+    metrics = {r: RankMetrics(r) for r in ranks} if metrics_port is not None else {}
+    for r in ranks:
+        cores[r] = RankServiceCore(r, spec, None, sources[r], state_dir=state_dir, client_grace_s=client_grace_s,
+                                   trainer_timeout_s=trainer_timeout_s, security=security, metrics=metrics.get(r))
+    for core in cores.values():
+        core.local_peers = {r: c for r, c in cores.items() if r != core.rank}
+    server, bound = create_rank_server(f"{host}:{port}", cores, security)
+    address = f"{_advertised(host, advertise)}:{bound}"
+    link = NodeLink(coordinator, name, ranks, spec, address, startup_timeout_s=startup_timeout_s, security=security)
+    for r, core in cores.items():
+        core.coord = link.client(r)
+        if core.finished:
+            link.retire(r)
+    metrics_server = metrics_bound = None
+    if metrics:
+        metrics_server, metrics_bound = start_metrics_server(MergedRegistry([m.registry for m in metrics.values()]),
+                                                             metrics_host, metrics_port)
+    server.start()
+    for core in cores.values():
+        core.start(address)
+    write_port_file(port_file, bound, metrics_bound)
+    log.info("node agent %r serving ranks %s on %s:%d (peers reach it at %s; %s)", name, ranks, host, bound, address,
+             security.describe() if security else "plaintext")
+    stop = _stop_event()
+    status = 0
+    finished_at = None
+    try:
+        while not stop.wait(0.2):
+            states = []
+            for core in cores.values():
+                with core.cond:
+                    states.append((core.failure is not None, core.finished and core.delivery.holder is None,
+                                   core.restored_finished))
+            failed = any(s[0] for s in states)
+            finished = all(s[1] for s in states)
+            restored = all(s[2] for s in states)
+            if failed:
+                status = 1
+                stop.wait(LINGER_S)
+                break
+            if finished:
+                finished_at = finished_at or time.monotonic()
+                if not restored or time.monotonic() - finished_at >= RESTORED_LINGER_S:
+                    break
+            else:
+                finished_at = None
+    finally:
+        for core in cores.values():
+            core.stop()
+        link.close()
+        server.stop(1.0).wait()
+        if metrics_server is not None:
+            stop_metrics_server(metrics_server)
+    if stop.is_set() and not all(c.finished for c in cores.values()) and status == 0:
         return 130
     return status

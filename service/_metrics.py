@@ -440,3 +440,21 @@ def stop_metrics_server(server: Any) -> None:
     """Stops a `start_metrics_server` server: ends its serving loop and closes its socket."""
     server.shutdown()
     server.server_close()
+
+
+class MergedRegistry:
+    """The metrics of several registries (a node agent's ranks) as one: families of the same name are
+    merged (their series differ by the `rank` label). Serve it with `start_metrics_server`."""
+
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self.registries = list(registries)
+
+    def collect(self):
+        families: dict[str, Any] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                if family.name in families:
+                    families[family.name].samples.extend(family.samples)
+                else:
+                    families[family.name] = family
+        return list(families.values())

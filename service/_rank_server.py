@@ -8,8 +8,10 @@ port 0 in tests.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+from collections.abc import Mapping
 from concurrent import futures
 
 import grpc
@@ -28,17 +30,39 @@ FETCH_REPLY_BYTES = 16 << 20  # a Fetch reply stops adding samples past this (th
 
 
 class RankServicer(pb_grpc.RankServiceServicer):
-    """Thin gRPC layer over `RankServiceCore`."""
+    """Thin gRPC layer over one `RankServiceCore`, or over the several of a node agent (by rank).
 
-    def __init__(self, core: RankServiceCore) -> None:
-        self.core = core
+    A node agent's requests name their rank (`BatchRequest.rank` in a trainer's first message,
+    `FetchRequest.rank`, `RankStatusRequest.rank`, an Ingest stream's `meta.home_rank`); a one-rank
+    service also takes requests that do not (a client that predates the field)."""
+
+    def __init__(self, core: RankServiceCore | Mapping[int, RankServiceCore]) -> None:
+        self.cores = dict(core) if isinstance(core, Mapping) else {core.rank: core}
+        if not self.cores:
+            raise ValueError("a rank service needs at least one rank")
+        self.core = next(iter(self.cores.values()))  # the one-rank case
+
+    def _pick(self, rank: int | None, context, what: str) -> RankServiceCore:
+        if rank is None:
+            if len(self.cores) == 1:
+                return self.core
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{what}: this node agent serves ranks {sorted(self.cores)}; the request must name its "
+                          f"rank (a client older than node agents?)")
+        core = self.cores.get(rank)
+        if core is None:
+            served = sorted(self.cores)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"{what} for rank {rank}, but this service serves rank{'s' if len(served) > 1 else ''} "
+                          f"{served if len(served) > 1 else served[0]}: check the trainer's rank and address")
+        return core
 
     def Batches(self, request_iterator, context):
-        core = self.core
         try:
             first = next(request_iterator)
         except StopIteration:
             return
+        core = self._pick(int(first.rank) if first.HasField("rank") else None, context, "Batches")
         stream = _Stream(context.peer(), context)
         try:
             outcome = core.connect(stream, int(first.epoch), int(first.start_step), int(first.credits))
@@ -79,7 +103,15 @@ class RankServicer(pb_grpc.RankServiceServicer):
             core.sent(stream, step)
 
     def Ingest(self, request_iterator, context):
-        core = self.core
+        if len(self.cores) == 1:
+            core = self.core
+        else:  # a node agent: the stream's rank is its first sample's home rank
+            try:
+                first = next(request_iterator)
+            except StopIteration:
+                return pb.IngestReply()
+            core = self._pick(int(first.meta.home_rank), context, "Ingest")
+            request_iterator = itertools.chain([first], request_iterator)
         source = core.source
         if not isinstance(source, IngestSource):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -132,7 +164,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
         """The payloads of `request.ids`, in order: a prefix of them when the reply would pass
         FETCH_REPLY_BYTES (at least one); the caller asks again for the rest. Samples of this epoch or of
         the one before (a peer still finishing it) are served; another epoch is refused."""
-        core = self.core
+        core = self._pick(int(request.rank) if request.HasField("rank") else None, context, "Fetch")
         epoch = int(request.epoch)
         if not core.epoch - 1 <= epoch <= core.epoch:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -141,7 +173,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
         out, size = [], 0
         for i in request.ids:
             i = int(i)
-            lent = core.lent.pop(i, None)
+            lent = core.take_lent(i)
             payload = lent
             if payload is None:
                 try:
@@ -161,26 +193,31 @@ class RankServicer(pb_grpc.RankServiceServicer):
         return pb.FetchReply(samples=out)
 
     def RankStatus(self, request, context):
-        core = self.core
+        core = self._pick(int(request.rank) if request.HasField("rank") else None, context, "RankStatus")
         with core.cond:
             state = "failed" if core.failure else ("done" if core.done else "running")
             return pb.RankStatusReply(
                 rank=core.rank, buffered=len(core.state.buffer), ready=len(core.delivery.ready),
                 next_step=core.state.step, round=core.state.round, state=state,
                 failure=core.failure or "", epoch=core.epoch, epochs=core.spec.epochs,
+                fetched_local=core.fetched["local"], fetched_remote=core.fetched["remote"],
             )
 
 
-def create_rank_server(address: str, core: RankServiceCore, security: Security | None = None,
-                       ) -> tuple[grpc.Server, int]:
-    """Builds (not starts) the rank service's server bound to `address`; returns (server, port).
+def create_rank_server(address: str, core: RankServiceCore | Mapping[int, RankServiceCore],
+                       security: Security | None = None) -> tuple[grpc.Server, int]:
+    """Builds (not starts) the server of one rank service, or of a node agent's ranks ({rank: core}), bound
+    to `address`; returns (server, port).
 
-    `security` (TLS / mutual TLS / bearer token) defaults to `core.security`: one object per process.
+    `security` (TLS / mutual TLS / bearer token) defaults to the cores' `security`: one object per process.
     """
-    security = core.security if security is None else security
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix=f"batchd-rank{core.rank}"),
+    servicer = RankServicer(core)
+    security = servicer.core.security if security is None else security
+    name = f"batchd-rank{servicer.core.rank}" if len(servicer.cores) == 1 else "batchd-node"
+    # Per rank: a trainer stream, its ack reader, a producer or a peer's Fetch now and then.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=12 + 4 * len(servicer.cores), thread_name_prefix=name),
                          options=GRPC_OPTIONS, interceptors=server_interceptors(security))
-    pb_grpc.add_RankServiceServicer_to_server(RankServicer(core), server)
+    pb_grpc.add_RankServiceServicer_to_server(servicer, server)
     port = add_port(server, address, security)
     if port == 0:
         raise OSError(f"rank service could not bind {address}")

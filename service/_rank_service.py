@@ -199,7 +199,9 @@ class RankServiceCore:
         self.failure: str | None = None
         self.address = ""
         self.peers: list[str] = []
-        self._peer_stubs: dict[int, pb_grpc.RankServiceStub] = {}  # one channel per peer, for the whole job
+        self.local_peers: dict[int, RankServiceCore] = {}  # the other ranks of this node agent, in process
+        self.fetched = {"local": 0, "remote": 0}  # moved-in samples taken in process / fetched over gRPC
+        self._peer_stubs: dict[str, pb_grpc.RankServiceStub] = {}  # one channel per peer address, for the job
         self._peer_channels: list[grpc.Channel] = []
         self.cond = threading.Condition()
         self.journal = Path(state_dir) / JOURNAL.format(rank=rank) if state_dir else None
@@ -431,8 +433,10 @@ class RankServiceCore:
                 if rank != self.rank:
                     for group in plan_steps:
                         for s in group:
-                            if s.home_rank == self.rank and s.id in self.payloads:
-                                self.lent[s.id] = self.payloads.pop(s.id)
+                            if s.home_rank == self.rank:
+                                payload = self.payloads.pop(s.id, None)  # a local peer may have taken it
+                                if payload is not None:
+                                    self.lent[s.id] = payload
         with self.cond:
             for i, step, b in batches:
                 self.batches[i] = (step, b)
@@ -457,6 +461,23 @@ class RankServiceCore:
             return self._fetch_ids(s.home_rank, [s.id])[0]
         return self.source.materialize(s.id)
 
+    def take_lent(self, sample_id: int) -> Payload | None:
+        """The payload of a sample of this rank that the plan placed elsewhere, handed over once (None when
+        it is not held: the caller re-makes it from the source)."""
+        payload = self.lent.pop(sample_id, None)
+        if payload is None:  # not moved to `lent` yet: this rank's round is still finishing
+            payload = self.payloads.pop(sample_id, None)
+        return payload
+
+    def _take_local(self, home: RankServiceCore, ids: list[int]) -> list[Payload]:
+        """Moved samples of a rank of this node agent: references handed over in process, no copy."""
+        out = []
+        for i in ids:
+            payload = home.take_lent(i)
+            out.append(payload if payload is not None else home.source.materialize(i))
+        self.fetched["local"] += len(ids)
+        return out
+
     def _peer(self, rank: int) -> pb_grpc.RankServiceStub:
         if len(self.peers) != self.spec.world_size or not all(self.peers):
             # The coordinator sends the addresses only once every rank registered, so the first ranks
@@ -464,20 +485,23 @@ class RankServiceCore:
             self.peers = list(self.coord.register(self.address).rank_addresses)
             if len(self.peers) != self.spec.world_size or not all(self.peers):
                 raise CoordinatorError(f"rank {self.rank}: the coordinator does not know every rank's address")
-        stub = self._peer_stubs.get(rank)
+        address = self.peers[rank]
+        stub = self._peer_stubs.get(address)
         if stub is None:
-            ch = channel(self.peers[rank], self.security, CHANNEL_OPTIONS)
+            ch = channel(address, self.security, CHANNEL_OPTIONS)
             self._peer_channels.append(ch)
-            stub = self._peer_stubs[rank] = pb_grpc.RankServiceStub(ch)
+            stub = self._peer_stubs[address] = pb_grpc.RankServiceStub(ch)
         return stub
 
     def _fetch_ids(self, home: int, ids: list[int]) -> list[Payload]:
         """The payloads of `ids` from rank `home`. A peer that is unreachable (restarting from its journal)
         is retried, with its address asked anew of the coordinator, for up to the coordinator's lease;
-        one that stays away fails the job, naming it."""
+        one that stays away fails the job, naming it. A rank of this node agent hands them over in process."""
+        if home in self.local_peers:
+            return self._take_local(self.local_peers[home], ids)
         out: list[Payload] = []
         while len(out) < len(ids):  # a reply may hold a prefix (size cap): ask for the rest
-            request = pb.FetchRequest(ids=ids[len(out):], epoch=self.epoch)
+            request = pb.FetchRequest(ids=ids[len(out):], epoch=self.epoch, rank=home)
             try:
                 reply = retry_while_unreachable(
                     lambda: self._peer(home).Fetch(request, timeout=60), self.coord.lease_s,
@@ -492,15 +516,16 @@ class RankServiceCore:
             if not reply.samples:
                 raise RuntimeError(f"rank {home} returned no payload for samples {ids[len(out):]}")
             out += [wire.tensors_from_pb(m.tensors) for m in reply.samples]
+        self.fetched["remote"] += len(out)
         return out
 
     def _refresh_peers(self) -> None:
         """Asks the coordinator for the ranks' addresses again (a restarted peer may listen elsewhere)."""
         peers = list(self.coord.register(self.address).rank_addresses)
         if peers and peers != self.peers:
-            for r, (old, new) in enumerate(zip(self.peers, peers)):
+            for old, new in zip(self.peers, peers):
                 if old != new:
-                    self._peer_stubs.pop(r, None)
+                    self._peer_stubs.pop(old, None)
             self.peers = peers
 
     def _fetch_moved(self, steps) -> None:
