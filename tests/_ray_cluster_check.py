@@ -14,7 +14,8 @@ Scenario:
 1. Two RaySources pinned to A and B (explicit node ids), two actors each: where every actor runs, and
    each sample's `nbytes` against its payload and its re-materialized payload.
 2. Defaults: this driver attached to the head, so a RaySource without node_id runs on the head; an
-   "agent" subprocess attached to B (`_node_ip_address`) gets B's id as its node and runs there.
+   "agent" subprocess attached to B (`_node_ip_address`) gets B's id as its node and runs there; one
+   that only calls `share_ray(address)` attaches to the head (same IP) and runs there.
 3. Borrowing: two 1-CPU actors pinned to A (1 CPU): one runs on A, the other on another node.
 4. Opting out: node_id="" leaves placement to Ray (no target in `stats()`).
 """
@@ -32,8 +33,9 @@ import json, sys, time
 import ray
 from batchd.preprocess import EXHAUSTED, RaySource, default_stages, share_ray
 address, ip, data, tok = sys.argv[1:5]
-ray.init(address=address, _node_ip_address=ip)   # what a driver on host `ip` does by itself
-shared = share_ray(address)                       # already connected: kept, as joined
+if ip:
+    ray.init(address=address, _node_ip_address=ip)  # what a driver on host `ip` does by itself
+shared = share_ray(address)  # `batchd node --ray-address`: joins (or keeps the connection above)
 src = RaySource(data, 0, 4, seed=0, stages=default_stages(tok, cutoff=512), num_actors=1, actor_num_cpus=0.25)
 deadline, got = time.monotonic() + 60, 0
 while got < 2 and time.monotonic() < deadline:
@@ -135,12 +137,13 @@ def main(work: str) -> dict:
             facts["default"] = {"target": src.stats()["node_id"], "actors": src.actor_nodes(),
                                 "samples": len(drain(src))}
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        agent = subprocess.run([sys.executable, "-c", AGENT, cluster.address, "127.0.0.3", data.path, tok_path],
-                               check=False, capture_output=True, text=True, timeout=90, env=env)
-        try:
-            facts["agent"] = json.loads(agent.stdout.strip().splitlines()[-1])
-        except (IndexError, ValueError):
-            facts["agent"] = {"error": f"rc={agent.returncode}: {agent.stdout[-1000:]} {agent.stderr[-3000:]}"}
+        for key, ip in (("agent", "127.0.0.3"), ("agent_plain", "")):
+            agent = subprocess.run([sys.executable, "-c", AGENT, cluster.address, ip, data.path, tok_path],
+                                   check=False, capture_output=True, text=True, timeout=90, env=env)
+            try:
+                facts[key] = json.loads(agent.stdout.strip().splitlines()[-1])
+            except (IndexError, ValueError):
+                facts[key] = {"error": f"rc={agent.returncode}: {agent.stdout[-1000:]} {agent.stderr[-3000:]}"}
         facts["t_default_s"] = time.monotonic() - t0
 
         # 3. borrowing: A has 1 CPU, the pool wants 2 one-CPU actors

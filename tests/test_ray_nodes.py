@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -59,9 +60,16 @@ def test_ingest_source_takes_the_bytes_from_the_ingested_tensors():
 @pytest.mark.slow
 def test_sources_pinned_to_nodes_of_a_real_cluster(tmp_path):
     """Two RaySources pinned to two nodes of a 3-node Ray cluster: every actor runs on its source's node;
-    a driver's default is the node it attached to (the head here; B for an agent started with B's IP);
+    a driver's default is the node it attached to (the head here, share_ray(address) included; B for an
+    agent started with B's IP);
     a pool too big for its node borrows another; node_id="" leaves placement to Ray; samples carry their
     payload bytes, the same when re-materialized."""
+    for ip in ("127.0.0.2", "127.0.0.3"):  # the nodes' own IPs (all of 127/8 is loopback on Linux, not macOS)
+        with socket.socket() as probe:
+            try:
+                probe.bind((ip, 0))
+            except OSError:
+                pytest.skip(f"{ip} is not a local address here")
     work = tempfile.mkdtemp(prefix="bd-")  # short: Ray's socket paths live under RAY_TMPDIR
     env = {**os.environ, "RAY_TMPDIR": work}  # a private Ray root: no other process on the host finds it
     proc = subprocess.Popen([sys.executable, str(HERE / "_ray_cluster_check.py"), str(tmp_path)], env=env,
@@ -95,6 +103,9 @@ def test_sources_pinned_to_nodes_of_a_real_cluster(tmp_path):
     assert "error" not in agent, agent.get("error", "")
     assert agent["node"] == agent["target"] == nodes["node_b"] and agent["actors"] == [nodes["node_b"]], agent
     assert agent["samples"] == 2
+    plain = facts["agent_plain"]  # share_ray(address) alone, on the head's IP
+    assert "error" not in plain, plain.get("error", "")
+    assert plain["node"] == plain["target"] == nodes["head"] and plain["actors"] == [nodes["head"]], plain
 
     borrow = facts["borrow"]
     assert nodes["node_a"] in borrow["actors"] and len(set(borrow["actors"])) == 2, (borrow, nodes)
