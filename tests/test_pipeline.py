@@ -25,6 +25,7 @@ from batchd.preprocess import (
     default_stages,
     demo_tokenizer,
     make_demo_dataset,
+    payload_nbytes,
     resolve,
     resolve_many,
 )
@@ -106,11 +107,20 @@ def test_deterministic_order_payloads_and_materialize(pool):
     for (s, ref), (_, ref2) in list(zip(a, b))[:6]:
         x, y, z = resolve(ref), resolve(ref2), src.materialize(s.id)
         assert all(np.array_equal(x[k], y[k]) and np.array_equal(x[k], z[k]) for k in x)
+        assert s.nbytes == payload_nbytes(x) == payload_nbytes(z) > 0  # the bytes the payload carries
     bad = next(i for i in range(NUM) if i % 2 == 1 and i not in {s.id for s, _ in a})
     with pytest.raises(KeyError, match="quarantined"):
         src.materialize(bad)
     as_dicts = drain(RaySource(None, 1, 2, seed=9, epoch=2, pool=pool, payload="dict"), limit=3)
     assert isinstance(as_dicts[0][1], dict) and as_dicts[0][0] == a[0][0]
+
+
+def test_actors_run_on_the_node_of_the_process_that_made_the_pool(pool, ray_session):
+    here = ray_session.get_runtime_context().get_node_id()
+    assert pool.node_id == here  # the default: this process's node
+    assert [a["node_id"] for a in pool.stats()] == pool.actor_nodes() == [here, here]
+    src = RaySource(None, 0, 2, seed=1, epoch=0, pool=pool)
+    assert src.stats()["node_id"] == here and src.actor_nodes() == [here, here]
 
 
 @pytest.mark.parametrize("ordered", [True, False])

@@ -18,8 +18,19 @@ batchd needs per-sample control that Ray Data's streaming executor does not expo
 - Faults at sample granularity: an actor that dies costs only its in-flight tasks, which are resubmitted
   (split into single samples, so a record that crashes the worker is isolated and quarantined after
   `max_attempts`, instead of being retried forever); Python errors in a stage quarantine one record.
-What it costs: no autoscaling of the pool and no locality-aware block scheduling (actors can be spread
-over nodes with Ray's scheduling options; the tables are shared through the object store).
+What it costs: no autoscaling of the pool and no locality-aware block scheduling (the tables are
+shared through the object store).
+
+Placement: by default a pool's actors are pinned, softly, to the node of the process that creates it
+(`NodeAffinitySchedulingStrategy(node_id, soft=True, _spill_on_unavailable=True)`), so a node agent's
+preprocessing runs where its trainer ranks are and payloads are made in that node's object store.
+Soft: an actor whose node is dead or lacks the resources goes elsewhere. Plain `soft=True` falls back
+only when the node is dead or infeasible (too small for an actor, ever); a feasible but busy node would
+make the actor wait for a free CPU there, hence `_spill_on_unavailable` (private since Ray 2.4, made
+for Ray Data's own locality: ray-project/ray#34224): an actor that finds no free CPU on its node
+borrows one on another node. `node_id=""`
+opts out (Ray's default placement, e.g. to spread a big pool over the cluster); `actor_options` with
+a `scheduling_strategy` overrides both. Each actor reports the node it runs on (`stats`, `actor_nodes`).
 
 Fault model, the pool's part: actors are created with `max_restarts=-1` and `max_task_retries=0`: Ray
 restarts a dead actor (its __init__ fetches the shared tables again); resubmitting the tasks that died
@@ -35,11 +46,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ._chain import Preprocessor, default_stages
 from ._dataset import DatasetHandle, RecordDataset
 from ._quarantine import Reject
 from ._ray import ensure_ray
+from ._sources import payload_nbytes
 
 
 class PreprocessWorker:
@@ -51,12 +64,16 @@ class PreprocessWorker:
         self.handle: DatasetHandle = handle.with_tables(tables)
         self.pre = Preprocessor(stages)
         self.pre.setup()
+        self.node_id = ray.get_runtime_context().get_node_id()
         self.processed = 0
         self.busy_s = 0.0
         self.cpu_s = 0.0
 
     def process(self, ids: Sequence[int], epoch: int, seed: int) -> list[Any]:
-        """[metadata per sample, payload per sample...]; metadata = (length, loss, text, vision, reason)."""
+        """[metadata per sample, payload per sample...].
+
+        metadata = (length, loss, text, vision, reason, nbytes): nbytes = `payload_nbytes(payload)`.
+        """
         t0, c0 = time.perf_counter(), time.process_time()
         metas, payloads = [], []
         for i in ids:
@@ -64,13 +81,14 @@ class PreprocessWorker:
                 k, _ = self.handle.locate(i)
                 meta, payload = self.pre(self.handle.record(i), i, epoch, self.handle.source(i),
                                          self.handle.files[k].base_dir, seed)
-                metas.append((meta.length, meta.loss_tokens, meta.text_tokens, meta.vision_tokens, None))
+                metas.append((meta.length, meta.loss_tokens, meta.text_tokens, meta.vision_tokens, None,
+                              payload_nbytes(payload)))
                 payloads.append(payload)
             except Reject as exc:
-                metas.append((0, 0, 0, 0, exc.reason))
+                metas.append((0, 0, 0, 0, exc.reason, 0))
                 payloads.append(None)
             except Exception as exc:
-                metas.append((0, 0, 0, 0, f"stage_error: {type(exc).__name__}: {exc}"))
+                metas.append((0, 0, 0, 0, f"stage_error: {type(exc).__name__}: {exc}", 0))
                 payloads.append(None)
         self.processed += len(ids)
         self.busy_s += time.perf_counter() - t0
@@ -81,7 +99,15 @@ class PreprocessWorker:
         return os.getpid()
 
     def stats(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "processed": self.processed, "busy_s": self.busy_s, "cpu_s": self.cpu_s}
+        return {"pid": os.getpid(), "node_id": self.node_id, "processed": self.processed,
+                "busy_s": self.busy_s, "cpu_s": self.cpu_s}
+
+
+def affinity_node(node_id: str | None) -> str | None:
+    """The node a pool's actors are pinned to: `node_id`, this process's node when None, none when ""."""
+    if node_id is None:
+        return ray.get_runtime_context().get_node_id()
+    return node_id or None
 
 
 class PreprocessPool:
@@ -97,13 +123,18 @@ class PreprocessPool:
         actor_num_cpus: Logical CPUs each actor reserves (Ray scheduling; lower it to oversubscribe).
         ray_address: Join this Ray cluster instead of starting a local one (when Ray is not initialized).
         start_timeout_s: How long to wait for the actors to start before failing with a clear error.
-        actor_options: Extra `ray.remote` options for the actors (e.g. a scheduling strategy).
+        actor_options: Extra `ray.remote` options for the actors; a `scheduling_strategy` here replaces
+            the node affinity.
+        node_id: The Ray node (hex id) the actors are pinned to, softly (see module docstring). None
+            (default): the node of this process (`ray.get_runtime_context().get_node_id()`: in a driver, the
+            raylet it attached to); "": no affinity (Ray places them). The target is `self.node_id`
+            (None when unpinned).
     """
 
     def __init__(self, dataset: RecordDataset | str | os.PathLike | Sequence[str | os.PathLike],
                  stages: Sequence[Any] | None = None, num_actors: int = 2, *, actor_num_cpus: float = 1.0,
                  ray_address: str | None = None, start_timeout_s: float = 120.0,
-                 actor_options: Mapping[str, Any] | None = None) -> None:
+                 actor_options: Mapping[str, Any] | None = None, node_id: str | None = None) -> None:
         if num_actors < 1:
             raise ValueError(f"num_actors must be >= 1, got {num_actors=}")
         self.dataset = dataset if isinstance(dataset, RecordDataset) else RecordDataset(dataset)
@@ -115,7 +146,12 @@ class PreprocessPool:
         # The constructor arguments stay referenced by the pool for its lifetime, so a restarted actor
         # can always fetch them again (they are passed nested, and fetched by the actor itself).
         self._args_ref = ray.put((handle.with_tables(self._table_refs), self.stages))
-        options = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": actor_num_cpus, **dict(actor_options or {})}
+        options = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": actor_num_cpus}
+        self.node_id = affinity_node(node_id) if "scheduling_strategy" not in (actor_options or {}) else None
+        if self.node_id is not None:
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.node_id, soft=True,
+                                                                            _spill_on_unavailable=True)
+        options.update(actor_options or {})
         cls = ray.remote(PreprocessWorker).options(**options)
         self.actors = [cls.remote([self._args_ref]) for _ in range(num_actors)]
         self.loads = [0] * num_actors  # tasks submitted and not finished, per actor
@@ -189,8 +225,13 @@ class PreprocessPool:
             self._holds = max(self._holds + (1 if on else -1), 0)
 
     def stats(self, timeout: float = 10.0) -> list[dict[str, Any]]:
-        """Per actor: pid, samples processed, busy (wall) and CPU seconds inside `process`, since its last start."""
+        """Per actor: pid, node_id (the Ray node it runs on), samples processed, busy (wall) and CPU seconds
+        inside `process`, since its last start."""
         return ray.get([a.stats.remote() for a in self.actors], timeout=timeout)
+
+    def actor_nodes(self, timeout: float = 10.0) -> list[str]:
+        """The Ray node id each actor runs on now (a restarted actor may have moved)."""
+        return [s["node_id"] for s in self.stats(timeout)]
 
     def close(self) -> None:
         if self._closed:

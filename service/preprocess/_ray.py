@@ -8,6 +8,14 @@ there is none, and keep it up until the last rank service using it has exited (`
 lock per Ray, held while the process uses it, released however the process ends). Look-and-start is
 serialized across the host by a lock file.
 
+Multi-node: one Ray cluster, each node agent joining it with `--ray-address` (`share_ray(address)`).
+A driver attaches to the raylet of its own host (Ray matches the host's IP against the nodes' and,
+when several nodes share one IP, prefers the head), so `ray.get_runtime_context().get_node_id()` in an
+agent is its own node: the default node its `PreprocessPool`s pin their actors to. On one machine
+(`ray.cluster_utils.Cluster`, several raylets on one IP) every driver attaches to the head unless
+started with `ray.init(address=..., _node_ip_address=...)` naming a node's own IP, or the pools are
+given `node_id` explicitly (tests/_ray_cluster_check.py does both).
+
 `resolve(payload)` / `resolve_many(payloads)` turn a sample's payload reference into its dict, at
 collate time.
 """
@@ -167,14 +175,16 @@ def share_ray(address: str | None = None, num_cpus: int | None = None, who: str 
     else starts the embedded one (logged). Look-and-start is serialized across the host, so rank
     services started together share one Ray rather than each starting their own.
 
-    A process already connected to Ray keeps that connection, as joined (not its to stop).
+    A process already connected to Ray keeps that connection, as joined (not its to stop). The node it
+    attached to (its host's, see the module docstring) is logged: it is where its pools' actors go.
     """
     if ray.is_initialized():
         return SharedRay(ray.get_runtime_context().gcs_address, started=False)
     if address:
         ray.init(address=address)
         gcs = ray.get_runtime_context().gcs_address
-        log.info("%s: joined the Ray cluster at %s (gcs %s)", who, address, gcs)
+        log.info("%s: joined the Ray cluster at %s (gcs %s) on node %s", who, address, gcs,
+                 ray.get_runtime_context().get_node_id())
         return SharedRay(gcs, started=False)
     with _host_lock():
         found = running_ray_address()

@@ -6,9 +6,9 @@
     RaySource(rank r): its ViewSource of the epoch, at most `max_in_flight` samples outstanding,
         poll() -> (Sample, ObjectRef to the payload dict) | None | EXHAUSTED, quarantine for bad records
 
-Only metadata (id, realized length, loss tokens, per-modality counts) reaches the caller's process
-eagerly; `resolve(payload)` fetches the payload dict at collate time (a balanced plan that moves a sample
-to another rank moves the reference, not the bytes).
+Only metadata (id, realized length, loss tokens, per-modality counts, payload bytes) reaches the
+caller's process eagerly; `resolve(payload)` fetches the payload dict at collate time (a balanced plan
+that moves a sample to another rank moves the reference, not the bytes).
 
 Fault model, the source's part: RaySource resubmits the tasks that died with an actor (the pool has
 Ray restart it). Preprocessing is a pure function of (record, seed, epoch, sample id), so the rerun
@@ -88,6 +88,9 @@ class RaySource:
         max_attempts: Actor deaths a sample may see before it is quarantined as `worker_crashed`.
         payload: "ref" (default) or "dict".
         ray_address, actor_num_cpus: For its own pool (see PreprocessPool).
+        node_id: Where its own pool's actors run, softly (see PreprocessPool): None (default) = the node
+            of this process, so a node agent's actors land on its own node; a hex node id = that node;
+            "" = anywhere (Ray's placement). Ignored with `pool` (the pool's placement holds).
     """
 
     def __init__(self, dataset: RecordDataset | str | os.PathLike | Sequence[Any] | None, rank: int = 0,
@@ -95,7 +98,8 @@ class RaySource:
                  stages: Sequence[Any] | None = None, num_actors: int = 2, pool: PreprocessPool | None = None,
                  max_in_flight: int | None = None, chunk_size: int = 8, ordered: bool = True, wrap: bool = False,
                  quarantine: Quarantine | str | os.PathLike | None = None, max_attempts: int = 3,
-                 payload: str = "ref", ray_address: str | None = None, actor_num_cpus: float = 1.0) -> None:
+                 payload: str = "ref", ray_address: str | None = None, actor_num_cpus: float = 1.0,
+                 node_id: str | None = None) -> None:
         if payload not in ("ref", "dict"):
             raise ValueError(f"payload must be 'ref' or 'dict', got {payload=}")
         if wrap and not ordered:
@@ -105,7 +109,8 @@ class RaySource:
         if pool is None:
             if dataset is None:
                 raise ValueError("RaySource needs a dataset or a pool")
-            pool = PreprocessPool(dataset, stages, num_actors, ray_address=ray_address, actor_num_cpus=actor_num_cpus)
+            pool = PreprocessPool(dataset, stages, num_actors, ray_address=ray_address,
+                                  actor_num_cpus=actor_num_cpus, node_id=node_id)
             self._own_pool = True
         else:
             if dataset is not None:
@@ -273,12 +278,12 @@ class RaySource:
                 self._suspects.append(seq)
             return
         for seq, meta, pref in zip(task.seqs, metas, task.payloads):
-            length, loss, text, vision, reason = meta
+            length, loss, text, vision, reason, nbytes = meta
             if reason is not None:
                 self._quarantine(seq, reason)
                 continue
             e = self._entries[seq]
-            e.sample = Sample(e.id, length, loss, self.rank, (("text", text), ("vision", vision)))
+            e.sample = Sample(e.id, length, loss, self.rank, (("text", text), ("vision", vision)), nbytes)
             e.payload = pref
             e.status = _READY
             if not self.ordered:
@@ -408,10 +413,16 @@ class RaySource:
             self.retries = int(state.get("retries", 0))
 
     # -- lifecycle -----------------------------------------------------------------------------------
+    def actor_nodes(self, timeout: float = 10.0) -> list[str]:
+        """The Ray node id each actor of its pool runs on (one round trip to the actors)."""
+        return self.pool.actor_nodes(timeout)
+
     def stats(self) -> dict[str, Any]:
-        """Counters for reports: actors, samples, quarantined (by reason), samples/s, time poll waited."""
+        """Counters for reports: actors, the node they are pinned to ("" = none), samples, quarantined (by
+        reason), samples/s, time poll waited."""
         wall = (self._t_last or time.perf_counter()) - self._t_first if self._t_first else 0.0
-        return {"actors": self.pool.num_actors, "samples": self.emitted, "quarantined": self.quarantined,
+        return {"actors": self.pool.num_actors, "node_id": self.pool.node_id or "", "samples": self.emitted,
+                "quarantined": self.quarantined,
                 "reasons": dict(self.reasons), "records_read": self.records_read, "retries": self.retries,
                 "wall_s": wall, "samples_per_s": self.emitted / wall if wall > 0 else 0.0, "poll_wait_s": self.wait_s}
 

@@ -10,6 +10,8 @@
 
 Every source implements `Source` (a `typing.Protocol`, checked at run time by `isinstance`): the rank
 service depends on that interface only. `RaySource` (`_ray_source`) is the third implementation.
+Every sample a source yields carries `nbytes`, its payload's bytes (`payload_nbytes`), so a node-aware
+plan can prefer moving the groups that carry the fewest bytes.
 """
 
 from __future__ import annotations
@@ -97,6 +99,21 @@ def synthetic_payload(sample_id: int, length: int, seed: int, vocab_size: int) -
     return {"input_ids": ids, "labels": labels}
 
 
+def payload_nbytes(payload: Mapping[str, Any]) -> int:
+    """Bytes of a payload's arrays as they cross the network (`Sample.nbytes`): the sum of their `nbytes`.
+
+    Plain ints and floats are skipped (the wire format does not send them as tensors); any other value
+    counts as the array numpy makes of it.
+    """
+    total = 0
+    for value in payload.values():
+        if isinstance(value, (bool, int, float)):
+            continue
+        n = getattr(value, "nbytes", None)
+        total += int(n) if isinstance(n, (int, np.integer)) else int(np.asarray(value).nbytes)
+    return total
+
+
 def loss_tokens_of(labels: np.ndarray) -> int:
     """Tokens that carry the shifted causal-LM loss: count(labels[1:] != -100)."""
     return int(np.count_nonzero(labels[1:] != -100))
@@ -137,7 +154,8 @@ class SyntheticSource:
 
     def meta(self, sample_id: int, payload: Payload, home_rank: int | None = None) -> Sample:
         n = self.lengths[sample_id]
-        return Sample(sample_id, n, loss_tokens_of(payload["labels"]), self.rank if home_rank is None else home_rank)
+        home = self.rank if home_rank is None else home_rank
+        return Sample(sample_id, n, loss_tokens_of(payload["labels"]), home, nbytes=payload_nbytes(payload))
 
     def peek_id(self) -> int | None:
         return self.view.peek()
@@ -178,7 +196,14 @@ class IngestSource:
         self._lock = threading.Lock()
 
     def put(self, sample: Sample, payload: Payload, timeout: float | None = None) -> None:
-        """Blocks while the queue is full (backpressure); raises ValueError on a duplicate id."""
+        """Blocks while the queue is full (backpressure); raises ValueError on a duplicate id.
+
+        The queued sample's `nbytes` is that of the ingested tensors (`payload_nbytes`), whatever the
+        producer's metadata said.
+        """
+        nbytes = payload_nbytes(payload)
+        if sample.nbytes != nbytes:
+            sample = sample.replace(nbytes=nbytes)
         with self._lock:
             if self._ended.is_set():
                 raise ValueError(f"sample {sample.id} arrived after end_of_epoch")
