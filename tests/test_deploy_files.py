@@ -59,7 +59,7 @@ DOC_VALUES = {"HEAD_IP": "10.0.0.1", "BATCHD_TOKEN": "t0ken", "i": "0", "r": "0"
               "POD0_IP": "10.0.0.2", "NODE0_IP": "10.0.0.2", "NODE_IP": "10.0.0.3", "IP": "10.0.0.3",
               **PLATFORM_VALUES}
 # Variables Kubernetes sets in a pod (the Indexed Job's completion index, downward-API env).
-K8S_VALUES = {"JOB_COMPLETION_INDEX": "0", "NODE_RANK": "0", "POD_IP": "10.0.0.5", "POD_NAME": "pod-0",
+K8S_VALUES = {"JOB_COMPLETION_INDEX": "0", "NODE_RANK": "0", "POD_IP": "10.0.0.5", "ADVERTISE": "10.0.0.5", "POD_NAME": "pod-0",
               "HOSTNAME": "pod-0"}
 OPERATORS = {"&&", "||", ";", "|", "&", "(", ")", ";;", "|&"}
 KEYWORDS = {"then", "do", "else", "elif", "if", "while", "until", "!", "{"}
@@ -627,7 +627,7 @@ def test_kuberay_manifest(rel: str) -> None:
             res = c.get("resources", {})
             if "nvidia.com/gpu" in res.get("limits", {}):
                 assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"]
-                env = {e["name"]: e["value"] for e in c.get("env", [])}
+                env = container_env(c)
                 replicas = next((g["replicas"] for g in cluster["workerGroupSpecs"]
                                  if g["template"]["spec"] is pod), None)
                 gpus += res["limits"]["nvidia.com/gpu"] * (replicas or int(env.get("NNODES", 1)))
@@ -655,9 +655,13 @@ def check_node_agents(rel: str, docs: list[dict[str, Any]], world: int) -> None:
                 if any("nvidia.com/gpu" in c.get("resources", {}).get("limits", {}) for c in pod["containers"])]
     assert gpu_pods, f"{rel}: no GPU pod"
     for where, pod in gpu_pods:
-        names = [c["name"] for c in pod["containers"]]
-        assert "node-agent" in names, f"{rel} {where}: no node-agent sidecar"
-        agent = next(c for c in pod["containers"] if c["name"] == "node-agent")
+        sidecars = [*pod.get("initContainers", []), *pod["containers"]]
+        assert "node-agent" in [c["name"] for c in sidecars], f"{rel} {where}: no node-agent sidecar"
+        agent = next(c for c in sidecars if c["name"] == "node-agent")
+        if agent in pod.get("initContainers", []):  # a native sidecar, or the pod would wait for it forever
+            assert agent.get("restartPolicy") == "Always", f"{rel} {where}: node-agent init container"
+        assert agent is not pod["containers"][0] or not where.startswith("workerGroupSpecs"), \
+            "KubeRay replaces the first container's command with ray start"
         gpus = sum(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0) for c in pod["containers"])
         assert "nvidia.com/gpu" not in agent.get("resources", {}).get("limits", {}), "the GPUs are the trainers'"
         assert {p["containerPort"] for p in agent.get("ports", [])} >= {base}
