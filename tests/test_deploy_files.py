@@ -8,6 +8,10 @@ Every command line they run is extracted and parsed by the parser that will run 
   arguments after it by `batchd.train.build_parser()` (also the Kubernetes trainer Job's args,
   which deploy/torchrun/launch.sh forwards).
 
+`batchd node ...` lines (one node agent per GPU host) and the trainer's `--node-agent` parse with the
+real parsers once they exist, and until then with stand-ins built from the agreed interface (see
+NODE_ONLY_FLAGS). launch.sh and start-node-agent.sh also run with stub programs that print their argv.
+
 argparse exits on an unknown flag or a bad value: the test catches it and fails naming the file, the
 command and argparse's message. Shell variables are expanded with the example values each script
 documents in `# example: NAME=value` lines (compose `${VAR:-default}` with its default); a variable
