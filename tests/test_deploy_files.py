@@ -8,6 +8,10 @@ Every command line they run is extracted and parsed by the parser that will run 
   arguments after it by `batchd.train.build_parser()` (also the Kubernetes trainer Job's args,
   which deploy/torchrun/launch.sh forwards).
 
+`batchd node ...` lines (one node agent per GPU host) and the trainer's `--node-agent` parse with the
+real parsers once they exist, and until then with stand-ins built from the agreed interface (see
+NODE_ONLY_FLAGS). launch.sh and start-node-agent.sh also run with stub programs that print their argv.
+
 argparse exits on an unknown flag or a bad value: the test catches it and fails naming the file, the
 command and argparse's message. Shell variables are expanded with the example values each script
 documents in `# example: NAME=value` lines (compose `${VAR:-default}` with its default); a variable
@@ -23,6 +27,7 @@ One slow test runs deploy/torchrun/launch.sh for real: torchrun starts 2 gloo tr
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import fnmatch
@@ -47,7 +52,7 @@ from _procs import free_block
 from batchd.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
-SHELL_SCRIPTS = ["deploy/ray/start-batchd.sh", "deploy/torchrun/launch.sh"]
+SHELL_SCRIPTS = ["deploy/ray/start-batchd.sh", "deploy/ray/start-node-agent.sh", "deploy/torchrun/launch.sh"]
 TOML_CONFIGS = ["deploy/ray/job.toml", "docker/job.toml"]
 K8S = ["deploy/kubernetes/raycluster.yaml", "deploy/kubernetes/rayjob.yaml"]
 DOCKERFILES = ["docker/Dockerfile", "docker/Dockerfile.cpu"]
@@ -55,7 +60,11 @@ DOCKERFILES = ["docker/Dockerfile", "docker/Dockerfile.cpu"]
 PLATFORM_VALUES = {"RAY_HEAD_IP": "10.0.0.1", "USER": "ubuntu", "HOME": "/home/ubuntu"}
 # Placeholders used in the shell blocks of docs/deployment.md.
 DOC_VALUES = {"HEAD_IP": "10.0.0.1", "BATCHD_TOKEN": "t0ken", "i": "0", "r": "0", "POD": "pod-0",
-              "POD0_IP": "10.0.0.2", **PLATFORM_VALUES}
+              "POD0_IP": "10.0.0.2", "NODE0_IP": "10.0.0.2", "NODE_IP": "10.0.0.3", "IP": "10.0.0.3",
+              **PLATFORM_VALUES}
+# Variables Kubernetes sets in a pod (the Indexed Job's completion index, downward-API env).
+K8S_VALUES = {"JOB_COMPLETION_INDEX": "0", "NODE_RANK": "0", "POD_IP": "10.0.0.5", "ADVERTISE": "10.0.0.5", "POD_NAME": "pod-0",
+              "HOSTNAME": "pod-0"}
 OPERATORS = {"&&", "||", ";", "|", "&", "(", ")", ";;", "|&"}
 KEYWORDS = {"then", "do", "else", "elif", "if", "while", "until", "!", "{"}
 PREFIXES = {"exec", "nohup", "time", "command"}
@@ -191,14 +200,55 @@ def parse_error(parser, argv: list[str]) -> str | None:
     return None
 
 
-def trainer_parser():
-    return importlib.import_module("batchd.train").build_parser()
+# -- the node agent interface ---------------------------------------------------------------------
+# `batchd node` (one agent per GPU host) and `python -m batchd.train --node-agent HOST:PORT` are what
+# the deploy files run. Until this branch meets the one that adds them, the checks parse those lines
+# with a stand-in built from the agreed interface: `batchd rank`'s options minus --rank, plus
+# NODE_ONLY_FLAGS; and the trainer's parser plus --node-agent beside --rank-services/--base-port. Once
+# the real `node` subcommand / --node-agent flag exist, the real parsers are used and the stand-ins
+# never are (test_node_agent_interface says which one ran).
+NODE_ONLY_FLAGS = {"--local-ranks": int, "--node-rank": int, "--name": str, "--advertise": str}
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
+def has_real_node_command() -> bool:
+    return "node" in _subparsers(build_parser()).choices
+
+
+def has_real_node_agent_flag() -> bool:
+    return "--node-agent" in importlib.import_module("batchd.train").build_parser()._option_string_actions
+
+
+def batchd_parser() -> argparse.ArgumentParser:
+    """`batchd.cli.build_parser()`, with the `node` stand-in when the real subcommand is not there yet."""
+    parser = build_parser()
+    sub = _subparsers(parser)
+    if "node" not in sub.choices:
+        node = sub.add_parser("node", parents=[sub.choices["rank"]], add_help=False,
+                              help="stand-in: batchd rank's options minus --rank, plus the node flags")
+        rank = node._option_string_actions.pop("--rank")
+        rank.container._remove_action(rank)
+        for flag, kind in NODE_ONLY_FLAGS.items():
+            node.add_argument(flag, type=kind)
+    return parser
+
+
+def trainer_parser() -> argparse.ArgumentParser:
+    parser = importlib.import_module("batchd.train").build_parser()
+    if "--node-agent" not in parser._option_string_actions:  # stand-in: one more way to reach the data
+        group = next(g for g in parser._mutually_exclusive_groups
+                     if any("--base-port" in a.option_strings for a in g._group_actions))
+        group.add_argument("--node-agent", metavar="HOST:PORT")
+    return parser
 
 
 def check(inv: Invocation) -> str | None:
     """Why `inv` would not start (None when every parser accepts it)."""
     if inv.program == "batchd":
-        error = parse_error(build_parser(), inv.argv)
+        error = parse_error(batchd_parser(), inv.argv)
         return f"{inv}: {error}" if error else None
     if inv.program == "trainer":
         error = parse_error(trainer_parser(), inv.argv)
@@ -328,23 +378,39 @@ def repo_path_of_image_path(path: str) -> Path:
     return REPO / path.removeprefix("/opt/batchd/")
 
 
+def container_env(c: dict[str, Any]) -> dict[str, str]:
+    """A container's literal env values (downward-API ones get the K8S_VALUES example)."""
+    return {e["name"]: e["value"] if "value" in e else K8S_VALUES[e["name"]] for e in c.get("env", [])}
+
+
+def launch_target(env: dict[str, str]) -> list[str]:
+    """The trainer flags deploy/torchrun/launch.sh derives from its environment (test_launch_modes
+    runs the script to check this mapping)."""
+    mode = env.get("LAUNCH_MODE") or ("node-agent" if env.get("NODE_AGENT") or env.get("BATCHD_NODE_AGENT") else
+                                      "rank-services" if env.get("RANK_SERVICES") else "rank-host")
+    if mode == "node-agent":
+        return ["--node-agent", env.get("NODE_AGENT") or env.get("BATCHD_NODE_AGENT") or "127.0.0.1:7100"]
+    if mode == "rank-services":
+        return ["--rank-services", env["RANK_SERVICES"]]
+    return ["--rank-host", env.get("RANK_HOST", "127.0.0.1"), "--base-port", env.get("BASE_PORT", "7100")]
+
+
 def k8s_invocations(rel: str) -> list[Invocation]:
     found: list[Invocation] = []
     for doc in k8s_docs(rel):
         if doc["kind"] == "RayJob":
             found += shell_invocations(doc["spec"]["entrypoint"], {}, f"{rel} RayJob.entrypoint")
         for where, pod, _ in pod_specs(doc):
-            for c in pod.get("containers", []):
+            for c in [*pod.get("initContainers", []), *pod.get("containers", [])]:
                 argv = [*c.get("command", []), *c.get("args", [])]
+                source = f"{rel} {where} {c['name']}"
                 if argv[:1] == ["bash"] and argv[1].endswith("/torchrun/launch.sh"):
-                    env = {e["name"]: e["value"] for e in c.get("env", [])}
-                    target = (["--rank-services", env["RANK_SERVICES"]] if "RANK_SERVICES" in env else
-                              ["--rank-host", env.get("RANK_HOST", "127.0.0.1"), "--base-port",
-                               env.get("BASE_PORT", "7100")])
-                    found.append(Invocation(f"{rel} {where} {c['name']} (via launch.sh)", "trainer",
-                                            [*target, *argv[2:]]))
+                    found.append(Invocation(f"{source} (via launch.sh)", "trainer",
+                                            [*launch_target(container_env(c)), *argv[2:]]))
+                elif argv[:2] == ["bash", "-c"]:
+                    found += shell_invocations(argv[2], {**K8S_VALUES, **container_env(c)}, source)
                 elif argv and Path(argv[0]).name in ("batchd", "torchrun"):
-                    found.append(Invocation(f"{rel} {where} {c['name']}", Path(argv[0]).name, argv[1:]))
+                    found.append(Invocation(source, Path(argv[0]).name, argv[1:]))
     return found
 
 
@@ -360,12 +426,16 @@ SOURCES = {
     "deploy/ray/start-batchd.sh": lambda: shell_invocations(read("deploy/ray/start-batchd.sh"),
                                                             example_values(read("deploy/ray/start-batchd.sh")),
                                                             "deploy/ray/start-batchd.sh"),
+    "deploy/ray/start-node-agent.sh": lambda: shell_invocations(
+        read("deploy/ray/start-node-agent.sh"), example_values(read("deploy/ray/start-node-agent.sh")),
+        "deploy/ray/start-node-agent.sh"),
     "deploy/torchrun/launch.sh": lambda: shell_invocations(read("deploy/torchrun/launch.sh"),
                                                            example_values(read("deploy/torchrun/launch.sh")),
                                                            "deploy/torchrun/launch.sh"),
     "deploy/ray/cluster.yaml": cluster_invocations,
     "docker/compose.yaml": compose_invocations,
     "deploy/kubernetes/rayjob.yaml": lambda: k8s_invocations("deploy/kubernetes/rayjob.yaml"),
+    "deploy/kubernetes/raycluster.yaml": lambda: k8s_invocations("deploy/kubernetes/raycluster.yaml"),
     "docker/Dockerfile": lambda: [Invocation("docker/Dockerfile ENTRYPOINT+CMD", "batchd",
                                              dockerfile_entry("docker/Dockerfile")[1])],
     "docker/Dockerfile.cpu": lambda: [Invocation("docker/Dockerfile.cpu ENTRYPOINT+CMD", "batchd",
@@ -373,10 +443,18 @@ SOURCES = {
     "docs/deployment.md": docs_invocations,
 }
 # The least each file must yield: a refactor that hides commands from the extractor fails here.
-MIN_INVOCATIONS = {"deploy/ray/start-batchd.sh": {"batchd": 2}, "deploy/torchrun/launch.sh": {"torchrun": 1},
-                   "deploy/ray/cluster.yaml": {"batchd": 1}, "docker/compose.yaml": {"batchd": 3, "torchrun": 1},
-                   "deploy/kubernetes/rayjob.yaml": {"trainer": 1}, "docker/Dockerfile": {"batchd": 1},
-                   "docker/Dockerfile.cpu": {"batchd": 1}, "docs/deployment.md": {"batchd": 3, "torchrun": 1}}
+MIN_INVOCATIONS = {"deploy/ray/start-batchd.sh": {"batchd": 2}, "deploy/ray/start-node-agent.sh": {"batchd": 1},
+                   "deploy/torchrun/launch.sh": {"torchrun": 1},
+                   "deploy/ray/cluster.yaml": {"batchd": 1}, "docker/compose.yaml": {"batchd": 2, "torchrun": 1},
+                   "deploy/kubernetes/rayjob.yaml": {"batchd": 1, "trainer": 1},
+                   "deploy/kubernetes/raycluster.yaml": {"batchd": 1},
+                   "docker/Dockerfile": {"batchd": 1},
+                   "docker/Dockerfile.cpu": {"batchd": 1}, "docs/deployment.md": {"batchd": 4, "torchrun": 2}}
+# The files that deploy node agents: each must start at least one `batchd node` (and its trainers use
+# --node-agent, where the file starts trainers).
+NODE_AGENT_SOURCES = {"deploy/ray/start-node-agent.sh", "docker/compose.yaml", "deploy/kubernetes/rayjob.yaml",
+                      "deploy/kubernetes/raycluster.yaml", "docs/deployment.md"}
+NODE_AGENT_TRAINERS = {"docker/compose.yaml", "deploy/kubernetes/rayjob.yaml", "docs/deployment.md"}
 
 
 # -- the command lines ------------------------------------------------------------------------------
@@ -388,6 +466,12 @@ def test_every_command_parses(source: str) -> None:
         assert counts[program] >= least, f"{source}: expected >= {least} `{program}` commands, found {counts}"
     bad = failures(invocations)
     assert not bad, "commands the CLI rejects:\n" + "\n".join(bad)
+    if source in NODE_AGENT_SOURCES:
+        assert any(inv.program == "batchd" and inv.argv[:1] == ["node"] for inv in invocations), \
+            f"{source}: no `batchd node` command"
+    if source in NODE_AGENT_TRAINERS:
+        assert any("--node-agent" in inv.argv for inv in invocations if inv.program in ("torchrun", "trainer")), \
+            f"{source}: no trainer uses --node-agent"
 
 
 def test_checker_rejects_unknown_flags_and_bad_values() -> None:
@@ -454,19 +538,22 @@ def test_config_validation_rejects_a_bad_config(tmp_path: Path) -> None:
 
 # -- consistency between a job's config and the files that start it ---------------------------------
 def test_compose_matches_its_config() -> None:
+    """One GPU host: the coordinator, one node agent serving every rank, the trainers connecting to it."""
     cfg = tomllib.loads(read("docker/job.toml"))
     world, base, mbase = cfg["job"]["world_size"], cfg["rank"]["base_port"], cfg["rank"]["metrics_base_port"]
     services = compose_interpolate(compose()["services"])
     by_service = {inv.source.split("services.")[1]: inv for inv in compose_invocations()}
-    ranks = sorted(n for n in services if n.startswith("rank-"))
-    assert ranks == [f"rank-{r}" for r in range(world)], f"one rank service per rank, got {ranks}"
-    for r in range(world):
-        argv = by_service[f"rank-{r}"].argv
-        opt = dict(itertools.pairwise(argv))
-        assert opt["--rank"] == str(r) and opt["--port"] == str(base + r)
-        assert opt["--metrics-port"] == str(mbase + r)
-        assert opt["--coordinator"] == cfg["coordinator"]["address"]
-        assert f":{mbase + r}/metrics" in " ".join(services[f"rank-{r}"]["healthcheck"]["test"])
+    assert not [n for n in services if n.startswith(("rank-", "ray-"))], "no per-rank services or Ray head"
+    assert "ray_address" not in cfg["data"], "one host: the node agent's embedded Ray"
+    agent = by_service["node-agent"].argv
+    assert agent[0] == "node"
+    opt = dict(itertools.pairwise(agent[1:]))
+    assert opt["--local-ranks"] == str(world) and opt["--node-rank"] == "0", "one agent serves ranks 0..world-1"
+    assert opt["--port"] == str(base) and opt["--metrics-port"] == str(mbase)
+    assert opt["--coordinator"] == cfg["coordinator"]["address"]
+    assert opt["--state-dir"].startswith(cfg["rank"]["state_dir"])  # the batchd-state volume: restartable
+    assert "--ray-address" not in opt and "--rank" not in opt
+    assert f":{mbase}/metrics" in " ".join(services["node-agent"]["healthcheck"]["test"])
     coord = by_service["coordinator"].argv
     assert f":{dict(itertools.pairwise(coord))['--metrics-port']}/metrics" in " ".join(
         services["coordinator"]["healthcheck"]["test"])
@@ -476,8 +563,12 @@ def test_compose_matches_its_config() -> None:
 
     targs = get_args_parser().parse_args(trainer)
     assert int(targs.nnodes) * int(targs.nproc_per_node) == world
-    rank_services = dict(itertools.pairwise(targs.training_script_args))["--rank-services"]
-    assert rank_services.split(",") == [f"rank-{r}:{base + r}" for r in range(world)]
+    assert int(targs.nproc_per_node) == int(opt["--local-ranks"])
+    assert targs.rdzv_backend == "static" and int(targs.node_rank) == int(opt["--node-rank"])
+    targ = dict(itertools.pairwise(targs.training_script_args))
+    assert targ["--node-agent"] == f"node-agent:{base}"
+    assert "--rank-services" not in targ and "--base-port" not in targ
+    assert services["trainer"]["depends_on"] == {"node-agent": {"condition": "service_healthy"}}
     (gpus,) = services["trainer"]["deploy"]["resources"]["reservations"]["devices"]
     assert "gpu" in gpus["capabilities"] and gpus["count"] == int(targs.nproc_per_node)
     for name, svc in services.items():
@@ -486,6 +577,13 @@ def test_compose_matches_its_config() -> None:
         assert set(svc.get("secrets", [])) <= set(compose()["secrets"])
         if name != "trainer":
             assert "healthcheck" in svc, f"service {name} has no healthcheck"
+
+
+def test_compose_variables_are_in_env_example() -> None:
+    used = set(re.findall(r"(?<!\$)\$\{(\w+)", read("docker/compose.yaml")))
+    used |= {s["environment"] for s in compose()["secrets"].values() if "environment" in s}
+    example = {m.group(1) for m in re.finditer(r"^(\w+)=", read("docker/env.example"), re.MULTILINE)}
+    assert used == example, f"compose uses {sorted(used)}, env.example sets {sorted(example)}"
 
 
 def test_ray_cluster_config() -> None:
@@ -497,6 +595,10 @@ def test_ray_cluster_config() -> None:
     assert gpu, "no GPU worker node type"
     trainers = sum(t["min_workers"] * t["resources"]["GPU"] for t in gpu)
     assert trainers == job["job"]["world_size"], f"{trainers=} GPUs but world_size={job['job']['world_size']}"
+    assert types[cfg["head_node_type"]]["resources"] == {"CPU": 0}, "no actors on the coordinator's head"
+    for t in gpu:  # each GPU node's agent runs its ranks' actors there (soft affinity): Ray needs its CPUs
+        assert t["resources"].get("CPU", 0) >= job["data"]["num_actors"] * t["resources"]["GPU"], t
+    assert cfg["max_workers"] >= sum(t["min_workers"] for t in types.values() if "min_workers" in t)
     setup = " ".join(cfg["setup_commands"])
     assert "pip install" in setup and "~/batchd" in setup and cfg["file_mounts"]["~/batchd"] == "."
     assert any("ray start --head" in c for c in cfg["head_start_ray_commands"])
@@ -529,7 +631,7 @@ def test_kuberay_manifest(rel: str) -> None:
             res = c.get("resources", {})
             if "nvidia.com/gpu" in res.get("limits", {}):
                 assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"]
-                env = {e["name"]: e["value"] for e in c.get("env", [])}
+                env = container_env(c)
                 replicas = next((g["replicas"] for g in cluster["workerGroupSpecs"]
                                  if g["template"]["spec"] is pod), None)
                 gpus += res["limits"]["nvidia.com/gpu"] * (replicas or int(env.get("NNODES", 1)))
@@ -543,7 +645,47 @@ def test_kuberay_manifest(rel: str) -> None:
         assert any(sel.items() <= labels.items() for _, _, labels in pods), f"Service {svc['metadata']['name']}"
         ports = {p["port"] for p in svc["spec"]["ports"]}
         if "coordinator" in {p["name"] for p in svc["spec"]["ports"]}:
-            assert {7000, *range(7100, 7100 + world), 9100, *range(9200, 9200 + world)} <= ports
+            assert {7000, 9100} <= ports and not ports & set(range(7100, 7100 + world)), \
+                "the head serves the coordinator only; ranks are served by the node agents"
+    check_node_agents(rel, docs, world)
+
+
+def check_node_agents(rel: str, docs: list[dict[str, Any]], world: int) -> None:
+    """Each GPU pod: a node-agent sidecar serving the pod's GPUs' ranks, next to the trainer container
+    that reaches it over localhost; the agent joins the RayCluster's Ray and advertises the pod IP."""
+    cm = tomllib.loads(configmap_toml(rel))
+    base = cm["rank"]["base_port"]
+    gpu_pods = [(w, pod) for d in docs for w, pod, _ in pod_specs(d)
+                if any("nvidia.com/gpu" in c.get("resources", {}).get("limits", {}) for c in pod["containers"])]
+    assert gpu_pods, f"{rel}: no GPU pod"
+    for where, pod in gpu_pods:
+        sidecars = [*pod.get("initContainers", []), *pod["containers"]]
+        assert "node-agent" in [c["name"] for c in sidecars], f"{rel} {where}: no node-agent sidecar"
+        agent = next(c for c in sidecars if c["name"] == "node-agent")
+        if agent in pod.get("initContainers", []):  # a native sidecar, or the pod would wait for it forever
+            assert agent.get("restartPolicy") == "Always", f"{rel} {where}: node-agent init container"
+        assert agent is not pod["containers"][0] or not where.startswith("workerGroupSpecs"), \
+            "KubeRay replaces the first container's command with ray start"
+        gpus = sum(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0) for c in pod["containers"])
+        assert "nvidia.com/gpu" not in agent.get("resources", {}).get("limits", {}), "the GPUs are the trainers'"
+        assert {p["containerPort"] for p in agent.get("ports", [])} >= {base}
+        env = container_env(agent)
+        assert env.get("LOCAL_RANKS") == str(gpus), f"{rel} {where}: LOCAL_RANKS must be the pod's {gpus} GPUs"
+        assert any(e["name"] == "ADVERTISE" and e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+                   == "status.podIP" for e in agent["env"]), f"{rel} {where}: ADVERTISE = the pod IP"
+        (inv,) = [i for i in k8s_invocations(rel) if i.source.startswith(f"{rel} {where} node-agent")
+                  and i.program == "batchd"]
+        assert inv.argv[0] == "node", inv
+        opt = dict(itertools.pairwise(inv.argv[1:]))
+        assert opt["--port"] == str(base) and opt["--local-ranks"] == str(gpus)
+        assert opt["--coordinator"] == cm["coordinator"]["address"]
+        assert "--node-rank" in opt and "--advertise" in opt
+        trainer = next((c for c in pod["containers"] if c["name"] == "trainer"), None)
+        if trainer is not None:  # the Job's pods; raycluster.yaml's trainers are exec'd (docs/deployment.md)
+            tenv = container_env(trainer)
+            assert launch_target(tenv) == ["--node-agent", f"127.0.0.1:{base}"], tenv
+            assert tenv["NPROC_PER_NODE"] == str(gpus) and tenv["RDZV_BACKEND"] == "static"
+            assert tenv["NODE_RANK"] == env["NODE_RANK"], "torchrun's node rank = the agent's"
 
 
 def test_rayjob_entrypoint_runs_the_start_script_on_the_mounted_config() -> None:
@@ -551,6 +693,8 @@ def test_rayjob_entrypoint_runs_the_start_script_on_the_mounted_config() -> None
     (job,) = [d for d in docs if d["kind"] == "RayJob"]
     argv = shlex.split(job["spec"]["entrypoint"])
     assert argv[0] == "bash" and repo_path_of_image_path(argv[1]) == REPO / "deploy/ray/start-batchd.sh"
+    assert argv[2] == "--coordinator-only", "the head runs the coordinator; the node agents the ranks"
+    del argv[2]
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
     mounts = {m["mountPath"]: m for m in head["containers"][0]["volumeMounts"]}
     assert argv[2] in mounts and mounts[argv[2]]["subPath"] == "job.toml"
@@ -561,7 +705,8 @@ def test_rayjob_entrypoint_runs_the_start_script_on_the_mounted_config() -> None
     assert any(token.startswith(path + "/") for path in mounts), f"{token=} is not mounted on the head"
     for _, pod, _ in pod_specs(next(d for d in docs if d["kind"] == "Job")):
         for c in pod["containers"]:
-            assert repo_path_of_image_path(c["command"][1]).is_file()
+            if c["command"][:2] != ["bash", "-c"]:
+                assert repo_path_of_image_path(c["command"][1]).is_file()
 
 
 # -- Dockerfiles, scripts ---------------------------------------------------------------------------
@@ -604,9 +749,10 @@ def test_shell_script_syntax(rel: str) -> None:
     subprocess.run(["bash", "-n", str(path)], check=True)
 
 
-def test_start_script_reads_the_layout_from_the_config(tmp_path: Path) -> None:
+@pytest.mark.parametrize("script", ["deploy/ray/start-batchd.sh", "deploy/ray/start-node-agent.sh"])
+def test_start_script_reads_the_layout_from_the_config(tmp_path: Path, script: str) -> None:
     """Runs the script's config-reading part (its here-document) on each config; checks the layout."""
-    text = read("deploy/ray/start-batchd.sh")
+    text = read(script)
     program = re.search(r"<<'PY'\n(.*?)\nPY\n", text, re.DOTALL).group(1)
     for name, toml in all_configs().items():
         path = tmp_path / "job.toml"
@@ -614,9 +760,114 @@ def test_start_script_reads_the_layout_from_the_config(tmp_path: Path) -> None:
         out = subprocess.run([sys.executable, "-c", program, str(path)], capture_output=True, text=True, check=True)
         layout = dict(line.split("=", 1) for line in out.stdout.split())
         cfg = tomllib.loads(toml)
-        assert layout["WORLD_SIZE"] == str(cfg["job"]["world_size"]), name
+        if script.endswith("start-batchd.sh"):
+            assert layout["WORLD_SIZE"] == str(cfg["job"]["world_size"]), name
         assert layout["RANK_BASE_PORT"] == str(cfg["rank"]["base_port"])
+        assert layout["RANK_METRICS_BASE_PORT"] == str(cfg["rank"]["metrics_base_port"])
         assert layout["CONFIG_COORD_ADDRESS"] == cfg["coordinator"]["address"]
+        assert layout["COORD_PORT"] == str(cfg["coordinator"]["port"])
+
+
+def argv_stub(tmp_path: Path) -> Path:
+    """An executable that prints its arguments as one JSON list (stands in for torchrun / batchd)."""
+    stub = tmp_path / "argv-stub"
+    stub.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c "
+                    "'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+    stub.chmod(0o755)
+    return stub
+
+
+LAUNCH_ENV_KEYS = ("LAUNCH_MODE", "NODE_AGENT", "BATCHD_NODE_AGENT", "NODE_RANK", "RANK_SERVICES", "RANK_HOST",
+                   "BASE_PORT", "RDZV_BACKEND", "NNODES", "NPROC_PER_NODE", "RDZV_ENDPOINT", "RDZV_ID")
+
+
+@pytest.mark.parametrize("env, target, rdzv, node_rank", [
+    ({"NODE_AGENT": "127.0.0.1:7300", "NODE_RANK": "1"}, ["--node-agent", "127.0.0.1:7300"], "static", "1"),
+    ({"LAUNCH_MODE": "node-agent"}, ["--node-agent", "127.0.0.1:7100"], "static", "0"),
+    ({"BATCHD_NODE_AGENT": "127.0.0.1:7200"}, ["--node-agent", "127.0.0.1:7200"], "static", "0"),
+    ({"RANK_SERVICES": "a:1,b:2"}, ["--rank-services", "a:1,b:2"], "c10d", None),
+    ({"RANK_HOST": "h", "BASE_PORT": "7400"}, ["--rank-host", "h", "--base-port", "7400"], "c10d", None),
+    ({}, ["--rank-host", "127.0.0.1", "--base-port", "7100"], "c10d", None),
+])
+def test_launch_modes(tmp_path: Path, env: dict[str, str], target: list[str], rdzv: str,
+                      node_rank: str | None) -> None:
+    """deploy/torchrun/launch.sh with a stub torchrun: the data target and rendezvous of each mode, and the
+    command parses (torchrun's parser, then the trainer's)."""
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_KEYS}
+    run = subprocess.run(["bash", str(REPO / "deploy/torchrun/launch.sh"), "--checkpoint", "/ckpt"],
+                         env={**base, "TORCHRUN": str(argv_stub(tmp_path)), "NPROC_PER_NODE": "2", **env},
+                         capture_output=True, text=True, check=True)
+    argv = json.loads(run.stdout)
+    assert check(Invocation("launch.sh", "torchrun", argv)) is None
+    assert launch_target(env) == target  # the k8s checks' model of the script agrees with it
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    assert args.rdzv_backend == rdzv and args.training_script_args == [*target, "--checkpoint", "/ckpt"]
+    assert ("--node-rank" in argv) == (node_rank is not None)
+    if node_rank is not None:
+        assert str(args.node_rank) == node_rank
+
+
+def test_launch_rejects_an_unknown_mode(tmp_path: Path) -> None:
+    run = subprocess.run(["bash", str(REPO / "deploy/torchrun/launch.sh")],
+                         env={**os.environ, "TORCHRUN": str(argv_stub(tmp_path)), "LAUNCH_MODE": "nodes"},
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 2 and "LAUNCH_MODE" in run.stderr
+
+
+def test_start_node_agent_command(tmp_path: Path) -> None:
+    """deploy/ray/start-node-agent.sh with a stub batchd: the agent's command line from config + env."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("COORD_ADDRESS", "LOCAL_RANKS", "LOCAL_WORLD_SIZE", "NODE_RANK", "ADVERTISE", "RAY_ADDRESS")}
+    env = {**base, "BATCHD": str(argv_stub(tmp_path)), "PYTHON": sys.executable, "NODE_RANK": "1",
+           "LOCAL_WORLD_SIZE": "4", "NODE_NAME": "gpu-1", "ADVERTISE": "10.0.0.3"}
+    script = str(REPO / "deploy/ray/start-node-agent.sh")
+    run = subprocess.run(["bash", script, str(REPO / "docker/job.toml"), "--state-dir", "/s"], env=env,
+                         capture_output=True, text=True, check=True)
+    argv = json.loads(run.stdout)
+    assert check(Invocation("start-node-agent.sh", "batchd", argv)) is None
+    cfg = tomllib.loads(read("docker/job.toml"))
+    assert argv[0] == "node"
+    opt = dict(itertools.pairwise(argv[1:]))
+    assert opt["--coordinator"] == cfg["coordinator"]["address"] and opt["--local-ranks"] == "4"
+    assert opt["--node-rank"] == "1" and opt["--advertise"] == "10.0.0.3" and opt["--name"] == "gpu-1"
+    assert opt["--port"] == str(cfg["rank"]["base_port"]) and opt["--state-dir"] == "/s"
+    assert "--ray-address" not in opt
+    run = subprocess.run(["bash", script, str(REPO / "deploy/ray/job.toml")],
+                         env={**env, "COORD_ADDRESS": "10.0.0.1:7000", "RAY_ADDRESS": "auto"},
+                         capture_output=True, text=True, check=True)
+    opt = dict(itertools.pairwise(json.loads(run.stdout)[1:]))
+    assert opt["--coordinator"] == "10.0.0.1:7000" and opt["--ray-address"] == "auto"
+    run = subprocess.run(["bash", script, str(REPO / "docker/job.toml")], env={**env, "NODE_RANK": ""},
+                         capture_output=True, text=True, check=False)
+    assert run.returncode == 2 and "NODE_RANK" in run.stderr
+
+
+def test_node_agent_interface() -> None:
+    """What the deploy files need of `batchd node` and `batchd.train --node-agent` (real parsers once they
+    exist, else the stand-ins described at NODE_ONLY_FLAGS)."""
+    parser = batchd_parser()
+    full = ["node", "--coordinator", "10.0.0.1:7000", "--local-ranks", "4", "--node-rank", "1", "--name", "gpu-1",
+            "--host", "0.0.0.0", "--port", "7100", "--advertise", "10.0.0.3", "--port-file", "/tmp/p.json",
+            "--state-dir", "/var/lib/batchd", "--dataset", "/data/train.parquet", "--tokenizer", "/models/t.json",
+            "--num-actors", "2", "--ray-address", "auto", "--config", "job.toml", "--metrics-port", "9200",
+            "--metrics-host", "0.0.0.0", "--token-file", "/t", "--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a",
+            "--log-format", "json"]
+    assert parse_error(parser, full) is None
+    args = parser.parse_args(full)
+    assert (args.local_ranks, args.node_rank, args.port, args.advertise) == (4, 1, 7100, "10.0.0.3")
+    assert parse_error(parser, ["node", "--coordinator", "h:7000", "--lengths", "lengths.txt"]) is None
+    assert parse_error(parser, ["node", "--local-ranks", "2"]) is None, "K, G and the coordinator have defaults"
+    assert "--rank" in (parse_error(parser, ["node", "--rank", "0"]) or ""), "a node agent has no --rank"
+    assert parse_error(parser, ["node", "--local-ranks", "four"])
+    trainer = trainer_parser()
+    assert parse_error(trainer, ["--node-agent", "127.0.0.1:7100"]) is None
+    assert trainer.parse_args(["--node-agent", "127.0.0.1:7100"]).node_agent == "127.0.0.1:7100"
+    assert parse_error(trainer, ["--rank-services", "a:1,b:2"]) is None, "per-rank services stay supported"
+    assert parse_error(trainer, ["--base-port", "7100"]) is None
+    print(f"batchd node: {'real' if has_real_node_command() else 'stand-in'}; "
+          f"--node-agent: {'real' if has_real_node_agent_flag() else 'stand-in'}")
 
 
 # -- the trainer entry point ------------------------------------------------------------------------

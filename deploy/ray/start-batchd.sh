@@ -1,14 +1,21 @@
 #!/usr/bin/env bash
-# Starts one batchd job on this node of a Ray cluster: `batchd coordinator` and WORLD_SIZE x
-# `batchd rank` (rank r on port base_port + r), all reading the same job config. Each rank service
+# Starts the head's part of a batchd job on this node of a Ray cluster, from the job config:
+#
+#   --coordinator-only: `batchd coordinator` alone. The layout with node agents: the head runs the
+#     coordinator (metadata only), and every GPU node runs one `batchd node` beside its trainers
+#     (deploy/ray/start-node-agent.sh), so batches never cross the network from the head.
+#   default (one machine, or the per-rank layout): `batchd coordinator` and WORLD_SIZE x `batchd rank`
+#     (rank r on port base_port + r), all on this node; trainers elsewhere reach rank r at
+#     HEAD:base_port + r (deploy/torchrun/launch.sh with RANK_HOST). Each rank service
 # preprocesses its view of [data].dataset with Ray actors that join the cluster ([data].ray_address,
 # "auto" on a `ray up` node or in a KubeRay pod), so the actors run on any node with free CPUs.
 # Without [data].ray_address the rank services still share one Ray: each joins the Ray already running
 # on this node, and the first one started (they serialize on a lock file) starts it and keeps it up
 # until the others have exited.
 #
-#   deploy/ray/start-batchd.sh [CONFIG]        # CONFIG default: $BATCHD_CONFIG or /etc/batchd/job.toml
-#   ray exec deploy/ray/cluster.yaml 'bash ~/batchd/deploy/ray/start-batchd.sh ~/batchd/deploy/ray/job.toml'
+#   deploy/ray/start-batchd.sh [--coordinator-only] [CONFIG]   # CONFIG: $BATCHD_CONFIG or /etc/batchd/job.toml
+#   ray exec deploy/ray/cluster.yaml --tmux \
+#       'bash ~/batchd/deploy/ray/start-batchd.sh --coordinator-only ~/batchd/deploy/ray/job.toml'
 #
 # The layout (world size, ports, coordinator address) is read from the config, one source of truth;
 # COORD_ADDRESS in the environment overrides [coordinator].address. The script stays in the
@@ -29,6 +36,11 @@
 # example: r=0
 set -euo pipefail
 
+ROLE=all
+if [[ "${1:-}" == --coordinator-only ]]; then
+    ROLE=coordinator
+    shift
+fi
 CONFIG="${1:-${BATCHD_CONFIG:-/etc/batchd/job.toml}}"
 BATCHD="${BATCHD:-batchd}"
 PYTHON="${PYTHON:-python3}"
@@ -72,6 +84,10 @@ trap stop TERM INT
 pids+=("$!")
 echo "start-batchd: coordinator pid $! on port $COORD_PORT (metrics $COORD_METRICS_PORT)" >&2
 
+if [[ "$ROLE" == coordinator ]]; then
+    WORLD_SIZE=0   # the node agents (deploy/ray/start-node-agent.sh, one per GPU node) serve the ranks
+    echo "start-batchd: coordinator only; start a node agent on every GPU node" >&2
+fi
 for ((r = 0; r < WORLD_SIZE; r++)); do
     "$BATCHD" rank --config "$CONFIG" --rank "$r" --coordinator "$COORD_ADDRESS" \
         --port "$((RANK_BASE_PORT + r))" --metrics-port "$((RANK_METRICS_BASE_PORT + r))" \
