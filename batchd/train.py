@@ -7,9 +7,10 @@ torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous (MASTER_ADDR/PORT)
 them, initialises the process group (NCCL on `cuda:LOCAL_RANK` when CUDA is available, else gloo on
 CPU), connects a `BatchClient` to the rank service of its global rank and runs `train_step` on every
 (batch, StepInfo) of epochs 0..E-1 (`client.set_epoch(e)` before each; E: `--epochs`, by default the
-job's, asked of the rank service). The rank service address comes from `--rank-services` (a comma
-list indexed by global rank, or one address with a `{rank}` placeholder) or `--rank-host HOST
---base-port P` (rank r at HOST:P+r, the layout `deploy/ray/start-batchd.sh` starts).
+job's, asked of the rank service). The rank service address comes from `--node-agent HOST:PORT` (this
+host's `batchd node`, which serves every local rank on one port; default $BATCHD_NODE_AGENT), from
+`--rank-services` (a comma list indexed by global rank, or one address with a `{rank}` placeholder) or
+from `--rank-host HOST --base-port P` (rank r at HOST:P+r, one `batchd rank` per rank).
 
 The model is the demo's `TinyCausalLM` (size flags below): this is a smoke-test and template trainer;
 a real job swaps in its own model and keeps the loop. With `--checkpoint DIR` every rank saves the
@@ -113,7 +114,10 @@ def vocab_size(explicit: int | None, tokenizer: str | None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m batchd.train",
                                 description="One torchrun-launched DDP rank training on its batchd rank service.")
-    where = p.add_mutually_exclusive_group(required=True)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--node-agent", metavar="HOST:PORT",
+                       help="this host's node agent (`batchd node`), serving every local rank (default: "
+                       "$BATCHD_NODE_AGENT)")
     where.add_argument("--rank-services", metavar="ADDRS",
                        help="comma list of rank service addresses by global rank, or one with {rank}")
     where.add_argument("--base-port", type=int, metavar="P", help="rank r's service listens on --rank-host:P+r")
@@ -170,7 +174,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--epochs must be >= 1, got {args.epochs}")
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     try:  # bad addresses and TLS/token/tokenizer files fail here, before the rendezvous, in one line
-        address = rank_service_address(rank, world_size, args.rank_services, args.rank_host, args.base_port)
+        node_agent = args.node_agent or (os.environ.get("BATCHD_NODE_AGENT", "").strip() or None
+                                         if args.rank_services is None and args.base_port is None else None)
+        if node_agent is not None:
+            address = node_agent
+        elif args.rank_services is None and args.base_port is None:
+            raise ValueError("where is the rank service? pass --node-agent HOST:PORT (or set $BATCHD_NODE_AGENT), "
+                             "--rank-services ADDRS or --base-port P")
+        else:
+            address = rank_service_address(rank, world_size, args.rank_services, args.rank_host, args.base_port)
         security = security_from_args(args)
         vocab = vocab_size(args.vocab_size, args.tokenizer)
     except (ValueError, OSError) as exc:
