@@ -43,6 +43,10 @@ log = logging.getLogger("batchd.client")
 WAIT_LOG_S = 5.0
 
 
+class _Ended(Exception):
+    """A `Batches` stream ended without the end of the epoch."""
+
+
 class BatchClient:
     """Iterates over (batch, StepInfo) for one rank (see module docstring).
 
@@ -147,9 +151,14 @@ class BatchClient:
                     start = None
                     self._connected = True
                     yield item
-                return
-            except grpc.RpcError as exc:
-                code, details = exc.code(), exc.details()
+                if self.finished:
+                    return
+                # The stream ended without the end of the epoch: the service is stopping (a restart may
+                # follow). As a disconnect: connect again within the reconnect window.
+                raise _Ended()
+            except (grpc.RpcError, _Ended) as exc:
+                code, details = ((grpc.StatusCode.UNAVAILABLE, "the rank service ended the stream before the end "
+                                  "of the epoch") if isinstance(exc, _Ended) else (exc.code(), exc.details()))
                 if code == grpc.StatusCode.ABORTED:
                     raise JobFailed(details) from None
                 if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,

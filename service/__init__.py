@@ -10,6 +10,7 @@ from ._coordinator import CoordinatorServicer, CoordinatorState, create_server
 from ._journal import Journal, JournalError
 from ._main import node_ranks, run_coordinator, run_node, run_rank
 from ._metrics import CoordinatorMetrics, MergedRegistry, RankMetrics, start_metrics_server, stop_metrics_server
+from ._node import NodeAgent
 from ._node_link import LocalRankClient, NodeLink
 from ._rank_server import RankServicer, create_rank_server
 from ._rank_service import RankServiceCore, collate
@@ -17,6 +18,6 @@ from ._security import add_port, server_interceptors
 
 __all__ = sorted([
     "CoordinatorClient", "CoordinatorMetrics", "CoordinatorServicer", "CoordinatorState", "Journal", "JournalError",
-    "LocalRankClient", "MergedRegistry", "NodeLink", "RankMetrics", "RankServiceCore", "RankServicer", "add_port",
+    "LocalRankClient", "MergedRegistry", "NodeAgent", "NodeLink", "RankMetrics", "RankServiceCore", "RankServicer", "add_port",
     "collate", "create_rank_server", "create_server", "node_ranks", "run_coordinator", "run_node", "run_rank", "server_interceptors", "start_metrics_server", "stop_metrics_server",
 ])

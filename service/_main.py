@@ -35,7 +35,7 @@ from batchd.proto import Security
 from ._coord_client import CoordinatorClient
 from ._coordinator import create_server
 from ._metrics import CoordinatorMetrics, MergedRegistry, RankMetrics, start_metrics_server, stop_metrics_server
-from ._node_link import NodeLink
+from ._node import NodeAgent
 from ._rank_server import create_rank_server
 from ._rank_service import RankServiceCore
 from .preprocess import (
@@ -365,58 +365,35 @@ def _serve_node(spec: JobSpec, ranks: list[int], coordinator: str, name: str, so
                 port: int, advertise: str | None, port_file: str | None, state_dir: str | None,
                 client_grace_s: float, security: Security | None, metrics_port: int | None, metrics_host: str,
                 trainer_timeout_s: float, startup_timeout_s: float) -> int:
-    cores: dict[int, RankServiceCore] = {}
-    metrics = {r: RankMetrics(r) for r in ranks} if metrics_port is not None else {}
-    for r in ranks:
-        cores[r] = RankServiceCore(r, spec, None, sources[r], state_dir=state_dir, client_grace_s=client_grace_s,
-                                   trainer_timeout_s=trainer_timeout_s, security=security, metrics=metrics.get(r))
-    for core in cores.values():
-        core.local_peers = {r: c for r, c in cores.items() if r != core.rank}
-    server, bound = create_rank_server(f"{host}:{port}", cores, security)
-    address = f"{_advertised(host, advertise)}:{bound}"
-    link = NodeLink(coordinator, name, ranks, spec, address, startup_timeout_s=startup_timeout_s, security=security)
-    for r, core in cores.items():
-        core.coord = link.client(r)
-        if core.finished:
-            link.retire(r)
+    agent = NodeAgent(spec, coordinator, name, sources, host, port, _advertised(host, advertise), state_dir,
+                      client_grace_s, security, metrics_port is not None, trainer_timeout_s, startup_timeout_s)
+    cores = agent.cores
     metrics_server = metrics_bound = None
-    if metrics:
-        metrics_server, metrics_bound = start_metrics_server(MergedRegistry([m.registry for m in metrics.values()]),
-                                                             metrics_host, metrics_port)
-    server.start()
-    for core in cores.values():
-        core.start(address)
+    if agent.metrics:
+        metrics_server, metrics_bound = start_metrics_server(
+            MergedRegistry([m.registry for m in agent.metrics.values()]), metrics_host, metrics_port)
+    agent.start()
+    bound = agent.port
     write_port_file(port_file, bound, metrics_bound)
-    log.info("node agent %r serving ranks %s on %s:%d (peers reach it at %s; %s)", name, ranks, host, bound, address,
-             security.describe() if security else "plaintext")
+    log.info("node agent %r serving ranks %s on %s:%d (peers reach it at %s; %s)", name, agent.ranks, host, bound,
+             agent.address, security.describe() if security else "plaintext")
     stop = _stop_event()
     status = 0
     finished_at = None
     try:
         while not stop.wait(0.2):
-            states = []
-            for core in cores.values():
-                with core.cond:
-                    states.append((core.failure is not None, core.finished and core.delivery.holder is None,
-                                   core.restored_finished))
-            failed = any(s[0] for s in states)
-            finished = all(s[1] for s in states)
-            restored = all(s[2] for s in states)
-            if failed:
+            if agent.failure is not None:
                 status = 1
                 stop.wait(LINGER_S)
                 break
-            if finished:
+            if agent.finished:
                 finished_at = finished_at or time.monotonic()
-                if not restored or time.monotonic() - finished_at >= RESTORED_LINGER_S:
+                if not agent.restored_finished or time.monotonic() - finished_at >= RESTORED_LINGER_S:
                     break
             else:
                 finished_at = None
     finally:
-        for core in cores.values():
-            core.stop()
-        link.close()
-        server.stop(1.0).wait()
+        agent.stop()
         if metrics_server is not None:
             stop_metrics_server(metrics_server)
     if stop.is_set() and not all(c.finished for c in cores.values()) and status == 0:

@@ -331,6 +331,9 @@ class RankServiceCore:
                     break
                 self._next_epoch()
         except CoordinatorError as exc:
+            if self._stop.is_set() and self.failure is None:  # this service is stopping (a restart may follow):
+                log.debug("rank %d loop ended by stop(): %s", self.rank, exc)  # not a failure of the job
+                return
             if exc.code != grpc.StatusCode.ABORTED and not self._stop.is_set():  # not the job's failure: tell it
                 self.coord.fail(str(exc))
             self.set_failure(str(exc))

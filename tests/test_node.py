@@ -1,0 +1,299 @@
+"""Node agents in one process: a real gRPC coordinator and `NodeAgent`s (several ranks each) on loopback.
+
+What a node agent must keep from one-rank services: equal steps, every id once, exact resume after an
+abrupt restart; what it adds: one coordinator stream per node, moves between its ranks in process, a
+failure that names the agent, refusals of a peer of another protocol version or of a rank claimed twice.
+Every wait is a deadline on an event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from batchd.client import BatchClient
+from batchd.core import JobSpec, RankState, RoundDecision, Sample
+from batchd.proto import batchd_pb2 as pb
+from batchd.proto import batchd_pb2_grpc as pb_grpc
+from batchd.proto import wire
+from batchd.service import NodeAgent, NodeLink, create_server, node_ranks
+from batchd.service.preprocess import SyntheticSource
+
+HOST = "127.0.0.1"
+
+
+def _lengths(n=360, seed=5):
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(4.2, 0.9, n), 2, 1000).astype(int).tolist()
+
+
+class NodeJob:
+    """A coordinator and `nodes` node agents of `spec.world_size // nodes` ranks each, in this process."""
+
+    def __init__(self, spec: JobSpec, lengths, nodes: int, state_dir=None, lease_s: float = 10.0) -> None:
+        self.spec, self.lengths, self.state_dir = spec, lengths, state_dir
+        self.k = spec.world_size // nodes
+        self.server, self.port, self.state = create_server(f"{HOST}:0", spec, lease_s, 60.0)
+        self.server.start()
+        self.agents: list[NodeAgent] = []
+        try:
+            for g in range(nodes):
+                self.agents.append(self._agent(g, 0))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _agent(self, g: int, port: int) -> NodeAgent:
+        spec = self.spec
+        sources = {r: SyntheticSource(self.lengths, r, spec.world_size, spec.seed, 0, spec.shuffle)
+                   for r in range(g * self.k, (g + 1) * self.k)}
+        agent = NodeAgent(spec, f"{HOST}:{self.port}", f"node-{g}", sources, HOST, port,
+                          state_dir=None if self.state_dir is None else self.state_dir / f"node-{g}",
+                          startup_timeout_s=30.0)
+        agent.start()
+        return agent
+
+    def restart(self, g: int) -> NodeAgent:
+        """Stops agent `g` abruptly (its loops and server stop; nothing is written beyond its journals) and
+        starts a new one on the same port from its journals."""
+        old = self.agents[g]
+        old.stop(grace=0)
+        for core in old.cores.values():
+            core.join(10)
+        self.agents[g] = self._agent(g, old.port)
+        return self.agents[g]
+
+    def address(self, rank: int) -> str:
+        return f"{HOST}:{self.agents[rank // self.k].port}"
+
+    def stop(self) -> None:
+        for agent in self.agents:
+            with contextlib.suppress(Exception):
+                agent.stop(grace=0)
+        self.server.stop(0)
+        self.state.close()
+
+
+@pytest.fixture
+def node_job():
+    jobs = []
+
+    def make(*args, **kwargs):
+        jobs.append(NodeJob(*args, **kwargs))
+        return jobs[-1]
+
+    yield make
+    for job in jobs:
+        job.stop()
+
+
+def _drain(job: NodeJob, on_step=None, limit_s: float = 90.0) -> list[list[tuple[list[int], object]]]:
+    """Every rank's steps (sample ids, StepInfo), one BatchClient thread per rank."""
+    world = job.spec.world_size
+    results: list = [None] * world
+    errors: list = []
+
+    def consume(r: int) -> None:
+        try:
+            with BatchClient(job.address(r), r, world, reconnect_timeout_s=30) as client:
+                out = []
+                for batch, info in client:
+                    out.append((batch["sample_ids"].tolist(), info))
+                    if on_step is not None:
+                        on_step(r, len(out))
+                results[r] = out
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append((r, exc))
+
+    threads = [threading.Thread(target=consume, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(limit_s)
+    assert not errors, errors
+    assert all(r is not None for r in results), "a trainer did not finish"
+    return results
+
+
+def _check_exactly_once(results, n: int) -> None:
+    steps = [len(r) for r in results]
+    assert len(set(steps)) == 1 and steps[0] > 0, steps
+    ids = sorted(i for r in results for ids, _ in r for i in ids)
+    assert ids == list(range(n)), f"{len(ids)} ids, {len(set(ids))} distinct, expected {n}"
+
+
+def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_process(node_job):
+    lengths = _lengths()
+    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=24, depth=3, seed=11)
+    job = node_job(spec, lengths, nodes=2)
+    results = _drain(job)
+    _check_exactly_once(results, len(lengths))
+    assert job.state.node_of == {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}
+    assert job.state._topology() == [0, 0, 1, 1]
+    home = {i: r for a in job.agents for r, c in a.cores.items() for i in c.source.view._view}
+    moved = [sum(1 for ids, _ in res for i in ids if home[i] != r) for r, res in enumerate(results)]
+    local = {r: c.fetched["local"] for a in job.agents for r, c in a.cores.items()}
+    remote = {r: c.fetched["remote"] for a in job.agents for r, c in a.cores.items()}
+    # Every sample placed off its home rank was taken in process (same node) or fetched (other node).
+    assert [local[r] + remote[r] for r in range(4)] == moved, (local, remote, moved)
+    assert sum(local.values()) > 0, "no move between the ranks of one agent: the in-process path is untested"
+    for r in range(4):
+        same_node = sum(1 for ids, _ in results[r] for i in ids if home[i] != r and home[i] // 2 == r // 2)
+        assert local[r] == same_node, (r, local[r], same_node)
+
+
+def test_an_agent_restarted_abruptly_mid_epoch_resumes_its_ranks_exactly(node_job, tmp_path):
+    lengths = _lengths(300, seed=8)
+    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=16, depth=2, seed=4)
+    job = node_job(spec, lengths, nodes=2, state_dir=tmp_path)
+    restarted = threading.Event()
+
+    def on_step(rank: int, n: int) -> None:
+        if rank == 2 and n == 6 and not restarted.is_set():
+            restarted.set()
+            threading.Thread(target=job.restart, args=(1,), daemon=True).start()
+
+    results = _drain(job, on_step)
+    assert restarted.is_set()
+    _check_exactly_once(results, len(lengths))
+    for s in range(len(results[0])):
+        assert len({res[s][1].step for res in results}) == 1
+
+
+def test_node_ranks_follow_torchrun_and_name_what_is_missing():
+    assert node_ranks(4, 2) == [8, 9, 10, 11]
+    assert node_ranks(env={"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "3"}) == [6, 7]
+    assert node_ranks(env={"LOCAL_WORLD_SIZE": "2", "NODE_RANK": "1"}) == [2, 3]
+    with pytest.raises(ValueError, match=r"--node-rank.*GROUP_RANK"):
+        node_ranks(env={"LOCAL_WORLD_SIZE": "2"})
+    with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE='two'"):
+        node_ranks(env={"LOCAL_WORLD_SIZE": "two", "GROUP_RANK": "0"})
+    with pytest.raises(ValueError, match="local_ranks must be >= 1"):
+        node_ranks(0, 0)
+
+
+@pytest.fixture
+def coordinator():
+    spec = JobSpec(world_size=4, token_budget=1024, policy="local", window=8, depth=2)
+    server, port, state = create_server(f"{HOST}:0", spec, 1.5, 60.0)
+    server.start()
+    channel = grpc.insecure_channel(f"{HOST}:{port}")
+    yield spec, pb_grpc.CoordinatorStub(channel), state
+    channel.close()
+    server.stop(0)
+    state.close()
+
+
+def _hello(spec, node, ranks, protocol=pb.NODE_PROTOCOL_V1, address="127.0.0.1:1"):
+    return pb.NodeRequest(hello=pb.NodeHello(protocol=protocol, node=node, ranks=ranks, spec=wire.spec_to_pb(spec),
+                                             address=address))
+
+
+def test_the_coordinator_refuses_a_node_of_another_protocol_or_out_of_order(coordinator):
+    spec, stub, state = coordinator
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Node(iter([_hello(spec, "old", [0, 1], protocol=pb.NODE_PROTOCOL_UNSPECIFIED)]), timeout=5))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "node protocol 0" in e.value.details() and "same batchd version" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Node(iter([pb.NodeRequest(align=pb.NodeAlign(epoch=0, round=0))]), timeout=5))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "before its hello" in e.value.details()
+    report = pb.AlignRequest(rank=3, epoch=0, round=0, capacity=1)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Node(iter([_hello(spec, "a", [0, 1]),
+                             pb.NodeRequest(align=pb.NodeAlign(epoch=0, round=0, reports=[report]))]), timeout=5))
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "rank(s) [3], which it did not register" in e.value.details()
+    bad = JobSpec(world_size=4, token_budget=2048, policy="local", window=8, depth=2)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Node(iter([_hello(bad, "b", [2, 3])]), timeout=5))
+    assert "token_budget: coordinator 1024, node agent 2048" in e.value.details()
+
+
+def test_two_live_agents_cannot_serve_one_rank_and_a_silent_one_fails_the_job_naming_it(coordinator):
+    spec, stub, state = coordinator
+    state.register_node("a", [0, 1], spec, "10.0.0.1:7100")
+    with pytest.raises(ValueError, match=r"node agent 'b' claims rank 1, which node agent 'a' at 10.0.0.1:7100"):
+        state.register_node("b", [1, 2], spec, "10.0.0.2:7100")
+    state.register_node("b", [2, 3], spec, "10.0.0.2:7100")
+    assert state._topology() == [0, 0, 1, 1]
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:  # node a heartbeats (both its ranks in one call); b stays silent
+        stub.Heartbeat(pb.HeartbeatRequest(rank=0, ranks=[0, 1]), timeout=5)
+        time.sleep(0.2)
+    deadline = time.monotonic() + 10
+    while state.failure is None and time.monotonic() < deadline:
+        stub.Heartbeat(pb.HeartbeatRequest(rank=0, ranks=[0, 1]), timeout=5)
+        time.sleep(0.2)
+    assert state.failure is not None, "the silent node agent did not fail the job"
+    assert "node agent 'b' at 10.0.0.2:7100, ranks 2-3" in state.failure and "missed its lease" in state.failure
+
+
+def test_a_balanced_plan_reaches_each_node_cut_to_what_it_needs():
+    from batchd.service._coordinator import NodeView
+
+    s = [Sample(i, 10 + i, home_rank=i % 4) for i in range(8)]
+    plan = ((tuple(s[0:2]),), (tuple(s[2:5]),), (tuple(s[5:7]),), (tuple(s[7:8]),))
+    decision = RoundDecision(3, 1, plan)
+    got = wire.decision_from_pb(NodeView("a", [0, 1]).decision_pb(decision, 0))
+    assert got.plan[0] == plan[0] and got.plan[1] == plan[1]  # its own ranks: whole
+    # others: only what ranks 0 and 1 lend them (homes 0 and 1)
+    assert got.plan[2] == ((s[5],),) and got.plan[3] == ((),)
+    assert got.target == 1 and got.round == 3
+
+
+def test_a_replay_goes_at_once_while_the_nodes_other_rank_is_elsewhere():
+    """After a restart, a rank behind replays rounds the coordinator has passed without waiting for the
+    node's other rank (which may wait for its trainer, which waits in DDP for this one)."""
+    spec = JobSpec(world_size=2, token_budget=256, policy="local", window=4, depth=4)
+    server, port, state = create_server(f"{HOST}:0", spec, 10.0, 60.0)
+    server.start()
+    links = []
+    try:
+        def run_round(link, states, which):
+            out = {}
+
+            def one(r):
+                report = states[r].report(4)
+                decision = link.call(r, "align", 0, report)
+                commit = states[r].apply(decision)
+                out[r] = states[r].finalize(link.call(r, "commit", 0, commit))
+
+            threads = [threading.Thread(target=one, args=(r,), daemon=True) for r in which]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            assert set(out) == set(which), f"round did not complete for ranks {sorted(set(which) - set(out))}"
+            return out
+
+        def fresh_states():
+            states = {r: RankState(spec, r) for r in (0, 1)}
+            for r, st in states.items():
+                for i in range(4):
+                    st.push(Sample(r + 2 * i, 10, home_rank=r))
+            return states
+
+        link = NodeLink(f"{HOST}:{port}", "n", [0, 1], spec, "127.0.0.1:9", startup_timeout_s=10)
+        links.append(link)
+        link.hello()
+        states = fresh_states()
+        first = run_round(link, states, [0, 1])
+        link.close()
+        # The agent restarts: rank 0's journal is past round 0, rank 1's is not (it replays round 0 alone).
+        link2 = NodeLink(f"{HOST}:{port}", "n", [0, 1], spec, "127.0.0.1:9", startup_timeout_s=10)
+        links.append(link2)
+        assert link2.hello().round == 1 and link2.position == (0, 1)
+        replayed = fresh_states()
+        again = run_round(link2, replayed, [1])
+        assert [st.info for st in again[1]] == [st.info for st in first[1]]
+    finally:
+        for link in links:
+            link.close()
+        server.stop(0)
+        state.close()
