@@ -50,6 +50,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lengths", required=True, metavar="FILE", help="one integer length per line")
     p.add_argument("--config", default=None, metavar="FILE", help="job config (TOML/YAML); its [job] is used")
     add_job_flags(p, exclude=("collate", "epochs"), shown={"shuffle": False})
+    p.add_argument("--local-ranks", type=_positive, default=None, metavar="K",
+                   help="ranks per node (rank r on node r // K): balanced plans node-aware, and the result "
+                   "splits moved samples/bytes into intra- and cross-node (default: every rank its own node)")
+    p.add_argument("--node-blind", action="store_true",
+                   help="with --local-ranks: keep the node-blind plan, count its moves under the topology")
     p.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_simulate)
@@ -70,7 +75,8 @@ def _simulate(args: argparse.Namespace) -> int:
     lengths = read_lengths(args.lengths)
     total = len(lengths) if spec.quota is None else min(spec.quota, len(lengths))
     with Progress(total, "simulate", "samples", enabled=not (args.json or args.quiet)) as bar:
-        result = simulate(lengths, spec, on_step=lambda step: bar.update(sum(len(s.samples) for s in step)))
+        result = simulate(lengths, spec, on_step=lambda step: bar.update(sum(len(s.samples) for s in step)),
+                          local_ranks=args.local_ranks, node_aware=not args.node_blind)
     if args.json:
         print(json.dumps(result))
     else:

@@ -15,7 +15,7 @@ from ._align import (
     target_min,
     target_odb,
 )
-from ._balance import plan_round
+from ._balance import plan_moves, plan_round
 from ._collate import IGNORE_INDEX, VISION_KEYS, collate_packed, collate_padded, idle_batch, loss_tokens
 from ._cost import COST_MODELS, CostModel
 from ._delivery import ATTACHED, END, REFUSED, SEND_END, WAIT, Connect, Delivery
@@ -46,6 +46,6 @@ __all__ = sorted([
     "RankState", "RoundDecision", "RoundTotals", "Sample", "SimMetrics", "Simulator",
     "Step", "StepInfo", "ViewSource",
     "best_fit_decreasing", "contiguous_greedy", "epoch_permutation", "fixed_chunks", "form_groups",
-    "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "parse_lengths", "plan_round",
+    "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "parse_lengths", "plan_moves", "plan_round",
     "simulate", "split_largest", "synthetic_token_loss", "target_min", "target_odb",
 ])

@@ -56,7 +56,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._balance import plan_round
+from ._balance import check_nodes, plan_round
 from ._policy import Entry
 from ._types import Sample, check_int
 
@@ -159,8 +159,13 @@ K_POLICY, K_ROUND, K_EMITTED, K_QUOTA, K_BUDGET = "policy", "round", "emitted", 
 class Coordinator:
     """The alignment coordinator's pure state machine for one epoch (see module docstring)."""
 
-    def __init__(self, spec: JobSpec, epoch: int = 0) -> None:
+    def __init__(self, spec: JobSpec, epoch: int = 0, nodes: Sequence[int] | None = None) -> None:
+        """`nodes[r]`: the node index of rank r (`balanced` plans node-aware, `plan_round`); None plans
+        node-blind. The topology is not part of `state_dict` (the daemon owns it). Raises ValueError on
+        a `nodes` without one int >= 0 per rank."""
         spec.check_daemon()
+        self.nodes = check_nodes(nodes, spec.world_size) if nodes is not None else None
+        self.plan_stats: dict[str, int] = {}  # node-aware planning counts (`plan_round`'s `stats`)
         self.spec = spec
         self.world_size, self.policy, self.token_budget = spec.world_size, spec.policy_object(), spec.token_budget
         self.cost = spec.cost_model()
@@ -217,7 +222,7 @@ class Coordinator:
         rng = random.Random(f"plan:{self.seed}:{self.epoch}:{self.round}")
         plan = plan_round(
             pool, self.world_size, min(r.capacity for r in reports), final, self.token_budget, self.cost,
-            self.round, self.policy.max_wait, rng, self.policy.refine,
+            self.round, self.policy.max_wait, rng, self.policy.refine, self.nodes, self.plan_stats,
         )
         target = len(plan[0]) if plan else 0
         return RoundDecision(self.round, target, tuple(tuple(p) for p in plan))

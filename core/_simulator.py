@@ -9,6 +9,12 @@ the steps of the current round not yet consumed.
 Metrics (see `SimMetrics.result`): padding efficiency = real / materialized tokens; step efficiency =
 real / (steps x N x L); compute_vs_limit = sum over steps of the slowest rank's cost / (real / N), i.e.
 how far the straggler-bound compute is from a perfectly packed, perfectly balanced run (1.0).
+
+Topology (`local_ranks` = K): rank r sits on node r // K. The result then splits `moved` into
+intra-node and cross-node samples and bytes (`plan_moves`: `nbytes`, else 8 x length), totals and
+means per round; with `node_aware` (the default) `balanced` plans node-aware (`plan_round`'s `nodes`),
+without it the plan stays node-blind and only the counts use the topology. K = 1 or None: every rank is
+its own node and the plan is node-blind, as without topology.
 """
 
 from __future__ import annotations
@@ -21,10 +27,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ._align import Coordinator
+from ._balance import plan_moves
 from ._rank import RankState
 from ._source import ViewSource
 from ._spec import JobSpec
-from ._types import Sample, Step
+from ._types import Sample, Step, check_bool, check_int
 
 
 def synthetic_token_loss(sample_id: int) -> float:
@@ -33,9 +40,20 @@ def synthetic_token_loss(sample_id: int) -> float:
 
 
 class Simulator:
-    """Runs one epoch of `spec` over `lengths` (sample id = index)."""
+    """Runs one epoch of `spec` over `lengths` (sample id = index).
 
-    def __init__(self, lengths: Sequence[int], spec: JobSpec, epoch: int = 0) -> None:
+    `local_ranks` (K >= 1, or None): ranks per node, rank r on node r // K (module docstring);
+    `node_aware`: with K > 1, `balanced` plans node-aware (else node-blind, counted under the topology).
+    """
+
+    def __init__(self, lengths: Sequence[int], spec: JobSpec, epoch: int = 0, local_ranks: int | None = None,
+                 node_aware: bool = True) -> None:
+        if local_ranks is not None:
+            check_int("local_ranks", local_ranks, lo=1)
+        check_bool("node_aware", node_aware)
+        self.local_ranks, self.node_aware = local_ranks, node_aware
+        k = local_ranks or 1
+        self.nodes = [r // k for r in range(spec.world_size)]
         for i, n in enumerate(lengths):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"lengths[{i}] must be a positive int, got {n!r}")
@@ -48,11 +66,17 @@ class Simulator:
         wrap = c.mode == "non-join"
         self.sources = [ViewSource(len(self.lengths), r, c.world_size, c.seed, epoch, c.shuffle, wrap)
                         for r in range(c.world_size)]
-        self.coordinator = Coordinator(c, epoch)
+        self.coordinator = Coordinator(c, epoch, self.nodes if self.planned_by_node else None)
         self.ranks = [RankState(c, r, epoch) for r in range(c.world_size)]
+        self.plan_s = 0.0  # time spent in the coordinator's decide (the plan, for `balanced`)
         self.pending: list[collections.deque[Step]] = [collections.deque() for _ in range(c.world_size)]
         self.rounds = 0
         self._idle_rounds = 0
+
+    @property
+    def planned_by_node(self) -> bool:
+        """True when the coordinator plans node-aware (K > 1 and `node_aware`)."""
+        return self.node_aware and (self.local_ranks or 1) > 1
 
     @property
     def done(self) -> bool:
@@ -80,7 +104,9 @@ class Simulator:
         self._fill()
         depth = self.spec.depth
         reports = [r.report(depth - len(q)) for r, q in zip(self.ranks, self.pending)]
+        t0 = time.perf_counter()
         decision = self.coordinator.decide(reports)
+        self.plan_s += time.perf_counter() - t0
         commits = [r.apply(decision) for r in self.ranks]
         totals = self.coordinator.commit(commits)
         for r, q in zip(self.ranks, self.pending):
@@ -106,9 +132,14 @@ class Simulator:
             yield step
 
     # -- state ---------------------------------------------------------------------------------------
+    def _topology(self) -> dict[str, Any] | None:
+        return None if self.local_ranks is None else {"local_ranks": self.local_ranks, "node_aware": self.node_aware}
+
     def state_dict(self) -> dict[str, Any]:
-        """JSON-safe state between any two steps."""
+        """JSON-safe state between any two steps (with `topology` only when `local_ranks` is set)."""
+        topology = self._topology()
         return {
+            **({"topology": topology} if topology is not None else {}),
             "config": dataclasses.asdict(self.spec),
             "epoch": self.epoch,
             "coordinator": self.coordinator.state_dict(),
@@ -124,6 +155,9 @@ class Simulator:
         if saved != dataclasses.asdict(self.spec):
             diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(self.spec).items() if saved.get(k) != v}
             raise ValueError(f"simulator state was saved with another config (saved, current): {diff}")
+        if state.get("topology") != self._topology():
+            raise ValueError(f"simulator state was saved with another topology: saved {state.get('topology')!r}, "
+                             f"current {self._topology()!r}")
         self.coordinator.load_state_dict(state["coordinator"])
         for r, s in zip(self.ranks, state["ranks"], strict=True):
             r.load_state_dict(s)
@@ -136,8 +170,11 @@ class Simulator:
 class SimMetrics:
     """Accumulates the `batchd simulate` metrics from consumed steps."""
 
-    def __init__(self, num_samples: int, spec: JobSpec) -> None:
+    def __init__(self, num_samples: int, spec: JobSpec, nodes: Sequence[int] | None = None) -> None:
         self.n, self.c = num_samples, spec
+        self.nodes = nodes
+        self.moves = dict.fromkeys(("intra_node_samples", "intra_node_bytes", "cross_node_samples",
+                                    "cross_node_bytes"), 0)
         self.cost = spec.cost_model()
         self.counts = [0] * num_samples
         self.steps = [0] * spec.world_size
@@ -149,6 +186,8 @@ class SimMetrics:
         c = self.c
         slowest, num, den = 0.0, 0.0, 0
         rank_sums = []
+        for k, v in plan_moves([[s.samples] for s in step], self.nodes).items():
+            self.moves[k] += v
         for rank, s in enumerate(step):
             self.steps[rank] += 1
             if s.info.is_idle:
@@ -163,7 +202,7 @@ class SimMetrics:
             self.padded += self.cost.materialized_tokens(lengths)
             cost = s.info.cost
             slowest = max(slowest, cost)
-            if cost > c.token_budget and not (len(lengths) == 1):
+            if cost > c.token_budget and len(lengths) != 1:
                 self.over_budget += 1
             rank_sum = math.fsum(synthetic_token_loss(x.id) * x.loss_tokens for x in s.samples)
             rank_sums.append(rank_sum)
@@ -199,18 +238,38 @@ class SimMetrics:
             "compute_vs_limit": self.slowest / (self.real / n) if self.real else 0.0,
             "over_budget": self.over_budget, "loss_scale_error": self.loss_err,
             "wall_s": wall_s, "samples_per_s_per_rank": self.emitted / n / wall_s if wall_s > 0 else 0.0,
+            **self.node_result(sim),
         }
+
+    def node_result(self, sim: Simulator) -> dict[str, Any]:
+        """The topology's part of `result`: moves split intra/cross node (totals and per-round means),
+        how the rounds were planned, and the coordinator's planning time per round."""
+        rounds = max(sim.rounds, 1)
+        m = self.moves
+        stats = sim.coordinator.plan_stats
+        out: dict[str, Any] = {"local_ranks": sim.local_ranks or 1, "node_aware": sim.planned_by_node}
+        for key, name in (("intra_node_moved", "intra_node_samples"), ("intra_node_bytes", "intra_node_bytes"),
+                          ("cross_node_moved", "cross_node_samples"), ("cross_node_bytes", "cross_node_bytes")):
+            out[key] = m[name]
+            out[f"{key}_per_round"] = m[name] / rounds
+        out.update({
+            "node_planned_rounds": stats.get("node_aware", 0), "node_widened_rounds": stats.get("node_widened", 0),
+            "node_fallback_rounds": stats.get("node_fallback", 0), "plan_per_round_s": sim.plan_s / rounds,
+        })
+        return out
 
 
 def simulate(lengths: Sequence[int], spec: JobSpec,
-             on_step: Callable[[tuple[Step, ...]], None] | None = None) -> dict[str, Any]:
+             on_step: Callable[[tuple[Step, ...]], None] | None = None, local_ranks: int | None = None,
+             node_aware: bool = True) -> dict[str, Any]:
     """Runs one epoch and returns the metrics dict `batchd simulate --json` prints.
 
     `on_step` (e.g. a progress bar) sees each aligned step (one `Step` per rank) as it is emitted.
+    `local_ranks` / `node_aware`: the topology (`Simulator`).
     """
     t0 = time.perf_counter()
-    sim = Simulator(lengths, spec)
-    metrics = SimMetrics(len(lengths), spec)
+    sim = Simulator(lengths, spec, local_ranks=local_ranks, node_aware=node_aware)
+    metrics = SimMetrics(len(lengths), spec, sim.nodes)
     for step in sim:
         metrics.add(step)
         if on_step is not None:

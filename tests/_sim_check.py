@@ -8,9 +8,10 @@ from collections import Counter
 from batchd.core import CostModel, JobSpec, Simulator, synthetic_token_loss
 
 
-def run_checked(lengths, config: JobSpec):
-    """Runs `config` over `lengths`, asserting the per-step invariants; returns (sim, schedule)."""
-    sim = Simulator(lengths, config)
+def run_checked(lengths, config: JobSpec, local_ranks=None):
+    """Runs `config` over `lengths` (`local_ranks`: the simulator's topology), asserting the per-step
+    invariants; returns (sim, schedule)."""
+    sim = Simulator(lengths, config, local_ranks=local_ranks)
     n = config.world_size
     cost = CostModel(config.cost)
     budget = config.token_budget

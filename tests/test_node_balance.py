@@ -1,0 +1,225 @@
+"""Node-aware balancing (`plan_round(..., nodes=...)`), `plan_moves` and the simulator's topology."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+
+import pytest
+from _sim_check import check_epoch, run_checked
+from batchd.core import (
+    Coordinator,
+    CostModel,
+    Entry,
+    JobSpec,
+    Sample,
+    Simulator,
+    plan_moves,
+    plan_round,
+    simulate,
+)
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+BUDGET = 64
+
+
+def _args(**kw):
+    """plan_round's arguments but rng, refine and nodes."""
+    return kw
+
+
+def topologies(world_size: int):
+    """Node of each rank: contiguous blocks of K, or any assignment (nodes need not be contiguous)."""
+    return st.one_of(
+        st.integers(1, world_size).map(lambda k: [r // k for r in range(world_size)]),
+        st.lists(st.integers(0, 5), min_size=world_size, max_size=world_size),
+    )
+
+
+@st.composite
+def rounds(draw):
+    world_size = draw(st.integers(1, 12))
+    nodes = draw(topologies(world_size))
+    pool = draw(st.lists(st.tuples(st.integers(1, BUDGET + BUDGET // 2), st.integers(0, world_size - 1),
+                                   st.integers(0, 6), st.sampled_from([0, 1, 5000])), max_size=120))
+    entries = [Entry(Sample(i, n, -1, home, (), nbytes), age) for i, (n, home, age, nbytes) in enumerate(pool)]
+    return _args(pool=entries, world_size=world_size, capacity=draw(st.integers(1, 6)), final=draw(st.booleans()),
+                token_budget=BUDGET, cost=CostModel(draw(st.sampled_from(["padded", "packed", "attention"]))),
+                now=6, max_wait=4), nodes, draw(st.booleans()), draw(st.integers(0, 3))
+
+
+def _plan(args, seed, refine, nodes=None, stats=None):
+    return plan_round(**args, rng=random.Random(seed), refine=refine, nodes=nodes, stats=stats)
+
+
+def _ids(plan):
+    return sorted(s.id for steps in plan for group in steps for s in group)
+
+
+@given(rounds())
+@example((_args(pool=[Entry(Sample(0, 64, -1, 0), 0), Entry(Sample(1, 64, -1, 0), 0), Entry(Sample(2, 1, -1, 1), 0),
+                     Entry(Sample(3, 1, -1, 1), 0)], world_size=2, capacity=1, final=False, token_budget=64,
+               cost=CostModel("padded"), now=0, max_wait=4), [0, 1], True, 0))
+def test_node_aware_plan_keeps_every_invariant(case):
+    """Same T and chosen samples as node-blind (hence the same quotas), each exactly once, T steps per
+    rank, no multi-sample group over the budget, deterministic."""
+    args, nodes, refine, seed = case
+    blind = _plan(args, seed, refine)
+    stats: dict[str, int] = {}
+    aware = _plan(args, seed, refine, nodes, stats)
+    assert aware == _plan(args, seed, refine, nodes), "not deterministic for a seeded rng"
+    assert len(aware) == args["world_size"]
+    target = len(blind[0])
+    assert all(len(steps) == target for steps in aware)
+    ids = _ids(aware)
+    assert ids == _ids(blind) and len(set(ids)) == len(ids), "another sample set than node-blind's"
+    cost = args["cost"]
+    for steps in aware:
+        for group in steps:
+            assert len(group) <= 1 or cost.cost([s.length for s in group]) <= BUDGET
+    for r in range(args["world_size"]):
+        held = sum(1 for e in args["pool"] if e.sample.home_rank == r)
+        got = sum(1 for steps in aware for group in steps for s in group if s.home_rank == r)
+        assert got >= min(target, held), f"rank {r}: quota of the round not kept"
+    if args["pool"] and args["capacity"] >= 1:
+        assert sum(stats.values()) >= 1
+
+
+def _golden() -> str:
+    """A digest of node-blind plans over seeded random rounds (pools, world sizes, budgets, costs)."""
+    h = hashlib.sha256()
+    for seed in range(60):
+        g = random.Random(seed)
+        n = g.randint(1, 12)
+        budget = g.choice([64, 512, 8192])
+        cost = CostModel(g.choice(["padded", "packed", "attention"]))
+        pool = [Entry(Sample(i, g.randint(1, budget + budget // 4), -1, g.randrange(n), (),
+                             g.choice([0, g.randint(1, 10**6)])), g.randint(0, 20))
+                for i in range(g.randint(0, 300))]
+        plan = plan_round(pool, n, g.randint(1, 8), g.random() < 0.3, budget, cost, 20, g.randint(1, 30),
+                          random.Random(seed), g.random() < 0.8)
+        h.update(repr([[[s.id for s in grp] for grp in steps] for steps in plan]).encode())
+    return h.hexdigest()
+
+
+def test_nodes_none_is_the_previous_plan():
+    """The digest was taken with the node-blind planner before `nodes` existed: unchanged bit for bit."""
+    assert _golden() == "8c1498958a1b7fd7532a48a380185bd283703d09ea05c1c7d9dbf2765c81d5c9"
+
+
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
+       st.lists(st.integers(1, BUDGET), min_size=1, max_size=6), st.randoms(use_true_random=False),
+       st.sampled_from(["padded", "packed"]), st.booleans())
+def test_no_cross_node_move_when_every_node_fills_its_slots(nodes_n, k, steps, templates, rnd, cost_name, refine):
+    """Every node holds the same multiset of complete groups, K x T of them: each node's own samples
+    fill exactly its slots under the refined capacity, so nothing crosses a node (moves stay intra-node)."""
+    cost = CostModel(cost_name)
+    world_size = nodes_n * k
+    nodes = [r // k for r in range(world_size)]
+    per_node = [templates[j % len(templates)] for j in range(k * steps)]  # K x T groups per node
+    entries, i = [], 0
+    for node in range(nodes_n):
+        for x in per_node:
+            # a complete group: floor(L / x) copies of x (padded), or x and L - x (packed)
+            lengths = [x] * (BUDGET // x) if cost_name == "padded" else [x, BUDGET - x] if x < BUDGET else [x]
+            for n in lengths:
+                entries.append(Entry(Sample(i, n, -1, node * k + rnd.randrange(k)), 0))
+                i += 1
+    plan = plan_round(entries, world_size, steps, False, BUDGET, cost, 0, 16, random.Random(0), refine, nodes)
+    assert len(plan[0]) == steps and _ids(plan) == list(range(i))
+    moves = plan_moves(plan, nodes)
+    assert moves["cross_node_samples"] == 0 and moves["cross_node_bytes"] == 0
+
+
+def test_cross_node_moves_fall_overall_but_not_always():
+    """Per round the claim "node-aware moves no more samples across nodes than node-blind" is false (a
+    pinned counter-example below); over many random rounds the node-aware total is far lower."""
+    blind_total = aware_total = worse = 0
+    for seed in range(300):
+        g = random.Random(seed)
+        n = g.randint(2, 12)
+        k = g.randint(1, 4)
+        nodes = [r // k for r in range(n)]
+        pool = [Entry(Sample(i, g.randint(1, BUDGET), -1, g.randrange(n)), 0) for i in range(g.randint(1, 200))]
+        args = _args(pool=pool, world_size=n, capacity=g.randint(1, 6), final=g.random() < 0.3, token_budget=BUDGET,
+                    cost=CostModel("padded"), now=0, max_wait=8)
+        b = plan_moves(_plan(args, seed, True), nodes)["cross_node_samples"]
+        a = plan_moves(_plan(args, seed, True, nodes), nodes)["cross_node_samples"]
+        blind_total, aware_total, worse = blind_total + b, aware_total + a, worse + (a > b)
+    assert aware_total <= 0.8 * blind_total, (aware_total, blind_total)
+    assert worse < 30  # a few rounds do move more (pooled groups land on another node than node-blind's)
+
+
+def test_plan_moves_counts_by_hand():
+    s = [Sample(0, 10, -1, 0), Sample(1, 10, -1, 1, (), 100), Sample(2, 5, -1, 2), Sample(3, 7, -1, 3, (), 9),
+         Sample(4, 3, -1, 9)]
+    # ranks 0, 1 on node 0; ranks 2, 3 on node 1. Rank 0 holds its own 0 and rank 1's 1 (intra, 100 B);
+    # rank 1 holds rank 2's 2 (cross, 8 x 5 B); rank 2 is IDLE then holds rank 3's 3 (intra, 9 B);
+    # rank 3 holds 4, whose home rank 9 is outside the plan (cross, 8 x 3 B).
+    plan = [[(s[0], s[1]), ()], [(s[2],), ()], [(), (s[3],)], [(s[4],), ()]]
+    assert plan_moves(plan, [0, 0, 1, 1]) == {"intra_node_samples": 2, "intra_node_bytes": 109,
+                                              "cross_node_samples": 2, "cross_node_bytes": 64}
+    assert plan_moves(plan, [5, 5, 5, 5])["cross_node_samples"] == 1  # only the homeless sample crosses
+    assert plan_moves(plan) == {"intra_node_samples": 0, "intra_node_bytes": 0,
+                                "cross_node_samples": 4, "cross_node_bytes": 173}
+    with pytest.raises(ValueError, match="len"):
+        plan_moves(plan, [0, 0, 1])
+
+
+@pytest.mark.parametrize("nodes, match", [([0, 1], "len"), ([0, -1, 0, 0], r"nodes\[1\]"),
+                                          ([0, 1.0, 0, 0], r"nodes\[1\]"), ("0000", "sequence")])
+def test_coordinator_validates_nodes(nodes, match):
+    spec = JobSpec(world_size=4, token_budget=64, policy="balanced")
+    with pytest.raises(ValueError, match=match):
+        Coordinator(spec, 0, nodes)
+    with pytest.raises(ValueError, match=match):
+        plan_round([], 4, 1, False, 64, CostModel(), 0, 4, random.Random(0), nodes=nodes)
+
+
+def test_coordinator_state_dict_ignores_the_topology():
+    spec = JobSpec(world_size=4, token_budget=64, policy="balanced")
+    assert Coordinator(spec, 0, [0, 0, 1, 1]).state_dict() == Coordinator(spec, 0).state_dict()
+
+
+@given(lengths=st.lists(st.integers(1, 96), max_size=150), world_size=st.sampled_from([2, 4, 6, 8]),
+       k=st.integers(2, 4), window=st.sampled_from([2, 8, 32]), mode=st.sampled_from(["join", "non-join"]),
+       cost=st.sampled_from(["padded", "packed"]), depth=st.integers(1, 4))
+def test_simulated_epochs_keep_the_protocol_with_a_topology(lengths, world_size, k, window, mode, cost, depth):
+    """A whole node-aware epoch: the protocol's per-step and end-of-epoch invariants (coverage, the join
+    step bound max_r n_r), and the result's moves add up."""
+    config = JobSpec(world_size=world_size, token_budget=64, policy="balanced", window=window, mode=mode,
+                     cost=cost, depth=depth, shuffle=False)
+    sim, schedule = run_checked(lengths, config, local_ranks=k)
+    check_epoch(lengths, config, sim, schedule)
+    m = simulate(lengths, config, local_ranks=k)
+    assert m["node_aware"] and m["local_ranks"] == k
+    assert m["intra_node_moved"] + m["cross_node_moved"] == m["moved"]
+    assert m["node_planned_rounds"] + m["node_fallback_rounds"] <= m["rounds"]
+    blind = simulate(lengths, config, local_ranks=k, node_aware=False)
+    assert not blind["node_aware"] and blind["node_planned_rounds"] == 0
+    assert blind["intra_node_moved"] + blind["cross_node_moved"] == blind["moved"]
+
+
+def test_simulator_topology_defaults_and_state():
+    lengths = [random.Random(i).randint(1, 64) for i in range(200)]
+    config = JobSpec(world_size=4, token_budget=64, policy="balanced", window=16, shuffle=False)
+    plain = simulate(lengths, config)
+    assert plain["local_ranks"] == 1 and not plain["node_aware"] and plain["intra_node_moved"] == 0
+    assert plain["cross_node_moved"] == plain["moved"]
+    one = simulate(lengths, config, local_ranks=1)
+    drop = ("wall_s", "samples_per_s_per_rank", "plan_per_round_s")
+    assert {k: v for k, v in one.items() if k not in drop} == {k: v for k, v in plain.items() if k not in drop}
+    sim = Simulator(lengths, config, local_ranks=2)
+    for _ in range(3):
+        sim.next_step()
+    state = json.loads(json.dumps(sim.state_dict()))
+    rest = [tuple(tuple(x.id for x in s.samples) for s in step) for step in sim]
+    resumed = Simulator(lengths, config, local_ranks=2)
+    resumed.load_state_dict(state)
+    assert [tuple(tuple(x.id for x in s.samples) for s in step) for step in resumed] == rest
+    with pytest.raises(ValueError, match="topology"):
+        Simulator(lengths, config).load_state_dict(state)
+    with pytest.raises(ValueError, match="local_ranks"):
+        Simulator(lengths, config, local_ranks=0)
