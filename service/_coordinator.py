@@ -259,6 +259,16 @@ class CoordinatorState:
             raise ProtocolError(f"{what} from rank {rank}, which has not registered")
         self.liveness.seen(rank, time.monotonic())
 
+    def _touch_many(self, ranks: list[int], what: str) -> None:
+        """`_touch` of every rank of one message (one clock read)."""
+        now = time.monotonic()
+        addresses, seen = self.addresses, self.liveness.seen
+        for rank in ranks:
+            self._check_rank(rank, what)
+            if rank not in addresses:
+                raise ProtocolError(f"{what} from rank {rank}, which has not registered")
+            seen(rank, now)
+
     def _watch(self) -> None:
         last_log = time.monotonic()
         while not self._stop.wait(min(self.lease_s / 4, 1.0)):
@@ -440,8 +450,7 @@ class CoordinatorState:
         ranks = [r.rank for r in reports]
         with self._cond:
             self._check_alive(ranks)
-            for r in ranks:
-                self._touch(r, "Align")
+            self._touch_many(ranks, "Align")
             rnd = self._one_round(reports, "Align")
             key = (epoch, rnd)
             if key in self._decisions:  # replay for a restarted rank
@@ -484,8 +493,7 @@ class CoordinatorState:
         ranks = [c.rank for c in commits]
         with self._cond:
             self._check_alive(ranks)
-            for r in ranks:
-                self._touch(r, "Commit")
+            self._touch_many(ranks, "Commit")
             rnd = self._one_round(commits, "Commit")
             key = (epoch, rnd)
             if key in self._totals:
