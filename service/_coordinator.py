@@ -54,6 +54,7 @@ from batchd.core import (
     RankReport,
     RoundDecision,
     RoundTotals,
+    plan_moves,
 )
 from batchd.proto import GRPC_OPTIONS, Security, wire
 from batchd.proto import batchd_pb2 as pb
@@ -475,6 +476,8 @@ class CoordinatorState:
                 if self.metrics is not None:
                     self._observe(self.metrics.observe_decision, t_last - (self._round_started or t_last),
                                   time.perf_counter() - t_last)
+                    if decision.plan is not None:
+                        self._observe(lambda: self.metrics.observe_moves(plan_moves(decision.plan, self.core.nodes)))
                 self._decisions[key] = decision
                 self._forget(self._decisions)
                 self._reports.clear()

@@ -307,6 +307,13 @@ class CoordinatorMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.rounds = Counter("batchd_job_rounds_total", "Alignment rounds committed.", registry=r)
+        moved = Counter("batchd_job_moved_samples_total", "Samples a balanced plan placed off their home rank, "
+                        "by scope: intra_node (handed over in process by a node agent) or cross_node.",
+                        ["scope"], registry=r)
+        moved_b = Counter("batchd_job_moved_bytes_total", "Payload bytes of those samples, by scope.", ["scope"],
+                          registry=r)
+        self._moved = {scope: (moved.labels(scope=scope), moved_b.labels(scope=scope))
+                       for scope in ("intra_node", "cross_node")}
         self.steps = Counter("batchd_job_steps_total", "Aligned steps kept (one per step, not per rank).",
                              registry=r)
         self.samples = Counter("batchd_job_samples_total", "Samples in the committed steps, all ranks.",
@@ -346,6 +353,12 @@ class CoordinatorMetrics:
         """One decided round: how long its barrier waited for reports, and how long the decision took."""
         self.barrier_wait.observe(barrier_wait_s)
         self.align_latency.observe(decide_s)
+
+    def observe_moves(self, moves: dict[str, int]) -> None:
+        """One balanced plan's moves (`batchd.core.plan_moves`)."""
+        for scope, (samples, nbytes) in self._moved.items():
+            samples.inc(moves[f"{scope}_samples"])
+            nbytes.inc(moves[f"{scope}_bytes"])
 
     def observe_commit(self, commits: Sequence[Any], totals: Any, round_s: float) -> None:
         """One committed round.

@@ -21,7 +21,7 @@ from batchd.core import JobSpec, RankState, RoundDecision, Sample
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.proto import wire
-from batchd.service import NodeAgent, NodeLink, create_server, node_ranks
+from batchd.service import CoordinatorMetrics, NodeAgent, NodeLink, create_server, node_ranks
 from batchd.service.preprocess import SyntheticSource
 
 HOST = "127.0.0.1"
@@ -38,7 +38,8 @@ class NodeJob:
     def __init__(self, spec: JobSpec, lengths, nodes: int, state_dir=None, lease_s: float = 10.0) -> None:
         self.spec, self.lengths, self.state_dir = spec, lengths, state_dir
         self.k = spec.world_size // nodes
-        self.server, self.port, self.state = create_server(f"{HOST}:0", spec, lease_s, 60.0)
+        self.metrics = CoordinatorMetrics(spec.world_size, spec.cost_model())
+        self.server, self.port, self.state = create_server(f"{HOST}:0", spec, lease_s, 60.0, metrics=self.metrics)
         self.server.start()
         self.agents: list[NodeAgent] = []
         try:
@@ -142,6 +143,11 @@ def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_pr
     # Every sample placed off its home rank was taken in process (same node) or fetched (other node).
     assert [local[r] + remote[r] for r in range(4)] == moved, (local, remote, moved)
     assert sum(local.values()) > 0, "no move between the ranks of one agent: the in-process path is untested"
+    scraped = {(m.name, s.labels.get("scope")): s.value for m in job.metrics.registry.collect() for s in m.samples
+               if m.name.startswith("batchd_job_moved") and s.name.endswith("_total")}
+    assert scraped[("batchd_job_moved_samples", "intra_node")] == sum(local.values()), scraped
+    assert scraped[("batchd_job_moved_samples", "cross_node")] == sum(remote.values()), scraped
+    assert scraped[("batchd_job_moved_bytes", "cross_node")] > 0, scraped
     for r in range(4):
         same_node = sum(1 for ids, _ in results[r] for i in ids if home[i] != r and home[i] // 2 == r // 2)
         assert local[r] == same_node, (r, local[r], same_node)
