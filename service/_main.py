@@ -14,8 +14,10 @@ interrupted. With `--state-dir`, each journals its state and a restart with the 
 (records preprocessed by a Ray actor pool: `RaySource`; it joins `--ray-address`, else the Ray already
 running on this host, else starts an embedded one that the next rank services on this host join)
 or neither (producers push samples through `Ingest`). With `--stats-file`, a rank service reading a
-dataset writes its source's counters (samples, quarantined, records read, samples/s, actor busy time)
-there as JSON when it exits (with `ray_address`, the GCS address of the Ray it ran on).
+dataset writes its source's counters (samples, quarantined, records read, samples/s, actor busy time,
+the Ray node of each actor) there as JSON when it exits (with `ray_address`, the GCS address of the Ray
+it ran on; a node agent, one file per rank, adds the rank's moved-sample counts `fetched_local` and
+`fetched_remote`).
 """
 
 from __future__ import annotations
@@ -157,8 +159,11 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
     return source, shared
 
 
-def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: str | None = None) -> None:
-    """Writes `source`'s counters (`Source.stats()`), its view's size and its pool's actor time to `path` as JSON.
+def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: str | None = None,
+                 fetched: dict[str, int] | None = None) -> None:
+    """Writes `source`'s counters (`Source.stats()`), its view's size, its pool's actor time and the Ray
+    node each actor runs on (`actor_nodes`) to `path` as JSON; a node agent adds its rank's moved-sample
+    counts (`fetched`: `fetched_local`, `fetched_remote`, as RankStatus reports them).
 
     Only a `RaySource` has a view of known size and actors; the actor counters are best effort (a dead
     Ray is logged, not raised), the sample counts are exact.
@@ -168,10 +173,13 @@ def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: st
     stats = {"rank": rank, **source.stats(), "view": len(source)}
     if ray_address is not None:
         stats["ray_address"] = ray_address
+    for kind, n in (fetched or {}).items():
+        stats[f"fetched_{kind}"] = n
     try:
         actors = source.pool.stats(timeout=5.0)
         stats["actor_busy_s"] = sum(a["busy_s"] for a in actors)
         stats["actor_cpu_s"] = sum(a["cpu_s"] for a in actors)
+        stats["actor_nodes"] = [a["node_id"] for a in actors]
     except Exception as exc:  # noqa: BLE001 - counters are best effort; the sample counts above are exact
         log.warning("rank %d: no actor stats: %s", rank, exc)
     p = Path(path)
@@ -315,6 +323,7 @@ def run_node(spec: JobSpec, ranks: list[int], coordinator: str, lengths: list[in
     name = name or socket.gethostname()
     sources: dict[int, Source] = {}
     shared: list[SharedRay] = []
+    fetched: dict[int, dict[str, int]] = {}  # per rank, filled in by _serve_node as it ends: for the stats
     try:
         for r in ranks:
             if dataset is not None:
@@ -329,14 +338,14 @@ def run_node(spec: JobSpec, ranks: list[int], coordinator: str, lengths: list[in
                                              wrap=spec.mode == "non-join")
         return _serve_node(spec, ranks, coordinator, name, sources, host, port, advertise, port_file, state_dir,
                            client_grace_s, security, metrics_port, metrics_host, trainer_timeout_s,
-                           startup_timeout_s)
+                           startup_timeout_s, fetched)
     finally:
         try:
             for r, src in sources.items():
                 if isinstance(src, RaySource):
                     path = _rank_path(stats_file, r)
                     try:
-                        _write_stats(path, r, src, shared[0].address if shared else None)
+                        _write_stats(path, r, src, shared[0].address if shared else None, fetched.get(r))
                     finally:
                         src.close()
         finally:
@@ -364,7 +373,9 @@ def _advertised(host: str, advertise: str | None) -> str:
 def _serve_node(spec: JobSpec, ranks: list[int], coordinator: str, name: str, sources: dict[int, Source], host: str,
                 port: int, advertise: str | None, port_file: str | None, state_dir: str | None,
                 client_grace_s: float, security: Security | None, metrics_port: int | None, metrics_host: str,
-                trainer_timeout_s: float, startup_timeout_s: float) -> int:
+                trainer_timeout_s: float, startup_timeout_s: float,
+                fetched: dict[int, dict[str, int]] | None = None) -> int:
+    """Serves the node's ranks (see `run_node`); `fetched` gets each rank's moved-sample counts at the end."""
     agent = NodeAgent(spec, coordinator, name, sources, host, port, _advertised(host, advertise), state_dir,
                       client_grace_s, security, metrics_port is not None, trainer_timeout_s, startup_timeout_s)
     cores = agent.cores
@@ -394,6 +405,8 @@ def _serve_node(spec: JobSpec, ranks: list[int], coordinator: str, name: str, so
                 finished_at = None
     finally:
         agent.stop()
+        if fetched is not None:
+            fetched.update((r, dict(core.fetched)) for r, core in cores.items())
         if metrics_server is not None:
             stop_metrics_server(metrics_server)
     if stop.is_set() and not all(c.finished for c in cores.values()) and status == 0:

@@ -14,7 +14,9 @@ when several nodes share one IP, prefers the head), so `ray.get_runtime_context(
 agent is its own node: the default node its `PreprocessPool`s pin their actors to. On one machine
 (`ray.cluster_utils.Cluster`, several raylets on one IP) every driver attaches to the head unless
 started with `ray.init(address=..., _node_ip_address=...)` naming a node's own IP, or the pools are
-given `node_id` explicitly (tests/_ray_cluster_check.py does both).
+given `node_id` explicitly (tests/_ray_cluster_check.py does both). Ray reads no environment variable
+for that IP, so `share_ray` passes `$BATCHD_RAY_NODE_IP` (when set) as `_node_ip_address` when it joins a
+running Ray: a node agent started with it attaches to that node's raylet (tests/test_node_cluster.py).
 
 `resolve(payload)` / `resolve_many(payloads)` turn a sample's payload reference into its dict, at
 collate time.
@@ -168,6 +170,18 @@ def _host_lock():
         os.close(fd)  # releases the lock
 
 
+NODE_IP_ENV = "BATCHD_RAY_NODE_IP"
+
+
+def _join(address: str) -> None:
+    """`ray.init(address)`, attached to the raylet of `$BATCHD_RAY_NODE_IP` when it is set (module docstring)."""
+    ip = os.environ.get(NODE_IP_ENV, "").strip()
+    if ip:
+        ray.init(address=address, _node_ip_address=ip)
+    else:
+        ray.init(address=address)
+
+
 def share_ray(address: str | None = None, num_cpus: int | None = None, who: str = "batchd") -> SharedRay:
     """Connects this process to Ray the way a rank service does; returns the `SharedRay` to close at exit.
 
@@ -176,12 +190,13 @@ def share_ray(address: str | None = None, num_cpus: int | None = None, who: str 
     services started together share one Ray rather than each starting their own.
 
     A process already connected to Ray keeps that connection, as joined (not its to stop). The node it
-    attached to (its host's, see the module docstring) is logged: it is where its pools' actors go.
+    attached to (its host's, or `$BATCHD_RAY_NODE_IP`'s: see the module docstring) is logged: it is where
+    its pools' actors go.
     """
     if ray.is_initialized():
         return SharedRay(ray.get_runtime_context().gcs_address, started=False)
     if address:
-        ray.init(address=address)
+        _join(address)
         gcs = ray.get_runtime_context().gcs_address
         log.info("%s: joined the Ray cluster at %s (gcs %s) on node %s", who, address, gcs,
                  ray.get_runtime_context().get_node_id())
@@ -190,7 +205,7 @@ def share_ray(address: str | None = None, num_cpus: int | None = None, who: str 
         found = running_ray_address()
         if found:
             _local_auth()
-            ray.init(address=found)
+            _join(found)
             gcs = ray.get_runtime_context().gcs_address
             log.info("%s: joined the Ray already running on this host (gcs %s)", who, gcs)
             return SharedRay(gcs, started=False)
