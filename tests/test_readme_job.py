@@ -4,9 +4,9 @@ The block is taken from README.md and run line by line; the test only adds what 
 a shared test machine needs: after `batchd config --example`, job.toml gets free ports, a smaller
 budget and window (the README's "edit" step), the sample dataset is smaller, the trainer gets a
 smaller model and the port of the edited config, and a final `wait` for the services. Checked: the
-script succeeds, both trainers ran the same number of steps, the coordinator and both rank services
-exited 0 on their own, the two rank services ran on one Ray (one started it, the other joined it), and
-no process of the job is left.
+script succeeds, both trainers ran the same number of steps, the coordinator and the node agent exited
+0 on their own, the agent served both ranks on one embedded Ray it started, and no process of the job
+is left.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def test_readme_real_job_runs_as_written(tmp_path):
     script = ["set -euo pipefail"]
     for line in block.splitlines():
         if line.startswith("torchrun "):
-            assert "--base-port 7100" in line, line
-            line = line.split("#")[0].replace("--base-port 7100", f"--base-port {rport}")
+            assert "--node-agent 127.0.0.1:7100" in line, line
+            line = line.split("#")[0].replace("--node-agent 127.0.0.1:7100", f"--node-agent 127.0.0.1:{rport}")
             line += " --d-model 32 --n-layers 1 --n-heads 2 --summary summary-{rank}.json"
         line = line.replace("make_demo_dataset(\".\", 256)", "make_demo_dataset(\".\", 48)")
         script.append(line)
@@ -53,7 +53,7 @@ def test_readme_real_job_runs_as_written(tmp_path):
             script.append(f"sed -i -e 's/^port = 7000/port = {cport}/' -e 's/^base_port = 7100/base_port = {rport}/' "
                           "-e 's/^token_budget = 8192/token_budget = 1024/' -e 's/^window = 512/window = 64/' job.toml")
     script += ['for p in $(jobs -p); do wait "$p"; done']  # the services exit on their own, status 0
-    assert any(ln.startswith("batchd rank ") or " batchd rank " in ln for ln in script), block
+    assert any(ln.startswith("batchd node ") for ln in script), block
     ray_tmp = tempfile.mkdtemp(prefix="bdj-", dir="/tmp")  # this job's own Ray temp root (short socket paths)
     marker = f"BATCHD_TEST_README={uuid.uuid4().hex}"
     bindir = str(Path(sys.executable).parent)
@@ -69,8 +69,8 @@ def test_readme_real_job_runs_as_written(tmp_path):
         results = [json.loads((tmp_path / f"summary-{r}.json").read_text()) for r in range(2)]
         assert results[0]["steps"] == results[1]["steps"] > 0, results
         started = re.findall(r"rank (\d): no Ray running on this host: started an embedded Ray \(gcs (\S+)\)", run.stderr)
-        joined = re.findall(r"rank (\d): joined the Ray already running on this host \(gcs (\S+)\)", run.stderr)
-        assert len(started) == 1 and len(joined) == 1 and started[0][1] == joined[0][1], out
+        assert len(started) == 1 and "joined the Ray" not in run.stderr, out  # one Ray, in the agent
+        assert re.search(r"node agent '[^']+' serving ranks \[0, 1\]", run.stderr), out
         assert "Traceback" not in run.stderr, out
     finally:
         deadline = time.monotonic() + 15  # the Ray a rank service started stops with it; let it exit
