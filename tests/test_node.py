@@ -36,10 +36,12 @@ class NodeJob:
     """A coordinator and `nodes` node agents of `spec.world_size // nodes` ranks each, in this process."""
 
     def __init__(self, spec: JobSpec, lengths, nodes: int, state_dir=None, lease_s: float = 10.0) -> None:
-        self.spec, self.lengths, self.state_dir = spec, lengths, state_dir
+        self.spec, self.lengths, self.state_dir, self.lease_s = spec, lengths, state_dir, lease_s
         self.k = spec.world_size // nodes
         self.metrics = CoordinatorMetrics(spec.world_size, spec.cost_model())
-        self.server, self.port, self.state = create_server(f"{HOST}:0", spec, lease_s, 60.0, metrics=self.metrics)
+        self.coordinator_dir = None if state_dir is None else state_dir / "coordinator"
+        self.server, self.port, self.state = create_server(f"{HOST}:0", spec, lease_s, 60.0, metrics=self.metrics,
+                                                           state_dir=self.coordinator_dir)
         self.server.start()
         self.agents: list[NodeAgent] = []
         try:
@@ -68,6 +70,15 @@ class NodeJob:
             core.join(10)
         self.agents[g] = self._agent(g, old.port)
         return self.agents[g]
+
+    def restart_coordinator(self) -> None:
+        """Kills the coordinator abruptly and starts a new one on the same port from its journal."""
+        self.server.stop(0)
+        self.state.close()
+        self.server, port, self.state = create_server(f"{HOST}:{self.port}", self.spec, self.lease_s, 60.0,
+                                                      state_dir=self.coordinator_dir)
+        assert port == self.port
+        self.server.start()
 
     def address(self, rank: int) -> str:
         return f"{HOST}:{self.agents[rank // self.k].port}"
@@ -169,6 +180,40 @@ def test_an_agent_restarted_abruptly_mid_epoch_resumes_its_ranks_exactly(node_jo
     _check_exactly_once(results, len(lengths))
     for s in range(len(results[0])):
         assert len({res[s][1].step for res in results}) == 1
+
+
+def test_node_agents_ride_out_a_coordinator_restart(node_job, tmp_path):
+    lengths = _lengths(240, seed=2)
+    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=16, depth=2, seed=9)
+    job = node_job(spec, lengths, nodes=2, state_dir=tmp_path)
+    restarted = threading.Event()
+
+    def on_step(rank: int, n: int) -> None:
+        if rank == 0 and n == 4 and not restarted.is_set():
+            restarted.set()
+            threading.Thread(target=job.restart_coordinator, daemon=True).start()
+
+    results = _drain(job, on_step)
+    assert restarted.is_set() and job.state.restored
+    _check_exactly_once(results, len(lengths))
+
+
+def test_a_trainer_taking_5s_per_step_is_waited_for_past_the_lease(node_job):
+    """Timeouts judge liveness, never speed: with a 2 s lease, a trainer that takes 5 s per step holds every
+    barrier for longer than a lease; the node heartbeats keep its agent (and the other) alive."""
+    lengths = [300] * 48
+    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=4, depth=1, seed=1)
+    job = node_job(spec, lengths, nodes=2, lease_s=2.0)
+    slow_steps = []
+
+    def on_step(rank: int, n: int) -> None:
+        if rank == 3 and n <= 2:
+            slow_steps.append(n)
+            time.sleep(5.0)  # the stand-in for a slow GPU step, not a wait for an event
+
+    results = _drain(job, on_step)
+    assert slow_steps == [1, 2] and job.state.failure is None
+    _check_exactly_once(results, len(lengths))
 
 
 def test_node_ranks_follow_torchrun_and_name_what_is_missing():
