@@ -147,6 +147,10 @@ class NodeLink:
             return CoordinatorError(f"coordinator at {self.coordinator} unreachable for {exc.elapsed_s:.0f}s "
                                     f"({what} from node agent {self.node!r}): {exc.error.details()}",
                                     exc.error.code())
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return CoordinatorError(f"the coordinator at {self.coordinator} does not serve node agents (it predates "
+                                    f"them): run the same batchd version on every party, or one `batchd rank` per "
+                                    f"rank ({exc.details()})", exc.code())
         return CoordinatorError(f"{what} from node agent {self.node!r} (ranks {self.ranks}) failed: "
                                 f"{exc.code().name}: {exc.details()}", exc.code())
 

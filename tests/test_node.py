@@ -9,6 +9,7 @@ Every wait is a deadline on an event.
 from __future__ import annotations
 
 import contextlib
+from concurrent import futures
 import threading
 import time
 
@@ -348,3 +349,20 @@ def test_a_replay_goes_at_once_while_the_nodes_other_rank_is_elsewhere():
             link.close()
         server.stop(0)
         state.close()
+
+
+def test_an_agent_told_apart_from_a_coordinator_that_predates_node_agents():
+    """A coordinator without the Node RPC (an older build): the agent fails at once, saying so."""
+    from batchd.core import CoordinatorError
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    port = server.add_insecure_port(f"{HOST}:0")
+    server.start()  # serves no method at all: every call is UNIMPLEMENTED
+    link = NodeLink(f"{HOST}:{port}", "n", [0], JobSpec(world_size=1, token_budget=64), "127.0.0.1:9",
+                    startup_timeout_s=5)
+    try:
+        with pytest.raises(CoordinatorError, match="does not serve node agents.*same batchd version"):
+            link.hello()
+    finally:
+        link.close()
+        server.stop(0)
