@@ -1,15 +1,17 @@
 """`batchd demo`: the main job on an embedded default, end to end, against fixed batching.
 
-One command starts one local Ray (or joins `--ray-address`), the coordinator, N rank services and N
+One command starts one local Ray (or joins `--ray-address`), the coordinator, this host's node agent
+(`batchd node`: the rank services of all N ranks in one process, one stream to the coordinator) and N
 trainer processes (torch.distributed gloo on CPU) that train a tiny causal LM for one epoch through the
-batchd client. Each rank service preprocesses its sampler view of the dataset with its own Ray actors
-(`batchd rank --dataset`: chat template, the demo BPE tokenizer, Qwen2-VL visual tokens with pixel
-values, cutoff L) and batches the realized lengths; the default dataset is generated
+batchd client. Each rank's service preprocesses its sampler view of the dataset with its own Ray actors
+(`batchd node --dataset`: chat template, the demo BPE tokenizer, Qwen2-VL visual tokens with pixel
+values, cutoff L) and batches the realized lengths; samples the balanced plan moves between ranks are
+handed over inside the agent; the default dataset is generated
 (`make_demo_dataset`: conversations, images and a few deliberately bad records, no downloads). Then it
 runs the same model with fixed batching on the same preprocessed samples (each baseline trainer runs
 the same RaySource view; DistributedSampler semantics, OOM-safe batch size floor(L / longest realized
 length)) and reports both. `synthetic=True` (`--synthetic`) serves synthetic tokenized samples with
-long-tail lengths instead, without Ray (`batchd rank --lengths`).
+long-tail lengths instead, without Ray (`batchd node --lengths`).
 
 Every process is a child of this one and is terminated on any exit path; the Ray this demo started is
 shut down on every exit path too, and its raylet and workers with it. Ctrl-C (SIGINT) and SIGTERM stop
@@ -17,10 +19,10 @@ the children and Ray in order and `batchd demo` exits 130 with one line; the chi
 session, so a terminal's Ctrl-C reaches only the demo, which stops them. If the demo itself is killed
 (SIGKILL), its children get SIGTERM from the kernel (PR_SET_PDEATHSIG, Linux) and a small reaper
 process, which notices the demo's death through a pipe, ends every process that inherited the demo's
-run marker (the rank services, trainers, the Ray it started and Ray's workers and agents) and removes
+run marker (the node agent, trainers, the Ray it started and Ray's workers and agents) and removes
 the demo's temp dir. A Ray the demo only joined (`--ray-address`) is never stopped.
 
-The JSON's `preprocess` (Ray path only): `actors` (in all), `samples` (emitted by the rank services'
+The JSON's `preprocess` (Ray path only): `actors` (in all), `samples` (emitted by the ranks'
 sources), `quarantined`, `records_read` (= samples + quarantined, must equal `records`, the dataset's
 size: `accounting_ok`), `samples_per_s` (samples / the batchd epoch's wall time: the rate the pipeline
 delivered to training, which backpressure holds to the trainers' pace), `capacity_samples_per_s` (records
@@ -62,7 +64,7 @@ from batchd.launch import (
     Processes,
     Reaper,
     spec_argv,
-    start_services,
+    start_node_agents,
     start_trainers,
     wait_trainers,
 )
@@ -135,8 +137,8 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
     trainer sleeps per step (a real model's step time; the job must not mind).
 
     Ray path (default): `dataset` (None: generate `num_samples` demo records), `num_actors` preprocessing
-    actors in all (spread over the ranks, at least one each), `ray_address` (None: start a local Ray
-    here, which every rank service joins), `tokenizer` (None: the demo tokenizer). `synthetic=True`:
+    actors in all (the same number per rank, at least one each), `ray_address` (None: start a local Ray
+    here, which the node agent joins), `tokenizer` (None: the demo tokenizer). `synthetic=True`:
     synthetic samples, no Ray.
     """
     say = progress or (lambda msg: None)
@@ -182,9 +184,9 @@ def _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, pol
     lengths = demo_lengths(num_samples)
     lengths_file = work / "lengths.txt"
     lengths_file.write_text("\n".join(map(str, lengths)) + "\n")
-    say(f"starting coordinator and {world_size} rank services ({num_samples} synthetic samples, L={token_budget}, "
-        f"policy {policy})")
-    _, ports = start_services(procs, work, spec, world_size, lengths_file)
+    say(f"starting coordinator and a node agent for {world_size} ranks ({num_samples} synthetic samples, "
+        f"L={token_budget}, policy {policy})")
+    _, ports = start_node_agents(procs, work, spec, world_size, world_size, lengths_file)
     say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
     results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed, "step_time": step_time},
                         [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout)
@@ -233,7 +235,7 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
     tok = Path(tokenizer) if tokenizer else demo_tokenizer()
     model_cfg = {"vocab_size": _vocab_size(tok)}  # a missing or bad tokenizer fails here, before any process
     per_rank = actors_per_rank(num_actors, world_size)
-    if ray_address is None:  # one Ray for the whole demo: every rank service joins it (--ray-address)
+    if ray_address is None:  # one Ray for the whole demo: the node agent joins it (--ray-address)
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
         previous = os.environ.get(MARKER_ENV)
         os.environ[MARKER_ENV] = marker  # Ray's processes inherit it: the reaper finds them by it
@@ -251,34 +253,30 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
     say(f"Ray at {ray_address}; {sum(per_rank)} preprocessing actors ({per_rank} per rank) on {records} records "
         f"of {dataset}")
 
-    def rank_args(r: int) -> list[str]:
-        return ["--dataset", str(dataset), "--tokenizer", str(tok), "--num-actors", str(per_rank[r]),
-                "--ray-address", ray_address, "--quarantine", str(work / f"quarantine-{r}.jsonl"),
-                "--stats-file", str(work / f"stats-{r}.json")]
-
-    say(f"starting coordinator and {world_size} rank services (L={token_budget}, policy {policy})")
-    _, ports = start_services(procs, work, spec, world_size, None, rank_args=rank_args)
+    node_args = ["--dataset", str(dataset), "--tokenizer", str(tok), "--num-actors", str(max(per_rank)),
+                 "--ray-address", ray_address, "--quarantine", str(work / "quarantine.jsonl"),
+                 "--stats-file", str(work / "stats-{rank}.json")]
+    say(f"starting coordinator and a node agent for {world_size} ranks (L={token_budget}, policy {policy})")
+    _, ports = start_node_agents(procs, work, spec, world_size, world_size, None, node_args=node_args)
     say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
     results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed, "model_cfg": model_cfg,
                                                                     "step_time": step_time},
                         [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout)
-    for r in range(world_size):  # they exit on their own once their trainer took the last batch
-        try:
-            procs.get(f"rank-{r}").wait(60)
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"rank service {r} did not exit after the epoch:\n{procs.log(f'rank-{r}')}") from None
+    try:  # it exits on its own once every trainer took the last batch
+        procs.get("node-0").wait(60)
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"the node agent did not exit after the epoch:\n{procs.log('node-0')}") from None
     stats = []
     for r in range(world_size):
         path = work / f"stats-{r}.json"
         if not path.exists():
-            raise RuntimeError(f"rank service {r} wrote no stats (exit {procs.get(f'rank-{r}').returncode}):\n"
-                               f"{procs.log(f'rank-{r}')}")
+            raise RuntimeError(f"the node agent wrote no stats for rank {r} (exit {procs.get('node-0').returncode}):"
+                               f"\n{procs.log('node-0')}")
         stats.append(json.loads(path.read_text()))
     quarantined_ids = set()
-    for r in range(world_size):
-        q = work / f"quarantine-{r}.jsonl"
-        if q.exists():
-            quarantined_ids |= {int(line["id"]) for line in Quarantine.read(q)}
+    q = work / "quarantine.jsonl"
+    if q.exists():
+        quarantined_ids = {int(line["id"]) for line in Quarantine.read(q)}
     good = [i for i in range(records) if i not in quarantined_ids]
     summary = summarize(good, results, expected_ids=good)
     summary["startup_and_teardown_s"] = time.perf_counter() - t_start - summary["wall_s"]

@@ -25,7 +25,7 @@ from batchd.core import FIELDS, JobSpec
 SERVICE_START_S = 120.0  # a rank service with --dataset starts its actors before it listens
 
 __all__ = ["MARKER_ENV", "SERVICE_START_S", "Processes", "Reaper", "die_with_parent", "free_port",
-           "rank_argv", "spec_argv", "start_services", "start_trainers", "wait_port",
+           "rank_argv", "spec_argv", "start_node_agents", "start_services", "start_trainers", "wait_port",
            "wait_trainers"]
 
 
@@ -293,6 +293,29 @@ def start_services(procs: Processes, work: Path, spec: list[str], world_size: in
     for r, p in enumerate(procs_r):
         ports.append(wait_port(work / f"rank-{r}.port", p, f"rank service {r}", SERVICE_START_S))
     return cport, ports
+
+
+def start_node_agents(procs: Processes, work: Path, spec: list[str], world_size: int, local_ranks: int,
+                      lengths_file: Path | None, coordinator_args: list[str] | tuple[str, ...] = (),
+                      node_args: list[str] | tuple[str, ...] | Callable[[int], list[str]] = ()) -> tuple[int, list[int]]:
+    """Starts the coordinator ("coordinator") and world_size / local_ranks node agents ("node-G", serving ranks
+    G*K .. G*K+K-1) on free loopback ports; returns (coordinator port, the service port of every rank: its
+    agent's) once every one listens. `node_args` may be a function of the node rank G."""
+    if local_ranks < 1 or world_size % local_ranks:
+        raise ValueError(f"local_ranks must divide world_size, got {local_ranks=} {world_size=}")
+    coord = procs.start("coordinator", [sys.executable, "-m", "batchd", "coordinator", *spec, "--port", "0",
+                                        "--port-file", str(work / "coord.port"), *coordinator_args])
+    cport = wait_port(work / "coord.port", coord, "coordinator")
+    agents = []
+    for g in range(world_size // local_ranks):
+        extra = node_args(g) if callable(node_args) else node_args
+        lengths = ["--lengths", str(lengths_file)] if lengths_file is not None else []
+        agents.append(procs.start(f"node-{g}", [
+            sys.executable, "-m", "batchd", "node", *spec, "--local-ranks", str(local_ranks), "--node-rank", str(g),
+            "--name", f"node-{g}", "--coordinator", f"127.0.0.1:{cport}", *lengths, "--port", "0",
+            "--port-file", str(work / f"node-{g}.port"), *extra]))
+    ports = [wait_port(work / f"node-{g}.port", p, f"node agent {g}", SERVICE_START_S) for g, p in enumerate(agents)]
+    return cport, [ports[r // local_ranks] for r in range(world_size)]
 
 
 def start_trainers(procs: Processes, work: Path, tag: str, world_size: int, common: dict[str, Any],

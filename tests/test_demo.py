@@ -1,7 +1,7 @@
 """`batchd demo --json` through the Ray preprocessing pipeline, as a user runs it (a subprocess).
 
 The demo generates its dataset (conversations, images and a few deliberately bad records), starts one
-local Ray, the coordinator, two rank services that each preprocess their view with a Ray actor, two gloo
+local Ray, the coordinator, a node agent whose two ranks each preprocess their view with a Ray actor, two gloo
 trainers, then the fixed-batching baseline on the same preprocessed samples. Checked: equal steps per
 rank, every good record trained on exactly once, `emitted + quarantined == records read`, exactly the
 generated bad records quarantined, the `preprocess` keys, and that no process of the demo (its children,
