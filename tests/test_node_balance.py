@@ -63,28 +63,39 @@ def _ids(plan):
                      Entry(Sample(3, 1, -1, 1), 0)], world_size=2, capacity=1, final=False, token_budget=64,
                cost=CostModel("padded"), now=0, max_wait=4), [0, 1], True, 0))
 def test_node_aware_plan_keeps_every_invariant(case):
-    """Same T and chosen samples as node-blind (hence the same quotas), each exactly once, T steps per
-    rank, no multi-sample group over the budget, deterministic."""
+    """Per-node choice: its own T; each chosen sample exactly once, T steps per rank, every rank's quota
+    min(T, B_r) kept, no multi-sample group over the budget, deterministic; a final round with T below
+    the capacity takes everything; every step costs exactly its level (the global cost sort of the
+    round's groups cut into rows of N)."""
     args, nodes, refine, seed = case
-    blind = _plan(args, seed, refine)
     stats: dict[str, int] = {}
     aware = _plan(args, seed, refine, nodes, stats)
     assert aware == _plan(args, seed, refine, nodes), "not deterministic for a seeded rng"
-    assert len(aware) == args["world_size"]
-    target = len(blind[0])
+    n = args["world_size"]
+    assert len(aware) == n
+    target = len(aware[0])
     assert all(len(steps) == target for steps in aware)
     ids = _ids(aware)
-    assert ids == _ids(blind) and len(set(ids)) == len(ids), "another sample set than node-blind's"
+    assert len(set(ids)) == len(ids) and set(ids) <= {e.sample.id for e in args["pool"]}
     cost = args["cost"]
     for steps in aware:
         for group in steps:
             assert len(group) <= 1 or cost.cost([s.length for s in group]) <= BUDGET
-    for r in range(args["world_size"]):
+    for r in range(n):
         held = sum(1 for e in args["pool"] if e.sample.home_rank == r)
         got = sum(1 for steps in aware for group in steps for s in group if s.home_rank == r)
         assert got >= min(target, held), f"rank {r}: quota of the round not kept"
+    if args["final"] and target < args["capacity"]:
+        assert len(ids) == len(args["pool"]), "a final round with room left samples behind"
     if args["pool"] and args["capacity"] >= 1:
-        assert sum(stats.values()) >= 1
+        assert target >= 1 and sum(stats.get(k, 0) for k in ("node_aware", "node_fallback")) == 1
+        if stats.get("node_fallback"):
+            return
+        costs = sorted((cost.cost([s.length for s in g]) if g else 0.0 for steps in aware for g in steps), reverse=True)
+        levels = [costs[s * n] for s in range(target)]
+        per_step = sorted((max(cost.cost([s.length for s in p[t]]) if p[t] else 0.0 for p in aware)
+                           for t in range(target)), reverse=True)
+        assert per_step == levels, "a step costs more than its level"
 
 
 def _golden() -> str:
