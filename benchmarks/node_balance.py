@@ -40,7 +40,7 @@ CVL_TOLERANCE = 0.02
 CROSS_RATIO = 5.0
 
 HEADERS = ["workload", "plan", "steps", "rounds", "cvl", "moved", "intra-node", "cross-node", "cross MB",
-           "intra MB", "widened", "fallback", "plan s/round"]
+           "intra MB", "swaps", "fallback", "plan s/round"]
 
 
 def run(lengths: Sequence[int], aware: bool) -> dict:
@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             assert m["missing"] == 0 and m["duplicates"] == 0, (name, label, m["missing"], m["duplicates"])
             rows.append([name, label, m["steps"], m["rounds"], m["compute_vs_limit"], m["moved"],
                          m["intra_node_moved"], m["cross_node_moved"], m["cross_node_bytes"] / 1e6,
-                         m["intra_node_bytes"] / 1e6, m["node_widened_rounds"], m["node_fallback_rounds"],
+                         m["intra_node_bytes"] / 1e6, m["node_swaps"], m["node_fallback_rounds"],
                          m["plan_per_round_s"]])
         d_cvl = aware["compute_vs_limit"] - blind["compute_vs_limit"]
         ratio = blind["cross_node_moved"] / aware["cross_node_moved"] if aware["cross_node_moved"] else float("inf")
