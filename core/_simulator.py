@@ -253,8 +253,8 @@ class SimMetrics:
             out[key] = m[name]
             out[f"{key}_per_round"] = m[name] / rounds
         out.update({
-            "node_planned_rounds": stats.get("node_aware", 0), "node_widened_rounds": stats.get("node_widened", 0),
-            "node_fallback_rounds": stats.get("node_fallback", 0), "plan_per_round_s": sim.plan_s / rounds,
+            "node_planned_rounds": stats.get("node_aware", 0), "node_fallback_rounds": stats.get("node_fallback", 0),
+            "node_swaps": stats.get("node_swaps", 0), "plan_per_round_s": sim.plan_s / rounds,
         })
         return out
 

@@ -63,28 +63,39 @@ def _ids(plan):
                      Entry(Sample(3, 1, -1, 1), 0)], world_size=2, capacity=1, final=False, token_budget=64,
                cost=CostModel("padded"), now=0, max_wait=4), [0, 1], True, 0))
 def test_node_aware_plan_keeps_every_invariant(case):
-    """Same T and chosen samples as node-blind (hence the same quotas), each exactly once, T steps per
-    rank, no multi-sample group over the budget, deterministic."""
+    """Per-node choice: its own T; each chosen sample exactly once, T steps per rank, every rank's quota
+    min(T, B_r) kept, no multi-sample group over the budget, deterministic; a final round with T below
+    the capacity takes everything; every step costs exactly its level (the global cost sort of the
+    round's groups cut into rows of N)."""
     args, nodes, refine, seed = case
-    blind = _plan(args, seed, refine)
     stats: dict[str, int] = {}
     aware = _plan(args, seed, refine, nodes, stats)
     assert aware == _plan(args, seed, refine, nodes), "not deterministic for a seeded rng"
-    assert len(aware) == args["world_size"]
-    target = len(blind[0])
+    n = args["world_size"]
+    assert len(aware) == n
+    target = len(aware[0])
     assert all(len(steps) == target for steps in aware)
     ids = _ids(aware)
-    assert ids == _ids(blind) and len(set(ids)) == len(ids), "another sample set than node-blind's"
+    assert len(set(ids)) == len(ids) and set(ids) <= {e.sample.id for e in args["pool"]}
     cost = args["cost"]
     for steps in aware:
         for group in steps:
             assert len(group) <= 1 or cost.cost([s.length for s in group]) <= BUDGET
-    for r in range(args["world_size"]):
+    for r in range(n):
         held = sum(1 for e in args["pool"] if e.sample.home_rank == r)
         got = sum(1 for steps in aware for group in steps for s in group if s.home_rank == r)
         assert got >= min(target, held), f"rank {r}: quota of the round not kept"
+    if args["final"] and target < args["capacity"]:
+        assert len(ids) == len(args["pool"]), "a final round with room left samples behind"
     if args["pool"] and args["capacity"] >= 1:
-        assert sum(stats.values()) >= 1
+        assert target >= 1 and sum(stats.get(k, 0) for k in ("node_aware", "node_fallback")) == 1
+        if stats.get("node_fallback"):
+            return
+        costs = sorted((cost.cost([s.length for s in g]) if g else 0.0 for steps in aware for g in steps), reverse=True)
+        levels = [costs[s * n] for s in range(target)]
+        per_step = sorted((max(cost.cost([s.length for s in p[t]]) if p[t] else 0.0 for p in aware)
+                           for t in range(target)), reverse=True)
+        assert per_step == levels, "a step costs more than its level"
 
 
 def _golden() -> str:
@@ -134,8 +145,9 @@ def test_no_cross_node_move_when_every_node_fills_its_slots(nodes_n, k, steps, t
 
 
 def test_cross_node_moves_fall_overall_but_not_always():
-    """Per round the claim "node-aware moves no more samples across nodes than node-blind" is false (a
-    pinned counter-example below); over many random rounds the node-aware total is far lower."""
+    """Per round the claim "node-aware moves no more samples across nodes than node-blind" is false; over
+    many random rounds the node-aware total is far lower (tiny pools: few samples per node, so padding
+    outliers are pooled often; 0.71x here)."""
     blind_total = aware_total = worse = 0
     for seed in range(300):
         g = random.Random(seed)
@@ -149,7 +161,8 @@ def test_cross_node_moves_fall_overall_but_not_always():
         a = plan_moves(_plan(args, seed, True, nodes), nodes)["cross_node_samples"]
         blind_total, aware_total, worse = blind_total + b, aware_total + a, worse + (a > b)
     assert aware_total <= 0.8 * blind_total, (aware_total, blind_total)
-    assert worse < 30  # a few rounds do move more (pooled groups land on another node than node-blind's)
+    # some rounds do move more: padding outliers pooled across nodes, level swaps, groups received
+    assert worse < 50
 
 
 def test_plan_moves_counts_by_hand():
@@ -223,3 +236,54 @@ def test_simulator_topology_defaults_and_state():
         Simulator(lengths, config).load_state_dict(state)
     with pytest.raises(ValueError, match="local_ranks"):
         Simulator(lengths, config, local_ranks=0)
+
+
+def _group(lengths, home=0, start=0):
+    return [Entry(Sample(start + j, n, -1, home), 0) for j, n in enumerate(lengths)]
+
+
+def test_deal_levels_swaps_a_group_above_its_row_level():
+    """Two nodes of one rank, T = 2. Global sort 10, 9 | 1, IDLE: levels 10 and 1. Node 0 holds 10 and 9,
+    so its 9 sits in row 2 above level 1: one of node 0's groups over level 1 (the 10 on a tie of
+    samples moved) swaps with node 1's 1, which sits in row 1 (level 10 covers 10)."""
+    from batchd.core._balance import _deal_levels
+
+    cost = CostModel("padded")
+    a, b, c = _group([10], 0, 0), _group([9], 0, 1), _group([1], 1, 2)
+
+    def group_cost(g):
+        return cost.cost([e.sample.length for e in g]) if g else 0.0
+
+    held, swaps = _deal_levels([[a, b], [c, []]], [1, 1], 2, group_cost)
+    assert swaps == 1
+    assert held == [[b, c], [a, []]]
+
+
+def test_deal_levels_without_violation_swaps_nothing():
+    from batchd.core._balance import _deal_levels
+
+    cost = CostModel("padded")
+    groups = [[_group([8], 0, 0), _group([2], 0, 1)], [_group([7], 1, 2), _group([3], 1, 3)]]
+    held, swaps = _deal_levels(groups, [1, 1], 2, lambda g: cost.cost([e.sample.length for e in g]))
+    assert swaps == 0 and held == groups
+
+
+def test_outliers_pool_the_sample_that_pads_a_group():
+    """Padded cost, capacity 64: one 16 among eight 8s costs two slots node-pure (16 x 4, then 8 x 5...);
+    pooling the 16 leaves one full group of eight 8s; a prohibitive penalty pools nothing."""
+    from batchd.core._balance import _outliers
+
+    entries = _group([16] + [8] * 8)
+    groups, out = _outliers(entries, 64, 0.05)
+    assert [e.sample.length for e in out] == [16]
+    assert [[e.sample.length for e in g] for g in groups] == [[8] * 8]
+    groups, out = _outliers(entries, 64, 10.0)
+    assert out == [] and sum(map(len, groups)) == 9
+
+
+def test_simulator_reports_swaps():
+    lengths = [random.Random(i).randint(1, 64) for i in range(400)]
+    config = JobSpec(world_size=8, token_budget=64, policy="balanced", window=16, shuffle=False)
+    m = simulate(lengths, config, local_ranks=2)
+    assert m["node_swaps"] >= 0 and m["node_planned_rounds"] >= 1 and m["node_fallback_rounds"] == 0
+    assert "node_widened_rounds" not in m
