@@ -51,10 +51,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None, metavar="FILE", help="job config (TOML/YAML); its [job] is used")
     add_job_flags(p, exclude=("collate", "epochs"), shown={"shuffle": False})
     p.add_argument("--local-ranks", type=_positive, default=None, metavar="K",
-                   help="ranks per node (rank r on node r // K): balanced plans node-aware, and the result "
-                   "splits moved samples/bytes into intra- and cross-node (default: every rank its own node)")
-    p.add_argument("--node-blind", action="store_true",
-                   help="with --local-ranks: keep the node-blind plan, count its moves under the topology")
+                   help="ranks per node (rank r on node r // K): the result splits moved samples/bytes into "
+                   "intra- and cross-node, and with --node-aware balanced plans node-aware (default: every rank "
+                   "its own node)")
     p.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_simulate)
@@ -76,7 +75,7 @@ def _simulate(args: argparse.Namespace) -> int:
     total = len(lengths) if spec.quota is None else min(spec.quota, len(lengths))
     with Progress(total, "simulate", "samples", enabled=not (args.json or args.quiet)) as bar:
         result = simulate(lengths, spec, on_step=lambda step: bar.update(sum(len(s.samples) for s in step)),
-                          local_ranks=args.local_ranks, node_aware=not args.node_blind)
+                          local_ranks=args.local_ranks)
     if args.json:
         print(json.dumps(result))
     else:

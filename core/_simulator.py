@@ -12,7 +12,7 @@ how far the straggler-bound compute is from a perfectly packed, perfectly balanc
 
 Topology (`local_ranks` = K): rank r sits on node r // K. The result then splits `moved` into
 intra-node and cross-node samples and bytes (`plan_moves`: `nbytes`, else 8 x length), totals and
-means per round; with `node_aware` (the default) `balanced` plans node-aware (`plan_round`'s `nodes`),
+means per round; with `node_aware` (the job's `node_aware`, or the argument) `balanced` plans node-aware (`plan_round`'s `nodes`),
 without it the plan stays node-blind and only the counts use the topology. K = 1 or None: every rank is
 its own node and the plan is node-blind, as without topology.
 """
@@ -43,13 +43,15 @@ class Simulator:
     """Runs one epoch of `spec` over `lengths` (sample id = index).
 
     `local_ranks` (K >= 1, or None): ranks per node, rank r on node r // K (module docstring);
-    `node_aware`: with K > 1, `balanced` plans node-aware (else node-blind, counted under the topology).
+    `node_aware` (None: the job's `spec.node_aware`): with K > 1, `balanced` plans node-aware (else
+    node-blind, its moves counted under the topology).
     """
 
     def __init__(self, lengths: Sequence[int], spec: JobSpec, epoch: int = 0, local_ranks: int | None = None,
-                 node_aware: bool = True) -> None:
+                 node_aware: bool | None = None) -> None:
         if local_ranks is not None:
             check_int("local_ranks", local_ranks, lo=1)
+        node_aware = spec.node_aware if node_aware is None else node_aware
         check_bool("node_aware", node_aware)
         self.local_ranks, self.node_aware = local_ranks, node_aware
         k = local_ranks or 1
@@ -261,7 +263,7 @@ class SimMetrics:
 
 def simulate(lengths: Sequence[int], spec: JobSpec,
              on_step: Callable[[tuple[Step, ...]], None] | None = None, local_ranks: int | None = None,
-             node_aware: bool = True) -> dict[str, Any]:
+             node_aware: bool | None = None) -> dict[str, Any]:
     """Runs one epoch and returns the metrics dict `batchd simulate --json` prints.
 
     `on_step` (e.g. a progress bar) sees each aligned step (one `Step` per rank) as it is emitted.

@@ -53,6 +53,8 @@ class JobSpec:
     align: str = _field("min", "DGAP target rule: min (batchd's) or odb (ODB 0.1.2's max-target rule)",
                         choices=ALIGN_RULES)
     refine: bool = _field(True, "balanced: shrink the round's group capacity so groups cost alike")
+    node_aware: bool = _field(False, "balanced, ranks served by node agents: balance inside each node first, so "
+                              "fewer samples cross nodes; steps may cost a little more (docs/benchmarks.md)")
     quota: int | None = _field(None, "non-join: samples per epoch (the simulator's default: all samples)")
     quadratic: int = _field(4096, "q of the attention cost model (len + len^2 / q)", metavar="Q")
     collate: str = _field("padded", "batch layout the rank service builds", choices=COLLATE)
@@ -70,6 +72,7 @@ class JobSpec:
         check_choice("collate", self.collate, COLLATE)
         check_bool("shuffle", self.shuffle)
         check_bool("refine", self.refine)
+        check_bool("node_aware", self.node_aware)
         if self.quota is not None:
             check_int("quota", self.quota, lo=0)
         self.policy_object()

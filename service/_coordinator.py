@@ -466,7 +466,8 @@ class CoordinatorState:
                 self._reports[report.rank] = report
             if len(self._reports) == self.spec.world_size:
                 t_last = time.perf_counter()
-                self.core.nodes = self._topology()
+                topology = self._topology()
+                self.core.nodes = topology if self.spec.node_aware else None
                 try:
                     decision = self.core.decide(list(self._reports.values()))
                 except ValueError as exc:
@@ -477,7 +478,7 @@ class CoordinatorState:
                     self._observe(self.metrics.observe_decision, t_last - (self._round_started or t_last),
                                   time.perf_counter() - t_last)
                     if decision.plan is not None:
-                        self._observe(lambda: self.metrics.observe_moves(plan_moves(decision.plan, self.core.nodes)))
+                        self._observe(lambda: self.metrics.observe_moves(plan_moves(decision.plan, topology)))
                 self._decisions[key] = decision
                 self._forget(self._decisions)
                 self._reports.clear()

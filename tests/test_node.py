@@ -140,14 +140,17 @@ def _check_exactly_once(results, n: int) -> None:
     assert ids == list(range(n)), f"{len(ids)} ids, {len(set(ids))} distinct, expected {n}"
 
 
-def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_process(node_job):
+@pytest.mark.parametrize("node_aware", [False, True], ids=["node-blind", "node-aware"])
+def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_process(node_job, node_aware):
     lengths = _lengths()
-    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=24, depth=3, seed=11)
+    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=24, depth=3, seed=11,
+                   node_aware=node_aware)
     job = node_job(spec, lengths, nodes=2)
     results = _drain(job)
     _check_exactly_once(results, len(lengths))
     assert job.state.node_of == {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}
     assert job.state._topology() == [0, 0, 1, 1]
+    assert job.state.core.nodes == ([0, 0, 1, 1] if node_aware else None)
     home = {i: r for a in job.agents for r, c in a.cores.items() for i in c.source.view._view}
     moved = [sum(1 for ids, _ in res for i in ids if home[i] != r) for r, res in enumerate(results)]
     local = {r: c.fetched["local"] for a in job.agents for r, c in a.cores.items()}

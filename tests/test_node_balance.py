@@ -203,7 +203,7 @@ def test_simulated_epochs_keep_the_protocol_with_a_topology(lengths, world_size,
     """A whole node-aware epoch: the protocol's per-step and end-of-epoch invariants (coverage, the join
     step bound max_r n_r), and the result's moves add up."""
     config = JobSpec(world_size=world_size, token_budget=64, policy="balanced", window=window, mode=mode,
-                     cost=cost, depth=depth, shuffle=False)
+                     cost=cost, depth=depth, shuffle=False, node_aware=True)
     sim, schedule = run_checked(lengths, config, local_ranks=k)
     check_epoch(lengths, config, sim, schedule)
     m = simulate(lengths, config, local_ranks=k)
@@ -283,7 +283,8 @@ def test_outliers_pool_the_sample_that_pads_a_group():
 
 def test_simulator_reports_swaps():
     lengths = [random.Random(i).randint(1, 64) for i in range(400)]
-    config = JobSpec(world_size=8, token_budget=64, policy="balanced", window=16, shuffle=False)
+    config = JobSpec(world_size=8, token_budget=64, policy="balanced", window=16, shuffle=False,
+                     node_aware=True)
     m = simulate(lengths, config, local_ranks=2)
     assert m["node_swaps"] >= 0 and m["node_planned_rounds"] >= 1 and m["node_fallback_rounds"] == 0
     assert "node_widened_rounds" not in m
