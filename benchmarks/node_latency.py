@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import inspect
 import multiprocessing as mp
 import os
 import platform
@@ -124,25 +125,43 @@ def coordinator_main(conn, world_size: int, warmup: int, total: int, profile: bo
     cpu_marks: dict[str, tuple[float, float]] = {}
     orig_node = co.CoordinatorServicer.Node
 
-    def node(self, request_iterator, context):
-        taken: list = [None]
+    def record(kind, rnd, t_in):
+        t_out = time.perf_counter()
+        events.append((kind, rnd, t_in, t_out))
+        if kind == "commit":
+            mark = "start" if rnd == warmup - 1 else "end" if rnd == total - 1 else None
+            if mark is not None and mark not in cpu_marks:
+                cpu_marks[mark] = (cpu_s(), t_out)
 
-        def requests():
-            for req in request_iterator:
-                kind = req.WhichOneof("kind")
-                rnd = req.align.round if kind == "align" else req.commit.round if kind == "commit" else -1
-                taken[0] = (kind, rnd, time.perf_counter())
-                yield req
+    def taken_at(req):
+        kind = req.WhichOneof("kind")
+        rnd = req.align.round if kind == "align" else req.commit.round if kind == "commit" else -1
+        return (kind, rnd, time.perf_counter())
 
-        for reply in orig_node(self, requests(), context):
-            kind, rnd, t_in = taken[0]
-            t_out = time.perf_counter()
-            events.append((kind, rnd, t_in, t_out))
-            if kind == "commit":
-                mark = "start" if rnd == warmup - 1 else "end" if rnd == total - 1 else None
-                if mark is not None and mark not in cpu_marks:
-                    cpu_marks[mark] = (cpu_s(), t_out)
-            yield reply
+    if inspect.isasyncgenfunction(orig_node):  # grpc.aio coordinator
+        async def node(self, request_iterator, context):
+            taken: list = [None]
+
+            async def requests():
+                async for req in request_iterator:
+                    taken[0] = taken_at(req)
+                    yield req
+
+            async for reply in orig_node(self, requests(), context):
+                record(*taken[0])
+                yield reply
+    else:  # sync gRPC coordinator (an older revision, for before/after runs)
+        def node(self, request_iterator, context):
+            taken: list = [None]
+
+            def requests():
+                for req in request_iterator:
+                    taken[0] = taken_at(req)
+                    yield req
+
+            for reply in orig_node(self, requests(), context):
+                record(*taken[0])
+                yield reply
 
     co.CoordinatorServicer.Node = node
     server, port, state = create_server("127.0.0.1:0", job_spec(world_size), lease_s=120.0,

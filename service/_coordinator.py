@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
+import collections.abc
 import dataclasses
 import logging
 import os
@@ -165,6 +166,7 @@ class CoordinatorState:
         self.liveness = Liveness(spec.world_size, lease_s, startup_timeout_s, time.monotonic())
         self._reports: dict[int, RankReport] = {}
         self._commits: dict[int, RankCommit] = {}
+        self._commit_sums: dict[int, tuple[tuple[int, int, int], ...]] = {}  # rank -> its steps' sums
         self._decisions: dict[tuple[int, int], RoundDecision] = {}
         self._totals: dict[tuple[int, int], RoundTotals] = {}
         self._round_started: float | None = None
@@ -486,6 +488,7 @@ class CoordinatorState:
             self.core = self._new_core(epoch)
             self._reports.clear()
             self._commits.clear()
+            self._commit_sums.clear()
             return
         raise ProtocolError(f"epoch {epoch} requested while the coordinator is in epoch {self.epoch} "
                             f"({'done' if self.core.done else 'running'})")
@@ -607,14 +610,17 @@ class CoordinatorState:
     def commit_many(self, epoch: int, commits: list[RankCommit], active=None) -> RoundTotals:
         """The commits of one or more ranks for one round; returns the round's totals once every rank
         committed (blocking; see `submit_commit`)."""
-        got = self.submit_commit(epoch, commits)
+        got = self.submit_commit(epoch, commits, None)
         if isinstance(got, Barrier):
             return self.outcome(got, [c.rank for c in commits], active=active)
         return got
 
-    def submit_commit(self, epoch: int, commits: list[RankCommit]) -> RoundTotals | Barrier:
+    def submit_commit(self, epoch: int, commits: list[RankCommit],
+                      sums: list[tuple[tuple[int, int, int], ...]] | None = None) -> RoundTotals | Barrier:
         """Non-blocking `commit_many`: the totals when the round is committed (these commits completed it,
         or a replay), else the pending barrier. The totals are journaled before anyone is told of them.
+        `sums[i]`: per step of `commits[i]`, its (samples, tokens, loss tokens) (`commit_from_pb`); when
+        every rank's commit of the round came with them, the core adds those instead of every sample.
         Raises as `submit_align`."""
         if not commits:
             raise ValueError("a Commit without any commit")
@@ -630,12 +636,17 @@ class CoordinatorState:
                 raise ProtocolError(f"rank(s) {ranks} commit round {rnd} of epoch {epoch} "
                                     f"before it was decided (coordinator at epoch {self.epoch} "
                                     f"round {self.core.round})")
-            for commit in commits:
+            for i, commit in enumerate(commits):
                 self._commits[commit.rank] = commit
+                if sums is not None:
+                    self._commit_sums[commit.rank] = sums[i]
+                else:
+                    self._commit_sums.pop(commit.rank, None)
             if len(self._commits) < self.spec.world_size:
                 return self._barrier(("commit", *key))
             try:
-                totals = self.core.commit(list(self._commits.values()))
+                totals = self.core.commit(list(self._commits.values()),
+                                          self._commit_sums if len(self._commit_sums) == len(self._commits) else None)
             except ValueError as exc:
                 self._fail_locked(f"round {rnd} could not be committed: {exc}")
                 raise
@@ -647,6 +658,7 @@ class CoordinatorState:
                 self._observe(self.metrics.observe_commit, list(self._commits.values()), totals,
                               time.perf_counter() - (self._round_started or time.perf_counter()))
             self._commits.clear()
+            self._commit_sums.clear()
             if self._round_started is not None:
                 self.latencies_ms.append((time.perf_counter() - self._round_started) * 1000)
             self._complete(("commit", *key), totals)
@@ -764,7 +776,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     async def Commit(self, request, context):
         try:
-            got = self.state.submit_commit(request.epoch, [wire.commit_from_pb(request)])
+            commit, sums = commit_from_pb(request)
+            got = self.state.submit_commit(request.epoch, [commit], [sums])
             totals = await self._wait(got, [request.rank])
             return self._reply("commit", totals, request.epoch, wire.totals_to_pb)
         except (JobFailed, ShuttingDown, ValueError) as exc:
@@ -833,7 +846,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                         else:
                             yield node.decision_reply(decision, epoch)
                     else:
-                        got = self.state.submit_commit(epoch, [wire.commit_from_pb(m) for m in items])
+                        converted = [commit_from_pb(m) for m in items]
+                        got = self.state.submit_commit(epoch, [c for c, _ in converted], [s for _, s in converted])
                         totals = await self._wait(got, ranks)
                         yield self._reply("node-commit", totals, epoch, _node_totals)
                 else:
@@ -842,6 +856,58 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if isinstance(exc, ShuttingDown) and context.cancelled():
                     return
                 await self._abort(context, exc)
+
+
+class WireStep(collections.abc.Sequence):
+    """One committed step as it came off the wire: a sequence of the (length, loss_tokens) pairs of its
+    samples (as `wire.commit_from_pb` builds them), made only when someone reads them (the metrics, a
+    quota cut); its length is known at once."""
+
+    __slots__ = ("_lengths", "_loss", "_pairs")
+
+    def __init__(self, lengths: list[int], loss_tokens: list[int]) -> None:
+        if len(lengths) != len(loss_tokens):
+            raise ValueError(f"{len(lengths)} lengths but {len(loss_tokens)} loss counts")
+        self._lengths, self._loss, self._pairs = lengths, loss_tokens, None
+
+    @property
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        if self._pairs is None:
+            self._pairs = tuple(zip(self._lengths, self._loss))
+        return self._pairs
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def __getitem__(self, i):
+        return self.pairs[i]
+
+    def __iter__(self):
+        return iter(self.pairs)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (WireStep, tuple)):
+            return self.pairs == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"WireStep({self.pairs!r})"
+
+
+def commit_from_pb(m: pb.CommitRequest) -> tuple[RankCommit, tuple[tuple[int, int, int], ...]]:
+    """`wire.commit_from_pb` for the coordinator's hot path, plus per step its (samples, tokens, loss
+    tokens): the repeated fields are copied to lists and summed in C, with no per-sample pair (the
+    steps are `WireStep`s). Raises ValueError naming the rank on unequal lengths and loss counts."""
+    steps, sums = [], []
+    for st in m.steps:
+        lengths, loss = st.lengths[:], st.loss_tokens[:]
+        if len(lengths) != len(loss):
+            raise ValueError(f"commit of rank {m.rank}: {len(lengths)} lengths but {len(loss)} loss counts")
+        steps.append(WireStep(lengths, loss))
+        sums.append((len(lengths), sum(lengths), sum(loss)))
+    return RankCommit(int(m.rank), int(m.round), tuple(steps), int(m.remaining), bool(m.exhausted)), tuple(sums)
 
 
 def _node_decision(decision: RoundDecision, epoch: int) -> pb.NodeReply:
