@@ -106,8 +106,11 @@ def cpu_s() -> float:
 
 
 # -- coordinator process ---------------------------------------------------------------------------
-def coordinator_main(conn, world_size: int, warmup: int, total: int, profile: bool) -> None:
-    """Runs the coordinator server until told to stop; records per-message times on the Node streams."""
+def coordinator_main(conn, world_size: int, warmup: int, total: int, profile: bool, base: str | None = None) -> None:
+    """Runs the coordinator server until told to stop; records per-message times on the Node streams.
+    `base`: a directory holding another revision's `batchd` package (`baseline_tree`) to run instead."""
+    if base is not None:  # before anything imports batchd: this tree wins over the editable install
+        sys.path.insert(0, base)
     from batchd.service import _coordinator as co
     from batchd.service import create_server
 
@@ -322,13 +325,35 @@ def agents_main(agents: list[tuple[str, list[int]]], world_size: int, address: s
     out_q.put({"results": results, "cpu_s": cpu["end"] - cpu.get("start", cpu["end"]), "errors": errors})
 
 
+def baseline_tree(rev: str) -> str:
+    """Exports revision `rev` of this repository to a temporary directory laid out as the installed
+    package (`batchd`, with `core`, `service`, `proto`, `client` inside); returns the directory to put
+    first on sys.path (the coordinator process of `run_nodes(..., base=)`). Removed at exit."""
+    import atexit
+    import shutil
+    import subprocess
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="node-latency-base-"))
+    atexit.register(shutil.rmtree, root, True)
+    src = root / "src"
+    src.mkdir()
+    archive = subprocess.run(["git", "archive", rev], cwd=REPO, capture_output=True, check=True, timeout=60)
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True, timeout=60)
+    pkg = root / "pkg" / "batchd"
+    shutil.copytree(src / "batchd", pkg)
+    for sub in ("core", "service", "proto", "client"):
+        (pkg / sub).symlink_to(src / sub, target_is_directory=True)
+    return str(root / "pkg")
+
+
 def run_nodes(agents: int, k: int, pool: list[int], rounds: int, warmup: int, client_procs: int,
-              profile: bool = False) -> dict[str, Any]:
+              profile: bool = False, base: str | None = None) -> dict[str, Any]:
     world = agents * k
     total = warmup + rounds
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    coord = ctx.Process(target=coordinator_main, args=(child, world, warmup, total, profile), daemon=True)
+    coord = ctx.Process(target=coordinator_main, args=(child, world, warmup, total, profile, base), daemon=True)
     coord.start()
     procs = []
     try:
@@ -587,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-unary", action="store_true", help="skip the per-rank unary run at 64 ranks")
     ap.add_argument("--profile", action="store_true", help="also cProfile the coordinator at the first config")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--before", metavar="REV", help="also run the coordinator of revision REV (e.g. the last "
+                    "sync-gRPC one), interleaved with this tree's config by config, for a before/after table")
     args = ap.parse_args(argv)
     given = argv if argv is not None else sys.argv[1:]
     cmd = "python benchmarks/node_latency.py" + (" " + " ".join(given) if given else "")
@@ -599,8 +626,15 @@ def main(argv: list[str] | None = None) -> int:
     rev = revision()
     idle0 = idle_share()
     t_all = time.perf_counter()
-    runs = []
+    runs, before = [], []
+    base = baseline_tree(args.before) if args.before else None
     for (agents, k), n_rounds in zip(configs, rounds):
+        if base is not None:
+            res = run_nodes(agents, k, pool, n_rounds, args.warmup, args.client_procs, base=base)
+            before.append(res)
+            print(f"before ({args.before}) {agents}x{k}: coord p50 {pct(res['coord_ms'], 50):.2f} "
+                  f"p99 {pct(res['coord_ms'], 99):.2f} own p50 {pct(res['own_ms'], 50):.2f} "
+                  f"cpu/round {res['coord_cpu_per_round_ms']:.2f} ms", flush=True)
         res = run_nodes(agents, k, pool, n_rounds, args.warmup, args.client_procs)
         runs.append(res)
         print(f"{agents}x{k}: coord p50 {pct(res['coord_ms'], 50):.2f} p99 {pct(res['coord_ms'], 99):.2f} "
@@ -626,11 +660,32 @@ def main(argv: list[str] | None = None) -> int:
               f"{trainer['min_found']}, rounds/s {trainer['rounds_per_s']:.1f}", flush=True)
     wall = time.perf_counter() - t_all
     idle1 = idle_share()
-    publish(SECTION, render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer), args.no_write)
+    publish(SECTION, render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer, before), args.no_write)
     return 0
 
 
+LIMITS = (
+    "What bounds these figures on this box: **coord** runs from a barrier's first message to its last "
+    "totals, so it holds the agents' skew (their finalize/fill/report/apply share the 2 cores and their "
+    "processes' GILs with the coordinator); **coord-own** is the coordinator's part once the last message is "
+    "in, and its CPU per round is what a dedicated coordinator core would spend. At 512 and 1,024 ranks the "
+    "two client processes need more CPU per round than the box has between rounds, so coord there is "
+    "mostly client time."
+)
+
 OPTIMIZED = (
+    "**grpc.aio (this revision).** The coordinator serves on one asyncio event loop: a `Node` stream is an "
+    "async generator, a barrier an awaited future per waiter that the message completing the barrier "
+    "resolves on the loop (no thread per stream, no hand-off of every message between a handler thread and "
+    "the server's poller, no `notify_all` waking every handler). Decision and totals replies that every "
+    "agent gets are serialized once per round and handed to gRPC as bytes. Commits are read as lazy "
+    "`WireStep`s: the repeated fields are copied to lists and summed in C, and the core adds those per-rank "
+    "sums (`Coordinator.commit(..., sums=)`) instead of a Python generator over every sample (the "
+    "per-sample pairs were ~40% of coordinator CPU at 512 ranks). Figures: the before/after rows above. "
+    "What remains per message is gRPC's own (Cython) receive/send path and the asyncio loop, about half of "
+    "the coordinator's CPU at 64 ranks.\n\n"
+    "**Earlier (commit cbb92f0).** "
+    "A cProfile of the coordinator at 8 x 8 put batchd's largest own cost in `wire.commit_from_pb` (a "
     "A cProfile of the coordinator at 8 x 8 put batchd's largest own cost in `wire.commit_from_pb` (a "
     "per-sample generator with `int()` per field: ~2 ms of the ~8 ms of coordinator CPU per round), then "
     "the core's `commit` (~0.8 ms; sums over every rank's samples) and the per-rank `_touch`. Changed "
@@ -646,7 +701,7 @@ OPTIMIZED = (
 )
 
 
-def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer) -> list[str]:
+def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer, before=()) -> list[str]:
     import grpc
 
     machine = (f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
@@ -654,9 +709,16 @@ def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer) -> li
     headers = ["agents x ranks", "N", "ranks per client proc", "rounds", "coord p50 ms", "coord p99 ms",
                "coord max ms", "coord-own p50 ms", "coord-own p99 ms", "client p99 ms", "span p50 ms",
                "slowest agent CPU p50 ms", "rounds/s", "coord CPU ms/round", "client CPU ms/round"]
+    if before:
+        headers.insert(1, "coordinator")
+        label = {id(r): f"before: sync ({args.before})" for r in before}
+        ordered = [r for pair in zip(before, runs) for r in pair]
+    else:
+        label, ordered = {}, runs
     rows = []
-    for r in runs:
-        rows.append([f"{r['agents']} x {r['k']}", r["N"], " + ".join(map(str, r["procs"])), r["rounds"],
+    for r in ordered:
+        server = [label.get(id(r), "after: grpc.aio")] if before else []
+        rows.append([f"{r['agents']} x {r['k']}", *server, r["N"], " + ".join(map(str, r["procs"])), r["rounds"],
                      *(f"{pct(r[key], q):.1f}" for key, q in (("coord_ms", 50), ("coord_ms", 99))),
                      f"{max(r['coord_ms']):.1f}",
                      *(f"{pct(r[key], q):.2f}" for key, q in (("own_ms", 50), ("own_ms", 99))),
@@ -671,8 +733,11 @@ def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer) -> li
         f"{idle0:.0%} in the 3 s before, {idle1:.0%} in the 3 s after). "
         "Machine note: 2 shared cores, noisy; compare figures within one run."),
         "",
-        ("**How the agents are simulated.** The coordinator is the real gRPC server (`create_server`, sync "
-        "gRPC) in its own process. Each node agent is a *light client*: one thread holding its K "
+        ("**How the agents are simulated.** The coordinator is the real gRPC server (`create_server`: "
+        "grpc.aio, one event loop; "
+        + (f"the *before* rows run revision {args.before}'s sync-gRPC coordinator in the same harness, "
+           "config by config just before the *after* row" if before else "")
+        + ") in its own process. Each node agent is a *light client*: one thread holding its K "
         f"`RankState`s (policy local, window {WINDOW}, depth {DEPTH}, L={BUDGET}, padded cost, join mode, "
         "lengths from odb-synthetic, pre-built and `gc.freeze()`d) that speaks `Coordinator.Node` itself: "
         "one stream per agent on its own channel and TCP connection (local subchannel pool), hello, then "
@@ -712,6 +777,18 @@ def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer) -> li
                         f"{'met' if c99 <= TARGET_512_MS else '**not met**'} (coordinator p99 {c99:.1f} ms)")
     if verdicts:
         body += ["Targets (issue): " + "; ".join(verdicts) + ".", ""]
+    if before:
+        parts = []
+        for b, a in zip(before, runs):
+            parts.append(
+                f"{a['agents']} x {a['k']}: coord p50 {pct(b['coord_ms'], 50):.1f} -> {pct(a['coord_ms'], 50):.1f} ms, "
+                f"p99 {pct(b['coord_ms'], 99):.1f} -> {pct(a['coord_ms'], 99):.1f} ms, coord-own p50 "
+                f"{pct(b['own_ms'], 50):.2f} -> {pct(a['own_ms'], 50):.2f} ms, CPU per round "
+                f"{b['coord_cpu_per_round_ms']:.2f} -> {a['coord_cpu_per_round_ms']:.2f} ms "
+                f"({a['coord_cpu_per_round_ms'] / max(b['coord_cpu_per_round_ms'], 1e-9) - 1:+.0%})")
+        body += [f"**Before (sync gRPC, {args.before}) -> after (grpc.aio)**, same run: " + "; ".join(parts) + ".",
+                 ""]
+        body += [LIMITS, ""]
     if unary is not None and 64 in by_n:
         n64 = by_n[64]
         body += [

@@ -93,9 +93,10 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-def _settle(fut: asyncio.Future, barrier: Barrier) -> None:
-    if not fut.done():
-        fut.set_result(barrier)
+def _settle(futures: list[asyncio.Future], barrier: Barrier) -> None:
+    for fut in futures:
+        if not fut.done():  # a waiter cancelled (its stream ended) cancelled its own future
+            fut.set_result(barrier)
 
 
 class Barrier:
@@ -103,9 +104,10 @@ class Barrier:
 
     Completed once, under the state's lock, with the round's decision / totals or with an error (the job
     failed: `JobFailed`; the coordinator closes: `ShuttingDown`). Sync waiters block in
-    `CoordinatorState.outcome(barrier, ranks, timeout)`; async ones await `CoordinatorState.barrier_future`:
-    one asyncio future per event loop, resolved on that loop (directly when the completing thread runs
-    it, else through `call_soon_threadsafe`), so completing a barrier costs O(loops), not O(waiters).
+    `CoordinatorState.outcome(barrier, ranks, timeout)`; async ones await `CoordinatorState.barrier_future`
+    (one asyncio future per waiter), resolved directly when the completing thread runs their loop (the
+    usual case: the last message's handler completes the barrier), else by one `call_soon_threadsafe`
+    per loop. Nothing else is woken.
     """
 
     __slots__ = ("key", "done", "result", "error", "_event", "_futures")
@@ -116,7 +118,7 @@ class Barrier:
         self.result: RoundDecision | RoundTotals | None = None
         self.error: tuple[type[Exception], str] | None = None  # raised anew for every waiter
         self._event = threading.Event()
-        self._futures: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}
+        self._futures: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
 
     def _complete(self, result=None, error: tuple[type[Exception], str] | None = None) -> None:
         if self.done:
@@ -124,24 +126,22 @@ class Barrier:
         self.done, self.result, self.error = True, result, error
         self._event.set()
         running = _running_loop()
-        for loop, fut in self._futures.items():
+        for loop, futures in self._futures.items():
             if loop is running:
-                _settle(fut, self)
+                _settle(futures, self)
             else:
                 try:
-                    loop.call_soon_threadsafe(_settle, fut, self)
+                    loop.call_soon_threadsafe(_settle, futures, self)
                 except RuntimeError:  # that loop is closed: nobody awaits there any more
                     pass
-        self._futures.clear()
+        self._futures = {}
 
     def _future(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
-        fut = self._futures.get(loop)
-        if fut is None:
-            fut = loop.create_future()
-            if self.done:
-                fut.set_result(self)
-            else:
-                self._futures[loop] = fut
+        fut = loop.create_future()
+        if self.done:
+            fut.set_result(self)
+        else:
+            self._futures.setdefault(loop, []).append(fut)
         return fut
 
 
@@ -344,8 +344,8 @@ class CoordinatorState:
         now = time.monotonic()
         addresses, seen = self.addresses, self.liveness.seen
         for rank in ranks:
-            self._check_rank(rank, what)
-            if rank not in addresses:
+            if rank not in addresses:  # a registered rank is in range
+                self._check_rank(rank, what)
                 raise ProtocolError(f"{what} from rank {rank}, which has not registered")
             seen(rank, now)
 
@@ -506,8 +506,8 @@ class CoordinatorState:
             barrier._complete(result)
 
     def barrier_future(self, barrier: Barrier) -> asyncio.Future:
-        """An asyncio future of the running loop, resolved (to `barrier`) once `barrier` completes; shared
-        by every waiter of this loop: await it through `asyncio.shield`, then read `outcome`."""
+        """A future of the running loop for one waiter, resolved (to `barrier`) once `barrier` completes:
+        await it, then read `outcome`. Cancelling it (the waiter's call ended) touches no other waiter."""
         loop = asyncio.get_running_loop()
         with self._lock:
             return barrier._future(loop)
@@ -740,7 +740,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             return got
         fut = self.state.barrier_future(got)
         if not fut.done():
-            await asyncio.shield(fut)  # shared by this loop's waiters: a cancelled caller must not cancel it
+            await fut
         return self.state.outcome(got, ranks)
 
     def _reply(self, kind: str, value, epoch: int, build) -> bytes:
