@@ -3,11 +3,14 @@
 
 Setup (all on one machine, loopback TCP):
 
-- the coordinator is the real gRPC server (`batchd.service.create_server`, sync gRPC) in its own process
-  (multiprocessing, spawn). The benchmark wraps `CoordinatorServicer.Node` there to timestamp each
-  message as the handler takes it and as it hands the reply back to gRPC (a few list appends per
-  message), and reads the process's CPU time when the warm-up's last totals and the last measured totals
-  leave;
+- the coordinator is the real gRPC server (`batchd.service.create_server`, grpc.aio) in its own process
+  (multiprocessing, spawn). The benchmark wraps `CoordinatorServicer.Node` there (an async generator, or
+  a sync one for an older revision) to timestamp each message as the handler takes it and as it hands
+  the reply back to gRPC (a few list appends per message), and reads the process's CPU time when the
+  warm-up's last totals and the last measured totals leave;
+- `--before REV` also runs revision REV's coordinator (exported with `git archive` to a temporary tree
+  put first on the coordinator process's sys.path; the agents stay this tree's), config by config just
+  before this tree's, for a before/after table from one run;
 - **simulated agents are light clients**: an agent is one thread holding its K `batchd.core.RankState`s
   (policy local, window 64, depth 8, L=8192, padded cost, join mode, as `align_latency.py`) that speaks
   the Node stream itself: one `stub.Node` call per agent (its own channel, with a local subchannel pool,
@@ -44,6 +47,7 @@ Results go to docs/benchmarks.md between `<!-- node-latency:begin -->` and `<!--
 
 Usage: python benchmarks/node_latency.py [--configs 8x8,64x8,128x8] [--rounds 300,150,80]
        [--warmup 20] [--client-procs 2] [--trainer-s 20] [--no-unary] [--profile] [--no-write]
+       [--before REV]
 """
 
 from __future__ import annotations
