@@ -686,10 +686,10 @@ OPTIMIZED = (
     "`WireStep`s: the repeated fields are copied to lists and summed in C, and the core adds those per-rank "
     "sums (`Coordinator.commit(..., sums=)`) instead of a Python generator over every sample (the "
     "per-sample pairs were ~40% of coordinator CPU at 512 ranks). Figures: the before/after rows above. "
-    "What remains per message is gRPC's own (Cython) receive/send path and the asyncio loop, about half of "
-    "the coordinator's CPU at 64 ranks.\n\n"
+    "What remains is mostly per message: gRPC's own (Cython) receive/send path, the asyncio loop and "
+    "the kernel's socket work, about two thirds of the coordinator's CPU at 64 ranks (batchd's own message "
+    "conversion and barrier logic measured ~3 ms of ~8-9 ms per round with per-function thread-CPU timers).\n\n"
     "**Earlier (commit cbb92f0).** "
-    "A cProfile of the coordinator at 8 x 8 put batchd's largest own cost in `wire.commit_from_pb` (a "
     "A cProfile of the coordinator at 8 x 8 put batchd's largest own cost in `wire.commit_from_pb` (a "
     "per-sample generator with `int()` per field: ~2 ms of the ~8 ms of coordinator CPU per round), then "
     "the core's `commit` (~0.8 ms; sums over every rank's samples) and the per-rank `_touch`. Changed "
@@ -701,7 +701,7 @@ OPTIMIZED = (
     "(noise-dominated). The rest of the coordinator's CPU is gRPC Python's per-message work on a sync "
     "stream (each received and each sent message is a hand-off between the handler thread and the "
     "server's polling thread) and the barrier waking every node's handler; neither shrinks without "
-    "moving the Node stream off sync gRPC (grpc.aio or a native coordinator), which this change does not do."
+    "moving the Node stream off sync gRPC (grpc.aio or a native coordinator): the change above."
 )
 
 
