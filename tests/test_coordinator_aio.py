@@ -134,3 +134,30 @@ def test_stop_releases_the_port_for_a_restart_at_once():
     finally:
         state2.close()
         assert again.stop(1.0).wait(10)
+
+
+@pytest.mark.parametrize("mode", ["join", "non-join"])
+def test_commits_read_off_the_wire_total_as_the_core_sums_them(mode):
+    """`commit_from_pb`'s lazy steps and C sums give the core's totals exactly, cut or not."""
+    import random
+
+    from batchd.core import Coordinator, RoundDecision
+    from batchd.service._coordinator import commit_from_pb
+
+    rng = random.Random(7)
+    for quota in (10_000, 40, 3):
+        spec = JobSpec(world_size=4, token_budget=1024, window=8, depth=4, mode=mode,
+                       **({"quota": quota} if mode == "non-join" else {}))
+        commits = [RankCommit(r, 0, tuple(tuple((rng.randint(1, 900), rng.randint(0, 900)) for _ in range(rng.randint(0, 9)))
+                                          for _ in range(3)), rng.randint(0, 5), False) for r in range(4)]
+        totals = []
+        for wire_side in (False, True):
+            core = Coordinator(spec, 0)
+            core.resume_decided(RoundDecision(0, 3))
+            if wire_side:
+                read = [commit_from_pb(wire.commit_to_pb(c, 0)) for c in commits]
+                assert [c for c, _ in read] == commits
+                totals.append(core.commit([c for c, _ in read], {c.rank: s for c, s in read}))
+            else:
+                totals.append(core.commit(commits))
+        assert totals[0] == totals[1]
