@@ -2,8 +2,8 @@
 
 Setup (all on one machine, loopback TCP):
 
-- the coordinator is the real gRPC server (`batchd.service.create_server`, sync gRPC, thread pool of
-  2N+16) in its own process (multiprocessing, spawn);
+- the coordinator is the real gRPC server (`batchd.service.create_server`, grpc.aio: one event loop) in
+  its own process (multiprocessing, spawn);
 - N rank clients run the real round protocol, each with its own `batchd.core.RankState` (policy
   local, window 64, depth 8, L=8192, padded cost, join mode) and its own `CoordinatorClient` (own
   channel object; gRPC Python may share one TCP connection between channels of a process), registered
@@ -27,7 +27,7 @@ Measured per round, after `--warmup` rounds (default 30), over `--rounds` rounds
   shared by the processes.)
 
 Diagnostics at the largest N (`--diagnose`, on by default): a second run with per-phase timestamps
-(client send/receive times plus wrappers around `CoordinatorState.align/commit` and the core's
+(client send/receive times plus wrappers around `CoordinatorState.submit_align/submit_commit` and the core's
 `decide/commit` in the coordinator process) to split a round into its phases, and a third with
 cProfile on every thread of the coordinator process (per-thread profilers installed through
 `threading.setprofile`, merged), plus the CPU seconds each process burned per round.
@@ -136,21 +136,21 @@ def coordinator_main(conn, world_size: int, mode: str) -> None:
                                         startup_timeout_s=600.0)
     events: list[tuple] = []
     if mode == "phases":
-        orig_align, orig_commit = state.align, state.commit
+        # The server hands every Align/Commit to `submit_align/submit_commit` (non-blocking; a barrier's
+        # waiters then await it): their entry is when the message reached the coordinator's logic.
+        orig_align, orig_commit = state.submit_align, state.submit_commit
         core = state.core
         orig_decide, orig_core_commit = core.decide, core.commit
 
-        def align(epoch, report):
-            events.append(("align_in", report.round, report.rank, time.perf_counter()))
-            out = orig_align(epoch, report)
-            events.append(("align_out", report.round, report.rank, time.perf_counter()))
-            return out
+        def align(epoch, reports):
+            for report in reports:
+                events.append(("align_in", report.round, report.rank, time.perf_counter()))
+            return orig_align(epoch, reports)
 
-        def commit(epoch, c):
-            events.append(("commit_in", c.round, c.rank, time.perf_counter()))
-            out = orig_commit(epoch, c)
-            events.append(("commit_out", c.round, c.rank, time.perf_counter()))
-            return out
+        def commit(epoch, commits, *rest):
+            for c in commits:
+                events.append(("commit_in", c.round, c.rank, time.perf_counter()))
+            return orig_commit(epoch, commits, *rest)
 
         def decide(reports):
             t = time.perf_counter()
@@ -158,13 +158,13 @@ def coordinator_main(conn, world_size: int, mode: str) -> None:
             events.append(("decide", out.round, -1, t, time.perf_counter()))
             return out
 
-        def core_commit(commits):
+        def core_commit(commits, *rest):
             t = time.perf_counter()
-            out = orig_core_commit(commits)
+            out = orig_core_commit(commits, *rest)
             events.append(("core_commit", out.round, -1, t, time.perf_counter()))
             return out
 
-        state.align, state.commit = align, commit
+        state.submit_align, state.submit_commit = align, commit
         core.decide, core.commit = decide, core_commit
     server.start()
     conn.send(port)
@@ -389,7 +389,7 @@ def rpc_floor(calls: int = 3000) -> dict[str, float]:
 
 PHASES = [
     ("send skew", "first Align sent -> last Align sent (ranks start the round at different times)"),
-    ("Align in flight", "last Align sent -> it enters CoordinatorState.align (client serialization, "
+    ("Align in flight", "last Align sent -> it enters CoordinatorState.submit_align (client serialization, "
                         "loopback, gRPC dispatch to a handler thread)"),
     ("decide", "core.decide under the lock"),
     ("decision fan-out", "decision made -> the last rank holds it (N blocked handler threads wake, "
@@ -542,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{idle0:.0%} in the 3 s before, {idle1:.0%} in the 3 s after). "
         "Machine note: 2 shared cores, noisy; compare figures within one run.",
         "",
-        f"The coordinator is the real gRPC server (`create_server`, sync gRPC) in its own process. N rank "
+        f"The coordinator is the real gRPC server (`create_server`, grpc.aio) in its own process. N rank "
         f"clients run the real round protocol (fill -> `RankState.report` -> `CoordinatorClient.align` -> "
         f"`apply` -> `CoordinatorClient.commit` -> `finalize`; policy local, window {WINDOW}, depth {DEPTH}, "
         f"L={BUDGET}, lengths drawn from odb-synthetic, every round offers capacity {DEPTH}) as **threads "
@@ -575,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
             f"### Where a round's time goes at N={diag_phase['N']} (second run, phase timestamps)",
             "",
             "Absolute CLOCK_MONOTONIC timestamps from the clients and from wrappers around "
-            "`CoordinatorState.align/commit` and the core's `decide/commit` in the coordinator process; "
+            "`CoordinatorState.submit_align/submit_commit` and the core's `decide/commit` in the coordinator process; "
             "each phase ends when its *last* rank is through, so the phases add up to the span. "
             f"Round latency in this run: coord p50 {pct(diag_phase['coord_ms'], 50):.1f} ms, "
             f"client p50 {pct(diag_phase['client_ms'], 50):.1f} ms.",

@@ -3,11 +3,14 @@
 
 Setup (all on one machine, loopback TCP):
 
-- the coordinator is the real gRPC server (`batchd.service.create_server`, sync gRPC) in its own process
-  (multiprocessing, spawn). The benchmark wraps `CoordinatorServicer.Node` there to timestamp each
-  message as the handler takes it and as it hands the reply back to gRPC (a few list appends per
-  message), and reads the process's CPU time when the warm-up's last totals and the last measured totals
-  leave;
+- the coordinator is the real gRPC server (`batchd.service.create_server`, grpc.aio) in its own process
+  (multiprocessing, spawn). The benchmark wraps `CoordinatorServicer.Node` there (an async generator, or
+  a sync one for an older revision) to timestamp each message as the handler takes it and as it hands
+  the reply back to gRPC (a few list appends per message), and reads the process's CPU time when the
+  warm-up's last totals and the last measured totals leave;
+- `--before REV` also runs revision REV's coordinator (exported with `git archive` to a temporary tree
+  put first on the coordinator process's sys.path; the agents stay this tree's), config by config just
+  before this tree's, for a before/after table from one run;
 - **simulated agents are light clients**: an agent is one thread holding its K `batchd.core.RankState`s
   (policy local, window 64, depth 8, L=8192, padded cost, join mode, as `align_latency.py`) that speaks
   the Node stream itself: one `stub.Node` call per agent (its own channel, with a local subchannel pool,
@@ -44,6 +47,7 @@ Results go to docs/benchmarks.md between `<!-- node-latency:begin -->` and `<!--
 
 Usage: python benchmarks/node_latency.py [--configs 8x8,64x8,128x8] [--rounds 300,150,80]
        [--warmup 20] [--client-procs 2] [--trainer-s 20] [--no-unary] [--profile] [--no-write]
+       [--before REV]
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import inspect
 import multiprocessing as mp
 import os
 import platform
@@ -105,8 +110,11 @@ def cpu_s() -> float:
 
 
 # -- coordinator process ---------------------------------------------------------------------------
-def coordinator_main(conn, world_size: int, warmup: int, total: int, profile: bool) -> None:
-    """Runs the coordinator server until told to stop; records per-message times on the Node streams."""
+def coordinator_main(conn, world_size: int, warmup: int, total: int, profile: bool, base: str | None = None) -> None:
+    """Runs the coordinator server until told to stop; records per-message times on the Node streams.
+    `base`: a directory holding another revision's `batchd` package (`baseline_tree`) to run instead."""
+    if base is not None:  # before anything imports batchd: this tree wins over the editable install
+        sys.path.insert(0, base)
     from batchd.service import _coordinator as co
     from batchd.service import create_server
 
@@ -124,25 +132,43 @@ def coordinator_main(conn, world_size: int, warmup: int, total: int, profile: bo
     cpu_marks: dict[str, tuple[float, float]] = {}
     orig_node = co.CoordinatorServicer.Node
 
-    def node(self, request_iterator, context):
-        taken: list = [None]
+    def record(kind, rnd, t_in):
+        t_out = time.perf_counter()
+        events.append((kind, rnd, t_in, t_out))
+        if kind == "commit":
+            mark = "start" if rnd == warmup - 1 else "end" if rnd == total - 1 else None
+            if mark is not None and mark not in cpu_marks:
+                cpu_marks[mark] = (cpu_s(), t_out)
 
-        def requests():
-            for req in request_iterator:
-                kind = req.WhichOneof("kind")
-                rnd = req.align.round if kind == "align" else req.commit.round if kind == "commit" else -1
-                taken[0] = (kind, rnd, time.perf_counter())
-                yield req
+    def taken_at(req):
+        kind = req.WhichOneof("kind")
+        rnd = req.align.round if kind == "align" else req.commit.round if kind == "commit" else -1
+        return (kind, rnd, time.perf_counter())
 
-        for reply in orig_node(self, requests(), context):
-            kind, rnd, t_in = taken[0]
-            t_out = time.perf_counter()
-            events.append((kind, rnd, t_in, t_out))
-            if kind == "commit":
-                mark = "start" if rnd == warmup - 1 else "end" if rnd == total - 1 else None
-                if mark is not None and mark not in cpu_marks:
-                    cpu_marks[mark] = (cpu_s(), t_out)
-            yield reply
+    if inspect.isasyncgenfunction(orig_node):  # grpc.aio coordinator
+        async def node(self, request_iterator, context):
+            taken: list = [None]
+
+            async def requests():
+                async for req in request_iterator:
+                    taken[0] = taken_at(req)
+                    yield req
+
+            async for reply in orig_node(self, requests(), context):
+                record(*taken[0])
+                yield reply
+    else:  # sync gRPC coordinator (an older revision, for before/after runs)
+        def node(self, request_iterator, context):
+            taken: list = [None]
+
+            def requests():
+                for req in request_iterator:
+                    taken[0] = taken_at(req)
+                    yield req
+
+            for reply in orig_node(self, requests(), context):
+                record(*taken[0])
+                yield reply
 
     co.CoordinatorServicer.Node = node
     server, port, state = create_server("127.0.0.1:0", job_spec(world_size), lease_s=120.0,
@@ -303,13 +329,35 @@ def agents_main(agents: list[tuple[str, list[int]]], world_size: int, address: s
     out_q.put({"results": results, "cpu_s": cpu["end"] - cpu.get("start", cpu["end"]), "errors": errors})
 
 
+def baseline_tree(rev: str) -> str:
+    """Exports revision `rev` of this repository to a temporary directory laid out as the installed
+    package (`batchd`, with `core`, `service`, `proto`, `client` inside); returns the directory to put
+    first on sys.path (the coordinator process of `run_nodes(..., base=)`). Removed at exit."""
+    import atexit
+    import shutil
+    import subprocess
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="node-latency-base-"))
+    atexit.register(shutil.rmtree, root, True)
+    src = root / "src"
+    src.mkdir()
+    archive = subprocess.run(["git", "archive", rev], cwd=REPO, capture_output=True, check=True, timeout=60)
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive.stdout, check=True, timeout=60)
+    pkg = root / "pkg" / "batchd"
+    shutil.copytree(src / "batchd", pkg)
+    for sub in ("core", "service", "proto", "client"):
+        (pkg / sub).symlink_to(src / sub, target_is_directory=True)
+    return str(root / "pkg")
+
+
 def run_nodes(agents: int, k: int, pool: list[int], rounds: int, warmup: int, client_procs: int,
-              profile: bool = False) -> dict[str, Any]:
+              profile: bool = False, base: str | None = None) -> dict[str, Any]:
     world = agents * k
     total = warmup + rounds
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    coord = ctx.Process(target=coordinator_main, args=(child, world, warmup, total, profile), daemon=True)
+    coord = ctx.Process(target=coordinator_main, args=(child, world, warmup, total, profile, base), daemon=True)
     coord.start()
     procs = []
     try:
@@ -568,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-unary", action="store_true", help="skip the per-rank unary run at 64 ranks")
     ap.add_argument("--profile", action="store_true", help="also cProfile the coordinator at the first config")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    ap.add_argument("--before", metavar="REV", help="also run the coordinator of revision REV (e.g. the last "
+                    "sync-gRPC one), interleaved with this tree's config by config, for a before/after table")
     args = ap.parse_args(argv)
     given = argv if argv is not None else sys.argv[1:]
     cmd = "python benchmarks/node_latency.py" + (" " + " ".join(given) if given else "")
@@ -580,8 +630,15 @@ def main(argv: list[str] | None = None) -> int:
     rev = revision()
     idle0 = idle_share()
     t_all = time.perf_counter()
-    runs = []
+    runs, before = [], []
+    base = baseline_tree(args.before) if args.before else None
     for (agents, k), n_rounds in zip(configs, rounds):
+        if base is not None:
+            res = run_nodes(agents, k, pool, n_rounds, args.warmup, args.client_procs, base=base)
+            before.append(res)
+            print(f"before ({args.before}) {agents}x{k}: coord p50 {pct(res['coord_ms'], 50):.2f} "
+                  f"p99 {pct(res['coord_ms'], 99):.2f} own p50 {pct(res['own_ms'], 50):.2f} "
+                  f"cpu/round {res['coord_cpu_per_round_ms']:.2f} ms", flush=True)
         res = run_nodes(agents, k, pool, n_rounds, args.warmup, args.client_procs)
         runs.append(res)
         print(f"{agents}x{k}: coord p50 {pct(res['coord_ms'], 50):.2f} p99 {pct(res['coord_ms'], 99):.2f} "
@@ -607,11 +664,32 @@ def main(argv: list[str] | None = None) -> int:
               f"{trainer['min_found']}, rounds/s {trainer['rounds_per_s']:.1f}", flush=True)
     wall = time.perf_counter() - t_all
     idle1 = idle_share()
-    publish(SECTION, render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer), args.no_write)
+    publish(SECTION, render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer, before), args.no_write)
     return 0
 
 
+LIMITS = (
+    "What bounds these figures on this box: **coord** runs from a barrier's first message to its last "
+    "totals, so it holds the agents' skew (their finalize/fill/report/apply share the 2 cores and their "
+    "processes' GILs with the coordinator); **coord-own** is the coordinator's part once the last message is "
+    "in, and its CPU per round is what a dedicated coordinator core would spend. At 512 and 1,024 ranks the "
+    "two client processes need more CPU per round than the box has between rounds, so coord there is "
+    "mostly client time."
+)
+
 OPTIMIZED = (
+    "**grpc.aio (this revision).** The coordinator serves on one asyncio event loop: a `Node` stream is an "
+    "async generator, a barrier an awaited future per waiter that the message completing the barrier "
+    "resolves on the loop (no thread per stream, no hand-off of every message between a handler thread and "
+    "the server's poller, no `notify_all` waking every handler). Decision and totals replies that every "
+    "agent gets are serialized once per round and handed to gRPC as bytes. Commits are read as lazy "
+    "`WireStep`s: the repeated fields are copied to lists and summed in C, and the core adds those per-rank "
+    "sums (`Coordinator.commit(..., sums=)`) instead of a Python generator over every sample (the "
+    "per-sample pairs were ~40% of coordinator CPU at 512 ranks). Figures: the before/after rows above. "
+    "What remains is mostly per message: gRPC's own (Cython) receive/send path, the asyncio loop and "
+    "the kernel's socket work, about two thirds of the coordinator's CPU at 64 ranks (batchd's own message "
+    "conversion and barrier logic measured ~3 ms of ~8-9 ms per round with per-function thread-CPU timers).\n\n"
+    "**Earlier (commit cbb92f0).** "
     "A cProfile of the coordinator at 8 x 8 put batchd's largest own cost in `wire.commit_from_pb` (a "
     "per-sample generator with `int()` per field: ~2 ms of the ~8 ms of coordinator CPU per round), then "
     "the core's `commit` (~0.8 ms; sums over every rank's samples) and the per-rank `_touch`. Changed "
@@ -623,11 +701,11 @@ OPTIMIZED = (
     "(noise-dominated). The rest of the coordinator's CPU is gRPC Python's per-message work on a sync "
     "stream (each received and each sent message is a hand-off between the handler thread and the "
     "server's polling thread) and the barrier waking every node's handler; neither shrinks without "
-    "moving the Node stream off sync gRPC (grpc.aio or a native coordinator), which this change does not do."
+    "moving the Node stream off sync gRPC (grpc.aio or a native coordinator): the change above."
 )
 
 
-def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer) -> list[str]:
+def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer, before=()) -> list[str]:
     import grpc
 
     machine = (f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
@@ -635,9 +713,16 @@ def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer) -> li
     headers = ["agents x ranks", "N", "ranks per client proc", "rounds", "coord p50 ms", "coord p99 ms",
                "coord max ms", "coord-own p50 ms", "coord-own p99 ms", "client p99 ms", "span p50 ms",
                "slowest agent CPU p50 ms", "rounds/s", "coord CPU ms/round", "client CPU ms/round"]
+    if before:
+        headers.insert(1, "coordinator")
+        label = {id(r): f"before: sync ({args.before})" for r in before}
+        ordered = [r for pair in zip(before, runs) for r in pair]
+    else:
+        label, ordered = {}, runs
     rows = []
-    for r in runs:
-        rows.append([f"{r['agents']} x {r['k']}", r["N"], " + ".join(map(str, r["procs"])), r["rounds"],
+    for r in ordered:
+        server = [label.get(id(r), "after: grpc.aio")] if before else []
+        rows.append([f"{r['agents']} x {r['k']}", *server, r["N"], " + ".join(map(str, r["procs"])), r["rounds"],
                      *(f"{pct(r[key], q):.1f}" for key, q in (("coord_ms", 50), ("coord_ms", 99))),
                      f"{max(r['coord_ms']):.1f}",
                      *(f"{pct(r[key], q):.2f}" for key, q in (("own_ms", 50), ("own_ms", 99))),
@@ -652,8 +737,11 @@ def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer) -> li
         f"{idle0:.0%} in the 3 s before, {idle1:.0%} in the 3 s after). "
         "Machine note: 2 shared cores, noisy; compare figures within one run."),
         "",
-        ("**How the agents are simulated.** The coordinator is the real gRPC server (`create_server`, sync "
-        "gRPC) in its own process. Each node agent is a *light client*: one thread holding its K "
+        ("**How the agents are simulated.** The coordinator is the real gRPC server (`create_server`: "
+        "grpc.aio, one event loop; "
+        + (f"the *before* rows run revision {args.before}'s sync-gRPC coordinator in the same harness, "
+           "config by config just before the *after* row" if before else "")
+        + ") in its own process. Each node agent is a *light client*: one thread holding its K "
         f"`RankState`s (policy local, window {WINDOW}, depth {DEPTH}, L={BUDGET}, padded cost, join mode, "
         "lengths from odb-synthetic, pre-built and `gc.freeze()`d) that speaks `Coordinator.Node` itself: "
         "one stream per agent on its own channel and TCP connection (local subchannel pool), hello, then "
@@ -693,6 +781,18 @@ def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer) -> li
                         f"{'met' if c99 <= TARGET_512_MS else '**not met**'} (coordinator p99 {c99:.1f} ms)")
     if verdicts:
         body += ["Targets (issue): " + "; ".join(verdicts) + ".", ""]
+    if before:
+        parts = []
+        for b, a in zip(before, runs):
+            parts.append(
+                f"{a['agents']} x {a['k']}: coord p50 {pct(b['coord_ms'], 50):.1f} -> {pct(a['coord_ms'], 50):.1f} ms, "
+                f"p99 {pct(b['coord_ms'], 99):.1f} -> {pct(a['coord_ms'], 99):.1f} ms, coord-own p50 "
+                f"{pct(b['own_ms'], 50):.2f} -> {pct(a['own_ms'], 50):.2f} ms, CPU per round "
+                f"{b['coord_cpu_per_round_ms']:.2f} -> {a['coord_cpu_per_round_ms']:.2f} ms "
+                f"({a['coord_cpu_per_round_ms'] / max(b['coord_cpu_per_round_ms'], 1e-9) - 1:+.0%})")
+        body += [f"**Before (sync gRPC, {args.before}) -> after (grpc.aio)**, same run: " + "; ".join(parts) + ".",
+                 ""]
+        body += [LIMITS, ""]
     if unary is not None and 64 in by_n:
         n64 = by_n[64]
         body += [

@@ -228,8 +228,15 @@ class Coordinator:
         return RoundDecision(self.round, target, tuple(tuple(p) for p in plan))
 
     # -- phase 2 -------------------------------------------------------------------------------------
-    def commit(self, commits: Sequence[RankCommit]) -> RoundTotals:
-        """Sums what the ranks emitted, applies the non-join quota cut, and decides termination."""
+    def commit(self, commits: Sequence[RankCommit],
+               sums: Mapping[int, Sequence[tuple[int, int, int]]] | None = None) -> RoundTotals:
+        """Sums what the ranks emitted, applies the non-join quota cut, and decides termination.
+
+        `sums` (optional, a caller's shortcut): rank -> per committed step of its commit, (samples,
+        tokens, loss tokens), summed by the caller (the gRPC coordinator sums them off the wire without
+        building per-sample pairs). They must agree with `commits`; they stand in for summing the steps
+        where no quota cut applies (a cut sums what it keeps). Raises ProtocolError on a rank's sums of
+        another step count than its commit."""
         if self._decided is None:
             raise ProtocolError(f"commit for round {self.round} before its decision")
         commits = self._check(commits, "commit")
@@ -259,9 +266,18 @@ class Coordinator:
                     steps = s + 1
                     break
                 left -= n
-        step_samples = tuple(sum(len(x) for x in row) for row in per_step)
-        step_tokens = tuple(sum(n for x in row for n, _ in x) for row in per_step)
-        step_loss = tuple(sum(m for x in row for _, m in x) for row in per_step)
+        if sums is not None and keep_last is None:
+            rows = [sums[c.rank] for c in commits]
+            for c, row in zip(commits, rows):
+                if len(row) != len(c.steps):
+                    raise ProtocolError(f"rank {c.rank}: sums of {len(row)} steps for a commit of {len(c.steps)}")
+            step_samples = tuple(sum(row[s][0] for row in rows) for s in range(steps))
+            step_tokens = tuple(sum(row[s][1] for row in rows) for s in range(steps))
+            step_loss = tuple(sum(row[s][2] for row in rows) for s in range(steps))
+        else:
+            step_samples = tuple(sum(len(x) for x in row) for row in per_step)
+            step_tokens = tuple(sum(n for x in row for n, _ in x) for row in per_step)
+            step_loss = tuple(sum(m for x in row for _, m in x) for row in per_step)
         self.emitted += sum(step_samples)
         drained = all(c.exhausted and c.remaining == 0 for c in commits)
         done = keep_last is not None or drained or (self.mode == "non-join" and self.emitted >= self.quota)

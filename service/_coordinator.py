@@ -1,7 +1,15 @@
 """The gRPC alignment coordinator: the core's `Coordinator` behind two barrier RPCs, journaled.
 
-`CoordinatorState` holds the logic (thread-safe, no gRPC); `CoordinatorServicer` is a thin layer that
-turns its exceptions into status codes; `create_server(address, spec) -> (server, port, state)`.
+`CoordinatorState` holds the logic (thread-safe, no gRPC); `CoordinatorServicer` is a thin grpc.aio
+layer that turns its exceptions into status codes; `create_server(address, spec) -> (server, port, state)`.
+
+Serving: one asyncio event loop (a daemon thread per process, `_EventLoop`) runs every call of every
+coordinator server of the process; a `Node` stream is an async generator, not a thread. A barrier call
+does not block: `CoordinatorState.submit_align/submit_commit` records the message and returns the
+round's decision / totals when it completed the barrier (or replays one), else the pending `Barrier`,
+which handlers await (one future per loop, resolved when the barrier completes) and sync callers (tests,
+`align_many`/`commit_many`) block on. A failure completes every pending barrier with JobFailed
+(ABORTED), `close()` with ShuttingDown (UNAVAILABLE).
 
 Per round: every rank calls `Align` (its report) and blocks until all N reports are in, then the core
 decides T (or the balanced plan) and every call returns it; `Commit` works the same way and returns
@@ -32,17 +40,19 @@ Status codes: INVALID_ARGUMENT for malformed messages, FAILED_PRECONDITION for p
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import collections
+import collections.abc
 import dataclasses
 import logging
 import os
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
 import grpc
+import grpc.aio
 
 from batchd.core import (
     Coordinator,
@@ -62,7 +72,7 @@ from batchd.proto import batchd_pb2_grpc as pb_grpc
 
 from ._journal import Journal
 from ._metrics import CoordinatorMetrics
-from ._security import add_port, server_interceptors
+from ._security import add_port, aio_server_interceptors
 
 log = logging.getLogger("batchd.coordinator")
 
@@ -76,6 +86,65 @@ COMPACT_EVERY = 4096  # journal records between compactions (a compacted journal
 WAIT_LOG_S = 5.0  # how often a waiting coordinator says whom it waits for
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def _settle(futures: list[asyncio.Future], barrier: Barrier) -> None:
+    for fut in futures:
+        if not fut.done():  # a waiter cancelled (its stream ended) cancelled its own future
+            fut.set_result(barrier)
+
+
+class Barrier:
+    """The outcome of one barrier (the align or the commit of one round) for whoever waits on it.
+
+    Completed once, under the state's lock, with the round's decision / totals or with an error (the job
+    failed: `JobFailed`; the coordinator closes: `ShuttingDown`). Sync waiters block in
+    `CoordinatorState.outcome(barrier, ranks, timeout)`; async ones await `CoordinatorState.barrier_future`
+    (one asyncio future per waiter), resolved directly when the completing thread runs their loop (the
+    usual case: the last message's handler completes the barrier), else by one `call_soon_threadsafe`
+    per loop. Nothing else is woken.
+    """
+
+    __slots__ = ("key", "done", "result", "error", "_event", "_futures")
+
+    def __init__(self, key: tuple[str, int, int]) -> None:
+        self.key = key  # ("align" | "commit", epoch, round)
+        self.done = False
+        self.result: RoundDecision | RoundTotals | None = None
+        self.error: tuple[type[Exception], str] | None = None  # raised anew for every waiter
+        self._event = threading.Event()
+        self._futures: dict[asyncio.AbstractEventLoop, list[asyncio.Future]] = {}
+
+    def _complete(self, result=None, error: tuple[type[Exception], str] | None = None) -> None:
+        if self.done:
+            return
+        self.done, self.result, self.error = True, result, error
+        self._event.set()
+        running = _running_loop()
+        for loop, futures in self._futures.items():
+            if loop is running:
+                _settle(futures, self)
+            else:
+                try:
+                    loop.call_soon_threadsafe(_settle, futures, self)
+                except RuntimeError:  # that loop is closed: nobody awaits there any more
+                    pass
+        self._futures = {}
+
+    def _future(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+        fut = loop.create_future()
+        if self.done:
+            fut.set_result(self)
+        else:
+            self._futures.setdefault(loop, []).append(fut)
+        return fut
+
+
 class CoordinatorState:
     """Thread-safe coordinator logic for one job (see module docstring)."""
 
@@ -86,7 +155,8 @@ class CoordinatorState:
         self.spec = spec
         self.metrics = metrics  # Prometheus metrics (`_metrics`), updated once per round; None = off
         self.lease_s, self.startup_timeout_s = lease_s, startup_timeout_s
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()  # guards everything below; never held while waiting for a barrier
+        self._barriers: dict[tuple[str, int, int], Barrier] = {}  # pending ones, completed exactly once
         self.epoch = 0
         self.core = self._new_core(0)
         self.failure: str | None = None
@@ -96,6 +166,7 @@ class CoordinatorState:
         self.liveness = Liveness(spec.world_size, lease_s, startup_timeout_s, time.monotonic())
         self._reports: dict[int, RankReport] = {}
         self._commits: dict[int, RankCommit] = {}
+        self._commit_sums: dict[int, tuple[tuple[int, int, int], ...]] = {}  # rank -> its steps' sums
         self._decisions: dict[tuple[int, int], RoundDecision] = {}
         self._totals: dict[tuple[int, int], RoundTotals] = {}
         self._round_started: float | None = None
@@ -215,11 +286,18 @@ class CoordinatorState:
         return "running"
 
     def close(self) -> None:
-        with self._cond:
+        """Stops the state (a shutdown: a restart may follow): every pending and later barrier call
+        raises `ShuttingDown` (UNAVAILABLE: callers retry), the journal is closed."""
+        with self._lock:
             self._stop.set()
-            self._cond.notify_all()
+            self._complete_all((ShuttingDown, "the coordinator is shutting down"))
             if self.journal is not None:
                 self.journal.close()
+
+    def _complete_all(self, error: tuple[type[Exception], str]) -> None:
+        for barrier in self._barriers.values():
+            barrier._complete(error=error)
+        self._barriers.clear()
 
     def _fail_locked(self, message: str) -> None:
         if self.failure is None:
@@ -229,10 +307,11 @@ class CoordinatorState:
                 self._log({"kind": "failure", "message": message})
             except OSError as exc:
                 log.error("could not journal the failure: %s", exc)
-        self._cond.notify_all()
+        self._complete_all((JobFailed, self.failure))
 
     def fail(self, rank: int, reason: str) -> None:
-        with self._cond:
+        """Fails the job (`Fail` RPC): every waiter, pending and later, gets JobFailed(ABORTED)."""
+        with self._lock:
             self._fail_locked(f"rank {rank}: {reason}")
 
     def _check_alive(self, rank: int | list[int] | None = None) -> None:
@@ -245,7 +324,7 @@ class CoordinatorState:
 
     def all_informed(self) -> bool:
         """Every registered rank that has not finished has been told of the failure (or the job is fine)."""
-        with self._cond:
+        with self._lock:
             waiting = set(self.addresses) - self.liveness.finished - self.informed
             return not waiting
 
@@ -265,15 +344,15 @@ class CoordinatorState:
         now = time.monotonic()
         addresses, seen = self.addresses, self.liveness.seen
         for rank in ranks:
-            self._check_rank(rank, what)
-            if rank not in addresses:
+            if rank not in addresses:  # a registered rank is in range
+                self._check_rank(rank, what)
                 raise ProtocolError(f"{what} from rank {rank}, which has not registered")
             seen(rank, now)
 
     def _watch(self) -> None:
         last_log = time.monotonic()
         while not self._stop.wait(min(self.lease_s / 4, 1.0)):
-            with self._cond:
+            with self._lock:
                 if self.failure is not None or self.job_done:
                     continue
                 now = time.monotonic()
@@ -320,14 +399,13 @@ class CoordinatorState:
         return addrs if all(addrs) else []
 
     def register(self, rank: int, spec: JobSpec, address: str) -> tuple[int, int, list[str]]:
-        with self._cond:
+        with self._lock:
             self._check_alive(rank)
             self._check_rank(rank, "Register")
             self._check_spec(f"rank {rank}", spec)
             # A rank a node agent serves keeps its node when it registers alone (refreshing its peers).
             node = self.node_of.get(rank) if self.addresses.get(rank) == address else None
             self._register_locked(rank, address, node)
-            self._cond.notify_all()
             return self.epoch, self.core.round, self._addresses()
 
     def register_node(self, node: str, ranks: list[int], spec: JobSpec, address: str) -> tuple[int, int, list[str]]:
@@ -340,7 +418,7 @@ class CoordinatorState:
             raise ValueError(f"node agent {node!r} serves no rank")
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"node agent {node!r} names a rank twice: {sorted(ranks)}")
-        with self._cond:
+        with self._lock:
             self._check_alive(ranks)
             for r in ranks:
                 self._check_rank(r, f"Register of node agent {node!r}")
@@ -358,7 +436,6 @@ class CoordinatorState:
                 self._register_locked(r, address, node)
             self._label_node(node)
             log.info("node agent %r at %s registered rank(s) %s", node, address, _span(sorted(ranks)))
-            self._cond.notify_all()
             return self.epoch, self.core.round, self._addresses()
 
     def _label_node(self, node: str) -> None:
@@ -381,7 +458,7 @@ class CoordinatorState:
         return self.heartbeat_many([rank])
 
     def heartbeat_many(self, ranks: list[int]) -> tuple[str, str]:
-        with self._cond:
+        with self._lock:
             for r in ranks:
                 self._touch(r, "Heartbeat")
             if self.failure is not None:
@@ -389,7 +466,7 @@ class CoordinatorState:
             return self.state, self.failure or ""
 
     def finish(self, rank: int) -> None:
-        with self._cond:
+        with self._lock:
             self._check_alive(rank)
             self._touch(rank, "Finish")
             if not self.rounds_done:
@@ -399,7 +476,6 @@ class CoordinatorState:
                 self._log({"kind": "finish", "rank": rank})
                 self.liveness.finish(rank, time.monotonic())
                 log.info("rank %d finished (%d of %d)", rank, len(self.liveness.finished), self.spec.world_size)
-            self._cond.notify_all()
 
     def _advance_epoch(self, epoch: int) -> None:
         if epoch == self.epoch:
@@ -412,22 +488,51 @@ class CoordinatorState:
             self.core = self._new_core(epoch)
             self._reports.clear()
             self._commits.clear()
+            self._commit_sums.clear()
             return
         raise ProtocolError(f"epoch {epoch} requested while the coordinator is in epoch {self.epoch} "
                             f"({'done' if self.core.done else 'running'})")
 
-    def _await(self, key: tuple[int, int], table: dict, ranks: list[int], active=None) -> object:
-        """Waits for the barrier as long as the job is alive: a slow rank is waited for; a gone one misses
-        its lease and fails the job (the watchdog), which wakes this wait. `active()` False (the caller's
-        stream ended) stops waiting."""
-        while key not in table:
-            self._check_alive(ranks)
-            if self._stop.is_set():
-                raise ShuttingDown("the coordinator is shutting down")
+    # -- barriers ------------------------------------------------------------------------------------
+    def _barrier(self, key: tuple[str, int, int]) -> Barrier:
+        barrier = self._barriers.get(key)
+        if barrier is None:
+            barrier = self._barriers[key] = Barrier(key)
+        return barrier
+
+    def _complete(self, key: tuple[str, int, int], result) -> None:
+        barrier = self._barriers.pop(key, None)
+        if barrier is not None:
+            barrier._complete(result)
+
+    def barrier_future(self, barrier: Barrier) -> asyncio.Future:
+        """A future of the running loop for one waiter, resolved (to `barrier`) once `barrier` completes:
+        await it, then read `outcome`. Cancelling it (the waiter's call ended) touches no other waiter."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            return barrier._future(loop)
+
+    def outcome(self, barrier: Barrier, ranks: list[int], timeout: float | None = None,
+                active=None) -> RoundDecision | RoundTotals:
+        """The result of `barrier` for a waiter on behalf of `ranks`, blocking (in slices of <= 1 s) until
+        it completes: the decision / totals, else raises what completed it (JobFailed, the ranks being
+        then told of the failure; ShuttingDown). `active()` False (the caller's stream ended) stops the
+        wait with ShuttingDown; `timeout` (s) raises TimeoutError. Returns at once once completed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not barrier.done:
             if active is not None and not active():
                 raise ShuttingDown("the caller's stream ended")
-            self._cond.wait(1.0)
-        return table[key]
+            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError(f"barrier {barrier.key} not complete within {timeout=}")
+            barrier._event.wait(left)
+        if barrier.error is not None:
+            cls, message = barrier.error
+            if cls is JobFailed:
+                with self._lock:
+                    self.informed.update(ranks)
+            raise cls(message)
+        return barrier.result
 
     @staticmethod
     def _one_round(msgs: list, what: str) -> int:
@@ -445,11 +550,25 @@ class CoordinatorState:
 
     def align_many(self, epoch: int, reports: list[RankReport], active=None) -> RoundDecision:
         """The reports of one or more ranks (a node agent sends its ranks' at once) for one round; returns
-        the round's decision once every rank of the job reported."""
+        the round's decision once every rank of the job reported (blocking; see `submit_align`)."""
+        got = self.submit_align(epoch, reports)
+        if isinstance(got, Barrier):
+            return self.outcome(got, [r.rank for r in reports], active=active)
+        return got
+
+    def submit_align(self, epoch: int, reports: list[RankReport]) -> RoundDecision | Barrier:
+        """Non-blocking `align_many`: the decision when the round is decided (these reports completed it,
+        or it is a replay for a restarted rank), else the pending barrier to wait on (`outcome`,
+        `barrier_future`). The decision is journaled before anyone is told of it.
+
+        Raises:
+            ValueError: a malformed message (INVALID_ARGUMENT); ProtocolError (a ValueError): out of
+                order (FAILED_PRECONDITION); JobFailed; ShuttingDown.
+        """
         if not reports:
             raise ValueError("an Align without any report")
         ranks = [r.rank for r in reports]
-        with self._cond:
+        with self._lock:
             self._check_alive(ranks)
             self._touch_many(ranks, "Align")
             rnd = self._one_round(reports, "Align")
@@ -464,38 +583,50 @@ class CoordinatorState:
                 self._round_started = time.perf_counter()
             for report in reports:
                 self._reports[report.rank] = report
-            if len(self._reports) == self.spec.world_size:
-                t_last = time.perf_counter()
-                topology = self._topology()
-                self.core.nodes = topology if self.spec.node_aware else None
-                try:
-                    decision = self.core.decide(list(self._reports.values()))
-                except ValueError as exc:
-                    self._fail_locked(f"round {rnd} could not be decided: {exc}")
-                    raise
-                self._log(_decision_record(key, decision))
-                if self.metrics is not None:
-                    self._observe(self.metrics.observe_decision, t_last - (self._round_started or t_last),
-                                  time.perf_counter() - t_last)
-                    if decision.plan is not None:
-                        self._observe(lambda: self.metrics.observe_moves(plan_moves(decision.plan, topology)))
-                self._decisions[key] = decision
-                self._forget(self._decisions)
-                self._reports.clear()
-                self._cond.notify_all()
-                return decision
-            return self._await(key, self._decisions, ranks, active)
+            if len(self._reports) < self.spec.world_size:
+                return self._barrier(("align", *key))
+            t_last = time.perf_counter()
+            topology = self._topology()
+            self.core.nodes = topology if self.spec.node_aware else None
+            try:
+                decision = self.core.decide(list(self._reports.values()))
+            except ValueError as exc:
+                self._fail_locked(f"round {rnd} could not be decided: {exc}")
+                raise
+            self._log(_decision_record(key, decision))
+            if self.metrics is not None:
+                self._observe(self.metrics.observe_decision, t_last - (self._round_started or t_last),
+                              time.perf_counter() - t_last)
+                if decision.plan is not None:
+                    self._observe(lambda: self.metrics.observe_moves(plan_moves(decision.plan, topology)))
+            self._decisions[key] = decision
+            self._forget(self._decisions)
+            self._reports.clear()
+            self._complete(("align", *key), decision)
+            return decision
 
     def commit(self, epoch: int, commit: RankCommit) -> RoundTotals:
         return self.commit_many(epoch, [commit])
 
     def commit_many(self, epoch: int, commits: list[RankCommit], active=None) -> RoundTotals:
         """The commits of one or more ranks for one round; returns the round's totals once every rank
-        committed."""
+        committed (blocking; see `submit_commit`)."""
+        got = self.submit_commit(epoch, commits, None)
+        if isinstance(got, Barrier):
+            return self.outcome(got, [c.rank for c in commits], active=active)
+        return got
+
+    def submit_commit(self, epoch: int, commits: list[RankCommit],
+                      sums: list[tuple[tuple[int, int, int], ...]] | None = None) -> RoundTotals | Barrier:
+        """Non-blocking `commit_many`: the totals when the round is committed (these commits completed it,
+        or a replay), else the pending barrier. The totals are journaled before anyone is told of them.
+        `sums[i]`: per step of `commits[i]`, its (samples, tokens, loss tokens) (`commit_from_pb`); when
+        every rank's commit of the round came with them, the core adds those instead of every sample.
+        Raises as `submit_align`."""
         if not commits:
             raise ValueError("a Commit without any commit")
         ranks = [c.rank for c in commits]
-        with self._cond:
+        with self._lock:
             self._check_alive(ranks)
             self._touch_many(ranks, "Commit")
             rnd = self._one_round(commits, "Commit")
@@ -506,27 +637,33 @@ class CoordinatorState:
                 raise ProtocolError(f"rank(s) {ranks} commit round {rnd} of epoch {epoch} "
                                     f"before it was decided (coordinator at epoch {self.epoch} "
                                     f"round {self.core.round})")
-            for commit in commits:
+            for i, commit in enumerate(commits):
                 self._commits[commit.rank] = commit
-            if len(self._commits) == self.spec.world_size:
-                try:
-                    totals = self.core.commit(list(self._commits.values()))
-                except ValueError as exc:
-                    self._fail_locked(f"round {rnd} could not be committed: {exc}")
-                    raise
-                self._last_core_state, self._last_totals_key = self.core.state_dict(), key
-                self._log(_totals_record(key, totals, self._last_core_state))
-                self._totals[key] = totals
-                self._forget(self._totals)
-                if self.metrics is not None:
-                    self._observe(self.metrics.observe_commit, list(self._commits.values()), totals,
-                                  time.perf_counter() - (self._round_started or time.perf_counter()))
-                self._commits.clear()
-                if self._round_started is not None:
-                    self.latencies_ms.append((time.perf_counter() - self._round_started) * 1000)
-                self._cond.notify_all()
-                return totals
-            return self._await(key, self._totals, ranks, active)
+                if sums is not None:
+                    self._commit_sums[commit.rank] = sums[i]
+                else:
+                    self._commit_sums.pop(commit.rank, None)
+            if len(self._commits) < self.spec.world_size:
+                return self._barrier(("commit", *key))
+            try:
+                totals = self.core.commit(list(self._commits.values()),
+                                          self._commit_sums if len(self._commit_sums) == len(self._commits) else None)
+            except ValueError as exc:
+                self._fail_locked(f"round {rnd} could not be committed: {exc}")
+                raise
+            self._last_core_state, self._last_totals_key = self.core.state_dict(), key
+            self._log(_totals_record(key, totals, self._last_core_state))
+            self._totals[key] = totals
+            self._forget(self._totals)
+            if self.metrics is not None:
+                self._observe(self.metrics.observe_commit, list(self._commits.values()), totals,
+                              time.perf_counter() - (self._round_started or time.perf_counter()))
+            self._commits.clear()
+            self._commit_sums.clear()
+            if self._round_started is not None:
+                self.latencies_ms.append((time.perf_counter() - self._round_started) * 1000)
+            self._complete(("commit", *key), totals)
+            return totals
 
     @staticmethod
     def _observe(fn, *args) -> None:
@@ -541,7 +678,7 @@ class CoordinatorState:
             table.pop(next(iter(table)))
 
     def status(self) -> pb.StatusReply:
-        with self._cond:
+        with self._lock:
             return pb.StatusReply(state=self.state, failure=self.failure or "", epoch=self.epoch,
                                   round=self.core.round, registered=sorted(self.addresses),
                                   round_latency_ms=list(self.latencies_ms)[-100:],
@@ -571,13 +708,22 @@ def _totals_record(key: tuple[int, int], totals: RoundTotals, core_state: dict) 
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    """Thin gRPC layer over `CoordinatorState`: domain errors become status codes."""
+    """Thin grpc.aio layer over `CoordinatorState`: domain errors become status codes.
+
+    Every handler is a coroutine run by the server's event loop (one thread for all calls): state calls
+    take the state's lock briefly and never wait in it; a barrier is awaited on a future that completes
+    when the round is decided / committed (or the job fails, or the coordinator closes). Decision and
+    totals replies shared by every caller are serialized once per round (the Node, Align and Commit
+    handlers hand gRPC bytes; see `_reply_serializer`).
+    """
 
     def __init__(self, state: CoordinatorState) -> None:
         self.state = state
+        # (identity of the decision / totals, epoch, serialized reply) of the newest round, per reply kind
+        self._shared: dict[str, tuple[object, int, bytes]] = {}
 
     @staticmethod
-    def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
         if isinstance(exc, ShuttingDown):
             code = grpc.StatusCode.UNAVAILABLE
         elif isinstance(exc, JobFailed):
@@ -587,16 +733,29 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         else:
             code = grpc.StatusCode.INVALID_ARGUMENT
         log.warning("%s: %s", code.name, exc)
-        context.abort(code, str(exc))
+        await context.abort(code, str(exc))
 
-    def _call(self, context, fn, *args):
+    async def _wait(self, got, ranks: list[int]):
+        """The decision / totals `got` from a `submit_*`, awaiting its barrier if it is one."""
+        if not isinstance(got, Barrier):
+            return got
+        fut = self.state.barrier_future(got)
+        if not fut.done():
+            await fut
+        return self.state.outcome(got, ranks)
+
+    def _reply(self, kind: str, value, epoch: int, build) -> bytes:
+        """The serialized reply for `value` (a decision or totals that every caller of the round gets),
+        built by `build(value, epoch)` once per (value, epoch)."""
+        cached = self._shared.get(kind)
+        if cached is not None and cached[0] is value and cached[1] == epoch:
+            return cached[2]
+        data = build(value, epoch).SerializeToString()
+        self._shared[kind] = (value, epoch, data)
+        return data
+
+    async def Register(self, request, context):
         try:
-            return fn(*args)
-        except (JobFailed, ShuttingDown, ValueError) as exc:
-            self._abort(context, exc)
-
-    def Register(self, request, context):
-        def run():
             self.state._check_rank(request.rank, "Register")
             try:
                 spec = wire.spec_from_pb(request.spec)
@@ -605,46 +764,53 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             epoch, rnd, addrs = self.state.register(request.rank, spec, request.address)
             return pb.RegisterReply(epoch=epoch, round=rnd, lease_ms=int(self.state.lease_s * 1000),
                                     rank_addresses=addrs)
-        return self._call(context, run)
+        except (JobFailed, ShuttingDown, ValueError) as exc:
+            await self._abort(context, exc)
 
-    def Align(self, request, context):
-        def run():
-            decision = self.state.align(request.epoch, wire.report_from_pb(request))
-            return wire.decision_to_pb(decision, request.epoch)
-        return self._call(context, run)
+    async def Align(self, request, context):
+        try:
+            got = self.state.submit_align(request.epoch, [wire.report_from_pb(request)])
+            decision = await self._wait(got, [request.rank])
+            return self._reply("align", decision, request.epoch, wire.decision_to_pb)
+        except (JobFailed, ShuttingDown, ValueError) as exc:
+            await self._abort(context, exc)
 
-    def Commit(self, request, context):
-        def run():
-            totals = self.state.commit(request.epoch, wire.commit_from_pb(request))
-            return wire.totals_to_pb(totals, request.epoch)
-        return self._call(context, run)
+    async def Commit(self, request, context):
+        try:
+            commit, sums = commit_from_pb(request)
+            got = self.state.submit_commit(request.epoch, [commit], [sums])
+            totals = await self._wait(got, [request.rank])
+            return self._reply("commit", totals, request.epoch, wire.totals_to_pb)
+        except (JobFailed, ShuttingDown, ValueError) as exc:
+            await self._abort(context, exc)
 
-    def Heartbeat(self, request, context):
-        def run():
+    async def Heartbeat(self, request, context):
+        try:
             ranks = [int(r) for r in request.ranks] or [int(request.rank)]
             state, failure = self.state.heartbeat_many(ranks)
             return pb.HeartbeatReply(state=state, failure=failure)
-        return self._call(context, run)
+        except (JobFailed, ShuttingDown, ValueError) as exc:
+            await self._abort(context, exc)
 
-    def Finish(self, request, context):
-        def run():
+    async def Finish(self, request, context):
+        try:
             self.state.finish(request.rank)
             return pb.FinishReply()
-        return self._call(context, run)
+        except (JobFailed, ShuttingDown, ValueError) as exc:
+            await self._abort(context, exc)
 
-    def Fail(self, request, context):
+    async def Fail(self, request, context):
         self.state.fail(request.rank, request.reason or "reported a failure")
         return pb.FailReply()
 
-    def Status(self, request, context):
+    async def Status(self, request, context):
         return self.state.status()
 
-    def Node(self, request_iterator, context):
+    async def Node(self, request_iterator, context):
         """A node agent's stream: a hello first, then its ranks' aligns and commits, one reply each in
         order. Domain errors end the stream with their status code (the agent reports them)."""
         node: NodeView | None = None
-        active = context.is_active
-        for request in request_iterator:
+        async for request in request_iterator:
             kind = request.WhichOneof("kind")
             try:
                 if kind == "hello":
@@ -667,24 +833,90 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                         raise ProtocolError(f"a node stream sent {kind} before its hello")
                     msg = getattr(request, kind)
                     items = msg.reports if kind == "align" else msg.commits
-                    foreign = sorted({int(m.rank) for m in items} - node.ranks)
-                    if foreign:
+                    ranks = [int(m.rank) for m in items]
+                    if not node.ranks.issuperset(ranks):
+                        foreign = sorted(set(ranks) - node.ranks)
                         raise ProtocolError(f"node agent {node.name!r} sent {kind} for rank(s) {foreign}, which it "
                                             f"did not register (it serves {sorted(node.ranks)})")
+                    epoch = int(msg.epoch)
                     if kind == "align":
-                        decision = self.state.align_many(int(msg.epoch), [wire.report_from_pb(m) for m in items],
-                                                         active)
-                        yield pb.NodeReply(decision=node.decision_pb(decision, int(msg.epoch)))
+                        got = self.state.submit_align(epoch, [wire.report_from_pb(m) for m in items])
+                        decision = await self._wait(got, ranks)
+                        if decision.plan is None:
+                            yield self._reply("node-align", decision, epoch, _node_decision)
+                        else:
+                            yield node.decision_reply(decision, epoch)
                     else:
-                        totals = self.state.commit_many(int(msg.epoch), [wire.commit_from_pb(m) for m in items],
-                                                        active)
-                        yield pb.NodeReply(totals=wire.totals_to_pb(totals, int(msg.epoch)))
+                        converted = [commit_from_pb(m) for m in items]
+                        got = self.state.submit_commit(epoch, [c for c, _ in converted], [s for _, s in converted])
+                        totals = await self._wait(got, ranks)
+                        yield self._reply("node-commit", totals, epoch, _node_totals)
                 else:
                     raise ValueError(f"a node stream sent an empty request ({kind=})")
             except (JobFailed, ShuttingDown, ValueError) as exc:
-                if isinstance(exc, ShuttingDown) and not active():
+                if isinstance(exc, ShuttingDown) and context.cancelled():
                     return
-                self._abort(context, exc)
+                await self._abort(context, exc)
+
+
+class WireStep(collections.abc.Sequence):
+    """One committed step as it came off the wire: a sequence of the (length, loss_tokens) pairs of its
+    samples (as `wire.commit_from_pb` builds them), made only when someone reads them (the metrics, a
+    quota cut); its length is known at once."""
+
+    __slots__ = ("_lengths", "_loss", "_pairs")
+
+    def __init__(self, lengths: list[int], loss_tokens: list[int]) -> None:
+        if len(lengths) != len(loss_tokens):
+            raise ValueError(f"{len(lengths)} lengths but {len(loss_tokens)} loss counts")
+        self._lengths, self._loss, self._pairs = lengths, loss_tokens, None
+
+    @property
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        if self._pairs is None:
+            self._pairs = tuple(zip(self._lengths, self._loss))
+        return self._pairs
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def __getitem__(self, i):
+        return self.pairs[i]
+
+    def __iter__(self):
+        return iter(self.pairs)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (WireStep, tuple)):
+            return self.pairs == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"WireStep({self.pairs!r})"
+
+
+def commit_from_pb(m: pb.CommitRequest) -> tuple[RankCommit, tuple[tuple[int, int, int], ...]]:
+    """`wire.commit_from_pb` for the coordinator's hot path, plus per step its (samples, tokens, loss
+    tokens): the repeated fields are copied to lists and summed in C, with no per-sample pair (the
+    steps are `WireStep`s). Raises ValueError naming the rank on unequal lengths and loss counts."""
+    steps, sums = [], []
+    for st in m.steps:
+        lengths, loss = st.lengths[:], st.loss_tokens[:]
+        if len(lengths) != len(loss):
+            raise ValueError(f"commit of rank {m.rank}: {len(lengths)} lengths but {len(loss)} loss counts")
+        steps.append(WireStep(lengths, loss))
+        sums.append((len(lengths), sum(lengths), sum(loss)))
+    return RankCommit(int(m.rank), int(m.round), tuple(steps), int(m.remaining), bool(m.exhausted)), tuple(sums)
+
+
+def _node_decision(decision: RoundDecision, epoch: int) -> pb.NodeReply:
+    return pb.NodeReply(decision=wire.decision_to_pb(decision, epoch))
+
+
+def _node_totals(totals: RoundTotals, epoch: int) -> pb.NodeReply:
+    return pb.NodeReply(totals=wire.totals_to_pb(totals, epoch))
 
 
 class NodeView:
@@ -693,6 +925,7 @@ class NodeView:
     def __init__(self, name: str, ranks: list[int]) -> None:
         self.name, self.ranks = name, set(ranks)
         self._cache: tuple[int, int, object, pb.AlignReply] | None = None
+        self._bytes: tuple[pb.AlignReply, bytes] | None = None
 
     def decision_pb(self, decision: RoundDecision, epoch: int) -> pb.AlignReply:
         """The decision as this node needs it: whole for its ranks; of every other rank's groups only the
@@ -709,28 +942,146 @@ class NodeView:
         self._cache = (epoch, decision.round, original, reply)
         return reply
 
+    def decision_reply(self, decision: RoundDecision, epoch: int) -> bytes:
+        """`decision_pb` as a serialized NodeReply (serialized once per round)."""
+        reply = self.decision_pb(decision, epoch)
+        if self._bytes is None or self._bytes[0] is not reply:
+            self._bytes = (reply, pb.NodeReply(decision=reply).SerializeToString())
+        return self._bytes[1]
+
+
+def _reply_serializer(cls):
+    """A response serializer that passes bytes (a reply serialized once for many callers) through."""
+    serialize = cls.SerializeToString
+
+    def serializer(message) -> bytes:
+        return message if type(message) is bytes else serialize(message)
+
+    return serializer
+
+
+def _method_handlers(servicer: CoordinatorServicer) -> grpc.GenericRpcHandler:
+    """The Coordinator service's handlers (as the generated `add_CoordinatorServicer_to_server`, with
+    replies that may come pre-serialized)."""
+    unary = {
+        "Register": (pb.RegisterRequest, pb.RegisterReply), "Align": (pb.AlignRequest, pb.AlignReply),
+        "Commit": (pb.CommitRequest, pb.CommitReply), "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatReply),
+        "Fail": (pb.FailRequest, pb.FailReply), "Status": (pb.StatusRequest, pb.StatusReply),
+        "Finish": (pb.FinishRequest, pb.FinishReply),
+    }
+    handlers = {name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name), request_deserializer=req.FromString,
+                                                          response_serializer=_reply_serializer(rep))
+                for name, (req, rep) in unary.items()}
+    handlers["Node"] = grpc.stream_stream_rpc_method_handler(
+        servicer.Node, request_deserializer=pb.NodeRequest.FromString,
+        response_serializer=_reply_serializer(pb.NodeReply))
+    return grpc.method_handlers_generic_handler("batchd.v1.Coordinator", handlers)
+
+
+class _EventLoop:
+    """The process's event loop for coordinator servers: one daemon thread, started on first use (again
+    in a forked child, whose copy has no thread running it)."""
+
+    _lock = threading.Lock()
+    _loop: asyncio.AbstractEventLoop | None = None
+    _pid: int | None = None
+
+    @classmethod
+    def get(cls) -> asyncio.AbstractEventLoop:
+        with cls._lock:
+            if cls._loop is None or cls._pid != os.getpid():
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=cls._run, args=(loop,), name="batchd-coord-aio", daemon=True).start()
+                cls._loop, cls._pid = loop, os.getpid()
+            return cls._loop
+
+    @staticmethod
+    def _run(loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        loop.run_forever()
+
+
+class CoordinatorServer:
+    """A grpc.aio coordinator server on the process's coordinator event loop (`_EventLoop`), with the
+    blocking interface of a sync `grpc.Server` that its callers use: `start()`, `stop(grace)` returning
+    a `threading.Event` set once stopped, `wait_for_termination(timeout)`."""
+
+    def __init__(self, servicer: CoordinatorServicer, security: Security | None) -> None:
+        self._loop = _EventLoop.get()
+        self.servicer = servicer
+
+        async def build() -> grpc.aio.Server:
+            server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=aio_server_interceptors(security))
+            server.add_generic_rpc_handlers((_method_handlers(servicer),))
+            return server
+
+        self._server = self._run(build())
+        self._stopped: threading.Event | None = None
+        self._stop_lock = threading.Lock()
+
+    def _run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def bind(self, address: str, security: Security | None) -> int:
+        """Binds `address` (`_security.add_port`); the bound port, 0 if it could not bind."""
+
+        async def bind() -> int:
+            return add_port(self._server, address, security)
+
+        return self._run(bind())
+
+    def start(self) -> None:
+        self._run(self._server.start())
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stops serving (idempotent): with `grace` falsy, aborts every call and returns once the port is
+        released (a restart may bind it at once); else calls get up to `grace` seconds to end, and the
+        returned event is set once the server stopped."""
+        with self._stop_lock:
+            first = self._stopped is None
+            if first:
+                self._stopped = threading.Event()
+                fut = asyncio.run_coroutine_threadsafe(self._server.stop(grace or None), self._loop)
+                fut.add_done_callback(lambda _: self._stopped.set())
+            stopped = self._stopped
+        if not grace:
+            stopped.wait(10.0)
+        return stopped
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        """Blocks until the server stopped; False if `timeout` (s) passed first."""
+        with self._stop_lock:
+            stopped = self._stopped
+        if stopped is not None:
+            return stopped.wait(timeout)
+        return not self._run(self._server.wait_for_termination(timeout))
+
 
 def create_server(address: str, spec: JobSpec, lease_s: float = 60.0, startup_timeout_s: float = 600.0,
                   security: Security | None = None, metrics: CoordinatorMetrics | None = None,
-                  state_dir: str | os.PathLike | None = None) -> tuple[grpc.Server, int, CoordinatorState]:
+                  state_dir: str | os.PathLike | None = None) -> tuple[CoordinatorServer, int, CoordinatorState]:
     """Builds (not starts) a coordinator server bound to `address` ("127.0.0.1:0" picks a free port).
 
-    Returns (server, port, state). The thread pool holds one blocked barrier call per rank plus slack.
+    Returns (server, port, state): `server` is a `CoordinatorServer` (grpc.aio on the process's
+    coordinator event loop; `start()`, `stop(grace)`), `state` its `CoordinatorState`.
     `state_dir` journals the job there (`coordinator.journal`) and resumes it from a journal left by a
     coordinator that was killed; a journal of another job raises `JournalError`.
     `security` (TLS / mutual TLS / bearer token, see `_security`); None serves plaintext without a token.
     `metrics` (a `CoordinatorMetrics`) is updated once per round; serve it with `start_metrics_server`.
+
+    Raises:
+        ValueError: `security` cannot serve (see `Security.server_credentials`).
+        OSError: `address` cannot be bound.
     """
     state = CoordinatorState(spec, lease_s, startup_timeout_s, metrics=metrics, state_dir=state_dir)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2 * spec.world_size + 16,
-                                                    thread_name_prefix="batchd-coord"),
-                         options=GRPC_OPTIONS, interceptors=server_interceptors(security))
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(state), server)
     try:
-        port = add_port(server, address, security)
-    except ValueError:
+        server = CoordinatorServer(CoordinatorServicer(state), security)
+        port = server.bind(address, security)
+    except BaseException:
         state.close()
         raise
     if port == 0:
+        state.close()
+        server.stop(0)
         raise OSError(f"coordinator could not bind {address}")
     return server, port, state

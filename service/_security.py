@@ -6,6 +6,9 @@ caller sees).
 
     server = grpc.server(pool, interceptors=server_interceptors(sec))
     port = add_port(server, "0.0.0.0:7100", sec)        # secure port iff TLS
+
+    server = grpc.aio.server(interceptors=aio_server_interceptors(sec))   # the same for grpc.aio
+    port = add_port(server, "0.0.0.0:7100", sec)
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+import grpc.aio
 
 from batchd.proto import AUTH_HEADER, Security, check_token
 
@@ -76,6 +80,38 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         return _abort_handler(continuation(handler_call_details), problem)
 
 
+def _aio_abort_handler(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.RpcMethodHandler:
+    """`_abort_handler` for a grpc.aio server: an async handler of `handler`'s streaming kind that
+    refuses the call with UNAUTHENTICATED, without parsing the caller's message."""
+
+    async def refuse(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    req = handler is not None and handler.request_streaming
+    resp = handler is not None and handler.response_streaming
+    if req and resp:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if req:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if resp:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """`BearerTokenInterceptor` for a grpc.aio server (same check, same refusal)."""
+
+    def __init__(self, token: str) -> None:
+        self._check = BearerTokenInterceptor(token)
+
+    async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        problem = self._check.check(handler_call_details.invocation_metadata)
+        if problem is None:
+            return await continuation(handler_call_details)
+        log.warning("refused %s: %s", handler_call_details.method, problem)
+        return _aio_abort_handler(await continuation(handler_call_details), problem)
+
+
 def server_interceptors(security: Security | None) -> list[grpc.ServerInterceptor]:
     """The interceptors a server built for `security` needs (pass to `grpc.server(..., interceptors=)`)."""
     if security is None or security.token is None:
@@ -83,17 +119,33 @@ def server_interceptors(security: Security | None) -> list[grpc.ServerIntercepto
     return [BearerTokenInterceptor(security.token)]
 
 
-def add_port(server: grpc.Server, address: str, security: Security | None) -> int:
-    """Binds `address` on `server`: a secure port when `security.tls`, else an insecure one.
+def aio_server_interceptors(security: Security | None) -> list[grpc.aio.ServerInterceptor]:
+    """`server_interceptors` for a grpc.aio server (pass to `grpc.aio.server(interceptors=)`)."""
+    if security is None or security.token is None:
+        return []
+    return [AioBearerTokenInterceptor(security.token)]
+
+
+def add_port(server: grpc.Server | grpc.aio.Server, address: str, security: Security | None) -> int:
+    """Binds `address` on `server` (sync or grpc.aio): a secure port when `security.tls`, else an
+    insecure one.
 
     Returns:
-        The bound port (0 means gRPC could not bind; callers raise).
+        The bound port (0 means gRPC could not bind; callers raise; a grpc.aio server that cannot bind
+        returns 0 too here, where grpc.aio itself would raise RuntimeError).
 
     Raises:
         ValueError: `security` has a CA but no certificate (see `Security.server_credentials`).
     """
-    if security is None or not security.tls:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, security.server_credentials())
+    credentials = security.server_credentials() if security is not None and security.tls else None
+    try:
+        if credentials is None:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
+    except RuntimeError as exc:  # grpc.aio: "Failed to bind to address ..."
+        if isinstance(server, grpc.aio.Server):
+            log.debug("%s", exc)
+            return 0
+        raise
 
 
