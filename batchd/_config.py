@@ -441,6 +441,8 @@ collate = "padded"         # padded | packed rows
 over_budget = "singleton"  # singleton | truncate | reject (samples longer than L_max)
 seed = 0
 epochs = 1                 # each epoch: a new seeded view of the data per rank
+# node_aware = true        # balanced + node agents: balance inside each node first (fewer bytes cross
+                           # nodes, steps may cost a little more: docs/benchmarks.md, node-balance)
 
 [data]
 dataset = "train.parquet"  # Parquet / JSONL / Arrow records; or lengths = "lengths.txt"
