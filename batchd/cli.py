@@ -192,11 +192,9 @@ def _coordinator(args: argparse.Namespace) -> int:
                            metrics_host=args.metrics_host or c.host, state_dir=c.state_dir)
 
 
-def _rank(args: argparse.Namespace) -> int:
-    from batchd.service import run_rank
-
-    if args.rank < 0:
-        raise ValueError(f"--rank must be >= 0, got rank={args.rank}")
+def _service_config(args: argparse.Namespace):
+    """The merged config of a rank service or node agent (`_add_rank_args`' flags over --config) and the
+    coordinator's address; logging is set up."""
     overrides = _common_overrides(args)
     overrides |= _overrides(args, "coordinator", ("coordinator", "startup_timeout"),
                             {"coordinator": "address", "startup_timeout": "startup_timeout_s"})
@@ -208,60 +206,51 @@ def _rank(args: argparse.Namespace) -> int:
     if args.lengths is not None:  # the flag's source replaces the file's, whichever that was
         overrides["data.dataset"] = DROP
     cfg = load_config(args.config, overrides)
-    if args.rank >= cfg.job.world_size:
-        raise ValueError(f"--rank must be < world size {cfg.job.world_size}, got rank={args.rank}")
     coordinator = cfg.coordinator.dial_address()
     if coordinator is None:
         raise ValueError("the coordinator's address is unknown: pass --coordinator HOST:PORT or set "
                          "coordinator.address (or a fixed coordinator.port) in the config")
-    _logging(cfg)
-    port = args.port if args.port is not None else cfg.rank.port_of(args.rank)
-    metrics_port = args.metrics_port if args.metrics_port is not None else cfg.rank.metrics_port_of(args.rank)
+    return cfg, coordinator
+
+
+def _service_kwargs(args: argparse.Namespace, cfg, base: int) -> dict:
+    """What `run_rank` and `run_node` take alike; `base` is the rank whose ports the config gives."""
     d = cfg.data
-    lengths = read_lengths(d.lengths) if d.lengths else None
-    return run_rank(cfg.job, args.rank, coordinator, lengths, cfg.rank.host, port, args.port_file,
-                    cfg.rank.state_dir, cfg.rank.client_grace_s, dataset=d.dataset, tokenizer=cfg.pipeline.tokenizer,
-                    num_actors=d.num_actors, ray_address=d.ray_address, quarantine=d.quarantine,
-                    stats_file=d.stats_file, pipeline=cfg.pipeline.stage_kwargs(), cutoff=cfg.pipeline.cutoff,
-                    security=cfg.security_object(), metrics_port=metrics_port,
-                    metrics_host=args.metrics_host or cfg.rank.host, trainer_timeout_s=cfg.rank.trainer_timeout_s,
-                    startup_timeout_s=cfg.coordinator.startup_timeout_s)
+    return dict(
+        lengths=read_lengths(d.lengths) if d.lengths else None, host=cfg.rank.host,
+        port=args.port if args.port is not None else cfg.rank.port_of(base), port_file=args.port_file,
+        state_dir=cfg.rank.state_dir, client_grace_s=cfg.rank.client_grace_s, dataset=d.dataset,
+        tokenizer=cfg.pipeline.tokenizer, num_actors=d.num_actors, ray_address=d.ray_address,
+        quarantine=d.quarantine, stats_file=d.stats_file, pipeline=cfg.pipeline.stage_kwargs(),
+        cutoff=cfg.pipeline.cutoff, security=cfg.security_object(),
+        metrics_port=args.metrics_port if args.metrics_port is not None else cfg.rank.metrics_port_of(base),
+        metrics_host=args.metrics_host or cfg.rank.host, trainer_timeout_s=cfg.rank.trainer_timeout_s,
+        startup_timeout_s=cfg.coordinator.startup_timeout_s)
+
+
+def _rank(args: argparse.Namespace) -> int:
+    from batchd.service import run_rank
+
+    if args.rank < 0:
+        raise ValueError(f"--rank must be >= 0, got rank={args.rank}")
+    cfg, coordinator = _service_config(args)
+    if args.rank >= cfg.job.world_size:
+        raise ValueError(f"--rank must be < world size {cfg.job.world_size}, got rank={args.rank}")
+    _logging(cfg)
+    return run_rank(cfg.job, args.rank, coordinator, **_service_kwargs(args, cfg, args.rank))
 
 
 def _node(args: argparse.Namespace) -> int:
     from batchd.service import node_ranks, run_node
 
     ranks = node_ranks(args.local_ranks, args.node_rank)
-    overrides = _common_overrides(args)
-    overrides |= _overrides(args, "coordinator", ("coordinator", "startup_timeout"),
-                            {"coordinator": "address", "startup_timeout": "startup_timeout_s"})
-    overrides |= _overrides(args, "rank", ("host", "state_dir", "client_grace", "trainer_timeout"),
-                            {"client_grace": "client_grace_s", "trainer_timeout": "trainer_timeout_s"})
-    overrides |= _overrides(args, "data", ("lengths", "dataset", "num_actors", "ray_address", "quarantine",
-                                           "stats_file"))
-    overrides |= _overrides(args, "pipeline", ("tokenizer", "template", "vision", "augment"))
-    if args.lengths is not None:
-        overrides["data.dataset"] = DROP
-    cfg = load_config(args.config, overrides)
+    cfg, coordinator = _service_config(args)
     if ranks[-1] >= cfg.job.world_size:
         raise ValueError(f"node rank {ranks[0] // len(ranks)} with {len(ranks)} local ranks serves ranks "
                          f"{ranks[0]}..{ranks[-1]}, but the job's world size is {cfg.job.world_size}")
-    coordinator = cfg.coordinator.dial_address()
-    if coordinator is None:
-        raise ValueError("the coordinator's address is unknown: pass --coordinator HOST:PORT or set "
-                         "coordinator.address (or a fixed coordinator.port) in the config")
     _logging(cfg)
-    port = args.port if args.port is not None else cfg.rank.port_of(0)
-    metrics_port = args.metrics_port if args.metrics_port is not None else cfg.rank.metrics_port_of(0)
-    d = cfg.data
-    lengths = read_lengths(d.lengths) if d.lengths else None
-    return run_node(cfg.job, ranks, coordinator, lengths, args.name, cfg.rank.host, port, args.advertise,
-                    args.port_file, cfg.rank.state_dir, cfg.rank.client_grace_s, dataset=d.dataset,
-                    tokenizer=cfg.pipeline.tokenizer, num_actors=d.num_actors, ray_address=d.ray_address,
-                    quarantine=d.quarantine, stats_file=d.stats_file, pipeline=cfg.pipeline.stage_kwargs(),
-                    cutoff=cfg.pipeline.cutoff, security=cfg.security_object(), metrics_port=metrics_port,
-                    metrics_host=args.metrics_host or cfg.rank.host, trainer_timeout_s=cfg.rank.trainer_timeout_s,
-                    startup_timeout_s=cfg.coordinator.startup_timeout_s)
+    return run_node(cfg.job, ranks, coordinator, name=args.name, advertise=args.advertise,
+                    **_service_kwargs(args, cfg, 0))
 
 
 def _config_cmd(args: argparse.Namespace) -> int:

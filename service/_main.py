@@ -188,6 +188,20 @@ def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: st
     os.replace(tmp, p)
 
 
+def _make_source(spec: JobSpec, rank: int, lengths: list[int] | None, vocab_size: int, dataset: str | None,
+                 tokenizer: str | None, num_actors: int, ray_address: str | None, quarantine: str | None,
+                 cutoff: int | None, pipeline: dict | None) -> tuple[Source, SharedRay | None]:
+    """Rank `rank`'s source (module docstring: a dataset through Ray, synthetic lengths, or Ingest pushes)
+    and, for a dataset, the `SharedRay` it runs on (the caller closes both, the source first)."""
+    if dataset is not None:
+        return make_ray_source(spec, rank, dataset, tokenizer, num_actors, ray_address, quarantine, cutoff,
+                               pipeline)
+    if lengths is None:
+        return IngestSource(spec.window), None
+    return SyntheticSource(lengths, rank, spec.world_size, spec.seed, 0, spec.shuffle, vocab_size,
+                           wrap=spec.mode == "non-join"), None
+
+
 def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | None, host: str = "127.0.0.1",
              port: int = 0, port_file: str | None = None, state_dir: str | None = None,
              client_grace_s: float = 30.0, vocab_size: int = 512, dataset: str | None = None,
@@ -199,17 +213,9 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
              startup_timeout_s: float = 600.0) -> int:
     if lengths is not None and dataset is not None:
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
-    shared = ray_source = None
-    source: Source
-    if dataset is not None:
-        ray_source, shared = make_ray_source(spec, rank, dataset, tokenizer, num_actors, ray_address, quarantine,
-                                             cutoff, pipeline)
-        source = ray_source
-    elif lengths is None:
-        source = IngestSource(spec.window)
-    else:
-        source = SyntheticSource(lengths, rank, spec.world_size, spec.seed, 0, spec.shuffle, vocab_size,
-                                 wrap=spec.mode == "non-join")
+    source, shared = _make_source(spec, rank, lengths, vocab_size, dataset, tokenizer, num_actors, ray_address,
+                                  quarantine, cutoff, pipeline)
+    ray_source = source if isinstance(source, RaySource) else None
     try:
         return _serve_rank(spec, rank, coordinator, source, host, port, port_file, state_dir, client_grace_s,
                            security, metrics_port, metrics_host, trainer_timeout_s, startup_timeout_s)
@@ -326,16 +332,10 @@ def run_node(spec: JobSpec, ranks: list[int], coordinator: str, lengths: list[in
     fetched: dict[int, dict[str, int]] = {}  # per rank, filled in by _serve_node as it ends: for the stats
     try:
         for r in ranks:
-            if dataset is not None:
-                src, ray_handle = make_ray_source(spec, r, dataset, tokenizer, num_actors, ray_address, quarantine,
-                                                  cutoff, pipeline)
+            sources[r], ray_handle = _make_source(spec, r, lengths, vocab_size, dataset, tokenizer, num_actors,
+                                                  ray_address, quarantine, cutoff, pipeline)
+            if ray_handle is not None:
                 shared.append(ray_handle)
-                sources[r] = src
-            elif lengths is None:
-                sources[r] = IngestSource(spec.window)
-            else:
-                sources[r] = SyntheticSource(lengths, r, spec.world_size, spec.seed, 0, spec.shuffle, vocab_size,
-                                             wrap=spec.mode == "non-join")
         return _serve_node(spec, ranks, coordinator, name, sources, host, port, advertise, port_file, state_dir,
                            client_grace_s, security, metrics_port, metrics_host, trainer_timeout_s,
                            startup_timeout_s, fetched)
