@@ -39,6 +39,23 @@ log = logging.getLogger("batchd.rank")
 HEARTBEAT_S = 2.0  # at most this long between two heartbeats
 
 
+def call_coordinator(address: str, rank: int, what: str, fn: Callable, request, timeout: float | None,
+                     retry_s: float, stop: threading.Event):
+    """`fn(request, timeout=timeout)`, a unary call of rank `rank` to the coordinator at `address`, retried
+    while the coordinator is unreachable for up to `retry_s` (or until `stop`); raises CoordinatorError
+    naming the address, the call and the rank (its gRPC code kept) when it gives up or is refused."""
+    try:
+        return retry_while_unreachable(lambda: fn(request, timeout=timeout), retry_s,
+                                       f"the coordinator at {address} ({what} of rank {rank})",
+                                       stop=stop, logger=log)
+    except Unreachable as gone:
+        raise CoordinatorError(f"coordinator at {address} unreachable for {gone.elapsed_s:.0f}s "
+                               f"({what} from rank {rank}): {gone.error.details()}", gone.error.code()) from None
+    except grpc.RpcError as exc:
+        raise CoordinatorError(f"{what} from rank {rank} failed: {exc.code().name}: {exc.details()}",
+                               exc.code()) from None
+
+
 class CoordinatorClient:
     """Talks to the coordinator on behalf of one rank (`security`: TLS / token, None = plaintext)."""
 
@@ -60,16 +77,7 @@ class CoordinatorClient:
         self.channel.close()
 
     def _call(self, what: str, fn: Callable, request, timeout: float | None, retry_s: float):
-        try:
-            return retry_while_unreachable(lambda: fn(request, timeout=timeout), retry_s,
-                                           f"the coordinator at {self.address} ({what} of rank {self.rank})",
-                                           stop=self._stop, logger=log)
-        except Unreachable as gone:
-            raise CoordinatorError(f"coordinator at {self.address} unreachable for {gone.elapsed_s:.0f}s "
-                                   f"({what} from rank {self.rank}): {gone.error.details()}", gone.error.code()) from None
-        except grpc.RpcError as exc:
-            raise CoordinatorError(f"{what} from rank {self.rank} failed: {exc.code().name}: {exc.details()}",
-                                   exc.code()) from None
+        return call_coordinator(self.address, self.rank, what, fn, request, timeout, retry_s, self._stop)
 
     def register(self, my_address: str) -> pb.RegisterReply:
         """Registers (again: a restarted rank, or a rank refreshing its peers' addresses)."""

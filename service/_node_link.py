@@ -43,6 +43,8 @@ from batchd.proto import (
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
+from ._coord_client import call_coordinator
+
 log = logging.getLogger("batchd.node")
 
 HEARTBEAT_S = 2.0
@@ -283,16 +285,8 @@ class NodeLink:
 
     # -- unary calls, heartbeats -----------------------------------------------------------------------
     def unary(self, what: str, fn: Callable, request, rank: int, timeout: float = 10.0):
-        try:
-            return retry_while_unreachable(lambda: fn(request, timeout=timeout), self.lease_s,
-                                           f"the coordinator at {self.coordinator} ({what} of rank {rank})",
-                                           stop=self._stop, logger=log)
-        except Unreachable as gone:
-            raise CoordinatorError(f"coordinator at {self.coordinator} unreachable for {gone.elapsed_s:.0f}s "
-                                   f"({what} from rank {rank}): {gone.error.details()}", gone.error.code()) from None
-        except grpc.RpcError as exc:
-            raise CoordinatorError(f"{what} from rank {rank} failed: {exc.code().name}: {exc.details()}",
-                                   exc.code()) from None
+        """A unary call on behalf of `rank` (Register, Finish), retried for up to a lease."""
+        return call_coordinator(self.coordinator, rank, what, fn, request, timeout, self.lease_s, self._stop)
 
     def start_heartbeats(self, on_failure: Callable[[str], None]) -> None:
         """One heartbeat for every rank still running, every min(lease/3, HEARTBEAT_S); `on_failure` of every

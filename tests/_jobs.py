@@ -44,6 +44,42 @@ from batchd.service.preprocess import SyntheticSource, synthetic_payload
 HOST = "127.0.0.1"
 
 
+def drain_clients(client: Callable[[int], BatchClient], world_size: int, epochs: int = 1, limit_s: float = 60.0,
+                  project: Callable[[dict, Any], Any] | None = None,
+                  on_step: Callable[[int, int], None] | None = None) -> list[list[list[Any]]]:
+    """Consumes every rank's stream through epochs 0..epochs-1 (`set_epoch` before each), one trainer thread
+    per rank over `client(rank)`; per rank, per epoch, the projected steps (by default (batch, info)).
+    `on_step(rank, n)` runs after each rank's n-th step of the epoch. Asserts no trainer raised and all
+    finished within `limit_s` each."""
+    results: list = [None] * world_size
+    errors: list = []
+
+    def consume(r: int) -> None:
+        try:
+            with client(r) as c:
+                out = []
+                for e in range(epochs):
+                    c.set_epoch(e)
+                    steps: list = []
+                    for b, info in c:
+                        steps.append((b, info) if project is None else project(b, info))
+                        if on_step is not None:
+                            on_step(r, len(steps))
+                    out.append(steps)
+                results[r] = out
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append((r, exc))
+
+    threads = [threading.Thread(target=consume, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(limit_s)
+    assert not errors, errors
+    assert all(r is not None for r in results), "a trainer did not finish"
+    return results
+
+
 class InProcessJob:
     """A coordinator and `spec.world_size` rank services in this process; `stop()` (or `with`) ends them.
 
@@ -214,28 +250,8 @@ class InProcessJob:
     def drain_epochs(self, epochs: int, limit_s: float = 60.0, project: Callable[[dict, Any], Any] | None = None,
                      **client_kwargs: Any) -> list[list[list[Any]]]:
         """Like `drain`, through epochs 0..epochs-1 (`set_epoch` before each); per rank, per epoch, the steps."""
-        results: list = [None] * self.spec.world_size
-        errors: list = []
-
-        def consume(r: int) -> None:
-            try:
-                with self.client(r, **client_kwargs) as c:
-                    out = []
-                    for e in range(epochs):
-                        c.set_epoch(e)
-                        out.append([(b, info) if project is None else project(b, info) for b, info in c])
-                    results[r] = out
-            except Exception as exc:  # noqa: BLE001 - reported below
-                errors.append((r, exc))
-
-        threads = [threading.Thread(target=consume, args=(r,), daemon=True) for r in range(self.spec.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(limit_s)
-        assert not errors, errors
-        assert all(r is not None for r in results), "a trainer did not finish"
-        return results
+        return drain_clients(lambda r: self.client(r, **client_kwargs), self.spec.world_size, epochs, limit_s,
+                             project)
 
     def restart_coordinator(self) -> None:
         """Kills the coordinator abruptly (its server drops every call; nothing is flushed beyond what its

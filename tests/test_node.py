@@ -16,6 +16,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+from _jobs import drain_clients
 
 from batchd.client import BatchClient
 from batchd.core import JobSpec, RankState, RoundDecision, Sample
@@ -108,29 +109,9 @@ def node_job():
 def _drain(job: NodeJob, on_step=None, limit_s: float = 90.0) -> list[list[tuple[list[int], object]]]:
     """Every rank's steps (sample ids, StepInfo), one BatchClient thread per rank."""
     world = job.spec.world_size
-    results: list = [None] * world
-    errors: list = []
-
-    def consume(r: int) -> None:
-        try:
-            with BatchClient(job.address(r), r, world, reconnect_timeout_s=30) as client:
-                out = []
-                for batch, info in client:
-                    out.append((batch["sample_ids"].tolist(), info))
-                    if on_step is not None:
-                        on_step(r, len(out))
-                results[r] = out
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append((r, exc))
-
-    threads = [threading.Thread(target=consume, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(limit_s)
-    assert not errors, errors
-    assert all(r is not None for r in results), "a trainer did not finish"
-    return results
+    return [epochs[0] for epochs in drain_clients(
+        lambda r: BatchClient(job.address(r), r, world, reconnect_timeout_s=30), world, 1, limit_s,
+        lambda batch, info: (batch["sample_ids"].tolist(), info), on_step)]
 
 
 def _check_exactly_once(results, n: int) -> None:
