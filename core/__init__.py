@@ -30,6 +30,20 @@ from ._grouping import (
 )
 from ._liveness import Liveness
 from ._loss import loss_scale
+from ._phases import (
+    EXCHANGE_KEYS,
+    PHASES,
+    Exchange,
+    ImageRef,
+    VisionCost,
+    exchange_arrays,
+    exchanged,
+    imbalance,
+    phase_loads,
+    plan_vision,
+    plan_vision_round,
+    single_phase,
+)
 from ._policy import ALIGN_RULES, POLICIES, Entry, Policy, form_groups
 from ._rank import OVER_BUDGET, RankState, max_fitting_length
 from ._simulator import SimMetrics, Simulator, parse_lengths, simulate, synthetic_token_loss
@@ -47,5 +61,6 @@ __all__ = sorted([
     "Step", "StepInfo", "ViewSource",
     "best_fit_decreasing", "contiguous_greedy", "epoch_permutation", "fixed_chunks", "form_groups",
     "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "parse_lengths", "plan_moves", "plan_round",
-    "simulate", "split_largest", "synthetic_token_loss", "target_min", "target_odb",
+    "simulate", "split_largest", "EXCHANGE_KEYS", "PHASES", "Exchange", "exchange_arrays", "ImageRef", "VisionCost", "exchanged", "imbalance",
+    "phase_loads", "plan_vision", "plan_vision_round", "single_phase", "synthetic_token_loss", "target_min", "target_odb",
 ])

@@ -57,6 +57,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._balance import check_nodes, plan_round
+from ._phases import Exchange, plan_vision_round
 from ._policy import Entry
 from ._types import Sample, check_int
 
@@ -95,11 +96,13 @@ class RankReport:
 
 @dataclasses.dataclass(frozen=True)
 class RoundDecision:
-    """The coordinator's answer: T steps this round, and for `balanced` the whole plan[rank][step]."""
+    """The coordinator's answer: T steps this round, and for `balanced` the whole plan[rank][step]; with
+    `phases=2` also vision[rank][step], each rank's part of the step's vision exchange (`plan_vision`)."""
 
     round: int
     target: int
     plan: tuple[tuple[tuple[Sample, ...], ...], ...] | None = None
+    vision: tuple[tuple[Exchange, ...], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +172,7 @@ class Coordinator:
         self.spec = spec
         self.world_size, self.policy, self.token_budget = spec.world_size, spec.policy_object(), spec.token_budget
         self.cost = spec.cost_model()
+        self.vision_cost = spec.vision_cost() if spec.phases == 2 else None
         self.mode, self.seed, self.epoch = spec.mode, spec.seed, epoch
         self.quota = spec.quota if spec.mode == "non-join" else None
         self.round = 0
@@ -225,7 +229,8 @@ class Coordinator:
             self.round, self.policy.max_wait, rng, self.policy.refine, self.nodes, self.plan_stats,
         )
         target = len(plan[0]) if plan else 0
-        return RoundDecision(self.round, target, tuple(tuple(p) for p in plan))
+        vision = plan_vision_round(plan, self.vision_cost, self.nodes) if self.vision_cost is not None else None
+        return RoundDecision(self.round, target, tuple(tuple(p) for p in plan), vision)
 
     # -- phase 2 -------------------------------------------------------------------------------------
     def commit(self, commits: Sequence[RankCommit],

@@ -46,6 +46,7 @@ from ._align import (
 )
 from ._cost import CostModel
 from ._loss import loss_scale
+from ._phases import Exchange
 from ._policy import Entry, Group
 from ._types import Sample, Step, StepInfo, check_int
 
@@ -99,6 +100,8 @@ class RankState:
         self.counters = {"admitted": 0, "over_budget": 0, "truncated": 0, "rejected": 0, "moved_in": 0}
         self._candidates: list[Group] | None = None
         self._emitted: list[list[Sample]] | None = None
+        self.phases = spec.phases
+        self._vision: list[Exchange] | None = None  # this round's exchanges (phases=2), one per emitted step
 
     # -- input ---------------------------------------------------------------------------------------
     @property
@@ -198,6 +201,11 @@ class RankState:
             self._remove(planned)
             emitted = [list(g) for g in decision.plan[self.rank]]
             self.counters["moved_in"] += sum(s.home_rank != self.rank for g in emitted for s in g)
+            if decision.vision is not None:
+                if len(decision.vision) != self.world_size or len(decision.vision[self.rank]) != len(emitted):
+                    raise ProtocolError(f"rank {self.rank}: round {self.round}'s vision plan does not match its "
+                                        f"plan (one exchange per rank and step)")
+                self._vision = list(decision.vision[self.rank])
         else:
             groups, _rest = self.policy.fit(self._candidates, target, self.cost) if target else ([], [])
             if self.policy.shuffle:
@@ -206,6 +214,8 @@ class RankState:
             self._remove({s.id for g in emitted for s in g})
         emitted += [[] for _ in range(target - len(emitted))]
         self._emitted = emitted
+        if self._vision is None and self.phases == 2:
+            raise ProtocolError(f"rank {self.rank}: a two-phase round {self.round} without a vision plan")
         self._candidates = None
         steps = tuple(tuple((s.length, s.loss_tokens) for s in g) for g in emitted)
         return RankCommit(self.rank, self.round, steps, len(self.buffer), self.exhausted)
@@ -237,9 +247,10 @@ class RankState:
                 loss_scale=loss_scale(loss_tokens, totals.step_loss_tokens[j], self.world_size),
                 cost=self.cost.cost(lengths),
             )
-            out.append(Step(tuple(group), info))
+            out.append(Step(tuple(group), info, self._vision[j] if self._vision is not None else None))
             self.step += 1
         self._emitted = None
+        self._vision = None
         self.round += 1
         return out
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from ._align import MODES
 from ._cost import COST_MODELS, CostModel
+from ._phases import PHASES, VisionCost
 from ._policy import ALIGN_RULES, POLICIES, Policy
 from ._rank import OVER_BUDGET
 from ._types import check_bool, check_choice, check_int
@@ -59,6 +60,11 @@ class JobSpec:
     quadratic: int = _field(4096, "q of the attention cost model (len + len^2 / q)", metavar="Q")
     collate: str = _field("padded", "batch layout the rank service builds", choices=COLLATE)
     epochs: int = _field(1, "epochs the job runs; each is a new seeded view of the data per rank", metavar="E")
+    phases: int = _field(1, "balanced, join: 2 also balances the vision encoder per step (OrchMLLM two-phase: "
+                         "images are encoded on other ranks and their embeddings exchanged with one all-to-all)",
+                         choices=PHASES)
+    vision_quadratic: int = _field(8192, "q of the vision encoder's cost per image (patches + patches^2 / q; "
+                                   "0: linear)", metavar="Q")
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, lo=1)
@@ -73,6 +79,15 @@ class JobSpec:
         check_bool("shuffle", self.shuffle)
         check_bool("refine", self.refine)
         check_bool("node_aware", self.node_aware)
+        check_choice("phases", self.phases, PHASES)
+        if self.phases == 2 and (self.policy != "balanced" or self.mode != "join"):
+            raise ValueError(f"phases=2 needs policy='balanced' and mode='join' (the coordinator plans every "
+                             f"rank's step), got policy={self.policy!r} mode={self.mode!r}")
+        if self.phases == 2 and self.over_budget == "truncate":
+            raise ValueError("phases=2 cannot truncate over-budget samples (a cut would split an image's "
+                             "tokens from its pixels); use over_budget='singleton' or 'reject', got "
+                             "over_budget='truncate'")
+        check_int("vision_quadratic", self.vision_quadratic, lo=0)
         if self.quota is not None:
             check_int("quota", self.quota, lo=0)
         self.policy_object()
@@ -84,6 +99,10 @@ class JobSpec:
 
     def cost_model(self) -> CostModel:
         return CostModel(self.cost, self.quadratic)
+
+    def vision_cost(self) -> VisionCost:
+        """The vision encoder's per-image cost model (two-phase balancing)."""
+        return VisionCost(quadratic=self.vision_quadratic)
 
     def check_daemon(self) -> JobSpec:
         """Raises ValueError if the daemon cannot run this spec (the simulator can): non-join needs a quota."""

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 # JSON keys of a serialized sample (compact: samples appear by the hundred thousand in states).
-_ID, _LEN, _LOSS, _HOME, _MOD, _BYTES = "i", "n", "l", "h", "m", "b"
+_ID, _LEN, _LOSS, _HOME, _MOD, _BYTES, _IMG = "i", "n", "l", "h", "m", "b", "v"
 
 
 def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
@@ -64,6 +64,7 @@ class _SampleFields(NamedTuple):
     home_rank: int
     modality_tokens: tuple[tuple[str, int], ...]
     nbytes: int
+    images: tuple[tuple[int, int], ...]
 
 
 class Sample(_SampleFields):
@@ -80,12 +81,15 @@ class Sample(_SampleFields):
         modality_tokens: Optional per-modality counts, e.g. (("text", 300), ("vision", 1024)).
         nbytes: Bytes of its payload (token ids, labels, pixel values) as it would cross the network;
             0 = unknown. A node-aware balanced plan moves the groups that carry the fewest bytes.
+        images: Per image, (encoder patches, image tokens in the sequence): the vision encoder's cost and
+            the rows of the image's embedding (two-phase balancing, `batchd.core.plan_vision`).
     """
 
     __slots__ = ()
 
     def __new__(cls, id: int, length: int, loss_tokens: int = -1, home_rank: int = 0,
-                modality_tokens: tuple[tuple[str, int], ...] = (), nbytes: int = 0) -> Sample:
+                modality_tokens: tuple[tuple[str, int], ...] = (), nbytes: int = 0,
+                images: tuple[tuple[int, int], ...] = ()) -> Sample:
         if loss_tokens == -1 and type(length) is int:
             loss_tokens = length
         # Fast path: exact ints in range need no further checks.
@@ -103,7 +107,14 @@ class Sample(_SampleFields):
                 if len(entry) != 2 or not isinstance(entry[0], str):
                     raise ValueError(f"modality_tokens entries must be (name, count), got {entry!r}")
                 check_int(f"modality_tokens[{entry[0]!r}]", entry[1], lo=0)
-        return tuple.__new__(cls, (id, length, loss_tokens, home_rank, modality_tokens, nbytes))
+        if images:
+            images = tuple(tuple(im) for im in images)
+            for k, im in enumerate(images):
+                if len(im) != 2:
+                    raise ValueError(f"images entries must be (patches, tokens), got images[{k}]={im!r}")
+                check_int(f"images[{k}] patches", im[0], lo=0)
+                check_int(f"images[{k}] tokens", im[1], lo=1)
+        return tuple.__new__(cls, (id, length, loss_tokens, home_rank, modality_tokens, nbytes, images))
 
     def replace(self, **changes: Any) -> Sample:
         """A copy with some fields changed (validated again)."""
@@ -117,6 +128,8 @@ class Sample(_SampleFields):
             out[_MOD] = [list(m) for m in self.modality_tokens]
         if self.nbytes:
             out[_BYTES] = self.nbytes
+        if self.images:
+            out[_IMG] = [list(im) for im in self.images]
         return out
 
     @staticmethod
@@ -128,6 +141,7 @@ class Sample(_SampleFields):
             home_rank=obj.get(_HOME, 0),
             modality_tokens=tuple((str(k), int(v)) for k, v in obj.get(_MOD, ())),
             nbytes=obj.get(_BYTES, 0),
+            images=tuple((int(p), int(t)) for p, t in obj.get(_IMG, ())),
         )
 
 
@@ -156,14 +170,24 @@ class StepInfo:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Step:
-    """One aligned step on one rank: the samples of its group (empty when IDLE) and the step info."""
+    """One aligned step on one rank: the samples of its group (empty when IDLE), the step info, and with
+    two-phase balancing the rank's part of the step's vision exchange (`batchd.core.Exchange`)."""
 
     samples: tuple[Sample, ...]
     info: StepInfo
+    exchange: Any = None  # Exchange | None (typed loosely: _phases imports this module)
 
     def to_json(self) -> dict[str, Any]:
-        return {"samples": [s.to_json() for s in self.samples], "info": dataclasses.asdict(self.info)}
+        out = {"samples": [s.to_json() for s in self.samples], "info": dataclasses.asdict(self.info)}
+        if self.exchange is not None:
+            out["exchange"] = self.exchange.to_json()
+        return out
 
     @staticmethod
     def from_json(obj: Mapping[str, Any]) -> Step:
-        return Step(tuple(Sample.from_json(s) for s in obj["samples"]), StepInfo(**obj["info"]))
+        exchange = None
+        if "exchange" in obj:
+            from ._phases import Exchange  # _phases imports this module
+
+            exchange = Exchange.from_json(obj["exchange"])
+        return Step(tuple(Sample.from_json(s) for s in obj["samples"]), StepInfo(**obj["info"]), exchange)

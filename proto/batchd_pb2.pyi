@@ -23,20 +23,24 @@ class ModalityTokens(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class SampleMeta(_message.Message):
-    __slots__ = ("id", "length", "loss_tokens", "home_rank", "modality_tokens", "nbytes")
+    __slots__ = ("id", "length", "loss_tokens", "home_rank", "modality_tokens", "nbytes", "image_patches", "image_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HOME_RANK_FIELD_NUMBER: _ClassVar[int]
     MODALITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_PATCHES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: int
     length: int
     loss_tokens: int
     home_rank: int
     modality_tokens: _containers.RepeatedCompositeFieldContainer[ModalityTokens]
     nbytes: int
-    def __init__(self, id: _Optional[int] = ..., length: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., home_rank: _Optional[int] = ..., modality_tokens: _Optional[_Iterable[_Union[ModalityTokens, _Mapping]]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+    image_patches: _containers.RepeatedScalarFieldContainer[int]
+    image_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., length: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., home_rank: _Optional[int] = ..., modality_tokens: _Optional[_Iterable[_Union[ModalityTokens, _Mapping]]] = ..., nbytes: _Optional[int] = ..., image_patches: _Optional[_Iterable[int]] = ..., image_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -51,7 +55,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("world_size", "token_budget", "policy", "mode", "cost", "window", "depth", "seed", "batch_size", "max_wait", "align", "refine", "quota", "over_budget", "quadratic", "collate", "shuffle", "epochs", "node_aware")
+    __slots__ = ("world_size", "token_budget", "policy", "mode", "cost", "window", "depth", "seed", "batch_size", "max_wait", "align", "refine", "quota", "over_budget", "quadratic", "collate", "shuffle", "epochs", "node_aware", "phases", "vision_quadratic")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +75,8 @@ class JobSpec(_message.Message):
     SHUFFLE_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
     NODE_AWARE_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    VISION_QUADRATIC_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     token_budget: int
     policy: str
@@ -90,7 +96,9 @@ class JobSpec(_message.Message):
     shuffle: bool
     epochs: int
     node_aware: bool
-    def __init__(self, world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., cost: _Optional[str] = ..., window: _Optional[int] = ..., depth: _Optional[int] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_wait: _Optional[int] = ..., align: _Optional[str] = ..., refine: _Optional[bool] = ..., quota: _Optional[int] = ..., over_budget: _Optional[str] = ..., quadratic: _Optional[int] = ..., collate: _Optional[str] = ..., shuffle: _Optional[bool] = ..., epochs: _Optional[int] = ..., node_aware: _Optional[bool] = ...) -> None: ...
+    phases: int
+    vision_quadratic: int
+    def __init__(self, world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., cost: _Optional[str] = ..., window: _Optional[int] = ..., depth: _Optional[int] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_wait: _Optional[int] = ..., align: _Optional[str] = ..., refine: _Optional[bool] = ..., quota: _Optional[int] = ..., over_budget: _Optional[str] = ..., quadratic: _Optional[int] = ..., collate: _Optional[str] = ..., shuffle: _Optional[bool] = ..., epochs: _Optional[int] = ..., node_aware: _Optional[bool] = ..., phases: _Optional[int] = ..., vision_quadratic: _Optional[int] = ...) -> None: ...
 
 class StepInfo(_message.Message):
     __slots__ = ("rank", "step", "round", "is_idle", "local_samples", "local_tokens", "local_loss_tokens", "global_samples", "global_tokens", "global_loss_tokens", "loss_scale", "cost", "epoch")
@@ -186,17 +194,51 @@ class RankPlan(_message.Message):
     steps: _containers.RepeatedCompositeFieldContainer[Group]
     def __init__(self, steps: _Optional[_Iterable[_Union[Group, _Mapping]]] = ...) -> None: ...
 
+class ImageRef(_message.Message):
+    __slots__ = ("sample_id", "index", "home_rank", "owner", "patches", "tokens")
+    SAMPLE_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    HOME_RANK_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    PATCHES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sample_id: int
+    index: int
+    home_rank: int
+    owner: int
+    patches: int
+    tokens: int
+    def __init__(self, sample_id: _Optional[int] = ..., index: _Optional[int] = ..., home_rank: _Optional[int] = ..., owner: _Optional[int] = ..., patches: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
+
+class StepExchange(_message.Message):
+    __slots__ = ("encode", "sources", "tokens")
+    ENCODE_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    encode: _containers.RepeatedCompositeFieldContainer[ImageRef]
+    sources: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, encode: _Optional[_Iterable[_Union[ImageRef, _Mapping]]] = ..., sources: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class RankVision(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[StepExchange]
+    def __init__(self, steps: _Optional[_Iterable[_Union[StepExchange, _Mapping]]] = ...) -> None: ...
+
 class AlignReply(_message.Message):
-    __slots__ = ("epoch", "round", "target", "plan")
+    __slots__ = ("epoch", "round", "target", "plan", "vision")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    VISION_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     round: int
     target: int
     plan: _containers.RepeatedCompositeFieldContainer[RankPlan]
-    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., target: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ...) -> None: ...
+    vision: _containers.RepeatedCompositeFieldContainer[RankVision]
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., target: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., vision: _Optional[_Iterable[_Union[RankVision, _Mapping]]] = ...) -> None: ...
 
 class StepSamples(_message.Message):
     __slots__ = ("lengths", "loss_tokens")

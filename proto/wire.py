@@ -12,7 +12,18 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from batchd.core import FIELDS, JobSpec, RankCommit, RankReport, RoundDecision, RoundTotals, Sample, StepInfo
+from batchd.core import (
+    FIELDS,
+    Exchange,
+    ImageRef,
+    JobSpec,
+    RankCommit,
+    RankReport,
+    RoundDecision,
+    RoundTotals,
+    Sample,
+    StepInfo,
+)
 
 from . import batchd_pb2 as pb
 
@@ -32,6 +43,7 @@ def spec_from_pb(m: pb.JobSpec) -> JobSpec:
     d = {f.name: getattr(m, f.name) for f in FIELDS}
     d["quota"] = None if m.quota < 0 else int(m.quota)
     d["epochs"] = max(m.epochs, 1)  # a peer that predates the field sends 0
+    d["phases"] = max(m.phases, 1)
     return JobSpec(**d)
 
 
@@ -39,12 +51,30 @@ def sample_to_pb(s: Sample) -> pb.SampleMeta:
     return pb.SampleMeta(
         id=s.id, length=s.length, loss_tokens=s.loss_tokens, home_rank=s.home_rank,
         modality_tokens=[pb.ModalityTokens(name=n, tokens=t) for n, t in s.modality_tokens], nbytes=s.nbytes,
+        image_patches=[p for p, _ in s.images], image_tokens=[t for _, t in s.images],
     )
 
 
 def sample_from_pb(m: pb.SampleMeta) -> Sample:
+    if len(m.image_patches) != len(m.image_tokens):
+        raise ValueError(f"sample {m.id}: {len(m.image_patches)} image patch counts but {len(m.image_tokens)} "
+                         f"image token counts")
     return Sample(int(m.id), int(m.length), int(m.loss_tokens), int(m.home_rank),
-                  tuple((t.name, int(t.tokens)) for t in m.modality_tokens), int(m.nbytes))
+                  tuple((t.name, int(t.tokens)) for t in m.modality_tokens), int(m.nbytes),
+                  tuple(zip(m.image_patches, m.image_tokens)))
+
+
+def exchange_to_pb(x: Exchange) -> pb.StepExchange:
+    return pb.StepExchange(
+        encode=[pb.ImageRef(sample_id=i.sample_id, index=i.index, home_rank=i.home_rank, owner=i.owner,
+                            patches=i.patches, tokens=i.tokens) for i in x.encode],
+        sources=x.sources, tokens=x.tokens)
+
+
+def exchange_from_pb(m: pb.StepExchange, rank: int, world_size: int) -> Exchange:
+    return Exchange(rank, world_size, tuple(ImageRef(int(i.sample_id), int(i.index), int(i.home_rank), int(i.owner),
+                                                     int(i.patches), int(i.tokens)) for i in m.encode),
+                    tuple(int(s) for s in m.sources), tuple(int(t) for t in m.tokens))
 
 
 def report_to_pb(r: RankReport, epoch: int) -> pb.AlignRequest:
@@ -65,14 +95,20 @@ def decision_to_pb(d: RoundDecision, epoch: int) -> pb.AlignReply:
     if d.plan is not None:
         plan = [pb.RankPlan(steps=[pb.Group(samples=[sample_to_pb(s) for s in g]) for g in steps])
                 for steps in d.plan]
-    return pb.AlignReply(epoch=epoch, round=d.round, target=d.target, plan=plan)
+    vision = []
+    if d.vision is not None:
+        vision = [pb.RankVision(steps=[exchange_to_pb(x) for x in steps]) for steps in d.vision]
+    return pb.AlignReply(epoch=epoch, round=d.round, target=d.target, plan=plan, vision=vision)
 
 
 def decision_from_pb(m: pb.AlignReply) -> RoundDecision:
-    plan = None
+    plan = vision = None
     if len(m.plan):
         plan = tuple(tuple(tuple(sample_from_pb(s) for s in g.samples) for g in p.steps) for p in m.plan)
-    return RoundDecision(int(m.round), int(m.target), plan)
+    if len(m.vision):
+        n = len(m.vision)
+        vision = tuple(tuple(exchange_from_pb(x, r, n) for x in rv.steps) for r, rv in enumerate(m.vision))
+    return RoundDecision(int(m.round), int(m.target), plan, vision)
 
 
 def commit_to_pb(c: RankCommit, epoch: int) -> pb.CommitRequest:
