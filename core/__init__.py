@@ -16,7 +16,17 @@ from ._align import (
     target_odb,
 )
 from ._balance import plan_moves, plan_round
-from ._collate import IGNORE_INDEX, VISION_KEYS, collate_packed, collate_padded, idle_batch, loss_tokens
+from ._collate import (
+    IGNORE_INDEX,
+    VISION_KEYS,
+    collate_images,
+    collate_packed,
+    collate_padded,
+    idle_batch,
+    image_of,
+    loss_tokens,
+    strip_vision,
+)
 from ._cost import COST_MODELS, CostModel
 from ._delivery import ATTACHED, END, REFUSED, SEND_END, WAIT, Connect, Delivery
 from ._errors import BatchdError, CoordinatorError, JobFailed
@@ -53,7 +63,7 @@ from ._types import Sample, Step, StepInfo, check_bool, check_choice, check_int,
 
 __all__ = sorted([
     "BatchdError", "COLLATE", "CoordinatorError", "FIELDS", "IGNORE_INDEX", "JobFailed", "JobSpec", "REQUIRED",
-    "VISION_KEYS", "check_bool", "check_choice", "check_int", "check_number", "check_str", "collate_packed", "collate_padded", "idle_batch", "loss_tokens",
+    "VISION_KEYS", "check_bool", "check_choice", "check_int", "check_number", "check_str", "collate_images", "collate_packed", "collate_padded", "idle_batch", "image_of", "strip_vision", "loss_tokens",
     "ALIGN_RULES", "ATTACHED", "COST_MODELS", "END", "MODES", "OVER_BUDGET", "POLICIES", "REFUSED",
     "SEND_END", "WAIT",
     "Connect", "Coordinator", "CostModel", "Delivery", "Entry", "Liveness", "Policy", "ProtocolError", "RankCommit", "RankReport",

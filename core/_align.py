@@ -168,6 +168,9 @@ class Coordinator:
         a `nodes` without one int >= 0 per rank."""
         spec.check_daemon()
         self.nodes = check_nodes(nodes, spec.world_size) if nodes is not None else None
+        # The vision phase keeps images on their owner's node whenever the topology is known, node-aware
+        # LLM planning or not (an exchange inside a node is cheap, across nodes it is not).
+        self.topology: list[int] | None = self.nodes
         self.plan_stats: dict[str, int] = {}  # node-aware planning counts (`plan_round`'s `stats`)
         self.spec = spec
         self.world_size, self.policy, self.token_budget = spec.world_size, spec.policy_object(), spec.token_budget
@@ -229,7 +232,7 @@ class Coordinator:
             self.round, self.policy.max_wait, rng, self.policy.refine, self.nodes, self.plan_stats,
         )
         target = len(plan[0]) if plan else 0
-        vision = plan_vision_round(plan, self.vision_cost, self.nodes) if self.vision_cost is not None else None
+        vision = plan_vision_round(plan, self.vision_cost, self.topology) if self.vision_cost is not None else None
         return RoundDecision(self.round, target, tuple(tuple(p) for p in plan), vision)
 
     # -- phase 2 -------------------------------------------------------------------------------------

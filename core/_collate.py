@@ -194,3 +194,40 @@ def loss_tokens(labels_row: np.ndarray) -> int:
     if len(shape) != 1:
         raise ValueError(f"labels_row must be 1-D (one sample), got {shape=}")
     return int(np.count_nonzero(np.asarray(labels_row)[1:] != IGNORE_INDEX))
+
+
+def image_of(sample: Payload, index: int) -> dict[str, np.ndarray]:
+    """Image `index` of a sample's payload, as a one-image payload: Qwen2-VL's ``pixel_values`` rows of that
+    image (its grid's t x h x w patches, located by ``image_grid_thw``) and its grid row; LLaVA's
+    [1, 3, S, S] slice (no grid).
+
+    Raises:
+        ValueError: the payload has no image `index` (naming both counts).
+    """
+    pixels = sample.get("pixel_values")
+    if pixels is None:
+        raise ValueError(f"image {index} requested of a payload without pixel_values: keys={sorted(sample)}")
+    pixels = np.asarray(pixels)
+    grid = sample.get("image_grid_thw")
+    if grid is None:
+        if not 0 <= index < pixels.shape[0]:
+            raise ValueError(f"image {index} requested of a payload with {pixels.shape[0]} images")
+        return {"pixel_values": pixels[index:index + 1]}
+    grid = np.asarray(grid).reshape(-1, 3)
+    if not 0 <= index < grid.shape[0]:
+        raise ValueError(f"image {index} requested of a payload with {grid.shape[0]} images")
+    sizes = np.prod(grid, axis=1)
+    start = int(sizes[:index].sum())
+    return {"pixel_values": pixels[start:start + int(sizes[index])], "image_grid_thw": grid[index:index + 1]}
+
+
+def collate_images(images: Sequence[Payload]) -> dict[str, np.ndarray]:
+    """The vision-encoder input of a two-phase step: one-image payloads (`image_of`) concatenated in order.
+    No image: no key (the trainer's encoder then runs on nothing and the exchange sends zero rows)."""
+    return _vision(images)
+
+
+def strip_vision(samples: Sequence[Payload]) -> list[dict[str, np.ndarray]]:
+    """The payloads without their vision tensors (a two-phase step's LLM part: the images travel to the
+    ranks that encode them, `collate_images`)."""
+    return [{k: v for k, v in s.items() if k not in VISION_KEYS} for s in samples]

@@ -63,6 +63,7 @@ from batchd.core import (
     RankCommit,
     RankReport,
     RoundDecision,
+    Exchange,
     RoundTotals,
     plan_moves,
 )
@@ -588,6 +589,7 @@ class CoordinatorState:
             t_last = time.perf_counter()
             topology = self._topology()
             self.core.nodes = topology if self.spec.node_aware else None
+            self.core.topology = topology
             try:
                 decision = self.core.decide(list(self._reports.values()))
             except ValueError as exc:
@@ -929,7 +931,8 @@ class NodeView:
 
     def decision_pb(self, decision: RoundDecision, epoch: int) -> pb.AlignReply:
         """The decision as this node needs it: whole for its ranks; of every other rank's groups only the
-        samples whose home is one of its ranks (those it lends). Without a plan: the decision as is."""
+        samples whose home is one of its ranks (those it lends), and (two-phase) of every other rank's
+        exchanges only the images of such samples (their encoders fetch them). Without a plan: as is."""
         cached, original = self._cache, decision
         if cached is not None and cached[0] == epoch and cached[1] == decision.round and cached[2] is decision:
             return cached[3]
@@ -937,7 +940,12 @@ class NodeView:
             mine = self.ranks
             plan = tuple(steps if r in mine else tuple(tuple(s for s in g if s.home_rank in mine) for g in steps)
                          for r, steps in enumerate(decision.plan))
-            decision = RoundDecision(decision.round, decision.target, plan)
+            vision = decision.vision
+            if vision is not None:
+                vision = tuple(exs if r in mine else tuple(
+                    Exchange(r, x.world_size, tuple(im for im in x.encode if im.home_rank in mine)) for x in exs)
+                    for r, exs in enumerate(vision))
+            decision = RoundDecision(decision.round, decision.target, plan, vision)
         reply = wire.decision_to_pb(decision, epoch)
         self._cache = (epoch, decision.round, original, reply)
         return reply

@@ -152,8 +152,8 @@ class RankServicer(pb_grpc.RankServiceServicer):
                     core.metrics.ingest_quarantined()
                 continue
             try:
-                source.put(Sample(sample.id, sample.length, sample.loss_tokens, core.rank, sample.modality_tokens),
-                           payload)
+                source.put(Sample(sample.id, sample.length, sample.loss_tokens, core.rank, sample.modality_tokens,
+                                  images=sample.images), payload)
             except ValueError as exc:
                 log.warning("Ingest: %s", exc)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rank {core.rank}: {exc}")
@@ -187,7 +187,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
             size += msg.ByteSize()
             if out and size > FETCH_REPLY_BYTES:
                 if lent is not None:
-                    core.lent[i] = lent
+                    core.untake_lent(i, lent)
                 break
             out.append(msg)
         return pb.FetchReply(samples=out)

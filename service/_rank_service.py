@@ -52,9 +52,14 @@ from batchd.core import (
     RankState,
     Sample,
     Step,
+    RoundDecision,
+    collate_images,
     collate_packed,
     collate_padded,
+    exchange_arrays,
     idle_batch,
+    image_of,
+    strip_vision,
 )
 from batchd.proto import (
     CHANNEL_OPTIONS,
@@ -143,8 +148,22 @@ def read_journal(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
-def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0) -> dict[str, Any]:
-    """Collates payloads into the step's arrays (padded or packed, per the job spec; numpy, no torch)."""
+def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0, step: Step | None = None,
+            images: list[Payload] | None = None) -> dict[str, Any]:
+    """Collates payloads into the step's arrays (padded or packed, per the job spec; numpy, no torch).
+
+    A two-phase step (`step.exchange` set) carries its LLM samples without their pixels, the pixels of the
+    images it encodes (`images`: their samples' payloads, one per `exchange.encode` entry, in order) and the
+    exchange arrays (`batchd.core.exchange_arrays`)."""
+    if step is not None and step.exchange is not None:
+        out = collate(spec, strip_vision(payloads), pad_id)
+        encode = step.exchange.encode
+        if images is None or len(images) != len(encode):
+            raise ValueError(f"step {step.info.step}: {len(encode)} images to encode, got "
+                             f"{None if images is None else len(images)} payloads")
+        out.update(collate_images([image_of(p, im.index) for p, im in zip(images, encode)]))
+        out.update(exchange_arrays(step.exchange))
+        return out
     if not payloads:
         return idle_batch(pad_id)
     if spec.collate == "packed":
@@ -193,6 +212,8 @@ class RankServiceCore:
         self._rejected_before = 0  # over-budget rejections of the epochs before this one (metrics)
         self.payloads: dict[int, Payload] = {}
         self.lent: dict[int, Payload] = {}
+        self.lent_takers: dict[int, int] = {}  # lent sample -> ranks still to take it (LLM owner, encoders)
+        self._lend_lock = threading.Lock()
         self.batches: dict[int, tuple[Step, pb.Batch]] = {}  # ready steps (Delivery.ready) by number
         self.finished = False  # the coordinator knows this rank's trainer took the job's last step
         self.restored_finished = False  # restored from a journal written after the job's last end
@@ -262,7 +283,10 @@ class RankServiceCore:
         for step_json in state[J_READY]:
             step = Step.from_json(step_json)
             payloads = materialize_many(self.source, [s.id for s in step.samples])
-            self.batches[step.info.step] = (step, self._batch(step, payloads))
+            images = None
+            if step.exchange is not None:
+                images = materialize_many(self.source, [im.sample_id for im in step.exchange.encode])
+            self.batches[step.info.step] = (step, self._batch(step, payloads, images))
         self.restored_finished = self.delivery.finished
         self.finished = state[J_FINISH_ACKED]  # the coordinator knew: it may be gone by now
         log.info("rank %d restored from %s at epoch %d round %d (step %d)%s", self.rank, self.journal, self.epoch,
@@ -419,27 +443,26 @@ class RankServiceCore:
         report = self.state.report(capacity)
         decision = self.coord.align(self.epoch, report)
         commit = self.state.apply(decision)
+        self._lend(decision)  # before the commit: peers fetch only once every rank committed
         totals = self.coord.commit(self.epoch, commit)
         t_totals = time.perf_counter()
         steps = self.state.finalize(totals)
         self._fetch_moved(steps)
         batches = []
+        image_only: set[int] = set()
         for step in steps:
+            images = None
+            if step.exchange is not None:  # before the LLM payloads are taken: a sample may be in both
+                images = [self._image_payload(im.sample_id, im.home_rank) for im in step.exchange.encode]
+                image_only.update(im.sample_id for im in step.exchange.encode)
             payloads = [self._take_payload(s) for s in step.samples]
-            batches.append((step.info.step, step, self._batch(step, payloads)))
+            batches.append((step.info.step, step, self._batch(step, payloads, images)))
+        for sample_id in image_only:  # pixels of other ranks' LLM samples, encoded here: done with
+            self.payloads.pop(sample_id, None)
         if metrics is not None:  # before the batches become visible: a drained trainer sees final counts
             self._observe(metrics.observe_output_wait, t_report - t_wait)
             self._observe(metrics.observe_round, t_totals - t_report, [st.info for st in steps],
                           [materialized_tokens(b) for _, _, b in batches])
-        if decision.plan is not None:  # samples of mine that the plan placed on other ranks
-            for rank, plan_steps in enumerate(decision.plan):
-                if rank != self.rank:
-                    for group in plan_steps:
-                        for s in group:
-                            if s.home_rank == self.rank:
-                                payload = self.payloads.pop(s.id, None)  # a local peer may have taken it
-                                if payload is not None:
-                                    self.lent[s.id] = payload
         with self.cond:
             for i, step, b in batches:
                 self.batches[i] = (step, b)
@@ -464,12 +487,69 @@ class RankServiceCore:
             return self._fetch_ids(s.home_rank, [s.id])[0]
         return self.source.materialize(s.id)
 
+    def _lend(self, decision: RoundDecision) -> None:
+        """Sets aside the payloads of this rank's samples that other ranks will take this round: the LLM
+        owner a balanced plan placed them on, and (two-phase) every rank encoding one of their images.
+        A payload this rank also uses itself (its own LLM group, images it encodes) stays in `payloads`
+        too: the same reference, no copy."""
+        if decision.plan is None:
+            return
+        me = self.rank
+        takers: dict[int, set[int]] = {}
+        mine: set[int] = {s.id for group in decision.plan[me] for s in group}
+        for rank, plan_steps in enumerate(decision.plan):
+            if rank != me:
+                for group in plan_steps:
+                    for s in group:
+                        if s.home_rank == me:
+                            takers.setdefault(s.id, set()).add(rank)
+        for rank, exchanges in enumerate(decision.vision or ()):
+            for ex in exchanges:
+                for im in ex.encode:
+                    if im.home_rank == me:
+                        if rank == me:
+                            mine.add(im.sample_id)
+                        else:
+                            takers.setdefault(im.sample_id, set()).add(rank)
+        with self._lend_lock:
+            for sample_id, ranks in takers.items():
+                payload = self.payloads.get(sample_id) if sample_id in mine else self.payloads.pop(sample_id, None)
+                if payload is not None:
+                    self.lent[sample_id] = payload
+                    self.lent_takers[sample_id] = len(ranks)
+
     def take_lent(self, sample_id: int) -> Payload | None:
-        """The payload of a sample of this rank that the plan placed elsewhere, handed over once (None when
-        it is not held: the caller re-makes it from the source)."""
-        payload = self.lent.pop(sample_id, None)
-        if payload is None:  # not moved to `lent` yet: this rank's round is still finishing
-            payload = self.payloads.pop(sample_id, None)
+        """The payload of a sample of this rank that the plan placed elsewhere, handed to each rank that
+        takes it (None when it is not held, e.g. after a restart: the caller re-makes it from the source)."""
+        with self._lend_lock:
+            payload = self.lent.get(sample_id)
+            if payload is not None:
+                left = self.lent_takers.pop(sample_id, 1) - 1
+                if left > 0:
+                    self.lent_takers[sample_id] = left
+                else:
+                    del self.lent[sample_id]
+            return payload
+
+    def untake_lent(self, sample_id: int, payload: Payload) -> None:
+        """Undoes one `take_lent` (a Fetch reply that had no room for it: the peer asks again)."""
+        with self._lend_lock:
+            if sample_id in self.lent:
+                self.lent_takers[sample_id] = self.lent_takers.get(sample_id, 1) + 1
+            else:
+                self.lent[sample_id], self.lent_takers[sample_id] = payload, 1
+
+    def _image_payload(self, sample_id: int, home: int) -> Payload:
+        """The payload of a sample whose image this rank encodes: held here (its LLM sample, or a sample of
+        this rank), fetched by `_fetch_moved`, or fetched now."""
+        payload = self.payloads.get(sample_id)
+        if payload is not None:
+            return payload
+        if home != self.rank:
+            payload = self._fetch_ids(home, [sample_id])[0]
+        else:
+            payload = self.source.materialize(sample_id)
+        self.payloads[sample_id] = payload
         return payload
 
     def _take_local(self, home: RankServiceCore, ids: list[int]) -> list[Payload]:
@@ -536,17 +616,23 @@ class RankServiceCore:
         and round over one long-lived channel per peer (FETCH_CHUNK ids per request; a reply stops at
         `_rank_server.FETCH_REPLY_BYTES`, far below the message cap, and the rest is asked for again)."""
         wanted: dict[int, list[int]] = {}
+        seen: set[int] = set()
         for step in steps:
-            for s in step.samples:
-                if s.home_rank != self.rank and s.id not in self.payloads:
-                    wanted.setdefault(s.home_rank, []).append(s.id)
+            refs = [(s.id, s.home_rank) for s in step.samples]
+            if step.exchange is not None:  # two-phase: the samples of the images this rank encodes
+                refs += [(im.sample_id, im.home_rank) for im in step.exchange.encode]
+            for sample_id, home in refs:
+                if home != self.rank and sample_id not in self.payloads and sample_id not in seen:
+                    seen.add(sample_id)
+                    wanted.setdefault(home, []).append(sample_id)
         for home, ids in wanted.items():
             for k in range(0, len(ids), FETCH_CHUNK):
                 chunk = ids[k:k + FETCH_CHUNK]
                 self.payloads.update(zip(chunk, self._fetch_ids(home, chunk), strict=True))
 
-    def _batch(self, step: Step, payloads: list[Any]) -> pb.Batch:
-        tensors = collate(self.spec, resolve_payloads(payloads))
+    def _batch(self, step: Step, payloads: list[Any], images: list[Any] | None = None) -> pb.Batch:
+        tensors = collate(self.spec, resolve_payloads(payloads), step=step,
+                          images=resolve_payloads(images) if images else images)
         return pb.Batch(info=wire.info_to_pb(step.info, self.epoch), tensors=wire.tensors_to_pb(tensors),
                         sample_ids=[s.id for s in step.samples])
 

@@ -37,8 +37,11 @@ def _lengths(n=360, seed=5):
 class NodeJob:
     """A coordinator and `nodes` node agents of `spec.world_size // nodes` ranks each, in this process."""
 
-    def __init__(self, spec: JobSpec, lengths, nodes: int, state_dir=None, lease_s: float = 10.0) -> None:
+    def __init__(self, spec: JobSpec, lengths, nodes: int, state_dir=None, lease_s: float = 10.0,
+                 **source_kwargs) -> None:
+        """`source_kwargs` go to every `SyntheticSource` (e.g. images=, patch_dim=, vocab_size=)."""
         self.spec, self.lengths, self.state_dir, self.lease_s = spec, lengths, state_dir, lease_s
+        self.source_kwargs = source_kwargs
         self.k = spec.world_size // nodes
         self.metrics = CoordinatorMetrics(spec.world_size, spec.cost_model())
         self.coordinator_dir = None if state_dir is None else state_dir / "coordinator"
@@ -55,7 +58,8 @@ class NodeJob:
 
     def _agent(self, g: int, port: int) -> NodeAgent:
         spec = self.spec
-        sources = {r: SyntheticSource(self.lengths, r, spec.world_size, spec.seed, 0, spec.shuffle)
+        sources = {r: SyntheticSource(self.lengths, r, spec.world_size, spec.seed, 0, spec.shuffle,
+                                      **self.source_kwargs)
                    for r in range(g * self.k, (g + 1) * self.k)}
         agent = NodeAgent(spec, f"{HOST}:{self.port}", f"node-{g}", sources, HOST, port,
                           state_dir=None if self.state_dir is None else self.state_dir / f"node-{g}",

@@ -40,6 +40,7 @@ from ._sources import (
     loss_tokens_of,
     missing_source_members,
     payload_nbytes,
+    synthetic_image_payload,
     synthetic_payload,
 )
 from ._stage import Example, Stage, StageContext, resolve_stage
@@ -48,7 +49,7 @@ from ._tokenizer import SPECIAL_TOKENS, TokenizerRef, demo_tokenizer, train_toke
 from ._vision import LlavaVision, Qwen2VLVision, smart_resize
 
 __all__ = sorted([
-    "IngestSource", "Payload", "SharedRay", "Source", "SyntheticSource", "loss_tokens_of", "share_ray", "synthetic_payload",
+    "IngestSource", "Payload", "SharedRay", "Source", "SyntheticSource", "loss_tokens_of", "share_ray", "synthetic_image_payload", "synthetic_payload",
     "NO_REASONS", "SOURCE_MEMBERS", "missing_source_members", "payload_nbytes",
     "EXHAUSTED", "demo_bad_ids", "demo_record", "QWEN2VL_IMAGE", "SPECIAL_TOKENS", "TEMPLATES",
     "ChatTemplate", "DemoDataset", "EmptyDatasetError", "Example", "LlavaVision", "PreprocessPool", "PreprocessWorker", "Preprocessor",

@@ -79,6 +79,7 @@ class SampleMeta:
     loss_tokens: int
     text_tokens: int
     vision_tokens: int
+    images: tuple[tuple[int, int], ...] = ()  # per image: (encoder patches, tokens in the sequence)
 
     def modality_tokens(self) -> tuple[tuple[str, int], ...]:
         return (("text", self.text_tokens), ("vision", self.vision_tokens))
@@ -148,4 +149,12 @@ def finalize(ex: Example) -> tuple[SampleMeta, dict[str, np.ndarray]]:
             raise Reject("stage_error", f"extra payload key {key!r} clashes with a built-in key")
         payload[key] = np.asarray(value)
     vision = int(sum(ex.image_tokens))
-    return SampleMeta(n, loss, n - vision, vision), payload
+    images = tuple((_patches(t, n_tok), int(n_tok)) for t, n_tok in zip(ex.image_tensors, ex.image_tokens))
+    return SampleMeta(n, loss, n - vision, vision, images), payload
+
+
+def _patches(tensors: dict[str, np.ndarray], tokens: int) -> int:
+    """An image's vision-encoder patches: t x h x w of its Qwen2-VL grid; without a grid (LLaVA: one patch
+    per visual token, no merge) its token count."""
+    grid = tensors.get("image_grid_thw")
+    return int(np.prod(grid)) if grid is not None else int(tokens)

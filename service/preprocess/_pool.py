@@ -72,7 +72,8 @@ class PreprocessWorker:
     def process(self, ids: Sequence[int], epoch: int, seed: int) -> list[Any]:
         """[metadata per sample, payload per sample...].
 
-        metadata = (length, loss, text, vision, reason, nbytes): nbytes = `payload_nbytes(payload)`.
+        metadata = (length, loss, text, vision, reason, nbytes, images): nbytes = `payload_nbytes(payload)`,
+        images = ((patches, tokens) per image).
         """
         t0, c0 = time.perf_counter(), time.process_time()
         metas, payloads = [], []
@@ -82,13 +83,13 @@ class PreprocessWorker:
                 meta, payload = self.pre(self.handle.record(i), i, epoch, self.handle.source(i),
                                          self.handle.files[k].base_dir, seed)
                 metas.append((meta.length, meta.loss_tokens, meta.text_tokens, meta.vision_tokens, None,
-                              payload_nbytes(payload)))
+                              payload_nbytes(payload), meta.images))
                 payloads.append(payload)
             except Reject as exc:
-                metas.append((0, 0, 0, 0, exc.reason, 0))
+                metas.append((0, 0, 0, 0, exc.reason, 0, ()))
                 payloads.append(None)
             except Exception as exc:
-                metas.append((0, 0, 0, 0, f"stage_error: {type(exc).__name__}: {exc}", 0))
+                metas.append((0, 0, 0, 0, f"stage_error: {type(exc).__name__}: {exc}", 0, ()))
                 payloads.append(None)
         self.processed += len(ids)
         self.busy_s += time.perf_counter() - t0

@@ -278,12 +278,12 @@ class RaySource:
                 self._suspects.append(seq)
             return
         for seq, meta, pref in zip(task.seqs, metas, task.payloads):
-            length, loss, text, vision, reason, nbytes = meta
+            length, loss, text, vision, reason, nbytes, images = meta
             if reason is not None:
                 self._quarantine(seq, reason)
                 continue
             e = self._entries[seq]
-            e.sample = Sample(e.id, length, loss, self.rank, (("text", text), ("vision", vision)), nbytes)
+            e.sample = Sample(e.id, length, loss, self.rank, (("text", text), ("vision", vision)), nbytes, images)
             e.payload = pref
             e.status = _READY
             if not self.ordered:

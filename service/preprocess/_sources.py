@@ -99,6 +99,39 @@ def synthetic_payload(sample_id: int, length: int, seed: int, vocab_size: int) -
     return {"input_ids": ids, "labels": labels}
 
 
+def synthetic_image_payload(sample_id: int, length: int, images: Sequence[tuple[int, int]], seed: int,
+                            vocab_size: int, patch_dim: int = 1176) -> Payload:
+    """`synthetic_payload` with images: image k's `tokens` placeholder tokens (id vocab_size - 1, which the
+    text never uses; labels -100) follow the first token, and its pixels are `patches` random float32 rows
+    of `patch_dim` (Qwen2-VL's layout: grid (1, 2, patches / 2), 4 patches per token).
+
+    Raises:
+        ValueError: an image whose patches are not 4 x tokens, or images with more tokens than `length` - 1.
+    """
+    vision = sum(t for _, t in images)
+    if vision > length - 1:
+        raise ValueError(f"sample {sample_id}: {vision} image tokens do not fit {length=} (one text token at least)")
+    payload = synthetic_payload(sample_id, length - vision, seed, vocab_size - 1) if vision else \
+        synthetic_payload(sample_id, length, seed, vocab_size - 1)
+    if not images:
+        return payload
+    rng = np.random.default_rng([seed, sample_id, 1])
+    ids, labels = [payload["input_ids"][:1]], [payload["labels"][:1]]
+    pixels, grids = [], []
+    for k, (patches, tokens) in enumerate(images):
+        if patches != 4 * tokens:
+            raise ValueError(f"sample {sample_id}: image {k} has {patches=} {tokens=}; synthetic images need "
+                             f"patches = 4 x tokens (a 2x2 merge)")
+        ids.append(np.full(tokens, vocab_size - 1, dtype=np.int32))
+        labels.append(np.full(tokens, -100, dtype=np.int32))
+        pixels.append(rng.standard_normal((patches, patch_dim), dtype=np.float32))
+        grids.append((1, 2, patches // 2))
+    ids.append(payload["input_ids"][1:])
+    labels.append(payload["labels"][1:])
+    return {"input_ids": np.concatenate(ids), "labels": np.concatenate(labels),
+            "pixel_values": np.concatenate(pixels), "image_grid_thw": np.asarray(grids, dtype=np.int64)}
+
+
 def payload_nbytes(payload: Mapping[str, Any]) -> int:
     """Bytes of a payload's arrays as they cross the network (`Sample.nbytes`): the sum of their `nbytes`.
 
@@ -130,9 +163,15 @@ class SyntheticSource:
     reasons: Mapping[str, int] = NO_REASONS
 
     def __init__(self, lengths: Sequence[int], rank: int, world_size: int, seed: int = 0, epoch: int = 0,
-                 shuffle: bool = True, vocab_size: int = 512, wrap: bool = False) -> None:
+                 shuffle: bool = True, vocab_size: int = 512, wrap: bool = False,
+                 images: Sequence[Sequence[tuple[int, int]]] | None = None, patch_dim: int = 1176) -> None:
+        """`images[i]`: sample i's images as (patches, tokens) (`synthetic_image_payload`); None: text only."""
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size=}")
+        if images is not None and len(images) != len(lengths):
+            raise ValueError(f"images must hold one entry per sample, got {len(images)=} for {len(lengths)=}")
+        self.images = [tuple(tuple(im) for im in row) for row in images] if images is not None else None
+        self.patch_dim = patch_dim
         self.lengths = list(lengths)
         self.rank, self.seed, self.vocab_size = rank, seed, vocab_size
         self.view = ViewSource(len(self.lengths), rank, world_size, seed, epoch, shuffle, wrap)
@@ -147,6 +186,9 @@ class SyntheticSource:
     def materialize(self, sample_id: int) -> Payload:
         if not 0 <= sample_id < len(self.lengths):
             raise KeyError(f"sample {sample_id} is not in this dataset of {len(self.lengths)} samples")
+        if self.images is not None:
+            return synthetic_image_payload(sample_id, self.lengths[sample_id], self.images[sample_id], self.seed,
+                                           self.vocab_size, self.patch_dim)
         return synthetic_payload(sample_id, self.lengths[sample_id], self.seed, self.vocab_size)
 
     def materialize_many(self, sample_ids: Sequence[int]) -> list[Payload]:
@@ -155,7 +197,9 @@ class SyntheticSource:
     def meta(self, sample_id: int, payload: Payload, home_rank: int | None = None) -> Sample:
         n = self.lengths[sample_id]
         home = self.rank if home_rank is None else home_rank
-        return Sample(sample_id, n, loss_tokens_of(payload["labels"]), home, nbytes=payload_nbytes(payload))
+        images = self.images[sample_id] if self.images is not None else ()
+        return Sample(sample_id, n, loss_tokens_of(payload["labels"]), home, nbytes=payload_nbytes(payload),
+                      images=images)
 
     def peek_id(self) -> int | None:
         return self.view.peek()
