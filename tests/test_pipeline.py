@@ -96,6 +96,9 @@ def test_every_id_exactly_once_or_quarantined(pool, demo, tmp_path):
         if mod["vision"]:
             vision_seen += 1
             assert payload["pixel_values"].shape[0] == 4 * mod["vision"]
+        # Per image (two-phase balancing): its grid's patches and its tokens, as the payload holds them.
+        grids = payload.get("image_grid_thw", np.zeros((0, 3), np.int64))
+        assert s.images == tuple((int(np.prod(g)), int(np.prod(g)) // 4) for g in grids)
     assert vision_seen > 10
 
 

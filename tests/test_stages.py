@@ -125,6 +125,7 @@ def test_qwen2vl_expansion_of_a_1024x768_image(tok):
     # length = text tokens (with vision start/end) + 999 visual tokens
     assert meta.length == len(ids) == text_only.length + 2 + 999
     assert meta.modality_tokens() == (("text", len(ids) - 999), ("vision", 999))
+    assert meta.images == ((54 * 74, 999),)  # per image: encoder patches, tokens (two-phase balancing)
     assert payload["image_grid_thw"].tolist() == [[1, 54, 74]]
     assert payload["pixel_values"].shape == (54 * 74, 3 * 2 * 14 * 14) and payload["pixel_values"].dtype == np.float32
 
@@ -138,6 +139,7 @@ def test_llava_fixed_576_tokens(tok):
     assert int((ids == tok.token_id("<image>")).sum()) == 2 * 576
     assert payload["pixel_values"].shape == (2, 3, 336, 336)
     assert meta.modality_tokens()[1] == ("vision", 1152)
+    assert meta.images == ((576, 576), (576, 576))  # LLaVA: one patch per visual token
     assert tok.hf.decode(ids[:5].tolist()).startswith("<|begin_of_text|><|start_header_id|>user")
 
 
