@@ -187,32 +187,47 @@ class TinyCausalLM(nn.Module):
         """Distinct parameters (a tied head counts once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, T, vocab] for input_ids [B, T].
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] for input_ids [B, T] (or for inputs_embeds [B, T, d_model]).
 
         Args:
-            input_ids: int64 [B, T].
+            input_ids: int64 [B, T]; exactly one of `input_ids` and `inputs_embeds` is given.
             attention_mask: [B, T], 1 real / 0 pad; None means all real.
             position_ids: [B, T]; None means 0..T-1 per row. Zeros after the first token start a new
                 sample (packed rows); pads should carry 0 and be masked by `attention_mask`.
             cu_seqlens: For one packed row (B = 1, no pads): the sample boundaries [0, n_1, ..., T]
                 (`collate_packed`'s). Attention then runs per sample (varlen), costing sum(n_i^2)
                 instead of the dense block-diagonal mask's T^2; the logits are the same.
+            inputs_embeds: [B, T, d_model] token embeddings used instead of ``embed(input_ids)`` (a
+                multimodal model writes image embeddings into them, `batchd._mllm.TinyMLLM`); the
+                blocks, masks and head are the same as for ids.
 
         Raises:
-            ValueError: on shape mismatches, out-of-range ids or positions.
+            ValueError: on shape mismatches, out-of-range ids or positions, or unless exactly one of
+                `input_ids` / `inputs_embeds` is given.
         """
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)=}")
-        b, t = input_ids.shape
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError(f"give exactly one of input_ids and inputs_embeds, got "
+                             f"{input_ids is None=} {inputs_embeds is None=}")
+        if inputs_embeds is not None:
+            if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != self.embed.embedding_dim:
+                raise ValueError(f"inputs_embeds must be [B, T, {self.embed.embedding_dim}], got "
+                                 f"{tuple(inputs_embeds.shape)=}")
+            shape, device = inputs_embeds.shape[:2], inputs_embeds.device
+        else:
+            if input_ids.ndim != 2:
+                raise ValueError(f"input_ids must be [B, T], got {tuple(input_ids.shape)=}")
+            shape, device = input_ids.shape, input_ids.device
+        b, t = shape
         if position_ids is None:
-            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+            position_ids = torch.arange(t, device=device).expand(b, t)
         if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
+            attention_mask = torch.ones(shape, dtype=torch.int64, device=device)
         for name, x in (("attention_mask", attention_mask), ("position_ids", position_ids)):
-            if x.shape != input_ids.shape:
-                raise ValueError(f"{name} must match input_ids {tuple(input_ids.shape)}, "
+            if x.shape != shape:
+                raise ValueError(f"{name} must match the tokens' [B, T] = {tuple(shape)}, "
                                  f"got {tuple(x.shape)=}")
         max_pos = int(position_ids.max())
         if (t > self.max_len and cu_seqlens is None) or max_pos >= self.max_len:  # packed rows: positions count
@@ -227,7 +242,7 @@ class TinyCausalLM(nn.Module):
                 raise ValueError("cu_seqlens describes a packed row without pads, but attention_mask has zeros")
             segments = list(zip(cu, cu[1:]))
         mask = None if segments is not None else attention_mask_4d(attention_mask, position_ids)
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         for block in self.blocks:
             x = block(x, mask, position_ids, segments)
         return self.head(self.norm(x))

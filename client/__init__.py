@@ -4,6 +4,9 @@
     for batch, info in BatchClient(address, rank, world_size):
         train_step(ddp_model, optimizer, batch, info)
 
+Two-phase (vision-balanced) MLLM steps: `exchange_image_embeddings` sends each rank's encoder output
+to the images' owners and returns its own images in LLM order.
+
 Trainer integrations: `BatchdTrainer` (transformers.Trainer; imported lazily) and, for Accelerate,
 `batchd_batches` / `batchd_loss` / `batchd_backward`. Imports `batchd.core` and `batchd.proto` only;
 nothing from the daemon.
@@ -16,6 +19,7 @@ from batchd.core import BatchdError, JobFailed, StepInfo
 from ._accelerate import batchd_backward, batchd_batches, batchd_loss, hf_model_inputs
 from ._client import BatchClient
 from ._collate import IGNORE_INDEX, collate_packed, collate_padded, idle_batch, loss_tokens, to_torch
+from ._exchange import exchange_image_embeddings
 from ._train import forward_logits, scaled_loss, scaled_loss_and_mean, token_loss_sum, train_step
 
 # Hugging Face Trainer integration: imported on first use, so batchd.client works without transformers.
@@ -30,7 +34,7 @@ def __getattr__(name: str):
 
 __all__ = sorted([
     "IGNORE_INDEX", "BatchClient", "BatchdError", "JobFailed", "StepInfo", "collate_packed", "collate_padded",
-    "forward_logits", "idle_batch", "loss_tokens", "scaled_loss", "scaled_loss_and_mean", "to_torch",
-    "token_loss_sum", "train_step",
+    "exchange_image_embeddings", "forward_logits", "idle_batch", "loss_tokens", "scaled_loss",
+    "scaled_loss_and_mean", "to_torch", "token_loss_sum", "train_step",
     "BatchdStream", "BatchdTrainer", "batchd_backward", "batchd_batches", "batchd_loss", "hf_model_inputs",
 ])
