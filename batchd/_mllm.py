@@ -158,6 +158,8 @@ class TinyMLLM(nn.Module):
         d_vision, n_vision_layers, n_vision_heads, patch_dim: The encoder's (`VisionEncoder`).
     """
 
+    takes_batch = True  # `batchd.client.forward_logits` passes the whole batch (pixels, the exchange)
+
     def __init__(self, image_token_id: int, vocab_size: int = 512, d_model: int = 128, n_layers: int = 2,
                  n_heads: int = 4, d_ff: int | None = None, max_len: int = 4096, tie_embeddings: bool = True,
                  d_vision: int = 64, n_vision_layers: int = 2, n_vision_heads: int = 2,

@@ -44,8 +44,8 @@ from batchd.client import (
     JobFailed,
     collate_padded,
     forward_logits,
-    idle_batch,
     scaled_loss_and_mean,
+    step_batch,
     token_loss_sum,
 )
 from batchd.core import epoch_permutation
@@ -59,14 +59,27 @@ from batchd.service.preprocess import (
     synthetic_payload,
 )
 
+from ._mllm import TinyMLLM
 from ._model import TinyCausalLM
 
 MODEL_DEFAULTS = {"vocab_size": 512, "d_model": 128, "n_layers": 2, "n_heads": 4}
 
 
-def build_model(model_cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> TinyCausalLM:
+def build_model(model_cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The demo's model: `TinyCausalLM`, or `TinyMLLM` (its encoder reads the batches' pixels) when
+    `model_cfg` names an ``image_token_id``."""
     torch.manual_seed(seed)
-    return TinyCausalLM(**{**MODEL_DEFAULTS, **model_cfg}).to(dtype)
+    cfg = {**MODEL_DEFAULTS, **model_cfg}
+    if cfg.get("image_token_id") is not None:
+        return TinyMLLM(**cfg).to(dtype)
+    cfg.pop("image_token_id", None)
+    return TinyCausalLM(**cfg).to(dtype)
+
+
+def _patches(batch: dict[str, Any]) -> int:
+    """Vision-encoder patches this rank ran this step (the encoder's load)."""
+    pixels = batch.get("pixel_values")
+    return int(pixels.shape[0]) if pixels is not None else 0
 
 
 def fixed_batches(lengths: list[int], rank: int, world_size: int, seed: int, batch_size: int) -> list[list[int]]:
@@ -99,6 +112,7 @@ def run(rank: int, world_size: int, master_port: int, out: str, mode: str = "bat
     ddp = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     result: dict[str, Any] = {"rank": rank, "mode": mode, "losses": [], "sample_ids": [], "idle": 0,
+                              "encoded_patches": [],
                               "real_tokens": 0, "padded_tokens": 0, "grads": [], "wait_s": 0.0, "longest": 0}
     t0 = time.perf_counter()
     try:
@@ -150,7 +164,7 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_ti
             ids = batch.pop("sample_ids").tolist()
             if info.is_idle:
                 result["idle"] += 1
-                batch = idle_batch()
+                batch = step_batch(batch, info)
             else:
                 mask = batch.get("attention_mask")
                 result["real_tokens"] += int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
@@ -169,6 +183,7 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_ti
                                                   if p.grad is not None]).tolist())
             opt.step()
             result["sample_ids"].append(ids)
+            result["encoded_patches"].append(_patches(batch))
             _log_global_loss(logits, batch["labels"], result)
     except JobFailed:
         raise
@@ -244,6 +259,7 @@ def _run_fixed(rank, world_size, lengths, batch_size, seed, model_cfg, ddp, opt,
         (s / max(n, 1)).backward()
         opt.step()
         result["sample_ids"].append(ids)
+        result["encoded_patches"].append(_patches(batch))
         _log_global_loss(logits, batch["labels"], result)
 
 
@@ -280,6 +296,7 @@ def _run_fixed_source(source, batch_size, ddp, opt, result) -> None:
         (s / max(n, 1) if n else logits.sum() * 0.0).backward()
         opt.step()
         result["sample_ids"].append(ids)
+        result["encoded_patches"].append(_patches(batch))
         _log_global_loss(logits, batch["labels"], result)
 
 

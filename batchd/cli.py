@@ -294,7 +294,7 @@ def _demo(args: argparse.Namespace) -> int:
     summary = run_demo(args.world_size, args.num_samples, args.token_budget, args.policy, args.window, args.depth,
                        args.seed, baseline=not args.no_baseline, progress=progress, synthetic=args.synthetic,
                        dataset=args.dataset, num_actors=args.num_actors, ray_address=args.ray_address,
-                       tokenizer=args.tokenizer, step_time=args.step_time)
+                       tokenizer=args.tokenizer, step_time=args.step_time, phases=args.phases)
     pre = summary.get("preprocess")
     ok = pre is None or pre["accounting_ok"]
     if not ok:
@@ -306,6 +306,9 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"samples             {summary['emitted']} emitted, {summary['missing']} missing, "
           f"{summary['duplicates']} duplicated")
     print(f"padding efficiency  {summary['padding_efficiency']:.3f}")
+    if summary.get("vision_imbalance") is not None:
+        print(f"vision encoder      {summary['phases']}-phase: slowest rank / mean, in encoder patches: "
+              f"{summary['vision_imbalance']:.3f} (mean over steps with images)")
     print(f"loss                {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
     print(f"epoch wall time     {summary['wall_s']:.2f}s")
     if pre is not None:
@@ -316,7 +319,8 @@ def _demo(args: argparse.Namespace) -> int:
     if "baseline" in summary:
         b = summary["baseline"]
         print(f"fixed batching      {b['wall_s']:.2f}s, {b['steps']} steps of {b['batch_size']}, padding "
-              f"efficiency {b['padding_efficiency']:.3f}")
+              f"efficiency {b['padding_efficiency']:.3f}" + (f", vision encoder {b['vision_imbalance']:.3f}"
+                                                             if b.get("vision_imbalance") is not None else ""))
         print(f"speedup             {summary['speedup']:.2f}x")
     return 0 if ok else 1
 
@@ -402,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-baseline", action="store_true", help="skip the fixed-batching comparison run")
     p.add_argument("--step-time", type=float, default=0.0, metavar="S",
                    help="batchd trainers sleep S seconds per step (a real model's step time; default 0)")
+    p.add_argument("--phases", type=int, choices=(1, 2), default=None,
+                   help="2: balance the vision encoder too (OrchMLLM two-phase; one all-to-all of image "
+                   "embeddings per step); default 2 for the image data under policy balanced, else 1")
     data = p.add_mutually_exclusive_group()
     data.add_argument("--dataset", default=None, metavar="PATH",
                       help="your records (Parquet/JSONL/Arrow IPC) instead of the generated demo dataset")

@@ -79,6 +79,9 @@ from batchd.service.preprocess import (
 DEMO_BUDGET = 1024
 
 
+IMAGE_TOKEN = "<|image_pad|>"  # the Qwen2-VL visual token of the demo chain: where TinyMLLM writes images
+
+
 def demo_lengths(num_samples: int, seed: int = 7, longest: int = 512) -> list[int]:
     """A long-tail length mix like ODB's synthetic benchmark (72% short, 22% medium, 6% long), scaled
     so the longest sample is `longest` tokens."""
@@ -132,7 +135,7 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
              window: int = 128, depth: int = 4, seed: int = 0, baseline: bool = True, progress=None,
              timeout: float = 900.0, keep_dir: bool = False, synthetic: bool = False, dataset: str | None = None,
              num_actors: int = 2, ray_address: str | None = None, tokenizer: str | None = None,
-             step_time: float = 0.0) -> dict[str, Any]:
+             step_time: float = 0.0, phases: int | None = None) -> dict[str, Any]:
     """Runs the demo; returns the summary dict `batchd demo --json` prints. `step_time`: seconds each batchd
     trainer sleeps per step (a real model's step time; the job must not mind).
 
@@ -140,7 +143,15 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
     actors in all (the same number per rank, at least one each), `ray_address` (None: start a local Ray
     here, which the node agent joins), `tokenizer` (None: the demo tokenizer). `synthetic=True`:
     synthetic samples, no Ray.
+
+    `phases` (None: 2 for the image data of the Ray path under policy balanced, else 1): with 2 the
+    coordinator also balances the vision encoder every step (`batchd.core.plan_vision`) and the trainers'
+    `TinyMLLM` exchanges the image embeddings with one all-to-all per step. Two-phase is the default for
+    image data because its cost is one collective of a few embedding rows while an unbalanced encoder
+    phase makes every rank wait for the one that holds most images (`vision_imbalance` in the summary).
     """
+    if phases is None:
+        phases = 2 if not synthetic and policy == "balanced" else 1
     say = progress or (lambda msg: None)
     main_thread = threading.current_thread() is threading.main_thread()
     signals = _Signals()
@@ -155,13 +166,16 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
     try:
         say(f"logs and temporary files in {work}")
         spec = spec_argv(JobSpec(world_size=world_size, token_budget=token_budget, policy=policy, window=window,
-                                 depth=depth, seed=seed))
+                                 depth=depth, seed=seed, phases=phases))
         if synthetic:
-            return _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline,
-                                  say, timeout, t_start, step_time)
-        ray_started = ray_address is None
-        return _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say,
-                        timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time)
+            summary = _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed,
+                                     baseline, say, timeout, t_start, step_time)
+        else:
+            ray_started = ray_address is None
+            summary = _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say,
+                               timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time)
+        summary["phases"] = phases
+        return summary
     except BaseException:
         if signals.received is not None:  # whatever the signal broke on its way (a child's exit, a wait)
             raise signals.interrupt() from None
@@ -205,7 +219,7 @@ def _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, pol
 def _add_baseline(summary: dict[str, Any], b: dict[str, Any], bs: int) -> None:
     summary["baseline"] = {"wall_s": b["wall_s"], "steps": b["steps_per_rank"][0], "batch_size": bs,
                            "padding_efficiency": b["padding_efficiency"], "loss_last": b["loss_last"],
-                           "stall_fraction": b["stall_fraction"]}
+                           "stall_fraction": b["stall_fraction"], "vision_imbalance": b["vision_imbalance"]}
     summary["speedup"] = b["wall_s"] / summary["wall_s"]
 
 
@@ -233,7 +247,8 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
     else:
         records = len(RecordDataset(dataset))  # validates the schema here, before any process starts
     tok = Path(tokenizer) if tokenizer else demo_tokenizer()
-    model_cfg = {"vocab_size": _vocab_size(tok)}  # a missing or bad tokenizer fails here, before any process
+    # A missing or bad tokenizer fails here, before any process. The model reads the images (TinyMLLM).
+    model_cfg = {"vocab_size": _vocab_size(tok), "image_token_id": TokenizerRef(tok).token_id(IMAGE_TOKEN)}
     per_rank = actors_per_rank(num_actors, world_size)
     if ray_address is None:  # one Ray for the whole demo: the node agent joins it (--ray-address)
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -351,4 +366,19 @@ def summarize(lengths: list[int], results: list[dict[str, Any]], check_coverage:
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
         "stall_fraction": max(stalls),
         "stall_fraction_per_rank": stalls,
+        "vision_imbalance": vision_imbalance(results),
     }
+
+
+def vision_imbalance(results: list[dict[str, Any]]) -> float | None:
+    """The mean over steps with images of (max / mean) of the encoder patches the ranks ran (1.0: every
+    rank encoded alike); None when no step had an image or a trainer did not record them."""
+    per_rank = [r.get("encoded_patches") for r in results]
+    if not all(per_rank) or len({len(p) for p in per_rank}) != 1:
+        return None
+    ratios = []
+    for step in zip(*per_rank):
+        total = sum(step)
+        if total:
+            ratios.append(max(step) / (total / len(step)))
+    return sum(ratios) / len(ratios) if ratios else None

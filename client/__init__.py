@@ -20,7 +20,7 @@ from ._accelerate import batchd_backward, batchd_batches, batchd_loss, hf_model_
 from ._client import BatchClient
 from ._collate import IGNORE_INDEX, collate_packed, collate_padded, idle_batch, loss_tokens, to_torch
 from ._exchange import exchange_image_embeddings
-from ._train import forward_logits, scaled_loss, scaled_loss_and_mean, token_loss_sum, train_step
+from ._train import forward_logits, scaled_loss, scaled_loss_and_mean, step_batch, token_loss_sum, train_step
 
 # Hugging Face Trainer integration: imported on first use, so batchd.client works without transformers.
 _LAZY = {"BatchdStream": "._hf", "BatchdTrainer": "._hf"}
@@ -35,6 +35,6 @@ def __getattr__(name: str):
 __all__ = sorted([
     "IGNORE_INDEX", "BatchClient", "BatchdError", "JobFailed", "StepInfo", "collate_packed", "collate_padded",
     "exchange_image_embeddings", "forward_logits", "idle_batch", "loss_tokens", "scaled_loss",
-    "scaled_loss_and_mean", "to_torch", "token_loss_sum", "train_step",
+    "scaled_loss_and_mean", "step_batch", "to_torch", "token_loss_sum", "train_step",
     "BatchdStream", "BatchdTrainer", "batchd_backward", "batchd_batches", "batchd_loss", "hf_model_inputs",
 ])

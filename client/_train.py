@@ -104,8 +104,32 @@ def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]
             for k, v in batch.items()}
 
 
+def step_batch(batch: Mapping[str, Any] | None, info: Any) -> Mapping[str, Any]:
+    """The batch a rank trains on this step: its own; on an IDLE step a 1-token dummy (`idle_batch`), unless
+    the batch carries a two-phase exchange (``vision_send_splits``): an IDLE rank may still encode other
+    ranks' images, and every rank must join the step's all-to-all, so it keeps that batch (its text part
+    is already the dummy).
+
+    Raises:
+        ValueError: a non-IDLE step without a batch.
+    """
+    if batch is not None and batch.get("vision_send_splits") is not None:
+        return batch
+    if info.is_idle:
+        return idle_batch()
+    if batch is None:
+        raise ValueError(f"a non-IDLE step needs a batch, got batch=None for step {info.step} "
+                         f"on rank {info.rank}")
+    return batch
+
+
 def forward_logits(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
-    """`model`'s logits for a collated batch: `cu_seqlens` goes along for a packed row (varlen attention)."""
+    """`model`'s logits for a collated batch: `cu_seqlens` goes along for a packed row (varlen attention).
+
+    A model (or the module a DDP wrapper holds) whose ``takes_batch`` attribute is true, a multimodal model
+    such as `batchd.TinyMLLM`, is called with the whole batch: pixels, grids and the two-phase exchange."""
+    if getattr(getattr(model, "module", model), "takes_batch", False):
+        return model(batch)
     if batch.get("cu_seqlens") is not None:  # a packed row: varlen attention
         return model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
                      position_ids=batch.get("position_ids"), cu_seqlens=batch["cu_seqlens"])
@@ -133,12 +157,7 @@ def train_step(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     """
     scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
     _check_scale(scale, tokens)
-    if info.is_idle:
-        batch = idle_batch()
-    elif batch is None:
-        raise ValueError(f"a non-IDLE step needs a batch, got batch=None for step {info.step} "
-                         f"on rank {info.rank}")
-    batch = _to_device(batch, next(ddp_model.parameters()).device)
+    batch = _to_device(step_batch(batch, info), next(ddp_model.parameters()).device)
     optimizer.zero_grad(set_to_none=True)
     logits = forward_logits(ddp_model, batch)
     loss, mean = scaled_loss_and_mean(logits, batch["labels"], scale, tokens)

@@ -52,6 +52,9 @@ def test_demo_runs_through_the_ray_pipeline():
 
     b = s["baseline"]
     assert b["steps"] > 0 and b["batch_size"] >= 1 and s["speedup"] > 0, b
+    # Image data, policy balanced: two-phase by default; the trainers' TinyMLLM encoded images, exchanged.
+    assert s["phases"] == 2 and s["vision_imbalance"] is not None and s["vision_imbalance"] >= 1.0, s
+    assert b["vision_imbalance"] is not None, b
 
     deadline = time.monotonic() + 15  # Ray's processes are killed by ray.shutdown(); allow them to exit
     left = processes_with_marker(marker)
