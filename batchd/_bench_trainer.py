@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from batchd._mllm import TinyMLLM
 from batchd._model import TinyCausalLM
 from batchd.client import (
     BatchClient,
@@ -57,8 +58,8 @@ from batchd.client import (
     scaled_loss_and_mean,
     token_loss_sum,
 )
-from batchd.core import ViewSource
-from batchd.service.preprocess import synthetic_payload
+from batchd.core import VISION_KEYS, ViewSource
+from batchd.service.preprocess import SYNTHETIC_PATCH_DIM, synthetic_image_payload, synthetic_payload
 
 # Model presets. `llama-100m`: 12 layers, d_model 768, 12 heads, SwiGLU 2048, vocab 32000 (tied head):
 # 24.6M embedding + 12 x 7.1M = 109.5M parameters, a Llama-style decoder for the GPU run.
@@ -69,13 +70,16 @@ MODELS: dict[str, dict[str, Any]] = {
 SYNTHETIC_VOCAB = 512  # token ids of the synthetic samples (SyntheticSource's default vocabulary)
 
 
-def build_model(name: str, seed: int, max_len: int) -> TinyCausalLM:
-    """The preset `name`, randomly initialised from `seed` (identical on every rank)."""
+def build_model(name: str, seed: int, max_len: int, images: bool = False) -> torch.nn.Module:
+    """The preset `name`, randomly initialised from `seed` (identical on every rank); with `images`, the
+    same LM behind `TinyMLLM`'s vision encoder (its image token: the synthetic vocabulary's last id)."""
     if name not in MODELS:
         raise ValueError(f"unknown model, expected one of {sorted(MODELS)}, got {name=}")
     cfg = dict(MODELS[name])
     cfg["max_len"] = max(cfg["max_len"], max_len)
     torch.manual_seed(seed)
+    if images:
+        return TinyMLLM(SYNTHETIC_VOCAB - 1, patch_dim=SYNTHETIC_PATCH_DIM, **cfg)
     return TinyCausalLM(**cfg)
 
 
@@ -91,24 +95,33 @@ def fixed_batches(num_samples: int, rank: int, world_size: int, seed: int, batch
     return [view[i:i + batch_size] for i in range(0, len(view), batch_size)]
 
 
-def payload(sample_id: int, lengths: list[int], seed: int) -> dict[str, np.ndarray]:
-    """The sample batchd's SyntheticSource serves for `sample_id` (same tokens, labels, length)."""
+def payload(sample_id: int, lengths: list[int], seed: int,
+            images: list[list[list[int]]] | None = None) -> dict[str, np.ndarray]:
+    """The sample batchd's SyntheticSource serves for `sample_id` (same tokens, labels, length; with
+    `images`, the same synthetic pixels)."""
+    if images is not None:
+        return synthetic_image_payload(sample_id, lengths[sample_id], [tuple(im) for im in images[sample_id]],
+                                       seed, SYNTHETIC_VOCAB)
     return synthetic_payload(sample_id, lengths[sample_id], seed, SYNTHETIC_VOCAB)
 
 
 class SyntheticDataset(torch.utils.data.Dataset):
     """Map-style dataset of the synthetic samples, one torch dict per id (what ODB's workers load)."""
 
-    def __init__(self, lengths: list[int], seed: int) -> None:
-        self.lengths, self.seed = list(lengths), seed
+    def __init__(self, lengths: list[int], seed: int, images: list | None = None) -> None:
+        self.lengths, self.seed, self.images = list(lengths), seed, images
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        p = payload(int(i), self.lengths, self.seed)
-        return {"input_ids": torch.from_numpy(p["input_ids"].astype(np.int64)),
-                "labels": torch.from_numpy(p["labels"].astype(np.int64)), "sample_id": int(i)}
+        p = payload(int(i), self.lengths, self.seed, self.images)
+        out = {"input_ids": torch.from_numpy(p["input_ids"].astype(np.int64)),
+               "labels": torch.from_numpy(p["labels"].astype(np.int64)), "sample_id": int(i)}
+        for key in VISION_KEYS:
+            if key in p:
+                out[key] = torch.from_numpy(p[key])
+        return out
 
 
 ODB_PASS_KEYS = ("total_batch_size", "odb_total_tokens")  # set per sample by ODB's grouping
@@ -116,7 +129,7 @@ ODB_PASS_KEYS = ("total_batch_size", "odb_total_tokens")  # set per sample by OD
 
 def odb_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """The user collate handed to ODB: `collate_padded` (batchd's padded layout) + ids + ODB's metadata."""
-    out: dict[str, Any] = collate_padded([{"input_ids": s["input_ids"].numpy(), "labels": s["labels"].numpy()}
+    out: dict[str, Any] = collate_padded([{k: s[k].numpy() for k in ("input_ids", "labels", *VISION_KEYS) if k in s}
                                           for s in samples])
     out["sample_ids"] = torch.tensor([s["sample_id"] for s in samples], dtype=torch.int64)
     for key in ODB_PASS_KEYS:
@@ -144,8 +157,10 @@ class _Recorder:
             real = int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
             with torch.no_grad():
                 s, n = token_loss_sum(logits.detach(), batch["labels"])
-            rec = {"ids": ids, "real": real, "materialized": int(batch["input_ids"].numel()),
+            rec = {"ids": ids, "real": real if ids else 0, "materialized": int(batch["input_ids"].numel()),
                    "loss_sum": float(s), "loss_tokens": int(n)}
+            pixels = batch.get("pixel_values")
+            rec["patches"] = int(pixels.shape[0]) if pixels is not None else 0  # the encoder's load
         rec["t"] = time.monotonic() - t0
         rec["wait_s"] = wait_s
         self.steps.append(rec)
@@ -186,7 +201,7 @@ def _iter_fixed(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
     for k, ids in enumerate(views[cfg["rank"]]):
         # every rank knows every view: the step's real tokens over all ranks, without a collective
         holder["global_tokens"] = sum(lengths[i] for view in views if k < len(view) for i in view[k])
-        batch = collate_padded([payload(i, lengths, seed) for i in ids])
+        batch = collate_padded([payload(i, lengths, seed, cfg.get("images")) for i in ids])
         yield ids, batch, None, 0
 
 
@@ -213,7 +228,7 @@ def _iter_odb(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
         workers = cfg["odb_workers"]  # gloo group by iteration, a fresh loader would reuse the first name
         sampler = ViewSampler(cfg["num_samples"], cfg["rank"], cfg["world_size"], cfg["seed"])
         loader = torch.utils.data.DataLoader(
-            SyntheticDataset(cfg["lengths"], cfg["seed"]), batch_size=1, sampler=sampler, num_workers=workers,
+            SyntheticDataset(cfg["lengths"], cfg["seed"], cfg.get("images")), batch_size=1, sampler=sampler, num_workers=workers,
             prefetch_factor=max(1, math.ceil(cfg["window"] / workers)), collate_fn=odb_collate)
         odb.apply(loader, token_budget=cfg["token_budget"], loss_scaling="exact", join=True,
                   buffer_size=cfg["window"])
@@ -245,8 +260,10 @@ def _iter_batchd(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
     for batch, info in it:
         ids = batch.pop("sample_ids").tolist()
         holder["global_tokens"] = int(info.global_tokens)
-        if info.is_idle:
+        if info.is_idle and batch.get("vision_send_splits") is None:
             yield [], None, 0.0, 0
+        elif info.is_idle:  # two-phase: an IDLE rank may still encode images, and joins the exchange
+            yield [], batch, 0.0, 0
         else:
             yield ids, batch, float(info.loss_scale), int(info.local_loss_tokens)
 
@@ -263,7 +280,7 @@ def evaluate(model: torch.nn.Module, cfg: dict[str, Any], device: torch.device) 
     with torch.no_grad():
         def flush(g):
             nonlocal total, count
-            batch = _device_batch(collate_padded([payload(i, lengths, seed) for i in g]), device)
+            batch = _device_batch(collate_padded([payload(i, lengths, seed, cfg.get("images")) for i in g]), device)
             s, n = token_loss_sum(forward_logits(model, batch).float(), batch["labels"])
             total += float(s)
             count += n
@@ -289,7 +306,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     t_proc = time.monotonic()
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{cfg['master_port']}",
                             rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.get("gloo_timeout_s", 600)))
-    model = build_model(cfg["model"], cfg["seed"], max(cfg["all_lengths"]) + 1).to(device)
+    model = build_model(cfg["model"], cfg["seed"], max(cfg["all_lengths"]) + 1, bool(cfg.get("images"))).to(device)
     if cuda:
         model = model.to(torch.bfloat16)
     ddp = DDP(model, device_ids=[device.index] if cuda else None)

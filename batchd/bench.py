@@ -51,15 +51,19 @@ from pathlib import Path
 from typing import Any
 
 from batchd._config import add_job_flags
-from batchd._lengths import read_lengths
-from batchd.core import JobSpec, check_int
+from batchd._lengths import read_workload
+from batchd.core import JobSpec, Sample, check_int
 from batchd.launch import Processes, spec_argv, start_services, start_trainers, wait_trainers
 
-SYSTEMS = ("fixed", "odb-0.1.2", "batchd-odb", "batchd-balanced", "batchd-packed")
-# batchd systems: (policy, collate = cost model). `batchd-packed` groups under the packed cost model (a
-# group's cost is its token sum) and collates one packed row per step, trained with varlen attention.
-BATCHD_SYSTEMS = {"batchd-odb": ("odb", "padded"), "batchd-balanced": ("balanced", "padded"),
-                  "batchd-packed": ("balanced", "packed")}
+SYSTEMS = ("fixed", "odb-0.1.2", "batchd-odb", "batchd-balanced", "batchd-packed", "batchd-2phase")
+# The default systems of a multimodal workload (a .csv with images): the two-phase comparison.
+MM_SYSTEMS = ("fixed", "odb-0.1.2", "batchd-balanced", "batchd-2phase")
+# batchd systems: (policy, collate = cost model, phases). `batchd-packed` groups under the packed cost model
+# (a group's cost is its token sum) and collates one packed row per step, trained with varlen attention.
+# `batchd-2phase` is `batchd-balanced` with the vision encoder balanced too (OrchMLLM two-phase: each rank
+# encodes the images the plan gives it, one all-to-all returns the embeddings to their samples' ranks).
+BATCHD_SYSTEMS = {"batchd-odb": ("odb", "padded", 1), "batchd-balanced": ("balanced", "padded", 1),
+                  "batchd-packed": ("balanced", "packed", 1), "batchd-2phase": ("balanced", "padded", 2)}
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD_DIRS = (REPO / "shared" / "workloads", REPO.parent / "shared" / "workloads")
 DEFAULTS = {  # per device: world size, model, workload file name, token budget, samples
@@ -110,9 +114,10 @@ def run_system(system: str, work: Path, common: dict[str, Any], job: JobSpec, ti
     try:
         per_rank: list[dict[str, Any]] = [{} for _ in range(world_size)]
         if system.startswith("batchd-"):
-            policy, layout = BATCHD_SYSTEMS[system]
-            args = spec_argv(job.replace(policy=policy, collate=layout, cost=layout))
-            _, ports = start_services(procs, sys_dir, args, world_size, work / "lengths.txt")
+            policy, layout, phases = BATCHD_SYSTEMS[system]
+            args = spec_argv(job.replace(policy=policy, collate=layout, cost=layout, phases=phases))
+            workload = work / ("workload.csv" if common.get("images") else "lengths.txt")
+            _, ports = start_services(procs, sys_dir, args, world_size, workload)
             per_rank = [{"service": f"127.0.0.1:{p}"} for p in ports]
         _, outs = start_trainers(procs, sys_dir, "trainer", world_size, {**common, "system": system}, per_rank,
                                  module="batchd._bench_trainer")
@@ -178,10 +183,22 @@ def summarize(system: str, results: list[dict[str, Any]], num_samples: int, epoc
         "startup_s": max(r["startup_s"] for r in results),
         "trainer_cpu_s": max(r.get("cpu_s", 0.0) for r in results),
         "rank_imbalance": sum(mats) / sum(mean_mat) if sum(mean_mat) else 1.0,
+        "vision_imbalance": _vision_imbalance(results, n_steps),
+        "encoder_patches": sum(s.get("patches", 0) for r in results for s in r["steps"]),
         "params": results[0].get("params"),
         "loss_curve": curve,
         "step_times": times,
     }
+
+
+def _vision_imbalance(results: list[dict[str, Any]], n_steps: int) -> float | None:
+    """Mean over steps with images of max / mean of the encoder patches the ranks ran (1.0: balanced)."""
+    ratios = []
+    for k in range(n_steps):
+        loads = [r["steps"][k].get("patches", 0) if k < len(r["steps"]) else 0 for r in results]
+        if sum(loads):
+            ratios.append(max(loads) / (sum(loads) / len(loads)))
+    return sum(ratios) / len(ratios) if ratios else None
 
 
 # -- plots -----------------------------------------------------------------------------------------
@@ -248,7 +265,7 @@ LR_SCALING = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}
 
 # -- the bench -------------------------------------------------------------------------------------
 def run_bench(workload: str | Path | None = None, num_samples: int | None = None, world_size: int | None = None,
-              token_budget: int | None = None, systems: Sequence[str] = SYSTEMS, device: str = "cpu",
+              token_budget: int | None = None, systems: Sequence[str] | None = None, device: str = "cpu",
               model: str | None = None, out: str | Path | None = None, seed: int = 0, window: int = 128,
               depth: int = 8, heldout: int = 64, odb_workers: int = 2, lr: float = 1e-3, timeout: float = 1800.0,
               repeats: int = 1, lr_scaling: str = "sqrt", plots: bool = True, progress: Callable[[str], None] | None = None,
@@ -261,7 +278,8 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         num_samples: Train on the first `num_samples` lengths (None: the device default).
         world_size: Trainer processes (None: 2 on CPU, 1 on CUDA).
         token_budget: L_max per rank step (None: 8192 on CPU, 16384 on CUDA).
-        systems: Names from `SYSTEMS`, run in this order.
+        systems: Names from `SYSTEMS`, run in this order (None: all but `batchd-2phase`; for a multimodal
+            workload `MM_SYSTEMS`).
         device: "cpu" (gloo) or "cuda" (NCCL, bf16).
         model: "tiny" or "llama-100m" (None: tiny on CPU, llama-100m on CUDA).
         out: Directory for bench.json and the PNG plots (None: no files).
@@ -295,7 +313,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     model = d["model"] if model is None else model
     token_budget = d["token_budget"] if token_budget is None else token_budget
     num_samples = d["num_samples"] if num_samples is None else num_samples
-    systems = list(systems)
+    systems = None if systems is None else list(systems)
     from batchd._bench_trainer import MODELS
 
     # the job's fields are validated by JobSpec itself (the one set of rules every command uses)
@@ -306,7 +324,8 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         check_int(name, value, lo=lo)
     if model not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {model=}")
-    parse_systems(",".join(systems))
+    if systems is not None:
+        parse_systems(",".join(systems))
     if workload is None:
         found = default_workload(d["workload"])
         if found is None:
@@ -315,8 +334,14 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     workload = Path(workload)
     if not workload.is_file():
         raise ValueError(f"workload file not found: {workload=}")
-    all_lengths = read_lengths(workload)
-    if num_samples > len(all_lengths):
+    read = read_workload(workload)
+    all_images = None
+    if read and isinstance(read[0], Sample):  # a multimodal workload: synthetic images, the tiny MLLM
+        all_lengths, all_images = [s.length for s in read], [[list(im) for im in s.images] for s in read]
+    else:
+        all_lengths = read
+    if systems is None:
+        systems = list(MM_SYSTEMS if all_images else (s for s in SYSTEMS if s != "batchd-2phase"))
         raise ValueError(f"{workload} holds {len(all_lengths)} lengths, fewer than {num_samples=}")
     if num_samples < world_size:
         raise ValueError(f"num_samples must be >= world_size, got {num_samples=} {world_size=}")
@@ -341,9 +366,14 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
               "lr_ref_tokens": lr_ref_tokens, "lr_power": LR_SCALING[lr_scaling],
               "model": model, "device": device, "token_budget": token_budget, "batch_size": batch_size,
               "window": window, "odb_workers": odb_workers, "epochs": epochs, "step_time": step_time,
-              "heldout_ids": list(range(num_samples, num_samples + heldout))}
+              "heldout_ids": list(range(num_samples, num_samples + heldout)),
+              "images": all_images[:num_samples + heldout] if all_images else None}
     work = Path(tempfile.mkdtemp(prefix="batchd-bench-"))
     (work / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
+    if all_images:  # the rank services serve the same synthetic images (`batchd rank --lengths FILE.csv`)
+        (work / "workload.csv").write_text("text_tokens,image_patches,image_tokens\n" + "".join(
+            f"{n - sum(t for _, t in ims)},{' '.join(str(p) for p, _ in ims)},{' '.join(str(t) for _, t in ims)}\n"
+            for n, ims in zip(lengths, all_images)))
     results: dict[str, dict[str, Any]] = {}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     t_all = time.perf_counter()
@@ -358,8 +388,9 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
                 results[system] = {"skipped": why}
                 continue
             what = {"fixed": f"fixed batch size B={batch_size}", "odb-0.1.2": f"odb.apply, buffer_size={window}, "
-                    f"{odb_workers} workers/rank"}.get(system, "policy {}, {} rows, window {}, depth {}".format(
-                        *BATCHD_SYSTEMS.get(system, ("?", "?")), window, depth))
+                    f"{odb_workers} workers/rank"}.get(system, "policy {}, {} rows, {} phase(s), window {}, "
+                                                      "depth {}".format(*BATCHD_SYSTEMS.get(system, ("?", "?", "?")),
+                                                                        window, depth))
             say(f"[bench] {system}: training {num_samples} samples on {world_size} {device} rank(s) ({what})")
             t_sys = time.perf_counter()
             res = run_system(system, work, common, job, timeout, f"{system}-{rep}")
@@ -390,6 +421,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         "epochs": epochs,
         "longest": max(lengths),
         "mean_length": sum(lengths) / len(lengths), "layout": {name: BATCHD_SYSTEMS.get(name, ("", "padded"))[1] for name in systems},
+        "images": sum(len(ims) for ims in all_images[:num_samples]) if all_images else 0,
         "systems": results, "total_s": time.perf_counter() - t_all, "plots": [],
     }
     if out is not None:
@@ -434,14 +466,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                   shown={"world_size": "2 on cpu, 1 on cuda", "token_budget": "8192 on cpu, 16384 on cuda"})
     p.add_argument("--workload", metavar="FILE", default=None,
                    help="length file, one length per line (default: shared/workloads/odb-synthetic.txt on cpu, "
-                        "sharegpt4o-like.txt on cuda)")
+                        "sharegpt4o-like.txt on cuda), or a multimodal .csv (docs/workloads.md): synthetic "
+                        "images and the tiny MLLM (batchd.TinyMLLM)")
     p.add_argument("--num-samples", type=int, default=None, metavar="M",
                    help="train on the first M lengths (default: 1024 on cpu, 2048 on cuda)")
     p.add_argument("--heldout", type=int, default=64, metavar="H",
                    help="evaluate the model after every epoch on the H samples after the training set, clock "
                         "paused (default 64; 0: none)")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma-separated, run in this order (default: {','.join(SYSTEMS)})")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated, run in this order (default: {','.join(s for s in SYSTEMS if s != 'batchd-2phase')}; "
+                        f"for a multimodal .csv workload {','.join(MM_SYSTEMS)})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: gloo DDP; cuda: NCCL, bf16, one GPU per rank (default cpu)")
     p.add_argument("--model", choices=("tiny", "llama-100m"), default=None,
@@ -475,7 +509,8 @@ def bench_command(args: argparse.Namespace) -> int:
     """Runs `batchd bench` from parsed arguments; prints a table (or JSON); returns the exit status."""
     try:
         summary = run_bench(workload=args.workload, num_samples=args.num_samples, world_size=args.world_size,
-                            token_budget=args.token_budget, systems=parse_systems(args.systems),
+                            token_budget=args.token_budget,
+                            systems=parse_systems(args.systems) if args.systems else None,
                             device=args.device, model=args.model, out=args.out, seed=args.seed,
                             window=args.window, depth=args.depth, heldout=args.heldout,
                             odb_workers=args.odb_workers, lr=args.lr, timeout=args.timeout, repeats=args.repeats,

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from batchd._config import DROP, EXAMPLE, add_job_flags, load_config
-from batchd._lengths import read_lengths
+from batchd._lengths import read_lengths, read_workload
 from batchd._logging import setup_logging
 from batchd._progress import Progress
 from batchd.bench import add_bench_parser
@@ -217,7 +217,7 @@ def _service_kwargs(args: argparse.Namespace, cfg, base: int) -> dict:
     """What `run_rank` and `run_node` take alike; `base` is the rank whose ports the config gives."""
     d = cfg.data
     return dict(
-        lengths=read_lengths(d.lengths) if d.lengths else None, host=cfg.rank.host,
+        lengths=read_workload(d.lengths) if d.lengths else None, host=cfg.rank.host,
         port=args.port if args.port is not None else cfg.rank.port_of(base), port_file=args.port_file,
         state_dir=cfg.rank.state_dir, client_grace_s=cfg.rank.client_grace_s, dataset=d.dataset,
         tokenizer=cfg.pipeline.tokenizer, num_actors=d.num_actors, ray_address=d.ray_address,

@@ -31,7 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-from batchd.core import JobSpec, max_fitting_length
+from batchd.core import JobSpec, Sample, max_fitting_length
 from batchd.proto import Security
 
 from ._coord_client import CoordinatorClient
@@ -188,7 +188,8 @@ def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: st
     os.replace(tmp, p)
 
 
-def _make_source(spec: JobSpec, rank: int, lengths: list[int] | None, vocab_size: int, dataset: str | None,
+def _make_source(spec: JobSpec, rank: int, lengths: list[int] | list[Sample] | None, vocab_size: int,
+                 dataset: str | None,
                  tokenizer: str | None, num_actors: int, ray_address: str | None, quarantine: str | None,
                  cutoff: int | None, pipeline: dict | None) -> tuple[Source, SharedRay | None]:
     """Rank `rank`'s source (module docstring: a dataset through Ray, synthetic lengths, or Ingest pushes)
@@ -198,8 +199,12 @@ def _make_source(spec: JobSpec, rank: int, lengths: list[int] | None, vocab_size
                                pipeline)
     if lengths is None:
         return IngestSource(spec.window), None
+    images = None
+    if lengths and isinstance(lengths[0], Sample):  # a multimodal workload: synthetic images too
+        images = [s.images for s in lengths]
+        lengths = [s.length for s in lengths]
     return SyntheticSource(lengths, rank, spec.world_size, spec.seed, 0, spec.shuffle, vocab_size,
-                           wrap=spec.mode == "non-join"), None
+                           wrap=spec.mode == "non-join", images=images), None
 
 
 def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | None, host: str = "127.0.0.1",

@@ -33,6 +33,7 @@ from ._sources import (
     EXHAUSTED,
     NO_REASONS,
     SOURCE_MEMBERS,
+    SYNTHETIC_PATCH_DIM,
     IngestSource,
     Payload,
     Source,
@@ -50,7 +51,7 @@ from ._vision import LlavaVision, Qwen2VLVision, smart_resize
 
 __all__ = sorted([
     "IngestSource", "Payload", "SharedRay", "Source", "SyntheticSource", "loss_tokens_of", "share_ray", "synthetic_image_payload", "synthetic_payload",
-    "NO_REASONS", "SOURCE_MEMBERS", "missing_source_members", "payload_nbytes",
+    "NO_REASONS", "SOURCE_MEMBERS", "SYNTHETIC_PATCH_DIM", "missing_source_members", "payload_nbytes",
     "EXHAUSTED", "demo_bad_ids", "demo_record", "QWEN2VL_IMAGE", "SPECIAL_TOKENS", "TEMPLATES",
     "ChatTemplate", "DemoDataset", "EmptyDatasetError", "Example", "LlavaVision", "PreprocessPool", "PreprocessWorker", "Preprocessor",
     "Quarantine", "Qwen2VLVision", "RandomResizedCrop", "RaySource", "Record", "RecordDataset", "Reject",

@@ -99,11 +99,16 @@ def synthetic_payload(sample_id: int, length: int, seed: int, vocab_size: int) -
     return {"input_ids": ids, "labels": labels}
 
 
+SYNTHETIC_PATCH_DIM = 48  # floats per synthetic patch (a 4 x 4 RGB patch; Qwen2-VL's real ones hold 1,176)
+
+
 def synthetic_image_payload(sample_id: int, length: int, images: Sequence[tuple[int, int]], seed: int,
-                            vocab_size: int, patch_dim: int = 1176) -> Payload:
+                            vocab_size: int, patch_dim: int = SYNTHETIC_PATCH_DIM) -> Payload:
     """`synthetic_payload` with images: image k's `tokens` placeholder tokens (id vocab_size - 1, which the
     text never uses; labels -100) follow the first token, and its pixels are `patches` random float32 rows
-    of `patch_dim` (Qwen2-VL's layout: grid (1, 2, patches / 2), 4 patches per token).
+    of `patch_dim` (Qwen2-VL's layout: grid (1, 2, patches / 2), 4 patches per token). The default patch is
+    small (`SYNTHETIC_PATCH_DIM`): with a tiny encoder, real-size pixels would make the bench measure
+    payload bytes instead of the encoder's share of compute that a real ViT has.
 
     Raises:
         ValueError: an image whose patches are not 4 x tokens, or images with more tokens than `length` - 1.
@@ -164,7 +169,8 @@ class SyntheticSource:
 
     def __init__(self, lengths: Sequence[int], rank: int, world_size: int, seed: int = 0, epoch: int = 0,
                  shuffle: bool = True, vocab_size: int = 512, wrap: bool = False,
-                 images: Sequence[Sequence[tuple[int, int]]] | None = None, patch_dim: int = 1176) -> None:
+                 images: Sequence[Sequence[tuple[int, int]]] | None = None,
+                 patch_dim: int = SYNTHETIC_PATCH_DIM) -> None:
         """`images[i]`: sample i's images as (patches, tokens) (`synthetic_image_payload`); None: text only."""
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size=}")
