@@ -53,6 +53,7 @@ _EXPORTS = {
     "loss_scale": "batchd.core",
     "loss_tokens": "batchd.client",
     "read_lengths": "batchd._lengths",
+    "read_workload": "batchd._lengths",
     "scaled_loss": "batchd.client",
     "simulate": "batchd.core",
     "token_loss_sum": "batchd.client",

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from batchd._config import DROP, EXAMPLE, add_job_flags, load_config
-from batchd._lengths import read_lengths, read_workload
+from batchd._lengths import read_workload
 from batchd._logging import setup_logging
 from batchd._progress import Progress
 from batchd.bench import add_bench_parser
@@ -44,10 +44,16 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "simulate",
         help="run N virtual ranks and the coordinator over a length file (the daemon's core code)",
         description="Simulates one epoch of batchd over realized lengths (one integer per line; the sample "
-        "id is the 0-based line number) and prints the batching metrics. With --config, the [job] section "
-        "of a job config is the starting point and flags override it.",
+        "id is the 0-based line number) or a multimodal workload (CSV, docs/workloads.md) and prints the "
+        "batching metrics; with images also the per-phase balance (LLM and vision encoder, single- vs "
+        "two-phase with --phases 2). With --config, the [job] section of a job config is the starting "
+        "point and flags override it.",
     )
-    p.add_argument("--lengths", required=True, metavar="FILE", help="one integer length per line")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--lengths", metavar="FILE", help="one integer length per line (a .csv file: as --workload)")
+    data.add_argument("--workload", metavar="FILE",
+                      help="a workload file: .csv = text_tokens,image_patches,image_tokens per sample "
+                      "(docs/workloads.md), else one length per line")
     p.add_argument("--config", default=None, metavar="FILE", help="job config (TOML/YAML); its [job] is used")
     add_job_flags(p, exclude=("collate", "epochs"), shown={"shuffle": False})
     p.add_argument("--local-ranks", type=_positive, default=None, metavar="K",
@@ -71,7 +77,7 @@ def _simulate(args: argparse.Namespace) -> int:
             if req not in given:
                 raise ValueError(f"--{req.replace('_', '-')} is required (or give --config with [job] {req})")
         spec = JobSpec(**{"shuffle": False, **given})  # simulate's default: no shuffle (a file's order)
-    lengths = read_lengths(args.lengths)
+    lengths = read_workload(args.workload or args.lengths)
     total = len(lengths) if spec.quota is None else min(spec.quota, len(lengths))
     with Progress(total, "simulate", "samples", enabled=not (args.json or args.quiet)) as bar:
         result = simulate(lengths, spec, on_step=lambda step: bar.update(sum(len(s.samples) for s in step)),
@@ -84,7 +90,36 @@ def _simulate(args: argparse.Namespace) -> int:
             if isinstance(value, float):
                 value = f"{value:.4f}"
             print(f"{key:<{width}}  {value}")
+        if "vision_imbalance_single" in result:
+            print()
+            print(phase_table(result))
     return 0
+
+
+def phase_table(result: dict) -> str:
+    """The per-phase balance block of `batchd simulate` (text output): mean over steps of max / mean rank
+    load per phase, single- vs two-phase, and the embeddings the two-phase plan exchanges per step."""
+    def f(v: float | None) -> str:
+        return "-" if v is None else f"{v:.4f}"
+
+    two = result["phases"] == 2
+    llm = result["llm_imbalance"]
+    lines = [
+        "per-phase balance (mean over steps of max / mean rank load)",
+        f"  {'phase':<8} {'single-phase':>12} {'two-phase':>10} {'bound':>8}",
+        f"  {'llm':<8} {f(llm):>12} {f(llm) if two else '-':>10} {'-':>8}",
+        (f"  {'vision':<8} {f(result['vision_imbalance_single']):>12} {f(result['vision_imbalance_two']):>10} "
+         f"{f(result['vision_bound_pigeonhole']):>8}"),
+        "  (bound: a lower bound no vision plan beats, images being whole: vision_bound_pigeonhole)",
+    ]
+    if two:
+        lines.append("embeddings exchanged per step: "
+                     f"intra-node {result['exchanged_intra_node_images_per_step']:.2f} images / "
+                     f"{result['exchanged_intra_node_rows_per_step']:.1f} rows, "
+                     f"cross-node {result['exchanged_cross_node_images_per_step']:.2f} images / "
+                     f"{result['exchanged_cross_node_rows_per_step']:.1f} rows; "
+                     f"vision plan {result['vision_plan_per_round_s'] * 1e3:.2f} ms/round")
+    return "\n".join(lines)
 
 
 def _add_config_flag(p: argparse.ArgumentParser) -> None:

@@ -53,10 +53,20 @@ from ._phases import (
     plan_vision,
     plan_vision_round,
     single_phase,
+    vision_bound,
 )
 from ._policy import ALIGN_RULES, POLICIES, Entry, Policy, form_groups
 from ._rank import OVER_BUDGET, RankState, max_fitting_length
-from ._simulator import SimMetrics, Simulator, parse_lengths, simulate, synthetic_token_loss
+from ._simulator import (
+    WORKLOAD_HEADER,
+    PhaseMetrics,
+    SimMetrics,
+    Simulator,
+    parse_lengths,
+    parse_workload,
+    simulate,
+    synthetic_token_loss,
+)
 from ._source import ViewSource, epoch_permutation
 from ._spec import COLLATE, FIELDS, REQUIRED, JobSpec
 from ._types import Sample, Step, StepInfo, check_bool, check_choice, check_int, check_number, check_str
@@ -72,5 +82,5 @@ __all__ = sorted([
     "best_fit_decreasing", "contiguous_greedy", "epoch_permutation", "fixed_chunks", "form_groups",
     "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "parse_lengths", "plan_moves", "plan_round",
     "simulate", "split_largest", "EXCHANGE_KEYS", "PHASES", "Exchange", "exchange_arrays", "ImageRef", "VisionCost", "exchanged", "imbalance",
-    "phase_loads", "plan_vision", "plan_vision_round", "single_phase", "synthetic_token_loss", "target_min", "target_odb",
+    "phase_loads", "PhaseMetrics", "parse_workload", "WORKLOAD_HEADER", "plan_vision", "plan_vision_round", "single_phase", "vision_bound", "synthetic_token_loss", "target_min", "target_odb",
 ])

@@ -162,15 +162,22 @@ K_POLICY, K_ROUND, K_EMITTED, K_QUOTA, K_BUDGET = "policy", "round", "emitted", 
 class Coordinator:
     """The alignment coordinator's pure state machine for one epoch (see module docstring)."""
 
-    def __init__(self, spec: JobSpec, epoch: int = 0, nodes: Sequence[int] | None = None) -> None:
+    def __init__(self, spec: JobSpec, epoch: int = 0, nodes: Sequence[int] | None = None,
+                 vision_nodes: Sequence[int] | None = None) -> None:
         """`nodes[r]`: the node index of rank r (`balanced` plans node-aware, `plan_round`); None plans
-        node-blind. The topology is not part of `state_dict` (the daemon owns it). Raises ValueError on
-        a `nodes` without one int >= 0 per rank."""
+        node-blind. `vision_nodes` (phases=2; default `nodes`): the topology the vision plan keeps
+        embeddings inside (`plan_vision`), which does not change the LLM plan. The topology is not part
+        of `state_dict` (the daemon owns it). Raises ValueError on a `nodes` or `vision_nodes` without one
+        int >= 0 per rank.
+
+        `vision_planner` (attribute; default `plan_vision_round`) plans a round's vision exchange; the
+        simulator wraps it to time it."""
         spec.check_daemon()
         self.nodes = check_nodes(nodes, spec.world_size) if nodes is not None else None
         # The vision phase keeps images on their owner's node whenever the topology is known, node-aware
         # LLM planning or not (an exchange inside a node is cheap, across nodes it is not).
-        self.topology: list[int] | None = self.nodes
+        self.vision_nodes = check_nodes(vision_nodes, spec.world_size) if vision_nodes is not None else self.nodes
+        self.vision_planner = plan_vision_round
         self.plan_stats: dict[str, int] = {}  # node-aware planning counts (`plan_round`'s `stats`)
         self.spec = spec
         self.world_size, self.policy, self.token_budget = spec.world_size, spec.policy_object(), spec.token_budget
@@ -232,7 +239,8 @@ class Coordinator:
             self.round, self.policy.max_wait, rng, self.policy.refine, self.nodes, self.plan_stats,
         )
         target = len(plan[0]) if plan else 0
-        vision = plan_vision_round(plan, self.vision_cost, self.topology) if self.vision_cost is not None else None
+        vision = (self.vision_planner(plan, self.vision_cost, self.vision_nodes) if self.vision_cost is not None
+                  else None)
         return RoundDecision(self.round, target, tuple(tuple(p) for p in plan), vision)
 
     # -- phase 2 -------------------------------------------------------------------------------------

@@ -10,15 +10,22 @@ image embeddings travel back to the rank whose LLM sample holds them: one `all_t
 `plan_vision(row, cost, nodes)` plans one step (row[r] = rank r's LLM group):
 
 1. Capacity. The images' encoder costs c_i sum to C over N ranks; no plan beats
-   c* = max(C / N, max_i c_i). Try caps c* x (1 + d) for d in `SLACKS` (0 first) and keep the first
-   cap under which the greedy below places every image.
-2. Keep. Each rank keeps its own LLM images, costliest first, while its load stays within the cap:
-   an image encoded where its LLM sample is crosses no link (its embedding is used in place).
-3. Spill. The rest, costliest first, go to the least-loaded rank of the owner's node that has room,
-   else to the least-loaded rank anywhere with room. Embeddings then cross nodes only when the owner's
-   node is full (OrchMLLM's node-wise all-to-all preference).
-4. Fallback. If no cap in `SLACKS` fits (a few huge images), LPT: costliest first to the least-loaded
-   rank, ties to the owner, then to the owner's node. LPT is within 4/3 of the optimum.
+   c* = `vision_bound` >= max(C / N, max_i c_i) (images are whole). Try caps c* x (1 + d) for d in
+   `SLACKS` (0 first) until a greedy below places every image; then bisect `REFINE` times between the
+   last cap that failed and the first that fit, keeping the placement of least peak load. Keep-first
+   is searched so, and unless it reached c* (optimal) one-pass too; the plan of lower peak wins,
+   keep-first on a tie (it moves fewer images).
+2. Greedy keep-first. Keep: each rank keeps its own LLM images, costliest first, while its load stays
+   within the cap: an image encoded where its LLM sample is crosses no link (its embedding is used in
+   place). Spill: the rest, costliest first, go to the least-loaded rank of the owner's node if it has
+   room, else to the least-loaded rank anywhere if it has room.
+3. Greedy one-pass. All images costliest first (LPT order), each to its owner if it has room, else
+   spilled as above. Kept images no longer claim room before larger ones are placed, which packs
+   tighter (docs/benchmarks.md, two-phase balancing) at the price of more exchanged images.
+   In both greedies an embedding crosses nodes only when no rank of the owner's node has room for it
+   when it is placed (OrchMLLM's node-wise all-to-all preference).
+4. Fallback. If no cap in `SLACKS` fits either greedy (a few huge images), LPT: costliest first to the
+   least-loaded rank, ties to the owner, then to the owner's node. LPT is within 4/3 of the optimum.
 
 The exchange of a step, per rank (`Exchange`): `encode`, the images it encodes, ordered by owner rank
 and then by the owner's LLM image order; `sources`, for each image of its own LLM samples (samples in
@@ -29,13 +36,19 @@ puts each received image back at its position in the LLM batch. Rows are image t
 the LLM consumes, after the encoder's merger/projector).
 
 Invariants (property-tested): every image of the row is encoded exactly once; every rank's received
-images are exactly its LLM images; with a topology, no image leaves its owner's node unless that node
-has no room under the cap. Pure and deterministic: no rng, no I/O.
+images are exactly its LLM images; the peak load is within the first fitting `SLACKS` cap (with the
+greedy) and never above the single-phase plan's (every rank encodes its own); under the chosen cap B an
+image of cost c is encoded off its owner only if the owner ends above B - c, and off its owner's node
+only if every rank of that node ends above B - c (it had no room when placed; loads only grow). A node
+whose images' total would fit its ranks can still send some out (packing is not fluid, and other
+nodes' spills may take its room first). Pure and deterministic: no rng, no I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +57,7 @@ import numpy as np
 from ._types import Sample, check_int, check_number
 
 SLACKS = (0.0, 0.01, 0.02, 0.035, 0.05, 0.1, 0.2, 0.5)
+REFINE = 6  # bisection steps between the last slack cap that failed and the first that fit
 PHASES = (1, 2)
 
 
@@ -182,35 +196,58 @@ def _images(row: Sequence[Sequence[Sample]]) -> list[ImageRef]:
     return out
 
 
-def _greedy(images: list[ImageRef], costs: list[float], nodes: list[int], cap: float) -> list[int] | None:
-    """Keep, then spill (module docstring) under `cap`; None when some image has no room."""
+def _greedy(images: list[ImageRef], costs: list[float], nodes: list[int], cap: float,
+            order: list[int], keep_first: bool = True) -> list[int] | None:
+    """Places images in `order` (costliest first) under `cap` (module docstring); None when some image
+    has no room. `keep_first`: every rank keeps its own images first, then the rest spill; else one pass
+    in which each image goes to its owner if it has room, else spills.
+
+    The least-loaded rank of a pool (ties: lowest rank) has room for an image iff any rank of the pool
+    has, so each pool keeps a heap of (load, rank); an entry is stale once its rank's load has grown.
+    """
     n = len(nodes)
     load = [0.0] * n
     where = [-1] * len(images)
-    order = sorted(range(len(images)), key=lambda i: -costs[i])
     eps = 1e-9 * max(cap, 1.0)
-    for i in order:  # keep: costliest own images first
-        o = images[i].owner
-        if load[o] + costs[i] <= cap + eps:
-            load[o] += costs[i]
-            where[i] = o
-    members: dict[int, list[int]] = {}
+    if keep_first:
+        for i in order:  # keep: costliest own images first
+            o = images[i].owner
+            if load[o] + costs[i] <= cap + eps:
+                load[o] += costs[i]
+                where[i] = o
+    heaps: dict[int, list[tuple[float, int]]] = {}
     for r, node in enumerate(nodes):
-        members.setdefault(node, []).append(r)
-    for i in order:  # spill
+        heaps.setdefault(node, []).append((load[r], r))
+    everyone = [(load[r], r) for r in range(n)]
+    heapq.heapify(everyone)
+    for h in heaps.values():
+        heapq.heapify(h)
+    for i in order:  # spill (keep_first=False: keep or spill)
         if where[i] >= 0:
             continue
         c = costs[i]
-        best = -1
-        for pool in (members[nodes[images[i].owner]], range(n)):
-            best = min((r for r in pool if load[r] + c <= cap + eps), key=lambda r: (load[r], r), default=-1)
-            if best >= 0:
-                break
+        best = images[i].owner if not keep_first and load[images[i].owner] + c <= cap + eps else -1
+        if best < 0:
+            for pool in (heaps[nodes[images[i].owner]], everyone):
+                while pool[0][0] != load[pool[0][1]]:  # stale entry
+                    heapq.heappop(pool)
+                if pool[0][0] + c <= cap + eps:
+                    best = pool[0][1]
+                    break
         if best < 0:
             return None
         load[best] += c
         where[i] = best
+        heapq.heappush(heaps[nodes[best]], (load[best], best))
+        heapq.heappush(everyone, (load[best], best))
     return where
+
+
+def _peak(where: list[int], costs: list[float], n: int) -> float:
+    load = [0.0] * n
+    for r, c in zip(where, costs, strict=True):
+        load[r] += c
+    return max(load)
 
 
 def _lpt(images: list[ImageRef], costs: list[float], nodes: list[int]) -> list[int]:
@@ -223,6 +260,49 @@ def _lpt(images: list[ImageRef], costs: list[float], nodes: list[int]) -> list[i
         load[best] += costs[i]
         where[i] = best
     return where
+
+
+def _search(images: list[ImageRef], costs: list[float], where_node: list[int], order: list[int],
+            keep_first: bool) -> tuple[list[int], float, float] | None:
+    """The first `SLACKS` cap the greedy fits under, refined by bisection: (placement, its peak, its cap),
+    the placement of least peak among those that fit; None when no slack fits."""
+    n = len(where_node)
+    floor = vision_bound(costs, n)
+    for k, slack in enumerate(SLACKS):
+        where = _greedy(images, costs, where_node, floor * (1.0 + slack), order, keep_first)
+        if where is not None:
+            break
+    else:
+        return None
+    cap = hi = floor * (1.0 + slack)
+    best = _peak(where, costs, n)
+    if k > 0:  # refine: bisect between the last cap that failed and the one that fit
+        lo = floor * (1.0 + SLACKS[k - 1])
+        for _ in range(REFINE):
+            mid = (lo + hi) / 2
+            trial = _greedy(images, costs, where_node, mid, order, keep_first)
+            if trial is None:
+                lo = mid
+                continue
+            hi = mid
+            peak = _peak(trial, costs, n)
+            if peak < best:
+                where, best, cap = trial, peak, mid
+    return where, best, cap
+
+
+def _place(images: list[ImageRef], costs: list[float], where_node: list[int]) -> tuple[list[int], float | None]:
+    """The encoding rank of every image, and the cap the chosen greedy plan met (None: LPT placed them)."""
+    order = sorted(range(len(images)), key=lambda i: -costs[i])
+    keep = _search(images, costs, where_node, order, True)
+    if keep is not None and keep[1] <= vision_bound(costs, len(where_node)) * (1.0 + 1e-9):
+        return keep[0], keep[2]  # optimal: no plan beats the bound
+    one_pass = _search(images, costs, where_node, order, False)
+    if keep is None and one_pass is None:
+        return _lpt(images, costs, where_node), None
+    if keep is None or (one_pass is not None and one_pass[1] < keep[1] * (1.0 - 1e-9)):
+        keep = one_pass  # strictly lower peak; on a tie keep-first, which moves fewer images
+    return keep[0], keep[2]
 
 
 def plan_vision(row: Sequence[Sequence[Sample]], cost: VisionCost,
@@ -245,14 +325,7 @@ def plan_vision(row: Sequence[Sequence[Sample]], cost: VisionCost,
     if not images:
         return [Exchange(r, n) for r in range(n)]
     costs = [cost.image(im.patches) for im in images]
-    floor = max(sum(costs) / n, max(costs))
-    where = None
-    for slack in SLACKS:
-        where = _greedy(images, costs, where_node, floor * (1.0 + slack))
-        if where is not None:
-            break
-    if where is None:
-        where = _lpt(images, costs, where_node)
+    where, _cap = _place(images, costs, where_node)
     encode: list[list[ImageRef]] = [[] for _ in range(n)]
     sources: list[list[int]] = [[] for _ in range(n)]
     tokens: list[list[int]] = [[] for _ in range(n)]
@@ -261,6 +334,23 @@ def plan_vision(row: Sequence[Sequence[Sample]], cost: VisionCost,
         sources[im.owner].append(enc)
         tokens[im.owner].append(im.tokens)
     return [Exchange(r, n, tuple(encode[r]), tuple(sources[r]), tuple(tokens[r])) for r in range(n)]
+
+
+def vision_bound(costs: Sequence[float], n: int) -> float:
+    """A lower bound on the max rank load of any placement of images of these costs on n ranks:
+    max(C / n, c_1, and for k >= 1 the sum c_(kn-k+1) + ... + c_(kn+1)) with c_1 >= c_2 >= ... (of the kn + 1
+    costliest images, some rank encodes k + 1; an image is never split). 0 without images."""
+    check_int("n", n, lo=1)
+    c = sorted(costs, reverse=True)
+    if not c:
+        return 0.0
+    prefix = [0.0, *itertools.accumulate(c)]
+    out = max(prefix[-1] / n, c[0])
+    k = 1
+    while k * n < len(c):
+        out = max(out, prefix[k * n + 1] - prefix[k * n - k])
+        k += 1
+    return out
 
 
 def plan_vision_round(plan: Sequence[Sequence[Sequence[Sample]]], cost: VisionCost,

@@ -15,6 +15,19 @@ intra-node and cross-node samples and bytes (`plan_moves`: `nbytes`, else 8 x le
 means per round; with `node_aware` (the job's `node_aware`, or the argument) `balanced` plans node-aware (`plan_round`'s `nodes`),
 without it the plan stays node-blind and only the counts use the topology. K = 1 or None: every rank is
 its own node and the plan is node-blind, as without topology.
+
+Multimodal workloads: `lengths` may be `Sample`s (ids 0..n-1 in order, e.g. from `parse_workload`)
+whose `images` carry (patches, tokens) per image. The result then adds per-phase balance (`PhaseMetrics`):
+for every step, max / mean of the ranks' loads in the LLM phase (the job's `CostModel` on each rank's
+group) and in the vision phase (`VisionCost` on each rank's encoded images), the latter both for the
+single-phase plan (`single_phase`: every rank encodes its own) and, with `spec.phases == 2`, for the
+two-phase plan (`Step.exchange`); means over steps, steps without vision cost skipped for the vision
+means. Also two per-step lower bounds of the vision phase's max / mean: max(C / N, max c) / (C / N) and
+the tighter `vision_bound` / (C / N) (an image is not split: pigeonhole), the embeddings
+exchanged per step (`exchanged`, intra-/cross-node under `local_ranks`) and the wall time of
+`plan_vision_round` per round (timed around the coordinator's `vision_planner`; the plan is unchanged).
+With `local_ranks` the vision plan keeps embeddings inside nodes (`Coordinator`'s `vision_nodes`)
+whether or not the LLM plan is node-aware.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ from typing import Any
 
 from ._align import Coordinator
 from ._balance import plan_moves
+from ._phases import exchanged, imbalance, phase_loads, single_phase, vision_bound
 from ._rank import RankState
 from ._source import ViewSource
 from ._spec import JobSpec
@@ -40,15 +54,16 @@ def synthetic_token_loss(sample_id: int) -> float:
 
 
 class Simulator:
-    """Runs one epoch of `spec` over `lengths` (sample id = index).
+    """Runs one epoch of `spec` over `lengths` (sample id = index): ints, or `Sample`s with `id` == index
+    (their modality counts and images are kept; home rank and loss tokens are the simulator's).
 
     `local_ranks` (K >= 1, or None): ranks per node, rank r on node r // K (module docstring);
     `node_aware` (None: the job's `spec.node_aware`): with K > 1, `balanced` plans node-aware (else
     node-blind, its moves counted under the topology).
     """
 
-    def __init__(self, lengths: Sequence[int], spec: JobSpec, epoch: int = 0, local_ranks: int | None = None,
-                 node_aware: bool | None = None) -> None:
+    def __init__(self, lengths: Sequence[int] | Sequence[Sample], spec: JobSpec, epoch: int = 0,
+                 local_ranks: int | None = None, node_aware: bool | None = None) -> None:
         if local_ranks is not None:
             check_int("local_ranks", local_ranks, lo=1)
         node_aware = spec.node_aware if node_aware is None else node_aware
@@ -56,6 +71,13 @@ class Simulator:
         self.local_ranks, self.node_aware = local_ranks, node_aware
         k = local_ranks or 1
         self.nodes = [r // k for r in range(spec.world_size)]
+        self.records: list[Sample] | None = None
+        if lengths and isinstance(lengths[0], Sample):
+            for i, x in enumerate(lengths):
+                if not isinstance(x, Sample) or x.id != i:
+                    raise ValueError(f"lengths[{i}] must be a Sample with id {i} (like every entry), got {x!r}")
+            self.records = list(lengths)
+            lengths = [x.length for x in self.records]
         for i, n in enumerate(lengths):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"lengths[{i}] must be a positive int, got {n!r}")
@@ -68,12 +90,31 @@ class Simulator:
         wrap = c.mode == "non-join"
         self.sources = [ViewSource(len(self.lengths), r, c.world_size, c.seed, epoch, c.shuffle, wrap)
                         for r in range(c.world_size)]
-        self.coordinator = Coordinator(c, epoch, self.nodes if self.planned_by_node else None)
+        self.coordinator = Coordinator(c, epoch, self.nodes if self.planned_by_node else None,
+                                       self.nodes if (local_ranks or 1) > 1 else None)
+        self.vision_plan_s: list[float] = []  # wall seconds of each round's vision plan (phases=2)
+        self._time_vision_plan()
         self.ranks = [RankState(c, r, epoch) for r in range(c.world_size)]
         self.plan_s = 0.0  # time spent in the coordinator's decide (the plan, for `balanced`)
         self.pending: list[collections.deque[Step]] = [collections.deque() for _ in range(c.world_size)]
         self.rounds = 0
         self._idle_rounds = 0
+
+    def _time_vision_plan(self) -> None:
+        planner = self.coordinator.vision_planner
+
+        def timed(*args: Any) -> Any:
+            t0 = time.perf_counter()
+            out = planner(*args)
+            self.vision_plan_s.append(time.perf_counter() - t0)
+            return out
+
+        self.coordinator.vision_planner = timed
+
+    @property
+    def multimodal(self) -> bool:
+        """True when some sample carries images."""
+        return self.records is not None and any(x.images for x in self.records)
 
     @property
     def planned_by_node(self) -> bool:
@@ -97,7 +138,11 @@ class Simulator:
                 attempts += 1
                 if rank.was_rejected(i):  # non-join wrap-around: quarantined on an earlier pass
                     continue
-                rank.push(Sample(i, self.lengths[i], -1, rank.rank))
+                if self.records is None:
+                    rank.push(Sample(i, self.lengths[i], -1, rank.rank))
+                else:
+                    x = self.records[i]
+                    rank.push(Sample(i, x.length, -1, rank.rank, x.modality_tokens, x.nbytes, x.images))
             if not rank.exhausted and (src.exhausted() or rank.rejected_all(len(src))):
                 rank.mark_exhausted()
 
@@ -169,8 +214,65 @@ class Simulator:
         self.rounds = state["rounds"]
 
 
+class PhaseMetrics:
+    """Per-phase balance of consumed steps (module docstring): sums of each step's max / mean rank load,
+    per phase and plan, and the embeddings the two-phase plan exchanges."""
+
+    KEYS = ("intra_node_images", "intra_node_rows", "cross_node_images", "cross_node_rows")
+
+    def __init__(self, spec: JobSpec, nodes: Sequence[int] | None = None) -> None:
+        self.vision = spec.vision_cost()
+        self.nodes = nodes
+        self.steps = self.llm_steps = self.vision_steps = self.two_steps = self.images = 0
+        self.llm = self.single = self.two = self.bound = self.tight = 0.0
+        self.moved = dict.fromkeys(self.KEYS, 0)
+
+    def add(self, step: tuple[Step, ...]) -> None:
+        self.steps += 1
+        llm = imbalance([s.info.cost for s in step])
+        if llm is not None:
+            self.llm_steps += 1
+            self.llm += llm
+        row = [s.samples for s in step]
+        loads = phase_loads(single_phase(row), self.vision)
+        single = imbalance(loads)
+        if single is None:  # no vision cost in this step
+            return
+        self.images += sum(len(x.images) for s in step for x in s.samples)
+        self.vision_steps += 1
+        self.single += single
+        mean = sum(loads) / len(loads)
+        costs = [self.vision.image(p) for s in step for x in s.samples for p, _ in x.images]
+        self.bound += max(mean, max(costs)) / mean
+        self.tight += vision_bound(costs, len(step)) / mean
+        exchanges = [s.exchange for s in step]
+        if all(ex is not None for ex in exchanges):
+            self.two_steps += 1
+            self.two += imbalance(phase_loads(exchanges, self.vision)) or 1.0
+            for k, v in exchanged(exchanges, self.nodes).items():
+                self.moved[k] += v
+
+    def result(self, sim: Simulator) -> dict[str, Any]:
+        steps = max(self.steps, 1)
+        plans = sim.vision_plan_s
+        out: dict[str, Any] = {
+            "phases": sim.spec.phases, "images": self.images, "vision_steps": self.vision_steps,
+            "llm_imbalance": self.llm / self.llm_steps if self.llm_steps else None,
+            "vision_imbalance_single": self.single / self.vision_steps if self.vision_steps else None,
+            "vision_imbalance_two": self.two / self.two_steps if self.two_steps else None,
+            "vision_bound": self.bound / self.vision_steps if self.vision_steps else None,
+            "vision_bound_pigeonhole": self.tight / self.vision_steps if self.vision_steps else None,
+        }
+        for k in self.KEYS:
+            out[f"exchanged_{k}_per_step"] = self.moved[k] / steps
+        out["vision_plan_rounds"] = len(plans)
+        out["vision_plan_per_round_s"] = sum(plans) / len(plans) if plans else 0.0
+        return out
+
+
 class SimMetrics:
-    """Accumulates the `batchd simulate` metrics from consumed steps."""
+    """Accumulates the `batchd simulate` metrics from consumed steps (with a multimodal workload or
+    phases=2, also `PhaseMetrics`)."""
 
     def __init__(self, num_samples: int, spec: JobSpec, nodes: Sequence[int] | None = None) -> None:
         self.n, self.c = num_samples, spec
@@ -183,6 +285,7 @@ class SimMetrics:
         self.idle = self.emitted = self.moved = self.real = self.padded = self.over_budget = 0
         self.slowest = 0.0
         self.loss_err = 0.0
+        self.phases = PhaseMetrics(spec, nodes)
 
     def add(self, step: tuple[Step, ...]) -> None:
         c = self.c
@@ -215,6 +318,7 @@ class SimMetrics:
             ref = math.fsum(rank_sums) / den
             self.loss_err = max(self.loss_err, abs(num / len(step) - ref))
         self.slowest += slowest
+        self.phases.add(step)
 
     def result(self, sim: Simulator, wall_s: float) -> dict[str, Any]:
         c = self.c
@@ -241,6 +345,7 @@ class SimMetrics:
             "over_budget": self.over_budget, "loss_scale_error": self.loss_err,
             "wall_s": wall_s, "samples_per_s_per_rank": self.emitted / n / wall_s if wall_s > 0 else 0.0,
             **self.node_result(sim),
+            **(self.phases.result(sim) if sim.multimodal or c.phases == 2 else {}),
         }
 
     def node_result(self, sim: Simulator) -> dict[str, Any]:
@@ -261,11 +366,12 @@ class SimMetrics:
         return out
 
 
-def simulate(lengths: Sequence[int], spec: JobSpec,
+def simulate(lengths: Sequence[int] | Sequence[Sample], spec: JobSpec,
              on_step: Callable[[tuple[Step, ...]], None] | None = None, local_ranks: int | None = None,
              node_aware: bool | None = None) -> dict[str, Any]:
     """Runs one epoch and returns the metrics dict `batchd simulate --json` prints.
 
+    `lengths`: ints, or `Sample`s with images (`parse_workload`; the result then adds `PhaseMetrics`).
     `on_step` (e.g. a progress bar) sees each aligned step (one `Step` per rank) as it is emitted.
     `local_ranks` / `node_aware`: the topology (`Simulator`).
     """
@@ -294,4 +400,61 @@ def parse_lengths(lines: Iterable[str], source: str = "<lengths>") -> list[int]:
         if n < 1:
             raise ValueError(f"{source}:{lineno}: length must be >= 1, got {n}")
         out.append(n)
+    return out
+
+
+WORKLOAD_HEADER = ("text_tokens", "image_patches", "image_tokens")
+
+
+def _int_list(text: str, what: str, where: str, lo: int) -> list[int]:
+    out = []
+    for word in text.split():
+        try:
+            v = int(word)
+        except ValueError:
+            raise ValueError(f"{where}: {what} must be space-separated integers, got {word!r}") from None
+        if v < lo:
+            raise ValueError(f"{where}: every {what} entry must be >= {lo}, got {v}")
+        out.append(v)
+    return out
+
+
+def parse_workload(lines: Iterable[str], source: str = "<workload>") -> list[Sample]:
+    """Parses a multimodal workload (CSV, docs/workloads.md) into `Sample`s with ids 0, 1, ... in order.
+
+    The first line is the header `text_tokens,image_patches,image_tokens`; every other line is one
+    sample: its text tokens (int >= 0), then its images' encoder patches (ints >= 1) and image tokens
+    (ints >= 1) as space-separated lists of equal length (both empty: text-only). A sample's length is
+    text_tokens + sum(image_tokens) (>= 1); `modality_tokens` is (("text", t), ("vision", v)). Errors
+    are ValueErrors naming `source` and the line (no I/O here: `batchd.read_workload(path)` opens it).
+    """
+    out: list[Sample] = []
+    it = iter(lines)
+    header = next(it, None)
+    if header is None or tuple(c.strip() for c in header.strip().split(",")) != WORKLOAD_HEADER:
+        raise ValueError(f"{source}:1: the header must be {','.join(WORKLOAD_HEADER)!r}, got {header!r}")
+    for lineno, line in enumerate(it, 2):
+        where = f"{source}:{lineno}"
+        text = line.strip()
+        if not text:
+            raise ValueError(f"{where}: empty line (ids are 0-based sample rows after the header)")
+        cells = text.split(",")
+        if len(cells) != 3:
+            raise ValueError(f"{where}: expected 3 comma-separated columns {WORKLOAD_HEADER}, got {len(cells)}")
+        try:
+            text_tokens = int(cells[0])
+        except ValueError:
+            raise ValueError(f"{where}: text_tokens must be an integer, got {cells[0]!r}") from None
+        if text_tokens < 0:
+            raise ValueError(f"{where}: text_tokens must be >= 0, got {text_tokens}")
+        patches = _int_list(cells[1], "image_patches", where, 1)
+        tokens = _int_list(cells[2], "image_tokens", where, 1)
+        if len(patches) != len(tokens):
+            raise ValueError(f"{where}: image_patches and image_tokens must list one entry per image, got "
+                             f"{len(patches)} and {len(tokens)}")
+        vision = sum(tokens)
+        if text_tokens + vision < 1:
+            raise ValueError(f"{where}: a sample needs at least one token, got text_tokens=0 and no image")
+        out.append(Sample(len(out), text_tokens + vision, -1, 0, (("text", text_tokens), ("vision", vision)),
+                          0, tuple(zip(patches, tokens))))
     return out

@@ -589,7 +589,7 @@ class CoordinatorState:
             t_last = time.perf_counter()
             topology = self._topology()
             self.core.nodes = topology if self.spec.node_aware else None
-            self.core.topology = topology
+            self.core.vision_nodes = topology
             try:
                 decision = self.core.decide(list(self._reports.values()))
             except ValueError as exc:

@@ -185,4 +185,4 @@ def test_node_agents_exchange_images_with_a_cut_plan(tmp_path):
     finally:
         job.stop()
     _check(results, lengths, images, spec.seed)
-    assert job.state.core.topology == [0, 0, 1, 1]
+    assert job.state.core.vision_nodes == [0, 0, 1, 1]

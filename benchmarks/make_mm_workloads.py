@@ -1,0 +1,119 @@
+"""Writes the three synthetic multimodal workloads of `benchmarks/workloads/` (docs/workloads.md).
+
+Each file is a CSV with the header `text_tokens,image_patches,image_tokens` (image lists space-separated,
+empty for a text-only sample). Every draw comes from a numpy generator with a fixed seed per workload,
+so rerunning the script rewrites byte-identical files:
+
+- `llava-like` (4,096 samples): LLaVA-1.5 geometry, one 336 px image per sample = 24 x 24 = 576 patches
+  and 576 tokens (no merge); short instructions (text lognormal, mean 140, CV 0.6, clipped to 50..300);
+  10% text-only samples with longer text (mean 600, CV 0.8, clipped to 20..3,000).
+- `sharegpt4o-like` (4,096 samples): Qwen2-VL geometry, images of varied resolution rounded to
+  multiples of 28 px (patch 14, 2 x 2 merge) and scaled into 56^2..1024 x 28^2 pixels, so
+  patches = (h / 14)(w / 14) <= 4,096 and tokens = patches / 4; 0..4 images per sample (probabilities
+  0.20, 0.45, 0.18, 0.10, 0.07); long-tailed text (lognormal, mean 900, CV 1.0, clipped to 16..12,000),
+  the shape of `../shared/workloads/sharegpt4o-like.txt`.
+- `bimodal` (4,096 samples): 88% small one-image samples (Qwen2-VL geometry, 224..448 px sides, text
+  30..200) and 12% long documents with 4..16 pages at 448..896 px sides (capped at 1,024 tokens per
+  page) and 500..3,000 text tokens.
+
+Usage: python benchmarks/make_mm_workloads.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+OUT = Path(__file__).resolve().parent / "workloads"
+HEADER = "text_tokens,image_patches,image_tokens"
+N = 4096
+MIN_PIXELS, MAX_PIXELS = 56 * 56, 1024 * 28 * 28  # Qwen2-VL's resize bounds (max lowered to 1,024 tokens)
+
+Row = tuple[int, list[int], list[int]]
+
+
+def lognormal(rng: np.random.Generator, mean: float, cv: float, lo: int, hi: int) -> int:
+    sigma2 = np.log(1 + cv * cv)
+    return int(np.clip(rng.lognormal(np.log(mean) - sigma2 / 2, np.sqrt(sigma2)), lo, hi))
+
+
+def qwen2_vl(h: float, w: float) -> tuple[int, int]:
+    """(patches, tokens) of an h x w image under Qwen2-VL's smart resize (sides multiples of 28)."""
+    hr, wr = max(28, round(h / 28) * 28), max(28, round(w / 28) * 28)
+    if hr * wr > MAX_PIXELS:
+        beta = (h * w / MAX_PIXELS) ** 0.5
+        hr, wr = max(28, int(h / beta / 28) * 28), max(28, int(w / beta / 28) * 28)
+    elif hr * wr < MIN_PIXELS:
+        beta = (MIN_PIXELS / (h * w)) ** 0.5
+        hr, wr = -(-int(h * beta) // 28) * 28, -(-int(w * beta) // 28) * 28
+    patches = (hr // 14) * (wr // 14)
+    return patches, patches // 4
+
+
+def image(rng: np.random.Generator, lo: int, hi: int) -> tuple[int, int]:
+    """An image whose longer side is uniform in [lo, hi] px, aspect ratio lognormal around 4:3."""
+    side = rng.uniform(lo, hi)
+    aspect = float(np.clip(rng.lognormal(np.log(4 / 3), 0.3), 0.4, 2.5))
+    h, w = (side, side / aspect) if rng.random() < 0.3 else (side / aspect, side)
+    return qwen2_vl(h, w)
+
+
+def llava_like(seed: int = 11) -> list[Row]:
+    rng = np.random.default_rng(seed)
+    rows: list[Row] = []
+    for _ in range(N):
+        if rng.random() < 0.10:
+            rows.append((lognormal(rng, 600, 0.8, 20, 3000), [], []))
+        else:
+            rows.append((lognormal(rng, 140, 0.6, 50, 300), [576], [576]))
+    return rows
+
+
+def sharegpt4o_like(seed: int = 12) -> list[Row]:
+    rng = np.random.default_rng(seed)
+    rows: list[Row] = []
+    for _ in range(N):
+        k = int(rng.choice(5, p=[0.20, 0.45, 0.18, 0.10, 0.07]))
+        ims = [image(rng, 200, 2000) for _ in range(k)]
+        rows.append((lognormal(rng, 900, 1.0, 16, 12000), [p for p, _ in ims], [t for _, t in ims]))
+    return rows
+
+
+def bimodal(seed: int = 13) -> list[Row]:
+    rng = np.random.default_rng(seed)
+    rows: list[Row] = []
+    for _ in range(N):
+        if rng.random() < 0.88:
+            p, t = image(rng, 224, 448)
+            rows.append((int(rng.integers(30, 201)), [p], [t]))
+        else:
+            ims = [image(rng, 448, 896) for _ in range(int(rng.integers(4, 17)))]
+            rows.append((int(rng.integers(500, 3001)), [p for p, _ in ims], [t for _, t in ims]))
+    return rows
+
+
+WORKLOADS = {"llava-like": llava_like, "sharegpt4o-like": sharegpt4o_like, "bimodal": bimodal}
+
+
+def render(rows: Sequence[Row]) -> str:
+    lines = [HEADER] + [f"{t},{' '.join(map(str, p))},{' '.join(map(str, k))}" for t, p, k in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=OUT, help=f"output folder (default {OUT})")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, make in WORKLOADS.items():
+        path = args.out / f"{name}.csv"
+        path.write_text(render(make()), encoding="utf-8")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
