@@ -65,6 +65,7 @@ from batchd.core import (
     RoundDecision,
     Exchange,
     RoundTotals,
+    exchanged,
     plan_moves,
 )
 from batchd.proto import GRPC_OPTIONS, Security, wire
@@ -601,6 +602,8 @@ class CoordinatorState:
                               time.perf_counter() - t_last)
                 if decision.plan is not None:
                     self._observe(lambda: self.metrics.observe_moves(plan_moves(decision.plan, topology)))
+                if decision.vision is not None:
+                    self._observe(lambda: self.metrics.observe_exchanges(_round_exchanges(decision.vision, topology)))
             self._decisions[key] = decision
             self._forget(self._decisions)
             self._reports.clear()
@@ -919,6 +922,15 @@ def _node_decision(decision: RoundDecision, epoch: int) -> pb.NodeReply:
 
 def _node_totals(totals: RoundTotals, epoch: int) -> pb.NodeReply:
     return pb.NodeReply(totals=wire.totals_to_pb(totals, epoch))
+
+
+def _round_exchanges(vision, topology: list[int] | None) -> dict[str, int]:
+    """`exchanged` summed over a round's steps (vision[rank][step])."""
+    total: dict[str, int] = {}
+    for step in zip(*vision):
+        for key, value in exchanged(step, topology).items():
+            total[key] = total.get(key, 0) + value
+    return total or {"intra_node_images": 0, "intra_node_rows": 0, "cross_node_images": 0, "cross_node_rows": 0}
 
 
 class NodeView:

@@ -314,6 +314,13 @@ class CoordinatorMetrics:
                           registry=r)
         self._moved = {scope: (moved.labels(scope=scope), moved_b.labels(scope=scope))
                        for scope in ("intra_node", "cross_node")}
+        exch = Counter("batchd_job_exchanged_images_total", "Two-phase steps: images encoded on another rank than "
+                       "their sample's (their embeddings cross in the step's all-to-all), by scope.", ["scope"],
+                       registry=r)
+        exch_rows = Counter("batchd_job_exchanged_rows_total", "Embedding rows (image tokens) of those images, "
+                            "by scope.", ["scope"], registry=r)
+        self._exchanged = {scope: (exch.labels(scope=scope), exch_rows.labels(scope=scope))
+                           for scope in ("intra_node", "cross_node")}
         self.steps = Counter("batchd_job_steps_total", "Aligned steps kept (one per step, not per rank).",
                              registry=r)
         self.samples = Counter("batchd_job_samples_total", "Samples in the committed steps, all ranks.",
@@ -353,6 +360,12 @@ class CoordinatorMetrics:
         """One decided round: how long its barrier waited for reports, and how long the decision took."""
         self.barrier_wait.observe(barrier_wait_s)
         self.align_latency.observe(decide_s)
+
+    def observe_exchanges(self, counts: dict[str, int]) -> None:
+        """One round's vision exchanges (`batchd.core.exchanged`, summed over its steps)."""
+        for scope, (images, rows) in self._exchanged.items():
+            images.inc(counts[f"{scope}_images"])
+            rows.inc(counts[f"{scope}_rows"])
 
     def observe_moves(self, moves: dict[str, int]) -> None:
         """One balanced plan's moves (`batchd.core.plan_moves`)."""

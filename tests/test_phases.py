@@ -23,7 +23,7 @@ from batchd.core import (
     single_phase,
     vision_bound,
 )
-from batchd.core._phases import SLACKS, _greedy, _images, _place
+from batchd.core._phases import ACCEPT, SLACKS, _greedy, _images, _place
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -58,7 +58,8 @@ def llm_images(group):
 
 def first_cap(row, nodes, cost):
     """The least of the first `SLACKS` caps (over `vision_bound`) each greedy mode fits under (None: both
-    fail, LPT), replayed; a bound on the plan's peak either way."""
+    fail, LPT), replayed, but at least `ACCEPT` over the bound (a keep-first plan that close is taken
+    without trying the one-pass greedy); a bound on the plan's peak either way."""
     images = _images(row)
     costs = [cost.image(im.patches) for im in images]
     where_node = list(nodes) if nodes is not None else list(range(len(row)))
@@ -71,7 +72,9 @@ def first_cap(row, nodes, cost):
             if _greedy(images, costs, where_node, cap, order, keep_first) is not None:
                 caps.append(cap)
                 break
-    return min(caps, default=None)
+    if not caps:
+        return None
+    return max(min(caps), floor * (1 + ACCEPT)) if len(caps) == 2 else caps[0]
 
 
 @given(rows())

@@ -186,3 +186,13 @@ def test_node_agents_exchange_images_with_a_cut_plan(tmp_path):
         job.stop()
     _check(results, lengths, images, spec.seed)
     assert job.state.core.vision_nodes == [0, 0, 1, 1]
+    # The coordinator's exchange counters agree with the rows the ranks received from other ranks.
+    rows = {"intra_node": 0, "cross_node": 0}
+    for r, steps in enumerate(results):
+        for b in steps:
+            for e, n in enumerate(b["vision_recv_splits"].tolist()):
+                if e != r:
+                    rows["intra_node" if e // 2 == r // 2 else "cross_node"] += n
+    scraped = {s.labels.get("scope"): s.value for m in job.metrics.registry.collect() for s in m.samples
+               if s.name == "batchd_job_exchanged_rows_total"}
+    assert scraped == rows and rows["intra_node"] > 0, (scraped, rows)
