@@ -314,10 +314,6 @@ def test_exchange_moves_rows_and_gradients_as_a_permutation(run):
         assert np.array_equal(grad, expected), rank
 
 
-def test_exchange_runs_are_fast(run):
-    assert run["wall_s"] < 40, run["wall_s"]
-
-
 # -- single-process unit tests -------------------------------------------------------------------------
 def arrays(send, recv, placement, tokens) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, np.int64) for k, v in zip(EXCHANGE_KEYS, (send, recv, placement, tokens), strict=True)}
