@@ -52,7 +52,7 @@ from typing import Any
 
 from batchd._config import add_job_flags
 from batchd._lengths import read_workload
-from batchd.core import JobSpec, Sample, check_int
+from batchd.core import JobSpec, Sample, check_int, format_workload
 from batchd.launch import Processes, spec_argv, start_services, start_trainers, wait_trainers
 
 SYSTEMS = ("fixed", "odb-0.1.2", "batchd-odb", "batchd-balanced", "batchd-packed", "batchd-2phase")
@@ -371,9 +371,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     work = Path(tempfile.mkdtemp(prefix="batchd-bench-"))
     (work / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
     if all_images:  # the rank services serve the same synthetic images (`batchd rank --lengths FILE.csv`)
-        (work / "workload.csv").write_text("text_tokens,image_patches,image_tokens\n" + "".join(
-            f"{n - sum(t for _, t in ims)},{' '.join(str(p) for p, _ in ims)},{' '.join(str(t) for _, t in ims)}\n"
-            for n, ims in zip(lengths, all_images)))
+        (work / "workload.csv").write_text(format_workload(read[:num_samples]))
     results: dict[str, dict[str, Any]] = {}
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
     t_all = time.perf_counter()

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from batchd.core import Sample, format_workload
+
 OUT = Path(__file__).resolve().parent / "workloads"
-HEADER = "text_tokens,image_patches,image_tokens"
 N = 4096
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 1024 * 28 * 28  # Qwen2-VL's resize bounds (max lowered to 1,024 tokens)
 
@@ -99,8 +100,7 @@ WORKLOADS = {"llava-like": llava_like, "sharegpt4o-like": sharegpt4o_like, "bimo
 
 
 def render(rows: Sequence[Row]) -> str:
-    lines = [HEADER] + [f"{t},{' '.join(map(str, p))},{' '.join(map(str, k))}" for t, p, k in rows]
-    return "\n".join(lines) + "\n"
+    return format_workload(Sample(i, t + sum(k), images=tuple(zip(p, k))) for i, (t, p, k) in enumerate(rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -63,6 +63,7 @@ from ._simulator import (
     SimMetrics,
     Simulator,
     parse_lengths,
+    format_workload,
     parse_workload,
     simulate,
     synthetic_token_loss,
@@ -82,5 +83,5 @@ __all__ = sorted([
     "best_fit_decreasing", "contiguous_greedy", "epoch_permutation", "fixed_chunks", "form_groups",
     "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "parse_lengths", "plan_moves", "plan_round",
     "simulate", "split_largest", "EXCHANGE_KEYS", "PHASES", "Exchange", "exchange_arrays", "ImageRef", "VisionCost", "exchanged", "imbalance",
-    "phase_loads", "PhaseMetrics", "parse_workload", "WORKLOAD_HEADER", "plan_vision", "plan_vision_round", "single_phase", "vision_bound", "synthetic_token_loss", "target_min", "target_odb",
+    "phase_loads", "PhaseMetrics", "format_workload", "parse_workload", "WORKLOAD_HEADER", "plan_vision", "plan_vision_round", "single_phase", "vision_bound", "synthetic_token_loss", "target_min", "target_odb",
 ])

@@ -419,6 +419,16 @@ def _int_list(text: str, what: str, where: str, lo: int) -> list[int]:
     return out
 
 
+def format_workload(samples: Iterable[Sample]) -> str:
+    """The multimodal workload CSV of `samples` in order (the inverse of `parse_workload`): the header, then
+    per sample its text tokens (length - image tokens) and its images' patches and tokens."""
+    lines = [",".join(WORKLOAD_HEADER)]
+    for s in samples:
+        patches, tokens = " ".join(str(p) for p, _ in s.images), " ".join(str(t) for _, t in s.images)
+        lines.append(f"{s.length - sum(t for _, t in s.images)},{patches},{tokens}")
+    return "\n".join(lines) + "\n"
+
+
 def parse_workload(lines: Iterable[str], source: str = "<workload>") -> list[Sample]:
     """Parses a multimodal workload (CSV, docs/workloads.md) into `Sample`s with ids 0, 1, ... in order.
 

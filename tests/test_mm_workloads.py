@@ -13,6 +13,7 @@ from batchd.core import (
     Sample,
     Simulator,
     imbalance,
+    format_workload,
     parse_lengths,
     parse_workload,
     phase_loads,
@@ -200,3 +201,10 @@ def test_committed_workloads_parse_and_match_their_generator(name):
 
 def test_parse_lengths_is_unchanged():
     assert parse_lengths(["3", "4"]) == [3, 4]
+
+
+def test_format_workload_is_the_inverse_of_parse_workload():
+    samples = parse_workload(Path(REPO / "benchmarks" / "workloads" / "bimodal.csv").read_text().splitlines())[:300]
+    text = format_workload(samples)
+    assert parse_workload(text.splitlines()) == samples
+    assert text.splitlines()[0] == "text_tokens,image_patches,image_tokens"
