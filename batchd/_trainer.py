@@ -1,4 +1,4 @@
-"""A DDP trainer process for the demo and the end-to-end tests: one epoch of a tiny causal LM.
+"""A DDP trainer process for the demo and the end-to-end tests: one epoch of a tiny causal LM (or TinyMLLM).
 
 Two data paths over the same samples and model:
 - `batchd`: a `BatchClient` yields aligned variable-size batches with their loss scale; IDLE steps run

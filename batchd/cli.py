@@ -430,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the main job end to end on this machine",
                        description="Starts a local Ray, a coordinator, N rank services (each preprocessing its "
                        "view of the dataset with Ray actors: chat template, tokenizer, Qwen2-VL visual tokens) "
-                       "and N gloo DDP trainers, trains a tiny causal LM for one epoch through batchd, then "
+                       "and N gloo DDP trainers, trains a tiny multimodal LM (two-phase: its vision encoder balanced too) for "
+                       "one epoch through batchd, then "
                        "with fixed batching on the same preprocessed samples, and compares. Default data: a "
                        "generated demo dataset (conversations, images and a few bad records).")
     add_job_flags(p, only=("world_size", "token_budget", "policy", "window", "depth", "seed"),

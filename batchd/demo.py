@@ -2,8 +2,9 @@
 
 One command starts one local Ray (or joins `--ray-address`), the coordinator, this host's node agent
 (`batchd node`: the rank services of all N ranks in one process, one stream to the coordinator) and N
-trainer processes (torch.distributed gloo on CPU) that train a tiny causal LM for one epoch through the
-batchd client. Each rank's service preprocesses its sampler view of the dataset with its own Ray actors
+trainer processes (torch.distributed gloo on CPU) that train a tiny multimodal LM (`TinyMLLM`; the tiny
+causal LM with `--synthetic`) for one epoch through the batchd client, two-phase by default on image data
+(`run_demo`'s `phases`). Each rank's service preprocesses its sampler view of the dataset with its own Ray actors
 (`batchd node --dataset`: chat template, the demo BPE tokenizer, Qwen2-VL visual tokens with pixel
 values, cutoff L) and batches the realized lengths; samples the balanced plan moves between ranks are
 handed over inside the agent; the default dataset is generated
