@@ -52,7 +52,7 @@ from typing import Any
 
 from batchd._config import add_job_flags
 from batchd._lengths import read_workload
-from batchd.core import JobSpec, Sample, check_int, format_workload
+from batchd.core import JobSpec, Sample, check_int, format_workload, mean_imbalance
 from batchd.launch import Processes, spec_argv, start_services, start_trainers, wait_trainers
 
 SYSTEMS = ("fixed", "odb-0.1.2", "batchd-odb", "batchd-balanced", "batchd-packed", "batchd-2phase")
@@ -193,12 +193,8 @@ def summarize(system: str, results: list[dict[str, Any]], num_samples: int, epoc
 
 def _vision_imbalance(results: list[dict[str, Any]], n_steps: int) -> float | None:
     """Mean over steps with images of max / mean of the encoder patches the ranks ran (1.0: balanced)."""
-    ratios = []
-    for k in range(n_steps):
-        loads = [r["steps"][k].get("patches", 0) if k < len(r["steps"]) else 0 for r in results]
-        if sum(loads):
-            ratios.append(max(loads) / (sum(loads) / len(loads)))
-    return sum(ratios) / len(ratios) if ratios else None
+    return mean_imbalance([r["steps"][k].get("patches", 0) if k < len(r["steps"]) else 0 for r in results]
+                          for k in range(n_steps))
 
 
 # -- plots -----------------------------------------------------------------------------------------

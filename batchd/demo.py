@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from batchd.core import JobSpec
+from batchd.core import JobSpec, mean_imbalance
 from batchd.launch import (
     MARKER_ENV,
     Processes,
@@ -377,9 +377,4 @@ def vision_imbalance(results: list[dict[str, Any]]) -> float | None:
     per_rank = [r.get("encoded_patches") for r in results]
     if not all(per_rank) or len({len(p) for p in per_rank}) != 1:
         return None
-    ratios = []
-    for step in zip(*per_rank):
-        total = sum(step)
-        if total:
-            ratios.append(max(step) / (total / len(step)))
-    return sum(ratios) / len(ratios) if ratios else None
+    return mean_imbalance(zip(*per_rank))

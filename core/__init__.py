@@ -49,6 +49,7 @@ from ._phases import (
     exchange_arrays,
     exchanged,
     imbalance,
+    mean_imbalance,
     phase_loads,
     plan_vision,
     plan_vision_round,
@@ -82,6 +83,6 @@ __all__ = sorted([
     "Step", "StepInfo", "ViewSource",
     "best_fit_decreasing", "contiguous_greedy", "epoch_permutation", "fixed_chunks", "form_groups",
     "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "parse_lengths", "plan_moves", "plan_round",
-    "simulate", "split_largest", "EXCHANGE_KEYS", "PHASES", "Exchange", "exchange_arrays", "ImageRef", "VisionCost", "exchanged", "imbalance",
+    "simulate", "split_largest", "EXCHANGE_KEYS", "PHASES", "Exchange", "exchange_arrays", "ImageRef", "VisionCost", "exchanged", "imbalance", "mean_imbalance",
     "phase_loads", "PhaseMetrics", "format_workload", "parse_workload", "WORKLOAD_HEADER", "plan_vision", "plan_vision_round", "single_phase", "vision_bound", "synthetic_token_loss", "target_min", "target_odb",
 ])

@@ -49,7 +49,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -387,6 +387,13 @@ def imbalance(loads: Sequence[float]) -> float | None:
     if total <= 0:
         return None
     return max(loads) / (total / len(loads))
+
+
+def mean_imbalance(steps: Iterable[Sequence[float]]) -> float | None:
+    """The mean over steps of `imbalance` (each step: its ranks' loads), steps without load skipped; None
+    when no step had any."""
+    ratios = [r for r in (imbalance(loads) for loads in steps) if r is not None]
+    return sum(ratios) / len(ratios) if ratios else None
 
 
 def exchanged(exchanges: Sequence[Exchange], nodes: Sequence[int] | None = None) -> dict[str, int]:

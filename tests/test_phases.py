@@ -18,6 +18,7 @@ from batchd.core import (
     VisionCost,
     exchanged,
     imbalance,
+    mean_imbalance,
     phase_loads,
     plan_vision,
     plan_vision_round,
@@ -360,3 +361,8 @@ def test_a_two_phase_simulator_resumed_mid_epoch_reproduces_the_rest_exchanges_i
     a, b = rest(original), rest(restored)
     assert a and a == b
     assert any('"exchange"' in s for step in a for s in step)
+
+
+def test_mean_imbalance_by_hand():
+    assert mean_imbalance([[4, 0], [0, 0], [3, 1]]) == pytest.approx((2.0 + 1.5) / 2)  # the empty step skipped
+    assert mean_imbalance([[0, 0]]) is None and mean_imbalance([]) is None
