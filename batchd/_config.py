@@ -42,6 +42,7 @@ from batchd.core import (
     check_int,
     check_number,
     check_str,
+    parse_bytes,
 )
 from batchd.proto import Security
 
@@ -89,6 +90,8 @@ class DataConfig:
     ray_address: str | None = None
     quarantine: str | None = None
     stats_file: str | None = None
+    memory_budget: int | str = "2GiB"
+    max_bad_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         check_str("data.dataset", self.dataset, optional=True)
@@ -100,6 +103,17 @@ class DataConfig:
         check_str("data.ray_address", self.ray_address, optional=True)
         check_str("data.quarantine", self.quarantine, optional=True)
         check_str("data.stats_file", self.stats_file, optional=True)
+        try:
+            parse_bytes(self.memory_budget)
+        except ValueError as exc:
+            raise ConfigError(f"data.memory_budget: {exc}") from None
+        f = self.max_bad_fraction
+        if isinstance(f, bool) or not isinstance(f, int | float) or not 0 <= f <= 1:
+            raise ConfigError(f"data.max_bad_fraction must be a number in [0, 1], got data.max_bad_fraction={f!r}")
+
+    def source_options(self) -> dict[str, Any]:
+        """`RaySource` keywords of this section (besides where the data is)."""
+        return {"memory_budget": parse_bytes(self.memory_budget), "max_bad_fraction": float(self.max_bad_fraction)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,6 +464,9 @@ num_actors = 2             # Ray preprocessing actors per rank service
 # ray_address = "auto"     # join a running Ray cluster (default: the Ray already running on this host,
                            # else the first rank service starts one and the others on this host join it)
 quarantine = "quarantine.jsonl"
+memory_budget = "2GiB"     # records a rank service holds read ahead: blocks are read in windows of a quarter
+                           # of it, at most half of it is held (the rest: the process and its batches)
+max_bad_fraction = 0.1     # the job fails once more than this share of the records read are bad
 
 [pipeline]
 tokenizer = "tok.json"     # a tokenizer.json or a Hugging Face tokenizer directory (read offline);

@@ -152,6 +152,10 @@ def _add_rank_args(p: argparse.ArgumentParser, who: str) -> None:
     g.add_argument("--num-actors", type=_positive, metavar="K", help=f"{who} actors (default 2)")
     g.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (default: start a local Ray)")
     g.add_argument("--quarantine", metavar="FILE", help="append bad records here (JSONL)")
+    g.add_argument("--memory-budget", metavar="SIZE",
+                   help="records held read ahead, e.g. 1GiB (default 2GiB; blocks are read in windows of a quarter)")
+    g.add_argument("--max-bad-fraction", type=float, metavar="F",
+                   help="fail the job once more than this share of the records read are bad (default 0.1)")
     g.add_argument("--stats-file", metavar="FILE", help="write the source's counters here as JSON on exit")
     p.add_argument("--state-dir", help="journal here after every round (restartable)")
     p.add_argument("--startup-timeout", type=float, metavar="S",
@@ -236,7 +240,7 @@ def _service_config(args: argparse.Namespace):
     overrides |= _overrides(args, "rank", ("host", "state_dir", "client_grace", "trainer_timeout"),
                             {"client_grace": "client_grace_s", "trainer_timeout": "trainer_timeout_s"})
     overrides |= _overrides(args, "data", ("lengths", "dataset", "num_actors", "ray_address", "quarantine",
-                                           "stats_file"))
+                                           "stats_file", "memory_budget", "max_bad_fraction"))
     overrides |= _overrides(args, "pipeline", ("tokenizer", "template", "vision", "augment"))
     if args.lengths is not None:  # the flag's source replaces the file's, whichever that was
         overrides["data.dataset"] = DROP
@@ -260,7 +264,7 @@ def _service_kwargs(args: argparse.Namespace, cfg, base: int) -> dict:
         cutoff=cfg.pipeline.cutoff, security=cfg.security_object(),
         metrics_port=args.metrics_port if args.metrics_port is not None else cfg.rank.metrics_port_of(base),
         metrics_host=args.metrics_host or cfg.rank.host, trainer_timeout_s=cfg.rank.trainer_timeout_s,
-        startup_timeout_s=cfg.coordinator.startup_timeout_s)
+        startup_timeout_s=cfg.coordinator.startup_timeout_s, source_options=d.source_options())
 
 
 def _rank(args: argparse.Namespace) -> int:
@@ -329,7 +333,8 @@ def _demo(args: argparse.Namespace) -> int:
     summary = run_demo(args.world_size, args.num_samples, args.token_budget, args.policy, args.window, args.depth,
                        args.seed, baseline=not args.no_baseline, progress=progress, synthetic=args.synthetic,
                        dataset=args.dataset, num_actors=args.num_actors, ray_address=args.ray_address,
-                       tokenizer=args.tokenizer, step_time=args.step_time, phases=args.phases)
+                       tokenizer=args.tokenizer, step_time=args.step_time, phases=args.phases,
+                       memory_budget=args.memory_budget, max_bad_fraction=args.max_bad_fraction)
     pre = summary.get("preprocess")
     ok = pre is None or pre["accounting_ok"]
     if not ok:
@@ -351,6 +356,9 @@ def _demo(args: argparse.Namespace) -> int:
               f"quarantined = {pre['records_read']} of {pre['records']} records read; "
               f"{pre['samples_per_s']:.0f} samples/s; trainers waited for data "
               f"{100 * pre['stall_fraction']:.1f}% of their time (slowest rank)")
+        if pre["quarantined"]:
+            reasons = ", ".join(f"{code} {n}" for code, n in sorted(pre["reasons"].items(), key=lambda kv: -kv[1]))
+            print(f"quarantine          {pre['quarantined']} bad records ({reasons}): {pre['quarantine_file']}")
     if "baseline" in summary:
         b = summary["baseline"]
         print(f"fixed batching      {b['wall_s']:.2f}s, {b['steps']} steps of {b['batch_size']}, padding "
@@ -456,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="join this Ray cluster (default: start one local Ray that every rank service joins)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="a tokenizer.json or a Hugging Face tokenizer directory (default: the demo's)")
+    p.add_argument("--memory-budget", default=None, metavar="SIZE",
+                   help="records each rank service holds read ahead, e.g. 1GiB (default 2GiB)")
+    p.add_argument("--max-bad-fraction", type=float, default=None, metavar="F",
+                   help="fail once more than this share of the records read are bad (default 0.1)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_demo)
 

@@ -136,9 +136,11 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
              window: int = 128, depth: int = 4, seed: int = 0, baseline: bool = True, progress=None,
              timeout: float = 900.0, keep_dir: bool = False, synthetic: bool = False, dataset: str | None = None,
              num_actors: int = 2, ray_address: str | None = None, tokenizer: str | None = None,
-             step_time: float = 0.0, phases: int | None = None) -> dict[str, Any]:
+             step_time: float = 0.0, phases: int | None = None, memory_budget: str | None = None,
+             max_bad_fraction: float | None = None) -> dict[str, Any]:
     """Runs the demo; returns the summary dict `batchd demo --json` prints. `step_time`: seconds each batchd
-    trainer sleeps per step (a real model's step time; the job must not mind).
+    trainer sleeps per step (a real model's step time; the job must not mind). `memory_budget`,
+    `max_bad_fraction`: the node agent's [data] keys (None: their defaults).
 
     Ray path (default): `dataset` (None: generate `num_samples` demo records), `num_actors` preprocessing
     actors in all (the same number per rank, at least one each), `ray_address` (None: start a local Ray
@@ -239,7 +241,8 @@ def _vocab_size(tokenizer: str | os.PathLike) -> int:
 
 
 def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
-             t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time=0.0) -> dict[str, Any]:
+             t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time=0.0, memory_budget=None,
+             max_bad_fraction=None) -> dict[str, Any]:
     expected_bad: dict[int, str] | None = None
     if dataset is None:
         demo = make_demo_dataset(work / "data", num_samples=num_samples, seed=seed)
@@ -272,6 +275,10 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
     node_args = ["--dataset", str(dataset), "--tokenizer", str(tok), "--num-actors", str(max(per_rank)),
                  "--ray-address", ray_address, "--quarantine", str(work / "quarantine.jsonl"),
                  "--stats-file", str(work / "stats-{rank}.json")]
+    if memory_budget is not None:
+        node_args += ["--memory-budget", str(memory_budget)]
+    if max_bad_fraction is not None:
+        node_args += ["--max-bad-fraction", str(max_bad_fraction)]
     say(f"starting coordinator and a node agent for {world_size} ranks (L={token_budget}, policy {policy})")
     _, ports = start_node_agents(procs, work, spec, world_size, world_size, None, node_args=node_args)
     say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
@@ -309,7 +316,9 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
         "stall_fraction": summary["stall_fraction"],
         "stall_fraction_per_rank": summary["stall_fraction_per_rank"],
         "reasons": _sum_counts(s["reasons"] for s in stats),
+        "quarantine_file": str(q),
         "retries": sum(s["retries"] for s in stats),
+        "peak_held_bytes": max(s.get("peak_held_bytes", 0) for s in stats),
     }
     pre["accounting_ok"] = (pre["samples"] + pre["quarantined"] == pre["records_read"] == records
                             and pre["samples"] == summary["emitted"] and len(quarantined_ids) == pre["quarantined"])

@@ -69,9 +69,10 @@ from ._simulator import (
     simulate,
     synthetic_token_loss,
 )
+from ._blockview import BlockView
 from ._source import ViewSource, epoch_permutation
 from ._spec import COLLATE, FIELDS, REQUIRED, JobSpec
-from ._types import Sample, Step, StepInfo, check_bool, check_choice, check_int, check_number, check_str
+from ._types import Sample, Step, StepInfo, check_bool, parse_bytes, check_choice, check_int, check_number, check_str
 
 __all__ = sorted([
     "BatchdError", "COLLATE", "CoordinatorError", "FIELDS", "IGNORE_INDEX", "JobFailed", "JobSpec", "REQUIRED",
@@ -80,7 +81,7 @@ __all__ = sorted([
     "SEND_END", "WAIT",
     "Connect", "Coordinator", "CostModel", "Delivery", "Entry", "Liveness", "Policy", "ProtocolError", "RankCommit", "RankReport",
     "RankState", "RoundDecision", "RoundTotals", "Sample", "SimMetrics", "Simulator",
-    "Step", "StepInfo", "ViewSource",
+    "Step", "StepInfo", "ViewSource", "BlockView", "parse_bytes",
     "best_fit_decreasing", "contiguous_greedy", "epoch_permutation", "fixed_chunks", "form_groups",
     "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "parse_lengths", "plan_moves", "plan_round",
     "simulate", "split_largest", "EXCHANGE_KEYS", "PHASES", "Exchange", "exchange_arrays", "ImageRef", "VisionCost", "exchanged", "imbalance", "mean_imbalance",

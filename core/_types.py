@@ -41,6 +41,29 @@ def check_number(name: str, value: Any, gt: float = 0.0) -> float:
     return float(value)
 
 
+def parse_bytes(value: int | str) -> int:
+    """Bytes from an int or a size such as "512MiB", "1GiB", "2GB", "300k" (powers of 1024 for both spellings)."""
+    if isinstance(value, bool):
+        raise ValueError(f"a size must be bytes or a string like '1GiB', got {value=}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"a size must be >= 1 byte, got {value=}")
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+             "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
+             "tib": 1 << 40}
+    num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(num):]
+    try:
+        n = float(num)
+    except ValueError:
+        n = -1.0
+    if unit not in units or n <= 0:
+        raise ValueError(f"a size must be bytes or a number with a unit (k, MiB, GiB, ...), got {value=}")
+    return max(int(n * units[unit]), 1)
+
+
 def check_bool(name: str, value: Any) -> bool:
     """Returns `value` if it is a bool; raises ValueError naming it otherwise (1 and "yes" are not bools)."""
     if not isinstance(value, bool):

@@ -129,7 +129,8 @@ def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_
 
 def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | None = None, num_actors: int = 2,
                     ray_address: str | None = None, quarantine: str | None = None, cutoff: int | None = None,
-                    pipeline: dict | None = None) -> tuple[RaySource, SharedRay]:
+                    pipeline: dict | None = None, source_options: dict | None = None
+                    ) -> tuple[RaySource, SharedRay]:
     """Rank `rank`'s `RaySource` over `dataset` with `default_stages(tokenizer)`, in the job's sampler view,
     and the `SharedRay` it runs on: `(source, shared_ray)`; the caller closes both, the source first.
 
@@ -140,7 +141,8 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
 
     The chain's cutoff is at most the longest length a lone sample may have under the job's budget and
     cost (`max_fitting_length`), so no sample ever reaches the rank's own truncation, which could not
-    cut pixel values consistently (the Truncate stage drops whole images).
+    cut pixel values consistently (the Truncate stage drops whole images). `source_options`: more
+    `RaySource` keywords ([data] `memory_budget`, `max_bad_fraction`).
     """
     limit = max_fitting_length(spec.token_budget, spec.cost_model())
     cutoff = limit if cutoff is None else min(cutoff, limit)
@@ -152,7 +154,8 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
                        who=f"rank {rank}")
     try:
         source = RaySource(records, rank, spec.world_size, spec.seed, 0, spec.shuffle, stages=stages,
-                           num_actors=num_actors, quarantine=quarantine, wrap=spec.mode == "non-join")
+                           num_actors=num_actors, quarantine=quarantine, wrap=spec.mode == "non-join",
+                           **(source_options or {}))
     except BaseException:
         shared.close()
         raise
@@ -191,12 +194,13 @@ def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: st
 def _make_source(spec: JobSpec, rank: int, lengths: list[int] | list[Sample] | None, vocab_size: int,
                  dataset: str | None,
                  tokenizer: str | None, num_actors: int, ray_address: str | None, quarantine: str | None,
-                 cutoff: int | None, pipeline: dict | None) -> tuple[Source, SharedRay | None]:
+                 cutoff: int | None, pipeline: dict | None, source_options: dict | None = None
+                 ) -> tuple[Source, SharedRay | None]:
     """Rank `rank`'s source (module docstring: a dataset through Ray, synthetic lengths, or Ingest pushes)
     and, for a dataset, the `SharedRay` it runs on (the caller closes both, the source first)."""
     if dataset is not None:
         return make_ray_source(spec, rank, dataset, tokenizer, num_actors, ray_address, quarantine, cutoff,
-                               pipeline)
+                               pipeline, source_options)
     if lengths is None:
         return IngestSource(spec.window), None
     images = None
@@ -215,11 +219,11 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
              pipeline: dict | None = None, cutoff: int | None = None,
              security: Security | None = None, metrics_port: int | None = None,
              metrics_host: str = "127.0.0.1", trainer_timeout_s: float = 1800.0,
-             startup_timeout_s: float = 600.0) -> int:
+             startup_timeout_s: float = 600.0, source_options: dict | None = None) -> int:
     if lengths is not None and dataset is not None:
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
     source, shared = _make_source(spec, rank, lengths, vocab_size, dataset, tokenizer, num_actors, ray_address,
-                                  quarantine, cutoff, pipeline)
+                                  quarantine, cutoff, pipeline, source_options)
     ray_source = source if isinstance(source, RaySource) else None
     try:
         return _serve_rank(spec, rank, coordinator, source, host, port, port_file, state_dir, client_grace_s,
@@ -319,7 +323,7 @@ def run_node(spec: JobSpec, ranks: list[int], coordinator: str, lengths: list[in
              ray_address: str | None = None, quarantine: str | None = None, stats_file: str | None = None,
              pipeline: dict | None = None, cutoff: int | None = None, security: Security | None = None,
              metrics_port: int | None = None, metrics_host: str = "127.0.0.1", trainer_timeout_s: float = 1800.0,
-             startup_timeout_s: float = 600.0) -> int:
+             startup_timeout_s: float = 600.0, source_options: dict | None = None) -> int:
     """`batchd node`: serves `ranks` (one `RankServiceCore` each, one gRPC server, one coordinator stream)
     until every one of its trainers took the job's last step, or the job failed. Sources as for
     `run_rank`, one per rank (`num_actors` actors per rank; `stats_file` gets `{rank}` filled in or, without
@@ -338,7 +342,7 @@ def run_node(spec: JobSpec, ranks: list[int], coordinator: str, lengths: list[in
     try:
         for r in ranks:
             sources[r], ray_handle = _make_source(spec, r, lengths, vocab_size, dataset, tokenizer, num_actors,
-                                                  ray_address, quarantine, cutoff, pipeline)
+                                                  ray_address, quarantine, cutoff, pipeline, source_options)
             if ray_handle is not None:
                 shared.append(ray_handle)
         return _serve_node(spec, ranks, coordinator, name, sources, host, port, advertise, port_file, state_dir,

@@ -78,6 +78,7 @@ from .preprocess import (
     EXHAUSTED,
     Payload,
     Source,
+    TooManyBadRecords,
     loss_tokens_of,
     missing_source_members,
     resolve_many,
@@ -361,6 +362,10 @@ class RankServiceCore:
             if exc.code != grpc.StatusCode.ABORTED and not self._stop.is_set():  # not the job's failure: tell it
                 self.coord.fail(str(exc))
             self.set_failure(str(exc))
+        except TooManyBadRecords as exc:  # the data's failure, not the service's: no traceback
+            msg = str(exc)
+            self.coord.fail(msg)
+            self.set_failure(msg)
         except Exception as exc:  # noqa: BLE001 - any bug must reach the trainer and the job, not vanish
             if self._stop.is_set():  # stopped mid-round: its channels are closing under it, not a crash
                 log.debug("rank %d loop ended by stop(): %s: %s", self.rank, type(exc).__name__, exc)

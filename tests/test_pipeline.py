@@ -13,7 +13,6 @@ import time
 import numpy as np
 import pytest
 
-from batchd.core import ViewSource
 from batchd.preprocess import (
     EXHAUSTED,
     ChatTemplate,
@@ -166,8 +165,7 @@ def test_start_epoch_gives_the_next_epochs_view_with_cumulative_counters(pool, d
 
 def test_wrap_mode_starts_a_new_pass_and_resumes_in_it(pool, demo):
     src = RaySource(None, 1, 4, seed=0, epoch=0, pool=pool, wrap=True, max_in_flight=8)
-    view = ViewSource(NUM, 1, 4, seed=0, epoch=0, shuffle=True)
-    good = [i for i in iter(view.next, None) if i not in demo.bad]
+    good = [i for i in src.view.ids() if i not in demo.bad]
     items = drain(src, limit=len(good) + 10)
     ids = [s.id for s, _ in items]
     assert ids[: len(good)] == good and len(set(ids[len(good):])) == 10
@@ -222,7 +220,6 @@ def test_rank_services_on_ray_sources_run_several_epochs(pool, demo):
     """Two in-process rank services read RaySources on one pool through a 2-epoch balanced job: every good
     record reaches a trainer exactly once per epoch, and each source's counters cover both epochs."""
     from _jobs import InProcessJob
-
     from batchd.core import JobSpec
 
     spec = JobSpec(world_size=2, token_budget=2048, policy="balanced", window=16, depth=3, seed=2, epochs=2)

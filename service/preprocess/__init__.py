@@ -10,7 +10,9 @@
 
 Private modules, one concern each (`_chain` is the one that imports every stage):
     records    `_files` (paths, URIs, formats), `_schema` (`SchemaError`), `_quarantine` (`Reject`,
-               `Quarantine`), `_parse` (one record), `_dataset` (`RecordDataset`)
+               `Quarantine`, `TooManyBadRecords`), `_parse` (one record), `_jsonl_index` (JSONL byte
+               offsets, cached), `_dataset` (`RecordDataset`: metadata and blocks), `_reader`
+               (`BlockReader`: a rank's blocks, read ahead within a budget)
     stages     `_tokenizer`, `_stage` (the stage contract), `_augment`, `_text` (template, tokenize,
                truncate), `_vision` (images, visual tokens), `_chain` (`default_stages`, `Preprocessor`)
     Ray        `_ray` (connect, `resolve`), `_pool` (the actor pool), `_ray_source` (`RaySource`)
@@ -21,13 +23,15 @@ Imports only `batchd.core`: the rank service builds on it, never the other way.
 
 from ._augment import RandomResizedCrop, SystemPrompt, TurnSubsample
 from ._chain import Preprocessor, SampleMeta, default_stages
-from ._dataset import EmptyDatasetError, RecordDataset, iter_records
+from ._dataset import Block, EmptyDatasetError, RecordDataset, iter_records, parse_item
+from ._jsonl_index import line_index
 from ._demo_data import DemoDataset, demo_bad_ids, demo_record, demo_records, make_demo_dataset
 from ._parse import Record, parse_record
 from ._pool import PreprocessPool, PreprocessWorker
-from ._quarantine import Quarantine, Reject
+from ._quarantine import Quarantine, Reject, TooManyBadRecords
 from ._ray import SharedRay, ensure_ray, resolve, resolve_many, share_ray
-from ._ray_source import RaySource
+from ._ray_source import DEFAULT_MAX_BAD_FRACTION, DEFAULT_MEMORY_BUDGET, RaySource
+from ._reader import BlockReader
 from ._schema import SchemaError
 from ._sources import (
     EXHAUSTED,
@@ -58,5 +62,6 @@ __all__ = sorted([
     "SampleMeta", "SchemaError", "Stage", "StageContext", "SystemPrompt", "Tokenize", "TokenizerRef", "Truncate",
     "TurnSubsample", "default_stages", "demo_records", "demo_tokenizer", "ensure_ray", "iter_records",
     "make_demo_dataset", "parse_record", "resolve", "resolve_many", "resolve_stage", "smart_resize",
-    "train_tokenizer",
+    "train_tokenizer", "Block", "BlockReader", "DEFAULT_MAX_BAD_FRACTION", "DEFAULT_MEMORY_BUDGET",
+    "TooManyBadRecords", "line_index", "parse_item",
 ])

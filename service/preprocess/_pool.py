@@ -1,9 +1,10 @@
 """The preprocessing actor pool: `PreprocessPool`, N Ray actors (`PreprocessWorker`) running one stage chain.
 
-The pool puts the dataset's tables in the object store once; each actor fetches them and builds the
-chain, then runs tasks of a few sample ids: per task it returns [metadata list, payload_1, ...,
-payload_k], one object per sample, so payloads stay in the store and move as references. Seed and epoch
-travel with each task, so several `RaySource`s (ranks, epochs, seeds) may share a pool.
+Actors hold no dataset: the rank's `RaySource` reads its records (by blocks, `BlockReader`) and sends
+each task its records' raw items (`RecordDataset.items`); each actor builds the chain once and runs tasks
+of a few samples: per task it returns [metadata list, payload_1, ..., payload_k], one object per sample,
+so payloads stay in the store and move as references. Seed and epoch travel with each task, so several
+`RaySource`s (ranks, epochs, seeds) may share a pool.
 
 Why an actor pool of our own rather than Ray Data (`map_batches` with an actor pool strategy):
 batchd needs per-sample control that Ray Data's streaming executor does not expose.
@@ -18,8 +19,8 @@ batchd needs per-sample control that Ray Data's streaming executor does not expo
 - Faults at sample granularity: an actor that dies costs only its in-flight tasks, which are resubmitted
   (split into single samples, so a record that crashes the worker is isolated and quarantined after
   `max_attempts`, instead of being retried forever); Python errors in a stage quarantine one record.
-What it costs: no autoscaling of the pool and no locality-aware block scheduling (the tables are
-shared through the object store).
+What it costs: no autoscaling of the pool; a record's raw bytes cross from the reading rank to an actor
+(on the same node by default, see Placement).
 
 Placement: by default a pool's actors are pinned, softly, to the node of the process that creates it
 (`NodeAffinitySchedulingStrategy(node_id, soft=True, _spill_on_unavailable=True)`), so a node agent's
@@ -33,13 +34,14 @@ opts out (Ray's default placement, e.g. to spread a big pool over the cluster); 
 a `scheduling_strategy` overrides both. Each actor reports the node it runs on (`stats`, `actor_nodes`).
 
 Fault model, the pool's part: actors are created with `max_restarts=-1` and `max_task_retries=0`: Ray
-restarts a dead actor (its __init__ fetches the shared tables again); resubmitting the tasks that died
+restarts a dead actor (its __init__ builds the chain again); resubmitting the tasks that died
 with it is the caller's (`RaySource`). `submit`'s probe tells whether a dead task was the one executing.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -49,39 +51,35 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ._chain import Preprocessor, default_stages
-from ._dataset import DatasetHandle, RecordDataset
+from ._dataset import RecordDataset, parse_item
 from ._quarantine import Reject
 from ._ray import ensure_ray
 from ._sources import payload_nbytes
 
 
 class PreprocessWorker:
-    """The actor: reads records from the shared tables and runs the chain (one task = a few samples)."""
+    """The actor: parses the records it is sent and runs the chain (one task = a few samples)."""
 
     def __init__(self, args: list[ray.ObjectRef]) -> None:
-        handle, stages = ray.get(args[0])
-        tables = [ray.get(t) if isinstance(t, ray.ObjectRef) else t for t in handle.tables]
-        self.handle: DatasetHandle = handle.with_tables(tables)
-        self.pre = Preprocessor(stages)
+        self.pre = Preprocessor(ray.get(args[0]))
         self.pre.setup()
         self.node_id = ray.get_runtime_context().get_node_id()
         self.processed = 0
         self.busy_s = 0.0
         self.cpu_s = 0.0
 
-    def process(self, ids: Sequence[int], epoch: int, seed: int) -> list[Any]:
-        """[metadata per sample, payload per sample...].
+    def process(self, items: Sequence[tuple[int, str, str, Any]], epoch: int, seed: int) -> list[Any]:
+        """[metadata per sample, payload per sample...] for `items` = (id, source, base_dir, raw) each
+        (`RecordDataset.items`).
 
         metadata = (length, loss, text, vision, reason, nbytes, images): nbytes = `payload_nbytes(payload)`,
         images = ((patches, tokens) per image).
         """
         t0, c0 = time.perf_counter(), time.process_time()
         metas, payloads = [], []
-        for i in ids:
+        for i, source, base_dir, raw in items:
             try:
-                k, _ = self.handle.locate(i)
-                meta, payload = self.pre(self.handle.record(i), i, epoch, self.handle.source(i),
-                                         self.handle.files[k].base_dir, seed)
+                meta, payload = self.pre(parse_item(raw, source, base_dir), i, epoch, source, base_dir, seed)
                 metas.append((meta.length, meta.loss_tokens, meta.text_tokens, meta.vision_tokens, None,
                               payload_nbytes(payload), meta.images))
                 payloads.append(payload)
@@ -91,7 +89,7 @@ class PreprocessWorker:
             except Exception as exc:
                 metas.append((0, 0, 0, 0, f"stage_error: {type(exc).__name__}: {exc}", 0, ()))
                 payloads.append(None)
-        self.processed += len(ids)
+        self.processed += len(items)
         self.busy_s += time.perf_counter() - t0
         self.cpu_s += time.process_time() - c0
         return [metas, *payloads]
@@ -101,7 +99,8 @@ class PreprocessWorker:
 
     def stats(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "node_id": self.node_id, "processed": self.processed,
-                "busy_s": self.busy_s, "cpu_s": self.cpu_s}
+                "busy_s": self.busy_s, "cpu_s": self.cpu_s,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def affinity_node(node_id: str | None) -> str | None:
@@ -142,11 +141,9 @@ class PreprocessPool:
         self.stages = list(default_stages() if stages is None else stages)
         Preprocessor(self.stages)  # fail fast, here, on a stage that cannot be imported or built
         ensure_ray(ray_address)
-        handle = self.dataset.handle()
-        self._table_refs = [ray.put(t) for t in handle.tables]
         # The constructor arguments stay referenced by the pool for its lifetime, so a restarted actor
         # can always fetch them again (they are passed nested, and fetched by the actor itself).
-        self._args_ref = ray.put((handle.with_tables(self._table_refs), self.stages))
+        self._args_ref = ray.put(self.stages)
         options = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": actor_num_cpus}
         self.node_id = affinity_node(node_id) if "scheduling_strategy" not in (actor_options or {}) else None
         if self.node_id is not None:
@@ -173,9 +170,9 @@ class PreprocessPool:
     def num_actors(self) -> int:
         return len(self.actors)
 
-    def submit(self, ids: Sequence[int], epoch: int, seed: int, mode: str = "normal"
+    def submit(self, items: Sequence[tuple[int, str, str, Any]], epoch: int, seed: int, mode: str = "normal"
                ) -> tuple[int, list[ray.ObjectRef], ray.ObjectRef | None] | None:
-        """Sends `ids` to an actor: (actor index, [metadata ref, payload refs...], probe) or None if refused.
+        """Sends `items` (`RecordDataset.items`) to an actor: (actor index, [metadata ref, payload refs...], probe) or None if refused.
 
         mode "normal": the least loaded actor; refused while a source waits for an idle actor (`hold`).
         mode "isolated": only an idle actor (nothing queued ahead), else refused.
@@ -197,10 +194,10 @@ class PreprocessPool:
                 return None
             else:
                 k = min(range(len(self.actors)), key=self.loads.__getitem__)
-            alone = self.loads[k] == 0 and len(ids) == 1
+            alone = self.loads[k] == 0 and len(items) == 1
             self.loads[k] += 1
         probe = self.actors[k].ping.remote() if alone else None  # actor tasks run in submission order
-        refs = self.actors[k].process.options(num_returns=len(ids) + 1).remote(list(ids), epoch, seed)
+        refs = self.actors[k].process.options(num_returns=len(items) + 1).remote(list(items), epoch, seed)
         # Released when the task really ends (result or failure), whoever reads it and whenever.
         refs[0].future().add_done_callback(lambda _f, k=k: self._release(k))
         return k, refs, probe
@@ -227,7 +224,7 @@ class PreprocessPool:
 
     def stats(self, timeout: float = 10.0) -> list[dict[str, Any]]:
         """Per actor: pid, node_id (the Ray node it runs on), samples processed, busy (wall) and CPU seconds
-        inside `process`, since its last start."""
+        inside `process`, since its last start, and its peak resident memory (`peak_rss_bytes`)."""
         return ray.get([a.stats.remote() for a in self.actors], timeout=timeout)
 
     def actor_nodes(self, timeout: float = 10.0) -> list[str]:

@@ -96,3 +96,19 @@ class Quarantine:
         """The lines of a quarantine file."""
         with open(path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]
+
+
+class TooManyBadRecords(RuntimeError):
+    """More than `max_bad_fraction` of the records a rank read were bad: the job stops (names the counts,
+    the reasons and the quarantine file)."""
+
+    def __init__(self, rank: int, bad: int, read: int, max_bad_fraction: float, reasons: Mapping[str, int],
+                 path: str | None) -> None:
+        self.rank, self.bad, self.read, self.max_bad_fraction = rank, bad, read, max_bad_fraction
+        self.reasons, self.path = dict(reasons), path
+        top = ", ".join(f"{code} {n}" for code, n in sorted(self.reasons.items(), key=lambda kv: (-kv[1], kv[0])))
+        where = f"see {path}" if path else "no quarantine file was given ([data] quarantine)"
+        super().__init__(
+            f"rank {rank}: {bad} of {read} records read ({100 * bad / read:.1f}%) are bad, more than "
+            f"[data] max_bad_fraction = {max_bad_fraction:g}; by reason: {top}; {where}. Fix the data, or "
+            f"raise max_bad_fraction to train on the rest")

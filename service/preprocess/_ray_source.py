@@ -1,10 +1,22 @@
 """`RaySource`: rank r's stream of preprocessed samples, from its sampler view through a `PreprocessPool`.
 
-    RecordDataset (pyarrow) --ray.put once--> PreprocessPool: N actors, each with the tables and the chain
-        ^ ids, epoch, seed (tiny task args)          |  per task: [metadata list, payload_1, ..., payload_k]
-        |                                            v  (one object per sample; payloads stay in the store)
-    RaySource(rank r): its ViewSource of the epoch, at most `max_in_flight` samples outstanding,
+    RecordDataset (metadata) --> BlockReader (rank r's blocks, read ahead within memory_budget / 2)
+        | raw records of a few ids, epoch, seed      PreprocessPool: N actors, each with the chain
+        v                                            |  per task: [metadata list, payload_1, ..., payload_k]
+    RaySource(rank r): its BlockView of the epoch,   v  (one object per sample; payloads stay in the store)
+        at most `max_in_flight` samples outstanding,
         poll() -> (Sample, ObjectRef to the payload dict) | None | EXHAUSTED, quarantine for bad records
+
+Reading: the rank reads only its own view, block by block (`BlockView`: its share of the epoch's shuffled
+blocks, in windows of at most memory_budget / 4 bytes of blocks whose rows are shuffled together). The
+reader holds the window being dispatched and reads the next one ahead: at most memory_budget / 2 bytes of
+records (the rest of the budget is the process's own and its batches'). A block alone larger than a
+window fails at start, naming file and block.
+
+Bad records: each one is quarantined with its reason. Once more than `max_bad_fraction` of the records
+read are bad (counting at least `MIN_JUDGED` records read, so a few bad ones early are not yet a share),
+or a view ends with bad records and no good one, `poll` raises `TooManyBadRecords`, which fails the job
+with the counts by reason and the quarantine file.
 
 Only metadata (id, realized length, loss tokens, per-modality counts, payload bytes) reaches the
 caller's process eagerly; `resolve(payload)` fetches the payload dict at collate time (a balanced plan
@@ -32,17 +44,22 @@ from typing import Any
 
 import numpy as np
 import ray
-
-from batchd.core import Sample, ViewSource
+from batchd.core import BlockView, Sample, parse_bytes
 
 from ._dataset import RecordDataset
 from ._pool import PreprocessPool
-from ._quarantine import Quarantine
+from ._quarantine import Quarantine, TooManyBadRecords
+from ._reader import BlockReader
 from ._sources import EXHAUSTED
 
 log = logging.getLogger("batchd.preprocess")
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+DEFAULT_MEMORY_BUDGET = 2 << 30
+DEFAULT_MAX_BAD_FRACTION = 0.1
+MIN_JUDGED = 100
+
+
 
 
 _FLIGHT, _READY, _DONE = 0, 1, 2
@@ -75,7 +92,7 @@ class RaySource:
 
     Args:
         dataset: A RecordDataset or paths (None when `pool` is given: the pool's dataset).
-        rank, world_size, seed, epoch, shuffle, wrap: The view (`batchd.core.ViewSource`).
+        rank, world_size, seed, epoch, shuffle, wrap: The view (`batchd.core.BlockView`).
         stages: The chain when this source builds its own pool (None = `default_stages()`).
         num_actors: Actors of its own pool (ignored with `pool`).
         pool: A shared `PreprocessPool` (not closed by `close()`).
@@ -87,6 +104,10 @@ class RaySource:
         quarantine: A Quarantine, a JSONL path for one, or None (counts only).
         max_attempts: Actor deaths a sample may see before it is quarantined as `worker_crashed`.
         payload: "ref" (default) or "dict".
+        memory_budget: Bytes (or a size like "1GiB") bounding what this source holds: blocks are read in
+            windows of at most a quarter of it, and at most half of it is held (module docstring).
+        max_bad_fraction: The share of bad records read above which `poll` raises `TooManyBadRecords`
+            (0..1; 1 never fails).
         ray_address, actor_num_cpus: For its own pool (see PreprocessPool).
         node_id: Where its own pool's actors run, softly (see PreprocessPool): None (default) = the node
             of this process, so a node agent's actors land on its own node; a hex node id = that node;
@@ -99,13 +120,23 @@ class RaySource:
                  max_in_flight: int | None = None, chunk_size: int = 8, ordered: bool = True, wrap: bool = False,
                  quarantine: Quarantine | str | os.PathLike | None = None, max_attempts: int = 3,
                  payload: str = "ref", ray_address: str | None = None, actor_num_cpus: float = 1.0,
-                 node_id: str | None = None) -> None:
+                 node_id: str | None = None, memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
+                 max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION) -> None:
         if payload not in ("ref", "dict"):
             raise ValueError(f"payload must be 'ref' or 'dict', got {payload=}")
         if wrap and not ordered:
             raise ValueError("wrap=True (non-join mode) needs ordered=True: peek_id must name the next sample")
         if chunk_size < 1 or max_attempts < 1:
             raise ValueError(f"chunk_size and max_attempts must be >= 1, got {chunk_size=} {max_attempts=}")
+        if isinstance(max_bad_fraction, bool) or not 0.0 <= float(max_bad_fraction) <= 1.0:
+            raise ValueError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction=}")
+        self.memory_budget = parse_bytes(memory_budget)
+        self.max_bad_fraction = float(max_bad_fraction)
+        if pool is None and dataset is not None and not isinstance(dataset, RecordDataset):
+            dataset = RecordDataset(dataset)
+        probe = pool.dataset if pool is not None else dataset
+        if isinstance(probe, RecordDataset):
+            check_blocks(probe, self.memory_budget // 4)
         if pool is None:
             if dataset is None:
                 raise ValueError("RaySource needs a dataset or a pool")
@@ -127,7 +158,10 @@ class RaySource:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight=}")
         self.fetch_payloads = payload == "dict"
         self.quarantine = quarantine if isinstance(quarantine, Quarantine) else Quarantine(quarantine)
-        self.view = ViewSource(len(self.dataset), rank, world_size, seed, epoch, shuffle, wrap)
+        self.view = BlockView(self.dataset.block_rows, self.dataset.block_bytes, rank, world_size, seed, epoch,
+                              shuffle, wrap, window_bytes=self.memory_budget // 4)
+        self.reader = BlockReader(self.dataset, self.memory_budget // 2)
+        self._want_window = -1
         self._lock = threading.RLock()
         self._reset(0, set())
         self.emitted = 0
@@ -182,7 +216,10 @@ class RaySource:
         return seq
 
     def _submit(self, seqs: list[int], mode: str = "normal") -> bool:
-        sent = self.pool.submit([self._entries[s].id for s in seqs], self.epoch, self.seed, mode)
+        if mode == "normal" and self.pool._holds > 0:  # refused anyway: do not read for nothing
+            return False
+        items = self.reader.items([self._entries[s].id for s in seqs])
+        sent = self.pool.submit(items, self.epoch, self.seed, mode)
         if sent is None:
             return False
         actor, refs, probe = sent
@@ -194,7 +231,19 @@ class RaySource:
             self._holding = on
             self.pool.hold(on)
 
+    def _read_ahead(self) -> None:
+        """Tells the reader the blocks of the window the view reads from next and of the one after."""
+        if self.view.exhausted():
+            return
+        n = len(self.view)
+        w = self.view.window_of(self.view.position) if self.view.position < n else 0
+        if w != self._want_window:
+            self._want_window = w
+            nxt = w + 1 if w + 1 < len(self.view.windows) else (0 if self.wrap else -1)
+            self.reader.want(self.view.window_blocks(w) + self.view.window_blocks(nxt))
+
     def _top_up(self) -> None:
+        self._read_ahead()
         # Samples whose actor died are rerun one at a time on an idle actor, so a crash is charged only
         # to the sample that was executing (see _finish); new work waits until they are all sent.
         while self._suspects and self._submit([self._suspects[0]], "isolated"):
@@ -212,6 +261,7 @@ class RaySource:
                     break
                 batch: list[int] = []
                 while len(batch) < min(room, self.chunk_size) and not self.view.exhausted():
+                    self._read_ahead()
                     seq = self._pull()
                     if seq is not None:
                         batch.append(seq)
@@ -234,6 +284,20 @@ class RaySource:
         self._resolve_done(seq)
         self.reasons[Quarantine.code_of(reason)] += 1
         self.quarantine.add(e.id, self.dataset.source(e.id), reason, self.epoch)
+        self._judge(final=False)
+
+    def _judge(self, final: bool) -> None:
+        """Raises TooManyBadRecords once the bad records pass `max_bad_fraction` of those read (counted as
+        at least `MIN_JUDGED`: a few bad records early in a view are not yet a share), or when a finished
+        view had bad records and no good one."""
+        bad, read = self.quarantined, self.records_read + sum(
+            1 for e in self._entries.values() if e.status == _READY)
+        if self.max_bad_fraction >= 1.0 or not bad:
+            return
+        if bad <= self.max_bad_fraction * max(read, MIN_JUDGED) and not (final and bad == read):
+            return
+        raise TooManyBadRecords(self.rank, bad, read, self.max_bad_fraction, dict(self.reasons),
+                                str(self.quarantine.path) if self.quarantine.path is not None else None)
 
     def _collect(self, wait: float) -> None:
         refs = list(self._tasks)
@@ -326,6 +390,7 @@ class RaySource:
                     return item
                 if self._finished():
                     self._t_last = self._t_last or time.perf_counter()
+                    self._judge(final=True)
                     return EXHAUSTED
                 remaining = deadline - time.monotonic()
                 if collected and remaining <= 0:
@@ -362,7 +427,7 @@ class RaySource:
             tasks = []
             for k in range(0, len(todo), self.chunk_size):
                 chunk = todo[k:k + self.chunk_size]
-                tasks.append((chunk, self.pool.submit(chunk, self.epoch, self.seed, "force")[1]))
+                tasks.append((chunk, self.pool.submit(self.reader.items(chunk), self.epoch, self.seed, "force")[1]))
             failed: list[int] = []
             bad: list[str] = []
             for chunk, refs in tasks:
@@ -407,6 +472,7 @@ class RaySource:
             self.view.load_state_dict(state["view"])
             n = len(self.view)
             low = self.view.passes * n + self.view.position if self.wrap else self.view.position
+            self._want_window = -1
             self._reset(low, {low + int(d) for d in state["resolved_ahead"]})
             self.emitted = int(state["emitted"])
             self.reasons = collections.Counter({str(k): int(v) for k, v in state["reasons"].items()})
@@ -422,7 +488,7 @@ class RaySource:
         reason), samples/s, time poll waited."""
         wall = (self._t_last or time.perf_counter()) - self._t_first if self._t_first else 0.0
         return {"actors": self.pool.num_actors, "node_id": self.pool.node_id or "", "samples": self.emitted,
-                "quarantined": self.quarantined,
+                "quarantined": self.quarantined, **self.reader.stats(), "windows": len(self.view.windows),
                 "reasons": dict(self.reasons), "records_read": self.records_read, "retries": self.retries,
                 "wall_s": wall, "samples_per_s": self.emitted / wall if wall > 0 else 0.0, "poll_wait_s": self.wait_s}
 
@@ -433,12 +499,14 @@ class RaySource:
         with self._lock:
             self.epoch = epoch
             self.view = self.view.for_epoch(epoch)
+            self._want_window = -1
             self._reset(0, set())
 
     def close(self) -> None:
         """Drops outstanding work; closes the pool if this source created it."""
         with self._lock:
             self._reset(self._low, set())
+            self.reader.close()
             if self._own_pool:
                 self.pool.close()
 
@@ -447,3 +515,16 @@ class RaySource:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def check_blocks(dataset: RecordDataset, window_bytes: int) -> None:
+    """Raises ValueError naming file and block when one block alone is larger than a window."""
+    big = max(dataset.blocks, key=lambda b: b.nbytes)
+    if big.nbytes > window_bytes:
+        info = dataset.files[big.file]
+        unit = {"parquet": "row group", "arrow": "record batch", "jsonl": "block of lines"}[info.format]
+        raise ValueError(
+            f"{info.path}: {unit} {big.index} holds {big.nbytes / 2**20:.0f} MiB once read, more than a quarter "
+            f"of the memory budget ({4 * window_bytes / 2**20:.0f} MiB), the most one read-ahead window may "
+            f"hold: rewrite the file with smaller {unit}s (e.g. pyarrow.parquet.write_table(row_group_size=...)) "
+            f"or raise [data] memory_budget")
