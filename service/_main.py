@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import signal
 import socket
 import threading
@@ -164,8 +165,9 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
 
 def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: str | None = None,
                  fetched: dict[str, int] | None = None) -> None:
-    """Writes `source`'s counters (`Source.stats()`), its view's size, its pool's actor time and the Ray
-    node each actor runs on (`actor_nodes`) to `path` as JSON; a node agent adds its rank's moved-sample
+    """Writes `source`'s counters (`Source.stats()`), its view's size, this process's peak resident memory
+    (`peak_rss_bytes`: a node agent's, all its ranks together), its pool's actor time, the Ray node each
+    actor runs on (`actor_nodes`) and each actor's peak resident memory to `path` as JSON; a node agent adds its rank's moved-sample
     counts (`fetched`: `fetched_local`, `fetched_remote`, as RankStatus reports them).
 
     Only a `RaySource` has a view of known size and actors; the actor counters are best effort (a dead
@@ -173,7 +175,8 @@ def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: st
     """
     if not path:
         return
-    stats = {"rank": rank, **source.stats(), "view": len(source)}
+    stats = {"rank": rank, **source.stats(), "view": len(source),
+             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if ray_address is not None:
         stats["ray_address"] = ray_address
     for kind, n in (fetched or {}).items():
@@ -183,6 +186,7 @@ def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: st
         stats["actor_busy_s"] = sum(a["busy_s"] for a in actors)
         stats["actor_cpu_s"] = sum(a["cpu_s"] for a in actors)
         stats["actor_nodes"] = [a["node_id"] for a in actors]
+        stats["actor_peak_rss_bytes"] = [a["peak_rss_bytes"] for a in actors]
     except Exception as exc:  # noqa: BLE001 - counters are best effort; the sample counts above are exact
         log.warning("rank %d: no actor stats: %s", rank, exc)
     p = Path(path)
