@@ -176,7 +176,8 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
         else:
             ray_started = ray_address is None
             summary = _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say,
-                               timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time)
+                               timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time,
+                               memory_budget, max_bad_fraction)
         summary["phases"] = phases
         return summary
     except BaseException:
@@ -188,12 +189,20 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
             procs.stop()
             if ray_started:
                 ray.shutdown()
+            if (work / "quarantine.jsonl").exists():  # the bad records outlive the demo's directory
+                shutil.copyfile(work / "quarantine.jsonl", kept_quarantine(work))
+                say(f"bad records (quarantine): {kept_quarantine(work)}")
             if not keep_dir:
                 shutil.rmtree(work, ignore_errors=True)
         finally:
             if reaper is not None:
                 reaper.close()
             signals.restore()
+
+
+def kept_quarantine(work: Path) -> Path:
+    """Where the demo leaves its quarantine file (beside its temporary directory, which it removes)."""
+    return work.with_name(work.name + "-quarantine.jsonl")
 
 
 def _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
@@ -316,7 +325,7 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
         "stall_fraction": summary["stall_fraction"],
         "stall_fraction_per_rank": summary["stall_fraction_per_rank"],
         "reasons": _sum_counts(s["reasons"] for s in stats),
-        "quarantine_file": str(q),
+        "quarantine_file": str(kept_quarantine(work)),
         "retries": sum(s["retries"] for s in stats),
         "peak_held_bytes": max(s.get("peak_held_bytes", 0) for s in stats),
     }

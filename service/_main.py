@@ -84,6 +84,16 @@ def _stop_event() -> threading.Event:
     return stop
 
 
+def _linger_until_told(cores, stop: threading.Event, grace_s: float) -> None:
+    """After the job failed: stays LINGER_S, then until every rank's trainer heard why (ABORTED, or a
+    RankStatus that said it), at most `grace_s`: a trainer still starting when the job failed would find
+    no service and wait out its start-up timeout instead of failing with the message that names the cause."""
+    deadline = time.monotonic() + max(grace_s, LINGER_S)
+    stop.wait(LINGER_S)
+    while not all(c.failure_told for c in cores) and time.monotonic() < deadline and not stop.wait(0.2):
+        pass
+
+
 def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_file: str | None = None,
                     lease_s: float = 60.0, startup_timeout_s: float = 600.0,
                     security: Security | None = None, metrics_port: int | None = None,
@@ -271,7 +281,7 @@ def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source: Source, host
                 finished = core.finished and core.delivery.holder is None
             if failed:
                 status = 1
-                stop.wait(LINGER_S)
+                _linger_until_told([core], stop, client_grace_s)
                 break
             if finished:
                 finished_at = finished_at or time.monotonic()
@@ -408,7 +418,7 @@ def _serve_node(spec: JobSpec, ranks: list[int], coordinator: str, name: str, so
         while not stop.wait(0.2):
             if agent.failure is not None:
                 status = 1
-                stop.wait(LINGER_S)
+                _linger_until_told(list(agent.cores.values()), stop, client_grace_s)
                 break
             if agent.finished:
                 finished_at = finished_at or time.monotonic()

@@ -67,6 +67,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
         try:
             outcome = core.connect(stream, int(first.epoch), int(first.start_step), int(first.credits))
         except RuntimeError as exc:
+            core.failure_told = core.failure is not None
             context.abort(grpc.StatusCode.ABORTED, str(exc))
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank {core.rank}: {exc}")
@@ -92,6 +93,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
             try:
                 item = core.next_item(stream)
             except RuntimeError as exc:
+                core.failure_told = core.failure is not None
                 context.abort(grpc.StatusCode.ABORTED, str(exc))
             except ConnectionAbortedError:
                 return
@@ -196,6 +198,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
         core = self._pick(int(request.rank) if request.HasField("rank") else None, context, "RankStatus")
         with core.cond:
             state = "failed" if core.failure else ("done" if core.done else "running")
+            core.failure_told = core.failure_told or bool(core.failure)
             return pb.RankStatusReply(
                 rank=core.rank, buffered=len(core.state.buffer), ready=len(core.delivery.ready),
                 next_step=core.state.step, round=core.state.round, state=state,

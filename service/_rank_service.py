@@ -219,6 +219,7 @@ class RankServiceCore:
         self.finished = False  # the coordinator knows this rank's trainer took the job's last step
         self.restored_finished = False  # restored from a journal written after the job's last end
         self.failure: str | None = None
+        self.failure_told = False  # the trainer heard the failure (ABORTED, or a RankStatus that said it)
         self.address = ""
         self.peers: list[str] = []
         self.local_peers: dict[int, RankServiceCore] = {}  # the other ranks of this node agent, in process
@@ -363,9 +364,8 @@ class RankServiceCore:
                 self.coord.fail(str(exc))
             self.set_failure(str(exc))
         except TooManyBadRecords as exc:  # the data's failure, not the service's: no traceback
-            msg = str(exc)
-            self.coord.fail(msg)
-            self.set_failure(msg)
+            self.coord.fail(str(exc))  # (the coordinator names the rank)
+            self.set_failure(f"rank {self.rank}: {exc}")
         except Exception as exc:  # noqa: BLE001 - any bug must reach the trainer and the job, not vanish
             if self._stop.is_set():  # stopped mid-round: its channels are closing under it, not a crash
                 log.debug("rank %d loop ended by stop(): %s: %s", self.rank, type(exc).__name__, exc)

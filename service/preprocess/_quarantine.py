@@ -109,6 +109,6 @@ class TooManyBadRecords(RuntimeError):
         top = ", ".join(f"{code} {n}" for code, n in sorted(self.reasons.items(), key=lambda kv: (-kv[1], kv[0])))
         where = f"see {path}" if path else "no quarantine file was given ([data] quarantine)"
         super().__init__(
-            f"rank {rank}: {bad} of {read} records read ({100 * bad / read:.1f}%) are bad, more than "
+            f"{bad} of the {read} records this rank read ({100 * bad / read:.1f}%) are bad, more than "
             f"[data] max_bad_fraction = {max_bad_fraction:g}; by reason: {top}; {where}. Fix the data, or "
             f"raise max_bad_fraction to train on the rest")
