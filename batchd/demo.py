@@ -136,13 +136,16 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
              window: int = 128, depth: int = 4, seed: int = 0, baseline: bool = True, progress=None,
              timeout: float = 900.0, keep_dir: bool = False, synthetic: bool = False, dataset: str | None = None,
              num_actors: int = 2, ray_address: str | None = None, tokenizer: str | None = None,
-             step_time: float = 0.0, phases: int | None = None) -> dict[str, Any]:
+             step_time: float = 0.0, phases: int | None = None,
+             processor: str | None = None) -> dict[str, Any]:
     """Runs the demo; returns the summary dict `batchd demo --json` prints. `step_time`: seconds each batchd
     trainer sleeps per step (a real model's step time; the job must not mind).
 
     Ray path (default): `dataset` (None: generate `num_samples` demo records), `num_actors` preprocessing
     actors in all (the same number per rank, at least one each), `ray_address` (None: start a local Ray
-    here, which the node agent joins), `tokenizer` (None: the demo tokenizer). `synthetic=True`:
+    here, which the node agent joins), `tokenizer` (None: the demo tokenizer), `processor` (a Hugging Face
+    processor directory whose `HFProcessor` replaces the built-in template/tokenizer/vision stages; its
+    tokenizer sizes the model unless `tokenizer` is given). `synthetic=True`:
     synthetic samples, no Ray.
 
     `phases` (None: 2 for the image data of the Ray path under policy balanced, else 1): with 2 the
@@ -174,7 +177,8 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
         else:
             ray_started = ray_address is None
             summary = _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say,
-                               timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time)
+                               timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker,
+                               step_time, processor)
         summary["phases"] = phases
         return summary
     except BaseException:
@@ -239,7 +243,8 @@ def _vocab_size(tokenizer: str | os.PathLike) -> int:
 
 
 def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
-             t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time=0.0) -> dict[str, Any]:
+             t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time=0.0,
+             processor=None) -> dict[str, Any]:
     expected_bad: dict[int, str] | None = None
     if dataset is None:
         demo = make_demo_dataset(work / "data", num_samples=num_samples, seed=seed)
@@ -247,7 +252,7 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
         records = demo.num_records
     else:
         records = len(RecordDataset(dataset))  # validates the schema here, before any process starts
-    tok = Path(tokenizer) if tokenizer else demo_tokenizer()
+    tok = Path(tokenizer) if tokenizer else Path(processor) if processor else demo_tokenizer()
     # A missing or bad tokenizer fails here, before any process. The model reads the images (TinyMLLM).
     model_cfg = {"vocab_size": _vocab_size(tok), "image_token_id": TokenizerRef(tok).token_id(IMAGE_TOKEN)}
     per_rank = actors_per_rank(num_actors, world_size)
@@ -272,6 +277,8 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
     node_args = ["--dataset", str(dataset), "--tokenizer", str(tok), "--num-actors", str(max(per_rank)),
                  "--ray-address", ray_address, "--quarantine", str(work / "quarantine.jsonl"),
                  "--stats-file", str(work / "stats-{rank}.json")]
+    if processor:
+        node_args += ["--processor", str(processor)]
     say(f"starting coordinator and a node agent for {world_size} ranks (L={token_budget}, policy {policy})")
     _, ports = start_node_agents(procs, work, spec, world_size, world_size, None, node_args=node_args)
     say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
@@ -321,7 +328,8 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
         bs = max(1, token_budget // max(r["longest"] for r in results))
         say(f"baseline: the same epoch with fixed batching on the same preprocessed samples (batch size {bs})")
         common = {"mode": "fixed", "seed": seed, "batch_size": bs, "model_cfg": model_cfg, "dataset": str(dataset),
-                  "tokenizer": str(tok), "cutoff": token_budget, "ray_address": ray_address}
+                  "tokenizer": str(tok), "cutoff": token_budget, "ray_address": ray_address,
+                  "processor": str(processor) if processor else None}
         base = _trainers(procs, work, "fixed", world_size, common, [{"num_actors": n} for n in per_rank], timeout)
         _add_baseline(summary, summarize(good, base, check_coverage=False), bs)
     return summary
