@@ -6,7 +6,7 @@ a typo such as `token_buget` would otherwise run a job with the default budget.
 
     [job]          the `batchd.core.JobSpec` every party must agree on (its keys are its fields)
     [data]         where a rank service's samples come from: dataset | lengths, Ray actors, quarantine
-    [pipeline]     the preprocessing chain: template, tokenizer, vision, augmentation, cutoff
+    [pipeline]     the preprocessing chain: template, tokenizer, vision, augmentation, cutoff; or processor
     [coordinator]  listen address, the address ranks dial, lease and start-up timeout, journal, metrics port
     [rank]         listen host, base port (rank r listens on base_port + r), state dir, metrics base port
     [security]     TLS certificate/key/CA, mutual TLS, a shared bearer token (from a file)
@@ -18,9 +18,9 @@ the merged result, and every error names the field, the bad value and the file, 
 ``batchd.toml: job.token_budget must be a positive integer, got job.token_budget='8k'``.
 
 Paths are resolved relative to the config file's directory. With `check_files=True` (the default;
-the services use it) the files a party will open (dataset, lengths, tokenizer, TLS material, token) must
-exist when the config is loaded, so a wrong path fails at start-up rather than minutes into a job; the
-deployment-file tests load configs written for another machine with `check_files=False`.
+the services use it) the files a party will open (dataset, lengths, tokenizer, processor, TLS material,
+token) must exist when the config is loaded, so a wrong path fails at start-up rather than minutes into
+a job; the deployment-file tests load configs written for another machine with `check_files=False`.
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ class PipelineConfig:
     """The preprocessing chain run by a rank service's Ray actors (`batchd.preprocess.default_stages`)."""
 
     tokenizer: str | None = None
+    processor: str | None = None
     template: str = "qwen2"
     vision: str = "qwen2_vl"
     augment: bool = False
@@ -131,6 +132,7 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         check_str("pipeline.tokenizer", self.tokenizer, optional=True)
+        check_str("pipeline.processor", self.processor, optional=True)
         check_str("pipeline.template", self.template)
         check_choice("pipeline.vision", self.vision, VISIONS)
         check_bool("pipeline.augment", self.augment)
@@ -142,7 +144,8 @@ class PipelineConfig:
 
     def stage_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `default_stages` (tokenizer and cutoff are passed separately)."""
-        return {"template": self.template, "vision": None if self.vision == "none" else self.vision,
+        return {"processor": self.processor, "template": self.template,
+                "vision": None if self.vision == "none" else self.vision,
                 "augment": self.augment, "policy": self.truncate, "min_pixels": self.min_pixels,
                 "max_pixels": self.max_pixels}
 
@@ -248,9 +251,10 @@ class LoggingConfig:
 
 _SECTION_TYPES = {"data": DataConfig, "pipeline": PipelineConfig, "coordinator": CoordinatorConfig,
                   "rank": RankConfig, "security": SecurityConfig, "logging": LoggingConfig}
-PATH_FIELDS = {"data": ("dataset", "lengths", "quarantine", "stats_file"), "pipeline": ("tokenizer",),
+PATH_FIELDS = {"data": ("dataset", "lengths", "quarantine", "stats_file"),
+               "pipeline": ("tokenizer", "processor"),
                "rank": ("state_dir",), "coordinator": ("state_dir",), "security": ("tls_cert", "tls_key", "tls_ca", "token_file")}
-MUST_EXIST = {"data": ("dataset", "lengths"), "pipeline": ("tokenizer",),
+MUST_EXIST = {"data": ("dataset", "lengths"), "pipeline": ("tokenizer", "processor"),
               "security": ("tls_cert", "tls_key", "tls_ca", "token_file")}
 
 
@@ -471,6 +475,8 @@ max_bad_fraction = 0.1     # the job fails once more than this share of the reco
 [pipeline]
 tokenizer = "tok.json"     # a tokenizer.json or a Hugging Face tokenizer directory (read offline);
                            # `batchd tokenizer tok.json` writes the default (demo) one there
+# processor = "Qwen2-VL-7B-Instruct"   # the model's own Hugging Face processor directory (read offline):
+                           # its chat template, tokenizer and image processor replace template and vision
 template = "qwen2"         # chatml | qwen2 | llama3 | Jinja text
 vision = "qwen2_vl"        # qwen2_vl | llava | none
 augment = false

@@ -96,7 +96,7 @@ def run(rank: int, world_size: int, master_port: int, out: str, mode: str = "bat
         model_cfg: dict[str, Any] | None = None, gloo_timeout_s: float = 60.0, grad_steps: int = 0,
         dtype: str = "float32", threads: int = 1, dataset: str | None = None, tokenizer: str | None = None,
         cutoff: int = 4096, num_actors: int = 1, ray_address: str | None = None, shuffle: bool = True,
-        step_time: float = 0.0) -> dict[str, Any]:
+        step_time: float = 0.0, processor: str | None = None) -> dict[str, Any]:
     """Trains one epoch on this rank; writes and returns the result dict. `step_time` (batchd mode):
     seconds slept per step, a stand-in for a real model's step (tests of slow trainers)."""
     torch.set_num_threads(threads)
@@ -105,7 +105,7 @@ def run(rank: int, world_size: int, master_port: int, out: str, mode: str = "bat
     if mode != "batchd" and dataset is not None:  # started before the clock, like the rank services
         ensure_ray(ray_address)
         source = RaySource(dataset, rank, world_size, seed, 0, shuffle, num_actors=num_actors,
-                           stages=default_stages(tokenizer, cutoff=cutoff))
+                           stages=default_stages(tokenizer, cutoff=cutoff, processor=processor))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=gloo_timeout_s))
     model = build_model(model_cfg, seed, getattr(torch, dtype))

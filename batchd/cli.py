@@ -146,6 +146,9 @@ def _add_rank_args(p: argparse.ArgumentParser, who: str) -> None:
     g.add_argument("--tokenizer", metavar="PATH",
                    help="a tokenizer.json or a Hugging Face tokenizer directory, read offline (default: the "
                    "demo tokenizer, trained locally on first use; `batchd tokenizer FILE` writes it out)")
+    g.add_argument("--processor", metavar="DIR",
+                   help="the model's own Hugging Face processor directory, read offline: its chat template, "
+                   "tokenizer and image processor replace --template/--vision (`HFProcessor`)")
     g.add_argument("--template", help="chat template: chatml, qwen2, llama3 or Jinja text (default qwen2)")
     g.add_argument("--vision", choices=("qwen2_vl", "llava", "none"), help="visual-token expansion (default qwen2_vl)")
     g.add_argument("--augment", action="store_const", const=True, help="add the augmentation stages")
@@ -241,7 +244,7 @@ def _service_config(args: argparse.Namespace):
                             {"client_grace": "client_grace_s", "trainer_timeout": "trainer_timeout_s"})
     overrides |= _overrides(args, "data", ("lengths", "dataset", "num_actors", "ray_address", "quarantine",
                                            "stats_file", "memory_budget", "max_bad_fraction"))
-    overrides |= _overrides(args, "pipeline", ("tokenizer", "template", "vision", "augment"))
+    overrides |= _overrides(args, "pipeline", ("tokenizer", "processor", "template", "vision", "augment"))
     if args.lengths is not None:  # the flag's source replaces the file's, whichever that was
         overrides["data.dataset"] = DROP
     cfg = load_config(args.config, overrides)
@@ -333,8 +336,9 @@ def _demo(args: argparse.Namespace) -> int:
     summary = run_demo(args.world_size, args.num_samples, args.token_budget, args.policy, args.window, args.depth,
                        args.seed, baseline=not args.no_baseline, progress=progress, synthetic=args.synthetic,
                        dataset=args.dataset, num_actors=args.num_actors, ray_address=args.ray_address,
-                       tokenizer=args.tokenizer, step_time=args.step_time, phases=args.phases,
-                       memory_budget=args.memory_budget, max_bad_fraction=args.max_bad_fraction)
+                       tokenizer=args.tokenizer, processor=args.processor, step_time=args.step_time,
+                       phases=args.phases, memory_budget=args.memory_budget,
+                       max_bad_fraction=args.max_bad_fraction)
     pre = summary.get("preprocess")
     ok = pre is None or pre["accounting_ok"]
     if not ok:
@@ -464,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="join this Ray cluster (default: start one local Ray that every rank service joins)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="a tokenizer.json or a Hugging Face tokenizer directory (default: the demo's)")
+    p.add_argument("--processor", default=None, metavar="DIR",
+                   help="preprocess with this Hugging Face processor directory (a Qwen2-VL-style one: the "
+                   "demo model reads <|image_pad|> tokens and pixel_values/image_grid_thw)")
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="records each rank service holds read ahead, e.g. 1GiB (default 2GiB)")
     p.add_argument("--max-bad-fraction", type=float, default=None, metavar="F",

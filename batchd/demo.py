@@ -137,14 +137,16 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
              timeout: float = 900.0, keep_dir: bool = False, synthetic: bool = False, dataset: str | None = None,
              num_actors: int = 2, ray_address: str | None = None, tokenizer: str | None = None,
              step_time: float = 0.0, phases: int | None = None, memory_budget: str | None = None,
-             max_bad_fraction: float | None = None) -> dict[str, Any]:
+             max_bad_fraction: float | None = None, processor: str | None = None) -> dict[str, Any]:
     """Runs the demo; returns the summary dict `batchd demo --json` prints. `step_time`: seconds each batchd
     trainer sleeps per step (a real model's step time; the job must not mind). `memory_budget`,
     `max_bad_fraction`: the node agent's [data] keys (None: their defaults).
 
     Ray path (default): `dataset` (None: generate `num_samples` demo records), `num_actors` preprocessing
     actors in all (the same number per rank, at least one each), `ray_address` (None: start a local Ray
-    here, which the node agent joins), `tokenizer` (None: the demo tokenizer). `synthetic=True`:
+    here, which the node agent joins), `tokenizer` (None: the demo tokenizer), `processor` (a Hugging Face
+    processor directory whose `HFProcessor` replaces the built-in template/tokenizer/vision stages; its
+    tokenizer sizes the model unless `tokenizer` is given). `synthetic=True`:
     synthetic samples, no Ray.
 
     `phases` (None: 2 for the image data of the Ray path under policy balanced, else 1): with 2 the
@@ -177,7 +179,7 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
             ray_started = ray_address is None
             summary = _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say,
                                timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time,
-                               memory_budget, max_bad_fraction)
+                               memory_budget, max_bad_fraction, processor)
         summary["phases"] = phases
         return summary
     except BaseException:
@@ -251,7 +253,7 @@ def _vocab_size(tokenizer: str | os.PathLike) -> int:
 
 def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
              t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time=0.0, memory_budget=None,
-             max_bad_fraction=None) -> dict[str, Any]:
+             max_bad_fraction=None, processor=None) -> dict[str, Any]:
     expected_bad: dict[int, str] | None = None
     if dataset is None:
         demo = make_demo_dataset(work / "data", num_samples=num_samples, seed=seed)
@@ -259,7 +261,7 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
         records = demo.num_records
     else:
         records = len(RecordDataset(dataset))  # validates the schema here, before any process starts
-    tok = Path(tokenizer) if tokenizer else demo_tokenizer()
+    tok = Path(tokenizer) if tokenizer else Path(processor) if processor else demo_tokenizer()
     # A missing or bad tokenizer fails here, before any process. The model reads the images (TinyMLLM).
     model_cfg = {"vocab_size": _vocab_size(tok), "image_token_id": TokenizerRef(tok).token_id(IMAGE_TOKEN)}
     per_rank = actors_per_rank(num_actors, world_size)
@@ -288,6 +290,8 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
         node_args += ["--memory-budget", str(memory_budget)]
     if max_bad_fraction is not None:
         node_args += ["--max-bad-fraction", str(max_bad_fraction)]
+    if processor:
+        node_args += ["--processor", str(processor)]
     say(f"starting coordinator and a node agent for {world_size} ranks (L={token_budget}, policy {policy})")
     _, ports = start_node_agents(procs, work, spec, world_size, world_size, None, node_args=node_args)
     say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
@@ -339,7 +343,8 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
         bs = max(1, token_budget // max(r["longest"] for r in results))
         say(f"baseline: the same epoch with fixed batching on the same preprocessed samples (batch size {bs})")
         common = {"mode": "fixed", "seed": seed, "batch_size": bs, "model_cfg": model_cfg, "dataset": str(dataset),
-                  "tokenizer": str(tok), "cutoff": token_budget, "ray_address": ray_address}
+                  "tokenizer": str(tok), "cutoff": token_budget, "ray_address": ray_address,
+                  "processor": str(processor) if processor else None}
         base = _trainers(procs, work, "fixed", world_size, common, [{"num_actors": n} for n in per_rank], timeout)
         _add_baseline(summary, summarize(good, base, check_coverage=False), bs)
     return summary

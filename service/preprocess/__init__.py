@@ -14,7 +14,8 @@ Private modules, one concern each (`_chain` is the one that imports every stage)
                offsets, cached), `_dataset` (`RecordDataset`: metadata and blocks), `_reader`
                (`BlockReader`: a rank's blocks, read ahead within a budget)
     stages     `_tokenizer`, `_stage` (the stage contract), `_augment`, `_text` (template, tokenize,
-               truncate), `_vision` (images, visual tokens), `_chain` (`default_stages`, `Preprocessor`)
+               truncate), `_vision` (images, visual tokens), `_hf` (`HFProcessor`: a model's own HF
+               processor), `_chain` (`default_stages`, `Preprocessor`)
     Ray        `_ray` (connect, `resolve`), `_pool` (the actor pool), `_ray_source` (`RaySource`)
     sources    `_sources` (the `Source` protocol, synthetic and pushed sources); `_demo_data`
 Imports only `batchd.core`: the rank service builds on it, never the other way.
@@ -24,6 +25,7 @@ Imports only `batchd.core`: the rank service builds on it, never the other way.
 from ._augment import RandomResizedCrop, SystemPrompt, TurnSubsample
 from ._chain import Preprocessor, SampleMeta, default_stages
 from ._dataset import Block, EmptyDatasetError, RecordDataset, iter_records, parse_item
+from ._hf import HFProcessor
 from ._jsonl_index import line_index
 from ._demo_data import DemoDataset, demo_bad_ids, demo_record, demo_records, make_demo_dataset
 from ._parse import Record, parse_record
@@ -57,7 +59,8 @@ __all__ = sorted([
     "IngestSource", "Payload", "SharedRay", "Source", "SyntheticSource", "loss_tokens_of", "share_ray", "synthetic_image_payload", "synthetic_payload",
     "NO_REASONS", "SOURCE_MEMBERS", "SYNTHETIC_PATCH_DIM", "missing_source_members", "payload_nbytes",
     "EXHAUSTED", "demo_bad_ids", "demo_record", "QWEN2VL_IMAGE", "SPECIAL_TOKENS", "TEMPLATES",
-    "ChatTemplate", "DemoDataset", "EmptyDatasetError", "Example", "LlavaVision", "PreprocessPool", "PreprocessWorker", "Preprocessor",
+    "ChatTemplate", "DemoDataset", "EmptyDatasetError", "Example", "HFProcessor", "LlavaVision",
+    "PreprocessPool", "PreprocessWorker", "Preprocessor",
     "Quarantine", "Qwen2VLVision", "RandomResizedCrop", "RaySource", "Record", "RecordDataset", "Reject",
     "SampleMeta", "SchemaError", "Stage", "StageContext", "SystemPrompt", "Tokenize", "TokenizerRef", "Truncate",
     "TurnSubsample", "default_stages", "demo_records", "demo_tokenizer", "ensure_ray", "iter_records",

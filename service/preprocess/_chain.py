@@ -9,6 +9,10 @@ The default chain and what each stage reads -> writes:
       | LlavaVision
     Truncate          everything above             -> cut to the cutoff (never inside an image) or Reject
 
+With `processor=DIR` the model's own Hugging Face processor replaces the middle three stages:
+
+    HFProcessor       messages, system, images     -> input_ids, labels, image_spans, image_tensors, extra
+
 `Preprocessor` runs a chain on a parsed record and returns the sample's metadata and payload: the
 payload is a dict of numpy arrays (`input_ids` and `labels` int32, plus `pixel_values` and, for
 Qwen2-VL, `image_grid_thw` when the sample has images, plus any `example.extra` arrays a plug-in adds).
@@ -16,7 +20,7 @@ The realized length is `len(input_ids)` after every stage; `loss_tokens = count(
 modality tokens: ("text", length - vision) and ("vision", expanded image placeholder tokens). Any other
 error a stage raises becomes `Reject("stage_error", ...)`: it quarantines the record, not the actor.
 
-The only module that imports every built-in stage (`_augment`, `_text`, `_vision`).
+The only module that imports every built-in stage (`_augment`, `_text`, `_vision`, `_hf`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ._augment import RandomResizedCrop, SystemPrompt, TurnSubsample
+from ._hf import HFProcessor
 from ._parse import IMAGE_MARKER, Record
 from ._quarantine import Reject
 from ._stage import IGNORE_INDEX, Example, Stage, StageContext, _as_ref, resolve_stage
@@ -40,8 +45,10 @@ from ._vision import LlavaVision, Qwen2VLVision, _NoImages, decode_images
 def default_stages(tokenizer: str | os.PathLike | TokenizerRef | None = None, template: str = "qwen2",
                    vision: str | None = "qwen2_vl", cutoff: int = 4096, policy: str = "truncate",
                    augment: bool = False, system_prompts: Sequence[str] | None = None,
-                   min_pixels: int = 56 * 56, max_pixels: int = 14 * 14 * 4 * 1280) -> list[Stage]:
-    """The standard chain: [augmentation] -> chat template -> tokenize -> vision -> truncate.
+                   min_pixels: int = 56 * 56, max_pixels: int = 14 * 14 * 4 * 1280,
+                   processor: str | os.PathLike | None = None) -> list[Stage]:
+    """The standard chain: [augmentation] -> chat template -> tokenize -> vision -> truncate, or with
+    `processor`: [augmentation] -> HFProcessor(processor) -> truncate.
 
     Args:
         tokenizer: Local tokenizer.json (default: the demo tokenizer, trained locally on first use).
@@ -51,14 +58,18 @@ def default_stages(tokenizer: str | os.PathLike | TokenizerRef | None = None, te
         augment: Add SystemPrompt, TurnSubsample and RandomResizedCrop.
         system_prompts: Candidates for SystemPrompt (default: three generic prompts).
         min_pixels, max_pixels: Qwen2-VL's smart_resize bounds.
+        processor: A Hugging Face processor directory (the model's own, read offline): its chat template,
+            tokenizer and image processor replace `tokenizer`, `template`, `vision` and the pixel bounds.
     """
-    tok = _as_ref(tokenizer)
+    tok = _as_ref(tokenizer) if processor is None else None
     chain: list[Stage] = []
     if augment:
         chain += [SystemPrompt(system_prompts or ["You are a helpful assistant.", "Answer concisely.",
                                                   "You are a careful, precise assistant."], p=0.3),
                   TurnSubsample(p=0.3), RandomResizedCrop(p=0.5)]
-    if vision == "qwen2_vl":
+    if processor is not None:
+        chain.append(HFProcessor(processor))
+    elif vision == "qwen2_vl":
         chain += [ChatTemplate(template, image_placeholder=QWEN2VL_IMAGE), Tokenize(tok),
                   Qwen2VLVision(tok, min_pixels=min_pixels, max_pixels=max_pixels)]
     elif vision == "llava":

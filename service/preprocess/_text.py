@@ -165,6 +165,8 @@ class Truncate(Stage):
 
     policy "truncate": cut to `cutoff` tokens; an image whose tokens would be cut is dropped whole (the cut
     moves to just before it, and its pixel values leave the payload), so the payload stays consistent.
+    `example.extra` arrays with one row per token (leading dimension = the sequence's length: a plug-in's
+    loss weights, a processor's token type ids) are cut with the tokens.
     policy "reject": a sample over the cutoff is quarantined (`over_cutoff`).
     """
 
@@ -187,6 +189,9 @@ class Truncate(Stage):
                 cut, keep = min(cut, s), k
                 break
         ex.input_ids, ex.labels = ex.input_ids[:cut], ex.labels[:cut]
+        for key, value in ex.extra.items():
+            if getattr(value, "ndim", 0) >= 1 and len(value) == n:
+                ex.extra[key] = value[:cut]
         ex.image_spans, ex.image_tokens = ex.image_spans[:keep], ex.image_tokens[:keep]
         ex.image_tensors, ex.images = ex.image_tensors[:keep], ex.images[:keep]
         return ex
