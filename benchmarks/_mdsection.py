@@ -63,15 +63,17 @@ All costs use the **padded** model unless stated: a group of `k` samples whose l
 
 
 def revision() -> str:
-    """The commit the numbers were measured on: short hash, plus "+dirty" if core/ has local changes."""
+    """The commit the numbers were measured on: short hash, plus a note if the package's code (core/,
+    batchd/, service/, client/, proto/) has local changes."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "core", "batchd"], cwd=REPO,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "core", "batchd", "service", "client", "proto"],
+                               cwd=REPO,
                                capture_output=True, text=True, check=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown revision"
-    return f"commit {head}" + (" + uncommitted core changes" if dirty else "")
+    return f"commit {head}" + (" + uncommitted code changes" if dirty else "")
 
 
 def begin(name: str) -> str:

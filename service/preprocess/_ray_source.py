@@ -261,7 +261,8 @@ class RaySource:
                     break
                 batch: list[int] = []
                 while len(batch) < min(room, self.chunk_size) and not self.view.exhausted():
-                    self._read_ahead()
+                    if not batch:  # the windows of the chunk's first sample and the next stay held until
+                        self._read_ahead()  # `_submit` reads its records (a chunk may straddle two windows)
                     seq = self._pull()
                     if seq is not None:
                         batch.append(seq)
