@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -305,7 +306,11 @@ def main() -> None:
     p.add_argument("--config", required=True, help="JSON file with run()'s keyword arguments")
     args = p.parse_args()
     kwargs = json.loads(Path(args.config).read_text())
-    run(**kwargs)
+    try:
+        run(**kwargs)
+    except JobFailed as exc:  # the job's failure, named by the service: one line, not a traceback
+        print(f"rank {kwargs.get('rank')}: the job failed: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

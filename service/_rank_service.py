@@ -88,12 +88,16 @@ log = logging.getLogger("batchd.rank")
 FETCH_CHUNK = 64  # sample ids per Fetch request
 
 JOURNAL = "rank-{rank}.json"
-# The rank journal (one JSON object, rewritten whole after every round): its version and keys.
-JOURNAL_VERSION = 2
-J_VERSION, J_DELIVERY, J_RANK, J_SOURCE, J_READY, J_REJECTED_BEFORE, J_FINISH_ACKED = (
-    "version", "delivery", "rank", "source", "ready", "rejected_before", "finish_acked")
+# The rank journal (one JSON object, rewritten whole after every round, and after a fill that took samples
+# from the source, before the round's report): its version and keys. `filled`: the buffer is the one this
+# rank reports (or reported) for its current round; a restored rank reports it again without filling, so
+# a round the coordinator decided before a crash is replayed on exactly the buffer it was decided on (a
+# source whose readiness depends on timing, like a RaySource, would fill it differently).
+JOURNAL_VERSION = 3
+J_VERSION, J_DELIVERY, J_RANK, J_SOURCE, J_READY, J_REJECTED_BEFORE, J_FINISH_ACKED, J_FILLED = (
+    "version", "delivery", "rank", "source", "ready", "rejected_before", "finish_acked", "filled")
 JOURNAL_KEYS = {J_VERSION: int, J_DELIVERY: dict, J_RANK: dict, J_SOURCE: dict, J_READY: list,
-                J_REJECTED_BEFORE: int, J_FINISH_ACKED: bool}  # every key is required, of this type
+                J_REJECTED_BEFORE: int, J_FINISH_ACKED: bool, J_FILLED: bool}  # every key required, this type
 
 
 def resolve_payloads(payloads: list[Any]) -> list[Payload]:
@@ -217,6 +221,8 @@ class RankServiceCore:
         self._lend_lock = threading.Lock()
         self.batches: dict[int, tuple[Step, pb.Batch]] = {}  # ready steps (Delivery.ready) by number
         self.finished = False  # the coordinator knows this rank's trainer took the job's last step
+        self._filled = False  # the restored buffer is the current round's report (`JOURNAL`)
+        self.waiting_for_trainer = False  # the loop waits for the trainer to take batches (no room for more)
         self.restored_finished = False  # restored from a journal written after the job's last end
         self.failure: str | None = None
         self.failure_told = False  # the trainer heard the failure (ABORTED, or a RankStatus that said it)
@@ -251,14 +257,14 @@ class RankServiceCore:
         return self.delivery.done
 
     # -- journal -------------------------------------------------------------------------------------
-    def _write_journal(self) -> None:
+    def _write_journal(self, filled: bool = False) -> None:
         if self.journal is None:
             return
         state = {
             J_VERSION: JOURNAL_VERSION, J_DELIVERY: self.delivery.state_dict(),
             J_RANK: self.state.state_dict(), J_SOURCE: self.source.state_dict(),
             J_READY: [self.batches[i][0].to_json() for i in self.delivery.ready],
-            J_REJECTED_BEFORE: self._rejected_before, J_FINISH_ACKED: self.finished,
+            J_REJECTED_BEFORE: self._rejected_before, J_FINISH_ACKED: self.finished, J_FILLED: filled,
         }
         tmp = self.journal.with_suffix(".tmp")
         with open(tmp, "w") as fh:
@@ -291,6 +297,7 @@ class RankServiceCore:
             self.batches[step.info.step] = (step, self._batch(step, payloads, images))
         self.restored_finished = self.delivery.finished
         self.finished = state[J_FINISH_ACKED]  # the coordinator knew: it may be gone by now
+        self._filled = state[J_FILLED]  # report the journaled buffer as it is (see JOURNAL)
         log.info("rank %d restored from %s at epoch %d round %d (step %d)%s", self.rank, self.journal, self.epoch,
                  self.state.round, self.state.step, "; its trainer took the job's last step" if
                  self.restored_finished else "")
@@ -396,7 +403,9 @@ class RankServiceCore:
             self._write_journal()
             self.cond.notify_all()
         log.info("rank %d: epoch %d of %d starts", self.rank, self.epoch, self.spec.epochs)
-    def _fill(self) -> None:
+    def _fill(self) -> int:
+        """Tops the buffer up from the source; returns how many samples it took (rejected ones included)."""
+        taken = 0
         deadline = time.monotonic() + self.fill_timeout_s
         while self.state.room > 0 and not self.state.exhausted:
             if self.spec.mode == "non-join":
@@ -413,6 +422,7 @@ class RankServiceCore:
                     break
                 continue
             sample, payload = item
+            taken += 1
             if self.state.was_rejected(sample.id):
                 continue
             cut = None
@@ -430,9 +440,14 @@ class RankServiceCore:
             if self.state.push(sample, cut) == "rejected":
                 continue
             self.payloads[sample.id] = payload
+        return taken
 
     def _round(self) -> None:
-        self._fill()
+        if self._filled:  # restored with the buffer of this round's report: no fill
+            self._filled = False
+        elif self._fill():
+            with self.cond:
+                self._write_journal(filled=True)
         metrics = self.metrics
         if metrics is not None:
             self._observe(metrics.observe_quarantine, self.source.reasons,
@@ -440,7 +455,9 @@ class RankServiceCore:
         t_wait = time.perf_counter()
         with self.cond:  # a slow trainer is waited for as long as it takes; a gone one fails in `_watch`
             while self.delivery.capacity <= 0 and self.failure is None and not self._stop.is_set():
+                self.waiting_for_trainer = True  # (tests: the journal is stable while this holds)
                 self.cond.wait(0.5)
+            self.waiting_for_trainer = False
             if self.failure is not None or self._stop.is_set():
                 raise CoordinatorError(self.failure or "stopped")
             capacity = self.delivery.capacity

@@ -105,3 +105,50 @@ def test_tokenizer_command_writes_the_demo_tokenizer_and_a_directory_loads_the_s
     assert by_dir.hf(text)["input_ids"] == by_file.hf(text)["input_ids"]
     assert by_dir.id_space == by_file.id_space and by_dir.pad_id == by_file.pad_id
     assert batchd("tokenizer", "--check", "hf-tok", cwd=tmp_path).returncode == 0
+
+
+def _users_jsonl(path: Path, n: int = 64) -> dict[int, str]:
+    """Good conversations and a few bad lines of different kinds, as a new user's file might have them;
+    returns {line: reason code} of the bad ones."""
+    import json
+
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                      {"role": "assistant", "content": f"It is {2 * i}. " * (1 + i % 5)}]})
+             for i in range(n)]
+    bad = {5: "schema", 17: "invalid_json", 30: "missing_field", 44: "bad_role"}
+    lines[5] = json.dumps({"messages": "hello there"})                     # a field of the wrong type
+    lines[17] = '{"messages": [{"role": "user", "content": "broken'       # cut off
+    lines[30] = json.dumps({"conversation": []})                           # no messages at all
+    lines[44] = json.dumps({"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]})
+    path.write_text("\n".join(lines) + "\n")
+    return bad
+
+
+@pytest.mark.slow
+def test_demo_on_a_users_jsonl_with_bad_lines_quarantines_them_and_trains_on_the_rest(tmp_path):
+    import json
+
+    bad = _users_jsonl(tmp_path / "mine.jsonl")
+    proc = batchd("demo", "--dataset", str(tmp_path / "mine.jsonl"), "--no-baseline", "--json", cwd=tmp_path,
+                  timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+    pre = s["preprocess"]
+    assert s["emitted"] == 60 and s["missing"] == 0 and s["duplicates"] == 0, s
+    assert pre["quarantined"] == 4 and pre["reasons"] == {code: 1 for code in bad.values()}, pre
+    kept = Path(pre["quarantine_file"])  # outlives the demo's temporary directory
+    lines = [json.loads(x) for x in kept.read_text().splitlines()]
+    assert {int(x["source"].rsplit(":", 1)[1]): x["reason"].split(":")[0] for x in lines} == bad
+    assert any(x["reason"] == "schema: field 'messages': expected a list of messages, got str" for x in lines)
+    kept.unlink()
+
+
+@pytest.mark.slow
+def test_too_many_bad_records_fail_the_demo_fast_naming_the_reasons(tmp_path):
+    _users_jsonl(tmp_path / "mine.jsonl")
+    proc = batchd("demo", "--dataset", str(tmp_path / "mine.jsonl"), "--no-baseline",
+                  "--max-bad-fraction", "0.01", cwd=tmp_path, timeout=240)  # 2 bad per rank > 1% of 100
+    assert proc.returncode == 2, proc.stderr[-3000:]  # the CLI's exit for an error
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "the job failed: rank " in proc.stderr and "max_bad_fraction = 0.01" in proc.stderr, proc.stderr[-3000:]
+    assert "bad records (quarantine):" in proc.stderr, proc.stderr[-3000:]

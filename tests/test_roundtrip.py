@@ -628,6 +628,14 @@ def test_batch_client_refuses_a_state_of_another_rank(rank, world_size, field):
         BatchClient("127.0.0.1:1", rank, world_size).load_state_dict(json_round_trip(state))
 
 
+def wait_for_trainer_wait(job, limit_s: float = 30.0) -> None:
+    """Until rank 0's loop blocks on its trainer (no room for another round): its journal is then stable."""
+    deadline = time.monotonic() + limit_s
+    while not job.cores[0].waiting_for_trainer:
+        assert time.monotonic() < deadline, "rank 0's loop never waited for its trainer"
+        time.sleep(0.01)
+
+
 def journal_pair(make, tmp_path: Path, cut: int, corrupt: Callable[[dict], None] | None = None
                  ) -> tuple[list, list]:
     """Job A: its trainer reads `cut` steps, A's rank journal is saved, the trainer reads on to the end (the
@@ -639,11 +647,13 @@ def journal_pair(make, tmp_path: Path, cut: int, corrupt: Callable[[dict], None]
     journal_a, journal_b = (tmp_path / d / "rank-0.json" for d in "ab")
     with job_a.client(0) as a:
         head_a, it = client_steps(a, limit=cut)
+        wait_for_trainer_wait(job_a)
         saved = json_round_trip(json.loads(journal_a.read_text()))  # stable: the loop waits for an ack
         client_state = a.state_dict()
         rest_a, _ = client_steps(a, it=it)
     with job_b.client(0) as b:
         head_b, it = client_steps(b, limit=cut)
+        wait_for_trainer_wait(job_b)
         assert json.loads(journal_b.read_text()) == saved, "two runs of the same job journal the same state"
         it.close()
     assert head_a == head_b
@@ -699,7 +709,7 @@ def test_rank_journal_of_this_version_restores(journal_dir):
     assert core.state.state_dict() == journal["rank"] and core.delivery.state_dict() == journal["delivery"]
 
 
-@pytest.mark.parametrize("version", [1, 3, "2", None, 2.0, True])
+@pytest.mark.parametrize("version", [1, 2, 4, "3", None, 3.0, True])
 def test_rank_journal_of_another_version_is_refused_naming_the_file_and_both_versions(journal_dir, version):
     state_dir, journal = journal_dir
     if version is None:
@@ -708,16 +718,17 @@ def test_rank_journal_of_another_version_is_refused_naming_the_file_and_both_ver
         journal["version"] = version
     (state_dir / "rank-0.json").write_text(json.dumps(journal))
     found = "without a 'version' key" if version is None else f"version {version!r}"
-    with pytest.raises(ValueError, match=rf"rank-0\.json: rank journal {found}, this build reads version 2"):
+    with pytest.raises(ValueError, match=rf"rank-0\.json: rank journal {found}, this build reads version 3"):
         _restore(state_dir)
 
 
-@pytest.mark.parametrize("key", ["delivery", "rank", "source", "ready", "rejected_before", "finish_acked"])
+@pytest.mark.parametrize("key", ["delivery", "rank", "source", "ready", "rejected_before", "finish_acked",
+                                 "filled"])
 def test_rank_journal_missing_a_key_is_refused_naming_it(journal_dir, key):
     state_dir, journal = journal_dir
     del journal[key]
     (state_dir / "rank-0.json").write_text(json.dumps(journal))
-    with pytest.raises(ValueError, match=rf"rank-0\.json: rank journal version 2 lacks the required key\(s\) "
+    with pytest.raises(ValueError, match=rf"rank-0\.json: rank journal version 3 lacks the required key\(s\) "
                                          rf"\['{key}'\]"):
         _restore(state_dir)
 

@@ -1,6 +1,7 @@
 """Dataset files: local paths, directories and filesystem URIs, read through pyarrow's filesystems.
 
-Files are given as local paths, directories (every supported file inside, sorted) or filesystem URIs that
+Files are given as local paths, directories (every supported file inside, sorted; hidden files and
+Hugging Face metadata such as `dataset_info.json` skipped) or filesystem URIs that
 pyarrow understands (`file://`, `s3://`, `gs://`, `hdfs://`...); the format comes from the extension
 (`FORMATS`) unless forced. Relative image paths in a record are relative to its file's directory
 (`_base_dir`). Nothing here knows what a record is.
@@ -59,7 +60,8 @@ def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
             raise FileNotFoundError(f"dataset file not found: {s}")
         if info.type == pafs.FileType.Directory:
             found = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(inner, recursive=False))
-                           if i.type == pafs.FileType.File and os.path.splitext(i.path)[1].lower() in _EXTENSIONS)
+                           if i.type == pafs.FileType.File and os.path.splitext(i.path)[1].lower() in _EXTENSIONS
+                           and not _metadata_file(i.path))
             if not found:
                 raise FileNotFoundError(f"no {sorted(_EXTENSIONS)} files in directory {s}")
             prefix = s[: s.index("://") + 3] if _is_uri(s) else ""
@@ -67,6 +69,16 @@ def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
         else:
             out.append(s if _is_uri(s) else os.path.abspath(s))
     return out
+
+
+# Files a dataset directory may hold beside its records (Hugging Face `save_to_disk` / hub metadata).
+_METADATA_NAMES = ("dataset_info.json", "dataset_dict.json", "state.json", "dataset_infos.json")
+
+
+def _metadata_file(path: str) -> bool:
+    """A hidden file (our JSONL index among them) or a known metadata file: not records, in a directory."""
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+    return name.startswith(".") or name in _METADATA_NAMES
 
 
 def _base_dir(path: str) -> str:

@@ -421,7 +421,8 @@ class RaySource:
     def materialize_many(self, sample_ids: Sequence[int]) -> list[dict[str, np.ndarray]]:
         """`materialize` for several ids, spread over the pool."""
         out: dict[int, dict[str, np.ndarray]] = {}
-        todo = list(dict.fromkeys(int(i) for i in sample_ids))
+        # In block order: each chunk then reads few blocks, and each block is read once per call.
+        todo = sorted(dict.fromkeys(int(i) for i in sample_ids), key=lambda i: (self.dataset.block_of(i), i))
         for attempt in range(self.max_attempts):
             if not todo:
                 break

@@ -4,8 +4,8 @@ A rank's `RaySource` tells the reader which blocks it wants next (`want`: the bl
 dispatches from and of the next one, in first-use order) and asks it for records (`items`). A background
 thread reads the wanted blocks in order while what it holds stays within `budget` bytes; `want` drops
 every block no longer wanted. `items` reads a missing block itself (a random access: a restored journal,
-a peer's fetch, a retry), so it may exceed the budget by the blocks it reads that way until the next
-`want`. The bytes counted are Arrow's (`Table.nbytes`) or the JSONL text's; before a block is read its
+a peer's fetch, a retry) and keeps the last `EXTRA_BLOCKS` such blocks until the next `want`: the budget
+may be exceeded by those. The bytes counted are Arrow's (`Table.nbytes`) or the JSONL text's; before a block is read its
 size is the metadata's estimate, scaled by the largest actual / estimate ratio seen so far.
 """
 
@@ -22,6 +22,7 @@ import pyarrow as pa
 from ._dataset import RecordDataset
 
 log = logging.getLogger("batchd.preprocess")
+EXTRA_BLOCKS = 2  # blocks read at random (`items` of blocks not wanted) kept until the next `want`
 
 
 def _nbytes(data: pa.Table | list[str]) -> int:
@@ -36,6 +37,7 @@ class BlockReader:
             raise ValueError(f"budget must be >= 1 byte, got {budget=}")
         self.dataset, self.budget = dataset, int(budget)
         self._held: dict[int, tuple[Any, int]] = {}
+        self._extra: dict[int, tuple[Any, int]] = {}  # blocks read at random (not wanted), oldest first
         self._loading: set[int] = set()
         self._wanted: list[int] = []
         self._cond = threading.Condition()
@@ -73,6 +75,9 @@ class BlockReader:
             keep = set(self._wanted)
             for b in [b for b in self._held if b not in keep]:
                 del self._held[b]
+            for b in [b for b in self._extra if b in keep]:  # read at random, now wanted: held
+                self._held[b] = self._extra.pop(b)
+            self._extra.clear()
             self._cond.notify_all()
 
     def _room_for(self, b: int) -> bool:
@@ -115,7 +120,12 @@ class BlockReader:
             self._ratio = max(self._ratio, n / max(self.dataset.blocks[b].nbytes, 1))
             if b in self._wanted:
                 self._held[b] = (data, n)
-                self.peak_bytes = max(self.peak_bytes, sum(m for _, m in self._held.values()))
+            else:  # a random access: kept with the last few such blocks until the next `want`
+                self._extra[b] = (data, n)
+                while len(self._extra) > EXTRA_BLOCKS:
+                    self._extra.pop(next(iter(self._extra)))
+            self.peak_bytes = max(self.peak_bytes, sum(m for _, m in self._held.values())
+                                  + sum(m for _, m in self._extra.values()))
             self._cond.notify_all()
         return data
 
@@ -125,6 +135,8 @@ class BlockReader:
                 self._cond.wait()
             if b in self._held:
                 return self._held[b][0]
+            if b in self._extra:
+                return self._extra[b][0]
             self._loading.add(b)
         try:
             return self._load(b)
@@ -155,4 +167,5 @@ class BlockReader:
         with self._cond:
             self._closed = True
             self._held.clear()
+            self._extra.clear()
             self._cond.notify_all()
