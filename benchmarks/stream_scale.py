@@ -871,11 +871,11 @@ def findings(r: dict[str, Any]) -> list[str]:
                           for name, run in killed.items())
         out.append(
             f"After a restart the new process read {again} blocks, though the ranks' whole shares are {share} "
-            "blocks and about half were left: re-making the restored window's samples "
-            "(`RaySource.materialize_many`, in chunks of `chunk_size`) reads every block a chunk touches again. "
-            "`BlockReader._load` keeps a block read by random access only if it is wanted, so none of them stays "
-            "held, though the reader's docstring says `items` \"may exceed the budget by the blocks it reads "
-            "that way until the next `want`\".")
+            "blocks and about half were left. The restored rank re-makes, by id, the samples its journal names "
+            "(its batching window and the batches not yet taken): they come from many blocks, since a batching "
+            "window spans several read windows, and each of those blocks is read once (`materialize_many` works "
+            "in block order; the reader keeps the last two blocks read at random). The resumed view then reads "
+            "the rest of its share, its current read window again.")
     facts = []
     for name, run in killed.items():
         if run["duplicates"]:

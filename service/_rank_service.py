@@ -287,13 +287,17 @@ class RankServiceCore:
             raise ValueError(f"{self.journal}: cannot resume rank {self.rank} from this journal: "
                              f"{type(exc).__name__}: {exc}") from exc
         ids = [entry.sample.id for entry in self.state.buffer]
-        self.payloads.update(zip(ids, materialize_many(self.source, ids)))
-        for step_json in state[J_READY]:
-            step = Step.from_json(step_json)
-            payloads = materialize_many(self.source, [s.id for s in step.samples])
+        steps = [Step.from_json(step_json) for step_json in state[J_READY]]
+        wanted = list(dict.fromkeys([*ids, *(s.id for st in steps for s in st.samples),
+                                     *(im.sample_id for st in steps if st.exchange is not None
+                                       for im in st.exchange.encode)]))
+        made = dict(zip(wanted, materialize_many(self.source, wanted)))  # one call: each block read once
+        self.payloads.update((i, made[i]) for i in ids)
+        for step in steps:
+            payloads = [made[s.id] for s in step.samples]
             images = None
             if step.exchange is not None:
-                images = materialize_many(self.source, [im.sample_id for im in step.exchange.encode])
+                images = [made[im.sample_id] for im in step.exchange.encode]
             self.batches[step.info.step] = (step, self._batch(step, payloads, images))
         self.restored_finished = self.delivery.finished
         self.finished = state[J_FINISH_ACKED]  # the coordinator knew: it may be gone by now
