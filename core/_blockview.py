@@ -26,6 +26,7 @@ state of another dataset layout, budget or job raises ValueError naming the fiel
 
 from __future__ import annotations
 
+import heapq
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -53,17 +54,17 @@ def split_units(block_rows: Sequence[int], world_size: int) -> tuple[np.ndarray,
             sizes.append(min(cap, n - s))
             owner.append(k)
         first += n
-    return (np.asarray(starts, dtype=np.int64), np.asarray(sizes, dtype=np.int64), np.asarray(owner, dtype=np.int64))
+    return tuple(np.asarray(x, dtype=np.int64) for x in (starts, sizes, owner))
 
 
 def deal_units(unit_rows: np.ndarray, world_size: int, order: np.ndarray) -> list[list[int]]:
     """Units in `order`, each dealt to the rank with the fewest rows so far (ties: lowest rank) (step 2)."""
-    loads = [0] * world_size
+    heap = [(0, r) for r in range(world_size)]  # (rows so far, rank): the least loaded, lowest rank first
     out: list[list[int]] = [[] for _ in range(world_size)]
     for u in order.tolist():
-        r = min(range(world_size), key=lambda k: (loads[k], k))
+        load, r = heapq.heappop(heap)
         out[r].append(u)
-        loads[r] += int(unit_rows[u])
+        heapq.heappush(heap, (load + int(unit_rows[u]), r))
     return out
 
 
@@ -217,6 +218,7 @@ class BlockView:
         return {**self.state_dict(), K_POS: position, K_PASS: passes}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_state(state, {K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed, K_EPOCH: self.epoch,
-                            K_NUM: self.num_samples, K_LAYOUT: self.layout}, f"BlockView(rank={self.rank})")
+        check_state(state, {K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
+                            K_EPOCH: self.epoch, K_NUM: self.num_samples, K_LAYOUT: self.layout},
+                    f"BlockView(rank={self.rank})")
         self.passes, self.position = int(state[K_PASS]), int(state[K_POS])

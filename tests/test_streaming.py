@@ -33,6 +33,7 @@ from batchd.preprocess import (
     TooManyBadRecords,
     default_stages,
     demo_tokenizer,
+    iter_records,
     line_index,
 )
 
@@ -60,7 +61,8 @@ def test_blockview_views_partition_the_dataset_and_respect_the_window_budget(lay
             held = sum(nbytes[b] for b in blocks)
             assert len(units) == 1 or held <= (window if window is not None else sum(nbytes))
             # a window's ids all lie in its blocks: a reader holding them has every record it needs
-            assert {int(np.searchsorted(v.block_rows.cumsum(), i, "right")) for i in v.window_ids(w)} <= set(blocks)
+            ends = v.block_rows.cumsum()
+            assert {int(np.searchsorted(ends, i, "right")) for i in v.window_ids(w)} <= set(blocks)
     sizes = [len(v) for v in views]
     assert max(sizes) - min(sizes) <= max(max(rows), 1)  # dealt by rows: at most one unit apart
     if not shuffle:
@@ -182,7 +184,8 @@ def test_blocks_of_parquet_arrow_file_and_stream_and_jsonl_read_the_same_records
         for k, b in enumerate(ds.blocks):
             items = ds.items(k, ds.read_block(k), range(b.offset, b.offset + b.rows))
             got += [ds.record(i).messages for i, _, _, _ in items]
-            assert [s for _, s, _, _ in items] == [f"{ds.files[0].path}:{i}" for i in range(b.offset, b.offset + b.rows)]
+            rows = range(b.offset, b.offset + b.rows)
+            assert [s for _, s, _, _ in items] == [f"{ds.files[0].path}:{i}" for i in rows]
         assert got == expected, name
     # Several files: global ids run on, blocks do not cross files.
     both = RecordDataset([tmp_path / "a.parquet", tmp_path / "c.arrows"])
@@ -211,12 +214,7 @@ def test_jsonl_values_of_the_wrong_type_or_shape_are_quarantined_per_record(tmp_
              json.dumps({"messages": _conv(7)})]
     (tmp_path / "mixed.jsonl").write_text("\n".join(lines) + "\n")
     ds = RecordDataset(tmp_path / "mixed.jsonl")  # opening never parses: no error here
-    reasons = {}
-    for i in range(len(ds)):
-        try:
-            ds.record(i)
-        except Reject as exc:
-            reasons[i] = exc.reason
+    reasons = {i: r.reason for i, r in iter_records(ds) if isinstance(r, Reject)}
     assert sorted(reasons) == [1, 2, 3, 4, 5, 6]
     assert reasons[1] == "schema: field 'messages': expected a list of messages, got str"
     assert reasons[2].startswith("invalid_json: ")
@@ -397,3 +395,23 @@ def test_a_rank_killed_after_its_round_was_decided_replays_it_exactly(tmp_path, 
     assert sorted(ids) == list(range(n)), "a sample lost or trained twice after the replay"
     for (_, t0, g0), (_, t1, g1) in zip(results[0][0], results[1][0], strict=True):
         assert g0 == g1 == t0 + t1, "a step's global loss-token total does not match its batches"
+
+
+def test_parquet_rows_of_the_wrong_shape_are_quarantined_naming_the_field(tmp_path):
+    """Arrow types fix a column's type, not a row's shape: null and empty values are that row's problem."""
+    msg = pa.struct([("role", pa.string()), ("content", pa.string())])
+    rows = [_conv(0),
+            [],                                                        # an empty conversation
+            [{"role": "user", "content": None}, {"role": "assistant", "content": "a"}],   # a null content
+            [{"role": None, "content": "q"}, {"role": "assistant", "content": "a"}],      # a null role
+            None,                                                      # no messages at all
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+    images = [None, None, None, None, None, [b"not an image"]]
+    pq.write_table(pa.table({"messages": pa.array(rows, pa.list_(msg)),
+                             "images": pa.array(images, pa.list_(pa.binary()))}), tmp_path / "p.parquet")
+    ds = RecordDataset(tmp_path / "p.parquet")
+    reasons = {i: r.reason for i, r in iter_records(ds) if isinstance(r, Reject)}
+    assert reasons == {1: "empty_conversation: messages is empty", 2: "missing_field: messages[0].content",
+                       3: "missing_field: messages[0].role", 4: "missing_field: messages"}
+    # The undecodable image is the vision stage's to find (it decodes): the record parses.
+    assert len(ds.record(5).images) == 1

@@ -162,7 +162,8 @@ class RecordDataset:
         FileNotFoundError: on a missing file.
     """
 
-    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], format: str | None = None) -> None:
+    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike],
+                 format: str | None = None) -> None:
         self.paths = expand_paths(paths)
         self.files: list[FileInfo] = []
         self.blocks: list[Block] = []
@@ -266,7 +267,8 @@ class RecordDataset:
         rel_e = ends[i0:i0 + b.rows] - b.start
         return [data[s:e].decode("utf-8", errors="replace") for s, e in zip(rel_s.tolist(), rel_e.tolist())]
 
-    def items(self, k: int, data: pa.Table | list[str], ids: Sequence[int]) -> list[tuple[int, str, str, Any]]:
+    def items(self, k: int, data: pa.Table | list[str], ids: Sequence[int]
+              ) -> list[tuple[int, str, str, Any]]:
         """(id, source, base_dir, raw) of `ids` (all in block k) from its `read_block` data: raw is the row
         as Python objects, or a JSONL line's text (parsed by `parse_item`)."""
         b = self.blocks[k]
@@ -277,7 +279,8 @@ class RecordDataset:
         else:
             raws = data.take(pa.array(rows, pa.int64())).to_pylist()
         first_row = b.offset - info.offset
-        return [(int(i), f"{info.path}:{first_row + r}", info.base_dir, raw) for i, r, raw in zip(ids, rows, raws)]
+        return [(int(i), f"{info.path}:{first_row + r}", info.base_dir, raw)
+                for i, r, raw in zip(ids, rows, raws, strict=True)]
 
     def _cached_block(self, k: int) -> pa.Table | list[str]:
         with self._cache_lock:

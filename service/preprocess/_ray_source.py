@@ -158,8 +158,8 @@ class RaySource:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight=}")
         self.fetch_payloads = payload == "dict"
         self.quarantine = quarantine if isinstance(quarantine, Quarantine) else Quarantine(quarantine)
-        self.view = BlockView(self.dataset.block_rows, self.dataset.block_bytes, rank, world_size, seed, epoch,
-                              shuffle, wrap, window_bytes=self.memory_budget // 4)
+        self.view = BlockView(self.dataset.block_rows, self.dataset.block_bytes, rank, world_size, seed,
+                              epoch, shuffle, wrap, window_bytes=self.memory_budget // 4)
         self.reader = BlockReader(self.dataset, self.memory_budget // 2)
         self._want_window = -1
         self._lock = threading.RLock()
@@ -429,7 +429,8 @@ class RaySource:
             tasks = []
             for k in range(0, len(todo), self.chunk_size):
                 chunk = todo[k:k + self.chunk_size]
-                tasks.append((chunk, self.pool.submit(self.reader.items(chunk), self.epoch, self.seed, "force")[1]))
+                sent = self.pool.submit(self.reader.items(chunk), self.epoch, self.seed, "force")
+                tasks.append((chunk, sent[1]))
             failed: list[int] = []
             bad: list[str] = []
             for chunk, refs in tasks:
@@ -526,7 +527,7 @@ def check_blocks(dataset: RecordDataset, window_bytes: int) -> None:
         info = dataset.files[big.file]
         unit = {"parquet": "row group", "arrow": "record batch", "jsonl": "block of lines"}[info.format]
         raise ValueError(
-            f"{info.path}: {unit} {big.index} holds {big.nbytes / 2**20:.0f} MiB once read, more than a quarter "
-            f"of the memory budget ({4 * window_bytes / 2**20:.0f} MiB), the most one read-ahead window may "
-            f"hold: rewrite the file with smaller {unit}s (e.g. pyarrow.parquet.write_table(row_group_size=...)) "
-            f"or raise [data] memory_budget")
+            f"{info.path}: {unit} {big.index} holds {big.nbytes / 2**20:.0f} MiB once read, more than a "
+            f"quarter of the memory budget ({4 * window_bytes / 2**20:.0f} MiB), the most one read-ahead "
+            f"window may hold: rewrite the file with smaller {unit}s (e.g. "
+            f"pyarrow.parquet.write_table(row_group_size=...)) or raise [data] memory_budget")

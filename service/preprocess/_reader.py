@@ -5,8 +5,9 @@ dispatches from and of the next one, in first-use order) and asks it for records
 thread reads the wanted blocks in order while what it holds stays within `budget` bytes; `want` drops
 every block no longer wanted. `items` reads a missing block itself (a random access: a restored journal,
 a peer's fetch, a retry) and keeps the last `EXTRA_BLOCKS` such blocks until the next `want`: the budget
-may be exceeded by those. The bytes counted are Arrow's (`Table.nbytes`) or the JSONL text's; before a block is read its
-size is the metadata's estimate, scaled by the largest actual / estimate ratio seen so far.
+may be exceeded by those. The bytes counted are Arrow's (`Table.nbytes`) or the JSONL text's; before a
+block is read its size is the metadata's estimate, scaled by the largest actual / estimate ratio seen so
+far. A block the thread fails to read is left to `items`, which reads it again and raises.
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ class BlockReader:
                 while True:
                     if self._closed:
                         return
-                    todo = next((b for b in self._wanted if b not in self._held and b not in self._loading), None)
+                    todo = next((b for b in self._wanted
+                                 if b not in self._held and b not in self._loading), None)
                     if todo is not None and self._room_for(todo):
                         break
                     self._idle = True
