@@ -40,6 +40,7 @@ with it is the caller's (`RaySource`). `submit`'s probe tells whether a dead tas
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import threading
@@ -55,6 +56,9 @@ from ._dataset import RecordDataset, parse_item
 from ._quarantine import Reject
 from ._ray import ensure_ray
 from ._sources import payload_nbytes
+
+log = logging.getLogger("batchd.preprocess")
+START_LOG_S = 30.0  # how often a slow actor start is logged
 
 
 class PreprocessWorker:
@@ -122,7 +126,9 @@ class PreprocessPool:
         num_actors: Actors in the pool.
         actor_num_cpus: Logical CPUs each actor reserves (Ray scheduling; lower it to oversubscribe).
         ray_address: Join this Ray cluster instead of starting a local one (when Ray is not initialized).
-        start_timeout_s: How long to wait for the actors to start before failing with a clear error.
+        start_timeout_s: How long to wait for the actors to start before failing with a clear error (a
+            liveness bound, not a speed one: an actor that loads a Hugging Face processor on a busy machine
+            takes minutes; the wait is logged every `START_LOG_S`).
         actor_options: Extra `ray.remote` options for the actors; a `scheduling_strategy` here replaces
             the node affinity.
         node_id: The Ray node (hex id) the actors are pinned to, softly (see module docstring). None
@@ -133,7 +139,7 @@ class PreprocessPool:
 
     def __init__(self, dataset: RecordDataset | str | os.PathLike | Sequence[str | os.PathLike],
                  stages: Sequence[Any] | None = None, num_actors: int = 2, *, actor_num_cpus: float = 1.0,
-                 ray_address: str | None = None, start_timeout_s: float = 120.0,
+                 ray_address: str | None = None, start_timeout_s: float = 600.0,
                  actor_options: Mapping[str, Any] | None = None, node_id: str | None = None) -> None:
         if num_actors < 1:
             raise ValueError(f"num_actors must be >= 1, got {num_actors=}")
@@ -156,15 +162,25 @@ class PreprocessPool:
         self._holds = 0  # sources waiting for an idle actor (normal submissions pause meanwhile)
         self._lock = threading.Lock()
         self._closed = False
-        try:
-            ray.get([a.ping.remote() for a in self.actors], timeout=start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
+        pending = [a.ping.remote() for a in self.actors]
+        t0 = time.monotonic()
+        while pending:
+            left = start_timeout_s - (time.monotonic() - t0)
+            if left <= 0:
+                break
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, START_LOG_S))
+            if pending:
+                log.info("waiting for %d of %d preprocessing actors to start (%.0fs of %.0fs)", len(pending),
+                         num_actors, time.monotonic() - t0, start_timeout_s)
+        if pending:
             total = ray.cluster_resources().get("CPU", 0)
             self.close()
             raise RuntimeError(
-                f"only some of {num_actors} preprocessing actors started within {start_timeout_s:.0f}s: each "
-                f"reserves {actor_num_cpus} CPU and the Ray cluster has {total:g} CPUs in all (other pools may "
-                f"hold some); lower num_actors or actor_num_cpus, or start Ray with more logical CPUs") from None
+                f"only {num_actors - len(pending)} of {num_actors} preprocessing actors started within "
+                f"{start_timeout_s:.0f}s: each reserves {actor_num_cpus} CPU and the Ray cluster has {total:g} "
+                f"CPUs in all (other pools may hold some); lower num_actors or actor_num_cpus, or start Ray with "
+                f"more logical CPUs")
+        ray.get([a.ping.remote() for a in self.actors])  # an actor whose start failed raises here
 
     @property
     def num_actors(self) -> int:
