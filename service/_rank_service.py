@@ -88,8 +88,8 @@ log = logging.getLogger("batchd.rank")
 FETCH_CHUNK = 64  # sample ids per Fetch request
 
 JOURNAL = "rank-{rank}.json"
-# The rank journal (one JSON object, rewritten whole after every round, and after a fill that took samples
-# from the source, before the round's report): its version and keys. `filled`: the buffer is the one this
+# The rank journal (one JSON object, rewritten whole after every round, and after every fill, before the
+# round's report): its version and keys. `filled`: the buffer is the one this
 # rank reports (or reported) for its current round; a restored rank reports it again without filling, so
 # a round the coordinator decided before a crash is replayed on exactly the buffer it was decided on (a
 # source whose readiness depends on timing, like a RaySource, would fill it differently).
@@ -407,9 +407,8 @@ class RankServiceCore:
             self._write_journal()
             self.cond.notify_all()
         log.info("rank %d: epoch %d of %d starts", self.rank, self.epoch, self.spec.epochs)
-    def _fill(self) -> int:
-        """Tops the buffer up from the source; returns how many samples it took (rejected ones included)."""
-        taken = 0
+    def _fill(self) -> None:
+        """Tops the buffer up from the source."""
         deadline = time.monotonic() + self.fill_timeout_s
         while self.state.room > 0 and not self.state.exhausted:
             if self.spec.mode == "non-join":
@@ -426,7 +425,6 @@ class RankServiceCore:
                     break
                 continue
             sample, payload = item
-            taken += 1
             if self.state.was_rejected(sample.id):
                 continue
             cut = None
@@ -444,12 +442,12 @@ class RankServiceCore:
             if self.state.push(sample, cut) == "rejected":
                 continue
             self.payloads[sample.id] = payload
-        return taken
 
     def _round(self) -> None:
         if self._filled:  # restored with the buffer of this round's report: no fill
             self._filled = False
-        elif self._fill():
+        else:  # journaled before it is reported, even unchanged: a restored rank must not fill it again
+            self._fill()
             with self.cond:
                 self._write_journal(filled=True)
         metrics = self.metrics
