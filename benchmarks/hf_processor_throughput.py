@@ -54,34 +54,10 @@ WORKLOADS = {  # name -> (image_fraction, max_image_side, share of --samples)
     "image": (1.0, 224, 0.5),
     "image-large": (1.0, 672, 0.15),
 }
-QWEN2VL_TEMPLATE = (  # Qwen2-VL-Instruct's chat template
-    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
-    "<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-GENERATION_TEMPLATE = (  # the same rendering, assistant turns in {% generation %} blocks
-    "{%- macro render(content) -%}{%- if content is string -%}{{- content -}}{%- else -%}"
-    "{%- for part in content -%}{%- if part['type'] == 'image' -%}"
-    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
-    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}{%- endmacro -%}"
-    "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
-    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}{%- endif -%}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['role'] == 'assistant' -%}"
-    "{%- generation -%}{{- render(message['content']) + '<|im_end|>' -}}{%- endgeneration -%}{{- '\\n' -}}"
-    "{%- else -%}{{- render(message['content']) + '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+# The tests' copies of Qwen2-VL's own chat template and of it with {% generation %} blocks (tests/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from _hf_templates import QWEN2VL_GENERATION_TEMPLATE as GENERATION_TEMPLATE  # noqa: E402
+from _hf_templates import QWEN2VL_TEMPLATE  # noqa: E402
 
 
 def save_qwen2vl_processor(path: Path, tokenizer_json: Path, template: str) -> Path:
