@@ -35,7 +35,7 @@ from batchd.preprocess import (
 )
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 64
-from _hf_templates import QWEN2VL_GENERATION_TEMPLATE, QWEN2VL_TEMPLATE  # noqa: E402
+from _hf_templates import QWEN2VL_GENERATION_TEMPLATE, QWEN2VL_TEMPLATE
 
 LLAVA_TEMPLATE = (
     "{%- for message in messages -%}{{- message['role'].upper() + ': ' -}}"
