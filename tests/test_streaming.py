@@ -10,7 +10,6 @@ import json
 import os
 import random
 import threading
-import time
 
 import numpy as np
 import pyarrow as pa
@@ -22,8 +21,9 @@ from batchd.service.preprocess import _jsonl_index
 from hypothesis import given
 from hypothesis import strategies as st
 
+from test_pipeline import drain  # the shared poll-until-EXHAUSTED helper, with its stall check
+
 from batchd.preprocess import (
-    EXHAUSTED,
     BlockReader,
     RaySource,
     RecordDataset,
@@ -252,18 +252,6 @@ def text_stages(tmp_path_factory):
     return default_stages(tok, vision=None, cutoff=1024)
 
 
-def _drain(src, timeout=120.0):
-    out, deadline = [], time.monotonic() + timeout
-    while True:
-        item = src.poll(0.5)
-        if item is EXHAUSTED:
-            return out
-        if item is not None:
-            out.append(item[0].id)
-            deadline = time.monotonic() + timeout
-        assert time.monotonic() < deadline, "no sample for a long time: a stall"
-
-
 @pytest.mark.slow
 def test_ray_source_streams_each_rank_its_own_blocks_in_bounded_memory_and_resumes_exactly(
         ray_session, tmp_path, text_stages):
@@ -279,9 +267,10 @@ def test_ray_source_streams_each_rank_its_own_blocks_in_bounded_memory_and_resum
         src = RaySource(ds, rank, 2, seed=4, epoch=0, **common)
         try:
             assert len(src.view.windows) >= 5
-            half = _drain_some(src, len(src) // 2)
+            half = [sample.id for sample, _ in drain(src, limit=len(src) // 2)]
+            assert len(half) == len(src) // 2
             state = json.loads(json.dumps(src.state_dict()))
-            rest = _drain(src)
+            rest = [sample.id for sample, _ in drain(src)]
             st_ = src.stats()
             own = {ds.block_of(i) for i in src.view.ids()}
             assert st_["blocks_read"] <= len(own) + 2, (st_, len(own))  # reads only its own view's blocks
@@ -291,22 +280,11 @@ def test_ray_source_streams_each_rank_its_own_blocks_in_bounded_memory_and_resum
         again = RaySource(ds, rank, 2, seed=4, epoch=0, **common)
         try:
             again.load_state_dict(state)
-            assert _drain(again) == rest  # exact resume
+            assert [sample.id for sample, _ in drain(again)] == rest  # exact resume
         finally:
             again.close()
         got += half + rest
     assert sorted(got) == sorted(set(range(n)) - set(bad))
-
-
-def _drain_some(src, k, timeout=120.0):
-    out, deadline = [], time.monotonic() + timeout
-    while len(out) < k:
-        item = src.poll(0.5)
-        assert item is not EXHAUSTED
-        if item is not None:
-            out.append(item[0].id)
-        assert time.monotonic() < deadline
-    return out
 
 
 @pytest.mark.slow
@@ -318,7 +296,7 @@ def test_too_many_bad_records_fail_with_their_reasons_and_the_file(ray_session, 
     ok = RaySource(tmp_path / "d.jsonl", 0, 1, stages=text_stages, num_actors=1, actor_num_cpus=0.5,
                    max_bad_fraction=0.3, quarantine=q)
     try:  # 25% bad, under 0.3: the epoch runs, every bad record quarantined with its reason
-        assert len(_drain(ok)) == 112 and ok.quarantined == 38 and ok.reasons == {"schema": 38}
+        assert len(drain(ok)) == 112 and ok.quarantined == 38 and ok.reasons == {"schema": 38}
     finally:
         ok.close()
     lines_q = [json.loads(x) for x in q.read_text().splitlines()]
@@ -328,7 +306,7 @@ def test_too_many_bad_records_fail_with_their_reasons_and_the_file(ray_session, 
                        max_bad_fraction=0.1, quarantine=q)
     try:
         with pytest.raises(TooManyBadRecords) as e:
-            _drain(strict)
+            drain(strict)
     finally:
         strict.close()
     msg = str(e.value)
