@@ -338,6 +338,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         all_lengths = read
     if systems is None:
         systems = list(MM_SYSTEMS if all_images else (s for s in SYSTEMS if s != "batchd-2phase"))
+    if num_samples > len(all_lengths):
         raise ValueError(f"{workload} holds {len(all_lengths)} lengths, fewer than {num_samples=}")
     if num_samples < world_size:
         raise ValueError(f"num_samples must be >= world_size, got {num_samples=} {world_size=}")
