@@ -138,17 +138,30 @@ def test_demo_on_a_users_jsonl_with_bad_lines_quarantines_them_and_trains_on_the
     assert pre["quarantined"] == 4 and pre["reasons"] == {code: 1 for code in bad.values()}, pre
     kept = Path(pre["quarantine_file"])  # outlives the demo's temporary directory
     lines = [json.loads(x) for x in kept.read_text().splitlines()]
-    assert {int(x["source"].rsplit(":", 1)[1]): x["reason"].split(":")[0] for x in lines} == bad
+    # `mine.jsonl:LINE` names the line as an editor numbers it (1-based)
+    assert {int(x["source"].rsplit(":", 1)[1]) - 1: x["reason"].split(":")[0] for x in lines} == bad
     assert any(x["reason"] == "schema: field 'messages': expected a list of messages, got str" for x in lines)
     kept.unlink()
 
 
 @pytest.mark.slow
-def test_too_many_bad_records_fail_the_demo_fast_naming_the_reasons(tmp_path):
-    _users_jsonl(tmp_path / "mine.jsonl")
-    proc = batchd("demo", "--dataset", str(tmp_path / "mine.jsonl"), "--no-baseline",
-                  "--max-bad-fraction", "0.01", cwd=tmp_path, timeout=240)  # 2 bad per rank > 1% of 100
-    assert proc.returncode == 2, proc.stderr[-3000:]  # the CLI's exit for an error
-    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert "the job failed: rank " in proc.stderr and "max_bad_fraction = 0.01" in proc.stderr, proc.stderr[-3000:]
-    assert "bad records (quarantine):" in proc.stderr, proc.stderr[-3000:]
+def test_too_many_bad_records_fail_a_small_dataset_naming_the_kept_quarantine(tmp_path):
+    """60 records, a quarter bad: fewer than `MIN_JUDGED` per rank, so the share is judged at the end of
+    each rank's view. The job fails (exit 1, one line) naming the quarantine file that outlives the demo."""
+    import json
+
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                      {"role": "assistant", "content": f"It is {2 * i}."}]}) for i in range(60)]
+    for i in range(0, 60, 4):
+        lines[i] = json.dumps({"messages": "hello there"})
+    (tmp_path / "mine.jsonl").write_text("\n".join(lines) + "\n")
+    proc = batchd("demo", "--dataset", str(tmp_path / "mine.jsonl"), "--no-baseline", cwd=tmp_path, timeout=240)
+    err = proc.stderr
+    assert proc.returncode == 1, (proc.returncode, err[-3000:])  # a failed job (README, "Exit statuses")
+    assert "Traceback" not in err, err[-3000:]
+    failed = [ln for ln in err.splitlines() if ln.startswith("batchd demo: the job failed: ")]
+    assert len(failed) == 1 and "max_bad_fraction = 0.1" in failed[0] and "by reason: schema " in failed[0], err[-3000:]
+    named = Path(failed[0].split("; see ", 1)[1].split(". Fix the data", 1)[0])
+    assert named.name.endswith("-quarantine.jsonl") and named.is_file(), failed[0]  # the kept copy, not the temp dir's
+    assert f"bad records (quarantine): {named}" in err, err[-3000:]
+    named.unlink()

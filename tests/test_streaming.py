@@ -132,6 +132,12 @@ def test_jsonl_index_finds_every_non_blank_line(tmp_path_factory, lines, newline
         _jsonl_index._CHUNK = old
     got = [text.encode()[s:e].decode() for s, e in zip(starts, ends)]
     assert got == [ln for ln in text.split("\n") if ln.strip()]
+    _jsonl_index._CHUNK = chunk
+    try:  # each record's line as an editor numbers it: 1-based, blank lines counted
+        numbers = _jsonl_index.line_numbers(str(p), starts)
+    finally:
+        _jsonl_index._CHUNK = old
+    assert numbers.tolist() == [k + 1 for k, ln in enumerate(text.split("\n")) if ln.strip()]
 
 
 def test_jsonl_index_is_cached_beside_the_data_and_rebuilt_when_the_file_changes(tmp_path, monkeypatch):
@@ -301,7 +307,8 @@ def test_too_many_bad_records_fail_with_their_reasons_and_the_file(ray_session, 
         ok.close()
     lines_q = [json.loads(x) for x in q.read_text().splitlines()]
     assert lines_q[0]["reason"] == "schema: field 'messages': expected a list of messages, got str"
-    assert {x["source"] for x in lines_q} == {f"{tmp_path / 'd.jsonl'}:{i}" for i in range(0, 150, 4)}
+    # `file:line` as an editor shows it: 1-based
+    assert {x["source"] for x in lines_q} == {f"{tmp_path / 'd.jsonl'}:{i + 1}" for i in range(0, 150, 4)}
     strict = RaySource(tmp_path / "d.jsonl", 0, 1, stages=text_stages, num_actors=1, actor_num_cpus=0.5,
                        max_bad_fraction=0.1, quarantine=q)
     try:

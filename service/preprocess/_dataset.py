@@ -35,7 +35,7 @@ import pyarrow.ipc as paipc
 import pyarrow.parquet as pq
 
 from ._files import _base_dir, _format_of, _is_uri, expand_paths, filesystem_of
-from ._jsonl_index import line_index
+from ._jsonl_index import line_index, line_numbers
 from ._parse import Record, parse_record
 from ._quarantine import Reject
 from ._schema import SchemaError, _conversation_column, check_arrow_schema, check_json_row
@@ -169,6 +169,7 @@ class RecordDataset:
         self.blocks: list[Block] = []
         self._arrow_kind: dict[int, str] = {}
         self._lines: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._line_numbers: dict[int, np.ndarray] = {}
         offset = 0
         for k, path in enumerate(self.paths):
             fmt = _format_of(path, format)
@@ -235,8 +236,13 @@ class RecordDataset:
         return k, sample_id - self._file_offsets[k]
 
     def source(self, sample_id: int) -> str:
-        """'file:row' of a sample (row 0-based within its file)."""
+        """'file:row' of a sample: for JSONL the 1-based line, as editors show it (blank lines counted);
+        for Parquet and Arrow the 0-based row within the file, as pyarrow indexes it."""
         k, row = self.locate(sample_id)
+        if k in self._lines:
+            if k not in self._line_numbers:  # one pass over the file, on its first bad record only
+                self._line_numbers[k] = line_numbers(self.files[k].path, self._lines[k][0])
+            row = int(self._line_numbers[k][row])
         return f"{self.files[k].path}:{row}"
 
     # -- reading -------------------------------------------------------------------------------------

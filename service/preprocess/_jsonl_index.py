@@ -93,6 +93,27 @@ def scan_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
     return starts_a, ends_a
 
 
+def line_numbers(path: str, starts: np.ndarray) -> np.ndarray:
+    """The 1-based line number (what an editor shows, blank lines counted) of each byte offset in `starts`
+    (ascending: `scan_lines`' starts), by one streaming pass counting newlines."""
+    fs, inner = filesystem_of(path)
+    out = np.empty(len(starts), dtype=np.int64)
+    base, newlines, i = 0, 0, 0
+    with fs.open_input_stream(inner) as f:
+        while i < len(starts):
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            nl = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10)
+            j = int(np.searchsorted(starts, base + len(chunk), side="left"))  # starts inside this chunk
+            out[i:j] = newlines + np.searchsorted(nl, starts[i:j] - base, side="left") + 1
+            newlines += len(nl)
+            base += len(chunk)
+            i = j
+    out[i:] = newlines + 1  # (only a start at the very end of the file)
+    return out
+
+
 def _load(p: Path, size: int, mtime: int) -> tuple[np.ndarray, np.ndarray] | None:
     try:
         arr = np.load(p, allow_pickle=False)

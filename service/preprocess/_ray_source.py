@@ -14,9 +14,10 @@ records (the rest of the budget is the process's own and its batches'). A block 
 window fails at start, naming file and block.
 
 Bad records: each one is quarantined with its reason. Once more than `max_bad_fraction` of the records
-read are bad (counting at least `MIN_JUDGED` records read, so a few bad ones early are not yet a share),
-or a view ends with bad records and no good one, `poll` raises `TooManyBadRecords`, which fails the job
-with the counts by reason and the quarantine file.
+read are bad, `poll` raises `TooManyBadRecords`, which fails the job with the counts by reason and the
+quarantine file. While a view is read the share counts at least `MIN_JUDGED` records, so a few bad ones
+early are not yet a share; at the end of the view it is judged on the records read, however few, so the
+rule holds for a dataset of any size.
 
 Only metadata (id, realized length, loss tokens, per-modality counts, payload bytes) reaches the
 caller's process eagerly; `resolve(payload)` fetches the payload dict at collate time (a balanced plan
@@ -288,14 +289,16 @@ class RaySource:
         self._judge(final=False)
 
     def _judge(self, final: bool) -> None:
-        """Raises TooManyBadRecords once the bad records pass `max_bad_fraction` of those read (counted as
-        at least `MIN_JUDGED`: a few bad records early in a view are not yet a share), or when a finished
-        view had bad records and no good one."""
+        """Raises TooManyBadRecords once the bad records pass `max_bad_fraction` of those read.
+
+        While the view is being read the share counts at least `MIN_JUDGED` records (a few bad records
+        early in a view are not yet a share); once the view is finished (`final`) it is judged on what was
+        read, however few, so the rule holds for every dataset size."""
         bad, read = self.quarantined, self.records_read + sum(
             1 for e in self._entries.values() if e.status == _READY)
         if self.max_bad_fraction >= 1.0 or not bad:
             return
-        if bad <= self.max_bad_fraction * max(read, MIN_JUDGED) and not (final and bad == read):
+        if bad <= self.max_bad_fraction * (read if final else max(read, MIN_JUDGED)):
             return
         raise TooManyBadRecords(self.rank, bad, read, self.max_bad_fraction, dict(self.reasons),
                                 str(self.quarantine.path) if self.quarantine.path is not None else None)
