@@ -9,12 +9,14 @@ or party; a failed job exits 1, Ctrl-C / SIGTERM 130.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import json
 import os
 import shutil
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from batchd._config import DROP, EXAMPLE, add_job_flags, load_config
@@ -22,7 +24,7 @@ from batchd._lengths import read_workload
 from batchd._logging import setup_logging
 from batchd._progress import Progress
 from batchd.bench import add_bench_parser
-from batchd.core import FIELDS, REQUIRED, JobSpec, simulate
+from batchd.core import FIELDS, REQUIRED, RESULT_FIELDS, JobSpec, simulate
 
 
 def _positive(text: str) -> int:
@@ -43,11 +45,14 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "simulate",
         help="run N virtual ranks and the coordinator over a length file (the daemon's core code)",
-        description="Simulates one epoch of batchd over realized lengths (one integer per line; the sample "
+        description=textwrap.fill("Simulates one epoch of batchd over realized lengths (one integer per line; the sample "
         "id is the 0-based line number) or a multimodal workload (CSV, docs/workloads.md) and prints the "
         "batching metrics; with images also the per-phase balance (LLM and vision encoder, single- vs "
         "two-phase with --phases 2). With --config, the [job] section of a job config is the starting "
-        "point and flags override it.",
+        "point and flags override it.", 100),
+        epilog="output fields (text: one per line; --json: one object):\n"
+        + "\n".join(f"  {k:<38} {v}" for k, v in RESULT_FIELDS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     data = p.add_mutually_exclusive_group(required=True)
     data.add_argument("--lengths", metavar="FILE", help="one integer length per line (a .csv file: as --workload)")
@@ -157,9 +162,13 @@ def _add_rank_args(p: argparse.ArgumentParser, who: str) -> None:
     g.add_argument("--quarantine", metavar="FILE", help="append bad records here (JSONL)")
     g.add_argument("--memory-budget", metavar="SIZE",
                    help="records held read ahead, e.g. 1GiB (default 2GiB; blocks are read in windows of a quarter)")
+    g.add_argument("--stats-file", metavar="FILE",
+                   help="write the source's counters here as JSON on exit; a node agent writes one file per rank, "
+                   "'.rank<r>' before the suffix (stats.json: stats.rank0.json, stats.rank1.json ...) or where "
+                   "FILE has '{rank}'. Fields: README, 'Stats file'")
     g.add_argument("--max-bad-fraction", type=float, metavar="F",
-                   help="fail the job once more than this share of the records read are bad (default 0.1)")
-    g.add_argument("--stats-file", metavar="FILE", help="write the source's counters here as JSON on exit")
+                   help="fail the job once more than this share of the records read are bad (default 0.1; judged "
+                   "after 100 records a rank read, or at the end of its view, whichever comes first)")
     p.add_argument("--state-dir", help="journal here after every round (restartable)")
     p.add_argument("--startup-timeout", type=float, metavar="S",
                    help="seconds to wait for the coordinator to answer at start (default 600)")
@@ -482,19 +491,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Exit statuses, the same for every command (README, "Exit statuses").
+EXIT_OK = 0
+EXIT_JOB_FAILED = 1  # the job failed: a party failed or is gone, too many bad records, samples lost
+EXIT_ERROR = 2  # what the command was given is wrong: a flag, a config key, a file (one line names it)
+EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM
+EXIT_CLOSED_PIPE = 141  # standard output was closed early (`| head`): nothing more is printed
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("coordinator", "rank", "node") and not faulthandler.is_enabled():
         faulthandler.enable()  # a daemon that dies in native code (gRPC, torch) leaves its stacks in its log
+    from batchd.core import BatchdError, JobFailed
+
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is handled below
+        return status
     except KeyboardInterrupt as exc:
         print(f"batchd {args.command}: interrupted{f' {exc}' if str(exc) else ''}", file=sys.stderr, flush=True)
-        return 130
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # the reader went away (`| head`): end quietly, as command-line tools do
+        return _closed_pipe()
+    except JobFailed as exc:
+        print(f"batchd {args.command}: the job failed: {exc}", file=sys.stderr)
+        return EXIT_JOB_FAILED
+    except BatchdError as exc:  # a party is gone or unreachable: the job cannot go on
+        print(f"batchd {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_JOB_FAILED
     except (ValueError, OSError, RuntimeError, TimeoutError) as exc:
         print(f"batchd {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
+
+
+def _closed_pipe() -> int:
+    """Points stdout at /dev/null so the interpreter's final flush cannot fail again; the status for SIGPIPE."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_CLOSED_PIPE
 
 
 if __name__ == "__main__":

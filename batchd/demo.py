@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from batchd.core import JobSpec, mean_imbalance
+from batchd.core import JobFailed, JobSpec, mean_imbalance
 from batchd.launch import (
     MARKER_ENV,
     Processes,
@@ -182,9 +182,12 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
                                memory_budget, max_bad_fraction, processor)
         summary["phases"] = phases
         return summary
-    except BaseException:
+    except BaseException as exc:
         if signals.received is not None:  # whatever the signal broke on its way (a child's exit, a wait)
             raise signals.interrupt() from None
+        inside = str(work / "quarantine.jsonl")
+        if isinstance(exc, JobFailed) and inside in str(exc):  # name the copy that outlives the directory
+            raise JobFailed(str(exc).replace(inside, str(kept_quarantine(work)))) from None
         raise
     finally:
         try:

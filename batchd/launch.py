@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchd.core import FIELDS, JobSpec
+from batchd.core import FIELDS, JobFailed, JobSpec
 
 SERVICE_START_S = 120.0  # a rank service with --dataset starts its actors before it listens
 
@@ -335,8 +335,22 @@ def start_trainers(procs: Processes, work: Path, tag: str, world_size: int, comm
     return port, outs
 
 
+JOB_FAILED = "the job failed: "
+
+
+def job_failure_line(log: str) -> str | None:
+    """The reason in a trainer's one-line "... the job failed: WHY" (the last such line of `log`), or None."""
+    for line in reversed(log.splitlines()):
+        if JOB_FAILED in line:
+            return line.split(JOB_FAILED, 1)[1].strip()
+    return None
+
+
 def wait_trainers(procs: Processes, tag: str, outs: list[Path], timeout: float) -> list[dict[str, Any]]:
-    """Waits for the "TAG-*" trainers; raises with the first failing one's log, else returns results."""
+    """Waits for the "TAG-*" trainers; returns their results.
+
+    Raises `JobFailed` with the reason a failed trainer gave in its "the job failed: ..." line (the job
+    failed: a party or the data), else RuntimeError with the first failing trainer's log."""
     deadline = time.monotonic() + timeout
     mine = [(n, p) for n, p in procs.procs if n.startswith(f"{tag}-")]
     for _, p in mine:
@@ -346,6 +360,10 @@ def wait_trainers(procs: Processes, tag: str, outs: list[Path], timeout: float) 
             raise TimeoutError(f"trainers {tag} did not finish within {timeout:g}s") from None
     bad = [(n, p.returncode) for n, p in mine if p.returncode != 0]
     if bad:
+        for name, _ in bad:  # a trainer that heard the job fail says why in one line: that is the failure
+            why = job_failure_line(procs.log(name))
+            if why is not None:
+                raise JobFailed(why)
         name = bad[0][0]
         raise RuntimeError(f"trainer {name} exited with {bad[0][1]}:\n{procs.log(name)}")
     return [json.loads(o.read_text()) for o in outs]

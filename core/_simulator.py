@@ -366,6 +366,49 @@ class SimMetrics:
         return out
 
 
+# What each key of `simulate`'s result means (`batchd simulate --help` lists them; tested to cover them all).
+RESULT_FIELDS: dict[str, str] = {
+    "policy": "the job's policy", "world_size": "ranks N", "token_budget": "L, tokens a rank's step may cost",
+    "window": "samples buffered per rank", "mode": "join or non-join", "cost": "the cost model",
+    "align": "the DGAP target rule", "seed": "the sampler seed", "samples": "sample ids in the file",
+    "steps": "global steps (every rank runs this many)", "steps_per_rank": "steps of each rank (all equal)",
+    "rounds": "alignment rounds", "idle": "(rank, step) slots with no data: IDLE steps",
+    "emitted": "samples trained", "missing": "ids never trained (must be 0)",
+    "duplicates": "ids trained more than once (must be 0)",
+    "moved": "samples the balanced plan trained off their home rank",
+    "rejected": "samples over L quarantined (over_budget reject)", "truncated": "samples over L cut to fit",
+    "over_budget_samples": "samples longer than L (singleton, truncated or rejected by --over-budget)",
+    "real_tokens": "tokens of the samples", "padded_tokens": "tokens materialized, padding included",
+    "padding_efficiency": "real_tokens / padded_tokens",
+    "step_efficiency": "real_tokens / (steps x N x L): how much of the paid-for budget carries data",
+    "ideal_steps": "ceil(real_tokens / (N x L)): a perfectly packed, perfectly balanced run's steps",
+    "compute_vs_limit": "sum over steps of the slowest rank's cost / (real_tokens / N): the straggler-bound "
+                        "compute against a padding-free, balanced run (1.0 = at that limit)",
+    "over_budget": "steps on which a group of several samples costs more than L (only fixed-size baselines)",
+    "loss_scale_error": "largest |scaled mean of rank losses - global per-token mean| over steps (0 = exact)",
+    "wall_s": "seconds the simulation took", "samples_per_s_per_rank": "simulated samples / s / rank",
+    "local_ranks": "ranks per node K (--local-ranks)", "node_aware": "whether balanced planned node-aware",
+    "intra_node_moved": "moved samples that stayed in their node", "cross_node_moved": "moved samples that left it",
+    "intra_node_bytes": "their bytes (a sample's nbytes, else 8 x length)", "cross_node_bytes": "their bytes",
+    "intra_node_moved_per_round": "per round", "cross_node_moved_per_round": "per round",
+    "intra_node_bytes_per_round": "per round", "cross_node_bytes_per_round": "per round",
+    "node_planned_rounds": "rounds planned node-aware", "node_fallback_rounds": "rounds planned node-blind",
+    "node_swaps": "group pairs swapped across nodes by the node-aware plan",
+    "plan_per_round_s": "the coordinator's planning seconds per round",
+    "phases": "1, or 2 with the vision encoder balanced too", "images": "images in the workload",
+    "vision_steps": "steps with vision cost", "llm_imbalance": "LLM phase: mean over steps of max / mean rank cost",
+    "vision_imbalance_single": "vision phase, every rank encoding its own images: mean max / mean",
+    "vision_imbalance_two": "vision phase under the two-phase plan: mean max / mean",
+    "vision_bound": "vision phase's per-step lower bound max(C / N, largest image) / (C / N), mean over steps",
+    "vision_bound_pigeonhole": "the tighter per-step bound (an image is never split), mean over steps",
+    "exchanged_intra_node_images_per_step": "two-phase: images encoded off their sample's rank, same node",
+    "exchanged_intra_node_rows_per_step": "their embedding rows in the all-to-all",
+    "exchanged_cross_node_images_per_step": "images encoded on another node", "exchanged_cross_node_rows_per_step":
+    "their embedding rows", "vision_plan_rounds": "rounds the vision plan ran",
+    "vision_plan_per_round_s": "its seconds per round",
+}
+
+
 def simulate(lengths: Sequence[int] | Sequence[Sample], spec: JobSpec,
              on_step: Callable[[tuple[Step, ...]], None] | None = None, local_ranks: int | None = None,
              node_aware: bool | None = None) -> dict[str, Any]:
