@@ -38,6 +38,14 @@ def readme_job_block() -> str:
     return re.search(r"```bash\n(.*?)```", text[start:], re.S).group(1)
 
 
+def stats_fields() -> set[str]:
+    """The fields the README's "Stats file" table documents."""
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("### Stats file"):].split("\n## ", 1)[0]
+    return {f for row in table.splitlines() if row.startswith("| `")
+            for f in re.findall(r"`([a-z_]+)`", row.split(" | ")[0])}
+
+
 def test_readme_real_job_runs_as_written(tmp_path):
     block = readme_job_block()
     cport, rport = free_block(1), free_block(2)
@@ -48,6 +56,8 @@ def test_readme_real_job_runs_as_written(tmp_path):
             line = line.split("#")[0].replace("--node-agent 127.0.0.1:7100", f"--node-agent 127.0.0.1:{rport}")
             line += " --d-model 32 --n-layers 1 --n-heads 2 --summary summary-{rank}.json"
         line = line.replace("make_demo_dataset(\".\", 256)", "make_demo_dataset(\".\", 48)")
+        if line.startswith("batchd node "):  # the README's "Stats file": one per rank, every field documented
+            line = line.replace(" &", " --stats-file stats.json &")
         script.append(line)
         if line.startswith("batchd config --example"):  # the user's edit
             script.append(f"sed -i -e 's/^port = 7000/port = {cport}/' -e 's/^base_port = 7100/base_port = {rport}/' "
@@ -72,6 +82,10 @@ def test_readme_real_job_runs_as_written(tmp_path):
         assert len(started) == 1 and "joined the Ray" not in run.stderr, out  # one Ray, in the agent
         assert re.search(r"node agent '[^']+' serving ranks \[0, 1\]", run.stderr), out
         assert "Traceback" not in run.stderr, out
+        documented = stats_fields()
+        for r in range(2):
+            stats = json.loads((tmp_path / f"stats.rank{r}.json").read_text())
+            assert stats["rank"] == r and set(stats) <= documented, (set(stats) - documented, stats)
     finally:
         deadline = time.monotonic() + 15  # the Ray a rank service started stops with it; let it exit
         while processes_with_marker(marker) and time.monotonic() < deadline:
