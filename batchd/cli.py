@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from batchd._config import DROP, EXAMPLE, add_job_flags, load_config
 from batchd._lengths import read_workload
 from batchd._logging import setup_logging
-from batchd._progress import Progress
 from batchd.bench import add_bench_parser
 from batchd.core import FIELDS, REQUIRED, JobSpec, simulate
+from batchd.proto import Progress
 
 
 def _positive(text: str) -> int:
@@ -79,8 +79,8 @@ def _simulate(args: argparse.Namespace) -> int:
         spec = JobSpec(**{"shuffle": False, **given})  # simulate's default: no shuffle (a file's order)
     lengths = read_workload(args.workload or args.lengths)
     total = len(lengths) if spec.quota is None else min(spec.quota, len(lengths))
-    with Progress(total, "simulate", "samples", enabled=not (args.json or args.quiet)) as bar:
-        result = simulate(lengths, spec, on_step=lambda step: bar.update(sum(len(s.samples) for s in step)),
+    with Progress("simulate", total, "samples", enabled=not (args.json or args.quiet), emit=_say) as bar:
+        result = simulate(lengths, spec, on_step=lambda step: bar.update(sum(len(s.samples) for s in step), 1),
                           local_ranks=args.local_ranks)
     if args.json:
         print(json.dumps(result))
@@ -94,6 +94,10 @@ def _simulate(args: argparse.Namespace) -> int:
             print()
             print(phase_table(result))
     return 0
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def phase_table(result: dict) -> str:

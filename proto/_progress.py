@@ -1,0 +1,147 @@
+"""Progress of long work, shared by every party (trainer, node agent, demo, bench, simulate).
+
+On a terminal (the stream's `isatty()`) a tqdm bar with the count, the total, the rate and the ETA,
+redrawn at most twice a second; otherwise (a pipe, a log file, CI) one line every `interval_s`
+(default $BATCHD_PROGRESS_S, else 30 s), to `emit` (default: the `batchd.progress` logger at INFO):
+
+    rank 0: 512/1004 samples (51%), 47 steps, 3.1 samples/s, ETA 2m40s
+
+Steps are shown beside the samples, not as the measure: with dynamic batching the number of steps is
+not known in advance, the number of samples is. `total=None` (not known) drops the percentage and the
+ETA. `clock` is injectable (tests pass a fake one); nothing here sleeps or starts a thread: a line is
+due only when `update` is called.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+PROGRESS_ENV = "BATCHD_PROGRESS_S"
+DEFAULT_INTERVAL_S = 30.0
+
+log = logging.getLogger("batchd.progress")
+
+
+def progress_interval(default: float = DEFAULT_INTERVAL_S) -> float:
+    """Seconds between two progress lines off a terminal: $BATCHD_PROGRESS_S, else `default`.
+
+    Raises:
+        ValueError: naming the variable when it is not a number > 0.
+    """
+    text = os.environ.get(PROGRESS_ENV, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"${PROGRESS_ENV} must be a number of seconds > 0, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"${PROGRESS_ENV} must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    """`2m40s`, `1h05m`, `7s`."""
+    s = max(int(round(seconds)), 0)
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+class Progress:
+    """Counts `unit`s done out of `total` for `desc` (see the module docstring).
+
+    Args:
+        desc: What is counted, the line's prefix (e.g. "rank 0", "batchd run").
+        total: Units of the whole work, or None when not known.
+        unit: The counted unit's name (plural), e.g. "samples".
+        interval_s: Seconds between two lines off a terminal (default: `progress_interval()`).
+        emit: Where a line goes off a terminal (default: the `batchd.progress` logger, INFO).
+        stream: The terminal a bar is drawn on, and whose `isatty()` picks the mode (default stderr).
+        enabled: False: a no-op (e.g. under --json or --quiet).
+        clock: Monotonic seconds (tests pass a fake clock).
+    """
+
+    def __init__(self, desc: str, total: int | None, unit: str = "samples", *, interval_s: float | None = None,
+                 emit: Callable[[str], None] | None = None, stream: TextIO | None = None, enabled: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if total is not None and total < 0:
+            raise ValueError(f"total must be >= 0 or None, got {total=}")
+        self.desc, self.total, self.unit = desc, total, unit
+        self.interval_s = progress_interval() if interval_s is None else interval_s
+        if not self.interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s=}")
+        self.emit = emit or log.info
+        self.clock = clock
+        self.n = self.steps = 0
+        self.t0 = self._last = clock()
+        self.enabled = enabled
+        stream = stream or sys.stderr
+        self._bar: Any = None
+        if enabled and bool(getattr(stream, "isatty", lambda: False)()):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=f" {unit}", unit_scale=False, file=stream,
+                             mininterval=0.5, dynamic_ncols=True, leave=True)
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def set_total(self, total: int | None) -> None:
+        """The total, once known (or corrected)."""
+        self.total = total
+        if self._bar is not None:
+            self._bar.total = total
+            self._bar.refresh()
+
+    def update(self, n: int = 1, steps: int = 0) -> None:
+        """Adds `n` units (and `steps` steps) done; draws the bar, or emits a line when one is due."""
+        self.n += n
+        self.steps += steps
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            if steps:
+                self._bar.set_postfix_str(f"{self.steps} steps", refresh=False)
+            self._bar.update(n)
+            return
+        now = self.clock()
+        if now - self._last >= self.interval_s:
+            self._last = now
+            self.emit(self.line(now))
+
+    def line(self, now: float | None = None) -> str:
+        """`desc: n/total unit (pct%), S steps, R unit/s, ETA T` (without what is not known)."""
+        now = self.clock() if now is None else now
+        elapsed = max(now - self.t0, 1e-9)
+        rate = self.n / elapsed
+        parts = [f"{self.n}/{self.total} {self.unit}" + (f" ({100 * self.n / self.total:.0f}%)" if self.total else "")
+                 if self.total is not None else f"{self.n} {self.unit}"]
+        if self.steps:
+            parts.append(f"{self.steps} steps")
+        parts.append(f"{rate:.1f} {self.unit}/s")
+        if self.total is not None and self.n < self.total:
+            parts.append(f"ETA {format_duration((self.total - self.n) / rate)}" if rate > 0 else "ETA ?")
+        elif self.total is not None:
+            parts.append(f"done in {format_duration(elapsed)}")
+        return f"{self.desc}: " + ", ".join(parts)
+
+    def close(self) -> None:
+        """Ends the bar; off a terminal, emits a last line when the work took longer than one interval."""
+        if not self.enabled:
+            return
+        self.enabled = False
+        if self._bar is not None:
+            self._bar.close()
+        elif self.clock() - self.t0 >= self.interval_s:
+            self.emit(self.line())
