@@ -6,6 +6,8 @@ redrawn at most twice a second; otherwise (a pipe, a log file, CI) one line ever
 
     rank 0: 512/1004 samples (51%), 47 steps, 3.1 samples/s, ETA 2m40s
 
+The rate counts from the first unit done (start-up is not the work's pace); once the total is reached
+only `close` emits, one `... done in T` line.
 Steps are shown beside the samples, not as the measure: with dynamic batching the number of steps is
 not known in advance, the number of samples is. `total=None` (not known) drops the percentage and the
 ETA. `clock` is injectable (tests pass a fake one); nothing here sleeps or starts a thread: a line is
@@ -66,12 +68,13 @@ class Progress:
         emit: Where a line goes off a terminal (default: the `batchd.progress` logger, INFO).
         stream: The terminal a bar is drawn on, and whose `isatty()` picks the mode (default stderr).
         enabled: False: a no-op (e.g. under --json or --quiet).
+        tty: False: lines even on a terminal (a daemon in the background); None: `stream.isatty()`.
         clock: Monotonic seconds (tests pass a fake clock).
     """
 
     def __init__(self, desc: str, total: int | None, unit: str = "samples", *, interval_s: float | None = None,
                  emit: Callable[[str], None] | None = None, stream: TextIO | None = None, enabled: bool = True,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 tty: bool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if total is not None and total < 0:
             raise ValueError(f"total must be >= 0 or None, got {total=}")
         self.desc, self.total, self.unit = desc, total, unit
@@ -82,10 +85,13 @@ class Progress:
         self.clock = clock
         self.n = self.steps = 0
         self.t0 = self._last = clock()
+        self._first: tuple[float, int] | None = None  # (time, count) of the first work done: the rate's origin
         self.enabled = enabled
         stream = stream or sys.stderr
         self._bar: Any = None
-        if enabled and bool(getattr(stream, "isatty", lambda: False)()):
+        if tty is None:
+            tty = bool(getattr(stream, "isatty", lambda: False)())
+        if enabled and tty:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc=desc, unit=f" {unit}", unit_scale=False, file=stream,
@@ -110,30 +116,36 @@ class Progress:
         self.steps += steps
         if not self.enabled:
             return
+        if self._first is None and self.n > 0:
+            self._first = (self.clock(), self.n)  # start-up before the first unit is not the work's rate
         if self._bar is not None:
             if steps:
                 self._bar.set_postfix_str(f"{self.steps} steps", refresh=False)
             self._bar.update(n)
             return
         now = self.clock()
-        if now - self._last >= self.interval_s:
-            self._last = now
+        if now - self._last >= self.interval_s and (self.total is None or self.n < self.total):
+            self._last = now  # (once the total is reached, only `close` says so)
             self.emit(self.line(now))
 
-    def line(self, now: float | None = None) -> str:
-        """`desc: n/total unit (pct%), S steps, R unit/s, ETA T` (without what is not known)."""
+    def line(self, now: float | None = None, final: bool = False) -> str:
+        """`desc: n/total unit (pct%), S steps, R unit/s, ETA T` (without what is not known); at the
+        total, or `final`ly (work that ended short of its estimated total), `..., done in T`."""
         now = self.clock() if now is None else now
-        elapsed = max(now - self.t0, 1e-9)
-        rate = self.n / elapsed
+        elapsed = now - self.t0
+        t1, n1 = self._first or (now, self.n)
+        rate = (self.n - n1) / (now - t1) if now > t1 and self.n > n1 else None  # since the first unit
         parts = [f"{self.n}/{self.total} {self.unit}" + (f" ({100 * self.n / self.total:.0f}%)" if self.total else "")
                  if self.total is not None else f"{self.n} {self.unit}"]
         if self.steps:
             parts.append(f"{self.steps} steps")
-        parts.append(f"{rate:.1f} {self.unit}/s")
-        if self.total is not None and self.n < self.total:
-            parts.append(f"ETA {format_duration((self.total - self.n) / rate)}" if rate > 0 else "ETA ?")
-        elif self.total is not None:
+        if final or (self.total is not None and self.n >= self.total):
             parts.append(f"done in {format_duration(elapsed)}")
+            return f"{self.desc}: " + ", ".join(parts)
+        if rate is not None:
+            parts.append(f"{rate:.1f} {self.unit}/s")
+        if self.total is not None:
+            parts.append(f"ETA {format_duration((self.total - self.n) / rate)}" if rate else "ETA ?")
         return f"{self.desc}: " + ", ".join(parts)
 
     def close(self) -> None:
@@ -144,4 +156,4 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
         elif self.clock() - self.t0 >= self.interval_s:
-            self.emit(self.line())
+            self.emit(self.line(final=True))

@@ -32,8 +32,8 @@ def test_off_a_terminal_one_line_per_interval_with_the_total_the_rate_and_the_et
     assert len(lines) == 5  # one per 30 s, not one per step
     bar.update(512 - bar.n)
     clock.t += 30
-    bar.update(0)  # 512 samples in 195 s: 2.63/s, so (1004 - 512) / 2.63 = 187 s left
-    assert lines[-1] == "rank 0: 512/1004 samples (51%), 47 steps, 2.6 samples/s, ETA 3m07s"
+    bar.update(0)  # 502 samples since the first 10 (at 3.5 s), 191.5 s ago: 2.62/s, 492 / 2.62 = 188 s left
+    assert lines[-1] == "rank 0: 512/1004 samples (51%), 47 steps, 2.6 samples/s, ETA 3m08s"
     clock.t += 1
     bar.update(1004 - 512)
     bar.close()
@@ -48,9 +48,16 @@ def test_short_work_off_a_terminal_prints_nothing_and_an_unknown_total_drops_the
         bar.update(10, steps=2)
     assert lines == []
     with Progress("node", None, interval_s=5, emit=lines.append, stream=io.StringIO(), clock=clock) as bar:
-        clock.t += 10
-        bar.update(40, steps=3)
-    assert lines[0] == "node: 40 samples, 3 steps, 4.0 samples/s" and len(lines) == 2
+        clock.t += 5
+        bar.update(20, steps=1)  # the first samples: no rate yet (start-up is not the pace)
+        clock.t += 5
+        bar.update(20, steps=2)
+    assert lines[:2] == ["node: 20 samples, 1 steps", "node: 40 samples, 3 steps, 4.0 samples/s"]
+    assert lines[2:] == ["node: 40 samples, 3 steps, done in 10s"]
+    with Progress("demo", 128, interval_s=5, emit=lines.append, stream=io.StringIO(), clock=clock) as bar:
+        clock.t += 6
+        bar.update(120, steps=20)  # 8 bad records never came: the end says so, without an ETA
+    assert lines[-1] == "demo: 120/128 samples (94%), 20 steps, done in 6s"
 
 
 def test_on_a_terminal_a_tqdm_bar_with_the_total_and_steps_beside_it():
