@@ -94,8 +94,13 @@ class Progress:
         if enabled and tty:
             from tqdm import tqdm
 
+            try:  # a terminal of unknown width (0 columns: some ptys) would get an empty bar
+                sized = os.get_terminal_size(stream.fileno()).columns > 0
+            except (AttributeError, OSError, ValueError):
+                sized = False
             self._bar = tqdm(total=total, desc=desc, unit=f" {unit}", unit_scale=False, file=stream,
-                             mininterval=0.5, dynamic_ncols=True, leave=True)
+                             mininterval=0.5, dynamic_ncols=sized, ncols=None if sized else 100,
+                             nrows=None if sized else 24, leave=True)
 
     def __enter__(self) -> Progress:
         return self
