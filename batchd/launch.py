@@ -343,8 +343,8 @@ def progress_path(out: str | Path) -> Path:
 
 class StepTicker:
     """A trainer process's progress for its parent: samples and steps so far, in `progress_path(out)` as
-    "SAMPLES STEPS", rewritten (atomically) at most every `period_s` and at `close`. No collective and
-    no clock in the timed loop beyond one `monotonic()` per step."""
+    "SAMPLES STEPS", rewritten (atomically) at most every `period_s` by `tick`, and by `write` at the
+    end. No collective in a timed loop: one `monotonic()` per step and a tiny file every `period_s`."""
 
     def __init__(self, out: str | Path, period_s: float = 0.5) -> None:
         self.path, self.period_s = progress_path(out), period_s
