@@ -12,7 +12,7 @@ What a trainer needs is here, from one import::
 
 and so is what a job is made of: `JobSpec` (the job every party agrees on), `Config` / `load_config`
 (the config file), `simulate` (the daemon's core over a list of lengths, no processes), and one error
-hierarchy: `BatchdError` > `JobFailed`, `CoordinatorError`; bad configs raise `ConfigError` (a
+hierarchy: `BatchdError` > `JobFailed`, `CoordinatorError`, `RankServiceError`; bad configs raise `ConfigError` (a
 ValueError). The layers underneath (`batchd.core`, `batchd.proto`, `batchd.service`, `batchd.client`)
 keep their own public modules; see the README's architecture section.
 
@@ -37,6 +37,7 @@ _EXPORTS = {
     "CoordinatorError": "batchd.core",
     "JobFailed": "batchd.core",
     "JobSpec": "batchd.core",
+    "RankServiceError": "batchd.core",
     "StepInfo": "batchd.core",
     "TinyCausalLM": "batchd._model",
     "TinyMLLM": "batchd._mllm",

@@ -50,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchd._mllm import TinyMLLM
 from batchd._model import TinyCausalLM
+from batchd.launch import StepTicker
 from batchd.client import (
     BatchClient,
     collate_padded,
@@ -319,6 +320,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     epoch_batches = iters.get(system, _iter_batchd)
     epochs = cfg.get("epochs", 1)
     rec = _Recorder()
+    ticker = StepTicker(cfg["out"])  # `batchd bench`'s progress: this rank's samples and steps so far
     # ODB's join mode and a fixed view that does not split evenly end ranks on different step counts:
     # torch's Join shadows the finished rank's all-reduces (ODB's README pairs join=True with it), one
     # Join per epoch so that the per-epoch evaluation's barriers meet.
@@ -351,6 +353,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                         batch = _device_batch(batch, device)
                         logits = _step(ddp, opt, batch, scale, tokens, lr)
                         rec.add(ids, batch, logits, t0, wait_s)
+                    ticker.tick(len(ids))
                     rec.steps[-1]["lr"] = lr
                     rec.steps[-1]["global_tokens"] = holder.get("global_tokens", 0)
                     rec.steps[-1]["epoch"] = epoch
@@ -367,6 +370,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
             evals.append({"epoch": epoch, "t": t_pause - t0, "eval": ev})
             t0 += time.monotonic() - t_pause
+        ticker.write()
         wall_s = rec.steps[-1]["t"] if rec.steps else 0.0
         cpu_s = time.process_time() - cpu0
         result = {"rank": rank, "system": system, "wall_s": wall_s, "startup_s": startup_s, "cpu_s": cpu_s,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 import threading
@@ -42,6 +43,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchd.client import (
     BatchClient,
+    BatchdError,
     JobFailed,
     collate_padded,
     forward_logits,
@@ -60,8 +62,10 @@ from batchd.service.preprocess import (
     synthetic_payload,
 )
 
+from ._logging import setup_logging
 from ._mllm import TinyMLLM
 from ._model import TinyCausalLM
+from .launch import StepTicker
 
 MODEL_DEFAULTS = {"vocab_size": 512, "d_model": 128, "n_layers": 2, "n_heads": 4}
 
@@ -116,13 +120,15 @@ def run(rank: int, world_size: int, master_port: int, out: str, mode: str = "bat
                               "encoded_patches": [],
                               "real_tokens": 0, "padded_tokens": 0, "grads": [], "wait_s": 0.0, "longest": 0}
     t0 = time.perf_counter()
+    ticker = StepTicker(out)  # the demo's progress: this rank's samples and steps so far
     try:
         if mode == "batchd":
-            _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_time)
+            _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_time, ticker)
         elif source is not None:
-            _run_fixed_source(source, batch_size, ddp, opt, result)
+            _run_fixed_source(source, batch_size, ddp, opt, result, ticker)
         else:
-            _run_fixed(rank, world_size, lengths or [], batch_size, seed, model_cfg, ddp, opt, result)
+            _run_fixed(rank, world_size, lengths or [], batch_size, seed, model_cfg, ddp, opt, result, ticker)
+        ticker.write()
         result["wall_s"] = time.perf_counter() - t0
         result["steps"] = len(result["losses"])
         dist.barrier()
@@ -145,7 +151,7 @@ def _log_global_loss(logits: torch.Tensor, labels: torch.Tensor, result: dict[st
         result["losses"].append(float(buf[0] / buf[1]) if buf[1] > 0 else float("nan"))
 
 
-def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_time=0.0) -> None:
+def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_time=0.0, ticker=None) -> None:
     client = BatchClient(service, rank, world_size)
     # Held in a variable: when a step fails, the loop must not close the stream before _job_failure has
     # asked the service why (a closed stream looks like this trainer died, and would be blamed on it).
@@ -186,6 +192,8 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_ti
             result["sample_ids"].append(ids)
             result["encoded_patches"].append(_patches(batch))
             _log_global_loss(logits, batch["labels"], result)
+            if ticker is not None:
+                ticker.tick(len(ids))
     except JobFailed:
         raise
     except Exception as exc:
@@ -247,7 +255,7 @@ def _job_failure(client, watch: _FailureWatch) -> str | None:
     return watch.failure
 
 
-def _run_fixed(rank, world_size, lengths, batch_size, seed, model_cfg, ddp, opt, result) -> None:
+def _run_fixed(rank, world_size, lengths, batch_size, seed, model_cfg, ddp, opt, result, ticker=None) -> None:
     vocab = {**MODEL_DEFAULTS, **model_cfg}["vocab_size"]
     for ids in fixed_batches(lengths, rank, world_size, seed, batch_size):
         payloads = [synthetic_payload(i, lengths[i], seed, vocab) for i in ids]
@@ -262,9 +270,11 @@ def _run_fixed(rank, world_size, lengths, batch_size, seed, model_cfg, ddp, opt,
         result["sample_ids"].append(ids)
         result["encoded_patches"].append(_patches(batch))
         _log_global_loss(logits, batch["labels"], result)
+        if ticker is not None:
+            ticker.tick(len(ids))
 
 
-def _run_fixed_source(source, batch_size, ddp, opt, result) -> None:
+def _run_fixed_source(source, batch_size, ddp, opt, result, ticker=None) -> None:
     """The fixed baseline over a `RaySource` (see the module docstring)."""
     exhausted, first = False, None
     while True:
@@ -299,6 +309,8 @@ def _run_fixed_source(source, batch_size, ddp, opt, result) -> None:
         result["sample_ids"].append(ids)
         result["encoded_patches"].append(_patches(batch))
         _log_global_loss(logits, batch["labels"], result)
+        if ticker is not None:
+            ticker.tick(len(items))  # a rank past its view repeats its first batch: not progress
 
 
 def main() -> None:
@@ -306,11 +318,16 @@ def main() -> None:
     p.add_argument("--config", required=True, help="JSON file with run()'s keyword arguments")
     args = p.parse_args()
     kwargs = json.loads(Path(args.config).read_text())
+    setup_logging("WARNING")  # batchd's own lines (the client waiting for its service) at INFO
+    logging.getLogger("batchd").setLevel(logging.INFO)
     try:
         run(**kwargs)
     except JobFailed as exc:  # the job's failure, named by the service: one line, not a traceback
         print(f"rank {kwargs.get('rank')}: the job failed: {exc}", file=sys.stderr)
         sys.exit(1)
+    except BatchdError as exc:  # e.g. its rank service unreachable: one line naming it
+        print(f"rank {kwargs.get('rank')}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from batchd._config import add_job_flags
 from batchd._lengths import read_workload
 from batchd.core import JobSpec, Sample, check_int, format_workload, mean_imbalance
 from batchd.launch import Processes, spec_argv, start_services, start_trainers, wait_trainers
+from batchd.proto import Progress
 
 SYSTEMS = ("fixed", "odb-0.1.2", "batchd-odb", "batchd-balanced", "batchd-packed", "batchd-2phase")
 # The default systems of a multimodal workload (a .csv with images): the two-phase comparison.
@@ -104,9 +105,10 @@ def parse_systems(text: str) -> list[str]:
 
 # -- running one system ----------------------------------------------------------------------------
 def run_system(system: str, work: Path, common: dict[str, Any], job: JobSpec, timeout: float,
-               tag: str | None = None) -> list[dict[str, Any]]:
+               tag: str | None = None, progress: Progress | None = None) -> list[dict[str, Any]]:
     """Runs one system's N trainers (and, for batchd, its coordinator and rank services, on `job` with the
-    system's policy and layout) in `work/tag`; returns their results."""
+    system's policy and layout) in `work/tag`; returns their results. `progress` follows the trainers'
+    samples (every rank together) and is closed."""
     world_size = job.world_size
     sys_dir = work / (tag or system)
     sys_dir.mkdir()
@@ -121,8 +123,10 @@ def run_system(system: str, work: Path, common: dict[str, Any], job: JobSpec, ti
             per_rank = [{"service": f"127.0.0.1:{p}"} for p in ports]
         _, outs = start_trainers(procs, sys_dir, "trainer", world_size, {**common, "system": system}, per_rank,
                                  module="batchd._bench_trainer")
-        return wait_trainers(procs, "trainer", outs, timeout)
+        return wait_trainers(procs, "trainer", outs, timeout, progress)
     finally:
+        if progress is not None:
+            progress.close()
         procs.stop()
 
 
@@ -388,7 +392,9 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
                                                                         window, depth))
             say(f"[bench] {system}: training {num_samples} samples on {world_size} {device} rank(s) ({what})")
             t_sys = time.perf_counter()
-            res = run_system(system, work, common, job, timeout, f"{system}-{rep}")
+            bar = (Progress(f"[bench] {system}", num_samples * epochs, "samples", emit=say)
+                   if progress is not None else None)  # a bar on a terminal, else a line every $BATCHD_PROGRESS_S
+            res = run_system(system, work, common, job, timeout, f"{system}-{rep}", bar)
             s = summarize(system, res, num_samples, epochs)
             s["outer_s"] = time.perf_counter() - t_sys
             runs[system].append(s)

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from batchd._config import DROP, EXAMPLE, add_job_flags, load_config
 from batchd._lengths import read_workload
 from batchd._logging import setup_logging
-from batchd._progress import Progress
 from batchd.bench import add_bench_parser
 from batchd.core import FIELDS, REQUIRED, RESULT_FIELDS, JobSpec, simulate
+from batchd.proto import Progress
 
 
 def _positive(text: str) -> int:
@@ -84,8 +84,8 @@ def _simulate(args: argparse.Namespace) -> int:
         spec = JobSpec(**{"shuffle": False, **given})  # simulate's default: no shuffle (a file's order)
     lengths = read_workload(args.workload or args.lengths)
     total = len(lengths) if spec.quota is None else min(spec.quota, len(lengths))
-    with Progress(total, "simulate", "samples", enabled=not (args.json or args.quiet)) as bar:
-        result = simulate(lengths, spec, on_step=lambda step: bar.update(sum(len(s.samples) for s in step)),
+    with Progress("simulate", total, "samples", enabled=not (args.json or args.quiet), emit=_say) as bar:
+        result = simulate(lengths, spec, on_step=lambda step: bar.update(sum(len(s.samples) for s in step), 1),
                           local_ranks=args.local_ranks)
     if args.json:
         print(json.dumps(result))
@@ -99,6 +99,10 @@ def _simulate(args: argparse.Namespace) -> int:
             print()
             print(phase_table(result))
     return 0
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def phase_table(result: dict) -> str:
@@ -494,7 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
 # Exit statuses, the same for every command (README, "Exit statuses").
 EXIT_OK = 0
 EXIT_JOB_FAILED = 1  # the job failed: a party failed or is gone, too many bad records, samples lost
-EXIT_ERROR = 2  # what the command was given is wrong: a flag, a config key, a file (one line names it)
+EXIT_ERROR = 2  # a flag, a config key, a file, or a party that cannot be reached (one line names it)
 EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM
 EXIT_CLOSED_PIPE = 141  # standard output was closed early (`| head`): nothing more is printed
 
@@ -518,9 +522,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JobFailed as exc:
         print(f"batchd {args.command}: the job failed: {exc}", file=sys.stderr)
         return EXIT_JOB_FAILED
-    except BatchdError as exc:  # a party is gone or unreachable: the job cannot go on
+    except BatchdError as exc:  # a party that cannot be reached (or refuses): the line names it
         print(f"batchd {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_JOB_FAILED
+        return EXIT_ERROR
     except (ValueError, OSError, RuntimeError, TimeoutError) as exc:
         print(f"batchd {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -60,6 +60,7 @@ import numpy as np
 import ray
 
 from batchd.core import JobFailed, JobSpec, mean_imbalance
+from batchd.proto import Progress
 from batchd.launch import (
     MARKER_ENV,
     Processes,
@@ -97,9 +98,14 @@ def demo_lengths(num_samples: int, seed: int = 7, longest: int = 512) -> list[in
 
 
 def _trainers(procs: Processes, work: Path, tag: str, world_size: int, common: dict[str, Any],
-              per_rank: list[dict[str, Any]], timeout: float) -> list[dict[str, Any]]:
+              per_rank: list[dict[str, Any]], timeout: float, say=None, total: int | None = None,
+              desc: str = "") -> list[dict[str, Any]]:
+    """Runs one phase's trainers; with `say` (the demo's progress printer) shows the phase's progress in
+    samples of every rank together out of `total` (a bar on a terminal, else a `say` line every
+    $BATCHD_PROGRESS_S seconds)."""
     _, outs = start_trainers(procs, work, tag, world_size, common, per_rank)
-    return wait_trainers(procs, tag, outs, timeout)
+    bar = Progress(desc, total, "samples", emit=say) if say is not None else None
+    return wait_trainers(procs, tag, outs, timeout, bar)
 
 
 class _Signals:
@@ -158,6 +164,7 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
     if phases is None:
         phases = 2 if not synthetic and policy == "balanced" else 1
     say = progress or (lambda msg: None)
+    show = progress  # the trainers' progress lines too (None: no bar, no lines)
     main_thread = threading.current_thread() is threading.main_thread()
     signals = _Signals()
     if main_thread:  # SIGINT and SIGTERM unwind through the finally below: children stop, Ray is shut down
@@ -174,12 +181,12 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
                                  depth=depth, seed=seed, phases=phases))
         if synthetic:
             summary = _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed,
-                                     baseline, say, timeout, t_start, step_time)
+                                     baseline, say, timeout, t_start, step_time, show)
         else:
             ray_started = ray_address is None
             summary = _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say,
                                timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time,
-                               memory_budget, max_bad_fraction, processor)
+                               memory_budget, max_bad_fraction, processor, show)
         summary["phases"] = phases
         return summary
     except BaseException as exc:
@@ -211,7 +218,7 @@ def kept_quarantine(work: Path) -> Path:
 
 
 def _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
-                   t_start, step_time=0.0) -> dict[str, Any]:
+                   t_start, step_time=0.0, show=None) -> dict[str, Any]:
     lengths = demo_lengths(num_samples)
     lengths_file = work / "lengths.txt"
     lengths_file.write_text("\n".join(map(str, lengths)) + "\n")
@@ -220,7 +227,8 @@ def _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, pol
     _, ports = start_node_agents(procs, work, spec, world_size, world_size, lengths_file)
     say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
     results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed, "step_time": step_time},
-                        [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout)
+                        [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout, show,
+                        num_samples, "batchd run")
     summary = summarize(lengths, results)
     summary["startup_and_teardown_s"] = time.perf_counter() - t_start - summary["wall_s"]
     if baseline:
@@ -228,7 +236,8 @@ def _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, pol
         say(f"baseline: the same epoch with fixed batching (batch size {bs})")
         base = _trainers(procs, work, "fixed", world_size,
                          {"mode": "fixed", "seed": seed, "lengths": lengths, "batch_size": bs},
-                         [{} for _ in range(world_size)], timeout)
+                         [{} for _ in range(world_size)], timeout, show,
+                         -(-num_samples // world_size) * world_size, "fixed run")  # DistributedSampler pads
         _add_baseline(summary, summarize(lengths, base, check_coverage=False), bs)
     return summary
 
@@ -256,7 +265,7 @@ def _vocab_size(tokenizer: str | os.PathLike) -> int:
 
 def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
              t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time=0.0, memory_budget=None,
-             max_bad_fraction=None, processor=None) -> dict[str, Any]:
+             max_bad_fraction=None, processor=None, show=None) -> dict[str, Any]:
     expected_bad: dict[int, str] | None = None
     if dataset is None:
         demo = make_demo_dataset(work / "data", num_samples=num_samples, seed=seed)
@@ -300,7 +309,8 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
     say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
     results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed, "model_cfg": model_cfg,
                                                                     "step_time": step_time},
-                        [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout)
+                        [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout, show,
+                        records, "batchd run")  # of the records; the bad ones drop out
     try:  # it exits on its own once every trainer took the last batch
         procs.get("node-0").wait(60)
     except subprocess.TimeoutExpired:
@@ -348,7 +358,8 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
         common = {"mode": "fixed", "seed": seed, "batch_size": bs, "model_cfg": model_cfg, "dataset": str(dataset),
                   "tokenizer": str(tok), "cutoff": token_budget, "ray_address": ray_address,
                   "processor": str(processor) if processor else None}
-        base = _trainers(procs, work, "fixed", world_size, common, [{"num_actors": n} for n in per_rank], timeout)
+        base = _trainers(procs, work, "fixed", world_size, common, [{"num_actors": n} for n in per_rank], timeout,
+                         show, len(good), "fixed run")
         _add_baseline(summary, summarize(good, base, check_coverage=False), bs)
     return summary
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from batchd.core import FIELDS, JobFailed, JobSpec
+from batchd.proto import Progress
 
 SERVICE_START_S = 120.0  # a rank service with --dataset starts its actors before it listens
 
@@ -346,18 +347,73 @@ def job_failure_line(log: str) -> str | None:
     return None
 
 
-def wait_trainers(procs: Processes, tag: str, outs: list[Path], timeout: float) -> list[dict[str, Any]]:
-    """Waits for the "TAG-*" trainers; returns their results.
+def progress_path(out: str | Path) -> Path:
+    """Where a trainer whose result goes to `out` keeps its progress for `wait_trainers`."""
+    return Path(out).with_suffix(".progress")
+
+
+class StepTicker:
+    """A trainer process's progress for its parent: samples and steps so far, in `progress_path(out)` as
+    "SAMPLES STEPS", rewritten (atomically) at most every `period_s` by `tick`, and by `write` at the
+    end. No collective in a timed loop: one `monotonic()` per step and a tiny file every `period_s`."""
+
+    def __init__(self, out: str | Path, period_s: float = 0.5) -> None:
+        self.path, self.period_s = progress_path(out), period_s
+        self.samples = self.steps = 0
+        self._last = time.monotonic()
+
+    def tick(self, samples: int, steps: int = 1) -> None:
+        self.samples += samples
+        self.steps += steps
+        if time.monotonic() - self._last >= self.period_s:
+            self.write()
+
+    def write(self) -> None:
+        tmp = self.path.with_suffix(".progress.tmp")
+        tmp.write_text(f"{self.samples} {self.steps}\n")
+        tmp.replace(self.path)
+        self._last = time.monotonic()
+
+
+def _read_progress(outs: list[Path]) -> tuple[int, int]:
+    """(samples of every rank together, steps of the furthest rank) from the trainers' progress files."""
+    samples = steps = 0
+    for out in outs:
+        try:
+            a, b = progress_path(out).read_text().split()
+        except (OSError, ValueError):  # not written yet
+            continue
+        samples, steps = samples + int(a), max(steps, int(b))
+    return samples, steps
+
+
+def wait_trainers(procs: Processes, tag: str, outs: list[Path], timeout: float,
+                  progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Waits for the "TAG-*" trainers; returns their results. `progress` (a `batchd.proto.Progress`)
+    follows the trainers' `StepTicker`s meanwhile, and is closed.
 
     Raises `JobFailed` with the reason a failed trainer gave in its "the job failed: ..." line (the job
     failed: a party or the data), else RuntimeError with the first failing trainer's log."""
     deadline = time.monotonic() + timeout
     mine = [(n, p) for n, p in procs.procs if n.startswith(f"{tag}-")]
-    for _, p in mine:
-        try:
-            p.wait(max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"trainers {tag} did not finish within {timeout:g}s") from None
+    try:
+        for _, p in mine:
+            while True:
+                try:
+                    p.wait(max(min(deadline - time.monotonic(), 0.5), 0.01) if progress else
+                           max(deadline - time.monotonic(), 1))
+                    break
+                except subprocess.TimeoutExpired:
+                    if progress is None or time.monotonic() >= deadline:
+                        raise TimeoutError(f"trainers {tag} did not finish within {timeout:g}s") from None
+                    samples, steps = _read_progress(outs)
+                    progress.update(samples - progress.n, steps - progress.steps)
+        if progress is not None:
+            samples, steps = _read_progress(outs)
+            progress.update(samples - progress.n, steps - progress.steps)
+    finally:
+        if progress is not None:
+            progress.close()
     bad = [(n, p.returncode) for n, p in mine if p.returncode != 0]
     if bad:
         for name, _ in bad:  # a trainer that heard the job fail says why in one line: that is the failure

@@ -26,6 +26,16 @@ model); `--ids-log FILE` appends one JSON line per step as the batch arrives, be
 (`{"epoch", "step", "ids"}`, fsynced), so a restarted trainer that replays a step logs it again with
 the same ids.
 
+Start order and progress: the trainer may start before its rank service / node agent; it waits up to
+`--startup-timeout` (default 600 s, like the services) and logs every 5 s whom it waits for and why
+("waiting for the rank service at ADDR (rank R of N) (5s of 600s): UNAVAILABLE: ... Connection
+refused"). Rank 0 shows the epoch's progress in samples (all ranks together, out of the job's total,
+steps beside them): a tqdm bar on a terminal, else a log line every $BATCHD_PROGRESS_S seconds (30).
+
+Exit status: 0 done; 1 the job failed (`JobFailed`: the message names the failed party); 2 an error
+before or outside the job, in one line `[rank R] batchd.train: error: ...`: a bad flag or file, or a
+rank service that cannot be reached (or refuses this trainer): the line names its address.
+
 Trade-offs: one checkpoint file per rank (the DDP model is replicated, so this stores N copies; simple
 and independent of a shared filesystem's consistency); the trainer fails fast with exit code 1 and
 the job's failure message (naming the failed rank) when any party fails, and leaves restarts to torchrun
@@ -36,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -47,10 +58,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from batchd.client import BatchClient, JobFailed, train_step
-from batchd.proto import Security
+from batchd.client import BatchClient, BatchdError, JobFailed, train_step
+from batchd.proto import Progress, Security, progress_interval
 from batchd.service.preprocess import TokenizerRef
 
+from ._logging import setup_logging
 from ._model import TinyCausalLM
 from ._trainer import _FailureWatch, raise_job_failure
 
@@ -140,10 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--credits", type=int, default=4, help="batches the rank service may send ahead")
     p.add_argument("--reconnect-timeout", type=float, default=60.0,
                    help="seconds to retry an unreachable rank service (covers its restart)")
+    p.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
+                   help="seconds to wait for a rank service that is not up yet (logged every 5 s); then exit 2")
     p.add_argument("--timeout", type=float, default=600.0, help="process group collective timeout, seconds")
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save/resume rank-<r>.pt here")
     p.add_argument("--checkpoint-every", type=int, default=100, metavar="K", help="steps between checkpoints")
-    p.add_argument("--log-every", type=int, default=10, metavar="K", help="rank 0 logs every K steps")
+    p.add_argument("--log-every", type=int, default=10, metavar="K", help="rank 0 logs the loss every K steps")
     sec = p.add_argument_group("security (as the rank services: batchd.proto.Security)")
     sec.add_argument("--tls-ca", default=None, metavar="FILE", help="CA of the rank service's certificate (TLS on)")
     sec.add_argument("--tls-cert", default=None, metavar="FILE", help="client certificate (mutual TLS)")
@@ -168,12 +182,17 @@ def security_from_args(args: argparse.Namespace):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs one rank's epochs; returns the exit code (1 when the job failed)."""
+    """Runs one rank's epochs; returns the exit code (1 when the job failed, 2 on an error)."""
     args = build_parser().parse_args(argv)
     if args.epochs is not None and args.epochs < 1:
         raise SystemExit(f"--epochs must be >= 1, got {args.epochs}")
+    setup_logging("WARNING")  # batchd's own lines (waiting, progress) at INFO; torch's and others' quieter
+    logging.getLogger("batchd").setLevel(logging.INFO)
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     try:  # bad addresses and TLS/token/tokenizer files fail here, before the rendezvous, in one line
+        if not args.startup_timeout > 0:
+            raise ValueError(f"--startup-timeout must be > 0, got {args.startup_timeout}")
+        progress_interval()  # a bad $BATCHD_PROGRESS_S fails here
         node_agent = args.node_agent or (os.environ.get("BATCHD_NODE_AGENT", "").strip() or None
                                          if args.rank_services is None and args.base_port is None else None)
         if node_agent is not None:
@@ -200,7 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              n_heads=args.n_heads).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         client = BatchClient(address, rank, world_size, credits=args.credits,
-                             reconnect_timeout_s=args.reconnect_timeout, security=security)
+                             reconnect_timeout_s=args.reconnect_timeout, security=security,
+                             startup_timeout_s=args.startup_timeout)
         ckpt = Path(args.checkpoint) / f"rank-{rank}.pt" if args.checkpoint else None
         if ckpt is not None and ckpt.exists():  # before DDP wraps the model: DDP broadcasts rank 0's weights
             state = torch.load(ckpt, map_location=device, weights_only=False)
@@ -216,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JobFailed as exc:
         print(f"[rank {rank}] batchd job failed: {exc}", file=sys.stderr, flush=True)
         return 1
+    except BatchdError as exc:  # e.g. the rank service unreachable: one line naming it, not a traceback
+        print(f"[rank {rank}] batchd.train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     finally:
         dist.destroy_process_group()
     summary.update(rank=rank, world_size=world_size, backend=backend, device=str(device), rank_service=address)
@@ -263,12 +286,15 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
                if args.ids_log else None)
     try:
         epochs = args.epochs or client.job_epochs()
+        total = client.job_samples() if rank == 0 else None  # the job's samples per epoch, all ranks
         for epoch in range(client.epoch, epochs):
             client.set_epoch(epoch)  # the checkpoint's epoch keeps its position
             n = 0
             batches = iter(client)  # closed only after a failure was asked about (see _trainer._run_batchd)
+            bar = Progress(f"rank 0: epoch {epoch + 1}/{epochs}", total, "samples", enabled=rank == 0)
             try:
                 for batch, info in batches:
+                    bar.update(info.global_samples, steps=1)
                     ids = batch.pop("sample_ids", None)
                     _log_step(ids_log, epoch, info.step, ids.tolist() if ids is not None else [])
                     if args.step_time > 0:
@@ -281,12 +307,15 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
                               flush=True)
                     if ckpt is not None and steps % args.checkpoint_every == 0:
                         _save(ckpt, ddp.module, opt, client)
-            except JobFailed:
+            except BatchdError as exc:  # the client's own diagnosis (JobFailed, or its service unreachable)
+                if not isinstance(exc, JobFailed) and watch.failure:  # the service failed the job first
+                    raise JobFailed(f"{watch.failure} (this trainer saw: {exc})") from exc
                 raise
             except Exception as exc:  # a collective broke because a peer died: ask the rank service which
                 raise_job_failure(client, watch, exc)
                 raise
             finally:
+                bar.close()
                 batches.close()
             epoch_steps.append(n)
     finally:

@@ -204,7 +204,8 @@ class Party:
         raise TimeoutError(f"{self.name} did not listen within {timeout:g}s: {last_error(self.log)}")
 
 
-_ERR_PATTERNS = [r"job failed: (.*)", r"JobFailed: (.*)", r"BatchdError: (.*)", r"CoordinatorError: (.*)",
+_ERR_PATTERNS = [r"job failed: (.*)", r"JobFailed: (.*)", r"batchd\.train: error: (.*)", r"BatchdError: (.*)",
+                 r"CoordinatorError: (.*)",
                  r"^(?:\[rank\d+\]:\s*)?(\w*(?:Error|Exception)\b.*)", r"(Traceback.*)"]
 
 

@@ -14,7 +14,7 @@ nothing from the daemon.
 
 import importlib
 
-from batchd.core import BatchdError, JobFailed, StepInfo
+from batchd.core import BatchdError, JobFailed, RankServiceError, StepInfo
 
 from ._accelerate import batchd_backward, batchd_batches, batchd_loss, hf_model_inputs
 from ._client import BatchClient
@@ -33,7 +33,7 @@ def __getattr__(name: str):
 
 
 __all__ = sorted([
-    "IGNORE_INDEX", "BatchClient", "BatchdError", "JobFailed", "StepInfo", "collate_packed", "collate_padded",
+    "IGNORE_INDEX", "BatchClient", "BatchdError", "JobFailed", "RankServiceError", "StepInfo", "collate_packed", "collate_padded",
     "exchange_image_embeddings", "forward_logits", "idle_batch", "loss_tokens", "scaled_loss",
     "scaled_loss_and_mean", "step_batch", "to_torch", "token_loss_sum", "train_step",
     "BatchdStream", "BatchdTrainer", "batchd_backward", "batchd_batches", "batchd_loss", "hf_model_inputs",

@@ -14,10 +14,13 @@ steps (the service's alignment guarantees it).
 - Resume: `state_dict()` stores rank, world size, epoch and the next step; `load_state_dict()` refuses
   a state of another rank or world size. A new client resumes exactly where the old one stopped.
 - Start order: the first connection waits up to `startup_timeout_s` (default 10 min) for a rank service
-  that is not up yet (it may be starting Ray), logging every few seconds whom it waits for.
+  that is not up yet (it may be starting Ray), logging every 5 s whom it waits for and why ("waiting for
+  the rank service at ADDR (rank R of N) (5s of 600s): UNAVAILABLE: ... Connection refused", the
+  services' wording), then raises `RankServiceError` naming the address and what was tried.
 - Rank service restart: UNAVAILABLE is retried for `reconnect_timeout_s`, from the next step.
 - Step time: unlimited. A trainer may take minutes per step; only a party that is gone fails the job.
-- One trainer per rank: a second client on a rank's service is refused (`BatchdError` naming the holder).
+- One trainer per rank: a second client on a rank's service is refused (`RankServiceError`, a
+  `BatchdError`, naming the holder).
 - Job failure: the service's ABORTED (its message names the failed rank) raises `JobFailed`.
 """
 
@@ -33,14 +36,13 @@ from typing import Any
 import grpc
 import torch
 
-from batchd.core import BatchdError, JobFailed, StepInfo
-from batchd.proto import CHANNEL_OPTIONS, Security, wire
+from batchd.core import BatchdError, JobFailed, RankServiceError, StepInfo
+from batchd.proto import CHANNEL_OPTIONS, WAIT_LOG_S, Security, transient, wire
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.proto import channel as secure_channel
 
 log = logging.getLogger("batchd.client")
-WAIT_LOG_S = 5.0
 
 
 class _Ended(Exception):
@@ -120,26 +122,49 @@ class BatchClient:
 
     def job_epochs(self, timeout: float | None = None) -> int:
         """The number of epochs the job runs, asked of the rank service (waits for it up to `timeout`,
-        default `startup_timeout_s`, logging every few seconds)."""
-        timeout = self.startup_timeout_s if timeout is None else timeout
+        default `startup_timeout_s`, logging every few seconds; `RankServiceError` when it stays away)."""
+        return max(self._status(timeout).epochs, 1)
+
+    def job_samples(self, timeout: float | None = None) -> int | None:
+        """Samples the job trains on per epoch, all ranks together (what `StepInfo.global_samples` sums to
+        over the epoch; quarantined records drop out), or None when the rank service does not know it.
+        Waits like `job_epochs`."""
+        return self._status(timeout).job_samples or None
+
+    def _status(self, timeout: float | None) -> pb.RankStatusReply:
+        """This rank's `RankStatus`, retried while the rank service is unreachable (not up yet) for up to
+        `timeout` (default `startup_timeout_s`)."""
+        limit = self.startup_timeout_s if timeout is None else timeout
         start = last_log = time.monotonic()
         while True:
-            left = timeout - (time.monotonic() - start)
-            try:
-                reply = self.stub.RankStatus(pb.RankStatusRequest(rank=self.rank), timeout=max(min(left, WAIT_LOG_S), 0.01),
-                                             wait_for_ready=True)
-                return max(reply.epochs, 1)
+            left = limit - (time.monotonic() - start)
+            try:  # no wait_for_ready: a refused connection fails at once, and its reason is logged
+                return self.stub.RankStatus(pb.RankStatusRequest(rank=self.rank), timeout=max(min(left, WAIT_LOG_S), 0.1))
             except grpc.RpcError as exc:
                 now = time.monotonic()
-                waiting = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-                if not waiting or now - start >= timeout:
-                    raise BatchdError(f"rank service of rank {self.rank} at {self.address}: {exc.code().name}: "
-                                      f"{exc.details()}" + (f" (waited {now - start:.0f}s)" if waiting else "")
-                                      ) from None
+                if not (transient(exc) or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise RankServiceError(f"{self._party()} refused RankStatus: {exc.code().name}: {exc.details()}",
+                                           exc.code()) from None
+                if now - start >= limit:
+                    raise self._unreachable("RankStatus", exc.code(), exc.details(), limit, True) from None
                 if now - last_log >= WAIT_LOG_S:
-                    log.info("rank %d: waiting for its rank service at %s (%.0fs of %gs)", self.rank, self.address,
-                             now - start, timeout)
+                    self._log_wait(now - start, limit, exc.code(), exc.details())
                     last_log = now
+                time.sleep(0.2)
+
+    def _party(self) -> str:
+        return f"the rank service at {self.address} (rank {self.rank} of {self.world_size})"
+
+    def _log_wait(self, waited: float, limit: float, code: grpc.StatusCode, details: str | None) -> None:
+        """The waiting line, worded like the services' (`batchd.proto.retry_while_unreachable`)."""
+        log.info("waiting for %s (%.0fs of %gs): %s: %s", self._party(), waited, limit, code.name, details)
+
+    def _unreachable(self, what: str, code: grpc.StatusCode, details: str | None, limit: float,
+                     started: bool) -> RankServiceError:
+        return RankServiceError(
+            f"{self._party()} unreachable for {limit:g}s: {code.name}: {details} ({what} retried every 0.2s "
+            + ("since start-up, for the start-up timeout; is a rank service or node agent listening there?)"
+               if started else "since the connection broke, for the reconnect timeout)"), code)
 
     # -- iteration -----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:
@@ -168,14 +193,12 @@ class BatchClient:
                     limit = self.reconnect_timeout_s if self._connected else self.startup_timeout_s
                     if now - start < limit:
                         if now - last_log >= WAIT_LOG_S:
-                            log.info("rank %d: waiting for its rank service at %s (%.0fs of %gs): %s: %s", self.rank,
-                                     self.address, now - start, limit, code.name, details)
+                            self._log_wait(now - start, limit, code, details)
                             last_log = now
                         time.sleep(0.2)
                         continue
-                    raise BatchdError(f"rank service of rank {self.rank} at {self.address} unreachable for "
-                                      f"{limit:g}s: {code.name}: {details}") from None
-                raise BatchdError(f"rank service of rank {self.rank} at {self.address}: {code.name}: {details}") from None
+                    raise self._unreachable("Batches", code, details, limit, not self._connected) from None
+                raise RankServiceError(f"{self._party()}: {code.name}: {details}", code) from None
 
     def _stream(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:
         """One `Batches` call. A receiver thread reads and decodes up to `credits` batches ahead while the

@@ -29,7 +29,7 @@ from ._collate import (
 )
 from ._cost import COST_MODELS, CostModel
 from ._delivery import ATTACHED, END, REFUSED, SEND_END, WAIT, Connect, Delivery
-from ._errors import BatchdError, CoordinatorError, JobFailed
+from ._errors import BatchdError, CoordinatorError, JobFailed, RankServiceError
 from ._grouping import (
     best_fit_decreasing,
     contiguous_greedy,
@@ -76,7 +76,7 @@ from ._spec import COLLATE, FIELDS, REQUIRED, JobSpec
 from ._types import Sample, Step, StepInfo, check_bool, parse_bytes, check_choice, check_int, check_number, check_str
 
 __all__ = sorted([
-    "BatchdError", "COLLATE", "CoordinatorError", "FIELDS", "IGNORE_INDEX", "JobFailed", "JobSpec", "REQUIRED",
+    "BatchdError", "COLLATE", "CoordinatorError", "FIELDS", "IGNORE_INDEX", "JobFailed", "JobSpec", "RankServiceError", "REQUIRED",
     "VISION_KEYS", "check_bool", "check_choice", "check_int", "check_number", "check_str", "collate_images", "collate_packed", "collate_padded", "idle_batch", "image_of", "strip_vision", "loss_tokens",
     "ALIGN_RULES", "ATTACHED", "COST_MODELS", "END", "MODES", "OVER_BUDGET", "POLICIES", "REFUSED",
     "SEND_END", "WAIT",

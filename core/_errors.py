@@ -3,6 +3,7 @@
     BatchdError (RuntimeError)
     |-- JobFailed       the job failed: a party died or refused; the message names the party and why
     |-- CoordinatorError a rank service could not get an answer from the coordinator it was given
+    |-- RankServiceError a trainer could not reach (or was refused by) its rank service / node agent
 
 Bad arguments and bad configs stay `ValueError`s (`ConfigError`, `ProtocolError` subclass it), as Python
 code expects.
@@ -21,6 +22,15 @@ class JobFailed(BatchdError):
 
 class CoordinatorError(BatchdError):
     """A coordinator call failed for good; the message names the coordinator, `code` is the gRPC status."""
+
+    def __init__(self, message: str, code: object = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RankServiceError(BatchdError):
+    """A trainer's `BatchClient` could not reach, or was refused by, its rank service (or node agent);
+    the message names the address, the rank and what was tried; `code` is the last gRPC status."""
 
     def __init__(self, message: str, code: object = None) -> None:
         super().__init__(message)

@@ -477,7 +477,7 @@ class RankStatusRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ...) -> None: ...
 
 class RankStatusReply(_message.Message):
-    __slots__ = ("rank", "buffered", "ready", "next_step", "round", "state", "failure", "epoch", "epochs", "fetched_local", "fetched_remote")
+    __slots__ = ("rank", "buffered", "ready", "next_step", "round", "state", "failure", "epoch", "epochs", "fetched_local", "fetched_remote", "job_samples")
     RANK_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -489,6 +489,7 @@ class RankStatusReply(_message.Message):
     EPOCHS_FIELD_NUMBER: _ClassVar[int]
     FETCHED_LOCAL_FIELD_NUMBER: _ClassVar[int]
     FETCHED_REMOTE_FIELD_NUMBER: _ClassVar[int]
+    JOB_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     rank: int
     buffered: int
     ready: int
@@ -500,4 +501,5 @@ class RankStatusReply(_message.Message):
     epochs: int
     fetched_local: int
     fetched_remote: int
-    def __init__(self, rank: _Optional[int] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., next_step: _Optional[int] = ..., round: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., fetched_local: _Optional[int] = ..., fetched_remote: _Optional[int] = ...) -> None: ...
+    job_samples: int
+    def __init__(self, rank: _Optional[int] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., next_step: _Optional[int] = ..., round: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., fetched_local: _Optional[int] = ..., fetched_remote: _Optional[int] = ..., job_samples: _Optional[int] = ...) -> None: ...

@@ -33,13 +33,13 @@ import time
 from pathlib import Path
 
 from batchd.core import JobSpec, Sample, max_fitting_length
-from batchd.proto import Security
+from batchd.proto import Progress, Security
 
 from ._coord_client import CoordinatorClient
 from ._coordinator import create_server
 from ._metrics import CoordinatorMetrics, MergedRegistry, RankMetrics, start_metrics_server, stop_metrics_server
 from ._node import NodeAgent
-from ._rank_server import create_rank_server
+from ._rank_server import create_rank_server, job_samples
 from ._rank_service import RankServiceCore
 from .preprocess import (
     IngestSource,
@@ -393,6 +393,33 @@ def _advertised(host: str, advertise: str | None) -> str:
     return host
 
 
+class _NodeProgress:
+    """The node agent's progress: one log line every $BATCHD_PROGRESS_S seconds (30) with the samples of
+    every rank made into this epoch's steps, out of the job's total, and the steps (as seen by `core`,
+    the node's first rank: every rank makes the same steps). Always log lines, never a bar: an agent
+    runs in the background, beside the trainers' own progress."""
+
+    def __init__(self, name: str, core: RankServiceCore) -> None:
+        self.name, self.core = name, core
+        self.epoch: int | None = None
+        self.bar: Progress | None = None
+
+    def poll(self) -> None:
+        core = self.core
+        with core.cond:  # the epoch, its state and its count change together (`_next_epoch`)
+            epoch, made, steps = core.epoch, core.samples_made, core.state.step
+        if epoch != self.epoch or self.bar is None:
+            self.close()
+            self.epoch = epoch
+            self.bar = Progress(f"node agent {self.name!r}: epoch {epoch + 1}/{core.spec.epochs}",
+                                job_samples(core) or None, "samples", tty=False)
+        self.bar.update(made - self.bar.n, steps - self.bar.steps)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _serve_node(spec: JobSpec, ranks: list[int], coordinator: str, name: str, sources: dict[int, Source], host: str,
                 port: int, advertise: str | None, port_file: str | None, state_dir: str | None,
                 client_grace_s: float, security: Security | None, metrics_port: int | None, metrics_host: str,
@@ -414,8 +441,10 @@ def _serve_node(spec: JobSpec, ranks: list[int], coordinator: str, name: str, so
     stop = _stop_event()
     status = 0
     finished_at = None
+    progress = _NodeProgress(name, cores[min(cores)])
     try:
         while not stop.wait(0.2):
+            progress.poll()
             if agent.failure is not None:
                 status = 1
                 _linger_until_told(list(agent.cores.values()), stop, client_grace_s)
@@ -427,6 +456,7 @@ def _serve_node(spec: JobSpec, ranks: list[int], coordinator: str, name: str, so
             else:
                 finished_at = None
     finally:
+        progress.close()
         agent.stop()
         if fetched is not None:
             fetched.update((r, dict(core.fetched)) for r, core in cores.items())

@@ -204,7 +204,17 @@ class RankServicer(pb_grpc.RankServiceServicer):
                 next_step=core.state.step, round=core.state.round, state=state,
                 failure=core.failure or "", epoch=core.epoch, epochs=core.spec.epochs,
                 fetched_local=core.fetched["local"], fetched_remote=core.fetched["remote"],
+                job_samples=job_samples(core),
             )
+
+
+def job_samples(core: RankServiceCore) -> int:
+    """Samples the job trains on per epoch, all ranks together, as far as a rank knows it: the non-join
+    quota, else the dataset its sampler view splits (the records of a `RaySource`, bad ones included:
+    quarantined records never reach a trainer); 0 for a source of unknown size (pushed samples)."""
+    if core.spec.mode == "non-join":
+        return int(core.spec.quota or 0)
+    return int(getattr(getattr(core.source, "view", None), "num_samples", 0) or 0)
 
 
 def create_rank_server(address: str, core: RankServiceCore | Mapping[int, RankServiceCore],

@@ -223,6 +223,7 @@ class RankServiceCore:
         self.finished = False  # the coordinator knows this rank's trainer took the job's last step
         self._filled = False  # the restored buffer is the current round's report (`JOURNAL`)
         self.waiting_for_trainer = False  # the loop waits for the trainer to take batches (no room for more)
+        self.samples_made = 0  # samples of every rank in this epoch's steps so far (the node agent's progress)
         self.restored_finished = False  # restored from a journal written after the job's last end
         self.failure: str | None = None
         self.failure_told = False  # the trainer heard the failure (ABORTED, or a RankStatus that said it)
@@ -402,6 +403,7 @@ class RankServiceCore:
             self.delivery.advance(time.monotonic())
             self.state = self._new_state(self.epoch)
             self.source.start_epoch(self.epoch)
+            self.samples_made = 0
             self.payloads.clear()
             self.batches.clear()
             self._write_journal()
@@ -471,6 +473,7 @@ class RankServiceCore:
         totals = self.coord.commit(self.epoch, commit)
         t_totals = time.perf_counter()
         steps = self.state.finalize(totals)
+        self.samples_made += sum(st.info.global_samples for st in steps)
         self._fetch_moved(steps)
         batches = []
         image_only: set[int] = set()

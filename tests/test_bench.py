@@ -10,6 +10,8 @@ speedup ratios, the progress lines, and non-empty PNGs.
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,10 +135,16 @@ def test_bench_batchd_systems_with_trainers_that_take_5s_per_step(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "batchd.bench", "--json", "--workload", str(workload), "--num-samples", "16",
          "--heldout", "0", "--token-budget", "600", "--window", "8", "--depth", "2", "--step-time", "5",
-         "--systems", "batchd-odb"], capture_output=True, text=True, timeout=400)
+         "--systems", "batchd-odb"], capture_output=True, text=True, timeout=400,
+        env={**os.environ, "BATCHD_PROGRESS_S": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     systems = json.loads(proc.stdout.strip().splitlines()[-1])["systems"]
     for name in ("batchd-odb",):
         s = systems[name]
         assert s["samples"] == 16 and not s.get("missing") and not s.get("duplicates"), (name, s)
         assert s["steps"] >= 2 and s["wall_s"] >= 5 * (s["steps"] - 1), (name, s)
+    # off a terminal, a progress line every 1 s: 1310 tokens do not fit one step of 2 ranks x 600, and
+    # steps take >= 5 s, so a line falls between the first two; then the end
+    assert re.search(r"\[bench\] batchd-odb: \d+/16 samples \(\d+%\), .*ETA", proc.stderr), proc.stderr[-4000:]
+    assert re.search(r"\[bench\] batchd-odb: 16/16 samples \(100%\), \d+ steps, done in", proc.stderr), \
+        proc.stderr[-4000:]

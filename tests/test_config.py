@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -15,7 +14,6 @@ import pytest
 
 from batchd._config import DROP, EXAMPLE, ConfigError, build_config, load_config
 from batchd._logging import JsonFormatter
-from batchd._progress import Progress
 from batchd.cli import build_parser, main
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "odb-synthetic.txt"
@@ -162,27 +160,6 @@ def test_json_log_lines_keep_extra_fields():
     out = json.loads(JsonFormatter().format(record))
     assert out["msg"] == "round 7 late" and out["rank"] == 3 and out["level"] == "WARNING"
     assert out["logger"] == "batchd.rank" and out["ts"].endswith("+00:00")
-
-
-class _Tty(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_progress_bar_on_a_terminal_and_quiet_on_short_piped_work():
-    tty = _Tty()
-    with Progress(10, "work", "samples", stream=tty) as bar:
-        for _ in range(10):
-            bar.update()
-    assert tty.getvalue().startswith("\rwork: 100.0% 10/10 samples [") and tty.getvalue().endswith("]\n")
-    pipe = io.StringIO()
-    with Progress(10, "work", stream=pipe) as bar:
-        bar.update(10)
-    assert pipe.getvalue() == ""  # short work on a pipe leaves the log alone
-    off = _Tty()
-    with Progress(10, "work", enabled=False, stream=off) as bar:
-        bar.update(10)
-    assert off.getvalue() == ""
 
 
 def _free_port() -> int:

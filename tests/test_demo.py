@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -67,12 +68,20 @@ def test_demo_runs_through_the_ray_pipeline():
 
 def test_demo_with_trainers_that_take_5s_per_step():
     """Real models take seconds per step: the demo's job still ends cleanly (the coordinator stays until
-    every trainer took its last step; nothing judges a trainer's speed)."""
-    proc = subprocess.run([sys.executable, "-m", "batchd", "demo", "--json", "--synthetic", "--num-samples", "40",
+    every trainer took its last step; nothing judges a trainer's speed). Off a terminal the demo logs the
+    batchd run's progress, samples of every rank out of the total, every $BATCHD_PROGRESS_S seconds."""
+    proc = subprocess.run([sys.executable, "-m", "batchd", "demo", "--synthetic", "--num-samples", "40",
                            "--no-baseline", "--depth", "2", "--step-time", "5"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "BATCHD_PROGRESS_S": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
-    s = json.loads(proc.stdout.strip().splitlines()[-1])
-    steps = s["steps_per_rank"]
-    assert steps[0] == steps[1] >= 3, steps
-    assert s["missing"] == 0 and s["duplicates"] == 0 and s["wall_s"] >= 5 * steps[0], s
+    steps = json.loads(re.search(r"^steps per rank +(\[[\d, ]+\])", proc.stdout, re.M).group(1))
+    assert steps[0] == steps[1] >= 3, proc.stdout
+    assert re.search(r"^samples +40 emitted, 0 missing, 0 duplicated", proc.stdout, re.M), proc.stdout
+    wall = float(re.search(r"^epoch wall time +([\d.]+)s", proc.stdout, re.M).group(1))
+    assert wall >= 5 * steps[0], proc.stdout
+    # >= 3 steps of >= 5 s and a line every 1 s: some line falls between two steps, before the end
+    progress = re.findall(r"\[batchd demo\] batchd run: (\d+)/40 samples \(\d+%\), \d+ steps, "
+                          r"(?:[\d.]+ samples/s, )?ETA \S+", proc.stderr)
+    assert any(0 < int(n) < 40 for n in progress), proc.stderr[-4000:]
+    assert re.search(r"\[batchd demo\] batchd run: 40/40 samples \(100%\), \d+ steps, done in", proc.stderr), \
+        proc.stderr[-4000:]

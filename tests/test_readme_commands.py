@@ -126,6 +126,8 @@ RUN_BY = {
     "batchd simulate --help": "tests/test_readme_commands.py::test_readme_and_help_commands_parse",
     "python -m batchd.train --base-port 7100": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "python -m batchd.train": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
+    "python -m batchd.train --startup-timeout S":
+        "tests/test_trainer_start.py::test_a_trainer_pointed_at_nobody_says_whom_it_waits_for_then_exits_2_in_one_line",
     "batchd node": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "batchd node --local-ranks K --node-rank G": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "batchd coordinator": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
@@ -170,7 +172,7 @@ def test_block_commands_join_lines_cut_comments_and_skip_heredocs():
 
 # -- every command parses ----------------------------------------------------------------------------
 PLACEHOLDERS = {"FILE": "f.txt", "PATH": "p", "K": "2", "G": "0", "r": "0", "N": "2", "L": "8192",
-                "HEAD:6379": "127.0.0.1:6379", "DIR": "d", "ADDR": "127.0.0.1:1", "HOST:PORT": "127.0.0.1:1"}
+                "HEAD:6379": "127.0.0.1:6379", "S": "5", "DIR": "d", "ADDR": "127.0.0.1:1", "HOST:PORT": "127.0.0.1:1"}
 
 
 def _argv(cmd: str) -> list[str]:
