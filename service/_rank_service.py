@@ -14,9 +14,9 @@ capacity the rank reports is `depth - ready`, so the round never makes more step
 Deterministic mode (`JobSpec.deterministic`): the rank reports only a full window (or its source's end),
 waiting for the source as long as it takes, and a fixed capacity max(1, depth // 2) once that many slots
 are free (`batchd.core.fill_may_stop`, `report_capacity`): no report depends on timing, so with an
-ordered source (a `RaySource` emits in view order) the same data, seed and config make the same batches. A batch stays
-held until the trainer acknowledges it (it asks for the next step), so a restarted trainer gets it again;
-end of epoch is sent only after every step is acknowledged.
+ordered source (a `RaySource` emits in view order) the same data, seed and config make the same batches.
+A batch stays held until the trainer acknowledges it (it asks for the next step), so a restarted trainer
+gets it again; end of epoch is sent only after every step is acknowledged.
 
 Payloads: a dict of numpy arrays, or a reference to one (a `RaySource` yields Ray ObjectRefs; the bytes
 stay in the Ray object store). References are resolved at collate time, one `ray.get` per step
