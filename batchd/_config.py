@@ -461,6 +461,8 @@ seed = 0
 epochs = 1                 # each epoch: a new seeded view of the data per rank
 # node_aware = true        # balanced + node agents: balance inside each node first (fewer bytes cross
                            # nodes, steps may cost a little more: docs/benchmarks.md, node-balance)
+# deterministic = true     # the same batches, steps and loss on every run (same data, seed, config),
+                           # whatever the speed of actors and trainers; costs wall time (docs/benchmarks.md)
 
 [data]
 dataset = "train.parquet"  # Parquet / JSONL / Arrow records; or lengths = "lengths.txt"

@@ -269,7 +269,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
               model: str | None = None, out: str | Path | None = None, seed: int = 0, window: int = 128,
               depth: int = 8, heldout: int = 64, odb_workers: int = 2, lr: float = 1e-3, timeout: float = 1800.0,
               repeats: int = 1, lr_scaling: str = "sqrt", plots: bool = True, progress: Callable[[str], None] | None = None,
-              epochs: int = 1, step_time: float = 0.0) -> dict[str, Any]:
+              epochs: int = 1, step_time: float = 0.0, deterministic: bool = False) -> dict[str, Any]:
     """Runs the bench; returns the dict `batchd bench --json` prints (see the module docstring).
 
     Args:
@@ -301,6 +301,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         epochs: Epochs every system trains (epoch e: the views of epoch e, for every system).
         step_time: Seconds every system's trainers sleep per step, a stand-in for a large model's step
             (tests that slow trainers never fail a job); 0 in measurements.
+        deterministic: The batchd systems' `JobSpec.deterministic` (batches independent of timing).
 
     Raises:
         ValueError: on bad arguments (the message names the value).
@@ -318,7 +319,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
 
     # the job's fields are validated by JobSpec itself (the one set of rules every command uses)
     job = JobSpec(world_size=world_size, token_budget=token_budget, window=window, depth=depth, seed=seed,
-                  epochs=epochs)
+                  epochs=epochs, deterministic=deterministic)
     for name, value, lo in (("num_samples", num_samples, 1), ("heldout", heldout, 0),
                             ("odb_workers", odb_workers, 1), ("repeats", repeats, 1)):
         check_int(name, value, lo=lo)
@@ -419,7 +420,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         "token_budget": token_budget, "device": device, "model": model, "seed": seed, "lr": lr,
         "lr_scaling": lr_scaling, "lr_ref_tokens": lr_ref_tokens, "window": window,
         "depth": depth, "odb_workers": odb_workers, "repeats": repeats, "fixed_batch_size": batch_size,
-        "epochs": epochs,
+        "epochs": epochs, "deterministic": deterministic,
         "longest": max(lengths),
         "mean_length": sum(lengths) / len(lengths), "layout": {name: BATCHD_SYSTEMS.get(name, ("", "padded"))[1] for name in systems},
         "images": sum(len(ims) for ims in all_images[:num_samples]) if all_images else 0,
@@ -462,8 +463,8 @@ to --out. odb-0.1.2 is skipped when online-dynamic-batching 0.1.2 is not install
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `batchd bench` (shared with benchmarks/bench_systems.py, which parses the same ones)."""
-    add_job_flags(p, only=("world_size", "token_budget", "window", "depth", "seed", "epochs"),
-                  defaults={"window": 128, "depth": 8, "seed": 0, "epochs": 1},
+    add_job_flags(p, only=("world_size", "token_budget", "window", "depth", "seed", "epochs", "deterministic"),
+                  defaults={"window": 128, "depth": 8, "seed": 0, "epochs": 1, "deterministic": False},
                   shown={"world_size": "2 on cpu, 1 on cuda", "token_budget": "8192 on cpu, 16384 on cuda"})
     p.add_argument("--workload", metavar="FILE", default=None,
                    help="length file, one length per line (default: shared/workloads/odb-synthetic.txt on cpu, "
@@ -516,7 +517,7 @@ def bench_command(args: argparse.Namespace) -> int:
                             window=args.window, depth=args.depth, heldout=args.heldout,
                             odb_workers=args.odb_workers, lr=args.lr, timeout=args.timeout, repeats=args.repeats,
                             lr_scaling=args.lr_scaling, progress=lambda m: print(m, file=sys.stderr, flush=True),
-                            epochs=args.epochs, step_time=args.step_time)
+                            epochs=args.epochs, step_time=args.step_time, deterministic=args.deterministic)
     except ValueError as exc:
         print(f"batchd bench: error: {exc}", file=sys.stderr)
         return 2

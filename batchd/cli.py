@@ -351,7 +351,7 @@ def _demo(args: argparse.Namespace) -> int:
                        dataset=args.dataset, num_actors=args.num_actors, ray_address=args.ray_address,
                        tokenizer=args.tokenizer, processor=args.processor, step_time=args.step_time,
                        phases=args.phases, memory_budget=args.memory_budget,
-                       max_bad_fraction=args.max_bad_fraction)
+                       max_bad_fraction=args.max_bad_fraction, deterministic=args.deterministic)
     pre = summary.get("preprocess")
     ok = pre is None or pre["accounting_ok"]
     if not ok:
@@ -459,9 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "one epoch through batchd, then "
                        "with fixed batching on the same preprocessed samples, and compares. Default data: a "
                        "generated demo dataset (conversations, images and a few bad records).")
-    add_job_flags(p, only=("world_size", "token_budget", "policy", "window", "depth", "seed"),
+    add_job_flags(p, only=("world_size", "token_budget", "policy", "window", "depth", "seed", "deterministic"),
                   defaults={"world_size": 2, "token_budget": 1024, "policy": "balanced", "window": 128, "depth": 4,
-                            "seed": 0})
+                            "seed": 0, "deterministic": False})
     p.add_argument("--num-samples", type=_positive, default=1024, metavar="M",
                    help="records of the generated dataset, or synthetic samples (default 1024)")
     p.add_argument("--no-baseline", action="store_true", help="skip the fixed-batching comparison run")

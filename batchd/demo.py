@@ -42,6 +42,7 @@ measures both parts.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -143,10 +144,13 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
              timeout: float = 900.0, keep_dir: bool = False, synthetic: bool = False, dataset: str | None = None,
              num_actors: int = 2, ray_address: str | None = None, tokenizer: str | None = None,
              step_time: float = 0.0, phases: int | None = None, memory_budget: str | None = None,
-             max_bad_fraction: float | None = None, processor: str | None = None) -> dict[str, Any]:
+             max_bad_fraction: float | None = None, processor: str | None = None,
+             deterministic: bool = False) -> dict[str, Any]:
     """Runs the demo; returns the summary dict `batchd demo --json` prints. `step_time`: seconds each batchd
     trainer sleeps per step (a real model's step time; the job must not mind). `memory_budget`,
-    `max_bad_fraction`: the node agent's [data] keys (None: their defaults).
+    `max_bad_fraction`: the node agent's [data] keys (None: their defaults). `deterministic`: the job's
+    `JobSpec.deterministic`: the same data, seed and config give the same batches, steps and losses
+    (`step_digests`, `losses` in the summary) whatever the actors' and trainers' speed.
 
     Ray path (default): `dataset` (None: generate `num_samples` demo records), `num_actors` preprocessing
     actors in all (the same number per rank, at least one each), `ray_address` (None: start a local Ray
@@ -178,7 +182,7 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
     try:
         say(f"logs and temporary files in {work}")
         spec = spec_argv(JobSpec(world_size=world_size, token_budget=token_budget, policy=policy, window=window,
-                                 depth=depth, seed=seed, phases=phases))
+                                 depth=depth, seed=seed, phases=phases, deterministic=deterministic))
         if synthetic:
             summary = _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed,
                                      baseline, say, timeout, t_start, step_time, show)
@@ -188,6 +192,7 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
                                timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time,
                                memory_budget, max_bad_fraction, processor, show)
         summary["phases"] = phases
+        summary["deterministic"] = deterministic
         return summary
     except BaseException as exc:
         if signals.received is not None:  # whatever the signal broke on its way (a child's exit, a wait)
@@ -394,6 +399,8 @@ def summarize(lengths: list[int], results: list[dict[str, Any]], check_coverage:
     stalls = [r.get("wait_s", 0.0) / r["wall_s"] if r["wall_s"] > 0 else 0.0 for r in results]
     return {
         "steps_per_rank": [r["steps"] for r in results],
+        "step_digests": step_digests(results),
+        "losses": losses,
         "emitted": len(ids),
         "missing": sum(1 for i in (range(len(lengths)) if expected_ids is None else expected_ids) if i not in counts),
         "duplicates": sum(c - 1 for c in counts.values() if c > 1),
@@ -406,6 +413,15 @@ def summarize(lengths: list[int], results: list[dict[str, Any]], check_coverage:
         "stall_fraction_per_rank": stalls,
         "vision_imbalance": vision_imbalance(results),
     }
+
+
+def step_digests(results: list[dict[str, Any]]) -> list[str]:
+    """One short digest per global step: of every rank's sample ids at that step, in rank order (two runs
+    made the same batches iff their digests are equal)."""
+    per_rank = [r["sample_ids"] for r in results]
+    steps = max((len(p) for p in per_rank), default=0)
+    return [hashlib.sha256(json.dumps([p[k] if k < len(p) else None for p in per_rank]).encode()).hexdigest()[:16]
+            for k in range(steps)]
 
 
 def vision_imbalance(results: list[dict[str, Any]]) -> float | None:

@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                       out=REPO / a.out, seed=a.seed, window=a.window, depth=a.depth, heldout=a.heldout,
                       odb_workers=a.odb_workers, lr=a.lr, timeout=a.timeout, repeats=a.repeats,
                       lr_scaling=a.lr_scaling, epochs=a.epochs, step_time=a.step_time,
+                      deterministic=a.deterministic,
                       progress=lambda m: print(m, file=sys.stderr, flush=True))
         wall = time.perf_counter() - t0
     idle1 = idle_share()

@@ -28,7 +28,7 @@ from ._collate import (
     strip_vision,
 )
 from ._cost import COST_MODELS, CostModel
-from ._delivery import ATTACHED, END, REFUSED, SEND_END, WAIT, Connect, Delivery
+from ._delivery import ATTACHED, END, REFUSED, SEND_END, WAIT, Connect, Delivery, fixed_capacity, report_capacity
 from ._errors import BatchdError, CoordinatorError, JobFailed, RankServiceError
 from ._grouping import (
     best_fit_decreasing,
@@ -57,7 +57,7 @@ from ._phases import (
     vision_bound,
 )
 from ._policy import ALIGN_RULES, POLICIES, Entry, Policy, form_groups
-from ._rank import OVER_BUDGET, RankState, max_fitting_length
+from ._rank import OVER_BUDGET, RankState, fill_may_stop, max_fitting_length
 from ._simulator import (
     WORKLOAD_HEADER,
     PhaseMetrics,
@@ -87,4 +87,5 @@ __all__ = sorted([
     "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "parse_lengths", "plan_moves", "plan_round",
     "simulate", "split_largest", "EXCHANGE_KEYS", "PHASES", "Exchange", "exchange_arrays", "ImageRef", "VisionCost", "exchanged", "imbalance", "mean_imbalance",
     "phase_loads", "PhaseMetrics", "format_workload", "parse_workload", "WORKLOAD_HEADER", "plan_vision", "plan_vision_round", "single_phase", "vision_bound", "synthetic_token_loss", "target_min", "target_odb",
+    "fill_may_stop", "fixed_capacity", "report_capacity",
 ])

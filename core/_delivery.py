@@ -42,6 +42,33 @@ K_EPOCH, K_READY, K_MADE, K_ACKED, K_DONE, K_END_SENT, K_PREV = (
     "epoch", "ready", "made", "acked", "done", "end_sent", "prev_epoch_steps")
 
 
+def fixed_capacity(depth: int) -> int:
+    """The capacity every rank reports in deterministic mode (`JobSpec.deterministic`): max(1, depth // 2).
+
+    Half the depth: while a round runs, the trainer still has the other half of its batches buffered, so
+    it rarely waits on the round; and a constant, so the alignment target never follows the trainer's speed.
+    """
+    check_int("depth", depth, lo=1)
+    return max(1, depth // 2)
+
+
+def report_capacity(free: int, depth: int, deterministic: bool) -> int | None:
+    """The capacity a rank with `free` output slots (of `depth`) reports now, or None: wait for its trainer
+    to free slots first.
+
+    Default: every free slot (`free`), once there is one; the round's T then follows how fast the trainer
+    consumes. Deterministic: `fixed_capacity(depth)`, once at least that many slots are free; the value
+    never depends on `free`, so it never depends on timing. Either way the value is <= `free` (a round never
+    makes more steps than fit), and a rank whose trainer took every batch (`free == depth`) reports.
+    """
+    check_int("depth", depth, lo=1)
+    check_int("free", free, lo=0, hi=depth)
+    if deterministic:
+        c = fixed_capacity(depth)
+        return c if free >= c else None
+    return free if free > 0 else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Connect:
     """What `connect` decided: `outcome` is ATTACHED, WAIT, END or REFUSED (`reason` says why)."""

@@ -73,6 +73,20 @@ def max_fitting_length(token_budget: int, cost: CostModel) -> int:
     return max(n, 1)
 
 
+def fill_may_stop(room: int, exhausted: bool, buffered: int, deterministic: bool, past_deadline: bool) -> bool:
+    """Whether a rank may stop filling its window and report, at a moment its source has no sample ready.
+
+    Always once the window is full (`room == 0`) or its source is exhausted. Otherwise, by default, once
+    it holds a sample or the fill's deadline passed: the window is whatever the source had ready, so it
+    follows the speed of preprocessing. In deterministic mode (`JobSpec.deterministic`) never: the rank
+    waits for the source (liveness, a failure or a stop, ends the wait; a speed deadline does not), so
+    the window's content is a function of the source's order alone.
+    """
+    if room <= 0 or exhausted:
+        return True
+    return not deterministic and (buffered > 0 or past_deadline)
+
+
 class RankState:
     """One rank's side of the protocol (see module docstring).
 

@@ -41,6 +41,7 @@ from typing import Any
 
 from ._align import Coordinator
 from ._balance import plan_moves
+from ._delivery import report_capacity
 from ._phases import exchanged, imbalance, phase_loads, single_phase, vision_bound
 from ._rank import RankState
 from ._source import ViewSource
@@ -150,7 +151,10 @@ class Simulator:
         """Runs one alignment round; returns the steps it added per rank."""
         self._fill()
         depth = self.spec.depth
-        reports = [r.report(depth - len(q)) for r, q in zip(self.ranks, self.pending)]
+        # A round runs once the steps of the last one were taken (`next_step`): every slot is free. In
+        # deterministic mode the ranks report the daemon's fixed capacity (`report_capacity`), as they do.
+        reports = [r.report(report_capacity(depth - len(q), depth, self.spec.deterministic) or 0)
+                   for r, q in zip(self.ranks, self.pending)]
         t0 = time.perf_counter()
         decision = self.coordinator.decide(reports)
         self.plan_s += time.perf_counter() - t0

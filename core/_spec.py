@@ -65,6 +65,10 @@ class JobSpec:
                          choices=PHASES)
     vision_quadratic: int = _field(8192, "q of the vision encoder's cost per image (patches + patches^2 / q; "
                                    "0: linear)", metavar="Q")
+    deterministic: bool = _field(False, "the same data, seed, config and world size give the same batches, steps and "
+                                 "loss on every run, whatever the speed of preprocessing and trainers: a rank reports "
+                                 "only a full window (or its source's end) and a fixed capacity (costs wall time: "
+                                 "docs/benchmarks.md)")
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, lo=1)
@@ -79,6 +83,7 @@ class JobSpec:
         check_bool("shuffle", self.shuffle)
         check_bool("refine", self.refine)
         check_bool("node_aware", self.node_aware)
+        check_bool("deterministic", self.deterministic)
         check_choice("phases", self.phases, PHASES)
         if self.phases == 2 and (self.policy != "balanced" or self.mode != "join"):
             raise ValueError(f"phases=2 needs policy='balanced' and mode='join' (the coordinator plans every "

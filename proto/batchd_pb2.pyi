@@ -55,7 +55,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("world_size", "token_budget", "policy", "mode", "cost", "window", "depth", "seed", "batch_size", "max_wait", "align", "refine", "quota", "over_budget", "quadratic", "collate", "shuffle", "epochs", "node_aware", "phases", "vision_quadratic")
+    __slots__ = ("world_size", "token_budget", "policy", "mode", "cost", "window", "depth", "seed", "batch_size", "max_wait", "align", "refine", "quota", "over_budget", "quadratic", "collate", "shuffle", "epochs", "node_aware", "phases", "vision_quadratic", "deterministic")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class JobSpec(_message.Message):
     NODE_AWARE_FIELD_NUMBER: _ClassVar[int]
     PHASES_FIELD_NUMBER: _ClassVar[int]
     VISION_QUADRATIC_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     token_budget: int
     policy: str
@@ -98,7 +99,8 @@ class JobSpec(_message.Message):
     node_aware: bool
     phases: int
     vision_quadratic: int
-    def __init__(self, world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., cost: _Optional[str] = ..., window: _Optional[int] = ..., depth: _Optional[int] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_wait: _Optional[int] = ..., align: _Optional[str] = ..., refine: _Optional[bool] = ..., quota: _Optional[int] = ..., over_budget: _Optional[str] = ..., quadratic: _Optional[int] = ..., collate: _Optional[str] = ..., shuffle: _Optional[bool] = ..., epochs: _Optional[int] = ..., node_aware: _Optional[bool] = ..., phases: _Optional[int] = ..., vision_quadratic: _Optional[int] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., cost: _Optional[str] = ..., window: _Optional[int] = ..., depth: _Optional[int] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_wait: _Optional[int] = ..., align: _Optional[str] = ..., refine: _Optional[bool] = ..., quota: _Optional[int] = ..., over_budget: _Optional[str] = ..., quadratic: _Optional[int] = ..., collate: _Optional[str] = ..., shuffle: _Optional[bool] = ..., epochs: _Optional[int] = ..., node_aware: _Optional[bool] = ..., phases: _Optional[int] = ..., vision_quadratic: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
 
 class StepInfo(_message.Message):
     __slots__ = ("rank", "step", "round", "is_idle", "local_samples", "local_tokens", "local_loss_tokens", "global_samples", "global_tokens", "global_loss_tokens", "loss_scale", "cost", "epoch")

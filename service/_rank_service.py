@@ -10,9 +10,13 @@ batches out), `Ingest` (producers push samples), `Fetch` (payloads a balanced pl
 rank) and `RankStatus`.
 
 Output flow control: at most `depth` collated batches wait for the trainer (D of the ODB paper); the
-capacity the rank reports is `depth - ready`, so the round never makes more steps than fit. A batch stays
-held until the trainer acknowledges it (it asks for the next step), so a restarted trainer gets it again;
-end of epoch is sent only after every step is acknowledged.
+capacity the rank reports is `depth - ready`, so the round never makes more steps than fit.
+Deterministic mode (`JobSpec.deterministic`): the rank reports only a full window (or its source's end),
+waiting for the source as long as it takes, and a fixed capacity max(1, depth // 2) once that many slots
+are free (`batchd.core.fill_may_stop`, `report_capacity`): no report depends on timing, so with an
+ordered source (a `RaySource` emits in view order) the same data, seed and config make the same batches.
+A batch stays held until the trainer acknowledges it (it asks for the next step), so a restarted trainer
+gets it again; end of epoch is sent only after every step is acknowledged.
 
 Payloads: a dict of numpy arrays, or a reference to one (a `RaySource` yields Ray ObjectRefs; the bytes
 stay in the Ray object store). References are resolved at collate time, one `ray.get` per step
@@ -57,8 +61,10 @@ from batchd.core import (
     collate_packed,
     collate_padded,
     exchange_arrays,
+    fill_may_stop,
     idle_batch,
     image_of,
+    report_capacity,
     strip_vision,
 )
 from batchd.proto import (
@@ -176,6 +182,7 @@ def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0, step: Step 
     return collate_padded(payloads, pad_id=pad_id)
 
 
+DETERMINISTIC_POLL_S = 0.5  # deterministic fill: how long one poll waits before failure and stop are looked at
 WATCH_S = 0.5  # how often the liveness of the trainer is judged (`Delivery.check`)
 BUSY_WAIT_S = 2.0  # a new trainer stream waits this long for a holder whose stream is ending
 
@@ -206,6 +213,9 @@ class RankServiceCore:
         if not isinstance(source, Source):
             raise TypeError(f"rank {rank}: the source must implement batchd.service.preprocess.Source; "
                             f"{type(source).__name__} lacks {missing_source_members(source)}")
+        if spec.deterministic and getattr(source, "ordered", True) is False:
+            raise ValueError(f"rank {rank}: deterministic=true needs a source that emits in its view's order, "
+                             f"got a {type(source).__name__} with ordered=False (completion order follows timing)")
         self.rank, self.spec, self.coord, self.source = rank, spec, coordinator, source
         self.metrics = metrics  # Prometheus metrics (`_metrics`), updated once per round; None = off
         self.security = security  # this process's TLS / token: its server and its peer (Fetch) channels
@@ -410,21 +420,30 @@ class RankServiceCore:
             self.cond.notify_all()
         log.info("rank %d: epoch %d of %d starts", self.rank, self.epoch, self.spec.epochs)
     def _fill(self) -> None:
-        """Tops the buffer up from the source."""
+        """Tops the buffer up from the source (`fill_may_stop`): by default with what it has ready by a short
+        deadline; in deterministic mode until the window is full or the source exhausted, waiting for it as
+        long as it takes (a failure or a stop ends the wait)."""
+        deterministic = self.spec.deterministic
         deadline = time.monotonic() + self.fill_timeout_s
         while self.state.room > 0 and not self.state.exhausted:
             if self.spec.mode == "non-join":
                 peek = self.source.peek_id()
                 if peek is not None and self.state.holds(peek):
                     break  # wrap-around: this id's previous pass is still buffered
-            wait = 0.0 if self.state.buffer else max(deadline - time.monotonic(), 0.0)
-            item = self.source.poll(wait if not self.state.buffer else 0.0)
+            if deterministic:
+                wait = DETERMINISTIC_POLL_S
+            else:
+                wait = 0.0 if self.state.buffer else max(deadline - time.monotonic(), 0.0)
+            item = self.source.poll(wait)
             if item is EXHAUSTED:
                 self.state.mark_exhausted()
                 break
             if item is None:
-                if self.state.buffer or time.monotonic() >= deadline:
+                if fill_may_stop(self.state.room, self.state.exhausted, len(self.state.buffer), deterministic,
+                                 time.monotonic() >= deadline):
                     break
+                if deterministic and (self.failure is not None or self._stop.is_set()):
+                    raise CoordinatorError(self.failure or "stopped")
                 continue
             sample, payload = item
             if self.state.was_rejected(sample.id):
@@ -458,13 +477,13 @@ class RankServiceCore:
                           self._rejected_before + self.state.counters["rejected"])
         t_wait = time.perf_counter()
         with self.cond:  # a slow trainer is waited for as long as it takes; a gone one fails in `_watch`
-            while self.delivery.capacity <= 0 and self.failure is None and not self._stop.is_set():
+            while ((capacity := report_capacity(self.delivery.capacity, self.spec.depth, self.spec.deterministic))
+                   is None and self.failure is None and not self._stop.is_set()):
                 self.waiting_for_trainer = True  # (tests: the journal is stable while this holds)
                 self.cond.wait(0.5)
             self.waiting_for_trainer = False
             if self.failure is not None or self._stop.is_set():
                 raise CoordinatorError(self.failure or "stopped")
-            capacity = self.delivery.capacity
         t_report = time.perf_counter()
         report = self.state.report(capacity)
         decision = self.coord.align(self.epoch, report)

@@ -85,3 +85,29 @@ def test_demo_with_trainers_that_take_5s_per_step():
     assert any(0 < int(n) < 40 for n in progress), proc.stderr[-4000:]
     assert re.search(r"\[batchd demo\] batchd run: 40/40 samples \(100%\), \d+ steps, done in", proc.stderr), \
         proc.stderr[-4000:]
+
+
+def _demo_json(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "batchd", "demo", "--json", *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_deterministic_demo_runs_make_the_same_batches_steps_and_losses_at_other_speeds():
+    """`--deterministic`: the same data, seed and config give the same batches (a digest of every rank's
+    sample ids per step), steps and loss curve, bit for bit, although the second run has twice the
+    preprocessing actors and trainers that take 50 ms more per step (without the flag, batches follow
+    both speeds). The actors' count is not part of the job: each rank's source emits in its view's order."""
+    common = ("--deterministic", "--num-samples", "96", "--window", "8", "--depth", "4", "--seed", "3",
+              "--no-baseline")
+    a = _demo_json(*common, "--num-actors", "2")
+    b = _demo_json(*common, "--num-actors", "4", "--step-time", "0.05")
+    assert a["deterministic"] is b["deterministic"] is True
+    assert a["preprocess"]["actors"] == 2 and b["preprocess"]["actors"] == 4
+    assert a["missing"] == a["duplicates"] == b["missing"] == b["duplicates"] == 0
+    assert a["steps_per_rank"] == b["steps_per_rank"] and a["steps_per_rank"][0] > 5, (a["steps_per_rank"],
+                                                                                      b["steps_per_rank"])
+    assert len(a["step_digests"]) == a["steps_per_rank"][0]
+    assert a["step_digests"] == b["step_digests"], "the runs made other batches"
+    assert a["losses"] == b["losses"] and a["loss_last"] == b["loss_last"], "the same batches, other losses"

@@ -124,6 +124,8 @@ RUN_BY = {
     "/tmp/batchd --port 7100": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "batchd rank --dataset": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "batchd simulate --help": "tests/test_readme_commands.py::test_readme_and_help_commands_parse",
+    "batchd simulate --deterministic":
+        "tests/test_deterministic.py::test_a_deterministic_job_makes_the_same_batches_whatever_the_speed_of_sources_and_trainers",
     "python -m batchd.train --base-port 7100": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "python -m batchd.train": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "python -m batchd.train --startup-timeout S":
@@ -183,8 +185,8 @@ def _parse(argv: list[str]) -> None:
     """Parses a `batchd ...` or `python -m batchd.train ...` / `torchrun ... -m batchd.train ...` argv."""
     if argv[0] == "batchd":
         rest = argv[1:]
-        if rest in (["simulate"],):  # shown alone as a name; its usage block has the flags
-            rest += ["--lengths", "f.txt", "--world-size", "2", "--token-budget", "8192"]
+        if rest[:1] == ["simulate"] and not {"--lengths", "--workload", "--help"} & set(rest):
+            rest += ["--lengths", "f.txt", "--world-size", "2", "--token-budget", "8192"]  # prose names a flag
         if rest[:1] == ["rank"] and "--rank" not in rest:
             rest += ["--rank", "0"]
         build_parser().parse_args(rest)
