@@ -171,8 +171,8 @@ def _add_rank_args(p: argparse.ArgumentParser, who: str) -> None:
                    "'.rank<r>' before the suffix (stats.json: stats.rank0.json, stats.rank1.json ...) or where "
                    "FILE has '{rank}'. Fields: README, 'Stats file'")
     g.add_argument("--max-bad-fraction", type=float, metavar="F",
-                   help="fail the job once more than this share of the records read are bad (default 0.1; judged "
-                   "after 100 records a rank read, or at the end of its view, whichever comes first)")
+                   help="fail the job once more than this share of the records read are bad (default 0.1; while "
+                   "a rank reads its view the share counts at least 100 records, at its end the records read)")
     p.add_argument("--state-dir", help="journal here after every round (restartable)")
     p.add_argument("--startup-timeout", type=float, metavar="S",
                    help="seconds to wait for the coordinator to answer at start (default 600)")
@@ -487,7 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default=None, metavar="SIZE",
                    help="records each rank service holds read ahead, e.g. 1GiB (default 2GiB)")
     p.add_argument("--max-bad-fraction", type=float, default=None, metavar="F",
-                   help="fail once more than this share of the records read are bad (default 0.1)")
+                   help="fail once more than this share of the records read are bad (default 0.1; on the "
+                   "generated dataset at least twice its deliberate bad records' share of a rank's view)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_demo)
 

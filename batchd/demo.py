@@ -217,6 +217,13 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
             signals.restore()
 
 
+def generated_bad_fraction(bad: int, records: int, world_size: int, default: float = 0.1) -> float:
+    """The demo's max_bad_fraction for its own generated dataset: the default, or, where the deliberate bad
+    records (at least one of each kind, however small the dataset) are a larger share, twice their share
+    of a rank's view (views differ in size, and the bad records are not dealt evenly), at most 1."""
+    return max(default, min(1.0, 2 * bad * world_size / records))
+
+
 def kept_quarantine(work: Path) -> Path:
     """Where the demo leaves its quarantine file (beside its temporary directory, which it removes)."""
     return work.with_name(work.name + "-quarantine.jsonl")
@@ -305,6 +312,8 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
                  "--stats-file", str(work / "stats-{rank}.json")]
     if memory_budget is not None:
         node_args += ["--memory-budget", str(memory_budget)]
+    if max_bad_fraction is None and expected_bad:
+        max_bad_fraction = generated_bad_fraction(len(expected_bad), num_samples, world_size)
     if max_bad_fraction is not None:
         node_args += ["--max-bad-fraction", str(max_bad_fraction)]
     if processor:

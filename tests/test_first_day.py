@@ -74,3 +74,16 @@ def test_simulate_help_explains_every_output_field(tmp_path):
     help_text = " ".join(_simulate_help().split())
     for key, meaning in RESULT_FIELDS.items():
         assert f"{key} {' '.join(meaning.split())}" in help_text, key
+
+
+def test_the_demos_own_bad_records_never_fail_a_small_demo():
+    """The generated dataset has at least one bad record of each kind, however small: the demo's default
+    max_bad_fraction leaves room for all of them on one rank's view, and is the README's 0.1 otherwise."""
+    from batchd.demo import generated_bad_fraction
+    from batchd.service.preprocess import demo_bad_ids
+
+    for n, world in ((16, 2), (64, 2), (96, 2), (128, 4), (1024, 2)):
+        bad = len(demo_bad_ids(n, 0))
+        f = generated_bad_fraction(bad, n, world)
+        assert f * (n / world) >= bad and 0.1 <= f <= 1.0, (n, world, bad, f)
+    assert generated_bad_fraction(len(demo_bad_ids(1024, 0)), 1024, 2) == 0.1
