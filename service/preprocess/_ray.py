@@ -354,7 +354,7 @@ def _join(address: str) -> None:
         ray.init(address=address)
 
 
-def _quiet_token_auth() -> None:
+def quiet_token_auth() -> None:
     """Token auth on, said once by batchd instead of Ray's warning at every start: Ray warns "Token
     authentication is enabled for this Ray cluster" whenever it turns token auth on by itself (a new local
     Ray, or a local one found with a token in ~/.ray/auth_token); an explicit `RAY_AUTH_MODE` is respected
@@ -410,12 +410,12 @@ def share_ray(address: str | None = None, num_cpus: int | None = None, who: str 
     with _host_lock():
         found = job_ray_address(job) if job else None
         if found:
-            _quiet_token_auth()
+            quiet_token_auth()
             _join(found)
             gcs = ray.get_runtime_context().gcs_address
             log.info("%s: joined this job's Ray on this host (gcs %s)", who, gcs)
             return SharedRay(gcs, started=False)
-        _quiet_token_auth()
+        quiet_token_auth()
         if job:
             os.environ[JOB_ENV] = job  # inherited by the Ray processes started here: how the job's others find it
         ray.init(num_cpus=num_cpus, include_dashboard=False)
