@@ -179,14 +179,14 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
 
 
 def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: str | None = None,
-                 fetched: dict[str, int] | None = None) -> None:
+                 fetched: dict[str, int] | None = None, ray_gone: bool = False) -> None:
     """Writes `source`'s counters (`Source.stats()`), its view's size, this process's peak resident memory
     (`peak_rss_bytes`: a node agent's, all its ranks together), its pool's actor time, the Ray node each
     actor runs on (`actor_nodes`) and each actor's peak resident memory to `path` as JSON; a node agent adds its rank's moved-sample
     counts (`fetched`: `fetched_local`, `fetched_remote`, as RankStatus reports them).
 
     Only a `RaySource` has a view of known size and actors; the actor counters are best effort (a dead
-    Ray is logged, not raised), the sample counts are exact.
+    Ray is logged, not raised; a Ray known to be gone, `ray_gone`, is not asked), the sample counts are exact.
     """
     if not path:
         return
@@ -197,6 +197,8 @@ def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: st
     for kind, n in (fetched or {}).items():
         stats[f"fetched_{kind}"] = n
     try:
+        if ray_gone:
+            raise RuntimeError("its Ray went away")
         actors = source.pool.stats(timeout=5.0)
         stats["actor_busy_s"] = sum(a["busy_s"] for a in actors)
         stats["actor_cpu_s"] = sum(a["cpu_s"] for a in actors)
@@ -253,7 +255,7 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
     finally:
         if ray_source is not None:
             try:
-                _write_stats(stats_file, rank, ray_source, shared.address)
+                _write_stats(stats_file, rank, ray_source, shared.address, ray_gone=shared.lost is not None)
                 ray_source.close()
             finally:
                 shared.close()  # stops only a Ray this service started, once no other service uses it
@@ -396,7 +398,8 @@ def run_node(spec: JobSpec, ranks: list[int], coordinator: str, lengths: list[in
                 if isinstance(src, RaySource):
                     path = _rank_path(stats_file, r)
                     try:
-                        _write_stats(path, r, src, shared[0].address if shared else None, fetched.get(r))
+                        _write_stats(path, r, src, shared[0].address if shared else None, fetched.get(r),
+                                     ray_gone=bool(shared) and shared[0].lost is not None)
                     finally:
                         src.close()
         finally:

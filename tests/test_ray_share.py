@@ -10,17 +10,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 
 import pytest
-from _procs import processes_with_marker
+from _readme_job import end_job
 
 from batchd.core import JobSpec
-from batchd.preprocess import job_key
+from batchd.preprocess import RayLost, SharedRay, job_key, ray_lost
 
 PROBE = Path(__file__).with_name("_share_ray_probe.py")
 
@@ -30,6 +32,31 @@ def test_job_key_names_one_job():
     assert job_key("127.0.0.1:7000", spec) == job_key("127.0.0.1:7000", JobSpec(world_size=2, token_budget=1024))
     assert job_key("127.0.0.1:7000", spec) != job_key("127.0.0.1:7001", spec)  # another coordinator
     assert job_key("127.0.0.1:7000", spec) != job_key("127.0.0.1:7000", spec.replace(seed=spec.seed + 1))
+
+
+def test_a_ray_is_judged_gone_by_its_gcs_and_raylet_refusing_connections():
+    gcs, raylet = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    g, r = (f"127.0.0.1:{s.getsockname()[1]}" for s in (gcs, raylet))
+    try:
+        assert ray_lost(g, r) is None
+        raylet.close()
+        lost = ray_lost(g, r)
+        assert isinstance(lost, RayLost) and str(lost) == f"its Ray at {g} went away (the raylet of this node at {r} " \
+            "is unreachable)", lost
+        shared = SharedRay(g, started=False)  # not connected to Ray: watches the GCS only
+        seen: list[RayLost] = []
+        told = threading.Event()
+        shared.watch(lambda lost: (seen.append(lost), told.set()), every_s=0.1)
+        try:
+            assert shared.check() is None  # its GCS is there: nothing to say
+            gcs.close()
+            assert told.wait(30), "the watch did not notice the GCS going away"
+            assert str(seen[0]) == f"its Ray at {g} went away (its GCS at {g} is unreachable)" and len(seen) == 1
+        finally:
+            shared.close()
+    finally:
+        gcs.close()
+        raylet.close()
 
 
 @pytest.mark.slow
@@ -69,6 +96,6 @@ def test_same_job_shares_other_job_ray_ignored_auto_joins(tmp_path):
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-        left = processes_with_marker(marker)
+        left = end_job(marker)  # the Ray A started stops once its last user (A's first) has exited
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert not left, left
