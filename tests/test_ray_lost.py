@@ -60,6 +60,14 @@ def ray_processes_of(gcs: str) -> list[int]:
     return raylets + servers
 
 
+def without_grpc_aio_shutdown_noise(log: str) -> str:
+    """`log` without the traceback gRPC's asyncio poller may print as the coordinator's server stops
+    (`PollerCompletionQueue._handle_events ... OSError: [Errno 9] Bad file descriptor`): gRPC's, at exit,
+    whatever ended the job; any other traceback stays."""
+    return re.sub(r"Traceback \(most recent call last\):\n(?:[ \t].*\n)*?.*_handle_events\n"
+                  r"OSError: \[Errno 9\] Bad file descriptor", "", log)
+
+
 def next_step(port: int, rank: int) -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         try:
@@ -89,7 +97,7 @@ def test_ray_killed_under_a_running_node_agent_fails_the_job_naming_it(tmp_path)
                        [{"service": f"127.0.0.1:{ports[r]}"} for r in range(2)])
         wait_until("both trainers taking batches", lambda: all(next_step(ports[r], r) > 0 for r in range(2)),
                    180, logs)
-        gcs = re.search(r"started an embedded Ray for this job \(gcs (\S+)\)", procs.log("node-0")).group(1)
+        gcs = re.search(r"started an embedded Ray[^(]*\(gcs (\S+)\)", procs.log("node-0")).group(1)
         victims = ray_processes_of(gcs)
         assert len(victims) == 2, (gcs, victims)
         t0 = time.monotonic()
@@ -105,7 +113,7 @@ def test_ray_killed_under_a_running_node_agent_fails_the_job_naming_it(tmp_path)
         named = f"rank 0: its Ray at {gcs} went away"
         for n in names:
             assert named in procs.log(n), (n, logs())
-            assert "Traceback" not in procs.log(n), (n, logs())
+            assert "Traceback" not in without_grpc_aio_shutdown_noise(procs.log(n)), (n, logs())
         assert "did not register" not in logs()
         # nothing of the job is left: the agent's Ray workers and agents end with their raylet
         wait_until("the job's processes ending", lambda: not processes_with_marker(marker), 30,

@@ -223,11 +223,16 @@ class SharedRay:
         _flock(self._fd, shared=True, wait=True)
         self._unwatch = threading.Event()
         self._watcher: threading.Thread | None = None
+        self._raylet_pid = _started_raylet_pid() if started else None
+        self._family: dict[int, str] = {}  # the raylet's descendants when last seen alive: {pid: start time}
 
     def check(self) -> RayLost | None:
-        """`ray_lost` for this Ray (its GCS and this node's raylet); remembered in `lost`."""
+        """`ray_lost` for this Ray (its GCS and this node's raylet); remembered in `lost`. While a Ray started
+        here is alive, the processes its raylet started are noted (`_end_leftovers` ends them once it is gone)."""
         if self.lost is None:
             self.lost = ray_lost(self.address, self.raylet)
+            if self.lost is None and self._raylet_pid is not None:
+                self._family = _descendants(self._raylet_pid)
         return self.lost
 
     def watch(self, on_lost: Callable[[RayLost], None], every_s: float | None = None) -> None:
@@ -259,33 +264,35 @@ class SharedRay:
                     while not _flock(fd, shared=False, wait=False):
                         time.sleep(poll_s)
                 ray.shutdown()
-                if self.lost is not None and self.job:
-                    _end_leftovers(self.job)
+                if self.lost is not None:
+                    _end_leftovers(self.job, self._family)
                 log.info("stopped the embedded Ray at %s", self.address)
         finally:
             os.close(fd)
 
 
-def _end_leftovers(job: str, grace_s: float = 5.0) -> None:
+def _end_leftovers(job: str | None, family: dict[int, str], grace_s: float = 5.0) -> None:
     """Ends what is left of an embedded Ray that went away: Ray's agents (DashboardAgent, RuntimeEnvAgent)
-    and workers outlive a raylet killed with SIGKILL. Only processes carrying this job's `$BATCHD_RAY_JOB`
-    (inherited from this process when it started that Ray), never this process."""
-    tag = f"{JOB_ENV}={job}".encode()
-    mine = []
+    and workers outlive a raylet killed with SIGKILL. Only processes this Ray started: its raylet's
+    descendants as last seen alive (`family`, {pid: start time}, so a reused pid is spared) and those
+    carrying this job's `$BATCHD_RAY_JOB` (inherited from this process when it started that Ray; Ray's
+    agents may hide it, setting their title over it); never this process."""
+    tag = f"{JOB_ENV}={job}".encode() if job else None
+    mine = {pid for pid, start in family.items() if _start_time(pid) == start}
     uid = os.getuid() if hasattr(os, "getuid") else None
     with contextlib.suppress(OSError):
-        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit() and tag is not None):
             if pid == os.getpid():
                 continue
             try:
                 if uid is not None and os.stat(f"/proc/{pid}").st_uid != uid:
                     continue
                 with open(f"/proc/{pid}/environ", "rb") as f:
-                    if tag not in f.read().split(b"\0"):
-                        continue
+                    if tag in f.read().split(b"\0"):
+                        mine.add(pid)
             except OSError:
                 continue
-            mine.append(pid)
+    mine.discard(os.getpid())
     for sig in (15, 9):  # SIGTERM, then SIGKILL for what is still there after the grace
         for pid in mine:
             with contextlib.suppress(OSError):
@@ -297,12 +304,50 @@ def _end_leftovers(job: str, grace_s: float = 5.0) -> None:
         log.info("ended %d leftover process(es) of the Ray that went away", len(mine))
 
 
-def _alive(pid: int) -> bool:
+def _started_raylet_pid() -> int | None:
+    """The pid of the raylet this process started (`ray.init` without an address), or None."""
+    with contextlib.suppress(Exception):
+        return ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+    return None
+
+
+def _stat(pid: int) -> list[str] | None:
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return False
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[19] if fields and fields[0] not in ("Z", "X") else None
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """The live descendants of `root`, as {pid: start time}."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                fields = _stat(int(name))
+                if fields and fields[0] not in ("Z", "X"):
+                    children.setdefault(int(fields[1]), []).append(int(name))
+                    starts[int(name)] = fields[19]
+    found: dict[int, str] = {}
+    stack = list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        if pid not in found and pid in starts:
+            found[pid] = starts[pid]
+            stack.extend(children.get(pid, []))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 def _flock(fd: int, shared: bool, wait: bool) -> bool:
