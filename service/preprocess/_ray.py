@@ -368,12 +368,11 @@ def _local_auth() -> None:
     an address): a Ray started on this host by `ray.init` (Ray >= 2.5x) requires the token in
     ~/.ray/auth_token, and an explicit address does not turn token auth on by itself."""
     try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
+        from ray._raylet import AuthenticationTokenLoader
     except ImportError:  # a Ray without token auth
         return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    if os.environ.get("RAY_AUTH_MODE") is None and AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+        quiet_token_auth()  # what Ray's discovery does, without its warning at every start
 
 
 @contextlib.contextmanager
