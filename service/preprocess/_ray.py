@@ -111,6 +111,7 @@ def running_ray_address() -> str | None:
     return next((a for a in candidates if a and _gcs_reachable(a)), None)
 
 
+FAMILY_EVERY = 5  # `SharedRay.check`s between two looks at the processes of a Ray started here
 JOB_ENV = "BATCHD_RAY_JOB"  # carried by the processes of an embedded Ray: the key of the job that started it
 
 
@@ -225,14 +226,16 @@ class SharedRay:
         self._watcher: threading.Thread | None = None
         self._raylet_pid = _started_raylet_pid() if started else None
         self._family: dict[int, str] = {}  # the raylet's descendants when last seen alive: {pid: start time}
+        self._checks = 0
 
     def check(self) -> RayLost | None:
         """`ray_lost` for this Ray (its GCS and this node's raylet); remembered in `lost`. While a Ray started
         here is alive, the processes its raylet started are noted (`_end_leftovers` ends them once it is gone)."""
         if self.lost is None:
             self.lost = ray_lost(self.address, self.raylet)
-            if self.lost is None and self._raylet_pid is not None:
-                self._family = _descendants(self._raylet_pid)
+            if self.lost is None and self._raylet_pid is not None and self._checks % FAMILY_EVERY == 0:
+                self._family = _descendants(self._raylet_pid)  # a /proc scan: not at every check
+            self._checks += 1
         return self.lost
 
     def watch(self, on_lost: Callable[[RayLost], None], every_s: float | None = None) -> None:
