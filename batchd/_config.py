@@ -467,8 +467,8 @@ epochs = 1                 # each epoch: a new seeded view of the data per rank
 [data]
 dataset = "train.parquet"  # Parquet / JSONL / Arrow records; or lengths = "lengths.txt"
 num_actors = 2             # Ray preprocessing actors per rank service
-# ray_address = "auto"     # join a running Ray cluster (default: the Ray already running on this host,
-                           # else the first rank service starts one and the others on this host join it)
+# ray_address = "auto"     # join the Ray running on this host, or give an address (default: this job's own
+                           # Ray: its first rank service starts one, the job's others on this host join it)
 quarantine = "quarantine.jsonl"
 memory_budget = "2GiB"     # records a rank service holds read ahead: blocks are read in windows of a quarter
                            # of it, at most half of it is held (the rest: the process and its batches)

@@ -162,7 +162,8 @@ def _add_rank_args(p: argparse.ArgumentParser, who: str) -> None:
     g.add_argument("--vision", choices=("qwen2_vl", "llava", "none"), help="visual-token expansion (default qwen2_vl)")
     g.add_argument("--augment", action="store_const", const=True, help="add the augmentation stages")
     g.add_argument("--num-actors", type=_positive, metavar="K", help=f"{who} actors (default 2)")
-    g.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster (default: start a local Ray)")
+    g.add_argument("--ray-address", metavar="ADDR", help="join this Ray cluster, or 'auto': the Ray running on "
+                   "this host (default: this job's own Ray, started here or by another of its services on this host)")
     g.add_argument("--quarantine", metavar="FILE", help="append bad records here (JSONL)")
     g.add_argument("--memory-budget", metavar="SIZE",
                    help="records held read ahead, e.g. 1GiB (default 2GiB; blocks are read in windows of a quarter)")

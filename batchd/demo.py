@@ -77,6 +77,7 @@ from batchd.service.preprocess import (
     TokenizerRef,
     demo_tokenizer,
     make_demo_dataset,
+    quiet_token_auth,
 )
 
 DEMO_BUDGET = 1024
@@ -294,6 +295,7 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
         previous = os.environ.get(MARKER_ENV)
         os.environ[MARKER_ENV] = marker  # Ray's processes inherit it: the reaper finds them by it
         try:
+            quiet_token_auth()  # token auth on, without Ray's warning (its children inherit the mode)
             ray.init(num_cpus=sum(per_rank), include_dashboard=False, log_to_driver=False)
         finally:
             if previous is None:

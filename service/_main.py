@@ -11,8 +11,10 @@ short linger so every party reads the failure message). Exit status: 0 done, 1 j
 interrupted. With `--state-dir`, each journals its state and a restart with the same command resumes.
 
 `batchd rank` reads from one of three sources: `--lengths` (synthetic tokenized samples), `--dataset`
-(records preprocessed by a Ray actor pool: `RaySource`; it joins `--ray-address`, else the Ray already
-running on this host, else starts an embedded one that the next rank services on this host join)
+(records preprocessed by a Ray actor pool: `RaySource`; it joins `--ray-address` (`auto`: the Ray
+already running on this host), else its own job's Ray on this host, else starts an embedded one that
+the job's next rank services on this host join; never a Ray another job started). A Ray that goes
+away under a running service fails the job at once, naming it (`SharedRay.watch`, `RayLost`))
 or neither (producers push samples through `Ingest`). With `--stats-file`, a rank service reading a
 dataset writes its source's counters (samples, quarantined, records read, samples/s, actor busy time,
 the Ray node of each actor) there as JSON when it exits (with `ray_address`, the GCS address of the Ray
@@ -43,12 +45,14 @@ from ._rank_server import create_rank_server, job_samples
 from ._rank_service import RankServiceCore
 from .preprocess import (
     IngestSource,
+    RayLost,
     RaySource,
     RecordDataset,
     SharedRay,
     Source,
     SyntheticSource,
     default_stages,
+    job_key,
     share_ray,
 )
 
@@ -140,15 +144,16 @@ def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_
 
 def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | None = None, num_actors: int = 2,
                     ray_address: str | None = None, quarantine: str | None = None, cutoff: int | None = None,
-                    pipeline: dict | None = None, source_options: dict | None = None
+                    pipeline: dict | None = None, source_options: dict | None = None, job: str | None = None
                     ) -> tuple[RaySource, SharedRay]:
     """Rank `rank`'s `RaySource` over `dataset` with `default_stages(tokenizer)`, in the job's sampler view,
     and the `SharedRay` it runs on: `(source, shared_ray)`; the caller closes both, the source first.
 
     The dataset (files, schema, at least one record) and the tokenizer are checked before Ray is touched,
-    so a bad input fails in a second with an error naming the file. Ray: `ray_address`, else the Ray
-    already running on this host, else an embedded one (`share_ray`) with `num_actors * world_size`
-    logical CPUs (at least the host's cores), room for every rank service of the job on this host.
+    so a bad input fails in a second with an error naming the file. Ray: `ray_address` ("auto": the Ray
+    already running on this host), else this job's Ray on this host (`job`, `job_key`), else an embedded
+    one (`share_ray`) with `num_actors * world_size` logical CPUs (at least the host's cores), room for
+    every rank service of the job on this host; never a Ray another job started.
 
     The chain's cutoff is at most the longest length a lone sample may have under the job's budget and
     cost (`max_fitting_length`), so no sample ever reaches the rank's own truncation, which could not
@@ -162,7 +167,7 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
     # An embedded Ray gets logical CPUs for every rank service of the job to run its actors on this host
     # (each actor reserves one), at least the host's cores: the services started together share it.
     shared = share_ray(ray_address, num_cpus=max(os.cpu_count() or 1, num_actors * spec.world_size),
-                       who=f"rank {rank}")
+                       who=f"rank {rank}", job=job)
     try:
         source = RaySource(records, rank, spec.world_size, spec.seed, 0, spec.shuffle, stages=stages,
                            num_actors=num_actors, quarantine=quarantine, wrap=spec.mode == "non-join",
@@ -174,14 +179,14 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
 
 
 def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: str | None = None,
-                 fetched: dict[str, int] | None = None) -> None:
+                 fetched: dict[str, int] | None = None, ray_gone: bool = False) -> None:
     """Writes `source`'s counters (`Source.stats()`), its view's size, this process's peak resident memory
     (`peak_rss_bytes`: a node agent's, all its ranks together), its pool's actor time, the Ray node each
     actor runs on (`actor_nodes`) and each actor's peak resident memory to `path` as JSON; a node agent adds its rank's moved-sample
     counts (`fetched`: `fetched_local`, `fetched_remote`, as RankStatus reports them).
 
     Only a `RaySource` has a view of known size and actors; the actor counters are best effort (a dead
-    Ray is logged, not raised), the sample counts are exact.
+    Ray is logged, not raised; a Ray known to be gone, `ray_gone`, is not asked), the sample counts are exact.
     """
     if not path:
         return
@@ -192,6 +197,8 @@ def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: st
     for kind, n in (fetched or {}).items():
         stats[f"fetched_{kind}"] = n
     try:
+        if ray_gone:
+            raise RuntimeError("its Ray went away")
         actors = source.pool.stats(timeout=5.0)
         stats["actor_busy_s"] = sum(a["busy_s"] for a in actors)
         stats["actor_cpu_s"] = sum(a["cpu_s"] for a in actors)
@@ -208,13 +215,13 @@ def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: st
 def _make_source(spec: JobSpec, rank: int, lengths: list[int] | list[Sample] | None, vocab_size: int,
                  dataset: str | None,
                  tokenizer: str | None, num_actors: int, ray_address: str | None, quarantine: str | None,
-                 cutoff: int | None, pipeline: dict | None, source_options: dict | None = None
-                 ) -> tuple[Source, SharedRay | None]:
+                 cutoff: int | None, pipeline: dict | None, source_options: dict | None = None,
+                 job: str | None = None) -> tuple[Source, SharedRay | None]:
     """Rank `rank`'s source (module docstring: a dataset through Ray, synthetic lengths, or Ingest pushes)
     and, for a dataset, the `SharedRay` it runs on (the caller closes both, the source first)."""
     if dataset is not None:
         return make_ray_source(spec, rank, dataset, tokenizer, num_actors, ray_address, quarantine, cutoff,
-                               pipeline, source_options)
+                               pipeline, source_options, job)
     if lengths is None:
         return IngestSource(spec.window), None
     images = None
@@ -236,25 +243,42 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
              startup_timeout_s: float = 600.0, source_options: dict | None = None) -> int:
     if lengths is not None and dataset is not None:
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
-    source, shared = _make_source(spec, rank, lengths, vocab_size, dataset, tokenizer, num_actors, ray_address,
-                                  quarantine, cutoff, pipeline, source_options)
+    try:
+        source, shared = _make_source(spec, rank, lengths, vocab_size, dataset, tokenizer, num_actors, ray_address,
+                                      quarantine, cutoff, pipeline, source_options, job_key(coordinator, spec))
+    except RayLost as lost:
+        return _ray_lost_at_start(coordinator, [rank], spec, security, lost)
     ray_source = source if isinstance(source, RaySource) else None
     try:
         return _serve_rank(spec, rank, coordinator, source, host, port, port_file, state_dir, client_grace_s,
-                           security, metrics_port, metrics_host, trainer_timeout_s, startup_timeout_s)
+                           security, metrics_port, metrics_host, trainer_timeout_s, startup_timeout_s, shared)
     finally:
         if ray_source is not None:
             try:
-                _write_stats(stats_file, rank, ray_source, shared.address)
+                _write_stats(stats_file, rank, ray_source, shared.address, ray_gone=shared.lost is not None)
                 ray_source.close()
             finally:
                 shared.close()  # stops only a Ray this service started, once no other service uses it
 
 
+def _ray_lost_at_start(coordinator: str, ranks: list[int], spec: JobSpec, security: Security | None,
+                       lost: RayLost) -> int:
+    """The Ray went away while the ranks' sources were starting: tells the coordinator (so the other ranks
+    and the trainers learn at once, naming it) and returns the failed-job status 1."""
+    log.error("rank %d: job failed: %s", ranks[0], lost)
+    client = CoordinatorClient(coordinator, ranks[0], spec, security=security)
+    try:
+        client.fail(str(lost))
+    finally:
+        client.close()
+    return 1
+
+
 def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source: Source, host: str, port: int,
                 port_file: str | None, state_dir: str | None, client_grace_s: float, security: Security | None = None,
                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-                trainer_timeout_s: float = 1800.0, startup_timeout_s: float = 600.0) -> int:
+                trainer_timeout_s: float = 1800.0, startup_timeout_s: float = 600.0,
+                shared: SharedRay | None = None) -> int:
     """Serves one rank until its trainer took the job's last step (and left), or the job failed.
 
     A service restored from a journal written after its trainer took the last step lingers up to
@@ -268,6 +292,8 @@ def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source: Source, host
     metrics_server, metrics_bound = _start_metrics(metrics, metrics_host, metrics_port, f"rank {rank}")
     server.start()
     core.start(f"{host}:{bound}")
+    if shared is not None:
+        shared.watch(core.fail_ray)  # a Ray gone under an idle service fails the job too
     write_port_file(port_file, bound, metrics_bound)
     log.info("rank %d service listening on %s:%d (%s)", rank, host, bound,
              security.describe() if security else "plaintext")
@@ -353,27 +379,40 @@ def run_node(spec: JobSpec, ranks: list[int], coordinator: str, lengths: list[in
     sources: dict[int, Source] = {}
     shared: list[SharedRay] = []
     fetched: dict[int, dict[str, int]] = {}  # per rank, filled in by _serve_node as it ends: for the stats
+    job = job_key(coordinator, spec)
     try:
-        for r in ranks:
-            sources[r], ray_handle = _make_source(spec, r, lengths, vocab_size, dataset, tokenizer, num_actors,
-                                                  ray_address, quarantine, cutoff, pipeline, source_options)
-            if ray_handle is not None:
-                shared.append(ray_handle)
+        try:
+            for r in ranks:
+                sources[r], ray_handle = _make_source(spec, r, lengths, vocab_size, dataset, tokenizer, num_actors,
+                                                      ray_address, quarantine, cutoff, pipeline, source_options, job)
+                if ray_handle is not None:
+                    shared.append(ray_handle)
+        except RayLost as lost:
+            return _ray_lost_at_start(coordinator, ranks, spec, security, lost)
         return _serve_node(spec, ranks, coordinator, name, sources, host, port, advertise, port_file, state_dir,
                            client_grace_s, security, metrics_port, metrics_host, trainer_timeout_s,
-                           startup_timeout_s, fetched)
+                           startup_timeout_s, fetched, shared[0] if shared else None)
     finally:
         try:
             for r, src in sources.items():
                 if isinstance(src, RaySource):
                     path = _rank_path(stats_file, r)
                     try:
-                        _write_stats(path, r, src, shared[0].address if shared else None, fetched.get(r))
+                        _write_stats(path, r, src, shared[0].address if shared else None, fetched.get(r),
+                                     ray_gone=bool(shared) and shared[0].lost is not None)
                     finally:
                         src.close()
         finally:
             for handle in reversed(shared):  # the one that started an embedded Ray (the first) goes last
                 handle.close()
+
+
+def _node_ray_lost(agent: NodeAgent, lost: RayLost) -> None:
+    """The node's Ray went away: every rank of the node fails, naming it (its first rank tells the coordinator)."""
+    first = agent.ranks[0]
+    for r in agent.ranks:
+        agent.cores[r].set_failure(f"rank {first}: {lost}")
+    agent.cores[first].coord.fail(str(lost))
 
 
 def _rank_path(path: str | None, rank: int) -> str | None:
@@ -424,8 +463,9 @@ def _serve_node(spec: JobSpec, ranks: list[int], coordinator: str, name: str, so
                 port: int, advertise: str | None, port_file: str | None, state_dir: str | None,
                 client_grace_s: float, security: Security | None, metrics_port: int | None, metrics_host: str,
                 trainer_timeout_s: float, startup_timeout_s: float,
-                fetched: dict[int, dict[str, int]] | None = None) -> int:
-    """Serves the node's ranks (see `run_node`); `fetched` gets each rank's moved-sample counts at the end."""
+                fetched: dict[int, dict[str, int]] | None = None, shared: SharedRay | None = None) -> int:
+    """Serves the node's ranks (see `run_node`); `fetched` gets each rank's moved-sample counts at the end.
+    `shared`: the Ray its sources run on, watched: once it goes away the job fails, naming it."""
     agent = NodeAgent(spec, coordinator, name, sources, host, port, _advertised(host, advertise), state_dir,
                       client_grace_s, security, metrics_port is not None, trainer_timeout_s, startup_timeout_s)
     cores = agent.cores
@@ -434,6 +474,8 @@ def _serve_node(spec: JobSpec, ranks: list[int], coordinator: str, name: str, so
         metrics_server, metrics_bound = start_metrics_server(
             MergedRegistry([m.registry for m in agent.metrics.values()]), metrics_host, metrics_port)
     agent.start()
+    if shared is not None:
+        shared.watch(lambda lost: _node_ray_lost(agent, lost))
     bound = agent.port
     write_port_file(port_file, bound, metrics_bound)
     log.info("node agent %r serving ranks %s on %s:%d (peers reach it at %s; %s)", name, agent.ranks, host, bound,

@@ -83,6 +83,7 @@ from ._metrics import RankMetrics, materialized_tokens
 from .preprocess import (
     EXHAUSTED,
     Payload,
+    RayLost,
     Source,
     TooManyBadRecords,
     loss_tokens_of,
@@ -344,6 +345,15 @@ class RankServiceCore:
                 log.error("rank %d: job failed: %s", self.rank, message)
             self.cond.notify_all()
 
+    def fail_ray(self, lost: RayLost) -> None:
+        """Fails the job because this rank's Ray went away (`RayLost`): tells the coordinator (which names
+        this rank to every party) and this rank's trainer."""
+        with self.cond:
+            first = self.failure is None
+        self.set_failure(f"rank {self.rank}: {lost}")
+        if first:
+            self.coord.fail(str(lost))
+
     def _watch(self) -> None:
         """Judges the trainer's liveness (`Delivery.check`): a gone trainer fails the job, naming this rank."""
         while not self._stop.wait(WATCH_S):
@@ -385,6 +395,8 @@ class RankServiceCore:
             if exc.code != grpc.StatusCode.ABORTED and not self._stop.is_set():  # not the job's failure: tell it
                 self.coord.fail(str(exc))
             self.set_failure(str(exc))
+        except RayLost as exc:  # its Ray went away: the job's failure, named, no traceback
+            self.fail_ray(exc)
         except TooManyBadRecords as exc:  # the data's failure, not the service's: no traceback
             self.coord.fail(str(exc))  # (the coordinator names the rank)
             self.set_failure(f"rank {self.rank}: {exc}")

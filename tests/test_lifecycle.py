@@ -215,8 +215,8 @@ def test_rank_services_on_one_host_share_one_ray(tmp_path):
         assert not errors, errors
         assert [procs.get(f"rank-{r}").returncode for r in range(world)] == [0, 0], procs.log("rank-0")
         logs = [procs.log(f"rank-{r}") for r in range(world)]
-        started = [re.search(r"started an embedded Ray \(gcs (\S+)\)", log) for log in logs]
-        joined = [re.search(r"joined the Ray already running on this host \(gcs (\S+)\)", log) for log in logs]
+        started = [re.search(r"started an embedded Ray for this job \(gcs (\S+)\)", log) for log in logs]
+        joined = [re.search(r"joined this job's Ray on this host \(gcs (\S+)\)", log) for log in logs]
         assert sum(m is not None for m in started) == 1 and sum(m is not None for m in joined) == 1, logs
         addresses = {m.group(1) for m in started + joined if m is not None}
         stats = [json.loads((tmp_path / f"stats-{r}.json").read_text()) for r in range(world)]

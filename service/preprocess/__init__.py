@@ -31,7 +31,19 @@ from ._demo_data import DemoDataset, demo_bad_ids, demo_record, demo_records, ma
 from ._parse import Record, parse_record
 from ._pool import PreprocessPool, PreprocessWorker
 from ._quarantine import Quarantine, Reject, TooManyBadRecords
-from ._ray import SharedRay, ensure_ray, resolve, resolve_many, share_ray
+from ._ray import (
+    RayLost,
+    SharedRay,
+    ensure_ray,
+    job_key,
+    job_ray_address,
+    quiet_token_auth,
+    ray_lost,
+    resolve,
+    resolve_many,
+    running_ray_address,
+    share_ray,
+)
 from ._ray_source import DEFAULT_MAX_BAD_FRACTION, DEFAULT_MEMORY_BUDGET, RaySource
 from ._reader import BlockReader
 from ._schema import SchemaError
@@ -66,5 +78,7 @@ __all__ = sorted([
     "TurnSubsample", "default_stages", "demo_records", "demo_tokenizer", "ensure_ray", "iter_records",
     "make_demo_dataset", "parse_record", "resolve", "resolve_many", "resolve_stage", "smart_resize",
     "train_tokenizer", "Block", "BlockReader", "DEFAULT_MAX_BAD_FRACTION", "DEFAULT_MEMORY_BUDGET",
-    "TooManyBadRecords", "line_index", "parse_item",
+    "TooManyBadRecords", "line_index", "parse_item", "RayLost", "job_key", "job_ray_address", "quiet_token_auth",
+    "ray_lost",
+    "running_ray_address",
 ])

@@ -54,18 +54,21 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ._chain import Preprocessor, default_stages
 from ._dataset import RecordDataset, parse_item
 from ._quarantine import Reject
-from ._ray import ensure_ray
+from ._ray import ensure_ray, ray_lost
 from ._sources import payload_nbytes
 
 log = logging.getLogger("batchd.preprocess")
 START_LOG_S = 30.0  # how often a slow actor start is logged
+INLINE_ARGS_BYTES = 90_000  # below Ray's max_direct_call_object_size (100 KiB): passed inline
+START_CHECK_S = 5.0  # how often a slow actor start checks that the Ray is still there
 
 
 class PreprocessWorker:
     """The actor: parses the records it is sent and runs the chain (one task = a few samples)."""
 
-    def __init__(self, args: list[ray.ObjectRef]) -> None:
-        self.pre = Preprocessor(ray.get(args[0]))
+    def __init__(self, args: bytes | list[ray.ObjectRef]) -> None:
+        stages = ray.cloudpickle.loads(args) if isinstance(args, bytes) else ray.get(args[0])
+        self.pre = Preprocessor(stages)
         self.pre.setup()
         self.node_id = ray.get_runtime_context().get_node_id()
         self.processed = 0
@@ -147,9 +150,13 @@ class PreprocessPool:
         self.stages = list(default_stages() if stages is None else stages)
         Preprocessor(self.stages)  # fail fast, here, on a stage that cannot be imported or built
         ensure_ray(ray_address)
-        # The constructor arguments stay referenced by the pool for its lifetime, so a restarted actor
-        # can always fetch them again (they are passed nested, and fetched by the actor itself).
-        self._args_ref = ray.put(self.stages)
+        # The chain goes to the actors inline (pickled) when small: it then lives in the actor's creation
+        # spec, so a restarted actor always gets it again, and Ray does not warn at every start that an
+        # actor with max_restarts > 0 has constructor arguments in the object store. A large one goes
+        # through the store, referenced by the pool for its lifetime (passed nested, fetched by the actor).
+        pickled = ray.cloudpickle.dumps(self.stages)
+        self._args_ref = ray.put(self.stages) if len(pickled) > INLINE_ARGS_BYTES else None
+        args = pickled if self._args_ref is None else [self._args_ref]
         options = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": actor_num_cpus}
         self.node_id = affinity_node(node_id) if "scheduling_strategy" not in (actor_options or {}) else None
         if self.node_id is not None:
@@ -157,21 +164,27 @@ class PreprocessPool:
                                                                             _spill_on_unavailable=True)
         options.update(actor_options or {})
         cls = ray.remote(PreprocessWorker).options(**options)
-        self.actors = [cls.remote([self._args_ref]) for _ in range(num_actors)]
+        self.actors = [cls.remote(args) for _ in range(num_actors)]
         self.loads = [0] * num_actors  # tasks submitted and not finished, per actor
         self._holds = 0  # sources waiting for an idle actor (normal submissions pause meanwhile)
         self._lock = threading.Lock()
         self._closed = False
         pending = [a.ping.remote() for a in self.actors]
-        t0 = time.monotonic()
+        t0 = last_log = time.monotonic()
         while pending:
             left = start_timeout_s - (time.monotonic() - t0)
             if left <= 0:
                 break
-            _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, START_LOG_S))
+            _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, START_CHECK_S))
             if pending:
-                log.info("waiting for %d of %d preprocessing actors to start (%.0fs of %.0fs)", len(pending),
-                         num_actors, time.monotonic() - t0, start_timeout_s)
+                lost = ray_lost()
+                if lost is not None:
+                    self._abandon()
+                    raise lost
+                if time.monotonic() - last_log >= START_LOG_S:
+                    last_log = time.monotonic()
+                    log.info("waiting for %d of %d preprocessing actors to start (%.0fs of %.0fs)", len(pending),
+                             num_actors, time.monotonic() - t0, start_timeout_s)
         if pending:
             total = ray.cluster_resources().get("CPU", 0)
             self.close()
@@ -180,7 +193,19 @@ class PreprocessPool:
                 f"{start_timeout_s:.0f}s: each reserves {actor_num_cpus} CPU and the Ray cluster has {total:g} "
                 f"CPUs in all (other pools may hold some); lower num_actors or actor_num_cpus, or start Ray with "
                 f"more logical CPUs")
-        ray.get([a.ping.remote() for a in self.actors])  # an actor whose start failed raises here
+        try:
+            ray.get([a.ping.remote() for a in self.actors])  # an actor whose start failed raises here
+        except ray.exceptions.RayError:
+            lost = ray_lost()
+            if lost is None:
+                raise
+            self._abandon()
+            raise lost from None
+
+    def _abandon(self) -> None:
+        """Forgets the actors of a Ray that went away (nothing there to kill)."""
+        self._closed = True
+        self.actors = []
 
     @property
     def num_actors(self) -> int:

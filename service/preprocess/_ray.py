@@ -2,11 +2,21 @@
 
 Embedded default: `ensure_ray()` starts a local Ray when none is running and no address is given;
 `ray_address` joins a running cluster (where batchd must be importable on every node). Rank services
-use `share_ray()` instead: without an address they join a Ray already running on this host
-(`running_ray_address`; one Ray per host, however many rank services), start the embedded one only when
-there is none, and keep it up until the last rank service using it has exited (`SharedRay`: a shared
-lock per Ray, held while the process uses it, released however the process ends). Look-and-start is
-serialized across the host by a lock file.
+and node agents use `share_ray()` instead. Without an address they never join a Ray another job
+started: they join the Ray of their own job on this host (`job_ray_address`: the Ray whose processes
+carry `$BATCHD_RAY_JOB` = the job's key, `job_key(coordinator, spec)`), else start an embedded one
+carrying that key, so the `batchd rank` processes of one job share one Ray and a second job on the same
+host (a `batchd demo`, another recipe) gets its own. Joining a Ray already running on this host is
+only done when asked: `ray_address = "auto"` (`running_ray_address`), or an address. The embedded Ray
+is kept up until the last process of the job using it has exited (`SharedRay`: a shared lock per Ray,
+held while the process uses it, released however the process ends). Look-and-start is serialized
+across the host by a lock file.
+
+A Ray that goes away under a running service (its GCS or raylet killed, or the Ray it joined shut down
+by its owner) is noticed by `SharedRay.watch` (a thread that checks every few seconds that the GCS and
+the raylet of its node accept connections) and, when an actor call raises, by `ray_lost` / `RayLost`:
+the service fails the job naming the Ray instead of waiting for actors that never come back (Ray
+itself ends a driver whose GCS stays unreachable for 60 s, with no word to the job).
 
 Multi-node: one Ray cluster, each node agent joining it with `--ray-address` (`share_ray(address)`).
 A driver attaches to the raylet of its own host (Ray matches the host's IP against the nodes' and,
@@ -25,13 +35,16 @@ collate time.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import re
 import socket
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,6 +111,97 @@ def running_ray_address() -> str | None:
     return next((a for a in candidates if a and _gcs_reachable(a)), None)
 
 
+FAMILY_EVERY = 5  # `SharedRay.check`s between two looks at the processes of a Ray started here
+JOB_ENV = "BATCHD_RAY_JOB"  # carried by the processes of an embedded Ray: the key of the job that started it
+
+
+def job_key(coordinator: str, spec: Any) -> str:
+    """The identity of a job on a host: its coordinator's address and its spec (a dataclass, `JobSpec`).
+
+    The processes of one job (its `batchd rank`s, its node agents) agree on it; another job (another
+    coordinator, or another spec) gets another key, so it never shares their Ray."""
+    fields = spec if isinstance(spec, dict) else {k: getattr(spec, k) for k in getattr(spec, "__dataclass_fields__", {})}
+    blob = json.dumps({"coordinator": coordinator, "spec": fields}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _ray_processes() -> list[tuple[int, str]]:
+    """(pid, cmdline) of this user's Ray processes on this host that name a GCS (`--gcs-address=`)."""
+    out = []
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    with contextlib.suppress(OSError):
+        for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int):
+            try:
+                if uid is not None and os.stat(f"/proc/{pid}").st_uid != uid:
+                    continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            if "--gcs-address=" in cmd:
+                out.append((int(pid), cmd))
+    return out
+
+
+def job_ray_address(key: str) -> str | None:
+    """The GCS address of the Ray job `key` started on this host (`share_ray`), or None.
+
+    Found by its processes: Ray's raylet and monitors name their GCS (`--gcs-address=`) and inherit the
+    environment of the process that started Ray, `$BATCHD_RAY_JOB` included. Any temp root: two jobs
+    with the same `TMPDIR` still tell their Rays apart. Counts only while its GCS accepts connections."""
+    tag = f"{JOB_ENV}={key}".encode()
+    candidates: list[str] = []
+    for pid, cmd in _ray_processes():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if tag in env:
+            candidates += [m for m in re.findall(r"--gcs-address=([^\x00\s]+)", cmd) if m not in candidates]
+    return next((a for a in candidates if a and _gcs_reachable(a)), None)
+
+
+class RayLost(RuntimeError):
+    """The Ray a service runs on went away (its GCS or its node's raylet is unreachable): the job fails."""
+
+    def __init__(self, address: str, why: str) -> None:
+        super().__init__(f"its Ray at {address} went away ({why})")
+        self.address, self.why = address, why
+
+
+def _raylet_address() -> str | None:
+    """host:port of the raylet this process is attached to (None when unknown)."""
+    with contextlib.suppress(Exception):
+        node = ray._private.worker.global_worker.node
+        return f"{node.node_ip_address}:{int(node.node_manager_port)}"
+    return None
+
+
+def ray_lost(address: str | None = None, raylet: str | None = None, timeout: float = 2.0) -> RayLost | None:
+    """A `RayLost` when the Ray at `address` (default: this process's) is gone, else None.
+
+    Gone: its GCS, or the raylet of this process's node (`raylet`, default: found from the connection),
+    refuses connections, twice in a row (a second look after a moment, so a busy host is not judged by a
+    single slow connect). Cheap: two TCP connects."""
+    if address is None:
+        if not ray.is_initialized():
+            return None
+        address = ray.get_runtime_context().gcs_address
+        raylet = raylet or _raylet_address()
+    for attempt in range(2):
+        why = None
+        if not _gcs_reachable(address, timeout):
+            why = f"its GCS at {address} is unreachable"
+        elif raylet and not _gcs_reachable(raylet, timeout):
+            why = f"the raylet of this node at {raylet} is unreachable"
+        if why is None:
+            return None
+        if attempt == 0:
+            time.sleep(0.5)
+    return RayLost(address, why)
+
+
 class SharedRay:
     """This process's use of a Ray (`share_ray`): `address` (GCS), `started` (this process started it).
 
@@ -108,15 +212,50 @@ class SharedRay:
     rank services that joined it keep their payloads in its object store. Waiting for them is logged.
     """
 
-    def __init__(self, address: str, started: bool) -> None:
-        self.address, self.started = address, started
+    WATCH_S = 2.0  # how often `watch` looks at the Ray
+
+    def __init__(self, address: str, started: bool, job: str | None = None) -> None:
+        self.address, self.started, self.job = address, started, job
+        self.raylet = _raylet_address() if ray.is_initialized() else None
+        self.lost: RayLost | None = None  # set by `watch` once the Ray went away
         name = re.sub(r"[^0-9A-Za-z.]+", "_", address)
         self.users_file = os.path.join(tempfile.gettempdir(), f"batchd-ray-{name}.users")
         self._fd: int | None = os.open(self.users_file, os.O_RDWR | os.O_CREAT, 0o600)
         _flock(self._fd, shared=True, wait=True)
+        self._unwatch = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._raylet_pid = _started_raylet_pid() if started else None
+        self._family: dict[int, str] = {}  # the raylet's descendants when last seen alive: {pid: start time}
+        self._checks = 0
+
+    def check(self) -> RayLost | None:
+        """`ray_lost` for this Ray (its GCS and this node's raylet); remembered in `lost`. While a Ray started
+        here is alive, the processes its raylet started are noted (`_end_leftovers` ends them once it is gone)."""
+        if self.lost is None:
+            self.lost = ray_lost(self.address, self.raylet)
+            if self.lost is None and self._raylet_pid is not None and self._checks % FAMILY_EVERY == 0:
+                self._family = _descendants(self._raylet_pid)  # a /proc scan: not at every check
+            self._checks += 1
+        return self.lost
+
+    def watch(self, on_lost: Callable[[RayLost], None], every_s: float | None = None) -> None:
+        """Checks every `every_s` (default WATCH_S) in a daemon thread that the Ray is still there (`check`);
+        calls `on_lost(RayLost)` once when it is not, so an idle service notices too. Stops at `close`."""
+        every = self.WATCH_S if every_s is None else every_s
+
+        def run() -> None:
+            while not self._unwatch.wait(every):
+                lost = self.check()
+                if lost is not None and not self._unwatch.is_set():
+                    on_lost(lost)
+                    return
+
+        self._watcher = threading.Thread(target=run, name="batchd-ray-watch", daemon=True)
+        self._watcher.start()
 
     def close(self, poll_s: float = 0.5) -> None:
         """Releases this process's use; stops a Ray started here once nobody else uses it (see class)."""
+        self._unwatch.set()
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
@@ -128,9 +267,90 @@ class SharedRay:
                     while not _flock(fd, shared=False, wait=False):
                         time.sleep(poll_s)
                 ray.shutdown()
+                if self.lost is not None:
+                    _end_leftovers(self.job, self._family)
                 log.info("stopped the embedded Ray at %s", self.address)
         finally:
             os.close(fd)
+
+
+def _end_leftovers(job: str | None, family: dict[int, str], grace_s: float = 5.0) -> None:
+    """Ends what is left of an embedded Ray that went away: Ray's agents (DashboardAgent, RuntimeEnvAgent)
+    and workers outlive a raylet killed with SIGKILL. Only processes this Ray started: its raylet's
+    descendants as last seen alive (`family`, {pid: start time}, so a reused pid is spared) and those
+    carrying this job's `$BATCHD_RAY_JOB` (inherited from this process when it started that Ray; Ray's
+    agents may hide it, setting their title over it); never this process."""
+    tag = f"{JOB_ENV}={job}".encode() if job else None
+    mine = {pid for pid, start in family.items() if _start_time(pid) == start}
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    with contextlib.suppress(OSError):
+        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit() and tag is not None):
+            if pid == os.getpid():
+                continue
+            try:
+                if uid is not None and os.stat(f"/proc/{pid}").st_uid != uid:
+                    continue
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if tag in f.read().split(b"\0"):
+                        mine.add(pid)
+            except OSError:
+                continue
+    mine.discard(os.getpid())
+    for sig in (15, 9):  # SIGTERM, then SIGKILL for what is still there after the grace
+        for pid in mine:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace_s
+        while sig == 15 and time.monotonic() < deadline and any(_alive(p) for p in mine):
+            time.sleep(0.1)
+    if mine:
+        log.info("ended %d leftover process(es) of the Ray that went away", len(mine))
+
+
+def _started_raylet_pid() -> int | None:
+    """The pid of the raylet this process started (`ray.init` without an address), or None."""
+    with contextlib.suppress(Exception):
+        return ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+    return None
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[19] if fields and fields[0] not in ("Z", "X") else None
+
+
+def _descendants(root: int) -> dict[int, str]:
+    """The live descendants of `root`, as {pid: start time}."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                fields = _stat(int(name))
+                if fields and fields[0] not in ("Z", "X"):
+                    children.setdefault(int(fields[1]), []).append(int(name))
+                    starts[int(name)] = fields[19]
+    found: dict[int, str] = {}
+    stack = list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        if pid not in found and pid in starts:
+            found[pid] = starts[pid]
+            stack.extend(children.get(pid, []))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 def _flock(fd: int, shared: bool, wait: bool) -> bool:
@@ -151,12 +371,11 @@ def _local_auth() -> None:
     an address): a Ray started on this host by `ray.init` (Ray >= 2.5x) requires the token in
     ~/.ray/auth_token, and an explicit address does not turn token auth on by itself."""
     try:
-        from ray._private.authentication.authentication_token_setup import (
-            maybe_enable_token_auth_if_token_available,
-        )
+        from ray._raylet import AuthenticationTokenLoader
     except ImportError:  # a Ray without token auth
         return
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    if os.environ.get("RAY_AUTH_MODE") is None and AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+        quiet_token_auth()  # what Ray's discovery does, without its warning at every start
 
 
 @contextlib.contextmanager
@@ -182,12 +401,31 @@ def _join(address: str) -> None:
         ray.init(address=address)
 
 
-def share_ray(address: str | None = None, num_cpus: int | None = None, who: str = "batchd") -> SharedRay:
+def quiet_token_auth() -> None:
+    """Token auth on, said once by batchd instead of Ray's warning at every start: Ray warns "Token
+    authentication is enabled for this Ray cluster" whenever it turns token auth on by itself (a new local
+    Ray, or a local one found with a token in ~/.ray/auth_token); an explicit `RAY_AUTH_MODE` is respected
+    without a warning. So when it is unset, batchd sets it to `token` (what Ray would do) before it starts
+    or joins its job's own Ray. A user's `RAY_AUTH_MODE` is left alone."""
+    if os.environ.get("RAY_AUTH_MODE") is not None:
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    with contextlib.suppress(Exception):  # refresh Ray's cached config, as Ray's own switch does
+        from ray._raylet import Config
+
+        Config.initialize("")
+
+
+def share_ray(address: str | None = None, num_cpus: int | None = None, who: str = "batchd",
+              job: str | None = None) -> SharedRay:
     """Connects this process to Ray the way a rank service does; returns the `SharedRay` to close at exit.
 
-    `address` given: joins it. None: joins a Ray already running on this host (`running_ray_address`),
-    else starts the embedded one (logged). Look-and-start is serialized across the host, so rank
-    services started together share one Ray rather than each starting their own.
+    `address` given: joins it ("auto": the Ray already running on this host, `running_ray_address`, an
+    error when there is none; `$RAY_ADDRESS` counts as given). None: joins the Ray job `job` (`job_key`)
+    started on this host (`job_ray_address`), else starts an embedded one marked with `job`; a Ray some
+    other job started is never joined. Without `job` it always starts its own. Look-and-start is
+    serialized across the host, so the rank services of one job started together share one Ray rather
+    than each starting their own. Which it did is logged.
 
     A process already connected to Ray keeps that connection, as joined (not its to stop). The node it
     attached to (its host's, or `$BATCHD_RAY_NODE_IP`'s: see the module docstring) is logged: it is where
@@ -195,6 +433,21 @@ def share_ray(address: str | None = None, num_cpus: int | None = None, who: str 
     """
     if ray.is_initialized():
         return SharedRay(ray.get_runtime_context().gcs_address, started=False)
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if not address and env and env != "local":
+        address = env
+    if address == "auto":
+        with _host_lock():
+            found = running_ray_address()
+        if not found:
+            raise RuntimeError(f"{who}: ray_address is 'auto' but no Ray is running on this host: start one "
+                               f"(`ray start --head`), give its address, or leave ray_address unset for an "
+                               f"embedded Ray of this job")
+        _local_auth()
+        _join(found)
+        gcs = ray.get_runtime_context().gcs_address
+        log.info("%s: joined the Ray already running on this host (ray_address 'auto'; gcs %s)", who, gcs)
+        return SharedRay(gcs, started=False)
     if address:
         _join(address)
         gcs = ray.get_runtime_context().gcs_address
@@ -202,18 +455,21 @@ def share_ray(address: str | None = None, num_cpus: int | None = None, who: str 
                  ray.get_runtime_context().get_node_id())
         return SharedRay(gcs, started=False)
     with _host_lock():
-        found = running_ray_address()
+        found = job_ray_address(job) if job else None
         if found:
-            _local_auth()
+            quiet_token_auth()
             _join(found)
             gcs = ray.get_runtime_context().gcs_address
-            log.info("%s: joined the Ray already running on this host (gcs %s)", who, gcs)
+            log.info("%s: joined this job's Ray on this host (gcs %s)", who, gcs)
             return SharedRay(gcs, started=False)
+        quiet_token_auth()
+        if job:
+            os.environ[JOB_ENV] = job  # inherited by the Ray processes started here: how the job's others find it
         ray.init(num_cpus=num_cpus, include_dashboard=False)
         gcs = ray.get_runtime_context().gcs_address
-        shared = SharedRay(gcs, started=True)  # holds its lock before the next process may look
-    log.info("%s: no Ray running on this host: started an embedded Ray (gcs %s); rank services started later "
-             "on this host join it", who, gcs)
+        shared = SharedRay(gcs, started=True, job=job)  # holds its lock before the next process may look
+    log.info("%s: started an embedded Ray for this job (gcs %s)%s", who, gcs,
+             "; this job's other rank services on this host join it" if job else "")
     return shared
 
 

@@ -23,6 +23,9 @@ Only metadata (id, realized length, loss tokens, per-modality counts, payload by
 caller's process eagerly; `resolve(payload)` fetches the payload dict at collate time (a balanced plan
 that moves a sample to another rank moves the reference, not the bytes).
 
+A Ray that went away (`ray_lost`: its GCS or raylet unreachable) is no actor death: the call that
+saw it raises `RayLost`, which fails the job naming the Ray.
+
 Fault model, the source's part: RaySource resubmits the tasks that died with an actor (the pool has
 Ray restart it). Preprocessing is a pure function of (record, seed, epoch, sample id), so the rerun
 gives the identical sample: nothing is lost or duplicated. A sample whose actor died while it was
@@ -50,6 +53,7 @@ from batchd.core import BlockView, Sample, parse_bytes
 from ._dataset import RecordDataset
 from ._pool import PreprocessPool
 from ._quarantine import Quarantine, TooManyBadRecords
+from ._ray import ray_lost
 from ._reader import BlockReader
 from ._sources import EXHAUSTED
 
@@ -327,6 +331,9 @@ class RaySource:
         try:
             metas = ray.get(ref)
         except ray.exceptions.RayError as exc:
+            lost = ray_lost()  # the whole Ray went away, not one actor: no rerun can succeed
+            if lost is not None:
+                raise lost from None
             # The actor died (or the task failed) before this task ended. Only a task that ran alone with
             # nothing queued ahead of it, on an actor that answered the probe just before it, was certainly
             # executing: only then is the crash charged to its sample. The others were collateral (or
@@ -440,6 +447,9 @@ class RaySource:
                 try:
                     metas = ray.get(refs[0])
                 except ray.exceptions.RayError:
+                    lost = ray_lost()
+                    if lost is not None:
+                        raise lost from None
                     failed += chunk
                     continue
                 for i, meta, pref in zip(chunk, metas, refs[1:]):
