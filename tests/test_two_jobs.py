@@ -2,9 +2,14 @@
 real-job recipe ("A real job", run by bash as in tests/test_readme_job.py), with the same temp root.
 
 The recipe's node agent must start its own Ray (not join the demo's), both jobs must finish with every
-id once, and ending one must leave the other running: the demo ends (its Ray shut down) while the
-recipe's agent is up with its actors started and its trainers not yet started (they wait for a file
-the test writes once the demo has exited), and the recipe then still trains its epoch.
+id once, and ending either one must leave the other running. Two recipes run beside one demo, in two
+directories:
+
+- the first trains its epoch and ends (its agent stops its own Ray) while the demo is still training:
+  the demo then still finishes;
+- the second's agent is up with its actors started and its trainers held back (they wait for a file the
+  test writes once the demo has exited) when the demo ends and shuts its Ray down: the recipe then still
+  trains its epoch.
 """
 
 from __future__ import annotations
@@ -52,52 +57,70 @@ def demo_gcs(marker: str) -> str | None:
     return None
 
 
-def test_a_demo_and_the_readme_job_on_one_host_each_on_its_own_ray(tmp_path):
-    ray_tmp = tempfile.mkdtemp(prefix="bd2-", dir="/tmp")  # ONE temp root for both jobs, as a user's /tmp
-    demo_marker, job_marker = (f"BATCHD_TEST_TWO_{k}={uuid.uuid4().hex}" for k in ("DEMO", "JOB"))
-    (tmp_path / "demo").mkdir()
-    (tmp_path / "job").mkdir()
-    demo_out, demo_err = (open(tmp_path / "demo" / n, "w") for n in ("out.json", "err.log"))
-    job_err = tmp_path / "job.err"
+def _start_recipe(work: Path, ray_tmp: str, marker: str, gate: bool) -> tuple[subprocess.Popen, Path]:
+    """The README recipe in `work` (its trainers log their ids; with `gate`, held until `work/go` exists)."""
     cport, rport = free_block(1), free_block(2)
+    script = readme_script(cport, rport, train_args="--ids-log ids-{rank}.jsonl",
+                           before_train=("while [ ! -e go ]; do sleep 0.2; done",) if gate else ())
+    err = work.with_suffix(".err")
+    with open(err, "w") as f:
+        proc = subprocess.Popen(["bash", "-c", "\n".join(script)], cwd=work, env=job_env(ray_tmp, marker),
+                                stdout=subprocess.DEVNULL, stderr=f)
+    return proc, err
+
+
+def _check_recipe(proc: subprocess.Popen, work: Path, err: Path, timeout: float) -> None:
+    """The recipe ended 0, its trainers took every good id exactly once, nothing of it failed."""
+    proc.wait(timeout)
+    log = err.read_text()[-6000:]
+    assert proc.returncode == 0, log
+    ids = trained_ids(work)
+    expected = set(range(RECORDS)) - set(demo_bad_ids(RECORDS, 0))
+    assert len(ids) == len(set(ids)) and set(ids) == expected, (sorted(ids), sorted(expected))
+    assert "went away" not in log and "Traceback" not in log, log
+
+
+def test_a_demo_and_the_readme_job_on_one_host_each_on_its_own_ray(tmp_path):
+    ray_tmp = tempfile.mkdtemp(prefix="bd2-", dir="/tmp")  # ONE temp root for all jobs, as a user's /tmp
+    markers = {k: f"BATCHD_TEST_TWO_{k}={uuid.uuid4().hex}" for k in ("DEMO", "FIRST", "SECOND")}
+    for d in ("demo", "first", "second"):
+        (tmp_path / d).mkdir()
+    demo_out, demo_err = (open(tmp_path / "demo" / n, "w") for n in ("out.json", "err.log"))
     # The demo's trainers take 15 s a step (a real model's pace; its 48 records make about 4 steps), so
-    # the demo is still training once the recipe's agent is up.
+    # the demo is still training once the first recipe has ended and the second one's agent is up.
     demo = subprocess.Popen([sys.executable, "-m", "batchd", "demo", "--json", "--num-samples", str(DEMO_RECORDS),
                              "--no-baseline", "--step-time", "15"], cwd=tmp_path / "demo",
-                            env=job_env(ray_tmp, demo_marker), stdout=demo_out, stderr=demo_err)
-    job = None
+                            env=job_env(ray_tmp, markers["DEMO"]), stdout=demo_out, stderr=demo_err)
+    first = second = None
     try:
-        wait_until("the demo's Ray running", lambda: demo_gcs(demo_marker) or demo.poll() is not None, 120)
-        gcs_demo = demo_gcs(demo_marker)
+        wait_until("the demo's Ray running", lambda: demo_gcs(markers["DEMO"]) or demo.poll() is not None, 120)
+        gcs_demo = demo_gcs(markers["DEMO"])
         assert gcs_demo, (tmp_path / "demo" / "err.log").read_text()
-        script = readme_script(cport, rport, train_args="--ids-log ids-{rank}.jsonl",
-                               before_train=("while [ ! -e go ]; do sleep 0.2; done",))  # the test's gate
-        with open(job_err, "w") as err:
-            job = subprocess.Popen(["bash", "-c", "\n".join(script)], cwd=tmp_path / "job",
-                                   env=job_env(ray_tmp, job_marker), stdout=subprocess.DEVNULL, stderr=err)
-        log = lambda: job_err.read_text()[-6000:]  # noqa: E731
-        wait_until("the recipe's node agent serving its ranks",
-                   lambda: "serving ranks [0, 1]" in job_err.read_text() or job.poll() is not None, 180, log)
-        assert job.poll() is None, log()
-        started = re.findall(r"rank 0: started an embedded Ray for this job \(gcs (\S+)\)", log())
-        assert len(started) == 1 and started[0] != gcs_demo and "joined" not in log(), (gcs_demo, log())
-        assert demo.poll() is None, "the demo ended before the recipe's agent was up: " + log()
+        first, first_err = _start_recipe(tmp_path / "first", ray_tmp, markers["FIRST"], gate=False)
+        second, second_err = _start_recipe(tmp_path / "second", ray_tmp, markers["SECOND"], gate=True)
+        for proc, err in ((first, first_err), (second, second_err)):
+            log = lambda err=err: err.read_text()[-6000:]  # noqa: E731
+            wait_until("the recipe's node agent serving its ranks",
+                       lambda proc=proc, err=err: "serving ranks [0, 1]" in err.read_text() or proc.poll() is not None,
+                       180, log)
+            started = re.findall(r"rank 0: started an embedded Ray for this job \(gcs (\S+)\)", log())
+            assert len(started) == 1 and started[0] != gcs_demo and "joined" not in log(), (gcs_demo, log())
 
-        demo.wait(240)  # the demo ends (its Ray shut down) while the recipe's agent waits for its trainers
+        _check_recipe(first, tmp_path / "first", first_err, 300)  # one job ends (its Ray stopped) ...
+        assert demo.poll() is None, "the demo ended before the first recipe: the test proves nothing"
+        assert second.poll() is None, second_err.read_text()[-4000:]
+
+        demo.wait(300)  # ... the demo goes on and ends (its Ray shut down) while the second agent waits
         assert demo.returncode == 0, (tmp_path / "demo" / "err.log").read_text()[-4000:]
         s = json.loads((tmp_path / "demo" / "out.json").read_text().strip().splitlines()[-1])
         assert s["missing"] == 0 and s["duplicates"] == 0 and s["emitted"] > 0, s
         assert s["preprocess"]["accounting_ok"] is True, s["preprocess"]
+        assert "went away" not in (tmp_path / "demo" / "err.log").read_text()
 
-        (tmp_path / "job" / "go").touch()
-        job.wait(300)
-        assert job.returncode == 0, log()
-        ids = trained_ids(tmp_path / "job")
-        expected = set(range(RECORDS)) - set(demo_bad_ids(RECORDS, 0))
-        assert len(ids) == len(set(ids)) and set(ids) == expected, (sorted(ids), sorted(expected))
-        assert "went away" not in log() and "Traceback" not in log(), log()
+        (tmp_path / "second" / "go").touch()
+        _check_recipe(second, tmp_path / "second", second_err, 300)
     finally:
-        for p in (demo, job):
+        for p in (demo, first, second):
             if p is not None and p.poll() is None:
                 p.terminate()
                 try:
@@ -106,6 +129,6 @@ def test_a_demo_and_the_readme_job_on_one_host_each_on_its_own_ray(tmp_path):
                     p.kill()
         demo_out.close()
         demo_err.close()
-        left = end_job(demo_marker) + end_job(job_marker)
+        left = [x for m in markers.values() for x in end_job(m)]
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert not left, "processes outlived the jobs:\n" + "\n".join(left)
