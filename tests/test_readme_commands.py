@@ -32,6 +32,7 @@ from pathlib import Path
 
 import pytest
 from _procs import free_block, processes_with_marker
+from _readme_job import RECORDS
 
 from batchd.cli import build_parser
 
@@ -322,7 +323,7 @@ def test_readme_processes_block_runs(tmp_path):
     coord_cmd, rank_cmd = _processes_block()
     assert rank_cmd.startswith("batchd rank ") and "--rank 0" in rank_cmd, rank_cmd
     cport, rport = free_block(1), free_block(2)
-    make_demo_dataset(tmp_path, 48).path.rename(tmp_path / "data.parquet")
+    make_demo_dataset(tmp_path, RECORDS).path.rename(tmp_path / "data.parquet")
 
     def fill(cmd: str) -> list[str]:
         cmd = (cmd.replace("--port 7000", f"--port {cport}").replace("127.0.0.1:7000", f"127.0.0.1:{cport}")
