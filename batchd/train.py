@@ -236,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JobFailed as exc:
         print(f"[rank {rank}] batchd job failed: {exc}", file=sys.stderr, flush=True)
         return 1
+    except VocabularyError as exc:
+        print(f"[rank {rank}] batchd.train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except BatchdError as exc:  # e.g. the rank service unreachable: one line naming it, not a traceback
         print(f"[rank {rank}] batchd.train: error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -276,6 +279,23 @@ def _log_step(fd: int | None, epoch: int, step: int, ids: list[int]) -> None:
         os.fsync(fd)
 
 
+class VocabularyError(ValueError):
+    """A batch holds token ids the model's embedding has no row for: the trainer's vocabulary is not the
+    rank services' tokenizer's."""
+
+
+def _check_vocabulary(batch: dict[str, Any], vocab: int | None, args: argparse.Namespace) -> None:
+    ids = batch.get("input_ids")
+    if vocab is None or ids is None or ids.numel() == 0:
+        return
+    top = int(ids.max())
+    if top >= vocab:
+        given = f"--tokenizer {args.tokenizer}" if args.tokenizer else "no --tokenizer"
+        raise VocabularyError(
+            f"token id {top} is past the model's vocabulary of {vocab} ({given}): give --tokenizer the rank "
+            f"services' tokenizer (`batchd tokenizer tok.json` writes the default one) or a larger --vocab-size")
+
+
 def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
     steps = idle = 0
     epoch_steps: list[int] = []
@@ -299,6 +319,7 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
                     _log_step(ids_log, epoch, info.step, ids.tolist() if ids is not None else [])
                     if args.step_time > 0:
                         time.sleep(args.step_time)
+                    _check_vocabulary(batch, getattr(ddp.module, "vocab_size", None), args)
                     loss = train_step(ddp, opt, batch, info)
                     steps, n = steps + 1, n + 1
                     idle += int(info.is_idle)
@@ -307,6 +328,8 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
                               flush=True)
                     if ckpt is not None and steps % args.checkpoint_every == 0:
                         _save(ckpt, ddp.module, opt, client)
+            except VocabularyError:
+                raise
             except BatchdError as exc:  # the client's own diagnosis (JobFailed, or its service unreachable)
                 if not isinstance(exc, JobFailed) and watch.failure:  # the service failed the job first
                     raise JobFailed(f"{watch.failure} (this trainer saw: {exc})") from exc

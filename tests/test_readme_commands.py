@@ -127,7 +127,8 @@ RUN_BY = {
     "batchd simulate --help": "tests/test_readme_commands.py::test_readme_and_help_commands_parse",
     "batchd simulate --deterministic":
         "tests/test_deterministic.py::test_a_deterministic_job_makes_the_same_batches_whatever_the_speed_of_sources_and_trainers",
-    "python -m batchd.train --base-port 7100": "tests/test_readme_commands.py::test_readme_processes_block_runs",
+    "python -m batchd.train --base-port 7100 --tokenizer tok.json":
+        "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "python -m batchd.train": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "python -m batchd.train --startup-timeout S":
         "tests/test_trainer_start.py::test_a_trainer_pointed_at_nobody_says_whom_it_waits_for_then_exits_2_in_one_line",
@@ -332,8 +333,9 @@ def test_readme_processes_block_runs(tmp_path):
                .replace("--token-budget 8192", "--token-budget 1024"))
         return shlex.split(cmd) + (["--window", "32"] if cmd.startswith(("batchd coordinator", "batchd rank")) else [])
 
-    train_inline = "python -m batchd.train --base-port 7100"
-    assert f"`{train_inline}`" in readme_text()
+    train_inline = "python -m batchd.train --base-port 7100 --tokenizer tok.json"
+    assert f"`{train_inline}`" in " ".join(readme_text().split())
+    assert subprocess.run(["batchd", "tokenizer", "tok.json"], cwd=tmp_path, env=_env()).returncode == 0
     marker = f"BATCHD_TEST_PROCS={uuid.uuid4().hex}"
     env = _env(marker)
     procs: list[tuple[str, subprocess.Popen]] = []
@@ -347,11 +349,13 @@ def test_readme_processes_block_runs(tmp_path):
         start("coordinator", fill(coord_cmd))
         for r in range(2):  # "one per trainer rank": rank r listens on base port + r
             start(f"rank-{r}", _rank_argv(fill(rank_cmd), r, rport, tmp_path))
+        master = free_block(1)  # what torchrun would set: one rendezvous for both trainers
         for r in range(2):
-            argv = [sys.executable, "-m", "batchd.train", "--base-port", str(rport), "--d-model", "32",
-                    "--n-layers", "1", "--n-heads", "2", "--summary", str(tmp_path / f"summary-{r}.json")]
+            argv = [sys.executable, "-m", "batchd.train", "--base-port", str(rport), "--tokenizer", "tok.json",
+                    "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+                    "--summary", str(tmp_path / f"summary-{r}.json")]
             start(f"trainer-{r}", argv, {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
-                                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_block(1))})
+                                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)})
         deadline = time.monotonic() + 400
         for name, p in procs:
             p.wait(max(deadline - time.monotonic(), 1))

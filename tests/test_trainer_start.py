@@ -100,3 +100,29 @@ def test_a_trainer_started_before_its_services_waits_then_trains_and_logs_progre
     assert periodic and all(0 < int(m.group(1)) < n for m in periodic), text[-4000:]
     assert re.search(rf"rank 0: epoch 1/1: {n}/{n} samples \(100%\), {summary['steps']} steps, done in", text), \
         text[-4000:]
+
+
+@pytest.mark.slow
+def test_a_trainer_whose_vocabulary_is_not_the_services_tokenizers_says_so_in_one_line(tmp_path):
+    """Token ids past the model's embedding: one line naming --tokenizer, exit 2, not an IndexError traceback
+    (the rank service serves ids of its tokenizer; the trainer was built for a smaller vocabulary)."""
+    (tmp_path / "lengths.txt").write_text("".join(f"{20 + i}\n" for i in range(16)))
+    cport, rport = _free_port(), _free_port()
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(f'[job]\nworld_size = 1\ntoken_budget = 256\nwindow = 16\n[data]\nlengths = "lengths.txt"\n'
+                   f'[coordinator]\nport = {cport}\n[rank]\nbase_port = {rport}\n')
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    services = [subprocess.Popen([PY, "-m", "batchd", role, "--config", str(cfg), *extra], stderr=subprocess.DEVNULL,
+                                 env=env, cwd=tmp_path) for role, extra in (("coordinator", []), ("rank", ["--rank", "0"]))]
+    try:  # `batchd rank --lengths` serves ids below 512; this model has 8 rows
+        proc = subprocess.run([PY, "-m", "batchd.train", "--base-port", str(rport), "--vocab-size", "8", "--d-model",
+                               "16", "--n-layers", "1", "--n-heads", "2"], capture_output=True, text=True,
+                              env=_trainer_env(), cwd=tmp_path, timeout=180)
+    finally:
+        for p in services:
+            p.kill()
+            p.wait()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "batchd.train: error:" in ln]
+    assert len(errors) == 1 and "past the model's vocabulary of 8" in errors[0] and "--tokenizer" in errors[0], \
+        proc.stderr[-3000:]
