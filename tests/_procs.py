@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 
 
@@ -99,3 +100,14 @@ def start_times(pids: list[int]) -> dict[int, str]:
         if fields is not None and fields[0] not in ("Z", "X"):
             found[pid] = fields[19]
     return found
+
+
+def wait_until(what, cond, timeout: float, log=lambda: "") -> None:
+    """Waits until `cond()` holds, checking every 0.2 s; AssertionError naming `what` (and `log()`) after
+    `timeout` seconds: a deadline on an event, never a sleep-then-assert."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not within {timeout:g}s\n{log()}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from _procs import processes_with_marker
+from _procs import processes_with_marker, wait_until
 
 from batchd.core import JobSpec
 from batchd.demo import IMAGE_TOKEN, _vocab_size
@@ -35,15 +35,6 @@ pytestmark = pytest.mark.slow
 
 LEASE_S = 6.0
 STARTUP_S = 600.0  # the default: what every party waited out before the fix
-
-
-def wait_until(what, cond, timeout, log=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{what}: not within {timeout:g}s\n{log()}")
 
 
 def ray_processes_of(gcs: str) -> list[int]:

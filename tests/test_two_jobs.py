@@ -21,12 +21,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
 import pytest
-from _procs import free_block, processes_with_marker
+from _procs import free_block, processes_with_marker, wait_until
 from _readme_job import RECORDS, end_job, job_env, readme_script, trained_ids
 
 from batchd.service.preprocess import demo_bad_ids
@@ -34,15 +33,6 @@ from batchd.service.preprocess import demo_bad_ids
 pytestmark = pytest.mark.slow
 
 DEMO_RECORDS = 48
-
-
-def wait_until(what, cond, timeout, log=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{what}: not within {timeout:g}s\n{log()}")
 
 
 def demo_gcs(marker: str) -> str | None:

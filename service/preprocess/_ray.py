@@ -95,19 +95,10 @@ def running_ray_address() -> str | None:
     with contextlib.suppress(OSError):
         with open(os.path.join(_ray_root(), "ray_current_cluster"), encoding="utf-8") as f:
             candidates.append(f.read().strip())
-    uid = os.getuid() if hasattr(os, "getuid") else None
     session = os.path.join(_ray_root(), "session_")
-    with contextlib.suppress(OSError):
-        for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int):
-            try:
-                if uid is not None and os.stat(f"/proc/{pid}").st_uid != uid:
-                    continue
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().decode(errors="replace")
-            except OSError:
-                continue
-            if session in cmd:
-                candidates += [m for m in re.findall(r"--gcs-address=([^\x00\s]+)", cmd) if m not in candidates]
+    for _, cmd in _ray_processes():
+        if session in cmd:
+            candidates += [m for m in re.findall(r"--gcs-address=([^\x00\s]+)", cmd) if m not in candidates]
     return next((a for a in candidates if a and _gcs_reachable(a)), None)
 
 
