@@ -1061,12 +1061,27 @@ class CoordinatorServer:
             first = self._stopped is None
             if first:
                 self._stopped = threading.Event()
-                fut = asyncio.run_coroutine_threadsafe(self._server.stop(grace or None), self._loop)
+                fut = asyncio.run_coroutine_threadsafe(self._stop_and_free(grace or None), self._loop)
                 fut.add_done_callback(lambda _: self._stopped.set())
             stopped = self._stopped
         if not grace:
             stopped.wait(10.0)
         return stopped
+
+    async def _stop_and_free(self, grace: float | None) -> None:
+        """Stops the server, then frees it here, on the loop's own thread, before anyone is told it
+        stopped. gRPC's asyncio module shuts down when its last server or channel is freed: it takes
+        its poller's socket off the loop and closes it. Freed by another thread (the caller's
+        `server` going out of scope as `run_coordinator` returns), that raced this loop running the
+        socket's reader (`PollerCompletionQueue._handle_events`), which then printed an
+        `OSError: [Errno 9] Bad file descriptor` traceback as the process ended. On this thread no
+        reader runs meanwhile, and a reader already scheduled is cancelled."""
+        server = self._server
+        try:
+            await server.stop(grace)
+        finally:
+            self._server = None
+            del server
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         """Blocks until the server stopped; False if `timeout` (s) passed first."""

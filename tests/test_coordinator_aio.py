@@ -136,6 +136,40 @@ def test_stop_releases_the_port_for_a_restart_at_once():
         assert again.stop(1.0).wait(10)
 
 
+_STOP_FREES_THE_POLLER = """
+import sys
+from batchd.core import JobSpec
+from batchd.service import create_server
+
+for _ in range(3):
+    server, port, state = create_server("127.0.0.1:0", JobSpec(world_size=1, token_budget=1024), 30.0, 60.0)
+    server.start()
+    loop = server._loop
+    readers = lambda: {k.fd for k in loop._selector.get_map().values()} - {loop._ssock.fileno()}
+    assert readers(), "gRPC's poller socket is a reader of the loop while the server runs"
+    state.close()
+    assert server.stop(1.0).wait(10)
+    # `server` is still held here: the poller's socket must already be off the loop (and closed)
+    assert not readers(), readers()
+print("ok")
+"""
+
+
+def test_stop_shuts_grpc_aio_down_on_the_loop_before_the_caller_lets_go():
+    """gRPC's asyncio module shuts down (its poller's socket off the loop, closed) when its last server is
+    freed. The server is freed on the loop's own thread as it stops, before `stop()`'s event is set, so
+    the caller that drops it later (`run_coordinator` returning) never closes that socket under the loop
+    thread running its reader: the `PollerCompletionQueue._handle_events ... OSError: [Errno 9] Bad file
+    descriptor` traceback at exit. Its own process: no other gRPC asyncio object may be alive there."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _STOP_FREES_THE_POLLER], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("mode", ["join", "non-join"])
 def test_commits_read_off_the_wire_total_as_the_core_sums_them(mode):
     """`commit_from_pb`'s lazy steps and C sums give the core's totals exactly, cut or not."""
