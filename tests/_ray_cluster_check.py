@@ -95,7 +95,7 @@ def main(work: str) -> dict:
     t0 = time.monotonic()
     facts: dict = {}
     data = make_demo_dataset(os.path.join(work, "data"), num_samples=24, seed=2, format="arrow",
-                             image_fraction=0.5, max_image_side=96)
+                             image_fraction=0.5, max_image_side=96, bad_fraction=0.0)  # placement, not bad data
     tok_path = str(demo_tokenizer(os.path.join(work, "tokenizer.json")))
     stages = default_stages(TokenizerRef(tok_path), cutoff=512)
     cluster = Cluster(initialize_head=True, connect=True,
