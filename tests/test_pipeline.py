@@ -80,7 +80,7 @@ def test_every_id_exactly_once_or_quarantined(pool, demo, tmp_path):
     assert quarantine.counts == {code: list(demo.bad.values()).count(code) for code in set(demo.bad.values())}
     lines = Quarantine.read(qpath)
     assert {ln["id"]: ln["reason"].split(":")[0] for ln in lines} == demo.bad
-    assert all(ln["source"] == f"{demo.path}:{ln['id']}" for ln in lines)
+    assert all(ln["source"] == f"{demo.path}:{ln['id'] + 1}" for ln in lines)  # JSONL: the 1-based line
     # Metadata agrees with the payloads it describes; payloads stay in the object store until resolved.
     items = emitted[0] + emitted[1]
     payloads = resolve_many([p for _, p in items])
@@ -223,7 +223,8 @@ def test_actor_killed_mid_epoch_and_a_record_that_crashes_its_worker(ray_session
         lines = {ln["id"]: ln["reason"] for ln in Quarantine.read(tmp_path / "q.jsonl")}
         assert lines[poison].startswith("worker_crashed: the actor died 2 times")
         # The killed actor came back and works.
-        assert len(drain(RaySource(None, 0, 8, seed=0, epoch=1, pool=kpool))) > 0
+        # (an eighth of the data: its share of bad records is not what this judges)
+        assert len(drain(RaySource(None, 0, 8, seed=0, epoch=1, pool=kpool, max_bad_fraction=1.0))) > 0
 
 
 def test_backpressure_bounds_outstanding_work(pool):
