@@ -216,7 +216,7 @@ class SharedRay:
         self._unwatch = threading.Event()
         self._watcher: threading.Thread | None = None
         self._raylet_pid = _started_raylet_pid() if started else None
-        self._family: dict[int, str] = {}  # the raylet's descendants when last seen alive: {pid: start time}
+        self._family: dict[int, str] = {}  # the raylet's descendants seen alive: {pid: start time}
         self._checks = 0
 
     def check(self) -> RayLost | None:
@@ -224,8 +224,12 @@ class SharedRay:
         here is alive, the processes its raylet started are noted (`_end_leftovers` ends them once it is gone)."""
         if self.lost is None:
             self.lost = ray_lost(self.address, self.raylet)
-            if self.lost is None and self._raylet_pid is not None and self._checks % FAMILY_EVERY == 0:
-                self._family = _descendants(self._raylet_pid)  # a /proc scan: not at every check
+            # A /proc scan: at every check while the raylet is still starting its agents (a look taken
+            # before they existed missed them, and they outlived a killed raylet), then every fifth. Every
+            # process seen is kept ({pid: start time}: a reused pid is spared).
+            if (self.lost is None and self._raylet_pid is not None
+                    and (self._checks < 3 * FAMILY_EVERY or self._checks % FAMILY_EVERY == 0)):
+                self._family.update(_descendants(self._raylet_pid))
             self._checks += 1
         return self.lost
 
