@@ -116,21 +116,38 @@ def job_key(coordinator: str, spec: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _own_pids() -> list[int]:
+    """The pids of this user's processes on this host, ascending (a /proc scan; [] where there is none)."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    out = []
+    with contextlib.suppress(OSError):
+        for pid in sorted((int(p) for p in os.listdir("/proc") if p.isdigit())):
+            with contextlib.suppress(OSError):
+                if uid is None or os.stat(f"/proc/{pid}").st_uid == uid:
+                    out.append(pid)
+    return out
+
+
+def _has_env(pid: int, tag: bytes) -> bool:
+    """Whether process `pid` started with `tag` ("NAME=value") in its environment."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return tag in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def _ray_processes() -> list[tuple[int, str]]:
     """(pid, cmdline) of this user's Ray processes on this host that name a GCS (`--gcs-address=`)."""
     out = []
-    uid = os.getuid() if hasattr(os, "getuid") else None
-    with contextlib.suppress(OSError):
-        for pid in sorted((p for p in os.listdir("/proc") if p.isdigit()), key=int):
-            try:
-                if uid is not None and os.stat(f"/proc/{pid}").st_uid != uid:
-                    continue
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().decode(errors="replace")
-            except OSError:
-                continue
-            if "--gcs-address=" in cmd:
-                out.append((int(pid), cmd))
+    for pid in _own_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if "--gcs-address=" in cmd:
+            out.append((pid, cmd))
     return out
 
 
@@ -143,12 +160,7 @@ def job_ray_address(key: str) -> str | None:
     tag = f"{JOB_ENV}={key}".encode()
     candidates: list[str] = []
     for pid, cmd in _ray_processes():
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if tag in env:
+        if _has_env(pid, tag):
             candidates += [m for m in re.findall(r"--gcs-address=([^\x00\s]+)", cmd) if m not in candidates]
     return next((a for a in candidates if a and _gcs_reachable(a)), None)
 
@@ -272,24 +284,13 @@ class SharedRay:
 def _end_leftovers(job: str | None, family: dict[int, str], grace_s: float = 5.0) -> None:
     """Ends what is left of an embedded Ray that went away: Ray's agents (DashboardAgent, RuntimeEnvAgent)
     and workers outlive a raylet killed with SIGKILL. Only processes this Ray started: its raylet's
-    descendants as last seen alive (`family`, {pid: start time}, so a reused pid is spared) and those
+    descendants seen alive (`family`, {pid: start time}, so a reused pid is spared) and those
     carrying this job's `$BATCHD_RAY_JOB` (inherited from this process when it started that Ray; Ray's
     agents may hide it, setting their title over it); never this process."""
-    tag = f"{JOB_ENV}={job}".encode() if job else None
     mine = {pid for pid, start in family.items() if _start_time(pid) == start}
-    uid = os.getuid() if hasattr(os, "getuid") else None
-    with contextlib.suppress(OSError):
-        for pid in (int(p) for p in os.listdir("/proc") if p.isdigit() and tag is not None):
-            if pid == os.getpid():
-                continue
-            try:
-                if uid is not None and os.stat(f"/proc/{pid}").st_uid != uid:
-                    continue
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if tag in f.read().split(b"\0"):
-                        mine.add(pid)
-            except OSError:
-                continue
+    if job:
+        tag = f"{JOB_ENV}={job}".encode()
+        mine.update(pid for pid in _own_pids() if _has_env(pid, tag))
     mine.discard(os.getpid())
     for sig in (15, 9):  # SIGTERM, then SIGKILL for what is still there after the grace
         for pid in mine:
