@@ -228,6 +228,7 @@ class SharedRay:
         self._unwatch = threading.Event()
         self._watcher: threading.Thread | None = None
         self._raylet_pid = _started_raylet_pid() if started else None
+        self._raylet_start = _start_time(self._raylet_pid) if self._raylet_pid is not None else None
         self._family: dict[int, str] = {}  # the raylet's descendants seen alive: {pid: start time}
         self._checks = 0
 
@@ -275,19 +276,46 @@ class SharedRay:
                         time.sleep(poll_s)
                 ray.shutdown()
                 if self.lost is not None:
-                    _end_leftovers(self.job, self._family)
+                    _end_leftovers(self.job, self._family, self._raylet_start)
                 log.info("stopped the embedded Ray at %s", self.address)
         finally:
             os.close(fd)
 
 
-def _end_leftovers(job: str | None, family: dict[int, str], grace_s: float = 5.0) -> None:
+AGENT_START_S = 30.0  # a raylet starts its agents within this many seconds of its own start
+
+
+def _orphaned_agents(raylet_start: str | None) -> set[int]:
+    """This user's Ray processes (`ray::` titles) left without a parent (adopted by pid 1) that started
+    within AGENT_START_S of the raylet started at `raylet_start` (clock ticks since boot, /proc's): the
+    agents of that raylet when it was killed before the watch saw them."""
+    if raylet_start is None:
+        return set()
+    lo = int(raylet_start)
+    hi = lo + int(AGENT_START_S * os.sysconf("SC_CLK_TCK"))
+    out = set()
+    for pid in _own_pids():
+        fields = _stat(pid)
+        if not fields or fields[0] in ("Z", "X") or fields[1] != "1" or not lo <= int(fields[19]) <= hi:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"ray::"):
+                    out.add(pid)
+        except OSError:
+            continue
+    return out
+
+
+def _end_leftovers(job: str | None, family: dict[int, str], raylet_start: str | None = None,
+                   grace_s: float = 5.0) -> None:
     """Ends what is left of an embedded Ray that went away: Ray's agents (DashboardAgent, RuntimeEnvAgent)
     and workers outlive a raylet killed with SIGKILL. Only processes this Ray started: its raylet's
-    descendants seen alive (`family`, {pid: start time}, so a reused pid is spared) and those
+    descendants seen alive (`family`, {pid: start time}, so a reused pid is spared), its agents orphaned
+    before the watch saw them (`_orphaned_agents`, by the raylet's start time) and those
     carrying this job's `$BATCHD_RAY_JOB` (inherited from this process when it started that Ray; Ray's
     agents may hide it, setting their title over it); never this process."""
-    mine = {pid for pid, start in family.items() if _start_time(pid) == start}
+    mine = {pid for pid, start in family.items() if _start_time(pid) == start} | _orphaned_agents(raylet_start)
     if job:
         tag = f"{JOB_ENV}={job}".encode()
         mine.update(pid for pid in _own_pids() if _has_env(pid, tag))
