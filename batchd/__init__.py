@@ -59,6 +59,7 @@ _EXPORTS = {
     "simulate": "batchd.core",
     "token_loss_sum": "batchd.client",
     "train_step": "batchd.client",
+    "two_phase": "batchd.client",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -5,7 +5,9 @@
         train_step(ddp_model, optimizer, batch, info)
 
 Two-phase (vision-balanced) MLLM steps: `exchange_image_embeddings` sends each rank's encoder output
-to the images' owners and returns its own images in LLM order.
+to the images' owners and returns its own images in LLM order. Stock HF multimodal models (Qwen2-VL,
+Qwen2.5-VL, LLaVA): `two_phase(model)` adapts one in place to every batchd step (one- and two-phase,
+padded and packed), without forking it.
 
 Trainer integrations: `BatchdTrainer` (transformers.Trainer; imported lazily) and, for Accelerate,
 `batchd_batches` / `batchd_loss` / `batchd_backward`. Imports `batchd.core` and `batchd.proto` only;
@@ -20,6 +22,7 @@ from ._accelerate import batchd_backward, batchd_batches, batchd_loss, hf_model_
 from ._client import BatchClient
 from ._collate import IGNORE_INDEX, collate_packed, collate_padded, idle_batch, loss_tokens, to_torch
 from ._exchange import exchange_image_embeddings
+from ._vlm import PACKED_ATTENTION, VLM_FAMILIES, check_model_batch, check_packed_attention, is_two_phase, two_phase
 from ._train import forward_logits, scaled_loss, scaled_loss_and_mean, step_batch, token_loss_sum, train_step
 
 # Hugging Face Trainer integration: imported on first use, so batchd.client works without transformers.
@@ -37,4 +40,5 @@ __all__ = sorted([
     "exchange_image_embeddings", "forward_logits", "idle_batch", "loss_tokens", "scaled_loss",
     "scaled_loss_and_mean", "step_batch", "to_torch", "token_loss_sum", "train_step",
     "BatchdStream", "BatchdTrainer", "batchd_backward", "batchd_batches", "batchd_loss", "hf_model_inputs",
+    "PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packed_attention", "is_two_phase", "two_phase",
 ])

@@ -52,6 +52,7 @@ import torch
 
 from ._collate import idle_batch
 from ._train import _check_scale, _to_device, scaled_loss_and_mean
+from ._vlm import check_model_batch
 
 INFO_KEY = "batchd_info"
 """Key under which `batchd.client.BatchdTrainer`'s stream carries the StepInfo inside each batch dict."""
@@ -182,6 +183,7 @@ def batchd_backward(accelerator: Any, model: torch.nn.Module, batch: Mapping[str
         The detached scaled loss (``accelerator.reduce(loss, "mean")`` of it is the global per-token
         mean loss of the step; 0 on IDLE steps).
     """
+    check_model_batch(model, batch)
     loss = batchd_loss(model(**hf_model_inputs(batch)), batch, info)
     accelerator.backward(loss)
     return loss.detach()

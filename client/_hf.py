@@ -57,6 +57,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ._accelerate import INFO_KEY, accumulation_windows, hf_model_inputs, logits_of
 from ._client import BatchClient
 from ._train import _check_scale, scaled_loss_and_mean
+from ._vlm import check_model_batch
 
 CLIENT_STATE_FILE = "batchd_client_rank{rank}.json"
 
@@ -191,6 +192,7 @@ class BatchdTrainer(transformers.Trainer):
         info = inputs[INFO_KEY]
         scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
         _check_scale(scale, tokens)
+        check_model_batch(model, inputs)
         outputs = model(**hf_model_inputs(inputs))
         loss = scaled_loss_and_mean(logits_of(outputs), inputs["labels"], scale, tokens)[0]
         return (loss, outputs) if return_outputs else loss

@@ -127,9 +127,16 @@ def forward_logits(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Te
     """`model`'s logits for a collated batch: `cu_seqlens` goes along for a packed row (varlen attention).
 
     A model (or the module a DDP wrapper holds) whose ``takes_batch`` attribute is true, a multimodal model
-    such as `batchd.TinyMLLM`, is called with the whole batch: pixels, grids and the two-phase exchange."""
+    such as `batchd.TinyMLLM` or a stock HF one adapted by `batchd.client.two_phase`, is called with the whole
+    batch (pixels, grids, the two-phase exchange); its output is the logits or a ModelOutput carrying them.
+    A stock HF multimodal model not adapted, a two-phase batch for a model without the exchange and a packed
+    row on an attention that crosses samples raise ValueError (`batchd.client.check_model_batch`)."""
+    from ._vlm import check_model_batch
+
+    check_model_batch(model, batch)
     if getattr(getattr(model, "module", model), "takes_batch", False):
-        return model(batch)
+        out = model(batch)
+        return out if isinstance(out, torch.Tensor) else out["logits"]
     if batch.get("cu_seqlens") is not None:  # a packed row: varlen attention
         return model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
                      position_ids=batch.get("position_ids"), cu_seqlens=batch["cu_seqlens"])

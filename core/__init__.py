@@ -18,12 +18,15 @@ from ._align import (
 from ._balance import plan_moves, plan_round
 from ._collate import (
     IGNORE_INDEX,
+    LLM_GRID_KEY,
+    TOKEN_KEYS,
     VISION_KEYS,
     collate_images,
     collate_packed,
     collate_padded,
     idle_batch,
     image_of,
+    llm_grids,
     loss_tokens,
     strip_vision,
 )
@@ -77,7 +80,7 @@ from ._types import Sample, Step, StepInfo, check_bool, parse_bytes, check_choic
 
 __all__ = sorted([
     "BatchdError", "COLLATE", "CoordinatorError", "FIELDS", "IGNORE_INDEX", "JobFailed", "JobSpec", "RankServiceError", "REQUIRED",
-    "VISION_KEYS", "check_bool", "check_choice", "check_int", "check_number", "check_str", "collate_images", "collate_packed", "collate_padded", "idle_batch", "image_of", "strip_vision", "loss_tokens",
+    "VISION_KEYS", "LLM_GRID_KEY", "TOKEN_KEYS", "llm_grids", "check_bool", "check_choice", "check_int", "check_number", "check_str", "collate_images", "collate_packed", "collate_padded", "idle_batch", "image_of", "strip_vision", "loss_tokens",
     "ALIGN_RULES", "ATTACHED", "COST_MODELS", "END", "MODES", "OVER_BUDGET", "POLICIES", "REFUSED",
     "SEND_END", "WAIT",
     "Connect", "Coordinator", "CostModel", "Delivery", "Entry", "Liveness", "Policy", "ProtocolError", "RankCommit", "RankReport",

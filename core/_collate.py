@@ -40,6 +40,10 @@ import numpy as np
 
 IGNORE_INDEX = -100
 VISION_KEYS = ("pixel_values", "image_grid_thw")
+TOKEN_KEYS = ("mm_token_type_ids",)
+"""Per-token integer arrays a payload may carry beside input_ids (HF processors' outputs the model takes):
+collated like input_ids, 0 at pads."""
+LLM_GRID_KEY = "llm_image_grid_thw"
 
 Payload = Mapping[str, np.ndarray]
 
@@ -93,6 +97,27 @@ def _vision(samples: Sequence[Payload]) -> dict[str, np.ndarray]:
     return out
 
 
+def _tokens(samples: Sequence[Payload], parsed: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, list[np.ndarray]]:
+    """Per `TOKEN_KEYS` key, each sample's int64 array (every sample must carry it, shaped like input_ids)."""
+    out: dict[str, list[np.ndarray]] = {}
+    for key in TOKEN_KEYS:
+        have = [s.get(key) is not None for s in samples]
+        if not any(have):
+            continue
+        if not all(have):
+            raise ValueError(f"{key}: some samples carry it and some do not (samples {have.index(False)} "
+                             f"and {have.index(True)})")
+        arrays = []
+        for i, (s, (ids, _)) in enumerate(zip(samples, parsed)):
+            arr = np.asarray(s[key])
+            if arr.shape != ids.shape or not np.issubdtype(arr.dtype, np.integer):
+                raise ValueError(f"sample {i}: {key} must be an integer array shaped like input_ids, got "
+                                 f"{arr.shape=} {arr.dtype=} vs {ids.shape=}")
+            arrays.append(arr.astype(np.int64, copy=False))
+        out[key] = arrays
+    return out
+
+
 def _check_pad_id(pad_id: int) -> int:
     if isinstance(pad_id, bool) or not isinstance(pad_id, int) or pad_id < 0:
         raise ValueError(f"pad_id must be a non-negative int, got {pad_id=}")
@@ -125,11 +150,17 @@ def collate_padded(samples: Sequence[Payload], pad_id: int = 0) -> dict[str, np.
         n = ids.shape[0]
         input_ids[row, :n], labels[row, :n], mask[row, :n] = ids, lab, 1
         positions[row, :n] = np.arange(n)
+    tokens = {}
+    for key, arrays in _tokens(samples, parsed).items():
+        tokens[key] = np.zeros((b, t), dtype=np.int64)
+        for row, arr in enumerate(arrays):
+            tokens[key][row, :arr.shape[0]] = arr
     return {
         "input_ids": input_ids,
         "attention_mask": mask,
         "labels": labels,
         "position_ids": positions,
+        **tokens,
         **_vision(samples),
     }
 
@@ -163,6 +194,7 @@ def collate_packed(samples: Sequence[Payload]) -> dict[str, np.ndarray | int]:
         "position_ids": positions[None],
         "cu_seqlens": cu,
         "max_seqlen": int(lengths.max()),
+        **{key: np.concatenate(arrays)[None] for key, arrays in _tokens(samples, parsed).items()},
         **_vision(samples),
     }
 
@@ -231,3 +263,11 @@ def strip_vision(samples: Sequence[Payload]) -> list[dict[str, np.ndarray]]:
     """The payloads without their vision tensors (a two-phase step's LLM part: the images travel to the
     ranks that encode them, `collate_images`)."""
     return [{k: v for k, v in s.items() if k not in VISION_KEYS} for s in samples]
+
+
+def llm_grids(samples: Sequence[Payload]) -> dict[str, np.ndarray]:
+    """A two-phase step's ``llm_image_grid_thw`` [images, 3]: the grids of the LLM samples' own images, in
+    LLM order (samples in batch order, images in sample order), which M-RoPE positions need while the
+    pixels travel to other ranks. No key when no sample has a grid (LLaVA, text-only steps)."""
+    parts = [np.asarray(s["image_grid_thw"]).reshape(-1, 3) for s in samples if s.get("image_grid_thw") is not None]
+    return {LLM_GRID_KEY: np.ascontiguousarray(np.concatenate(parts).astype(np.int64))} if parts else {}

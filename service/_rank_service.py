@@ -64,6 +64,7 @@ from batchd.core import (
     fill_may_stop,
     idle_batch,
     image_of,
+    llm_grids,
     report_capacity,
     strip_vision,
 )
@@ -169,6 +170,7 @@ def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0, step: Step 
     exchange arrays (`batchd.core.exchange_arrays`)."""
     if step is not None and step.exchange is not None:
         out = collate(spec, strip_vision(payloads), pad_id)
+        out.update(llm_grids(payloads))
         encode = step.exchange.encode
         if images is None or len(images) != len(encode):
             raise ValueError(f"step {step.info.step}: {len(encode)} images to encode, got "

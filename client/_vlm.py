@@ -1,0 +1,297 @@
+"""Stock Hugging Face multimodal models on batchd batches: `two_phase(model)`, without forking the model.
+
+``batchd.two_phase(model)`` adapts a ``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``
+or ``LlavaForConditionalGeneration`` in place (its ``forward`` only; parameters, state dict, ``save_pretrained``
+and ``generate`` stay the model's own) so that it trains on every kind of batchd step:
+
+* **Two-phase** (the batch carries ``vision_send_splits``): the model's own vision tower
+  (``get_image_features``: the ViT and its merger / projector) encodes the images the vision plan gave this
+  rank (``pixel_values`` / ``image_grid_thw`` of the batch are those images, in ``Exchange.encode`` order),
+  `batchd.client.exchange_image_embeddings` sends every embedding row to the rank whose LLM sample holds the
+  image and returns this rank's own images in LLM order, and the model consumes them through its stock
+  ``mm_encoder_outputs`` argument (its own placeholder check and scatter). Qwen2-VL's M-RoPE positions come
+  from the LLM samples' own grids, ``llm_image_grid_thw`` (the rank service adds it to two-phase batches),
+  never from the grids of the images this rank happened to encode.
+* **One-phase** (no exchange arrays): the same path with the exchange left out: the rank encodes its own
+  images, already in LLM order. The result equals the stock forward on the same inputs.
+* **Packed rows** (``position_ids`` restarting at 0 per sample, no ``attention_mask``: the padding-free layout
+  of `batchd.core.collate_packed`): the model derives one causal block per sample from the restarting
+  positions. For Qwen2-VL the adapter computes each sample's own M-RoPE positions (``get_rope_index`` on the
+  samples as a padded batch, then packed back) and prepends the restarting text positions, the
+  ``[4, 1, S]`` layout the model accepts for packed input. Attention stays inside each sample only on
+  `PACKED_ATTENTION` (eager, sdpa, flex and flash attention); any other implementation (``paged|eager``,
+  a kernel from the Hub) is refused with a ValueError before the forward, never run silently across samples.
+* **Every parameter in every step's graph**: one element of each vision parameter (the tower, its merger or
+  projector) enters the logits times 0.0, so a step without images (an image-free step, an IDLE step's
+  1-token dummy, a rank that encodes nothing) and LLaVA's layers past its feature layer, which the stock
+  forward never uses, still get a (zero) gradient: DDP's all-reduce needs no ``find_unused_parameters`` and
+  the graph is the same on every step. The logits are unchanged bit for bit (x + 0.0 = x); the cost is one
+  indexing op per vision parameter. A rank with nothing to encode does not run the tower.
+
+Calling it. `batchd.client.forward_logits(model, batch)`, `train_step`, `BatchdTrainer` and `batchd_backward`
+pass the whole batch (the adapted model has ``takes_batch = True``); ``model(batch)`` takes a batchd batch
+(labels, sample ids and packing boundaries are dropped), ``model(**hf_kwargs)`` the model's own keyword
+arguments plus the batchd keys above. A call with a cache, ``use_cache=True`` or ``inputs_embeds`` (generation)
+goes to the model's own forward unchanged. The exchange is a collective over `group`: every rank calls the
+forward, and the backward, of every step.
+
+Imports torch and `batchd.core` only; transformers only through the model it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ._exchange import exchange_image_embeddings
+
+__all__ = ["PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packed_attention", "is_two_phase",
+           "two_phase"]
+
+PACKED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+"""Attention implementations that keep packed samples apart (tested: eager and sdpa on CPU, packed loss = the
+sum of the samples' unpacked losses; flex and flash derive the same per-sample blocks from the positions)."""
+
+_BATCHD_KEYS = ("vision_send_splits", "vision_recv_splits", "vision_placement", "vision_image_tokens",
+                "llm_image_grid_thw")
+_NOT_MODEL = frozenset({"labels", "sample_ids", "cu_seqlens", "max_seqlen", "batchd_info"})
+_GENERATION = ("cache", "past_key_values", "inputs_embeds")
+_ADAPTED = "_batchd_two_phase"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Families: how a model's vision tower is called, and whether it uses M-RoPE
+# ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    name: str
+    mrope: bool  # Qwen2-VL style 3-D positions from the image grids
+    grids: bool  # pixel_values are patch rows split by image_grid_thw (else one [3, S, S] image per row)
+
+
+def _qwen_encode(inner: Any, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    out = inner.get_image_features(pixels, grid, return_dict=True)
+    return torch.cat(tuple(out.pooler_output), dim=0)
+
+
+def _llava_encode(inner: Any, pixels: torch.Tensor, grid: torch.Tensor | None) -> torch.Tensor:
+    cfg = inner.config
+    out = inner.get_image_features(pixel_values=pixels, vision_feature_layer=cfg.vision_feature_layer,
+                                   vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                                   return_dict=True)
+    feats = out.pooler_output
+    if isinstance(feats, torch.Tensor):
+        return feats.reshape(-1, feats.shape[-1])
+    return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats], dim=0)
+
+
+_QWEN = _Family("qwen2_vl", mrope=True, grids=True)
+_LLAVA = _Family("llava", mrope=False, grids=False)
+VLM_FAMILIES: dict[str, tuple[_Family, Callable]] = {
+    "qwen2_vl": (_QWEN, _qwen_encode),
+    "qwen2_5_vl": (_QWEN, _qwen_encode),
+    "llava": (_LLAVA, _llava_encode),
+}
+"""config.model_type -> (family, encode) of the models `two_phase` adapts."""
+
+
+def _attn_implementation(model: Any) -> str | None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "_attn_implementation", None) or getattr(config, "_attn_implementation", None)
+
+
+def check_packed_attention(model: Any) -> None:
+    """Raises ValueError unless `model`'s (text) attention keeps packed samples apart (`PACKED_ATTENTION`).
+
+    Models without an HF config (batchd's own `TinyCausalLM` / `TinyMLLM`, which take ``cu_seqlens``) pass."""
+    model = getattr(model, "module", model)
+    impl = _attn_implementation(model)
+    if getattr(model, "config", None) is None or impl is None:
+        return
+    if impl not in PACKED_ATTENTION:
+        raise ValueError(f"packed rows need an attention implementation that keeps samples apart, one of "
+                         f"{list(PACKED_ATTENTION)}; this model uses attn_implementation={impl!r}: load it "
+                         f"with attn_implementation='sdpa' (or flash_attention_2) or use collate = \"padded\"")
+
+
+def is_two_phase(model: Any) -> bool:
+    """Whether `model` (or the module a DDP / FSDP wrapper holds) was adapted by `two_phase`."""
+    return getattr(getattr(model, "module", model), _ADAPTED, None) is not None
+
+
+def _is_packed(batch: Mapping[str, Any]) -> bool:
+    return batch.get("attention_mask") is None and batch.get("position_ids") is not None
+
+
+def check_model_batch(model: Any, batch: Mapping[str, Any]) -> None:
+    """Raises ValueError where `model` would train on `batch` silently wrong: a stock HF multimodal model of
+    `VLM_FAMILIES` not adapted by `two_phase` (Qwen2-VL would get 1-D positions for its M-RoPE, a two-phase
+    batch's pixels are other ranks' images), another HF model given a two-phase batch, or a packed row on an
+    attention implementation that lets samples attend to each other (`check_packed_attention`)."""
+    module = getattr(model, "module", model)
+    config = getattr(module, "config", None)
+    if config is not None and not is_two_phase(module) and not getattr(module, "takes_batch", False):
+        model_type = getattr(config, "model_type", None)
+        if model_type in VLM_FAMILIES:
+            raise ValueError(f"a {type(module).__name__} (model_type={model_type!r}) trains on batchd batches "
+                             f"through batchd.two_phase(model): call it once before DDP / Trainer")
+        if batch.get("vision_send_splits") is not None:
+            raise ValueError(f"a two-phase batch (vision_send_splits) needs a model that runs the exchange: "
+                             f"{type(module).__name__} is not one of {sorted(VLM_FAMILIES)} adapted by "
+                             f"batchd.two_phase; use phases = 1 for it")
+    if _is_packed(batch):
+        check_packed_attention(module)
+
+
+def _tensor(value: Any, name: str, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    try:
+        return torch.as_tensor(value, device=device)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must be a tensor or an array, got {type(value).__name__}") from None
+
+
+class _Adapter:
+    """The state `two_phase` keeps on the model: its own forward, its family and the exchange group."""
+
+    def __init__(self, model: torch.nn.Module, group: Any) -> None:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        if model_type not in VLM_FAMILIES:
+            raise ValueError(f"two_phase adapts {sorted(VLM_FAMILIES)} (config.model_type), got "
+                             f"{type(model).__name__} with model_type={model_type!r}")
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "get_image_features"):
+            raise ValueError(f"two_phase needs the model with its LM head (e.g. Qwen2VLForConditionalGeneration), "
+                             f"got {type(model).__name__} without a .model.get_image_features")
+        self.family, self.encode = VLM_FAMILIES[model_type]
+        self.inner = inner
+        language = {id(p) for p in inner.get_input_embeddings().parameters()}
+        language |= {id(p) for n, p in inner.named_parameters() if n.startswith("language_model.")}
+        self.vision_params = [p for p in inner.parameters() if id(p) not in language and p.requires_grad]
+        self.forward = model.forward  # the model's own (bound) forward
+        self.group = group
+
+    # -- the vision phase ---------------------------------------------------------------------------
+    def vision(self, pixels: Any, grid: Any, exchange: Mapping[str, Any],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(this rank's LLM image rows in LLM order, a zero scalar that puts every vision parameter in the graph)."""
+        if self.family.grids and (pixels is None) != (grid is None):
+            raise ValueError(f"pixel_values and image_grid_thw come together, got "
+                             f"{pixels is None=} {grid is None=}")
+        # every vision parameter enters the graph times 0.0 (LLaVA's tower has layers past the feature layer
+        # that the stock forward never uses): DDP sees a gradient for each on every step
+        anchor = torch.stack([p.reshape(-1)[0] for p in self.vision_params]).sum() * 0.0
+        if pixels is not None:
+            pixels = _tensor(pixels, "pixel_values", device)
+        if pixels is None or pixels.shape[0] == 0:  # nothing to encode: zero rows, the tower is not run
+            embed = self.inner.get_input_embeddings().weight
+            encoded = embed.new_zeros((0, embed.shape[1]))
+        else:
+            encoded = self.encode(self.inner, pixels, _tensor(grid, "image_grid_thw", device)
+                                  if grid is not None else None)
+        return exchange_image_embeddings(encoded, exchange, self.group), anchor
+
+    # -- positions ----------------------------------------------------------------------------------
+    def token_types(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Qwen2-VL's mm_token_type_ids (0 text, 1 image, 2 video) when the batch does not carry them."""
+        cfg = self.inner.config
+        types_ = torch.zeros_like(input_ids, dtype=torch.int32)
+        types_[input_ids == cfg.image_token_id] = 1
+        if getattr(cfg, "video_token_id", None) is not None:
+            types_[input_ids == cfg.video_token_id] = 2
+        return types_
+
+    def packed_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                         types_: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
+        """Qwen2-VL packed row: [4, 1, S], the restarting text positions, then each sample's own M-RoPE
+        positions (`get_rope_index` over the row's samples as a padded batch, packed back)."""
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(f"a packed batch is one row: input_ids and position_ids [1, S], got "
+                             f"{tuple(input_ids.shape)=} {tuple(position_ids.shape)=}")
+        flat = position_ids.reshape(-1)
+        starts = (flat == 0).nonzero().reshape(-1).tolist()
+        if not starts or starts[0] != 0:
+            raise ValueError("a packed row's position_ids must start at 0 and restart at 0 per sample")
+        lengths = [e - s for s, e in zip(starts, [*starts[1:], flat.shape[0]])]
+        ids = input_ids.new_zeros((len(lengths), max(lengths)))
+        tt = types_.new_zeros(ids.shape)
+        mask = torch.zeros(ids.shape, dtype=torch.long, device=ids.device)
+        for row, (s, n) in enumerate(zip(starts, lengths)):
+            ids[row, :n], tt[row, :n], mask[row, :n] = input_ids[0, s:s + n], types_[0, s:s + n], 1
+        rope, _ = self.inner.get_rope_index(ids, mm_token_type_ids=tt, image_grid_thw=grids, attention_mask=mask)
+        mrope = rope[:, mask.bool()].reshape(3, 1, -1)
+        return torch.cat([flat.view(1, 1, -1).to(mrope.dtype), mrope], dim=0)
+
+    # -- the forward --------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if args:
+            if len(args) != 1 or not isinstance(args[0], Mapping) or kwargs:
+                return self.forward(*args, **kwargs)
+            kwargs = {k: v for k, v in args[0].items() if k not in _NOT_MODEL}
+            kwargs["use_cache"] = False
+        if kwargs.get("use_cache") or kwargs.get("input_ids") is None or \
+                any(kwargs.get(k) is not None for k in _GENERATION):
+            return self.forward(**{k: v for k, v in kwargs.items() if k not in _BATCHD_KEYS})
+        device = self.inner.get_input_embeddings().weight.device
+        input_ids = _tensor(kwargs.pop("input_ids"), "input_ids", device)
+        exchange = {k: kwargs.pop(k) for k in _BATCHD_KEYS if k in kwargs}
+        two = exchange.get("vision_send_splits") is not None
+        grid = kwargs.pop("image_grid_thw", None)
+        own, anchor = self.vision(kwargs.pop("pixel_values", None), grid, exchange, device)
+        llm_grids = exchange.get("llm_image_grid_thw") if two else grid
+        if llm_grids is not None:
+            llm_grids = _tensor(llm_grids, "llm_image_grid_thw", device).reshape(-1, 3)
+            llm_grids = llm_grids if llm_grids.shape[0] else None
+        position_ids = kwargs.get("position_ids")
+        packed = _is_packed(kwargs)
+        if packed:
+            check_packed_attention(self.inner)
+        if self.family.mrope:
+            types_ = kwargs.get("mm_token_type_ids")
+            types_ = self.token_types(input_ids) if types_ is None else _tensor(types_, "mm_token_type_ids", device)
+            kwargs["mm_token_type_ids"] = types_
+            if llm_grids is not None:
+                kwargs["image_grid_thw"] = llm_grids
+            if packed:
+                kwargs["position_ids"] = self.packed_positions(
+                    input_ids, _tensor(position_ids, "position_ids", device), types_, llm_grids)
+            elif position_ids is not None and _tensor(position_ids, "position_ids", device).ndim == 2:
+                kwargs.pop("position_ids")  # 1-D positions: the model computes M-RoPE from the grids
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(own,))}
+        out = self.forward(input_ids=input_ids, **kwargs)
+        out["logits"] = out["logits"] + anchor.to(out["logits"].dtype)
+        return out
+
+
+def two_phase(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
+    """Adapts a stock HF multimodal model in place to batchd steps (module docstring); returns it.
+
+    Idempotent (a second call only changes `group`). Call it before wrapping the model in DDP / FSDP.
+
+    Args:
+        model: A ``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration`` or
+            ``LlavaForConditionalGeneration`` (`VLM_FAMILIES`, by ``config.model_type``).
+        group: The process group of the two-phase exchange (None = the default group).
+
+    Raises:
+        ValueError: for a model of another family, or one without its LM head.
+    """
+    adapter = getattr(model, _ADAPTED, None)
+    if adapter is not None:
+        adapter.group = group
+        return model
+    adapter = _Adapter(model, group)
+    object.__setattr__(model, _ADAPTED, adapter)
+    model.forward = types.MethodType(lambda self, *a, **k: getattr(self, _ADAPTED)(*a, **k), model)
+    model.takes_batch = True
+    return model
