@@ -28,6 +28,11 @@ order: Qwen2-VL ``pixel_values`` [sum of patches, C] and ``image_grid_thw`` [ima
 splits them per image with the grid, as Qwen2-VL's own collator does), LLaVA ``pixel_values``
 [images, 3, S, S]. Their dtype is kept (float32/float16). Samples without images add nothing.
 
+Per-token model inputs (`TOKEN_KEYS`: HF Qwen2-VL's ``mm_token_type_ids``, 0 text / 1 image / 2 video)
+are collated like input_ids: [B, T] with 0 at pads, or the [1, S] packed row. A two-phase step's LLM part
+also carries ``llm_image_grid_thw`` (`llm_grids`): the grids of its own LLM images, which its M-RoPE
+positions need while the pixels travel to the ranks that encode them.
+
 All functions are pure: numpy in, fresh numpy arrays out (int64 unless stated). The rank service
 collates with them (the daemon needs no torch); `batchd.client` turns the arrays into torch tensors.
 """

@@ -235,3 +235,37 @@ def test_vision_tensors_are_concatenated_in_sample_order():
         assert batch["pixel_values"][:4].eq(1).all() and batch["pixel_values"][4:].eq(2).all()
         assert batch["image_grid_thw"].tolist() == [[1, 2, 2]] * 3
     assert "pixel_values" not in collate_padded([text])
+
+
+def test_token_type_ids_are_collated_like_input_ids():
+    """HF Qwen2-VL's mm_token_type_ids travel per token: padded with 0 (text), packed into the row."""
+    a = {"input_ids": np.arange(1, 6), "labels": np.arange(1, 6), "mm_token_type_ids": np.array([0, 1, 1, 0, 0])}
+    b = {"input_ids": np.arange(1, 3), "labels": np.arange(1, 3), "mm_token_type_ids": np.array([0, 0])}
+    padded = collate_padded([a, b])
+    assert padded["mm_token_type_ids"].tolist() == [[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]
+    assert padded["mm_token_type_ids"].dtype == torch.int64
+    packed = collate_packed([b, a])
+    assert packed["mm_token_type_ids"].tolist() == [[0, 0, 0, 1, 1, 0, 0]]
+    with pytest.raises(ValueError, match="some samples carry it"):
+        collate_padded([a, {"input_ids": np.arange(1, 3), "labels": np.arange(1, 3)}])
+    with pytest.raises(ValueError, match="shaped like input_ids"):
+        collate_packed([{**a, "mm_token_type_ids": np.array([0, 1])}])
+
+
+def test_two_phase_batch_keeps_the_llm_grids_and_sends_the_pixels_away():
+    """A two-phase step's LLM part has no pixels but llm_image_grid_thw: its own images' grids in LLM order
+    (M-RoPE needs them); the pixels and grids of the images it encodes come from `collate_images`."""
+    from batchd.core import collate_images, image_of, llm_grids, strip_vision
+
+    a = {"input_ids": np.arange(1, 6), "labels": np.arange(1, 6),
+         "pixel_values": np.ones((4, 6), np.float32), "image_grid_thw": np.array([[1, 2, 2]])}
+    b = {"input_ids": np.arange(1, 3), "labels": np.arange(1, 3),
+         "pixel_values": np.arange(24 * 6, dtype=np.float32).reshape(24, 6),
+         "image_grid_thw": np.array([[1, 2, 2], [1, 4, 5]])}
+    text = {"input_ids": np.arange(1, 4), "labels": np.arange(1, 4)}
+    assert llm_grids([a, text, b])["llm_image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2], [1, 4, 5]]
+    assert llm_grids([text]) == {}
+    assert all("pixel_values" not in s and "image_grid_thw" not in s for s in strip_vision([a, b]))
+    encoded = collate_images([image_of(b, 1), image_of(a, 0)])
+    assert encoded["image_grid_thw"].tolist() == [[1, 4, 5], [1, 2, 2]]
+    assert np.array_equal(encoded["pixel_values"][:20], b["pixel_values"][4:])

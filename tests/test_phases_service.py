@@ -103,6 +103,10 @@ def _check(results, lengths, images, seed) -> int:
             ids = b["sample_ids"].tolist()
             seen += ids
             np.testing.assert_array_equal(got[r], _expected(ids, lengths, images, seed))
+            own_grids = [synthetic_image_payload(i, lengths[i], images[i], seed, VOCAB, PATCH_DIM)
+                         .get("image_grid_thw", np.zeros((0, 3), np.int64)) for i in ids]
+            want = np.concatenate(own_grids).tolist() if own_grids else []
+            assert b.get("llm_image_grid_thw", np.zeros((0, 3), np.int64)).tolist() == want, "llm grids"
             assert not (b["input_ids"] == 0).all() or not ids
             recv = b["vision_recv_splits"].tolist()
             moved += sum(1 for e, n in enumerate(recv) if e != r and n)
