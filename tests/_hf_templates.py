@@ -2,18 +2,8 @@
 locally (nothing is downloaded)."""
 
 # Qwen2-VL's own chat template (as its processor ships it): no {% generation %} blocks -> "prefix" labels.
-QWEN2VL_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
-    "<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from batchd._vlm_tiny import QWEN2VL_TEMPLATE  # noqa: F401 - re-exported for the tests
+
 # The same rendering with the assistant's content and <|im_end|> in {% generation %} blocks -> HF's mask.
 QWEN2VL_GENERATION_TEMPLATE = (
     "{%- macro render(content) -%}{%- if content is string -%}{{- content -}}{%- else -%}"

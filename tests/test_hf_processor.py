@@ -17,7 +17,6 @@ from PIL import Image
 from batchd._config import load_config
 from batchd.cli import build_parser
 from batchd.preprocess import (
-    SPECIAL_TOKENS,
     ChatTemplate,
     Example,
     HFProcessor,
@@ -31,32 +30,17 @@ from batchd.preprocess import (
     default_stages,
     demo_records,
     parse_record,
-    train_tokenizer,
 )
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 64
 from _hf_templates import QWEN2VL_GENERATION_TEMPLATE, QWEN2VL_TEMPLATE
 
-LLAVA_TEMPLATE = (
-    "{%- for message in messages -%}{{- message['role'].upper() + ': ' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}{%- else -%}"
-    "{%- for part in message['content'] -%}{%- if part['type'] == 'image' -%}{{- '<image>\\n' -}}"
-    "{%- else -%}{{- part['text'] -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{%- if message['role'] == 'assistant' -%}{{- '</s>' -}}{%- endif -%}{{- '\\n' -}}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- 'ASSISTANT: ' -}}{%- endif -%}"
-)
-
+from batchd._vlm_tiny import LLAVA_TEMPLATE, tiny_tokenizer
 
 # ---------------------------------------------------------------------------------------------------
 # Building processors locally
 # ---------------------------------------------------------------------------------------------------
-def _hf_tokenizer(extra_special=(), **kwargs):
-    from transformers import PreTrainedTokenizerFast
-
-    records, _ = demo_records(300, seed=3, image_fraction=0.0, bad_fraction=0.0)
-    texts = [m["content"] for r in records for m in r["messages"]]
-    tok = train_tokenizer(texts, vocab_size=1024, special_tokens=tuple(SPECIAL_TOKENS) + tuple(extra_special))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", **kwargs)
+_hf_tokenizer = tiny_tokenizer  # the demo-trained BPE with batchd's special tokens
 
 
 def _qwen2vl(template: str):
