@@ -39,6 +39,10 @@ trains on this rank's batchd stream instead of a dataset:
   the gradient of the per-token mean over the whole window. When the stream ends mid-window, zero-weight
   IDLE batches fill it, so Trainer still takes the last optimizer step.
 
+* **Multimodal models.** A stock HF Qwen2-VL / Qwen2.5-VL / LLaVA model trains once adapted by
+  `batchd.client.two_phase` (one- and two-phase, padded and packed); `compute_loss` refuses one that was
+  not (`batchd.client.check_model_batch`), and a packed row on an attention that crosses samples.
+
 Trade-offs: DataParallel (``n_gpu`` > 1 in one process) is refused with a ValueError; ``max_steps``
 (optimizer steps) must be an upper bound, not the exact count.
 """

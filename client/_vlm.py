@@ -273,10 +273,16 @@ class _Adapter:
         return out
 
 
+def _adapted_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return getattr(self, _ADAPTED)(*args, **kwargs)
+
+
 def two_phase(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
     """Adapts a stock HF multimodal model in place to batchd steps (module docstring); returns it.
 
     Idempotent (a second call only changes `group`). Call it before wrapping the model in DDP / FSDP.
+    ``copy.deepcopy`` keeps the adaptation; save weights with ``save_pretrained`` / ``state_dict`` (a pickle
+    of the whole module cannot carry the patched forward).
 
     Args:
         model: A ``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration`` or
@@ -292,6 +298,6 @@ def two_phase(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
         return model
     adapter = _Adapter(model, group)
     object.__setattr__(model, _ADAPTED, adapter)
-    model.forward = types.MethodType(lambda self, *a, **k: getattr(self, _ADAPTED)(*a, **k), model)
+    model.forward = types.MethodType(_adapted_forward, model)
     model.takes_batch = True
     return model
