@@ -29,6 +29,13 @@ rank has fetched its first batch (a barrier), so process start-up, gloo rendezvo
 are excluded for every system alike (reported as `startup_s`); it stops at the last rank's last
 optimizer step. See `batchd/_bench_trainer.py` for the per-rank loop.
 
+`--model tiny-qwen2vl` trains the stock Hugging Face `Qwen2VLForConditionalGeneration` of `batchd._vlm_tiny`
+adapted by `batchd.two_phase` (every system calls it through `forward_logits`), by default on
+`benchmarks/workloads/bimodal.csv` (256 samples) with `HF_VLM_SYSTEMS` (packed included: one row, restarting
+position_ids, per-sample M-RoPE). On multimodal workloads every system also reports rank 0's vision tower
+share of its time (`vision_share`, `vision_share_mean`: `batchd._bench_trainer.VisionTimer`); figures in
+docs/benchmarks.md.
+
 `--device cuda` runs world size 1 with a randomly initialised ~110M-parameter Llama-style model
 (`--model llama-100m`, bf16) on the sharegpt4o-like workload by default. Trade-offs: the systems run
 one after another on the same machine (not interleaved), so slow drift of the machine's speed lands
