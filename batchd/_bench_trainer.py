@@ -68,14 +68,110 @@ MODELS: dict[str, dict[str, Any]] = {
     "tiny": {"vocab_size": 512, "d_model": 128, "n_layers": 2, "n_heads": 4, "max_len": 4096},
     "llama-100m": {"vocab_size": 32000, "d_model": 768, "n_layers": 12, "n_heads": 12, "max_len": 32768},
 }
+# `tiny-qwen2vl`: the stock HF Qwen2VLForConditionalGeneration of `batchd._vlm_tiny` (2-block ViT, 2-layer
+# M-RoPE LM), adapted by `batchd.two_phase`; its config's ids are the synthetic samples' (`hf_qwen2vl`).
+HF_MODELS = ("tiny-qwen2vl",)
+MODELS["tiny-qwen2vl"] = {}
 SYNTHETIC_VOCAB = 512  # token ids of the synthetic samples (SyntheticSource's default vocabulary)
+HF_PATCH_DIM = 3 * 2 * 14 * 14  # Qwen2-VL's patch row: channels x temporal patch x 14 x 14
+
+
+def hf_qwen2vl(seed: int, max_len: int) -> torch.nn.Module:
+    """The tiny stock Qwen2-VL for the synthetic samples, adapted by `batchd.two_phase`: vocabulary 515,
+    image token 511 (the synthetic samples' placeholder, `SYNTHETIC_VOCAB - 1`, which their text never
+    uses), video / vision start / vision end 512..514 (never in a sample: the payloads carry no vision
+    markers, and two_phase derives mm_token_type_ids from the image token); pad 0, sdpa attention."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from batchd._vlm_tiny import tiny_qwen2vl_config
+    from batchd.client import two_phase
+
+    cfg = tiny_qwen2vl_config(SYNTHETIC_VOCAB + 3, image_token_id=SYNTHETIC_VOCAB - 1, video_token_id=SYNTHETIC_VOCAB,
+                              vision_start_token_id=SYNTHETIC_VOCAB + 1, vision_end_token_id=SYNTHETIC_VOCAB + 2,
+                              pad_token_id=0, max_position_embeddings=max(8192, max_len))
+    torch.manual_seed(seed)
+    model = Qwen2VLForConditionalGeneration._from_config(cfg, attn_implementation="sdpa").train()
+    return two_phase(model)
+
+
+def hf_pixels(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch with its synthetic patch rows ([P, SYNTHETIC_PATCH_DIM], what every system's data path
+    carries) widened to Qwen2-VL's [P, 1176] by tiling, the same for every system: the ViT's patch embedding
+    runs at its real width while the wire and the collate move the small rows (`synthetic_image_payload`)."""
+    pixels = batch.get("pixel_values")
+    if pixels is None or pixels.shape[-1] == HF_PATCH_DIM:
+        return batch
+    reps = -(-HF_PATCH_DIM // pixels.shape[-1])
+    return {**batch, "pixel_values": pixels.repeat(1, reps)[:, :HF_PATCH_DIM].contiguous()}
+
+
+def vision_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The vision tower whose forward + backward `VisionTimer` times: HF Qwen2-VL's ``model.visual`` (ViT and
+    merger), `TinyMLLM`'s ``vision``; None for a text-only model."""
+    inner = getattr(model, "model", None)
+    if inner is not None and hasattr(inner, "visual"):
+        return inner.visual
+    return getattr(model, "vision", None)
+
+
+class VisionTimer:
+    """Times a vision tower's forward and backward inside the training step, without a collective or a sync
+    (CPU autograd runs on the calling thread): forward from the tower's pre-hook to its forward hook;
+    backward from the first gradient reaching the tower's output (after the two-phase exchange's own
+    backward) to the last gradient accumulated into a tower parameter (its patch embedding, the first
+    layer of the forward, comes last). A step whose rank encodes nothing counts 0 (only the zero-weight
+    anchor reaches the tower's parameters then). On CUDA the times are host times (kernels are async)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.on = False
+        self.reset()
+        module.register_forward_pre_hook(self._pre)
+        module.register_forward_hook(self._post)
+        for param in module.parameters():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._acc)
+
+    def reset(self) -> None:
+        self.fwd_s, self.t_fwd, self.t_bwd, self.t_acc = 0.0, None, None, None
+
+    def _pre(self, module, args) -> None:
+        if self.on:
+            self.t_fwd = time.perf_counter()
+
+    def _post(self, module, args, output) -> None:
+        if not self.on or self.t_fwd is None:
+            return
+        self.fwd_s += time.perf_counter() - self.t_fwd
+        values = output.values() if hasattr(output, "values") else output if isinstance(output, (tuple, list)) \
+            else (output,)
+        for t in values:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._grad)
+
+    def _grad(self, grad: torch.Tensor) -> None:
+        if self.t_bwd is None:
+            self.t_bwd = time.perf_counter()
+
+    def _acc(self, param: torch.Tensor) -> None:
+        if self.on and self.t_bwd is not None:
+            self.t_acc = time.perf_counter()
+
+    def take(self) -> float:
+        """The last step's vision forward + backward seconds; resets."""
+        bwd = self.t_acc - self.t_bwd if self.t_bwd is not None and self.t_acc is not None else 0.0
+        total = self.fwd_s + bwd
+        self.reset()
+        return total
 
 
 def build_model(name: str, seed: int, max_len: int, images: bool = False) -> torch.nn.Module:
     """The preset `name`, randomly initialised from `seed` (identical on every rank); with `images`, the
-    same LM behind `TinyMLLM`'s vision encoder (its image token: the synthetic vocabulary's last id)."""
+    same LM behind `TinyMLLM`'s vision encoder (its image token: the synthetic vocabulary's last id).
+    `tiny-qwen2vl`: the stock HF Qwen2-VL adapted by `batchd.two_phase` (`hf_qwen2vl`), with or without images."""
     if name not in MODELS:
         raise ValueError(f"unknown model, expected one of {sorted(MODELS)}, got {name=}")
+    if name in HF_MODELS:
+        return hf_qwen2vl(seed, max_len)
     cfg = dict(MODELS[name])
     cfg["max_len"] = max(cfg["max_len"], max_len)
     torch.manual_seed(seed)
@@ -282,6 +378,8 @@ def evaluate(model: torch.nn.Module, cfg: dict[str, Any], device: torch.device) 
         def flush(g):
             nonlocal total, count
             batch = _device_batch(collate_padded([payload(i, lengths, seed, cfg.get("images")) for i in g]), device)
+            if cfg.get("model") in HF_MODELS:
+                batch = hf_pixels(batch)
             s, n = token_loss_sum(forward_logits(model, batch).float(), batch["labels"])
             total += float(s)
             count += n
@@ -308,6 +406,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{cfg['master_port']}",
                             rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.get("gloo_timeout_s", 600)))
     model = build_model(cfg["model"], cfg["seed"], max(cfg["all_lengths"]) + 1, bool(cfg.get("images"))).to(device)
+    hf = cfg["model"] in HF_MODELS
+    tower = vision_module(model)
+    timer = VisionTimer(tower) if tower is not None and cfg.get("images") else None
     if cuda:
         model = model.to(torch.bfloat16)
     ddp = DDP(model, device_ids=[device.index] if cuda else None)
@@ -351,8 +452,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                         rec.add([], None, None, t0, wait_s)
                     else:
                         batch = _device_batch(batch, device)
+                        if hf:
+                            batch = hf_pixels(batch)
+                        if timer is not None:
+                            timer.on = True
                         logits = _step(ddp, opt, batch, scale, tokens, lr)
+                        if timer is not None:
+                            timer.on = False
                         rec.add(ids, batch, logits, t0, wait_s)
+                        if timer is not None:
+                            rec.steps[-1]["vision_s"] = timer.take()
                     ticker.tick(len(ids))
                     rec.steps[-1]["lr"] = lr
                     rec.steps[-1]["global_tokens"] = holder.get("global_tokens", 0)

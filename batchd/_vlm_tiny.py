@@ -87,22 +87,35 @@ def tiny_processor(family: str = "qwen2_vl"):
                           vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE)
 
 
+def tiny_qwen2vl_config(vocab_size: int, image_token_id: int, video_token_id: int, vision_start_token_id: int,
+                        vision_end_token_id: int, pad_token_id: int | None = None, eos_token_id: int | None = None,
+                        attn_implementation: str = "sdpa", max_position_embeddings: int = 8192):
+    """The tiny Qwen2-VL's config for a vocabulary given by its ids (no tokenizer): `tiny_vlm_config`'s model,
+    or `batchd bench --model tiny-qwen2vl`'s on the synthetic samples (their own image token id)."""
+    from transformers import Qwen2VLConfig
+
+    cfg = Qwen2VLConfig(
+        text_config=dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+                         pad_token_id=pad_token_id, bos_token_id=None, eos_token_id=eos_token_id),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, in_channels=3,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=image_token_id, video_token_id=video_token_id,
+        vision_start_token_id=vision_start_token_id, vision_end_token_id=vision_end_token_id)
+    cfg._attn_implementation = attn_implementation
+    return cfg
+
+
 def tiny_vlm_config(family: str, tokenizer: Any, attn_implementation: str = "sdpa"):
     """The tiny model's config for a tokenizer of `tiny_processor(family)` (its vocabulary and image tokens)."""
     ids = tokenizer.convert_tokens_to_ids
     vocab = len(tokenizer)
     if _check_family(family) == "qwen2_vl":
-        from transformers import Qwen2VLConfig
-
-        cfg = Qwen2VLConfig(
-            text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                             rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=None, eos_token_id=ids("<|im_end|>")),
-            vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, in_channels=3,
-                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
-            image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-            vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
+        return tiny_qwen2vl_config(vocab, image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                                   vision_start_token_id=ids("<|vision_start|>"),
+                                   vision_end_token_id=ids("<|vision_end|>"), pad_token_id=tokenizer.pad_token_id,
+                                   eos_token_id=ids("<|im_end|>"), attn_implementation=attn_implementation)
     else:
         from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 

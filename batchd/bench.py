@@ -29,6 +29,13 @@ rank has fetched its first batch (a barrier), so process start-up, gloo rendezvo
 are excluded for every system alike (reported as `startup_s`); it stops at the last rank's last
 optimizer step. See `batchd/_bench_trainer.py` for the per-rank loop.
 
+`--model tiny-qwen2vl` trains the stock Hugging Face `Qwen2VLForConditionalGeneration` of `batchd._vlm_tiny`
+adapted by `batchd.two_phase` (every system calls it through `forward_logits`), by default on
+`benchmarks/workloads/bimodal.csv` (256 samples) with `HF_VLM_SYSTEMS` (packed included: one row, restarting
+position_ids, per-sample M-RoPE). On multimodal workloads every system also reports rank 0's vision tower
+share of its time (`vision_share`, `vision_share_mean`: `batchd._bench_trainer.VisionTimer`); figures in
+docs/benchmarks.md.
+
 `--device cuda` runs world size 1 with a randomly initialised ~110M-parameter Llama-style model
 (`--model llama-100m`, bf16) on the sharegpt4o-like workload by default. Trade-offs: the systems run
 one after another on the same machine (not interleaved), so slow drift of the machine's speed lands
@@ -66,7 +73,11 @@ MM_SYSTEMS = ("fixed", "odb-0.1.2", "batchd-balanced", "batchd-2phase")
 BATCHD_SYSTEMS = {"batchd-odb": ("odb", "padded", 1), "batchd-balanced": ("balanced", "padded", 1),
                   "batchd-packed": ("balanced", "packed", 1), "batchd-2phase": ("balanced", "padded", 2)}
 REPO = Path(__file__).resolve().parents[1]
-WORKLOAD_DIRS = (REPO / "shared" / "workloads", REPO.parent / "shared" / "workloads")
+WORKLOAD_DIRS = (REPO / "shared" / "workloads", REPO.parent / "shared" / "workloads", REPO / "benchmarks" / "workloads")
+# `--model tiny-qwen2vl` (the stock HF Qwen2-VL through `batchd.two_phase`): a multimodal workload and its
+# systems by default, the packed one included (one row per step, M-RoPE per sample)
+HF_VLM_DEFAULTS = {"workload": "bimodal.csv", "num_samples": 256}
+HF_VLM_SYSTEMS = ("fixed", "odb-0.1.2", "batchd-balanced", "batchd-2phase", "batchd-packed")
 DEFAULTS = {  # per device: world size, model, workload file name, token budget, samples
     "cpu": {"world_size": 2, "model": "tiny", "workload": "odb-synthetic.txt", "token_budget": 8192,
             "num_samples": 1024},
@@ -189,10 +200,29 @@ def summarize(system: str, results: list[dict[str, Any]], num_samples: int, epoc
         "rank_imbalance": sum(mats) / sum(mean_mat) if sum(mean_mat) else 1.0,
         "vision_imbalance": _vision_imbalance(results, n_steps),
         "encoder_patches": sum(s.get("patches", 0) for r in results for s in r["steps"]),
+        **_vision_share(results[0]),
         "params": results[0].get("params"),
         "loss_curve": curve,
         "step_times": times,
     }
+
+
+def _vision_share(result: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's vision tower share of its steps (`VisionTimer`, multimodal workloads): `vision_share`, the
+    tower's forward + backward seconds over the rank's wall time (every step's whole span: data wait,
+    forward, backward and all-reduce, optimizer); `vision_share_mean`, the mean over its steps with images
+    of each step's share; `vision_s`, the seconds in all. Empty for a text workload."""
+    steps = result["steps"]
+    if not steps or "vision_s" not in steps[0]:
+        return {}
+    spans, prev = [], 0.0
+    for s in steps:
+        spans.append(max(s["t"] - prev, 1e-9))
+        prev = s["t"]
+    vis = [s.get("vision_s", 0.0) for s in steps]
+    with_images = [v / span for v, span, s in zip(vis, spans, steps) if s.get("patches")]
+    return {"vision_s": sum(vis), "vision_share": sum(vis) / result["wall_s"] if result["wall_s"] > 0 else None,
+            "vision_share_mean": sum(with_images) / len(with_images) if with_images else 0.0}
 
 
 def _vision_imbalance(results: list[dict[str, Any]], n_steps: int) -> float | None:
@@ -281,7 +311,8 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         systems: Names from `SYSTEMS`, run in this order (None: all but `batchd-2phase`; for a multimodal
             workload `MM_SYSTEMS`).
         device: "cpu" (gloo) or "cuda" (NCCL, bf16).
-        model: "tiny" or "llama-100m" (None: tiny on CPU, llama-100m on CUDA).
+        model: "tiny", "llama-100m" or "tiny-qwen2vl" (the stock HF Qwen2-VL through `batchd.two_phase`;
+            default workload bimodal.csv, 256 samples, `HF_VLM_SYSTEMS`) (None: tiny on CPU, llama-100m on CUDA).
         out: Directory for bench.json and the PNG plots (None: no files).
         seed: Seeds the model, the sampler views and the synthetic samples.
         window: Per-rank window in samples (batchd `--window`, ODB `buffer_size`).
@@ -312,8 +343,11 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     d = DEFAULTS[device]
     world_size = d["world_size"] if world_size is None else world_size
     model = d["model"] if model is None else model
+    from batchd._bench_trainer import HF_MODELS
+
+    hf_vlm = model in HF_MODELS
     token_budget = d["token_budget"] if token_budget is None else token_budget
-    num_samples = d["num_samples"] if num_samples is None else num_samples
+    num_samples = (HF_VLM_DEFAULTS if hf_vlm else d)["num_samples"] if num_samples is None else num_samples
     systems = None if systems is None else list(systems)
     from batchd._bench_trainer import MODELS
 
@@ -328,7 +362,7 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     if systems is not None:
         parse_systems(",".join(systems))
     if workload is None:
-        found = default_workload(d["workload"])
+        found = default_workload((HF_VLM_DEFAULTS if hf_vlm else d)["workload"])
         if found is None:
             raise ValueError(f"no workload given and {d['workload']} not found under {WORKLOAD_DIRS}; pass --workload")
         workload = found
@@ -342,7 +376,8 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     else:
         all_lengths = read
     if systems is None:
-        systems = list(MM_SYSTEMS if all_images else (s for s in SYSTEMS if s != "batchd-2phase"))
+        systems = list(HF_VLM_SYSTEMS if all_images and hf_vlm else MM_SYSTEMS if all_images else
+                       (s for s in SYSTEMS if s != "batchd-2phase"))
     if num_samples > len(all_lengths):
         raise ValueError(f"{workload} holds {len(all_lengths)} lengths, fewer than {num_samples=}")
     if num_samples < world_size:
@@ -402,7 +437,9 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
             run = f" (run {rep + 1}/{repeats})" if repeats > 1 else ""
             say(f"[bench] {system}{run}: {s['wall_s']:.1f} s wall, {s['steps']} steps, {s['samples']} samples "
                 f"(missing {s['missing']}, dup {s['duplicates']}), padding eff {s['padding_efficiency']:.3f}, "
-                f"final loss {s['final_loss']:.3f}, held-out {_f(s['heldout_loss'])} ({s['outer_s']:.0f} s in all)")
+                f"final loss {s['final_loss']:.3f}, held-out {_f(s['heldout_loss'])}"
+                + (f", vision tower {_pct(s['vision_share'])} of rank 0's time" if s.get("vision_share") is not None
+                   else "") + f" ({s['outer_s']:.0f} s in all)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for system in systems:
@@ -480,9 +517,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"for a multimodal .csv workload {','.join(MM_SYSTEMS)})")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: gloo DDP; cuda: NCCL, bf16, one GPU per rank (default cpu)")
-    p.add_argument("--model", choices=("tiny", "llama-100m"), default=None,
+    p.add_argument("--model", choices=("tiny", "llama-100m", "tiny-qwen2vl"), default=None,
                    help="tiny: ~0.5M-param Llama-style LM (cpu default); llama-100m: ~110M params, 12 layers, "
-                        "d_model 768, randomly initialised (cuda default)")
+                        "d_model 768, randomly initialised (cuda default); tiny-qwen2vl: the stock Hugging Face "
+                        "Qwen2VLForConditionalGeneration (2-block ViT, 2-layer M-RoPE LM) adapted by "
+                        "batchd.two_phase, by default on benchmarks/workloads/bimodal.csv (256 samples) with "
+                        f"{','.join(HF_VLM_SYSTEMS)}")
     p.add_argument("--step-time", type=float, default=0.0, metavar="S",
                    help="every trainer sleeps S seconds per step (a large model's step time; default 0)")
     p.add_argument("--odb-workers", type=int, default=2, metavar="K",
@@ -530,16 +570,22 @@ def bench_command(args: argparse.Namespace) -> int:
 
 
 def format_table(summary: dict[str, Any]) -> str:
+    vision = any(s.get("vision_share") is not None for s in summary["systems"].values())
     rows = [f"{'system':<16} {'wall s':>8} {'vs fixed':>9} {'vs odb':>8} {'steps':>6} {'samples':>8} "
-            f"{'pad eff':>8} {'final loss':>10} {'held-out':>9}"]
+            f"{'pad eff':>8} {'final loss':>10} {'held-out':>9}" + (f" {'vision':>7}" if vision else "")]
     for name, s in summary["systems"].items():
         if "wall_s" not in s:
             rows.append(f"{name:<16} skipped: {s.get('skipped')}")
             continue
         vf, vo = s.get("speedup_vs_fixed"), s.get("speedup_vs_odb-0.1.2")
         rows.append(f"{name:<16} {s['wall_s']:>8.2f} {_x(vf):>9} {_x(vo):>8} {s['steps']:>6} {s['samples']:>8} "
-                    f"{s['padding_efficiency']:>8.3f} {s['final_loss']:>10.3f} {_f(s['heldout_loss']):>9}")
+                    f"{s['padding_efficiency']:>8.3f} {s['final_loss']:>10.3f} {_f(s['heldout_loss']):>9}"
+                    + (f" {_pct(s.get('vision_share')):>7}" if vision else ""))
     return "\n".join(rows)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
 
 
 def _x(v: float | None) -> str:

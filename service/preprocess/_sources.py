@@ -105,7 +105,8 @@ SYNTHETIC_PATCH_DIM = 48  # floats per synthetic patch (a 4 x 4 RGB patch; Qwen2
 def synthetic_image_payload(sample_id: int, length: int, images: Sequence[tuple[int, int]], seed: int,
                             vocab_size: int, patch_dim: int = SYNTHETIC_PATCH_DIM) -> Payload:
     """`synthetic_payload` with images: image k's `tokens` placeholder tokens (id vocab_size - 1, which the
-    text never uses; labels -100) follow the first token, and its pixels are `patches` random float32 rows
+    text never uses; labels -100) follow the first token, one text token between consecutive images (while
+    the text lasts; where a real sample has its vision end / start markers), and its pixels are `patches` random float32 rows
     of `patch_dim` (Qwen2-VL's layout: grid (1, 2, patches / 2), 4 patches per token). The default patch is
     small (`SYNTHETIC_PATCH_DIM`): with a tiny encoder, real-size pixels would make the bench measure
     payload bytes instead of the encoder's share of compute that a real ViT has.
@@ -121,8 +122,10 @@ def synthetic_image_payload(sample_id: int, length: int, images: Sequence[tuple[
     if not images:
         return payload
     rng = np.random.default_rng([seed, sample_id, 1])
-    ids, labels = [payload["input_ids"][:1]], [payload["labels"][:1]]
+    text_ids, text_labels = payload["input_ids"], payload["labels"]
+    ids, labels = [text_ids[:1]], [text_labels[:1]]
     pixels, grids = [], []
+    pos = 1
     for k, (patches, tokens) in enumerate(images):
         if patches != 4 * tokens:
             raise ValueError(f"sample {sample_id}: image {k} has {patches=} {tokens=}; synthetic images need "
@@ -131,8 +134,12 @@ def synthetic_image_payload(sample_id: int, length: int, images: Sequence[tuple[
         labels.append(np.full(tokens, -100, dtype=np.int32))
         pixels.append(rng.standard_normal((patches, patch_dim), dtype=np.float32))
         grids.append((1, 2, patches // 2))
-    ids.append(payload["input_ids"][1:])
-    labels.append(payload["labels"][1:])
+        if k + 1 < len(images) and pos < len(text_ids):  # one text token between images (a vision marker's
+            ids.append(text_ids[pos:pos + 1])              # place): Qwen2-VL's M-RoPE tells images apart
+            labels.append(text_labels[pos:pos + 1])        # by the text between them
+            pos += 1
+    ids.append(text_ids[pos:])
+    labels.append(text_labels[pos:])
     return {"input_ids": np.concatenate(ids), "labels": np.concatenate(labels),
             "pixel_values": np.concatenate(pixels), "image_grid_thw": np.asarray(grids, dtype=np.int64)}
 
