@@ -1,6 +1,6 @@
 """`batchd bench --model tiny-qwen2vl`: the stock HF Qwen2VLForConditionalGeneration, adapted by
-`batchd.two_phase`, trained by every multimodal system (fixed, odb-0.1.2, batchd one-phase, two-phase and
-packed) on the same synthetic Qwen2-VL-layout samples, through `python -m batchd.bench --json`.
+`batchd.two_phase`, trained by the multimodal systems whose model calls differ (fixed, batchd two-phase and packed) on the
+same synthetic Qwen2-VL-layout samples, through `python -m batchd.bench --json`.
 
 The smallest run: 24 samples of a multimodal .csv written here (0..3 images of 4..16 tokens, some samples
 with two or three images so M-RoPE must tell adjacent images apart), L=600, 2 gloo ranks, one epoch. What
@@ -65,9 +65,10 @@ def test_tiny_qwen2vl_trains_padded_and_packed_alike():
 @pytest.mark.slow
 def test_bench_tiny_qwen2vl_every_system_trains_every_id_once(tmp_path):
     workload = _mm_workload(tmp_path, NUM + 4)
-    systems = list(bench.HF_VLM_SYSTEMS)
-    if bench.odb_available() is not None:
-        systems.remove("odb-0.1.2")
+    # the systems whose model calls differ (fixed padded batches, the two-phase exchange, packed rows); odb-0.1.2
+    # and batchd-balanced feed the same padded calls and run in the measured bench (docs/benchmarks.md)
+    systems = ["fixed", "batchd-2phase", "batchd-packed"]
+    assert set(systems) <= set(bench.HF_VLM_SYSTEMS)
     proc = subprocess.run(
         [sys.executable, "-m", "batchd.bench", "--json", "--model", "tiny-qwen2vl", "--workload", str(workload),
          "--num-samples", str(NUM), "--heldout", "4", "--token-budget", "600", "--window", "8", "--depth", "2",
@@ -83,4 +84,3 @@ def test_bench_tiny_qwen2vl_every_system_trains_every_id_once(tmp_path):
         assert r["params"] > 100_000 and r["encoder_patches"] > 0, (name, r)
         assert 0 < r["vision_share"] < 1 and 0 < r["vision_share_mean"] < 1, (name, r)
     assert s["systems"]["batchd-packed"]["padding_efficiency"] == 1.0  # one packed row per step, no pads
-    assert s["systems"]["batchd-2phase"]["steps"] == s["systems"]["batchd-balanced"]["steps"]
