@@ -193,7 +193,9 @@ class _Adapter:
             pixels = _tensor(pixels, "pixel_values", device)
         if pixels is None or pixels.shape[0] == 0:  # nothing to encode: zero rows, the tower is not run
             embed = self.inner.get_input_embeddings().weight
-            encoded = embed.new_zeros((0, embed.shape[1]))
+            # the rows require grad so the exchange's backward (a collective: the other ranks' all-to-all
+            # waits for this rank's) runs here too; rows that need no grad would skip it and hang the step
+            encoded = embed.new_zeros((0, embed.shape[1])).requires_grad_(torch.is_grad_enabled())
         else:
             encoded = self.encode(self.inner, pixels, _tensor(grid, "image_grid_thw", device)
                                   if grid is not None else None)
