@@ -54,7 +54,8 @@ __all__ = ["PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packe
 
 PACKED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 """Attention implementations that keep packed samples apart (tested: eager and sdpa on CPU, packed loss = the
-sum of the samples' unpacked losses; flex and flash derive the same per-sample blocks from the positions)."""
+sum of the samples' unpacked losses; transformers gives flex and flash the same per-sample blocks from the
+positions, untested here: flex has no CPU backward, flash needs a GPU)."""
 
 _BATCHD_KEYS = ("vision_send_splits", "vision_recv_splits", "vision_placement", "vision_image_tokens",
                 "llm_image_grid_thw")
