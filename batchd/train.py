@@ -316,21 +316,22 @@ def _patches(batch: dict[str, Any]) -> int:
 
 def _vision_imbalance(patches: list[int], device: torch.device) -> float | None:
     """The mean over steps with images of max / mean rank patches, over every rank's `patches` (one entry
-    per step of this run; a collective: every rank calls it). None without images, or when the ranks ran
+    per step of this run; collectives: every rank calls it). Two all-reduces (max, sum) of one number per
+    step, so each rank holds one vector, not every rank's. None without images, or when the ranks ran
     different numbers of steps (a resumed run whose ranks restarted at different points)."""
-    from batchd.core import mean_imbalance
-
-    n = torch.tensor([len(patches)], dtype=torch.int64, device=device)
-    counts = [torch.zeros_like(n) for _ in range(dist.get_world_size())]
-    dist.all_gather(counts, n)
-    longest = max(int(c) for c in counts)
-    mine = torch.zeros(longest, dtype=torch.int64, device=device)
-    mine[: len(patches)] = torch.tensor(patches, dtype=torch.int64)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    if len({int(c) for c in counts}) != 1:
+    world = dist.get_world_size()
+    n = torch.tensor([len(patches), -len(patches)], dtype=torch.int64, device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX)  # the longest run, and minus the shortest
+    longest, shortest = int(n[0]), -int(n[1])
+    high = torch.zeros(longest, dtype=torch.int64, device=device)
+    high[: len(patches)] = torch.tensor(patches, dtype=torch.int64)
+    total = high.clone()
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    if longest != shortest:
         return None
-    return mean_imbalance(zip(*(t.tolist() for t in every)))
+    ratios = [h * world / t for h, t in zip(high.tolist(), total.tolist()) if t > 0]  # = batchd.core.imbalance
+    return sum(ratios) / len(ratios) if ratios else None
 
 
 def _save(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, client: Any) -> None:

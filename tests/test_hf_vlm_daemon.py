@@ -28,8 +28,6 @@ import pytest
 from _procs import free_block
 from _readme_job import REPO, end_job, job_env, trained_ids
 
-pytestmark = pytest.mark.slow
-
 RECORDS = 40
 
 
@@ -60,6 +58,7 @@ def script(cport: int, rport: int) -> list[str]:
     return lines
 
 
+@pytest.mark.slow
 def test_stock_qwen2_vl_trains_two_phase_through_the_daemon(tmp_path):
     cport, rport = free_block(1), free_block(2)
     ray_tmp = tempfile.mkdtemp(prefix="bdv-", dir="/tmp")  # short socket paths for Ray
@@ -87,3 +86,38 @@ def test_stock_qwen2_vl_trains_two_phase_through_the_daemon(tmp_path):
         left = end_job(marker)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert not left, "processes outlived the job:\n" + "\n".join(left)
+
+
+def test_tiny_vlm_command_writes_what_a_checkout_holds(tmp_path, capsys, monkeypatch):
+    """`batchd tiny-vlm DIR --family llava` writes a model `load_vlm` loads and a processor `HFProcessor`
+    runs (the Qwen2-VL one: the job above); a file as DIR, or a directory `--hf-model` cannot load, is
+    exit 2 with one line naming it (README, "Exit statuses")."""
+    from batchd._vlm_tiny import load_vlm
+    from batchd.cli import main
+    from batchd.preprocess import HFProcessor
+    from batchd.train import main as train_main
+
+    out = tmp_path / "llava"
+    assert main(["tiny-vlm", str(out), "--family", "llava", "--seed", "1"]) == 0
+    assert str(out) in capsys.readouterr().out
+    model = load_vlm(out)
+    assert type(model).__name__ == "LlavaForConditionalGeneration"
+    from PIL import Image
+
+    from batchd.preprocess import Example, StageContext
+
+    messages = [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "A red square."}]
+    ex = HFProcessor(str(out))(Example(0, 0, "", messages, None, [Image.new("RGB", (40, 40), (200, 10, 10))]),
+                               StageContext(0, 0, 0, 0))
+    assert ex.image_tokens == [4] and int(ex.input_ids.max()) < model.get_input_embeddings().num_embeddings
+
+    assert main(["tiny-vlm", str(out / "config.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("batchd tiny-vlm: error: ") and "config.json" in err[0], err
+
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(var, value)
+    assert train_main(["--node-agent", "127.0.0.1:1", "--hf-model", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("[rank 0] batchd.train: error: --hf-model") and "nowhere" in err[-1], err
+
