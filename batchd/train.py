@@ -234,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    ddp = None
+    works: list[Any] = []  # the last collectives' handles: released after the process group (see _vision_imbalance)
     try:
         torch.manual_seed(args.seed)
         if hf_model is not None:  # adapted before DDP wraps it: DDP sees the model's own parameters
@@ -258,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ckpt is not None:
             _agree_position(client, device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
-        summary = _loop(client, ddp, opt, rank, args, ckpt, train_step)
+        summary = _loop(client, ddp, opt, rank, args, ckpt, train_step, works)
     except JobFailed as exc:
         print(f"[rank {rank}] batchd job failed: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -270,6 +272,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         dist.destroy_process_group()
+        del ddp  # its reducer holds the process group: its gloo threads are joined here, then the handles go
+        works.clear()
     summary.update(rank=rank, world_size=world_size, backend=backend, device=str(device), rank_service=address)
     line = json.dumps(summary)
     print(line, flush=True)
@@ -314,20 +318,31 @@ def _patches(batch: dict[str, Any]) -> int:
     return int(pixels.shape[0]) if pixels is not None and pixels.ndim > 0 else 0
 
 
-def _vision_imbalance(patches: list[int], device: torch.device) -> float | None:
+def _vision_imbalance(patches: list[int], device: torch.device, works: list[Any]) -> float | None:
     """The mean over steps with images of max / mean rank patches, over every rank's `patches` (one entry
     per step of this run; collectives: every rank calls it). Two all-reduces (max, sum) of one number per
     step, so each rank holds one vector, not every rank's. None without images, or when the ranks ran
-    different numbers of steps (a resumed run whose ranks restarted at different points)."""
+    different numbers of steps (a resumed run whose ranks restarted at different points).
+
+    The collectives' handles go to `works`, which the caller keeps until the process group is gone: these
+    are the run's last collectives, and a gloo worker thread that dropped the last reference to one (its
+    Python tensors, so it needs the GIL) while the main thread destroys the group (holding the GIL, joining
+    that thread) deadlocks the exit."""
     world = dist.get_world_size()
+
+    def all_reduce(t: torch.Tensor, op: Any) -> None:
+        work = dist.all_reduce(t, op=op, async_op=True)
+        works.append(work)
+        work.wait()
+
     n = torch.tensor([len(patches), -len(patches)], dtype=torch.int64, device=device)
-    dist.all_reduce(n, op=dist.ReduceOp.MAX)  # the longest run, and minus the shortest
+    all_reduce(n, dist.ReduceOp.MAX)  # the longest run, and minus the shortest
     longest, shortest = int(n[0]), -int(n[1])
     high = torch.zeros(longest, dtype=torch.int64, device=device)
     high[: len(patches)] = torch.tensor(patches, dtype=torch.int64)
     total = high.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    all_reduce(high, dist.ReduceOp.MAX)
+    all_reduce(total, dist.ReduceOp.SUM)
     if longest != shortest:
         return None
     ratios = [h * world / t for h, t in zip(high.tolist(), total.tolist()) if t > 0]  # = batchd.core.imbalance
@@ -383,7 +398,7 @@ def _check_vocabulary(batch: dict[str, Any], vocab: int | None, args: argparse.N
             f"services' tokenizer (`batchd tokenizer tok.json` writes the default one) or a larger --vocab-size")
 
 
-def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
+def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> dict[str, Any]:
     steps = idle = 0
     epoch_steps: list[int] = []
     patches: list[int] = []  # per step of this run: the encoder's load on this rank
@@ -441,7 +456,7 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
         _save(ckpt, ddp.module, opt, client)
     client.close()
     wall = round(time.perf_counter() - t0, 3)
-    vision = _vision_imbalance(patches, next(ddp.module.parameters()).device)
+    vision = _vision_imbalance(patches, next(ddp.module.parameters()).device, works)
     if rank == 0 and vision is not None:
         print(f"[rank 0] vision encoder: slowest rank / mean, in encoder patches: {vision:.3f} (mean over "
               f"steps with images)", file=sys.stderr, flush=True)
