@@ -1,4 +1,4 @@
-"""The `batchd` command line: simulate, config, tokenizer, coordinator, rank, demo, bench.
+"""The `batchd` command line: simulate, config, tokenizer, tiny-vlm, coordinator, rank, node, demo, bench.
 
 `batchd coordinator` and `batchd rank` take a job config file (`--config`, see `batchd._config`);
 every flag overrides one key of it, and the merged result is validated before anything starts.
@@ -343,6 +343,21 @@ def _tokenizer_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tiny_vlm_cmd(args: argparse.Namespace) -> int:
+    import transformers
+
+    from batchd._vlm_tiny import save_tiny_vlm
+
+    transformers.logging.set_verbosity_error()  # its notes on torchvision and its progress bars: not ours
+    transformers.logging.disable_progress_bar()
+    if os.path.isfile(args.path):
+        raise ValueError(f"DIR must be a directory (created if missing), got a file: path={args.path!r}")
+    path = save_tiny_vlm(args.path, args.family, args.seed)
+    print(f"wrote a tiny {args.family} model and its processor to {path} (config, weights, tokenizer, image "
+          f"processor, chat template): [pipeline] processor = \"{path}\", python -m batchd.train --hf-model {path}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     progress = None if args.json else (lambda msg: print(f"[batchd demo] {msg}", file=sys.stderr, flush=True))
     from batchd.demo import run_demo  # lazily, like the services: it imports Ray
@@ -410,6 +425,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", metavar="FILE", help="where to write tokenizer.json (with --check: the tokenizer to load)")
     p.add_argument("--check", action="store_true", help="load PATH as batchd would and print its vocabulary size")
     p.set_defaults(func=_tokenizer_cmd)
+
+    p = sub.add_parser("tiny-vlm", help="write a tiny stock Hugging Face multimodal model and its processor to DIR",
+                       description="Writes what a model's checkout holds, built locally (no download): a tiny "
+                       "randomly initialised Qwen2-VL or LLaVA model (config and weights) and its processor "
+                       "(tokenizer, image processor, chat template), as save_pretrained writes them. The rank "
+                       "services preprocess with it (`[pipeline] processor = DIR`) and the reference trainer "
+                       "trains it (`python -m batchd.train --hf-model DIR`); a real job points both at its "
+                       "model's own directory instead.")
+    p.add_argument("path", metavar="DIR", help="the directory to write (created; existing files are replaced)")
+    p.add_argument("--family", choices=("qwen2_vl", "llava"), default="qwen2_vl",
+                   help="qwen2_vl (Qwen2VLForConditionalGeneration, M-RoPE, 56x56 to 224x224 images) or llava "
+                   "(LlavaForConditionalGeneration, 28x28 images); default qwen2_vl")
+    p.add_argument("--seed", type=int, default=0, help="weight initialisation seed (default 0)")
+    p.set_defaults(func=_tiny_vlm_cmd)
 
     p = sub.add_parser("coordinator", help="run the gRPC alignment coordinator",
                        description="Runs the DGAP alignment coordinator for one job until every rank's trainer took its last step. "

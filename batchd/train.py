@@ -13,7 +13,13 @@ host's `batchd node`, which serves every local rank on one port; default $BATCHD
 from `--rank-host HOST --base-port P` (rank r at HOST:P+r, one `batchd rank` per rank).
 
 The model is the demo's `TinyCausalLM` (size flags below): this is a smoke-test and template trainer;
-a real job swaps in its own model and keeps the loop. With `--checkpoint DIR` every rank saves the
+a real job swaps in its own model and keeps the loop. With `--hf-model DIR` it is instead the stock Hugging
+Face multimodal model saved in DIR (a Qwen2-VL, Qwen2.5-VL or LLaVA checkout, or `batchd tiny-vlm DIR`'s
+tiny one; loaded offline, fp32, by `batchd._vlm_tiny.load_vlm`), adapted by `batchd.two_phase(model)`
+before DDP wraps it, so the same `train_step` loop trains it on one- and two-phase, padded or packed
+batches (the rank services then run the model's own processor: `[pipeline] processor = DIR`). The size
+flags are ignored and `--vocab-size` is refused: the model's embedding is the vocabulary (`--tokenizer`,
+if given, must fit in it). With `--checkpoint DIR` every rank saves the
 model, the optimizer and `BatchClient.state_dict()` every `--checkpoint-every` steps and at the end,
 and resumes from its file when it exists, so a restarted torchrun continues mid-epoch (the
 rank services must still be running, or have been restarted with `--state-dir`). A restarted group
@@ -23,8 +29,16 @@ against the others' next step).
 
 Test hooks (`benchmarks/chaos.py`): `--step-time S` sleeps S seconds per step (a stand-in for a slow
 model); `--ids-log FILE` appends one JSON line per step as the batch arrives, before it is trained
-(`{"epoch", "step", "ids"}`, fsynced), so a restarted trainer that replays a step logs it again with
-the same ids.
+(`{"epoch", "step", "ids", "patches"}`, fsynced; `patches`: the vision-encoder patches this rank runs
+that step, the rows of its `pixel_values`), so a restarted trainer that replays a step logs it again
+with the same ids.
+
+Summary (one JSON line on stdout, and `--summary FILE`): steps, idle steps, steps per epoch, the last
+loss, the wall time, `exchange_steps` (steps whose batch carried a two-phase vision exchange) and
+`vision_imbalance`: the mean over steps with images of the slowest rank's
+encoder patches / the mean rank's (1.0: every rank encoded alike; all ranks' patches, gathered once at the
+end; null without images). Rank 0 also logs it ("vision encoder: ..."): with `phases = 2` the
+coordinator's vision plan keeps it near 1.
 
 Start order and progress: the trainer may start before its rank service / node agent; it waits up to
 `--startup-timeout` (default 600 s, like the services) and logs every 5 s whom it waits for and why
@@ -141,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="the rank services' tokenizer (a tokenizer.json or a Hugging Face tokenizer directory): "
                    "the model's vocabulary covers its ids")
+    p.add_argument("--hf-model", default=None, metavar="DIR",
+                   help="train this stock Hugging Face multimodal model (Qwen2-VL, Qwen2.5-VL, LLaVA; a directory "
+                   "save_pretrained wrote, read offline; `batchd tiny-vlm DIR` writes a tiny one) through "
+                   "batchd.two_phase(model) instead of the tiny LM")
     p.add_argument("--d-model", type=int, default=128, help="model width")
     p.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--n-heads", type=int, default=4, help="attention heads")
@@ -203,7 +221,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             address = rank_service_address(rank, world_size, args.rank_services, args.rank_host, args.base_port)
         security = security_from_args(args)
-        vocab = vocab_size(args.vocab_size, args.tokenizer)
+        if args.hf_model is not None:
+            hf_model = _load_hf_model(args)
+        else:
+            hf_model, vocab = None, vocab_size(args.vocab_size, args.tokenizer)
     except (ValueError, OSError) as exc:
         print(f"[rank {rank}] batchd.train: error: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -213,10 +234,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    ddp = None
+    works: list[Any] = []  # the last collectives' handles: released after the process group (see _vision_imbalance)
     try:
         torch.manual_seed(args.seed)
-        model = TinyCausalLM(vocab_size=vocab, d_model=args.d_model, n_layers=args.n_layers,
-                             n_heads=args.n_heads).to(device)
+        if hf_model is not None:  # adapted before DDP wraps it: DDP sees the model's own parameters
+            from batchd.client import two_phase
+
+            model = two_phase(hf_model.to(device))
+        else:
+            model = TinyCausalLM(vocab_size=vocab, d_model=args.d_model, n_layers=args.n_layers,
+                                 n_heads=args.n_heads).to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         client = BatchClient(address, rank, world_size, credits=args.credits,
                              reconnect_timeout_s=args.reconnect_timeout, security=security,
@@ -232,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ckpt is not None:
             _agree_position(client, device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
-        summary = _loop(client, ddp, opt, rank, args, ckpt, train_step)
+        summary = _loop(client, ddp, opt, rank, args, ckpt, train_step, works)
     except JobFailed as exc:
         print(f"[rank {rank}] batchd job failed: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -244,12 +272,81 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         dist.destroy_process_group()
+        del ddp  # its reducer holds the process group: its gloo threads are joined here, then the handles go
+        works.clear()
     summary.update(rank=rank, world_size=world_size, backend=backend, device=str(device), rank_service=address)
     line = json.dumps(summary)
     print(line, flush=True)
     if args.summary:
         Path(args.summary.format(rank=rank)).write_text(line)
     return 0
+
+
+def _load_hf_model(args: argparse.Namespace) -> torch.nn.Module:
+    """The `--hf-model` directory's model (offline, fp32); ValueError / OSError naming the directory."""
+    if args.vocab_size is not None:
+        raise ValueError(f"--vocab-size is the model's own with --hf-model, got {args.vocab_size=}")
+    path = Path(args.hf_model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--hf-model must be a model directory (save_pretrained's: config.json and the "
+                                f"weights), got {args.hf_model!r}")
+    import transformers
+
+    from ._vlm_tiny import load_vlm
+
+    transformers.logging.disable_progress_bar()  # "Loading weights" per rank: noise in a trainer's log
+    try:
+        model = load_vlm(path)
+    except (ValueError, KeyError) as exc:  # transformers: an unknown model type, missing weights
+        raise ValueError(f"--hf-model {args.hf_model!r} does not load as a multimodal model: {exc}") from None
+    rows = model.get_input_embeddings().num_embeddings
+    vocab_size(rows, args.tokenizer)  # the rank services' tokenizer must fit the model's embedding
+    return model
+
+
+def _vocabulary(model: torch.nn.Module) -> int | None:
+    """Rows of the model's token embedding: `vocab_size` of the tiny LM, the input embedding's of an HF model."""
+    if hasattr(model, "vocab_size") and isinstance(model.vocab_size, int):
+        return model.vocab_size
+    embeddings = getattr(model, "get_input_embeddings", None)
+    return embeddings().num_embeddings if embeddings is not None else None
+
+
+def _patches(batch: dict[str, Any]) -> int:
+    """Vision-encoder patches this rank runs this step: the rows of its `pixel_values` (0 without images)."""
+    pixels = batch.get("pixel_values")
+    return int(pixels.shape[0]) if pixels is not None and pixels.ndim > 0 else 0
+
+
+def _vision_imbalance(patches: list[int], device: torch.device, works: list[Any]) -> float | None:
+    """The mean over steps with images of max / mean rank patches, over every rank's `patches` (one entry
+    per step of this run; collectives: every rank calls it). Two all-reduces (max, sum) of one number per
+    step, so each rank holds one vector, not every rank's. None without images, or when the ranks ran
+    different numbers of steps (a resumed run whose ranks restarted at different points).
+
+    The collectives' handles go to `works`, which the caller keeps until the process group is gone: these
+    are the run's last collectives, and a gloo worker thread that dropped the last reference to one (its
+    Python tensors, so it needs the GIL) while the main thread destroys the group (holding the GIL, joining
+    that thread) deadlocks the exit."""
+    world = dist.get_world_size()
+
+    def all_reduce(t: torch.Tensor, op: Any) -> None:
+        work = dist.all_reduce(t, op=op, async_op=True)
+        works.append(work)
+        work.wait()
+
+    n = torch.tensor([len(patches), -len(patches)], dtype=torch.int64, device=device)
+    all_reduce(n, dist.ReduceOp.MAX)  # the longest run, and minus the shortest
+    longest, shortest = int(n[0]), -int(n[1])
+    high = torch.zeros(longest, dtype=torch.int64, device=device)
+    high[: len(patches)] = torch.tensor(patches, dtype=torch.int64)
+    total = high.clone()
+    all_reduce(high, dist.ReduceOp.MAX)
+    all_reduce(total, dist.ReduceOp.SUM)
+    if longest != shortest:
+        return None
+    ratios = [h * world / t for h, t in zip(high.tolist(), total.tolist()) if t > 0]  # = batchd.core.imbalance
+    return sum(ratios) / len(ratios) if ratios else None
 
 
 def _save(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, client: Any) -> None:
@@ -273,9 +370,10 @@ def _agree_position(client: Any, device: torch.device) -> None:
         client.epoch, client.next_step, client.finished = epoch, next_step, bool(finished)
 
 
-def _log_step(fd: int | None, epoch: int, step: int, ids: list[int]) -> None:
+def _log_step(fd: int | None, epoch: int, step: int, ids: list[int], patches: int) -> None:
     if fd is not None:  # one write per line: a kill leaves whole lines
-        os.write(fd, (json.dumps({"epoch": epoch, "step": step, "ids": ids}) + "\n").encode())
+        line = {"epoch": epoch, "step": step, "ids": ids, "patches": patches}
+        os.write(fd, (json.dumps(line) + "\n").encode())
         os.fsync(fd)
 
 
@@ -290,18 +388,25 @@ def _check_vocabulary(batch: dict[str, Any], vocab: int | None, args: argparse.N
         return
     top = int(ids.max())
     if top >= vocab:
+        if args.hf_model is not None:
+            raise VocabularyError(
+                f"token id {top} is past the vocabulary of --hf-model {args.hf_model} ({vocab} ids): the rank "
+                f"services' processor ([pipeline] processor) must be this model's")
         given = f"--tokenizer {args.tokenizer}" if args.tokenizer else "no --tokenizer"
         raise VocabularyError(
             f"token id {top} is past the model's vocabulary of {vocab} ({given}): give --tokenizer the rank "
             f"services' tokenizer (`batchd tokenizer tok.json` writes the default one) or a larger --vocab-size")
 
 
-def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
+def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> dict[str, Any]:
     steps = idle = 0
     epoch_steps: list[int] = []
+    patches: list[int] = []  # per step of this run: the encoder's load on this rank
+    exchange_steps = 0  # steps whose batch carried a two-phase vision exchange
     loss = float("nan")
     t0 = time.perf_counter()
     watch = _FailureWatch(client)
+    vocab = _vocabulary(ddp.module)
     ids_log = (os.open(args.ids_log.format(rank=rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                if args.ids_log else None)
     try:
@@ -316,10 +421,12 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
                 for batch, info in batches:
                     bar.update(info.global_samples, steps=1)
                     ids = batch.pop("sample_ids", None)
-                    _log_step(ids_log, epoch, info.step, ids.tolist() if ids is not None else [])
+                    patches.append(_patches(batch))
+                    exchange_steps += int("vision_send_splits" in batch)
+                    _log_step(ids_log, epoch, info.step, ids.tolist() if ids is not None else [], patches[-1])
                     if args.step_time > 0:
                         time.sleep(args.step_time)
-                    _check_vocabulary(batch, getattr(ddp.module, "vocab_size", None), args)
+                    _check_vocabulary(batch, vocab, args)
                     loss = train_step(ddp, opt, batch, info)
                     steps, n = steps + 1, n + 1
                     idle += int(info.is_idle)
@@ -348,8 +455,14 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step) -> dict[str, Any]:
     if ckpt is not None:
         _save(ckpt, ddp.module, opt, client)
     client.close()
+    wall = round(time.perf_counter() - t0, 3)
+    vision = _vision_imbalance(patches, next(ddp.module.parameters()).device, works)
+    if rank == 0 and vision is not None:
+        print(f"[rank 0] vision encoder: slowest rank / mean, in encoder patches: {vision:.3f} (mean over "
+              f"steps with images)", file=sys.stderr, flush=True)
     return {"steps": steps, "idle": idle, "epoch_steps": epoch_steps, "epoch": client.epoch,
-            "next_step": client.next_step, "last_loss": loss, "wall_s": round(time.perf_counter() - t0, 3)}
+            "next_step": client.next_step, "last_loss": loss, "wall_s": wall, "vision_imbalance": vision,
+            "exchange_steps": exchange_steps}
 
 if __name__ == "__main__":
     sys.exit(main())

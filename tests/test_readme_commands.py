@@ -149,6 +149,13 @@ RUN_BY = {
     "batchd tokenizer --check PATH":
         "tests/test_inputs.py::test_tokenizer_command_writes_the_demo_tokenizer_and_a_directory_loads_the_same",
     "python -m batchd.proto.generate": "tests/test_proto.py::test_stubs_are_not_stale",
+    "batchd tiny-vlm vlm": "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
+    "cat > job.toml <<'EOF'": "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
+    "torchrun --nproc-per-node 2 -m batchd.train --node-agent 127.0.0.1:7100 --hf-model vlm":
+        "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
+    "python -m batchd.train --hf-model DIR":
+        "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
+    "batchd tiny-vlm DIR": "tests/test_hf_vlm_daemon.py::test_tiny_vlm_command_writes_what_a_checkout_holds",
 }
 
 
@@ -222,8 +229,8 @@ def test_readme_and_help_commands_parse():
     helps = help_commands()
     assert any(c.startswith("batchd config --example") for c in helps), helps
     for cmd in readme_commands() + helps:
-        if cmd.startswith(("python3 -m venv", "python -m pytest", "python - <<")):
-            continue  # the install and test lines: test_install_line_is_what_ci_runs
+        if cmd.startswith(("python3 -m venv", "python -m pytest", "python - <<", "cat > ")):
+            continue  # the install and test lines (test_install_line_is_what_ci_runs), heredocs that write files
         words = cmd.replace("|", " ").split()
         if cmd.startswith("torchrun"):
             if "-m" not in words:
