@@ -52,6 +52,7 @@ from batchd.core import Sample, VisionCost, exchange_arrays, loss_scale, plan_vi
 from batchd.service._rank_service import collate
 from batchd.service.preprocess import HFProcessor
 from batchd.service.preprocess._chain import finalize
+from test_exchange import swapped as swapped_placement  # the same control as batchd's own TinyMLLM's
 from test_hf_processor import _img, _run  # tests/ is on sys.path (pytest; spawn copies it)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -130,18 +131,6 @@ def _workload(stage, name: str, world: int) -> dict:
             "t_tok": sum(s.loss_tokens for s in samples.values())}
 
 
-def _swapped(exchange) -> dict[str, np.ndarray]:
-    """Two received images of equal token count trade places (the arrays stay valid, the step is wrong)."""
-    arrays = exchange_arrays(exchange)
-    placement, tokens = arrays["vision_placement"].copy(), arrays["vision_image_tokens"]
-    for a in range(len(placement)):
-        for b in range(a + 1, len(placement)):
-            if tokens[placement[a]] == tokens[placement[b]]:
-                placement[[a, b]] = placement[[b, a]]
-                return {"vision_placement": placement}
-    raise AssertionError(f"no two received images of equal size on rank {exchange.rank}: {tokens}")
-
-
 def _steps(stage) -> list[dict]:
     out = []
     for name, load, world, layout, phases in STEPS:
@@ -152,7 +141,7 @@ def _steps(stage) -> list[dict]:
                     "exchanges": exchanges, "override": {}, "scale": None, **w})
     by_name = {s["name"]: s for s in out}
     swapped = dict(by_name[CONTROLS["swapped"]], name="swapped")
-    swapped["override"] = {0: _swapped(swapped["exchanges"][0])}
+    swapped["override"] = {0: swapped_placement(swapped["exchanges"][0])}
     scale1 = dict(by_name[CONTROLS["scale1"]], name="scale1", scale=1.0)
     return out + [swapped, scale1]
 
