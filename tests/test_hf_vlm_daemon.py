@@ -65,7 +65,8 @@ def test_stock_qwen2_vl_trains_two_phase_through_the_daemon(tmp_path):
     marker = f"BATCHD_TEST_VLM={uuid.uuid4().hex}"
     try:
         run = subprocess.run(["bash", "-c", "\n".join(script(cport, rport))], cwd=tmp_path,
-                             env=job_env(ray_tmp, marker), capture_output=True, text=True, timeout=300)
+                             env=job_env(ray_tmp, marker), capture_output=True, text=True,
+                             timeout=900)  # a backstop against a hang: every party has its own liveness limits
         out = run.stdout[-4000:] + "\n--- stderr\n" + run.stderr[-8000:]
         assert run.returncode == 0, out
         assert "Traceback" not in run.stderr, out
