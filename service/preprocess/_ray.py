@@ -210,15 +210,19 @@ class SharedRay:
 
     While it is held, the process holds a shared lock on a per-Ray "users" file in the temp dir; the
     lock dies with the process, however it ends (kill -9 included). `close()`: a Ray only joined is
-    left alone (never stopped, not even `ray.shutdown()`: the process's exit disconnects it); a Ray
-    started here is stopped (`ray.shutdown()`) only once no other process holds the lock, since the
-    rank services that joined it keep their payloads in its object store. Waiting for them is logged.
+    never stopped; a process that connected to it for this use (`connected`) disconnects (`ray.shutdown()`)
+    *before* it releases the lock, so the Ray's owner never stops it under a live connection (a process
+    still connected when its GCS goes away waits 60 s in Ray's client at exit, then exits 1); a process
+    that was connected already keeps its connection. A Ray started here is stopped (`ray.shutdown()`) only
+    once no other process holds the lock, since the rank services that joined it keep their payloads in its
+    object store. Waiting for them is logged.
     """
 
     WATCH_S = 2.0  # how often `watch` looks at the Ray
 
-    def __init__(self, address: str, started: bool, job: str | None = None) -> None:
+    def __init__(self, address: str, started: bool, job: str | None = None, connected: bool = False) -> None:
         self.address, self.started, self.job = address, started, job
+        self.connected = connected or started  # this process connected to the Ray for this use
         self.raylet = _raylet_address() if ray.is_initialized() else None
         self.lost: RayLost | None = None  # set by `watch` once the Ray went away
         name = re.sub(r"[^0-9A-Za-z.]+", "_", address)
@@ -278,6 +282,8 @@ class SharedRay:
                 if self.lost is not None:
                     _end_leftovers(self.job, self._family, self._raylet_start)
                 log.info("stopped the embedded Ray at %s", self.address)
+            elif self.connected and self.lost is None and ray.is_initialized():
+                ray.shutdown()  # disconnect before the lock goes: the owner may stop the Ray right after
         finally:
             os.close(fd)
 
@@ -471,13 +477,13 @@ def share_ray(address: str | None = None, num_cpus: int | None = None, who: str 
         _join(found)
         gcs = ray.get_runtime_context().gcs_address
         log.info("%s: joined the Ray already running on this host (ray_address 'auto'; gcs %s)", who, gcs)
-        return SharedRay(gcs, started=False)
+        return SharedRay(gcs, started=False, connected=True)
     if address:
         _join(address)
         gcs = ray.get_runtime_context().gcs_address
         log.info("%s: joined the Ray cluster at %s (gcs %s) on node %s", who, address, gcs,
                  ray.get_runtime_context().get_node_id())
-        return SharedRay(gcs, started=False)
+        return SharedRay(gcs, started=False, connected=True)
     with _host_lock():
         found = job_ray_address(job) if job else None
         if found:
@@ -485,7 +491,7 @@ def share_ray(address: str | None = None, num_cpus: int | None = None, who: str 
             _join(found)
             gcs = ray.get_runtime_context().gcs_address
             log.info("%s: joined this job's Ray on this host (gcs %s)", who, gcs)
-            return SharedRay(gcs, started=False)
+            return SharedRay(gcs, started=False, connected=True)
         quiet_token_auth()
         if job:
             os.environ[JOB_ENV] = job  # inherited by the Ray processes started here: how the job's others find it
