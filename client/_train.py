@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ._collate import IGNORE_INDEX, idle_batch
+from ._vlm import check_model_batch
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -131,8 +132,6 @@ def forward_logits(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Te
     batch (pixels, grids, the two-phase exchange); its output is the logits or a ModelOutput carrying them.
     A stock HF multimodal model not adapted, a two-phase batch for a model without the exchange and a packed
     row on an attention that crosses samples raise ValueError (`batchd.client.check_model_batch`)."""
-    from ._vlm import check_model_batch
-
     check_model_batch(model, batch)
     if getattr(getattr(model, "module", model), "takes_batch", False):
         out = model(batch)

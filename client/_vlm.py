@@ -69,7 +69,6 @@ _ADAPTED = "_batchd_two_phase"
 # ---------------------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class _Family:
-    name: str
     mrope: bool  # Qwen2-VL style 3-D positions from the image grids
     grids: bool  # pixel_values are patch rows split by image_grid_thw (else one [3, S, S] image per row)
 
@@ -90,8 +89,8 @@ def _llava_encode(inner: Any, pixels: torch.Tensor, grid: torch.Tensor | None) -
     return torch.cat([f.reshape(-1, f.shape[-1]) for f in feats], dim=0)
 
 
-_QWEN = _Family("qwen2_vl", mrope=True, grids=True)
-_LLAVA = _Family("llava", mrope=False, grids=False)
+_QWEN = _Family(mrope=True, grids=True)
+_LLAVA = _Family(mrope=False, grids=False)
 VLM_FAMILIES: dict[str, tuple[_Family, Callable]] = {
     "qwen2_vl": (_QWEN, _qwen_encode),
     "qwen2_5_vl": (_QWEN, _qwen_encode),

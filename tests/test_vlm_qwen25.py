@@ -12,12 +12,13 @@ import copy
 import numpy as np
 import pytest
 import torch
-
-from batchd import core
-from batchd._vlm_tiny import tiny_processor
 from batchd.client import to_torch, token_loss_sum, two_phase
 from batchd.service.preprocess import Example, HFProcessor, StageContext
 from batchd.service.preprocess._chain import finalize
+from test_hf_vlm import sample_loss  # the stock model called the HF way on one sample
+
+from batchd import core
+from batchd._vlm_tiny import tiny_processor
 
 pytest.importorskip("transformers")
 
@@ -70,13 +71,7 @@ def _model(tok):
 
 
 def _reference(model, payloads):
-    total = 0
-    for p in payloads:
-        kw = {"input_ids": torch.from_numpy(p["input_ids"].astype(np.int64))[None],
-              "mm_token_type_ids": torch.from_numpy(p["mm_token_type_ids"])[None], "use_cache": False}
-        if "pixel_values" in p:
-            kw.update(pixel_values=torch.from_numpy(p["pixel_values"]), image_grid_thw=torch.from_numpy(p["image_grid_thw"]))
-        total = total + token_loss_sum(model(**kw).logits, torch.from_numpy(p["labels"].astype(np.int64))[None])[0]
+    total = sum(sample_loss(model, p) for p in payloads)
     total.backward()
     return total.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -13,17 +13,23 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
-
 from _jobs import job_pool
+from batchd.client import loss_tokens
+from batchd.core import JobSpec
+from batchd.service.preprocess import (
+    HFProcessor,
+    Preprocessor,
+    SyntheticSource,
+    Truncate,
+    demo_record,
+    parse_record,
+)
+from test_hf_vlm import sample_loss  # the stock model called the HF way on one sample
+
 from batchd import two_phase
 from batchd._vlm_tiny import tiny_processor, tiny_vlm
-from batchd.client import token_loss_sum
-from batchd.core import JobSpec
-from batchd.service.preprocess import SyntheticSource
-from batchd.service.preprocess import HFProcessor, Preprocessor, Truncate, demo_record, parse_record
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,15 +66,8 @@ def data(tmp_path_factory):
 def reference_grad(model, payloads, per_sample_mean: bool = False) -> torch.Tensor:
     """The stock model's gradient of the per-token mean loss over `payloads`, each forwarded alone."""
     model = copy.deepcopy(model)
-    sums, counts = [], []
-    for p in payloads:
-        kw = {"input_ids": torch.as_tensor(p["input_ids"], dtype=torch.int64)[None],
-              "mm_token_type_ids": torch.as_tensor(p["mm_token_type_ids"])[None], "use_cache": False}
-        if "pixel_values" in p:
-            kw.update(pixel_values=torch.as_tensor(p["pixel_values"]), image_grid_thw=torch.as_tensor(p["image_grid_thw"]))
-        s, n = token_loss_sum(model(**kw).logits, torch.as_tensor(p["labels"], dtype=torch.int64)[None])
-        sums.append(s)
-        counts.append(n)
+    sums = [sample_loss(model, p) for p in payloads]
+    counts = [loss_tokens(p["labels"]) for p in payloads]
     loss = (torch.stack([s / n for s, n in zip(sums, counts)]).mean() if per_sample_mean
             else torch.stack(sums).sum() / sum(counts))
     loss.backward()
