@@ -50,16 +50,9 @@ from typing import Any
 
 import torch
 
-from ._collate import idle_batch
+from ._collate import NON_MODEL_KEYS, idle_batch
 from ._train import _check_scale, _to_device, scaled_loss_and_mean
 from ._vlm import check_model_batch
-
-INFO_KEY = "batchd_info"
-"""Key under which `batchd.client.BatchdTrainer`'s stream carries the StepInfo inside each batch dict."""
-
-NON_MODEL_KEYS = frozenset({"labels", "sample_ids", "cu_seqlens", "max_seqlen", INFO_KEY})
-"""Batch entries that are not model keyword arguments (the packed layout's boundaries are given to an
-HF model by the restarting ``position_ids``)."""
 
 
 def hf_model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:

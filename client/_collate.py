@@ -18,6 +18,13 @@ from batchd.core import IGNORE_INDEX
 
 Payload = Mapping[str, np.ndarray]
 
+INFO_KEY = "batchd_info"
+"""Key under which `batchd.client.BatchdTrainer`'s stream carries the StepInfo inside each batch dict."""
+
+NON_MODEL_KEYS = frozenset({"labels", "sample_ids", "cu_seqlens", "max_seqlen", INFO_KEY})
+"""Batch entries that are not model keyword arguments (the packed layout's boundaries are given to an
+HF model by the restarting ``position_ids``)."""
+
 __all__ = ["IGNORE_INDEX", "collate_packed", "collate_padded", "idle_batch", "loss_tokens", "to_torch"]
 
 

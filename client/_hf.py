@@ -58,8 +58,9 @@ import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-from ._accelerate import INFO_KEY, accumulation_windows, hf_model_inputs, logits_of
+from ._accelerate import accumulation_windows, hf_model_inputs, logits_of
 from ._client import BatchClient
+from ._collate import INFO_KEY
 from ._train import _check_scale, scaled_loss_and_mean
 from ._vlm import check_model_batch
 

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from ._collate import NON_MODEL_KEYS
 from ._exchange import exchange_image_embeddings
 
 __all__ = ["PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packed_attention", "is_two_phase",
@@ -59,7 +60,6 @@ positions, untested here: flex has no CPU backward, flash needs a GPU)."""
 
 _BATCHD_KEYS = ("vision_send_splits", "vision_recv_splits", "vision_placement", "vision_image_tokens",
                 "llm_image_grid_thw")
-_NOT_MODEL = frozenset({"labels", "sample_ids", "cu_seqlens", "max_seqlen", "batchd_info"})
 _GENERATION = ("cache", "past_key_values", "inputs_embeds")
 _ADAPTED = "_batchd_two_phase"
 
@@ -237,7 +237,7 @@ class _Adapter:
         if args:
             if len(args) != 1 or not isinstance(args[0], Mapping) or kwargs:
                 return self.forward(*args, **kwargs)
-            kwargs = {k: v for k, v in args[0].items() if k not in _NOT_MODEL}
+            kwargs = {k: v for k, v in args[0].items() if k not in NON_MODEL_KEYS}
             kwargs["use_cache"] = False
         if kwargs.get("use_cache") or kwargs.get("input_ids") is None or \
                 any(kwargs.get(k) is not None for k in _GENERATION):
