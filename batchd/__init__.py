@@ -53,6 +53,8 @@ _EXPORTS = {
     "load_config": "batchd._config",
     "loss_scale": "batchd.core",
     "loss_tokens": "batchd.client",
+    "microbatches": "batchd.client",
+    "pipeline_steps": "batchd.client",
     "read_lengths": "batchd._lengths",
     "read_workload": "batchd._lengths",
     "scaled_loss": "batchd.client",

@@ -9,6 +9,9 @@ to the images' owners and returns its own images in LLM order. Stock HF multimod
 Qwen2.5-VL, LLaVA): `two_phase(model)` adapts one in place to every batchd step (one- and two-phase,
 padded and packed), without forking it.
 
+Pipeline parallelism: `pipeline_steps(client, m)` makes m consecutive steps one pipeline step, and
+`microbatches(batch, info, m)` splits one step into m parts of balanced cost, the loss exact either way. Model-parallel groups: `BatchClient(..., group_rank=, group_size=)`.
+
 Trainer integrations: `BatchdTrainer` (transformers.Trainer; imported lazily) and, for Accelerate,
 `batchd_batches` / `batchd_loss` / `batchd_backward`. Imports `batchd.core` and `batchd.proto` only;
 nothing from the daemon.
@@ -22,6 +25,7 @@ from ._accelerate import batchd_backward, batchd_batches, batchd_loss, hf_model_
 from ._client import BatchClient
 from ._collate import IGNORE_INDEX, collate_packed, collate_padded, idle_batch, loss_tokens, to_torch
 from ._exchange import exchange_image_embeddings
+from ._microbatch import microbatches, pipeline_steps
 from ._vlm import PACKED_ATTENTION, VLM_FAMILIES, check_model_batch, check_packed_attention, is_two_phase, two_phase
 from ._train import forward_logits, scaled_loss, scaled_loss_and_mean, step_batch, token_loss_sum, train_step
 
@@ -40,5 +44,5 @@ __all__ = sorted([
     "exchange_image_embeddings", "forward_logits", "idle_batch", "loss_tokens", "scaled_loss",
     "scaled_loss_and_mean", "step_batch", "to_torch", "token_loss_sum", "train_step",
     "BatchdStream", "BatchdTrainer", "batchd_backward", "batchd_batches", "batchd_loss", "hf_model_inputs",
-    "PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packed_attention", "is_two_phase", "two_phase",
+    "microbatches", "pipeline_steps", "PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packed_attention", "is_two_phase", "two_phase",
 ])

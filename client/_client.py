@@ -21,6 +21,11 @@ steps (the service's alignment guarantees it).
 - Step time: unlimited. A trainer may take minutes per step; only a party that is gone fails the job.
 - One trainer per rank: a second client on a rank's service is refused (`RankServiceError`, a
   `BatchdError`, naming the holder).
+- Model-parallel groups (tensor / context / pipeline parallelism: several processes consume one
+  data-parallel rank's batches): every process of the group passes the same `rank` (its data-parallel
+  rank), `world_size` (the data-parallel size), `group_size` and its own `group_rank`. Every member
+  gets the same steps; a step is freed once every member acknowledged it; a member that dies and does
+  not come back within the rank service's grace fails the job, naming the rank and the member.
 - Job failure: the service's ABORTED (its message names the failed rank) raises `JobFailed`.
 """
 
@@ -64,13 +69,19 @@ class BatchClient:
             None connects in plaintext without a token.
         token: Shortcut for `Security(token=token, tls_ca=tls_ca)`; not together with `security`.
         tls_ca: Shortcut: the CA that signed the rank service's certificate (turns TLS on).
+        group_rank: This process's index in the rank's model-parallel group, in [0, group_size).
+        group_size: Processes that consume this rank's batches together (1: a plain data-parallel trainer).
     """
 
     def __init__(self, address: str, rank: int, world_size: int, epoch: int = 0, credits: int = 4,
                  reconnect_timeout_s: float = 60.0, security: Security | None = None,
-                 token: str | None = None, tls_ca: str | None = None, startup_timeout_s: float = 600.0) -> None:
+                 token: str | None = None, tls_ca: str | None = None, startup_timeout_s: float = 600.0,
+                 group_rank: int = 0, group_size: int = 1) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got {rank=} {world_size=}")
+        if group_size < 1 or not 0 <= group_rank < group_size:
+            raise ValueError(f"group_rank must be in [0, group_size), got {group_rank=} {group_size=}")
+        self.group_rank, self.group_size = group_rank, group_size
         if credits < 1:
             raise ValueError(f"credits must be >= 1, got {credits=}")
         if not reconnect_timeout_s > 0 or not startup_timeout_s > 0:
@@ -100,12 +111,15 @@ class BatchClient:
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "rank": self.rank, "world_size": self.world_size, "epoch": self.epoch,
-                "next_step": self.next_step, "finished": self.finished}
+        return {"version": 1, "rank": self.rank, "world_size": self.world_size, "group_rank": self.group_rank,
+                "group_size": self.group_size, "epoch": self.epoch, "next_step": self.next_step,
+                "finished": self.finished}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        bad = [f"{k}: saved {state.get(k)!r}, current {v!r}"
-               for k, v in (("rank", self.rank), ("world_size", self.world_size)) if state.get(k) != v]
+        saved = {"group_rank": 0, "group_size": 1, **state}  # states from before groups: a plain trainer
+        bad = [f"{k}: saved {saved.get(k)!r}, current {v!r}"
+               for k, v in (("rank", self.rank), ("world_size", self.world_size), ("group_rank", self.group_rank),
+                            ("group_size", self.group_size)) if saved.get(k) != v]
         if state.get("version") != 1 or bad:
             raise ValueError(f"BatchClient state does not match this client ({'; '.join(bad) or 'version'})")
         self.epoch, self.next_step, self.finished = state["epoch"], state["next_step"], state["finished"]
@@ -153,7 +167,8 @@ class BatchClient:
                 time.sleep(0.2)
 
     def _party(self) -> str:
-        return f"the rank service at {self.address} (rank {self.rank} of {self.world_size})"
+        member = f", group member {self.group_rank} of {self.group_size}" if self.group_size > 1 else ""
+        return f"the rank service at {self.address} (rank {self.rank} of {self.world_size}{member})"
 
     def _log_wait(self, waited: float, limit: float, code: grpc.StatusCode, details: str | None) -> None:
         """The waiting line, worded like the services' (`batchd.proto.retry_while_unreachable`)."""
@@ -206,7 +221,8 @@ class BatchClient:
         acks: queue.Queue = queue.Queue()
 
         def requests():
-            yield pb.BatchRequest(start_step=self.next_step, credits=self.credits, epoch=self.epoch, rank=self.rank)
+            yield pb.BatchRequest(start_step=self.next_step, credits=self.credits, epoch=self.epoch, rank=self.rank,
+                                  group_rank=self.group_rank, group_size=self.group_size)
             while (ack := acks.get()) is not None:
                 yield pb.BatchRequest(ack_step=ack)
 

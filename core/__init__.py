@@ -42,6 +42,7 @@ from ._grouping import (
     split_largest,
 )
 from ._liveness import Liveness
+from ._microbatch import balanced_split, chunk_split
 from ._loss import loss_scale
 from ._phases import (
     EXCHANGE_KEYS,
@@ -80,7 +81,7 @@ from ._types import Sample, Step, StepInfo, check_bool, parse_bytes, check_choic
 
 __all__ = sorted([
     "BatchdError", "COLLATE", "CoordinatorError", "FIELDS", "IGNORE_INDEX", "JobFailed", "JobSpec", "RankServiceError", "REQUIRED",
-    "VISION_KEYS", "LLM_GRID_KEY", "TOKEN_KEYS", "llm_grids", "check_bool", "check_choice", "check_int", "check_number", "check_str", "collate_images", "collate_packed", "collate_padded", "idle_batch", "image_of", "strip_vision", "loss_tokens",
+    "VISION_KEYS", "LLM_GRID_KEY", "TOKEN_KEYS", "llm_grids", "check_bool", "check_choice", "check_int", "check_number", "check_str", "collate_images", "collate_packed", "collate_padded", "idle_batch", "image_of", "strip_vision", "loss_tokens", "balanced_split", "chunk_split",
     "ALIGN_RULES", "ATTACHED", "COST_MODELS", "END", "MODES", "OVER_BUDGET", "POLICIES", "REFUSED",
     "SEND_END", "WAIT",
     "Connect", "Coordinator", "CostModel", "Delivery", "Entry", "Liveness", "Policy", "ProtocolError", "RankCommit", "RankReport",

@@ -17,13 +17,20 @@ Contract:
   trainer asking for epoch e+1 before that waits (`WAIT`); one asking again for epoch e after taking
   all of its steps but losing the end gets the end again (`END`); any other epoch is refused naming why.
 - Job end: `finished` once the trainer took the end of the last epoch.
-- One trainer per rank: a second one is refused, naming the rank and the holder.
+- One trainer per rank, or one trainer group: in model-parallel jobs (tensor, context or pipeline
+  parallelism) a group of `group_size` processes consumes one data-parallel rank's batches. Each
+  member connects with its index; every member gets every step, with its own credits and cursor; a
+  step is freed once every member acknowledged it, and the end of the epoch is sent to a member once
+  every member acknowledged every step. The first trainer to connect fixes the group size; one that
+  declares another size is refused, naming both; a second process for a member is refused, naming the
+  rank, the member and the holder.
 - Resume: a trainer resumes at `start_step`; a step before the last acknowledgement was freed and
   cannot be sent again, so such a start is refused naming both numbers.
-- Timeouts (liveness only; a slow trainer never fails): a trainer that disconnected mid-epoch and did
-  not come back within `grace_s` fails the job; a rank whose ready steps (or end of epoch) waited
+- Timeouts (liveness only; a slow trainer never fails): a trainer (a group member) that disconnected
+  mid-epoch and did not come back within `grace_s` fails the job; a rank whose ready steps (or end of epoch) waited
   `trainer_timeout_s` with no trainer connected (one that never connected, or did not come back for
-  the next epoch: model loading and evaluation take long) fails it too. `check(now)` names the rank.
+  the next epoch: model loading and evaluation take long) fails it too. `check(now)` names the rank (and the
+  member of a group).
 """
 
 from __future__ import annotations
@@ -38,8 +45,8 @@ from ._types import check_int
 ATTACHED, WAIT, END, REFUSED = "attached", "wait", "end", "refused"
 # what `next_for` says besides a step number
 SEND_END = "end"
-K_EPOCH, K_READY, K_MADE, K_ACKED, K_DONE, K_END_SENT, K_PREV = (
-    "epoch", "ready", "made", "acked", "done", "end_sent", "prev_epoch_steps")
+K_EPOCH, K_READY, K_MADE, K_ACKED, K_DONE, K_END_SENT, K_PREV, K_GROUP, K_ENDS = (
+    "epoch", "ready", "made", "acked", "done", "end_sent", "prev_epoch_steps", "group_size", "ends_sent")
 
 
 def fixed_capacity(depth: int) -> int:
@@ -77,8 +84,23 @@ class Connect:
     reason: str = ""
 
 
+class _Member:
+    """One trainer process of a rank's group: who streams to it, what it was sent and consumed."""
+
+    __slots__ = ("holder", "credits", "cursor", "acked", "end_sent", "gone_since", "unattended_since")
+
+    def __init__(self, now: float, acked: int = 0) -> None:
+        self.holder: Hashable | None = None
+        self.credits = 1
+        self.cursor = acked  # the next step to send
+        self.acked = acked  # every step < acked was consumed by this member
+        self.end_sent = False  # this member took the end of the epoch
+        self.gone_since: float | None = None  # it left mid-epoch at this time
+        self.unattended_since = now  # no process connected as this member since
+
+
 class Delivery:
-    """Delivery of one rank's steps to its trainer (see module docstring)."""
+    """Delivery of one rank's steps to its trainer, or to its trainer group (see module docstring)."""
 
     def __init__(self, rank: int, epochs: int, depth: int, grace_s: float, trainer_timeout_s: float,
                  now: float, epoch: int = 0) -> None:
@@ -90,21 +112,48 @@ class Delivery:
             raise ValueError(f"timeouts must be > 0, got {grace_s=} {trainer_timeout_s=}")
         self.rank, self.epochs, self.depth = rank, epochs, depth
         self.grace_s, self.trainer_timeout_s = grace_s, trainer_timeout_s
+        self.group_size: int | None = None  # fixed by the first trainer that connects
         self._reset(epoch, now)
         self.prev_epoch_steps = 0
-        self.holder: Hashable | None = None
-        self.credits = 1
-        self.cursor = 0  # the next step to send to the holder
 
-    def _reset(self, epoch: int, now: float) -> None:
+    def _reset(self, epoch: int, now: float, acked: int = 0) -> None:
         self.epoch = epoch
         self.ready: list[int] = []
         self.made = 0  # steps made in this epoch (0..made-1)
-        self.acked = 0  # every step < acked was consumed
+        self.acked = acked  # every step < acked was consumed by every member
         self.done = False  # no step follows `made` in this epoch
-        self.end_sent = False
-        self.gone_since: float | None = None  # the trainer left mid-epoch at this time
-        self.unattended_since = now  # no trainer connected since
+        self.end_sent = False  # every member took the end of the epoch
+        self.members = [_Member(now, acked) for _ in range(self.group_size or 1)]
+
+    # -- views ---------------------------------------------------------------------------------------
+    @property
+    def holder(self) -> Hashable | None:
+        """The stream of the first connected member, or None when no trainer is connected."""
+        return next((m.holder for m in self.members if m.holder is not None), None)
+
+    @property
+    def cursor(self) -> int:
+        """The next step to send member 0."""
+        return self.members[0].cursor
+
+    @property
+    def gone_since(self) -> float | None:
+        """When the first member that is still gone left mid-epoch, or None."""
+        return min((m.gone_since for m in self.members if m.gone_since is not None), default=None)
+
+    def holder_of(self, member: int) -> Hashable | None:
+        return self.members[member].holder if member < len(self.members) else None
+
+    def holds(self, client: Hashable) -> bool:
+        """`client` is the stream of one of the members."""
+        return self._member(client) is not None
+
+    def _member(self, client: Hashable) -> _Member | None:
+        return next((m for m in self.members if m.holder is not None and m.holder == client), None)
+
+    def _who(self, k: int) -> str:
+        return (f"trainer of rank {self.rank}" if len(self.members) == 1
+                else f"trainer of rank {self.rank} (group member {k} of {len(self.members)})")
 
     # -- the round loop's side -----------------------------------------------------------------------
     @property
@@ -129,7 +178,7 @@ class Delivery:
 
     @property
     def finished(self) -> bool:
-        """The trainer took the end of the job's last epoch."""
+        """Every member took the end of the job's last epoch."""
         return self.end_sent and self.epoch + 1 >= self.epochs
 
     @property
@@ -137,7 +186,7 @@ class Delivery:
         return self.end_sent and self.epoch + 1 < self.epochs
 
     def advance(self, now: float) -> None:
-        """Starts the next epoch (its trainer took this one's end)."""
+        """Starts the next epoch (every member took this one's end)."""
         if not self.can_advance:
             raise ValueError(f"rank {self.rank}: epoch {self.epoch} cannot hand off "
                              f"(end sent: {self.end_sent}, epochs {self.epochs})")
@@ -145,10 +194,18 @@ class Delivery:
         self._reset(self.epoch + 1, now)
 
     # -- the trainer's side --------------------------------------------------------------------------
-    def connect(self, client: Hashable, epoch: int, start_step: int, credits: int, now: float) -> Connect:
-        """A trainer opens a stream for `epoch` at `start_step` with `credits`."""
+    def connect(self, client: Hashable, epoch: int, start_step: int, credits: int, now: float,
+                member: int = 0, group_size: int = 1) -> Connect:
+        """A trainer (member `member` of a group of `group_size` processes sharing this rank's batches)
+        opens a stream for `epoch` at `start_step` with `credits`."""
         check_int("start_step", start_step, lo=0)
-        if epoch == self.epoch + 1 < self.epochs and self.end_sent:
+        check_int("group_size", group_size, lo=1)
+        check_int("member", member, lo=0, hi=group_size - 1)
+        if self.group_size is not None and group_size != self.group_size:
+            return Connect(REFUSED, f"rank {self.rank}'s trainers form a group of {self.group_size} process(es), "
+                                    f"but this trainer says its group has {group_size}")
+        m = self.members[member] if self.group_size is not None or member == 0 else None
+        if epoch == self.epoch + 1 < self.epochs and (self.end_sent or (m is not None and m.end_sent)):
             return Connect(WAIT, f"rank {self.rank} starts epoch {epoch} next")
         if epoch + 1 == self.epoch and start_step >= self.prev_epoch_steps:
             return Connect(END)  # it took every step of the epoch before but lost the end
@@ -159,83 +216,109 @@ class Delivery:
                 why = f"rank {self.rank} is in epoch {self.epoch}" + (
                     " and its trainer has not taken that epoch's last step" if epoch == self.epoch + 1 else "")
             return Connect(REFUSED, f"the trainer asked for epoch {epoch}, but {why}")
-        if self.holder is not None and self.holder != client:
-            return Connect(REFUSED, f"rank {self.rank}'s batches already stream to trainer {self.holder}; "
-                                    f"a rank serves one trainer")
+        if m is not None and m.holder is not None and m.holder != client:
+            whose = f"rank {self.rank}'s" + (f" group member {member}'s" if group_size > 1 else "")
+            return Connect(REFUSED, f"{whose} batches already stream to trainer {m.holder}; a rank serves one "
+                                    f"trainer" + (" per group member" if group_size > 1 else ""))
         if start_step < self.acked:
             return Connect(REFUSED, f"the trainer resumes rank {self.rank} at step {start_step} of epoch {epoch}, "
                                     f"but steps < {self.acked} were acknowledged and freed")
         if start_step > self.made:
             return Connect(REFUSED, f"the trainer resumes rank {self.rank} at step {start_step} of epoch {epoch}, "
                                     f"but this rank made {self.made} step(s) so far")
-        self.holder, self.credits, self.cursor = client, max(int(credits), 1), start_step
-        self.gone_since = None
-        self._ack(start_step)
+        if self.group_size is None:
+            self.group_size = group_size
+            if group_size > 1:
+                old = self.members[0]
+                self.members = [old] + [_Member(old.unattended_since, self.acked) for _ in range(group_size - 1)]
+            m = self.members[member]
+        assert m is not None
+        m.holder, m.credits, m.cursor = client, max(int(credits), 1), start_step
+        m.gone_since = None
+        self._ack(m, start_step)
         return Connect(ATTACHED)
 
     def disconnect(self, client: Hashable, now: float) -> None:
-        """The holder's stream ended (any reason); others are ignored."""
-        if client != self.holder:
+        """A member's stream ended (any reason); streams that hold nothing are ignored."""
+        m = self._member(client)
+        if m is None:
             return
-        self.holder = None
-        self.unattended_since = now
-        if not self.end_sent:
-            self.gone_since = now
+        m.holder = None
+        m.unattended_since = now
+        if not m.end_sent:
+            m.gone_since = now
 
     def ack(self, client: Hashable, step: int) -> None:
-        """The holder consumed every step < `step`."""
-        if client == self.holder:
-            self._ack(step)
+        """The member streaming to `client` consumed every step < `step`; a step is freed once every
+        member of the group consumed it."""
+        m = self._member(client)
+        if m is not None:
+            self._ack(m, step)
 
-    def _ack(self, step: int) -> None:
-        if step > self.made:
-            step = self.made  # a trainer cannot have consumed more than was made
-        if step > self.acked:
-            self.acked = step
-            self.ready = [s for s in self.ready if s >= step]
+    def _ack(self, m: _Member, step: int) -> None:
+        m.acked = max(m.acked, min(step, self.made))  # nobody consumed more than was made
+        acked = min(x.acked for x in self.members)
+        if acked > self.acked:
+            self.acked = acked
+            self.ready = [s for s in self.ready if s >= acked]
 
     def next_for(self, client: Hashable) -> int | str | None:
-        """What to send the holder now: a step number, SEND_END, or None (wait for a change)."""
-        if client != self.holder:
+        """What to send `client` now: a step number, SEND_END, or None (wait for a change)."""
+        m = self._member(client)
+        if m is None:
             return None
-        if self.cursor < self.made:
-            return self.cursor if self.cursor - self.acked < self.credits else None
+        if m.cursor < self.made:
+            return m.cursor if m.cursor - m.acked < m.credits else None
         if self.done and self.acked >= self.made:
             return SEND_END
         return None
 
     def sent(self, client: Hashable, step: int) -> None:
-        if client == self.holder and step == self.cursor:
-            self.cursor += 1
+        m = self._member(client)
+        if m is not None and step == m.cursor:
+            m.cursor += 1
 
     def mark_end_sent(self, client: Hashable) -> None:
-        """The end of the epoch is about to be written to the holder (journal it first)."""
-        if client != self.holder or self.next_for(client) != SEND_END:
+        """The end of the epoch is about to be written to `client` (journal it first)."""
+        m = self._member(client)
+        if m is None or self.next_for(client) != SEND_END:
             raise ValueError(f"rank {self.rank}: the end of epoch {self.epoch} is not due")
-        self.end_sent = True
+        m.end_sent = True
+        self.end_sent = all(x.end_sent for x in self.members)
 
     # -- liveness ------------------------------------------------------------------------------------
     def check(self, now: float) -> str | None:
-        """The failure at `now`, naming this rank, or None."""
-        if self.holder is not None or self.finished:
+        """The failure at `now`, naming this rank (and the group member), or None."""
+        if self.finished:
             return None
-        if self.gone_since is not None and now - self.gone_since > self.grace_s:
-            return f"trainer of rank {self.rank} disconnected and did not reconnect within {self.grace_s:g}s"
         waiting = bool(self.ready) or (self.done and not self.end_sent)
-        if waiting and now - self.unattended_since > self.trainer_timeout_s:
-            return (f"no trainer connected to rank {self.rank}'s service for {self.trainer_timeout_s:g}s "
-                    f"while its batches were ready")
+        for k, m in enumerate(self.members):
+            if m.holder is not None or m.end_sent:
+                continue
+            if m.gone_since is not None and now - m.gone_since > self.grace_s:
+                return f"{self._who(k)} disconnected and did not reconnect within {self.grace_s:g}s"
+            if waiting and now - m.unattended_since > self.trainer_timeout_s:
+                who = (f"rank {self.rank}'s service" if len(self.members) == 1
+                       else f"rank {self.rank}'s service as group member {k} of {len(self.members)}")
+                return f"no trainer connected to {who} for {self.trainer_timeout_s:g}s while its batches were ready"
         return None
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {K_EPOCH: self.epoch, K_READY: list(self.ready), K_MADE: self.made, K_ACKED: self.acked,
-                K_DONE: self.done, K_END_SENT: self.end_sent, K_PREV: self.prev_epoch_steps}
+                K_DONE: self.done, K_END_SENT: self.end_sent, K_PREV: self.prev_epoch_steps,
+                K_GROUP: self.group_size, K_ENDS: [k for k, m in enumerate(self.members) if m.end_sent]}
 
     def load_state_dict(self, state: Mapping[str, Any], now: float) -> None:
-        """Restores a `state_dict()`; nobody is connected afterwards."""
+        """Restores a `state_dict()`; nobody is connected afterwards, and every member resumes from the
+        steps all of them consumed."""
         check_int("epoch", state[K_EPOCH], lo=0, hi=self.epochs - 1)
-        self._reset(state[K_EPOCH], now)
-        self.ready, self.made, self.acked = list(state[K_READY]), state[K_MADE], state[K_ACKED]
+        group = state.get(K_GROUP)
+        if group is not None:
+            check_int("group_size", group, lo=1)
+        self.group_size = group
+        self._reset(state[K_EPOCH], now, acked=state[K_ACKED])
+        self.ready, self.made = list(state[K_READY]), state[K_MADE]
         self.done, self.end_sent, self.prev_epoch_steps = state[K_DONE], state[K_END_SENT], state[K_PREV]
-        self.holder = None
+        for k in state.get(K_ENDS, range(len(self.members)) if self.end_sent else ()):
+            self.members[k].end_sent = True

@@ -431,18 +431,22 @@ class IngestReply(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[Quarantined, _Mapping]]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("start_step", "credits", "ack_step", "epoch", "rank")
+    __slots__ = ("start_step", "credits", "ack_step", "epoch", "rank", "group_rank", "group_size")
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     ACK_STEP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     start_step: int
     credits: int
     ack_step: int
     epoch: int
     rank: int
-    def __init__(self, start_step: _Optional[int] = ..., credits: _Optional[int] = ..., ack_step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+    group_rank: int
+    group_size: int
+    def __init__(self, start_step: _Optional[int] = ..., credits: _Optional[int] = ..., ack_step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., group_rank: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("info", "tensors", "sample_ids", "end_of_epoch")

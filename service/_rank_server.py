@@ -65,7 +65,8 @@ class RankServicer(pb_grpc.RankServiceServicer):
         core = self._pick(int(first.rank) if first.HasField("rank") else None, context, "Batches")
         stream = _Stream(context.peer(), context)
         try:
-            outcome = core.connect(stream, int(first.epoch), int(first.start_step), int(first.credits))
+            outcome = core.connect(stream, int(first.epoch), int(first.start_step), int(first.credits),
+                                   int(first.group_rank), max(int(first.group_size), 1))
         except RuntimeError as exc:
             core.failure_told = core.failure is not None
             context.abort(grpc.StatusCode.ABORTED, str(exc))

@@ -712,15 +712,17 @@ class RankServiceCore:
             self._prune_locked()
             self.cond.notify_all()
 
-    def connect(self, stream: _Stream, epoch: int, start_step: int, credits: int) -> Connect:
-        """Attaches a trainer stream (see `Delivery.connect`): waits while the next epoch is about to start
-        or a previous stream of this rank is ending; returns the final outcome."""
+    def connect(self, stream: _Stream, epoch: int, start_step: int, credits: int, member: int = 0,
+                group_size: int = 1) -> Connect:
+        """Attaches a trainer stream, member `member` of a group of `group_size` (see `Delivery.connect`):
+        waits while the next epoch is about to start or a previous stream of this member is ending; returns
+        the final outcome."""
         busy_until = time.monotonic() + BUSY_WAIT_S
         with self.cond:
             while True:
                 if self.failure is not None:
                     raise RuntimeError(self.failure)
-                holder = self.delivery.holder
+                holder = self.delivery.holder_of(member)
                 now = time.monotonic()
                 if holder is not None and holder is not stream:
                     if not holder.context.is_active():  # its end is not processed yet
@@ -728,7 +730,7 @@ class RankServiceCore:
                     elif now < busy_until and stream.context.is_active():
                         self.cond.wait(0.1)
                         continue
-                outcome = self.delivery.connect(stream, epoch, start_step, credits, now)
+                outcome = self.delivery.connect(stream, epoch, start_step, credits, now, member, group_size)
                 if outcome.outcome != WAIT or not stream.context.is_active() or self._stop.is_set():
                     if outcome.outcome == ATTACHED:
                         self._prune_locked()
@@ -744,7 +746,7 @@ class RankServiceCore:
             while True:
                 if self.failure is not None:
                     raise RuntimeError(self.failure)
-                if not stream.context.is_active() or self._stop.is_set() or self.delivery.holder is not stream:
+                if not stream.context.is_active() or self._stop.is_set() or not self.delivery.holds(stream):
                     raise ConnectionAbortedError
                 nxt = self.delivery.next_for(stream)
                 if nxt == SEND_END:

@@ -5,6 +5,8 @@ finds is a real one, and every timeout is judged at the exact instants that matt
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -273,3 +275,144 @@ def test_liveness_says_whom_it_waits_for():
     lv = Liveness(3, 10.0, 60.0, 0.0)
     lv.register(1, 0.0)
     assert lv.waiting(12.0) == "waiting for rank(s) [0, 2] to register (12s so far, 48s left of the start-up timeout)"
+
+
+# -- Delivery to a model-parallel group: several processes share one rank's steps ---------------------------
+
+GROUP_ACTIONS = st.lists(st.tuples(st.sampled_from(["make", "take", "ack", "leave", "back", "wait"]),
+                                   st.integers(0, 3), st.floats(min_value=0.0, max_value=100.0)), max_size=150)
+
+
+@given(steps_per_epoch=st.lists(st.integers(0, 8), min_size=1, max_size=2), depth=st.integers(1, 4),
+       group=st.integers(1, 3), credits=st.integers(1, 3), actions=GROUP_ACTIONS)
+def test_every_member_of_a_group_gets_every_step_once_and_a_step_is_freed_only_when_all_took_it(
+        steps_per_epoch, depth, group, credits, actions):
+    """Whatever the interleaving of the members (each slow, leaving and coming back on its own), every
+    member receives every step of every epoch exactly once, in order; a step leaves `ready` only once
+    every member acknowledged it; a member gets the end of an epoch only once all acknowledged all of it;
+    a failure is raised only while a member is absent, naming that member."""
+    epochs = len(steps_per_epoch)
+    d = Delivery(0, epochs, depth, GRACE, TRAINER, 0.0)
+    now = 0.0
+    consumed = [[[] for _ in range(epochs)] for _ in range(group)]
+    in_flight: list[list[int]] = [[] for _ in range(group)]
+    client: list[str | None] = [None] * group
+    epoch_of = [0] * group
+    n = 0
+
+    def attach(k: int) -> None:
+        nonlocal n
+        n += 1
+        name = f"m{k}-{n}"
+        c = d.connect(name, epoch_of[k], len(consumed[k][epoch_of[k]]), credits, now, k, group)
+        if c.outcome == END:
+            epoch_of[k] += 1
+        elif c.outcome == ATTACHED:
+            client[k] = name
+        else:
+            assert c.outcome == WAIT, c
+
+    for kind, k, dt in actions + [("drain", k, 0.0) for _ in range(150) for k in range(group)]:
+        if d.finished:
+            break
+        k %= group
+        now += dt
+        failure = d.check(now)
+        if failure is not None:
+            assert group == 1 or "group member" in failure
+            gone = [j for j in range(group) if client[j] is None]
+            assert gone and any(f"member {j} of {group}" in failure for j in gone) or group == 1, failure
+            return
+        if kind in ("make", "drain") and not d.done:
+            todo = steps_per_epoch[d.epoch] - d.made
+            if (m := min(d.capacity, todo, 2)) > 0:
+                d.add(list(range(d.made, d.made + m)))
+            if d.made == steps_per_epoch[d.epoch]:
+                d.close()
+        if d.can_advance:
+            d.advance(now)
+        if epoch_of[k] >= epochs:
+            continue
+        if kind == "leave" and client[k] is not None:
+            d.disconnect(client[k], now)
+            client[k], in_flight[k] = None, []
+            continue
+        if kind in ("back", "drain") and client[k] is None:
+            attach(k)
+        if client[k] is None:
+            continue
+        nxt = d.next_for(client[k])
+        if nxt == SEND_END:
+            assert all(len(consumed[j][epoch_of[k]]) == steps_per_epoch[epoch_of[k]] for j in range(group)), \
+                "the end went to a member before every member took every step"
+            d.mark_end_sent(client[k])
+            d.disconnect(client[k], now)
+            client[k], in_flight[k] = None, []
+            epoch_of[k] += 1
+            continue
+        if nxt is not None and kind in ("take", "drain", "make", "wait"):
+            in_flight[k].append(nxt)
+            d.sent(client[k], nxt)
+        if kind in ("ack", "drain", "take") and in_flight[k]:
+            step = in_flight[k].pop(0)
+            consumed[k][epoch_of[k]].append(step)
+            d.ack(client[k], step + 1)
+        if d.epoch == epoch_of[k]:  # a step is held until the slowest member of the group consumed it
+            slowest = min(len(consumed[j][d.epoch]) for j in range(group))
+            assert d.ready == [s for s in range(slowest, d.made)], (d.ready, slowest, d.made)
+    assert d.finished, f"the drain did not finish the job: {d.state_dict()}"
+    for k in range(group):
+        for e in range(epochs):
+            assert consumed[k][e] == list(range(steps_per_epoch[e])), f"member {k}, epoch {e}"
+
+
+def test_a_group_refuses_another_size_and_a_second_process_for_a_member():
+    d = _delivery(depth=2)
+    assert d.connect("a0", 0, 0, 1, 0.0, 0, 2).outcome == ATTACHED
+    other = d.connect("x", 0, 0, 1, 0.0, 1, 3)
+    assert other.outcome == REFUSED and "form a group of 2 process(es), but this trainer says its group has 3" \
+        in other.reason
+    assert d.connect("a1", 0, 0, 1, 0.0, 1, 2).outcome == ATTACHED
+    twice = d.connect("b1", 0, 0, 1, 0.0, 1, 2)
+    assert twice.outcome == REFUSED and "rank 0's group member 1's batches already stream to trainer a1" in twice.reason
+    with pytest.raises(ValueError, match="member"):
+        d.connect("c", 0, 0, 1, 0.0, 2, 2)
+
+
+def test_a_group_member_gone_fails_the_job_naming_the_member_and_the_group_restores():
+    d = Delivery(1, 1, 2, GRACE, TRAINER, 0.0)
+    d.connect("a0", 0, 0, 2, 0.0, 0, 2)
+    d.connect("a1", 0, 0, 2, 0.0, 1, 2)
+    d.add([0, 1])
+    d.sent("a0", 0)
+    d.ack("a0", 1)
+    assert d.ready == [0, 1] and d.acked == 0, "member 1 has not taken step 0: it stays held"
+    d.sent("a1", 0)
+    d.ack("a1", 1)
+    assert d.ready == [1] and d.acked == 1
+    d.disconnect("a1", 10.0)
+    assert d.check(10.0 + GRACE) is None
+    assert d.check(10.0 + GRACE + 0.01) == ("trainer of rank 1 (group member 1 of 2) disconnected and did not "
+                                            "reconnect within 30s")
+    e = Delivery(1, 1, 2, GRACE, TRAINER, 50.0)
+    e.load_state_dict(json.loads(json.dumps(d.state_dict())), 50.0)
+    assert e.group_size == 2 and e.ready == [1] and e.holder is None
+    assert e.connect("b0", 0, 1, 2, 50.0, 0, 3).outcome == REFUSED, "the restored group keeps its size"
+    assert e.connect("b0", 0, 1, 2, 50.0, 0, 2).outcome == ATTACHED and e.next_for("b0") == 1
+
+
+def test_a_restored_finished_group_gives_a_member_that_lost_the_end_the_end_again():
+    d = _delivery(depth=2)
+    for k in range(2):
+        d.connect(f"a{k}", 0, 0, 2, 0.0, k, 2)
+    d.add([0])
+    d.close()
+    for k in range(2):
+        d.sent(f"a{k}", 0)
+        d.ack(f"a{k}", 1)
+    for k in range(2):
+        d.mark_end_sent(f"a{k}")
+    assert d.finished
+    e = _delivery(depth=2)
+    e.load_state_dict(d.state_dict(), 1.0)
+    assert e.connect("b1", 0, 1, 2, 1.0, 1, 2).outcome == ATTACHED and e.next_for("b1") == SEND_END
