@@ -10,8 +10,9 @@ Qwen2.5-VL, LLaVA): `two_phase(model)` adapts one in place to every batchd step 
 padded and packed), without forking it.
 
 Trainer integrations: `BatchdTrainer` (transformers.Trainer; imported lazily) and, for Accelerate,
-`batchd_batches` / `batchd_loss` / `batchd_backward`. Imports `batchd.core` and `batchd.proto` only;
-nothing from the daemon.
+`batchd_batches` / `batchd_loss` / `batchd_backward`; FSDP2 (`fully_shard`) trains through `train_step`
+unchanged; DeepSpeed through `batchd_deepspeed_backward` (then ``engine.step()``). Imports `batchd.core`
+and `batchd.proto` only; nothing from the daemon.
 """
 
 import importlib
@@ -21,6 +22,7 @@ from batchd.core import BatchdError, JobFailed, RankServiceError, StepInfo
 from ._accelerate import batchd_backward, batchd_batches, batchd_loss, hf_model_inputs
 from ._client import BatchClient
 from ._collate import IGNORE_INDEX, collate_packed, collate_padded, idle_batch, loss_tokens, to_torch
+from ._deepspeed import batchd_deepspeed_backward
 from ._exchange import exchange_image_embeddings
 from ._vlm import PACKED_ATTENTION, VLM_FAMILIES, check_model_batch, check_packed_attention, is_two_phase, two_phase
 from ._train import forward_logits, scaled_loss, scaled_loss_and_mean, step_batch, token_loss_sum, train_step
@@ -40,5 +42,6 @@ __all__ = sorted([
     "exchange_image_embeddings", "forward_logits", "idle_batch", "loss_tokens", "scaled_loss",
     "scaled_loss_and_mean", "step_batch", "to_torch", "token_loss_sum", "train_step",
     "BatchdStream", "BatchdTrainer", "batchd_backward", "batchd_batches", "batchd_loss", "hf_model_inputs",
+    "batchd_deepspeed_backward",
     "PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packed_attention", "is_two_phase", "two_phase",
 ])
