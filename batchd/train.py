@@ -27,15 +27,23 @@ first agrees on the furthest saved position (a rank killed between the all-reduc
 save is one step behind: step s was consumed by the collective, so it skips it rather than replaying it
 against the others' next step).
 
+`--strategy` picks the data parallelism; every one trains the same loop on the same loss scale:
+`ddp` (the default, DistributedDataParallel), `fsdp2` (torch's `fully_shard` on each transformer block,
+then the root; `train_step` unchanged: FSDP2's reduce-scatter averages over the ranks like DDP) and
+`deepspeed` (ZeRO `--zero-stage`, default 2, over the process group made here; AdamW as its optimizer,
+no gradient accumulation; `batchd.client.batchd_deepspeed_backward` then `engine.step()`). `fsdp2` and
+`deepspeed` train the tiny LM only, without `--checkpoint` (the per-rank checkpoint holds a replicated
+DDP model), and are refused otherwise in one line, as is `deepspeed` without the deepspeed package.
+
 Test hooks (`benchmarks/chaos.py`): `--step-time S` sleeps S seconds per step (a stand-in for a slow
 model); `--ids-log FILE` appends one JSON line per step as the batch arrives, before it is trained
 (`{"epoch", "step", "ids", "patches"}`, fsynced; `patches`: the vision-encoder patches this rank runs
 that step, the rows of its `pixel_values`), so a restarted trainer that replays a step logs it again
 with the same ids.
 
-Summary (one JSON line on stdout, and `--summary FILE`): steps, idle steps, steps per epoch, the last
-loss, the wall time, `exchange_steps` (steps whose batch carried a two-phase vision exchange) and
-`vision_imbalance`: the mean over steps with images of the slowest rank's
+Summary (one JSON line on stdout, and `--summary FILE`): the strategy, steps, idle steps, steps per
+epoch, the last loss, the wall time, `exchange_steps` (steps whose batch carried a two-phase vision
+exchange) and `vision_imbalance`: the mean over steps with images of the slowest rank's
 encoder patches / the mean rank's (1.0: every rank encoded alike; all ranks' patches, gathered once at the
 end; null without images). Rank 0 also logs it ("vision encoder: ..."): with `phases = 2` the
 coordinator's vision plan keeps it near 1.
@@ -59,6 +67,7 @@ the job's failure message (naming the failed rank) when any party fails, and lea
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -72,13 +81,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from batchd.client import BatchClient, BatchdError, JobFailed, train_step
+from batchd.client import BatchClient, BatchdError, JobFailed, batchd_deepspeed_backward, train_step
 from batchd.proto import Progress, Security, progress_interval
 from batchd.service.preprocess import TokenizerRef
 
 from ._logging import setup_logging
 from ._model import TinyCausalLM
 from ._trainer import _FailureWatch, raise_job_failure
+
+
+STRATEGIES = ("ddp", "fsdp2", "deepspeed")
 
 
 def _env_int(name: str) -> int:
@@ -159,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train this stock Hugging Face multimodal model (Qwen2-VL, Qwen2.5-VL, LLaVA; a directory "
                    "save_pretrained wrote, read offline; `batchd tiny-vlm DIR` writes a tiny one) through "
                    "batchd.two_phase(model) instead of the tiny LM")
+    p.add_argument("--strategy", choices=STRATEGIES, default="ddp",
+                   help="data parallelism: ddp (DistributedDataParallel), fsdp2 (torch's fully_shard per block, "
+                   "then the root) or deepspeed (ZeRO, --zero-stage; needs the deepspeed package)")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2,
+                   help="the DeepSpeed ZeRO stage with --strategy deepspeed")
     p.add_argument("--d-model", type=int, default=128, help="model width")
     p.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--n-heads", type=int, default=4, help="attention heads")
@@ -221,6 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             address = rank_service_address(rank, world_size, args.rank_services, args.rank_host, args.base_port)
         security = security_from_args(args)
+        if args.strategy != "ddp" and (args.hf_model is not None or args.checkpoint is not None):
+            raise ValueError(f"--strategy {args.strategy} trains the tiny LM without --checkpoint (per-rank "
+                             f"checkpoints hold replicated DDP weights), got --hf-model={args.hf_model} "
+                             f"--checkpoint={args.checkpoint}")
+        if args.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            raise ValueError("--strategy deepspeed needs the deepspeed package: pip install deepspeed")
         if args.hf_model is not None:
             hf_model = _load_hf_model(args)
         else:
@@ -245,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             model = TinyCausalLM(vocab_size=vocab, d_model=args.d_model, n_layers=args.n_layers,
                                  n_heads=args.n_heads).to(device)
+        if args.strategy == "fsdp2":  # before the optimizer: fully_shard makes the parameters DTensors
+            _fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         client = BatchClient(address, rank, world_size, credits=args.credits,
                              reconnect_timeout_s=args.reconnect_timeout, security=security,
@@ -259,8 +284,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
         if ckpt is not None:
             _agree_position(client, device)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
-        summary = _loop(client, ddp, opt, rank, args, ckpt, train_step, works)
+        step = train_step
+        if args.strategy == "ddp":
+            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
+        elif args.strategy == "fsdp2":
+            ddp = model
+        else:
+            ddp, step = _deepspeed_engine(model, opt, args), _deepspeed_step
+        summary = _loop(client, ddp, opt, rank, args, ckpt, step, works)
     except JobFailed as exc:
         print(f"[rank {rank}] batchd job failed: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -271,15 +302,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[rank {rank}] batchd.train: error: {exc}", file=sys.stderr, flush=True)
         return 2
     finally:
-        dist.destroy_process_group()
+        _destroy_process_group()
         del ddp  # its reducer holds the process group: its gloo threads are joined here, then the handles go
         works.clear()
-    summary.update(rank=rank, world_size=world_size, backend=backend, device=str(device), rank_service=address)
+    summary.update(rank=rank, world_size=world_size, backend=backend, device=str(device), rank_service=address,
+                   strategy=args.strategy)
     line = json.dumps(summary)
     print(line, flush=True)
     if args.summary:
         Path(args.summary.format(rank=rank)).write_text(line)
     return 0
+
+
+def _destroy_process_group() -> None:
+    """Ends the process group; through DeepSpeed once it wraps the group (it caches groups made from it,
+    stale in a later group of the same process unless it releases them)."""
+    ds_comm = sys.modules.get("deepspeed.comm")
+    if ds_comm is not None and ds_comm.is_initialized():
+        ds_comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
+
+
+def _fully_shard(model: torch.nn.Module) -> None:
+    """FSDP2: each transformer block its own group (all-gathered for its forward/backward, reduce-scattered
+    after), then the root (embedding, final norm, head). The gradient is averaged over the ranks like
+    DDP's, so `train_step` and its loss scale apply unchanged."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+
+
+def _deepspeed_engine(model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace) -> Any:
+    """A DeepSpeed engine over the process group already made (its backend), ZeRO stage `--zero-stage`,
+    `opt` as its optimizer, no gradient accumulation (each batchd step is one update)."""
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": args.zero_stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10**9}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+    return engine
+
+
+def _deepspeed_step(engine: Any, opt: Any, batch: Any, info: Any) -> float:
+    """`train_step` for a DeepSpeed engine: forward, scaled loss, engine.backward, engine.step."""
+    loss = batchd_deepspeed_backward(engine, batch, info)
+    engine.step()
+    return loss
 
 
 def _load_hf_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -406,7 +479,8 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> d
     loss = float("nan")
     t0 = time.perf_counter()
     watch = _FailureWatch(client)
-    vocab = _vocabulary(ddp.module)
+    module = getattr(ddp, "module", ddp)  # DDP's and DeepSpeed's wrapped model; FSDP2 shards it in place
+    vocab = _vocabulary(module)
     ids_log = (os.open(args.ids_log.format(rank=rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                if args.ids_log else None)
     try:
@@ -434,7 +508,7 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> d
                         print(f"[rank 0] epoch {epoch} step {info.step} loss {loss:.4f}", file=sys.stderr,
                               flush=True)
                     if ckpt is not None and steps % args.checkpoint_every == 0:
-                        _save(ckpt, ddp.module, opt, client)
+                        _save(ckpt, module, opt, client)
             except VocabularyError:
                 raise
             except BatchdError as exc:  # the client's own diagnosis (JobFailed, or its service unreachable)
@@ -453,10 +527,10 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> d
         if ids_log is not None:
             os.close(ids_log)
     if ckpt is not None:
-        _save(ckpt, ddp.module, opt, client)
+        _save(ckpt, module, opt, client)
     client.close()
     wall = round(time.perf_counter() - t0, 3)
-    vision = _vision_imbalance(patches, next(ddp.module.parameters()).device, works)
+    vision = _vision_imbalance(patches, next(module.parameters()).device, works)
     if rank == 0 and vision is not None:
         print(f"[rank 0] vision encoder: slowest rank / mean, in encoder patches: {vision:.3f} (mean over "
               f"steps with images)", file=sys.stderr, flush=True)

@@ -13,8 +13,9 @@ Pipeline parallelism: `pipeline_steps(client, m)` makes m consecutive steps one 
 `microbatches(batch, info, m)` splits one step into m parts of balanced cost, the loss exact either way. Model-parallel groups: `BatchClient(..., group_rank=, group_size=)`.
 
 Trainer integrations: `BatchdTrainer` (transformers.Trainer; imported lazily) and, for Accelerate,
-`batchd_batches` / `batchd_loss` / `batchd_backward`. Imports `batchd.core` and `batchd.proto` only;
-nothing from the daemon.
+`batchd_batches` / `batchd_loss` / `batchd_backward`; FSDP2 (`fully_shard`) trains through `train_step`
+unchanged; DeepSpeed through `batchd_deepspeed_backward` (then ``engine.step()``). Imports `batchd.core`
+and `batchd.proto` only; nothing from the daemon.
 """
 
 import importlib
@@ -24,6 +25,7 @@ from batchd.core import BatchdError, JobFailed, RankServiceError, StepInfo
 from ._accelerate import batchd_backward, batchd_batches, batchd_loss, hf_model_inputs
 from ._client import BatchClient
 from ._collate import IGNORE_INDEX, collate_packed, collate_padded, idle_batch, loss_tokens, to_torch
+from ._deepspeed import batchd_deepspeed_backward
 from ._exchange import exchange_image_embeddings
 from ._microbatch import microbatches, pipeline_steps
 from ._vlm import PACKED_ATTENTION, VLM_FAMILIES, check_model_batch, check_packed_attention, is_two_phase, two_phase
@@ -44,5 +46,6 @@ __all__ = sorted([
     "exchange_image_embeddings", "forward_logits", "idle_batch", "loss_tokens", "scaled_loss",
     "scaled_loss_and_mean", "step_batch", "to_torch", "token_loss_sum", "train_step",
     "BatchdStream", "BatchdTrainer", "batchd_backward", "batchd_batches", "batchd_loss", "hf_model_inputs",
-    "microbatches", "pipeline_steps", "PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packed_attention", "is_two_phase", "two_phase",
+    "batchd_deepspeed_backward", "microbatches", "pipeline_steps",
+    "PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packed_attention", "is_two_phase", "two_phase",
 ])

@@ -130,6 +130,10 @@ RUN_BY = {
     "python -m batchd.train --base-port 7100 --tokenizer tok.json":
         "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "python -m batchd.train": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
+    "python -m batchd.train --strategy fsdp2":
+        "tests/test_fsdp_deepspeed.py::test_batchd_train_strategy_runs_an_epoch",
+    "python -m batchd.train --strategy deepspeed":
+        "tests/test_fsdp_deepspeed.py::test_batchd_train_strategy_runs_an_epoch",
     "python -m batchd.train --startup-timeout S":
         "tests/test_trainer_start.py::test_a_trainer_pointed_at_nobody_says_whom_it_waits_for_then_exits_2_in_one_line",
     "batchd node": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",

@@ -1,0 +1,124 @@
+"""Steps per second of FSDP2 and DeepSpeed ZeRO-2/3 against plain DDP on the same batchd batches.
+
+Setup: one in-process job per strategy (`tests/_jobs.InProcessJob`: a coordinator and 2 rank services over
+loopback gRPC), all with the same spec (L=`--budget`, policy balanced, padded, seed 7) over the same
+synthetic lengths (lognormal, `--samples`), so every strategy trains the same steps on the same batches.
+Two gloo processes (torch.multiprocessing, one thread each) train batchd's `TinyCausalLM` (d_model 128,
+2 layers, seeded, float32; AdamW) through batchd's loops: `train_step` for DDP and FSDP2 (`fully_shard`
+per block, then the root), `batchd_deepspeed_backward` + ``engine.step()`` for DeepSpeed (CPU accelerator,
+torch optimizer, DeepSpeed's shared-memory op off, as in the tests). Each rank times its epoch from step
+`--warmup` to the last; a strategy's figure is the slower rank's steps/s, and the ratio is against DDP's.
+
+This measures the frameworks' per-step overhead on a tiny CPU model (sharding, all-gathers, reduce-scatters,
+DeepSpeed's bookkeeping), not their memory savings, which are what they are for on large models.
+
+Usage: python benchmarks/integrations.py [--samples 600] [--budget 512] [--warmup 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+STRATEGIES = ("ddp", "fsdp2", "zero2", "zero3")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _epoch(strategy: str, address: str, rank: int, warmup: int) -> tuple[int, float]:
+    from batchd import TinyCausalLM
+    from batchd.client import BatchClient, batchd_deepspeed_backward, train_step
+
+    torch.manual_seed(0)
+    model = TinyCausalLM(vocab_size=512, d_model=128, n_layers=2, n_heads=4)
+    if strategy == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if strategy.startswith("zero"):
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": int(strategy[-1])}, "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9})
+    steps, t0 = 0, None
+    with BatchClient(address, rank, 2) as client:
+        for batch, info in client:
+            if strategy.startswith("zero"):
+                batchd_deepspeed_backward(engine, batch, info)
+                engine.step()
+            else:
+                train_step(model, optimizer, batch, info)
+            steps += 1
+            if steps == warmup:
+                t0 = time.perf_counter()
+    torch.distributed.barrier()
+    return steps, (steps - warmup) / (time.perf_counter() - t0)
+
+
+def _rank(rank: int, port: int, addresses: dict[str, list[str]], warmup: int, out: str) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", DS_ACCELERATOR="cpu")
+    torch.set_num_threads(1)
+    deepspeed.ops.__compatible_ops__ = {**deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm": False}
+    dist.init_process_group("gloo")
+    rates = {s: _epoch(s, addresses[s][rank], rank, warmup) for s in STRATEGIES}
+    torch.save(rates, os.path.join(out, f"rank{rank}.pt"))
+    deepspeed.comm.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    import tempfile
+
+    import torch.multiprocessing as mp
+    from _jobs import job_pool
+
+    from batchd.core import JobSpec
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--samples", type=int, default=600)
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args(argv)
+    rng = np.random.default_rng(3)
+    lengths = np.clip(rng.lognormal(4.0, 0.7, args.samples), 8, args.budget).astype(int).tolist()
+    spec = JobSpec(world_size=2, token_budget=args.budget, policy="balanced", window=64, depth=4, seed=7,
+                   collate="padded")
+    with job_pool(vocab_size=512) as start, tempfile.TemporaryDirectory() as out:
+        jobs = {s: start(spec, lengths) for s in STRATEGIES}
+        addresses = {s: [f"127.0.0.1:{port}" for port in job.ports] for s, job in jobs.items()}
+        mp.spawn(_rank, args=(_free_port(), addresses, args.warmup, out), nprocs=2, join=True)
+        ranks = [torch.load(Path(out) / f"rank{r}.pt") for r in range(2)]
+    steps = {s: {r[s][0] for r in ranks} for s in STRATEGIES}
+    assert all(len(v) == 1 for v in steps.values()) and len({v.pop() for v in steps.values()}) == 1, steps
+    rate = {s: min(r[s][1] for r in ranks) for s in STRATEGIES}
+    print(f"{ranks[0]['ddp'][0]} steps per strategy, 2 gloo ranks, TinyCausalLM d128 x2, L={args.budget}, "
+          f"{args.samples} samples")
+    for s in STRATEGIES:
+        print(f"{s:6s} {rate[s]:7.2f} steps/s   x{rate[s] / rate['ddp']:.2f} of ddp")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""batchd with DeepSpeed (ZeRO stages 0-3): the step's forward, scaled loss and ``engine.backward``.
+
+DeepSpeed's data-parallel reduction averages the N ranks' gradients, as DDP does, so batchd's
+``StepInfo.loss_scale`` (N t_r / T_tok) composes unchanged: the update is the gradient of the step's
+per-token mean over every rank's tokens. ``engine.backward`` also divides the loss by the engine's
+``gradient_accumulation_steps``; batchd's steps are already variable-size token-budget batches, so the
+engine must run with ``gradient_accumulation_steps = 1`` (`batchd_deepspeed_backward` refuses another
+value: the window's steps would need reweighting by their share of its loss tokens)::
+
+    import deepspeed
+    from batchd.client import BatchClient, batchd_deepspeed_backward
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": 2}})
+    for batch, info in BatchClient(address, rank, world_size):
+        batchd_deepspeed_backward(engine, batch, info)   # IDLE: a zero-weight dummy step, still reduced
+        engine.step()
+
+The model is called as `train_step` calls it (`forward_logits`). An IDLE rank runs the 1-token dummy
+batch with the loss ``logits.sum() * 0``: its gradient hooks fire, so ZeRO's reduce-scatters (and
+ZeRO-3's parameter all-gathers) see every rank. This module imports no deepspeed: the engine is used
+through ``gradient_accumulation_steps()``, ``device`` (else its first parameter's), ``backward`` and
+``module``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ._train import _check_scale, _to_device, forward_logits, scaled_loss_and_mean, step_batch
+
+
+def batchd_deepspeed_backward(engine: Any, batch: Mapping[str, Any] | None, info: Any) -> float:
+    """One rank's step up to the update: forward, scaled loss, ``engine.backward`` (call ``engine.step()``).
+
+    Args:
+        engine: A ``deepspeed.DeepSpeedEngine`` with ``gradient_accumulation_steps() == 1``.
+        batch: A `collate_padded` / `collate_packed` batch; ignored (may be None) on IDLE steps.
+        info: The rank's `batchd.core.StepInfo`.
+
+    Returns:
+        The unscaled local per-token mean loss (nan for IDLE or loss-free steps), like `train_step`.
+
+    Raises:
+        ValueError: a gradient accumulation other than 1, a non-IDLE step without a batch, or labels that
+            disagree with ``info.local_loss_tokens``.
+    """
+    steps = engine.gradient_accumulation_steps()
+    if steps != 1:
+        raise ValueError(f"batchd steps need a DeepSpeed engine with gradient_accumulation_steps = 1 (each step is "
+                         f"one token-budget batch; engine.backward would divide its loss scale by {steps}), "
+                         f"got {steps=}")
+    scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
+    _check_scale(scale, tokens)
+    device = getattr(engine, "device", None)
+    device = torch.device(device) if device is not None else next(engine.module.parameters()).device
+    batch = _to_device(step_batch(batch, info), device)
+    logits = forward_logits(engine, batch)
+    loss, mean = scaled_loss_and_mean(logits, batch["labels"], scale, tokens)
+    engine.backward(loss)
+    return mean
