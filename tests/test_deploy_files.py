@@ -9,8 +9,10 @@ Every command line they run is extracted and parsed by the parser that will run 
   which deploy/torchrun/launch.sh forwards).
 
 `batchd node ...` lines (one node agent per GPU host) and the trainer's `--node-agent` parse with the
-real parsers once they exist, and until then with stand-ins built from the agreed interface (see
-NODE_ONLY_FLAGS). launch.sh and start-node-agent.sh also run with stub programs that print their argv.
+real parsers. launch.sh and start-node-agent.sh also run with stub programs that print their argv.
+docker/compose.yaml is checked alone and merged with its CPU override docker/compose.cpu.yaml (host
+networking everywhere, no published ports); deploy/smoke/compose.sh, which runs that merge for real
+under docker, is only syntax-checked here (CI has no docker daemon).
 
 argparse exits on an unknown flag or a bad value: the test catches it and fails naming the file, the
 command and argparse's message. Shell variables are expanded with the example values each script
@@ -52,7 +54,8 @@ from _procs import free_block
 from batchd.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
-SHELL_SCRIPTS = ["deploy/ray/start-batchd.sh", "deploy/ray/start-node-agent.sh", "deploy/torchrun/launch.sh"]
+SHELL_SCRIPTS = ["deploy/ray/start-batchd.sh", "deploy/ray/start-node-agent.sh", "deploy/torchrun/launch.sh",
+                 "deploy/smoke/compose.sh"]
 TOML_CONFIGS = ["deploy/ray/job.toml", "docker/job.toml"]
 K8S = ["deploy/kubernetes/raycluster.yaml", "deploy/kubernetes/rayjob.yaml"]
 DOCKERFILES = ["docker/Dockerfile", "docker/Dockerfile.cpu"]
@@ -200,49 +203,13 @@ def parse_error(parser, argv: list[str]) -> str | None:
     return None
 
 
-# -- the node agent interface ---------------------------------------------------------------------
-# `batchd node` (one agent per GPU host) and `python -m batchd.train --node-agent HOST:PORT` are what
-# the deploy files run. Until this branch meets the one that adds them, the checks parse those lines
-# with a stand-in built from the agreed interface: `batchd rank`'s options minus --rank, plus
-# NODE_ONLY_FLAGS; and the trainer's parser plus --node-agent beside --rank-services/--base-port. Once
-# the real `node` subcommand / --node-agent flag exist, the real parsers are used and the stand-ins
-# never are (test_node_agent_interface says which one ran).
-NODE_ONLY_FLAGS = {"--local-ranks": int, "--node-rank": int, "--name": str, "--advertise": str}
-
-
-def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
-    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-
-
-def has_real_node_command() -> bool:
-    return "node" in _subparsers(build_parser()).choices
-
-
-def has_real_node_agent_flag() -> bool:
-    return "--node-agent" in importlib.import_module("batchd.train").build_parser()._option_string_actions
-
-
+# -- the parsers -----------------------------------------------------------------------------------
 def batchd_parser() -> argparse.ArgumentParser:
-    """`batchd.cli.build_parser()`, with the `node` stand-in when the real subcommand is not there yet."""
-    parser = build_parser()
-    sub = _subparsers(parser)
-    if "node" not in sub.choices:
-        node = sub.add_parser("node", parents=[sub.choices["rank"]], add_help=False,
-                              help="stand-in: batchd rank's options minus --rank, plus the node flags")
-        rank = node._option_string_actions.pop("--rank")
-        rank.container._remove_action(rank)
-        for flag, kind in NODE_ONLY_FLAGS.items():
-            node.add_argument(flag, type=kind)
-    return parser
+    return build_parser()
 
 
 def trainer_parser() -> argparse.ArgumentParser:
-    parser = importlib.import_module("batchd.train").build_parser()
-    if "--node-agent" not in parser._option_string_actions:  # stand-in: one more way to reach the data
-        group = next(g for g in parser._mutually_exclusive_groups
-                     if any("--base-port" in a.option_strings for a in g._group_actions))
-        group.add_argument("--node-agent", metavar="HOST:PORT")
-    return parser
+    return importlib.import_module("batchd.train").build_parser()
 
 
 def check(inv: Invocation) -> str | None:
@@ -271,8 +238,44 @@ def failures(invocations: list[Invocation]) -> list[str]:
 
 
 # -- file-specific extraction -----------------------------------------------------------------------
-def compose() -> dict[str, Any]:
-    return yaml.safe_load(read("docker/compose.yaml"))
+class ComposeLoader(yaml.SafeLoader):
+    """YAML with Compose's merge tags: `!reset` (drop the inherited value) and `!override` (replace it)."""
+
+
+class Reset:
+    def __repr__(self) -> str:
+        return "!reset"
+
+
+RESET = Reset()
+ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
+ComposeLoader.add_constructor("!override", lambda loader, node: (
+    loader.construct_mapping(node, deep=True) if isinstance(node, yaml.MappingNode) else
+    loader.construct_sequence(node, deep=True) if isinstance(node, yaml.SequenceNode) else
+    loader.construct_scalar(node)))
+
+
+def compose(rel: str = "docker/compose.yaml") -> dict[str, Any]:
+    return yaml.load(read(rel), Loader=ComposeLoader)
+
+
+def compose_merge(base: Any, override: Any) -> Any:
+    """`docker compose -f A -f B`'s merge, as far as these files use it: mappings merge key by key,
+    `command`/`entrypoint` and other sequences are replaced, `!reset` removes the key."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for key, value in override.items():
+            if value is RESET:
+                out.pop(key, None)
+            else:
+                out[key] = compose_merge(base.get(key), value) if key in base else value
+        return out
+    return override
+
+
+def compose_cpu() -> dict[str, Any]:
+    """docker/compose.yaml merged with its CPU override (deploy/smoke/compose.sh runs this)."""
+    return compose_merge(compose(), compose("docker/compose.cpu.yaml"))
 
 
 def compose_interpolate(value: Any) -> Any:
@@ -309,13 +312,13 @@ def dockerfile_entry(rel: str) -> tuple[list[str], list[str]]:
     return entry, cmd
 
 
-def compose_invocations() -> list[Invocation]:
-    services = compose_interpolate(compose()["services"])
+def compose_invocations(cpu: bool = False) -> list[Invocation]:
+    services = compose_interpolate((compose_cpu() if cpu else compose())["services"])
     image_entry = {"batchd:0.1.0-cpu": dockerfile_entry("docker/Dockerfile.cpu")[0],
                    "batchd:0.1.0-cuda": dockerfile_entry("docker/Dockerfile")[0]}
     found = []
     for name, svc in services.items():
-        source = f"docker/compose.yaml services.{name}"
+        source = f"docker/compose{'.cpu' if cpu else ''}.yaml services.{name}"
         entry = svc.get("entrypoint", image_entry[svc["image"]])
         entry = shlex.split(entry) if isinstance(entry, str) else entry
         command = svc.get("command", [])
@@ -434,6 +437,7 @@ SOURCES = {
                                                            "deploy/torchrun/launch.sh"),
     "deploy/ray/cluster.yaml": cluster_invocations,
     "docker/compose.yaml": compose_invocations,
+    "docker/compose.cpu.yaml": lambda: compose_invocations(cpu=True),
     "deploy/kubernetes/rayjob.yaml": lambda: k8s_invocations("deploy/kubernetes/rayjob.yaml"),
     "deploy/kubernetes/raycluster.yaml": lambda: k8s_invocations("deploy/kubernetes/raycluster.yaml"),
     "docker/Dockerfile": lambda: [Invocation("docker/Dockerfile ENTRYPOINT+CMD", "batchd",
@@ -446,15 +450,17 @@ SOURCES = {
 MIN_INVOCATIONS = {"deploy/ray/start-batchd.sh": {"batchd": 2}, "deploy/ray/start-node-agent.sh": {"batchd": 1},
                    "deploy/torchrun/launch.sh": {"torchrun": 1},
                    "deploy/ray/cluster.yaml": {"batchd": 1}, "docker/compose.yaml": {"batchd": 2, "torchrun": 1},
+                   "docker/compose.cpu.yaml": {"batchd": 2, "torchrun": 1},
                    "deploy/kubernetes/rayjob.yaml": {"batchd": 1, "trainer": 1},
                    "deploy/kubernetes/raycluster.yaml": {"batchd": 1},
                    "docker/Dockerfile": {"batchd": 1},
                    "docker/Dockerfile.cpu": {"batchd": 1}, "docs/deployment.md": {"batchd": 4, "torchrun": 2}}
 # The files that deploy node agents: each must start at least one `batchd node` (and its trainers use
 # --node-agent, where the file starts trainers).
-NODE_AGENT_SOURCES = {"deploy/ray/start-node-agent.sh", "docker/compose.yaml", "deploy/kubernetes/rayjob.yaml",
+NODE_AGENT_SOURCES = {"deploy/ray/start-node-agent.sh", "docker/compose.yaml", "docker/compose.cpu.yaml",
+                      "deploy/kubernetes/rayjob.yaml",
                       "deploy/kubernetes/raycluster.yaml", "docs/deployment.md"}
-NODE_AGENT_TRAINERS = {"docker/compose.yaml", "deploy/kubernetes/rayjob.yaml", "docs/deployment.md"}
+NODE_AGENT_TRAINERS = {"docker/compose.yaml", "docker/compose.cpu.yaml", "deploy/kubernetes/rayjob.yaml", "docs/deployment.md"}
 
 
 # -- the command lines ------------------------------------------------------------------------------
@@ -557,7 +563,7 @@ def test_compose_matches_its_config() -> None:
     coord = by_service["coordinator"].argv
     assert f":{dict(itertools.pairwise(coord))['--metrics-port']}/metrics" in " ".join(
         services["coordinator"]["healthcheck"]["test"])
-    assert cfg["coordinator"]["address"].split(":")[0] in services
+    assert cfg["coordinator"]["address"] == f"127.0.0.1:{cfg['coordinator']['port']}", "host networking"
     trainer = by_service["trainer"].argv
     from torch.distributed.run import get_args_parser
 
@@ -566,7 +572,7 @@ def test_compose_matches_its_config() -> None:
     assert int(targs.nproc_per_node) == int(opt["--local-ranks"])
     assert targs.rdzv_backend == "static" and int(targs.node_rank) == int(opt["--node-rank"])
     targ = dict(itertools.pairwise(targs.training_script_args))
-    assert targ["--node-agent"] == f"node-agent:{base}"
+    assert targ["--node-agent"] == f"127.0.0.1:{base}"
     assert "--rank-services" not in targ and "--base-port" not in targ
     assert services["trainer"]["depends_on"] == {"node-agent": {"condition": "service_healthy"}}
     (gpus,) = services["trainer"]["deploy"]["resources"]["reservations"]["devices"]
@@ -574,13 +580,48 @@ def test_compose_matches_its_config() -> None:
     for name, svc in services.items():
         for dep in svc.get("depends_on", {}):
             assert dep in services, f"{name} depends on unknown service {dep}"
-        assert set(svc.get("secrets", [])) <= set(compose()["secrets"])
+        secrets = [s if isinstance(s, str) else s["source"] for s in svc.get("secrets", [])]
+        assert set(secrets) <= set(compose()["secrets"]), f"{name}: unknown secret"
+        assert secrets == ["batchd_token"], f"{name} does not get the token"
         if name != "trainer":
             assert "healthcheck" in svc, f"service {name} has no healthcheck"
+        # host networking: service names do not resolve, published ports are invalid
+        assert svc.get("network_mode") == "host", f"service {name} is not on host networking"
+        assert "ports" not in svc and "networks" not in svc, f"service {name}: ports/networks with host networking"
+        argv = by_service[name].argv
+        assert not [a for a in argv if re.match(rf"({'|'.join(services)}):\d+$", a)], \
+            f"{name} names a service as a host: {argv}"
+
+
+def test_compose_cpu_override() -> None:
+    """docker/compose.cpu.yaml: the same job with the trainer on the CPU image (gloo, no GPU reservation),
+    logging the sample ids and summaries deploy/smoke/compose.sh checks."""
+    base, override = compose(), compose("docker/compose.cpu.yaml")
+    assert set(override["services"]) <= set(base["services"]), "the override adds no service"
+    merged = compose_interpolate(compose_cpu()["services"])
+    trainer = merged["trainer"]
+    assert trainer["image"] == "batchd:0.1.0-cpu" and trainer["build"]["dockerfile"] == "docker/Dockerfile.cpu"
+    assert "deploy" not in trainer, "no GPU reservation on a CPU host"
+    assert compose_interpolate(base["services"])["trainer"]["deploy"]["resources"]["reservations"]["devices"]
+    assert all(svc["network_mode"] == "host" and "ports" not in svc for svc in merged.values())
+    assert all(merged[n]["healthcheck"]["test"] for n in ("coordinator", "node-agent"))
+    (inv,) = [i for i in compose_invocations(cpu=True) if i.source.endswith("services.trainer")]
+    from torch.distributed.run import get_args_parser
+
+    targs = get_args_parser().parse_args(inv.argv)
+    args = trainer_parser().parse_args(targs.training_script_args)
+    assert args.backend == "gloo" and args.node_agent == "127.0.0.1:7100"
+    assert int(targs.nproc_per_node) == tomllib.loads(read("docker/job.toml"))["job"]["world_size"]
+    mounts = {v.split(":")[1] for v in trainer["volumes"]}
+    for path in (args.ids_log, args.summary, args.checkpoint):
+        assert any(path == m or path.startswith(m + "/") for m in mounts), f"{path} is not on a host mount"
+    assert "{rank}" in args.ids_log and "{rank}" in args.summary
+    smoke = read("deploy/smoke/compose.sh")
+    assert "docker/compose.cpu.yaml" in smoke and "network_mode" not in smoke
 
 
 def test_compose_variables_are_in_env_example() -> None:
-    used = set(re.findall(r"(?<!\$)\$\{(\w+)", read("docker/compose.yaml")))
+    used = set(re.findall(r"(?<!\$)\$\{(\w+)", read("docker/compose.yaml") + read("docker/compose.cpu.yaml")))
     used |= {s["environment"] for s in compose()["secrets"].values() if "environment" in s}
     example = {m.group(1) for m in re.finditer(r"^(\w+)=", read("docker/env.example"), re.MULTILINE)}
     assert used == example, f"compose uses {sorted(used)}, env.example sets {sorted(example)}"
@@ -722,6 +763,9 @@ def test_dockerfile(rel: str) -> None:
     args = {m.group(1): m.group(2) for op, a in ins if op == "ARG" and (m := re.match(r"(\w+)=(\S+)", a))}
     bases = [a.split()[0] for op, a in ins if op == "FROM"]
     bases = [re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], b) for b in bases]
+    final_from = [a.split()[0] for op, a in ins if op == "FROM"][-1]
+    assert final_from == "${BASE}" and "BASE" in args, f"{rel}: the runtime's base is the build arg BASE"
+    assert [op for op, a in ins].index("ARG") < [op for op, a in ins].index("FROM")
     if rel.endswith(".cpu"):
         assert bases[-1] == "python:3.11-slim"
         assert any("whl/cpu" in v for v in args.values())
@@ -845,8 +889,7 @@ def test_start_node_agent_command(tmp_path: Path) -> None:
 
 
 def test_node_agent_interface() -> None:
-    """What the deploy files need of `batchd node` and `batchd.train --node-agent` (real parsers once they
-    exist, else the stand-ins described at NODE_ONLY_FLAGS)."""
+    """What the deploy files need of `batchd node` and `batchd.train --node-agent`."""
     parser = batchd_parser()
     full = ["node", "--coordinator", "10.0.0.1:7000", "--local-ranks", "4", "--node-rank", "1", "--name", "gpu-1",
             "--host", "0.0.0.0", "--port", "7100", "--advertise", "10.0.0.3", "--port-file", "/tmp/p.json",
@@ -866,8 +909,6 @@ def test_node_agent_interface() -> None:
     assert trainer.parse_args(["--node-agent", "127.0.0.1:7100"]).node_agent == "127.0.0.1:7100"
     assert parse_error(trainer, ["--rank-services", "a:1,b:2"]) is None, "per-rank services stay supported"
     assert parse_error(trainer, ["--base-port", "7100"]) is None
-    print(f"batchd node: {'real' if has_real_node_command() else 'stand-in'}; "
-          f"--node-agent: {'real' if has_real_node_agent_flag() else 'stand-in'}")
 
 
 # -- the trainer entry point ------------------------------------------------------------------------
@@ -976,6 +1017,7 @@ def test_compose_config_with_docker_compose(tmp_path: Path) -> None:
     docker = shutil.which("docker")
     if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True, check=False).returncode != 0:
         pytest.skip("docker compose is not installed here (the YAML checks above still ran)")
-    run = subprocess.run([docker, "compose", "-f", str(REPO / "docker/compose.yaml"), "config", "-q"],
-                         capture_output=True, text=True, env={**os.environ, "BATCHD_TOKEN": "t"}, check=False)
-    assert run.returncode == 0, run.stderr
+    for extra in ([], ["-f", str(REPO / "docker/compose.cpu.yaml")]):
+        run = subprocess.run([docker, "compose", "-f", str(REPO / "docker/compose.yaml"), *extra, "config", "-q"],
+                             capture_output=True, text=True, env={**os.environ, "BATCHD_TOKEN": "t"}, check=False)
+        assert run.returncode == 0, run.stderr
