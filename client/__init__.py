@@ -9,8 +9,9 @@ to the images' owners and returns its own images in LLM order. Stock HF multimod
 Qwen2.5-VL, LLaVA): `two_phase(model)` adapts one in place to every batchd step (one- and two-phase,
 padded and packed), without forking it.
 
-Trainer integrations: `BatchdTrainer` (transformers.Trainer; imported lazily) and, for Accelerate,
-`batchd_batches` / `batchd_loss` / `batchd_backward`. Imports `batchd.core` and `batchd.proto` only;
+Trainer integrations: `BatchdTrainer` (transformers.Trainer; imported lazily), for PyTorch Lightning
+`BatchdDataModule` / `batchd_lightning_loss` (imported lazily) and, for Accelerate, `batchd_batches` /
+`batchd_loss` / `batchd_backward`. Imports `batchd.core` and `batchd.proto` only;
 nothing from the daemon.
 """
 
@@ -25,8 +26,10 @@ from ._exchange import exchange_image_embeddings
 from ._vlm import PACKED_ATTENTION, VLM_FAMILIES, check_model_batch, check_packed_attention, is_two_phase, two_phase
 from ._train import forward_logits, scaled_loss, scaled_loss_and_mean, step_batch, token_loss_sum, train_step
 
-# Hugging Face Trainer integration: imported on first use, so batchd.client works without transformers.
-_LAZY = {"BatchdStream": "._hf", "BatchdTrainer": "._hf"}
+# Hugging Face Trainer and Lightning integrations: imported on first use, so batchd.client works without
+# transformers or Lightning.
+_LAZY = {"BatchdStream": "._hf", "BatchdTrainer": "._hf",
+         "BatchdDataModule": "._lightning", "BatchdStep": "._lightning", "batchd_lightning_loss": "._lightning"}
 
 
 def __getattr__(name: str):
@@ -40,5 +43,6 @@ __all__ = sorted([
     "exchange_image_embeddings", "forward_logits", "idle_batch", "loss_tokens", "scaled_loss",
     "scaled_loss_and_mean", "step_batch", "to_torch", "token_loss_sum", "train_step",
     "BatchdStream", "BatchdTrainer", "batchd_backward", "batchd_batches", "batchd_loss", "hf_model_inputs",
+    "BatchdDataModule", "BatchdStep", "batchd_lightning_loss",
     "PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packed_attention", "is_two_phase", "two_phase",
 ])
