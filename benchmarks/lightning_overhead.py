@@ -11,6 +11,9 @@ construction, process-group setup and teardown are left out); Lightning's whole 
 
 Trade-off: a tiny model on CPU makes each step short, so Lightning's fixed per-step cost (hooks,
 logging, progress tracking) weighs more than on a real model; the ratio is an upper bound on the overhead.
+
+Measured 2026-12-02 on 2 shared CPU cores (24 steps per epoch, 3 runs): Lightning / plain steps per second
+0.873, 0.913, 0.915 at hidden 64 (~40 steps/s plain); 0.991 and 1.037 at hidden 256 (47 steps, ~16 steps/s).
 """
 
 from __future__ import annotations
