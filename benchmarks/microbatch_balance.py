@@ -77,7 +77,7 @@ def main() -> None:
     rows = run(lengths)
     header = ["microbatches", "batchd step budget", "M", "pipeline steps (x ranks)", "imbalance: mean",
               "p95", "<= 5%"]
-    text = ("## Pipeline microbatches\n\nImbalance (max/mean - 1) of one rank-step's M pipeline microbatches on odb-synthetic "
+    text = ("## Pipeline microbatches\n\nImbalance (max/mean - 1) of the M microbatches of one rank's pipeline step on odb-synthetic "
             "(8 ranks, balanced policy, packed, attention cost q=4096, microbatch budget L=8192): M consecutive "
             "batchd steps (`pipeline_steps`), one step of M x L split by cost (`microbatches`) or by count "
             "(`python benchmarks/microbatch_balance.py`):\n\n" + table(header, rows))

@@ -10,12 +10,14 @@ Qwen2.5-VL, LLaVA): `two_phase(model)` adapts one in place to every batchd step 
 padded and packed), without forking it.
 
 Pipeline parallelism: `pipeline_steps(client, m)` makes m consecutive steps one pipeline step, and
-`microbatches(batch, info, m)` splits one step into m parts of balanced cost, the loss exact either way. Model-parallel groups: `BatchClient(..., group_rank=, group_size=)`.
+`microbatches(batch, info, m)` splits one step into m parts of balanced cost, the loss exact either way.
+Model-parallel groups: `BatchClient(..., group_rank=, group_size=)`.
 
-Trainer integrations: `BatchdTrainer` (transformers.Trainer; imported lazily) and, for Accelerate,
-`batchd_batches` / `batchd_loss` / `batchd_backward`; FSDP2 (`fully_shard`) trains through `train_step`
-unchanged; DeepSpeed through `batchd_deepspeed_backward` (then ``engine.step()``). Imports `batchd.core`
-and `batchd.proto` only; nothing from the daemon.
+Trainer integrations: `BatchdTrainer` (transformers.Trainer; imported lazily), for PyTorch Lightning
+`BatchdDataModule` / `batchd_lightning_loss` (imported lazily) and, for Accelerate, `batchd_batches` /
+`batchd_loss` / `batchd_backward`; FSDP2 (`fully_shard`) trains through `train_step` unchanged; DeepSpeed
+through `batchd_deepspeed_backward` (then ``engine.step()``). Imports `batchd.core` and `batchd.proto`
+only; nothing from the daemon.
 """
 
 import importlib
@@ -31,8 +33,10 @@ from ._microbatch import microbatches, pipeline_steps
 from ._vlm import PACKED_ATTENTION, VLM_FAMILIES, check_model_batch, check_packed_attention, is_two_phase, two_phase
 from ._train import forward_logits, scaled_loss, scaled_loss_and_mean, step_batch, token_loss_sum, train_step
 
-# Hugging Face Trainer integration: imported on first use, so batchd.client works without transformers.
-_LAZY = {"BatchdStream": "._hf", "BatchdTrainer": "._hf"}
+# Hugging Face Trainer and Lightning integrations: imported on first use, so batchd.client works without
+# transformers or Lightning.
+_LAZY = {"BatchdStream": "._hf", "BatchdTrainer": "._hf",
+         "BatchdDataModule": "._lightning", "BatchdStep": "._lightning", "batchd_lightning_loss": "._lightning"}
 
 
 def __getattr__(name: str):
@@ -47,5 +51,6 @@ __all__ = sorted([
     "scaled_loss_and_mean", "step_batch", "to_torch", "token_loss_sum", "train_step",
     "BatchdStream", "BatchdTrainer", "batchd_backward", "batchd_batches", "batchd_loss", "hf_model_inputs",
     "batchd_deepspeed_backward", "microbatches", "pipeline_steps",
+    "BatchdDataModule", "BatchdStep", "batchd_lightning_loss",
     "PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packed_attention", "is_two_phase", "two_phase",
 ])

@@ -556,11 +556,11 @@ def test_two_ranks_gradients_equal_single_process_reference(make_job, tmp_path):
 
 
 def test_client_package_imports_without_transformers():
-    """transformers / accelerate are imported lazily: batchd.client alone loads neither."""
+    """transformers / accelerate / Lightning are imported lazily: batchd.client alone loads none of them."""
     import subprocess
     import sys
 
     code = ("import sys, batchd.client as c; assert 'batchd_loss' in c.__all__; "
-            "print(sorted(m for m in ('transformers', 'accelerate') if m in sys.modules))")
+            "print(sorted(m for m in ('transformers', 'accelerate', 'pytorch_lightning', 'lightning') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out

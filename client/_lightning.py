@@ -1,0 +1,209 @@
+"""batchd with PyTorch Lightning: `BatchdDataModule` and `batchd_lightning_loss`.
+
+``trainer.fit(module, datamodule=BatchdDataModule(lambda: BatchClient(address, rank, world_size)))``
+trains on this rank's batchd stream:
+
+* **Data.** ``train_dataloader()`` is the rank's stream itself (an iterable of `BatchdStep`: the batch
+  dict and its StepInfo, ``batch, info = step``), not a ``DataLoader``: Lightning adds no
+  ``DistributedSampler`` and no worker processes (every rank already reads its own aligned stream; a
+  sampler would shard it a second time). `transfer_batch_to_device` moves the batch's tensors and keeps
+  the StepInfo as is. The client may be a zero-argument factory, called in ``setup`` (after the process
+  group exists); its rank and world size must be the trainer's ``global_rank`` / ``world_size``.
+* **Loss.** In ``training_step`` return ``batchd_lightning_loss(self.model, batch, info)``: the model is
+  called the Hugging Face way (``hf_model_inputs``: no labels, ``use_cache=False``), and the loss is the
+  rank's per-token mean x ``loss_scale`` (N t_r / T_tok, `batchd.client.batchd_loss`), so DDP's average
+  over ranks is the gradient of the global per-token mean. IDLE steps arrive with the rank service's
+  1-token dummy batch and give a zero-weight loss (``logits.sum() * 0``) that still reaches every
+  parameter, so DDP's all-reduce fires on every rank. Other models: return
+  ``batchd_loss(forward_logits(self.model, batch), batch, info)``.
+* **Epochs.** Each Lightning epoch reads the rest of the client's batchd epoch, or, once that is
+  finished, the next one (``set_epoch``): a fresh client's Lightning epoch e is batchd epoch e. When the
+  job's last epoch (``client.job_epochs()``, or ``epochs=``: batchd epochs 0 .. epochs-1) ends, the data
+  module sets ``trainer.should_stop``, so ``max_epochs=-1`` (or any bound >= the job's epochs) ends with
+  the job; a smaller ``max_epochs`` stops earlier. Every epoch ends when the stream does (the same step
+  on every rank); ``max_steps`` stops mid-epoch on every rank at the same step, and a later ``fit``
+  continues that batchd epoch (Lightning counts the interrupted epoch as done, so its epoch numbers then
+  run one ahead of batchd's).
+* **Checkpoints.** The data module's ``state_dict`` (saved by Lightning in every checkpoint) is the
+  stream position after the last batch *trained on*: Lightning fetches one batch ahead, so the client's
+  own position is one step further. Rank 0 writes Lightning's checkpoint, but the position holds for
+  every rank (the streams are aligned: same epoch, same step count), so each rank restores its own
+  client from it in ``trainer.fit(..., ckpt_path=...)``.
+
+Trade-offs: ``accumulate_grad_batches`` must be 1 (Lightning's accumulation would weigh every step of a
+window equally, which is not the window's per-token mean: use the Accelerate or HF Trainer integration
+for accumulation); Lightning's ``batch_idx`` counts the steps of the current Lightning run, while
+``info.step`` is batchd's step in the epoch.
+
+Imports Lightning (``lightning.pytorch`` when installed, else ``pytorch_lightning``) at import time; the
+package ``batchd.client`` imports this module lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+try:  # the unified package when present (its Trainer checks against its own LightningDataModule)
+    import lightning.pytorch as pl
+except ImportError:  # pragma: no cover - depends on what is installed
+    import pytorch_lightning as pl
+
+from ._accelerate import batchd_loss, hf_model_inputs
+from ._client import BatchClient
+from ._train import _to_device
+from ._vlm import check_model_batch
+
+
+class BatchdStep:
+    """One step of the stream: ``batch`` (dict of tensors) and ``info`` (its `batchd.core.StepInfo`).
+
+    Unpacks as ``batch, info = step``. A plain object, not a tuple or a dataclass, so Lightning's
+    collection helpers (precision input conversion, device moves) leave the frozen StepInfo alone."""
+
+    __slots__ = ("batch", "info")
+
+    def __init__(self, batch: dict[str, Any], info: Any) -> None:
+        self.batch, self.info = batch, info
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.batch, self.info))
+
+    def __repr__(self) -> str:
+        return f"BatchdStep(step={self.info.step}, keys={sorted(self.batch)})"
+
+
+class _Stream:
+    """The iterable Lightning gets each epoch; iterating reads one batchd epoch (module docstring)."""
+
+    def __init__(self, dm: BatchdDataModule) -> None:
+        self.dm = dm
+
+    def __iter__(self) -> Iterator[BatchdStep]:
+        return self.dm._epoch()
+
+
+class BatchdDataModule(pl.LightningDataModule):
+    """A ``LightningDataModule`` over this rank's batchd stream (module docstring).
+
+    Args:
+        client: This rank's `BatchClient`, or a zero-argument factory returning it (called in ``setup``).
+        epochs: Train batchd epochs up to epochs - 1 (from the client's); by default all the job's, asked
+            of the rank service.
+
+    Raises:
+        ValueError: on bad arguments; in ``setup``: a client whose rank / world size are not the trainer's,
+            or ``accumulate_grad_batches`` != 1.
+    """
+
+    def __init__(self, client: BatchClient | Callable[[], BatchClient], epochs: int | None = None) -> None:
+        super().__init__()
+        if epochs is not None and (isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1):
+            raise ValueError(f"epochs must be None or an integer >= 1, got {epochs=}")
+        if not (isinstance(client, BatchClient) or callable(client)):
+            raise ValueError(  # noqa: TRY004 - bad arguments raise ValueError in this project
+                f"client must be a BatchClient or a factory returning one, got {client=}")
+        self._source, self.epochs = client, epochs
+        self._client: BatchClient | None = client if isinstance(client, BatchClient) else None
+        self._it: Iterator | None = None
+        self._trained: tuple[int, int] | None = None  # (epoch, step) of the last batch sent to training
+        self._pending: Mapping[str, Any] | None = None  # a state loaded before the client existed
+
+    # -- the client ----------------------------------------------------------------------------------
+    @property
+    def client(self) -> BatchClient:
+        """This rank's client (made by the factory on first use)."""
+        if self._client is None:
+            client = self._source()
+            if not isinstance(client, BatchClient):
+                raise ValueError(f"the client factory must return a BatchClient, got {type(client).__name__}")
+            self._client = client
+            if self._pending is not None:
+                self._restore(self._pending)
+        return self._client
+
+    def setup(self, stage: str) -> None:
+        trainer = self.trainer
+        if trainer is None:
+            return
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(f"BatchdDataModule needs accumulate_grad_batches=1 (Lightning would weigh the window's "
+                             f"steps equally), got {trainer.accumulate_grad_batches}")
+        client = self.client
+        want = (trainer.global_rank, trainer.world_size)
+        if (client.rank, client.world_size) != want:
+            raise ValueError(f"the BatchClient is for rank {client.rank} of {client.world_size} but this Lightning "
+                             f"process is rank {want[0]} of {want[1]}: {client.rank=} {client.world_size=}")
+
+    def teardown(self, stage: str) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._it is not None:
+            self._it.close()
+            self._it = None
+
+    # -- data ----------------------------------------------------------------------------------------
+    def train_dataloader(self) -> _Stream:
+        """This rank's stream (no DataLoader, no sampler, no workers)."""
+        return _Stream(self)
+
+    def _epoch(self) -> Iterator[BatchdStep]:
+        self._close()
+        client, trainer = self.client, self.trainer
+        if self.epochs is None:
+            self.epochs = client.job_epochs()
+        if client.finished:  # the client's epoch is done: the next one, if the job has it
+            if client.epoch + 1 >= self.epochs:
+                if trainer is not None:
+                    trainer.should_stop = True
+                return
+            client.set_epoch(client.epoch + 1)
+        self._it = iter(client)
+        for batch, info in self._it:
+            yield BatchdStep(batch, info)
+        self._it = None
+        if trainer is not None and client.finished and client.epoch + 1 >= self.epochs:
+            trainer.should_stop = True  # the job's last epoch has ended: no empty Lightning epochs after it
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Moves a `BatchdStep`'s tensors to `device` (the StepInfo stays) and notes it as trained on."""
+        if not isinstance(batch, BatchdStep):
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        self._trained = (self.client.epoch, batch.info.step)
+        return BatchdStep(_to_device(batch.batch, device), batch.info)
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The stream position after the last batch trained on (rank-independent: see module docstring)."""
+        client = self.client
+        state = client.state_dict()
+        if self._trained is not None and self._trained[0] == client.epoch and self._trained[1] + 1 < client.next_step:
+            state.update(next_step=self._trained[1] + 1, finished=False)  # the fetched-ahead batch is not trained
+        return {k: state[k] for k in ("version", "world_size", "epoch", "next_step", "finished")}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        if self._client is None:
+            self._pending = dict(state_dict)
+            return
+        self._restore(state_dict)
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        client = self._client
+        client.load_state_dict({**state, "rank": client.rank})  # refuses another world size or version
+        self._trained, self._pending = None, None
+
+
+def batchd_lightning_loss(model: torch.nn.Module, batch: Mapping[str, Any], info: Any) -> torch.Tensor:
+    """The loss a ``training_step`` returns for a batchd step: ``model(**hf_model_inputs(batch))``, then
+    the per-token mean x ``info.loss_scale`` (`batchd_loss`; IDLE steps: zero weight, every parameter
+    reached, so DDP's all-reduce fires).
+
+    Raises:
+        ValueError: on a bad scale, labels that disagree with ``info.local_loss_tokens``, or a model the
+            batch does not fit (`batchd.client.check_model_batch`).
+    """
+    check_model_batch(model, batch)
+    return batchd_loss(model(**hf_model_inputs(batch)), batch, info)
