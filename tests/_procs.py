@@ -111,3 +111,18 @@ def wait_until(what, cond, timeout: float, log=lambda: "") -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"{what}: not within {timeout:g}s\n{log()}")
+
+
+def spawn(fn, args: tuple, nprocs: int, limit_s: float = 600.0) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)` with a hang backstop: the processes are killed and
+    AssertionError raised when they still run after `limit_s` (liveness, not speed: keep it generous).
+    A process that raised re-raises here, as `spawn` does."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + limit_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError(f"{nprocs} spawned processes of {fn.__name__} still ran after {limit_s:g}s (a hang)")

@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 import torch
 from _jobs import InProcessJob, job_pool
+from _procs import spawn
 
 from batchd.client import (
     BatchClient,
@@ -177,9 +178,7 @@ def test_hf_trainer_one_epoch_exact_first_gradient(make_job, tmp_path, collate):
     model = tiny_llama()
     initial = copy.deepcopy(model)
     trainer, grads = make_trainer(job, tmp_path, model=model)
-    t0 = time.perf_counter()
     out = trainer.train()
-    wall = time.perf_counter() - t0
     steps = len(trainer.seen)
     ids = [i for step_ids, _ in trainer.seen for i in step_ids]
     assert sorted(ids) == list(range(len(job.lengths))), "every sample exactly once"
@@ -197,7 +196,6 @@ def test_hf_trainer_one_epoch_exact_first_gradient(make_job, tmp_path, collate):
     assert len(losses) == steps and all(math.isfinite(x) for x in losses)
     before, after = dataset_loss(initial, job), dataset_loss(trainer.model, job)
     assert after < before - 0.1, (before, after)
-    assert wall < 60, wall  # ~2 s on an idle 2-core machine; a bound against hangs, not a benchmark
 
 
 def test_hf_trainer_checkpoint_resumes_the_stream(make_job, tmp_path):
@@ -516,8 +514,6 @@ def test_two_ranks_gradients_equal_single_process_reference(make_job, tmp_path):
     equals the single-process per-token gradient over both ranks' samples; with gradient accumulation
     over 2 steps (both integrations), every update's gradient is that over the window's samples of both
     ranks."""
-    import torch.multiprocessing as mp
-
     # accelerate: balanced plan over shuffled lengths; trainer: skewed, rank 1 IDLE from its second step on
     jobs = {"accelerate": make_job(world_size=2, policy="balanced", n=40, budget=200),
             "trainer": make_job(world_size=2, policy="local", n=40, budget=200, skewed=True),
@@ -525,9 +521,7 @@ def test_two_ranks_gradients_equal_single_process_reference(make_job, tmp_path):
             "accelerate_ga": make_job(world_size=2, policy="local", n=40, budget=120, skewed=True)}
     addresses = {kind: [f"127.0.0.1:{port}" for port in job.ports] for kind, job in jobs.items()}
     grad_steps = 3
-    t0 = time.perf_counter()
-    mp.spawn(_rank_main, args=(2, _free_port(), addresses, str(tmp_path), grad_steps), nprocs=2, join=True)
-    wall = time.perf_counter() - t0
+    spawn(_rank_main, (2, _free_port(), addresses, str(tmp_path), grad_steps), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for kind, job in jobs.items():
         res = [r[kind] for r in ranks]
@@ -552,7 +546,6 @@ def test_two_ranks_gradients_equal_single_process_reference(make_job, tmp_path):
         assert max(gaps) > 100 * ATOL, (kind, gaps)
     assert any(s["idle"] for r in ranks for s in r["trainer"]["steps"][:grad_steps]), "no IDLE step checked"
     assert sum(s["idle"] for s in ranks[1]["trainer"]["steps"]) > 5
-    assert wall < 90, (wall, [r["wall_s"] for r in ranks])  # ~23 s unloaded (spawn + imports dominate)
 
 
 def test_client_package_imports_without_transformers():

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -92,7 +91,6 @@ def lit_trainer(**kwargs):
 # -- two processes, Lightning's DDP over gloo --------------------------------------------------------------
 def _rank_main(rank: int, world: int, port: int, addresses: dict[str, list[str]], out_dir: str,
                grad_steps: int) -> None:
-    t_entry = time.time()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), RANK=str(rank))
     torch.set_num_threads(1)
@@ -101,18 +99,15 @@ def _rank_main(rank: int, world: int, port: int, addresses: dict[str, list[str]]
     from batchd.client import BatchdDataModule
 
     warnings.filterwarnings("ignore")
-    out = {"t_entry": t_entry}
+    out = {}
     for kind, addrs in addresses.items():
-        t0 = time.perf_counter()
         module = lit_module(grad_steps)
         dm = BatchdDataModule(lambda a=addrs[rank]: BatchClient(a, rank, world))
         trainer = lit_trainer(devices=world, strategy="ddp")
         trainer.fit(module, datamodule=dm)
         out[kind] = {"world_size": trainer.world_size, "ddp": module.wrapper,
                      "steps": module.steps, "grads": module.grads, "finished": dm.client.finished,
-                     "should_stop": trainer.should_stop, "global_step": trainer.global_step,
-                     "wall_s": time.perf_counter() - t0}
-    out["t_exit"] = time.time()
+                     "should_stop": trainer.should_stop, "global_step": trainer.global_step}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(out, f)
     # both ranks are done with every collective (the fits ended); a normal interpreter exit here takes
@@ -122,17 +117,14 @@ def _rank_main(rank: int, world: int, port: int, addresses: dict[str, list[str]]
 
 @pytest.mark.slow
 def test_lightning_ddp_gradients_equal_single_process_reference(jobs, tmp_path):
-    import torch.multiprocessing as mp
+    from _procs import spawn
     from test_integrations import _free_port
 
     made = {"balanced": make_job(jobs, world_size=2, policy="balanced"),
             "skewed": make_job(jobs, world_size=2, policy="local", skewed=True, collate="packed")}
     addresses = {kind: [job.rank_address(r) for r in range(2)] for kind, job in made.items()}
     grad_steps = 3
-    t0 = time.perf_counter()
-    t_spawn = time.time()
-    mp.spawn(_rank_main, args=(2, _free_port(), addresses, str(tmp_path), grad_steps), nprocs=2, join=True)
-    wall = time.perf_counter() - t0
+    spawn(_rank_main, (2, _free_port(), addresses, str(tmp_path), grad_steps), nprocs=2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for kind, job in made.items():
         res = [r[kind] for r in ranks]
@@ -161,10 +153,6 @@ def test_lightning_ddp_gradients_equal_single_process_reference(jobs, tmp_path):
         assert max(gaps) > 100 * ATOL, (kind, gaps)
     skewed = ranks[1]["skewed"]["steps"]
     assert any(s["idle"] for s in skewed[:grad_steps]) and sum(s["idle"] for s in skewed) > 5, "IDLE steps checked"
-    timing = (wall, [(r["t_entry"] - t_spawn, {k: r[k]["wall_s"] for k in made}, t_spawn + wall - r["t_exit"])
-                     for r in ranks])
-    print("timing", timing)
-    assert wall < 60, timing  # a hang backstop
 
 
 # -- one process -----------------------------------------------------------------------------------------
