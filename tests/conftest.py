@@ -3,6 +3,7 @@
 `HYPOTHESIS_PROFILE=thorough` raises the example counts for a longer local run; CI uses the default.
 """
 
+import logging
 import os
 from pathlib import Path
 
@@ -22,6 +23,22 @@ def workload_dir() -> Path:
     """The shared benchmark workloads (../shared/workloads beside the checkout)."""
     return REPO.parent / "shared" / "workloads"
 
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """A command run in-process (`batchd.cli.main`, `batchd.train.main`) replaces the root logger's handlers
+    with one on this test's captured stderr; put the previous ones back, so that a later test's threads do not
+    log into a closed capture file ("--- Logging error --- ValueError: I/O operation on closed file")."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        if h not in handlers:
+            root.removeHandler(h)
+    for h in handlers:
+        if h not in root.handlers:
+            root.addHandler(h)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
