@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ._train import _check_scale, _to_device, forward_logits, scaled_loss_and_mean, step_batch
+from ._train import step_loss
 
 
 def batchd_deepspeed_backward(engine: Any, batch: Mapping[str, Any] | None, info: Any) -> float:
@@ -54,12 +54,8 @@ def batchd_deepspeed_backward(engine: Any, batch: Mapping[str, Any] | None, info
         raise ValueError(f"batchd steps need a DeepSpeed engine with gradient_accumulation_steps = 1 (each step is "
                          f"one token-budget batch; engine.backward would divide its loss scale by {steps}), "
                          f"got {steps=}")
-    scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
-    _check_scale(scale, tokens)
     device = getattr(engine, "device", None)
     device = torch.device(device) if device is not None else next(engine.module.parameters()).device
-    batch = _to_device(step_batch(batch, info), device)
-    logits = forward_logits(engine, batch)
-    loss, mean = scaled_loss_and_mean(logits, batch["labels"], scale, tokens)
+    loss, mean = step_loss(engine, batch, info, device)
     engine.backward(loss)
     return mean

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from batchd import core
-from batchd.core import IGNORE_INDEX, CostModel, StepInfo
+from batchd.core import CostModel, StepInfo
 
 from ._accelerate import accumulation_windows
 from ._collate import to_torch
@@ -98,7 +98,7 @@ def microbatches(batch: Mapping[str, Any], info: StepInfo, m: int, cost: CostMod
     packed = "cu_seqlens" in batch
     samples = [] if info.is_idle else _samples(batch)
     ids = [] if info.is_idle else [int(i) for i in batch["sample_ids"]]
-    tokens = [int((s["labels"][1:] != IGNORE_INDEX).sum()) for s in samples]
+    tokens = [core.loss_tokens(s["labels"]) for s in samples]
     if sum(tokens) != info.local_loss_tokens and not info.is_idle:
         raise ValueError(f"microbatches: the labels carry {sum(tokens)} loss tokens, but "
                          f"{info.local_loss_tokens=}: the loss scale would be wrong")

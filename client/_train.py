@@ -161,12 +161,19 @@ def train_step(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     Raises:
         ValueError: if a non-IDLE step has no batch, or the labels disagree with ``local_loss_tokens``.
     """
-    scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
-    _check_scale(scale, tokens)
-    batch = _to_device(step_batch(batch, info), next(ddp_model.parameters()).device)
     optimizer.zero_grad(set_to_none=True)
-    logits = forward_logits(ddp_model, batch)
-    loss, mean = scaled_loss_and_mean(logits, batch["labels"], scale, tokens)
+    loss, mean = step_loss(ddp_model, batch, info, next(ddp_model.parameters()).device)
     loss.backward()
     optimizer.step()
     return mean
+
+
+def step_loss(model: Any, batch: Mapping[str, Any] | None, info: Any,
+              device: torch.device) -> tuple[torch.Tensor, float]:
+    """The step's forward on `device` and its scaled loss: (the tensor to backward, the unscaled local
+    per-token mean), as `train_step` computes them; IDLE steps run the zero-weight dummy batch."""
+    scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
+    _check_scale(scale, tokens)
+    batch = _to_device(step_batch(batch, info), device)
+    logits = forward_logits(model, batch)
+    return scaled_loss_and_mean(logits, batch["labels"], scale, tokens)
