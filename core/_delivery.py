@@ -122,10 +122,14 @@ class Delivery:
         self.made = 0  # steps made in this epoch (0..made-1)
         self.acked = acked  # every step < acked was consumed by every member
         self.done = False  # no step follows `made` in this epoch
-        self.end_sent = False  # every member took the end of the epoch
         self.members = [_Member(now, acked) for _ in range(self.group_size or 1)]
 
     # -- views ---------------------------------------------------------------------------------------
+    @property
+    def end_sent(self) -> bool:
+        """Every member took the end of the epoch."""
+        return all(m.end_sent for m in self.members)
+
     @property
     def holder(self) -> Hashable | None:
         """The stream of the first connected member, or None when no trainer is connected."""
@@ -284,7 +288,6 @@ class Delivery:
         if m is None or self.next_for(client) != SEND_END:
             raise ValueError(f"rank {self.rank}: the end of epoch {self.epoch} is not due")
         m.end_sent = True
-        self.end_sent = all(x.end_sent for x in self.members)
 
     # -- liveness ------------------------------------------------------------------------------------
     def check(self, now: float) -> str | None:
@@ -319,6 +322,6 @@ class Delivery:
         self.group_size = group
         self._reset(state[K_EPOCH], now, acked=state[K_ACKED])
         self.ready, self.made = list(state[K_READY]), state[K_MADE]
-        self.done, self.end_sent, self.prev_epoch_steps = state[K_DONE], state[K_END_SENT], state[K_PREV]
-        for k in state.get(K_ENDS, range(len(self.members)) if self.end_sent else ()):
+        self.done, self.prev_epoch_steps = state[K_DONE], state[K_PREV]
+        for k in state.get(K_ENDS, range(len(self.members)) if state[K_END_SENT] else ()):
             self.members[k].end_sent = True
