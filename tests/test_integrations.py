@@ -521,7 +521,7 @@ def test_two_ranks_gradients_equal_single_process_reference(make_job, tmp_path):
             "accelerate_ga": make_job(world_size=2, policy="local", n=40, budget=120, skewed=True)}
     addresses = {kind: [f"127.0.0.1:{port}" for port in job.ports] for kind, job in jobs.items()}
     grad_steps = 3
-    spawn(_rank_main, (2, _free_port(), addresses, str(tmp_path), grad_steps), nprocs=2)
+    spawn(_rank_main, (2, _free_port(), addresses, str(tmp_path), grad_steps), nprocs=2, limit_s=90)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for kind, job in jobs.items():
         res = [r[kind] for r in ranks]

@@ -124,7 +124,7 @@ def test_lightning_ddp_gradients_equal_single_process_reference(jobs, tmp_path):
             "skewed": make_job(jobs, world_size=2, policy="local", skewed=True, collate="packed")}
     addresses = {kind: [job.rank_address(r) for r in range(2)] for kind, job in made.items()}
     grad_steps = 3
-    spawn(_rank_main, (2, _free_port(), addresses, str(tmp_path), grad_steps), nprocs=2)
+    spawn(_rank_main, (2, _free_port(), addresses, str(tmp_path), grad_steps), nprocs=2, limit_s=60)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for kind, job in made.items():
         res = [r[kind] for r in ranks]
