@@ -50,7 +50,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchd._mllm import TinyMLLM
 from batchd._model import TinyCausalLM
-from batchd.launch import StepTicker
 from batchd.client import (
     BatchClient,
     collate_padded,
@@ -60,6 +59,7 @@ from batchd.client import (
     token_loss_sum,
 )
 from batchd.core import VISION_KEYS, ViewSource
+from batchd.launch import StepTicker
 from batchd.service.preprocess import SYNTHETIC_PATCH_DIM, synthetic_image_payload, synthetic_payload
 
 # Model presets. `llama-100m`: 12 layers, d_model 768, 12 heads, SwiGLU 2048, vocab 32000 (tied head):
@@ -86,9 +86,15 @@ def hf_qwen2vl(seed: int, max_len: int) -> torch.nn.Module:
     from batchd._vlm_tiny import tiny_qwen2vl_config
     from batchd.client import two_phase
 
-    cfg = tiny_qwen2vl_config(SYNTHETIC_VOCAB + 3, image_token_id=SYNTHETIC_VOCAB - 1, video_token_id=SYNTHETIC_VOCAB,
-                              vision_start_token_id=SYNTHETIC_VOCAB + 1, vision_end_token_id=SYNTHETIC_VOCAB + 2,
-                              pad_token_id=0, max_position_embeddings=max(8192, max_len))
+    cfg = tiny_qwen2vl_config(
+        SYNTHETIC_VOCAB + 3,
+        image_token_id=SYNTHETIC_VOCAB - 1,
+        video_token_id=SYNTHETIC_VOCAB,
+        vision_start_token_id=SYNTHETIC_VOCAB + 1,
+        vision_end_token_id=SYNTHETIC_VOCAB + 2,
+        pad_token_id=0,
+        max_position_embeddings=max(8192, max_len),
+    )
     torch.manual_seed(seed)
     model = Qwen2VLForConditionalGeneration._from_config(cfg, attn_implementation="sdpa").train()
     return two_phase(model)
@@ -142,8 +148,13 @@ class VisionTimer:
         if not self.on or self.t_fwd is None:
             return
         self.fwd_s += time.perf_counter() - self.t_fwd
-        values = output.values() if hasattr(output, "values") else output if isinstance(output, (tuple, list)) \
+        values = (
+            output.values()
+            if hasattr(output, "values")
+            else output
+            if isinstance(output, (tuple, list))
             else (output,)
+        )
         for t in values:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(self._grad)
@@ -185,20 +196,23 @@ def view_ids(num_samples: int, rank: int, world_size: int, seed: int, epoch: int
     return list(ViewSource(num_samples, rank, world_size, seed, epoch, shuffle=True)._view)
 
 
-def fixed_batches(num_samples: int, rank: int, world_size: int, seed: int, batch_size: int,
-                  epoch: int = 0) -> list[list[int]]:
+def fixed_batches(
+    num_samples: int, rank: int, world_size: int, seed: int, batch_size: int, epoch: int = 0
+) -> list[list[int]]:
     """The fixed baseline's batches: the rank's view of `epoch` cut into runs of `batch_size` ids."""
     view = view_ids(num_samples, rank, world_size, seed, epoch)
-    return [view[i:i + batch_size] for i in range(0, len(view), batch_size)]
+    return [view[i : i + batch_size] for i in range(0, len(view), batch_size)]
 
 
-def payload(sample_id: int, lengths: list[int], seed: int,
-            images: list[list[list[int]]] | None = None) -> dict[str, np.ndarray]:
+def payload(
+    sample_id: int, lengths: list[int], seed: int, images: list[list[list[int]]] | None = None
+) -> dict[str, np.ndarray]:
     """The sample batchd's SyntheticSource serves for `sample_id` (same tokens, labels, length; with
     `images`, the same synthetic pixels)."""
     if images is not None:
-        return synthetic_image_payload(sample_id, lengths[sample_id], [tuple(im) for im in images[sample_id]],
-                                       seed, SYNTHETIC_VOCAB)
+        return synthetic_image_payload(
+            sample_id, lengths[sample_id], [tuple(im) for im in images[sample_id]], seed, SYNTHETIC_VOCAB
+        )
     return synthetic_payload(sample_id, lengths[sample_id], seed, SYNTHETIC_VOCAB)
 
 
@@ -213,8 +227,11 @@ class SyntheticDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         p = payload(int(i), self.lengths, self.seed, self.images)
-        out = {"input_ids": torch.from_numpy(p["input_ids"].astype(np.int64)),
-               "labels": torch.from_numpy(p["labels"].astype(np.int64)), "sample_id": int(i)}
+        out = {
+            "input_ids": torch.from_numpy(p["input_ids"].astype(np.int64)),
+            "labels": torch.from_numpy(p["labels"].astype(np.int64)),
+            "sample_id": int(i),
+        }
         for key in VISION_KEYS:
             if key in p:
                 out[key] = torch.from_numpy(p[key])
@@ -226,8 +243,9 @@ ODB_PASS_KEYS = ("total_batch_size", "odb_total_tokens")  # set per sample by OD
 
 def odb_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """The user collate handed to ODB: `collate_padded` (batchd's padded layout) + ids + ODB's metadata."""
-    out: dict[str, Any] = collate_padded([{k: s[k].numpy() for k in ("input_ids", "labels", *VISION_KEYS) if k in s}
-                                          for s in samples])
+    out: dict[str, Any] = collate_padded(
+        [{k: s[k].numpy() for k in ("input_ids", "labels", *VISION_KEYS) if k in s} for s in samples]
+    )
     out["sample_ids"] = torch.tensor([s["sample_id"] for s in samples], dtype=torch.int64)
     for key in ODB_PASS_KEYS:
         if key in samples[0]:
@@ -236,7 +254,9 @@ def odb_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _device_batch(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }
 
 
 class _Recorder:
@@ -245,8 +265,14 @@ class _Recorder:
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
 
-    def add(self, ids: list[int], batch: dict[str, Any] | None, logits: torch.Tensor | None, t0: float,
-            wait_s: float) -> None:
+    def add(
+        self,
+        ids: list[int],
+        batch: dict[str, Any] | None,
+        logits: torch.Tensor | None,
+        t0: float,
+        wait_s: float,
+    ) -> None:
         if batch is None:
             rec = {"ids": [], "real": 0, "materialized": 0, "loss_sum": 0.0, "loss_tokens": 0}
         else:
@@ -254,8 +280,13 @@ class _Recorder:
             real = int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
             with torch.no_grad():
                 s, n = token_loss_sum(logits.detach(), batch["labels"])
-            rec = {"ids": ids, "real": real if ids else 0, "materialized": int(batch["input_ids"].numel()),
-                   "loss_sum": float(s), "loss_tokens": int(n)}
+            rec = {
+                "ids": ids,
+                "real": real if ids else 0,
+                "materialized": int(batch["input_ids"].numel()),
+                "loss_sum": float(s),
+                "loss_tokens": int(n),
+            }
             pixels = batch.get("pixel_values")
             rec["patches"] = int(pixels.shape[0]) if pixels is not None else 0  # the encoder's load
         rec["t"] = time.monotonic() - t0
@@ -275,8 +306,14 @@ def step_lr(base_lr: float, global_tokens: int, ref_tokens: int | None, power: f
     return base_lr * (global_tokens / ref_tokens) ** power
 
 
-def _step(ddp: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[str, Any], scale: float | None,
-          tokens: int, lr: float) -> torch.Tensor:
+def _step(
+    ddp: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: dict[str, Any],
+    scale: float | None,
+    tokens: int,
+    lr: float,
+) -> torch.Tensor:
     """Forward, loss (x scale; None: plain per-token mean), backward (DDP all-reduce), update at `lr`."""
     for group in opt.param_groups:
         group["lr"] = lr
@@ -325,10 +362,20 @@ def _iter_odb(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
         workers = cfg["odb_workers"]  # gloo group by iteration, a fresh loader would reuse the first name
         sampler = ViewSampler(cfg["num_samples"], cfg["rank"], cfg["world_size"], cfg["seed"])
         loader = torch.utils.data.DataLoader(
-            SyntheticDataset(cfg["lengths"], cfg["seed"], cfg.get("images")), batch_size=1, sampler=sampler, num_workers=workers,
-            prefetch_factor=max(1, math.ceil(cfg["window"] / workers)), collate_fn=odb_collate)
-        odb.apply(loader, token_budget=cfg["token_budget"], loss_scaling="exact", join=True,
-                  buffer_size=cfg["window"])
+            SyntheticDataset(cfg["lengths"], cfg["seed"], cfg.get("images")),
+            batch_size=1,
+            sampler=sampler,
+            num_workers=workers,
+            prefetch_factor=max(1, math.ceil(cfg["window"] / workers)),
+            collate_fn=odb_collate,
+        )
+        odb.apply(
+            loader,
+            token_budget=cfg["token_budget"],
+            loss_scaling="exact",
+            join=True,
+            buffer_size=cfg["window"],
+        )
         holder["loader"], holder["sampler"] = loader, sampler
     holder["sampler"].set_epoch(epoch)
     for batch in holder["loader"]:
@@ -375,14 +422,18 @@ def evaluate(model: torch.nn.Module, cfg: dict[str, Any], device: torch.device) 
     total, count, group = 0.0, 0, []
     model.eval()
     with torch.no_grad():
+
         def flush(g):
             nonlocal total, count
-            batch = _device_batch(collate_padded([payload(i, lengths, seed, cfg.get("images")) for i in g]), device)
+            batch = _device_batch(
+                collate_padded([payload(i, lengths, seed, cfg.get("images")) for i in g]), device
+            )
             if cfg.get("model") in HF_MODELS:
                 batch = hf_pixels(batch)
             s, n = token_loss_sum(forward_logits(model, batch).float(), batch["labels"])
             total += float(s)
             count += n
+
         for i in order:
             if group and (len(group) + 1) * lengths[i] > token_budget:
                 flush(group)
@@ -403,9 +454,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         torch.cuda.set_device(device)
     t_proc = time.monotonic()
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{cfg['master_port']}",
-                            rank=rank, world_size=world_size, timeout=timedelta(seconds=cfg.get("gloo_timeout_s", 600)))
-    model = build_model(cfg["model"], cfg["seed"], max(cfg["all_lengths"]) + 1, bool(cfg.get("images"))).to(device)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://127.0.0.1:{cfg['master_port']}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=cfg.get("gloo_timeout_s", 600)),
+    )
+    model = build_model(cfg["model"], cfg["seed"], max(cfg["all_lengths"]) + 1, bool(cfg.get("images"))).to(
+        device
+    )
     hf = cfg["model"] in HF_MODELS
     tower = vision_module(model)
     timer = VisionTimer(tower) if tower is not None and cfg.get("images") else None
@@ -425,7 +483,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     # ODB's join mode and a fixed view that does not split evenly end ranks on different step counts:
     # torch's Join shadows the finished rank's all-reduces (ODB's README pairs join=True with it), one
     # Join per epoch so that the per-epoch evaluation's barriers meet.
-    uneven = system == "odb-0.1.2" or (system == "fixed" and cfg["num_samples"] % (world_size * cfg["batch_size"]))
+    uneven = system == "odb-0.1.2" or (
+        system == "fixed" and cfg["num_samples"] % (world_size * cfg["batch_size"])
+    )
     step_time = float(cfg.get("step_time", 0.0))
     batches = _slowed(epoch_batches(cfg, holder, 0), step_time)
     first = next(batches, None)  # start-up: the pipeline's first batch, outside the clock
@@ -446,7 +506,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 while item is not None:
                     ids, batch, scale, tokens = item
                     wait_s = 0.0 if item is first and not epoch else holder.get("wait", 0.0)
-                    lr = step_lr(base_lr, holder.get("global_tokens", 0), ref_tokens, cfg.get("lr_power", 0.5))
+                    lr = step_lr(
+                        base_lr, holder.get("global_tokens", 0), ref_tokens, cfg.get("lr_power", 0.5)
+                    )
                     if batch is None:  # batchd IDLE step: zero-weight forward/backward keeps DDP aligned
                         _step(ddp, opt, _device_batch(idle_batch(), device), 0.0, 0, lr)
                         rec.add([], None, None, t0, wait_s)
@@ -482,9 +544,17 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         ticker.write()
         wall_s = rec.steps[-1]["t"] if rec.steps else 0.0
         cpu_s = time.process_time() - cpu0
-        result = {"rank": rank, "system": system, "wall_s": wall_s, "startup_s": startup_s, "cpu_s": cpu_s,
-                  "steps": rec.steps, "eval": evals[-1]["eval"] if evals else None, "epoch_evals": evals,
-                  "params": model.num_parameters()}
+        result = {
+            "rank": rank,
+            "system": system,
+            "wall_s": wall_s,
+            "startup_s": startup_s,
+            "cpu_s": cpu_s,
+            "steps": rec.steps,
+            "eval": evals[-1]["eval"] if evals else None,
+            "epoch_evals": evals,
+            "params": model.num_parameters(),
+        }
         Path(cfg["out"]).write_text(json.dumps(result))
         return result
     finally:

@@ -97,8 +97,10 @@ class DataConfig:
         check_str("data.dataset", self.dataset, optional=True)
         check_str("data.lengths", self.lengths, optional=True)
         if self.dataset is not None and self.lengths is not None:
-            raise ConfigError(f"data.dataset and data.lengths are exclusive, got data.dataset={self.dataset!r} "
-                              f"and data.lengths={self.lengths!r}")
+            raise ConfigError(
+                f"data.dataset and data.lengths are exclusive, got data.dataset={self.dataset!r} "
+                f"and data.lengths={self.lengths!r}"
+            )
         check_int("data.num_actors", self.num_actors, lo=1)
         check_str("data.ray_address", self.ray_address, optional=True)
         check_str("data.quarantine", self.quarantine, optional=True)
@@ -109,11 +111,16 @@ class DataConfig:
             raise ConfigError(f"data.memory_budget: {exc}") from None
         f = self.max_bad_fraction
         if isinstance(f, bool) or not isinstance(f, int | float) or not 0 <= f <= 1:
-            raise ConfigError(f"data.max_bad_fraction must be a number in [0, 1], got data.max_bad_fraction={f!r}")
+            raise ConfigError(
+                f"data.max_bad_fraction must be a number in [0, 1], got data.max_bad_fraction={f!r}"
+            )
 
     def source_options(self) -> dict[str, Any]:
         """`RaySource` keywords of this section (besides where the data is)."""
-        return {"memory_budget": parse_bytes(self.memory_budget), "max_bad_fraction": float(self.max_bad_fraction)}
+        return {
+            "memory_budget": parse_bytes(self.memory_budget),
+            "max_bad_fraction": float(self.max_bad_fraction),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,10 +151,15 @@ class PipelineConfig:
 
     def stage_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `default_stages` (tokenizer and cutoff are passed separately)."""
-        return {"processor": self.processor, "template": self.template,
-                "vision": None if self.vision == "none" else self.vision,
-                "augment": self.augment, "policy": self.truncate, "min_pixels": self.min_pixels,
-                "max_pixels": self.max_pixels}
+        return {
+            "processor": self.processor,
+            "template": self.template,
+            "vision": None if self.vision == "none" else self.vision,
+            "augment": self.augment,
+            "policy": self.truncate,
+            "min_pixels": self.min_pixels,
+            "max_pixels": self.max_pixels,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,11 +239,15 @@ class SecurityConfig:
             check_str(f"security.{name}", getattr(self, name), optional=True)
         check_bool("security.client_auth", self.client_auth)
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ConfigError("security.tls_cert and security.tls_key go together, got "
-                              f"security.tls_cert={self.tls_cert!r} and security.tls_key={self.tls_key!r}")
+            raise ConfigError(
+                "security.tls_cert and security.tls_key go together, got "
+                f"security.tls_cert={self.tls_cert!r} and security.tls_key={self.tls_key!r}"
+            )
         if self.client_auth and (self.tls_ca is None or self.tls_cert is None):
-            raise ConfigError("security.client_auth (mutual TLS) needs security.tls_ca and a certificate, got "
-                              f"security.tls_ca={self.tls_ca!r} and security.tls_cert={self.tls_cert!r}")
+            raise ConfigError(
+                "security.client_auth (mutual TLS) needs security.tls_ca and a certificate, got "
+                f"security.tls_ca={self.tls_ca!r} and security.tls_cert={self.tls_cert!r}"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -249,13 +265,26 @@ class LoggingConfig:
         check_choice("logging.format", self.format, LOG_FORMATS)
 
 
-_SECTION_TYPES = {"data": DataConfig, "pipeline": PipelineConfig, "coordinator": CoordinatorConfig,
-                  "rank": RankConfig, "security": SecurityConfig, "logging": LoggingConfig}
-PATH_FIELDS = {"data": ("dataset", "lengths", "quarantine", "stats_file"),
-               "pipeline": ("tokenizer", "processor"),
-               "rank": ("state_dir",), "coordinator": ("state_dir",), "security": ("tls_cert", "tls_key", "tls_ca", "token_file")}
-MUST_EXIST = {"data": ("dataset", "lengths"), "pipeline": ("tokenizer", "processor"),
-              "security": ("tls_cert", "tls_key", "tls_ca", "token_file")}
+_SECTION_TYPES = {
+    "data": DataConfig,
+    "pipeline": PipelineConfig,
+    "coordinator": CoordinatorConfig,
+    "rank": RankConfig,
+    "security": SecurityConfig,
+    "logging": LoggingConfig,
+}
+PATH_FIELDS = {
+    "data": ("dataset", "lengths", "quarantine", "stats_file"),
+    "pipeline": ("tokenizer", "processor"),
+    "rank": ("state_dir",),
+    "coordinator": ("state_dir",),
+    "security": ("tls_cert", "tls_key", "tls_ca", "token_file"),
+}
+MUST_EXIST = {
+    "data": ("dataset", "lengths"),
+    "pipeline": ("tokenizer", "processor"),
+    "security": ("tls_cert", "tls_key", "tls_ca", "token_file"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,8 +305,13 @@ class Config:
         if not self.security.enabled:
             return None
         s = self.security
-        return Security.from_files(tls_cert=s.tls_cert, tls_key=s.tls_key, tls_ca=s.tls_ca,
-                                   client_auth=s.client_auth, token_file=s.token_file)
+        return Security.from_files(
+            tls_cert=s.tls_cert,
+            tls_key=s.tls_key,
+            tls_ca=s.tls_ca,
+            client_auth=s.client_auth,
+            token_file=s.token_file,
+        )
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -324,8 +358,13 @@ def _merge(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, di
     return merged
 
 
-def add_job_flags(parser: Any, only: Sequence[str] | None = None, exclude: Sequence[str] = (),
-                  defaults: Mapping[str, Any] | None = None, shown: Mapping[str, Any] | None = None) -> None:
+def add_job_flags(
+    parser: Any,
+    only: Sequence[str] | None = None,
+    exclude: Sequence[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+    shown: Mapping[str, Any] | None = None,
+) -> None:
     """Adds one flag per `JobSpec` field to `parser` (`--token-budget` for `token_budget`, `--shuffle` /
     `--no-shuffle` for a bool), with the help, choices and metavar of the field's metadata.
 
@@ -345,10 +384,19 @@ def add_job_flags(parser: Any, only: Sequence[str] | None = None, exclude: Seque
         else:
             text = f"{meta['help']} (default: {stated})"
         if f.type == "bool":
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=text)
+            parser.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=text
+            )
         else:
-            parser.add_argument(flag, dest=f.name, type=types[str(f.type)], choices=meta.get("choices"),
-                                metavar=meta.get("metavar"), default=default, help=text)
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                type=types[str(f.type)],
+                choices=meta.get("choices"),
+                metavar=meta.get("metavar"),
+                default=default,
+                help=text,
+            )
 
 
 def _check_keys(section: str, body: Mapping[str, Any], known: tuple[str, ...]) -> None:
@@ -370,7 +418,9 @@ def _check_files(cfg: Config) -> None:
         for name in names:
             value = getattr(body, name)
             if value is not None and not os.path.exists(value):
-                raise ConfigError(f"{section}.{name} names a file that does not exist, got {section}.{name}={value!r}")
+                raise ConfigError(
+                    f"{section}.{name} names a file that does not exist, got {section}.{name}={value!r}"
+                )
 
 
 def _job_spec(body: dict[str, Any]) -> JobSpec:
@@ -386,9 +436,14 @@ def _job_spec(body: dict[str, Any]) -> JobSpec:
         raise ConfigError(f"job.{exc}") from None
 
 
-def build_config(raw: Mapping[str, Any], overrides: Mapping[str, Any] | None = None, *,
-                 base_dir: str | os.PathLike | None = None, check_files: bool = True,
-                 source: str | None = None) -> Config:
+def build_config(
+    raw: Mapping[str, Any],
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    base_dir: str | os.PathLike | None = None,
+    check_files: bool = True,
+    source: str | None = None,
+) -> Config:
     """Validates `raw` (parsed file contents) merged with `overrides` ({"section.key": value}).
 
     Args:
@@ -424,8 +479,9 @@ def build_config(raw: Mapping[str, Any], overrides: Mapping[str, Any] | None = N
     return cfg
 
 
-def load_config(path: str | os.PathLike | None, overrides: Mapping[str, Any] | None = None, *,
-                check_files: bool = True) -> Config:
+def load_config(
+    path: str | os.PathLike | None, overrides: Mapping[str, Any] | None = None, *, check_files: bool = True
+) -> Config:
     """Reads, merges and validates a job config (`path` None: defaults and `overrides` only).
 
     Raises:
@@ -434,8 +490,9 @@ def load_config(path: str | os.PathLike | None, overrides: Mapping[str, Any] | N
     if path is None:
         return build_config({}, overrides, check_files=check_files)
     raw = read_config_file(path)
-    return build_config(raw, overrides, base_dir=Path(path).resolve().parent, check_files=check_files,
-                        source=str(path))
+    return build_config(
+        raw, overrides, base_dir=Path(path).resolve().parent, check_files=check_files, source=str(path)
+    )
 
 
 def example_config() -> str:

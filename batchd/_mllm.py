@@ -67,12 +67,15 @@ def image_patches(image_grid_thw: torch.Tensor) -> list[int]:
     """Each image's patch count t x h x w; ValueError unless the grid is int [n, 3] with even h and w."""
     grid = image_grid_thw
     if grid.ndim != 2 or grid.shape[1] != 3 or grid.is_floating_point():
-        raise ValueError(f"image_grid_thw must be an integer [images, 3] array, got "
-                         f"{tuple(grid.shape)=} {grid.dtype=}")
+        raise ValueError(
+            f"image_grid_thw must be an integer [images, 3] array, got {tuple(grid.shape)=} {grid.dtype=}"
+        )
     out = []
     for t, h, w in grid.tolist():
         if t < 1 or h < 2 or w < 2 or h % 2 or w % 2:
-            raise ValueError(f"an image grid needs t >= 1 and even h, w >= 2 (2x2 merge), got grid={(t, h, w)}")
+            raise ValueError(
+                f"an image grid needs t >= 1 and even h, w >= 2 (2x2 merge), got grid={(t, h, w)}"
+            )
         out.append(t * h * w)
     return out
 
@@ -93,8 +96,9 @@ class VisionBlock(nn.Module):
         p, d = x.shape
         q, k, v = self.qkv(x).view(p, 3, self.n_heads, d // self.n_heads).permute(1, 2, 0, 3)  # [H, P, Dh]
         if bounds:
-            y = torch.cat([F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in bounds],
-                          dim=1)
+            y = torch.cat(
+                [F.scaled_dot_product_attention(q[:, s:e], k[:, s:e], v[:, s:e]) for s, e in bounds], dim=1
+            )
         else:  # no image: keep qkv in the graph (zero rows), so DDP still sees its gradient
             y = v
         return self.out(y.transpose(0, 1).reshape(p, d))
@@ -115,11 +119,22 @@ class VisionEncoder(nn.Module):
         patch_dim: Values per patch (1176 for Qwen2-VL's 3 x 2 x 14 x 14).
     """
 
-    def __init__(self, d_model: int, d_vision: int = 64, n_layers: int = 2, n_heads: int = 2,
-                 patch_dim: int = PATCH_DIM) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        d_vision: int = 64,
+        n_layers: int = 2,
+        n_heads: int = 2,
+        patch_dim: int = PATCH_DIM,
+    ) -> None:
         super().__init__()
-        for name, value in (("d_model", d_model), ("d_vision", d_vision), ("n_vision_layers", n_layers),
-                            ("n_vision_heads", n_heads), ("patch_dim", patch_dim)):
+        for name, value in (
+            ("d_model", d_model),
+            ("d_vision", d_vision),
+            ("n_vision_layers", n_layers),
+            ("n_vision_heads", n_heads),
+            ("patch_dim", patch_dim),
+        ):
             _check_positive(name, value)
         if d_vision % n_heads:
             raise ValueError(f"d_vision must split into n_heads heads, got {d_vision=} {n_heads=}")
@@ -137,11 +152,17 @@ class VisionEncoder(nn.Module):
             ValueError: unless pixel_values is [sum of the grid's patches, patch_dim].
         """
         patches = image_patches(image_grid_thw)
-        if pixel_values.ndim != 2 or pixel_values.shape[1] != self.patch_dim or pixel_values.shape[0] != sum(patches):
-            raise ValueError(f"pixel_values must be [sum of patches = {sum(patches)}, {self.patch_dim}] for "
-                             f"image_grid_thw, got {tuple(pixel_values.shape)=}")
+        if (
+            pixel_values.ndim != 2
+            or pixel_values.shape[1] != self.patch_dim
+            or pixel_values.shape[0] != sum(patches)
+        ):
+            raise ValueError(
+                f"pixel_values must be [sum of patches = {sum(patches)}, {self.patch_dim}] for "
+                f"image_grid_thw, got {tuple(pixel_values.shape)=}"
+            )
         ends = np.cumsum(patches).tolist()
-        bounds = list(zip([0, *ends[:-1]], ends))
+        bounds = list(zip([0, *ends[:-1]], ends, strict=False))
         x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
         for block in self.blocks:
             x = block(x, bounds)
@@ -160,13 +181,27 @@ class TinyMLLM(nn.Module):
 
     takes_batch = True  # `batchd.client.forward_logits` passes the whole batch (pixels, the exchange)
 
-    def __init__(self, image_token_id: int, vocab_size: int = 512, d_model: int = 128, n_layers: int = 2,
-                 n_heads: int = 4, d_ff: int | None = None, max_len: int = 4096, tie_embeddings: bool = True,
-                 d_vision: int = 64, n_vision_layers: int = 2, n_vision_heads: int = 2,
-                 patch_dim: int = PATCH_DIM) -> None:
+    def __init__(
+        self,
+        image_token_id: int,
+        vocab_size: int = 512,
+        d_model: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        d_ff: int | None = None,
+        max_len: int = 4096,
+        tie_embeddings: bool = True,
+        d_vision: int = 64,
+        n_vision_layers: int = 2,
+        n_vision_heads: int = 2,
+        patch_dim: int = PATCH_DIM,
+    ) -> None:
         super().__init__()
-        if isinstance(image_token_id, bool) or not isinstance(image_token_id, int) or \
-                not 0 < image_token_id < vocab_size:
+        if (
+            isinstance(image_token_id, bool)
+            or not isinstance(image_token_id, int)
+            or not 0 < image_token_id < vocab_size
+        ):
             raise ValueError(f"image_token_id must be an int in [1, {vocab_size=}), got {image_token_id=}")
         self.image_token_id = image_token_id
         self.vision = VisionEncoder(d_model, d_vision, n_vision_layers, n_vision_heads, patch_dim)
@@ -182,7 +217,9 @@ class TinyMLLM(nn.Module):
         the encoder still runs, so every parameter is in the graph of every rank)."""
         pixels, grid = batch.get("pixel_values"), batch.get("image_grid_thw")
         if (pixels is None) != (grid is None):
-            raise ValueError(f"pixel_values and image_grid_thw come together, got {pixels is None=} {grid is None=}")
+            raise ValueError(
+                f"pixel_values and image_grid_thw come together, got {pixels is None=} {grid is None=}"
+            )
         weight = self.vision.patch_embed.weight
         if pixels is None:
             pixels = torch.zeros((0, self.vision.patch_dim), dtype=weight.dtype, device=weight.device)
@@ -204,18 +241,27 @@ class TinyMLLM(nn.Module):
         input_ids = _as_tensor(batch["input_ids"], "input_ids")
         device = self.lm.embed.weight.device
         input_ids = input_ids.to(device)
-        extra = {k: _as_tensor(batch[k], k).to(device) for k in ("attention_mask", "position_ids", "cu_seqlens")
-                 if batch.get(k) is not None}
+        extra = {
+            k: _as_tensor(batch[k], k).to(device)
+            for k in ("attention_mask", "position_ids", "cu_seqlens")
+            if batch.get(k) is not None
+        }
         images = exchange_image_embeddings(self.encode(batch), batch, group)
         mask = input_ids == self.image_token_id
         if "attention_mask" in extra:
             mask &= extra["attention_mask"].bool()
         where = mask.reshape(-1).nonzero().squeeze(1)
         if where.shape[0] != images.shape[0]:
-            raise ValueError(f"the batch has {where.shape[0]} image-token positions but {images.shape[0]} "
-                             f"image embedding rows (image_token_id={self.image_token_id})")
+            raise ValueError(
+                f"the batch has {where.shape[0]} image-token positions but {images.shape[0]} "
+                f"image embedding rows (image_token_id={self.image_token_id})"
+            )
         tokens = self.lm.embed(input_ids)
         b, t, d = tokens.shape
         embeds = tokens.reshape(b * t, d).index_copy(0, where, images.to(tokens.dtype)).view(b, t, d)
-        return self.lm(attention_mask=extra.get("attention_mask"), position_ids=extra.get("position_ids"),
-                       cu_seqlens=extra.get("cu_seqlens"), inputs_embeds=embeds)
+        return self.lm(
+            attention_mask=extra.get("attention_mask"),
+            position_ids=extra.get("position_ids"),
+            cu_seqlens=extra.get("cu_seqlens"),
+            inputs_embeds=embeds,
+        )

@@ -107,16 +107,26 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor,
-                segments: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        segments: list[tuple[int, int]] | None = None,
+    ) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
         q, k = rotary(q, position_ids), rotary(k, position_ids)
         if segments is None:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:  # varlen: one causal attention per packed sample, sum(n_i^2) instead of T^2
-            y = torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True)
-                           for s, e in segments], dim=2)
+            y = torch.cat(
+                [
+                    F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True)
+                    for s, e in segments
+                ],
+                dim=2,
+            )
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -141,8 +151,13 @@ class Block(nn.Module):
         self.attn_norm, self.attn = RMSNorm(d_model), Attention(d_model, n_heads)
         self.mlp_norm, self.mlp = RMSNorm(d_model), SwiGLU(d_model, d_ff)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, position_ids: torch.Tensor,
-                segments: list[tuple[int, int]] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+        segments: list[tuple[int, int]] | None = None,
+    ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), mask, position_ids, segments)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -160,11 +175,24 @@ class TinyCausalLM(nn.Module):
         tie_embeddings: Share the LM head with the token embedding.
     """
 
-    def __init__(self, vocab_size: int = 512, d_model: int = 128, n_layers: int = 2, n_heads: int = 4,
-                 d_ff: int | None = None, max_len: int = 4096, tie_embeddings: bool = True) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 512,
+        d_model: int = 128,
+        n_layers: int = 2,
+        n_heads: int = 4,
+        d_ff: int | None = None,
+        max_len: int = 4096,
+        tie_embeddings: bool = True,
+    ) -> None:
         super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("d_model", d_model), ("n_layers", n_layers),
-                            ("n_heads", n_heads), ("max_len", max_len)):
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("d_model", d_model),
+            ("n_layers", n_layers),
+            ("n_heads", n_heads),
+            ("max_len", max_len),
+        ):
             _check_positive(name, value)
         if d_model % n_heads or (d_model // n_heads) % 2:
             raise ValueError(f"d_model must split into n_heads heads of even size, got {d_model=} {n_heads=}")
@@ -187,9 +215,14 @@ class TinyCausalLM(nn.Module):
         """Distinct parameters (a tied head counts once)."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits [B, T, vocab] for input_ids [B, T] (or for inputs_embeds [B, T, d_model]).
 
         Args:
@@ -209,12 +242,16 @@ class TinyCausalLM(nn.Module):
                 `input_ids` / `inputs_embeds` is given.
         """
         if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError(f"give exactly one of input_ids and inputs_embeds, got "
-                             f"{input_ids is None=} {inputs_embeds is None=}")
+            raise ValueError(
+                f"give exactly one of input_ids and inputs_embeds, got "
+                f"{input_ids is None=} {inputs_embeds is None=}"
+            )
         if inputs_embeds is not None:
             if inputs_embeds.ndim != 3 or inputs_embeds.shape[-1] != self.embed.embedding_dim:
-                raise ValueError(f"inputs_embeds must be [B, T, {self.embed.embedding_dim}], got "
-                                 f"{tuple(inputs_embeds.shape)=}")
+                raise ValueError(
+                    f"inputs_embeds must be [B, T, {self.embed.embedding_dim}], got "
+                    f"{tuple(inputs_embeds.shape)=}"
+                )
             shape, device = inputs_embeds.shape[:2], inputs_embeds.device
         else:
             if input_ids.ndim != 2:
@@ -227,20 +264,27 @@ class TinyCausalLM(nn.Module):
             attention_mask = torch.ones(shape, dtype=torch.int64, device=device)
         for name, x in (("attention_mask", attention_mask), ("position_ids", position_ids)):
             if x.shape != shape:
-                raise ValueError(f"{name} must match the tokens' [B, T] = {tuple(shape)}, "
-                                 f"got {tuple(x.shape)=}")
+                raise ValueError(
+                    f"{name} must match the tokens' [B, T] = {tuple(shape)}, got {tuple(x.shape)=}"
+                )
         max_pos = int(position_ids.max())
-        if (t > self.max_len and cu_seqlens is None) or max_pos >= self.max_len:  # packed rows: positions count
+        if (
+            t > self.max_len and cu_seqlens is None
+        ) or max_pos >= self.max_len:  # packed rows: positions count
             raise ValueError(f"positions must be < max_len={self.max_len}, got {t=} {max_pos=}")
         segments = None
         if cu_seqlens is not None:
             cu = [int(c) for c in cu_seqlens.tolist()]
-            if b != 1 or cu[0] != 0 or cu[-1] != t or any(e <= s for s, e in zip(cu, cu[1:])):
-                raise ValueError(f"cu_seqlens must rise strictly from 0 to T={t} for one packed row, got "
-                                 f"{cu=} with batch size {b}")
+            if b != 1 or cu[0] != 0 or cu[-1] != t or any(e <= s for s, e in zip(cu, cu[1:], strict=False)):
+                raise ValueError(
+                    f"cu_seqlens must rise strictly from 0 to T={t} for one packed row, got "
+                    f"{cu=} with batch size {b}"
+                )
             if not bool(attention_mask.all()):
-                raise ValueError("cu_seqlens describes a packed row without pads, but attention_mask has zeros")
-            segments = list(zip(cu, cu[1:]))
+                raise ValueError(
+                    "cu_seqlens describes a packed row without pads, but attention_mask has zeros"
+                )
+            segments = list(zip(cu, cu[1:], strict=False))
         mask = None if segments is not None else attention_mask_4d(attention_mask, position_ids)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         for block in self.blocks:

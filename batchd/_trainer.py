@@ -70,7 +70,9 @@ from .launch import StepTicker
 MODEL_DEFAULTS = {"vocab_size": 512, "d_model": 128, "n_layers": 2, "n_heads": 4}
 
 
-def build_model(model_cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_model(
+    model_cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
     """The demo's model: `TinyCausalLM`, or `TinyMLLM` (its encoder reads the batches' pixels) when
     `model_cfg` names an ``image_token_id``."""
     torch.manual_seed(seed)
@@ -87,7 +89,9 @@ def _patches(batch: dict[str, Any]) -> int:
     return int(pixels.shape[0]) if pixels is not None else 0
 
 
-def fixed_batches(lengths: list[int], rank: int, world_size: int, seed: int, batch_size: int) -> list[list[int]]:
+def fixed_batches(
+    lengths: list[int], rank: int, world_size: int, seed: int, batch_size: int
+) -> list[list[int]]:
     """The baseline's batches of sample ids for `rank` (DistributedSampler semantics, shuffle on)."""
     perm = epoch_permutation(len(lengths), seed, 0).tolist()
     per_rank = math.ceil(len(perm) / world_size)
@@ -96,12 +100,31 @@ def fixed_batches(lengths: list[int], rank: int, world_size: int, seed: int, bat
     return [view[i : i + batch_size] for i in range(0, len(view), batch_size)]
 
 
-def run(rank: int, world_size: int, master_port: int, out: str, mode: str = "batchd", service: str = "",
-        lengths: list[int] | None = None, batch_size: int = 0, seed: int = 0, lr: float = 1e-3,
-        model_cfg: dict[str, Any] | None = None, gloo_timeout_s: float = 60.0, grad_steps: int = 0,
-        dtype: str = "float32", threads: int = 1, dataset: str | None = None, tokenizer: str | None = None,
-        cutoff: int = 4096, num_actors: int = 1, ray_address: str | None = None, shuffle: bool = True,
-        step_time: float = 0.0, processor: str | None = None) -> dict[str, Any]:
+def run(
+    rank: int,
+    world_size: int,
+    master_port: int,
+    out: str,
+    mode: str = "batchd",
+    service: str = "",
+    lengths: list[int] | None = None,
+    batch_size: int = 0,
+    seed: int = 0,
+    lr: float = 1e-3,
+    model_cfg: dict[str, Any] | None = None,
+    gloo_timeout_s: float = 60.0,
+    grad_steps: int = 0,
+    dtype: str = "float32",
+    threads: int = 1,
+    dataset: str | None = None,
+    tokenizer: str | None = None,
+    cutoff: int = 4096,
+    num_actors: int = 1,
+    ray_address: str | None = None,
+    shuffle: bool = True,
+    step_time: float = 0.0,
+    processor: str | None = None,
+) -> dict[str, Any]:
     """Trains one epoch on this rank; writes and returns the result dict. `step_time` (batchd mode):
     seconds slept per step, a stand-in for a real model's step (tests of slow trainers)."""
     torch.set_num_threads(threads)
@@ -109,16 +132,39 @@ def run(rank: int, world_size: int, master_port: int, out: str, mode: str = "bat
     source = None
     if mode != "batchd" and dataset is not None:  # started before the clock, like the rank services
         ensure_ray(ray_address)
-        source = RaySource(dataset, rank, world_size, seed, 0, shuffle, num_actors=num_actors,
-                           stages=default_stages(tokenizer, cutoff=cutoff, processor=processor))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=gloo_timeout_s))
+        source = RaySource(
+            dataset,
+            rank,
+            world_size,
+            seed,
+            0,
+            shuffle,
+            num_actors=num_actors,
+            stages=default_stages(tokenizer, cutoff=cutoff, processor=processor),
+        )
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=gloo_timeout_s),
+    )
     model = build_model(model_cfg, seed, getattr(torch, dtype))
     ddp = DDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    result: dict[str, Any] = {"rank": rank, "mode": mode, "losses": [], "sample_ids": [], "idle": 0,
-                              "encoded_patches": [],
-                              "real_tokens": 0, "padded_tokens": 0, "grads": [], "wait_s": 0.0, "longest": 0}
+    result: dict[str, Any] = {
+        "rank": rank,
+        "mode": mode,
+        "losses": [],
+        "sample_ids": [],
+        "idle": 0,
+        "encoded_patches": [],
+        "real_tokens": 0,
+        "padded_tokens": 0,
+        "grads": [],
+        "wait_s": 0.0,
+        "longest": 0,
+    }
     t0 = time.perf_counter()
     ticker = StepTicker(out)  # the demo's progress: this rank's samples and steps so far
     try:
@@ -174,7 +220,9 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_ti
                 batch = step_batch(batch, info)
             else:
                 mask = batch.get("attention_mask")
-                result["real_tokens"] += int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+                result["real_tokens"] += (
+                    int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+                )
                 if mask is not None:
                     result["longest"] = max(result["longest"], int(mask.sum(1).max()))
                 result["padded_tokens"] += int(batch["input_ids"].numel())
@@ -186,8 +234,11 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_ti
             loss, _ = scaled_loss_and_mean(logits, batch["labels"], scale, tokens)
             loss.backward()
             if len(result["grads"]) < grad_steps:  # the all-reduced gradient, for the equality test
-                result["grads"].append(torch.cat([p.grad.detach().flatten() for p in ddp.module.parameters()
-                                                  if p.grad is not None]).tolist())
+                result["grads"].append(
+                    torch.cat(
+                        [p.grad.detach().flatten() for p in ddp.module.parameters() if p.grad is not None]
+                    ).tolist()
+                )
             opt.step()
             result["sample_ids"].append(ids)
             result["encoded_patches"].append(_patches(batch))
@@ -222,7 +273,9 @@ class _FailureWatch:
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
             try:
-                failure = self.client.stub.RankStatus(pb.RankStatusRequest(rank=self.client.rank), timeout=2).failure
+                failure = self.client.stub.RankStatus(
+                    pb.RankStatusRequest(rank=self.client.rank), timeout=2
+                ).failure
             except (grpc.RpcError, ValueError):  # ValueError: the channel was closed under us
                 continue
             if failure:
@@ -293,7 +346,9 @@ def _run_fixed_source(source, batch_size, ddp, opt, result, ticker=None) -> None
         dist.all_reduce(more, op=dist.ReduceOp.MAX)
         if not int(more):
             break
-        if not items:  # this rank is done, another is not: repeat the first batch (DistributedSampler padding)
+        if (
+            not items
+        ):  # this rank is done, another is not: repeat the first batch (DistributedSampler padding)
             ids, payloads = first or ([], [{"input_ids": np.zeros(1, np.int64), "labels": np.full(1, -100)}])
         elif first is None:
             first = (ids, payloads)

@@ -64,7 +64,9 @@ def tiny_tokenizer(extra_special: tuple[str, ...] = (), vocab_size: int = 1024, 
 
     records, _ = demo_records(300, seed=3, image_fraction=0.0, bad_fraction=0.0)
     texts = [m["content"] for r in records for m in r["messages"]]
-    tok = train_tokenizer(texts, vocab_size=vocab_size, special_tokens=tuple(SPECIAL_TOKENS) + tuple(extra_special))
+    tok = train_tokenizer(
+        texts, vocab_size=vocab_size, special_tokens=tuple(SPECIAL_TOKENS) + tuple(extra_special)
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", **kwargs)
 
 
@@ -76,33 +78,71 @@ def tiny_processor(family: str = "qwen2_vl"):
         tok = tiny_tokenizer(("<|video_pad|>",), eos_token="<|im_end|>")
         ip = Qwen2VLImageProcessor(min_pixels=QWEN2VL_MIN_PIXELS, max_pixels=QWEN2VL_MAX_PIXELS)
         # without torchvision transformers cannot build the video processor: the same class without one
-        no_video = type("Qwen2VLProcessor", (Qwen2VLProcessor,),
-                        {"get_attributes": classmethod(lambda c: ["image_processor", "tokenizer"])})
+        no_video = type(
+            "Qwen2VLProcessor",
+            (Qwen2VLProcessor,),
+            {"get_attributes": classmethod(lambda c: ["image_processor", "tokenizer"])},
+        )
         return no_video(image_processor=ip, tokenizer=tok, chat_template=QWEN2VL_TEMPLATE)
     from transformers import CLIPImageProcessor, LlavaProcessor
 
     tok = tiny_tokenizer(eos_token="</s>")
     ip = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    return LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, num_additional_image_tokens=1,
-                          vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE)
+    return LlavaProcessor(
+        image_processor=ip,
+        tokenizer=tok,
+        patch_size=14,
+        num_additional_image_tokens=1,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_TEMPLATE,
+    )
 
 
-def tiny_qwen2vl_config(vocab_size: int, image_token_id: int, video_token_id: int, vision_start_token_id: int,
-                        vision_end_token_id: int, pad_token_id: int | None = None, eos_token_id: int | None = None,
-                        attn_implementation: str = "sdpa", max_position_embeddings: int = 8192):
+def tiny_qwen2vl_config(
+    vocab_size: int,
+    image_token_id: int,
+    video_token_id: int,
+    vision_start_token_id: int,
+    vision_end_token_id: int,
+    pad_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    attn_implementation: str = "sdpa",
+    max_position_embeddings: int = 8192,
+):
     """The tiny Qwen2-VL's config for a vocabulary given by its ids (no tokenizer): `tiny_vlm_config`'s model,
     or `batchd bench --model tiny-qwen2vl`'s on the synthetic samples (their own image token id)."""
     from transformers import Qwen2VLConfig
 
     cfg = Qwen2VLConfig(
-        text_config=dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-                         pad_token_id=pad_token_id, bos_token_id=None, eos_token_id=eos_token_id),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, in_channels=3,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
-        image_token_id=image_token_id, video_token_id=video_token_id,
-        vision_start_token_id=vision_start_token_id, vision_end_token_id=vision_end_token_id)
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=max_position_embeddings,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            pad_token_id=pad_token_id,
+            bos_token_id=None,
+            eos_token_id=eos_token_id,
+        ),
+        vision_config=dict(
+            depth=2,
+            embed_dim=32,
+            hidden_size=64,
+            num_heads=2,
+            mlp_ratio=2,
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        image_token_id=image_token_id,
+        video_token_id=video_token_id,
+        vision_start_token_id=vision_start_token_id,
+        vision_end_token_id=vision_end_token_id,
+    )
     cfg._attn_implementation = attn_implementation
     return cfg
 
@@ -112,23 +152,46 @@ def tiny_vlm_config(family: str, tokenizer: Any, attn_implementation: str = "sdp
     ids = tokenizer.convert_tokens_to_ids
     vocab = len(tokenizer)
     if _check_family(family) == "qwen2_vl":
-        return tiny_qwen2vl_config(vocab, image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-                                   vision_start_token_id=ids("<|vision_start|>"),
-                                   vision_end_token_id=ids("<|vision_end|>"), pad_token_id=tokenizer.pad_token_id,
-                                   eos_token_id=ids("<|im_end|>"), attn_implementation=attn_implementation)
+        return tiny_qwen2vl_config(
+            vocab,
+            image_token_id=ids("<|image_pad|>"),
+            video_token_id=ids("<|video_pad|>"),
+            vision_start_token_id=ids("<|vision_start|>"),
+            vision_end_token_id=ids("<|vision_end|>"),
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=ids("<|im_end|>"),
+            attn_implementation=attn_implementation,
+        )
     else:
         from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
         cfg = LlavaConfig(
-            vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                           num_attention_heads=2, image_size=28, patch_size=14,
-                                           projection_dim=32),
-            text_config=LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-                                    pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-                                    eos_token_id=ids("</s>") if "</s>" in tokenizer.get_vocab() else None),
-            image_token_id=ids("<image>"), vision_feature_layer=-1, vision_feature_select_strategy="default",
-            projector_hidden_act="gelu")
+            vision_config=CLIPVisionConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=28,
+                patch_size=14,
+                projection_dim=32,
+            ),
+            text_config=LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=8192,
+                pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=None,
+                eos_token_id=ids("</s>") if "</s>" in tokenizer.get_vocab() else None,
+            ),
+            image_token_id=ids("<image>"),
+            vision_feature_layer=-1,
+            vision_feature_select_strategy="default",
+            projector_hidden_act="gelu",
+        )
     cfg._attn_implementation = attn_implementation
     return cfg
 
@@ -159,5 +222,6 @@ def load_vlm(path: str | os.PathLike, attn_implementation: str = "sdpa"):
     """The model saved at `path` (a tiny one from `save_tiny_vlm`, or a real checkout), offline, fp32."""
     from transformers import AutoModelForImageTextToText
 
-    return AutoModelForImageTextToText.from_pretrained(str(path), local_files_only=True,
-                                                       attn_implementation=attn_implementation)
+    return AutoModelForImageTextToText.from_pretrained(
+        str(path), local_files_only=True, attn_implementation=attn_implementation
+    )

@@ -70,19 +70,37 @@ MM_SYSTEMS = ("fixed", "odb-0.1.2", "batchd-balanced", "batchd-2phase")
 # (a group's cost is its token sum) and collates one packed row per step, trained with varlen attention.
 # `batchd-2phase` is `batchd-balanced` with the vision encoder balanced too (OrchMLLM two-phase: each rank
 # encodes the images the plan gives it, one all-to-all returns the embeddings to their samples' ranks).
-BATCHD_SYSTEMS = {"batchd-odb": ("odb", "padded", 1), "batchd-balanced": ("balanced", "padded", 1),
-                  "batchd-packed": ("balanced", "packed", 1), "batchd-2phase": ("balanced", "padded", 2)}
+BATCHD_SYSTEMS = {
+    "batchd-odb": ("odb", "padded", 1),
+    "batchd-balanced": ("balanced", "padded", 1),
+    "batchd-packed": ("balanced", "packed", 1),
+    "batchd-2phase": ("balanced", "padded", 2),
+}
 REPO = Path(__file__).resolve().parents[1]
-WORKLOAD_DIRS = (REPO / "shared" / "workloads", REPO.parent / "shared" / "workloads", REPO / "benchmarks" / "workloads")
+WORKLOAD_DIRS = (
+    REPO / "shared" / "workloads",
+    REPO.parent / "shared" / "workloads",
+    REPO / "benchmarks" / "workloads",
+)
 # `--model tiny-qwen2vl` (the stock HF Qwen2-VL through `batchd.two_phase`): a multimodal workload and its
 # systems by default, the packed one included (one row per step, M-RoPE per sample)
 HF_VLM_DEFAULTS = {"workload": "bimodal.csv", "num_samples": 256}
 HF_VLM_SYSTEMS = ("fixed", "odb-0.1.2", "batchd-balanced", "batchd-2phase", "batchd-packed")
 DEFAULTS = {  # per device: world size, model, workload file name, token budget, samples
-    "cpu": {"world_size": 2, "model": "tiny", "workload": "odb-synthetic.txt", "token_budget": 8192,
-            "num_samples": 1024},
-    "cuda": {"world_size": 1, "model": "llama-100m", "workload": "sharegpt4o-like.txt", "token_budget": 16384,
-             "num_samples": 2048},
+    "cpu": {
+        "world_size": 2,
+        "model": "tiny",
+        "workload": "odb-synthetic.txt",
+        "token_budget": 8192,
+        "num_samples": 1024,
+    },
+    "cuda": {
+        "world_size": 1,
+        "model": "llama-100m",
+        "workload": "sharegpt4o-like.txt",
+        "token_budget": 16384,
+        "num_samples": 2048,
+    },
 }
 
 
@@ -115,8 +133,15 @@ def parse_systems(text: str) -> list[str]:
 
 
 # -- running one system ----------------------------------------------------------------------------
-def run_system(system: str, work: Path, common: dict[str, Any], job: JobSpec, timeout: float,
-               tag: str | None = None, progress: Progress | None = None) -> list[dict[str, Any]]:
+def run_system(
+    system: str,
+    work: Path,
+    common: dict[str, Any],
+    job: JobSpec,
+    timeout: float,
+    tag: str | None = None,
+    progress: Progress | None = None,
+) -> list[dict[str, Any]]:
     """Runs one system's N trainers (and, for batchd, its coordinator and rank services, on `job` with the
     system's policy and layout) in `work/tag`; returns their results. `progress` follows the trainers'
     samples (every rank together) and is closed."""
@@ -132,8 +157,15 @@ def run_system(system: str, work: Path, common: dict[str, Any], job: JobSpec, ti
             workload = work / ("workload.csv" if common.get("images") else "lengths.txt")
             _, ports = start_services(procs, sys_dir, args, world_size, workload)
             per_rank = [{"service": f"127.0.0.1:{p}"} for p in ports]
-        _, outs = start_trainers(procs, sys_dir, "trainer", world_size, {**common, "system": system}, per_rank,
-                                 module="batchd._bench_trainer")
+        _, outs = start_trainers(
+            procs,
+            sys_dir,
+            "trainer",
+            world_size,
+            {**common, "system": system},
+            per_rank,
+            module="batchd._bench_trainer",
+        )
         return wait_trainers(procs, "trainer", outs, timeout, progress)
     finally:
         if progress is not None:
@@ -144,11 +176,15 @@ def run_system(system: str, work: Path, common: dict[str, Any], job: JobSpec, ti
 def _epoch_evals(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Held-out loss after each epoch (rank 0 evaluates), with the time the epoch ended (all ranks done)."""
     evals = next((r["epoch_evals"] for r in results if r.get("eval")), [])
-    return [{"epoch": e["epoch"], "t": max(r["epoch_evals"][k]["t"] for r in results), "loss": e["eval"]["loss"]}
-            for k, e in enumerate(evals)]
+    return [
+        {"epoch": e["epoch"], "t": max(r["epoch_evals"][k]["t"] for r in results), "loss": e["eval"]["loss"]}
+        for k, e in enumerate(evals)
+    ]
 
 
-def summarize(system: str, results: list[dict[str, Any]], num_samples: int, epochs: int = 1) -> dict[str, Any]:
+def summarize(
+    system: str, results: list[dict[str, Any]], num_samples: int, epochs: int = 1
+) -> dict[str, Any]:
     """One system's metrics from its ranks' step records (steps combined across ranks by index); every
     id is expected `epochs` times."""
     n_steps = max(len(r["steps"]) for r in results)
@@ -167,12 +203,16 @@ def summarize(system: str, results: list[dict[str, Any]], num_samples: int, epoc
     real = sum(s["real"] for r in results for s in r["steps"])
     mat = sum(s["materialized"] for r in results for s in r["steps"])
     tail = max(1, math.ceil(0.1 * n_steps))
-    tail_recs = [r["steps"][k] for r in results for k in range(n_steps - tail, n_steps) if k < len(r["steps"])]
+    tail_recs = [
+        r["steps"][k] for r in results for k in range(n_steps - tail, n_steps) if k < len(r["steps"])
+    ]
     t_ls, t_lt = sum(x["loss_sum"] for x in tail_recs), sum(x["loss_tokens"] for x in tail_recs)
     wall = max(r["wall_s"] for r in results)
     wait = max(sum(s["wait_s"] for s in r["steps"]) for r in results)
-    mean_mat = [sum(r["steps"][k]["materialized"] for r in results if k < len(r["steps"])) / len(results)
-                for k in range(n_steps)]
+    mean_mat = [
+        sum(r["steps"][k]["materialized"] for r in results if k < len(r["steps"])) / len(results)
+        for k in range(n_steps)
+    ]
     ev = next((r["eval"] for r in results if r.get("eval")), None)
     return {
         "wall_s": wall,
@@ -220,15 +260,20 @@ def _vision_share(result: dict[str, Any]) -> dict[str, Any]:
         spans.append(max(s["t"] - prev, 1e-9))
         prev = s["t"]
     vis = [s.get("vision_s", 0.0) for s in steps]
-    with_images = [v / span for v, span, s in zip(vis, spans, steps) if s.get("patches")]
-    return {"vision_s": sum(vis), "vision_share": sum(vis) / result["wall_s"] if result["wall_s"] > 0 else None,
-            "vision_share_mean": sum(with_images) / len(with_images) if with_images else 0.0}
+    with_images = [v / span for v, span, s in zip(vis, spans, steps, strict=False) if s.get("patches")]
+    return {
+        "vision_s": sum(vis),
+        "vision_share": sum(vis) / result["wall_s"] if result["wall_s"] > 0 else None,
+        "vision_share_mean": sum(with_images) / len(with_images) if with_images else 0.0,
+    }
 
 
 def _vision_imbalance(results: list[dict[str, Any]], n_steps: int) -> float | None:
     """Mean over steps with images of max / mean of the encoder patches the ranks ran (1.0: balanced)."""
-    return mean_imbalance([r["steps"][k].get("patches", 0) if k < len(r["steps"]) else 0 for r in results]
-                          for k in range(n_steps))
+    return mean_imbalance(
+        [r["steps"][k].get("patches", 0) if k < len(r["steps"]) else 0 for r in results]
+        for k in range(n_steps)
+    )
 
 
 # -- plots -----------------------------------------------------------------------------------------
@@ -242,7 +287,9 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def write_plots(systems: dict[str, dict[str, Any]], out: Path, title: str, prefix: str = "bench_") -> list[Path]:
+def write_plots(
+    systems: dict[str, dict[str, Any]], out: Path, title: str, prefix: str = "bench_"
+) -> list[Path]:
     """loss vs step, loss vs wall time, and a wall-time bar chart, as PNGs under `out`."""
     import matplotlib
 
@@ -257,9 +304,14 @@ def write_plots(systems: dict[str, dict[str, Any]], out: Path, title: str, prefi
         for name, s in ran.items():
             xs = list(range(1, len(s["loss_curve"]) + 1)) if kind == "step" else s["step_times"]
             w = max(1, len(s["loss_curve"]) // 20)
-            line, = ax.plot(xs, s["loss_curve"], alpha=0.25, linewidth=0.8)
-            ax.plot(xs, _smooth(s["loss_curve"], w), color=line.get_color(), linewidth=1.8,
-                    label=f"{name} ({len(xs)} steps, {s['wall_s']:.1f} s)")
+            (line,) = ax.plot(xs, s["loss_curve"], alpha=0.25, linewidth=0.8)
+            ax.plot(
+                xs,
+                _smooth(s["loss_curve"], w),
+                color=line.get_color(),
+                linewidth=1.8,
+                label=f"{name} ({len(xs)} steps, {s['wall_s']:.1f} s)",
+            )
         ax.set_xlabel(xlabel)
         ax.set_ylabel("global per-token loss (train)")
         ax.set_title(f"loss vs {xlabel.split(' (')[0]}: {title}", fontsize=9)
@@ -273,12 +325,17 @@ def write_plots(systems: dict[str, dict[str, Any]], out: Path, title: str, prefi
     fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
     names = list(ran)
     walls = [ran[n]["wall_s"] for n in names]
-    bars = ax.bar(names, walls, color=["#888888" if n == "fixed" else "#d98c3a" if n.startswith("odb") else "#3a7bd5"
-                                       for n in names])
+    bars = ax.bar(
+        names,
+        walls,
+        color=["#888888" if n == "fixed" else "#d98c3a" if n.startswith("odb") else "#3a7bd5" for n in names],
+    )
     base = ran.get("fixed", {}).get("wall_s")
-    for b, n in zip(bars, names):
+    for b, n in zip(bars, names, strict=False):
         label = f"{ran[n]['wall_s']:.1f} s" + (f"\n{base / ran[n]['wall_s']:.2f}x vs fixed" if base else "")
-        ax.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+        ax.annotate(
+            label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8
+        )
     ax.set_ylabel("epoch wall time (s)")
     ax.set_ylim(0, max(walls) * 1.3 if walls else 1)
     ax.set_title(f"wall time: {title}", fontsize=9)
@@ -294,12 +351,30 @@ LR_SCALING = {"sqrt": 0.5, "linear": 1.0, "none": 0.0}
 
 
 # -- the bench -------------------------------------------------------------------------------------
-def run_bench(workload: str | Path | None = None, num_samples: int | None = None, world_size: int | None = None,
-              token_budget: int | None = None, systems: Sequence[str] | None = None, device: str = "cpu",
-              model: str | None = None, out: str | Path | None = None, seed: int = 0, window: int = 128,
-              depth: int = 8, heldout: int = 64, odb_workers: int = 2, lr: float = 1e-3, timeout: float = 1800.0,
-              repeats: int = 1, lr_scaling: str = "sqrt", plots: bool = True, progress: Callable[[str], None] | None = None,
-              epochs: int = 1, step_time: float = 0.0, deterministic: bool = False) -> dict[str, Any]:
+def run_bench(
+    workload: str | Path | None = None,
+    num_samples: int | None = None,
+    world_size: int | None = None,
+    token_budget: int | None = None,
+    systems: Sequence[str] | None = None,
+    device: str = "cpu",
+    model: str | None = None,
+    out: str | Path | None = None,
+    seed: int = 0,
+    window: int = 128,
+    depth: int = 8,
+    heldout: int = 64,
+    odb_workers: int = 2,
+    lr: float = 1e-3,
+    timeout: float = 1800.0,
+    repeats: int = 1,
+    lr_scaling: str = "sqrt",
+    plots: bool = True,
+    progress: Callable[[str], None] | None = None,
+    epochs: int = 1,
+    step_time: float = 0.0,
+    deterministic: bool = False,
+) -> dict[str, Any]:
     """Runs the bench; returns the dict `batchd bench --json` prints (see the module docstring).
 
     Args:
@@ -352,10 +427,21 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     from batchd._bench_trainer import MODELS
 
     # the job's fields are validated by JobSpec itself (the one set of rules every command uses)
-    job = JobSpec(world_size=world_size, token_budget=token_budget, window=window, depth=depth, seed=seed,
-                  epochs=epochs, deterministic=deterministic)
-    for name, value, lo in (("num_samples", num_samples, 1), ("heldout", heldout, 0),
-                            ("odb_workers", odb_workers, 1), ("repeats", repeats, 1)):
+    job = JobSpec(
+        world_size=world_size,
+        token_budget=token_budget,
+        window=window,
+        depth=depth,
+        seed=seed,
+        epochs=epochs,
+        deterministic=deterministic,
+    )
+    for name, value, lo in (
+        ("num_samples", num_samples, 1),
+        ("heldout", heldout, 0),
+        ("odb_workers", odb_workers, 1),
+        ("repeats", repeats, 1),
+    ):
         check_int(name, value, lo=lo)
     if model not in MODELS:
         raise ValueError(f"model must be one of {sorted(MODELS)}, got {model=}")
@@ -364,7 +450,9 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     if workload is None:
         found = default_workload((HF_VLM_DEFAULTS if hf_vlm else d)["workload"])
         if found is None:
-            raise ValueError(f"no workload given and {d['workload']} not found under {WORKLOAD_DIRS}; pass --workload")
+            raise ValueError(
+                f"no workload given and {d['workload']} not found under {WORKLOAD_DIRS}; pass --workload"
+            )
         workload = found
     workload = Path(workload)
     if not workload.is_file():
@@ -376,8 +464,13 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     else:
         all_lengths = read
     if systems is None:
-        systems = list(HF_VLM_SYSTEMS if all_images and hf_vlm else MM_SYSTEMS if all_images else
-                       (s for s in SYSTEMS if s != "batchd-2phase"))
+        systems = list(
+            HF_VLM_SYSTEMS
+            if all_images and hf_vlm
+            else MM_SYSTEMS
+            if all_images
+            else (s for s in SYSTEMS if s != "batchd-2phase")
+        )
     if num_samples > len(all_lengths):
         raise ValueError(f"{workload} holds {len(all_lengths)} lengths, fewer than {num_samples=}")
     if num_samples < world_size:
@@ -386,25 +479,42 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
         import torch
 
         if not torch.cuda.is_available() or torch.cuda.device_count() < world_size:
-            raise ValueError(f"device cuda needs {world_size} visible GPU(s), found "
-                             f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+            raise ValueError(
+                f"device cuda needs {world_size} visible GPU(s), found "
+                f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+            )
     heldout = min(heldout, len(all_lengths) - num_samples)
     lengths = all_lengths[:num_samples]
-    used = all_lengths[:num_samples + heldout]
+    used = all_lengths[: num_samples + heldout]
     batch_size = max(1, token_budget // max(lengths))
     if lr_scaling not in LR_SCALING:
         raise ValueError(f"lr_scaling must be one of {list(LR_SCALING)}, got {lr_scaling=}")
     from batchd._bench_trainer import fixed_batches
 
-    fixed_steps = max(len(fixed_batches(num_samples, r, world_size, seed, batch_size)) for r in range(world_size))
+    fixed_steps = max(
+        len(fixed_batches(num_samples, r, world_size, seed, batch_size)) for r in range(world_size)
+    )
     lr_ref_tokens = round(sum(lengths) / fixed_steps) if lr_scaling != "none" else None
-    title = (f"{workload.stem}, {num_samples} samples, N={world_size}, L={token_budget}, {model}, {device}")
-    common = {"num_samples": num_samples, "lengths": used, "all_lengths": used, "seed": seed, "lr": lr,
-              "lr_ref_tokens": lr_ref_tokens, "lr_power": LR_SCALING[lr_scaling],
-              "model": model, "device": device, "token_budget": token_budget, "batch_size": batch_size,
-              "window": window, "odb_workers": odb_workers, "epochs": epochs, "step_time": step_time,
-              "heldout_ids": list(range(num_samples, num_samples + heldout)),
-              "images": all_images[:num_samples + heldout] if all_images else None}
+    title = f"{workload.stem}, {num_samples} samples, N={world_size}, L={token_budget}, {model}, {device}"
+    common = {
+        "num_samples": num_samples,
+        "lengths": used,
+        "all_lengths": used,
+        "seed": seed,
+        "lr": lr,
+        "lr_ref_tokens": lr_ref_tokens,
+        "lr_power": LR_SCALING[lr_scaling],
+        "model": model,
+        "device": device,
+        "token_budget": token_budget,
+        "batch_size": batch_size,
+        "window": window,
+        "odb_workers": odb_workers,
+        "epochs": epochs,
+        "step_time": step_time,
+        "heldout_ids": list(range(num_samples, num_samples + heldout)),
+        "images": all_images[: num_samples + heldout] if all_images else None,
+    }
     work = Path(tempfile.mkdtemp(prefix="batchd-bench-"))
     (work / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
     if all_images:  # the rank services serve the same synthetic images (`batchd rank --lengths FILE.csv`)
@@ -414,32 +524,49 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
     t_all = time.perf_counter()
     try:
         # each round rotates the order, so that drift in the machine's speed does not land on one system
-        order = [(rep, name) for rep in range(repeats)
-                 for name in systems[rep % len(systems):] + systems[:rep % len(systems)]]
+        order = [
+            (rep, name)
+            for rep in range(repeats)
+            for name in systems[rep % len(systems) :] + systems[: rep % len(systems)]
+        ]
         for rep, system in order:
             if system == "odb-0.1.2" and (why := odb_available()):
                 if rep == 0:
                     say(f"[bench] {system}: skipped: {why}")
                 results[system] = {"skipped": why}
                 continue
-            what = {"fixed": f"fixed batch size B={batch_size}", "odb-0.1.2": f"odb.apply, buffer_size={window}, "
-                    f"{odb_workers} workers/rank"}.get(system, "policy {}, {} rows, {} phase(s), window {}, "
-                                                      "depth {}".format(*BATCHD_SYSTEMS.get(system, ("?", "?", "?")),
-                                                                        window, depth))
+            what = {
+                "fixed": f"fixed batch size B={batch_size}",
+                "odb-0.1.2": f"odb.apply, buffer_size={window}, {odb_workers} workers/rank",
+            }.get(
+                system,
+                "policy {}, {} rows, {} phase(s), window {}, depth {}".format(
+                    *BATCHD_SYSTEMS.get(system, ("?", "?", "?")), window, depth
+                ),
+            )
             say(f"[bench] {system}: training {num_samples} samples on {world_size} {device} rank(s) ({what})")
             t_sys = time.perf_counter()
-            bar = (Progress(f"[bench] {system}", num_samples * epochs, "samples", emit=say)
-                   if progress is not None else None)  # a bar on a terminal, else a line every $BATCHD_PROGRESS_S
+            bar = (
+                Progress(f"[bench] {system}", num_samples * epochs, "samples", emit=say)
+                if progress is not None
+                else None
+            )  # a bar on a terminal, else a line every $BATCHD_PROGRESS_S
             res = run_system(system, work, common, job, timeout, f"{system}-{rep}", bar)
             s = summarize(system, res, num_samples, epochs)
             s["outer_s"] = time.perf_counter() - t_sys
             runs[system].append(s)
             run = f" (run {rep + 1}/{repeats})" if repeats > 1 else ""
-            say(f"[bench] {system}{run}: {s['wall_s']:.1f} s wall, {s['steps']} steps, {s['samples']} samples "
+            say(
+                f"[bench] {system}{run}: {s['wall_s']:.1f} s wall, {s['steps']} steps, {s['samples']} samples "
                 f"(missing {s['missing']}, dup {s['duplicates']}), padding eff {s['padding_efficiency']:.3f}, "
                 f"final loss {s['final_loss']:.3f}, held-out {_f(s['heldout_loss'])}"
-                + (f", vision tower {_pct(s['vision_share'])} of rank 0's time" if s.get("vision_share") is not None
-                   else "") + f" ({s['outer_s']:.0f} s in all)")
+                + (
+                    f", vision tower {_pct(s['vision_share'])} of rank 0's time"
+                    if s.get("vision_share") is not None
+                    else ""
+                )
+                + f" ({s['outer_s']:.0f} s in all)"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for system in systems:
@@ -453,15 +580,31 @@ def run_bench(workload: str | Path | None = None, num_samples: int | None = None
             r = results.get(ref, {})
             s[f"speedup_vs_{ref}"] = r["wall_s"] / s["wall_s"] if "wall_s" in r and s["wall_s"] > 0 else None
     summary: dict[str, Any] = {
-        "workload": str(workload), "num_samples": num_samples, "heldout": heldout, "world_size": world_size,
-        "token_budget": token_budget, "device": device, "model": model, "seed": seed, "lr": lr,
-        "lr_scaling": lr_scaling, "lr_ref_tokens": lr_ref_tokens, "window": window,
-        "depth": depth, "odb_workers": odb_workers, "repeats": repeats, "fixed_batch_size": batch_size,
-        "epochs": epochs, "deterministic": deterministic,
+        "workload": str(workload),
+        "num_samples": num_samples,
+        "heldout": heldout,
+        "world_size": world_size,
+        "token_budget": token_budget,
+        "device": device,
+        "model": model,
+        "seed": seed,
+        "lr": lr,
+        "lr_scaling": lr_scaling,
+        "lr_ref_tokens": lr_ref_tokens,
+        "window": window,
+        "depth": depth,
+        "odb_workers": odb_workers,
+        "repeats": repeats,
+        "fixed_batch_size": batch_size,
+        "epochs": epochs,
+        "deterministic": deterministic,
         "longest": max(lengths),
-        "mean_length": sum(lengths) / len(lengths), "layout": {name: BATCHD_SYSTEMS.get(name, ("", "padded"))[1] for name in systems},
+        "mean_length": sum(lengths) / len(lengths),
+        "layout": {name: BATCHD_SYSTEMS.get(name, ("", "padded"))[1] for name in systems},
         "images": sum(len(ims) for ims in all_images[:num_samples]) if all_images else 0,
-        "systems": results, "total_s": time.perf_counter() - t_all, "plots": [],
+        "systems": results,
+        "total_s": time.perf_counter() - t_all,
+        "plots": [],
     }
     if out is not None:
         out = Path(out)
@@ -500,48 +643,99 @@ to --out. odb-0.1.2 is skipped when online-dynamic-batching 0.1.2 is not install
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of `batchd bench` (shared with benchmarks/bench_systems.py, which parses the same ones)."""
-    add_job_flags(p, only=("world_size", "token_budget", "window", "depth", "seed", "epochs", "deterministic"),
-                  defaults={"window": 128, "depth": 8, "seed": 0, "epochs": 1, "deterministic": False},
-                  shown={"world_size": "2 on cpu, 1 on cuda", "token_budget": "8192 on cpu, 16384 on cuda"})
-    p.add_argument("--workload", metavar="FILE", default=None,
-                   help="length file, one length per line (default: shared/workloads/odb-synthetic.txt on cpu, "
-                        "sharegpt4o-like.txt on cuda), or a multimodal .csv (docs/workloads.md): synthetic "
-                        "images and the tiny MLLM (batchd.TinyMLLM)")
-    p.add_argument("--num-samples", type=int, default=None, metavar="M",
-                   help="train on the first M lengths (default: 1024 on cpu, 2048 on cuda)")
-    p.add_argument("--heldout", type=int, default=64, metavar="H",
-                   help="evaluate the model after every epoch on the H samples after the training set, clock "
-                        "paused (default 64; 0: none)")
-    p.add_argument("--systems", default=None,
-                   help=f"comma-separated, run in this order (default: {','.join(s for s in SYSTEMS if s != 'batchd-2phase')}; "
-                        f"for a multimodal .csv workload {','.join(MM_SYSTEMS)})")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: gloo DDP; cuda: NCCL, bf16, one GPU per rank (default cpu)")
-    p.add_argument("--model", choices=("tiny", "llama-100m", "tiny-qwen2vl"), default=None,
-                   help="tiny: ~0.5M-param Llama-style LM (cpu default); llama-100m: ~110M params, 12 layers, "
-                        "d_model 768, randomly initialised (cuda default); tiny-qwen2vl: the stock Hugging Face "
-                        "Qwen2VLForConditionalGeneration (2-block ViT, 2-layer M-RoPE LM) adapted by "
-                        "batchd.two_phase, by default on benchmarks/workloads/bimodal.csv (256 samples) with "
-                        f"{','.join(HF_VLM_SYSTEMS)}")
-    p.add_argument("--step-time", type=float, default=0.0, metavar="S",
-                   help="every trainer sleeps S seconds per step (a large model's step time; default 0)")
-    p.add_argument("--odb-workers", type=int, default=2, metavar="K",
-                   help="ODB DataLoader workers per rank; prefetch_factor = W / K (default 2)")
+    add_job_flags(
+        p,
+        only=("world_size", "token_budget", "window", "depth", "seed", "epochs", "deterministic"),
+        defaults={"window": 128, "depth": 8, "seed": 0, "epochs": 1, "deterministic": False},
+        shown={"world_size": "2 on cpu, 1 on cuda", "token_budget": "8192 on cpu, 16384 on cuda"},
+    )
+    p.add_argument(
+        "--workload",
+        metavar="FILE",
+        default=None,
+        help="length file, one length per line (default: shared/workloads/odb-synthetic.txt on cpu, "
+        "sharegpt4o-like.txt on cuda), or a multimodal .csv (docs/workloads.md): synthetic "
+        "images and the tiny MLLM (batchd.TinyMLLM)",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=None,
+        metavar="M",
+        help="train on the first M lengths (default: 1024 on cpu, 2048 on cuda)",
+    )
+    p.add_argument(
+        "--heldout",
+        type=int,
+        default=64,
+        metavar="H",
+        help="evaluate the model after every epoch on the H samples after the training set, clock "
+        "paused (default 64; 0: none)",
+    )
+    p.add_argument(
+        "--systems",
+        default=None,
+        help=f"comma-separated, run in this order (default: {','.join(s for s in SYSTEMS if s != 'batchd-2phase')}; "
+        f"for a multimodal .csv workload {','.join(MM_SYSTEMS)})",
+    )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo DDP; cuda: NCCL, bf16, one GPU per rank (default cpu)",
+    )
+    p.add_argument(
+        "--model",
+        choices=("tiny", "llama-100m", "tiny-qwen2vl"),
+        default=None,
+        help="tiny: ~0.5M-param Llama-style LM (cpu default); llama-100m: ~110M params, 12 layers, "
+        "d_model 768, randomly initialised (cuda default); tiny-qwen2vl: the stock Hugging Face "
+        "Qwen2VLForConditionalGeneration (2-block ViT, 2-layer M-RoPE LM) adapted by "
+        "batchd.two_phase, by default on benchmarks/workloads/bimodal.csv (256 samples) with "
+        f"{','.join(HF_VLM_SYSTEMS)}",
+    )
+    p.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="every trainer sleeps S seconds per step (a large model's step time; default 0)",
+    )
+    p.add_argument(
+        "--odb-workers",
+        type=int,
+        default=2,
+        metavar="K",
+        help="ODB DataLoader workers per rank; prefetch_factor = W / K (default 2)",
+    )
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, all systems (default 1e-3)")
-    p.add_argument("--lr-scaling", choices=tuple(LR_SCALING), default="sqrt",
-                   help="sqrt: each step's lr = lr x sqrt(its tokens / fixed batching's mean step tokens), the "
-                        "same rule for every system; linear: lr x that ratio; none: constant lr (default sqrt)")
+    p.add_argument(
+        "--lr-scaling",
+        choices=tuple(LR_SCALING),
+        default="sqrt",
+        help="sqrt: each step's lr = lr x sqrt(its tokens / fixed batching's mean step tokens), the "
+        "same rule for every system; linear: lr x that ratio; none: constant lr (default sqrt)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per system run (default 1800)")
-    p.add_argument("--repeats", type=int, default=1, metavar="R",
-                   help="runs per system, interleaved in rotating order; the median-wall run is reported (default 1)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="R",
+        help="runs per system, interleaved in rotating order; the median-wall run is reported (default 1)",
+    )
     p.add_argument("--out", metavar="DIR", default=None, help="write bench.json and PNG plots here")
     p.add_argument("--json", action="store_true", help="print one JSON object (loss curves included)")
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the `bench` subcommand to an argparse subparsers object; its handler is `args.func`."""
-    p = subparsers.add_parser("bench", help="real side-by-side run: fixed, ODB 0.1.2, batchd", description=HELP,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "bench",
+        help="real side-by-side run: fixed, ODB 0.1.2, batchd",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     p.set_defaults(func=bench_command)
     return p
@@ -550,14 +744,29 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 def bench_command(args: argparse.Namespace) -> int:
     """Runs `batchd bench` from parsed arguments; prints a table (or JSON); returns the exit status."""
     try:
-        summary = run_bench(workload=args.workload, num_samples=args.num_samples, world_size=args.world_size,
-                            token_budget=args.token_budget,
-                            systems=parse_systems(args.systems) if args.systems else None,
-                            device=args.device, model=args.model, out=args.out, seed=args.seed,
-                            window=args.window, depth=args.depth, heldout=args.heldout,
-                            odb_workers=args.odb_workers, lr=args.lr, timeout=args.timeout, repeats=args.repeats,
-                            lr_scaling=args.lr_scaling, progress=lambda m: print(m, file=sys.stderr, flush=True),
-                            epochs=args.epochs, step_time=args.step_time, deterministic=args.deterministic)
+        summary = run_bench(
+            workload=args.workload,
+            num_samples=args.num_samples,
+            world_size=args.world_size,
+            token_budget=args.token_budget,
+            systems=parse_systems(args.systems) if args.systems else None,
+            device=args.device,
+            model=args.model,
+            out=args.out,
+            seed=args.seed,
+            window=args.window,
+            depth=args.depth,
+            heldout=args.heldout,
+            odb_workers=args.odb_workers,
+            lr=args.lr,
+            timeout=args.timeout,
+            repeats=args.repeats,
+            lr_scaling=args.lr_scaling,
+            progress=lambda m: print(m, file=sys.stderr, flush=True),
+            epochs=args.epochs,
+            step_time=args.step_time,
+            deterministic=args.deterministic,
+        )
     except ValueError as exc:
         print(f"batchd bench: error: {exc}", file=sys.stderr)
         return 2
@@ -565,22 +774,30 @@ def bench_command(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         print(format_table(summary))
-    bad = [n for n, s in summary["systems"].items() if s.get("missing") or s.get("duplicates") or s.get("unexpected")]
+    bad = [
+        n
+        for n, s in summary["systems"].items()
+        if s.get("missing") or s.get("duplicates") or s.get("unexpected")
+    ]
     return 1 if bad else 0
 
 
 def format_table(summary: dict[str, Any]) -> str:
     vision = any(s.get("vision_share") is not None for s in summary["systems"].values())
-    rows = [f"{'system':<16} {'wall s':>8} {'vs fixed':>9} {'vs odb':>8} {'steps':>6} {'samples':>8} "
-            f"{'pad eff':>8} {'final loss':>10} {'held-out':>9}" + (f" {'vision':>7}" if vision else "")]
+    rows = [
+        f"{'system':<16} {'wall s':>8} {'vs fixed':>9} {'vs odb':>8} {'steps':>6} {'samples':>8} "
+        f"{'pad eff':>8} {'final loss':>10} {'held-out':>9}" + (f" {'vision':>7}" if vision else "")
+    ]
     for name, s in summary["systems"].items():
         if "wall_s" not in s:
             rows.append(f"{name:<16} skipped: {s.get('skipped')}")
             continue
         vf, vo = s.get("speedup_vs_fixed"), s.get("speedup_vs_odb-0.1.2")
-        rows.append(f"{name:<16} {s['wall_s']:>8.2f} {_x(vf):>9} {_x(vo):>8} {s['steps']:>6} {s['samples']:>8} "
-                    f"{s['padding_efficiency']:>8.3f} {s['final_loss']:>10.3f} {_f(s['heldout_loss']):>9}"
-                    + (f" {_pct(s.get('vision_share')):>7}" if vision else ""))
+        rows.append(
+            f"{name:<16} {s['wall_s']:>8.2f} {_x(vf):>9} {_x(vo):>8} {s['steps']:>6} {s['samples']:>8} "
+            f"{s['padding_efficiency']:>8.3f} {s['final_loss']:>10.3f} {_f(s['heldout_loss']):>9}"
+            + (f" {_pct(s.get('vision_share')):>7}" if vision else "")
+        )
     return "\n".join(rows)
 
 
@@ -593,8 +810,9 @@ def _x(v: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m batchd.bench", description=HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m batchd.bench", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(p)
     return bench_command(p.parse_args(argv))
 

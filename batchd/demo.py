@@ -61,7 +61,6 @@ import numpy as np
 import ray
 
 from batchd.core import JobFailed, JobSpec, mean_imbalance
-from batchd.proto import Progress
 from batchd.launch import (
     MARKER_ENV,
     Processes,
@@ -71,6 +70,7 @@ from batchd.launch import (
     start_trainers,
     wait_trainers,
 )
+from batchd.proto import Progress
 from batchd.service.preprocess import (
     Quarantine,
     RecordDataset,
@@ -92,16 +92,28 @@ def demo_lengths(num_samples: int, seed: int = 7, longest: int = 512) -> list[in
     rng = np.random.default_rng(seed)
     scale = longest / 4096
     n_short, n_med = int(num_samples * 0.72), int(num_samples * 0.22)
-    parts = [rng.integers(64, 384, n_short), rng.integers(384, 1400, n_med),
-             rng.integers(1400, 4096, num_samples - n_short - n_med)]
+    parts = [
+        rng.integers(64, 384, n_short),
+        rng.integers(384, 1400, n_med),
+        rng.integers(1400, 4096, num_samples - n_short - n_med),
+    ]
     lengths = np.maximum((np.concatenate(parts) * scale).astype(int), 2)
     rng.shuffle(lengths)
     return lengths.tolist()
 
 
-def _trainers(procs: Processes, work: Path, tag: str, world_size: int, common: dict[str, Any],
-              per_rank: list[dict[str, Any]], timeout: float, say=None, total: int | None = None,
-              desc: str = "") -> list[dict[str, Any]]:
+def _trainers(
+    procs: Processes,
+    work: Path,
+    tag: str,
+    world_size: int,
+    common: dict[str, Any],
+    per_rank: list[dict[str, Any]],
+    timeout: float,
+    say=None,
+    total: int | None = None,
+    desc: str = "",
+) -> list[dict[str, Any]]:
     """Runs one phase's trainers; with `say` (the demo's progress printer) shows the phase's progress in
     samples of every rank together out of `total` (a bar on a terminal, else a `say` line every
     $BATCHD_PROGRESS_S seconds)."""
@@ -140,13 +152,30 @@ class _Signals:
         return KeyboardInterrupt(f"by {name}")
 
 
-def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = DEMO_BUDGET, policy: str = "balanced",
-             window: int = 128, depth: int = 4, seed: int = 0, baseline: bool = True, progress=None,
-             timeout: float = 900.0, keep_dir: bool = False, synthetic: bool = False, dataset: str | None = None,
-             num_actors: int = 2, ray_address: str | None = None, tokenizer: str | None = None,
-             step_time: float = 0.0, phases: int | None = None, memory_budget: str | None = None,
-             max_bad_fraction: float | None = None, processor: str | None = None,
-             deterministic: bool = False) -> dict[str, Any]:
+def run_demo(
+    world_size: int = 2,
+    num_samples: int = 1024,
+    token_budget: int = DEMO_BUDGET,
+    policy: str = "balanced",
+    window: int = 128,
+    depth: int = 4,
+    seed: int = 0,
+    baseline: bool = True,
+    progress=None,
+    timeout: float = 900.0,
+    keep_dir: bool = False,
+    synthetic: bool = False,
+    dataset: str | None = None,
+    num_actors: int = 2,
+    ray_address: str | None = None,
+    tokenizer: str | None = None,
+    step_time: float = 0.0,
+    phases: int | None = None,
+    memory_budget: str | None = None,
+    max_bad_fraction: float | None = None,
+    processor: str | None = None,
+    deterministic: bool = False,
+) -> dict[str, Any]:
     """Runs the demo; returns the summary dict `batchd demo --json` prints. `step_time`: seconds each batchd
     trainer sleeps per step (a real model's step time; the job must not mind). `memory_budget`,
     `max_bad_fraction`: the node agent's [data] keys (None: their defaults). `deterministic`: the job's
@@ -182,16 +211,61 @@ def run_demo(world_size: int = 2, num_samples: int = 1024, token_budget: int = D
     t_start = time.perf_counter()
     try:
         say(f"logs and temporary files in {work}")
-        spec = spec_argv(JobSpec(world_size=world_size, token_budget=token_budget, policy=policy, window=window,
-                                 depth=depth, seed=seed, phases=phases, deterministic=deterministic))
+        spec = spec_argv(
+            JobSpec(
+                world_size=world_size,
+                token_budget=token_budget,
+                policy=policy,
+                window=window,
+                depth=depth,
+                seed=seed,
+                phases=phases,
+                deterministic=deterministic,
+            )
+        )
         if synthetic:
-            summary = _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed,
-                                     baseline, say, timeout, t_start, step_time, show)
+            summary = _run_synthetic(
+                procs,
+                work,
+                spec,
+                world_size,
+                num_samples,
+                token_budget,
+                policy,
+                seed,
+                baseline,
+                say,
+                timeout,
+                t_start,
+                step_time,
+                show,
+            )
         else:
             ray_started = ray_address is None
-            summary = _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say,
-                               timeout, t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time,
-                               memory_budget, max_bad_fraction, processor, show)
+            summary = _run_ray(
+                procs,
+                work,
+                spec,
+                world_size,
+                num_samples,
+                token_budget,
+                policy,
+                seed,
+                baseline,
+                say,
+                timeout,
+                t_start,
+                dataset,
+                num_actors,
+                ray_address,
+                tokenizer,
+                marker,
+                step_time,
+                memory_budget,
+                max_bad_fraction,
+                processor,
+                show,
+            )
         summary["phases"] = phases
         summary["deterministic"] = deterministic
         return summary
@@ -230,41 +304,83 @@ def kept_quarantine(work: Path) -> Path:
     return work.with_name(work.name + "-quarantine.jsonl")
 
 
-def _run_synthetic(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
-                   t_start, step_time=0.0, show=None) -> dict[str, Any]:
+def _run_synthetic(
+    procs,
+    work,
+    spec,
+    world_size,
+    num_samples,
+    token_budget,
+    policy,
+    seed,
+    baseline,
+    say,
+    timeout,
+    t_start,
+    step_time=0.0,
+    show=None,
+) -> dict[str, Any]:
     lengths = demo_lengths(num_samples)
     lengths_file = work / "lengths.txt"
     lengths_file.write_text("\n".join(map(str, lengths)) + "\n")
-    say(f"starting coordinator and a node agent for {world_size} ranks ({num_samples} synthetic samples, "
-        f"L={token_budget}, policy {policy})")
+    say(
+        f"starting coordinator and a node agent for {world_size} ranks ({num_samples} synthetic samples, "
+        f"L={token_budget}, policy {policy})"
+    )
     _, ports = start_node_agents(procs, work, spec, world_size, world_size, lengths_file)
     say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
-    results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed, "step_time": step_time},
-                        [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout, show,
-                        num_samples, "batchd run")
+    results = _trainers(
+        procs,
+        work,
+        "batchd",
+        world_size,
+        {"mode": "batchd", "seed": seed, "step_time": step_time},
+        [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)],
+        timeout,
+        show,
+        num_samples,
+        "batchd run",
+    )
     summary = summarize(lengths, results)
     summary["startup_and_teardown_s"] = time.perf_counter() - t_start - summary["wall_s"]
     if baseline:
         bs = max(1, token_budget // max(lengths))
         say(f"baseline: the same epoch with fixed batching (batch size {bs})")
-        base = _trainers(procs, work, "fixed", world_size,
-                         {"mode": "fixed", "seed": seed, "lengths": lengths, "batch_size": bs},
-                         [{} for _ in range(world_size)], timeout, show,
-                         -(-num_samples // world_size) * world_size, "fixed run")  # DistributedSampler pads
+        base = _trainers(
+            procs,
+            work,
+            "fixed",
+            world_size,
+            {"mode": "fixed", "seed": seed, "lengths": lengths, "batch_size": bs},
+            [{} for _ in range(world_size)],
+            timeout,
+            show,
+            -(-num_samples // world_size) * world_size,
+            "fixed run",
+        )  # DistributedSampler pads
         _add_baseline(summary, summarize(lengths, base, check_coverage=False), bs)
     return summary
 
 
 def _add_baseline(summary: dict[str, Any], b: dict[str, Any], bs: int) -> None:
-    summary["baseline"] = {"wall_s": b["wall_s"], "steps": b["steps_per_rank"][0], "batch_size": bs,
-                           "padding_efficiency": b["padding_efficiency"], "loss_last": b["loss_last"],
-                           "stall_fraction": b["stall_fraction"], "vision_imbalance": b["vision_imbalance"]}
+    summary["baseline"] = {
+        "wall_s": b["wall_s"],
+        "steps": b["steps_per_rank"][0],
+        "batch_size": bs,
+        "padding_efficiency": b["padding_efficiency"],
+        "loss_last": b["loss_last"],
+        "stall_fraction": b["stall_fraction"],
+        "vision_imbalance": b["vision_imbalance"],
+    }
     summary["speedup"] = b["wall_s"] / summary["wall_s"]
 
 
 def actors_per_rank(num_actors: int, world_size: int) -> list[int]:
     """`num_actors` spread over the ranks as evenly as possible, at least one per rank."""
-    return [max(1, num_actors // world_size + (1 if r < num_actors % world_size else 0)) for r in range(world_size)]
+    return [
+        max(1, num_actors // world_size + (1 if r < num_actors % world_size else 0))
+        for r in range(world_size)
+    ]
 
 
 def _vocab_size(tokenizer: str | os.PathLike) -> int:
@@ -276,9 +392,30 @@ def _vocab_size(tokenizer: str | os.PathLike) -> int:
     return TokenizerRef(tokenizer).id_space
 
 
-def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, seed, baseline, say, timeout,
-             t_start, dataset, num_actors, ray_address, tokenizer, marker, step_time=0.0, memory_budget=None,
-             max_bad_fraction=None, processor=None, show=None) -> dict[str, Any]:
+def _run_ray(
+    procs,
+    work,
+    spec,
+    world_size,
+    num_samples,
+    token_budget,
+    policy,
+    seed,
+    baseline,
+    say,
+    timeout,
+    t_start,
+    dataset,
+    num_actors,
+    ray_address,
+    tokenizer,
+    marker,
+    step_time=0.0,
+    memory_budget=None,
+    max_bad_fraction=None,
+    processor=None,
+    show=None,
+) -> dict[str, Any]:
     expected_bad: dict[int, str] | None = None
     if dataset is None:
         demo = make_demo_dataset(work / "data", num_samples=num_samples, seed=seed)
@@ -306,12 +443,25 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
                 if handler is not None:
                     signal.signal(sig, handler)
         ray_address = ray.get_runtime_context().gcs_address
-    say(f"Ray at {ray_address}; {sum(per_rank)} preprocessing actors ({per_rank} per rank) on {records} records "
-        f"of {dataset}")
+    say(
+        f"Ray at {ray_address}; {sum(per_rank)} preprocessing actors ({per_rank} per rank) on {records} records "
+        f"of {dataset}"
+    )
 
-    node_args = ["--dataset", str(dataset), "--tokenizer", str(tok), "--num-actors", str(max(per_rank)),
-                 "--ray-address", ray_address, "--quarantine", str(work / "quarantine.jsonl"),
-                 "--stats-file", str(work / "stats-{rank}.json")]
+    node_args = [
+        "--dataset",
+        str(dataset),
+        "--tokenizer",
+        str(tok),
+        "--num-actors",
+        str(max(per_rank)),
+        "--ray-address",
+        ray_address,
+        "--quarantine",
+        str(work / "quarantine.jsonl"),
+        "--stats-file",
+        str(work / "stats-{rank}.json"),
+    ]
     if memory_budget is not None:
         node_args += ["--memory-budget", str(memory_budget)]
     if max_bad_fraction is None and expected_bad:
@@ -323,10 +473,18 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
     say(f"starting coordinator and a node agent for {world_size} ranks (L={token_budget}, policy {policy})")
     _, ports = start_node_agents(procs, work, spec, world_size, world_size, None, node_args=node_args)
     say(f"training one epoch on {world_size} gloo DDP trainers through batchd")
-    results = _trainers(procs, work, "batchd", world_size, {"mode": "batchd", "seed": seed, "model_cfg": model_cfg,
-                                                                    "step_time": step_time},
-                        [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)], timeout, show,
-                        records, "batchd run")  # of the records; the bad ones drop out
+    results = _trainers(
+        procs,
+        work,
+        "batchd",
+        world_size,
+        {"mode": "batchd", "seed": seed, "model_cfg": model_cfg, "step_time": step_time},
+        [{"service": f"127.0.0.1:{ports[r]}"} for r in range(world_size)],
+        timeout,
+        show,
+        records,
+        "batchd run",
+    )  # of the records; the bad ones drop out
     try:  # it exits on its own once every trainer took the last batch
         procs.get("node-0").wait(60)
     except subprocess.TimeoutExpired:
@@ -335,8 +493,10 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
     for r in range(world_size):
         path = work / f"stats-{r}.json"
         if not path.exists():
-            raise RuntimeError(f"the node agent wrote no stats for rank {r} (exit {procs.get('node-0').returncode}):"
-                               f"\n{procs.log('node-0')}")
+            raise RuntimeError(
+                f"the node agent wrote no stats for rank {r} (exit {procs.get('node-0').returncode}):"
+                f"\n{procs.log('node-0')}"
+            )
         stats.append(json.loads(path.read_text()))
     quarantined_ids = set()
     q = work / "quarantine.jsonl"
@@ -351,10 +511,14 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
         "quarantined": sum(s["quarantined"] for s in stats),
         "records_read": sum(s["records_read"] for s in stats),
         "records": records,
-        "samples_per_s": sum(s["samples"] for s in stats) / summary["wall_s"] if summary["wall_s"] > 0 else 0.0,
+        "samples_per_s": sum(s["samples"] for s in stats) / summary["wall_s"]
+        if summary["wall_s"] > 0
+        else 0.0,
         "capacity_samples_per_s": _capacity(stats),
-        "actor_busy_fraction": (sum(s.get("actor_busy_s", 0.0) for s in stats)
-                                / max(sum(s["actors"] * s["wall_s"] for s in stats), 1e-9)),
+        "actor_busy_fraction": (
+            sum(s.get("actor_busy_s", 0.0) for s in stats)
+            / max(sum(s["actors"] * s["wall_s"] for s in stats), 1e-9)
+        ),
         "stall_fraction": summary["stall_fraction"],
         "stall_fraction_per_rank": summary["stall_fraction_per_rank"],
         "reasons": _sum_counts(s["reasons"] for s in stats),
@@ -362,20 +526,43 @@ def _run_ray(procs, work, spec, world_size, num_samples, token_budget, policy, s
         "retries": sum(s["retries"] for s in stats),
         "peak_held_bytes": max(s.get("peak_held_bytes", 0) for s in stats),
     }
-    pre["accounting_ok"] = (pre["samples"] + pre["quarantined"] == pre["records_read"] == records
-                            and pre["samples"] == summary["emitted"] and len(quarantined_ids) == pre["quarantined"])
+    pre["accounting_ok"] = (
+        pre["samples"] + pre["quarantined"] == pre["records_read"] == records
+        and pre["samples"] == summary["emitted"]
+        and len(quarantined_ids) == pre["quarantined"]
+    )
     if expected_bad is not None:
         pre["expected_quarantined"] = len(expected_bad)
         pre["accounting_ok"] = pre["accounting_ok"] and quarantined_ids == set(expected_bad)
     summary["preprocess"] = pre
     if baseline:
         bs = max(1, token_budget // max(r["longest"] for r in results))
-        say(f"baseline: the same epoch with fixed batching on the same preprocessed samples (batch size {bs})")
-        common = {"mode": "fixed", "seed": seed, "batch_size": bs, "model_cfg": model_cfg, "dataset": str(dataset),
-                  "tokenizer": str(tok), "cutoff": token_budget, "ray_address": ray_address,
-                  "processor": str(processor) if processor else None}
-        base = _trainers(procs, work, "fixed", world_size, common, [{"num_actors": n} for n in per_rank], timeout,
-                         show, len(good), "fixed run")
+        say(
+            f"baseline: the same epoch with fixed batching on the same preprocessed samples (batch size {bs})"
+        )
+        common = {
+            "mode": "fixed",
+            "seed": seed,
+            "batch_size": bs,
+            "model_cfg": model_cfg,
+            "dataset": str(dataset),
+            "tokenizer": str(tok),
+            "cutoff": token_budget,
+            "ray_address": ray_address,
+            "processor": str(processor) if processor else None,
+        }
+        base = _trainers(
+            procs,
+            work,
+            "fixed",
+            world_size,
+            common,
+            [{"num_actors": n} for n in per_rank],
+            timeout,
+            show,
+            len(good),
+            "fixed run",
+        )
         _add_baseline(summary, summarize(good, base, check_coverage=False), bs)
     return summary
 
@@ -396,8 +583,12 @@ def _sum_counts(dicts: Iterable[dict[str, int]]) -> dict[str, int]:
     return out
 
 
-def summarize(lengths: list[int], results: list[dict[str, Any]], check_coverage: bool = True,
-              expected_ids: Iterable[int] | None = None) -> dict[str, Any]:
+def summarize(
+    lengths: list[int],
+    results: list[dict[str, Any]],
+    check_coverage: bool = True,
+    expected_ids: Iterable[int] | None = None,
+) -> dict[str, Any]:
     """The demo's metrics over the trainers' results; `missing` counts ids of `expected_ids` (default:
     0 .. len(lengths) - 1) that no trainer trained on."""
     ids = [i for r in results for step in r["sample_ids"] for i in step]
@@ -413,13 +604,17 @@ def summarize(lengths: list[int], results: list[dict[str, Any]], check_coverage:
         "step_digests": step_digests(results),
         "losses": losses,
         "emitted": len(ids),
-        "missing": sum(1 for i in (range(len(lengths)) if expected_ids is None else expected_ids) if i not in counts),
+        "missing": sum(
+            1 for i in (range(len(lengths)) if expected_ids is None else expected_ids) if i not in counts
+        ),
         "duplicates": sum(c - 1 for c in counts.values() if c > 1),
         "idle": sum(r["idle"] for r in results),
-        "real_tokens": real, "padded_tokens": padded,
+        "real_tokens": real,
+        "padded_tokens": padded,
         "padding_efficiency": real / padded if padded else 1.0,
         "wall_s": max(r["wall_s"] for r in results),
-        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        "loss_first": losses[0] if losses else None,
+        "loss_last": losses[-1] if losses else None,
         "stall_fraction": max(stalls),
         "stall_fraction_per_rank": stalls,
         "vision_imbalance": vision_imbalance(results),
@@ -431,8 +626,10 @@ def step_digests(results: list[dict[str, Any]]) -> list[str]:
     made the same batches iff their digests are equal)."""
     per_rank = [r["sample_ids"] for r in results]
     steps = max((len(p) for p in per_rank), default=0)
-    return [hashlib.sha256(json.dumps([p[k] if k < len(p) else None for p in per_rank]).encode()).hexdigest()[:16]
-            for k in range(steps)]
+    return [
+        hashlib.sha256(json.dumps([p[k] if k < len(p) else None for p in per_rank]).encode()).hexdigest()[:16]
+        for k in range(steps)
+    ]
 
 
 def vision_imbalance(results: list[dict[str, Any]]) -> float | None:
@@ -441,4 +638,4 @@ def vision_imbalance(results: list[dict[str, Any]]) -> float | None:
     per_rank = [r.get("encoded_patches") for r in results]
     if not all(per_rank) or len({len(p) for p in per_rank}) != 1:
         return None
-    return mean_imbalance(zip(*per_rank))
+    return mean_imbalance(zip(*per_rank, strict=False))

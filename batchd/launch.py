@@ -25,9 +25,21 @@ from batchd.proto import Progress
 
 SERVICE_START_S = 120.0  # a rank service with --dataset starts its actors before it listens
 
-__all__ = ["MARKER_ENV", "SERVICE_START_S", "Processes", "Reaper", "die_with_parent", "free_port",
-           "rank_argv", "spec_argv", "start_node_agents", "start_services", "start_trainers", "wait_port",
-           "wait_trainers"]
+__all__ = [
+    "MARKER_ENV",
+    "SERVICE_START_S",
+    "Processes",
+    "Reaper",
+    "die_with_parent",
+    "free_port",
+    "rank_argv",
+    "spec_argv",
+    "start_node_agents",
+    "start_services",
+    "start_trainers",
+    "wait_port",
+    "wait_trainers",
+]
 
 
 def free_port() -> int:
@@ -182,10 +194,22 @@ class Reaper:
         env = {k: v for k, v in os.environ.items() if k != MARKER_ENV}
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", _REAPER, str(read_fd), str(os.getpid()), str(work),
-                 f"{MARKER_ENV}={marker}"],
-                pass_fds=(read_fd,), env=env, start_new_session=True,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                [
+                    sys.executable,
+                    "-c",
+                    _REAPER,
+                    str(read_fd),
+                    str(os.getpid()),
+                    str(work),
+                    f"{MARKER_ENV}={marker}",
+                ],
+                pass_fds=(read_fd,),
+                env=env,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         finally:
             os.close(read_fd)
 
@@ -216,8 +240,14 @@ class Processes:
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env}
         with open(self.log_dir / f"{name}.log", "w") as log:  # the child keeps its own descriptor
-            proc = subprocess.Popen(die_with_parent(argv), stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            proc = subprocess.Popen(
+                die_with_parent(argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         self.procs.append((name, proc))
         return proc
 
@@ -265,25 +295,64 @@ def spec_argv(spec: JobSpec) -> list[str]:
     return argv
 
 
-def rank_argv(spec: list[str], rank: int, coordinator_port: int, lengths_file: Path | None, port: int,
-              port_file: Path, extra: list[str] | tuple[str, ...] = ()) -> list[str]:
+def rank_argv(
+    spec: list[str],
+    rank: int,
+    coordinator_port: int,
+    lengths_file: Path | None,
+    port: int,
+    port_file: Path,
+    extra: list[str] | tuple[str, ...] = (),
+) -> list[str]:
     """The command line of rank service `rank` (`port` 0 picks a free one; no `lengths_file`: the data
     source comes from `extra`, e.g. `--dataset`)."""
     lengths = ["--lengths", str(lengths_file)] if lengths_file is not None else []
-    return [sys.executable, "-m", "batchd", "rank", *spec, "--rank", str(rank),
-            "--coordinator", f"127.0.0.1:{coordinator_port}", *lengths,
-            "--port", str(port), "--port-file", str(port_file), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "batchd",
+        "rank",
+        *spec,
+        "--rank",
+        str(rank),
+        "--coordinator",
+        f"127.0.0.1:{coordinator_port}",
+        *lengths,
+        "--port",
+        str(port),
+        "--port-file",
+        str(port_file),
+        *extra,
+    ]
 
 
-def start_services(procs: Processes, work: Path, spec: list[str], world_size: int, lengths_file: Path | None,
-                   coordinator_args: list[str] | tuple[str, ...] = (),
-                   rank_args: list[str] | tuple[str, ...] | Callable[[int], list[str]] = ()
-                   ) -> tuple[int, list[int]]:
+def start_services(
+    procs: Processes,
+    work: Path,
+    spec: list[str],
+    world_size: int,
+    lengths_file: Path | None,
+    coordinator_args: list[str] | tuple[str, ...] = (),
+    rank_args: list[str] | tuple[str, ...] | Callable[[int], list[str]] = (),
+) -> tuple[int, list[int]]:
     """Starts the coordinator ("coordinator") and the rank services ("rank-R") on free loopback ports;
     returns (coordinator port, rank service ports) once every one listens. `rank_args` may be a function
     of the rank."""
-    coord = procs.start("coordinator", [sys.executable, "-m", "batchd", "coordinator", *spec, "--port", "0",
-                                        "--port-file", str(work / "coord.port"), *coordinator_args])
+    coord = procs.start(
+        "coordinator",
+        [
+            sys.executable,
+            "-m",
+            "batchd",
+            "coordinator",
+            *spec,
+            "--port",
+            "0",
+            "--port-file",
+            str(work / "coord.port"),
+            *coordinator_args,
+        ],
+    )
     cport = wait_port(work / "coord.port", coord, "coordinator")
     ports = []
     procs_r = []
@@ -296,39 +365,96 @@ def start_services(procs: Processes, work: Path, spec: list[str], world_size: in
     return cport, ports
 
 
-def start_node_agents(procs: Processes, work: Path, spec: list[str], world_size: int, local_ranks: int,
-                      lengths_file: Path | None, coordinator_args: list[str] | tuple[str, ...] = (),
-                      node_args: list[str] | tuple[str, ...] | Callable[[int], list[str]] = ()) -> tuple[int, list[int]]:
+def start_node_agents(
+    procs: Processes,
+    work: Path,
+    spec: list[str],
+    world_size: int,
+    local_ranks: int,
+    lengths_file: Path | None,
+    coordinator_args: list[str] | tuple[str, ...] = (),
+    node_args: list[str] | tuple[str, ...] | Callable[[int], list[str]] = (),
+) -> tuple[int, list[int]]:
     """Starts the coordinator ("coordinator") and world_size / local_ranks node agents ("node-G", serving ranks
     G*K .. G*K+K-1) on free loopback ports; returns (coordinator port, the service port of every rank: its
     agent's) once every one listens. `node_args` may be a function of the node rank G."""
     if local_ranks < 1 or world_size % local_ranks:
         raise ValueError(f"local_ranks must divide world_size, got {local_ranks=} {world_size=}")
-    coord = procs.start("coordinator", [sys.executable, "-m", "batchd", "coordinator", *spec, "--port", "0",
-                                        "--port-file", str(work / "coord.port"), *coordinator_args])
+    coord = procs.start(
+        "coordinator",
+        [
+            sys.executable,
+            "-m",
+            "batchd",
+            "coordinator",
+            *spec,
+            "--port",
+            "0",
+            "--port-file",
+            str(work / "coord.port"),
+            *coordinator_args,
+        ],
+    )
     cport = wait_port(work / "coord.port", coord, "coordinator")
     agents = []
     for g in range(world_size // local_ranks):
         extra = node_args(g) if callable(node_args) else node_args
         lengths = ["--lengths", str(lengths_file)] if lengths_file is not None else []
-        agents.append(procs.start(f"node-{g}", [
-            sys.executable, "-m", "batchd", "node", *spec, "--local-ranks", str(local_ranks), "--node-rank", str(g),
-            "--name", f"node-{g}", "--coordinator", f"127.0.0.1:{cport}", *lengths, "--port", "0",
-            "--port-file", str(work / f"node-{g}.port"), *extra]))
-    ports = [wait_port(work / f"node-{g}.port", p, f"node agent {g}", SERVICE_START_S) for g, p in enumerate(agents)]
+        agents.append(
+            procs.start(
+                f"node-{g}",
+                [
+                    sys.executable,
+                    "-m",
+                    "batchd",
+                    "node",
+                    *spec,
+                    "--local-ranks",
+                    str(local_ranks),
+                    "--node-rank",
+                    str(g),
+                    "--name",
+                    f"node-{g}",
+                    "--coordinator",
+                    f"127.0.0.1:{cport}",
+                    *lengths,
+                    "--port",
+                    "0",
+                    "--port-file",
+                    str(work / f"node-{g}.port"),
+                    *extra,
+                ],
+            )
+        )
+    ports = [
+        wait_port(work / f"node-{g}.port", p, f"node agent {g}", SERVICE_START_S)
+        for g, p in enumerate(agents)
+    ]
     return cport, [ports[r // local_ranks] for r in range(world_size)]
 
 
-def start_trainers(procs: Processes, work: Path, tag: str, world_size: int, common: dict[str, Any],
-                   per_rank: list[dict[str, Any]] | tuple[dict[str, Any], ...],
-                   module: str = "batchd._trainer") -> tuple[int, list[Path]]:
+def start_trainers(
+    procs: Processes,
+    work: Path,
+    tag: str,
+    world_size: int,
+    common: dict[str, Any],
+    per_rank: list[dict[str, Any]] | tuple[dict[str, Any], ...],
+    module: str = "batchd._trainer",
+) -> tuple[int, list[Path]]:
     """Starts `world_size` trainer processes ("TAG-R") of `module` (`python -m module --config
     TAG-R.cfg.json`); returns (gloo master port, result paths)."""
     port = free_port()
     outs = []
     for r in range(world_size):
-        cfg = {**common, **per_rank[r], "rank": r, "world_size": world_size, "master_port": port,
-               "out": str(work / f"{tag}-{r}.json")}
+        cfg = {
+            **common,
+            **per_rank[r],
+            "rank": r,
+            "world_size": world_size,
+            "master_port": port,
+            "out": str(work / f"{tag}-{r}.json"),
+        }
         cfg_path = work / f"{tag}-{r}.cfg.json"
         cfg_path.write_text(json.dumps(cfg))
         procs.start(f"{tag}-{r}", [sys.executable, "-m", module, "--config", str(cfg_path)])
@@ -387,8 +513,9 @@ def _read_progress(outs: list[Path]) -> tuple[int, int]:
     return samples, steps
 
 
-def wait_trainers(procs: Processes, tag: str, outs: list[Path], timeout: float,
-                  progress: Progress | None = None) -> list[dict[str, Any]]:
+def wait_trainers(
+    procs: Processes, tag: str, outs: list[Path], timeout: float, progress: Progress | None = None
+) -> list[dict[str, Any]]:
     """Waits for the "TAG-*" trainers; returns their results. `progress` (a `batchd.proto.Progress`)
     follows the trainers' `StepTicker`s meanwhile, and is closed.
 
@@ -400,8 +527,11 @@ def wait_trainers(procs: Processes, tag: str, outs: list[Path], timeout: float,
         for _, p in mine:
             while True:
                 try:
-                    p.wait(max(min(deadline - time.monotonic(), 0.5), 0.01) if progress else
-                           max(deadline - time.monotonic(), 1))
+                    p.wait(
+                        max(min(deadline - time.monotonic(), 0.5), 0.01)
+                        if progress
+                        else max(deadline - time.monotonic(), 1)
+                    )
                     break
                 except subprocess.TimeoutExpired:
                     if progress is None or time.monotonic() >= deadline:

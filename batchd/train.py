@@ -89,7 +89,6 @@ from ._logging import setup_logging
 from ._model import TinyCausalLM
 from ._trainer import _FailureWatch, raise_job_failure
 
-
 STRATEGIES = ("ddp", "fsdp2", "deepspeed")
 
 
@@ -103,8 +102,13 @@ def _env_int(name: str) -> int:
         raise ValueError(f"{name} must be an integer, got {value=}") from None
 
 
-def rank_service_address(rank: int, world_size: int, rank_services: str | None = None,
-                         rank_host: str | None = None, base_port: int | None = None) -> str:
+def rank_service_address(
+    rank: int,
+    world_size: int,
+    rank_services: str | None = None,
+    rank_host: str | None = None,
+    base_port: int | None = None,
+) -> str:
     """The host:port of `rank`'s batching service.
 
     Args:
@@ -121,7 +125,9 @@ def rank_service_address(rank: int, world_size: int, rank_services: str | None =
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size), got {rank=} {world_size=}")
     if (rank_services is None) == (base_port is None):
-        raise ValueError(f"give either rank_services or rank_host + base_port, got {rank_services=} {base_port=}")
+        raise ValueError(
+            f"give either rank_services or rank_host + base_port, got {rank_services=} {base_port=}"
+        )
     if rank_services is not None:
         if "{rank}" in rank_services:
             return rank_services.format(rank=rank)
@@ -145,66 +151,134 @@ def vocab_size(explicit: int | None, tokenizer: str | None) -> int:
     """
     needed = TokenizerRef(tokenizer).id_space if tokenizer else None
     if explicit is not None and needed is not None and explicit < needed:
-        raise ValueError(f"vocab_size is smaller than the tokenizer's, got {explicit=} {needed=} ({tokenizer=})")
+        raise ValueError(
+            f"vocab_size is smaller than the tokenizer's, got {explicit=} {needed=} ({tokenizer=})"
+        )
     return explicit if explicit is not None else (needed or 512)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m batchd.train",
-                                description="One torchrun-launched DDP rank training on its batchd rank service.")
+    p = argparse.ArgumentParser(
+        prog="python -m batchd.train",
+        description="One torchrun-launched DDP rank training on its batchd rank service.",
+    )
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--node-agent", metavar="HOST:PORT",
-                       help="this host's node agent (`batchd node`), serving every local rank (default: "
-                       "$BATCHD_NODE_AGENT)")
-    where.add_argument("--rank-services", metavar="ADDRS",
-                       help="comma list of rank service addresses by global rank, or one with {rank}")
-    where.add_argument("--base-port", type=int, metavar="P", help="rank r's service listens on --rank-host:P+r")
+    where.add_argument(
+        "--node-agent",
+        metavar="HOST:PORT",
+        help="this host's node agent (`batchd node`), serving every local rank (default: $BATCHD_NODE_AGENT)",
+    )
+    where.add_argument(
+        "--rank-services",
+        metavar="ADDRS",
+        help="comma list of rank service addresses by global rank, or one with {rank}",
+    )
+    where.add_argument(
+        "--base-port", type=int, metavar="P", help="rank r's service listens on --rank-host:P+r"
+    )
     p.add_argument("--rank-host", default="127.0.0.1", metavar="HOST", help="host of the rank services")
-    p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="process group backend (auto: nccl when CUDA is available, else gloo)")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="model vocabulary (default: --tokenizer's, else 512 = `batchd rank --lengths`)")
-    p.add_argument("--tokenizer", default=None, metavar="FILE",
-                   help="the rank services' tokenizer (a tokenizer.json or a Hugging Face tokenizer directory): "
-                   "the model's vocabulary covers its ids")
-    p.add_argument("--hf-model", default=None, metavar="DIR",
-                   help="train this stock Hugging Face multimodal model (Qwen2-VL, Qwen2.5-VL, LLaVA; a directory "
-                   "save_pretrained wrote, read offline; `batchd tiny-vlm DIR` writes a tiny one) through "
-                   "batchd.two_phase(model) instead of the tiny LM")
-    p.add_argument("--strategy", choices=STRATEGIES, default="ddp",
-                   help="data parallelism: ddp (DistributedDataParallel), fsdp2 (torch's fully_shard per block, "
-                   "then the root) or deepspeed (ZeRO, --zero-stage; needs the deepspeed package)")
-    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2,
-                   help="the DeepSpeed ZeRO stage with --strategy deepspeed")
+    p.add_argument(
+        "--backend",
+        choices=("auto", "nccl", "gloo"),
+        default="auto",
+        help="process group backend (auto: nccl when CUDA is available, else gloo)",
+    )
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="model vocabulary (default: --tokenizer's, else 512 = `batchd rank --lengths`)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FILE",
+        help="the rank services' tokenizer (a tokenizer.json or a Hugging Face tokenizer directory): "
+        "the model's vocabulary covers its ids",
+    )
+    p.add_argument(
+        "--hf-model",
+        default=None,
+        metavar="DIR",
+        help="train this stock Hugging Face multimodal model (Qwen2-VL, Qwen2.5-VL, LLaVA; a directory "
+        "save_pretrained wrote, read offline; `batchd tiny-vlm DIR` writes a tiny one) through "
+        "batchd.two_phase(model) instead of the tiny LM",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="ddp",
+        help="data parallelism: ddp (DistributedDataParallel), fsdp2 (torch's fully_shard per block, "
+        "then the root) or deepspeed (ZeRO, --zero-stage; needs the deepspeed package)",
+    )
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=2,
+        help="the DeepSpeed ZeRO stage with --strategy deepspeed",
+    )
     p.add_argument("--d-model", type=int, default=128, help="model width")
     p.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--n-heads", type=int, default=4, help="attention heads")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="model initialisation seed")
-    p.add_argument("--epochs", type=int, default=None, metavar="E",
-                   help="epochs to train, 0..E-1 (default: all the job's epochs, asked of the rank service); "
-                   "a checkpoint resumes mid-epoch")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        metavar="E",
+        help="epochs to train, 0..E-1 (default: all the job's epochs, asked of the rank service); "
+        "a checkpoint resumes mid-epoch",
+    )
     p.add_argument("--credits", type=int, default=4, help="batches the rank service may send ahead")
-    p.add_argument("--reconnect-timeout", type=float, default=60.0,
-                   help="seconds to retry an unreachable rank service (covers its restart)")
-    p.add_argument("--startup-timeout", type=float, default=600.0, metavar="S",
-                   help="seconds to wait for a rank service that is not up yet (logged every 5 s); then exit 2")
+    p.add_argument(
+        "--reconnect-timeout",
+        type=float,
+        default=60.0,
+        help="seconds to retry an unreachable rank service (covers its restart)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds to wait for a rank service that is not up yet (logged every 5 s); then exit 2",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="process group collective timeout, seconds")
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save/resume rank-<r>.pt here")
     p.add_argument("--checkpoint-every", type=int, default=100, metavar="K", help="steps between checkpoints")
-    p.add_argument("--log-every", type=int, default=10, metavar="K", help="rank 0 logs the loss every K steps")
+    p.add_argument(
+        "--log-every", type=int, default=10, metavar="K", help="rank 0 logs the loss every K steps"
+    )
     sec = p.add_argument_group("security (as the rank services: batchd.proto.Security)")
-    sec.add_argument("--tls-ca", default=None, metavar="FILE", help="CA of the rank service's certificate (TLS on)")
+    sec.add_argument(
+        "--tls-ca", default=None, metavar="FILE", help="CA of the rank service's certificate (TLS on)"
+    )
     sec.add_argument("--tls-cert", default=None, metavar="FILE", help="client certificate (mutual TLS)")
     sec.add_argument("--tls-key", default=None, metavar="FILE", help="key of --tls-cert")
     sec.add_argument("--tls-client-auth", action="store_true", help="present --tls-cert (mutual TLS)")
     sec.add_argument("--token-file", default=None, metavar="FILE", help="shared bearer token")
-    p.add_argument("--summary", default=None, metavar="FILE", help="write this rank's JSON summary here ({rank} is replaced)")
-    p.add_argument("--step-time", type=float, default=0.0, metavar="S",
-                   help="sleep S seconds per step, before training it (simulates a slower model)")
-    p.add_argument("--ids-log", default=None, metavar="FILE",
-                   help="append each step's epoch, step and sample ids here as a JSON line, fsynced, before "
-                   "training it ({rank} is replaced)")
+    p.add_argument(
+        "--summary",
+        default=None,
+        metavar="FILE",
+        help="write this rank's JSON summary here ({rank} is replaced)",
+    )
+    p.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="sleep S seconds per step, before training it (simulates a slower model)",
+    )
+    p.add_argument(
+        "--ids-log",
+        default=None,
+        metavar="FILE",
+        help="append each step's epoch, step and sample ids here as a JSON line, fsynced, before "
+        "training it ({rank} is replaced)",
+    )
     return p
 
 
@@ -212,8 +286,13 @@ def security_from_args(args: argparse.Namespace):
     """The trainer's `batchd.proto.Security` from its flags, or None (plaintext, no token)."""
     if not any((args.tls_ca, args.tls_cert, args.tls_key, args.token_file, args.tls_client_auth)):
         return None
-    return Security.from_files(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                               client_auth=args.tls_client_auth, token_file=args.token_file)
+    return Security.from_files(
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        client_auth=args.tls_client_auth,
+        token_file=args.token_file,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -228,20 +307,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.startup_timeout > 0:
             raise ValueError(f"--startup-timeout must be > 0, got {args.startup_timeout}")
         progress_interval()  # a bad $BATCHD_PROGRESS_S fails here
-        node_agent = args.node_agent or (os.environ.get("BATCHD_NODE_AGENT", "").strip() or None
-                                         if args.rank_services is None and args.base_port is None else None)
+        node_agent = args.node_agent or (
+            os.environ.get("BATCHD_NODE_AGENT", "").strip() or None
+            if args.rank_services is None and args.base_port is None
+            else None
+        )
         if node_agent is not None:
             address = node_agent
         elif args.rank_services is None and args.base_port is None:
-            raise ValueError("where is the rank service? pass --node-agent HOST:PORT (or set $BATCHD_NODE_AGENT), "
-                             "--rank-services ADDRS or --base-port P")
+            raise ValueError(
+                "where is the rank service? pass --node-agent HOST:PORT (or set $BATCHD_NODE_AGENT), "
+                "--rank-services ADDRS or --base-port P"
+            )
         else:
-            address = rank_service_address(rank, world_size, args.rank_services, args.rank_host, args.base_port)
+            address = rank_service_address(
+                rank, world_size, args.rank_services, args.rank_host, args.base_port
+            )
         security = security_from_args(args)
         if args.strategy != "ddp" and (args.hf_model is not None or args.checkpoint is not None):
-            raise ValueError(f"--strategy {args.strategy} trains the tiny LM without --checkpoint (per-rank "
-                             f"checkpoints hold replicated DDP weights), got --hf-model={args.hf_model} "
-                             f"--checkpoint={args.checkpoint}")
+            raise ValueError(
+                f"--strategy {args.strategy} trains the tiny LM without --checkpoint (per-rank "
+                f"checkpoints hold replicated DDP weights), got --hf-model={args.hf_model} "
+                f"--checkpoint={args.checkpoint}"
+            )
         if args.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
             raise ValueError("--strategy deepspeed needs the deepspeed package: pip install deepspeed")
         if args.hf_model is not None:
@@ -258,7 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     ddp = None
-    works: list[Any] = []  # the last collectives' handles: released after the process group (see _vision_imbalance)
+    works: list[
+        Any
+    ] = []  # the last collectives' handles: released after the process group (see _vision_imbalance)
     try:
         torch.manual_seed(args.seed)
         if hf_model is not None:  # adapted before DDP wraps it: DDP sees the model's own parameters
@@ -266,22 +356,32 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             model = two_phase(hf_model.to(device))
         else:
-            model = TinyCausalLM(vocab_size=vocab, d_model=args.d_model, n_layers=args.n_layers,
-                                 n_heads=args.n_heads).to(device)
+            model = TinyCausalLM(
+                vocab_size=vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads
+            ).to(device)
         if args.strategy == "fsdp2":  # before the optimizer: fully_shard makes the parameters DTensors
             _fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        client = BatchClient(address, rank, world_size, credits=args.credits,
-                             reconnect_timeout_s=args.reconnect_timeout, security=security,
-                             startup_timeout_s=args.startup_timeout)
+        client = BatchClient(
+            address,
+            rank,
+            world_size,
+            credits=args.credits,
+            reconnect_timeout_s=args.reconnect_timeout,
+            security=security,
+            startup_timeout_s=args.startup_timeout,
+        )
         ckpt = Path(args.checkpoint) / f"rank-{rank}.pt" if args.checkpoint else None
         if ckpt is not None and ckpt.exists():  # before DDP wraps the model: DDP broadcasts rank 0's weights
             state = torch.load(ckpt, map_location=device, weights_only=False)
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
             client.load_state_dict(state["data"])
-            print(f"[rank {rank}] resumed from {ckpt} at epoch {client.epoch} step {client.next_step}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[rank {rank}] resumed from {ckpt} at epoch {client.epoch} step {client.next_step}",
+                file=sys.stderr,
+                flush=True,
+            )
         if ckpt is not None:
             _agree_position(client, device)
         step = train_step
@@ -305,8 +405,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         _destroy_process_group()
         del ddp  # its reducer holds the process group: its gloo threads are joined here, then the handles go
         works.clear()
-    summary.update(rank=rank, world_size=world_size, backend=backend, device=str(device), rank_service=address,
-                   strategy=args.strategy)
+    summary.update(
+        rank=rank,
+        world_size=world_size,
+        backend=backend,
+        device=str(device),
+        rank_service=address,
+        strategy=args.strategy,
+    )
     line = json.dumps(summary)
     print(line, flush=True)
     if args.summary:
@@ -341,9 +447,13 @@ def _deepspeed_engine(model: torch.nn.Module, opt: torch.optim.Optimizer, args: 
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": args.zero_stage}, "zero_allow_untested_optimizer": True,
-              "steps_per_print": 10**9}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": args.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+    }
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     return engine
 
@@ -361,8 +471,10 @@ def _load_hf_model(args: argparse.Namespace) -> torch.nn.Module:
         raise ValueError(f"--vocab-size is the model's own with --hf-model, got {args.vocab_size=}")
     path = Path(args.hf_model)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"--hf-model must be a model directory (save_pretrained's: config.json and the "
-                                f"weights), got {args.hf_model!r}")
+        raise FileNotFoundError(
+            f"--hf-model must be a model directory (save_pretrained's: config.json and the "
+            f"weights), got {args.hf_model!r}"
+        )
     import transformers
 
     from ._vlm_tiny import load_vlm
@@ -418,7 +530,9 @@ def _vision_imbalance(patches: list[int], device: torch.device, works: list[Any]
     all_reduce(total, dist.ReduceOp.SUM)
     if longest != shortest:
         return None
-    ratios = [h * world / t for h, t in zip(high.tolist(), total.tolist()) if t > 0]  # = batchd.core.imbalance
+    ratios = [
+        h * world / t for h, t in zip(high.tolist(), total.tolist(), strict=False) if t > 0
+    ]  # = batchd.core.imbalance
     return sum(ratios) / len(ratios) if ratios else None
 
 
@@ -433,13 +547,19 @@ def _agree_position(client: Any, device: torch.device) -> None:
     """Moves this rank to the furthest (epoch, next_step, finished) any rank saved. Checkpoints are per
     rank, so a group killed between one rank's save and another's resumes up to one step apart; the step
     in between went through the all-reduce on every rank, so the rank behind skips it."""
-    mine = torch.tensor([client.epoch, client.next_step, int(client.finished)], dtype=torch.int64, device=device)
+    mine = torch.tensor(
+        [client.epoch, client.next_step, int(client.finished)], dtype=torch.int64, device=device
+    )
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     epoch, next_step, finished = max(tuple(int(x) for x in t.tolist()) for t in every)
     if (epoch, next_step, finished) != (client.epoch, client.next_step, int(client.finished)):
-        print(f"[rank {client.rank}] a peer saved a later position: epoch {epoch} step {next_step} "
-              f"(mine: epoch {client.epoch} step {client.next_step})", file=sys.stderr, flush=True)
+        print(
+            f"[rank {client.rank}] a peer saved a later position: epoch {epoch} step {next_step} "
+            f"(mine: epoch {client.epoch} step {client.next_step})",
+            file=sys.stderr,
+            flush=True,
+        )
         client.epoch, client.next_step, client.finished = epoch, next_step, bool(finished)
 
 
@@ -464,11 +584,13 @@ def _check_vocabulary(batch: dict[str, Any], vocab: int | None, args: argparse.N
         if args.hf_model is not None:
             raise VocabularyError(
                 f"token id {top} is past the vocabulary of --hf-model {args.hf_model} ({vocab} ids): the rank "
-                f"services' processor ([pipeline] processor) must be this model's")
+                f"services' processor ([pipeline] processor) must be this model's"
+            )
         given = f"--tokenizer {args.tokenizer}" if args.tokenizer else "no --tokenizer"
         raise VocabularyError(
             f"token id {top} is past the model's vocabulary of {vocab} ({given}): give --tokenizer the rank "
-            f"services' tokenizer (`batchd tokenizer tok.json` writes the default one) or a larger --vocab-size")
+            f"services' tokenizer (`batchd tokenizer tok.json` writes the default one) or a larger --vocab-size"
+        )
 
 
 def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> dict[str, Any]:
@@ -481,8 +603,11 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> d
     watch = _FailureWatch(client)
     module = getattr(ddp, "module", ddp)  # DDP's and DeepSpeed's wrapped model; FSDP2 shards it in place
     vocab = _vocabulary(module)
-    ids_log = (os.open(args.ids_log.format(rank=rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-               if args.ids_log else None)
+    ids_log = (
+        os.open(args.ids_log.format(rank=rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if args.ids_log
+        else None
+    )
     try:
         epochs = args.epochs or client.job_epochs()
         total = client.job_samples() if rank == 0 else None  # the job's samples per epoch, all ranks
@@ -505,8 +630,11 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> d
                     steps, n = steps + 1, n + 1
                     idle += int(info.is_idle)
                     if rank == 0 and args.log_every and steps % args.log_every == 0:
-                        print(f"[rank 0] epoch {epoch} step {info.step} loss {loss:.4f}", file=sys.stderr,
-                              flush=True)
+                        print(
+                            f"[rank 0] epoch {epoch} step {info.step} loss {loss:.4f}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                     if ckpt is not None and steps % args.checkpoint_every == 0:
                         _save(ckpt, module, opt, client)
             except VocabularyError:
@@ -532,11 +660,24 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> d
     wall = round(time.perf_counter() - t0, 3)
     vision = _vision_imbalance(patches, next(module.parameters()).device, works)
     if rank == 0 and vision is not None:
-        print(f"[rank 0] vision encoder: slowest rank / mean, in encoder patches: {vision:.3f} (mean over "
-              f"steps with images)", file=sys.stderr, flush=True)
-    return {"steps": steps, "idle": idle, "epoch_steps": epoch_steps, "epoch": client.epoch,
-            "next_step": client.next_step, "last_loss": loss, "wall_s": wall, "vision_imbalance": vision,
-            "exchange_steps": exchange_steps}
+        print(
+            f"[rank 0] vision encoder: slowest rank / mean, in encoder patches: {vision:.3f} (mean over "
+            f"steps with images)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return {
+        "steps": steps,
+        "idle": idle,
+        "epoch_steps": epoch_steps,
+        "epoch": client.epoch,
+        "next_step": client.next_step,
+        "last_loss": loss,
+        "wall_s": wall,
+        "vision_imbalance": vision,
+        "exchange_steps": exchange_steps,
+    }
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -66,11 +66,22 @@ def revision() -> str:
     """The commit the numbers were measured on: short hash, plus a note if the package's code (core/,
     batchd/, service/, client/, proto/) has local changes."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "core", "batchd", "service", "client", "proto"],
-                               cwd=REPO,
-                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "core", "batchd", "service", "client", "proto"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown revision"
     return f"commit {head}" + (" + uncommitted code changes" if dirty else "")
@@ -90,7 +101,7 @@ def update_section(name: str, body: str, path: Path = DOCS) -> Path:
     text = path.read_text(encoding="utf-8") if path.exists() else HEADER
     b, e = text.find(begin(name)), text.find(end(name))
     if b >= 0 and e > b:
-        text = text[:b] + block + text[e + len(end(name)):]
+        text = text[:b] + block + text[e + len(end(name)) :]
     elif b >= 0 or e >= 0:
         raise ValueError(f"{path}: unbalanced markers for section {name!r}; fix the file by hand")
     else:
@@ -100,7 +111,9 @@ def update_section(name: str, body: str, path: Path = DOCS) -> Path:
     return path
 
 
-def publish(name: str, body: str | Sequence[str], no_write: bool, path: Path = DOCS, echo: bool = False) -> None:
+def publish(
+    name: str, body: str | Sequence[str], no_write: bool, path: Path = DOCS, echo: bool = False
+) -> None:
     """A script's last step: writes `body` (text or lines) as section `name` of `path`, saying so on
     stderr; with `no_write` only prints it; with `echo` prints it on stdout as well as writing it."""
     text = body if isinstance(body, str) else "\n".join(body)
@@ -124,12 +137,17 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub Markdown table (numbers right-aligned)."""
     cells = [[fmt(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [bool(cells) and all(_is_num(r[i]) for r in cells if r[i] not in ("-", ""))
-               for i in range(len(headers))]
-    rule = (("-" * (w + 1) + ":") if n else ("-" * (w + 2)) for w, n in zip(widths, numeric))
-    out = ["| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |", "|" + "|".join(rule) + "|"]
+    numeric = [
+        bool(cells) and all(_is_num(r[i]) for r in cells if r[i] not in ("-", ""))
+        for i in range(len(headers))
+    ]
+    rule = (("-" * (w + 1) + ":") if n else ("-" * (w + 2)) for w, n in zip(widths, numeric, strict=False))
+    out = [
+        "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=False)) + " |",
+        "|" + "|".join(rule) + "|",
+    ]
     for r in cells:
-        padded = (c.rjust(w) if n else c.ljust(w) for c, w, n in zip(r, widths, numeric))
+        padded = (c.rjust(w) if n else c.ljust(w) for c, w, n in zip(r, widths, numeric, strict=False))
         out.append("| " + " | ".join(padded) + " |")
     return "\n".join(out)
 
@@ -145,6 +163,7 @@ def _is_num(s: str) -> bool:
 # -- shared by the benchmark scripts -------------------------------------------------------------
 def idle_share(seconds: float = 3.0) -> float:
     """Share of the machine's CPU time that was idle over the next `seconds` (from /proc/stat)."""
+
     def snap() -> tuple[int, int]:
         with open("/proc/stat") as f:
             vals = [int(x) for x in f.readline().split()[1:]]

@@ -74,8 +74,9 @@ TARGET_P99_MS, TARGET_N = 5.0, 64
 def job_spec(world_size: int):
     from batchd.core import JobSpec
 
-    return JobSpec(world_size=world_size, token_budget=BUDGET, policy="local", window=WINDOW, depth=DEPTH,
-                   seed=0)
+    return JobSpec(
+        world_size=world_size, token_budget=BUDGET, policy="local", window=WINDOW, depth=DEPTH, seed=0
+    )
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -89,12 +90,19 @@ def pct(xs: list[float], q: float) -> float:
 
 PROFILE_GROUPS = (
     ("gRPC Python server/channel code", lambda f, fn: "/grpc/" in f),
-    ("locks, conditions, queues (thread hand-offs)",
-     lambda f, fn: f.endswith("threading.py") or f.endswith("queue.py")
-     or any(x in fn for x in ("_thread.lock", "_thread.RLock", "SimpleQueue"))),
+    (
+        "locks, conditions, queues (thread hand-offs)",
+        lambda f, fn: (
+            f.endswith("threading.py")
+            or f.endswith("queue.py")
+            or any(x in fn for x in ("_thread.lock", "_thread.RLock", "SimpleQueue"))
+        ),
+    ),
     ("batchd.proto.wire (protobuf <-> core dataclasses)", lambda f, fn: f.endswith("proto/wire.py")),
-    ("coordinator state + core (decide/commit)",
-     lambda f, fn: "/core/" in f or f.endswith("_coordinator.py") or f.endswith("_align.py")),
+    (
+        "coordinator state + core (decide/commit)",
+        lambda f, fn: "/core/" in f or f.endswith("_coordinator.py") or f.endswith("_align.py"),
+    ),
 )
 
 
@@ -132,8 +140,9 @@ def coordinator_main(conn, world_size: int, mode: str) -> None:
             prof.enable()
 
         threading.setprofile(install)
-    server, port, state = create_server("127.0.0.1:0", job_spec(world_size), lease_s=120.0,
-                                        startup_timeout_s=600.0)
+    server, port, state = create_server(
+        "127.0.0.1:0", job_spec(world_size), lease_s=120.0, startup_timeout_s=600.0
+    )
     events: list[tuple] = []
     if mode == "phases":
         # The server hands every Align/Commit to `submit_align/submit_commit` (non-blocking; a barrier's
@@ -176,8 +185,12 @@ def coordinator_main(conn, world_size: int, mode: str) -> None:
             conn.send(None)
         elif msg == "stop":
             break
-    result: dict[str, Any] = {"latencies_ms": list(state.latencies_ms), "cpu_s": cpu_s() - (cpu0 or 0.0),
-                              "events": events, "threads": threading.active_count()}
+    result: dict[str, Any] = {
+        "latencies_ms": list(state.latencies_ms),
+        "cpu_s": cpu_s() - (cpu0 or 0.0),
+        "events": events,
+        "threads": threading.active_count(),
+    }
     if profiles:
         threading.setprofile(None)
         stats = merged_stats(profiles)
@@ -190,8 +203,16 @@ def coordinator_main(conn, world_size: int, mode: str) -> None:
 
 
 # -- client processes ------------------------------------------------------------------------------
-def client_main(ranks: list[int], world_size: int, address: str, pool: list[int], total_rounds: int,
-                warmup: int, barrier, out_q) -> None:
+def client_main(
+    ranks: list[int],
+    world_size: int,
+    address: str,
+    pool: list[int],
+    total_rounds: int,
+    warmup: int,
+    barrier,
+    out_q,
+) -> None:
     """Runs ranks `ranks` as threads; puts {rank: [(t_send, t_decision, t_commit_send, t_totals, compute)]}."""
     from batchd.core import RankState, Sample
     from batchd.service import CoordinatorClient
@@ -255,8 +276,9 @@ def client_main(ranks: list[int], world_size: int, address: str, pool: list[int]
 
 
 # -- driver ----------------------------------------------------------------------------------------
-def run_once(world_size: int, pool: list[int], rounds: int, warmup: int, client_procs: int,
-             mode: str = "plain") -> dict[str, Any]:
+def run_once(
+    world_size: int, pool: list[int], rounds: int, warmup: int, client_procs: int, mode: str = "plain"
+) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     coord = ctx.Process(target=coordinator_main, args=(child, world_size, mode), daemon=True)
@@ -274,8 +296,11 @@ def run_once(world_size: int, pool: list[int], rounds: int, warmup: int, client_
         barrier = ctx.Barrier(len(groups) + 1)
         out_q = ctx.Queue()
         for g in groups:
-            p = ctx.Process(target=client_main, daemon=True,
-                            args=(g, world_size, address, pool, total, warmup, barrier, out_q))
+            p = ctx.Process(
+                target=client_main,
+                daemon=True,
+                args=(g, world_size, address, pool, total, warmup, barrier, out_q),
+            )
             p.start()
             procs.append(p)
         barrier.wait(timeout=300)
@@ -327,11 +352,18 @@ def run_once(world_size: int, pool: list[int], rounds: int, warmup: int, client_
         client_ms.append(1000 * max(row[3] - row[0] for row in rows))
         span_ms.append(1000 * (max(row[3] for row in rows) - min(row[0] for row in rows)))
         compute_ms.append(1000 * max(row[4] for row in rows))
-    t_meas = (max(results[r][-1][3] for r in results) - min(results[r][warmup][0] for r in results))
+    t_meas = max(results[r][-1][3] for r in results) - min(results[r][warmup][0] for r in results)
     out = {
-        "N": world_size, "rounds": rounds, "warmup": warmup, "groups": [len(g) for g in groups],
-        "coord_ms": coord_ms, "client_ms": client_ms, "span_ms": span_ms, "compute_ms": compute_ms,
-        "wall_s": wall, "rounds_per_s": rounds / t_meas,
+        "N": world_size,
+        "rounds": rounds,
+        "warmup": warmup,
+        "groups": [len(g) for g in groups],
+        "coord_ms": coord_ms,
+        "client_ms": client_ms,
+        "span_ms": span_ms,
+        "compute_ms": compute_ms,
+        "wall_s": wall,
+        "rounds_per_s": rounds / t_meas,
         "coord_cpu_per_round_ms": 1000 * coord_out["cpu_s"] / rounds,
         "client_cpu_per_round_ms": [1000 * o["cpu_s"] / rounds for o in outs],
         "coord_threads": coord_out["threads"],
@@ -389,13 +421,21 @@ def rpc_floor(calls: int = 3000) -> dict[str, float]:
 
 PHASES = [
     ("send skew", "first Align sent -> last Align sent (ranks start the round at different times)"),
-    ("Align in flight", "last Align sent -> it enters CoordinatorState.submit_align (client serialization, "
-                        "loopback, gRPC dispatch to a handler thread)"),
+    (
+        "Align in flight",
+        "last Align sent -> it enters CoordinatorState.submit_align (client serialization, "
+        "loopback, gRPC dispatch to a handler thread)",
+    ),
     ("decide", "core.decide under the lock"),
-    ("decision fan-out", "decision made -> the last rank holds it (N blocked handler threads wake, "
-                         "reacquire the lock, serialize; transport; client deserializes)"),
-    ("apply + Commit in flight", "-> last Commit enters CoordinatorState.commit (slowest apply, "
-                                 "serialization, transport, dispatch)"),
+    (
+        "decision fan-out",
+        "decision made -> the last rank holds it (N blocked handler threads wake, "
+        "reacquire the lock, serialize; transport; client deserializes)",
+    ),
+    (
+        "apply + Commit in flight",
+        "-> last Commit enters CoordinatorState.commit (slowest apply, serialization, transport, dispatch)",
+    ),
     ("commit", "core.commit under the lock"),
     ("totals fan-out", "totals made -> the last rank holds them"),
 ]
@@ -424,12 +464,22 @@ def phases(events: list[tuple], results: dict[int, list], warmup: int, total: in
         last_cin = max(d["commit_in"])
         com0, com1 = d["core_commit"]
         got_tot = max(r[3] for r in rows)
-        vals = [last_sent - first_sent, max(last_in - last_sent, 0.0), dec1 - dec0, got_dec - dec1,
-                last_cin - got_dec, com1 - com0, got_tot - com1]
-        for (name, _), v in zip(PHASES, vals):
+        vals = [
+            last_sent - first_sent,
+            max(last_in - last_sent, 0.0),
+            dec1 - dec0,
+            got_dec - dec1,
+            last_cin - got_dec,
+            com1 - com0,
+            got_tot - com1,
+        ]
+        for (name, _), v in zip(PHASES, vals, strict=False):
             cols[name].append(1000 * v)
-    return [[name, f"{statistics.median(cols[name]):.2f}", f"{pct(cols[name], 99):.2f}", what]
-            for name, what in PHASES if cols[name]]
+    return [
+        [name, f"{statistics.median(cols[name]):.2f}", f"{pct(cols[name], 99):.2f}", what]
+        for name, what in PHASES
+        if cols[name]
+    ]
 
 
 def analysis(run: dict[str, Any], diag: dict[str, Any] | None, floor: dict[str, float] | None) -> list[str]:
@@ -441,8 +491,11 @@ def analysis(run: dict[str, Any], diag: dict[str, Any] | None, floor: dict[str, 
         ph = {r[0]: float(r[1]) for r in diag["phases"]}
         core = ph.get("decide", 0.0) + ph.get("commit", 0.0)
         core_ms = f" (the core's `decide` + `commit` take {core:.2f} ms of it)"
-    floor_txt = (f"; a trivial `Status` call sent alone costs {floor['server_cpu_us']:.0f} us of server CPU"
-                 if floor else "")
+    floor_txt = (
+        f"; a trivial `Status` call sent alone costs {floor['server_cpu_us']:.0f} us of server CPU"
+        if floor
+        else ""
+    )
     return [
         "### Reading",
         "",
@@ -489,8 +542,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-diagnose", action="store_true", help="skip the phase and cProfile runs")
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     args = ap.parse_args(argv)
-    cmd = "python benchmarks/align_latency.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:])
-                                                  if (argv if argv is not None else sys.argv[1:]) else "")
+    cmd = "python benchmarks/align_latency.py" + (
+        " " + " ".join(argv if argv is not None else sys.argv[1:])
+        if (argv if argv is not None else sys.argv[1:])
+        else ""
+    )
     from batchd import read_lengths
 
     pool = read_lengths(str(args.workloads / "odb-synthetic.txt"))
@@ -502,16 +558,38 @@ def main(argv: list[str] | None = None) -> int:
     for n in ranks:
         res = run_once(n, pool, args.rounds, args.warmup, args.client_procs)
         runs.append(res)
-        met = "" if n != TARGET_N else ("PASS" if pct(res["client_ms"], 99) <= TARGET_P99_MS
-                                        and pct(res["coord_ms"], 99) <= TARGET_P99_MS else "FAIL")
-        rows.append([
-            n, " + ".join(map(str, res["groups"])), res["rounds"],
-            *(f"{pct(res[k], q):.1f}" for k, q in (("coord_ms", 50), ("coord_ms", 99), ("client_ms", 50),
-                                                   ("client_ms", 99), ("span_ms", 50), ("compute_ms", 50))),
-            f"{res['rounds_per_s']:.0f}", f"{res['coord_cpu_per_round_ms']:.1f}",
-            f"{1000 * res['coord_cpu_per_round_ms'] / (2 * n):.0f}",
-            " + ".join(f"{x:.1f}" for x in res["client_cpu_per_round_ms"]), met,
-        ])
+        met = (
+            ""
+            if n != TARGET_N
+            else (
+                "PASS"
+                if pct(res["client_ms"], 99) <= TARGET_P99_MS and pct(res["coord_ms"], 99) <= TARGET_P99_MS
+                else "FAIL"
+            )
+        )
+        rows.append(
+            [
+                n,
+                " + ".join(map(str, res["groups"])),
+                res["rounds"],
+                *(
+                    f"{pct(res[k], q):.1f}"
+                    for k, q in (
+                        ("coord_ms", 50),
+                        ("coord_ms", 99),
+                        ("client_ms", 50),
+                        ("client_ms", 99),
+                        ("span_ms", 50),
+                        ("compute_ms", 50),
+                    )
+                ),
+                f"{res['rounds_per_s']:.0f}",
+                f"{res['coord_cpu_per_round_ms']:.1f}",
+                f"{1000 * res['coord_cpu_per_round_ms'] / (2 * n):.0f}",
+                " + ".join(f"{x:.1f}" for x in res["client_cpu_per_round_ms"]),
+                met,
+            ]
+        )
         print(" | ".join(str(c) for c in rows[-1]), flush=True)
     diag_phase = diag_prof = floor = None
     idle0 = idle_share()
@@ -527,14 +605,28 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t_all
     idle1 = idle_share()
 
-    machine = (f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
-               f"shared by the coordinator and the client processes, {platform.machine()}")
+    machine = (
+        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
+        f"shared by the coordinator and the client processes, {platform.machine()}"
+    )
     import grpc
 
-    headers = ["N", "ranks per client proc", "rounds", "coord p50 ms", "coord p99 ms", "client p50 ms",
-               "client p99 ms", "span p50 ms", "client CPU p50 ms", "rounds/s", "coord CPU ms/round",
-               "coord CPU us/RPC",
-               "client CPU ms/round", "target (p99 <= 5 ms @ 64)"]
+    headers = [
+        "N",
+        "ranks per client proc",
+        "rounds",
+        "coord p50 ms",
+        "coord p99 ms",
+        "client p50 ms",
+        "client p99 ms",
+        "span p50 ms",
+        "client CPU p50 ms",
+        "rounds/s",
+        "coord CPU ms/round",
+        "coord CPU us/RPC",
+        "client CPU ms/round",
+        "target (p99 <= 5 ms @ 64)",
+    ]
     body = [
         "## Alignment round latency (gRPC coordinator, loopback)",
         "",
@@ -568,8 +660,11 @@ def main(argv: list[str] | None = None) -> int:
     if target_row is not None:
         c99, k99 = pct(target_row["coord_ms"], 99), pct(target_row["client_ms"], 99)
         verdict = "met" if max(c99, k99) <= TARGET_P99_MS else "**not met**"
-        body += [f"Target (issue): p99 <= {TARGET_P99_MS:g} ms at {TARGET_N} ranks: {verdict} "
-                 f"(coordinator p99 {c99:.1f} ms, client p99 {k99:.1f} ms).", ""]
+        body += [
+            f"Target (issue): p99 <= {TARGET_P99_MS:g} ms at {TARGET_N} ranks: {verdict} "
+            f"(coordinator p99 {c99:.1f} ms, client p99 {k99:.1f} ms).",
+            "",
+        ]
     if diag_phase:
         body += [
             f"### Where a round's time goes at N={diag_phase['N']} (second run, phase timestamps)",
@@ -584,8 +679,11 @@ def main(argv: list[str] | None = None) -> int:
             "",
         ]
     if diag_prof:
-        lines = [ln.replace(str(REPO) + "/", "").rstrip() for ln in diag_prof["profile"].strip().splitlines()
-                 if ln.strip()]
+        lines = [
+            ln.replace(str(REPO) + "/", "").rstrip()
+            for ln in diag_prof["profile"].strip().splitlines()
+            if ln.strip()
+        ]
         site = str(Path(sys.prefix)) + "/lib/python3.11/site-packages/"
         lines = [ln.replace(site, "") for ln in lines]
         body += [
@@ -604,8 +702,10 @@ def main(argv: list[str] | None = None) -> int:
         total = sum(v for _, v in groups) or 1.0
         if groups:
             body += [
-                table(["where (own CPU time of the profiled threads)", "s", "share"],
-                      [[g, f"{v:.2f}", f"{v / total:.0%}"] for g, v in groups]),
+                table(
+                    ["where (own CPU time of the profiled threads)", "s", "share"],
+                    [[g, f"{v:.2f}", f"{v / total:.0%}"] for g, v in groups],
+                ),
                 "",
             ]
         body += [

@@ -107,18 +107,30 @@ class JobPlan:
     def est_steps(self) -> int:
         """A rough number of steps of the whole job (for placing the faults)."""
         per = SYNTH_TOKENS_PER_SAMPLE if self.source == "synthetic" else DATASET_TOKENS_PER_RECORD
-        return self.epochs * max(1, math.ceil(self.num_samples * per / (self.world_size * self.budget * 0.85)))
+        return self.epochs * max(
+            1, math.ceil(self.num_samples * per / (self.world_size * self.budget * 0.85))
+        )
 
 
 def coordinator_has_state_dir() -> bool:
-    out = subprocess.run([PY, "-m", "batchd", "coordinator", "--help"], capture_output=True, text=True,
-                         timeout=120).stdout
+    out = subprocess.run(
+        [PY, "-m", "batchd", "coordinator", "--help"], capture_output=True, text=True, timeout=120
+    ).stdout
     return "--state-dir" in out
 
 
-def plan_jobs(n: int, seed: int, kinds: list[str], min_step_time: float = 0.01, max_step_time: float = 5.0,
-              faults_per_job: int = 1, world_size: int = 2, epochs: int = 2, train_s: float = TRAIN_S,
-              dataset: str = "auto") -> list[JobPlan]:
+def plan_jobs(
+    n: int,
+    seed: int,
+    kinds: list[str],
+    min_step_time: float = 0.01,
+    max_step_time: float = 5.0,
+    faults_per_job: int = 1,
+    world_size: int = 2,
+    epochs: int = 2,
+    train_s: float = TRAIN_S,
+    dataset: str = "auto",
+) -> list[JobPlan]:
     """`n` seeded jobs. Fault kinds go round a seeded order of `kinds`, so each kind is drawn about
     equally often; a job with an `actor` fault reads the dataset (it has actors), the others alternate
     (`dataset`: "auto", "always" or "never"). Step times are log-uniform in [min, max]; a job's size is
@@ -145,9 +157,10 @@ def plan_jobs(n: int, seed: int, kinds: list[str], min_step_time: float = 0.01, 
         plan = JobPlan(i, rng.randrange(1 << 16), source, num, round(step_time, 3), [], world_size, epochs)
         est = plan.est_steps()
         # distinct trigger points in 10%..70% of the estimated job, in order; at least one step done
-        points = sorted(rng.sample(range(max(1, int(0.1 * est)), max(2, int(0.7 * est)) + faults_per_job),
-                                   faults_per_job))
-        plan.faults = [Fault(kind, at) for kind, at in zip(jk, points)]
+        points = sorted(
+            rng.sample(range(max(1, int(0.1 * est)), max(2, int(0.7 * est)) + faults_per_job), faults_per_job)
+        )
+        plan.faults = [Fault(kind, at) for kind, at in zip(jk, points, strict=False)]
         if "trainer-gone" in jk and "trainer" not in jk:  # fail within seconds, as tests/test_multiprocess.py
             plan.client_grace = 3.0
         plans.append(plan)
@@ -158,8 +171,14 @@ def plan_jobs(n: int, seed: int, kinds: list[str], min_step_time: float = 0.01, 
 class Party:
     """One party of a job (a command line) and its incarnations (Popen objects, in order)."""
 
-    def __init__(self, name: str, argv: list[str], log: Path, env: dict[str, str] | None = None,
-                 port_file: Path | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+        port_file: Path | None = None,
+    ) -> None:
         self.name, self.argv, self.log, self.env, self.port_file = name, argv, log, env or {}, port_file
         self.procs: list[subprocess.Popen] = []
         self.expected_end: dict[int, str] = {}  # incarnation index -> why it did not exit on its own
@@ -175,8 +194,9 @@ class Party:
         with open(self.log, "a") as log:
             log.write(f"\n=== {self.name} incarnation {len(self.procs)}: {' '.join(self.argv)}\n")
             log.flush()
-            self.procs.append(subprocess.Popen(die_with_parent(self.argv), stdout=log, stderr=subprocess.STDOUT,
-                                               env=full))
+            self.procs.append(
+                subprocess.Popen(die_with_parent(self.argv), stdout=log, stderr=subprocess.STDOUT, env=full)
+            )
         return self.procs[-1]
 
     @property
@@ -198,15 +218,23 @@ class Party:
             if self.port_file.exists():
                 return time.monotonic() - t0
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with status {self.proc.returncode} before listening: "
-                                   f"{last_error(self.log)}")
+                raise RuntimeError(
+                    f"{self.name} exited with status {self.proc.returncode} before listening: "
+                    f"{last_error(self.log)}"
+                )
             time.sleep(0.05)
         raise TimeoutError(f"{self.name} did not listen within {timeout:g}s: {last_error(self.log)}")
 
 
-_ERR_PATTERNS = [r"job failed: (.*)", r"JobFailed: (.*)", r"batchd\.train: error: (.*)", r"BatchdError: (.*)",
-                 r"CoordinatorError: (.*)",
-                 r"^(?:\[rank\d+\]:\s*)?(\w*(?:Error|Exception)\b.*)", r"(Traceback.*)"]
+_ERR_PATTERNS = [
+    r"job failed: (.*)",
+    r"JobFailed: (.*)",
+    r"batchd\.train: error: (.*)",
+    r"BatchdError: (.*)",
+    r"CoordinatorError: (.*)",
+    r"^(?:\[rank\d+\]:\s*)?(\w*(?:Error|Exception)\b.*)",
+    r"(Traceback.*)",
+]
 
 
 def last_error(log: Path, incarnation_only: bool = True) -> str:
@@ -224,7 +252,9 @@ def last_error(log: Path, incarnation_only: bool = True) -> str:
             if m:
                 msg = m.group(1)
                 if msg.endswith("terminated with:"):  # a gRPC error: its status and details follow
-                    msg += " " + " ".join(ln for ln in lines[k + 1:k + 4] if ln.startswith(("status =", "details =")))
+                    msg += " " + " ".join(
+                        ln for ln in lines[k + 1 : k + 4] if ln.startswith(("status =", "details ="))
+                    )
                 return msg[:400]
     return lines[-1][:400] if lines else "(empty log)"
 
@@ -269,8 +299,15 @@ def free_port() -> int:
 class Job:
     """Runs one JobPlan in `work` and checks it (see module docstring)."""
 
-    def __init__(self, plan: JobPlan, work: Path, ray_address: str | None, coordinator_journal: bool,
-                 timeout_s: float, log=print) -> None:
+    def __init__(
+        self,
+        plan: JobPlan,
+        work: Path,
+        ray_address: str | None,
+        coordinator_journal: bool,
+        timeout_s: float,
+        log=print,
+    ) -> None:
         self.plan, self.work, self.ray_address = plan, work, ray_address
         self.coordinator_journal, self.timeout_s, self.say = coordinator_journal, timeout_s, log
         self.rng = random.Random(plan.seed)
@@ -283,8 +320,22 @@ class Job:
     # setup
     def _spec(self) -> list[str]:
         p = self.plan
-        return ["--world-size", str(p.world_size), "--token-budget", str(p.budget), "--policy", p.policy,
-                "--window", str(p.window), "--depth", str(p.depth), "--seed", str(p.seed), "--epochs", str(p.epochs)]
+        return [
+            "--world-size",
+            str(p.world_size),
+            "--token-budget",
+            str(p.budget),
+            "--policy",
+            p.policy,
+            "--window",
+            str(p.window),
+            "--depth",
+            str(p.depth),
+            "--seed",
+            str(p.seed),
+            "--epochs",
+            str(p.epochs),
+        ]
 
     def _data(self) -> tuple[list[str], list[str]]:
         """(rank service data flags, trainer model flags)."""
@@ -298,38 +349,105 @@ class Job:
             return ["--lengths", str(f)], ["--vocab-size", "512"]
         from batchd.service.preprocess import demo_tokenizer, make_demo_dataset
 
-        demo = make_demo_dataset(self.work / "data", num_samples=p.num_samples, seed=p.seed, max_image_side=64)
+        demo = make_demo_dataset(
+            self.work / "data", num_samples=p.num_samples, seed=p.seed, max_image_side=64
+        )
         self.bad = dict(demo.bad)
         tok = demo_tokenizer()
-        return (["--dataset", str(demo.path), "--tokenizer", str(tok), "--num-actors", "1",
-                 "--ray-address", self.ray_address or "", "--quarantine", str(self.work / "quarantine.jsonl")],
-                ["--tokenizer", str(tok)])
+        return (
+            [
+                "--dataset",
+                str(demo.path),
+                "--tokenizer",
+                str(tok),
+                "--num-actors",
+                "1",
+                "--ray-address",
+                self.ray_address or "",
+                "--quarantine",
+                str(self.work / "quarantine.jsonl"),
+            ],
+            ["--tokenizer", str(tok)],
+        )
 
     def _setup(self) -> None:
         p, w = self.plan, self.work
         spec = self._spec()
         data, model = self._data()
         cport = free_port()
-        cargs = [PY, "-m", "batchd", "coordinator", *spec, "--port", str(cport), "--port-file", str(w / "coord.port")]
+        cargs = [
+            PY,
+            "-m",
+            "batchd",
+            "coordinator",
+            *spec,
+            "--port",
+            str(cport),
+            "--port-file",
+            str(w / "coord.port"),
+        ]
         if self.coordinator_journal:
             cargs += ["--state-dir", str(w / "coord-state")]
-        self.parties["coordinator"] = Party("coordinator", cargs, w / "coordinator.log", port_file=w / "coord.port")
+        self.parties["coordinator"] = Party(
+            "coordinator", cargs, w / "coordinator.log", port_file=w / "coord.port"
+        )
         ports = [free_port() for _ in range(p.world_size)]
         for r in range(p.world_size):
-            argv = [PY, "-m", "batchd", "rank", *spec, "--rank", str(r), "--coordinator", f"127.0.0.1:{cport}",
-                    *data, "--port", str(ports[r]), "--port-file", str(w / f"rank-{r}.port"),
-                    "--state-dir", str(w / "state")]
+            argv = [
+                PY,
+                "-m",
+                "batchd",
+                "rank",
+                *spec,
+                "--rank",
+                str(r),
+                "--coordinator",
+                f"127.0.0.1:{cport}",
+                *data,
+                "--port",
+                str(ports[r]),
+                "--port-file",
+                str(w / f"rank-{r}.port"),
+                "--state-dir",
+                str(w / "state"),
+            ]
             if p.client_grace is not None:
                 argv += ["--client-grace", f"{p.client_grace:g}"]
-            self.parties[f"rank-{r}"] = Party(f"rank-{r}", argv, w / f"rank-{r}.log", port_file=w / f"rank-{r}.port")
+            self.parties[f"rank-{r}"] = Party(
+                f"rank-{r}", argv, w / f"rank-{r}.log", port_file=w / f"rank-{r}.port"
+            )
         services = ",".join(f"127.0.0.1:{port}" for port in ports)
         for r in range(p.world_size):
-            argv = [PY, "-m", "batchd.train", "--rank-services", services, *model, *MODEL,
-                    "--checkpoint", str(w / "ckpt"), "--checkpoint-every", "1", "--step-time", str(p.step_time),
-                    "--ids-log", str(w / "ids-{rank}.jsonl"), "--summary", str(w / "summary-{rank}.json"),
-                    "--log-every", "0", "--timeout", "120"]
-            env = {"RANK": str(r), "WORLD_SIZE": str(p.world_size), "LOCAL_RANK": str(r),
-                   "LOCAL_WORLD_SIZE": str(p.world_size), "MASTER_ADDR": "127.0.0.1"}
+            argv = [
+                PY,
+                "-m",
+                "batchd.train",
+                "--rank-services",
+                services,
+                *model,
+                *MODEL,
+                "--checkpoint",
+                str(w / "ckpt"),
+                "--checkpoint-every",
+                "1",
+                "--step-time",
+                str(p.step_time),
+                "--ids-log",
+                str(w / "ids-{rank}.jsonl"),
+                "--summary",
+                str(w / "summary-{rank}.json"),
+                "--log-every",
+                "0",
+                "--timeout",
+                "120",
+            ]
+            env = {
+                "RANK": str(r),
+                "WORLD_SIZE": str(p.world_size),
+                "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(p.world_size),
+                "MASTER_ADDR": "127.0.0.1",
+            }
             party = Party(f"trainer-{r}", argv, w / f"trainer-{r}.log", env=env)
             self.parties[party.name] = party
             self.trainers.append(party)
@@ -379,7 +497,9 @@ class Job:
                     break
                 time.sleep(0.2)
             else:
-                fault.note = f"Ray had not restarted the actor 60 s later ({len(actor_pids())} of {len(pids)} live)"
+                fault.note = (
+                    f"Ray had not restarted the actor 60 s later ({len(actor_pids())} of {len(pids)} live)"
+                )
             return
         r = fault.target if fault.target is not None else self.rng.randrange(self.plan.world_size)
         fault.target = r
@@ -466,19 +586,25 @@ class Job:
                 fault = pending.pop(0)
                 self.say(f"  job {self.plan.index}: step {fault.at_step}: {fault.kind} fault")
                 self.inject(fault)
-                self.say(f"  job {self.plan.index}: {fault.kind}: {fault.victim or '-'} {fault.note}".rstrip())
+                self.say(
+                    f"  job {self.plan.index}: {fault.kind}: {fault.victim or '-'} {fault.note}".rstrip()
+                )
                 continue
             crashed = [party for party in parties if not party.alive() and party.proc.returncode != 0]
             if crashed and failed_at is None:
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > 60:
-                self.notes.append(f"harness: {', '.join(x.name for x in parties if x.alive())} still running 60 s "
-                                  f"after {crashed[0].name} failed; killed")
+                self.notes.append(
+                    f"harness: {', '.join(x.name for x in parties if x.alive())} still running 60 s "
+                    f"after {crashed[0].name} failed; killed"
+                )
                 return
             if time.monotonic() > deadline:
-                self.notes.append(f"harness: job deadline {self.timeout_s:g}s passed with "
-                                  f"{', '.join(x.name for x in parties if x.alive())} still running "
-                                  f"(progress: {self.progress()} steps on every rank); killed")
+                self.notes.append(
+                    f"harness: job deadline {self.timeout_s:g}s passed with "
+                    f"{', '.join(x.name for x in parties if x.alive())} still running "
+                    f"(progress: {self.progress()} steps on every rank); killed"
+                )
                 return
             time.sleep(0.2)
 
@@ -489,13 +615,24 @@ class Job:
         for name, party in self.parties.items():
             if not party.procs:
                 continue
-            exits[name] = [{"code": proc.returncode, "why": party.expected_end.get(k),
-                            "error": (last_error(party.log, False) if proc.returncode else None)}
-                           for k, proc in enumerate(party.procs)]
-        final_bad = {name: party.proc.returncode for name, party in self.parties.items()  # the victim of a
-                     if party.procs and party.proc.returncode != 0  # fault not restarted by design aside
-                     and not (party.expected_end.get(len(party.procs) - 1) or "").startswith("chaos")}
-        messages = [f"{name} exit {code}: {last_error(self.parties[name].log)}" for name, code in final_bad.items()]
+            exits[name] = [
+                {
+                    "code": proc.returncode,
+                    "why": party.expected_end.get(k),
+                    "error": (last_error(party.log, False) if proc.returncode else None),
+                }
+                for k, proc in enumerate(party.procs)
+            ]
+        final_bad = {
+            name: party.proc.returncode
+            for name, party in self.parties.items()  # the victim of a
+            if party.procs
+            and party.proc.returncode != 0  # fault not restarted by design aside
+            and not (party.expected_end.get(len(party.procs) - 1) or "").startswith("chaos")
+        }
+        messages = [
+            f"{name} exit {code}: {last_error(self.parties[name].log)}" for name, code in final_bad.items()
+        ]
         messages = self.notes + messages
         completed = bool(self.trainers) and all(t.procs and t.proc.returncode == 0 for t in self.trainers)
         # the data, from the trainers' ids logs
@@ -521,7 +658,9 @@ class Job:
         for epoch in range(p.epochs):
             by_rank = steps.get(epoch, {})
             counts = [len(by_rank.get(r, {})) for r in range(p.world_size)]
-            contiguous = all(sorted(by_rank.get(r, {})) == list(range(counts[r])) for r in range(p.world_size))
+            contiguous = all(
+                sorted(by_rank.get(r, {})) == list(range(counts[r])) for r in range(p.world_size)
+            )
             if len(set(counts)) != 1 or not contiguous:
                 unequal.append(f"epoch {epoch}: steps per rank {counts}" + ("" if contiguous else " (gaps)"))
             ids = [i for r in by_rank.values() for s in r.values() for i in s]
@@ -534,27 +673,51 @@ class Job:
             lost += e_lost
             dup += e_dup
             unexpected += e_unexp
-            per_epoch.append({"epoch": epoch, "steps": counts, "samples": len(ids), "lost": e_lost, "dup": e_dup,
-                              "unexpected": e_unexp, "quarantined": len(q),
-                              "quarantined_by_fault": {i: why for i, why in q.items() if i not in self.bad}})
+            per_epoch.append(
+                {
+                    "epoch": epoch,
+                    "steps": counts,
+                    "samples": len(ids),
+                    "lost": e_lost,
+                    "dup": e_dup,
+                    "unexpected": e_unexp,
+                    "quarantined": len(q),
+                    "quarantined_by_fault": {i: why for i, why in q.items() if i not in self.bad},
+                }
+            )
         unrecoverable = [f for f in p.faults if f.injected and f.kind in UNRECOVERABLE]
         if unrecoverable:  # must fail, every party, naming the killed trainer's rank
             f = unrecoverable[0]
             rank_re = re.compile(rf"\brank {f.target}\b")
             survivors = [n for n in self.parties if n != f.victim]  # each must fail and name the rank
-            named = all(final_bad.get(n) and rank_re.search(last_error(self.parties[n].log)) for n in survivors)
+            named = all(
+                final_bad.get(n) and rank_re.search(last_error(self.parties[n].log)) for n in survivors
+            )
             ok = named and not self.notes
             verdict = "failed as designed" if ok else "did not fail as designed"
             data_ok = True
         else:
-            data_ok = completed and lost == 0 and dup == 0 and unexpected == 0 and conflicts == 0 and not unequal
+            data_ok = (
+                completed and lost == 0 and dup == 0 and unexpected == 0 and conflicts == 0 and not unequal
+            )
             ok = data_ok and not final_bad and not self.notes
             verdict = "ok" if ok else ("FAILED" if not completed or final_bad or self.notes else "WRONG DATA")
-        return {"ok": ok, "verdict": verdict, "completed": completed, "lost": lost if completed else None,
-                "lost_incomplete": None if completed else lost, "duplicated": dup, "unexpected": unexpected,
-                "conflicting_replays": conflicts, "replayed_steps": replays, "unequal_steps": unequal,
-                "epochs": per_epoch, "exits": exits, "messages": messages,
-                "quarantined_expected": len(self.bad)}
+        return {
+            "ok": ok,
+            "verdict": verdict,
+            "completed": completed,
+            "lost": lost if completed else None,
+            "lost_incomplete": None if completed else lost,
+            "duplicated": dup,
+            "unexpected": unexpected,
+            "conflicting_replays": conflicts,
+            "replayed_steps": replays,
+            "unequal_steps": unequal,
+            "epochs": per_epoch,
+            "exits": exits,
+            "messages": messages,
+            "quarantined_expected": len(self.bad),
+        }
 
 
 # -- a run -----------------------------------------------------------------------------------------
@@ -579,12 +742,20 @@ class RayCluster:
             ray.shutdown()
 
 
-COORDINATOR_NOTE = ("coordinator faults skipped: `batchd coordinator --help` has no --state-dir, so a killed "
-                    "coordinator cannot be restarted from a journal (unrecoverable by design today)")
+COORDINATOR_NOTE = (
+    "coordinator faults skipped: `batchd coordinator --help` has no --state-dir, so a killed "
+    "coordinator cannot be restarted from a journal (unrecoverable by design today)"
+)
 
 
-def run_jobs(plans: list[JobPlan], work: Path, coordinator_journal: bool | None = None, job_timeout_s: float = 240.0,
-             log=print, notes: list[str] | None = None) -> dict[str, Any]:
+def run_jobs(
+    plans: list[JobPlan],
+    work: Path,
+    coordinator_journal: bool | None = None,
+    job_timeout_s: float = 240.0,
+    log=print,
+    notes: list[str] | None = None,
+) -> dict[str, Any]:
     """Runs the jobs one after another in `work`; returns the report (see `summarize`)."""
     if coordinator_journal is None:
         coordinator_journal = coordinator_has_state_dir()
@@ -592,22 +763,28 @@ def run_jobs(plans: list[JobPlan], work: Path, coordinator_journal: bool | None 
     if not coordinator_journal and any(f.kind == "coordinator" for p in plans for f in p.faults):
         notes.append(COORDINATOR_NOTE)
         log(notes[-1])
-    ray = RayCluster(num_cpus=2 * max(p.world_size for p in plans))  # actors of a restarted rank start meanwhile
+    ray = RayCluster(
+        num_cpus=2 * max(p.world_size for p in plans)
+    )  # actors of a restarted rank start meanwhile
     results = []
     t0 = time.monotonic()
     try:
         for plan in plans:
             d = work / f"job-{plan.index}"
             d.mkdir(parents=True, exist_ok=True)
-            log(f"job {plan.index}: {plan.source} {plan.num_samples} samples, {plan.world_size} ranks, "
+            log(
+                f"job {plan.index}: {plan.source} {plan.num_samples} samples, {plan.world_size} ranks, "
                 f"{plan.epochs} epochs, step {plan.step_time:g}s, faults "
-                f"{', '.join(f'{f.kind}@{f.at_step}' for f in plan.faults) or '-'}")
+                f"{', '.join(f'{f.kind}@{f.at_step}' for f in plan.faults) or '-'}"
+            )
             address = ray.get() if plan.source == "dataset" else None
             res = Job(plan, d, address, coordinator_journal, job_timeout_s, log).run()
             res["dir"] = str(d)
             results.append(res)
-            log(f"job {plan.index}: {res['verdict']} in {res['wall_s']:.0f}s; lost {res['lost']}, "
-                f"duplicated {res['duplicated']}" + "".join(f"\n    {m}" for m in res["messages"]))
+            log(
+                f"job {plan.index}: {res['verdict']} in {res['wall_s']:.0f}s; lost {res['lost']}, "
+                f"duplicated {res['duplicated']}" + "".join(f"\n    {m}" for m in res["messages"])
+            )
     finally:
         ray.close()
     return summarize(results, notes, time.monotonic() - t0)
@@ -620,17 +797,25 @@ def summarize(results: list[dict[str, Any]], notes: list[str], wall_s: float) ->
             planned[f["kind"]] += 1
             injected[f["kind"]] += f["injected"]
             skipped[f["kind"]] += not f["injected"]
-    failed = [{"job": r["job"], "verdict": r["verdict"], "messages": r["messages"]} for r in results if not r["ok"]]
+    failed = [
+        {"job": r["job"], "verdict": r["verdict"], "messages": r["messages"]} for r in results if not r["ok"]
+    ]
     return {
-        "jobs": len(results), "wall_s": round(wall_s, 1),
-        "faults": {k: {"planned": planned[k], "injected": injected[k], "skipped": skipped[k]} for k in planned},
+        "jobs": len(results),
+        "wall_s": round(wall_s, 1),
+        "faults": {
+            k: {"planned": planned[k], "injected": injected[k], "skipped": skipped[k]} for k in planned
+        },
         "lost": sum(r["lost"] or 0 for r in results),
         "lost_in_failed_jobs": sum(r["lost_incomplete"] or 0 for r in results),
         "duplicated": sum(r["duplicated"] for r in results),
         "unexpected": sum(r["unexpected"] for r in results),
         "conflicting_replays": sum(r["conflicting_replays"] for r in results),
         "jobs_unequal_steps": sum(bool(r["unequal_steps"]) for r in results if r["completed"]),
-        "jobs_failed": len(failed), "failures": failed, "notes": notes, "results": results,
+        "jobs_failed": len(failed),
+        "failures": failed,
+        "notes": notes,
+        "results": results,
     }
 
 
@@ -649,17 +834,41 @@ def job_rows(report: dict[str, Any]) -> list[list[object]]:
     rows = []
     for r in report["results"]:
         p = r["plan"]
-        steps = "/".join(str(e["steps"][0]) if len(set(e["steps"])) == 1 else str(e["steps"]) for e in r["epochs"])
-        rows.append([r["job"], p["source"], p["num_samples"], f"{p['step_time']:g}",
-                     "; ".join(fault_text(f) for f in r["faults"]) or "-", steps,
-                     "-" if r["lost"] is None else r["lost"], r["duplicated"],
-                     f"{sum(e['quarantined'] for e in r['epochs'])} "
-                     f"({sum(len(e['quarantined_by_fault']) for e in r['epochs'])})", r["verdict"], f"{r['wall_s']:.0f}"])
+        steps = "/".join(
+            str(e["steps"][0]) if len(set(e["steps"])) == 1 else str(e["steps"]) for e in r["epochs"]
+        )
+        rows.append(
+            [
+                r["job"],
+                p["source"],
+                p["num_samples"],
+                f"{p['step_time']:g}",
+                "; ".join(fault_text(f) for f in r["faults"]) or "-",
+                steps,
+                "-" if r["lost"] is None else r["lost"],
+                r["duplicated"],
+                f"{sum(e['quarantined'] for e in r['epochs'])} "
+                f"({sum(len(e['quarantined_by_fault']) for e in r['epochs'])})",
+                r["verdict"],
+                f"{r['wall_s']:.0f}",
+            ]
+        )
     return rows
 
 
-JOB_HEADERS = ["job", "source", "samples", "step s", "faults (kind@step victim time)", "steps/epoch", "lost",
-               "dup", "quarantined (by fault)", "result", "wall s"]
+JOB_HEADERS = [
+    "job",
+    "source",
+    "samples",
+    "step s",
+    "faults (kind@step victim time)",
+    "steps/epoch",
+    "lost",
+    "dup",
+    "quarantined (by fault)",
+    "result",
+    "wall s",
+]
 
 
 def render(report: dict[str, Any], cmd: str) -> list[str]:
@@ -680,12 +889,25 @@ def render(report: dict[str, Any], cmd: str) -> list[str]:
         "every sample id exactly once across ranks (quarantined records apart), equal contiguous steps on "
         "every rank, and every party's last incarnation exiting 0.",
         "",
-        table(["jobs", "faults planned", "injected", "lost", "duplicated", "unequal steps", "jobs failed"],
-              [[report["jobs"], sum(v["planned"] for v in fk.values()), sum(v["injected"] for v in fk.values()),
-                report["lost"], report["duplicated"], report["jobs_unequal_steps"], report["jobs_failed"]]]),
+        table(
+            ["jobs", "faults planned", "injected", "lost", "duplicated", "unequal steps", "jobs failed"],
+            [
+                [
+                    report["jobs"],
+                    sum(v["planned"] for v in fk.values()),
+                    sum(v["injected"] for v in fk.values()),
+                    report["lost"],
+                    report["duplicated"],
+                    report["jobs_unequal_steps"],
+                    report["jobs_failed"],
+                ]
+            ],
+        ),
         "",
-        table(["fault kind", "planned", "injected", "skipped"],
-              [[k, v["planned"], v["injected"], v["skipped"]] for k, v in sorted(fk.items())]),
+        table(
+            ["fault kind", "planned", "injected", "skipped"],
+            [[k, v["planned"], v["injected"], v["skipped"]] for k, v in sorted(fk.items())],
+        ),
         "",
         table(JOB_HEADERS, job_rows(report)),
         "",
@@ -696,7 +918,11 @@ def render(report: dict[str, Any], cmd: str) -> list[str]:
     if report["notes"]:
         body += [""] + [f"Note: {n}." for n in report["notes"]]
     if report["failures"]:
-        body += ["", "Failures (the last incarnation of each party that did not exit 0, with its last error):", ""]
+        body += [
+            "",
+            "Failures (the last incarnation of each party that did not exit 0, with its last error):",
+            "",
+        ]
         for f in report["failures"]:
             body.append(f"- job {f['job']} ({f['verdict']}):")
             body += [f"  - `{m}`" for m in f["messages"]] or ["  - (no message)"]
@@ -708,11 +934,16 @@ def print_report(report: dict[str, Any]) -> None:
     print(table(JOB_HEADERS, job_rows(report)))
     print()
     fk = report["faults"]
-    print("faults by kind: " + ", ".join(f"{k} {v['injected']}/{v['planned']} injected" for k, v in sorted(fk.items())))
-    print(f"jobs {report['jobs']}, failed {report['jobs_failed']}; samples lost {report['lost']} (completed jobs; "
-          f"{report['lost_in_failed_jobs']} more in failed jobs), duplicated {report['duplicated']}, "
-          f"unexpected {report['unexpected']}, conflicting replays {report['conflicting_replays']}, "
-          f"jobs with unequal steps {report['jobs_unequal_steps']}")
+    print(
+        "faults by kind: "
+        + ", ".join(f"{k} {v['injected']}/{v['planned']} injected" for k, v in sorted(fk.items()))
+    )
+    print(
+        f"jobs {report['jobs']}, failed {report['jobs_failed']}; samples lost {report['lost']} (completed jobs; "
+        f"{report['lost_in_failed_jobs']} more in failed jobs), duplicated {report['duplicated']}, "
+        f"unexpected {report['unexpected']}, conflicting replays {report['conflicting_replays']}, "
+        f"jobs with unequal steps {report['jobs_unequal_steps']}"
+    )
     for n in report["notes"]:
         print(f"note: {n}")
     for f in report["failures"]:
@@ -729,10 +960,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults-per-job", type=int, default=1)
     ap.add_argument("--min-step-time", type=float, default=0.01, help="seconds (log-uniform per job)")
     ap.add_argument("--max-step-time", type=float, default=5.0, help="seconds (log-uniform per job)")
-    ap.add_argument("--dataset", choices=("auto", "always", "never"), default="auto",
-                    help="which jobs read the Ray-preprocessed dataset (auto: those with actor faults, and every other)")
+    ap.add_argument(
+        "--dataset",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="which jobs read the Ray-preprocessed dataset (auto: those with actor faults, and every other)",
+    )
     ap.add_argument("--job-timeout", type=float, default=240.0, help="seconds before a job is killed")
-    ap.add_argument("--work", type=Path, default=None, help="keep the jobs' logs here (default: a temporary dir)")
+    ap.add_argument(
+        "--work", type=Path, default=None, help="keep the jobs' logs here (default: a temporary dir)"
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the full report here")
     ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
     args = ap.parse_args(argv)
@@ -741,7 +978,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad or not kinds:
         ap.error(f"--kinds must be a comma list of {', '.join(KINDS)}, got {args.kinds!r}")
     if not 0 < args.min_step_time <= args.max_step_time:
-        ap.error(f"need 0 < --min-step-time <= --max-step-time, got {args.min_step_time} {args.max_step_time}")
+        ap.error(
+            f"need 0 < --min-step-time <= --max-step-time, got {args.min_step_time} {args.max_step_time}"
+        )
     raw = argv if argv is not None else sys.argv[1:]
     cmd = "python benchmarks/chaos.py" + (" " + " ".join(raw) if raw else "")
     journal = coordinator_has_state_dir()
@@ -750,8 +989,15 @@ def main(argv: list[str] | None = None) -> int:
         kinds.remove("coordinator")  # plan the jobs with the kinds that can run today
         notes.append(COORDINATOR_NOTE)
         print(f"note: {COORDINATOR_NOTE}", file=sys.stderr)
-    plans = plan_jobs(args.jobs, args.seed, kinds, args.min_step_time, args.max_step_time, args.faults_per_job,
-                      dataset=args.dataset)
+    plans = plan_jobs(
+        args.jobs,
+        args.seed,
+        kinds,
+        args.min_step_time,
+        args.max_step_time,
+        args.faults_per_job,
+        dataset=args.dataset,
+    )
     with tempfile.TemporaryDirectory(prefix="batchd-chaos-") as tmp:
         work = args.work or Path(tmp)
         report = run_jobs(plans, work, journal, job_timeout_s=args.job_timeout, notes=notes)

@@ -41,8 +41,13 @@ def load() -> float:
 
 def run_demo(num_actors: int, timeout: float, extra: list[str]) -> tuple[dict, float]:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "batchd", "demo", "--json", "--num-actors", str(num_actors), *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchd", "demo", "--json", "--num-actors", str(num_actors), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     outer = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"batchd demo exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -67,32 +72,66 @@ def main(argv: list[str] | None = None) -> int:
         s["outer_s"], s["load"] = outer, load()
         runs.append(s)
         p = s["preprocess"]
-        print(json.dumps({"stall_fraction": p["stall_fraction"], "per_rank": p["stall_fraction_per_rank"],
-                          "samples_per_s": p["samples_per_s"], "capacity": p["capacity_samples_per_s"],
-                          "wall_s": s["wall_s"], "baseline_wall_s": s.get("baseline", {}).get("wall_s"),
-                          "accounting_ok": p["accounting_ok"], "load": s["load"]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "stall_fraction": p["stall_fraction"],
+                    "per_rank": p["stall_fraction_per_rank"],
+                    "samples_per_s": p["samples_per_s"],
+                    "capacity": p["capacity_samples_per_s"],
+                    "wall_s": s["wall_s"],
+                    "baseline_wall_s": s.get("baseline", {}).get("wall_s"),
+                    "accounting_ok": p["accounting_ok"],
+                    "load": s["load"],
+                }
+            ),
+            flush=True,
+        )
     wall = time.perf_counter() - t_all
 
     rows = []
     for i, s in enumerate(runs, 1):
         p, b = s["preprocess"], s.get("baseline", {})
-        rows.append([
-            i, f"{100 * p['stall_fraction']:.1f}%",
-            " / ".join(f"{100 * x:.1f}%" for x in p["stall_fraction_per_rank"]),
-            f"{p['samples_per_s']:.0f}", f"{p['capacity_samples_per_s']:.0f}" if p["capacity_samples_per_s"] else "-",
-            f"{p['actor_busy_fraction']:.2f}",
-            f"{p['samples']} + {p['quarantined']} = {p['records_read']} / {p['records']}",
-            f"{s['wall_s']:.2f}", f"{s['steps_per_rank'][0]}",
-            f"{b['wall_s']:.2f}" if b else "-", f"{100 * b['stall_fraction']:.1f}%" if b else "-",
-            f"{s['missing']} / {s['duplicates']}", f"{s['load']:.1f}", f"{s['outer_s']:.0f}",
-        ])
-    headers = ["run", "stall (max rank)", "stall per rank", "samples/s", "actor capacity/s", "actor busy",
-               "samples + quarantined = read / records", "batchd wall s", "steps", "fixed wall s", "fixed stall",
-               "missing / dup", "load after", "whole run s"]
+        rows.append(
+            [
+                i,
+                f"{100 * p['stall_fraction']:.1f}%",
+                " / ".join(f"{100 * x:.1f}%" for x in p["stall_fraction_per_rank"]),
+                f"{p['samples_per_s']:.0f}",
+                f"{p['capacity_samples_per_s']:.0f}" if p["capacity_samples_per_s"] else "-",
+                f"{p['actor_busy_fraction']:.2f}",
+                f"{p['samples']} + {p['quarantined']} = {p['records_read']} / {p['records']}",
+                f"{s['wall_s']:.2f}",
+                f"{s['steps_per_rank'][0]}",
+                f"{b['wall_s']:.2f}" if b else "-",
+                f"{100 * b['stall_fraction']:.1f}%" if b else "-",
+                f"{s['missing']} / {s['duplicates']}",
+                f"{s['load']:.1f}",
+                f"{s['outer_s']:.0f}",
+            ]
+        )
+    headers = [
+        "run",
+        "stall (max rank)",
+        "stall per rank",
+        "samples/s",
+        "actor capacity/s",
+        "actor busy",
+        "samples + quarantined = read / records",
+        "batchd wall s",
+        "steps",
+        "fixed wall s",
+        "fixed stall",
+        "missing / dup",
+        "load after",
+        "whole run s",
+    ]
     stalls = [s["preprocess"]["stall_fraction"] for s in runs]
     med = statistics.median(stalls)
-    machine = f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), " \
-              f"{platform.machine()}"
+    machine = (
+        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), "
+        f"{platform.machine()}"
+    )
     verdict = "met" if med < TARGET else "MISSED"
     body = [
         "## `batchd demo` through the Ray preprocessing pipeline: trainer stall and samples/s",

@@ -39,19 +39,31 @@ SECTION = "demo"
 
 def run_demo(extra: list[str], timeout: float) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "batchd", "demo", "--json", *extra], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchd", "demo", "--json", *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     outer = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise RuntimeError(f"batchd demo {' '.join(extra)} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"batchd demo {' '.join(extra)} exited with {proc.returncode}:\n{proc.stderr[-3000:]}"
+        )
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     summary["outer_s"] = outer
     return summary
 
 
 def has_synthetic() -> bool:
-    out = subprocess.run([sys.executable, "-m", "batchd", "demo", "--help"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "batchd", "demo", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     return "--synthetic" in out
 
 
@@ -69,9 +81,17 @@ def derived(s: dict) -> dict:
     slope = (per_b - per_f) / (tok_b - tok_f) if tok_b != tok_f else float("nan")
     a = per_f - slope * tok_f
     return {
-        "tok_b": tok_b, "tok_f": tok_f, "padded_ratio": pad_f / pad_b, "stall_b": stall_b, "stall_f": stall_f,
-        "ms_step_b": 1000 * per_b, "ms_step_f": 1000 * per_f, "a_ms": 1000 * a, "b_us": 1e6 * slope,
-        "overhead_share_b": a / per_b, "overhead_share_f": a / per_f,
+        "tok_b": tok_b,
+        "tok_f": tok_f,
+        "padded_ratio": pad_f / pad_b,
+        "stall_b": stall_b,
+        "stall_f": stall_f,
+        "ms_step_b": 1000 * per_b,
+        "ms_step_f": 1000 * per_f,
+        "a_ms": 1000 * a,
+        "b_us": 1e6 * slope,
+        "overhead_share_b": a / per_b,
+        "overhead_share_f": a / per_f,
         "step_ratio": steps_f / steps_b,
     }
 
@@ -96,36 +116,77 @@ def main(argv: list[str] | None = None) -> int:
             s = run_demo(extra, args.timeout)
             d = derived(s)
             results.append((name, i + 1, s, d))
-            print(name, json.dumps({k: v for k, v in s.items() if k not in ("steps_per_rank", "preprocess")}),
-                  {k: round(v, 3) for k, v in d.items()}, flush=True)
+            print(
+                name,
+                json.dumps({k: v for k, v in s.items() if k not in ("steps_per_rank", "preprocess")}),
+                {k: round(v, 3) for k, v in d.items()},
+                flush=True,
+            )
     idle1 = idle_share()
     wall = time.perf_counter() - t_all
 
     rows, rows_split = [], []
     for name, i, s, d in results:
         b = s["baseline"]
-        rows.append([
-            name, i, f"{s['wall_s']:.2f}", f"{b['wall_s']:.2f}", f"{s['speedup']:.2f}x",
-            f"{s['steps_per_rank'][0]} / {b['steps']} (B={b['batch_size']})",
-            f"{s['padding_efficiency']:.3f} / {b['padding_efficiency']:.3f}", f"{d['padded_ratio']:.2f}x",
-            f"{d['stall_b']:.0%} / {d['stall_f']:.0%}",
-            f"{s['loss_first']:.2f} -> {s['loss_last']:.2f}", f"{b['loss_last']:.2f}",
-            f"{s['emitted']} / {s['missing']} / {s['duplicates']} / {s['idle']}", f"{s['outer_s']:.0f}",
-        ])
-        rows_split.append([
-            name, i, f"{d['tok_b']:.0f} / {d['tok_f']:.0f}", f"{d['ms_step_b']:.1f} / {d['ms_step_f']:.1f}",
-            f"{d['a_ms']:.1f}", f"{d['b_us']:.0f}",
-            f"{d['overhead_share_b']:.0%} / {d['overhead_share_f']:.0%}",
-        ])
-    headers = ["variant", "run", "batchd wall s", "fixed wall s", "speedup", "steps batchd / fixed",
-               "padding_eff batchd / fixed", "padded-token ratio", "stall batchd / fixed", "loss batchd",
-               "loss fixed (last)", "samples / missing / dup / idle", "whole run s"]
-    headers_split = ["variant", "run", "padded tokens per rank-step batchd / fixed",
-                     "busy ms per step batchd / fixed", "a: ms per step", "b: us per padded token",
-                     "a's share of a step batchd / fixed"]
-    med = {name: statistics.median([s["speedup"] for n, _, s, _ in results if n == name]) for name, _ in variants}
-    machine = f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), " \
-              f"{platform.machine()}"
+        rows.append(
+            [
+                name,
+                i,
+                f"{s['wall_s']:.2f}",
+                f"{b['wall_s']:.2f}",
+                f"{s['speedup']:.2f}x",
+                f"{s['steps_per_rank'][0]} / {b['steps']} (B={b['batch_size']})",
+                f"{s['padding_efficiency']:.3f} / {b['padding_efficiency']:.3f}",
+                f"{d['padded_ratio']:.2f}x",
+                f"{d['stall_b']:.0%} / {d['stall_f']:.0%}",
+                f"{s['loss_first']:.2f} -> {s['loss_last']:.2f}",
+                f"{b['loss_last']:.2f}",
+                f"{s['emitted']} / {s['missing']} / {s['duplicates']} / {s['idle']}",
+                f"{s['outer_s']:.0f}",
+            ]
+        )
+        rows_split.append(
+            [
+                name,
+                i,
+                f"{d['tok_b']:.0f} / {d['tok_f']:.0f}",
+                f"{d['ms_step_b']:.1f} / {d['ms_step_f']:.1f}",
+                f"{d['a_ms']:.1f}",
+                f"{d['b_us']:.0f}",
+                f"{d['overhead_share_b']:.0%} / {d['overhead_share_f']:.0%}",
+            ]
+        )
+    headers = [
+        "variant",
+        "run",
+        "batchd wall s",
+        "fixed wall s",
+        "speedup",
+        "steps batchd / fixed",
+        "padding_eff batchd / fixed",
+        "padded-token ratio",
+        "stall batchd / fixed",
+        "loss batchd",
+        "loss fixed (last)",
+        "samples / missing / dup / idle",
+        "whole run s",
+    ]
+    headers_split = [
+        "variant",
+        "run",
+        "padded tokens per rank-step batchd / fixed",
+        "busy ms per step batchd / fixed",
+        "a: ms per step",
+        "b: us per padded token",
+        "a's share of a step batchd / fixed",
+    ]
+    med = {
+        name: statistics.median([s["speedup"] for n, _, s, _ in results if n == name]) for name, _ in variants
+    }
+    machine = (
+        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), "
+        f"{platform.machine()}"
+    )
     first = {name: next(d for n, _, _, d in results if n == name) for name, _ in variants}
     dflt = first["default"]
     body = [
@@ -153,10 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         "",
         table(headers, rows),
         "",
-        "Median speedup: " + "; ".join(
+        "Median speedup: "
+        + "; ".join(
             f"`{name}` **{med[name]:.2f}x** (runs: "
-            + ", ".join(f"{s['speedup']:.2f}x" for n, _, s, _ in results if n == name) + ")"
-            for name, _ in variants) + ".",
+            + ", ".join(f"{s['speedup']:.2f}x" for n, _, s, _ in results if n == name)
+            + ")"
+            for name, _ in variants
+        )
+        + ".",
         "",
         "### Per-step vs per-token time",
         "",

@@ -50,8 +50,16 @@ SYNTHETIC_SAMPLES, RAY_RECORDS = 2048, 600
 def job_spec():
     from batchd.core import JobSpec
 
-    return JobSpec(world_size=WORLD, token_budget=BUDGET, policy="balanced", window=WINDOW, depth=DEPTH, seed=0,
-                   collate="padded", epochs=EPOCHS)
+    return JobSpec(
+        world_size=WORLD,
+        token_budget=BUDGET,
+        policy="balanced",
+        window=WINDOW,
+        depth=DEPTH,
+        seed=0,
+        collate="padded",
+        epochs=EPOCHS,
+    )
 
 
 def service_main(conn, source_kind: str, lengths: list[int]) -> None:
@@ -135,7 +143,9 @@ def run(source_kind: str, lengths: list[int], step_ms: float) -> dict[str, Any]:
         ports = parent.recv()
         out: list = [None] * WORLD
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=trainer, args=(ports[r], r, step_ms / 1000, out)) for r in range(WORLD)]
+        threads = [
+            threading.Thread(target=trainer, args=(ports[r], r, step_ms / 1000, out)) for r in range(WORLD)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -152,8 +162,14 @@ def run(source_kind: str, lengths: list[int], step_ms: float) -> dict[str, Any]:
     inner = [w * 1000 for rank in out for ep in rank for w in ep[1:]]
     first = [max(out[r][e][0] for r in range(WORLD)) * 1000 for e in range(EPOCHS)]
     steps = [len(out[0][e]) for e in range(EPOCHS)]
-    return {"source": source_kind, "steps": steps, "wall_s": wall, "inner_median_ms": statistics.median(inner),
-            "inner_p95_ms": statistics.quantiles(inner, n=20)[-1], "first_ms": first}
+    return {
+        "source": source_kind,
+        "steps": steps,
+        "wall_s": wall,
+        "inner_median_ms": statistics.median(inner),
+        "inner_p95_ms": statistics.quantiles(inner, n=20)[-1],
+        "first_ms": first,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,9 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     results = [run(s, lengths, args.step_ms) for s in args.sources.split(",")]
     elapsed = time.perf_counter() - t_start
     idle_after = idle_share()
-    rows = [[r["source"], "/".join(map(str, r["steps"])), f"{r['inner_median_ms']:.1f}", f"{r['inner_p95_ms']:.1f}",
-             f"{r['first_ms'][0]:.0f}", f"{r['first_ms'][1]:.0f}", f"{r['first_ms'][2]:.0f}",
-             f"{max(r['first_ms'][1:]) / args.step_ms:.1f}"] for r in results]
+    rows = [
+        [
+            r["source"],
+            "/".join(map(str, r["steps"])),
+            f"{r['inner_median_ms']:.1f}",
+            f"{r['inner_p95_ms']:.1f}",
+            f"{r['first_ms'][0]:.0f}",
+            f"{r['first_ms'][1]:.0f}",
+            f"{r['first_ms'][2]:.0f}",
+            f"{max(r['first_ms'][1:]) / args.step_ms:.1f}",
+        ]
+        for r in results
+    ]
     body = [
         "## Epoch boundary: the trainer's wait for the next epoch's first batch",
         "",
@@ -190,8 +216,19 @@ def main(argv: list[str] | None = None) -> int:
         "visual tokens) every epoch. Waits are the time a trainer's `next()` blocked; an epoch's first wait "
         "is the slower rank's.",
         "",
-        table(["source", "steps per epoch", "in-epoch wait median ms", "p95 ms", "epoch 0 start ms",
-               "epoch 1 start ms", "epoch 2 start ms", "boundary / step time"], rows),
+        table(
+            [
+                "source",
+                "steps per epoch",
+                "in-epoch wait median ms",
+                "p95 ms",
+                "epoch 0 start ms",
+                "epoch 1 start ms",
+                "epoch 2 start ms",
+                "boundary / step time",
+            ],
+            rows,
+        ),
         "",
         "A rank service starts epoch e+1 only after its trainer took every step of epoch e (those batches "
         "must stay available to a restarted trainer), so the boundary costs one window fill and one "

@@ -28,7 +28,9 @@ def run(k: int, lengths: list[int], budget: int) -> float:
 
     from batchd.core import JobSpec
 
-    spec = JobSpec(world_size=2, token_budget=budget, policy="balanced", window=64, depth=8, seed=3, collate="packed")
+    spec = JobSpec(
+        world_size=2, token_budget=budget, policy="balanced", window=64, depth=8, seed=3, collate="packed"
+    )
     with job_pool() as start:
         job = start(spec, lengths)
         rates: list[float] = []

@@ -65,17 +65,22 @@ def save_qwen2vl_processor(path: Path, tokenizer_json: Path, template: str) -> P
     transformers cannot build its video processor, so it is saved without one."""
     from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessor, Qwen2VLProcessor
 
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json), pad_token="<|endoftext|>",
-                                  eos_token="<|im_end|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_json), pad_token="<|endoftext|>", eos_token="<|im_end|>"
+    )
     ip = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     try:
         from transformers import Qwen2VLVideoProcessor
 
-        proc = Qwen2VLProcessor(image_processor=ip, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
-                                chat_template=template)
+        proc = Qwen2VLProcessor(
+            image_processor=ip, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(), chat_template=template
+        )
     except (ImportError, AttributeError, TypeError, ValueError):
-        no_video = type("Qwen2VLProcessor", (Qwen2VLProcessor,),
-                        {"get_attributes": classmethod(lambda c: ["image_processor", "tokenizer"])})
+        no_video = type(
+            "Qwen2VLProcessor",
+            (Qwen2VLProcessor,),
+            {"get_attributes": classmethod(lambda c: ["image_processor", "tokenizer"])},
+        )
         proc = no_video(image_processor=ip, tokenizer=tok, chat_template=template)
     proc.save_pretrained(path)
     return path
@@ -101,16 +106,22 @@ def run_chain(pre, records) -> tuple[float, list[tuple[Any, dict[str, np.ndarray
 
 def agreement(base: list, other: list) -> dict[str, Any]:
     """How the built-in chain's outputs compare with an HF chain's on the same records."""
-    pairs = [(a[1], b[1]) for a, b in zip(base, other)]
+    pairs = [(a[1], b[1]) for a, b in zip(base, other, strict=False)]
     grids = [(a["image_grid_thw"], b["image_grid_thw"]) for a, b in pairs if "image_grid_thw" in a]
-    diffs = [float(np.max(np.abs(a["pixel_values"] - b["pixel_values"]))) for a, b in pairs
-             if "pixel_values" in a and a["pixel_values"].shape == b.get("pixel_values", np.empty(0)).shape]
-    return {"records": len(pairs),
-            "same_ids": sum(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in pairs),
-            "same_labels": sum(np.array_equal(a["labels"], b["labels"]) for a, b in pairs),
-            "with_images": len(grids), "same_grid": sum(np.array_equal(g, h) for g, h in grids),
-            "max_abs_diff": max(diffs) if diffs else None,
-            "mean_max_abs_diff": statistics.mean(diffs) if diffs else None}
+    diffs = [
+        float(np.max(np.abs(a["pixel_values"] - b["pixel_values"])))
+        for a, b in pairs
+        if "pixel_values" in a and a["pixel_values"].shape == b.get("pixel_values", np.empty(0)).shape
+    ]
+    return {
+        "records": len(pairs),
+        "same_ids": sum(np.array_equal(a["input_ids"], b["input_ids"]) for a, b in pairs),
+        "same_labels": sum(np.array_equal(a["labels"], b["labels"]) for a, b in pairs),
+        "with_images": len(grids),
+        "same_grid": sum(np.array_equal(g, h) for g, h in grids),
+        "max_abs_diff": max(diffs) if diffs else None,
+        "mean_max_abs_diff": statistics.mean(diffs) if diffs else None,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -138,15 +149,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         plain = save_qwen2vl_processor(Path(tmp) / "qwen2vl", tok_json, QWEN2VL_TEMPLATE)
         gen = save_qwen2vl_processor(Path(tmp) / "qwen2vl-generation", tok_json, GENERATION_TEMPLATE)
         chains = {
-            "built-in": Preprocessor(default_stages(TokenizerRef(plain), cutoff=4096, min_pixels=MIN_PIXELS,
-                                                    max_pixels=MAX_PIXELS)),
+            "built-in": Preprocessor(
+                default_stages(TokenizerRef(plain), cutoff=4096, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+            ),
             "HF processor": Preprocessor(default_stages(processor=plain, cutoff=4096)),
             "HF, generation template": Preprocessor(default_stages(processor=gen, cutoff=4096)),
         }
         for pre in chains.values():
             pre.setup()
-        backend = type(next(s for s in chains["HF processor"].stages if isinstance(s, HFProcessor))
-                       .processor.image_processor).__name__
+        backend = type(
+            next(
+                s for s in chains["HF processor"].stages if isinstance(s, HFProcessor)
+            ).processor.image_processor
+        ).__name__
         for name in args.workloads.split(","):
             records = records_of(name, max(int(args.samples * WORKLOADS[name][2]), 20))
             for pre in chains.values():  # warm-up (first-call imports, caches)
@@ -160,32 +175,57 @@ def main(argv: Sequence[str] | None = None) -> int:
                     times[c].append(wall)
             rates = {c: len(records) / statistics.median(t) for c, t in times.items()}
             # the ratio of each round's interleaved runs, median over rounds: robust to the machine's drift
-            ratio = {c: statistics.median(b / h for b, h in zip(times["built-in"], times[c])) for c in chains}
+            ratio = {
+                c: statistics.median(b / h for b, h in zip(times["built-in"], times[c], strict=False))
+                for c in chains
+            }
             metas = [m for m, _ in outs["built-in"]]
-            rows.append([name, len(records), f"{statistics.mean(m.length for m in metas):.0f}",
-                         f"{statistics.mean(m.vision_tokens for m in metas):.0f}",
-                         f"{rates['built-in']:.0f}", f"{rates['HF processor']:.0f}",
-                         f"{ratio['HF processor']:.2f}x", f"{rates['HF, generation template']:.0f}",
-                         f"{ratio['HF, generation template']:.2f}x"])
+            rows.append(
+                [
+                    name,
+                    len(records),
+                    f"{statistics.mean(m.length for m in metas):.0f}",
+                    f"{statistics.mean(m.vision_tokens for m in metas):.0f}",
+                    f"{rates['built-in']:.0f}",
+                    f"{rates['HF processor']:.0f}",
+                    f"{ratio['HF processor']:.2f}x",
+                    f"{rates['HF, generation template']:.0f}",
+                    f"{ratio['HF, generation template']:.2f}x",
+                ]
+            )
             print(" | ".join(str(c) for c in rows[-1]), flush=True)
             agrees = {c: agreement(outs["built-in"], outs[c]) for c in chains if c != "built-in"}
             for c, agree in agrees.items():
                 n_img, big, mean = agree["with_images"], agree["max_abs_diff"], agree["mean_max_abs_diff"]
-                checks.append([name, c, f"{agree['same_ids']}/{agree['records']}",
-                               f"{agree['same_labels']}/{agree['records']}",
-                               f"{agree['same_grid']}/{n_img}" if n_img else "-",
-                               "-" if big is None else f"{big:.2e}", "-" if mean is None else f"{mean:.2e}"])
+                checks.append(
+                    [
+                        name,
+                        c,
+                        f"{agree['same_ids']}/{agree['records']}",
+                        f"{agree['same_labels']}/{agree['records']}",
+                        f"{agree['same_grid']}/{n_img}" if n_img else "-",
+                        "-" if big is None else f"{big:.2e}",
+                        "-" if mean is None else f"{mean:.2e}",
+                    ]
+                )
                 print(" | ".join(str(x) for x in checks[-1]), flush=True)
-            raw[name] = {"records": len(records), "rates": rates, "ratios": ratio, "seconds": times,
-                         "agreement": agrees}
+            raw[name] = {
+                "records": len(records),
+                "rates": rates,
+                "ratios": ratio,
+                "seconds": times,
+                "agreement": agrees,
+            }
     wall = time.perf_counter() - t_all
     load_end = os.getloadavg()[0]
     if args.json:
         args.json.write_text(json.dumps(raw, indent=1))
     import transformers
 
-    machine = f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), " \
-              f"{platform.machine()}"
+    machine = (
+        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), "
+        f"{platform.machine()}"
+    )
     body = [
         "## hf-processor: a model's own Hugging Face processor vs the built-in chain",
         "",
@@ -204,16 +244,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"1-minute load average: {load_start:.1f} at the start, {load_end:.1f} at the end (2-core machine "
         "shared with other work).",
         "",
-        table(["workload", "records", "mean length", "mean vision tokens", "built-in samples/s",
-               "HF samples/s", "ratio", "HF, generation samples/s", "ratio (generation)"], rows),
+        table(
+            [
+                "workload",
+                "records",
+                "mean length",
+                "mean vision tokens",
+                "built-in samples/s",
+                "HF samples/s",
+                "ratio",
+                "HF, generation samples/s",
+                "ratio (generation)",
+            ],
+            rows,
+        ),
         "",
         "Do the chains agree? Records whose `input_ids` / `labels` are identical, images whose "
         "`image_grid_thw` is identical, and the largest absolute difference between the built-in "
         "Qwen2VLVision's `pixel_values` and the HF image processor's (max over records, and the mean of "
         "the per-record maxima; values are CLIP-normalized, about -1.8..2.1).",
         "",
-        table(["workload", "HF chain", "same input_ids", "same labels", "same grid", "max abs diff",
-               "mean per-record max"], checks),
+        table(
+            [
+                "workload",
+                "HF chain",
+                "same input_ids",
+                "same labels",
+                "same grid",
+                "max abs diff",
+                "mean per-record max",
+            ],
+            checks,
+        ),
         "",
         "The two implementations agree: the same tokens, labels and grids, and the built-in Qwen2VLVision's "
         "pixel values equal the HF image processor's up to float32 rounding. Where the HF chain's extra time "

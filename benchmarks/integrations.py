@@ -56,10 +56,17 @@ def _epoch(strategy: str, address: str, rank: int, warmup: int) -> tuple[int, fl
     if strategy.startswith("zero"):
         import deepspeed
 
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config={
-            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": int(strategy[-1])}, "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9})
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            config={
+                "train_micro_batch_size_per_gpu": 1,
+                "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": int(strategy[-1])},
+                "zero_allow_untested_optimizer": True,
+                "steps_per_print": 10**9,
+            },
+        )
     steps, t0 = 0, None
     with BatchClient(address, rank, 2) as client:
         for batch, info in client:
@@ -79,8 +86,15 @@ def _rank(rank: int, port: int, addresses: dict[str, list[str]], warmup: int, ou
     import deepspeed
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2", DS_ACCELERATOR="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        DS_ACCELERATOR="cpu",
+    )
     torch.set_num_threads(1)
     deepspeed.ops.__compatible_ops__ = {**deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm": False}
     dist.init_process_group("gloo")
@@ -104,8 +118,15 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     rng = np.random.default_rng(3)
     lengths = np.clip(rng.lognormal(4.0, 0.7, args.samples), 8, args.budget).astype(int).tolist()
-    spec = JobSpec(world_size=2, token_budget=args.budget, policy="balanced", window=64, depth=4, seed=7,
-                   collate="padded")
+    spec = JobSpec(
+        world_size=2,
+        token_budget=args.budget,
+        policy="balanced",
+        window=64,
+        depth=4,
+        seed=7,
+        collate="padded",
+    )
     with job_pool(vocab_size=512) as start, tempfile.TemporaryDirectory() as out:
         jobs = {s: start(spec, lengths) for s in STRATEGIES}
         addresses = {s: [f"127.0.0.1:{port}" for port in job.ports] for s, job in jobs.items()}
@@ -114,8 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     steps = {s: {r[s][0] for r in ranks} for s in STRATEGIES}
     assert all(len(v) == 1 for v in steps.values()) and len({v.pop() for v in steps.values()}) == 1, steps
     rate = {s: min(r[s][1] for r in ranks) for s in STRATEGIES}
-    print(f"{ranks[0]['ddp'][0]} steps per strategy, 2 gloo ranks, TinyCausalLM d128 x2, L={args.budget}, "
-          f"{args.samples} samples")
+    print(
+        f"{ranks[0]['ddp'][0]} steps per strategy, 2 gloo ranks, TinyCausalLM d128 x2, L={args.budget}, "
+        f"{args.samples} samples"
+    )
     for s in STRATEGIES:
         print(f"{s:6s} {rate[s]:7.2f} steps/s   x{rate[s] / rate['ddp']:.2f} of ddp")
 

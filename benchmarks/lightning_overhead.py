@@ -38,9 +38,15 @@ def tiny_llama(hidden: int) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                   max_position_embeddings=512)
+    cfg = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+    )
     return transformers.LlamaForCausalLM(cfg).train()
 
 
@@ -63,6 +69,7 @@ def plain_epoch(address: str, rank: int, world: int, hidden: int) -> dict:
 
 def lightning_epoch(address: str, rank: int, world: int, hidden: int) -> dict:
     import pytorch_lightning as pl
+
     from batchd.client import BatchClient, BatchdDataModule, batchd_lightning_loss
 
     class Lit(pl.LightningModule):
@@ -85,25 +92,43 @@ def lightning_epoch(address: str, rank: int, world: int, hidden: int) -> dict:
             return torch.optim.SGD(self.parameters(), lr=0.05)
 
     module = Lit()
-    trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_epochs=-1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy="ddp",
+        max_epochs=-1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     t = time.perf_counter()
     trainer.fit(module, datamodule=BatchdDataModule(lambda: BatchClient(address, rank, world)))
     return {"steps": module.steps, "loop_s": module.t1 - module.t0, "fit_s": time.perf_counter() - t}
 
 
-def rank_main(rank: int, world: int, port: int, addresses: list[dict[str, str]], hidden: int, out: str) -> None:
+def rank_main(
+    rank: int, world: int, port: int, addresses: list[dict[str, str]], hidden: int, out: str
+) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        NODE_RANK="0",
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+    )
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)  # Lightning reuses it
     results = []
     for a in addresses:
         plain = plain_epoch(a["plain"][rank], rank, world, hidden)
-        results.append({"plain": plain, "lightning": lightning_epoch(a["lightning"][rank], rank, world, hidden)})
+        results.append(
+            {"plain": plain, "lightning": lightning_epoch(a["lightning"][rank], rank, world, hidden)}
+        )
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
     os._exit(0)  # skip the slow interpreter shutdown of gloo / gRPC threads
 
@@ -116,26 +141,38 @@ def main() -> None:
     args = ap.parse_args()
     import torch.multiprocessing as mp
     from _jobs import job_pool
+
     from batchd.core import JobSpec
 
     rng = np.random.default_rng(3)
     lengths = np.clip(rng.lognormal(3.3, 0.6, args.samples), 3, 120).astype(int).tolist()
-    spec = JobSpec(world_size=2, token_budget=256, policy="local", window=16, depth=3, seed=7, collate="padded")
+    spec = JobSpec(
+        world_size=2, token_budget=256, policy="local", window=16, depth=3, seed=7, collate="padded"
+    )
     with job_pool(vocab_size=512) as make, tempfile.TemporaryDirectory() as out:
         jobs = [{kind: make(spec, lengths) for kind in ("plain", "lightning")} for _ in range(args.repeat)]
-        addresses = [{kind: [job.rank_address(r) for r in range(2)] for kind, job in run.items()} for run in jobs]
+        addresses = [
+            {kind: [job.rank_address(r) for r in range(2)] for kind, job in run.items()} for run in jobs
+        ]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         mp.spawn(rank_main, args=(2, port, addresses, args.hidden, out), nprocs=2, join=True)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
     for i, (r0, r1) in enumerate(zip(*ranks, strict=True)):
-        assert r0["plain"]["steps"] == r1["plain"]["steps"] == r0["lightning"]["steps"] == r1["lightning"]["steps"]
+        assert (
+            r0["plain"]["steps"]
+            == r1["plain"]["steps"]
+            == r0["lightning"]["steps"]
+            == r1["lightning"]["steps"]
+        )
         plain = r0["plain"]["steps"] / max(r["plain"]["loop_s"] for r in (r0, r1))
         lit = r0["lightning"]["steps"] / max(r["lightning"]["loop_s"] for r in (r0, r1))
-        print(f"run {i}: {r0['plain']['steps']} steps; plain DDP {plain:.1f} steps/s, Lightning DDP {lit:.1f} steps/s "
-              f"(ratio {lit / plain:.3f}); Lightning fit() {max(r['lightning']['fit_s'] for r in (r0, r1)):.1f} s "
-              f"vs its loop {max(r['lightning']['loop_s'] for r in (r0, r1)):.1f} s")
+        print(
+            f"run {i}: {r0['plain']['steps']} steps; plain DDP {plain:.1f} steps/s, Lightning DDP {lit:.1f} steps/s "
+            f"(ratio {lit / plain:.3f}); Lightning fit() {max(r['lightning']['fit_s'] for r in (r0, r1)):.1f} s "
+            f"vs its loop {max(r['lightning']['loop_s'] for r in (r0, r1)):.1f} s"
+        )
 
 
 if __name__ == "__main__":

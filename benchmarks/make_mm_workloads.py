@@ -100,7 +100,9 @@ WORKLOADS = {"llava-like": llava_like, "sharegpt4o-like": sharegpt4o_like, "bimo
 
 
 def render(rows: Sequence[Row]) -> str:
-    return format_workload(Sample(i, t + sum(k), images=tuple(zip(p, k))) for i, (t, p, k) in enumerate(rows))
+    return format_workload(
+        Sample(i, t + sum(k), images=tuple(zip(p, k, strict=False))) for i, (t, p, k) in enumerate(rows)
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

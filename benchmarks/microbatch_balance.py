@@ -38,14 +38,24 @@ def imbalance(loads: list[float]) -> float:
 
 
 def _spec(budget: int) -> JobSpec:
-    return JobSpec(world_size=8, token_budget=budget, policy="balanced", window=512, cost="attention",
-                   collate="packed", seed=0)
+    return JobSpec(
+        world_size=8,
+        token_budget=budget,
+        policy="balanced",
+        window=512,
+        cost="attention",
+        collate="packed",
+        seed=0,
+    )
 
 
 def _stats(xs: list[float]) -> list[str]:
     xs = sorted(xs)
-    return [f"{100 * sum(xs) / len(xs):.2f}%", f"{100 * xs[int(0.95 * (len(xs) - 1))]:.2f}%",
-            f"{100 * sum(x <= 0.05 for x in xs) / len(xs):.1f}%"]
+    return [
+        f"{100 * sum(xs) / len(xs):.2f}%",
+        f"{100 * xs[int(0.95 * (len(xs) - 1))]:.2f}%",
+        f"{100 * sum(x <= 0.05 for x in xs) / len(xs):.1f}%",
+    ]
 
 
 def run(lengths: list[int]) -> list[list[str]]:
@@ -55,11 +65,16 @@ def run(lengths: list[int]) -> list[list[str]]:
         for r, step in enumerate(steps):
             per_rank[r].append(COST.cost([s.length for s in step.samples]) if step.samples else 0.0)
     for m in MICRO:
-        windows = [c[i:i + m] for c in per_rank for i in range(0, len(c) - m + 1, m)]  # full ones
-        rows.append(["steps", str(MICRO_BUDGET), str(m), str(len(windows)), *_stats([imbalance(w) for w in windows])])
+        windows = [c[i : i + m] for c in per_rank for i in range(0, len(c) - m + 1, m)]  # full ones
+        rows.append(
+            ["steps", str(MICRO_BUDGET), str(m), str(len(windows)), *_stats([imbalance(w) for w in windows])]
+        )
         print(" | ".join(rows[-1]), flush=True)
-        steps = [[COST.item(s.length) for s in step.samples] for per in Simulator(lengths, _spec(m * MICRO_BUDGET))
-                 for step in per]
+        steps = [
+            [COST.item(s.length) for s in step.samples]
+            for per in Simulator(lengths, _spec(m * MICRO_BUDGET))
+            for step in per
+        ]
         for name, split in (("split", balanced_split), ("chunks", lambda c, m: chunk_split(len(c), m))):
             got = [imbalance([sum(c[i] for i in p) for p in split(c, m)]) for c in steps]
             rows.append([name, str(m * MICRO_BUDGET), str(m), str(len(steps)), *_stats(got)])
@@ -75,12 +90,21 @@ def main() -> None:
     args = ap.parse_args()
     lengths = [int(x) for x in (args.workloads / "odb-synthetic.txt").read_text().split()]
     rows = run(lengths)
-    header = ["microbatches", "batchd step budget", "M", "pipeline steps (x ranks)", "imbalance: mean",
-              "p95", "<= 5%"]
-    text = ("## Pipeline microbatches\n\nImbalance (max/mean - 1) of the M microbatches of one rank's pipeline step on odb-synthetic "
-            "(8 ranks, balanced policy, packed, attention cost q=4096, microbatch budget L=8192): M consecutive "
-            "batchd steps (`pipeline_steps`), one step of M x L split by cost (`microbatches`) or by count "
-            "(`python benchmarks/microbatch_balance.py`):\n\n" + table(header, rows))
+    header = [
+        "microbatches",
+        "batchd step budget",
+        "M",
+        "pipeline steps (x ranks)",
+        "imbalance: mean",
+        "p95",
+        "<= 5%",
+    ]
+    text = (
+        "## Pipeline microbatches\n\nImbalance (max/mean - 1) of the M microbatches of one rank's pipeline step on odb-synthetic "
+        "(8 ranks, balanced policy, packed, attention cost q=4096, microbatch budget L=8192): M consecutive "
+        "batchd steps (`pipeline_steps`), one step of M x L split by cost (`microbatches`) or by count "
+        "(`python benchmarks/microbatch_balance.py`):\n\n" + table(header, rows)
+    )
     publish("microbatch", text, args.no_write, args.docs)
 
 

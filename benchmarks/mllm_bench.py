@@ -80,13 +80,18 @@ def encoder_share(workload: Path, num_samples: int, token_budget: int, seed: int
                 fn()
                 best = min(best, time.perf_counter() - t0)
             out.append(best)
-    return {"groups": len(picked), "encoder_s": sum(enc_t), "whole_s": sum(all_t),
-            "share": sum(enc_t) / sum(all_t) if sum(all_t) else float("nan"),
-            "share_median": statistics.median(e / a for e, a in zip(enc_t, all_t))}
+    return {
+        "groups": len(picked),
+        "encoder_s": sum(enc_t),
+        "whole_s": sum(all_t),
+        "share": sum(enc_t) / sum(all_t) if sum(all_t) else float("nan"),
+        "share_median": statistics.median(e / a for e, a in zip(enc_t, all_t, strict=False)),
+    }
 
 
-def _exchange_worker(rank: int, world: int, port: int, rows: list[list[int]], d_model: int, repeats: int,
-                     out) -> None:
+def _exchange_worker(
+    rank: int, world: int, port: int, rows: list[list[int]], d_model: int, repeats: int, out
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -99,9 +104,12 @@ def _exchange_worker(rank: int, world: int, port: int, rows: list[list[int]], d_
         for send in rows:  # send[r][d]: rows r sends to d; one image per (r, d) pair is enough for timing
             recv = [send[e][rank] for e in range(world)]
             tokens = [n for n in recv if n]
-            batch = {"vision_send_splits": torch.tensor(send[rank]), "vision_recv_splits": torch.tensor(recv),
-                     "vision_image_tokens": torch.tensor(tokens, dtype=torch.int64),
-                     "vision_placement": torch.arange(len(tokens))}
+            batch = {
+                "vision_send_splits": torch.tensor(send[rank]),
+                "vision_recv_splits": torch.tensor(recv),
+                "vision_image_tokens": torch.tensor(tokens, dtype=torch.int64),
+                "vision_placement": torch.arange(len(tokens)),
+            }
             enc = torch.randn(sum(send[rank]), d_model, requires_grad=True)
             best = float("inf")
             for _ in range(repeats):
@@ -115,8 +123,15 @@ def _exchange_worker(rank: int, world: int, port: int, rows: list[list[int]], d_
         dist.destroy_process_group()
 
 
-def exchange_time(workload: Path, num_samples: int, world: int, token_budget: int, window: int,
-                  d_model: int = 128, repeats: int = 3) -> dict[str, float]:
+def exchange_time(
+    workload: Path,
+    num_samples: int,
+    world: int,
+    token_budget: int,
+    window: int,
+    d_model: int = 128,
+    repeats: int = 3,
+) -> dict[str, float]:
     """Forward + backward time of `exchange_image_embeddings` (gloo, `world` processes on this host) for the
     exchanges the two-phase plan makes on this workload's steps (the simulator's plan, same spec as the bench):
     the all-to-all the trainers run, without the model around it."""
@@ -141,7 +156,10 @@ def exchange_time(workload: Path, num_samples: int, world: int, token_budget: in
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_exchange_worker, args=(r, world, port, rows, d_model, repeats, q)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_exchange_worker, args=(r, world, port, rows, d_model, repeats, q))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     got = dict(q.get(timeout=600) for _ in procs)
@@ -149,8 +167,12 @@ def exchange_time(workload: Path, num_samples: int, world: int, token_budget: in
         p.join(60)
     per_step = [max(got[r][k] for r in got) for k in range(len(rows))]
     moved = [sum(send[e][d] for e in range(world) for d in range(world) if e != d) for send in rows]
-    return {"steps": len(rows), "mean_s": statistics.fmean(per_step), "rows_per_step": statistics.fmean(moved),
-            "d_model": d_model}
+    return {
+        "steps": len(rows),
+        "mean_s": statistics.fmean(per_step),
+        "rows_per_step": statistics.fmean(moved),
+        "d_model": d_model,
+    }
 
 
 def render(s: dict, share: dict, cmd: str, wall: float, exch: dict | None = None) -> str:
@@ -161,10 +183,20 @@ def render(s: dict, share: dict, cmd: str, wall: float, exch: dict | None = None
             rows.append([name, "skipped: " + r.get("skipped", "?")] + [""] * 8)
             continue
         vi = r.get("vision_imbalance")
-        rows.append([name, f"{r['wall_s']:.1f}", _x(r.get("speedup_vs_fixed")), _x(r.get("speedup_vs_odb-0.1.2")),
-                     r["steps"], f"{r['samples']} / {r['missing']} / {r['duplicates']}",
-                     f"{r['padding_efficiency']:.3f}", "-" if vi is None else f"{vi:.3f}",
-                     f"{r['final_loss']:.3f}", "-" if r.get("heldout_loss") is None else f"{r['heldout_loss']:.3f}"])
+        rows.append(
+            [
+                name,
+                f"{r['wall_s']:.1f}",
+                _x(r.get("speedup_vs_fixed")),
+                _x(r.get("speedup_vs_odb-0.1.2")),
+                r["steps"],
+                f"{r['samples']} / {r['missing']} / {r['duplicates']}",
+                f"{r['padding_efficiency']:.3f}",
+                "-" if vi is None else f"{vi:.3f}",
+                f"{r['final_loss']:.3f}",
+                "-" if r.get("heldout_loss") is None else f"{r['heldout_loss']:.3f}",
+            ]
+        )
     one, two = s["systems"].get("batchd-balanced", {}), s["systems"].get("batchd-2phase", {})
     v1, v2 = one.get("vision_imbalance"), two.get("vision_imbalance")
     body = [
@@ -176,26 +208,45 @@ def render(s: dict, share: dict, cmd: str, wall: float, exch: dict | None = None
         "box, so compare ratios. `vision imbalance`: per step, the most encoder patches any rank ran over the "
         "mean, averaged over steps with images (1.0: every rank encodes alike).",
         "",
-        table(["system", "wall s", "vs fixed", "vs odb-0.1.2", "steps", "samples / missing / dup", "padding_eff",
-                "vision imbalance", "final loss", "held-out loss"], rows),
+        table(
+            [
+                "system",
+                "wall s",
+                "vs fixed",
+                "vs odb-0.1.2",
+                "steps",
+                "samples / missing / dup",
+                "padding_eff",
+                "vision imbalance",
+                "final loss",
+                "held-out loss",
+            ],
+            rows,
+        ),
         "",
         f"Encoder share of a step (forward + backward, one thread, {share['groups']} length-sorted groups of this "
         f"workload under L): {share['share']:.1%} of the time in all (median group {share['share_median']:.1%}).",
     ]
     if exch is not None and "wall_s" in two and two["steps"]:
         step_s = two["wall_s"] / two["steps"]
-        body += ["", f"The exchange's share of a step: `exchange_image_embeddings` forward + backward (gloo, "
-                 f"{s['world_size']} processes, the two-phase plan's {exch['steps']} steps with images, "
-                 f"{exch['rows_per_step']:.0f} embedding rows of {exch['d_model']} floats crossing ranks per step "
-                 f"on average) takes {1e3 * exch['mean_s']:.2f} ms per step, {exch['mean_s'] / step_s:.2%} of "
-                 f"batchd-2phase's mean step ({step_s:.2f} s)."]
+        body += [
+            "",
+            f"The exchange's share of a step: `exchange_image_embeddings` forward + backward (gloo, "
+            f"{s['world_size']} processes, the two-phase plan's {exch['steps']} steps with images, "
+            f"{exch['rows_per_step']:.0f} embedding rows of {exch['d_model']} floats crossing ranks per step "
+            f"on average) takes {1e3 * exch['mean_s']:.2f} ms per step, {exch['mean_s'] / step_s:.2%} of "
+            f"batchd-2phase's mean step ({step_s:.2f} s).",
+        ]
     if v1 and v2 and "wall_s" in one and "wall_s" in two:
         expect = share["share"] * (1 - v2 / v1)
-        body += ["", f"Two-phase vs one-phase: encoder imbalance {v1:.3f} -> {v2:.3f}; with the encoder at "
-                 f"{share['share']:.0%} of a step, the expected saving is about {expect:.1%} of the step time "
-                 f"(share x (1 - v2 / v1)); measured: {one['wall_s']:.1f} s -> {two['wall_s']:.1f} s "
-                 f"({1 - two['wall_s'] / one['wall_s']:+.1%} saved). Both runs take the same LLM plan (the same "
-                 f"steps and final loss: the exchange changes where images are encoded, not what is computed)."]
+        body += [
+            "",
+            f"Two-phase vs one-phase: encoder imbalance {v1:.3f} -> {v2:.3f}; with the encoder at "
+            f"{share['share']:.0%} of a step, the expected saving is about {expect:.1%} of the step time "
+            f"(share x (1 - v2 / v1)); measured: {one['wall_s']:.1f} s -> {two['wall_s']:.1f} s "
+            f"({1 - two['wall_s'] / one['wall_s']:+.1%} saved). Both runs take the same LLM plan (the same "
+            f"steps and final loss: the exchange changes where images are encoded, not what is computed).",
+        ]
     return "\n".join(body)
 
 
@@ -205,7 +256,9 @@ def _x(v) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", default="bimodal", help="a workload of benchmarks/workloads (default bimodal)")
+    p.add_argument(
+        "--workload", default="bimodal", help="a workload of benchmarks/workloads (default bimodal)"
+    )
     p.add_argument("--num-samples", type=int, default=192)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--token-budget", type=int, default=8192)
@@ -217,9 +270,18 @@ def main(argv: list[str] | None = None) -> int:
 
     workload = WORKLOADS / f"{args.workload}.csv"
     t0 = time.perf_counter()
-    s = run_bench(workload=workload, num_samples=args.num_samples, world_size=args.world_size,
-                  token_budget=args.token_budget, systems=MM_SYSTEMS, window=args.window, heldout=16,
-                  repeats=args.repeats, plots=False, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    s = run_bench(
+        workload=workload,
+        num_samples=args.num_samples,
+        world_size=args.world_size,
+        token_budget=args.token_budget,
+        systems=MM_SYSTEMS,
+        window=args.window,
+        heldout=16,
+        repeats=args.repeats,
+        plots=False,
+        progress=lambda m: print(m, file=sys.stderr, flush=True),
+    )
     share = encoder_share(workload, args.num_samples, args.token_budget)
     exch = exchange_time(workload, args.num_samples, args.world_size, args.token_budget, args.window)
     cmd = "python benchmarks/mllm_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -91,8 +91,9 @@ TARGET_64_MS, TARGET_512_MS = 5.0, 25.0
 def job_spec(world_size: int):
     from batchd.core import JobSpec
 
-    return JobSpec(world_size=world_size, token_budget=BUDGET, policy="local", window=WINDOW, depth=DEPTH,
-                   seed=0)
+    return JobSpec(
+        world_size=world_size, token_budget=BUDGET, policy="local", window=WINDOW, depth=DEPTH, seed=0
+    )
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -110,7 +111,9 @@ def cpu_s() -> float:
 
 
 # -- coordinator process ---------------------------------------------------------------------------
-def coordinator_main(conn, world_size: int, warmup: int, total: int, profile: bool, base: str | None = None) -> None:
+def coordinator_main(
+    conn, world_size: int, warmup: int, total: int, profile: bool, base: str | None = None
+) -> None:
     """Runs the coordinator server until told to stop; records per-message times on the Node streams.
     `base`: a directory holding another revision's `batchd` package (`baseline_tree`) to run instead."""
     if base is not None:  # before anything imports batchd: this tree wins over the editable install
@@ -146,6 +149,7 @@ def coordinator_main(conn, world_size: int, warmup: int, total: int, profile: bo
         return (kind, rnd, time.perf_counter())
 
     if inspect.isasyncgenfunction(orig_node):  # grpc.aio coordinator
+
         async def node(self, request_iterator, context):
             taken: list = [None]
 
@@ -158,6 +162,7 @@ def coordinator_main(conn, world_size: int, warmup: int, total: int, profile: bo
                 record(*taken[0])
                 yield reply
     else:  # sync gRPC coordinator (an older revision, for before/after runs)
+
         def node(self, request_iterator, context):
             taken: list = [None]
 
@@ -171,8 +176,9 @@ def coordinator_main(conn, world_size: int, warmup: int, total: int, profile: bo
                 yield reply
 
     co.CoordinatorServicer.Node = node
-    server, port, state = create_server("127.0.0.1:0", job_spec(world_size), lease_s=120.0,
-                                        startup_timeout_s=600.0)
+    server, port, state = create_server(
+        "127.0.0.1:0", job_spec(world_size), lease_s=120.0, startup_timeout_s=600.0
+    )
     server.start()
     conn.send(port)
     while True:
@@ -180,10 +186,20 @@ def coordinator_main(conn, world_size: int, warmup: int, total: int, profile: bo
         if msg == "stop":
             break
         if msg == "status":
-            conn.send({"round": state.core.round, "cpu_s": cpu_s(), "t": time.perf_counter(),
-                       "latencies_ms": list(state.latencies_ms)})
-    result: dict[str, Any] = {"latencies_ms": list(state.latencies_ms), "events": events,
-                              "cpu_marks": cpu_marks, "threads": threading.active_count()}
+            conn.send(
+                {
+                    "round": state.core.round,
+                    "cpu_s": cpu_s(),
+                    "t": time.perf_counter(),
+                    "latencies_ms": list(state.latencies_ms),
+                }
+            )
+    result: dict[str, Any] = {
+        "latencies_ms": list(state.latencies_ms),
+        "events": events,
+        "cpu_marks": cpu_marks,
+        "threads": threading.active_count(),
+    }
     if profiles:
         threading.setprofile(None)
         stats = merged_stats(profiles)
@@ -229,8 +245,16 @@ def _channel(address: str):
     return channel(address, None, [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)])
 
 
-def agents_main(agents: list[tuple[str, list[int]]], world_size: int, address: str, pool: list[int],
-                total: int, warmup: int, barrier, out_q) -> None:
+def agents_main(
+    agents: list[tuple[str, list[int]]],
+    world_size: int,
+    address: str,
+    pool: list[int],
+    total: int,
+    warmup: int,
+    barrier,
+    out_q,
+) -> None:
     """Runs `agents` (name, ranks) as threads speaking the Node stream; puts their per-round rows."""
     from batchd.core import RankState
     from batchd.proto import batchd_pb2 as pb
@@ -261,8 +285,17 @@ def agents_main(agents: list[tuple[str, list[int]]], world_size: int, address: s
             feeders = [Feeder(data[r]) for r in ranks]
             q: queue.SimpleQueue = queue.SimpleQueue()
             replies = stub.Node(iter(q.get, None))
-            q.put(pb.NodeRequest(hello=pb.NodeHello(protocol=pb.NODE_PROTOCOL_V1, node=name, ranks=ranks,
-                                                    spec=spec_pb, address=f"bench-{name}")))
+            q.put(
+                pb.NodeRequest(
+                    hello=pb.NodeHello(
+                        protocol=pb.NODE_PROTOCOL_V1,
+                        node=name,
+                        ranks=ranks,
+                        spec=spec_pb,
+                        address=f"bench-{name}",
+                    )
+                )
+            )
             reg = next(replies)
             assert reg.WhichOneof("kind") == "registered", reg
         except Exception as exc:  # noqa: BLE001
@@ -275,16 +308,24 @@ def agents_main(agents: list[tuple[str, list[int]]], world_size: int, address: s
         try:
             for rnd in range(total):
                 c0 = time.perf_counter()
-                for st, fd in zip(states, feeders):
+                for st, fd in zip(states, feeders, strict=False):
                     fd.fill(st)
-                req = pb.NodeRequest(align=pb.NodeAlign(
-                    epoch=0, round=rnd, reports=[wire.report_to_pb(st.report(DEPTH), 0) for st in states]))
+                req = pb.NodeRequest(
+                    align=pb.NodeAlign(
+                        epoch=0, round=rnd, reports=[wire.report_to_pb(st.report(DEPTH), 0) for st in states]
+                    )
+                )
                 t0 = time.perf_counter()
                 q.put(req)
                 decision = wire.decision_from_pb(next(replies).decision)
                 t1 = time.perf_counter()
-                req = pb.NodeRequest(commit=pb.NodeCommit(
-                    epoch=0, round=rnd, commits=[wire.commit_to_pb(st.apply(decision), 0) for st in states]))
+                req = pb.NodeRequest(
+                    commit=pb.NodeCommit(
+                        epoch=0,
+                        round=rnd,
+                        commits=[wire.commit_to_pb(st.apply(decision), 0) for st in states],
+                    )
+                )
                 t2 = time.perf_counter()
                 q.put(req)
                 totals = wire.totals_from_pb(next(replies).totals)
@@ -351,13 +392,23 @@ def baseline_tree(rev: str) -> str:
     return str(root / "pkg")
 
 
-def run_nodes(agents: int, k: int, pool: list[int], rounds: int, warmup: int, client_procs: int,
-              profile: bool = False, base: str | None = None) -> dict[str, Any]:
+def run_nodes(
+    agents: int,
+    k: int,
+    pool: list[int],
+    rounds: int,
+    warmup: int,
+    client_procs: int,
+    profile: bool = False,
+    base: str | None = None,
+) -> dict[str, Any]:
     world = agents * k
     total = warmup + rounds
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    coord = ctx.Process(target=coordinator_main, args=(child, world, warmup, total, profile, base), daemon=True)
+    coord = ctx.Process(
+        target=coordinator_main, args=(child, world, warmup, total, profile, base), daemon=True
+    )
     coord.start()
     procs = []
     try:
@@ -370,8 +421,9 @@ def run_nodes(agents: int, k: int, pool: list[int], rounds: int, warmup: int, cl
         barrier = ctx.Barrier(nproc + 1)
         out_q = ctx.Queue()
         for g in groups:
-            p = ctx.Process(target=agents_main, daemon=True,
-                            args=(g, world, address, pool, total, warmup, barrier, out_q))
+            p = ctx.Process(
+                target=agents_main, daemon=True, args=(g, world, address, pool, total, warmup, barrier, out_q)
+            )
             p.start()
             procs.append(p)
         barrier.wait(timeout=300)
@@ -400,7 +452,7 @@ def run_nodes(agents: int, k: int, pool: list[int], rounds: int, warmup: int, cl
     for o in outs:
         results.update(o["results"])
     lat = coord_out["latencies_ms"]
-    coord_ms = lat[-rounds:] if len(lat) >= rounds else lat[-min(len(lat), rounds):]
+    coord_ms = lat[-rounds:] if len(lat) >= rounds else lat[-min(len(lat), rounds) :]
     # coordinator-own time per round, from the Node wrapper's timestamps
     by_round: dict[tuple[str, int], list[tuple[float, float]]] = collections.defaultdict(list)
     for kind, rnd, t_in, t_out in coord_out["events"]:
@@ -421,12 +473,21 @@ def run_nodes(agents: int, k: int, pool: list[int], rounds: int, warmup: int, cl
         compute_ms.append(1000 * max(row[4] for row in rows))
     marks = coord_out["cpu_marks"]
     coord_cpu = (marks["end"][0] - marks["start"][0]) if "start" in marks and "end" in marks else float("nan")
-    t_meas = (max(results[a][-1][3] for a in results) - min(results[a][warmup][0] for a in results))
+    t_meas = max(results[a][-1][3] for a in results) - min(results[a][warmup][0] for a in results)
     out = {
-        "agents": agents, "k": k, "N": world, "rounds": rounds, "warmup": warmup,
-        "procs": [sum(len(r) for _, r in g) for g in groups], "agents_per_proc": [len(g) for g in groups],
-        "coord_ms": coord_ms, "own_ms": own_ms, "client_ms": client_ms, "span_ms": span_ms,
-        "compute_ms": compute_ms, "rounds_per_s": rounds / t_meas,
+        "agents": agents,
+        "k": k,
+        "N": world,
+        "rounds": rounds,
+        "warmup": warmup,
+        "procs": [sum(len(r) for _, r in g) for g in groups],
+        "agents_per_proc": [len(g) for g in groups],
+        "coord_ms": coord_ms,
+        "own_ms": own_ms,
+        "client_ms": client_ms,
+        "span_ms": span_ms,
+        "compute_ms": compute_ms,
+        "rounds_per_s": rounds / t_meas,
         "coord_cpu_per_round_ms": 1000 * coord_cpu / rounds,
         "client_cpu_per_round_ms": [1000 * o["cpu_s"] / rounds for o in outs],
         "coord_threads": coord_out["threads"],
@@ -494,8 +555,17 @@ class SimRank:
             self.waits.append((t0, t1, found))
 
 
-def trainers_main(agents: list[tuple[str, list[int]]], world_size: int, address: str, pool: list[int],
-                  seconds: float, warmup_s: float, barrier, go_at, out_q) -> None:
+def trainers_main(
+    agents: list[tuple[str, list[int]]],
+    world_size: int,
+    address: str,
+    pool: list[int],
+    seconds: float,
+    warmup_s: float,
+    barrier,
+    go_at,
+    out_q,
+) -> None:
     from batchd.service._node_link import NodeLink
 
     spec = job_spec(world_size)
@@ -534,17 +604,28 @@ def trainers_main(agents: list[tuple[str, list[int]]], world_size: int, address:
     found = [f for sr in ranks_all for a, _, f in sr.waits if t0 <= a <= t1]
     steps = sum(1 for sr in ranks_all for a, _, _ in sr.waits if t0 <= a <= t1)
     errors += [f"rank {sr.state.rank}: {sr.error}" for sr in ranks_all if sr.error]
-    out_q.put({"waited_s": waited, "trainer_s": len(ranks_all) * (t1 - t0), "steps": steps,
-               "min_found": min(found) if found else -1, "found_p50": sorted(found)[len(found) // 2] if found else -1,
-               "window": (t0, t1), "cpu_s": cpu1 - cpu0, "rounds": [sr.rounds for sr in ranks_all],
-               "errors": errors, "t_start": t_start})
+    out_q.put(
+        {
+            "waited_s": waited,
+            "trainer_s": len(ranks_all) * (t1 - t0),
+            "steps": steps,
+            "min_found": min(found) if found else -1,
+            "found_p50": sorted(found)[len(found) // 2] if found else -1,
+            "window": (t0, t1),
+            "cpu_s": cpu1 - cpu0,
+            "rounds": [sr.rounds for sr in ranks_all],
+            "errors": errors,
+            "t_start": t_start,
+        }
+    )
     out_q.close()
     out_q.join_thread()
     os._exit(0)  # the links' threads may still block on the closed stream
 
 
-def run_trainers(agents: int, k: int, pool: list[int], seconds: float, warmup_s: float,
-                 client_procs: int) -> dict[str, Any]:
+def run_trainers(
+    agents: int, k: int, pool: list[int], seconds: float, warmup_s: float, client_procs: int
+) -> dict[str, Any]:
     world = agents * k
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -562,8 +643,11 @@ def run_trainers(agents: int, k: int, pool: list[int], seconds: float, warmup_s:
         go_at = ctx.Value("d", 0.0)
         out_q = ctx.Queue()
         for g in groups:
-            p = ctx.Process(target=trainers_main, daemon=True,
-                            args=(g, world, address, pool, seconds, warmup_s, barrier, go_at, out_q))
+            p = ctx.Process(
+                target=trainers_main,
+                daemon=True,
+                args=(g, world, address, pool, seconds, warmup_s, barrier, go_at, out_q),
+            )
             p.start()
             procs.append(p)
         go_at.value = time.perf_counter() + 0.5  # the trainers' shared step clock (CLOCK_MONOTONIC)
@@ -591,12 +675,20 @@ def run_trainers(agents: int, k: int, pool: list[int], seconds: float, warmup_s:
     rounds = st1["round"] - st0["round"]
     lat = st1["latencies_ms"][-rounds:] if rounds > 0 else []
     return {
-        "agents": agents, "k": k, "N": world, "seconds": seconds, "warmup_s": warmup_s,
+        "agents": agents,
+        "k": k,
+        "N": world,
+        "seconds": seconds,
+        "warmup_s": warmup_s,
         "procs": [sum(len(r) for _, r in g) for g in groups],
-        "waited_s": sum(o["waited_s"] for o in outs), "trainer_s": sum(o["trainer_s"] for o in outs),
-        "steps": sum(o["steps"] for o in outs), "min_found": min(o["min_found"] for o in outs),
-        "found_p50": min(o["found_p50"] for o in outs), "rounds": rounds,
-        "rounds_per_s": rounds / (st1["t"] - st0["t"]), "coord_ms": lat,
+        "waited_s": sum(o["waited_s"] for o in outs),
+        "trainer_s": sum(o["trainer_s"] for o in outs),
+        "steps": sum(o["steps"] for o in outs),
+        "min_found": min(o["min_found"] for o in outs),
+        "found_p50": min(o["found_p50"] for o in outs),
+        "rounds": rounds,
+        "rounds_per_s": rounds / (st1["t"] - st0["t"]),
+        "coord_ms": lat,
         "coord_cpu_share": (st1["cpu_s"] - st0["cpu_s"]) / (st1["t"] - st0["t"]),
         "client_cpu_share": [o["cpu_s"] / seconds for o in outs],
     }
@@ -606,18 +698,32 @@ def run_trainers(agents: int, k: int, pool: list[int], seconds: float, warmup_s:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="8x8,64x8,128x8", help="comma-separated AGENTSxRANKS_PER_AGENT")
-    ap.add_argument("--rounds", default="300,150,80", help="measured rounds per config (one value or one each)")
+    ap.add_argument(
+        "--rounds", default="300,150,80", help="measured rounds per config (one value or one each)"
+    )
     ap.add_argument("--warmup", type=int, default=20, help="rounds discarded first")
-    ap.add_argument("--client-procs", type=int, default=2, help="processes the simulated agents are spread over")
-    ap.add_argument("--trainer-s", type=float, default=20.0, help="measured seconds of the trainer experiment "
-                    "(0 skips it)")
+    ap.add_argument(
+        "--client-procs", type=int, default=2, help="processes the simulated agents are spread over"
+    )
+    ap.add_argument(
+        "--trainer-s",
+        type=float,
+        default=20.0,
+        help="measured seconds of the trainer experiment (0 skips it)",
+    )
     ap.add_argument("--trainer-warmup-s", type=float, default=5.0)
     ap.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
     ap.add_argument("--no-unary", action="store_true", help="skip the per-rank unary run at 64 ranks")
-    ap.add_argument("--profile", action="store_true", help="also cProfile the coordinator at the first config")
+    ap.add_argument(
+        "--profile", action="store_true", help="also cProfile the coordinator at the first config"
+    )
     ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
-    ap.add_argument("--before", metavar="REV", help="also run the coordinator of revision REV (e.g. the last "
-                    "sync-gRPC one), interleaved with this tree's config by config, for a before/after table")
+    ap.add_argument(
+        "--before",
+        metavar="REV",
+        help="also run the coordinator of revision REV (e.g. the last "
+        "sync-gRPC one), interleaved with this tree's config by config, for a before/after table",
+    )
     args = ap.parse_args(argv)
     given = argv if argv is not None else sys.argv[1:]
     cmd = "python benchmarks/node_latency.py" + (" " + " ".join(given) if given else "")
@@ -626,32 +732,41 @@ def main(argv: list[str] | None = None) -> int:
     pool = read_lengths(str(args.workloads / "odb-synthetic.txt"))
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
     rounds = [int(x) for x in args.rounds.split(",")]
-    rounds = (rounds * len(configs))[:len(configs)] if len(rounds) == 1 else rounds
+    rounds = (rounds * len(configs))[: len(configs)] if len(rounds) == 1 else rounds
     rev = revision()
     idle0 = idle_share()
     t_all = time.perf_counter()
     runs, before = [], []
     base = baseline_tree(args.before) if args.before else None
-    for (agents, k), n_rounds in zip(configs, rounds):
+    for (agents, k), n_rounds in zip(configs, rounds, strict=False):
         if base is not None:
             res = run_nodes(agents, k, pool, n_rounds, args.warmup, args.client_procs, base=base)
             before.append(res)
-            print(f"before ({args.before}) {agents}x{k}: coord p50 {pct(res['coord_ms'], 50):.2f} "
-                  f"p99 {pct(res['coord_ms'], 99):.2f} own p50 {pct(res['own_ms'], 50):.2f} "
-                  f"cpu/round {res['coord_cpu_per_round_ms']:.2f} ms", flush=True)
+            print(
+                f"before ({args.before}) {agents}x{k}: coord p50 {pct(res['coord_ms'], 50):.2f} "
+                f"p99 {pct(res['coord_ms'], 99):.2f} own p50 {pct(res['own_ms'], 50):.2f} "
+                f"cpu/round {res['coord_cpu_per_round_ms']:.2f} ms",
+                flush=True,
+            )
         res = run_nodes(agents, k, pool, n_rounds, args.warmup, args.client_procs)
         runs.append(res)
-        print(f"{agents}x{k}: coord p50 {pct(res['coord_ms'], 50):.2f} p99 {pct(res['coord_ms'], 99):.2f} "
-              f"max {max(res['coord_ms']):.2f} own p50 {pct(res['own_ms'], 50):.2f} "
-              f"p99 {pct(res['own_ms'], 99):.2f} span p50 {pct(res['span_ms'], 50):.2f} "
-              f"cpu/round {res['coord_cpu_per_round_ms']:.2f} ms rounds/s {res['rounds_per_s']:.0f}", flush=True)
+        print(
+            f"{agents}x{k}: coord p50 {pct(res['coord_ms'], 50):.2f} p99 {pct(res['coord_ms'], 99):.2f} "
+            f"max {max(res['coord_ms']):.2f} own p50 {pct(res['own_ms'], 50):.2f} "
+            f"p99 {pct(res['own_ms'], 99):.2f} span p50 {pct(res['span_ms'], 50):.2f} "
+            f"cpu/round {res['coord_cpu_per_round_ms']:.2f} ms rounds/s {res['rounds_per_s']:.0f}",
+            flush=True,
+        )
     unary = None
     if not args.no_unary:
         import align_latency
 
         unary = align_latency.run_once(64, pool, 150, 20, 2)
-        print(f"unary 64: coord p50 {pct(unary['coord_ms'], 50):.1f} p99 {pct(unary['coord_ms'], 99):.1f} "
-              f"cpu/round {unary['coord_cpu_per_round_ms']:.1f}", flush=True)
+        print(
+            f"unary 64: coord p50 {pct(unary['coord_ms'], 50):.1f} p99 {pct(unary['coord_ms'], 99):.1f} "
+            f"cpu/round {unary['coord_cpu_per_round_ms']:.1f}",
+            flush=True,
+        )
     prof = None
     if args.profile:
         a, k = configs[0]
@@ -660,11 +775,16 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     if args.trainer_s > 0:
         trainer = run_trainers(8, 8, pool, args.trainer_s, args.trainer_warmup_s, args.client_procs)
-        print(f"trainers: waited {trainer['waited_s']:.3f} s of {trainer['trainer_s']:.0f} s, min ready "
-              f"{trainer['min_found']}, rounds/s {trainer['rounds_per_s']:.1f}", flush=True)
+        print(
+            f"trainers: waited {trainer['waited_s']:.3f} s of {trainer['trainer_s']:.0f} s, min ready "
+            f"{trainer['min_found']}, rounds/s {trainer['rounds_per_s']:.1f}",
+            flush=True,
+        )
     wall = time.perf_counter() - t_all
     idle1 = idle_share()
-    publish(SECTION, render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer, before), args.no_write)
+    publish(
+        SECTION, render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer, before), args.no_write
+    )
     return 0
 
 
@@ -708,63 +828,105 @@ OPTIMIZED = (
 def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer, before=()) -> list[str]:
     import grpc
 
-    machine = (f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
-               f"shared by the coordinator and the client processes, {platform.machine()}")
-    headers = ["agents x ranks", "N", "ranks per client proc", "rounds", "coord p50 ms", "coord p99 ms",
-               "coord max ms", "coord-own p50 ms", "coord-own p99 ms", "client p99 ms", "span p50 ms",
-               "slowest agent CPU p50 ms", "rounds/s", "coord CPU ms/round", "client CPU ms/round"]
+    machine = (
+        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
+        f"shared by the coordinator and the client processes, {platform.machine()}"
+    )
+    headers = [
+        "agents x ranks",
+        "N",
+        "ranks per client proc",
+        "rounds",
+        "coord p50 ms",
+        "coord p99 ms",
+        "coord max ms",
+        "coord-own p50 ms",
+        "coord-own p99 ms",
+        "client p99 ms",
+        "span p50 ms",
+        "slowest agent CPU p50 ms",
+        "rounds/s",
+        "coord CPU ms/round",
+        "client CPU ms/round",
+    ]
     if before:
         headers.insert(1, "coordinator")
         label = {id(r): f"before: sync ({args.before})" for r in before}
-        ordered = [r for pair in zip(before, runs) for r in pair]
+        ordered = [r for pair in zip(before, runs, strict=False) for r in pair]
     else:
         label, ordered = {}, runs
     rows = []
     for r in ordered:
         server = [label.get(id(r), "after: grpc.aio")] if before else []
-        rows.append([f"{r['agents']} x {r['k']}", *server, r["N"], " + ".join(map(str, r["procs"])), r["rounds"],
-                     *(f"{pct(r[key], q):.1f}" for key, q in (("coord_ms", 50), ("coord_ms", 99))),
-                     f"{max(r['coord_ms']):.1f}",
-                     *(f"{pct(r[key], q):.2f}" for key, q in (("own_ms", 50), ("own_ms", 99))),
-                     f"{pct(r['client_ms'], 99):.1f}", f"{pct(r['span_ms'], 50):.1f}",
-                     f"{pct(r['compute_ms'], 50):.1f}", f"{r['rounds_per_s']:.0f}",
-                     f"{r['coord_cpu_per_round_ms']:.2f}",
-                     " + ".join(f"{x:.1f}" for x in r["client_cpu_per_round_ms"])])
+        rows.append(
+            [
+                f"{r['agents']} x {r['k']}",
+                *server,
+                r["N"],
+                " + ".join(map(str, r["procs"])),
+                r["rounds"],
+                *(f"{pct(r[key], q):.1f}" for key, q in (("coord_ms", 50), ("coord_ms", 99))),
+                f"{max(r['coord_ms']):.1f}",
+                *(f"{pct(r[key], q):.2f}" for key, q in (("own_ms", 50), ("own_ms", 99))),
+                f"{pct(r['client_ms'], 99):.1f}",
+                f"{pct(r['span_ms'], 50):.1f}",
+                f"{pct(r['compute_ms'], 50):.1f}",
+                f"{r['rounds_per_s']:.0f}",
+                f"{r['coord_cpu_per_round_ms']:.2f}",
+                " + ".join(f"{x:.1f}" for x in r["client_cpu_per_round_ms"]),
+            ]
+        )
     body = [
         "## Alignment round latency with node agents (one Node stream per host, loopback)",
         "",
-        (f"Generated by `{cmd}` ({wall:.0f} s in all; {rev}; {machine}; grpcio {grpc.__version__}; CPU idle "
-        f"{idle0:.0%} in the 3 s before, {idle1:.0%} in the 3 s after). "
-        "Machine note: 2 shared cores, noisy; compare figures within one run."),
+        (
+            f"Generated by `{cmd}` ({wall:.0f} s in all; {rev}; {machine}; grpcio {grpc.__version__}; CPU idle "
+            f"{idle0:.0%} in the 3 s before, {idle1:.0%} in the 3 s after). "
+            "Machine note: 2 shared cores, noisy; compare figures within one run."
+        ),
         "",
-        ("**How the agents are simulated.** The coordinator is the real gRPC server (`create_server`: "
-        "grpc.aio, one event loop; "
-        + (f"the *before* rows run revision {args.before}'s sync-gRPC coordinator in the same harness, "
-           "config by config just before the *after* row" if before else "")
-        + ") in its own process. Each node agent is a *light client*: one thread holding its K "
-        f"`RankState`s (policy local, window {WINDOW}, depth {DEPTH}, L={BUDGET}, padded cost, join mode, "
-        "lengths from odb-synthetic, pre-built and `gc.freeze()`d) that speaks `Coordinator.Node` itself: "
-        "one stream per agent on its own channel and TCP connection (local subchannel pool), hello, then "
-        "per round one NodeAlign with its K reports, `apply` x K, one NodeCommit with K commits, "
-        "`finalize` x K; every round offers capacity "
-        f"{DEPTH}. One heartbeat thread per client process sends each agent's node heartbeat "
-        f"(`HeartbeatRequest.ranks`) every {HEARTBEAT_S:g} s. The agent threads are spread round-robin "
-        f"over **{args.client_procs} client processes**; the coordinator and the client processes share "
-        f"the 2 cores. {args.warmup} warm-up rounds are discarded per config. No rank service, no data "
-        "plane: this measures the coordination path only."),
+        (
+            "**How the agents are simulated.** The coordinator is the real gRPC server (`create_server`: "
+            "grpc.aio, one event loop; "
+            + (
+                f"the *before* rows run revision {args.before}'s sync-gRPC coordinator in the same harness, "
+                "config by config just before the *after* row"
+                if before
+                else ""
+            )
+            + ") in its own process. Each node agent is a *light client*: one thread holding its K "
+            f"`RankState`s (policy local, window {WINDOW}, depth {DEPTH}, L={BUDGET}, padded cost, join mode, "
+            "lengths from odb-synthetic, pre-built and `gc.freeze()`d) that speaks `Coordinator.Node` itself: "
+            "one stream per agent on its own channel and TCP connection (local subchannel pool), hello, then "
+            "per round one NodeAlign with its K reports, `apply` x K, one NodeCommit with K commits, "
+            "`finalize` x K; every round offers capacity "
+            f"{DEPTH}. One heartbeat thread per client process sends each agent's node heartbeat "
+            f"(`HeartbeatRequest.ranks`) every {HEARTBEAT_S:g} s. The agent threads are spread round-robin "
+            f"over **{args.client_procs} client processes**; the coordinator and the client processes share "
+            f"the 2 cores. {args.warmup} warm-up rounds are discarded per config. No rank service, no data "
+            "plane: this measures the coordination path only."
+        ),
         "",
-        ("- **coord**: `CoordinatorState.latencies_ms` (= `Status().round_latency_ms`): first NodeAlign "
-        "received -> round totals decided. It includes the agents' skew: on this box the slowest agent's "
-        "own Python work (finalize, fill, report and apply of its K ranks, sharing a GIL with the other "
-        "agents of its process) lies between the first and the last message of a barrier."),
-        ("- **coord-own**: what the coordinator adds once a barrier's last message is in: last NodeAlign "
-        "taken by its stream handler -> last decision handed back to gRPC, plus the same for the commit "
-        "(timestamps from a wrapper around `CoordinatorServicer.Node` in the coordinator process)."),
-        ("- **client**: per agent, NodeAlign sent -> totals received, max over agents; **span**: first "
-        "NodeAlign sent anywhere -> last totals received anywhere. **slowest agent CPU**: the agent "
-        "thread's own work per round (outside the stream)."),
-        ("- **coord CPU ms/round**: coordinator process CPU (user+sys) from the warm-up's last totals to the "
-        "last measured totals, / rounds. **client CPU**: per client process."),
+        (
+            "- **coord**: `CoordinatorState.latencies_ms` (= `Status().round_latency_ms`): first NodeAlign "
+            "received -> round totals decided. It includes the agents' skew: on this box the slowest agent's "
+            "own Python work (finalize, fill, report and apply of its K ranks, sharing a GIL with the other "
+            "agents of its process) lies between the first and the last message of a barrier."
+        ),
+        (
+            "- **coord-own**: what the coordinator adds once a barrier's last message is in: last NodeAlign "
+            "taken by its stream handler -> last decision handed back to gRPC, plus the same for the commit "
+            "(timestamps from a wrapper around `CoordinatorServicer.Node` in the coordinator process)."
+        ),
+        (
+            "- **client**: per agent, NodeAlign sent -> totals received, max over agents; **span**: first "
+            "NodeAlign sent anywhere -> last totals received anywhere. **slowest agent CPU**: the agent "
+            "thread's own work per round (outside the stream)."
+        ),
+        (
+            "- **coord CPU ms/round**: coordinator process CPU (user+sys) from the warm-up's last totals to the "
+            "last measured totals, / rounds. **client CPU**: per client process."
+        ),
         "",
         table(headers, rows),
         "",
@@ -773,36 +935,45 @@ def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer, befor
     verdicts = []
     if 64 in by_n:
         c99 = pct(by_n[64]["coord_ms"], 99)
-        verdicts.append(f"p99 <= {TARGET_64_MS:g} ms at 64 ranks (8 x 8): "
-                        f"{'met' if c99 <= TARGET_64_MS else '**not met**'} (coordinator p99 {c99:.1f} ms)")
+        verdicts.append(
+            f"p99 <= {TARGET_64_MS:g} ms at 64 ranks (8 x 8): "
+            f"{'met' if c99 <= TARGET_64_MS else '**not met**'} (coordinator p99 {c99:.1f} ms)"
+        )
     if 512 in by_n:
         c99 = pct(by_n[512]["coord_ms"], 99)
-        verdicts.append(f"p99 <= {TARGET_512_MS:g} ms at 512 ranks (64 x 8): "
-                        f"{'met' if c99 <= TARGET_512_MS else '**not met**'} (coordinator p99 {c99:.1f} ms)")
+        verdicts.append(
+            f"p99 <= {TARGET_512_MS:g} ms at 512 ranks (64 x 8): "
+            f"{'met' if c99 <= TARGET_512_MS else '**not met**'} (coordinator p99 {c99:.1f} ms)"
+        )
     if verdicts:
         body += ["Targets (issue): " + "; ".join(verdicts) + ".", ""]
     if before:
         parts = []
-        for b, a in zip(before, runs):
+        for b, a in zip(before, runs, strict=False):
             parts.append(
                 f"{a['agents']} x {a['k']}: coord p50 {pct(b['coord_ms'], 50):.1f} -> {pct(a['coord_ms'], 50):.1f} ms, "
                 f"p99 {pct(b['coord_ms'], 99):.1f} -> {pct(a['coord_ms'], 99):.1f} ms, coord-own p50 "
                 f"{pct(b['own_ms'], 50):.2f} -> {pct(a['own_ms'], 50):.2f} ms, CPU per round "
                 f"{b['coord_cpu_per_round_ms']:.2f} -> {a['coord_cpu_per_round_ms']:.2f} ms "
-                f"({a['coord_cpu_per_round_ms'] / max(b['coord_cpu_per_round_ms'], 1e-9) - 1:+.0%})")
-        body += [f"**Before (sync gRPC, {args.before}) -> after (grpc.aio)**, same run: " + "; ".join(parts) + ".",
-                 ""]
+                f"({a['coord_cpu_per_round_ms'] / max(b['coord_cpu_per_round_ms'], 1e-9) - 1:+.0%})"
+            )
+        body += [
+            f"**Before (sync gRPC, {args.before}) -> after (grpc.aio)**, same run: " + "; ".join(parts) + ".",
+            "",
+        ]
         body += [LIMITS, ""]
     if unary is not None and 64 in by_n:
         n64 = by_n[64]
         body += [
-            (f"**Against one unary call per rank** (same script, `align_latency.run_once` at 64 ranks, "
-            f"{unary['rounds']} rounds, 2 client processes): coord p50 {pct(unary['coord_ms'], 50):.1f} ms, "
-            f"p99 {pct(unary['coord_ms'], 99):.1f} ms, {unary['coord_cpu_per_round_ms']:.1f} ms of coordinator "
-            f"CPU per round; with 8 agents x 8 ranks: p50 {pct(n64['coord_ms'], 50):.1f} ms, "
-            f"p99 {pct(n64['coord_ms'], 99):.1f} ms, {n64['coord_cpu_per_round_ms']:.2f} ms of CPU per round "
-            f"(x{pct(unary['coord_ms'], 99) / max(pct(n64['coord_ms'], 99), 1e-9):.0f} on p99, "
-            f"x{unary['coord_cpu_per_round_ms'] / max(n64['coord_cpu_per_round_ms'], 1e-9):.0f} on CPU)."),
+            (
+                f"**Against one unary call per rank** (same script, `align_latency.run_once` at 64 ranks, "
+                f"{unary['rounds']} rounds, 2 client processes): coord p50 {pct(unary['coord_ms'], 50):.1f} ms, "
+                f"p99 {pct(unary['coord_ms'], 99):.1f} ms, {unary['coord_cpu_per_round_ms']:.1f} ms of coordinator "
+                f"CPU per round; with 8 agents x 8 ranks: p50 {pct(n64['coord_ms'], 50):.1f} ms, "
+                f"p99 {pct(n64['coord_ms'], 99):.1f} ms, {n64['coord_cpu_per_round_ms']:.2f} ms of CPU per round "
+                f"(x{pct(unary['coord_ms'], 99) / max(pct(n64['coord_ms'], 99), 1e-9):.0f} on p99, "
+                f"x{unary['coord_cpu_per_round_ms'] / max(n64['coord_cpu_per_round_ms'], 1e-9):.0f} on CPU)."
+            ),
             "",
         ]
     if trainer is not None:
@@ -811,30 +982,57 @@ def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer, befor
         body += [
             "### Off the critical path: trainers stepping every 50 ms",
             "",
-            (f"{trainer['N']} ranks as {trainer['agents']} agents x {trainer['k']}, each agent the real "
-            "`NodeLink` (`service/_node_link.py`) with a `LocalRankClient` per rank, spread over "
-            f"{len(trainer['procs'])} client processes ({' + '.join(map(str, trainer['procs']))} ranks). "
-            "Each rank has a round loop like `RankServiceCore._round` (fill; wait until capacity = depth - "
-            f"ready > 0; report(capacity); align; apply; commit; finalize; the steps join its ready queue, "
-            f"depth {DEPTH}) and a trainer thread that takes one batch, then trains for {1000 * STEP_S:.0f} ms "
-            "(a sleep), in lockstep: trainer step k starts at the same moment on every rank (t0 + k x "
-            f"{1000 * STEP_S:.0f} ms on the shared monotonic clock), as DDP's all-reduce keeps trainers together. "
-            f"After {trainer['warmup_s']:g} s of warm-up, over {trainer['seconds']:g} s:"),
+            (
+                f"{trainer['N']} ranks as {trainer['agents']} agents x {trainer['k']}, each agent the real "
+                "`NodeLink` (`service/_node_link.py`) with a `LocalRankClient` per rank, spread over "
+                f"{len(trainer['procs'])} client processes ({' + '.join(map(str, trainer['procs']))} ranks). "
+                "Each rank has a round loop like `RankServiceCore._round` (fill; wait until capacity = depth - "
+                f"ready > 0; report(capacity); align; apply; commit; finalize; the steps join its ready queue, "
+                f"depth {DEPTH}) and a trainer thread that takes one batch, then trains for {1000 * STEP_S:.0f} ms "
+                "(a sleep), in lockstep: trainer step k starts at the same moment on every rank (t0 + k x "
+                f"{1000 * STEP_S:.0f} ms on the shared monotonic clock), as DDP's all-reduce keeps trainers together. "
+                f"After {trainer['warmup_s']:g} s of warm-up, over {trainer['seconds']:g} s:"
+            ),
             "",
-            table(["trainer steps", "time waiting for a batch", "share of trainer time", ("fewest batches ready "
-                   "at a take"), "median ready at a take", "rounds/s", "coord p50 ms", "coord p99 ms",
-                   "coord CPU (share of a core)"],
-                  [[trainer["steps"], f"{trainer['waited_s'] * 1000:.1f} ms", f"{frac:.4%}",
-                    trainer["min_found"], trainer["found_p50"], f"{trainer['rounds_per_s']:.1f}",
-                    f"{pct(lat, 50):.1f}", f"{pct(lat, 99):.1f}", f"{trainer['coord_cpu_share']:.0%}"]]),
+            table(
+                [
+                    "trainer steps",
+                    "time waiting for a batch",
+                    "share of trainer time",
+                    ("fewest batches ready at a take"),
+                    "median ready at a take",
+                    "rounds/s",
+                    "coord p50 ms",
+                    "coord p99 ms",
+                    "coord CPU (share of a core)",
+                ],
+                [
+                    [
+                        trainer["steps"],
+                        f"{trainer['waited_s'] * 1000:.1f} ms",
+                        f"{frac:.4%}",
+                        trainer["min_found"],
+                        trainer["found_p50"],
+                        f"{trainer['rounds_per_s']:.1f}",
+                        f"{pct(lat, 50):.1f}",
+                        f"{pct(lat, 99):.1f}",
+                        f"{trainer['coord_cpu_share']:.0%}",
+                    ]
+                ],
+            ),
             "",
-            (f"Target (issue): trainer time spent waiting on alignment is 0: "
-             f"{'met' if trainer['waited_s'] == 0 else '**not met**'} (measured share {frac:.4%}; a wait counts "
-             "only when a trainer found its ready queue empty). "
-             + ("The ready queue never ran dry: a round (T = min capacity over the ranks, usually 1 here) "
-                "refills a slot within a few ms of a trainer freeing it, while the queue holds up to "
-                f"{DEPTH} steps of {1000 * STEP_S:.0f} ms of slack." if trainer["min_found"] > 0 else
-                "Some trainer found its queue empty at least once: alignment reached the critical path.")),
+            (
+                f"Target (issue): trainer time spent waiting on alignment is 0: "
+                f"{'met' if trainer['waited_s'] == 0 else '**not met**'} (measured share {frac:.4%}; a wait counts "
+                "only when a trainer found its ready queue empty). "
+                + (
+                    "The ready queue never ran dry: a round (T = min capacity over the ranks, usually 1 here) "
+                    "refills a slot within a few ms of a trainer freeing it, while the queue holds up to "
+                    f"{DEPTH} steps of {1000 * STEP_S:.0f} ms of slack."
+                    if trainer["min_found"] > 0
+                    else "Some trainer found its queue empty at least once: alignment reached the critical path."
+                )
+            ),
             "",
         ]
     body += [
@@ -844,12 +1042,17 @@ def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer, befor
         "",
     ]
     if prof is not None:
-        lines = [ln.replace(str(REPO) + "/", "").rstrip() for ln in prof["profile"].strip().splitlines()
-                 if ln.strip()]
+        lines = [
+            ln.replace(str(REPO) + "/", "").rstrip()
+            for ln in prof["profile"].strip().splitlines()
+            if ln.strip()
+        ]
         site = str(Path(sys.prefix)) + "/lib/python3.11/site-packages/"
         body += [
-            (f"### cProfile of the coordinator at {prof['agents']} x {prof['k']} ({prof['rounds']} rounds, "
-            f"{prof['profiled_threads']} threads, top 16 by own CPU time)"),
+            (
+                f"### cProfile of the coordinator at {prof['agents']} x {prof['k']} ({prof['rounds']} rounds, "
+                f"{prof['profiled_threads']} threads, top 16 by own CPU time)"
+            ),
             "",
             "```",
             *[ln.replace(site, "") for ln in lines],

@@ -50,8 +50,9 @@ def make_data(root: Path, name: str, n: int) -> Any:
     from batchd.preprocess import make_demo_dataset
 
     frac, side, _ = WORKLOADS[name]
-    return make_demo_dataset(root / name, num_samples=n, seed=11, image_fraction=frac, bad_fraction=0.0,
-                             max_image_side=side)
+    return make_demo_dataset(
+        root / name, num_samples=n, seed=11, image_fraction=frac, bad_fraction=0.0, max_image_side=side
+    )
 
 
 def bench_inprocess(dataset, stages, limit: int) -> dict[str, float]:
@@ -68,8 +69,12 @@ def bench_inprocess(dataset, stages, limit: int) -> dict[str, float]:
         vision.append(meta.vision_tokens)
         nbytes.append(sum(v.nbytes for v in payload.values()))
     wall = time.perf_counter() - t0
-    return {"rate": n / wall, "mean_len": statistics.mean(lengths), "mean_vision": statistics.mean(vision),
-            "payload_kb": statistics.mean(nbytes) / 1024}
+    return {
+        "rate": n / wall,
+        "mean_len": statistics.mean(lengths),
+        "mean_vision": statistics.mean(vision),
+        "payload_kb": statistics.mean(nbytes) / 1024,
+    }
 
 
 def drain_epoch(pool, epoch: int, chunk_size: int | None = None) -> tuple[int, float]:
@@ -90,8 +95,9 @@ def drain_epoch(pool, epoch: int, chunk_size: int | None = None) -> tuple[int, f
     return n, wall
 
 
-def bench_pool(dataset, stages, actors: int, epochs: int, chunk_sizes: Sequence[int | None] = (None,)
-               ) -> dict[Any, dict[str, float]]:
+def bench_pool(
+    dataset, stages, actors: int, epochs: int, chunk_sizes: Sequence[int | None] = (None,)
+) -> dict[Any, dict[str, float]]:
     from batchd.preprocess import PreprocessPool
 
     out = {}
@@ -104,13 +110,19 @@ def bench_pool(dataset, stages, actors: int, epochs: int, chunk_sizes: Sequence[
                 n, wall = drain_epoch(pool, e, chunk)
                 after = pool.stats()
 
-                busy, done, cpu = (sum(a[key] for a in after) - sum(b[key] for b in before)
-                                   for key in ("busy_s", "processed", "cpu_s"))
+                busy, done, cpu = (
+                    sum(a[key] for a in after) - sum(b[key] for b in before)
+                    for key in ("busy_s", "processed", "cpu_s")
+                )
                 rates.append(n / wall)
                 busy_rates.append(done / busy if busy > 0 else float("nan"))
                 cpu_shares.append(cpu / busy if busy > 0 else float("nan"))
-            out[chunk] = {"rate": statistics.median(rates), "busy_rate": statistics.median(busy_rates),
-                          "cpu_share": statistics.median(cpu_shares), "runs": rates}
+            out[chunk] = {
+                "rate": statistics.median(rates),
+                "busy_rate": statistics.median(busy_rates),
+                "cpu_share": statistics.median(cpu_shares),
+                "runs": rates,
+            }
     return out
 
 
@@ -130,15 +142,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     t_all = time.perf_counter()
     load_start = os.getloadavg()[0]
-    cmd = " ".join(["python benchmarks/preprocess_throughput.py", *(argv if argv is not None else sys.argv[1:])])
+    cmd = " ".join(
+        ["python benchmarks/preprocess_throughput.py", *(argv if argv is not None else sys.argv[1:])]
+    )
     actors = [int(a) for a in args.actors.split(",")]
     rows, sweep_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         tok = TokenizerRef(demo_tokenizer(Path(tmp) / "tokenizer.json"))
         stages = default_stages(tok, cutoff=4096)
         names = args.workloads.split(",")
-        datasets = {name: RecordDataset(make_data(Path(tmp), name, max(int(args.samples * WORKLOADS[name][2]), 20)).path)
-                    for name in names}
+        datasets = {
+            name: RecordDataset(
+                make_data(Path(tmp), name, max(int(args.samples * WORKLOADS[name][2]), 20)).path
+            )
+            for name in names
+        }
         # The in-process baselines run before Ray starts (its worker start-up would steal CPU).
         bases = {name: bench_inprocess(datasets[name], stages, len(datasets[name])) for name in names}
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
@@ -146,17 +164,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in names:
             dataset, base = datasets[name], bases[name]
             shape = [f"{base['mean_len']:.0f}", f"{base['mean_vision']:.0f}", f"{base['payload_kb']:.0f}"]
-            rows.append([name, "in-process (no Ray)", f"{base['rate']:.0f}", "-", "-", f"{base['rate']:.0f}", "-", "-",
-                         *shape])
+            rows.append(
+                [
+                    name,
+                    "in-process (no Ray)",
+                    f"{base['rate']:.0f}",
+                    "-",
+                    "-",
+                    f"{base['rate']:.0f}",
+                    "-",
+                    "-",
+                    *shape,
+                ]
+            )
             print(" | ".join(rows[-1]), flush=True)
             first = None
             for k in actors:
                 res = bench_pool(dataset, stages, k, args.epochs)[None]
                 first = first or res["rate"]
-                rows.append([name, f"{k} actor" + ("s" if k > 1 else ""), f"{res['rate']:.0f}",
-                             " / ".join(f"{r:.0f}" for r in res["runs"]), f"{res['rate'] / k:.0f}",
-                             f"{res['busy_rate']:.0f}", f"{res['cpu_share']:.2f}", f"{res['rate'] / first:.2f}x",
-                             *shape])
+                rows.append(
+                    [
+                        name,
+                        f"{k} actor" + ("s" if k > 1 else ""),
+                        f"{res['rate']:.0f}",
+                        " / ".join(f"{r:.0f}" for r in res["runs"]),
+                        f"{res['rate'] / k:.0f}",
+                        f"{res['busy_rate']:.0f}",
+                        f"{res['cpu_share']:.2f}",
+                        f"{res['rate'] / first:.2f}x",
+                        *shape,
+                    ]
+                )
                 print(" | ".join(rows[-1]), flush=True)
             if name == "text" and max(actors) >= 2:
                 sweep = bench_pool(dataset, stages, 2, args.epochs, chunk_sizes=(1, 4, 8, 16))
@@ -166,10 +204,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     ray.shutdown()
     wall = time.perf_counter() - t_all
     load_end = os.getloadavg()[0]
-    machine = f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), " \
-              f"{platform.machine()}"
-    headers = ["workload", "config", "samples/s", "each epoch", "per actor", "actor-busy rate", "actor CPU share",
-               "scaling", "mean length", "mean vision tokens", "payload KB"]
+    machine = (
+        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), "
+        f"{platform.machine()}"
+    )
+    headers = [
+        "workload",
+        "config",
+        "samples/s",
+        "each epoch",
+        "per actor",
+        "actor-busy rate",
+        "actor CPU share",
+        "scaling",
+        "mean length",
+        "mean vision tokens",
+        "payload KB",
+    ]
     body = [
         "## Preprocessing throughput (Ray actor pool)",
         "",

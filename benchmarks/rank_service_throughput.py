@@ -53,8 +53,17 @@ def cpu_s() -> float:
 def job_spec(samples: int):
     from batchd.core import JobSpec
 
-    return JobSpec(world_size=1, token_budget=BUDGET, policy="local", window=WINDOW, depth=DEPTH, seed=0,
-                   mode="non-join", quota=samples, collate="padded")
+    return JobSpec(
+        world_size=1,
+        token_budget=BUDGET,
+        policy="local",
+        window=WINDOW,
+        depth=DEPTH,
+        seed=0,
+        mode="non-join",
+        quota=samples,
+        collate="padded",
+    )
 
 
 def service_main(conn, lengths: list[int], samples: int, profile: bool = False) -> None:
@@ -88,8 +97,13 @@ def service_main(conn, lengths: list[int], samples: int, profile: bool = False) 
 
     def batch(step, payloads):
         msg = orig_batch(step, payloads)
-        sizes.append((msg.ByteSize(), sum(len(t.data) for t in msg.tensors),
-                      int(msg.tensors[0].shape[0] * msg.tensors[0].shape[1]) if payloads else 0))
+        sizes.append(
+            (
+                msg.ByteSize(),
+                sum(len(t.data) for t in msg.tensors),
+                int(msg.tensors[0].shape[0] * msg.tensors[0].shape[1]) if payloads else 0,
+            )
+        )
         return msg
 
     core._batch = batch
@@ -114,7 +128,9 @@ def service_main(conn, lengths: list[int], samples: int, profile: bool = False) 
             total = sum(row[2] for row in stats.stats.values()) or 1.0
             cum = {}
             for (filename, _line, func), row in stats.stats.items():
-                if filename.endswith(("_sources.py", "_collate.py", "wire.py", "_rank_service.py", "_rank_server.py")):
+                if filename.endswith(
+                    ("_sources.py", "_collate.py", "wire.py", "_rank_service.py", "_rank_server.py")
+                ):
                     cum[f"{Path(filename).name}:{func}"] = row[3] / total
             out["profile_cum"] = sorted(cum.items(), key=lambda kv: -kv[1])[:9]
     conn.send(out)
@@ -125,8 +141,9 @@ def service_main(conn, lengths: list[int], samples: int, profile: bool = False) 
     cstate.close()
 
 
-def run_once(lengths: list[int], samples: int, credits: int, warmup: int,
-             profile: bool = False) -> dict[str, Any]:
+def run_once(
+    lengths: list[int], samples: int, credits: int, warmup: int, profile: bool = False
+) -> dict[str, Any]:
     from batchd.client import BatchClient
 
     ctx = mp.get_context("spawn")
@@ -168,8 +185,13 @@ def run_once(lengths: list[int], samples: int, credits: int, warmup: int,
     msg_bytes = sum(s[0] for s in sizes)
     data = [s for s in sizes if s[2] > 0]
     return {
-        "credits": credits, "batches": n, "measured": measured, "seconds": dt, "startup_s": t0 - t_first,
-        "batches_per_s": measured / dt, "mb_per_s": msg_bytes / dt / 1e6,
+        "credits": credits,
+        "batches": n,
+        "measured": measured,
+        "seconds": dt,
+        "startup_s": t0 - t_first,
+        "batches_per_s": measured / dt,
+        "mb_per_s": msg_bytes / dt / 1e6,
         "real_tokens_per_s": (real - real_at_warm) / dt,
         "padded_tokens_per_s": sum(s[2] for s in sizes) / dt,
         "bytes_per_batch": statistics.mean(s[0] for s in sizes),
@@ -178,7 +200,8 @@ def run_once(lengths: list[int], samples: int, credits: int, warmup: int,
         "padded_tokens_per_batch": statistics.mean(s[2] for s in data) if data else 0,
         "service_cpu_ms_per_batch": 1000 * svc["cpu_s"] / measured,
         "client_cpu_ms_per_batch": 1000 * (c1 - c0) / measured,
-        "service_cores": svc["cpu_s"] / dt, "client_cores": (c1 - c0) / dt,
+        "service_cores": svc["cpu_s"] / dt,
+        "client_cores": (c1 - c0) / dt,
         "profile": svc.get("profile", ""),
         "profile_cum": svc.get("profile_cum", []),
     }
@@ -186,10 +209,12 @@ def run_once(lengths: list[int], samples: int, credits: int, warmup: int,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--samples", type=int, default=40000,
-                    help="non-join sample quota (4096 lengths, wrapping)")
-    ap.add_argument("--credits", default="2,4,8",
-                    help="BatchClient credits to try (comma-separated; 4 is the default)")
+    ap.add_argument(
+        "--samples", type=int, default=40000, help="non-join sample quota (4096 lengths, wrapping)"
+    )
+    ap.add_argument(
+        "--credits", default="2,4,8", help="BatchClient credits to try (comma-separated; 4 is the default)"
+    )
     ap.add_argument("--warmup", type=int, default=20, help="batches before the clock starts")
     ap.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile run of the service")
@@ -219,19 +244,46 @@ def main(argv: list[str] | None = None) -> int:
     need = 1 / step_s
     best = max(r["batches_per_s"] for r in runs)
     worst = min(r["batches_per_s"] for r in runs)
-    rows = [[r["credits"], r["measured"], f"{r['seconds']:.1f}", f"{r['batches_per_s']:.0f}",
-             f"{r['mb_per_s']:.0f}", f"{r['padded_tokens_per_s'] / 1e6:.2f}",
-             f"{r['real_tokens_per_s'] / 1e6:.2f}",
-             f"{r['bytes_per_batch'] / 1e3:.0f}", f"{r['max_bytes_per_batch'] / 1e3:.0f}",
-             f"{r['service_cpu_ms_per_batch']:.2f}", f"{r['client_cpu_ms_per_batch']:.2f}",
-             f"{r['service_cores']:.2f}", f"{r['client_cores']:.2f}",
-             f"{r['batches_per_s'] / need:.1f}x"] for r in runs]
-    headers = ["credits", "batches", "s", "batches/s", "MB/s", "padded Mtok/s", "real Mtok/s", "KB/batch",
-               "max KB/batch", "service CPU ms/batch", "client CPU ms/batch", "service cores", "client cores",
-               "vs GPU step rate"]
+    rows = [
+        [
+            r["credits"],
+            r["measured"],
+            f"{r['seconds']:.1f}",
+            f"{r['batches_per_s']:.0f}",
+            f"{r['mb_per_s']:.0f}",
+            f"{r['padded_tokens_per_s'] / 1e6:.2f}",
+            f"{r['real_tokens_per_s'] / 1e6:.2f}",
+            f"{r['bytes_per_batch'] / 1e3:.0f}",
+            f"{r['max_bytes_per_batch'] / 1e3:.0f}",
+            f"{r['service_cpu_ms_per_batch']:.2f}",
+            f"{r['client_cpu_ms_per_batch']:.2f}",
+            f"{r['service_cores']:.2f}",
+            f"{r['client_cores']:.2f}",
+            f"{r['batches_per_s'] / need:.1f}x",
+        ]
+        for r in runs
+    ]
+    headers = [
+        "credits",
+        "batches",
+        "s",
+        "batches/s",
+        "MB/s",
+        "padded Mtok/s",
+        "real Mtok/s",
+        "KB/batch",
+        "max KB/batch",
+        "service CPU ms/batch",
+        "client CPU ms/batch",
+        "service cores",
+        "client cores",
+        "vs GPU step rate",
+    ]
     r0 = runs[0]
-    machine = (f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
-               f"shared by the service and client processes, {platform.machine()}")
+    machine = (
+        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
+        f"shared by the service and client processes, {platform.machine()}"
+    )
     body = [
         "## Rank service delivery rate (one rank, trainer doing nothing)",
         "",
@@ -266,16 +318,22 @@ def main(argv: list[str] | None = None) -> int:
         f"{r0['service_cpu_ms_per_batch']:.1f} ms of service CPU per batch, i.e. ~"
         f"{r0['service_cpu_ms_per_batch'] * need / 1000:.2f} of a core at {need:.0f} steps/s "
         f"(plus {r0['client_cpu_ms_per_batch']:.1f} ms/batch of decoding in the trainer process). "
-        + ("It is not the bottleneck of such a step." if worst > need
-           else "**It would be the bottleneck of such a step.**"),
+        + (
+            "It is not the bottleneck of such a step."
+            if worst > need
+            else "**It would be the bottleneck of such a step.**"
+        ),
         "",
     ]
     if prof is not None:
         from _mdsection import REPO
 
         site = str(Path(sys.prefix)) + "/lib/python3.11/site-packages/"
-        lines = [ln.replace(str(REPO) + "/", "").replace(site, "").rstrip()
-                 for ln in prof["profile"].strip().splitlines() if ln.strip()]
+        lines = [
+            ln.replace(str(REPO) + "/", "").replace(site, "").rstrip()
+            for ln in prof["profile"].strip().splitlines()
+            if ln.strip()
+        ]
         body += [
             f"### Where the service's CPU goes (cProfile, separate run of {prof['measured'] + args.warmup} "
             f"batches, credits {prof['credits']}, top 12 by tottime)",
@@ -285,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             f"Under cProfile: {prof['batches_per_s']:.0f} batches/s, {prof['service_cpu_ms_per_batch']:.2f} "
             "ms service CPU per batch. Cumulative shares of the profiled CPU time (a function's time "
             "including what it calls; nested, so they overlap): "
-            + ", ".join(f"`{name}` {share:.0%}" for name, share in prof["profile_cum"]) + ".",
+            + ", ".join(f"`{name}` {share:.0%}" for name, share in prof["profile_cum"])
+            + ".",
             "",
             "```",
             *lines,

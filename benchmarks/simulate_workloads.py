@@ -44,11 +44,13 @@ from batchd.core import CostModel, JobSpec, contiguous_greedy, simulate  # noqa:
 
 SECTION = "simulate"
 
-CONFIG_A = dict(world_size=8, token_budget=8192, window=512, depth=8, cost="padded", mode="join",
-                batch_size=8)
+CONFIG_A = dict(
+    world_size=8, token_budget=8192, window=512, depth=8, cost="padded", mode="join", batch_size=8
+)
 POLICIES_A = ("local", "balanced", "odb", "fixed", "sorted")
-CONFIG_B = dict(world_size=2, token_budget=8192, window=128, depth=8, cost="padded", mode="join",
-                batch_size=8)
+CONFIG_B = dict(
+    world_size=2, token_budget=8192, window=128, depth=8, cost="padded", mode="join", batch_size=8
+)
 POLICIES_B = ("odb", "local", "balanced")
 WORKLOAD_B = "odb-synthetic"
 # What the ODB paper reports for its own package on this workload (real gloo DDP run).
@@ -59,8 +61,22 @@ TARGETS = {
     "balanced": {"padding_efficiency": 0.97, "steps_over_oracle": 1.05, "compute_vs_limit": 1.10},
 }
 
-HEADERS = ["workload", "policy", "steps", "steps/oracle", "steps/ideal", "idle", "padding_eff", "step_eff",
-           "cvl", "moved", "missing", "dup", "over_L", "targets"]
+HEADERS = [
+    "workload",
+    "policy",
+    "steps",
+    "steps/oracle",
+    "steps/ideal",
+    "idle",
+    "padding_eff",
+    "step_eff",
+    "cvl",
+    "moved",
+    "missing",
+    "dup",
+    "over_L",
+    "targets",
+]
 
 
 # -- oracle --------------------------------------------------------------------------------------------
@@ -75,13 +91,17 @@ def oracle(lengths: Sequence[int], world_size: int, budget: int) -> dict[str, An
     slowest = sum(costs[i] for i in range(0, len(costs), world_size))  # row max of cost-sorted rows
     emitted = sum(len(g) for g in groups)
     return {
-        "steps": steps, "idle": steps * world_size - len(groups),
-        "padding_efficiency": real / sum(costs), "step_efficiency": real / (steps * world_size * budget),
-        "compute_vs_limit": slowest / (real / world_size), "moved": None,
+        "steps": steps,
+        "idle": steps * world_size - len(groups),
+        "padding_efficiency": real / sum(costs),
+        "step_efficiency": real / (steps * world_size * budget),
+        "compute_vs_limit": slowest / (real / world_size),
+        "moved": None,
         "missing": len(lengths) - emitted if emitted < len(lengths) else 0,
         "duplicates": emitted - len(lengths) if emitted > len(lengths) else 0,
         "over_budget": sum(1 for g in groups if len(g) > 1 and cost.cost(g) > budget),
-        "real_tokens": real, "ideal_steps": math.ceil(real / (world_size * budget)),
+        "real_tokens": real,
+        "ideal_steps": math.ceil(real / (world_size * budget)),
     }
 
 
@@ -90,8 +110,9 @@ class _Captured(Exception):
     """Raised by the stand-in all_gather in the capture pass."""
 
 
-def odb_package(lengths: Sequence[int], world_size: int, budget: int, window: int, depth: int,
-                max_rounds: int = 1_000_000) -> dict[str, Any] | str:
+def odb_package(
+    lengths: Sequence[int], world_size: int, budget: int, window: int, depth: int, max_rounds: int = 1_000_000
+) -> dict[str, Any] | str:
     """Drives `odb.grouping.grouping_data` for `world_size` ranks (module docstring); a str on failure."""
     try:
         import odb
@@ -118,8 +139,12 @@ def odb_package(lengths: Sequence[int], world_size: int, budget: int, window: in
                 payload[rank] = inp.clone()
                 raise _Captured
             out.copy_(gathered[0])
-        return types.SimpleNamespace(get_world_size=lambda g=None: world_size, get_rank=lambda g=None: rank,
-                                     all_gather_into_tensor=all_gather_into_tensor)
+
+        return types.SimpleNamespace(
+            get_world_size=lambda g=None: world_size,
+            get_rank=lambda g=None: rank,
+            all_gather_into_tensor=all_gather_into_tensor,
+        )
 
     fakes = [fake_dist(r) for r in range(world_size)]
     group_handle = object()  # any non-None ddp_group selects the DDP branch
@@ -145,8 +170,9 @@ def odb_package(lengths: Sequence[int], world_size: int, budget: int, window: in
             for r in range(world_size):  # pass 1: capture each rank's all_gather payload
                 odb_grouping.dist = fakes[r]
                 try:
-                    odb_grouping.grouping_data([[s] for s in buffers[r]], budget, group_handle,
-                                               finished[r], budgets[r], **kw)
+                    odb_grouping.grouping_data(
+                        [[s] for s in buffers[r]], budget, group_handle, finished[r], budgets[r], **kw
+                    )
                 except _Captured:
                     pass
             gathered[0] = torch.cat(payload)
@@ -154,7 +180,8 @@ def odb_package(lengths: Sequence[int], world_size: int, budget: int, window: in
             for r in range(world_size):  # pass 2: every rank aligns with the gathered tensor
                 odb_grouping.dist = fakes[r]
                 groups, overflow, _all_done, skip = odb_grouping.grouping_data(
-                    [[s] for s in buffers[r]], budget, group_handle, finished[r], budgets[r], **kw)
+                    [[s] for s in buffers[r]], budget, group_handle, finished[r], budgets[r], **kw
+                )
                 buffers[r] = list(overflow)
                 if skip or (finished[r] and budgets[r] == 0):
                     groups = []  # collate_once returns before emitting (and before shuffling)
@@ -187,12 +214,19 @@ def odb_package(lengths: Sequence[int], world_size: int, budget: int, window: in
     finally:
         odb_grouping.dist = real_dist
     return {
-        "steps": steps, "idle": idle, "padding_efficiency": real / padded if padded else 1.0,
+        "steps": steps,
+        "idle": idle,
+        "padding_efficiency": real / padded if padded else 1.0,
         "step_efficiency": real / (steps * world_size * budget) if steps else 0.0,
-        "compute_vs_limit": slowest / (real / world_size) if real else 0.0, "moved": 0,
-        "missing": sum(1 for k in counts if k == 0), "duplicates": sum(k - 1 for k in counts if k > 1),
-        "over_budget": over, "real_tokens": real, "ideal_steps": math.ceil(real / (world_size * budget)),
-        "rounds": rounds, "version": odb.__version__,
+        "compute_vs_limit": slowest / (real / world_size) if real else 0.0,
+        "moved": 0,
+        "missing": sum(1 for k in counts if k == 0),
+        "duplicates": sum(k - 1 for k in counts if k > 1),
+        "over_budget": over,
+        "real_tokens": real,
+        "ideal_steps": math.ceil(real / (world_size * budget)),
+        "rounds": rounds,
+        "version": odb.__version__,
     }
 
 
@@ -211,21 +245,37 @@ def verdict(policy: str, m: dict[str, Any], oracle_steps: int) -> str:
     return "PASS" if not fails else "FAIL: " + ", ".join(fails)
 
 
-def row(workload: str, label: str, m: dict[str, Any] | str, oracle_steps: int, ideal: int,
-        judge: bool) -> list[object]:
+def row(
+    workload: str, label: str, m: dict[str, Any] | str, oracle_steps: int, ideal: int, judge: bool
+) -> list[object]:
     if isinstance(m, str):
         return [workload, label, m] + [""] * (len(HEADERS) - 3)
     return [
-        workload, label, m["steps"], f"{m['steps'] / oracle_steps:.3f}x", f"{m['steps'] / ideal:.3f}x",
+        workload,
+        label,
+        m["steps"],
+        f"{m['steps'] / oracle_steps:.3f}x",
+        f"{m['steps'] / ideal:.3f}x",
         m["idle"],
-        m["padding_efficiency"], m["step_efficiency"], m["compute_vs_limit"],
-        "-" if m["moved"] is None else m["moved"], m["missing"], m["duplicates"], m["over_budget"],
+        m["padding_efficiency"],
+        m["step_efficiency"],
+        m["compute_vs_limit"],
+        "-" if m["moved"] is None else m["moved"],
+        m["missing"],
+        m["duplicates"],
+        m["over_budget"],
         verdict(label, m, oracle_steps) if judge else "",
     ]
 
 
-def run_config(name: str, lengths: Sequence[int], cfg: dict[str, Any], policies: Sequence[str],
-               judge: bool, results: list[tuple[str, str, str]]) -> list[list[object]]:
+def run_config(
+    name: str,
+    lengths: Sequence[int],
+    cfg: dict[str, Any],
+    policies: Sequence[str],
+    judge: bool,
+    results: list[tuple[str, str, str]],
+) -> list[list[object]]:
     n, budget = cfg["world_size"], cfg["token_budget"]
     orc = oracle(lengths, n, budget)
     ideal = orc["ideal_steps"]
@@ -248,8 +298,12 @@ def run_config(name: str, lengths: Sequence[int], cfg: dict[str, Any], policies:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS,
-                    help=f"folder of *.txt length files (default {DEFAULT_WORKLOADS})")
+    ap.add_argument(
+        "--workloads",
+        type=Path,
+        default=DEFAULT_WORKLOADS,
+        help=f"folder of *.txt length files (default {DEFAULT_WORKLOADS})",
+    )
     ap.add_argument("--docs", type=Path, default=DOCS, help=f"Markdown file to update (default {DOCS})")
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
@@ -268,10 +322,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if WORKLOAD_B in data:
         rows_b = run_config(WORKLOAD_B, data[WORKLOAD_B], CONFIG_B, POLICIES_B, False, results)
         ideal_b = math.ceil(sum(data[WORKLOAD_B]) / (CONFIG_B["world_size"] * CONFIG_B["token_budget"]))
-        rows_b.append([WORKLOAD_B, "ODB paper (pkg, gloo DDP)", "-", "-",
-                       f"{ODB_PAPER['steps_over_ideal']:.2f}x",
-                       "-", ODB_PAPER["padding_efficiency"], "-", ODB_PAPER["compute_vs_limit"],
-                       "-", "-", "-", "-", f"reported (ideal here = {ideal_b})"])
+        rows_b.append(
+            [
+                WORKLOAD_B,
+                "ODB paper (pkg, gloo DDP)",
+                "-",
+                "-",
+                f"{ODB_PAPER['steps_over_ideal']:.2f}x",
+                "-",
+                ODB_PAPER["padding_efficiency"],
+                "-",
+                ODB_PAPER["compute_vs_limit"],
+                "-",
+                "-",
+                "-",
+                "-",
+                f"reported (ideal here = {ideal_b})",
+            ]
+        )
     wall = time.perf_counter() - t0
     passed = sum(1 for *_, v in results if v == "PASS")
 
@@ -327,9 +395,11 @@ def window_notes(data: dict[str, list[int]], cfg: dict[str, Any]) -> list[str]:
     if not full:
         return []
     biggest = max(-(-len(data[k]) // n) for k in full)
-    return [f"- Config A: on {', '.join(full)} a rank's whole view (<= {biggest} "
-            f"samples) fits its {w}-sample window, so each rank groups its entire epoch share in its first "
-            "round; config B (window 128 of a 2048-sample view) is the online case."]
+    return [
+        f"- Config A: on {', '.join(full)} a rank's whole view (<= {biggest} "
+        f"samples) fits its {w}-sample window, so each rank groups its entire epoch share in its first "
+        "round; config B (window 128 of a 2048-sample view) is the online case."
+    ]
 
 
 def _rel(p: Path) -> str:

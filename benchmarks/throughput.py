@@ -64,8 +64,15 @@ def draw_lengths(workloads: Path, n: int, seed: int) -> list[int]:
 def drive(lengths: Sequence[int], world_size: int, policy: str, seed: int = 0) -> dict[str, Any]:
     """Runs one epoch of `lengths` through N ranks and a coordinator, timing every call."""
     pc = time.perf_counter
-    cfg = JobSpec(shuffle=False, world_size=world_size, token_budget=BUDGET, policy=policy, window=WINDOW,
-                  depth=DEPTH, seed=seed)
+    cfg = JobSpec(
+        shuffle=False,
+        world_size=world_size,
+        token_budget=BUDGET,
+        policy=policy,
+        window=WINDOW,
+        depth=DEPTH,
+        seed=seed,
+    )
     ranks = [RankState(cfg, r) for r in range(world_size)]
     coord = Coordinator(cfg)
     n = len(lengths)
@@ -120,13 +127,19 @@ def drive(lengths: Sequence[int], world_size: int, policy: str, seed: int = 0) -
         raise RuntimeError(f"{policy} N={world_size}: emitted {sum(emitted)} of {n} samples")
     coord_total = sum(coord_t.values())
     rates = [emitted[r] / (sum(rank_t[r].values()) + coord_total / world_size) for r in range(world_size)]
-    no_build = [emitted[r] / (sum(rank_t[r].values()) - rank_t[r]["build"] + coord_total / world_size)
-                for r in range(world_size)]
+    no_build = [
+        emitted[r] / (sum(rank_t[r].values()) - rank_t[r]["build"] + coord_total / world_size)
+        for r in range(world_size)
+    ]
     med_rank = sorted(range(world_size), key=lambda r: rates[r])[world_size // 2]
     return {
-        "rates": rates, "median_rate": statistics.median(rates), "min_rate": min(rates),
+        "rates": rates,
+        "median_rate": statistics.median(rates),
+        "min_rate": min(rates),
         "median_no_build": statistics.median(no_build),
-        "rounds": rounds, "steps": steps, "emitted": emitted,
+        "rounds": rounds,
+        "steps": steps,
+        "emitted": emitted,
         "phases": {**rank_t[med_rank], **{k: v / world_size for k, v in coord_t.items()}},
         "per_rank_s": sum(rank_t[med_rank].values()) + coord_total / world_size,
     }
@@ -140,7 +153,9 @@ def bench_rank(lengths: Sequence[int], world_size: int, policy: str, runs: int) 
 
 
 def bench_e2e(lengths: Sequence[int], policy: str) -> dict[str, Any]:
-    cfg = JobSpec(shuffle=False, world_size=64, token_budget=BUDGET, policy=policy, window=WINDOW, depth=DEPTH)
+    cfg = JobSpec(
+        shuffle=False, world_size=64, token_budget=BUDGET, policy=policy, window=WINDOW, depth=DEPTH
+    )
     t0 = time.perf_counter()
     m = simulate(lengths, cfg)
     m["outer_wall_s"] = time.perf_counter() - t0
@@ -161,17 +176,22 @@ def profile_rank(lengths: Sequence[int], policy: str, top: int = 10) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS,
-                    help="folder holding odb-synthetic.txt")
+    ap.add_argument(
+        "--workloads", type=Path, default=DEFAULT_WORKLOADS, help="folder holding odb-synthetic.txt"
+    )
     ap.add_argument("--samples", type=int, default=1_000_000, help="samples per run (default 1,000,000)")
     ap.add_argument("--runs", type=int, default=3, help="runs of (a) per configuration (median reported)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the length draw")
     ap.add_argument("--policies", default="local,odb", help="policies of (a) (default local,odb)")
-    ap.add_argument("--e2e-policies", default="local,balanced",
-                    help="policies of (b) (default local,balanced)")
+    ap.add_argument(
+        "--e2e-policies", default="local,balanced", help="policies of (b) (default local,balanced)"
+    )
     ap.add_argument("--skip-e2e", action="store_true", help="skip (b)")
-    ap.add_argument("--profile", action="store_true",
-                    help="also cProfile (a) at N=1 and list the top 10 functions by tottime")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also cProfile (a) at N=1 and list the top 10 functions by tottime",
+    )
     ap.add_argument("--docs", type=Path, default=DOCS)
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
@@ -180,8 +200,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     rev = revision()
     lengths = draw_lengths(args.workloads, args.samples, args.seed)
     cmd = " ".join(["python benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])])
-    headers_a = ["policy", "N", "samples/s per rank", "slowest rank", "each run", "excl. Sample()", "rounds",
-                 "steps/rank", "build", "push", "report", "apply", "finalize", "coord/N", "target"]
+    headers_a = [
+        "policy",
+        "N",
+        "samples/s per rank",
+        "slowest rank",
+        "each run",
+        "excl. Sample()",
+        "rounds",
+        "steps/rank",
+        "build",
+        "push",
+        "report",
+        "apply",
+        "finalize",
+        "coord/N",
+        "target",
+    ]
     rows_a = []
     for policy in args.policies.split(","):
         for world_size in (1, 8):
@@ -189,31 +224,65 @@ def main(argv: Sequence[str] | None = None) -> int:
             ph = res["phases"]
             tot = sum(ph.values())
             share = {k: f"{100 * v / tot:.0f}%" for k, v in ph.items()}
-            rows_a.append([
-                policy, world_size, f"{res['median_rate']:,.0f}", f"{res['min_rate']:,.0f}",
-                " / ".join(f"{x / 1000:.0f}k" for x in res["all_runs"]), f"{res['median_no_build']:,.0f}",
-                res["rounds"], res["steps"],
-                share["build"], share["push"], share["report"], share["apply"], share["finalize"],
-                f"{100 * (ph['decide'] + ph['commit']) / tot:.0f}%",
-                "PASS" if res["median_rate"] >= TARGET_RATE else "FAIL",
-            ])
+            rows_a.append(
+                [
+                    policy,
+                    world_size,
+                    f"{res['median_rate']:,.0f}",
+                    f"{res['min_rate']:,.0f}",
+                    " / ".join(f"{x / 1000:.0f}k" for x in res["all_runs"]),
+                    f"{res['median_no_build']:,.0f}",
+                    res["rounds"],
+                    res["steps"],
+                    share["build"],
+                    share["push"],
+                    share["report"],
+                    share["apply"],
+                    share["finalize"],
+                    f"{100 * (ph['decide'] + ph['commit']) / tot:.0f}%",
+                    "PASS" if res["median_rate"] >= TARGET_RATE else "FAIL",
+                ]
+            )
             print(" | ".join(str(c) for c in rows_a[-1]), flush=True)
 
     rows_b = []
     if not args.skip_e2e:
-        headers_b = ["policy", "N", "wall s", "steps", "rounds", "padding_eff", "cvl", "missing", "dup",
-                     "target"]
+        headers_b = [
+            "policy",
+            "N",
+            "wall s",
+            "steps",
+            "rounds",
+            "padding_eff",
+            "cvl",
+            "missing",
+            "dup",
+            "target",
+        ]
         for policy in args.e2e_policies.split(","):
             m = bench_e2e(lengths, policy)
-            rows_b.append([policy, 64, f"{m['outer_wall_s']:.1f}", m["steps"], m["rounds"],
-                           m["padding_efficiency"], m["compute_vs_limit"], m["missing"], m["duplicates"],
-                           "PASS" if m["outer_wall_s"] < TARGET_E2E_S else "FAIL"])
+            rows_b.append(
+                [
+                    policy,
+                    64,
+                    f"{m['outer_wall_s']:.1f}",
+                    m["steps"],
+                    m["rounds"],
+                    m["padding_efficiency"],
+                    m["compute_vs_limit"],
+                    m["missing"],
+                    m["duplicates"],
+                    "PASS" if m["outer_wall_s"] < TARGET_E2E_S else "FAIL",
+                ]
+            )
             print(" | ".join(str(c) for c in rows_b[-1]), flush=True)
 
     prof_text = profile_rank(lengths, args.policies.split(",")[0]) if args.profile else ""
     wall = time.perf_counter() - t_all
-    machine = f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), " \
-              f"{platform.machine()}"
+    machine = (
+        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), "
+        f"{platform.machine()}"
+    )
     body = [
         "## Throughput",
         "",

@@ -30,13 +30,25 @@ from ._collate import IGNORE_INDEX, collate_packed, collate_padded, idle_batch, 
 from ._deepspeed import batchd_deepspeed_backward
 from ._exchange import exchange_image_embeddings
 from ._microbatch import microbatches, pipeline_steps
-from ._vlm import PACKED_ATTENTION, VLM_FAMILIES, check_model_batch, check_packed_attention, is_two_phase, two_phase
 from ._train import forward_logits, scaled_loss, scaled_loss_and_mean, step_batch, token_loss_sum, train_step
+from ._vlm import (
+    PACKED_ATTENTION,
+    VLM_FAMILIES,
+    check_model_batch,
+    check_packed_attention,
+    is_two_phase,
+    two_phase,
+)
 
 # Hugging Face Trainer and Lightning integrations: imported on first use, so batchd.client works without
 # transformers or Lightning.
-_LAZY = {"BatchdStream": "._hf", "BatchdTrainer": "._hf",
-         "BatchdDataModule": "._lightning", "BatchdStep": "._lightning", "batchd_lightning_loss": "._lightning"}
+_LAZY = {
+    "BatchdStream": "._hf",
+    "BatchdTrainer": "._hf",
+    "BatchdDataModule": "._lightning",
+    "BatchdStep": "._lightning",
+    "batchd_lightning_loss": "._lightning",
+}
 
 
 def __getattr__(name: str):
@@ -45,12 +57,41 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = sorted([
-    "IGNORE_INDEX", "BatchClient", "BatchdError", "JobFailed", "RankServiceError", "StepInfo", "collate_packed", "collate_padded",
-    "exchange_image_embeddings", "forward_logits", "idle_batch", "loss_tokens", "scaled_loss",
-    "scaled_loss_and_mean", "step_batch", "to_torch", "token_loss_sum", "train_step",
-    "BatchdStream", "BatchdTrainer", "batchd_backward", "batchd_batches", "batchd_loss", "hf_model_inputs",
-    "batchd_deepspeed_backward", "microbatches", "pipeline_steps",
-    "BatchdDataModule", "BatchdStep", "batchd_lightning_loss",
-    "PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packed_attention", "is_two_phase", "two_phase",
-])
+__all__ = [
+    "BatchClient",
+    "BatchdDataModule",
+    "BatchdError",
+    "BatchdStep",
+    "BatchdStream",
+    "BatchdTrainer",
+    "IGNORE_INDEX",
+    "JobFailed",
+    "PACKED_ATTENTION",
+    "RankServiceError",
+    "StepInfo",
+    "VLM_FAMILIES",
+    "batchd_backward",
+    "batchd_batches",
+    "batchd_deepspeed_backward",
+    "batchd_lightning_loss",
+    "batchd_loss",
+    "check_model_batch",
+    "check_packed_attention",
+    "collate_packed",
+    "collate_padded",
+    "exchange_image_embeddings",
+    "forward_logits",
+    "hf_model_inputs",
+    "idle_batch",
+    "is_two_phase",
+    "loss_tokens",
+    "microbatches",
+    "pipeline_steps",
+    "scaled_loss",
+    "scaled_loss_and_mean",
+    "step_batch",
+    "to_torch",
+    "token_loss_sum",
+    "train_step",
+    "two_phase",
+]

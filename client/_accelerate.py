@@ -110,14 +110,25 @@ def idle_step(last: Any) -> tuple[dict[str, Any], Any]:
     gradient accumulation window. The batch is the 1-token dummy with no sample."""
     batch: dict[str, Any] = idle_batch()
     batch["sample_ids"] = torch.empty(0, dtype=torch.int64)
-    info = dataclasses.replace(last, step=last.step + 1, is_idle=True, local_samples=0, local_tokens=0,
-                               local_loss_tokens=0, global_samples=0, global_tokens=0, global_loss_tokens=0,
-                               loss_scale=0.0, cost=0.0)
+    info = dataclasses.replace(
+        last,
+        step=last.step + 1,
+        is_idle=True,
+        local_samples=0,
+        local_tokens=0,
+        local_loss_tokens=0,
+        global_samples=0,
+        global_tokens=0,
+        global_loss_tokens=0,
+        loss_scale=0.0,
+        cost=0.0,
+    )
     return batch, info
 
 
-def accumulation_windows(steps: Iterable[tuple[Any, Any]], k: int, factor: float = 1.0
-                         ) -> Iterator[list[tuple[Any, Any]]]:
+def accumulation_windows(
+    steps: Iterable[tuple[Any, Any]], k: int, factor: float = 1.0
+) -> Iterator[list[tuple[Any, Any]]]:
     """Groups (batch, StepInfo) pairs into windows of `k` steps. Each StepInfo's ``loss_scale`` is
     multiplied by its weight T_j / (T_1 + ... + T_k) (global loss tokens) and by `factor`; the last
     window is filled with `idle_step`s (scale 0)."""
@@ -127,19 +138,30 @@ def accumulation_windows(steps: Iterable[tuple[Any, Any]], k: int, factor: float
     while window := list(itertools.islice(it, k)):
         window += [idle_step(window[-1][1]) for _ in range(k - len(window))]
         total = sum(info.global_loss_tokens for _, info in window)
-        yield [(batch, dataclasses.replace(
-                    info, loss_scale=info.loss_scale * (info.global_loss_tokens / total if total else 0.0) * factor))
-               for batch, info in window]
+        yield [
+            (
+                batch,
+                dataclasses.replace(
+                    info,
+                    loss_scale=info.loss_scale * (info.global_loss_tokens / total if total else 0.0) * factor,
+                ),
+            )
+            for batch, info in window
+        ]
 
 
 def _check_accelerator(accelerator: Any, client: Any) -> None:
     steps = getattr(accelerator, "gradient_accumulation_steps", 1)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"the accelerator's gradient_accumulation_steps must be an integer >= 1, got {steps=}")
+        raise ValueError(
+            f"the accelerator's gradient_accumulation_steps must be an integer >= 1, got {steps=}"
+        )
     want = (accelerator.process_index, accelerator.num_processes)
     if (client.rank, client.world_size) != want:
-        raise ValueError(f"the BatchClient is for rank {client.rank} of {client.world_size} but this process is "
-                         f"rank {want[0]} of {want[1]}: client.rank={client.rank} client.world_size={client.world_size}")
+        raise ValueError(
+            f"the BatchClient is for rank {client.rank} of {client.world_size} but this process is "
+            f"rank {want[0]} of {want[1]}: client.rank={client.rank} client.world_size={client.world_size}"
+        )
 
 
 def batchd_batches(accelerator: Any, client: Any) -> Iterator[tuple[dict[str, Any], Any]]:
@@ -169,7 +191,9 @@ def _device_batches(client: Any, device: torch.device, k: int) -> Iterator[tuple
             yield _to_device(batch, device), info
 
 
-def batchd_backward(accelerator: Any, model: torch.nn.Module, batch: Mapping[str, Any], info: Any) -> torch.Tensor:
+def batchd_backward(
+    accelerator: Any, model: torch.nn.Module, batch: Mapping[str, Any], info: Any
+) -> torch.Tensor:
     """Forward ``model(**hf_model_inputs(batch))``, `batchd_loss`, ``accelerator.backward``.
 
     Returns:

@@ -73,10 +73,21 @@ class BatchClient:
         group_size: Processes that consume this rank's batches together (1: a plain data-parallel trainer).
     """
 
-    def __init__(self, address: str, rank: int, world_size: int, epoch: int = 0, credits: int = 4,
-                 reconnect_timeout_s: float = 60.0, security: Security | None = None,
-                 token: str | None = None, tls_ca: str | None = None, startup_timeout_s: float = 600.0,
-                 group_rank: int = 0, group_size: int = 1) -> None:
+    def __init__(
+        self,
+        address: str,
+        rank: int,
+        world_size: int,
+        epoch: int = 0,
+        credits: int = 4,
+        reconnect_timeout_s: float = 60.0,
+        security: Security | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        startup_timeout_s: float = 600.0,
+        group_rank: int = 0,
+        group_size: int = 1,
+    ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got {rank=} {world_size=}")
         if group_size < 1 or not 0 <= group_rank < group_size:
@@ -93,8 +104,10 @@ class BatchClient:
         self.next_step = 0
         self.finished = False
         if security is not None and (token is not None or tls_ca is not None):
-            raise ValueError(f"give security or the token/tls_ca shortcuts, not both, got {security=} "
-                             f"{tls_ca=} token={'<set>' if token is not None else None}")
+            raise ValueError(
+                f"give security or the token/tls_ca shortcuts, not both, got {security=} "
+                f"{tls_ca=} token={'<set>' if token is not None else None}"
+            )
         if token is not None or tls_ca is not None:
             security = Security(tls_ca=tls_ca, token=token)
         self.channel = secure_channel(address, security, CHANNEL_OPTIONS)
@@ -111,15 +124,29 @@ class BatchClient:
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "rank": self.rank, "world_size": self.world_size, "group_rank": self.group_rank,
-                "group_size": self.group_size, "epoch": self.epoch, "next_step": self.next_step,
-                "finished": self.finished}
+        return {
+            "version": 1,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "group_rank": self.group_rank,
+            "group_size": self.group_size,
+            "epoch": self.epoch,
+            "next_step": self.next_step,
+            "finished": self.finished,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         saved = {"group_rank": 0, "group_size": 1, **state}  # states from before groups: a plain trainer
-        bad = [f"{k}: saved {saved.get(k)!r}, current {v!r}"
-               for k, v in (("rank", self.rank), ("world_size", self.world_size), ("group_rank", self.group_rank),
-                            ("group_size", self.group_size)) if saved.get(k) != v]
+        bad = [
+            f"{k}: saved {saved.get(k)!r}, current {v!r}"
+            for k, v in (
+                ("rank", self.rank),
+                ("world_size", self.world_size),
+                ("group_rank", self.group_rank),
+                ("group_size", self.group_size),
+            )
+            if saved.get(k) != v
+        ]
         if state.get("version") != 1 or bad:
             raise ValueError(f"BatchClient state does not match this client ({'; '.join(bad) or 'version'})")
         self.epoch, self.next_step, self.finished = state["epoch"], state["next_step"], state["finished"]
@@ -153,12 +180,15 @@ class BatchClient:
         while True:
             left = limit - (time.monotonic() - start)
             try:  # no wait_for_ready: a refused connection fails at once, and its reason is logged
-                return self.stub.RankStatus(pb.RankStatusRequest(rank=self.rank), timeout=max(min(left, WAIT_LOG_S), 0.1))
+                return self.stub.RankStatus(
+                    pb.RankStatusRequest(rank=self.rank), timeout=max(min(left, WAIT_LOG_S), 0.1)
+                )
             except grpc.RpcError as exc:
                 now = time.monotonic()
                 if not (transient(exc) or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise RankServiceError(f"{self._party()} refused RankStatus: {exc.code().name}: {exc.details()}",
-                                           exc.code()) from None
+                    raise RankServiceError(
+                        f"{self._party()} refused RankStatus: {exc.code().name}: {exc.details()}", exc.code()
+                    ) from None
                 if now - start >= limit:
                     raise self._unreachable("RankStatus", exc.code(), exc.details(), limit, True) from None
                 if now - last_log >= WAIT_LOG_S:
@@ -174,12 +204,18 @@ class BatchClient:
         """The waiting line, worded like the services' (`batchd.proto.retry_while_unreachable`)."""
         log.info("waiting for %s (%.0fs of %gs): %s: %s", self._party(), waited, limit, code.name, details)
 
-    def _unreachable(self, what: str, code: grpc.StatusCode, details: str | None, limit: float,
-                     started: bool) -> RankServiceError:
+    def _unreachable(
+        self, what: str, code: grpc.StatusCode, details: str | None, limit: float, started: bool
+    ) -> RankServiceError:
         return RankServiceError(
             f"{self._party()} unreachable for {limit:g}s: {code.name}: {details} ({what} retried every 0.2s "
-            + ("since start-up, for the start-up timeout; is a rank service or node agent listening there?)"
-               if started else "since the connection broke, for the reconnect timeout)"), code)
+            + (
+                "since start-up, for the start-up timeout; is a rank service or node agent listening there?)"
+                if started
+                else "since the connection broke, for the reconnect timeout)"
+            ),
+            code,
+        )
 
     # -- iteration -----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:
@@ -197,12 +233,22 @@ class BatchClient:
                 # follow). As a disconnect: connect again within the reconnect window.
                 raise _Ended()
             except (grpc.RpcError, _Ended) as exc:
-                code, details = ((grpc.StatusCode.UNAVAILABLE, "the rank service ended the stream before the end "
-                                  "of the epoch") if isinstance(exc, _Ended) else (exc.code(), exc.details()))
+                code, details = (
+                    (
+                        grpc.StatusCode.UNAVAILABLE,
+                        "the rank service ended the stream before the end of the epoch",
+                    )
+                    if isinstance(exc, _Ended)
+                    else (exc.code(), exc.details())
+                )
                 if code == grpc.StatusCode.ABORTED:
                     raise JobFailed(details) from None
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                            grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL):
+                if code in (
+                    grpc.StatusCode.UNAVAILABLE,
+                    grpc.StatusCode.CANCELLED,
+                    grpc.StatusCode.UNKNOWN,
+                    grpc.StatusCode.INTERNAL,
+                ):
                     now = time.monotonic()
                     start = start or now
                     limit = self.reconnect_timeout_s if self._connected else self.startup_timeout_s
@@ -221,8 +267,14 @@ class BatchClient:
         acks: queue.Queue = queue.Queue()
 
         def requests():
-            yield pb.BatchRequest(start_step=self.next_step, credits=self.credits, epoch=self.epoch, rank=self.rank,
-                                  group_rank=self.group_rank, group_size=self.group_size)
+            yield pb.BatchRequest(
+                start_step=self.next_step,
+                credits=self.credits,
+                epoch=self.epoch,
+                rank=self.rank,
+                group_rank=self.group_rank,
+                group_size=self.group_size,
+            )
             while (ack := acks.get()) is not None:
                 yield pb.BatchRequest(ack_step=ack)
 
@@ -248,10 +300,14 @@ class BatchClient:
                     info = wire.info_from_pb(batch.info)
                     if info.step != expected:
                         raise BatchdError(f"rank {self.rank}: expected step {expected}, got {info.step}")
-                    tensors = {name: torch.from_numpy(arr.copy()) for name, arr in
-                               wire.tensors_from_pb(batch.tensors).items()}
+                    tensors = {
+                        name: torch.from_numpy(arr.copy())
+                        for name, arr in wire.tensors_from_pb(batch.tensors).items()
+                    }
                     if "cu_seqlens" in tensors:
-                        tensors["max_seqlen"] = int((tensors["cu_seqlens"][1:] - tensors["cu_seqlens"][:-1]).max())
+                        tensors["max_seqlen"] = int(
+                            (tensors["cu_seqlens"][1:] - tensors["cu_seqlens"][:-1]).max()
+                        )
                     tensors["sample_ids"] = torch.tensor(list(batch.sample_ids), dtype=torch.int64)
                     expected += 1
                     if not put((tensors, info)):
@@ -260,8 +316,9 @@ class BatchClient:
             except Exception as exc:  # noqa: BLE001 - re-raised in the iterating thread
                 put(exc)
 
-        receiver = threading.Thread(target=receive, args=(self.next_step,), name=f"batchd-client-{self.rank}",
-                                    daemon=True)
+        receiver = threading.Thread(
+            target=receive, args=(self.next_step,), name=f"batchd-client-{self.rank}", daemon=True
+        )
         receiver.start()
         try:
             while True:

@@ -30,8 +30,10 @@ __all__ = ["IGNORE_INDEX", "collate_packed", "collate_padded", "idle_batch", "lo
 
 def to_torch(batch: Mapping[str, Any]) -> dict[str, Any]:
     """Arrays of a collated batch as torch tensors (sharing memory); other values (ints) as they are."""
-    return {k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
-            for k, v in batch.items()}
+    return {
+        k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
+        for k, v in batch.items()
+    }
 
 
 def collate_padded(samples: Sequence[Payload], pad_id: int = 0) -> dict[str, torch.Tensor]:

@@ -51,9 +51,11 @@ def batchd_deepspeed_backward(engine: Any, batch: Mapping[str, Any] | None, info
     """
     steps = engine.gradient_accumulation_steps()
     if steps != 1:
-        raise ValueError(f"batchd steps need a DeepSpeed engine with gradient_accumulation_steps = 1 (each step is "
-                         f"one token-budget batch; engine.backward would divide its loss scale by {steps}), "
-                         f"got {steps=}")
+        raise ValueError(
+            f"batchd steps need a DeepSpeed engine with gradient_accumulation_steps = 1 (each step is "
+            f"one token-budget batch; engine.backward would divide its loss scale by {steps}), "
+            f"got {steps=}"
+        )
     device = getattr(engine, "device", None)
     device = torch.device(device) if device is not None else next(engine.module.parameters()).device
     loss, mean = step_loss(engine, batch, info, device)

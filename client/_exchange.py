@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+
 from batchd.core import EXCHANGE_KEYS
 
 __all__ = ["exchange_image_embeddings"]
@@ -62,47 +63,63 @@ def _world_size(group: Any, n: int) -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(group)
     if n != 1:
-        raise ValueError(f"an exchange over {n} ranks needs an initialized torch.distributed process group "
-                         f"(got none); world_size={n}")
+        raise ValueError(
+            f"an exchange over {n} ranks needs an initialized torch.distributed process group "
+            f"(got none); world_size={n}"
+        )
     return 1
 
 
-def _plan(rows: int, send: list[int], recv: list[int], placement: list[int],
-          image_tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def _plan(
+    rows: int, send: list[int], recv: list[int], placement: list[int], image_tokens: list[int]
+) -> tuple[np.ndarray, np.ndarray]:
     """Validates one rank's exchange arrays; returns int64 (gather, inverse): out = received[gather] puts
     the received rows in LLM order, received = out[inverse] undoes it."""
     if rows != sum(send):
-        raise ValueError(f"encoded must have sum(vision_send_splits) rows, got encoded rows={rows} "
-                         f"vision_send_splits={send}")
+        raise ValueError(
+            f"encoded must have sum(vision_send_splits) rows, got encoded rows={rows} "
+            f"vision_send_splits={send}"
+        )
     n_images = len(image_tokens)
     if len(placement) != n_images or sorted(placement) != list(range(n_images)):
-        raise ValueError(f"vision_placement must be a permutation of range({n_images}) (one entry per LLM "
-                         f"image), got vision_placement={placement}")
+        raise ValueError(
+            f"vision_placement must be a permutation of range({n_images}) (one entry per LLM "
+            f"image), got vision_placement={placement}"
+        )
     if any(t < 1 for t in image_tokens):
         raise ValueError(f"every image has >= 1 token, got vision_image_tokens={image_tokens}")
     if sum(recv) != sum(image_tokens):
-        raise ValueError(f"sum(vision_recv_splits) must equal sum(vision_image_tokens), got "
-                         f"vision_recv_splits={recv} vision_image_tokens={image_tokens}")
+        raise ValueError(
+            f"sum(vision_recv_splits) must equal sum(vision_image_tokens), got "
+            f"vision_recv_splits={recv} vision_image_tokens={image_tokens}"
+        )
     llm_start = np.concatenate(([0], np.cumsum(image_tokens, dtype=np.int64)))
     # the received images, source by source, must fill each source's rows exactly
     bounds = set(np.cumsum(recv, dtype=np.int64).tolist())
     received_end = np.cumsum([image_tokens[i] for i in placement], dtype=np.int64).tolist()
     stray = sorted(b for b in bounds if b and b not in set(received_end))
     if stray:
-        raise ValueError(f"vision_recv_splits={recv} cut a received image in two (row boundaries {stray} fall "
-                         f"inside an image; received image tokens in order: {[image_tokens[i] for i in placement]})")
+        raise ValueError(
+            f"vision_recv_splits={recv} cut a received image in two (row boundaries {stray} fall "
+            f"inside an image; received image tokens in order: {[image_tokens[i] for i in placement]})"
+        )
     # received row r_j + k (image j from the sources, LLM image placement[j]) is LLM row start[placement[j]] + k
     sizes = np.asarray([image_tokens[i] for i in placement], dtype=np.int64)
     received_start = np.concatenate(([0], np.cumsum(sizes)))[:-1]
-    shift = llm_start[np.asarray(placement, dtype=np.int64)] - received_start if placement else np.zeros(0, np.int64)
+    shift = (
+        llm_start[np.asarray(placement, dtype=np.int64)] - received_start
+        if placement
+        else np.zeros(0, np.int64)
+    )
     inverse = np.repeat(shift, sizes) + np.arange(int(sizes.sum()), dtype=np.int64)
     gather = np.empty_like(inverse)
     gather[inverse] = np.arange(inverse.shape[0], dtype=np.int64)
     return gather, inverse
 
 
-def _all_to_all(x: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int],
-                group: Any, world: int) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, out_rows: int, out_splits: list[int], in_splits: list[int], group: Any, world: int
+) -> torch.Tensor:
     x = x.contiguous()
     if world == 1:
         return x.clone()
@@ -113,8 +130,16 @@ def _all_to_all(x: torch.Tensor, out_rows: int, out_splits: list[int], in_splits
 
 class _Exchange(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, encoded: torch.Tensor, send: list[int], recv: list[int], gather: torch.Tensor,
-                inverse: torch.Tensor, group: Any, world: int) -> torch.Tensor:
+    def forward(
+        ctx,
+        encoded: torch.Tensor,
+        send: list[int],
+        recv: list[int],
+        gather: torch.Tensor,
+        inverse: torch.Tensor,
+        group: Any,
+        world: int,
+    ) -> torch.Tensor:
         ctx.send, ctx.recv, ctx.group, ctx.world = send, recv, group, world
         ctx.save_for_backward(inverse)
         received = _all_to_all(encoded, sum(recv), recv, send, group, world)
@@ -128,7 +153,9 @@ class _Exchange(torch.autograd.Function):
         return grad_encoded, None, None, None, None, None, None
 
 
-def exchange_image_embeddings(encoded: torch.Tensor, batch: Mapping[str, Any], group: Any = None) -> torch.Tensor:
+def exchange_image_embeddings(
+    encoded: torch.Tensor, batch: Mapping[str, Any], group: Any = None
+) -> torch.Tensor:
     """Sends this rank's encoder output to the images' owners; returns its own images' embeddings.
 
     A collective over `group`: every rank calls it once per step with its own batch, and its backward
@@ -160,16 +187,21 @@ def exchange_image_embeddings(encoded: torch.Tensor, batch: Mapping[str, Any], g
     if missing:
         raise ValueError(f"the batch has vision_send_splits but lacks {missing=}")
     if not isinstance(encoded, torch.Tensor) or encoded.ndim != 2:
-        raise ValueError(f"encoded must be a [rows, H] tensor, got "
-                         f"shape={tuple(getattr(encoded, 'shape', ()))} type={type(encoded).__name__}")
+        raise ValueError(
+            f"encoded must be a [rows, H] tensor, got "
+            f"shape={tuple(getattr(encoded, 'shape', ()))} type={type(encoded).__name__}"
+        )
     send, recv, placement, image_tokens = (_ints(batch, k) for k in EXCHANGE_KEYS)
     if len(send) != len(recv):
-        raise ValueError(f"vision_send_splits and vision_recv_splits need one entry per rank, got "
-                         f"vision_send_splits={send} vision_recv_splits={recv}")
+        raise ValueError(
+            f"vision_send_splits and vision_recv_splits need one entry per rank, got "
+            f"vision_send_splits={send} vision_recv_splits={recv}"
+        )
     world = _world_size(group, len(send))
     if len(send) != world:
-        raise ValueError(f"the exchange arrays are for {len(send)} ranks but the group has world_size={world}")
+        raise ValueError(
+            f"the exchange arrays are for {len(send)} ranks but the group has world_size={world}"
+        )
     gather, inverse = _plan(encoded.shape[0], send, recv, placement, image_tokens)
     gather_t, inverse_t = (torch.from_numpy(ix).to(encoded.device) for ix in (gather, inverse))
     return _Exchange.apply(encoded, send, recv, gather_t, inverse_t, group, world)
-

@@ -127,23 +127,35 @@ class BatchdTrainer(transformers.Trainer):
 
     loss_is_scaled_for_ga = True
 
-    def __init__(self, *args: Any, client: BatchClient | Callable[[], BatchClient], epochs: int | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        client: BatchClient | Callable[[], BatchClient],
+        epochs: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         _check_epochs(epochs)
         if kwargs.get("train_dataset") is not None:
-            raise ValueError(f"BatchdTrainer takes its data from the batchd client, got train_dataset="
-                             f"{type(kwargs['train_dataset']).__name__}")
+            raise ValueError(
+                f"BatchdTrainer takes its data from the batchd client, got train_dataset="
+                f"{type(kwargs['train_dataset']).__name__}"
+            )
         if not (isinstance(client, BatchClient) or callable(client)):
             raise ValueError(  # noqa: TRY004 - bad arguments raise ValueError in this project
-                f"client must be a BatchClient or a factory returning one, got {client=}")
+                f"client must be a BatchClient or a factory returning one, got {client=}"
+            )
         super().__init__(*args, **kwargs)
         a = self.args
         if a.max_steps <= 0:
-            raise ValueError(f"batchd's stream has no length: set max_steps to an upper bound on the steps "
-                             f"(e.g. the number of samples), got max_steps={a.max_steps}")
+            raise ValueError(
+                f"batchd's stream has no length: set max_steps to an upper bound on the steps "
+                f"(e.g. the number of samples), got max_steps={a.max_steps}"
+            )
         if a.n_gpu > 1:
-            raise ValueError(f"DataParallel would split batchd's batches; launch one process per device, got "
-                             f"n_gpu={a.n_gpu}")
+            raise ValueError(
+                f"DataParallel would split batchd's batches; launch one process per device, got "
+                f"n_gpu={a.n_gpu}"
+            )
         self._client_source, self.epochs = client, epochs
         self._client: BatchClient | None = None
         self._stream: BatchdStream | None = None
@@ -152,13 +164,17 @@ class BatchdTrainer(transformers.Trainer):
     def client(self) -> BatchClient:
         """This rank's client (created by the factory on first use, and checked against ``args``)."""
         if self._client is None:
-            client = self._client_source if isinstance(self._client_source, BatchClient) else self._client_source()
+            client = (
+                self._client_source if isinstance(self._client_source, BatchClient) else self._client_source()
+            )
             if not isinstance(client, BatchClient):
                 raise ValueError(f"the client factory must return a BatchClient, got {type(client).__name__}")
             want = (self.args.process_index, self.args.world_size)
             if (client.rank, client.world_size) != want:
-                raise ValueError(f"the BatchClient is for rank {client.rank} of {client.world_size} but this "
-                                 f"Trainer is rank {want[0]} of {want[1]}: {client.rank=} {client.world_size=}")
+                raise ValueError(
+                    f"the BatchClient is for rank {client.rank} of {client.world_size} but this "
+                    f"Trainer is rank {want[0]} of {want[1]}: {client.rank=} {client.world_size=}"
+                )
             self._client = client
         return self._client
 
@@ -169,8 +185,9 @@ class BatchdTrainer(transformers.Trainer):
             self._stream = BatchdStream(self.client, self.epochs)
         return self._stream
 
-    def get_batch_samples(self, epoch_iterator: Iterator, num_batches: int,
-                          device: torch.device) -> tuple[list, None]:
+    def get_batch_samples(
+        self, epoch_iterator: Iterator, num_batches: int, device: torch.device
+    ) -> tuple[list, None]:
         """Takes the next accumulation window's batches and weights them (see the module docstring)."""
         batches = []
         for _ in range(num_batches):
@@ -189,8 +206,13 @@ class BatchdTrainer(transformers.Trainer):
         return out, None
 
     # -- loss ------------------------------------------------------------------------------------------
-    def compute_loss(self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False,
-                     num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Per-token mean x loss scale for batchd batches; Trainer's default for other batches."""
         if INFO_KEY not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -205,7 +227,9 @@ class BatchdTrainer(transformers.Trainer):
     # -- checkpoints -----------------------------------------------------------------------------------
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        folder = os.path.join(
+            self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        )
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, CLIENT_STATE_FILE.format(rank=self.client.rank))
         tmp = f"{path}.tmp"
@@ -213,8 +237,12 @@ class BatchdTrainer(transformers.Trainer):
             json.dump(self.client.state_dict(), f)
         os.replace(tmp, path)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None,
-              ignore_keys_for_eval: list[str] | None = None) -> transformers.trainer_utils.TrainOutput:
+    def train(
+        self,
+        resume_from_checkpoint: str | bool | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> transformers.trainer_utils.TrainOutput:
         """``Trainer.train``, restoring the client's position from the checkpoint when resuming.
 
         Raises:
@@ -227,14 +255,19 @@ class BatchdTrainer(transformers.Trainer):
         if resume_from_checkpoint:
             path = os.path.join(resume_from_checkpoint, CLIENT_STATE_FILE.format(rank=self.client.rank))
             if not os.path.isfile(path):
-                raise ValueError(f"{resume_from_checkpoint=} has no batchd client state ({path} is missing): "
-                                 f"the stream position cannot be restored")
+                raise ValueError(
+                    f"{resume_from_checkpoint=} has no batchd client state ({path} is missing): "
+                    f"the stream position cannot be restored"
+                )
             with open(path, encoding="utf-8") as f:
                 self.client.load_state_dict(json.load(f))
             self.args.ignore_data_skip = True
         try:
-            return super().train(resume_from_checkpoint=resume_from_checkpoint or None, trial=trial,
-                                 ignore_keys_for_eval=ignore_keys_for_eval)
+            return super().train(
+                resume_from_checkpoint=resume_from_checkpoint or None,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+            )
         finally:
             if self._stream is not None:
                 self._stream.close()

@@ -104,7 +104,8 @@ class BatchdDataModule(pl.LightningDataModule):
             raise ValueError(f"epochs must be None or an integer >= 1, got {epochs=}")
         if not (isinstance(client, BatchClient) or callable(client)):
             raise ValueError(  # noqa: TRY004 - bad arguments raise ValueError in this project
-                f"client must be a BatchClient or a factory returning one, got {client=}")
+                f"client must be a BatchClient or a factory returning one, got {client=}"
+            )
         self._source, self.epochs = client, epochs
         self._client: BatchClient | None = client if isinstance(client, BatchClient) else None
         self._it: Iterator | None = None
@@ -129,13 +130,17 @@ class BatchdDataModule(pl.LightningDataModule):
         if trainer is None:
             return
         if trainer.accumulate_grad_batches != 1:
-            raise ValueError(f"BatchdDataModule needs accumulate_grad_batches=1 (Lightning would weigh the window's "
-                             f"steps equally), got {trainer.accumulate_grad_batches}")
+            raise ValueError(
+                f"BatchdDataModule needs accumulate_grad_batches=1 (Lightning would weigh the window's "
+                f"steps equally), got {trainer.accumulate_grad_batches}"
+            )
         client = self.client
         want = (trainer.global_rank, trainer.world_size)
         if (client.rank, client.world_size) != want:
-            raise ValueError(f"the BatchClient is for rank {client.rank} of {client.world_size} but this Lightning "
-                             f"process is rank {want[0]} of {want[1]}: {client.rank=} {client.world_size=}")
+            raise ValueError(
+                f"the BatchClient is for rank {client.rank} of {client.world_size} but this Lightning "
+                f"process is rank {want[0]} of {want[1]}: {client.rank=} {client.world_size=}"
+            )
 
     def teardown(self, stage: str) -> None:
         self._close()
@@ -180,8 +185,14 @@ class BatchdDataModule(pl.LightningDataModule):
         """The stream position after the last batch trained on (rank-independent: see module docstring)."""
         client = self.client
         state = client.state_dict()
-        if self._trained is not None and self._trained[0] == client.epoch and self._trained[1] + 1 < client.next_step:
-            state.update(next_step=self._trained[1] + 1, finished=False)  # the fetched-ahead batch is not trained
+        if (
+            self._trained is not None
+            and self._trained[0] == client.epoch
+            and self._trained[1] + 1 < client.next_step
+        ):
+            state.update(
+                next_step=self._trained[1] + 1, finished=False
+            )  # the fetched-ahead batch is not trained
         return {k: state[k] for k in ("version", "world_size", "epoch", "next_step", "finished")}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

@@ -64,16 +64,19 @@ def pipeline_steps(steps: Iterable[tuple[Any, StepInfo]], m: int) -> Iterator[li
 def _samples(batch: Mapping[str, Any]) -> list[dict[str, np.ndarray]]:
     """The per-sample arrays of a collated batch (input_ids, labels and the per-token keys)."""
     keys = ["input_ids", "labels", *[k for k in core.TOKEN_KEYS if k in batch]]
-    arrays = {k: batch[k].numpy() if isinstance(batch[k], torch.Tensor) else np.asarray(batch[k]) for k in keys}
+    arrays = {
+        k: batch[k].numpy() if isinstance(batch[k], torch.Tensor) else np.asarray(batch[k]) for k in keys
+    }
     if "cu_seqlens" in batch:
         cu = np.asarray(batch["cu_seqlens"]).tolist()
-        return [{k: a[0, cu[i]:cu[i + 1]] for k, a in arrays.items()} for i in range(len(cu) - 1)]
+        return [{k: a[0, cu[i] : cu[i + 1]] for k, a in arrays.items()} for i in range(len(cu) - 1)]
     mask = np.asarray(batch["attention_mask"])
-    return [{k: a[row, :int(mask[row].sum())] for k, a in arrays.items()} for row in range(mask.shape[0])]
+    return [{k: a[row, : int(mask[row].sum())] for k, a in arrays.items()} for row in range(mask.shape[0])]
 
 
-def microbatches(batch: Mapping[str, Any], info: StepInfo, m: int, cost: CostModel | str = "attention",
-                 pad_id: int = 0) -> list[tuple[dict[str, Any], StepInfo]]:
+def microbatches(
+    batch: Mapping[str, Any], info: StepInfo, m: int, cost: CostModel | str = "attention", pad_id: int = 0
+) -> list[tuple[dict[str, Any], StepInfo]]:
     """Splits a step (as `BatchClient` yields it) into `m` microbatches of balanced cost.
 
     Args:
@@ -93,23 +96,39 @@ def microbatches(batch: Mapping[str, Any], info: StepInfo, m: int, cost: CostMod
     core.check_int("m", m, lo=1)
     model = cost if isinstance(cost, CostModel) else CostModel(cost)
     if any(k in batch for k in core.VISION_KEYS):
-        raise ValueError(f"microbatches: the batch carries images ({sorted(k for k in core.VISION_KEYS if k in batch)}); "
-                         f"splitting vision inputs per microbatch is not supported")
+        raise ValueError(
+            f"microbatches: the batch carries images ({sorted(k for k in core.VISION_KEYS if k in batch)}); "
+            f"splitting vision inputs per microbatch is not supported"
+        )
     packed = "cu_seqlens" in batch
     samples = [] if info.is_idle else _samples(batch)
     ids = [] if info.is_idle else [int(i) for i in batch["sample_ids"]]
     tokens = [core.loss_tokens(s["labels"]) for s in samples]
     if sum(tokens) != info.local_loss_tokens and not info.is_idle:
-        raise ValueError(f"microbatches: the labels carry {sum(tokens)} loss tokens, but "
-                         f"{info.local_loss_tokens=}: the loss scale would be wrong")
+        raise ValueError(
+            f"microbatches: the labels carry {sum(tokens)} loss tokens, but "
+            f"{info.local_loss_tokens=}: the loss scale would be wrong"
+        )
     parts = core.balanced_split([model.item(len(s["input_ids"])) for s in samples], m)
     out = []
     for part in parts:
         if not part:
             micro = to_torch(core.idle_batch(pad_id))
             micro["sample_ids"] = torch.zeros(0, dtype=torch.int64)
-            out.append((micro, dataclasses.replace(info, is_idle=True, local_samples=0, local_tokens=0,
-                                                   local_loss_tokens=0, loss_scale=0.0, cost=0.0)))
+            out.append(
+                (
+                    micro,
+                    dataclasses.replace(
+                        info,
+                        is_idle=True,
+                        local_samples=0,
+                        local_tokens=0,
+                        local_loss_tokens=0,
+                        loss_scale=0.0,
+                        cost=0.0,
+                    ),
+                )
+            )
             continue
         chosen = [samples[i] for i in part]
         arrays = core.collate_packed(chosen) if packed else core.collate_padded(chosen, pad_id)
@@ -118,7 +137,17 @@ def microbatches(batch: Mapping[str, Any], info: StepInfo, m: int, cost: CostMod
         t_m = sum(tokens[i] for i in part)
         scale = info.loss_scale * t_m / info.local_loss_tokens if info.local_loss_tokens else 0.0
         lengths = [len(s["input_ids"]) for s in chosen]
-        out.append((micro, dataclasses.replace(info, local_samples=len(part), local_tokens=sum(lengths),
-                                               local_loss_tokens=t_m, loss_scale=scale,
-                                               cost=model.cost(lengths))))
+        out.append(
+            (
+                micro,
+                dataclasses.replace(
+                    info,
+                    local_samples=len(part),
+                    local_tokens=sum(lengths),
+                    local_loss_tokens=t_m,
+                    loss_scale=scale,
+                    cost=model.cost(lengths),
+                ),
+            )
+        )
     return out

@@ -51,8 +51,9 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
         ValueError: if the shapes do not line up.
     """
     if logits.ndim != 3 or labels.shape != logits.shape[:2]:
-        raise ValueError(f"expected logits [B, T, V] and labels [B, T], got {tuple(logits.shape)=} "
-                         f"{tuple(labels.shape)=}")
+        raise ValueError(
+            f"expected logits [B, T, V] and labels [B, T], got {tuple(logits.shape)=} {tuple(labels.shape)=}"
+        )
     dtype = torch.promote_types(logits.dtype, torch.float32)
     shifted = logits[:, :-1].reshape(-1, logits.shape[-1]).to(dtype)
     targets = labels[:, 1:].reshape(-1)
@@ -60,8 +61,9 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return loss_sum, int((targets != IGNORE_INDEX).sum().item())
 
 
-def scaled_loss(logits: torch.Tensor, labels: torch.Tensor, loss_scale: float,
-                local_loss_tokens: int) -> torch.Tensor:
+def scaled_loss(
+    logits: torch.Tensor, labels: torch.Tensor, loss_scale: float, local_loss_tokens: int
+) -> torch.Tensor:
     """This rank's per-token mean loss times batchd's loss scale (the tensor to backward).
 
     Args:
@@ -86,23 +88,27 @@ def _check_scale(loss_scale: float, local_loss_tokens: int) -> None:
         raise ValueError(f"local_loss_tokens must be a non-negative int, got {local_loss_tokens=}")
 
 
-def scaled_loss_and_mean(logits: torch.Tensor, labels: torch.Tensor, loss_scale: float,
-                         local_loss_tokens: int) -> tuple[torch.Tensor, float]:
+def scaled_loss_and_mean(
+    logits: torch.Tensor, labels: torch.Tensor, loss_scale: float, local_loss_tokens: int
+) -> tuple[torch.Tensor, float]:
     """`scaled_loss`, and the unscaled local per-token mean for logging (nan without loss tokens)."""
     _check_scale(loss_scale, local_loss_tokens)
     if local_loss_tokens == 0:
         return logits.sum() * 0.0, math.nan
     loss_sum, n_tokens = token_loss_sum(logits, labels)
     if n_tokens != local_loss_tokens:
-        raise ValueError(f"labels carry {n_tokens=} loss tokens but {local_loss_tokens=}: set Sample."
-                         f"loss_tokens to batchd.client.loss_tokens(labels) so the loss scale is exact")
+        raise ValueError(
+            f"labels carry {n_tokens=} loss tokens but {local_loss_tokens=}: set Sample."
+            f"loss_tokens to batchd.client.loss_tokens(labels) so the loss scale is exact"
+        )
     mean = loss_sum / local_loss_tokens
     return mean * loss_scale, float(mean.detach())
 
 
 def _to_device(batch: Mapping[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-            for k, v in batch.items()}
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }
 
 
 def step_batch(batch: Mapping[str, Any] | None, info: Any) -> Mapping[str, Any]:
@@ -119,8 +125,9 @@ def step_batch(batch: Mapping[str, Any] | None, info: Any) -> Mapping[str, Any]:
     if info.is_idle:
         return idle_batch()
     if batch is None:
-        raise ValueError(f"a non-IDLE step needs a batch, got batch=None for step {info.step} "
-                         f"on rank {info.rank}")
+        raise ValueError(
+            f"a non-IDLE step needs a batch, got batch=None for step {info.step} on rank {info.rank}"
+        )
     return batch
 
 
@@ -137,14 +144,20 @@ def forward_logits(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Te
         out = model(batch)
         return out if isinstance(out, torch.Tensor) else out["logits"]
     if batch.get("cu_seqlens") is not None:  # a packed row: varlen attention
-        return model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                     position_ids=batch.get("position_ids"), cu_seqlens=batch["cu_seqlens"])
-    return model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                 position_ids=batch.get("position_ids"))
+        return model(
+            batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            position_ids=batch.get("position_ids"),
+            cu_seqlens=batch["cu_seqlens"],
+        )
+    return model(
+        batch["input_ids"], attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids")
+    )
 
 
-def train_step(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               batch: Mapping[str, Any] | None, info: Any) -> float:
+def train_step(
+    ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, Any] | None, info: Any
+) -> float:
     """One optimizer step of one rank: forward, scaled loss, backward (all-reduce), update.
 
     Args:
@@ -168,8 +181,9 @@ def train_step(ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return mean
 
 
-def step_loss(model: Any, batch: Mapping[str, Any] | None, info: Any,
-              device: torch.device) -> tuple[torch.Tensor, float]:
+def step_loss(
+    model: Any, batch: Mapping[str, Any] | None, info: Any, device: torch.device
+) -> tuple[torch.Tensor, float]:
     """The step's forward on `device` and its scaled loss: (the tensor to backward, the unscaled local
     per-token mean), as `train_step` computes them; IDLE steps run the zero-weight dummy batch."""
     scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)

@@ -50,16 +50,34 @@ import torch
 from ._collate import NON_MODEL_KEYS
 from ._exchange import exchange_image_embeddings
 
-__all__ = ["PACKED_ATTENTION", "VLM_FAMILIES", "check_model_batch", "check_packed_attention", "is_two_phase",
-           "two_phase"]
+__all__ = [
+    "PACKED_ATTENTION",
+    "VLM_FAMILIES",
+    "check_model_batch",
+    "check_packed_attention",
+    "is_two_phase",
+    "two_phase",
+]
 
-PACKED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+PACKED_ATTENTION = (
+    "eager",
+    "sdpa",
+    "flex_attention",
+    "flash_attention_2",
+    "flash_attention_3",
+    "flash_attention_4",
+)
 """Attention implementations that keep packed samples apart (tested: eager and sdpa on CPU, packed loss = the
 sum of the samples' unpacked losses; transformers gives flex and flash the same per-sample blocks from the
 positions, untested here: flex has no CPU backward, flash needs a GPU)."""
 
-_BATCHD_KEYS = ("vision_send_splits", "vision_recv_splits", "vision_placement", "vision_image_tokens",
-                "llm_image_grid_thw")
+_BATCHD_KEYS = (
+    "vision_send_splits",
+    "vision_recv_splits",
+    "vision_placement",
+    "vision_image_tokens",
+    "llm_image_grid_thw",
+)
 _GENERATION = ("cache", "past_key_values", "inputs_embeds")
 _ADAPTED = "_batchd_two_phase"
 
@@ -80,9 +98,12 @@ def _qwen_encode(inner: Any, pixels: torch.Tensor, grid: torch.Tensor) -> torch.
 
 def _llava_encode(inner: Any, pixels: torch.Tensor, grid: torch.Tensor | None) -> torch.Tensor:
     cfg = inner.config
-    out = inner.get_image_features(pixel_values=pixels, vision_feature_layer=cfg.vision_feature_layer,
-                                   vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                                   return_dict=True)
+    out = inner.get_image_features(
+        pixel_values=pixels,
+        vision_feature_layer=cfg.vision_feature_layer,
+        vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+        return_dict=True,
+    )
     feats = out.pooler_output
     if isinstance(feats, torch.Tensor):
         return feats.reshape(-1, feats.shape[-1])
@@ -116,9 +137,11 @@ def check_packed_attention(model: Any) -> None:
     if getattr(model, "config", None) is None or impl is None:
         return
     if impl not in PACKED_ATTENTION:
-        raise ValueError(f"packed rows need an attention implementation that keeps samples apart, one of "
-                         f"{list(PACKED_ATTENTION)}; this model uses attn_implementation={impl!r}: load it "
-                         f"with attn_implementation='sdpa' (or flash_attention_2) or use collate = \"padded\"")
+        raise ValueError(
+            f"packed rows need an attention implementation that keeps samples apart, one of "
+            f"{list(PACKED_ATTENTION)}; this model uses attn_implementation={impl!r}: load it "
+            f"with attn_implementation='sdpa' (or flash_attention_2) or use collate = \"padded\""
+        )
 
 
 def is_two_phase(model: Any) -> bool:
@@ -140,12 +163,16 @@ def check_model_batch(model: Any, batch: Mapping[str, Any]) -> None:
     if config is not None and not is_two_phase(module) and not getattr(module, "takes_batch", False):
         model_type = getattr(config, "model_type", None)
         if model_type in VLM_FAMILIES:
-            raise ValueError(f"a {type(module).__name__} (model_type={model_type!r}) trains on batchd batches "
-                             f"through batchd.two_phase(model): call it once before DDP / Trainer")
+            raise ValueError(
+                f"a {type(module).__name__} (model_type={model_type!r}) trains on batchd batches "
+                f"through batchd.two_phase(model): call it once before DDP / Trainer"
+            )
         if batch.get("vision_send_splits") is not None:
-            raise ValueError(f"a two-phase batch (vision_send_splits) needs a model that runs the exchange: "
-                             f"{type(module).__name__} is not one of {sorted(VLM_FAMILIES)} adapted by "
-                             f"batchd.two_phase; use phases = 1 for it")
+            raise ValueError(
+                f"a two-phase batch (vision_send_splits) needs a model that runs the exchange: "
+                f"{type(module).__name__} is not one of {sorted(VLM_FAMILIES)} adapted by "
+                f"batchd.two_phase; use phases = 1 for it"
+            )
     if _is_packed(batch):
         check_packed_attention(module)
 
@@ -165,12 +192,16 @@ class _Adapter:
     def __init__(self, model: torch.nn.Module, group: Any) -> None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in VLM_FAMILIES:
-            raise ValueError(f"two_phase adapts {sorted(VLM_FAMILIES)} (config.model_type), got "
-                             f"{type(model).__name__} with model_type={model_type!r}")
+            raise ValueError(
+                f"two_phase adapts {sorted(VLM_FAMILIES)} (config.model_type), got "
+                f"{type(model).__name__} with model_type={model_type!r}"
+            )
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "get_image_features"):
-            raise ValueError(f"two_phase needs the model with its LM head (e.g. Qwen2VLForConditionalGeneration), "
-                             f"got {type(model).__name__} without a .model.get_image_features")
+            raise ValueError(
+                f"two_phase needs the model with its LM head (e.g. Qwen2VLForConditionalGeneration), "
+                f"got {type(model).__name__} without a .model.get_image_features"
+            )
         self.family, self.encode = VLM_FAMILIES[model_type]
         self.inner = inner
         language = {id(p) for p in inner.get_input_embeddings().parameters()}
@@ -180,12 +211,14 @@ class _Adapter:
         self.group = group
 
     # -- the vision phase ---------------------------------------------------------------------------
-    def vision(self, pixels: Any, grid: Any, exchange: Mapping[str, Any],
-               device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def vision(
+        self, pixels: Any, grid: Any, exchange: Mapping[str, Any], device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(this rank's LLM image rows in LLM order, a zero scalar that puts every vision parameter in the graph)."""
         if self.family.grids and (pixels is None) != (grid is None):
-            raise ValueError(f"pixel_values and image_grid_thw come together, got "
-                             f"{pixels is None=} {grid is None=}")
+            raise ValueError(
+                f"pixel_values and image_grid_thw come together, got {pixels is None=} {grid is None=}"
+            )
         # every vision parameter enters the graph times 0.0 (LLaVA's tower has layers past the feature layer
         # that the stock forward never uses): DDP sees a gradient for each on every step
         anchor = torch.stack([p.reshape(-1)[0] for p in self.vision_params]).sum() * 0.0
@@ -197,8 +230,9 @@ class _Adapter:
             # waits for this rank's) runs here too; rows that need no grad would skip it and hang the step
             encoded = embed.new_zeros((0, embed.shape[1])).requires_grad_(torch.is_grad_enabled())
         else:
-            encoded = self.encode(self.inner, pixels, _tensor(grid, "image_grid_thw", device)
-                                  if grid is not None else None)
+            encoded = self.encode(
+                self.inner, pixels, _tensor(grid, "image_grid_thw", device) if grid is not None else None
+            )
         return exchange_image_embeddings(encoded, exchange, self.group), anchor
 
     # -- positions ----------------------------------------------------------------------------------
@@ -211,24 +245,33 @@ class _Adapter:
             types_[input_ids == cfg.video_token_id] = 2
         return types_
 
-    def packed_positions(self, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                         types_: torch.Tensor, grids: torch.Tensor | None) -> torch.Tensor:
+    def packed_positions(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        types_: torch.Tensor,
+        grids: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Qwen2-VL packed row: [4, 1, S], the restarting text positions, then each sample's own M-RoPE
         positions (`get_rope_index` over the row's samples as a padded batch, packed back)."""
         if input_ids.ndim != 2 or input_ids.shape[0] != 1 or position_ids.shape != input_ids.shape:
-            raise ValueError(f"a packed batch is one row: input_ids and position_ids [1, S], got "
-                             f"{tuple(input_ids.shape)=} {tuple(position_ids.shape)=}")
+            raise ValueError(
+                f"a packed batch is one row: input_ids and position_ids [1, S], got "
+                f"{tuple(input_ids.shape)=} {tuple(position_ids.shape)=}"
+            )
         flat = position_ids.reshape(-1)
         starts = (flat == 0).nonzero().reshape(-1).tolist()
         if not starts or starts[0] != 0:
             raise ValueError("a packed row's position_ids must start at 0 and restart at 0 per sample")
-        lengths = [e - s for s, e in zip(starts, [*starts[1:], flat.shape[0]])]
+        lengths = [e - s for s, e in zip(starts, [*starts[1:], flat.shape[0]], strict=False)]
         ids = input_ids.new_zeros((len(lengths), max(lengths)))
         tt = types_.new_zeros(ids.shape)
         mask = torch.zeros(ids.shape, dtype=torch.long, device=ids.device)
-        for row, (s, n) in enumerate(zip(starts, lengths)):
-            ids[row, :n], tt[row, :n], mask[row, :n] = input_ids[0, s:s + n], types_[0, s:s + n], 1
-        rope, _ = self.inner.get_rope_index(ids, mm_token_type_ids=tt, image_grid_thw=grids, attention_mask=mask)
+        for row, (s, n) in enumerate(zip(starts, lengths, strict=False)):
+            ids[row, :n], tt[row, :n], mask[row, :n] = input_ids[0, s : s + n], types_[0, s : s + n], 1
+        rope, _ = self.inner.get_rope_index(
+            ids, mm_token_type_ids=tt, image_grid_thw=grids, attention_mask=mask
+        )
         mrope = rope[:, mask.bool()].reshape(3, 1, -1)
         return torch.cat([flat.view(1, 1, -1).to(mrope.dtype), mrope], dim=0)
 
@@ -239,8 +282,11 @@ class _Adapter:
                 return self.forward(*args, **kwargs)
             kwargs = {k: v for k, v in args[0].items() if k not in NON_MODEL_KEYS}
             kwargs["use_cache"] = False
-        if kwargs.get("use_cache") or kwargs.get("input_ids") is None or \
-                any(kwargs.get(k) is not None for k in _GENERATION):
+        if (
+            kwargs.get("use_cache")
+            or kwargs.get("input_ids") is None
+            or any(kwargs.get(k) is not None for k in _GENERATION)
+        ):
             return self.forward(**{k: v for k, v in kwargs.items() if k not in _BATCHD_KEYS})
         device = self.inner.get_input_embeddings().weight.device
         input_ids = _tensor(kwargs.pop("input_ids"), "input_ids", device)
@@ -258,13 +304,18 @@ class _Adapter:
             check_packed_attention(self.inner)
         if self.family.mrope:
             types_ = kwargs.get("mm_token_type_ids")
-            types_ = self.token_types(input_ids) if types_ is None else _tensor(types_, "mm_token_type_ids", device)
+            types_ = (
+                self.token_types(input_ids)
+                if types_ is None
+                else _tensor(types_, "mm_token_type_ids", device)
+            )
             kwargs["mm_token_type_ids"] = types_
             if llm_grids is not None:
                 kwargs["image_grid_thw"] = llm_grids
             if packed:
                 kwargs["position_ids"] = self.packed_positions(
-                    input_ids, _tensor(position_ids, "position_ids", device), types_, llm_grids)
+                    input_ids, _tensor(position_ids, "position_ids", device), types_, llm_grids
+                )
             elif position_ids is not None and _tensor(position_ids, "position_ids", device).ndim == 2:
                 kwargs.pop("position_ids")  # 1-D positions: the model computes M-RoPE from the grids
         from transformers.modeling_outputs import BaseModelOutputWithPooling

@@ -16,6 +16,7 @@ from ._align import (
     target_odb,
 )
 from ._balance import plan_moves, plan_round
+from ._blockview import BlockView
 from ._collate import (
     IGNORE_INDEX,
     LLM_GRID_KEY,
@@ -31,7 +32,17 @@ from ._collate import (
     strip_vision,
 )
 from ._cost import COST_MODELS, CostModel
-from ._delivery import ATTACHED, END, REFUSED, SEND_END, WAIT, Connect, Delivery, fixed_capacity, report_capacity
+from ._delivery import (
+    ATTACHED,
+    END,
+    REFUSED,
+    SEND_END,
+    WAIT,
+    Connect,
+    Delivery,
+    fixed_capacity,
+    report_capacity,
+)
 from ._errors import BatchdError, CoordinatorError, JobFailed, RankServiceError
 from ._grouping import (
     best_fit_decreasing,
@@ -42,8 +53,8 @@ from ._grouping import (
     split_largest,
 )
 from ._liveness import Liveness
-from ._microbatch import balanced_split, chunk_split
 from ._loss import loss_scale
+from ._microbatch import balanced_split, chunk_split
 from ._phases import (
     EXCHANGE_KEYS,
     PHASES,
@@ -63,33 +74,127 @@ from ._phases import (
 from ._policy import ALIGN_RULES, POLICIES, Entry, Policy, form_groups
 from ._rank import OVER_BUDGET, RankState, fill_may_stop, max_fitting_length
 from ._simulator import (
+    RESULT_FIELDS,
     WORKLOAD_HEADER,
     PhaseMetrics,
     SimMetrics,
-    RESULT_FIELDS,
     Simulator,
-    parse_lengths,
     format_workload,
+    parse_lengths,
     parse_workload,
     simulate,
     synthetic_token_loss,
 )
-from ._blockview import BlockView
 from ._source import ViewSource, epoch_permutation
 from ._spec import COLLATE, FIELDS, REQUIRED, JobSpec
-from ._types import Sample, Step, StepInfo, check_bool, parse_bytes, check_choice, check_int, check_number, check_str
+from ._types import (
+    Sample,
+    Step,
+    StepInfo,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_str,
+    parse_bytes,
+)
 
-__all__ = sorted([
-    "BatchdError", "COLLATE", "CoordinatorError", "FIELDS", "IGNORE_INDEX", "JobFailed", "JobSpec", "RankServiceError", "REQUIRED",
-    "VISION_KEYS", "LLM_GRID_KEY", "TOKEN_KEYS", "llm_grids", "check_bool", "check_choice", "check_int", "check_number", "check_str", "collate_images", "collate_packed", "collate_padded", "idle_batch", "image_of", "strip_vision", "loss_tokens", "balanced_split", "chunk_split",
-    "ALIGN_RULES", "ATTACHED", "COST_MODELS", "END", "MODES", "OVER_BUDGET", "POLICIES", "REFUSED",
-    "SEND_END", "WAIT",
-    "Connect", "Coordinator", "CostModel", "Delivery", "Entry", "Liveness", "Policy", "ProtocolError", "RankCommit", "RankReport",
-    "RankState", "RoundDecision", "RoundTotals", "RESULT_FIELDS", "Sample", "SimMetrics", "Simulator",
-    "Step", "StepInfo", "ViewSource", "BlockView", "parse_bytes",
-    "best_fit_decreasing", "contiguous_greedy", "epoch_permutation", "fixed_chunks", "form_groups",
-    "loss_scale", "max_fitting_length", "odb_greedy", "odb_split", "parse_lengths", "plan_moves", "plan_round",
-    "simulate", "split_largest", "EXCHANGE_KEYS", "PHASES", "Exchange", "exchange_arrays", "ImageRef", "VisionCost", "exchanged", "imbalance", "mean_imbalance",
-    "phase_loads", "PhaseMetrics", "format_workload", "parse_workload", "WORKLOAD_HEADER", "plan_vision", "plan_vision_round", "single_phase", "vision_bound", "synthetic_token_loss", "target_min", "target_odb",
-    "fill_may_stop", "fixed_capacity", "report_capacity",
-])
+__all__ = [
+    "ALIGN_RULES",
+    "ATTACHED",
+    "BatchdError",
+    "BlockView",
+    "COLLATE",
+    "COST_MODELS",
+    "Connect",
+    "Coordinator",
+    "CoordinatorError",
+    "CostModel",
+    "Delivery",
+    "END",
+    "EXCHANGE_KEYS",
+    "Entry",
+    "Exchange",
+    "FIELDS",
+    "IGNORE_INDEX",
+    "ImageRef",
+    "JobFailed",
+    "JobSpec",
+    "LLM_GRID_KEY",
+    "Liveness",
+    "MODES",
+    "OVER_BUDGET",
+    "PHASES",
+    "POLICIES",
+    "PhaseMetrics",
+    "Policy",
+    "ProtocolError",
+    "REFUSED",
+    "REQUIRED",
+    "RESULT_FIELDS",
+    "RankCommit",
+    "RankReport",
+    "RankServiceError",
+    "RankState",
+    "RoundDecision",
+    "RoundTotals",
+    "SEND_END",
+    "Sample",
+    "SimMetrics",
+    "Simulator",
+    "Step",
+    "StepInfo",
+    "TOKEN_KEYS",
+    "VISION_KEYS",
+    "ViewSource",
+    "VisionCost",
+    "WAIT",
+    "WORKLOAD_HEADER",
+    "balanced_split",
+    "best_fit_decreasing",
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "check_str",
+    "chunk_split",
+    "collate_images",
+    "collate_packed",
+    "collate_padded",
+    "contiguous_greedy",
+    "epoch_permutation",
+    "exchange_arrays",
+    "exchanged",
+    "fill_may_stop",
+    "fixed_capacity",
+    "fixed_chunks",
+    "form_groups",
+    "format_workload",
+    "idle_batch",
+    "image_of",
+    "imbalance",
+    "llm_grids",
+    "loss_scale",
+    "loss_tokens",
+    "max_fitting_length",
+    "mean_imbalance",
+    "odb_greedy",
+    "odb_split",
+    "parse_bytes",
+    "parse_lengths",
+    "parse_workload",
+    "phase_loads",
+    "plan_moves",
+    "plan_round",
+    "plan_vision",
+    "plan_vision_round",
+    "report_capacity",
+    "simulate",
+    "single_phase",
+    "split_largest",
+    "strip_vision",
+    "synthetic_token_loss",
+    "target_min",
+    "target_odb",
+    "vision_bound",
+]

@@ -162,8 +162,13 @@ K_POLICY, K_ROUND, K_EMITTED, K_QUOTA, K_BUDGET = "policy", "round", "emitted", 
 class Coordinator:
     """The alignment coordinator's pure state machine for one epoch (see module docstring)."""
 
-    def __init__(self, spec: JobSpec, epoch: int = 0, nodes: Sequence[int] | None = None,
-                 vision_nodes: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        epoch: int = 0,
+        nodes: Sequence[int] | None = None,
+        vision_nodes: Sequence[int] | None = None,
+    ) -> None:
         """`nodes[r]`: the node index of rank r (`balanced` plans node-aware, `plan_round`); None plans
         node-blind. `vision_nodes` (phases=2; default `nodes`): the topology the vision plan keeps
         embeddings inside (`plan_vision`), which does not change the LLM plan. The topology is not part
@@ -176,11 +181,17 @@ class Coordinator:
         self.nodes = check_nodes(nodes, spec.world_size) if nodes is not None else None
         # The vision phase keeps images on their owner's node whenever the topology is known, node-aware
         # LLM planning or not (an exchange inside a node is cheap, across nodes it is not).
-        self.vision_nodes = check_nodes(vision_nodes, spec.world_size) if vision_nodes is not None else self.nodes
+        self.vision_nodes = (
+            check_nodes(vision_nodes, spec.world_size) if vision_nodes is not None else self.nodes
+        )
         self.vision_planner = plan_vision_round
         self.plan_stats: dict[str, int] = {}  # node-aware planning counts (`plan_round`'s `stats`)
         self.spec = spec
-        self.world_size, self.policy, self.token_budget = spec.world_size, spec.policy_object(), spec.token_budget
+        self.world_size, self.policy, self.token_budget = (
+            spec.world_size,
+            spec.policy_object(),
+            spec.token_budget,
+        )
         self.cost = spec.cost_model()
         self.vision_cost = spec.vision_cost() if spec.phases == 2 else None
         self.mode, self.seed, self.epoch = spec.mode, spec.seed, epoch
@@ -193,7 +204,9 @@ class Coordinator:
     # -- validation ---------------------------------------------------------------------------------
     def _check(self, msgs: Sequence[Any], what: str) -> list[Any]:
         if self.done:
-            raise ProtocolError(f"epoch {self.epoch} is already complete; got a {what} for round {self.round}")
+            raise ProtocolError(
+                f"epoch {self.epoch} is already complete; got a {what} for round {self.round}"
+            )
         by_rank: dict[int, Any] = {}
         for m in msgs:
             if not 0 <= m.rank < self.world_size:
@@ -201,7 +214,9 @@ class Coordinator:
             if m.rank in by_rank:
                 raise ProtocolError(f"duplicate {what} from rank {m.rank} in round {self.round}")
             if m.round != self.round:
-                raise ProtocolError(f"{what} from rank {m.rank} is for round {m.round}, expected {self.round}")
+                raise ProtocolError(
+                    f"{what} from rank {m.rank} is for round {m.round}, expected {self.round}"
+                )
             by_rank[m.rank] = m
         missing = [r for r in range(self.world_size) if r not in by_rank]
         if missing:
@@ -235,17 +250,31 @@ class Coordinator:
         final = self.mode == "join" and all(r.exhausted for r in reports)
         rng = random.Random(f"plan:{self.seed}:{self.epoch}:{self.round}")
         plan = plan_round(
-            pool, self.world_size, min(r.capacity for r in reports), final, self.token_budget, self.cost,
-            self.round, self.policy.max_wait, rng, self.policy.refine, self.nodes, self.plan_stats,
+            pool,
+            self.world_size,
+            min(r.capacity for r in reports),
+            final,
+            self.token_budget,
+            self.cost,
+            self.round,
+            self.policy.max_wait,
+            rng,
+            self.policy.refine,
+            self.nodes,
+            self.plan_stats,
         )
         target = len(plan[0]) if plan else 0
-        vision = (self.vision_planner(plan, self.vision_cost, self.vision_nodes) if self.vision_cost is not None
-                  else None)
+        vision = (
+            self.vision_planner(plan, self.vision_cost, self.vision_nodes)
+            if self.vision_cost is not None
+            else None
+        )
         return RoundDecision(self.round, target, tuple(tuple(p) for p in plan), vision)
 
     # -- phase 2 -------------------------------------------------------------------------------------
-    def commit(self, commits: Sequence[RankCommit],
-               sums: Mapping[int, Sequence[tuple[int, int, int]]] | None = None) -> RoundTotals:
+    def commit(
+        self, commits: Sequence[RankCommit], sums: Mapping[int, Sequence[tuple[int, int, int]]] | None = None
+    ) -> RoundTotals:
         """Sums what the ranks emitted, applies the non-join quota cut, and decides termination.
 
         `sums` (optional, a caller's shortcut): rank -> per committed step of its commit, (samples,
@@ -278,15 +307,17 @@ class Coordinator:
                         budget_left -= k
                     keep_last = tuple(keep)
                     per_step = per_step[: s + 1]
-                    per_step[s] = [x[:k] for x, k in zip(row, keep)]
+                    per_step[s] = [x[:k] for x, k in zip(row, keep, strict=False)]
                     steps = s + 1
                     break
                 left -= n
         if sums is not None and keep_last is None:
             rows = [sums[c.rank] for c in commits]
-            for c, row in zip(commits, rows):
+            for c, row in zip(commits, rows, strict=False):
                 if len(row) != len(c.steps):
-                    raise ProtocolError(f"rank {c.rank}: sums of {len(row)} steps for a commit of {len(c.steps)}")
+                    raise ProtocolError(
+                        f"rank {c.rank}: sums of {len(row)} steps for a commit of {len(c.steps)}"
+                    )
             step_samples = tuple(sum(row[s][0] for row in rows) for s in range(steps))
             step_tokens = tuple(sum(row[s][1] for row in rows) for s in range(steps))
             step_loss = tuple(sum(row[s][2] for row in rows) for s in range(steps))
@@ -308,8 +339,10 @@ class Coordinator:
         """Restores a decision taken before a restart (journaled) for the current round: the round then
         waits for its commits, as if `decide` had just returned `decision`."""
         if self.done or self._decided is not None or decision.round != self.round:
-            raise ProtocolError(f"cannot resume a decision of round {decision.round}: the coordinator is at "
-                                f"round {self.round} ({'done' if self.done else 'running'})")
+            raise ProtocolError(
+                f"cannot resume a decision of round {decision.round}: the coordinator is at "
+                f"round {self.round} ({'done' if self.done else 'running'})"
+            )
         self._decided = decision
 
     def state_dict(self) -> dict[str, Any]:
@@ -317,16 +350,31 @@ class Coordinator:
         if self._decided is not None:
             raise ProtocolError(f"state_dict() in the middle of round {self.round}; take it between rounds")
         return {
-            K_VERSION: 1, K_WORLD: self.world_size, K_SEED: self.seed, K_EPOCH: self.epoch,
-            K_MODE: self.mode, K_POLICY: self.policy.name, K_BUDGET: self.token_budget, K_QUOTA: self.quota,
-            K_ROUND: self.round, K_EMITTED: self.emitted, "done": self.done,
+            K_VERSION: 1,
+            K_WORLD: self.world_size,
+            K_SEED: self.seed,
+            K_EPOCH: self.epoch,
+            K_MODE: self.mode,
+            K_POLICY: self.policy.name,
+            K_BUDGET: self.token_budget,
+            K_QUOTA: self.quota,
+            K_ROUND: self.round,
+            K_EMITTED: self.emitted,
+            "done": self.done,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a `state_dict()`; refuses one taken with another world size, seed, epoch, mode, policy,
         token budget or quota (ValueError naming each field that differs)."""
-        expect = {K_WORLD: self.world_size, K_SEED: self.seed, K_EPOCH: self.epoch, K_MODE: self.mode,
-                  K_POLICY: self.policy.name, K_BUDGET: self.token_budget, K_QUOTA: self.quota}
+        expect = {
+            K_WORLD: self.world_size,
+            K_SEED: self.seed,
+            K_EPOCH: self.epoch,
+            K_MODE: self.mode,
+            K_POLICY: self.policy.name,
+            K_BUDGET: self.token_budget,
+            K_QUOTA: self.quota,
+        }
         check_state(state, expect, "Coordinator")
         self.epoch = state[K_EPOCH]
         self.round, self.emitted, self.done = state[K_ROUND], state[K_EMITTED], state["done"]

@@ -280,7 +280,9 @@ def check_nodes(nodes: Sequence[int], world_size: int) -> list[int]:
     return list(nodes)
 
 
-def plan_moves(plan: Sequence[Sequence[Sequence[Sample]]], nodes: Sequence[int] | None = None) -> dict[str, int]:
+def plan_moves(
+    plan: Sequence[Sequence[Sequence[Sample]]], nodes: Sequence[int] | None = None
+) -> dict[str, int]:
     """Counts the samples (and their bytes, `sample_bytes`) a plan places off their home rank.
 
     `plan[rank][step]` is a group of samples (empty = IDLE), as `plan_round` returns it; `nodes[r]` is
@@ -307,8 +309,12 @@ def plan_moves(plan: Sequence[Sequence[Sequence[Sample]]], nodes: Sequence[int] 
                 else:
                     cross += 1
                     cross_bytes += sample_bytes(s)
-    return {"intra_node_samples": intra, "intra_node_bytes": intra_bytes,
-            "cross_node_samples": cross, "cross_node_bytes": cross_bytes}
+    return {
+        "intra_node_samples": intra,
+        "intra_node_bytes": intra_bytes,
+        "cross_node_samples": cross,
+        "cross_node_bytes": cross_bytes,
+    }
 
 
 def _plan_nodes(
@@ -343,9 +349,20 @@ def _plan_nodes(
 
     # 1'. Choose per node: node-pure groups, ranked with a per-node generator; T from their total count.
     seed = rng.getrandbits(64)
-    ranked = [rank_groups(form_groups(x, token_budget, cost), token_budget, cost, now, max_wait,
-                          random.Random(f"node:{seed}:{ids[i]}"), final) if x else []
-              for i, x in enumerate(local)]
+    ranked = [
+        rank_groups(
+            form_groups(x, token_budget, cost),
+            token_budget,
+            cost,
+            now,
+            max_wait,
+            random.Random(f"node:{seed}:{ids[i]}"),
+            final,
+        )
+        if x
+        else []
+        for i, x in enumerate(local)
+    ]
     k = sum(map(len, ranked))
     if final:
         target = min(-(-k // world_size), capacity)
@@ -366,14 +383,18 @@ def _plan_nodes(
                 taken = {id(g) for g in chosen[i]}
                 left.extend(g for g in ranked[i] if id(g) not in taken)
         left.sort(key=lambda g: (group_bytes(g), g[0].sample.id))
-        for i, g in zip(short, left):
+        for i, g in zip(short, left, strict=False):
             chosen[i].append(g)
 
     # 3'. Refine per node: the smallest capacity whose grouping of the node's chosen samples (own and
     # received, regrouped on the node) still fits its slots.
     pooled_ok = False
-    if refine and POOL_PENALTY is not None and not cost.additive and all(
-            len(chosen[i]) == slots_of[i] for i in range(count)):
+    if (
+        refine
+        and POOL_PENALTY is not None
+        and not cost.additive
+        and all(len(chosen[i]) == slots_of[i] for i in range(count))
+    ):
         mixed = _refine_pooled(chosen, slots_of, token_budget, cost, POOL_PENALTY, node_of)
         if mixed is not None:
             chosen, pooled_ok = mixed, True
@@ -406,7 +427,7 @@ def _plan_nodes(
         kn = len(members[i])
         for step, row in enumerate(perm):
             chunk = held_groups[i][row * kn : (row + 1) * kn]
-            for rank, group in zip(members[i], _place_on(chunk, members[i])):
+            for rank, group in zip(members[i], _place_on(chunk, members[i]), strict=False):
                 plan[rank][step] = tuple(e.sample for e in group)
     return plan, swaps
 
@@ -443,8 +464,14 @@ def _outliers(entries: Sequence[Entry], capacity: int, penalty: float) -> tuple[
     return groups, loose
 
 
-def _refine_pooled(chosen: Sequence[Sequence[Group]], slots_of: Sequence[int], token_budget: int, cost: CostModel,
-                   penalty: float, node_of: Callable[[Entry], int]) -> list[list[Group]] | None:
+def _refine_pooled(
+    chosen: Sequence[Sequence[Group]],
+    slots_of: Sequence[int],
+    token_budget: int,
+    cost: CostModel,
+    penalty: float,
+    node_of: Callable[[Entry], int],
+) -> list[list[Group]] | None:
     """Every node's chosen samples regrouped under one capacity c with outliers pooled across nodes
     (`_outliers`), c the smallest that fits: each node's own groups within its slots, all groups within
     N x T. Pooled groups go to nodes with free slots, the one holding most of their bytes first."""
@@ -468,12 +495,16 @@ def _refine_pooled(chosen: Sequence[Sequence[Group]], slots_of: Sequence[int], t
             weight: dict[int, int] = {}
             for e in g:
                 weight[node_of(e)] = weight.get(node_of(e), 0) + sample_bytes(e.sample)
-            home = max((j for j in range(count) if free[j] > 0), key=lambda j: (weight.get(j, 0), free[j], -j))
+            home = max(
+                (j for j in range(count) if free[j] > 0), key=lambda j: (weight.get(j, 0), free[j], -j)
+            )
             own[home].append(g)
             free[home] -= 1
         return own
 
-    fitting = [cost.item(e.sample.length) for x in entries for e in x if cost.item(e.sample.length) <= token_budget]
+    fitting = [
+        cost.item(e.sample.length) for x in entries for e in x if cost.item(e.sample.length) <= token_budget
+    ]
     lo, hi, found = (math.ceil(max(fitting)) if fitting else token_budget), token_budget, None
     while lo <= hi:
         mid = (lo + hi) // 2
@@ -485,8 +516,12 @@ def _refine_pooled(chosen: Sequence[Sequence[Group]], slots_of: Sequence[int], t
     return found
 
 
-def _fill_nodes(chosen: list[list[Group]], slots_of: Sequence[int], group_cost: Callable[[Group], float],
-                group_bytes: Callable[[Group], int]) -> None:
+def _fill_nodes(
+    chosen: list[list[Group]],
+    slots_of: Sequence[int],
+    group_cost: Callable[[Group], float],
+    group_bytes: Callable[[Group], int],
+) -> None:
     """Splits groups in halves (longest-first order kept) until every node holds its slots or only
     singletons are left: the costliest multi-sample group of a node short of slots first (both halves
     stay); when no short node has one, the costliest anywhere, whose half with fewer bytes moves to the
@@ -522,7 +557,7 @@ def _fill_nodes(chosen: list[list[Group]], slots_of: Sequence[int], group_cost: 
         if held[i] >= slots_of[i]:  # split on a full node: the lighter half goes to the shortest node
             light = min((0, 1), key=lambda p: group_bytes(parts[p]))
             dest[light] = max(short, key=lambda j: (slots_of[j] - held[j], -j))
-        for part, j in zip(parts, dest):
+        for part, j in zip(parts, dest, strict=False):
             chosen[j].append(part)
             held[j] += 1
             if len(part) > 1:
@@ -534,8 +569,9 @@ def _fill_nodes(chosen: list[list[Group]], slots_of: Sequence[int], group_cost: 
             chosen[i] = [g for g in chosen[i] if id(g) not in removed]
 
 
-def _deal_levels(chosen: Sequence[Sequence[Group]], sizes: Sequence[int], target: int,
-                 group_cost: Callable[[Group], float]) -> tuple[list[list[Group]], int] | None:
+def _deal_levels(
+    chosen: Sequence[Sequence[Group]], sizes: Sequence[int], target: int, group_cost: Callable[[Group], float]
+) -> tuple[list[list[Group]], int] | None:
     """Deals every node's K_n x T groups (IDLE = []) into T rows of K_n so that each row's costliest group
     is at most the row's level l_s, the cost of the s-th row's first group in the global cost sort cut
     into rows of N; returns each node's groups in row order and the number of swaps, or None if the
@@ -618,8 +654,14 @@ def _deal_levels(chosen: Sequence[Sequence[Group]], sizes: Sequence[int], target
     return held, swaps
 
 
-def _cheap_pair(held: Sequence[Sequence[Group]], costs: Sequence[Sequence[float]], sizes: Sequence[int],
-                levels: Sequence[float], n: int, limit: float) -> tuple[int, int, int] | None:
+def _cheap_pair(
+    held: Sequence[Sequence[Group]],
+    costs: Sequence[Sequence[float]],
+    sizes: Sequence[int],
+    levels: Sequence[float],
+    n: int,
+    limit: float,
+) -> tuple[int, int, int] | None:
     """The swap that moves the fewest samples for a violation of node n at a row of level `limit`: one
     of n's groups y costing more than `limit` for another node's group z costing at most `limit` held in
     a row whose level is >= y's cost. Returns (y's position, z's node, z's position) or None."""

@@ -68,8 +68,9 @@ def deal_units(unit_rows: np.ndarray, world_size: int, order: np.ndarray) -> lis
     return out
 
 
-def cut_windows(units: Sequence[int], unit_block: np.ndarray, block_bytes: np.ndarray,
-                window_bytes: int) -> list[list[int]]:
+def cut_windows(
+    units: Sequence[int], unit_block: np.ndarray, block_bytes: np.ndarray, window_bytes: int
+) -> list[list[int]]:
     """Maximal runs of `units` whose distinct blocks' bytes sum to at most `window_bytes` (step 3)."""
     windows: list[list[int]] = []
     cur: list[int] = []
@@ -104,14 +105,25 @@ class BlockView:
         ValueError: naming the argument, on mismatched lengths or negative sizes.
     """
 
-    def __init__(self, block_rows: Sequence[int], block_bytes: Sequence[int], rank: int, world_size: int,
-                 seed: int = 0, epoch: int = 0, shuffle: bool = True, wrap: bool = False,
-                 window_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        block_rows: Sequence[int],
+        block_bytes: Sequence[int],
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        epoch: int = 0,
+        shuffle: bool = True,
+        wrap: bool = False,
+        window_bytes: int | None = None,
+    ) -> None:
         check_int("world_size", world_size, lo=1)
         check_int("rank", rank, lo=0, hi=world_size - 1)
         if len(block_rows) != len(block_bytes):
-            raise ValueError(f"block_rows and block_bytes must have one entry per block, got "
-                             f"{len(block_rows)=} {len(block_bytes)=}")
+            raise ValueError(
+                f"block_rows and block_bytes must have one entry per block, got "
+                f"{len(block_rows)=} {len(block_bytes)=}"
+            )
         self.block_rows = np.asarray(block_rows, dtype=np.int64)
         self.block_bytes = np.asarray(block_bytes, dtype=np.int64)
         if (self.block_rows < 0).any() or (self.block_bytes < 0).any():
@@ -123,16 +135,19 @@ class BlockView:
         self.num_samples = int(self.block_rows.sum())
         self.unit_start, self.unit_rows, self.unit_block = split_units(self.block_rows, world_size)
         n_units = len(self.unit_rows)
-        order = (np.random.default_rng([seed, epoch]).permutation(n_units) if shuffle
-                 else np.arange(n_units))
+        order = np.random.default_rng([seed, epoch]).permutation(n_units) if shuffle else np.arange(n_units)
         self.units = deal_units(self.unit_rows, world_size, order)[rank]
         budget = window_bytes if window_bytes is not None else max(int(self.block_bytes.sum()), 1)
         self.windows = cut_windows(self.units, self.unit_block, self.block_bytes, budget)
         sizes = [int(self.unit_rows[w].sum()) for w in self.windows]
         self._ends = np.cumsum(sizes, dtype=np.int64)
         self._len = int(self._ends[-1]) if sizes else 0
-        self.layout = zlib.crc32(np.asarray([len(self.block_rows), budget, *self.block_rows.tolist(),
-                                             *self.block_bytes.tolist()], dtype=np.int64).tobytes())
+        self.layout = zlib.crc32(
+            np.asarray(
+                [len(self.block_rows), budget, *self.block_rows.tolist(), *self.block_bytes.tolist()],
+                dtype=np.int64,
+            ).tobytes()
+        )
         self.position = 0
         self.passes = 0
         self._cached: tuple[int, int, np.ndarray] | None = None
@@ -145,8 +160,16 @@ class BlockView:
         """Window `w`'s ids in pass `p`'s order."""
         if self._cached is not None and self._cached[:2] == (w, p):
             return self._cached[2]
-        ids = np.concatenate([np.arange(self.unit_start[u], self.unit_start[u] + self.unit_rows[u])
-                              for u in self.windows[w]]) if self.windows[w] else np.zeros(0, np.int64)
+        ids = (
+            np.concatenate(
+                [
+                    np.arange(self.unit_start[u], self.unit_start[u] + self.unit_rows[u])
+                    for u in self.windows[w]
+                ]
+            )
+            if self.windows[w]
+            else np.zeros(0, np.int64)
+        )
         if self.shuffle or p > 0:
             ids = ids[np.random.default_rng([self.seed, self.epoch, self.rank, w, p]).permutation(len(ids))]
         self._cached = (w, p, ids)
@@ -199,8 +222,17 @@ class BlockView:
 
     def for_epoch(self, epoch: int) -> BlockView:
         """The same rank's view of `epoch`, from its start."""
-        return BlockView(self.block_rows, self.block_bytes, self.rank, self.world_size, self.seed, epoch,
-                         self.shuffle, self.wrap, self.window_bytes)
+        return BlockView(
+            self.block_rows,
+            self.block_bytes,
+            self.rank,
+            self.world_size,
+            self.seed,
+            epoch,
+            self.shuffle,
+            self.wrap,
+            self.window_bytes,
+        )
 
     def reset(self) -> None:
         """Back to the start of the epoch."""
@@ -208,9 +240,17 @@ class BlockView:
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {K_VERSION: 1, K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
-                K_EPOCH: self.epoch, K_NUM: self.num_samples, K_LAYOUT: self.layout, K_POS: self.position,
-                K_PASS: self.passes}
+        return {
+            K_VERSION: 1,
+            K_RANK: self.rank,
+            K_WORLD: self.world_size,
+            K_SEED: self.seed,
+            K_EPOCH: self.epoch,
+            K_NUM: self.num_samples,
+            K_LAYOUT: self.layout,
+            K_POS: self.position,
+            K_PASS: self.passes,
+        }
 
     def state_at(self, seq: int) -> dict[str, Any]:
         """The `state_dict()` this view has after yielding `seq` ids from its start."""
@@ -218,7 +258,16 @@ class BlockView:
         return {**self.state_dict(), K_POS: position, K_PASS: passes}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_state(state, {K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
-                            K_EPOCH: self.epoch, K_NUM: self.num_samples, K_LAYOUT: self.layout},
-                    f"BlockView(rank={self.rank})")
+        check_state(
+            state,
+            {
+                K_RANK: self.rank,
+                K_WORLD: self.world_size,
+                K_SEED: self.seed,
+                K_EPOCH: self.epoch,
+                K_NUM: self.num_samples,
+                K_LAYOUT: self.layout,
+            },
+            f"BlockView(rank={self.rank})",
+        )
         self.passes, self.position = int(state[K_PASS]), int(state[K_POS])

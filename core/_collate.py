@@ -59,8 +59,9 @@ def _input_ids(sample: Payload, index: int) -> np.ndarray:
         raise ValueError(f"sample {index} has no 'input_ids': keys={sorted(sample)}")
     ids = np.asarray(sample["input_ids"])
     if ids.ndim != 1 or ids.shape[0] < 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"sample {index}: input_ids must be a non-empty 1-D integer array, got "
-                         f"{ids.shape=} {ids.dtype=}")
+        raise ValueError(
+            f"sample {index}: input_ids must be a non-empty 1-D integer array, got {ids.shape=} {ids.dtype=}"
+        )
     return ids.astype(np.int64, copy=False)
 
 
@@ -72,16 +73,20 @@ def _labels(sample: Payload, ids: np.ndarray, index: int) -> np.ndarray:
         return labels
     labels = np.asarray(sample["labels"])
     if labels.shape != ids.shape or not np.issubdtype(labels.dtype, np.integer):
-        raise ValueError(f"sample {index}: labels must be an integer array shaped like input_ids, got "
-                         f"{labels.shape=} {labels.dtype=} vs {ids.shape=}")
+        raise ValueError(
+            f"sample {index}: labels must be an integer array shaped like input_ids, got "
+            f"{labels.shape=} {labels.dtype=} vs {ids.shape=}"
+        )
     return labels.astype(np.int64, copy=True)
 
 
 def _parse(samples: Sequence[Payload]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Validates `samples` and returns (input_ids, labels) int64 pairs."""
     if isinstance(samples, Mapping) or len(samples) == 0:
-        raise ValueError(f"samples must be a non-empty sequence of payload dicts, got "
-                         f"{type(samples).__name__} with {len(samples)=}")
+        raise ValueError(
+            f"samples must be a non-empty sequence of payload dicts, got "
+            f"{type(samples).__name__} with {len(samples)=}"
+        )
     out = []
     for i, sample in enumerate(samples):
         ids = _input_ids(sample, i)
@@ -102,7 +107,9 @@ def _vision(samples: Sequence[Payload]) -> dict[str, np.ndarray]:
     return out
 
 
-def _tokens(samples: Sequence[Payload], parsed: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, list[np.ndarray]]:
+def _tokens(
+    samples: Sequence[Payload], parsed: list[tuple[np.ndarray, np.ndarray]]
+) -> dict[str, list[np.ndarray]]:
     """Per `TOKEN_KEYS` key, each sample's int64 array (every sample must carry it, shaped like input_ids)."""
     out: dict[str, list[np.ndarray]] = {}
     for key in TOKEN_KEYS:
@@ -110,14 +117,18 @@ def _tokens(samples: Sequence[Payload], parsed: list[tuple[np.ndarray, np.ndarra
         if not any(have):
             continue
         if not all(have):
-            raise ValueError(f"{key}: some samples carry it and some do not (samples {have.index(False)} "
-                             f"and {have.index(True)})")
+            raise ValueError(
+                f"{key}: some samples carry it and some do not (samples {have.index(False)} "
+                f"and {have.index(True)})"
+            )
         arrays = []
-        for i, (s, (ids, _)) in enumerate(zip(samples, parsed)):
+        for i, (s, (ids, _)) in enumerate(zip(samples, parsed, strict=False)):
             arr = np.asarray(s[key])
             if arr.shape != ids.shape or not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"sample {i}: {key} must be an integer array shaped like input_ids, got "
-                                 f"{arr.shape=} {arr.dtype=} vs {ids.shape=}")
+                raise ValueError(
+                    f"sample {i}: {key} must be an integer array shaped like input_ids, got "
+                    f"{arr.shape=} {arr.dtype=} vs {ids.shape=}"
+                )
             arrays.append(arr.astype(np.int64, copy=False))
         out[key] = arrays
     return out
@@ -159,7 +170,7 @@ def collate_padded(samples: Sequence[Payload], pad_id: int = 0) -> dict[str, np.
     for key, arrays in _tokens(samples, parsed).items():
         tokens[key] = np.zeros((b, t), dtype=np.int64)
         for row, arr in enumerate(arrays):
-            tokens[key][row, :arr.shape[0]] = arr
+            tokens[key][row, : arr.shape[0]] = arr
     return {
         "input_ids": input_ids,
         "attention_mask": mask,
@@ -211,8 +222,15 @@ def idle_batch(pad_id: int = 0) -> dict[str, np.ndarray]:
     -100, so the batch carries no loss tokens and the trainer weights it by zero.
     """
     _check_pad_id(pad_id)
-    return collate_padded([{"input_ids": np.array([pad_id], dtype=np.int64),
-                            "labels": np.array([IGNORE_INDEX], dtype=np.int64)}], pad_id=pad_id)
+    return collate_padded(
+        [
+            {
+                "input_ids": np.array([pad_id], dtype=np.int64),
+                "labels": np.array([IGNORE_INDEX], dtype=np.int64),
+            }
+        ],
+        pad_id=pad_id,
+    )
 
 
 def loss_tokens(labels_row: np.ndarray) -> int:
@@ -249,13 +267,16 @@ def image_of(sample: Payload, index: int) -> dict[str, np.ndarray]:
     if grid is None:
         if not 0 <= index < pixels.shape[0]:
             raise ValueError(f"image {index} requested of a payload with {pixels.shape[0]} images")
-        return {"pixel_values": pixels[index:index + 1]}
+        return {"pixel_values": pixels[index : index + 1]}
     grid = np.asarray(grid).reshape(-1, 3)
     if not 0 <= index < grid.shape[0]:
         raise ValueError(f"image {index} requested of a payload with {grid.shape[0]} images")
     sizes = np.prod(grid, axis=1)
     start = int(sizes[:index].sum())
-    return {"pixel_values": pixels[start:start + int(sizes[index])], "image_grid_thw": grid[index:index + 1]}
+    return {
+        "pixel_values": pixels[start : start + int(sizes[index])],
+        "image_grid_thw": grid[index : index + 1],
+    }
 
 
 def collate_images(images: Sequence[Payload]) -> dict[str, np.ndarray]:
@@ -274,5 +295,7 @@ def llm_grids(samples: Sequence[Payload]) -> dict[str, np.ndarray]:
     """A two-phase step's ``llm_image_grid_thw`` [images, 3]: the grids of the LLM samples' own images, in
     LLM order (samples in batch order, images in sample order), which M-RoPE positions need while the
     pixels travel to other ranks. No key when no sample has a grid (LLaVA, text-only steps)."""
-    parts = [np.asarray(s["image_grid_thw"]).reshape(-1, 3) for s in samples if s.get("image_grid_thw") is not None]
+    parts = [
+        np.asarray(s["image_grid_thw"]).reshape(-1, 3) for s in samples if s.get("image_grid_thw") is not None
+    ]
     return {LLM_GRID_KEY: np.ascontiguousarray(np.concatenate(parts).astype(np.int64))} if parts else {}

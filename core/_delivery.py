@@ -46,7 +46,16 @@ ATTACHED, WAIT, END, REFUSED = "attached", "wait", "end", "refused"
 # what `next_for` says besides a step number
 SEND_END = "end"
 K_EPOCH, K_READY, K_MADE, K_ACKED, K_DONE, K_END_SENT, K_PREV, K_GROUP, K_ENDS = (
-    "epoch", "ready", "made", "acked", "done", "end_sent", "prev_epoch_steps", "group_size", "ends_sent")
+    "epoch",
+    "ready",
+    "made",
+    "acked",
+    "done",
+    "end_sent",
+    "prev_epoch_steps",
+    "group_size",
+    "ends_sent",
+)
 
 
 def fixed_capacity(depth: int) -> int:
@@ -102,8 +111,16 @@ class _Member:
 class Delivery:
     """Delivery of one rank's steps to its trainer, or to its trainer group (see module docstring)."""
 
-    def __init__(self, rank: int, epochs: int, depth: int, grace_s: float, trainer_timeout_s: float,
-                 now: float, epoch: int = 0) -> None:
+    def __init__(
+        self,
+        rank: int,
+        epochs: int,
+        depth: int,
+        grace_s: float,
+        trainer_timeout_s: float,
+        now: float,
+        epoch: int = 0,
+    ) -> None:
         check_int("rank", rank, lo=0)
         check_int("epochs", epochs, lo=1)
         check_int("depth", depth, lo=1)
@@ -156,8 +173,11 @@ class Delivery:
         return next((m for m in self.members if m.holder is not None and m.holder == client), None)
 
     def _who(self, k: int) -> str:
-        return (f"trainer of rank {self.rank}" if len(self.members) == 1
-                else f"trainer of rank {self.rank} (group member {k} of {len(self.members)})")
+        return (
+            f"trainer of rank {self.rank}"
+            if len(self.members) == 1
+            else f"trainer of rank {self.rank} (group member {k} of {len(self.members)})"
+        )
 
     # -- the round loop's side -----------------------------------------------------------------------
     @property
@@ -192,22 +212,35 @@ class Delivery:
     def advance(self, now: float) -> None:
         """Starts the next epoch (every member took this one's end)."""
         if not self.can_advance:
-            raise ValueError(f"rank {self.rank}: epoch {self.epoch} cannot hand off "
-                             f"(end sent: {self.end_sent}, epochs {self.epochs})")
+            raise ValueError(
+                f"rank {self.rank}: epoch {self.epoch} cannot hand off "
+                f"(end sent: {self.end_sent}, epochs {self.epochs})"
+            )
         self.prev_epoch_steps = self.made
         self._reset(self.epoch + 1, now)
 
     # -- the trainer's side --------------------------------------------------------------------------
-    def connect(self, client: Hashable, epoch: int, start_step: int, credits: int, now: float,
-                member: int = 0, group_size: int = 1) -> Connect:
+    def connect(
+        self,
+        client: Hashable,
+        epoch: int,
+        start_step: int,
+        credits: int,
+        now: float,
+        member: int = 0,
+        group_size: int = 1,
+    ) -> Connect:
         """A trainer (member `member` of a group of `group_size` processes sharing this rank's batches)
         opens a stream for `epoch` at `start_step` with `credits`."""
         check_int("start_step", start_step, lo=0)
         check_int("group_size", group_size, lo=1)
         check_int("member", member, lo=0, hi=group_size - 1)
         if self.group_size is not None and group_size != self.group_size:
-            return Connect(REFUSED, f"rank {self.rank}'s trainers form a group of {self.group_size} process(es), "
-                                    f"but this trainer says its group has {group_size}")
+            return Connect(
+                REFUSED,
+                f"rank {self.rank}'s trainers form a group of {self.group_size} process(es), "
+                f"but this trainer says its group has {group_size}",
+            )
         m = self.members[member] if self.group_size is not None or member == 0 else None
         if epoch == self.epoch + 1 < self.epochs and (self.end_sent or (m is not None and m.end_sent)):
             return Connect(WAIT, f"rank {self.rank} starts epoch {epoch} next")
@@ -218,23 +251,35 @@ class Delivery:
                 why = f"the job runs {self.epochs} epoch(s), 0..{self.epochs - 1}"
             else:
                 why = f"rank {self.rank} is in epoch {self.epoch}" + (
-                    " and its trainer has not taken that epoch's last step" if epoch == self.epoch + 1 else "")
+                    " and its trainer has not taken that epoch's last step" if epoch == self.epoch + 1 else ""
+                )
             return Connect(REFUSED, f"the trainer asked for epoch {epoch}, but {why}")
         if m is not None and m.holder is not None and m.holder != client:
             whose = f"rank {self.rank}'s" + (f" group member {member}'s" if group_size > 1 else "")
-            return Connect(REFUSED, f"{whose} batches already stream to trainer {m.holder}; a rank serves one "
-                                    f"trainer" + (" per group member" if group_size > 1 else ""))
+            return Connect(
+                REFUSED,
+                f"{whose} batches already stream to trainer {m.holder}; a rank serves one "
+                f"trainer" + (" per group member" if group_size > 1 else ""),
+            )
         if start_step < self.acked:
-            return Connect(REFUSED, f"the trainer resumes rank {self.rank} at step {start_step} of epoch {epoch}, "
-                                    f"but steps < {self.acked} were acknowledged and freed")
+            return Connect(
+                REFUSED,
+                f"the trainer resumes rank {self.rank} at step {start_step} of epoch {epoch}, "
+                f"but steps < {self.acked} were acknowledged and freed",
+            )
         if start_step > self.made:
-            return Connect(REFUSED, f"the trainer resumes rank {self.rank} at step {start_step} of epoch {epoch}, "
-                                    f"but this rank made {self.made} step(s) so far")
+            return Connect(
+                REFUSED,
+                f"the trainer resumes rank {self.rank} at step {start_step} of epoch {epoch}, "
+                f"but this rank made {self.made} step(s) so far",
+            )
         if self.group_size is None:
             self.group_size = group_size
             if group_size > 1:
                 old = self.members[0]
-                self.members = [old] + [_Member(old.unattended_since, self.acked) for _ in range(group_size - 1)]
+                self.members = [old] + [
+                    _Member(old.unattended_since, self.acked) for _ in range(group_size - 1)
+                ]
             m = self.members[member]
         assert m is not None
         m.holder, m.credits, m.cursor = client, max(int(credits), 1), start_step
@@ -301,16 +346,27 @@ class Delivery:
             if m.gone_since is not None and now - m.gone_since > self.grace_s:
                 return f"{self._who(k)} disconnected and did not reconnect within {self.grace_s:g}s"
             if waiting and now - m.unattended_since > self.trainer_timeout_s:
-                who = (f"rank {self.rank}'s service" if len(self.members) == 1
-                       else f"rank {self.rank}'s service as group member {k} of {len(self.members)}")
+                who = (
+                    f"rank {self.rank}'s service"
+                    if len(self.members) == 1
+                    else f"rank {self.rank}'s service as group member {k} of {len(self.members)}"
+                )
                 return f"no trainer connected to {who} for {self.trainer_timeout_s:g}s while its batches were ready"
         return None
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {K_EPOCH: self.epoch, K_READY: list(self.ready), K_MADE: self.made, K_ACKED: self.acked,
-                K_DONE: self.done, K_END_SENT: self.end_sent, K_PREV: self.prev_epoch_steps,
-                K_GROUP: self.group_size, K_ENDS: [k for k, m in enumerate(self.members) if m.end_sent]}
+        return {
+            K_EPOCH: self.epoch,
+            K_READY: list(self.ready),
+            K_MADE: self.made,
+            K_ACKED: self.acked,
+            K_DONE: self.done,
+            K_END_SENT: self.end_sent,
+            K_PREV: self.prev_epoch_steps,
+            K_GROUP: self.group_size,
+            K_ENDS: [k for k, m in enumerate(self.members) if m.end_sent],
+        }
 
     def load_state_dict(self, state: Mapping[str, Any], now: float) -> None:
         """Restores a `state_dict()`; nobody is connected afterwards, and every member resumes from the

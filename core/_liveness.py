@@ -99,8 +99,10 @@ class Liveness:
         """The failure at `now`, naming the party, or None while every party is alive."""
         missing = self.unregistered()
         if missing and now - self.started > self.startup_timeout_s:
-            return (f"rank(s) {missing} did not register within the start-up timeout "
-                    f"({self.startup_timeout_s:g}s)")
+            return (
+                f"rank(s) {missing} did not register within the start-up timeout "
+                f"({self.startup_timeout_s:g}s)"
+            )
         for rank, seen in sorted(self.last_seen.items()):
             if rank not in self.finished and now - seen > self.lease_s:
                 return f"{self._name(rank)} missed its lease: silent for {now - seen:.1f}s (lease {self.lease_s:g}s)"
@@ -112,8 +114,10 @@ class Liveness:
         if not missing:
             return None
         left = self.startup_timeout_s - (now - self.started)
-        return (f"waiting for rank(s) {missing} to register ({now - self.started:.0f}s so far, "
-                f"{max(left, 0):.0f}s left of the start-up timeout)")
+        return (
+            f"waiting for rank(s) {missing} to register ({now - self.started:.0f}s so far, "
+            f"{max(left, 0):.0f}s left of the start-up timeout)"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {K_REGISTERED: self.registered, K_FINISHED: sorted(self.finished)}

@@ -146,8 +146,10 @@ class Exchange:
         check_int("world_size", self.world_size, lo=1)
         check_int("rank", self.rank, lo=0, hi=self.world_size - 1)
         if len(self.sources) != len(self.tokens):
-            raise ValueError(f"sources and tokens must have one entry per image, got "
-                             f"{len(self.sources)=} {len(self.tokens)=}")
+            raise ValueError(
+                f"sources and tokens must have one entry per image, got "
+                f"{len(self.sources)=} {len(self.tokens)=}"
+            )
         for s in self.sources:
             check_int("source", s, lo=0, hi=self.world_size - 1)
         owners = [im.owner for im in self.encode]
@@ -180,13 +182,23 @@ class Exchange:
         return order
 
     def to_json(self) -> dict[str, Any]:
-        return {"r": self.rank, "n": self.world_size, "e": [im.to_json() for im in self.encode],
-                "s": list(self.sources), "t": list(self.tokens)}
+        return {
+            "r": self.rank,
+            "n": self.world_size,
+            "e": [im.to_json() for im in self.encode],
+            "s": list(self.sources),
+            "t": list(self.tokens),
+        }
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> Exchange:
-        return Exchange(obj["r"], obj["n"], tuple(ImageRef.from_json(e) for e in obj["e"]),
-                        tuple(obj["s"]), tuple(obj["t"]))
+        return Exchange(
+            obj["r"],
+            obj["n"],
+            tuple(ImageRef.from_json(e) for e in obj["e"]),
+            tuple(obj["s"]),
+            tuple(obj["t"]),
+        )
 
 
 def _images(row: Sequence[Sequence[Sample]]) -> list[ImageRef]:
@@ -199,8 +211,14 @@ def _images(row: Sequence[Sequence[Sample]]) -> list[ImageRef]:
     return out
 
 
-def _greedy(images: list[ImageRef], costs: list[float], nodes: list[int], cap: float,
-            order: list[int], keep_first: bool = True) -> list[int] | None:
+def _greedy(
+    images: list[ImageRef],
+    costs: list[float],
+    nodes: list[int],
+    cap: float,
+    order: list[int],
+    keep_first: bool = True,
+) -> list[int] | None:
     """Places images in `order` (costliest first) under `cap` (module docstring); None when some image
     has no room. `keep_first`: every rank keeps its own images first, then the rest spill; else one pass
     in which each image goes to its owner if it has room, else spills.
@@ -265,8 +283,9 @@ def _lpt(images: list[ImageRef], costs: list[float], nodes: list[int]) -> list[i
     return where
 
 
-def _search(images: list[ImageRef], costs: list[float], where_node: list[int], order: list[int],
-            keep_first: bool) -> tuple[list[int], float, float] | None:
+def _search(
+    images: list[ImageRef], costs: list[float], where_node: list[int], order: list[int], keep_first: bool
+) -> tuple[list[int], float, float] | None:
     """The first `SLACKS` cap the greedy fits under, refined by bisection: (placement, its peak, its cap),
     the placement of least peak among those that fit; None when no slack fits."""
     n = len(where_node)
@@ -294,7 +313,9 @@ def _search(images: list[ImageRef], costs: list[float], where_node: list[int], o
     return where, best, cap
 
 
-def _place(images: list[ImageRef], costs: list[float], where_node: list[int]) -> tuple[list[int], float | None]:
+def _place(
+    images: list[ImageRef], costs: list[float], where_node: list[int]
+) -> tuple[list[int], float | None]:
     """The encoding rank of every image, and the cap the chosen greedy plan met (None: LPT placed them)."""
     order = sorted(range(len(images)), key=lambda i: -costs[i])
     keep = _search(images, costs, where_node, order, True)
@@ -308,8 +329,9 @@ def _place(images: list[ImageRef], costs: list[float], where_node: list[int]) ->
     return keep[0], keep[2]
 
 
-def plan_vision(row: Sequence[Sequence[Sample]], cost: VisionCost,
-                nodes: Sequence[int] | None = None) -> list[Exchange]:
+def plan_vision(
+    row: Sequence[Sequence[Sample]], cost: VisionCost, nodes: Sequence[int] | None = None
+) -> list[Exchange]:
     """The vision-phase plan of one step (module docstring).
 
     Args:
@@ -356,8 +378,9 @@ def vision_bound(costs: Sequence[float], n: int) -> float:
     return out
 
 
-def plan_vision_round(plan: Sequence[Sequence[Sequence[Sample]]], cost: VisionCost,
-                      nodes: Sequence[int] | None = None) -> tuple[tuple[Exchange, ...], ...]:
+def plan_vision_round(
+    plan: Sequence[Sequence[Sequence[Sample]]], cost: VisionCost, nodes: Sequence[int] | None = None
+) -> tuple[tuple[Exchange, ...], ...]:
     """`plan_vision` for every step of a round's plan (plan[rank][step]): vision[rank][step]."""
     n = len(plan)
     steps = len(plan[0]) if n else 0
@@ -372,8 +395,10 @@ def single_phase(row: Sequence[Sequence[Sample]]) -> list[Exchange]:
     encode: list[list[ImageRef]] = [[] for _ in range(n)]
     for im in images:
         encode[im.owner].append(im)
-    return [Exchange(r, n, tuple(encode[r]), (r,) * len(encode[r]), tuple(im.tokens for im in encode[r]))
-            for r in range(n)]
+    return [
+        Exchange(r, n, tuple(encode[r]), (r,) * len(encode[r]), tuple(im.tokens for im in encode[r]))
+        for r in range(n)
+    ]
 
 
 def phase_loads(exchanges: Sequence[Exchange], cost: VisionCost) -> list[float]:

@@ -120,7 +120,12 @@ class Policy:
         return self.name not in ("fixed", "sorted")
 
     def candidates(
-        self, entries: Sequence[Entry], token_budget: int, cost: CostModel, now: int, rng: random.Random,
+        self,
+        entries: Sequence[Entry],
+        token_budget: int,
+        cost: CostModel,
+        now: int,
+        rng: random.Random,
         exhausted: bool = False,
     ) -> list[Group]:
         """Candidate groups of a window, most worth emitting first (`rng` breaks ties, seeded per round).
@@ -179,7 +184,12 @@ def _index_groups(groups: Sequence[Group]) -> list[list[int]]:
 
 
 def rank_groups(
-    groups: list[Group], token_budget: int, cost: CostModel, now: int, max_wait: int, rng: random.Random,
+    groups: list[Group],
+    token_budget: int,
+    cost: CostModel,
+    now: int,
+    max_wait: int,
+    rng: random.Random,
     exhausted: bool = False,
 ) -> list[Group]:
     """Orders groups for emission.

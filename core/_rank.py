@@ -56,7 +56,12 @@ if TYPE_CHECKING:
 OVER_BUDGET = ("reject", "singleton", "truncate")
 
 K_RANK, K_BUFFER, K_STEP, K_EXHAUSTED, K_REJECTED, K_COUNTERS = (
-    "rank", "buffer", "step", "exhausted", "rejected", "counters",
+    "rank",
+    "buffer",
+    "step",
+    "exhausted",
+    "rejected",
+    "counters",
 )
 
 
@@ -73,7 +78,9 @@ def max_fitting_length(token_budget: int, cost: CostModel) -> int:
     return max(n, 1)
 
 
-def fill_may_stop(room: int, exhausted: bool, buffered: int, deterministic: bool, past_deadline: bool) -> bool:
+def fill_may_stop(
+    room: int, exhausted: bool, buffered: int, deterministic: bool, past_deadline: bool
+) -> bool:
     """Whether a rank may stop filling its window and report, at a moment its source has no sample ready.
 
     Always once the window is full (`room == 0`) or its source is exhausted. Otherwise, by default, once
@@ -135,7 +142,12 @@ class RankState:
         that prefix as `truncated_loss_tokens` when the caller knows them (the daemon recounts them
         from the truncated labels); otherwise min(loss_tokens, new length) is assumed.
         """
-        if self._candidates is not None or self.exhausted or len(self.buffer) >= self.window or sample.id in self._ids:
+        if (
+            self._candidates is not None
+            or self.exhausted
+            or len(self.buffer) >= self.window
+            or sample.id in self._ids
+        ):
             self._refuse(sample)
         outcome = "ok"
         if sample.length > self._truncate_to:  # cheaper than cost.item() for the common case
@@ -175,7 +187,9 @@ class RankState:
         if self._candidates is not None:
             raise ProtocolError(f"rank {self.rank}: push during round {self.round}; push between rounds")
         if self.exhausted:
-            raise ProtocolError(f"rank {self.rank}: push of sample {sample.id} after its source was exhausted")
+            raise ProtocolError(
+                f"rank {self.rank}: push of sample {sample.id} after its source was exhausted"
+            )
         if len(self.buffer) >= self.window:
             raise ProtocolError(f"rank {self.rank}: window of {self.window} samples is full")
         raise ProtocolError(f"rank {self.rank}: sample id {sample.id} is already buffered")
@@ -197,7 +211,8 @@ class RankState:
         else:
             rng = random.Random(f"rank:{self.seed}:{self.epoch}:{self.round}:{self.rank}")
             self._candidates = self.policy.candidates(
-                self.buffer, self.token_budget, self.cost, self.round, rng, self.exhausted)
+                self.buffer, self.token_budget, self.cost, self.round, rng, self.exhausted
+            )
             pool, groups = (), len(self._candidates)
         return RankReport(self.rank, self.round, capacity, len(self.buffer), groups, self.exhausted, pool)
 
@@ -206,19 +221,25 @@ class RankState:
         if self._candidates is None:
             raise ProtocolError(f"rank {self.rank}: decision for round {decision.round} before a report")
         if decision.round != self.round:
-            raise ProtocolError(f"rank {self.rank}: decision for round {decision.round}, expected {self.round}")
+            raise ProtocolError(
+                f"rank {self.rank}: decision for round {decision.round}, expected {self.round}"
+            )
         target = decision.target
         if self.policy.pooled:
             if decision.plan is None or len(decision.plan) != self.world_size:
-                raise ProtocolError(f"rank {self.rank}: balanced round {self.round} needs a plan for every rank")
+                raise ProtocolError(
+                    f"rank {self.rank}: balanced round {self.round} needs a plan for every rank"
+                )
             planned = {s.id for steps in decision.plan for group in steps for s in group}
             self._remove(planned)
             emitted = [list(g) for g in decision.plan[self.rank]]
             self.counters["moved_in"] += sum(s.home_rank != self.rank for g in emitted for s in g)
             if decision.vision is not None:
                 if len(decision.vision) != self.world_size or len(decision.vision[self.rank]) != len(emitted):
-                    raise ProtocolError(f"rank {self.rank}: round {self.round}'s vision plan does not match its "
-                                        f"plan (one exchange per rank and step)")
+                    raise ProtocolError(
+                        f"rank {self.rank}: round {self.round}'s vision plan does not match its "
+                        f"plan (one exchange per rank and step)"
+                    )
                 self._vision = list(decision.vision[self.rank])
         else:
             groups, _rest = self.policy.fit(self._candidates, target, self.cost) if target else ([], [])
@@ -254,9 +275,15 @@ class RankState:
             tokens = sum(lengths)
             loss_tokens = sum(s.loss_tokens for s in group)
             info = StepInfo(
-                rank=self.rank, step=self.step, round=self.round, is_idle=not group,
-                local_samples=len(group), local_tokens=tokens, local_loss_tokens=loss_tokens,
-                global_samples=totals.step_samples[j], global_tokens=totals.step_tokens[j],
+                rank=self.rank,
+                step=self.step,
+                round=self.round,
+                is_idle=not group,
+                local_samples=len(group),
+                local_tokens=tokens,
+                local_loss_tokens=loss_tokens,
+                global_samples=totals.step_samples[j],
+                global_tokens=totals.step_tokens[j],
                 global_loss_tokens=totals.step_loss_tokens[j],
                 loss_scale=loss_scale(loss_tokens, totals.step_loss_tokens[j], self.world_size),
                 cost=self.cost.cost(lengths),
@@ -277,20 +304,36 @@ class RankState:
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe state between rounds."""
         if self._candidates is not None or self._emitted is not None:
-            raise ProtocolError(f"rank {self.rank}: state_dict() inside round {self.round}; take it between rounds")
+            raise ProtocolError(
+                f"rank {self.rank}: state_dict() inside round {self.round}; take it between rounds"
+            )
         return {
-            K_VERSION: 1, K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
-            K_EPOCH: self.epoch, K_POLICY: self.policy.name, K_BUDGET: self.token_budget,
-            K_ROUND: self.round, K_STEP: self.step, K_EXHAUSTED: self.exhausted,
+            K_VERSION: 1,
+            K_RANK: self.rank,
+            K_WORLD: self.world_size,
+            K_SEED: self.seed,
+            K_EPOCH: self.epoch,
+            K_POLICY: self.policy.name,
+            K_BUDGET: self.token_budget,
+            K_ROUND: self.round,
+            K_STEP: self.step,
+            K_EXHAUSTED: self.exhausted,
             K_BUFFER: [[e.sample.to_json(), e.arrival] for e in self.buffer],
-            K_REJECTED: [list(r) for r in self.rejected], K_COUNTERS: dict(self.counters),
+            K_REJECTED: [list(r) for r in self.rejected],
+            K_COUNTERS: dict(self.counters),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a `state_dict()`; refuses a state of another rank, world size, seed, epoch, policy or
         token_budget (ValueError naming each field that differs)."""
-        expect = {K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed, K_EPOCH: self.epoch,
-                  K_POLICY: self.policy.name, K_BUDGET: self.token_budget}
+        expect = {
+            K_RANK: self.rank,
+            K_WORLD: self.world_size,
+            K_SEED: self.seed,
+            K_EPOCH: self.epoch,
+            K_POLICY: self.policy.name,
+            K_BUDGET: self.token_budget,
+        }
         check_state(state, expect, f"RankState(rank={self.rank})")
         self.epoch, self.round, self.step = state[K_EPOCH], state[K_ROUND], state[K_STEP]
         self.exhausted = state[K_EXHAUSTED]

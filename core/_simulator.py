@@ -63,8 +63,14 @@ class Simulator:
     node-blind, its moves counted under the topology).
     """
 
-    def __init__(self, lengths: Sequence[int] | Sequence[Sample], spec: JobSpec, epoch: int = 0,
-                 local_ranks: int | None = None, node_aware: bool | None = None) -> None:
+    def __init__(
+        self,
+        lengths: Sequence[int] | Sequence[Sample],
+        spec: JobSpec,
+        epoch: int = 0,
+        local_ranks: int | None = None,
+        node_aware: bool | None = None,
+    ) -> None:
         if local_ranks is not None:
             check_int("local_ranks", local_ranks, lo=1)
         node_aware = spec.node_aware if node_aware is None else node_aware
@@ -76,7 +82,9 @@ class Simulator:
         if lengths and isinstance(lengths[0], Sample):
             for i, x in enumerate(lengths):
                 if not isinstance(x, Sample) or x.id != i:
-                    raise ValueError(f"lengths[{i}] must be a Sample with id {i} (like every entry), got {x!r}")
+                    raise ValueError(
+                        f"lengths[{i}] must be a Sample with id {i} (like every entry), got {x!r}"
+                    )
             self.records = list(lengths)
             lengths = [x.length for x in self.records]
         for i, n in enumerate(lengths):
@@ -89,10 +97,16 @@ class Simulator:
         self.epoch = epoch
         self.cost = spec.cost_model()
         wrap = c.mode == "non-join"
-        self.sources = [ViewSource(len(self.lengths), r, c.world_size, c.seed, epoch, c.shuffle, wrap)
-                        for r in range(c.world_size)]
-        self.coordinator = Coordinator(c, epoch, self.nodes if self.planned_by_node else None,
-                                       self.nodes if (local_ranks or 1) > 1 else None)
+        self.sources = [
+            ViewSource(len(self.lengths), r, c.world_size, c.seed, epoch, c.shuffle, wrap)
+            for r in range(c.world_size)
+        ]
+        self.coordinator = Coordinator(
+            c,
+            epoch,
+            self.nodes if self.planned_by_node else None,
+            self.nodes if (local_ranks or 1) > 1 else None,
+        )
         self.vision_plan_s: list[float] = []  # wall seconds of each round's vision plan (phases=2)
         self._time_vision_plan()
         self.ranks = [RankState(c, r, epoch) for r in range(c.world_size)]
@@ -127,7 +141,7 @@ class Simulator:
         return self.coordinator.done and not self.pending[0]
 
     def _fill(self) -> None:
-        for rank, src in zip(self.ranks, self.sources):
+        for rank, src in zip(self.ranks, self.sources, strict=False):
             attempts = 0
             while rank.room > 0 and not rank.exhausted and attempts < len(src):
                 i = src.peek()
@@ -153,14 +167,16 @@ class Simulator:
         depth = self.spec.depth
         # A round runs once the steps of the last one were taken (`next_step`): every slot is free. In
         # deterministic mode the ranks report the daemon's fixed capacity (`report_capacity`), as they do.
-        reports = [r.report(report_capacity(depth - len(q), depth, self.spec.deterministic) or 0)
-                   for r, q in zip(self.ranks, self.pending)]
+        reports = [
+            r.report(report_capacity(depth - len(q), depth, self.spec.deterministic) or 0)
+            for r, q in zip(self.ranks, self.pending, strict=False)
+        ]
         t0 = time.perf_counter()
         decision = self.coordinator.decide(reports)
         self.plan_s += time.perf_counter() - t0
         commits = [r.apply(decision) for r in self.ranks]
         totals = self.coordinator.commit(commits)
-        for r, q in zip(self.ranks, self.pending):
+        for r, q in zip(self.ranks, self.pending, strict=False):
             q.extend(r.finalize(totals))
         self.rounds += 1
         return totals.steps
@@ -173,7 +189,9 @@ class Simulator:
             if self.run_round() == 0:
                 self._idle_rounds += 1
                 if self._idle_rounds > 3:
-                    raise RuntimeError(f"alignment stalled at round {self.coordinator.round}: no step in 4 rounds")
+                    raise RuntimeError(
+                        f"alignment stalled at round {self.coordinator.round}: no step in 4 rounds"
+                    )
             else:
                 self._idle_rounds = 0
         return tuple(q.popleft() for q in self.pending)
@@ -184,7 +202,11 @@ class Simulator:
 
     # -- state ---------------------------------------------------------------------------------------
     def _topology(self) -> dict[str, Any] | None:
-        return None if self.local_ranks is None else {"local_ranks": self.local_ranks, "node_aware": self.node_aware}
+        return (
+            None
+            if self.local_ranks is None
+            else {"local_ranks": self.local_ranks, "node_aware": self.node_aware}
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-safe state between any two steps (with `topology` only when `local_ranks` is set)."""
@@ -204,11 +226,15 @@ class Simulator:
         """Restores a `state_dict()` taken with the same spec and data."""
         saved = dict(state["config"])
         if saved != dataclasses.asdict(self.spec):
-            diff = {k: (saved.get(k), v) for k, v in dataclasses.asdict(self.spec).items() if saved.get(k) != v}
+            diff = {
+                k: (saved.get(k), v) for k, v in dataclasses.asdict(self.spec).items() if saved.get(k) != v
+            }
             raise ValueError(f"simulator state was saved with another config (saved, current): {diff}")
         if state.get("topology") != self._topology():
-            raise ValueError(f"simulator state was saved with another topology: saved {state.get('topology')!r}, "
-                             f"current {self._topology()!r}")
+            raise ValueError(
+                f"simulator state was saved with another topology: saved {state.get('topology')!r}, "
+                f"current {self._topology()!r}"
+            )
         self.coordinator.load_state_dict(state["coordinator"])
         for r, s in zip(self.ranks, state["ranks"], strict=True):
             r.load_state_dict(s)
@@ -260,7 +286,9 @@ class PhaseMetrics:
         steps = max(self.steps, 1)
         plans = sim.vision_plan_s
         out: dict[str, Any] = {
-            "phases": sim.spec.phases, "images": self.images, "vision_steps": self.vision_steps,
+            "phases": sim.spec.phases,
+            "images": self.images,
+            "vision_steps": self.vision_steps,
             "llm_imbalance": self.llm / self.llm_steps if self.llm_steps else None,
             "vision_imbalance_single": self.single / self.vision_steps if self.vision_steps else None,
             "vision_imbalance_two": self.two / self.two_steps if self.two_steps else None,
@@ -281,8 +309,9 @@ class SimMetrics:
     def __init__(self, num_samples: int, spec: JobSpec, nodes: Sequence[int] | None = None) -> None:
         self.n, self.c = num_samples, spec
         self.nodes = nodes
-        self.moves = dict.fromkeys(("intra_node_samples", "intra_node_bytes", "cross_node_samples",
-                                    "cross_node_bytes"), 0)
+        self.moves = dict.fromkeys(
+            ("intra_node_samples", "intra_node_bytes", "cross_node_samples", "cross_node_bytes"), 0
+        )
         self.cost = spec.cost_model()
         self.counts = [0] * num_samples
         self.steps = [0] * spec.world_size
@@ -335,19 +364,36 @@ class SimMetrics:
         for r in sim.ranks:
             counters.update(r.counters)
         return {
-            "policy": c.policy, "world_size": n, "token_budget": c.token_budget, "window": c.window,
-            "mode": c.mode, "cost": c.cost, "align": sim.coordinator.policy.align, "seed": c.seed,
-            "samples": self.n, "steps": steps, "steps_per_rank": list(self.steps), "rounds": sim.rounds,
-            "idle": self.idle, "emitted": self.emitted, "missing": missing, "duplicates": duplicates,
-            "moved": self.moved, "rejected": len(rejected), "truncated": counters["truncated"],
+            "policy": c.policy,
+            "world_size": n,
+            "token_budget": c.token_budget,
+            "window": c.window,
+            "mode": c.mode,
+            "cost": c.cost,
+            "align": sim.coordinator.policy.align,
+            "seed": c.seed,
+            "samples": self.n,
+            "steps": steps,
+            "steps_per_rank": list(self.steps),
+            "rounds": sim.rounds,
+            "idle": self.idle,
+            "emitted": self.emitted,
+            "missing": missing,
+            "duplicates": duplicates,
+            "moved": self.moved,
+            "rejected": len(rejected),
+            "truncated": counters["truncated"],
             "over_budget_samples": counters["over_budget"],
-            "real_tokens": self.real, "padded_tokens": self.padded,
+            "real_tokens": self.real,
+            "padded_tokens": self.padded,
             "padding_efficiency": self.real / self.padded if self.padded else 1.0,
             "step_efficiency": self.real / (steps * n * c.token_budget) if steps else 0.0,
             "ideal_steps": math.ceil(self.real / (n * c.token_budget)) if self.real else 0,
             "compute_vs_limit": self.slowest / (self.real / n) if self.real else 0.0,
-            "over_budget": self.over_budget, "loss_scale_error": self.loss_err,
-            "wall_s": wall_s, "samples_per_s_per_rank": self.emitted / n / wall_s if wall_s > 0 else 0.0,
+            "over_budget": self.over_budget,
+            "loss_scale_error": self.loss_err,
+            "wall_s": wall_s,
+            "samples_per_s_per_rank": self.emitted / n / wall_s if wall_s > 0 else 0.0,
             **self.node_result(sim),
             **(self.phases.result(sim) if sim.multimodal or c.phases == 2 else {}),
         }
@@ -359,63 +405,96 @@ class SimMetrics:
         m = self.moves
         stats = sim.coordinator.plan_stats
         out: dict[str, Any] = {"local_ranks": sim.local_ranks or 1, "node_aware": sim.planned_by_node}
-        for key, name in (("intra_node_moved", "intra_node_samples"), ("intra_node_bytes", "intra_node_bytes"),
-                          ("cross_node_moved", "cross_node_samples"), ("cross_node_bytes", "cross_node_bytes")):
+        for key, name in (
+            ("intra_node_moved", "intra_node_samples"),
+            ("intra_node_bytes", "intra_node_bytes"),
+            ("cross_node_moved", "cross_node_samples"),
+            ("cross_node_bytes", "cross_node_bytes"),
+        ):
             out[key] = m[name]
             out[f"{key}_per_round"] = m[name] / rounds
-        out.update({
-            "node_planned_rounds": stats.get("node_aware", 0), "node_fallback_rounds": stats.get("node_fallback", 0),
-            "node_swaps": stats.get("node_swaps", 0), "plan_per_round_s": sim.plan_s / rounds,
-        })
+        out.update(
+            {
+                "node_planned_rounds": stats.get("node_aware", 0),
+                "node_fallback_rounds": stats.get("node_fallback", 0),
+                "node_swaps": stats.get("node_swaps", 0),
+                "plan_per_round_s": sim.plan_s / rounds,
+            }
+        )
         return out
 
 
 # What each key of `simulate`'s result means (`batchd simulate --help` lists them; tested to cover them all).
 RESULT_FIELDS: dict[str, str] = {
-    "policy": "the job's policy", "world_size": "ranks N", "token_budget": "L, tokens a rank's step may cost",
-    "window": "samples buffered per rank", "mode": "join or non-join", "cost": "the cost model",
-    "align": "the DGAP target rule", "seed": "the sampler seed", "samples": "sample ids in the file",
-    "steps": "global steps (every rank runs this many)", "steps_per_rank": "steps of each rank (all equal)",
-    "rounds": "alignment rounds", "idle": "(rank, step) slots with no data: IDLE steps",
-    "emitted": "samples trained", "missing": "ids never trained (must be 0)",
+    "policy": "the job's policy",
+    "world_size": "ranks N",
+    "token_budget": "L, tokens a rank's step may cost",
+    "window": "samples buffered per rank",
+    "mode": "join or non-join",
+    "cost": "the cost model",
+    "align": "the DGAP target rule",
+    "seed": "the sampler seed",
+    "samples": "sample ids in the file",
+    "steps": "global steps (every rank runs this many)",
+    "steps_per_rank": "steps of each rank (all equal)",
+    "rounds": "alignment rounds",
+    "idle": "(rank, step) slots with no data: IDLE steps",
+    "emitted": "samples trained",
+    "missing": "ids never trained (must be 0)",
     "duplicates": "ids trained more than once (must be 0)",
     "moved": "samples the balanced plan trained off their home rank",
-    "rejected": "samples over L quarantined (over_budget reject)", "truncated": "samples over L cut to fit",
+    "rejected": "samples over L quarantined (over_budget reject)",
+    "truncated": "samples over L cut to fit",
     "over_budget_samples": "samples longer than L (singleton, truncated or rejected by --over-budget)",
-    "real_tokens": "tokens of the samples", "padded_tokens": "tokens materialized, padding included",
+    "real_tokens": "tokens of the samples",
+    "padded_tokens": "tokens materialized, padding included",
     "padding_efficiency": "real_tokens / padded_tokens",
     "step_efficiency": "real_tokens / (steps x N x L): how much of the paid-for budget carries data",
     "ideal_steps": "ceil(real_tokens / (N x L)): a perfectly packed, perfectly balanced run's steps",
     "compute_vs_limit": "sum over steps of the slowest rank's cost / (real_tokens / N): the straggler-bound "
-                        "compute against a padding-free, balanced run (1.0 = at that limit)",
+    "compute against a padding-free, balanced run (1.0 = at that limit)",
     "over_budget": "steps on which a group of several samples costs more than L (only fixed-size baselines)",
     "loss_scale_error": "largest |scaled mean of rank losses - global per-token mean| over steps (0 = exact)",
-    "wall_s": "seconds the simulation took", "samples_per_s_per_rank": "simulated samples / s / rank",
-    "local_ranks": "ranks per node K (--local-ranks)", "node_aware": "whether balanced planned node-aware",
-    "intra_node_moved": "moved samples that stayed in their node", "cross_node_moved": "moved samples that left it",
-    "intra_node_bytes": "their bytes (a sample's nbytes, else 8 x length)", "cross_node_bytes": "their bytes",
-    "intra_node_moved_per_round": "per round", "cross_node_moved_per_round": "per round",
-    "intra_node_bytes_per_round": "per round", "cross_node_bytes_per_round": "per round",
-    "node_planned_rounds": "rounds planned node-aware", "node_fallback_rounds": "rounds planned node-blind",
+    "wall_s": "seconds the simulation took",
+    "samples_per_s_per_rank": "simulated samples / s / rank",
+    "local_ranks": "ranks per node K (--local-ranks)",
+    "node_aware": "whether balanced planned node-aware",
+    "intra_node_moved": "moved samples that stayed in their node",
+    "cross_node_moved": "moved samples that left it",
+    "intra_node_bytes": "their bytes (a sample's nbytes, else 8 x length)",
+    "cross_node_bytes": "their bytes",
+    "intra_node_moved_per_round": "per round",
+    "cross_node_moved_per_round": "per round",
+    "intra_node_bytes_per_round": "per round",
+    "cross_node_bytes_per_round": "per round",
+    "node_planned_rounds": "rounds planned node-aware",
+    "node_fallback_rounds": "rounds planned node-blind",
     "node_swaps": "group pairs swapped across nodes by the node-aware plan",
     "plan_per_round_s": "the coordinator's planning seconds per round",
-    "phases": "1, or 2 with the vision encoder balanced too", "images": "images in the workload",
-    "vision_steps": "steps with vision cost", "llm_imbalance": "LLM phase: mean over steps of max / mean rank cost",
+    "phases": "1, or 2 with the vision encoder balanced too",
+    "images": "images in the workload",
+    "vision_steps": "steps with vision cost",
+    "llm_imbalance": "LLM phase: mean over steps of max / mean rank cost",
     "vision_imbalance_single": "vision phase, every rank encoding its own images: mean max / mean",
     "vision_imbalance_two": "vision phase under the two-phase plan: mean max / mean",
     "vision_bound": "vision phase's per-step lower bound max(C / N, largest image) / (C / N), mean over steps",
     "vision_bound_pigeonhole": "the tighter per-step bound (an image is never split), mean over steps",
     "exchanged_intra_node_images_per_step": "two-phase: images encoded off their sample's rank, same node",
     "exchanged_intra_node_rows_per_step": "their embedding rows in the all-to-all",
-    "exchanged_cross_node_images_per_step": "images encoded on another node", "exchanged_cross_node_rows_per_step":
-    "their embedding rows", "vision_plan_rounds": "rounds the vision plan ran",
+    "exchanged_cross_node_images_per_step": "images encoded on another node",
+    "exchanged_cross_node_rows_per_step": "their embedding rows",
+    "vision_plan_rounds": "rounds the vision plan ran",
     "vision_plan_per_round_s": "its seconds per round",
 }
 
 
-def simulate(lengths: Sequence[int] | Sequence[Sample], spec: JobSpec,
-             on_step: Callable[[tuple[Step, ...]], None] | None = None, local_ranks: int | None = None,
-             node_aware: bool | None = None) -> dict[str, Any]:
+def simulate(
+    lengths: Sequence[int] | Sequence[Sample],
+    spec: JobSpec,
+    on_step: Callable[[tuple[Step, ...]], None] | None = None,
+    local_ranks: int | None = None,
+    node_aware: bool | None = None,
+) -> dict[str, Any]:
     """Runs one epoch and returns the metrics dict `batchd simulate --json` prints.
 
     `lengths`: ints, or `Sample`s with images (`parse_workload`; the result then adds `PhaseMetrics`).
@@ -497,7 +576,9 @@ def parse_workload(lines: Iterable[str], source: str = "<workload>") -> list[Sam
             raise ValueError(f"{where}: empty line (ids are 0-based sample rows after the header)")
         cells = text.split(",")
         if len(cells) != 3:
-            raise ValueError(f"{where}: expected 3 comma-separated columns {WORKLOAD_HEADER}, got {len(cells)}")
+            raise ValueError(
+                f"{where}: expected 3 comma-separated columns {WORKLOAD_HEADER}, got {len(cells)}"
+            )
         try:
             text_tokens = int(cells[0])
         except ValueError:
@@ -507,11 +588,22 @@ def parse_workload(lines: Iterable[str], source: str = "<workload>") -> list[Sam
         patches = _int_list(cells[1], "image_patches", where, 1)
         tokens = _int_list(cells[2], "image_tokens", where, 1)
         if len(patches) != len(tokens):
-            raise ValueError(f"{where}: image_patches and image_tokens must list one entry per image, got "
-                             f"{len(patches)} and {len(tokens)}")
+            raise ValueError(
+                f"{where}: image_patches and image_tokens must list one entry per image, got "
+                f"{len(patches)} and {len(tokens)}"
+            )
         vision = sum(tokens)
         if text_tokens + vision < 1:
             raise ValueError(f"{where}: a sample needs at least one token, got text_tokens=0 and no image")
-        out.append(Sample(len(out), text_tokens + vision, -1, 0, (("text", text_tokens), ("vision", vision)),
-                          0, tuple(zip(patches, tokens))))
+        out.append(
+            Sample(
+                len(out),
+                text_tokens + vision,
+                -1,
+                0,
+                (("text", text_tokens), ("vision", vision)),
+                0,
+                tuple(zip(patches, tokens, strict=False)),
+            )
+        )
     return out

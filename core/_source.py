@@ -38,8 +38,16 @@ class ViewSource:
         wrap: Start a new seeded pass when the view runs out (non-join mode).
     """
 
-    def __init__(self, num_samples: int, rank: int, world_size: int, seed: int = 0, epoch: int = 0,
-                 shuffle: bool = False, wrap: bool = False) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        epoch: int = 0,
+        shuffle: bool = False,
+        wrap: bool = False,
+    ) -> None:
         check_int("num_samples", num_samples, lo=0)
         check_int("world_size", world_size, lo=1)
         check_int("rank", rank, lo=0, hi=world_size - 1)
@@ -88,15 +96,25 @@ class ViewSource:
 
     def for_epoch(self, epoch: int) -> ViewSource:
         """The same rank's view of `epoch` (its own seeded permutation when shuffled), from its start."""
-        return ViewSource(self.num_samples, self.rank, self.world_size, self.seed, epoch, self.shuffle, self.wrap)
+        return ViewSource(
+            self.num_samples, self.rank, self.world_size, self.seed, epoch, self.shuffle, self.wrap
+        )
 
     def reset(self) -> None:
         """Back to the start of the epoch."""
         self.position, self.passes, self._order = 0, 0, self._view
 
     def state_dict(self) -> dict[str, Any]:
-        return {K_VERSION: 1, K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
-                K_EPOCH: self.epoch, K_NUM: self.num_samples, K_POS: self.position, K_PASS: self.passes}
+        return {
+            K_VERSION: 1,
+            K_RANK: self.rank,
+            K_WORLD: self.world_size,
+            K_SEED: self.seed,
+            K_EPOCH: self.epoch,
+            K_NUM: self.num_samples,
+            K_POS: self.position,
+            K_PASS: self.passes,
+        }
 
     def state_at(self, seq: int) -> dict[str, Any]:
         """The `state_dict()` this view has after yielding `seq` ids from its start (passes wrap in non-join)."""
@@ -105,7 +123,16 @@ class ViewSource:
         return {**self.state_dict(), K_POS: position, K_PASS: passes}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        check_state(state, {K_RANK: self.rank, K_WORLD: self.world_size, K_SEED: self.seed,
-                            K_EPOCH: self.epoch, K_NUM: self.num_samples}, f"ViewSource(rank={self.rank})")
+        check_state(
+            state,
+            {
+                K_RANK: self.rank,
+                K_WORLD: self.world_size,
+                K_SEED: self.seed,
+                K_EPOCH: self.epoch,
+                K_NUM: self.num_samples,
+            },
+            f"ViewSource(rank={self.rank})",
+        )
         self.passes, self.position = state[K_PASS], state[K_POS]
         self._order = self._pass_order(self.passes)

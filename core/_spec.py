@@ -38,37 +38,52 @@ class JobSpec:
     """
 
     world_size: int = dataclasses.field(metadata={"help": "number of trainer ranks", "metavar": "N"})
-    token_budget: int = dataclasses.field(metadata={"help": "L_max: the most one rank's step may cost, in tokens",
-                                                    "metavar": "L"})
+    token_budget: int = dataclasses.field(
+        metadata={"help": "L_max: the most one rank's step may cost, in tokens", "metavar": "L"}
+    )
     policy: str = _field("local", "grouping policy", choices=POLICIES)
     window: int = _field(512, "samples a rank buffers before grouping", metavar="W")
     batch_size: int = _field(8, "B of the fixed and sorted baselines", metavar="B")
-    mode: str = _field("join", "termination: join (every sample once) or non-join (a sample quota)",
-                       choices=MODES)
+    mode: str = _field(
+        "join", "termination: join (every sample once) or non-join (a sample quota)", choices=MODES
+    )
     cost: str = _field("padded", "cost model of a group", choices=COST_MODELS)
     over_budget: str = _field("singleton", "what a sample longer than token_budget does", choices=OVER_BUDGET)
     seed: int = _field(0, "seeds sampler views and the emission order")
     shuffle: bool = _field(True, "a seeded permutation of ids per epoch (off: rank r owns ids r, r+N, ...)")
     depth: int = _field(8, "batches a rank keeps ready (the alignment capacity)", metavar="D")
     max_wait: int = _field(16, "rounds a sample may wait in a window", metavar="R")
-    align: str = _field("min", "DGAP target rule: min (batchd's) or odb (ODB 0.1.2's max-target rule)",
-                        choices=ALIGN_RULES)
+    align: str = _field(
+        "min", "DGAP target rule: min (batchd's) or odb (ODB 0.1.2's max-target rule)", choices=ALIGN_RULES
+    )
     refine: bool = _field(True, "balanced: shrink the round's group capacity so groups cost alike")
-    node_aware: bool = _field(False, "balanced, ranks served by node agents: balance inside each node first, so "
-                              "fewer samples cross nodes; steps may cost a little more (docs/benchmarks.md)")
+    node_aware: bool = _field(
+        False,
+        "balanced, ranks served by node agents: balance inside each node first, so "
+        "fewer samples cross nodes; steps may cost a little more (docs/benchmarks.md)",
+    )
     quota: int | None = _field(None, "non-join: samples per epoch (the simulator's default: all samples)")
     quadratic: int = _field(4096, "q of the attention cost model (len + len^2 / q)", metavar="Q")
     collate: str = _field("padded", "batch layout the rank service builds", choices=COLLATE)
-    epochs: int = _field(1, "epochs the job runs; each is a new seeded view of the data per rank", metavar="E")
-    phases: int = _field(1, "balanced, join: 2 also balances the vision encoder per step (OrchMLLM two-phase: "
-                         "images are encoded on other ranks and their embeddings exchanged with one all-to-all)",
-                         choices=PHASES)
-    vision_quadratic: int = _field(8192, "q of the vision encoder's cost per image (patches + patches^2 / q; "
-                                   "0: linear)", metavar="Q")
-    deterministic: bool = _field(False, "the same data, seed, config and world size give the same batches, steps and "
-                                 "loss on every run, whatever the speed of preprocessing and trainers: a rank reports "
-                                 "only a full window (or its source's end) and a fixed capacity (costs wall time: "
-                                 "docs/benchmarks.md)")
+    epochs: int = _field(
+        1, "epochs the job runs; each is a new seeded view of the data per rank", metavar="E"
+    )
+    phases: int = _field(
+        1,
+        "balanced, join: 2 also balances the vision encoder per step (OrchMLLM two-phase: "
+        "images are encoded on other ranks and their embeddings exchanged with one all-to-all)",
+        choices=PHASES,
+    )
+    vision_quadratic: int = _field(
+        8192, "q of the vision encoder's cost per image (patches + patches^2 / q; 0: linear)", metavar="Q"
+    )
+    deterministic: bool = _field(
+        False,
+        "the same data, seed, config and world size give the same batches, steps and "
+        "loss on every run, whatever the speed of preprocessing and trainers: a rank reports "
+        "only a full window (or its source's end) and a fixed capacity (costs wall time: "
+        "docs/benchmarks.md)",
+    )
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, lo=1)
@@ -86,12 +101,16 @@ class JobSpec:
         check_bool("deterministic", self.deterministic)
         check_choice("phases", self.phases, PHASES)
         if self.phases == 2 and (self.policy != "balanced" or self.mode != "join"):
-            raise ValueError(f"phases=2 needs policy='balanced' and mode='join' (the coordinator plans every "
-                             f"rank's step), got policy={self.policy!r} mode={self.mode!r}")
+            raise ValueError(
+                f"phases=2 needs policy='balanced' and mode='join' (the coordinator plans every "
+                f"rank's step), got policy={self.policy!r} mode={self.mode!r}"
+            )
         if self.phases == 2 and self.over_budget == "truncate":
-            raise ValueError("phases=2 cannot truncate over-budget samples (a cut would split an image's "
-                             "tokens from its pixels); use over_budget='singleton' or 'reject', got "
-                             "over_budget='truncate'")
+            raise ValueError(
+                "phases=2 cannot truncate over-budget samples (a cut would split an image's "
+                "tokens from its pixels); use over_budget='singleton' or 'reject', got "
+                "over_budget='truncate'"
+            )
         check_int("vision_quadratic", self.vision_quadratic, lo=0)
         if self.quota is not None:
             check_int("quota", self.quota, lo=0)

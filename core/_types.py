@@ -50,11 +50,24 @@ def parse_bytes(value: int | str) -> int:
             raise ValueError(f"a size must be >= 1 byte, got {value=}")
         return value
     text = str(value).strip().lower().replace(" ", "")
-    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-             "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
-             "tib": 1 << 40}
+    units = {
+        "": 1,
+        "b": 1,
+        "k": 1 << 10,
+        "kb": 1 << 10,
+        "kib": 1 << 10,
+        "m": 1 << 20,
+        "mb": 1 << 20,
+        "mib": 1 << 20,
+        "g": 1 << 30,
+        "gb": 1 << 30,
+        "gib": 1 << 30,
+        "t": 1 << 40,
+        "tb": 1 << 40,
+        "tib": 1 << 40,
+    }
     num = text.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = text[len(num):]
+    unit = text[len(num) :]
     try:
         n = float(num)
     except ValueError:
@@ -110,15 +123,31 @@ class Sample(_SampleFields):
 
     __slots__ = ()
 
-    def __new__(cls, id: int, length: int, loss_tokens: int = -1, home_rank: int = 0,
-                modality_tokens: tuple[tuple[str, int], ...] = (), nbytes: int = 0,
-                images: tuple[tuple[int, int], ...] = ()) -> Sample:
+    def __new__(
+        cls,
+        id: int,
+        length: int,
+        loss_tokens: int = -1,
+        home_rank: int = 0,
+        modality_tokens: tuple[tuple[str, int], ...] = (),
+        nbytes: int = 0,
+        images: tuple[tuple[int, int], ...] = (),
+    ) -> Sample:
         if loss_tokens == -1 and type(length) is int:
             loss_tokens = length
         # Fast path: exact ints in range need no further checks.
-        if not (type(id) is int and type(length) is int and type(loss_tokens) is int and type(home_rank) is int
-                and type(nbytes) is int and id >= 0 and length >= 1 and 0 <= loss_tokens <= length
-                and home_rank >= 0 and nbytes >= 0):
+        if not (
+            type(id) is int
+            and type(length) is int
+            and type(loss_tokens) is int
+            and type(home_rank) is int
+            and type(nbytes) is int
+            and id >= 0
+            and length >= 1
+            and 0 <= loss_tokens <= length
+            and home_rank >= 0
+            and nbytes >= 0
+        ):
             check_int("id", id, lo=0)
             check_int("nbytes", nbytes, lo=0)
             check_int("length", length, lo=1)

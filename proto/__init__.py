@@ -25,8 +25,23 @@ from ._transport import (
     transient,
 )
 
-__all__ = sorted([
-    "AUTH_HEADER", "BearerTokenChannel", "CHANNEL_OPTIONS", "GRPC_OPTIONS", "KEEPALIVE_MS", "MAX_MESSAGE_BYTES",
-    "Security", "Unreachable", "WAIT_LOG_S", "channel", "check_token", "retry_while_unreachable", "transient",
-    "wire", "PROGRESS_ENV", "Progress", "format_duration", "progress_interval",
-])
+__all__ = [
+    "AUTH_HEADER",
+    "BearerTokenChannel",
+    "CHANNEL_OPTIONS",
+    "GRPC_OPTIONS",
+    "KEEPALIVE_MS",
+    "MAX_MESSAGE_BYTES",
+    "PROGRESS_ENV",
+    "Progress",
+    "Security",
+    "Unreachable",
+    "WAIT_LOG_S",
+    "channel",
+    "check_token",
+    "format_duration",
+    "progress_interval",
+    "retry_while_unreachable",
+    "transient",
+    "wire",
+]

@@ -72,9 +72,19 @@ class Progress:
         clock: Monotonic seconds (tests pass a fake clock).
     """
 
-    def __init__(self, desc: str, total: int | None, unit: str = "samples", *, interval_s: float | None = None,
-                 emit: Callable[[str], None] | None = None, stream: TextIO | None = None, enabled: bool = True,
-                 tty: bool | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        desc: str,
+        total: int | None,
+        unit: str = "samples",
+        *,
+        interval_s: float | None = None,
+        emit: Callable[[str], None] | None = None,
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        tty: bool | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if total is not None and total < 0:
             raise ValueError(f"total must be >= 0 or None, got {total=}")
         self.desc, self.total, self.unit = desc, total, unit
@@ -85,7 +95,9 @@ class Progress:
         self.clock = clock
         self.n = self.steps = 0
         self.t0 = self._last = clock()
-        self._first: tuple[float, int] | None = None  # (time, count) of the first work done: the rate's origin
+        self._first: tuple[float, int] | None = (
+            None  # (time, count) of the first work done: the rate's origin
+        )
         self.enabled = enabled
         stream = stream or sys.stderr
         self._bar: Any = None
@@ -98,9 +110,18 @@ class Progress:
                 sized = os.get_terminal_size(stream.fileno()).columns > 0
             except (AttributeError, OSError, ValueError):
                 sized = False
-            self._bar = tqdm(total=total, desc=desc, unit=f" {unit}", unit_scale=False, file=stream,
-                             mininterval=0.5, dynamic_ncols=sized, ncols=None if sized else 100,
-                             nrows=None if sized else 24, leave=True)
+            self._bar = tqdm(
+                total=total,
+                desc=desc,
+                unit=f" {unit}",
+                unit_scale=False,
+                file=stream,
+                mininterval=0.5,
+                dynamic_ncols=sized,
+                ncols=None if sized else 100,
+                nrows=None if sized else 24,
+                leave=True,
+            )
 
     def __enter__(self) -> Progress:
         return self
@@ -140,8 +161,12 @@ class Progress:
         elapsed = now - self.t0
         t1, n1 = self._first or (now, self.n)
         rate = (self.n - n1) / (now - t1) if now > t1 and self.n > n1 else None  # since the first unit
-        parts = [f"{self.n}/{self.total} {self.unit}" + (f" ({100 * self.n / self.total:.0f}%)" if self.total else "")
-                 if self.total is not None else f"{self.n} {self.unit}"]
+        parts = [
+            f"{self.n}/{self.total} {self.unit}"
+            + (f" ({100 * self.n / self.total:.0f}%)" if self.total else "")
+            if self.total is not None
+            else f"{self.n} {self.unit}"
+        ]
         if self.steps:
             parts.append(f"{self.steps} steps")
         if final or (self.total is not None and self.n >= self.total):

@@ -101,12 +101,16 @@ def _no_password() -> bytes:
 def check_token(token: str, field: str = "token") -> None:
     # The value itself never goes into a message: it is a secret.
     if not isinstance(token, str) or not token:
-        raise ValueError(f"{field} must be a non-empty string, got a {type(token).__name__} of length "
-                         f"{len(token) if hasattr(token, '__len__') else 'n/a'}")
+        raise ValueError(
+            f"{field} must be a non-empty string, got a {type(token).__name__} of length "
+            f"{len(token) if hasattr(token, '__len__') else 'n/a'}"
+        )
     bad = sorted({i for i, ch in enumerate(token) if not 0x21 <= ord(ch) <= 0x7E})
     if bad:
-        raise ValueError(f"{field} may only hold visible ASCII characters (no spaces or newlines); "
-                         f"character(s) at position(s) {bad[:5]} of {len(token)} are not")
+        raise ValueError(
+            f"{field} may only hold visible ASCII characters (no spaces or newlines); "
+            f"character(s) at position(s) {bad[:5]} of {len(token)} are not"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,13 +147,16 @@ class Security:
             elif not (value is None or (isinstance(value, str) and value)):
                 raise ValueError(f"{name} must be a file path or None, got {name}={value!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
-            raise ValueError(f"tls_cert and tls_key go together, got tls_cert={self.tls_cert!r} "
-                             f"tls_key={self.tls_key!r}")
+            raise ValueError(
+                f"tls_cert and tls_key go together, got tls_cert={self.tls_cert!r} tls_key={self.tls_key!r}"
+            )
         if not isinstance(self.client_auth, bool):
             raise ValueError(f"client_auth must be a bool, got client_auth={self.client_auth!r}")
         if self.client_auth and (self.tls_ca is None or self.tls_cert is None):
-            raise ValueError(f"client_auth (mutual TLS) needs tls_ca and tls_cert/tls_key, got "
-                             f"tls_ca={self.tls_ca!r} tls_cert={self.tls_cert!r}")
+            raise ValueError(
+                f"client_auth (mutual TLS) needs tls_ca and tls_cert/tls_key, got "
+                f"tls_ca={self.tls_ca!r} tls_cert={self.tls_cert!r}"
+            )
         if self.token is not None:
             check_token(self.token)
         if self.tls_ca is not None:
@@ -162,16 +169,23 @@ class Security:
             _check_pem("tls_cert", self.tls_cert, _CERT_MARK, "certificate")
             _check_pem("tls_key", self.tls_key, _KEY_MARK, "private key")
             try:
-                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(self.tls_cert, self.tls_key,
-                                                                        password=_no_password)
+                ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(
+                    self.tls_cert, self.tls_key, password=_no_password
+                )
             except (ssl.SSLError, ValueError) as exc:
-                raise ValueError(f"tls_key={self.tls_key!r} is not a usable key for "
-                                 f"tls_cert={self.tls_cert!r}: {exc}") from None
+                raise ValueError(
+                    f"tls_key={self.tls_key!r} is not a usable key for tls_cert={self.tls_cert!r}: {exc}"
+                ) from None
 
     @classmethod
-    def from_files(cls, tls_cert: str | os.PathLike | None = None, tls_key: str | os.PathLike | None = None,
-                   tls_ca: str | os.PathLike | None = None, client_auth: bool = False,
-                   token_file: str | os.PathLike | None = None) -> Security:
+    def from_files(
+        cls,
+        tls_cert: str | os.PathLike | None = None,
+        tls_key: str | os.PathLike | None = None,
+        tls_ca: str | os.PathLike | None = None,
+        client_auth: bool = False,
+        token_file: str | os.PathLike | None = None,
+    ) -> Security:
         """A `Security` whose token is read from `token_file` (surrounding whitespace stripped).
 
         Logs a warning when the token file is readable by group or others.
@@ -187,8 +201,11 @@ class Security:
                 raise ValueError(f"token_file={path!r} is empty")
             check_token(token, field=f"the token in token_file={path!r}")
             if stat.S_IMODE(os.stat(path).st_mode) & 0o077:
-                log.warning("token file %s is readable by group/others (mode %o); chmod 600 it", path,
-                            stat.S_IMODE(os.stat(path).st_mode))
+                log.warning(
+                    "token file %s is readable by group/others (mode %o); chmod 600 it",
+                    path,
+                    stat.S_IMODE(os.stat(path).st_mode),
+                )
         return cls(tls_cert, tls_key, tls_ca, client_auth, token)
 
     # -- what it turns on ----------------------------------------------------------------------------
@@ -212,9 +229,11 @@ class Security:
             ValueError: no `tls_cert`/`tls_key` (a server cannot serve TLS without them).
         """
         if self.tls_cert is None or self.tls_key is None:
-            raise ValueError(f"serving TLS needs tls_cert and tls_key, got tls_cert={self.tls_cert!r} "
-                             f"tls_key={self.tls_key!r} (tls_ca={self.tls_ca!r} alone only makes a TLS "
-                             f"client)")
+            raise ValueError(
+                f"serving TLS needs tls_cert and tls_key, got tls_cert={self.tls_cert!r} "
+                f"tls_key={self.tls_key!r} (tls_ca={self.tls_ca!r} alone only makes a TLS "
+                f"client)"
+            )
         pair = (_read("tls_key", self.tls_key), _read("tls_cert", self.tls_cert))
         ca = _read("tls_ca", self.tls_ca) if self.client_auth else None
         return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=self.client_auth)
@@ -227,7 +246,6 @@ class Security:
             key, cert = _read("tls_key", self.tls_key), _read("tls_cert", self.tls_cert)
             return grpc.ssl_channel_credentials(ca, key, cert)
         return grpc.ssl_channel_credentials(ca)
-
 
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -257,7 +275,6 @@ CHANNEL_OPTIONS = [
 ]
 
 
-
 def transient(exc: grpc.RpcError) -> bool:
     """A call that failed because its peer is (for now) unreachable or stopping (its server cancelled the
     call: a restart): worth retrying. batchd's own calls between parties are never cancelled by the caller
@@ -267,9 +284,8 @@ def transient(exc: grpc.RpcError) -> bool:
         return True
     details = exc.details() or ""
     return code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) and (
-        "Stream removed" in details or "Socket closed" in details)
-
-
+        "Stream removed" in details or "Socket closed" in details
+    )
 
 
 WAIT_LOG_S = 5.0  # how often a party that waits for an unreachable peer says so
@@ -283,9 +299,15 @@ class Unreachable(Exception):
         self.error, self.elapsed_s = error, elapsed_s
 
 
-def retry_while_unreachable(call: Callable[[], Any], retry_s: float, waiting_for: str,
-                            stop: Any = None, on_retry: Callable[[], None] | None = None,
-                            logger: logging.Logger = log, period_s: float = 0.2) -> Any:
+def retry_while_unreachable(
+    call: Callable[[], Any],
+    retry_s: float,
+    waiting_for: str,
+    stop: Any = None,
+    on_retry: Callable[[], None] | None = None,
+    logger: logging.Logger = log,
+    period_s: float = 0.2,
+) -> Any:
     """Returns `call()`, retrying it while it fails `transient`ly, for up to `retry_s` seconds.
 
     Every `WAIT_LOG_S` the wait is logged as "waiting for <waiting_for> (Ns of Ms): <details>";
@@ -305,7 +327,9 @@ def retry_while_unreachable(call: Callable[[], Any], retry_s: float, waiting_for
             if now - start >= retry_s or (stop is not None and stop.is_set()):
                 raise Unreachable(exc, now - start) from None
             if now - last_log >= WAIT_LOG_S:
-                logger.info("waiting for %s (%.0fs of %gs): %s", waiting_for, now - start, retry_s, exc.details())
+                logger.info(
+                    "waiting for %s (%.0fs of %gs): %s", waiting_for, now - start, retry_s, exc.details()
+                )
                 last_log = now
             if on_retry is not None:
                 on_retry()
@@ -332,24 +356,43 @@ class _WithToken:
     def _metadata(self, metadata: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]]:
         return [(k, v) for k, v in (metadata or ()) if k.lower() != AUTH_HEADER] + [self._entry]
 
-    def _invoke(self, fn: Callable, request: Any, timeout: float | None, metadata, credentials,
-                wait_for_ready, compression) -> Any:
-        return fn(request, timeout=timeout, metadata=self._metadata(metadata), credentials=credentials,
-                  wait_for_ready=wait_for_ready, compression=compression)
+    def _invoke(
+        self,
+        fn: Callable,
+        request: Any,
+        timeout: float | None,
+        metadata,
+        credentials,
+        wait_for_ready,
+        compression,
+    ) -> Any:
+        return fn(
+            request,
+            timeout=timeout,
+            metadata=self._metadata(metadata),
+            credentials=credentials,
+            wait_for_ready=wait_for_ready,
+            compression=compression,
+        )
 
-    def __call__(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
-                 compression=None):
+    def __call__(
+        self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None, compression=None
+    ):
         return self._invoke(self._inner, request, timeout, metadata, credentials, wait_for_ready, compression)
 
-    def with_call(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
-                  compression=None):
-        return self._invoke(self._inner.with_call, request, timeout, metadata, credentials, wait_for_ready,
-                            compression)
+    def with_call(
+        self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None, compression=None
+    ):
+        return self._invoke(
+            self._inner.with_call, request, timeout, metadata, credentials, wait_for_ready, compression
+        )
 
-    def future(self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None,
-               compression=None):
-        return self._invoke(self._inner.future, request, timeout, metadata, credentials, wait_for_ready,
-                            compression)
+    def future(
+        self, request, timeout=None, metadata=None, credentials=None, wait_for_ready=None, compression=None
+    ):
+        return self._invoke(
+            self._inner.future, request, timeout, metadata, credentials, wait_for_ready, compression
+        )
 
 
 class BearerTokenChannel(grpc.Channel):
@@ -393,8 +436,11 @@ class BearerTokenChannel(grpc.Channel):
         return False
 
 
-def channel(address: str, security: Security | None, options: Sequence[tuple[str, Any]] | None = None,
-            ) -> grpc.Channel:
+def channel(
+    address: str,
+    security: Security | None,
+    options: Sequence[tuple[str, Any]] | None = None,
+) -> grpc.Channel:
     """A channel to `address` as `security` says: TLS iff `security.tls` (client certificate iff
     `client_auth`), the bearer token on every call iff `security.token`; plaintext when None."""
     opts = list(options or ())

@@ -49,52 +49,94 @@ def spec_from_pb(m: pb.JobSpec) -> JobSpec:
 
 def sample_to_pb(s: Sample) -> pb.SampleMeta:
     return pb.SampleMeta(
-        id=s.id, length=s.length, loss_tokens=s.loss_tokens, home_rank=s.home_rank,
-        modality_tokens=[pb.ModalityTokens(name=n, tokens=t) for n, t in s.modality_tokens], nbytes=s.nbytes,
-        image_patches=[p for p, _ in s.images], image_tokens=[t for _, t in s.images],
+        id=s.id,
+        length=s.length,
+        loss_tokens=s.loss_tokens,
+        home_rank=s.home_rank,
+        modality_tokens=[pb.ModalityTokens(name=n, tokens=t) for n, t in s.modality_tokens],
+        nbytes=s.nbytes,
+        image_patches=[p for p, _ in s.images],
+        image_tokens=[t for _, t in s.images],
     )
 
 
 def sample_from_pb(m: pb.SampleMeta) -> Sample:
     if len(m.image_patches) != len(m.image_tokens):
-        raise ValueError(f"sample {m.id}: {len(m.image_patches)} image patch counts but {len(m.image_tokens)} "
-                         f"image token counts")
-    return Sample(int(m.id), int(m.length), int(m.loss_tokens), int(m.home_rank),
-                  tuple((t.name, int(t.tokens)) for t in m.modality_tokens), int(m.nbytes),
-                  tuple(zip(m.image_patches, m.image_tokens)))
+        raise ValueError(
+            f"sample {m.id}: {len(m.image_patches)} image patch counts but {len(m.image_tokens)} "
+            f"image token counts"
+        )
+    return Sample(
+        int(m.id),
+        int(m.length),
+        int(m.loss_tokens),
+        int(m.home_rank),
+        tuple((t.name, int(t.tokens)) for t in m.modality_tokens),
+        int(m.nbytes),
+        tuple(zip(m.image_patches, m.image_tokens, strict=False)),
+    )
 
 
 def exchange_to_pb(x: Exchange) -> pb.StepExchange:
     return pb.StepExchange(
-        encode=[pb.ImageRef(sample_id=i.sample_id, index=i.index, home_rank=i.home_rank, owner=i.owner,
-                            patches=i.patches, tokens=i.tokens) for i in x.encode],
-        sources=x.sources, tokens=x.tokens)
+        encode=[
+            pb.ImageRef(
+                sample_id=i.sample_id,
+                index=i.index,
+                home_rank=i.home_rank,
+                owner=i.owner,
+                patches=i.patches,
+                tokens=i.tokens,
+            )
+            for i in x.encode
+        ],
+        sources=x.sources,
+        tokens=x.tokens,
+    )
 
 
 def exchange_from_pb(m: pb.StepExchange, rank: int, world_size: int) -> Exchange:
-    return Exchange(rank, world_size, tuple(ImageRef(int(i.sample_id), int(i.index), int(i.home_rank), int(i.owner),
-                                                     int(i.patches), int(i.tokens)) for i in m.encode),
-                    tuple(int(s) for s in m.sources), tuple(int(t) for t in m.tokens))
+    return Exchange(
+        rank,
+        world_size,
+        tuple(
+            ImageRef(
+                int(i.sample_id), int(i.index), int(i.home_rank), int(i.owner), int(i.patches), int(i.tokens)
+            )
+            for i in m.encode
+        ),
+        tuple(int(s) for s in m.sources),
+        tuple(int(t) for t in m.tokens),
+    )
 
 
 def report_to_pb(r: RankReport, epoch: int) -> pb.AlignRequest:
     return pb.AlignRequest(
-        rank=r.rank, epoch=epoch, round=r.round, capacity=r.capacity, buffered=r.buffered, groups=r.groups,
-        exhausted=r.exhausted, pool=[pb.PoolEntry(sample=sample_to_pb(s), arrival=a) for s, a in r.pool],
+        rank=r.rank,
+        epoch=epoch,
+        round=r.round,
+        capacity=r.capacity,
+        buffered=r.buffered,
+        groups=r.groups,
+        exhausted=r.exhausted,
+        pool=[pb.PoolEntry(sample=sample_to_pb(s), arrival=a) for s, a in r.pool],
     )
 
 
 def report_from_pb(m: pb.AlignRequest) -> RankReport:
     pool = tuple((sample_from_pb(e.sample), int(e.arrival)) for e in m.pool)
-    return RankReport(int(m.rank), int(m.round), int(m.capacity), int(m.buffered), int(m.groups),
-                      bool(m.exhausted), pool)
+    return RankReport(
+        int(m.rank), int(m.round), int(m.capacity), int(m.buffered), int(m.groups), bool(m.exhausted), pool
+    )
 
 
 def decision_to_pb(d: RoundDecision, epoch: int) -> pb.AlignReply:
     plan = []
     if d.plan is not None:
-        plan = [pb.RankPlan(steps=[pb.Group(samples=[sample_to_pb(s) for s in g]) for g in steps])
-                for steps in d.plan]
+        plan = [
+            pb.RankPlan(steps=[pb.Group(samples=[sample_to_pb(s) for s in g]) for g in steps])
+            for steps in d.plan
+        ]
     vision = []
     if d.vision is not None:
         vision = [pb.RankVision(steps=[exchange_to_pb(x) for x in steps]) for steps in d.vision]
@@ -113,8 +155,9 @@ def decision_from_pb(m: pb.AlignReply) -> RoundDecision:
 
 def commit_to_pb(c: RankCommit, epoch: int) -> pb.CommitRequest:
     steps = [pb.StepSamples(lengths=[n for n, _ in st], loss_tokens=[k for _, k in st]) for st in c.steps]
-    return pb.CommitRequest(rank=c.rank, epoch=epoch, round=c.round, steps=steps, remaining=c.remaining,
-                            exhausted=c.exhausted)
+    return pb.CommitRequest(
+        rank=c.rank, epoch=epoch, round=c.round, steps=steps, remaining=c.remaining, exhausted=c.exhausted
+    )
 
 
 def commit_from_pb(m: pb.CommitRequest) -> RankCommit:
@@ -125,42 +168,68 @@ def commit_from_pb(m: pb.CommitRequest) -> RankCommit:
         lengths, loss = st.lengths, st.loss_tokens
         if len(lengths) != len(loss):
             raise ValueError(f"commit of rank {m.rank}: {len(lengths)} lengths but {len(loss)} loss counts")
-        steps.append(tuple(zip(lengths, loss)))
+        steps.append(tuple(zip(lengths, loss, strict=False)))
     return RankCommit(int(m.rank), int(m.round), tuple(steps), int(m.remaining), bool(m.exhausted))
 
 
 def totals_to_pb(t: RoundTotals, epoch: int) -> pb.CommitReply:
     return pb.CommitReply(
-        epoch=epoch, round=t.round, steps=t.steps, step_samples=t.step_samples, step_tokens=t.step_tokens,
-        step_loss_tokens=t.step_loss_tokens, done=t.done, keep_last=t.keep_last or (),
+        epoch=epoch,
+        round=t.round,
+        steps=t.steps,
+        step_samples=t.step_samples,
+        step_tokens=t.step_tokens,
+        step_loss_tokens=t.step_loss_tokens,
+        done=t.done,
+        keep_last=t.keep_last or (),
         has_keep_last=t.keep_last is not None,
     )
 
 
 def totals_from_pb(m: pb.CommitReply) -> RoundTotals:
     return RoundTotals(
-        int(m.round), int(m.steps), tuple(int(x) for x in m.step_samples), tuple(int(x) for x in m.step_tokens),
-        tuple(int(x) for x in m.step_loss_tokens), bool(m.done),
+        int(m.round),
+        int(m.steps),
+        tuple(int(x) for x in m.step_samples),
+        tuple(int(x) for x in m.step_tokens),
+        tuple(int(x) for x in m.step_loss_tokens),
+        bool(m.done),
         tuple(int(x) for x in m.keep_last) if m.has_keep_last else None,
     )
 
 
 def info_to_pb(i: StepInfo, epoch: int) -> pb.StepInfo:
     return pb.StepInfo(
-        rank=i.rank, step=i.step, round=i.round, is_idle=i.is_idle, local_samples=i.local_samples,
-        local_tokens=i.local_tokens, local_loss_tokens=i.local_loss_tokens, global_samples=i.global_samples,
-        global_tokens=i.global_tokens, global_loss_tokens=i.global_loss_tokens, loss_scale=i.loss_scale,
-        cost=i.cost, epoch=epoch,
+        rank=i.rank,
+        step=i.step,
+        round=i.round,
+        is_idle=i.is_idle,
+        local_samples=i.local_samples,
+        local_tokens=i.local_tokens,
+        local_loss_tokens=i.local_loss_tokens,
+        global_samples=i.global_samples,
+        global_tokens=i.global_tokens,
+        global_loss_tokens=i.global_loss_tokens,
+        loss_scale=i.loss_scale,
+        cost=i.cost,
+        epoch=epoch,
     )
 
 
 def info_from_pb(m: pb.StepInfo) -> StepInfo:
     return StepInfo(
-        rank=int(m.rank), step=int(m.step), round=int(m.round), is_idle=bool(m.is_idle),
-        local_samples=int(m.local_samples), local_tokens=int(m.local_tokens),
-        local_loss_tokens=int(m.local_loss_tokens), global_samples=int(m.global_samples),
-        global_tokens=int(m.global_tokens), global_loss_tokens=int(m.global_loss_tokens),
-        loss_scale=float(m.loss_scale), cost=float(m.cost),
+        rank=int(m.rank),
+        step=int(m.step),
+        round=int(m.round),
+        is_idle=bool(m.is_idle),
+        local_samples=int(m.local_samples),
+        local_tokens=int(m.local_tokens),
+        local_loss_tokens=int(m.local_loss_tokens),
+        global_samples=int(m.global_samples),
+        global_tokens=int(m.global_tokens),
+        global_loss_tokens=int(m.global_loss_tokens),
+        loss_scale=float(m.loss_scale),
+        cost=float(m.cost),
     )
 
 
@@ -186,7 +255,9 @@ def tensor_from_pb(t: pb.Tensor) -> np.ndarray:
     dtype = np.dtype(t.dtype).newbyteorder("<")
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if expected != len(t.data):
-        raise ValueError(f"tensor {t.name!r}: {len(t.data)} bytes for shape={shape} dtype={t.dtype}, expected {expected}")
+        raise ValueError(
+            f"tensor {t.name!r}: {len(t.data)} bytes for shape={shape} dtype={t.dtype}, expected {expected}"
+        )
     return np.frombuffer(t.data, dtype=dtype).reshape(shape)
 
 

@@ -9,15 +9,42 @@ from ._coord_client import CoordinatorClient
 from ._coordinator import CoordinatorServicer, CoordinatorState, create_server
 from ._journal import Journal, JournalError
 from ._main import node_ranks, run_coordinator, run_node, run_rank
-from ._metrics import CoordinatorMetrics, MergedRegistry, RankMetrics, start_metrics_server, stop_metrics_server
+from ._metrics import (
+    CoordinatorMetrics,
+    MergedRegistry,
+    RankMetrics,
+    start_metrics_server,
+    stop_metrics_server,
+)
 from ._node import NodeAgent
 from ._node_link import LocalRankClient, NodeLink
 from ._rank_server import RankServicer, create_rank_server
 from ._rank_service import RankServiceCore, collate
 from ._security import add_port, server_interceptors
 
-__all__ = sorted([
-    "CoordinatorClient", "CoordinatorMetrics", "CoordinatorServicer", "CoordinatorState", "Journal", "JournalError",
-    "LocalRankClient", "MergedRegistry", "NodeAgent", "NodeLink", "RankMetrics", "RankServiceCore", "RankServicer", "add_port",
-    "collate", "create_rank_server", "create_server", "node_ranks", "run_coordinator", "run_node", "run_rank", "server_interceptors", "start_metrics_server", "stop_metrics_server",
-])
+__all__ = [
+    "CoordinatorClient",
+    "CoordinatorMetrics",
+    "CoordinatorServicer",
+    "CoordinatorState",
+    "Journal",
+    "JournalError",
+    "LocalRankClient",
+    "MergedRegistry",
+    "NodeAgent",
+    "NodeLink",
+    "RankMetrics",
+    "RankServiceCore",
+    "RankServicer",
+    "add_port",
+    "collate",
+    "create_rank_server",
+    "create_server",
+    "node_ranks",
+    "run_coordinator",
+    "run_node",
+    "run_rank",
+    "server_interceptors",
+    "start_metrics_server",
+    "stop_metrics_server",
+]

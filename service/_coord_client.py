@@ -39,28 +39,50 @@ log = logging.getLogger("batchd.rank")
 HEARTBEAT_S = 2.0  # at most this long between two heartbeats
 
 
-def call_coordinator(address: str, rank: int, what: str, fn: Callable, request, timeout: float | None,
-                     retry_s: float, stop: threading.Event):
+def call_coordinator(
+    address: str,
+    rank: int,
+    what: str,
+    fn: Callable,
+    request,
+    timeout: float | None,
+    retry_s: float,
+    stop: threading.Event,
+):
     """`fn(request, timeout=timeout)`, a unary call of rank `rank` to the coordinator at `address`, retried
     while the coordinator is unreachable for up to `retry_s` (or until `stop`); raises CoordinatorError
     naming the address, the call and the rank (its gRPC code kept) when it gives up or is refused."""
     try:
-        return retry_while_unreachable(lambda: fn(request, timeout=timeout), retry_s,
-                                       f"the coordinator at {address} ({what} of rank {rank})",
-                                       stop=stop, logger=log)
+        return retry_while_unreachable(
+            lambda: fn(request, timeout=timeout),
+            retry_s,
+            f"the coordinator at {address} ({what} of rank {rank})",
+            stop=stop,
+            logger=log,
+        )
     except Unreachable as gone:
-        raise CoordinatorError(f"coordinator at {address} unreachable for {gone.elapsed_s:.0f}s "
-                               f"({what} from rank {rank}): {gone.error.details()}", gone.error.code()) from None
+        raise CoordinatorError(
+            f"coordinator at {address} unreachable for {gone.elapsed_s:.0f}s "
+            f"({what} from rank {rank}): {gone.error.details()}",
+            gone.error.code(),
+        ) from None
     except grpc.RpcError as exc:
-        raise CoordinatorError(f"{what} from rank {rank} failed: {exc.code().name}: {exc.details()}",
-                               exc.code()) from None
+        raise CoordinatorError(
+            f"{what} from rank {rank} failed: {exc.code().name}: {exc.details()}", exc.code()
+        ) from None
 
 
 class CoordinatorClient:
     """Talks to the coordinator on behalf of one rank (`security`: TLS / token, None = plaintext)."""
 
-    def __init__(self, address: str, rank: int, spec: JobSpec, startup_timeout_s: float = 600.0,
-                 security: Security | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        rank: int,
+        spec: JobSpec,
+        startup_timeout_s: float = 600.0,
+        security: Security | None = None,
+    ) -> None:
         if not startup_timeout_s > 0:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s=}")
         self.address, self.rank, self.spec = address, rank, spec
@@ -82,9 +104,13 @@ class CoordinatorClient:
     def register(self, my_address: str) -> pb.RegisterReply:
         """Registers (again: a restarted rank, or a rank refreshing its peers' addresses)."""
         retry = self.lease_s if self.registered else self.startup_timeout_s
-        reply = self._call("Register", self.stub.Register,
-                           pb.RegisterRequest(rank=self.rank, spec=wire.spec_to_pb(self.spec), address=my_address), 10.0,
-                           retry)
+        reply = self._call(
+            "Register",
+            self.stub.Register,
+            pb.RegisterRequest(rank=self.rank, spec=wire.spec_to_pb(self.spec), address=my_address),
+            10.0,
+            retry,
+        )
         self.lease_s = reply.lease_ms / 1000 or self.lease_s
         self.registered = True
         return reply
@@ -136,12 +162,16 @@ class CoordinatorClient:
                         on_failure(exc.details())
                         return
                     if not transient(exc) and exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                        on_failure(f"the coordinator at {self.address} refused rank {self.rank}'s heartbeat: "
-                                   f"{exc.code().name}: {exc.details()}")
+                        on_failure(
+                            f"the coordinator at {self.address} refused rank {self.rank}'s heartbeat: "
+                            f"{exc.code().name}: {exc.details()}"
+                        )
                         return
                     if time.monotonic() - last_ok > self.lease_s:
-                        on_failure(f"coordinator at {self.address} unreachable for {self.lease_s:g}s: "
-                                   f"{exc.code().name}: {exc.details()}")
+                        on_failure(
+                            f"coordinator at {self.address} unreachable for {self.lease_s:g}s: "
+                            f"{exc.code().name}: {exc.details()}"
+                        )
                         return
 
         self._hb = threading.Thread(target=beat, name=f"batchd-heartbeat-{self.rank}", daemon=True)

@@ -56,6 +56,7 @@ import grpc.aio
 
 from batchd.core import (
     Coordinator,
+    Exchange,
     JobFailed,
     JobSpec,
     Liveness,
@@ -63,7 +64,6 @@ from batchd.core import (
     RankCommit,
     RankReport,
     RoundDecision,
-    Exchange,
     RoundTotals,
     exchanged,
     plan_moves,
@@ -150,8 +150,14 @@ class Barrier:
 class CoordinatorState:
     """Thread-safe coordinator logic for one job (see module docstring)."""
 
-    def __init__(self, spec: JobSpec, lease_s: float = 60.0, startup_timeout_s: float = 600.0,
-                 metrics: CoordinatorMetrics | None = None, state_dir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        lease_s: float = 60.0,
+        startup_timeout_s: float = 600.0,
+        metrics: CoordinatorMetrics | None = None,
+        state_dir: str | os.PathLike | None = None,
+    ) -> None:
         if lease_s <= 0 or startup_timeout_s <= 0:
             raise ValueError(f"timeouts must be positive, got {lease_s=} {startup_timeout_s=}")
         self.spec = spec
@@ -201,8 +207,15 @@ class CoordinatorState:
 
     def _snapshot(self) -> list[dict]:
         """The records a restart needs: ranks, the recent decisions and totals, finishes, the failure."""
-        out: list[dict] = [{"kind": "register", "rank": r, "address": a, **({"node": self.node_of[r]} if r in
-                            self.node_of else {})} for r, a in sorted(self.addresses.items())]
+        out: list[dict] = [
+            {
+                "kind": "register",
+                "rank": r,
+                "address": a,
+                **({"node": self.node_of[r]} if r in self.node_of else {}),
+            }
+            for r, a in sorted(self.addresses.items())
+        ]
         keys = sorted(set(self._decisions) | set(self._totals))
         for key in keys:
             if key in self._decisions:
@@ -234,11 +247,15 @@ class CoordinatorState:
                     self.node_of.pop(rec["rank"], None)
             elif kind == "decision":
                 key = (rec["epoch"], rec["round"])
-                self._decisions[key] = wire.decision_from_pb(pb.AlignReply.FromString(base64.b64decode(rec["reply"])))
+                self._decisions[key] = wire.decision_from_pb(
+                    pb.AlignReply.FromString(base64.b64decode(rec["reply"]))
+                )
                 pending = key
             elif kind == "totals":
                 key = (rec["epoch"], rec["round"])
-                self._totals[key] = wire.totals_from_pb(pb.CommitReply.FromString(base64.b64decode(rec["reply"])))
+                self._totals[key] = wire.totals_from_pb(
+                    pb.CommitReply.FromString(base64.b64decode(rec["reply"]))
+                )
                 if rec.get("core"):
                     core_state, core_key = rec["core"], key
             elif kind == "finish":
@@ -262,10 +279,18 @@ class CoordinatorState:
             self._label_node(node)
         self.restored = bool(records)
         if self.restored:
-            log.info("coordinator restored from %s: epoch %d round %d%s, %d rank(s) registered, %d finished%s",
-                     self.journal.path, self.epoch, self.core.round,
-                     " (decided, waiting for commits)" if pending is not None and pending not in self._totals else "",
-                     len(registered), len(finished), f"; the job had failed: {self.failure}" if self.failure else "")
+            log.info(
+                "coordinator restored from %s: epoch %d round %d%s, %d rank(s) registered, %d finished%s",
+                self.journal.path,
+                self.epoch,
+                self.core.round,
+                " (decided, waiting for commits)"
+                if pending is not None and pending not in self._totals
+                else "",
+                len(registered),
+                len(finished),
+                f"; the job had failed: {self.failure}" if self.failure else "",
+            )
             self.journal.compact(self._snapshot())
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -332,8 +357,10 @@ class CoordinatorState:
 
     def _check_rank(self, rank: int, what: str) -> None:
         if not 0 <= rank < self.spec.world_size:
-            raise ValueError(f"{what} from rank {rank}, but the job has ranks 0..{self.spec.world_size - 1} "
-                             f"(world_size={self.spec.world_size})")
+            raise ValueError(
+                f"{what} from rank {rank}, but the job has ranks 0..{self.spec.world_size - 1} "
+                f"(world_size={self.spec.world_size})"
+            )
 
     def _touch(self, rank: int, what: str) -> None:
         self._check_rank(rank, what)
@@ -379,8 +406,10 @@ class CoordinatorState:
         diff = self.spec.diff(spec)
         if diff:
             party = who.split(" ")[0] if who.startswith("rank") else "node agent"
-            detail = ", ".join(f"{k}: coordinator {a!r}, {party} {b!r}" for k, a, b in
-                               ((k, *v) for k, v in sorted(diff.items())))
+            detail = ", ".join(
+                f"{k}: coordinator {a!r}, {party} {b!r}"
+                for k, a, b in ((k, *v) for k, v in sorted(diff.items()))
+            )
             raise ProtocolError(f"{who} registered with a different job spec ({detail})")
 
     def _register_locked(self, rank: int, address: str, node: str | None) -> None:
@@ -410,7 +439,9 @@ class CoordinatorState:
             self._register_locked(rank, address, node)
             return self.epoch, self.core.round, self._addresses()
 
-    def register_node(self, node: str, ranks: list[int], spec: JobSpec, address: str) -> tuple[int, int, list[str]]:
+    def register_node(
+        self, node: str, ranks: list[int], spec: JobSpec, address: str
+    ) -> tuple[int, int, list[str]]:
         """A node agent (`node`, its name) serving `ranks` at `address` registers them all (again, after a
         restart). Refuses a rank that another node agent serves and that is still alive (two agents
         configured with the same node rank)."""
@@ -429,11 +460,18 @@ class CoordinatorState:
             for r in ranks:
                 owner = self.node_of.get(r)
                 seen = self.liveness.last_seen.get(r)
-                if (owner is not None and owner != node and seen is not None and r not in self.liveness.finished
-                        and now - seen <= self.lease_s):
-                    raise ProtocolError(f"node agent {node!r} claims rank {r}, which node agent {owner!r} at "
-                                        f"{self.addresses.get(r)} serves and is alive: are two agents "
-                                        f"configured with the same node rank?")
+                if (
+                    owner is not None
+                    and owner != node
+                    and seen is not None
+                    and r not in self.liveness.finished
+                    and now - seen <= self.lease_s
+                ):
+                    raise ProtocolError(
+                        f"node agent {node!r} claims rank {r}, which node agent {owner!r} at "
+                        f"{self.addresses.get(r)} serves and is alive: are two agents "
+                        f"configured with the same node rank?"
+                    )
             for r in ranks:
                 self._register_locked(r, address, node)
             self._label_node(node)
@@ -472,19 +510,25 @@ class CoordinatorState:
             self._check_alive(rank)
             self._touch(rank, "Finish")
             if not self.rounds_done:
-                raise ProtocolError(f"rank {rank} finished while the job is in epoch {self.epoch} round "
-                                    f"{self.core.round} of {self.spec.epochs} epoch(s)")
+                raise ProtocolError(
+                    f"rank {rank} finished while the job is in epoch {self.epoch} round "
+                    f"{self.core.round} of {self.spec.epochs} epoch(s)"
+                )
             if rank not in self.liveness.finished:
                 self._log({"kind": "finish", "rank": rank})
                 self.liveness.finish(rank, time.monotonic())
-                log.info("rank %d finished (%d of %d)", rank, len(self.liveness.finished), self.spec.world_size)
+                log.info(
+                    "rank %d finished (%d of %d)", rank, len(self.liveness.finished), self.spec.world_size
+                )
 
     def _advance_epoch(self, epoch: int) -> None:
         if epoch == self.epoch:
             return
         if epoch >= self.spec.epochs:
-            raise ProtocolError(f"epoch {epoch} requested, but the job runs {self.spec.epochs} epoch(s): "
-                                f"0..{self.spec.epochs - 1}")
+            raise ProtocolError(
+                f"epoch {epoch} requested, but the job runs {self.spec.epochs} epoch(s): "
+                f"0..{self.spec.epochs - 1}"
+            )
         if epoch == self.epoch + 1 and self.core.done:
             self.epoch = epoch
             self.core = self._new_core(epoch)
@@ -492,8 +536,10 @@ class CoordinatorState:
             self._commits.clear()
             self._commit_sums.clear()
             return
-        raise ProtocolError(f"epoch {epoch} requested while the coordinator is in epoch {self.epoch} "
-                            f"({'done' if self.core.done else 'running'})")
+        raise ProtocolError(
+            f"epoch {epoch} requested while the coordinator is in epoch {self.epoch} "
+            f"({'done' if self.core.done else 'running'})"
+        )
 
     # -- barriers ------------------------------------------------------------------------------------
     def _barrier(self, key: tuple[str, int, int]) -> Barrier:
@@ -514,8 +560,9 @@ class CoordinatorState:
         with self._lock:
             return barrier._future(loop)
 
-    def outcome(self, barrier: Barrier, ranks: list[int], timeout: float | None = None,
-                active=None) -> RoundDecision | RoundTotals:
+    def outcome(
+        self, barrier: Barrier, ranks: list[int], timeout: float | None = None, active=None
+    ) -> RoundDecision | RoundTotals:
         """The result of `barrier` for a waiter on behalf of `ranks`, blocking (in slices of <= 1 s) until
         it completes: the decision / totals, else raises what completed it (JobFailed, the ranks being
         then told of the failure; ShuttingDown). `active()` False (the caller's stream ended) stops the
@@ -540,8 +587,10 @@ class CoordinatorState:
     def _one_round(msgs: list, what: str) -> int:
         rounds = {m.round for m in msgs}
         if len(rounds) != 1:
-            raise ProtocolError(f"one {what} message holds rounds {sorted(rounds)} of ranks "
-                                f"{sorted(m.rank for m in msgs)}; a message carries one round")
+            raise ProtocolError(
+                f"one {what} message holds rounds {sorted(rounds)} of ranks "
+                f"{sorted(m.rank for m in msgs)}; a message carries one round"
+            )
         ranks = [m.rank for m in msgs]
         if len(set(ranks)) != len(ranks):
             raise ProtocolError(f"one {what} message names a rank twice: {sorted(ranks)}")
@@ -579,8 +628,10 @@ class CoordinatorState:
                 return self._decisions[key]
             self._advance_epoch(epoch)
             if rnd != self.core.round:
-                raise ProtocolError(f"rank(s) {ranks} report round {rnd} of epoch {epoch}; "
-                                    f"the coordinator is at round {self.core.round}")
+                raise ProtocolError(
+                    f"rank(s) {ranks} report round {rnd} of epoch {epoch}; "
+                    f"the coordinator is at round {self.core.round}"
+                )
             if not self._reports:
                 self._round_started = time.perf_counter()
             for report in reports:
@@ -598,12 +649,17 @@ class CoordinatorState:
                 raise
             self._log(_decision_record(key, decision))
             if self.metrics is not None:
-                self._observe(self.metrics.observe_decision, t_last - (self._round_started or t_last),
-                              time.perf_counter() - t_last)
+                self._observe(
+                    self.metrics.observe_decision,
+                    t_last - (self._round_started or t_last),
+                    time.perf_counter() - t_last,
+                )
                 if decision.plan is not None:
                     self._observe(lambda: self.metrics.observe_moves(plan_moves(decision.plan, topology)))
                 if decision.vision is not None:
-                    self._observe(lambda: self.metrics.observe_exchanges(_round_exchanges(decision.vision, topology)))
+                    self._observe(
+                        lambda: self.metrics.observe_exchanges(_round_exchanges(decision.vision, topology))
+                    )
             self._decisions[key] = decision
             self._forget(self._decisions)
             self._reports.clear()
@@ -621,8 +677,12 @@ class CoordinatorState:
             return self.outcome(got, [c.rank for c in commits], active=active)
         return got
 
-    def submit_commit(self, epoch: int, commits: list[RankCommit],
-                      sums: list[tuple[tuple[int, int, int], ...]] | None = None) -> RoundTotals | Barrier:
+    def submit_commit(
+        self,
+        epoch: int,
+        commits: list[RankCommit],
+        sums: list[tuple[tuple[int, int, int], ...]] | None = None,
+    ) -> RoundTotals | Barrier:
         """Non-blocking `commit_many`: the totals when the round is committed (these commits completed it,
         or a replay), else the pending barrier. The totals are journaled before anyone is told of them.
         `sums[i]`: per step of `commits[i]`, its (samples, tokens, loss tokens) (`commit_from_pb`); when
@@ -639,9 +699,11 @@ class CoordinatorState:
             if key in self._totals:
                 return self._totals[key]
             if epoch != self.epoch or rnd != self.core.round or key not in self._decisions:
-                raise ProtocolError(f"rank(s) {ranks} commit round {rnd} of epoch {epoch} "
-                                    f"before it was decided (coordinator at epoch {self.epoch} "
-                                    f"round {self.core.round})")
+                raise ProtocolError(
+                    f"rank(s) {ranks} commit round {rnd} of epoch {epoch} "
+                    f"before it was decided (coordinator at epoch {self.epoch} "
+                    f"round {self.core.round})"
+                )
             for i, commit in enumerate(commits):
                 self._commits[commit.rank] = commit
                 if sums is not None:
@@ -651,8 +713,10 @@ class CoordinatorState:
             if len(self._commits) < self.spec.world_size:
                 return self._barrier(("commit", *key))
             try:
-                totals = self.core.commit(list(self._commits.values()),
-                                          self._commit_sums if len(self._commit_sums) == len(self._commits) else None)
+                totals = self.core.commit(
+                    list(self._commits.values()),
+                    self._commit_sums if len(self._commit_sums) == len(self._commits) else None,
+                )
             except ValueError as exc:
                 self._fail_locked(f"round {rnd} could not be committed: {exc}")
                 raise
@@ -661,8 +725,12 @@ class CoordinatorState:
             self._totals[key] = totals
             self._forget(self._totals)
             if self.metrics is not None:
-                self._observe(self.metrics.observe_commit, list(self._commits.values()), totals,
-                              time.perf_counter() - (self._round_started or time.perf_counter()))
+                self._observe(
+                    self.metrics.observe_commit,
+                    list(self._commits.values()),
+                    totals,
+                    time.perf_counter() - (self._round_started or time.perf_counter()),
+                )
             self._commits.clear()
             self._commit_sums.clear()
             if self._round_started is not None:
@@ -684,14 +752,19 @@ class CoordinatorState:
 
     def status(self) -> pb.StatusReply:
         with self._lock:
-            return pb.StatusReply(state=self.state, failure=self.failure or "", epoch=self.epoch,
-                                  round=self.core.round, registered=sorted(self.addresses),
-                                  round_latency_ms=list(self.latencies_ms)[-100:],
-                                  finished=sorted(self.liveness.finished))
+            return pb.StatusReply(
+                state=self.state,
+                failure=self.failure or "",
+                epoch=self.epoch,
+                round=self.core.round,
+                registered=sorted(self.addresses),
+                round_latency_ms=list(self.latencies_ms)[-100:],
+                finished=sorted(self.liveness.finished),
+            )
 
 
 def _span(ranks: list[int]) -> str:
-    """"4-7" for a contiguous run of ranks, else the list."""
+    """ "4-7" for a contiguous run of ranks, else the list."""
     if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 1:
         return f"{ranks[0]}-{ranks[-1]}"
     return str(ranks)
@@ -703,13 +776,22 @@ def _job_of(spec: JobSpec) -> dict:
 
 
 def _decision_record(key: tuple[int, int], decision: RoundDecision) -> dict:
-    return {"kind": "decision", "epoch": key[0], "round": key[1],
-            "reply": base64.b64encode(wire.decision_to_pb(decision, key[0]).SerializeToString()).decode()}
+    return {
+        "kind": "decision",
+        "epoch": key[0],
+        "round": key[1],
+        "reply": base64.b64encode(wire.decision_to_pb(decision, key[0]).SerializeToString()).decode(),
+    }
 
 
 def _totals_record(key: tuple[int, int], totals: RoundTotals, core_state: dict) -> dict:
-    return {"kind": "totals", "epoch": key[0], "round": key[1], "core": core_state,
-            "reply": base64.b64encode(wire.totals_to_pb(totals, key[0]).SerializeToString()).decode()}
+    return {
+        "kind": "totals",
+        "epoch": key[0],
+        "round": key[1],
+        "core": core_state,
+        "reply": base64.b64encode(wire.totals_to_pb(totals, key[0]).SerializeToString()).decode(),
+    }
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -765,10 +847,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             try:
                 spec = wire.spec_from_pb(request.spec)
             except ValueError as exc:
-                raise ValueError(f"Register from rank {request.rank} carries an invalid job spec: {exc}") from None
+                raise ValueError(
+                    f"Register from rank {request.rank} carries an invalid job spec: {exc}"
+                ) from None
             epoch, rnd, addrs = self.state.register(request.rank, spec, request.address)
-            return pb.RegisterReply(epoch=epoch, round=rnd, lease_ms=int(self.state.lease_s * 1000),
-                                    rank_addresses=addrs)
+            return pb.RegisterReply(
+                epoch=epoch, round=rnd, lease_ms=int(self.state.lease_s * 1000), rank_addresses=addrs
+            )
         except (JobFailed, ShuttingDown, ValueError) as exc:
             await self._abort(context, exc)
 
@@ -821,18 +906,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if kind == "hello":
                     hello = request.hello
                     if hello.protocol != pb.NODE_PROTOCOL_V1:
-                        raise ProtocolError(f"node agent {hello.node!r} speaks node protocol {hello.protocol}; "
-                                            f"this coordinator speaks {pb.NODE_PROTOCOL_V1} (batchd.v1): run the "
-                                            f"same batchd version on every party")
+                        raise ProtocolError(
+                            f"node agent {hello.node!r} speaks node protocol {hello.protocol}; "
+                            f"this coordinator speaks {pb.NODE_PROTOCOL_V1} (batchd.v1): run the "
+                            f"same batchd version on every party"
+                        )
                     try:
                         spec = wire.spec_from_pb(hello.spec)
                     except ValueError as exc:
-                        raise ValueError(f"node agent {hello.node!r} sent an invalid job spec: {exc}") from None
+                        raise ValueError(
+                            f"node agent {hello.node!r} sent an invalid job spec: {exc}"
+                        ) from None
                     ranks = [int(r) for r in hello.ranks]
                     epoch, rnd, addrs = self.state.register_node(hello.node, ranks, spec, hello.address)
                     node = NodeView(hello.node, ranks)
-                    yield pb.NodeReply(registered=pb.RegisterReply(
-                        epoch=epoch, round=rnd, lease_ms=int(self.state.lease_s * 1000), rank_addresses=addrs))
+                    yield pb.NodeReply(
+                        registered=pb.RegisterReply(
+                            epoch=epoch,
+                            round=rnd,
+                            lease_ms=int(self.state.lease_s * 1000),
+                            rank_addresses=addrs,
+                        )
+                    )
                 elif kind in ("align", "commit"):
                     if node is None:
                         raise ProtocolError(f"a node stream sent {kind} before its hello")
@@ -841,8 +936,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     ranks = [int(m.rank) for m in items]
                     if not node.ranks.issuperset(ranks):
                         foreign = sorted(set(ranks) - node.ranks)
-                        raise ProtocolError(f"node agent {node.name!r} sent {kind} for rank(s) {foreign}, which it "
-                                            f"did not register (it serves {sorted(node.ranks)})")
+                        raise ProtocolError(
+                            f"node agent {node.name!r} sent {kind} for rank(s) {foreign}, which it "
+                            f"did not register (it serves {sorted(node.ranks)})"
+                        )
                     epoch = int(msg.epoch)
                     if kind == "align":
                         got = self.state.submit_align(epoch, [wire.report_from_pb(m) for m in items])
@@ -853,7 +950,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                             yield node.decision_reply(decision, epoch)
                     else:
                         converted = [commit_from_pb(m) for m in items]
-                        got = self.state.submit_commit(epoch, [c for c, _ in converted], [s for _, s in converted])
+                        got = self.state.submit_commit(
+                            epoch, [c for c, _ in converted], [s for _, s in converted]
+                        )
                         totals = await self._wait(got, ranks)
                         yield self._reply("node-commit", totals, epoch, _node_totals)
                 else:
@@ -879,7 +978,7 @@ class WireStep(collections.abc.Sequence):
     @property
     def pairs(self) -> tuple[tuple[int, int], ...]:
         if self._pairs is None:
-            self._pairs = tuple(zip(self._lengths, self._loss))
+            self._pairs = tuple(zip(self._lengths, self._loss, strict=False))
         return self._pairs
 
     def __len__(self) -> int:
@@ -913,7 +1012,9 @@ def commit_from_pb(m: pb.CommitRequest) -> tuple[RankCommit, tuple[tuple[int, in
             raise ValueError(f"commit of rank {m.rank}: {len(lengths)} lengths but {len(loss)} loss counts")
         steps.append(WireStep(lengths, loss))
         sums.append((len(lengths), sum(lengths), sum(loss)))
-    return RankCommit(int(m.rank), int(m.round), tuple(steps), int(m.remaining), bool(m.exhausted)), tuple(sums)
+    return RankCommit(int(m.rank), int(m.round), tuple(steps), int(m.remaining), bool(m.exhausted)), tuple(
+        sums
+    )
 
 
 def _node_decision(decision: RoundDecision, epoch: int) -> pb.NodeReply:
@@ -927,10 +1028,15 @@ def _node_totals(totals: RoundTotals, epoch: int) -> pb.NodeReply:
 def _round_exchanges(vision, topology: list[int] | None) -> dict[str, int]:
     """`exchanged` summed over a round's steps (vision[rank][step])."""
     total: dict[str, int] = {}
-    for step in zip(*vision):
+    for step in zip(*vision, strict=False):
         for key, value in exchanged(step, topology).items():
             total[key] = total.get(key, 0) + value
-    return total or {"intra_node_images": 0, "intra_node_rows": 0, "cross_node_images": 0, "cross_node_rows": 0}
+    return total or {
+        "intra_node_images": 0,
+        "intra_node_rows": 0,
+        "cross_node_images": 0,
+        "cross_node_rows": 0,
+    }
 
 
 class NodeView:
@@ -946,17 +1052,30 @@ class NodeView:
         samples whose home is one of its ranks (those it lends), and (two-phase) of every other rank's
         exchanges only the images of such samples (their encoders fetch them). Without a plan: as is."""
         cached, original = self._cache, decision
-        if cached is not None and cached[0] == epoch and cached[1] == decision.round and cached[2] is decision:
+        if (
+            cached is not None
+            and cached[0] == epoch
+            and cached[1] == decision.round
+            and cached[2] is decision
+        ):
             return cached[3]
         if decision.plan is not None:
             mine = self.ranks
-            plan = tuple(steps if r in mine else tuple(tuple(s for s in g if s.home_rank in mine) for g in steps)
-                         for r, steps in enumerate(decision.plan))
+            plan = tuple(
+                steps if r in mine else tuple(tuple(s for s in g if s.home_rank in mine) for g in steps)
+                for r, steps in enumerate(decision.plan)
+            )
             vision = decision.vision
             if vision is not None:
-                vision = tuple(exs if r in mine else tuple(
-                    Exchange(r, x.world_size, tuple(im for im in x.encode if im.home_rank in mine)) for x in exs)
-                    for r, exs in enumerate(vision))
+                vision = tuple(
+                    exs
+                    if r in mine
+                    else tuple(
+                        Exchange(r, x.world_size, tuple(im for im in x.encode if im.home_rank in mine))
+                        for x in exs
+                    )
+                    for r, exs in enumerate(vision)
+                )
             decision = RoundDecision(decision.round, decision.target, plan, vision)
         reply = wire.decision_to_pb(decision, epoch)
         self._cache = (epoch, decision.round, original, reply)
@@ -984,17 +1103,27 @@ def _method_handlers(servicer: CoordinatorServicer) -> grpc.GenericRpcHandler:
     """The Coordinator service's handlers (as the generated `add_CoordinatorServicer_to_server`, with
     replies that may come pre-serialized)."""
     unary = {
-        "Register": (pb.RegisterRequest, pb.RegisterReply), "Align": (pb.AlignRequest, pb.AlignReply),
-        "Commit": (pb.CommitRequest, pb.CommitReply), "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatReply),
-        "Fail": (pb.FailRequest, pb.FailReply), "Status": (pb.StatusRequest, pb.StatusReply),
+        "Register": (pb.RegisterRequest, pb.RegisterReply),
+        "Align": (pb.AlignRequest, pb.AlignReply),
+        "Commit": (pb.CommitRequest, pb.CommitReply),
+        "Heartbeat": (pb.HeartbeatRequest, pb.HeartbeatReply),
+        "Fail": (pb.FailRequest, pb.FailReply),
+        "Status": (pb.StatusRequest, pb.StatusReply),
         "Finish": (pb.FinishRequest, pb.FinishReply),
     }
-    handlers = {name: grpc.unary_unary_rpc_method_handler(getattr(servicer, name), request_deserializer=req.FromString,
-                                                          response_serializer=_reply_serializer(rep))
-                for name, (req, rep) in unary.items()}
+    handlers = {
+        name: grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, name),
+            request_deserializer=req.FromString,
+            response_serializer=_reply_serializer(rep),
+        )
+        for name, (req, rep) in unary.items()
+    }
     handlers["Node"] = grpc.stream_stream_rpc_method_handler(
-        servicer.Node, request_deserializer=pb.NodeRequest.FromString,
-        response_serializer=_reply_serializer(pb.NodeReply))
+        servicer.Node,
+        request_deserializer=pb.NodeRequest.FromString,
+        response_serializer=_reply_serializer(pb.NodeReply),
+    )
     return grpc.method_handlers_generic_handler("batchd.v1.Coordinator", handlers)
 
 
@@ -1092,9 +1221,15 @@ class CoordinatorServer:
         return not self._run(self._server.wait_for_termination(timeout))
 
 
-def create_server(address: str, spec: JobSpec, lease_s: float = 60.0, startup_timeout_s: float = 600.0,
-                  security: Security | None = None, metrics: CoordinatorMetrics | None = None,
-                  state_dir: str | os.PathLike | None = None) -> tuple[CoordinatorServer, int, CoordinatorState]:
+def create_server(
+    address: str,
+    spec: JobSpec,
+    lease_s: float = 60.0,
+    startup_timeout_s: float = 600.0,
+    security: Security | None = None,
+    metrics: CoordinatorMetrics | None = None,
+    state_dir: str | os.PathLike | None = None,
+) -> tuple[CoordinatorServer, int, CoordinatorState]:
     """Builds (not starts) a coordinator server bound to `address` ("127.0.0.1:0" picks a free port).
 
     Returns (server, port, state): `server` is a `CoordinatorServer` (grpc.aio on the process's

@@ -81,21 +81,30 @@ class Journal:
         data = self.path.read_bytes()
         records, valid, bad = decode_records(data)
         if not records:
-            raise JournalError(f"{self.path}: not a batchd journal ({bad or 'no header'}); "
-                               f"remove it or use another state dir")
+            raise JournalError(
+                f"{self.path}: not a batchd journal ({bad or 'no header'}); "
+                f"remove it or use another state dir"
+            )
         header, records = records[0], records[1:]
         if header.get("kind") != "header" or header.get("version") != VERSION:
-            raise JournalError(f"{self.path}: journal version {header.get('version')!r}, this build reads "
-                               f"version {VERSION}")
+            raise JournalError(
+                f"{self.path}: journal version {header.get('version')!r}, this build reads version {VERSION}"
+            )
         theirs = header.get("job") or {}
         diff = sorted(k for k in set(theirs) | set(self.job) if theirs.get(k) != self.job.get(k))
         if diff:
             detail = ", ".join(f"{k}: journal {theirs.get(k)!r}, this job {self.job.get(k)!r}" for k in diff)
-            raise JournalError(f"{self.path} is the journal of another job ({detail}); "
-                               f"use another state dir or remove it")
+            raise JournalError(
+                f"{self.path} is the journal of another job ({detail}); use another state dir or remove it"
+            )
         if bad is not None:
-            log.error("%s: %s at byte %d; cutting the journal there (%d bytes dropped)", self.path, bad, valid,
-                      len(data) - valid)
+            log.error(
+                "%s: %s at byte %d; cutting the journal there (%d bytes dropped)",
+                self.path,
+                bad,
+                valid,
+                len(data) - valid,
+            )
             with open(self.path, "r+b") as fh:
                 fh.truncate(valid)
                 fh.flush()

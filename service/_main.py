@@ -39,7 +39,13 @@ from batchd.proto import Progress, Security
 
 from ._coord_client import CoordinatorClient
 from ._coordinator import create_server
-from ._metrics import CoordinatorMetrics, MergedRegistry, RankMetrics, start_metrics_server, stop_metrics_server
+from ._metrics import (
+    CoordinatorMetrics,
+    MergedRegistry,
+    RankMetrics,
+    start_metrics_server,
+    stop_metrics_server,
+)
 from ._node import NodeAgent
 from ._rank_server import create_rank_server, job_samples
 from ._rank_service import RankServiceCore
@@ -98,16 +104,32 @@ def _linger_until_told(cores, stop: threading.Event, grace_s: float) -> None:
         pass
 
 
-def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_file: str | None = None,
-                    lease_s: float = 60.0, startup_timeout_s: float = 600.0,
-                    security: Security | None = None, metrics_port: int | None = None,
-                    metrics_host: str = "127.0.0.1", state_dir: str | None = None) -> int:
+def run_coordinator(
+    spec: JobSpec,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    port_file: str | None = None,
+    lease_s: float = 60.0,
+    startup_timeout_s: float = 600.0,
+    security: Security | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    state_dir: str | None = None,
+) -> int:
     metrics = CoordinatorMetrics(spec.world_size, spec.cost_model()) if metrics_port is not None else None
-    server, bound, state = create_server(f"{host}:{port}", spec, lease_s, startup_timeout_s, security=security,
-                                         metrics=metrics, state_dir=state_dir)
+    server, bound, state = create_server(
+        f"{host}:{port}",
+        spec,
+        lease_s,
+        startup_timeout_s,
+        security=security,
+        metrics=metrics,
+        state_dir=state_dir,
+    )
     if state.job_done:
-        log.warning("the job in %s already finished; nothing to do (remove the state dir to run it again)",
-                    state_dir)
+        log.warning(
+            "the job in %s already finished; nothing to do (remove the state dir to run it again)", state_dir
+        )
         state.close()
         return 0
     try:
@@ -117,16 +139,23 @@ def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_
         raise
     server.start()
     write_port_file(port_file, bound, metrics_bound)
-    log.info("coordinator listening on %s:%d for %d ranks (%s)%s", host, bound, spec.world_size,
-             security.describe() if security else "plaintext",
-             f", journal in {state_dir}" if state_dir else "")
+    log.info(
+        "coordinator listening on %s:%d for %d ranks (%s)%s",
+        host,
+        bound,
+        spec.world_size,
+        security.describe() if security else "plaintext",
+        f", journal in {state_dir}" if state_dir else "",
+    )
     stop = _stop_event()
     try:
         while not stop.wait(0.2):
             if state.state == "done":
                 stop.wait(LINGER_S)
                 break
-            if state.state == "failed":  # stay until every rank heard why (they tell their trainers), <= a lease
+            if (
+                state.state == "failed"
+            ):  # stay until every rank heard why (they tell their trainers), <= a lease
                 deadline = time.monotonic() + max(lease_s, LINGER_S)
                 stop.wait(LINGER_S)
                 while not state.all_informed() and time.monotonic() < deadline and not stop.wait(0.2):
@@ -142,10 +171,19 @@ def run_coordinator(spec: JobSpec, host: str = "127.0.0.1", port: int = 0, port_
     return 0 if state.state == "done" else 1
 
 
-def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | None = None, num_actors: int = 2,
-                    ray_address: str | None = None, quarantine: str | None = None, cutoff: int | None = None,
-                    pipeline: dict | None = None, source_options: dict | None = None, job: str | None = None
-                    ) -> tuple[RaySource, SharedRay]:
+def make_ray_source(
+    spec: JobSpec,
+    rank: int,
+    dataset: str,
+    tokenizer: str | None = None,
+    num_actors: int = 2,
+    ray_address: str | None = None,
+    quarantine: str | None = None,
+    cutoff: int | None = None,
+    pipeline: dict | None = None,
+    source_options: dict | None = None,
+    job: str | None = None,
+) -> tuple[RaySource, SharedRay]:
     """Rank `rank`'s `RaySource` over `dataset` with `default_stages(tokenizer)`, in the job's sampler view,
     and the `SharedRay` it runs on: `(source, shared_ray)`; the caller closes both, the source first.
 
@@ -166,20 +204,40 @@ def make_ray_source(spec: JobSpec, rank: int, dataset: str, tokenizer: str | Non
     stages = default_stages(tokenizer, cutoff=cutoff, **(pipeline or {}))
     # An embedded Ray gets logical CPUs for every rank service of the job to run its actors on this host
     # (each actor reserves one), at least the host's cores: the services started together share it.
-    shared = share_ray(ray_address, num_cpus=max(os.cpu_count() or 1, num_actors * spec.world_size),
-                       who=f"rank {rank}", job=job)
+    shared = share_ray(
+        ray_address,
+        num_cpus=max(os.cpu_count() or 1, num_actors * spec.world_size),
+        who=f"rank {rank}",
+        job=job,
+    )
     try:
-        source = RaySource(records, rank, spec.world_size, spec.seed, 0, spec.shuffle, stages=stages,
-                           num_actors=num_actors, quarantine=quarantine, wrap=spec.mode == "non-join",
-                           **(source_options or {}))
+        source = RaySource(
+            records,
+            rank,
+            spec.world_size,
+            spec.seed,
+            0,
+            spec.shuffle,
+            stages=stages,
+            num_actors=num_actors,
+            quarantine=quarantine,
+            wrap=spec.mode == "non-join",
+            **(source_options or {}),
+        )
     except BaseException:
         shared.close()
         raise
     return source, shared
 
 
-def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: str | None = None,
-                 fetched: dict[str, int] | None = None, ray_gone: bool = False) -> None:
+def _write_stats(
+    path: str | None,
+    rank: int,
+    source: RaySource,
+    ray_address: str | None = None,
+    fetched: dict[str, int] | None = None,
+    ray_gone: bool = False,
+) -> None:
     """Writes `source`'s counters (`Source.stats()`), its view's size, this process's peak resident memory
     (`peak_rss_bytes`: a node agent's, all its ranks together), its pool's actor time, the Ray node each
     actor runs on (`actor_nodes`) and each actor's peak resident memory to `path` as JSON; a node agent adds its rank's moved-sample
@@ -190,8 +248,12 @@ def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: st
     """
     if not path:
         return
-    stats = {"rank": rank, **source.stats(), "view": len(source),
-             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    stats = {
+        "rank": rank,
+        **source.stats(),
+        "view": len(source),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
     if ray_address is not None:
         stats["ray_address"] = ray_address
     for kind, n in (fetched or {}).items():
@@ -212,46 +274,121 @@ def _write_stats(path: str | None, rank: int, source: RaySource, ray_address: st
     os.replace(tmp, p)
 
 
-def _make_source(spec: JobSpec, rank: int, lengths: list[int] | list[Sample] | None, vocab_size: int,
-                 dataset: str | None,
-                 tokenizer: str | None, num_actors: int, ray_address: str | None, quarantine: str | None,
-                 cutoff: int | None, pipeline: dict | None, source_options: dict | None = None,
-                 job: str | None = None) -> tuple[Source, SharedRay | None]:
+def _make_source(
+    spec: JobSpec,
+    rank: int,
+    lengths: list[int] | list[Sample] | None,
+    vocab_size: int,
+    dataset: str | None,
+    tokenizer: str | None,
+    num_actors: int,
+    ray_address: str | None,
+    quarantine: str | None,
+    cutoff: int | None,
+    pipeline: dict | None,
+    source_options: dict | None = None,
+    job: str | None = None,
+) -> tuple[Source, SharedRay | None]:
     """Rank `rank`'s source (module docstring: a dataset through Ray, synthetic lengths, or Ingest pushes)
     and, for a dataset, the `SharedRay` it runs on (the caller closes both, the source first)."""
     if dataset is not None:
-        return make_ray_source(spec, rank, dataset, tokenizer, num_actors, ray_address, quarantine, cutoff,
-                               pipeline, source_options, job)
+        return make_ray_source(
+            spec,
+            rank,
+            dataset,
+            tokenizer,
+            num_actors,
+            ray_address,
+            quarantine,
+            cutoff,
+            pipeline,
+            source_options,
+            job,
+        )
     if lengths is None:
         return IngestSource(spec.window), None
     images = None
     if lengths and isinstance(lengths[0], Sample):  # a multimodal workload: synthetic images too
         images = [s.images for s in lengths]
         lengths = [s.length for s in lengths]
-    return SyntheticSource(lengths, rank, spec.world_size, spec.seed, 0, spec.shuffle, vocab_size,
-                           wrap=spec.mode == "non-join", images=images), None
+    return SyntheticSource(
+        lengths,
+        rank,
+        spec.world_size,
+        spec.seed,
+        0,
+        spec.shuffle,
+        vocab_size,
+        wrap=spec.mode == "non-join",
+        images=images,
+    ), None
 
 
-def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | None, host: str = "127.0.0.1",
-             port: int = 0, port_file: str | None = None, state_dir: str | None = None,
-             client_grace_s: float = 30.0, vocab_size: int = 512, dataset: str | None = None,
-             tokenizer: str | None = None, num_actors: int = 2, ray_address: str | None = None,
-             quarantine: str | None = None, stats_file: str | None = None,
-             pipeline: dict | None = None, cutoff: int | None = None,
-             security: Security | None = None, metrics_port: int | None = None,
-             metrics_host: str = "127.0.0.1", trainer_timeout_s: float = 1800.0,
-             startup_timeout_s: float = 600.0, source_options: dict | None = None) -> int:
+def run_rank(
+    spec: JobSpec,
+    rank: int,
+    coordinator: str,
+    lengths: list[int] | None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    port_file: str | None = None,
+    state_dir: str | None = None,
+    client_grace_s: float = 30.0,
+    vocab_size: int = 512,
+    dataset: str | None = None,
+    tokenizer: str | None = None,
+    num_actors: int = 2,
+    ray_address: str | None = None,
+    quarantine: str | None = None,
+    stats_file: str | None = None,
+    pipeline: dict | None = None,
+    cutoff: int | None = None,
+    security: Security | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    trainer_timeout_s: float = 1800.0,
+    startup_timeout_s: float = 600.0,
+    source_options: dict | None = None,
+) -> int:
     if lengths is not None and dataset is not None:
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
     try:
-        source, shared = _make_source(spec, rank, lengths, vocab_size, dataset, tokenizer, num_actors, ray_address,
-                                      quarantine, cutoff, pipeline, source_options, job_key(coordinator, spec))
+        source, shared = _make_source(
+            spec,
+            rank,
+            lengths,
+            vocab_size,
+            dataset,
+            tokenizer,
+            num_actors,
+            ray_address,
+            quarantine,
+            cutoff,
+            pipeline,
+            source_options,
+            job_key(coordinator, spec),
+        )
     except RayLost as lost:
         return _ray_lost_at_start(coordinator, [rank], spec, security, lost)
     ray_source = source if isinstance(source, RaySource) else None
     try:
-        return _serve_rank(spec, rank, coordinator, source, host, port, port_file, state_dir, client_grace_s,
-                           security, metrics_port, metrics_host, trainer_timeout_s, startup_timeout_s, shared)
+        return _serve_rank(
+            spec,
+            rank,
+            coordinator,
+            source,
+            host,
+            port,
+            port_file,
+            state_dir,
+            client_grace_s,
+            security,
+            metrics_port,
+            metrics_host,
+            trainer_timeout_s,
+            startup_timeout_s,
+            shared,
+        )
     finally:
         if ray_source is not None:
             try:
@@ -261,8 +398,9 @@ def run_rank(spec: JobSpec, rank: int, coordinator: str, lengths: list[int] | No
                 shared.close()  # stops only a Ray this service started, once no other service uses it
 
 
-def _ray_lost_at_start(coordinator: str, ranks: list[int], spec: JobSpec, security: Security | None,
-                       lost: RayLost) -> int:
+def _ray_lost_at_start(
+    coordinator: str, ranks: list[int], spec: JobSpec, security: Security | None, lost: RayLost
+) -> int:
     """The Ray went away while the ranks' sources were starting: tells the coordinator (so the other ranks
     and the trainers learn at once, naming it) and returns the failed-job status 1."""
     log.error("rank %d: job failed: %s", ranks[0], lost)
@@ -274,20 +412,40 @@ def _ray_lost_at_start(coordinator: str, ranks: list[int], spec: JobSpec, securi
     return 1
 
 
-def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source: Source, host: str, port: int,
-                port_file: str | None, state_dir: str | None, client_grace_s: float, security: Security | None = None,
-                metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-                trainer_timeout_s: float = 1800.0, startup_timeout_s: float = 600.0,
-                shared: SharedRay | None = None) -> int:
+def _serve_rank(
+    spec: JobSpec,
+    rank: int,
+    coordinator: str,
+    source: Source,
+    host: str,
+    port: int,
+    port_file: str | None,
+    state_dir: str | None,
+    client_grace_s: float,
+    security: Security | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    trainer_timeout_s: float = 1800.0,
+    startup_timeout_s: float = 600.0,
+    shared: SharedRay | None = None,
+) -> int:
     """Serves one rank until its trainer took the job's last step (and left), or the job failed.
 
     A service restored from a journal written after its trainer took the last step lingers up to
     RESTORED_LINGER_S for a trainer that lost that end and asks for it again."""
     coord = CoordinatorClient(coordinator, rank, spec, startup_timeout_s=startup_timeout_s, security=security)
     metrics = RankMetrics(rank) if metrics_port is not None else None
-    core = RankServiceCore(rank, spec, coord, source, state_dir=state_dir, client_grace_s=client_grace_s,
-                           trainer_timeout_s=trainer_timeout_s,
-                           security=security, metrics=metrics)
+    core = RankServiceCore(
+        rank,
+        spec,
+        coord,
+        source,
+        state_dir=state_dir,
+        client_grace_s=client_grace_s,
+        trainer_timeout_s=trainer_timeout_s,
+        security=security,
+        metrics=metrics,
+    )
     server, bound = create_rank_server(f"{host}:{port}", core, security)
     metrics_server, metrics_bound = _start_metrics(metrics, metrics_host, metrics_port, f"rank {rank}")
     server.start()
@@ -295,8 +453,13 @@ def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source: Source, host
     if shared is not None:
         shared.watch(core.fail_ray)  # a Ray gone under an idle service fails the job too
     write_port_file(port_file, bound, metrics_bound)
-    log.info("rank %d service listening on %s:%d (%s)", rank, host, bound,
-             security.describe() if security else "plaintext")
+    log.info(
+        "rank %d service listening on %s:%d (%s)",
+        rank,
+        host,
+        bound,
+        security.describe() if security else "plaintext",
+    )
     stop = _stop_event()
     status = 0
     finished_at = None
@@ -326,8 +489,9 @@ def _serve_rank(spec: JobSpec, rank: int, coordinator: str, source: Source, host
     return status
 
 
-def node_ranks(local_ranks: int | None = None, node_rank: int | None = None,
-               env: dict[str, str] | None = None) -> list[int]:
+def node_ranks(
+    local_ranks: int | None = None, node_rank: int | None = None, env: dict[str, str] | None = None
+) -> list[int]:
     """The global ranks a node agent serves: node_rank * K .. node_rank * K + K - 1, torchrun's numbering.
 
     K is `local_ranks`, else $LOCAL_WORLD_SIZE (torchrun's); the node rank is `node_rank`, else $GROUP_RANK
@@ -344,8 +508,10 @@ def node_ranks(local_ranks: int | None = None, node_rank: int | None = None,
                     return int(env[name])
                 except ValueError:
                     raise ValueError(f"${name}={env[name]!r} is not an integer ({what})") from None
-        raise ValueError(f"the node agent needs {what}: pass --{what.replace('_', '-')} or set "
-                         f"{' or '.join('$' + n for n in names)}")
+        raise ValueError(
+            f"the node agent needs {what}: pass --{what.replace('_', '-')} or set "
+            f"{' or '.join('$' + n for n in names)}"
+        )
 
     k = pick(local_ranks, ("LOCAL_WORLD_SIZE",), "local_ranks")
     g = pick(node_rank, ("GROUP_RANK", "NODE_RANK"), "node_rank")
@@ -356,14 +522,34 @@ def node_ranks(local_ranks: int | None = None, node_rank: int | None = None,
     return list(range(g * k, g * k + k))
 
 
-def run_node(spec: JobSpec, ranks: list[int], coordinator: str, lengths: list[int] | None, name: str | None = None,
-             host: str = "127.0.0.1", port: int = 0, advertise: str | None = None, port_file: str | None = None,
-             state_dir: str | None = None, client_grace_s: float = 30.0, vocab_size: int = 512,
-             dataset: str | None = None, tokenizer: str | None = None, num_actors: int = 2,
-             ray_address: str | None = None, quarantine: str | None = None, stats_file: str | None = None,
-             pipeline: dict | None = None, cutoff: int | None = None, security: Security | None = None,
-             metrics_port: int | None = None, metrics_host: str = "127.0.0.1", trainer_timeout_s: float = 1800.0,
-             startup_timeout_s: float = 600.0, source_options: dict | None = None) -> int:
+def run_node(
+    spec: JobSpec,
+    ranks: list[int],
+    coordinator: str,
+    lengths: list[int] | None,
+    name: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    advertise: str | None = None,
+    port_file: str | None = None,
+    state_dir: str | None = None,
+    client_grace_s: float = 30.0,
+    vocab_size: int = 512,
+    dataset: str | None = None,
+    tokenizer: str | None = None,
+    num_actors: int = 2,
+    ray_address: str | None = None,
+    quarantine: str | None = None,
+    stats_file: str | None = None,
+    pipeline: dict | None = None,
+    cutoff: int | None = None,
+    security: Security | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    trainer_timeout_s: float = 1800.0,
+    startup_timeout_s: float = 600.0,
+    source_options: dict | None = None,
+) -> int:
     """`batchd node`: serves `ranks` (one `RankServiceCore` each, one gRPC server, one coordinator stream)
     until every one of its trainers took the job's last step, or the job failed. Sources as for
     `run_rank`, one per rank (`num_actors` actors per rank; `stats_file` gets `{rank}` filled in or, without
@@ -373,8 +559,10 @@ def run_node(spec: JobSpec, ranks: list[int], coordinator: str, lengths: list[in
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
     bad = [r for r in ranks if not 0 <= r < spec.world_size]
     if not ranks or bad:
-        raise ValueError(f"a node agent's ranks must lie in 0..{spec.world_size - 1} (world_size="
-                         f"{spec.world_size}), got {ranks}")
+        raise ValueError(
+            f"a node agent's ranks must lie in 0..{spec.world_size - 1} (world_size="
+            f"{spec.world_size}), got {ranks}"
+        )
     name = name or socket.gethostname()
     sources: dict[int, Source] = {}
     shared: list[SharedRay] = []
@@ -383,23 +571,59 @@ def run_node(spec: JobSpec, ranks: list[int], coordinator: str, lengths: list[in
     try:
         try:
             for r in ranks:
-                sources[r], ray_handle = _make_source(spec, r, lengths, vocab_size, dataset, tokenizer, num_actors,
-                                                      ray_address, quarantine, cutoff, pipeline, source_options, job)
+                sources[r], ray_handle = _make_source(
+                    spec,
+                    r,
+                    lengths,
+                    vocab_size,
+                    dataset,
+                    tokenizer,
+                    num_actors,
+                    ray_address,
+                    quarantine,
+                    cutoff,
+                    pipeline,
+                    source_options,
+                    job,
+                )
                 if ray_handle is not None:
                     shared.append(ray_handle)
         except RayLost as lost:
             return _ray_lost_at_start(coordinator, ranks, spec, security, lost)
-        return _serve_node(spec, ranks, coordinator, name, sources, host, port, advertise, port_file, state_dir,
-                           client_grace_s, security, metrics_port, metrics_host, trainer_timeout_s,
-                           startup_timeout_s, fetched, shared[0] if shared else None)
+        return _serve_node(
+            spec,
+            ranks,
+            coordinator,
+            name,
+            sources,
+            host,
+            port,
+            advertise,
+            port_file,
+            state_dir,
+            client_grace_s,
+            security,
+            metrics_port,
+            metrics_host,
+            trainer_timeout_s,
+            startup_timeout_s,
+            fetched,
+            shared[0] if shared else None,
+        )
     finally:
         try:
             for r, src in sources.items():
                 if isinstance(src, RaySource):
                     path = _rank_path(stats_file, r)
                     try:
-                        _write_stats(path, r, src, shared[0].address if shared else None, fetched.get(r),
-                                     ray_gone=bool(shared) and shared[0].lost is not None)
+                        _write_stats(
+                            path,
+                            r,
+                            src,
+                            shared[0].address if shared else None,
+                            fetched.get(r),
+                            ray_gone=bool(shared) and shared[0].lost is not None,
+                        )
                     finally:
                         src.close()
         finally:
@@ -450,8 +674,12 @@ class _NodeProgress:
         if epoch != self.epoch or self.bar is None:
             self.close()
             self.epoch = epoch
-            self.bar = Progress(f"node agent {self.name!r}: epoch {epoch + 1}/{core.spec.epochs}",
-                                job_samples(core) or None, "samples", tty=False)
+            self.bar = Progress(
+                f"node agent {self.name!r}: epoch {epoch + 1}/{core.spec.epochs}",
+                job_samples(core) or None,
+                "samples",
+                tty=False,
+            )
         self.bar.update(made - self.bar.n, steps - self.bar.steps)
 
     def close(self) -> None:
@@ -459,27 +687,63 @@ class _NodeProgress:
             self.bar.close()
 
 
-def _serve_node(spec: JobSpec, ranks: list[int], coordinator: str, name: str, sources: dict[int, Source], host: str,
-                port: int, advertise: str | None, port_file: str | None, state_dir: str | None,
-                client_grace_s: float, security: Security | None, metrics_port: int | None, metrics_host: str,
-                trainer_timeout_s: float, startup_timeout_s: float,
-                fetched: dict[int, dict[str, int]] | None = None, shared: SharedRay | None = None) -> int:
+def _serve_node(
+    spec: JobSpec,
+    ranks: list[int],
+    coordinator: str,
+    name: str,
+    sources: dict[int, Source],
+    host: str,
+    port: int,
+    advertise: str | None,
+    port_file: str | None,
+    state_dir: str | None,
+    client_grace_s: float,
+    security: Security | None,
+    metrics_port: int | None,
+    metrics_host: str,
+    trainer_timeout_s: float,
+    startup_timeout_s: float,
+    fetched: dict[int, dict[str, int]] | None = None,
+    shared: SharedRay | None = None,
+) -> int:
     """Serves the node's ranks (see `run_node`); `fetched` gets each rank's moved-sample counts at the end.
     `shared`: the Ray its sources run on, watched: once it goes away the job fails, naming it."""
-    agent = NodeAgent(spec, coordinator, name, sources, host, port, _advertised(host, advertise), state_dir,
-                      client_grace_s, security, metrics_port is not None, trainer_timeout_s, startup_timeout_s)
+    agent = NodeAgent(
+        spec,
+        coordinator,
+        name,
+        sources,
+        host,
+        port,
+        _advertised(host, advertise),
+        state_dir,
+        client_grace_s,
+        security,
+        metrics_port is not None,
+        trainer_timeout_s,
+        startup_timeout_s,
+    )
     cores = agent.cores
     metrics_server = metrics_bound = None
     if agent.metrics:
         metrics_server, metrics_bound = start_metrics_server(
-            MergedRegistry([m.registry for m in agent.metrics.values()]), metrics_host, metrics_port)
+            MergedRegistry([m.registry for m in agent.metrics.values()]), metrics_host, metrics_port
+        )
     agent.start()
     if shared is not None:
         shared.watch(lambda lost: _node_ray_lost(agent, lost))
     bound = agent.port
     write_port_file(port_file, bound, metrics_bound)
-    log.info("node agent %r serving ranks %s on %s:%d (peers reach it at %s; %s)", name, agent.ranks, host, bound,
-             agent.address, security.describe() if security else "plaintext")
+    log.info(
+        "node agent %r serving ranks %s on %s:%d (peers reach it at %s; %s)",
+        name,
+        agent.ranks,
+        host,
+        bound,
+        agent.address,
+        security.describe() if security else "plaintext",
+    )
     stop = _stop_event()
     status = 0
     finished_at = None

@@ -46,8 +46,26 @@ log = logging.getLogger("batchd.metrics")
 
 # Round-latency buckets: from 0.5 ms (every party in one process) to 120 s (a round lasts as long as its
 # slowest rank's trainer needs). Measured latencies: docs/benchmarks.md (Alignment round latency).
-LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
-                   60.0, 120.0, math.inf)
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    math.inf,
+)
 JOB_STATES = ("running", "done", "failed")
 DEFAULT_RATE_WINDOW_S = 10.0
 
@@ -72,8 +90,9 @@ class RateWindow:
         clock: Monotonic clock in seconds (tests pass their own).
     """
 
-    def __init__(self, width: int, window_s: float = DEFAULT_RATE_WINDOW_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, width: int, window_s: float = DEFAULT_RATE_WINDOW_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if width < 1:
             raise ValueError(f"width must be >= 1, got {width=}")
         if not window_s > 0:
@@ -129,8 +148,13 @@ class RankMetrics:
         clock: Monotonic clock for the rates (tests pass their own).
     """
 
-    def __init__(self, rank: int, registry: CollectorRegistry | None = None,
-                 rate_window_s: float = DEFAULT_RATE_WINDOW_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        rank: int,
+        registry: CollectorRegistry | None = None,
+        rate_window_s: float = DEFAULT_RATE_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank=}")
         self.rank = rank
@@ -149,27 +173,40 @@ class RankMetrics:
         self.real_tokens = counter("batchd_real_tokens_total", "Sample tokens in emitted batches.")
         self.padded_tokens = counter(
             "batchd_padded_tokens_total",
-            "Materialized tokens (input_ids elements) of emitted non-IDLE batches, padding included.")
+            "Materialized tokens (input_ids elements) of emitted non-IDLE batches, padding included.",
+        )
         self.steps = counter("batchd_steps_total", "Steps emitted to the trainer, IDLE steps included.")
         self.idle_steps = counter("batchd_idle_steps_total", "IDLE steps (no sample on this rank) emitted.")
         self.rounds = counter("batchd_rounds_total", "Alignment rounds completed by this rank.")
-        self.output_wait = counter("batchd_output_wait_seconds_total",
-                                   "Time the rank loop waited for the trainer to free an output slot.")
+        self.output_wait = counter(
+            "batchd_output_wait_seconds_total",
+            "Time the rank loop waited for the trainer to free an output slot.",
+        )
         self.round_latency = Histogram(
-            "batchd_round_latency_seconds", "Report -> decision -> commit round trip of one alignment round, "
-            "as seen by this rank (includes waiting for the other ranks).", ["rank"], registry=r,
-            buckets=LATENCY_BUCKETS).labels(**lbl)
+            "batchd_round_latency_seconds",
+            "Report -> decision -> commit round trip of one alignment round, "
+            "as seen by this rank (includes waiting for the other ranks).",
+            ["rank"],
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        ).labels(**lbl)
         self._rates = RateWindow(3, rate_window_s, clock)
         self._totals = (0, 0)  # (real, padded), replaced as one tuple so a scrape sees a consistent pair
         self._buffer_fn: Callable[[], int] = lambda: 0
         self._ready_fn: Callable[[], int] = lambda: 0
         self._epoch_fn: Callable[[], int] = lambda: 0
-        gauge("batchd_padding_efficiency", "Real / materialized tokens of the emitted non-IDLE batches "
-              "(cumulative; 1.0 = no padding; 0 before the first batch).", self._efficiency)
+        gauge(
+            "batchd_padding_efficiency",
+            "Real / materialized tokens of the emitted non-IDLE batches "
+            "(cumulative; 1.0 = no padding; 0 before the first batch).",
+            self._efficiency,
+        )
         gauge("batchd_buffer_depth", "Samples in the rank's window now.", lambda: self._buffer_fn())
-        gauge("batchd_ready_batches", "Collated batches held for the trainer, not yet acknowledged (filled "
-              "output slots).",
-              lambda: self._ready_fn())
+        gauge(
+            "batchd_ready_batches",
+            "Collated batches held for the trainer, not yet acknowledged (filled output slots).",
+            lambda: self._ready_fn(),
+        )
         gauge("batchd_rank_epoch", "The epoch this rank service is in (0-based).", lambda: self._epoch_fn())
         self._quarantine_snapshot: dict[str, int] = {}
         self._ingest_quarantined = 0
@@ -177,8 +214,12 @@ class RankMetrics:
         self.registry.register(_QuarantineCollector(self))
         self.registry.register(_RateCollector(self))
 
-    def bind(self, buffer_depth: Callable[[], int], ready_batches: Callable[[], int],
-             epoch: Callable[[], int] = lambda: 0) -> None:
+    def bind(
+        self,
+        buffer_depth: Callable[[], int],
+        ready_batches: Callable[[], int],
+        epoch: Callable[[], int] = lambda: 0,
+    ) -> None:
         """Sets the live readers of the window depth, the ready-batch count and the epoch (read at scrape time)."""
         self._buffer_fn, self._ready_fn, self._epoch_fn = buffer_depth, ready_batches, epoch
 
@@ -249,9 +290,11 @@ class RankMetrics:
 class _RateCollector:
     """Yields the three per-second gauges from one pass over the window (one consistent time span)."""
 
-    NAMES = (("batchd_samples_per_second", "Samples emitted per second over the rate window."),
-             ("batchd_real_tokens_per_second", "Sample tokens emitted per second over the rate window."),
-             ("batchd_padded_tokens_per_second", "Materialized tokens emitted per second over the rate window."))
+    NAMES = (
+        ("batchd_samples_per_second", "Samples emitted per second over the rate window."),
+        ("batchd_real_tokens_per_second", "Sample tokens emitted per second over the rate window."),
+        ("batchd_padded_tokens_per_second", "Materialized tokens emitted per second over the rate window."),
+    )
 
     def __init__(self, metrics: RankMetrics) -> None:
         self.m = metrics
@@ -260,7 +303,7 @@ class _RateCollector:
         return [GaugeMetricFamily(name, "", labels=["rank"]) for name, _ in self.NAMES]
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        for (name, doc), rate in zip(self.NAMES, self.m._rates.rates()):
+        for (name, doc), rate in zip(self.NAMES, self.m._rates.rates(), strict=False):
             fam = GaugeMetricFamily(name, doc, labels=["rank"])
             fam.add_metric([str(self.m.rank)], rate)
             yield fam
@@ -277,9 +320,11 @@ class _QuarantineCollector:
 
     def collect(self) -> Iterable[CounterMetricFamily]:
         fam = CounterMetricFamily(
-            "batchd_quarantined", "Records quarantined instead of batched, by reason (source preprocessing "
+            "batchd_quarantined",
+            "Records quarantined instead of batched, by reason (source preprocessing "
             "errors, malformed Ingest samples, over-budget samples under --over-budget reject).",
-            labels=["rank", "reason"])
+            labels=["rank", "reason"],
+        )
         for reason, n in sorted(self.m.quarantined().items()):
             fam.add_metric([str(self.m.rank), reason], n)
         yield fam
@@ -298,8 +343,9 @@ class CoordinatorMetrics:
         registry: Where to register; a fresh `CollectorRegistry` when None.
     """
 
-    def __init__(self, world_size: int, cost: CostModel | None = None,
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, world_size: int, cost: CostModel | None = None, registry: CollectorRegistry | None = None
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size=}")
         self.world_size = world_size
@@ -307,46 +353,89 @@ class CoordinatorMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.rounds = Counter("batchd_job_rounds_total", "Alignment rounds committed.", registry=r)
-        moved = Counter("batchd_job_moved_samples_total", "Samples a balanced plan placed off their home rank, "
-                        "by scope: intra_node (handed over in process by a node agent) or cross_node.",
-                        ["scope"], registry=r)
-        moved_b = Counter("batchd_job_moved_bytes_total", "Payload bytes of those samples, by scope.", ["scope"],
-                          registry=r)
-        self._moved = {scope: (moved.labels(scope=scope), moved_b.labels(scope=scope))
-                       for scope in ("intra_node", "cross_node")}
-        exch = Counter("batchd_job_exchanged_images_total", "Two-phase steps: images encoded on another rank than "
-                       "their sample's (their embeddings cross in the step's all-to-all), by scope.", ["scope"],
-                       registry=r)
-        exch_rows = Counter("batchd_job_exchanged_rows_total", "Embedding rows (image tokens) of those images, "
-                            "by scope.", ["scope"], registry=r)
-        self._exchanged = {scope: (exch.labels(scope=scope), exch_rows.labels(scope=scope))
-                           for scope in ("intra_node", "cross_node")}
-        self.steps = Counter("batchd_job_steps_total", "Aligned steps kept (one per step, not per rank).",
-                             registry=r)
-        self.samples = Counter("batchd_job_samples_total", "Samples in the committed steps, all ranks.",
-                               registry=r)
-        self.real_tokens = Counter("batchd_job_real_tokens_total", "Sample tokens in the committed steps, all ranks.",
-                                   registry=r)
-        idle = Counter("batchd_job_idle_steps_total", "IDLE steps (no sample on that rank).", ["rank"], registry=r)
-        cost_c = Counter("batchd_job_rank_cost_total", "Cost-model cost of the rank's committed steps.",
-                         ["rank"], registry=r)
+        moved = Counter(
+            "batchd_job_moved_samples_total",
+            "Samples a balanced plan placed off their home rank, "
+            "by scope: intra_node (handed over in process by a node agent) or cross_node.",
+            ["scope"],
+            registry=r,
+        )
+        moved_b = Counter(
+            "batchd_job_moved_bytes_total", "Payload bytes of those samples, by scope.", ["scope"], registry=r
+        )
+        self._moved = {
+            scope: (moved.labels(scope=scope), moved_b.labels(scope=scope))
+            for scope in ("intra_node", "cross_node")
+        }
+        exch = Counter(
+            "batchd_job_exchanged_images_total",
+            "Two-phase steps: images encoded on another rank than "
+            "their sample's (their embeddings cross in the step's all-to-all), by scope.",
+            ["scope"],
+            registry=r,
+        )
+        exch_rows = Counter(
+            "batchd_job_exchanged_rows_total",
+            "Embedding rows (image tokens) of those images, by scope.",
+            ["scope"],
+            registry=r,
+        )
+        self._exchanged = {
+            scope: (exch.labels(scope=scope), exch_rows.labels(scope=scope))
+            for scope in ("intra_node", "cross_node")
+        }
+        self.steps = Counter(
+            "batchd_job_steps_total", "Aligned steps kept (one per step, not per rank).", registry=r
+        )
+        self.samples = Counter(
+            "batchd_job_samples_total", "Samples in the committed steps, all ranks.", registry=r
+        )
+        self.real_tokens = Counter(
+            "batchd_job_real_tokens_total", "Sample tokens in the committed steps, all ranks.", registry=r
+        )
+        idle = Counter(
+            "batchd_job_idle_steps_total", "IDLE steps (no sample on that rank).", ["rank"], registry=r
+        )
+        cost_c = Counter(
+            "batchd_job_rank_cost_total",
+            "Cost-model cost of the rank's committed steps.",
+            ["rank"],
+            registry=r,
+        )
         self.idle_steps = [idle.labels(rank=str(k)) for k in range(world_size)]
         self.rank_cost = [cost_c.labels(rank=str(k)) for k in range(world_size)]
-        self.step_cost_max = Counter("batchd_job_step_cost_max_total",
-                                     "Sum over steps of the slowest rank's cost.", registry=r)
-        self.step_cost_mean = Counter("batchd_job_step_cost_mean_total",
-                                      "Sum over steps of the mean rank cost (IDLE ranks count 0).", registry=r)
-        self.imbalance = Gauge("batchd_rank_imbalance", "Last round with steps: sum of the slowest rank's step "
-                               "cost / sum of the mean rank step cost (1.0 = balanced).", registry=r)
+        self.step_cost_max = Counter(
+            "batchd_job_step_cost_max_total", "Sum over steps of the slowest rank's cost.", registry=r
+        )
+        self.step_cost_mean = Counter(
+            "batchd_job_step_cost_mean_total",
+            "Sum over steps of the mean rank cost (IDLE ranks count 0).",
+            registry=r,
+        )
+        self.imbalance = Gauge(
+            "batchd_rank_imbalance",
+            "Last round with steps: sum of the slowest rank's step "
+            "cost / sum of the mean rank step cost (1.0 = balanced).",
+            registry=r,
+        )
         self.align_latency = Histogram(
-            "batchd_align_latency_seconds", "From the last rank's report to the round's decision.",
-            registry=r, buckets=LATENCY_BUCKETS)
+            "batchd_align_latency_seconds",
+            "From the last rank's report to the round's decision.",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
         self.barrier_wait = Histogram(
-            "batchd_align_barrier_wait_seconds", "From a round's first report to its last (waiting for stragglers).",
-            registry=r, buckets=LATENCY_BUCKETS)
+            "batchd_align_barrier_wait_seconds",
+            "From a round's first report to its last (waiting for stragglers).",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
         self.round_duration = Histogram(
-            "batchd_align_round_seconds", "From a round's first report to its last commit.",
-            registry=r, buckets=LATENCY_BUCKETS)
+            "batchd_align_round_seconds",
+            "From a round's first report to its last commit.",
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
         self._state_fn: Callable[[], str] = lambda: "running"
         self._epoch_fn: Callable[[], int] = lambda: 0
         self._registered_fn: Callable[[], int] = lambda: 0
@@ -409,7 +498,7 @@ class CoordinatorMetrics:
         self.steps.inc(n)
         self.samples.inc(sum(totals.step_samples))
         self.real_tokens.inc(sum(totals.step_tokens))
-        for c, k_idle, k_cost in zip(by_rank, idle, rank_cost):
+        for c, k_idle, k_cost in zip(by_rank, idle, rank_cost, strict=False):
             if k_idle:
                 self.idle_steps[c.rank].inc(k_idle)
             if k_cost:
@@ -427,20 +516,36 @@ class _JobCollector:
         self.m = metrics
 
     def describe(self) -> list[Any]:
-        return [StateSetMetricFamily("batchd_job_state", "", {}), GaugeMetricFamily("batchd_job_epoch", ""),
-                GaugeMetricFamily("batchd_ranks_registered", "")]
+        return [
+            StateSetMetricFamily("batchd_job_state", "", {}),
+            GaugeMetricFamily("batchd_job_epoch", ""),
+            GaugeMetricFamily("batchd_ranks_registered", ""),
+        ]
 
     def collect(self) -> Iterable[Any]:
         state = self.m._state_fn()
-        yield StateSetMetricFamily("batchd_job_state", "The job's state (one of running, done, failed is 1).",
-                                   {s: s == state for s in JOB_STATES})
-        yield GaugeMetricFamily("batchd_job_epoch", "The epoch the coordinator is in.", value=self.m._epoch_fn())
-        yield GaugeMetricFamily("batchd_ranks_registered", "Ranks that have registered with the coordinator.",
-                                value=self.m._registered_fn())
+        yield StateSetMetricFamily(
+            "batchd_job_state",
+            "The job's state (one of running, done, failed is 1).",
+            {s: s == state for s in JOB_STATES},
+        )
+        yield GaugeMetricFamily(
+            "batchd_job_epoch", "The epoch the coordinator is in.", value=self.m._epoch_fn()
+        )
+        yield GaugeMetricFamily(
+            "batchd_ranks_registered",
+            "Ranks that have registered with the coordinator.",
+            value=self.m._registered_fn(),
+        )
 
 
-def start_metrics_server(registry: CollectorRegistry, host: str = "127.0.0.1", port: int = 0,
-                         certfile: str | None = None, keyfile: str | None = None) -> tuple[Any, int]:
+def start_metrics_server(
+    registry: CollectorRegistry,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+) -> tuple[Any, int]:
     """Serves `registry` in the Prometheus text format at http://host:port/ (any path) on a daemon thread.
 
     Args:
@@ -458,7 +563,9 @@ def start_metrics_server(registry: CollectorRegistry, host: str = "127.0.0.1", p
     if (certfile is None) != (keyfile is None):
         raise ValueError(f"give both certfile and keyfile or neither, got {certfile=} {keyfile=}")
     # prometheus_client >= 0.20 (pyproject) returns (server, thread); the thread ends with `shutdown()`
-    server, _thread = start_http_server(port, addr=host, registry=registry, certfile=certfile, keyfile=keyfile)
+    server, _thread = start_http_server(
+        port, addr=host, registry=registry, certfile=certfile, keyfile=keyfile
+    )
     return server, int(server.server_port)
 
 

@@ -29,16 +29,29 @@ class NodeAgent:
     the ranks' loops; `port` is then the bound port; `stop()` ends them all.
     """
 
-    def __init__(self, spec: JobSpec, coordinator: str, name: str, sources: dict[int, Source],
-                 host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
-                 state_dir: str | os.PathLike | None = None, client_grace_s: float = 30.0,
-                 security: Security | None = None, metrics: bool = False, trainer_timeout_s: float = 1800.0,
-                 startup_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        coordinator: str,
+        name: str,
+        sources: dict[int, Source],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise: str | None = None,
+        state_dir: str | os.PathLike | None = None,
+        client_grace_s: float = 30.0,
+        security: Security | None = None,
+        metrics: bool = False,
+        trainer_timeout_s: float = 1800.0,
+        startup_timeout_s: float = 600.0,
+    ) -> None:
         ranks = sorted(sources)
         bad = [r for r in ranks if not 0 <= r < spec.world_size]
         if not ranks or bad:
-            raise ValueError(f"a node agent's ranks must lie in 0..{spec.world_size - 1} (world_size="
-                             f"{spec.world_size}), got {ranks}")
+            raise ValueError(
+                f"a node agent's ranks must lie in 0..{spec.world_size - 1} (world_size="
+                f"{spec.world_size}), got {ranks}"
+            )
         if not name:
             raise ValueError(f"a node agent needs a name, got {name=}")
         self.spec, self.coordinator, self.name, self.ranks = spec, coordinator, name, ranks
@@ -46,15 +59,32 @@ class NodeAgent:
         self.startup_timeout_s = startup_timeout_s
         self.metrics = {r: RankMetrics(r) for r in ranks} if metrics else {}
         self.cores: dict[int, RankServiceCore] = {
-            r: RankServiceCore(r, spec, None, sources[r], state_dir=state_dir, client_grace_s=client_grace_s,
-                               trainer_timeout_s=trainer_timeout_s, security=security, metrics=self.metrics.get(r))
-            for r in ranks}
+            r: RankServiceCore(
+                r,
+                spec,
+                None,
+                sources[r],
+                state_dir=state_dir,
+                client_grace_s=client_grace_s,
+                trainer_timeout_s=trainer_timeout_s,
+                security=security,
+                metrics=self.metrics.get(r),
+            )
+            for r in ranks
+        }
         for core in self.cores.values():
             core.local_peers = {r: c for r, c in self.cores.items() if r != core.rank}
         self.server, self.port = create_rank_server(f"{host}:{port}", self.cores, security)
         self.address = f"{advertise or host}:{self.port}"
-        self.link = NodeLink(coordinator, name, ranks, spec, self.address, startup_timeout_s=startup_timeout_s,
-                             security=security)
+        self.link = NodeLink(
+            coordinator,
+            name,
+            ranks,
+            spec,
+            self.address,
+            startup_timeout_s=startup_timeout_s,
+            security=security,
+        )
         for r, core in self.cores.items():
             core.coord = self.link.client(r)
             if core.finished:  # restored after its trainer took the job's last step: it calls no more

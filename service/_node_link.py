@@ -91,8 +91,16 @@ class _Requests:
 class NodeLink:
     """The stream of node agent `node` (serving `ranks`, reachable at `address`) to the coordinator."""
 
-    def __init__(self, coordinator: str, node: str, ranks: list[int], spec: JobSpec, address: str,
-                 startup_timeout_s: float = 600.0, security: Security | None = None) -> None:
+    def __init__(
+        self,
+        coordinator: str,
+        node: str,
+        ranks: list[int],
+        spec: JobSpec,
+        address: str,
+        startup_timeout_s: float = 600.0,
+        security: Security | None = None,
+    ) -> None:
         if not ranks:
             raise ValueError(f"a node agent serves at least one rank, got {ranks=}")
         if not startup_timeout_s > 0:
@@ -128,13 +136,23 @@ class NodeLink:
             self._requests.close()
         self._requests = _Requests()
         self._replies = self.stub.Node(self._requests)
-        self._requests.put(pb.NodeRequest(hello=pb.NodeHello(
-            protocol=pb.NODE_PROTOCOL_V1, node=self.node, ranks=self.ranks, spec=wire.spec_to_pb(self.spec),
-            address=self.address)))
+        self._requests.put(
+            pb.NodeRequest(
+                hello=pb.NodeHello(
+                    protocol=pb.NODE_PROTOCOL_V1,
+                    node=self.node,
+                    ranks=self.ranks,
+                    spec=wire.spec_to_pb(self.spec),
+                    address=self.address,
+                )
+            )
+        )
         reply = next(self._replies)
         if reply.WhichOneof("kind") != "registered":
-            raise RuntimeError(f"the coordinator answered the hello of node agent {self.node!r} with "
-                               f"{reply.WhichOneof('kind')}")
+            raise RuntimeError(
+                f"the coordinator answered the hello of node agent {self.node!r} with "
+                f"{reply.WhichOneof('kind')}"
+            )
         registered = reply.registered
         self.lease_s = registered.lease_ms / 1000 or self.lease_s
         self.position = (int(registered.epoch), int(registered.round))
@@ -142,19 +160,29 @@ class NodeLink:
         return registered
 
     def _what(self, what: str) -> str:
-        return f"the coordinator at {self.coordinator} ({what} of node agent {self.node!r}, ranks {self.ranks})"
+        return (
+            f"the coordinator at {self.coordinator} ({what} of node agent {self.node!r}, ranks {self.ranks})"
+        )
 
     def _error(self, what: str, exc: grpc.RpcError | Unreachable) -> CoordinatorError:
         if isinstance(exc, Unreachable):
-            return CoordinatorError(f"coordinator at {self.coordinator} unreachable for {exc.elapsed_s:.0f}s "
-                                    f"({what} from node agent {self.node!r}): {exc.error.details()}",
-                                    exc.error.code())
+            return CoordinatorError(
+                f"coordinator at {self.coordinator} unreachable for {exc.elapsed_s:.0f}s "
+                f"({what} from node agent {self.node!r}): {exc.error.details()}",
+                exc.error.code(),
+            )
         if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-            return CoordinatorError(f"the coordinator at {self.coordinator} does not serve node agents (it predates "
-                                    f"them): run the same batchd version on every party, or one `batchd rank` per "
-                                    f"rank ({exc.details()})", exc.code())
-        return CoordinatorError(f"{what} from node agent {self.node!r} (ranks {self.ranks}) failed: "
-                                f"{exc.code().name}: {exc.details()}", exc.code())
+            return CoordinatorError(
+                f"the coordinator at {self.coordinator} does not serve node agents (it predates "
+                f"them): run the same batchd version on every party, or one `batchd rank` per "
+                f"rank ({exc.details()})",
+                exc.code(),
+            )
+        return CoordinatorError(
+            f"{what} from node agent {self.node!r} (ranks {self.ranks}) failed: "
+            f"{exc.code().name}: {exc.details()}",
+            exc.code(),
+        )
 
     def hello(self) -> pb.RegisterReply:
         """Registers every rank of the node (once; later calls return the registration)."""
@@ -162,19 +190,28 @@ class NodeLink:
             if self.registered is not None:
                 return self.registered
             try:
-                reply = retry_while_unreachable(self._open, self.startup_timeout_s, self._what("hello"),
-                                                stop=self._stop, logger=log)
+                reply = retry_while_unreachable(
+                    self._open, self.startup_timeout_s, self._what("hello"), stop=self._stop, logger=log
+                )
             except (Unreachable, grpc.RpcError) as exc:
                 raise self._error("hello", exc) from None
-            log.info("node agent %r registered ranks %s with the coordinator at %s (epoch %d round %d)",
-                     self.node, self.ranks, self.coordinator, *self.position)
-            self._thread = threading.Thread(target=self._run, name=f"batchd-node-link-{self.node}", daemon=True)
+            log.info(
+                "node agent %r registered ranks %s with the coordinator at %s (epoch %d round %d)",
+                self.node,
+                self.ranks,
+                self.coordinator,
+                *self.position,
+            )
+            self._thread = threading.Thread(
+                target=self._run, name=f"batchd-node-link-{self.node}", daemon=True
+            )
             self._thread.start()
             return reply
 
     def _exchange(self, request: pb.NodeRequest, what: str):
         """Sends `request` and returns its reply; a broken stream is reopened (new hello) and the request
         sent again, for up to a lease (the coordinator replays what it decided)."""
+
         def once():
             if self._replies is None:
                 self._open()
@@ -192,12 +229,16 @@ class NodeLink:
         deadline = time.monotonic() + self.lease_s
         while True:
             try:
-                return retry_while_unreachable(once, max(deadline - time.monotonic(), 0.1), self._what(what),
-                                               stop=self._stop, logger=log)
+                return retry_while_unreachable(
+                    once, max(deadline - time.monotonic(), 0.1), self._what(what), stop=self._stop, logger=log
+                )
             except _Ended:
                 if time.monotonic() > deadline or self._stop.is_set():
-                    raise CoordinatorError(f"the coordinator at {self.coordinator} kept ending the stream of "
-                                           f"node agent {self.node!r} ({what})", grpc.StatusCode.UNAVAILABLE) from None
+                    raise CoordinatorError(
+                        f"the coordinator at {self.coordinator} kept ending the stream of "
+                        f"node agent {self.node!r} ({what})",
+                        grpc.StatusCode.UNAVAILABLE,
+                    ) from None
                 time.sleep(0.2)
 
     def _ready(self) -> list[_Call] | None:
@@ -222,13 +263,21 @@ class NodeLink:
             first = batch[0]
             what = f"{first.kind} of epoch {first.epoch} round {first.round}"
             if first.kind == "align":
-                request = pb.NodeRequest(align=pb.NodeAlign(
-                    epoch=first.epoch, round=first.round,
-                    reports=[wire.report_to_pb(c.message, c.epoch) for c in batch]))
+                request = pb.NodeRequest(
+                    align=pb.NodeAlign(
+                        epoch=first.epoch,
+                        round=first.round,
+                        reports=[wire.report_to_pb(c.message, c.epoch) for c in batch],
+                    )
+                )
             else:
-                request = pb.NodeRequest(commit=pb.NodeCommit(
-                    epoch=first.epoch, round=first.round,
-                    commits=[wire.commit_to_pb(c.message, c.epoch) for c in batch]))
+                request = pb.NodeRequest(
+                    commit=pb.NodeCommit(
+                        epoch=first.epoch,
+                        round=first.round,
+                        commits=[wire.commit_to_pb(c.message, c.epoch) for c in batch],
+                    )
+                )
             try:
                 reply = self._exchange(request, what)
                 if first.kind == "align":
@@ -295,7 +344,9 @@ class NodeLink:
             self._on_failure.append(on_failure)
             if self._hb is not None:
                 return
-            self._hb = threading.Thread(target=self._beat, name=f"batchd-node-heartbeat-{self.node}", daemon=True)
+            self._hb = threading.Thread(
+                target=self._beat, name=f"batchd-node-heartbeat-{self.node}", daemon=True
+            )
             self._hb.start()
 
     def _failed(self, message: str) -> None:
@@ -311,7 +362,9 @@ class NodeLink:
             if not ranks:
                 return
             try:
-                reply = self.stub.Heartbeat(pb.HeartbeatRequest(rank=ranks[0], ranks=ranks), timeout=self.lease_s / 3)
+                reply = self.stub.Heartbeat(
+                    pb.HeartbeatRequest(rank=ranks[0], ranks=ranks), timeout=self.lease_s / 3
+                )
                 last_ok = time.monotonic()
                 if reply.state == "failed":
                     self._failed(reply.failure)
@@ -325,12 +378,16 @@ class NodeLink:
                     self._failed(exc.details())
                     return
                 if not transient(exc) and exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
-                    self._failed(f"the coordinator at {self.coordinator} refused the heartbeat of node agent "
-                                 f"{self.node!r}: {exc.code().name}: {exc.details()}")
+                    self._failed(
+                        f"the coordinator at {self.coordinator} refused the heartbeat of node agent "
+                        f"{self.node!r}: {exc.code().name}: {exc.details()}"
+                    )
                     return
                 if time.monotonic() - last_ok > self.lease_s:
-                    self._failed(f"coordinator at {self.coordinator} unreachable for {self.lease_s:g}s: "
-                                 f"{exc.code().name}: {exc.details()}")
+                    self._failed(
+                        f"coordinator at {self.coordinator} unreachable for {self.lease_s:g}s: "
+                        f"{exc.code().name}: {exc.details()}"
+                    )
                     return
 
     def close(self) -> None:

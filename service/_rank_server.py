@@ -46,15 +46,19 @@ class RankServicer(pb_grpc.RankServiceServicer):
         if rank is None:
             if len(self.cores) == 1:
                 return self.core
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{what}: this node agent serves ranks {sorted(self.cores)}; the request must name its "
-                          f"rank (a client older than node agents?)")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{what}: this node agent serves ranks {sorted(self.cores)}; the request must name its "
+                f"rank (a client older than node agents?)",
+            )
         core = self.cores.get(rank)
         if core is None:
             served = sorted(self.cores)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"{what} for rank {rank}, but this service serves rank{'s' if len(served) > 1 else ''} "
-                          f"{served if len(served) > 1 else served[0]}: check the trainer's rank and address")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{what} for rank {rank}, but this service serves rank{'s' if len(served) > 1 else ''} "
+                f"{served if len(served) > 1 else served[0]}: check the trainer's rank and address",
+            )
         return core
 
     def Batches(self, request_iterator, context):
@@ -65,8 +69,14 @@ class RankServicer(pb_grpc.RankServiceServicer):
         core = self._pick(int(first.rank) if first.HasField("rank") else None, context, "Batches")
         stream = _Stream(context.peer(), context)
         try:
-            outcome = core.connect(stream, int(first.epoch), int(first.start_step), int(first.credits),
-                                   int(first.group_rank), max(int(first.group_size), 1))
+            outcome = core.connect(
+                stream,
+                int(first.epoch),
+                int(first.start_step),
+                int(first.credits),
+                int(first.group_rank),
+                max(int(first.group_size), 1),
+            )
         except RuntimeError as exc:
             core.failure_told = core.failure is not None
             context.abort(grpc.StatusCode.ABORTED, str(exc))
@@ -117,8 +127,10 @@ class RankServicer(pb_grpc.RankServiceServicer):
             request_iterator = itertools.chain([first], request_iterator)
         source = core.source
         if not isinstance(source, IngestSource):
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"rank {core.rank} reads its own source; it does not accept Ingest streams")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"rank {core.rank} reads its own source; it does not accept Ingest streams",
+            )
         accepted, quarantined = 0, []
         for req in request_iterator:
             if core.epoch < req.epoch < core.spec.epochs:  # a later epoch: wait until this rank starts it
@@ -126,10 +138,17 @@ class RankServicer(pb_grpc.RankServiceServicer):
                     while core.epoch < req.epoch and core.failure is None and context.is_active():
                         core.cond.wait(0.5)
             if req.epoch != core.epoch:
-                log.warning("Ingest: sample %d for epoch %d, rank %d is in epoch %d", req.meta.id, req.epoch,
-                            core.rank, core.epoch)
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"sample {req.meta.id} is for epoch {req.epoch}; rank {core.rank} is in epoch {core.epoch}")
+                log.warning(
+                    "Ingest: sample %d for epoch %d, rank %d is in epoch %d",
+                    req.meta.id,
+                    req.epoch,
+                    core.rank,
+                    core.epoch,
+                )
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"sample {req.meta.id} is for epoch {req.epoch}; rank {core.rank} is in epoch {core.epoch}",
+                )
             if req.end_of_epoch:
                 source.end()
                 continue
@@ -146,8 +165,10 @@ class RankServicer(pb_grpc.RankServiceServicer):
                     if labels.shape != ids.shape:
                         raise ValueError(f"labels shape {labels.shape} != input_ids shape {ids.shape}")
                     if loss_tokens_of(labels) != sample.loss_tokens:
-                        raise ValueError(f"labels carry {loss_tokens_of(labels)} loss tokens, "
-                                         f"metadata says loss_tokens={sample.loss_tokens}")
+                        raise ValueError(
+                            f"labels carry {loss_tokens_of(labels)} loss tokens, "
+                            f"metadata says loss_tokens={sample.loss_tokens}"
+                        )
             except ValueError as exc:
                 log.warning("Ingest: quarantined sample %d: %s", req.meta.id, exc)
                 quarantined.append(pb.Quarantined(id=req.meta.id, reason=str(exc)))
@@ -155,8 +176,17 @@ class RankServicer(pb_grpc.RankServiceServicer):
                     core.metrics.ingest_quarantined()
                 continue
             try:
-                source.put(Sample(sample.id, sample.length, sample.loss_tokens, core.rank, sample.modality_tokens,
-                                  images=sample.images), payload)
+                source.put(
+                    Sample(
+                        sample.id,
+                        sample.length,
+                        sample.loss_tokens,
+                        core.rank,
+                        sample.modality_tokens,
+                        images=sample.images,
+                    ),
+                    payload,
+                )
             except ValueError as exc:
                 log.warning("Ingest: %s", exc)
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rank {core.rank}: {exc}")
@@ -170,9 +200,11 @@ class RankServicer(pb_grpc.RankServiceServicer):
         core = self._pick(int(request.rank) if request.HasField("rank") else None, context, "Fetch")
         epoch = int(request.epoch)
         if not core.epoch - 1 <= epoch <= core.epoch:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"Fetch of samples of epoch {epoch}, but rank {core.rank} is in epoch {core.epoch} "
-                          f"(the job runs {core.spec.epochs} epoch(s))")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"Fetch of samples of epoch {epoch}, but rank {core.rank} is in epoch {core.epoch} "
+                f"(the job runs {core.spec.epochs} epoch(s))",
+            )
         out, size = [], 0
         for i in request.ids:
             i = int(i)
@@ -183,10 +215,14 @@ class RankServicer(pb_grpc.RankServiceServicer):
                     payload = core.source.materialize(i)
                 except (KeyError, IndexError, ValueError) as exc:
                     log.warning("Fetch: sample %d: %s: %s", i, type(exc).__name__, exc)
-                    context.abort(grpc.StatusCode.NOT_FOUND,
-                                  f"rank {core.rank} has no payload for sample {i} of epoch {epoch}: it was not lent "
-                                  f"to a peer and its source cannot make it ({type(exc).__name__}: {exc})")
-            msg = pb.IngestRequest(tensors=wire.tensors_to_pb(resolve_payloads([payload])[0]), epoch=core.epoch)
+                    context.abort(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"rank {core.rank} has no payload for sample {i} of epoch {epoch}: it was not lent "
+                        f"to a peer and its source cannot make it ({type(exc).__name__}: {exc})",
+                    )
+            msg = pb.IngestRequest(
+                tensors=wire.tensors_to_pb(resolve_payloads([payload])[0]), epoch=core.epoch
+            )
             size += msg.ByteSize()
             if out and size > FETCH_REPLY_BYTES:
                 if lent is not None:
@@ -201,10 +237,17 @@ class RankServicer(pb_grpc.RankServiceServicer):
             state = "failed" if core.failure else ("done" if core.done else "running")
             core.failure_told = core.failure_told or bool(core.failure)
             return pb.RankStatusReply(
-                rank=core.rank, buffered=len(core.state.buffer), ready=len(core.delivery.ready),
-                next_step=core.state.step, round=core.state.round, state=state,
-                failure=core.failure or "", epoch=core.epoch, epochs=core.spec.epochs,
-                fetched_local=core.fetched["local"], fetched_remote=core.fetched["remote"],
+                rank=core.rank,
+                buffered=len(core.state.buffer),
+                ready=len(core.delivery.ready),
+                next_step=core.state.step,
+                round=core.state.round,
+                state=state,
+                failure=core.failure or "",
+                epoch=core.epoch,
+                epochs=core.spec.epochs,
+                fetched_local=core.fetched["local"],
+                fetched_remote=core.fetched["remote"],
                 job_samples=job_samples(core),
             )
 
@@ -218,8 +261,9 @@ def job_samples(core: RankServiceCore) -> int:
     return int(getattr(getattr(core.source, "view", None), "num_samples", 0) or 0)
 
 
-def create_rank_server(address: str, core: RankServiceCore | Mapping[int, RankServiceCore],
-                       security: Security | None = None) -> tuple[grpc.Server, int]:
+def create_rank_server(
+    address: str, core: RankServiceCore | Mapping[int, RankServiceCore], security: Security | None = None
+) -> tuple[grpc.Server, int]:
     """Builds (not starts) the server of one rank service, or of a node agent's ranks ({rank: core}), bound
     to `address`; returns (server, port).
 
@@ -229,8 +273,11 @@ def create_rank_server(address: str, core: RankServiceCore | Mapping[int, RankSe
     security = servicer.core.security if security is None else security
     name = f"batchd-rank{servicer.core.rank}" if len(servicer.cores) == 1 else "batchd-node"
     # Per rank: a trainer stream, its ack reader, a producer or a peer's Fetch now and then.
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=12 + 4 * len(servicer.cores), thread_name_prefix=name),
-                         options=GRPC_OPTIONS, interceptors=server_interceptors(security))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=12 + 4 * len(servicer.cores), thread_name_prefix=name),
+        options=GRPC_OPTIONS,
+        interceptors=server_interceptors(security),
+    )
     pb_grpc.add_RankServiceServicer_to_server(servicer, server)
     port = add_port(server, address, security)
     if port == 0:

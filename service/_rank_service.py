@@ -54,9 +54,9 @@ from batchd.core import (
     Delivery,
     JobSpec,
     RankState,
+    RoundDecision,
     Sample,
     Step,
-    RoundDecision,
     collate_images,
     collate_packed,
     collate_padded,
@@ -103,9 +103,25 @@ JOURNAL = "rank-{rank}.json"
 # source whose readiness depends on timing, like a RaySource, would fill it differently).
 JOURNAL_VERSION = 3
 J_VERSION, J_DELIVERY, J_RANK, J_SOURCE, J_READY, J_REJECTED_BEFORE, J_FINISH_ACKED, J_FILLED = (
-    "version", "delivery", "rank", "source", "ready", "rejected_before", "finish_acked", "filled")
-JOURNAL_KEYS = {J_VERSION: int, J_DELIVERY: dict, J_RANK: dict, J_SOURCE: dict, J_READY: list,
-                J_REJECTED_BEFORE: int, J_FINISH_ACKED: bool, J_FILLED: bool}  # every key required, this type
+    "version",
+    "delivery",
+    "rank",
+    "source",
+    "ready",
+    "rejected_before",
+    "finish_acked",
+    "filled",
+)
+JOURNAL_KEYS = {
+    J_VERSION: int,
+    J_DELIVERY: dict,
+    J_RANK: dict,
+    J_SOURCE: dict,
+    J_READY: list,
+    J_REJECTED_BEFORE: int,
+    J_FINISH_ACKED: bool,
+    J_FILLED: bool,
+}  # every key required, this type
 
 
 def resolve_payloads(payloads: list[Any]) -> list[Payload]:
@@ -137,32 +153,48 @@ def read_journal(path: str | os.PathLike) -> dict[str, Any]:
     except ValueError as exc:
         raise ValueError(f"{path}: not a readable rank journal ({exc}); remove it to start over") from None
     if not isinstance(state, dict):
-        raise ValueError(f"{path}: not a rank journal: a JSON {type(state).__name__}, expected an object "
-                         f"of version {JOURNAL_VERSION}; remove it to start over")
+        raise ValueError(
+            f"{path}: not a rank journal: a JSON {type(state).__name__}, expected an object "
+            f"of version {JOURNAL_VERSION}; remove it to start over"
+        )
     if J_VERSION not in state:
-        raise ValueError(f"{path}: rank journal without a {J_VERSION!r} key, this build reads version "
-                         f"{JOURNAL_VERSION}; remove it to start over")
+        raise ValueError(
+            f"{path}: rank journal without a {J_VERSION!r} key, this build reads version "
+            f"{JOURNAL_VERSION}; remove it to start over"
+        )
     version = state[J_VERSION]
     if type(version) is not int or version != JOURNAL_VERSION:
-        raise ValueError(f"{path}: rank journal version {version!r}, this build reads version {JOURNAL_VERSION}; "
-                         f"remove it to start over")
+        raise ValueError(
+            f"{path}: rank journal version {version!r}, this build reads version {JOURNAL_VERSION}; "
+            f"remove it to start over"
+        )
     missing = [k for k in JOURNAL_KEYS if k not in state]
     if missing:
-        raise ValueError(f"{path}: rank journal version {version} lacks the required key(s) {missing}; "
-                         f"remove it to start over")
+        raise ValueError(
+            f"{path}: rank journal version {version} lacks the required key(s) {missing}; "
+            f"remove it to start over"
+        )
     unknown = sorted(set(state) - set(JOURNAL_KEYS))
     if unknown:
-        raise ValueError(f"{path}: rank journal version {version} has unknown key(s) {unknown}; "
-                         f"remove it to start over")
+        raise ValueError(
+            f"{path}: rank journal version {version} has unknown key(s) {unknown}; remove it to start over"
+        )
     for key, kind in JOURNAL_KEYS.items():
         if type(state[key]) is not kind:
-            raise ValueError(f"{path}: rank journal version {version}: {key!r} is a {type(state[key]).__name__}, "
-                             f"expected a {kind.__name__}; remove it to start over")
+            raise ValueError(
+                f"{path}: rank journal version {version}: {key!r} is a {type(state[key]).__name__}, "
+                f"expected a {kind.__name__}; remove it to start over"
+            )
     return state
 
 
-def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0, step: Step | None = None,
-            images: list[Payload] | None = None) -> dict[str, Any]:
+def collate(
+    spec: JobSpec,
+    payloads: list[Payload],
+    pad_id: int = 0,
+    step: Step | None = None,
+    images: list[Payload] | None = None,
+) -> dict[str, Any]:
     """Collates payloads into the step's arrays (padded or packed, per the job spec; numpy, no torch).
 
     A two-phase step (`step.exchange` set) carries its LLM samples without their pixels, the pixels of the
@@ -173,9 +205,11 @@ def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0, step: Step 
         out.update(llm_grids(payloads))
         encode = step.exchange.encode
         if images is None or len(images) != len(encode):
-            raise ValueError(f"step {step.info.step}: {len(encode)} images to encode, got "
-                             f"{None if images is None else len(images)} payloads")
-        out.update(collate_images([image_of(p, im.index) for p, im in zip(images, encode)]))
+            raise ValueError(
+                f"step {step.info.step}: {len(encode)} images to encode, got "
+                f"{None if images is None else len(images)} payloads"
+            )
+        out.update(collate_images([image_of(p, im.index) for p, im in zip(images, encode, strict=False)]))
         out.update(exchange_arrays(step.exchange))
         return out
     if not payloads:
@@ -185,7 +219,9 @@ def collate(spec: JobSpec, payloads: list[Payload], pad_id: int = 0, step: Step 
     return collate_padded(payloads, pad_id=pad_id)
 
 
-DETERMINISTIC_POLL_S = 0.5  # deterministic fill: how long one poll waits before failure and stop are looked at
+DETERMINISTIC_POLL_S = (
+    0.5  # deterministic fill: how long one poll waits before failure and stop are looked at
+)
 WATCH_S = 0.5  # how often the liveness of the trainer is judged (`Delivery.check`)
 BUSY_WAIT_S = 2.0  # a new trainer stream waits this long for a holder whose stream is ending
 
@@ -205,27 +241,42 @@ class _Stream:
 class RankServiceCore:
     """State and loop of one rank service (see module docstring)."""
 
-    def __init__(self, rank: int, spec: JobSpec, coordinator: CoordinatorClient, source: Source,
-                 state_dir: str | os.PathLike | None = None, epoch: int = 0, client_grace_s: float = 30.0,
-                 fill_timeout_s: float = 0.5, security: Security | None = None,
-                 metrics: RankMetrics | None = None, trainer_timeout_s: float = 1800.0) -> None:
+    def __init__(
+        self,
+        rank: int,
+        spec: JobSpec,
+        coordinator: CoordinatorClient,
+        source: Source,
+        state_dir: str | os.PathLike | None = None,
+        epoch: int = 0,
+        client_grace_s: float = 30.0,
+        fill_timeout_s: float = 0.5,
+        security: Security | None = None,
+        metrics: RankMetrics | None = None,
+        trainer_timeout_s: float = 1800.0,
+    ) -> None:
         """Raises TypeError naming the missing members when `source` is not a `Source`, and ValueError
         naming the file and why when `state_dir` holds a journal this build cannot resume from."""
         if not trainer_timeout_s > 0 or not client_grace_s > 0:
             raise ValueError(f"timeouts must be > 0, got {trainer_timeout_s=} {client_grace_s=}")
         if not isinstance(source, Source):
-            raise TypeError(f"rank {rank}: the source must implement batchd.service.preprocess.Source; "
-                            f"{type(source).__name__} lacks {missing_source_members(source)}")
+            raise TypeError(
+                f"rank {rank}: the source must implement batchd.service.preprocess.Source; "
+                f"{type(source).__name__} lacks {missing_source_members(source)}"
+            )
         if spec.deterministic and getattr(source, "ordered", True) is False:
-            raise ValueError(f"rank {rank}: deterministic=true needs a source that emits in its view's order, "
-                             f"got a {type(source).__name__} with ordered=False (completion order follows timing)")
+            raise ValueError(
+                f"rank {rank}: deterministic=true needs a source that emits in its view's order, "
+                f"got a {type(source).__name__} with ordered=False (completion order follows timing)"
+            )
         self.rank, self.spec, self.coord, self.source = rank, spec, coordinator, source
         self.metrics = metrics  # Prometheus metrics (`_metrics`), updated once per round; None = off
         self.security = security  # this process's TLS / token: its server and its peer (Fetch) channels
         self.client_grace_s, self.fill_timeout_s = client_grace_s, fill_timeout_s
         self.trainer_timeout_s = trainer_timeout_s
-        self.delivery = Delivery(rank, spec.epochs, spec.depth, client_grace_s, trainer_timeout_s,
-                                 time.monotonic(), epoch)
+        self.delivery = Delivery(
+            rank, spec.epochs, spec.depth, client_grace_s, trainer_timeout_s, time.monotonic(), epoch
+        )
         self.state = self._new_state(epoch)
         self._rejected_before = 0  # over-budget rejections of the epochs before this one (metrics)
         self.payloads: dict[int, Payload] = {}
@@ -236,7 +287,9 @@ class RankServiceCore:
         self.finished = False  # the coordinator knows this rank's trainer took the job's last step
         self._filled = False  # the restored buffer is the current round's report (`JOURNAL`)
         self.waiting_for_trainer = False  # the loop waits for the trainer to take batches (no room for more)
-        self.samples_made = 0  # samples of every rank in this epoch's steps so far (the node agent's progress)
+        self.samples_made = (
+            0  # samples of every rank in this epoch's steps so far (the node agent's progress)
+        )
         self.restored_finished = False  # restored from a journal written after the job's last end
         self.failure: str | None = None
         self.failure_told = False  # the trainer heard the failure (ABORTED, or a RankStatus that said it)
@@ -275,10 +328,14 @@ class RankServiceCore:
         if self.journal is None:
             return
         state = {
-            J_VERSION: JOURNAL_VERSION, J_DELIVERY: self.delivery.state_dict(),
-            J_RANK: self.state.state_dict(), J_SOURCE: self.source.state_dict(),
+            J_VERSION: JOURNAL_VERSION,
+            J_DELIVERY: self.delivery.state_dict(),
+            J_RANK: self.state.state_dict(),
+            J_SOURCE: self.source.state_dict(),
             J_READY: [self.batches[i][0].to_json() for i in self.delivery.ready],
-            J_REJECTED_BEFORE: self._rejected_before, J_FINISH_ACKED: self.finished, J_FILLED: filled,
+            J_REJECTED_BEFORE: self._rejected_before,
+            J_FINISH_ACKED: self.finished,
+            J_FILLED: filled,
         }
         tmp = self.journal.with_suffix(".tmp")
         with open(tmp, "w") as fh:
@@ -298,14 +355,24 @@ class RankServiceCore:
             self.state.load_state_dict(state[J_RANK])
             self.source.load_state_dict(state[J_SOURCE])
         except (ValueError, KeyError) as exc:  # a state of another job, rank or configuration
-            raise ValueError(f"{self.journal}: cannot resume rank {self.rank} from this journal: "
-                             f"{type(exc).__name__}: {exc}") from exc
+            raise ValueError(
+                f"{self.journal}: cannot resume rank {self.rank} from this journal: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         ids = [entry.sample.id for entry in self.state.buffer]
         steps = [Step.from_json(step_json) for step_json in state[J_READY]]
-        wanted = list(dict.fromkeys([*ids, *(s.id for st in steps for s in st.samples),
-                                     *(im.sample_id for st in steps if st.exchange is not None
-                                       for im in st.exchange.encode)]))
-        made = dict(zip(wanted, materialize_many(self.source, wanted)))  # one call: each block read once
+        wanted = list(
+            dict.fromkeys(
+                [
+                    *ids,
+                    *(s.id for st in steps for s in st.samples),
+                    *(im.sample_id for st in steps if st.exchange is not None for im in st.exchange.encode),
+                ]
+            )
+        )
+        made = dict(
+            zip(wanted, materialize_many(self.source, wanted), strict=False)
+        )  # one call: each block read once
         self.payloads.update((i, made[i]) for i in ids)
         for step in steps:
             payloads = [made[s.id] for s in step.samples]
@@ -316,16 +383,24 @@ class RankServiceCore:
         self.restored_finished = self.delivery.finished
         self.finished = state[J_FINISH_ACKED]  # the coordinator knew: it may be gone by now
         self._filled = state[J_FILLED]  # report the journaled buffer as it is (see JOURNAL)
-        log.info("rank %d restored from %s at epoch %d round %d (step %d)%s", self.rank, self.journal, self.epoch,
-                 self.state.round, self.state.step, "; its trainer took the job's last step" if
-                 self.restored_finished else "")
+        log.info(
+            "rank %d restored from %s at epoch %d round %d (step %d)%s",
+            self.rank,
+            self.journal,
+            self.epoch,
+            self.state.round,
+            self.state.step,
+            "; its trainer took the job's last step" if self.restored_finished else "",
+        )
 
     # -- loop ----------------------------------------------------------------------------------------
     def start(self, my_address: str) -> None:
         self.address = my_address
         self._thread = threading.Thread(target=self._run, name=f"batchd-rank-{self.rank}", daemon=True)
         self._thread.start()
-        self._watcher = threading.Thread(target=self._watch, name=f"batchd-rank-watch-{self.rank}", daemon=True)
+        self._watcher = threading.Thread(
+            target=self._watch, name=f"batchd-rank-watch-{self.rank}", daemon=True
+        )
         self._watcher.start()
 
     def stop(self) -> None:
@@ -370,7 +445,9 @@ class RankServiceCore:
 
     def _run(self) -> None:
         if self.finished:  # restored after the coordinator took this rank's Finish: nothing left to ask it
-            log.info("rank %d: the job's last step was taken before this restart; serving only its end", self.rank)
+            log.info(
+                "rank %d: the job's last step was taken before this restart; serving only its end", self.rank
+            )
             return
         try:
             reply = self.coord.register(self.address)
@@ -391,10 +468,14 @@ class RankServiceCore:
                     break
                 self._next_epoch()
         except CoordinatorError as exc:
-            if self._stop.is_set() and self.failure is None:  # this service is stopping (a restart may follow):
+            if (
+                self._stop.is_set() and self.failure is None
+            ):  # this service is stopping (a restart may follow):
                 log.debug("rank %d loop ended by stop(): %s", self.rank, exc)  # not a failure of the job
                 return
-            if exc.code != grpc.StatusCode.ABORTED and not self._stop.is_set():  # not the job's failure: tell it
+            if (
+                exc.code != grpc.StatusCode.ABORTED and not self._stop.is_set()
+            ):  # not the job's failure: tell it
                 self.coord.fail(str(exc))
             self.set_failure(str(exc))
         except RayLost as exc:  # its Ray went away: the job's failure, named, no traceback
@@ -433,6 +514,7 @@ class RankServiceCore:
             self._write_journal()
             self.cond.notify_all()
         log.info("rank %d: epoch %d of %d starts", self.rank, self.epoch, self.spec.epochs)
+
     def _fill(self) -> None:
         """Tops the buffer up from the source (`fill_may_stop`): by default with what it has ready by a short
         deadline; in deterministic mode until the window is full or the source exhausted, waiting for it as
@@ -453,8 +535,13 @@ class RankServiceCore:
                 self.state.mark_exhausted()
                 break
             if item is None:
-                if fill_may_stop(self.state.room, self.state.exhausted, len(self.state.buffer), deterministic,
-                                 time.monotonic() >= deadline):
+                if fill_may_stop(
+                    self.state.room,
+                    self.state.exhausted,
+                    len(self.state.buffer),
+                    deterministic,
+                    time.monotonic() >= deadline,
+                ):
                     break
                 if deterministic and (self.failure is not None or self._stop.is_set()):
                     raise CoordinatorError(self.failure or "stopped")
@@ -487,12 +574,23 @@ class RankServiceCore:
                 self._write_journal(filled=True)
         metrics = self.metrics
         if metrics is not None:
-            self._observe(metrics.observe_quarantine, self.source.reasons,
-                          self._rejected_before + self.state.counters["rejected"])
+            self._observe(
+                metrics.observe_quarantine,
+                self.source.reasons,
+                self._rejected_before + self.state.counters["rejected"],
+            )
         t_wait = time.perf_counter()
         with self.cond:  # a slow trainer is waited for as long as it takes; a gone one fails in `_watch`
-            while ((capacity := report_capacity(self.delivery.capacity, self.spec.depth, self.spec.deterministic))
-                   is None and self.failure is None and not self._stop.is_set()):
+            while (
+                (
+                    capacity := report_capacity(
+                        self.delivery.capacity, self.spec.depth, self.spec.deterministic
+                    )
+                )
+                is None
+                and self.failure is None
+                and not self._stop.is_set()
+            ):
                 self.waiting_for_trainer = True  # (tests: the journal is stable while this holds)
                 self.cond.wait(0.5)
             self.waiting_for_trainer = False
@@ -521,8 +619,12 @@ class RankServiceCore:
             self.payloads.pop(sample_id, None)
         if metrics is not None:  # before the batches become visible: a drained trainer sees final counts
             self._observe(metrics.observe_output_wait, t_report - t_wait)
-            self._observe(metrics.observe_round, t_totals - t_report, [st.info for st in steps],
-                          [materialized_tokens(b) for _, _, b in batches])
+            self._observe(
+                metrics.observe_round,
+                t_totals - t_report,
+                [st.info for st in steps],
+                [materialized_tokens(b) for _, _, b in batches],
+            )
         with self.cond:
             for i, step, b in batches:
                 self.batches[i] = (step, b)
@@ -573,7 +675,9 @@ class RankServiceCore:
                             takers.setdefault(im.sample_id, set()).add(rank)
         with self._lend_lock:
             for sample_id, ranks in takers.items():
-                payload = self.payloads.get(sample_id) if sample_id in mine else self.payloads.pop(sample_id, None)
+                payload = (
+                    self.payloads.get(sample_id) if sample_id in mine else self.payloads.pop(sample_id, None)
+                )
                 if payload is not None:
                     self.lent[sample_id] = payload
                     self.lent_takers[sample_id] = len(ranks)
@@ -627,7 +731,9 @@ class RankServiceCore:
             # to register have none; a plan that moves samples comes after every rank reported.
             self.peers = list(self.coord.register(self.address).rank_addresses)
             if len(self.peers) != self.spec.world_size or not all(self.peers):
-                raise CoordinatorError(f"rank {self.rank}: the coordinator does not know every rank's address")
+                raise CoordinatorError(
+                    f"rank {self.rank}: the coordinator does not know every rank's address"
+                )
         address = self.peers[rank]
         stub = self._peer_stubs.get(address)
         if stub is None:
@@ -644,20 +750,28 @@ class RankServiceCore:
             return self._take_local(self.local_peers[home], ids)
         out: list[Payload] = []
         while len(out) < len(ids):  # a reply may hold a prefix (size cap): ask for the rest
-            request = pb.FetchRequest(ids=ids[len(out):], epoch=self.epoch, rank=home)
+            request = pb.FetchRequest(ids=ids[len(out) :], epoch=self.epoch, rank=home)
             try:
                 reply = retry_while_unreachable(
-                    lambda: self._peer(home).Fetch(request, timeout=60), self.coord.lease_s,
+                    lambda: self._peer(home).Fetch(request, timeout=60),
+                    self.coord.lease_s,
                     f"rank {home} (rank {self.rank} fetching moved samples)",
-                    stop=self._stop, on_retry=self._refresh_peers, logger=log)
+                    stop=self._stop,
+                    on_retry=self._refresh_peers,
+                    logger=log,
+                )
             except Unreachable as gone:
-                raise CoordinatorError(f"rank {home} at {self.peers[home]} unreachable for {gone.elapsed_s:.0f}s "
-                                       f"(rank {self.rank} fetching moved samples): {gone.error.details()}") from None
+                raise CoordinatorError(
+                    f"rank {home} at {self.peers[home]} unreachable for {gone.elapsed_s:.0f}s "
+                    f"(rank {self.rank} fetching moved samples): {gone.error.details()}"
+                ) from None
             except grpc.RpcError as exc:
-                raise CoordinatorError(f"rank {self.rank} could not fetch moved samples from rank {home} at "
-                                       f"{self.peers[home]}: {exc.code().name}: {exc.details()}") from None
+                raise CoordinatorError(
+                    f"rank {self.rank} could not fetch moved samples from rank {home} at "
+                    f"{self.peers[home]}: {exc.code().name}: {exc.details()}"
+                ) from None
             if not reply.samples:
-                raise RuntimeError(f"rank {home} returned no payload for samples {ids[len(out):]}")
+                raise RuntimeError(f"rank {home} returned no payload for samples {ids[len(out) :]}")
             out += [wire.tensors_from_pb(m.tensors) for m in reply.samples]
         self.fetched["remote"] += len(out)
         return out
@@ -666,7 +780,7 @@ class RankServiceCore:
         """Asks the coordinator for the ranks' addresses again (a restarted peer may listen elsewhere)."""
         peers = list(self.coord.register(self.address).rank_addresses)
         if peers and peers != self.peers:
-            for old, new in zip(self.peers, peers):
+            for old, new in zip(self.peers, peers, strict=False):
                 if old != new:
                     self._peer_stubs.pop(old, None)
             self.peers = peers
@@ -687,14 +801,21 @@ class RankServiceCore:
                     wanted.setdefault(home, []).append(sample_id)
         for home, ids in wanted.items():
             for k in range(0, len(ids), FETCH_CHUNK):
-                chunk = ids[k:k + FETCH_CHUNK]
+                chunk = ids[k : k + FETCH_CHUNK]
                 self.payloads.update(zip(chunk, self._fetch_ids(home, chunk), strict=True))
 
     def _batch(self, step: Step, payloads: list[Any], images: list[Any] | None = None) -> pb.Batch:
-        tensors = collate(self.spec, resolve_payloads(payloads), step=step,
-                          images=resolve_payloads(images) if images else images)
-        return pb.Batch(info=wire.info_to_pb(step.info, self.epoch), tensors=wire.tensors_to_pb(tensors),
-                        sample_ids=[s.id for s in step.samples])
+        tensors = collate(
+            self.spec,
+            resolve_payloads(payloads),
+            step=step,
+            images=resolve_payloads(images) if images else images,
+        )
+        return pb.Batch(
+            info=wire.info_to_pb(step.info, self.epoch),
+            tensors=wire.tensors_to_pb(tensors),
+            sample_ids=[s.id for s in step.samples],
+        )
 
     # -- trainer side --------------------------------------------------------------------------------
     def _prune_locked(self) -> None:
@@ -712,8 +833,9 @@ class RankServiceCore:
             self._prune_locked()
             self.cond.notify_all()
 
-    def connect(self, stream: _Stream, epoch: int, start_step: int, credits: int, member: int = 0,
-                group_size: int = 1) -> Connect:
+    def connect(
+        self, stream: _Stream, epoch: int, start_step: int, credits: int, member: int = 0, group_size: int = 1
+    ) -> Connect:
         """Attaches a trainer stream, member `member` of a group of `group_size` (see `Delivery.connect`):
         waits while the next epoch is about to start or a previous stream of this member is ending; returns
         the final outcome."""

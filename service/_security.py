@@ -59,8 +59,10 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
         """None when `metadata` carries the right token, else why not (without any token in it)."""
         values = [v for k, v in (metadata or ()) if k.lower() == AUTH_HEADER]
         if not values:
-            return (f"missing '{AUTH_HEADER}: Bearer <token>' metadata: this batchd service requires the "
-                    f"shared bearer token")
+            return (
+                f"missing '{AUTH_HEADER}: Bearer <token>' metadata: this batchd service requires the "
+                f"shared bearer token"
+            )
         if len(values) > 1:
             return f"{len(values)} '{AUTH_HEADER}' metadata entries; send exactly one"
         value = values[0].decode("latin-1") if isinstance(values[0], bytes) else values[0]
@@ -147,5 +149,3 @@ def add_port(server: grpc.Server | grpc.aio.Server, address: str, security: Secu
             log.debug("%s", exc)
             return 0
         raise
-
-

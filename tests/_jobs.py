@@ -44,9 +44,14 @@ from batchd.service.preprocess import SyntheticSource, synthetic_payload
 HOST = "127.0.0.1"
 
 
-def drain_clients(client: Callable[[int], BatchClient], world_size: int, epochs: int = 1, limit_s: float = 60.0,
-                  project: Callable[[dict, Any], Any] | None = None,
-                  on_step: Callable[[int, int], None] | None = None) -> list[list[list[Any]]]:
+def drain_clients(
+    client: Callable[[int], BatchClient],
+    world_size: int,
+    epochs: int = 1,
+    limit_s: float = 60.0,
+    project: Callable[[dict, Any], Any] | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+) -> list[list[list[Any]]]:
     """Consumes every rank's stream through epochs 0..epochs-1 (`set_epoch` before each), one trainer thread
     per rank over `client(rank)`; per rank, per epoch, the projected steps (by default (batch, info)).
     `on_step(rank, n)` runs after each rank's n-th step of the epoch. Asserts no trainer raised and all
@@ -93,12 +98,24 @@ class InProcessJob:
             right after the last one started.
     """
 
-    def __init__(self, spec: JobSpec, lengths: Sequence[int] | None = None, *, lease_s: float = 10.0,
-                 startup_timeout_s: float = 60.0, sources: Sequence[Any] | None = None, grace: float = 30.0,
-                 security: Security | None = None, metrics: bool = False,
-                 coordinator_metrics: CoordinatorMetrics | None = None, connect_timeout_s: float = 5.0,
-                 vocab_size: int = 512, trainer_timeout_s: float = 1800.0,
-                 coordinator_state_dir: str | None = None, rank_state_dir: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        lengths: Sequence[int] | None = None,
+        *,
+        lease_s: float = 10.0,
+        startup_timeout_s: float = 60.0,
+        sources: Sequence[Any] | None = None,
+        grace: float = 30.0,
+        security: Security | None = None,
+        metrics: bool = False,
+        coordinator_metrics: CoordinatorMetrics | None = None,
+        connect_timeout_s: float = 5.0,
+        vocab_size: int = 512,
+        trainer_timeout_s: float = 1800.0,
+        coordinator_state_dir: str | None = None,
+        rank_state_dir: str | os.PathLike | None = None,
+    ) -> None:
         """Starts the job.
 
         Args:
@@ -123,7 +140,11 @@ class InProcessJob:
             raise ValueError(f"give lengths or sources, got {lengths=} and {sources=}")
         if sources is not None and len(sources) != spec.world_size:
             raise ValueError(f"one source per rank: {len(sources)=} for world_size={spec.world_size}")
-        self.spec, self.lengths, self.vocab_size = spec, None if lengths is None else list(lengths), vocab_size
+        self.spec, self.lengths, self.vocab_size = (
+            spec,
+            None if lengths is None else list(lengths),
+            vocab_size,
+        )
         self.security, self.trainer_timeout_s = security, trainer_timeout_s
         self.lease_s, self.startup_timeout_s = lease_s, startup_timeout_s
         self.coordinator_state_dir, self.rank_state_dir = coordinator_state_dir, rank_state_dir
@@ -136,19 +157,27 @@ class InProcessJob:
         self.server = self.state = None
         self._stopped = False
         metrics = metrics or coordinator_metrics is not None
-        self.cmetrics = (coordinator_metrics or CoordinatorMetrics(spec.world_size, spec.cost_model())
-                         if metrics else None)
+        self.cmetrics = (
+            coordinator_metrics or CoordinatorMetrics(spec.world_size, spec.cost_model()) if metrics else None
+        )
         try:
-            self.server, self.port, self.state = create_server(f"{HOST}:0", spec, lease_s, startup_timeout_s,
-                                                               security=security, metrics=self.cmetrics,
-                                                               state_dir=coordinator_state_dir)
+            self.server, self.port, self.state = create_server(
+                f"{HOST}:0",
+                spec,
+                lease_s,
+                startup_timeout_s,
+                security=security,
+                metrics=self.cmetrics,
+                state_dir=coordinator_state_dir,
+            )
             self.server.start()
             if metrics:
                 self.http.append(start_metrics_server(self.cmetrics.registry))
             self.t_created = time.monotonic()
             for r in range(spec.world_size):
-                self._start_rank(r, sources[r] if sources is not None else None, grace, metrics,
-                                 connect_timeout_s)
+                self._start_rank(
+                    r, sources[r] if sources is not None else None, grace, metrics, connect_timeout_s
+                )
             self.t_started = time.monotonic()
         except BaseException:
             self.stop()
@@ -164,20 +193,38 @@ class InProcessJob:
             self.rmetrics.append(m)
             self.http.append(start_metrics_server(m.registry))
 
-    def _serve_rank(self, r: int, source: Any, m: RankMetrics | None, port: int = 0
-                    ) -> tuple[RankServiceCore, Any, int]:
+    def _serve_rank(
+        self, r: int, source: Any, m: RankMetrics | None, port: int = 0
+    ) -> tuple[RankServiceCore, Any, int]:
         """Rank `r`'s core (restored from `rank_state_dir` when it holds its journal), its server on `port`
         (0: a free one), started: (core, server, port)."""
         spec = self.spec
         if source is None:
-            source = SyntheticSource(self.lengths, r, spec.world_size, spec.seed, 0, spec.shuffle,
-                                     vocab_size=self.vocab_size, wrap=spec.mode == "non-join")
-        coord = CoordinatorClient(self.address, r, spec, startup_timeout_s=self.connect_timeout_s,
-                                  security=self.security)
+            source = SyntheticSource(
+                self.lengths,
+                r,
+                spec.world_size,
+                spec.seed,
+                0,
+                spec.shuffle,
+                vocab_size=self.vocab_size,
+                wrap=spec.mode == "non-join",
+            )
+        coord = CoordinatorClient(
+            self.address, r, spec, startup_timeout_s=self.connect_timeout_s, security=self.security
+        )
         try:
-            core = RankServiceCore(r, spec, coord, source, client_grace_s=self.grace, security=self.security,
-                                   metrics=m, trainer_timeout_s=self.trainer_timeout_s,
-                                   state_dir=self.rank_state_dir)
+            core = RankServiceCore(
+                r,
+                spec,
+                coord,
+                source,
+                client_grace_s=self.grace,
+                security=self.security,
+                metrics=m,
+                trainer_timeout_s=self.trainer_timeout_s,
+                state_dir=self.rank_state_dir,
+            )
         except BaseException:
             coord.close()
             raise
@@ -186,8 +233,9 @@ class InProcessJob:
         core.start(f"{HOST}:{bound}")
         return core, server, bound
 
-    def restart_rank(self, r: int, source: Any = None, before_start: Callable[[], None] | None = None
-                     ) -> RankServiceCore:
+    def restart_rank(
+        self, r: int, source: Any = None, before_start: Callable[[], None] | None = None
+    ) -> RankServiceCore:
         """Kills rank `r`'s service abruptly (its loop stops, its server drops every call; nothing is
         written beyond what its journal already holds), calls `before_start` (e.g. to edit the journal),
         and starts a new one on the same port from its journal in `rank_state_dir`, reading `source`
@@ -233,8 +281,9 @@ class InProcessJob:
         """The synthetic payload of `sample_id`, as the rank services produce it."""
         return synthetic_payload(sample_id, self.lengths[sample_id], self.spec.seed, self.vocab_size)
 
-    def drain(self, limit_s: float = 60.0, project: Callable[[dict, Any], Any] | None = None,
-              **client_kwargs: Any) -> list[list[Any]]:
+    def drain(
+        self, limit_s: float = 60.0, project: Callable[[dict, Any], Any] | None = None, **client_kwargs: Any
+    ) -> list[list[Any]]:
         """Consumes every rank's stream to its end, one trainer thread per rank.
 
         Args:
@@ -247,19 +296,31 @@ class InProcessJob:
         """
         return [epochs[0] for epochs in self.drain_epochs(1, limit_s, project, **client_kwargs)]
 
-    def drain_epochs(self, epochs: int, limit_s: float = 60.0, project: Callable[[dict, Any], Any] | None = None,
-                     **client_kwargs: Any) -> list[list[list[Any]]]:
+    def drain_epochs(
+        self,
+        epochs: int,
+        limit_s: float = 60.0,
+        project: Callable[[dict, Any], Any] | None = None,
+        **client_kwargs: Any,
+    ) -> list[list[list[Any]]]:
         """Like `drain`, through epochs 0..epochs-1 (`set_epoch` before each); per rank, per epoch, the steps."""
-        return drain_clients(lambda r: self.client(r, **client_kwargs), self.spec.world_size, epochs, limit_s,
-                             project)
+        return drain_clients(
+            lambda r: self.client(r, **client_kwargs), self.spec.world_size, epochs, limit_s, project
+        )
 
     def restart_coordinator(self) -> None:
         """Kills the coordinator abruptly (its server drops every call; nothing is flushed beyond what its
         journal already holds) and starts a new one on the same port from the same journal."""
         self.server.stop(0)
         self.state.close()
-        self.server, port, self.state = create_server(self.address, self.spec, self.lease_s, self.startup_timeout_s,
-                                                      security=self.security, state_dir=self.coordinator_state_dir)
+        self.server, port, self.state = create_server(
+            self.address,
+            self.spec,
+            self.lease_s,
+            self.startup_timeout_s,
+            security=self.security,
+            state_dir=self.coordinator_state_dir,
+        )
         assert port == self.port
         self.server.start()
 
@@ -270,7 +331,8 @@ class InProcessJob:
         while self.state.state != state:
             assert time.monotonic() < deadline, (
                 f"the coordinator did not reach state {state!r} within {limit_s:g}s: it is {self.state.state!r} "
-                f"({self.state.failure or 'no failure'}; finished ranks {sorted(self.state.liveness.finished)})")
+                f"({self.state.failure or 'no failure'}; finished ranks {sorted(self.state.liveness.finished)})"
+            )
             time.sleep(0.05)
 
     def stop(self) -> None:

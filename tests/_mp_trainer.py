@@ -40,10 +40,14 @@ def main() -> int:
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
     torch.manual_seed(0)
-    model = DDP(batchd.TinyCausalLM(vocab_size=512, d_model=32, n_layers=1, n_heads=2),
-                process_group=mesh["dp"].get_group())
+    model = DDP(
+        batchd.TinyCausalLM(vocab_size=512, d_model=32, n_layers=1, n_heads=2),
+        process_group=mesh["dp"].get_group(),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    client = BatchClient(services[dp_rank], dp_rank, dp, group_rank=tp_rank, group_size=tp, reconnect_timeout_s=5)
+    client = BatchClient(
+        services[dp_rank], dp_rank, dp, group_rank=tp_rank, group_size=tp, reconnect_timeout_s=5
+    )
     batches = iter(client)
     watch = _FailureWatch(client)
     try:
@@ -54,7 +58,9 @@ def main() -> int:
                 gathered = [torch.zeros_like(digest) for _ in range(tp)]
                 dist.all_gather(gathered, digest, group=mesh["tp"].get_group())
                 if any(not torch.equal(g, digest) for g in gathered):
-                    raise AssertionError(f"dp {dp_rank}: the tensor-parallel group holds different batches: {gathered}")
+                    raise AssertionError(
+                        f"dp {dp_rank}: the tensor-parallel group holds different batches: {gathered}"
+                    )
                 train_step(model, opt, {k: v for k, v in batch.items() if k != "sample_ids"}, info)
                 log.write(json.dumps({"dp": dp_rank, "tp": tp_rank, "step": info.step, "ids": ids}) + "\n")
                 log.flush()

@@ -85,7 +85,12 @@ def still_alive(snapshot: dict[int, str]) -> list[str]:
         if fields is None or fields[0] in ("Z", "X") or fields[19] != start:
             continue
         try:
-            cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmd = (
+                (Path("/proc") / str(pid) / "cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
         except OSError:
             continue
         found.append(f"{pid}: {cmd[:200]}")
@@ -125,4 +130,6 @@ def spawn(fn, args: tuple, nprocs: int, limit_s: float = 600.0) -> None:
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            raise AssertionError(f"{nprocs} spawned processes of {fn.__name__} still ran after {limit_s:g}s (a hang)")
+            raise AssertionError(
+                f"{nprocs} spawned processes of {fn.__name__} still ran after {limit_s:g}s (a hang)"
+            )

@@ -94,18 +94,33 @@ def main(work: str) -> dict:
 
     t0 = time.monotonic()
     facts: dict = {}
-    data = make_demo_dataset(os.path.join(work, "data"), num_samples=24, seed=2, format="arrow",
-                             image_fraction=0.5, max_image_side=96, bad_fraction=0.0)  # placement, not bad data
+    data = make_demo_dataset(
+        os.path.join(work, "data"),
+        num_samples=24,
+        seed=2,
+        format="arrow",
+        image_fraction=0.5,
+        max_image_side=96,
+        bad_fraction=0.0,
+    )  # placement, not bad data
     tok_path = str(demo_tokenizer(os.path.join(work, "tokenizer.json")))
     stages = default_stages(TokenizerRef(tok_path), cutoff=512)
-    cluster = Cluster(initialize_head=True, connect=True,
-                      head_node_args={"num_cpus": 1, "resources": {"head": 1}, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        connect=True,
+        head_node_args={"num_cpus": 1, "resources": {"head": 1}, "include_dashboard": False},
+    )
     try:
         cluster.add_node(num_cpus=1, resources={"node_a": 1}, node_ip_address="127.0.0.2")
         cluster.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.3")
         cluster.wait_for_nodes()
-        nodes = {name: n["NodeID"] for n in ray.nodes() if n["Alive"]
-                 for name in ("head", "node_a", "node_b") if name in n["Resources"]}
+        nodes = {
+            name: n["NodeID"]
+            for n in ray.nodes()
+            if n["Alive"]
+            for name in ("head", "node_a", "node_b")
+            if name in n["Resources"]
+        }
         facts["nodes"] = nodes
         facts["driver_node"] = ray.get_runtime_context().get_node_id()
         facts["t_cluster_s"] = time.monotonic() - t0
@@ -113,16 +128,27 @@ def main(work: str) -> dict:
         # 1. pinned sources: where their actors run, and the bytes their samples carry
         pinned = {}
         for rank, name in enumerate(("node_a", "node_b")):
-            src = RaySource(data.path, rank, 2, seed=1, stages=stages, num_actors=2, actor_num_cpus=0.5,
-                            node_id=nodes[name], chunk_size=2)
+            src = RaySource(
+                data.path,
+                rank,
+                2,
+                seed=1,
+                stages=stages,
+                num_actors=2,
+                actor_num_cpus=0.5,
+                node_id=nodes[name],
+                chunk_size=2,
+            )
             items = drain(src)
             samples = [s for s, _ in items]
             payloads = resolve_many([p for _, p in items])
             again = src.materialize_many([s.id for s in samples])
             pinned[name] = {
-                "target": src.stats()["node_id"], "actors": src.actor_nodes(),
+                "target": src.stats()["node_id"],
+                "actors": src.actor_nodes(),
                 "stats_nodes": [a["node_id"] for a in src.pool.stats()],
-                "samples": len(samples), "vision_samples": sum(dict(s.modality_tokens)["vision"] > 0 for s in samples),
+                "samples": len(samples),
+                "vision_samples": sum(dict(s.modality_tokens)["vision"] > 0 for s in samples),
                 "nbytes": [s.nbytes for s in samples],
                 "payload_nbytes": [payload_nbytes(p) for p in payloads],
                 "materialized_nbytes": [payload_nbytes(p) for p in again],
@@ -134,29 +160,46 @@ def main(work: str) -> dict:
 
         # 2. defaults: this driver's node (the head), and an agent's driver attached to B
         with RaySource(data.path, 0, 4, seed=0, stages=stages, num_actors=1, actor_num_cpus=0.25) as src:
-            facts["default"] = {"target": src.stats()["node_id"], "actors": src.actor_nodes(),
-                                "samples": len(drain(src))}
+            facts["default"] = {
+                "target": src.stats()["node_id"],
+                "actors": src.actor_nodes(),
+                "samples": len(drain(src)),
+            }
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
         for key, ip in (("agent", "127.0.0.3"), ("agent_plain", "")):
-            agent = subprocess.run([sys.executable, "-c", AGENT, cluster.address, ip, data.path, tok_path],
-                                   check=False, capture_output=True, text=True, timeout=90, env=env)
+            agent = subprocess.run(
+                [sys.executable, "-c", AGENT, cluster.address, ip, data.path, tok_path],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=90,
+                env=env,
+            )
             try:
                 facts[key] = json.loads(agent.stdout.strip().splitlines()[-1])
             except (IndexError, ValueError):
-                facts[key] = {"error": f"rc={agent.returncode}: {agent.stdout[-1000:]} {agent.stderr[-3000:]}"}
+                facts[key] = {
+                    "error": f"rc={agent.returncode}: {agent.stdout[-1000:]} {agent.stderr[-3000:]}"
+                }
         facts["t_default_s"] = time.monotonic() - t0
 
         # 3. borrowing: A has 1 CPU, the pool wants 2 one-CPU actors
         wait_all_cpus_free(3.0)
-        with PreprocessPool(data.path, stages, num_actors=2, actor_num_cpus=1.0, node_id=nodes["node_a"],
-                            start_timeout_s=60) as pool:
+        with PreprocessPool(
+            data.path, stages, num_actors=2, actor_num_cpus=1.0, node_id=nodes["node_a"], start_timeout_s=60
+        ) as pool:
             src = RaySource(None, 0, 2, seed=1, pool=pool)
             facts["borrow"] = {"actors": src.actor_nodes(), "samples": len(drain(src))}
 
         # 4. opting out
-        with RaySource(data.path, 0, 4, seed=0, stages=stages, num_actors=1, actor_num_cpus=0.25, node_id="") as src:
-            facts["unpinned"] = {"target": src.stats()["node_id"], "pool_node_id": src.pool.node_id,
-                                 "samples": len(drain(src))}
+        with RaySource(
+            data.path, 0, 4, seed=0, stages=stages, num_actors=1, actor_num_cpus=0.25, node_id=""
+        ) as src:
+            facts["unpinned"] = {
+                "target": src.stats()["node_id"],
+                "pool_node_id": src.pool.node_id,
+                "samples": len(drain(src)),
+            }
         facts["t_total_s"] = time.monotonic() - t0
     finally:
         ray.shutdown()

@@ -32,14 +32,22 @@ def main(info_file: str) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
-    cluster = Cluster(initialize_head=True, connect=True,
-                      head_node_args={"num_cpus": 0, "resources": {"head": 1}, "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        connect=True,
+        head_node_args={"num_cpus": 0, "resources": {"head": 1}, "include_dashboard": False},
+    )
     try:
         for name, ip in IPS.items():
             cluster.add_node(num_cpus=4, resources={name: 1}, node_ip_address=ip)
         cluster.wait_for_nodes()
-        nodes = {name: n["NodeID"] for n in ray.nodes() if n["Alive"]
-                 for name in ("head", *IPS) if name in n["Resources"]}
+        nodes = {
+            name: n["NodeID"]
+            for n in ray.nodes()
+            if n["Alive"]
+            for name in ("head", *IPS)
+            if name in n["Resources"]
+        }
         tmp = info_file + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"address": cluster.address, "nodes": nodes, "ips": IPS}, f)

@@ -32,8 +32,9 @@ def readme_job_block() -> str:
     return re.search(r"```bash\n(.*?)```", text[start:], re.S).group(1)
 
 
-def readme_script(cport: int, rport: int, train_args: str = "", before_train: tuple[str, ...] = (),
-                  node_args: str = "") -> list[str]:
+def readme_script(
+    cport: int, rport: int, train_args: str = "", before_train: tuple[str, ...] = (), node_args: str = ""
+) -> list[str]:
     """The README block as script lines, edited as the module docstring says; `train_args` are added to
     the trainer's line, `before_train` lines go just before it, `node_args` to the node agent's line."""
     block = readme_job_block()
@@ -41,7 +42,9 @@ def readme_script(cport: int, rport: int, train_args: str = "", before_train: tu
     for line in block.splitlines():
         if line.startswith("torchrun "):
             assert "--node-agent 127.0.0.1:7100" in line, line
-            line = line.split("#")[0].replace("--node-agent 127.0.0.1:7100", f"--node-agent 127.0.0.1:{rport}")
+            line = line.split("#")[0].replace(
+                "--node-agent 127.0.0.1:7100", f"--node-agent 127.0.0.1:{rport}"
+            )
             line += " --d-model 32 --n-layers 1 --n-heads 2 --summary summary-{rank}.json " + train_args
             script += list(before_train)
         line = line.replace('make_demo_dataset(".", 256)', f'make_demo_dataset(".", {RECORDS})')
@@ -49,8 +52,10 @@ def readme_script(cport: int, rport: int, train_args: str = "", before_train: tu
             line = line.replace(" &", f" {node_args} &", 1)
         script.append(line)
         if line.startswith("batchd config --example"):  # the user's edit
-            script.append(f"sed -i -e 's/^port = 7000/port = {cport}/' -e 's/^base_port = 7100/base_port = {rport}/' "
-                          "-e 's/^token_budget = 8192/token_budget = 1024/' -e 's/^window = 512/window = 64/' job.toml")
+            script.append(
+                f"sed -i -e 's/^port = 7000/port = {cport}/' -e 's/^base_port = 7100/base_port = {rport}/' "
+                "-e 's/^token_budget = 8192/token_budget = 1024/' -e 's/^window = 512/window = 64/' job.toml"
+            )
     script += ['for p in $(jobs -p); do wait "$p"; done']  # the services exit on their own, status 0
     assert any(ln.startswith("batchd node ") for ln in script), block
     return script
@@ -60,8 +65,14 @@ def job_env(ray_tmp: str, marker: str) -> dict[str, str]:
     """A job's environment: the venv's commands first, `TMPDIR` (short socket paths for Ray), its marker
     ("NAME=value", inherited by all its processes), and nothing of a torchrun or Ray around the tests."""
     bindir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ.get('PATH', '')}", "TMPDIR": ray_tmp,
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", marker.split("=")[0]: marker.split("=")[1]}
+    env = {
+        **os.environ,
+        "PATH": f"{bindir}:{os.environ.get('PATH', '')}",
+        "TMPDIR": ray_tmp,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        marker.split("=")[0]: marker.split("=")[1],
+    }
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
         env.pop(var, None)
     return env

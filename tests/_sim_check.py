@@ -41,7 +41,10 @@ def run_checked(lengths, config: JobSpec, local_ranks=None):
                 if s.info.local_loss_tokens:
                     rank_mean = math.fsum(synthetic_token_loss(x.id) * x.loss_tokens for x in s.samples)
                     scaled += rank_mean / s.info.local_loss_tokens * s.info.loss_scale
-            ref = math.fsum(synthetic_token_loss(x.id) * x.loss_tokens for s in step for x in s.samples) / g_loss
+            ref = (
+                math.fsum(synthetic_token_loss(x.id) * x.loss_tokens for s in step for x in s.samples)
+                / g_loss
+            )
             assert abs(scaled / n - ref) <= 1e-9 * max(1.0, abs(ref))
             assert abs(sum(s.info.loss_scale for s in step) - n) <= 1e-9 * n
         schedule.append(tuple((tuple(x.id for x in s.samples)) for s in step))
@@ -65,7 +68,9 @@ def check_epoch(lengths, config: JobSpec, sim, schedule):
         expected = {i for i in range(len(lengths)) if i not in rejected}
         assert set(counts) == expected, f"missing ids: {sorted(expected - set(counts))[:10]}"
         assert all(c == 1 for c in counts.values()), "an id was emitted twice"
-        assert len(schedule) <= max(views, default=0), f"{len(schedule)} steps > bound {max(views, default=0)}"
+        assert len(schedule) <= max(views, default=0), (
+            f"{len(schedule)} steps > bound {max(views, default=0)}"
+        )
     else:
         quota = config.quota if config.quota is not None else len(lengths)
         emitted = sum(counts.values())

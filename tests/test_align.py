@@ -25,7 +25,10 @@ from batchd.core import (
 
 report_st = st.builds(
     lambda cap, buf, groups, ex: (cap, buf, min(groups, buf), ex),
-    st.integers(0, 12), st.integers(0, 40), st.integers(1, 40), st.booleans(),
+    st.integers(0, 12),
+    st.integers(0, 40),
+    st.integers(1, 40),
+    st.booleans(),
 )
 
 
@@ -58,7 +61,6 @@ def test_odb_rule_capacity_and_split_feasibility(raw):
     assert all(t <= r.buffered for r in active), "a rank could not split up to T"
 
 
-
 @given(
     world_size=st.integers(1, 8),
     pool=st.lists(st.tuples(st.integers(1, 200), st.integers(0, 7), st.integers(0, 6)), max_size=60),
@@ -69,15 +71,22 @@ def test_odb_rule_capacity_and_split_feasibility(raw):
 )
 # Two complete 64-token groups on rank 0 outrank rank 1's incomplete [1, 1]: ranked alone, the round
 # (T = 1, 2 slots) left rank 1 with nothing, the starvation behind the join step bound's failure.
-@example(world_size=2, pool=[(64, 0, 0), (64, 0, 0), (1, 1, 0), (1, 1, 0)], capacity=1, final=False,
-         cost="padded", refine=True)
+@example(
+    world_size=2,
+    pool=[(64, 0, 0), (64, 0, 0), (1, 1, 0), (1, 1, 0)],
+    capacity=1,
+    final=False,
+    cost="padded",
+    refine=True,
+)
 def test_balanced_plan_emits_a_quota_of_every_rank(world_size, pool, capacity, final, cost, refine):
     """`plan_round`: T steps for every rank, each sample at most once, and every rank r gets at least
     min(T, B_r) of its B_r pooled samples (the progress behind the join bound max_r n_r steps)."""
     entries = [Entry(Sample(i, n, -1, home % world_size), age) for i, (n, home, age) in enumerate(pool)]
     budget = 64
-    plan = plan_round(entries, world_size, capacity, final, budget, CostModel(cost), 6, 4,
-                      random.Random(0), refine)
+    plan = plan_round(
+        entries, world_size, capacity, final, budget, CostModel(cost), 6, 4, random.Random(0), refine
+    )
     assert len(plan) == world_size
     target = len(plan[0])
     assert all(len(steps) == target for steps in plan)

@@ -40,10 +40,34 @@ def test_bench_runs_all_systems_on_the_same_samples(tmp_path):
     text = [s for s in bench.SYSTEMS if s != "batchd-2phase"]  # a text workload: no vision phase
     systems = text if bench.odb_available() is None else ["fixed", "batchd-odb", "batchd-balanced"]
     proc = subprocess.run(
-        [sys.executable, "-m", "batchd.bench", "--json", "--workload", str(workload), "--num-samples", str(NUM),
-         "--heldout", "8", "--token-budget", "600", "--window", "16", "--depth", "4", "--epochs", "2", "--systems",
-         ",".join(systems), "--out", str(out)],
-        capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "batchd.bench",
+            "--json",
+            "--workload",
+            str(workload),
+            "--num-samples",
+            str(NUM),
+            "--heldout",
+            "8",
+            "--token-budget",
+            "600",
+            "--window",
+            "16",
+            "--depth",
+            "4",
+            "--epochs",
+            "2",
+            "--systems",
+            ",".join(systems),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -52,14 +76,21 @@ def test_bench_runs_all_systems_on_the_same_samples(tmp_path):
     assert s["fixed_batch_size"] == 600 // s["longest"]
     for name, r in s["systems"].items():
         assert f"[bench] {name}:" in proc.stderr
-        for key, kind in (("wall_s", float), ("samples", int), ("steps", int), ("padding_efficiency", float),
-                          ("final_loss", float)):
+        for key, kind in (
+            ("wall_s", float),
+            ("samples", int),
+            ("steps", int),
+            ("padding_efficiency", float),
+            ("final_loss", float),
+        ):
             assert isinstance(r[key], kind), (name, key, r[key])
         # exactly the same ids, each once per epoch: all of 0..NUM-1 present twice, none more, nothing else
         assert (r["samples"], r["missing"], r["duplicates"], r["unexpected"]) == (2 * NUM, 0, 0, 0), (name, r)
         assert 0 < r["padding_efficiency"] <= 1, (name, r["padding_efficiency"])
         assert r["wall_s"] > 0 and r["steps"] == len(r["loss_curve"]) == len(r["step_times"]) > 0
-        assert r["step_times"] == sorted(r["step_times"]) and r["step_times"][-1] == pytest.approx(r["wall_s"])
+        assert r["step_times"] == sorted(r["step_times"]) and r["step_times"][-1] == pytest.approx(
+            r["wall_s"]
+        )
         assert np.isfinite(r["final_loss"]) and 0 < r["final_loss"] < 10
         assert r["heldout_samples"] == 8 and np.isfinite(r["heldout_loss"])
         evals = r["heldout_by_epoch"]  # after each epoch, on the clock of the steps (paused while evaluating)
@@ -71,7 +102,8 @@ def test_bench_runs_all_systems_on_the_same_samples(tmp_path):
     assert bd["steps_per_rank"][0] == bd["steps_per_rank"][1]  # batchd aligns the ranks' step counts
     if "odb-0.1.2" in systems:
         assert s["systems"]["batchd-odb"]["speedup_vs_odb-0.1.2"] == pytest.approx(
-            s["systems"]["odb-0.1.2"]["wall_s"] / s["systems"]["batchd-odb"]["wall_s"])
+            s["systems"]["odb-0.1.2"]["wall_s"] / s["systems"]["batchd-odb"]["wall_s"]
+        )
 
     names = {Path(p).name for p in s["plots"]}
     assert names == {"bench_loss_vs_step.png", "bench_loss_vs_time.png", "bench_wall_time.png"}
@@ -86,8 +118,19 @@ def test_bench_help_and_bad_arguments(tmp_path, capsys):
         bench.main(["--help"])
     assert exc.value.code == 0
     help_text = capsys.readouterr().out
-    for flag in ("--workload", "--num-samples", "--world-size", "--token-budget", "--systems", "--device",
-                 "--model", "--out", "--json", "--seed", "--window"):
+    for flag in (
+        "--workload",
+        "--num-samples",
+        "--world-size",
+        "--token-budget",
+        "--systems",
+        "--device",
+        "--model",
+        "--out",
+        "--json",
+        "--seed",
+        "--window",
+    ):
         assert flag in help_text, flag
 
     workload = _workload(tmp_path, 16)
@@ -112,8 +155,13 @@ def test_bench_help_and_bad_arguments(tmp_path, capsys):
 def test_odb_missing_is_skipped_with_a_message(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "odb_available", lambda: "online-dynamic-batching is not installed")
     lines: list[str] = []
-    s = bench.run_bench(workload=_workload(tmp_path, 16), num_samples=8, systems=["odb-0.1.2"], out=tmp_path / "o",
-                        progress=lines.append)
+    s = bench.run_bench(
+        workload=_workload(tmp_path, 16),
+        num_samples=8,
+        systems=["odb-0.1.2"],
+        out=tmp_path / "o",
+        progress=lines.append,
+    )
     assert s["systems"] == {"odb-0.1.2": {"skipped": "online-dynamic-batching is not installed"}}
     assert lines == ["[bench] odb-0.1.2: skipped: online-dynamic-batching is not installed"]
     assert s["plots"] == [] and (tmp_path / "o" / "bench.json").exists()
@@ -122,7 +170,7 @@ def test_odb_missing_is_skipped_with_a_message(tmp_path, monkeypatch):
 def test_learning_rate_rule_is_one_rule_for_every_system():
     from batchd._bench_trainer import step_lr
 
-    assert step_lr(1e-3, 400, 100) == pytest.approx(2e-3)            # sqrt: 4x the tokens, 2x the lr
+    assert step_lr(1e-3, 400, 100) == pytest.approx(2e-3)  # sqrt: 4x the tokens, 2x the lr
     assert step_lr(1e-3, 400, 100, power=1.0) == pytest.approx(4e-3)  # linear
     assert step_lr(1e-3, 400, None) == 1e-3 and step_lr(1e-3, 0, 100) == 1e-3  # off; IDLE step
 
@@ -133,10 +181,33 @@ def test_bench_batchd_systems_with_trainers_that_take_5s_per_step(tmp_path):
     coordinator left before the trainers' last steps); with 5 s steps it ends cleanly."""
     workload = _workload(tmp_path, 16)
     proc = subprocess.run(
-        [sys.executable, "-m", "batchd.bench", "--json", "--workload", str(workload), "--num-samples", "16",
-         "--heldout", "0", "--token-budget", "600", "--window", "8", "--depth", "2", "--step-time", "5",
-         "--systems", "batchd-odb"], capture_output=True, text=True, timeout=400,
-        env={**os.environ, "BATCHD_PROGRESS_S": "1"})
+        [
+            sys.executable,
+            "-m",
+            "batchd.bench",
+            "--json",
+            "--workload",
+            str(workload),
+            "--num-samples",
+            "16",
+            "--heldout",
+            "0",
+            "--token-budget",
+            "600",
+            "--window",
+            "8",
+            "--depth",
+            "2",
+            "--step-time",
+            "5",
+            "--systems",
+            "batchd-odb",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env={**os.environ, "BATCHD_PROGRESS_S": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     systems = json.loads(proc.stdout.strip().splitlines()[-1])["systems"]
     for name in ("batchd-odb",):
@@ -145,6 +216,9 @@ def test_bench_batchd_systems_with_trainers_that_take_5s_per_step(tmp_path):
         assert s["steps"] >= 2 and s["wall_s"] >= 5 * (s["steps"] - 1), (name, s)
     # off a terminal, a progress line every 1 s: 1310 tokens do not fit one step of 2 ranks x 600, and
     # steps take >= 5 s, so a line falls between the first two; then the end
-    assert re.search(r"\[bench\] batchd-odb: \d+/16 samples \(\d+%\), .*ETA", proc.stderr), proc.stderr[-4000:]
-    assert re.search(r"\[bench\] batchd-odb: 16/16 samples \(100%\), \d+ steps, done in", proc.stderr), \
+    assert re.search(r"\[bench\] batchd-odb: \d+/16 samples \(\d+%\), .*ETA", proc.stderr), proc.stderr[
+        -4000:
+    ]
+    assert re.search(r"\[bench\] batchd-odb: 16/16 samples \(100%\), \d+ steps, done in", proc.stderr), (
         proc.stderr[-4000:]
+    )

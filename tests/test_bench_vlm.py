@@ -14,9 +14,8 @@ import torch
 def test_tiny_qwen2vl_trains_padded_and_packed_alike():
     """The bench's model on the bench's payloads: the packed row's loss is the padded batch's (per-sample
     M-RoPE and restarting positions), and the vision timer sees the tower's forward and backward."""
-    from batchd.client import collate_packed, collate_padded, forward_logits, token_loss_sum
-
     from batchd._bench_trainer import VisionTimer, build_model, hf_pixels, payload, vision_module
+    from batchd.client import collate_packed, collate_padded, forward_logits, token_loss_sum
 
     images = [[[16, 4]], [[32, 8], [8, 2]], []]  # sample 1: two images, one text token between them
     lengths = [40, 60, 20]
@@ -25,8 +24,9 @@ def test_tiny_qwen2vl_trains_padded_and_packed_alike():
     samples = [payload(i, lengths, 0, images) for i in range(3)]
     losses = []
     for collate in (collate_padded, collate_packed):
-        batch = hf_pixels({k: torch.as_tensor(v) if not isinstance(v, int) else v
-                           for k, v in collate(samples).items()})
+        batch = hf_pixels(
+            {k: torch.as_tensor(v) if not isinstance(v, int) else v for k, v in collate(samples).items()}
+        )
         assert batch["pixel_values"].shape == (56, 1176)
         timer.on = True
         logits = forward_logits(model, batch)

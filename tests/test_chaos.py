@@ -21,10 +21,21 @@ pytestmark = pytest.mark.slow
 
 
 def test_rank_service_coordinator_and_trainer_killed_and_restarted(tmp_path):
-    plan = chaos.JobPlan(index=0, seed=11, source="synthetic", num_samples=200, step_time=0.05,
-                         faults=[chaos.Fault("rank", at_step=4, target=1), chaos.Fault("coordinator", at_step=7),
-                                 chaos.Fault("trainer", at_step=10, target=0)])
-    report = chaos.run_jobs([plan], tmp_path, coordinator_journal=True, job_timeout_s=150, log=lambda *_: None)
+    plan = chaos.JobPlan(
+        index=0,
+        seed=11,
+        source="synthetic",
+        num_samples=200,
+        step_time=0.05,
+        faults=[
+            chaos.Fault("rank", at_step=4, target=1),
+            chaos.Fault("coordinator", at_step=7),
+            chaos.Fault("trainer", at_step=10, target=0),
+        ],
+    )
+    report = chaos.run_jobs(
+        [plan], tmp_path, coordinator_journal=True, job_timeout_s=150, log=lambda *_: None
+    )
     (res,) = report["results"]
     logs = f"job logs in {tmp_path}; messages: {res['messages']}"
     assert [f["injected"] for f in res["faults"]] == [True, True, True], f"faults: {res['faults']}; {logs}"

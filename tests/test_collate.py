@@ -49,7 +49,7 @@ def test_padded_layout(lengths, pad_id):
     assert set(batch) == {"input_ids", "attention_mask", "labels", "position_ids"}
     for v in batch.values():
         assert v.shape == (b, t) and v.dtype == torch.int64
-    for row, (s, n) in enumerate(zip(samples, lengths)):
+    for row, (s, n) in enumerate(zip(samples, lengths, strict=False)):
         assert batch["input_ids"][row, :n].tolist() == s["input_ids"].tolist()
         assert (batch["input_ids"][row, n:] == pad_id).all()
         assert batch["attention_mask"][row].tolist() == [1] * n + [0] * (t - n)
@@ -74,7 +74,7 @@ def test_packed_layout(lengths):
         assert batch["input_ids"][0, lo:hi].tolist() == s["input_ids"].tolist()
         assert batch["position_ids"][0, lo:hi].tolist() == list(range(hi - lo))
         assert batch["labels"][0, lo] == IGNORE_INDEX  # no prediction across the sample boundary
-        assert batch["labels"][0, lo + 1:hi].tolist() == s["labels"][1:].tolist()
+        assert batch["labels"][0, lo + 1 : hi].tolist() == s["labels"][1:].tolist()
     # the packed row carries exactly the per-sample loss tokens
     assert loss_tokens(batch["labels"][0]) == sum(loss_tokens(s["labels"]) for s in samples)
     assert samples[0]["labels"][0] == make_sample(0, lengths[0])["labels"][0]  # inputs not mutated
@@ -93,7 +93,11 @@ def test_default_labels_are_shifted_input_ids():
 def test_idle_batch():
     batch = idle_batch()
     assert {k: tuple(v.shape) for k, v in batch.items()} == {
-        "input_ids": (1, 1), "attention_mask": (1, 1), "labels": (1, 1), "position_ids": (1, 1)}
+        "input_ids": (1, 1),
+        "attention_mask": (1, 1),
+        "labels": (1, 1),
+        "position_ids": (1, 1),
+    }
     assert batch["labels"].tolist() == [[IGNORE_INDEX]] and batch["attention_mask"].tolist() == [[1]]
     assert loss_tokens(batch["labels"][0]) == 0
     assert idle_batch(pad_id=3)["input_ids"].tolist() == [[3]]
@@ -108,14 +112,17 @@ def test_loss_tokens_counts_shifted_targets():
         loss_tokens(np.zeros((2, 3), dtype=np.int64))
 
 
-@pytest.mark.parametrize("samples, match", [
-    ([], "non-empty"),
-    ([{"labels": np.array([1])}], "input_ids"),
-    ([{"input_ids": np.array([], dtype=np.int64)}], "non-empty 1-D"),
-    ([{"input_ids": np.zeros((2, 2), dtype=np.int64)}], "non-empty 1-D"),
-    ([{"input_ids": np.array([1.0, 2.0])}], "integer"),
-    ([{"input_ids": np.array([1, 2]), "labels": np.array([1])}], "labels"),
-])
+@pytest.mark.parametrize(
+    "samples, match",
+    [
+        ([], "non-empty"),
+        ([{"labels": np.array([1])}], "input_ids"),
+        ([{"input_ids": np.array([], dtype=np.int64)}], "non-empty 1-D"),
+        ([{"input_ids": np.zeros((2, 2), dtype=np.int64)}], "non-empty 1-D"),
+        ([{"input_ids": np.array([1.0, 2.0])}], "integer"),
+        ([{"input_ids": np.array([1, 2]), "labels": np.array([1])}], "labels"),
+    ],
+)
 def test_bad_payloads_raise(samples, match):
     for collate in (collate_padded, collate_packed):
         with pytest.raises(ValueError, match=match):
@@ -136,8 +143,9 @@ def model() -> TinyCausalLM:
 
 def per_token_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Shifted CE per target position [B, T-1] (0 where the label is -100)."""
-    ce = F.cross_entropy(logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], ignore_index=IGNORE_INDEX,
-                         reduction="none")
+    ce = F.cross_entropy(
+        logits[:, :-1].transpose(1, 2).float(), labels[:, 1:], ignore_index=IGNORE_INDEX, reduction="none"
+    )
     return ce
 
 
@@ -160,11 +168,12 @@ def padded_means(model: TinyCausalLM, samples) -> list[float]:
 def packed_means(model: TinyCausalLM, samples, varlen: bool = False) -> list[float]:
     batch = collate_packed(samples)
     cu = batch["cu_seqlens"] if varlen else None
-    ce = per_token_ce(model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=cu),
-                      batch["labels"])[0]
+    ce = per_token_ce(
+        model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=cu), batch["labels"]
+    )[0]
     cu = batch["cu_seqlens"].tolist()
     # target index j (label j + 1) belongs to the sample whose range holds j + 1
-    return [float(ce[cu[i]:cu[i + 1] - 1].sum()) / loss_tokens(s["labels"]) for i, s in enumerate(samples)]
+    return [float(ce[cu[i] : cu[i + 1] - 1].sum()) / loss_tokens(s["labels"]) for i, s in enumerate(samples)]
 
 
 @pytest.mark.parametrize("lengths", [[7], [3, 17, 9], [33, 2, 33, 12, 5], [64, 2, 40]])
@@ -188,7 +197,12 @@ def test_varlen_attention_equals_the_block_diagonal_mask(model):
         model(batch["input_ids"], position_ids=batch["position_ids"], cu_seqlens=torch.tensor([0, 5, 5, 49]))
     padded = collate_padded(samples[:2])
     with pytest.raises(ValueError, match="cu_seqlens must rise strictly"):
-        model(padded["input_ids"], padded["attention_mask"], padded["position_ids"], cu_seqlens=torch.tensor([0, 5]))
+        model(
+            padded["input_ids"],
+            padded["attention_mask"],
+            padded["position_ids"],
+            cu_seqlens=torch.tensor([0, 5]),
+        )
 
 
 @given(st.lists(st.integers(2, 24), min_size=1, max_size=4), st.integers(0, 10_000))
@@ -204,8 +218,10 @@ def test_padding_does_not_change_a_sample_loss(model, lengths, seed):
 def test_packed_samples_do_not_see_each_other(model):
     a, b = make_sample(1, 12), make_sample(2, 9)
     a2 = {"input_ids": (a["input_ids"] + 1) % VOCAB, "labels": a["labels"]}
-    logits = [model(x["input_ids"], position_ids=x["position_ids"])[0, 12:]
-              for x in (collate_packed([a, b]), collate_packed([a2, b]))]
+    logits = [
+        model(x["input_ids"], position_ids=x["position_ids"])[0, 12:]
+        for x in (collate_packed([a, b]), collate_packed([a2, b]))
+    ]
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-6)
 
 
@@ -226,10 +242,18 @@ def test_model_size_and_determinism():
 
 def test_vision_tensors_are_concatenated_in_sample_order():
     text = {"input_ids": np.arange(1, 4), "labels": np.arange(1, 4)}
-    a = {"input_ids": np.arange(1, 6), "labels": np.arange(1, 6),
-         "pixel_values": np.ones((4, 6), np.float32), "image_grid_thw": np.array([[1, 2, 2]])}
-    b = {"input_ids": np.arange(1, 3), "labels": np.arange(1, 3),
-         "pixel_values": np.full((8, 6), 2, np.float32), "image_grid_thw": np.array([[1, 2, 2], [1, 2, 2]])}
+    a = {
+        "input_ids": np.arange(1, 6),
+        "labels": np.arange(1, 6),
+        "pixel_values": np.ones((4, 6), np.float32),
+        "image_grid_thw": np.array([[1, 2, 2]]),
+    }
+    b = {
+        "input_ids": np.arange(1, 3),
+        "labels": np.arange(1, 3),
+        "pixel_values": np.full((8, 6), 2, np.float32),
+        "image_grid_thw": np.array([[1, 2, 2], [1, 2, 2]]),
+    }
     for batch in (collate_padded([a, text, b]), collate_packed([a, text, b])):
         assert batch["pixel_values"].shape == (12, 6) and batch["pixel_values"].dtype == torch.float32
         assert batch["pixel_values"][:4].eq(1).all() and batch["pixel_values"][4:].eq(2).all()
@@ -239,7 +263,11 @@ def test_vision_tensors_are_concatenated_in_sample_order():
 
 def test_token_type_ids_are_collated_like_input_ids():
     """HF Qwen2-VL's mm_token_type_ids travel per token: padded with 0 (text), packed into the row."""
-    a = {"input_ids": np.arange(1, 6), "labels": np.arange(1, 6), "mm_token_type_ids": np.array([0, 1, 1, 0, 0])}
+    a = {
+        "input_ids": np.arange(1, 6),
+        "labels": np.arange(1, 6),
+        "mm_token_type_ids": np.array([0, 1, 1, 0, 0]),
+    }
     b = {"input_ids": np.arange(1, 3), "labels": np.arange(1, 3), "mm_token_type_ids": np.array([0, 0])}
     padded = collate_padded([a, b])
     assert padded["mm_token_type_ids"].tolist() == [[0, 1, 1, 0, 0], [0, 0, 0, 0, 0]]
@@ -257,11 +285,18 @@ def test_two_phase_batch_keeps_the_llm_grids_and_sends_the_pixels_away():
     (M-RoPE needs them); the pixels and grids of the images it encodes come from `collate_images`."""
     from batchd.core import collate_images, image_of, llm_grids, strip_vision
 
-    a = {"input_ids": np.arange(1, 6), "labels": np.arange(1, 6),
-         "pixel_values": np.ones((4, 6), np.float32), "image_grid_thw": np.array([[1, 2, 2]])}
-    b = {"input_ids": np.arange(1, 3), "labels": np.arange(1, 3),
-         "pixel_values": np.arange(24 * 6, dtype=np.float32).reshape(24, 6),
-         "image_grid_thw": np.array([[1, 2, 2], [1, 4, 5]])}
+    a = {
+        "input_ids": np.arange(1, 6),
+        "labels": np.arange(1, 6),
+        "pixel_values": np.ones((4, 6), np.float32),
+        "image_grid_thw": np.array([[1, 2, 2]]),
+    }
+    b = {
+        "input_ids": np.arange(1, 3),
+        "labels": np.arange(1, 3),
+        "pixel_values": np.arange(24 * 6, dtype=np.float32).reshape(24, 6),
+        "image_grid_thw": np.array([[1, 2, 2], [1, 4, 5]]),
+    }
     text = {"input_ids": np.arange(1, 4), "labels": np.arange(1, 4)}
     assert llm_grids([a, text, b])["llm_image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2], [1, 4, 5]]
     assert llm_grids([text]) == {}

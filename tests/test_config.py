@@ -31,7 +31,12 @@ def example(tmp_path) -> Path:
 
 def test_example_config_loads_with_defaults_and_relative_paths(example, tmp_path):
     cfg = load_config(example, check_files=False)
-    assert (cfg.job.world_size, cfg.job.token_budget, cfg.job.policy, cfg.job.window) == (2, 8192, "balanced", 512)
+    assert (cfg.job.world_size, cfg.job.token_budget, cfg.job.policy, cfg.job.window) == (
+        2,
+        8192,
+        "balanced",
+        512,
+    )
     assert cfg.data.dataset == str(tmp_path / "train.parquet")  # relative to the config file
     assert cfg.coordinator.dial_address() == "127.0.0.1:7000"
     assert cfg.rank.port_of(1) == 7101 and cfg.rank.metrics_port_of(1) is None
@@ -45,30 +50,41 @@ def test_missing_input_files_fail_at_load_naming_the_field(example):
 
 
 def test_yaml_and_toml_give_the_same_config(tmp_path):
-    toml = write(tmp_path / "a.toml", '[job]\nworld_size = 4\ntoken_budget = 2048\npolicy = "odb"\n'
-                                      '[rank]\nbase_port = 7100\n[logging]\nformat = "json"\nlevel = "debug"\n')
-    yaml = write(tmp_path / "a.yaml", "job: {world_size: 4, token_budget: 2048, policy: odb}\n"
-                                      "rank: {base_port: 7100}\nlogging: {format: json, level: debug}\n")
-    assert load_config(toml) == load_config(yaml).__class__(**{**load_config(yaml).__dict__, "source": str(toml)})
+    toml = write(
+        tmp_path / "a.toml",
+        '[job]\nworld_size = 4\ntoken_budget = 2048\npolicy = "odb"\n'
+        '[rank]\nbase_port = 7100\n[logging]\nformat = "json"\nlevel = "debug"\n',
+    )
+    yaml = write(
+        tmp_path / "a.yaml",
+        "job: {world_size: 4, token_budget: 2048, policy: odb}\n"
+        "rank: {base_port: 7100}\nlogging: {format: json, level: debug}\n",
+    )
+    assert load_config(toml) == load_config(yaml).__class__(
+        **{**load_config(yaml).__dict__, "source": str(toml)}
+    )
     assert load_config(toml).logging.level == "DEBUG"
 
 
-@pytest.mark.parametrize("section, key, value, message", [
-    ("job", "token_budget", '"8k"', "token_budget must be an int"),
-    ("job", "policy", '"greedy"', "job.policy must be one of"),
-    ("job", "world_size", "0", "world_size"),
-    ("job", "epochs", "0", "job.epochs must be >= 1, got epochs=0"),
-    ("job", "windw", "512", "unknown key job.windw"),
-    ("coordinator", "port", "70000", "coordinator.port must be <= 65535"),
-    ("coordinator", "address", '"nohost"', "coordinator.address must be HOST:PORT"),
-    ("coordinator", "lease_s", "0", "coordinator.lease_s must be a number > 0"),
-    ("rank", "base_port", "-1", "rank.base_port must be >= 0"),
-    ("rank", "trainer_timeout_s", "0", "rank.trainer_timeout_s must be a number > 0"),
-    ("data", "num_actors", "0", "data.num_actors must be >= 1"),
-    ("pipeline", "vision", '"clip"', "pipeline.vision must be one of"),
-    ("security", "client_auth", '"yes"', "security.client_auth must be true or false"),
-    ("logging", "format", '"xml"', "logging.format must be one of"),
-])
+@pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("job", "token_budget", '"8k"', "token_budget must be an int"),
+        ("job", "policy", '"greedy"', "job.policy must be one of"),
+        ("job", "world_size", "0", "world_size"),
+        ("job", "epochs", "0", "job.epochs must be >= 1, got epochs=0"),
+        ("job", "windw", "512", "unknown key job.windw"),
+        ("coordinator", "port", "70000", "coordinator.port must be <= 65535"),
+        ("coordinator", "address", '"nohost"', "coordinator.address must be HOST:PORT"),
+        ("coordinator", "lease_s", "0", "coordinator.lease_s must be a number > 0"),
+        ("rank", "base_port", "-1", "rank.base_port must be >= 0"),
+        ("rank", "trainer_timeout_s", "0", "rank.trainer_timeout_s must be a number > 0"),
+        ("data", "num_actors", "0", "data.num_actors must be >= 1"),
+        ("pipeline", "vision", '"clip"', "pipeline.vision must be one of"),
+        ("security", "client_auth", '"yes"', "security.client_auth must be true or false"),
+        ("logging", "format", '"xml"', "logging.format must be one of"),
+    ],
+)
 def test_bad_values_name_the_field_and_the_value(tmp_path, section, key, value, message):
     body = {"job": {"world_size": "2", "token_budget": "1024"}}
     body.setdefault(section, {})[key] = value
@@ -89,16 +105,28 @@ def test_structural_errors(tmp_path):
     with pytest.raises(ConfigError, match="job.token_budget is required.*--token-budget"):
         load_config(write(tmp_path / "c.toml", "[job]\nworld_size = 2\n"))
     with pytest.raises(ConfigError, match="security.tls_cert and security.tls_key go together"):
-        build_config({"job": {"world_size": 1, "token_budget": 8}, "security": {"tls_cert": "x.pem"}},
-                     check_files=False)
+        build_config(
+            {"job": {"world_size": 1, "token_budget": 8}, "security": {"tls_cert": "x.pem"}},
+            check_files=False,
+        )
     with pytest.raises(ConfigError, match="data.dataset and data.lengths are exclusive"):
-        build_config({"job": {"world_size": 1, "token_budget": 8}, "data": {"dataset": "a", "lengths": "b"}},
-                     check_files=False)
+        build_config(
+            {"job": {"world_size": 1, "token_budget": 8}, "data": {"dataset": "a", "lengths": "b"}},
+            check_files=False,
+        )
 
 
 def test_overrides_beat_the_file_and_none_means_not_given(example):
-    cfg = load_config(example, {"job.token_budget": 4096, "job.policy": None, "coordinator.port": 0,
-                                "coordinator.address": "10.0.0.5:7000"}, check_files=False)
+    cfg = load_config(
+        example,
+        {
+            "job.token_budget": 4096,
+            "job.policy": None,
+            "coordinator.port": 0,
+            "coordinator.address": "10.0.0.5:7000",
+        },
+        check_files=False,
+    )
     assert cfg.job.token_budget == 4096 and cfg.job.policy == "balanced"
     assert cfg.coordinator.dial_address() == "10.0.0.5:7000"
     with pytest.raises(ConfigError, match="override keys are 'section.key'"):
@@ -125,8 +153,15 @@ def test_every_command_has_a_full_help(capsys):
         assert f"usage: batchd {name}" in text
     for name in ("coordinator", "rank"):
         text = commands[name].format_help()
-        for flag in ("--config", "--metrics-port", "--tls-cert", "--tls-ca", "--tls-client-auth", "--token-file",
-                     "--log-format"):
+        for flag in (
+            "--config",
+            "--metrics-port",
+            "--tls-cert",
+            "--tls-ca",
+            "--tls-client-auth",
+            "--token-file",
+            "--log-format",
+        ):
             assert flag in text, (name, flag)
 
 
@@ -140,12 +175,34 @@ def test_config_command_checks_a_file(example, capsys):
 
 @pytest.mark.skipif(not WORKLOAD.exists(), reason="needs ../shared/workloads")
 def test_simulate_config_plus_flags_equals_flags_alone(tmp_path, capsys):
-    cfg = write(tmp_path / "sim.toml", '[job]\nworld_size = 4\ntoken_budget = 4096\npolicy = "balanced"\n'
-                                       'window = 128\nshuffle = false\n')
-    assert main(["simulate", "--lengths", str(WORKLOAD), "--config", str(cfg), "--policy", "local", "--json"]) == 0
+    cfg = write(
+        tmp_path / "sim.toml",
+        '[job]\nworld_size = 4\ntoken_budget = 4096\npolicy = "balanced"\nwindow = 128\nshuffle = false\n',
+    )
+    assert (
+        main(["simulate", "--lengths", str(WORKLOAD), "--config", str(cfg), "--policy", "local", "--json"])
+        == 0
+    )
     via_config = json.loads(capsys.readouterr().out)
-    assert main(["simulate", "--lengths", str(WORKLOAD), "--world-size", "4", "--token-budget", "4096",
-                 "--policy", "local", "--window", "128", "--json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--lengths",
+                str(WORKLOAD),
+                "--world-size",
+                "4",
+                "--token-budget",
+                "4096",
+                "--policy",
+                "local",
+                "--window",
+                "128",
+                "--json",
+            ]
+        )
+        == 0
+    )
     via_flags = json.loads(capsys.readouterr().out)
     for k in [k for k in via_flags if "time" in k or k.endswith("_s") or "per_s" in k]:
         via_flags.pop(k), via_config.pop(k)
@@ -176,15 +233,21 @@ def test_services_run_from_one_config_file(tmp_path):
 
     lengths = write(tmp_path / "lengths.txt", "\n".join(str(1 + (7 * i) % 90) for i in range(120)) + "\n")
     cport, rport = _free_port(), _free_port()
-    cfg = write(tmp_path / "job.toml", f'[job]\nworld_size = 1\ntoken_budget = 256\npolicy = "local"\nwindow = 32\n'
-                                       f'[data]\nlengths = "{lengths.name}"\n[coordinator]\nport = {cport}\n'
-                                       f'[rank]\nbase_port = {rport}\n[logging]\nformat = "json"\n')
+    cfg = write(
+        tmp_path / "job.toml",
+        f'[job]\nworld_size = 1\ntoken_budget = 256\npolicy = "local"\nwindow = 32\n'
+        f'[data]\nlengths = "{lengths.name}"\n[coordinator]\nport = {cport}\n'
+        f'[rank]\nbase_port = {rport}\n[logging]\nformat = "json"\n',
+    )
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "batchd"]
     logs = [open(tmp_path / n, "w+") for n in ("coord.log", "rank.log")]
-    procs = [subprocess.Popen(cmd + ["coordinator", "--config", str(cfg)], stderr=logs[0], env=env, cwd=tmp_path),
-             subprocess.Popen(cmd + ["rank", "--config", str(cfg), "--rank", "0"], stderr=logs[1], env=env,
-                              cwd=tmp_path)]
+    procs = [
+        subprocess.Popen(cmd + ["coordinator", "--config", str(cfg)], stderr=logs[0], env=env, cwd=tmp_path),
+        subprocess.Popen(
+            cmd + ["rank", "--config", str(cfg), "--rank", "0"], stderr=logs[1], env=env, cwd=tmp_path
+        ),
+    ]
     try:
         ids = []
         with BatchClient(f"127.0.0.1:{rport}", 0, 1, reconnect_timeout_s=60) as client:
@@ -198,7 +261,9 @@ def test_services_run_from_one_config_file(tmp_path):
             p.kill() if p.poll() is None else None
         for f in logs:
             f.close()
-    lines = [json.loads(line) for line in (tmp_path / "coord.log").read_text().splitlines() if line.startswith("{")]
+    lines = [
+        json.loads(line) for line in (tmp_path / "coord.log").read_text().splitlines() if line.startswith("{")
+    ]
     assert any("listening" in rec["msg"] for rec in lines) and all("level" in rec for rec in lines)
 
 

@@ -39,19 +39,44 @@ class Stream:
 
     def __init__(self, stub, node: str, ranks: list[int]) -> None:
         self.q: queue.SimpleQueue = queue.SimpleQueue()
-        self.q.put(pb.NodeRequest(hello=pb.NodeHello(protocol=pb.NODE_PROTOCOL_V1, node=node, ranks=ranks,
-                                                     spec=wire.spec_to_pb(SPEC), address=f"{HOST}:1")))
+        self.q.put(
+            pb.NodeRequest(
+                hello=pb.NodeHello(
+                    protocol=pb.NODE_PROTOCOL_V1,
+                    node=node,
+                    ranks=ranks,
+                    spec=wire.spec_to_pb(SPEC),
+                    address=f"{HOST}:1",
+                )
+            )
+        )
         self.call = stub.Node(iter(self.q.get, None), timeout=20)
         assert next(self.call).WhichOneof("kind") == "registered"
         self.ranks = ranks
 
     def align(self, rnd: int = 0) -> None:
-        self.q.put(pb.NodeRequest(align=pb.NodeAlign(epoch=0, round=rnd, reports=[
-            wire.report_to_pb(RankReport(r, rnd, 1, 0, 0, False, ()), 0) for r in self.ranks])))
+        self.q.put(
+            pb.NodeRequest(
+                align=pb.NodeAlign(
+                    epoch=0,
+                    round=rnd,
+                    reports=[
+                        wire.report_to_pb(RankReport(r, rnd, 1, 0, 0, False, ()), 0) for r in self.ranks
+                    ],
+                )
+            )
+        )
 
     def commit(self, rnd: int = 0) -> None:
-        self.q.put(pb.NodeRequest(commit=pb.NodeCommit(epoch=0, round=rnd, commits=[
-            wire.commit_to_pb(RankCommit(r, rnd, (), 0, False), 0) for r in self.ranks])))
+        self.q.put(
+            pb.NodeRequest(
+                commit=pb.NodeCommit(
+                    epoch=0,
+                    round=rnd,
+                    commits=[wire.commit_to_pb(RankCommit(r, rnd, (), 0, False), 0) for r in self.ranks],
+                )
+            )
+        )
 
 
 def _in_thread(fn):
@@ -164,8 +189,9 @@ def test_stop_shuts_grpc_aio_down_on_the_loop_before_the_caller_lets_go():
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-c", _STOP_FREES_THE_POLLER], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", _STOP_FREES_THE_POLLER], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
 
@@ -180,10 +206,27 @@ def test_commits_read_off_the_wire_total_as_the_core_sums_them(mode):
 
     rng = random.Random(7)
     for quota in (10_000, 40, 3):
-        spec = JobSpec(world_size=4, token_budget=1024, window=8, depth=4, mode=mode,
-                       **({"quota": quota} if mode == "non-join" else {}))
-        commits = [RankCommit(r, 0, tuple(tuple((rng.randint(1, 900), rng.randint(0, 900)) for _ in range(rng.randint(0, 9)))
-                                          for _ in range(3)), rng.randint(0, 5), False) for r in range(4)]
+        spec = JobSpec(
+            world_size=4,
+            token_budget=1024,
+            window=8,
+            depth=4,
+            mode=mode,
+            **({"quota": quota} if mode == "non-join" else {}),
+        )
+        commits = [
+            RankCommit(
+                r,
+                0,
+                tuple(
+                    tuple((rng.randint(1, 900), rng.randint(0, 900)) for _ in range(rng.randint(0, 9)))
+                    for _ in range(3)
+                ),
+                rng.randint(0, 5),
+                False,
+            )
+            for r in range(4)
+        ]
         totals = []
         for wire_side in (False, True):
             core = Coordinator(spec, 0)

@@ -40,11 +40,17 @@ def step_trend(lengths: list[int], config: JobSpec) -> float:
 
 def mean_trend(name: str, policy: str, seeds=range(3)) -> float:
     lengths = _lengths(name)
-    return float(np.mean([
-        step_trend(lengths, JobSpec(world_size=4, token_budget=8192, policy=policy, window=128,
-                                      seed=s, shuffle=True))
-        for s in seeds
-    ]))
+    return float(
+        np.mean(
+            [
+                step_trend(
+                    lengths,
+                    JobSpec(world_size=4, token_budget=8192, policy=policy, window=128, seed=s, shuffle=True),
+                )
+                for s in seeds
+            ]
+        )
+    )
 
 
 @pytest.mark.parametrize("policy", ["local", "balanced", "sorted", "fixed"])

@@ -56,20 +56,27 @@ def test_four_ranks_equal_steps_every_id_once(job_factory, policy):
                 assert shape[0] == len(ids_) and shape[0] * shape[1] <= 1024
                 assert shape[1] == max(lengths[i] for i in ids_)
     if policy == "balanced":
-        assert any(info.local_samples and any(i % 4 != r for i in ids_)
-                   for r, res in enumerate(results) for ids_, _, info in res), "balanced moved nothing"
+        assert any(
+            info.local_samples and any(i % 4 != r for i in ids_)
+            for r, res in enumerate(results)
+            for ids_, _, info in res
+        ), "balanced moved nothing"
 
 
 def test_batches_carry_the_payloads_collated(job_factory):
     lengths = _lengths(60)
-    spec = JobSpec(world_size=2, token_budget=2048, policy="local", window=16, depth=2, seed=5, collate="packed")
+    spec = JobSpec(
+        world_size=2, token_budget=2048, policy="local", window=16, depth=2, seed=5, collate="packed"
+    )
     job = job_factory(spec, lengths)
     with job.client(0) as c:
         batch, info = next(iter(c))
     ids = batch["sample_ids"].tolist()
     payloads = [synthetic_payload(i, lengths[i], 5, 512) for i in ids]
     assert batch["input_ids"].shape == (1, sum(lengths[i] for i in ids))
-    np.testing.assert_array_equal(batch["input_ids"][0].numpy(), np.concatenate([p["input_ids"] for p in payloads]))
+    np.testing.assert_array_equal(
+        batch["input_ids"][0].numpy(), np.concatenate([p["input_ids"] for p in payloads])
+    )
     assert batch["cu_seqlens"].tolist() == list(np.cumsum([0] + [lengths[i] for i in ids]))
     assert info.local_loss_tokens == int((batch["labels"] != -100).sum())
 
@@ -92,8 +99,16 @@ def test_moved_samples_arrive_intact_in_any_fetch_reply_size(job_factory, monkey
 
     monkeypatch.setattr(_rank_service.RankServiceCore, "_fetch_ids", counting)
     lengths = _lengths(120)
-    spec = JobSpec(world_size=2, token_budget=1024, policy="balanced", window=24, depth=3, seed=9, collate="packed",
-                   shuffle=False)  # rank r's view: ids r, r + 2, ...
+    spec = JobSpec(
+        world_size=2,
+        token_budget=1024,
+        policy="balanced",
+        window=24,
+        depth=3,
+        seed=9,
+        collate="packed",
+        shuffle=False,
+    )  # rank r's view: ids r, r + 2, ...
     job = job_factory(spec, lengths)
     results = job.drain(60, project=lambda b, info: (b["sample_ids"].tolist(), b["input_ids"][0].numpy()))
     ids = [i for r in results for step_ids, _ in r for i in step_ids]
@@ -167,8 +182,9 @@ def test_rank_service_restarted_in_a_later_epoch_resumes_it(tmp_path):
 
     def start_rank():
         coord = CoordinatorClient(f"127.0.0.1:{port}", 0, spec, startup_timeout_s=5)
-        core = RankServiceCore(0, spec, coord, SyntheticSource(lengths, 0, 1, spec.seed, 0, spec.shuffle),
-                               state_dir=tmp_path)
+        core = RankServiceCore(
+            0, spec, coord, SyntheticSource(lengths, 0, 1, spec.seed, 0, spec.shuffle), state_dir=tmp_path
+        )
         rank_server, rank_port = create_rank_server("127.0.0.1:0", core)
         rank_server.start()
         core.start(f"127.0.0.1:{rank_port}")
@@ -235,8 +251,11 @@ def test_next_epoch_needs_the_end_of_this_one(job_factory):
     with job.client(0) as c:
         first = next(iter(c))
         c.set_epoch(1)  # skips the rest of epoch 0
-        with pytest.raises(BatchdError, match="trainer asked for epoch 1, but rank 0 is in epoch 0 and its "
-                                              "trainer has not taken that epoch's last step"):
+        with pytest.raises(
+            BatchdError,
+            match="trainer asked for epoch 1, but rank 0 is in epoch 0 and its "
+            "trainer has not taken that epoch's last step",
+        ):
             list(c)
     assert first[1].step == 0
 
@@ -307,14 +326,27 @@ def test_coordinator_rejects_bad_messages_with_status_codes(caplog):
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "window" in e.value.details()
         assert any("window" in r.message for r in caplog.records), "no log line for the refused call"
         with pytest.raises(grpc.RpcError) as e:  # the epoch count is part of the spec, over the wire
-            stub.Register(pb.RegisterRequest(rank=0, spec=wire.spec_to_pb(spec.replace(epochs=3)), address="x"), timeout=5)
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "epochs: coordinator 1, rank 3" in e.value.details()
+            stub.Register(
+                pb.RegisterRequest(rank=0, spec=wire.spec_to_pb(spec.replace(epochs=3)), address="x"),
+                timeout=5,
+            )
+        assert (
+            e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            and "epochs: coordinator 1, rank 3" in e.value.details()
+        )
         stub.Register(pb.RegisterRequest(rank=0, spec=wire.spec_to_pb(spec), address="x"), timeout=5)
         with pytest.raises(grpc.RpcError) as e:  # out of order: round 7 while the coordinator is at 0
             stub.Align(pb.AlignRequest(rank=0, epoch=0, round=7, capacity=1), timeout=5)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "round" in e.value.details()
-        bad = pb.AlignRequest(rank=0, epoch=0, round=0, capacity=1, buffered=1, groups=1,
-                              pool=[pb.PoolEntry(sample=pb.SampleMeta(id=1, length=3, loss_tokens=9))])
+        bad = pb.AlignRequest(
+            rank=0,
+            epoch=0,
+            round=0,
+            capacity=1,
+            buffered=1,
+            groups=1,
+            pool=[pb.PoolEntry(sample=pb.SampleMeta(id=1, length=3, loss_tokens=9))],
+        )
         with pytest.raises(grpc.RpcError) as e:  # malformed: more loss tokens than tokens
             stub.Align(bad, timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "loss_tokens" in e.value.details()
@@ -322,7 +354,9 @@ def test_coordinator_rejects_bad_messages_with_status_codes(caplog):
             stub.Align(pb.AlignRequest(rank=9, epoch=0, round=0), timeout=5)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "rank 9" in e.value.details()
         blob = pb.ModalityTokens(name="x" * (65 << 20), tokens=1)
-        huge = pb.AlignRequest(rank=0, pool=[pb.PoolEntry(sample=pb.SampleMeta(id=1, length=1, modality_tokens=[blob]))])
+        huge = pb.AlignRequest(
+            rank=0, pool=[pb.PoolEntry(sample=pb.SampleMeta(id=1, length=1, modality_tokens=[blob]))]
+        )
         with pytest.raises(grpc.RpcError) as e:  # oversized: beyond the 64 MiB message limit
             stub.Align(huge, timeout=30)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -346,8 +380,11 @@ def test_a_second_trainer_and_bad_fetches_are_refused_naming_the_problem(job_fac
         it = iter(first)
         next(it)  # the first trainer holds rank 0's stream
         t0 = time.monotonic()
-        with pytest.raises(BatchdError, match=r"FAILED_PRECONDITION: rank 0's batches already stream to trainer "
-                                              r"ipv4:127\.0\.0\.1:\d+; a rank serves one trainer"):
+        with pytest.raises(
+            BatchdError,
+            match=r"FAILED_PRECONDITION: rank 0's batches already stream to trainer "
+            r"ipv4:127\.0\.0\.1:\d+; a rank serves one trainer",
+        ):
             next(iter(second))
         assert time.monotonic() - t0 < 30, "the second trainer must be refused, not left waiting"
         it.close()
@@ -420,7 +457,9 @@ def test_round_waits_for_a_live_rank_and_fails_on_a_gone_one():
             t.start()
         for t in threads:
             t.join(30)
-        assert all(not isinstance(results.get(r), Exception) and results.get(r) is not None for r in range(3)), results
+        assert all(
+            not isinstance(results.get(r), Exception) and results.get(r) is not None for r in range(3)
+        ), results
         assert not failures and state.state == "running"
         clients[1].close()  # rank 1 is gone: no commit, no heartbeat
         commits: dict = {}
@@ -530,12 +569,17 @@ def test_ingest_producer_of_the_next_epoch_waits_for_it():
                 for i in range(n):
                     p = synthetic_payload(i, 5 + i, epoch, 100)
                     k = int((p["labels"][1:] != -100).sum())
-                    yield pb.IngestRequest(meta=pb.SampleMeta(id=i, length=5 + i, loss_tokens=k),
-                                           tensors=wire.tensors_to_pb(p), epoch=epoch)
+                    yield pb.IngestRequest(
+                        meta=pb.SampleMeta(id=i, length=5 + i, loss_tokens=k),
+                        tensors=wire.tensors_to_pb(p),
+                        epoch=epoch,
+                    )
                 yield pb.IngestRequest(end_of_epoch=True, epoch=epoch)
 
         replies: list = []
-        producer = threading.Thread(target=lambda: replies.append(stub.Ingest(stream(), timeout=60)), daemon=True)
+        producer = threading.Thread(
+            target=lambda: replies.append(stub.Ingest(stream(), timeout=60)), daemon=True
+        )
         producer.start()
         seen = []
         with job.client(0) as c:
@@ -558,13 +602,20 @@ def test_ingest_validates_quarantines_and_pushes_back(caplog):
             if ids is not None:
                 p["input_ids"] = ids
             k = int((p["labels"][1:] != -100).sum()) if loss is None else loss
-            return pb.IngestRequest(meta=pb.SampleMeta(id=i, length=n, loss_tokens=k),
-                                    tensors=wire.tensors_to_pb(p), epoch=epoch)
+            return pb.IngestRequest(
+                meta=pb.SampleMeta(id=i, length=n, loss_tokens=k), tensors=wire.tensors_to_pb(p), epoch=epoch
+            )
 
         bad_bytes = req(3, 5)
         bad_bytes.tensors[0].data = b"\x00\x01"
-        msgs = [req(0, 10), req(1, 12, loss=0), req(2, 7, ids=np.zeros(3, np.int32)), bad_bytes, req(4, 9),
-                pb.IngestRequest(end_of_epoch=True)]
+        msgs = [
+            req(0, 10),
+            req(1, 12, loss=0),
+            req(2, 7, ids=np.zeros(3, np.int32)),
+            bad_bytes,
+            req(4, 9),
+            pb.IngestRequest(end_of_epoch=True),
+        ]
         with caplog.at_level(logging.WARNING, logger="batchd.rank"):
             reply = stub.Ingest(iter(msgs), timeout=20)
         assert reply.accepted == 2

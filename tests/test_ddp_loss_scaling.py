@@ -70,9 +70,18 @@ def rescale(step: tuple[Step, ...], true_loss: dict[int, int]) -> list[Step]:
     groups = [tuple(s.replace(loss_tokens=true_loss[s.id]) for s in st.samples) for st in step]
     local = [sum(s.loss_tokens for s in g) for g in groups]
     total = sum(local)
-    return [Step(g, dataclasses.replace(st.info, local_loss_tokens=t, global_loss_tokens=total,
-                                        loss_scale=loss_scale(t, total, len(step))))
-            for g, st, t in zip(groups, step, local)]
+    return [
+        Step(
+            g,
+            dataclasses.replace(
+                st.info,
+                local_loss_tokens=t,
+                global_loss_tokens=total,
+                loss_scale=loss_scale(t, total, len(step)),
+            ),
+        )
+        for g, st, t in zip(groups, step, local, strict=False)
+    ]
 
 
 def build_case(policy: str) -> dict:
@@ -91,8 +100,14 @@ def build_case(policy: str) -> dict:
     payloads = {i: make_payload(i, n) for i, n in enumerate(lengths)}
     true_loss = {i: loss_tokens(p["labels"]) for i, p in payloads.items()}
     chosen = sorted(set(idle[:2]) | (set(range(MAX_STEPS - len(idle[:2]))) & set(range(len(steps)))))
-    return {"policy": policy, "seed": seed, "steps": [rescale(steps[j], true_loss) for j in chosen],
-            "payloads": payloads, "step_ids": chosen, "all_steps": len(steps)}
+    return {
+        "policy": policy,
+        "seed": seed,
+        "steps": [rescale(steps[j], true_loss) for j in chosen],
+        "payloads": payloads,
+        "step_ids": chosen,
+        "all_steps": len(steps),
+    }
 
 
 # -- the distributed worker -----------------------------------------------------------------------------
@@ -111,8 +126,9 @@ def sample_loss_sums(model: TinyCausalLM, payloads: list[dict]) -> list[torch.Te
 
 
 def flat_grad(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in model.parameters()])
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()]
+    )
 
 
 def reference_grad(model: TinyCausalLM, step: list[Step], payloads: dict) -> torch.Tensor:
@@ -128,8 +144,12 @@ def reference_grad(model: TinyCausalLM, step: list[Step], payloads: dict) -> tor
 def naive_grad(model: TinyCausalLM, step: list[Step], payloads: dict) -> torch.Tensor:
     """The control: plain DDP averaging of unscaled per-rank means (what batchd's scale corrects)."""
     model.zero_grad(set_to_none=True)
-    means = [torch.stack(sample_loss_sums(model, [payloads[s.id] for s in st.samples])).sum()
-             / st.info.local_loss_tokens for st in step if st.info.local_loss_tokens]
+    means = [
+        torch.stack(sample_loss_sums(model, [payloads[s.id] for s in st.samples])).sum()
+        / st.info.local_loss_tokens
+        for st in step
+        if st.info.local_loss_tokens
+    ]
     if means:
         (torch.stack(means).sum() / len(step)).backward()
     return flat_grad(model)
@@ -172,8 +192,13 @@ def worker(rank: int, cases: list[dict], out_dir: str) -> None:
     torch.set_num_threads(1)
     # A file rendezvous: a port picked free by the parent can be taken by another process before rank 0
     # binds it (CI once lost a spawned rank to SIGABRT at start-up); the file cannot.
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out_dir}/rendezvous",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         results = {case["policy"]: run_case(rank, case) for case in cases}
     finally:
@@ -230,8 +255,9 @@ def test_token_loss_sum_matches_mean_cross_entropy(tiny):
     logits = model(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
     loss_sum, n = token_loss_sum(logits, batch["labels"])
     assert n == loss_tokens(batch["labels"][0]) + loss_tokens(batch["labels"][1])
-    mean = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
-                                             batch["labels"][:, 1:].reshape(-1))
+    mean = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, VOCAB), batch["labels"][:, 1:].reshape(-1)
+    )
     assert torch.allclose(loss_sum / n, mean)
     assert token_loss_sum(logits.float(), batch["labels"])[0].dtype == torch.float32
     assert token_loss_sum(logits.half(), batch["labels"])[0].dtype == torch.float32
@@ -270,7 +296,9 @@ def test_train_step_idle_and_errors(tiny):
     info = Simulator([3], JobSpec(shuffle=False, world_size=2, token_budget=8)).next_step()[1].info
     assert info.is_idle
     assert math.isnan(train_step(model, optimizer, None, info))
-    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # zero gradient, no move
+    assert all(
+        torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=False)
+    )  # zero gradient, no move
     busy = dataclasses.replace(info, is_idle=False, local_loss_tokens=3, loss_scale=1.0)
     with pytest.raises(ValueError, match="batch=None"):
         train_step(model, optimizer, None, busy)

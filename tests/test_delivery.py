@@ -22,14 +22,24 @@ def _delivery(epochs=1, depth=3, now=0.0) -> Delivery:
 
 # -- Delivery: a driven model of the round loop and a trainer that may be slow, leave and come back --------
 
-ACTIONS = st.lists(st.tuples(st.sampled_from(["make", "take", "ack", "leave", "back", "wait"]),
-                             st.floats(min_value=0.0, max_value=3600.0)), max_size=120)
+ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["make", "take", "ack", "leave", "back", "wait"]),
+        st.floats(min_value=0.0, max_value=3600.0),
+    ),
+    max_size=120,
+)
 
 
-@given(steps_per_epoch=st.lists(st.integers(0, 12), min_size=1, max_size=3), depth=st.integers(1, 4),
-       credits=st.integers(1, 4), actions=ACTIONS)
+@given(
+    steps_per_epoch=st.lists(st.integers(0, 12), min_size=1, max_size=3),
+    depth=st.integers(1, 4),
+    credits=st.integers(1, 4),
+    actions=ACTIONS,
+)
 def test_every_step_reaches_the_trainer_once_in_order_and_timeouts_judge_only_absence(
-        steps_per_epoch, depth, credits, actions):
+    steps_per_epoch, depth, credits, actions
+):
     """Whatever the order of events and however long the trainer takes per step, the trainer receives
     every step of every epoch exactly once, in order (a restarted trainer resumes at the step after its
     last consumed one), then the end of each epoch after acknowledging all of it; a failure is only
@@ -184,7 +194,9 @@ def test_refusals_name_the_problem():
     d.ack("a", 2)
     d.disconnect("a", 1.0)
     freed = d.connect("b", 0, 1, 1, 1.0)
-    assert freed.outcome == REFUSED and "at step 1 of epoch 0, but steps < 2 were acknowledged" in freed.reason
+    assert (
+        freed.outcome == REFUSED and "at step 1 of epoch 0, but steps < 2 were acknowledged" in freed.reason
+    )
     ahead = d.connect("b", 0, 5, 1, 1.0)
     assert ahead.outcome == REFUSED and "made 2 step(s) so far" in ahead.reason
     early = d.connect("b", 1, 0, 1, 1.0)
@@ -223,9 +235,18 @@ def test_state_round_trip_resumes_delivery():
 
 # -- Liveness ------------------------------------------------------------------------------------------
 
-@given(world=st.integers(1, 5), lease=st.floats(0.5, 100), startup=st.floats(1, 1000),
-       events=st.lists(st.tuples(st.sampled_from(["register", "seen", "finish", "tick"]), st.integers(0, 4),
-                                 st.floats(0, 200)), max_size=60))
+
+@given(
+    world=st.integers(1, 5),
+    lease=st.floats(0.5, 100),
+    startup=st.floats(1, 1000),
+    events=st.lists(
+        st.tuples(
+            st.sampled_from(["register", "seen", "finish", "tick"]), st.integers(0, 4), st.floats(0, 200)
+        ),
+        max_size=60,
+    ),
+)
 def test_liveness_fails_exactly_when_a_party_is_gone(world, lease, startup, events):
     """`check` fails iff some rank never registered within the start-up timeout, or some registered,
     unfinished rank has been silent for longer than the lease; the message names that rank."""
@@ -274,19 +295,34 @@ def test_liveness_restore_gives_every_rank_a_fresh_lease():
 def test_liveness_says_whom_it_waits_for():
     lv = Liveness(3, 10.0, 60.0, 0.0)
     lv.register(1, 0.0)
-    assert lv.waiting(12.0) == "waiting for rank(s) [0, 2] to register (12s so far, 48s left of the start-up timeout)"
+    assert (
+        lv.waiting(12.0)
+        == "waiting for rank(s) [0, 2] to register (12s so far, 48s left of the start-up timeout)"
+    )
 
 
 # -- Delivery to a model-parallel group: several processes share one rank's steps ---------------------------
 
-GROUP_ACTIONS = st.lists(st.tuples(st.sampled_from(["make", "take", "ack", "leave", "back", "wait"]),
-                                   st.integers(0, 3), st.floats(min_value=0.0, max_value=100.0)), max_size=150)
+GROUP_ACTIONS = st.lists(
+    st.tuples(
+        st.sampled_from(["make", "take", "ack", "leave", "back", "wait"]),
+        st.integers(0, 3),
+        st.floats(min_value=0.0, max_value=100.0),
+    ),
+    max_size=150,
+)
 
 
-@given(steps_per_epoch=st.lists(st.integers(0, 8), min_size=1, max_size=2), depth=st.integers(1, 4),
-       group=st.integers(1, 3), credits=st.integers(1, 3), actions=GROUP_ACTIONS)
+@given(
+    steps_per_epoch=st.lists(st.integers(0, 8), min_size=1, max_size=2),
+    depth=st.integers(1, 4),
+    group=st.integers(1, 3),
+    credits=st.integers(1, 3),
+    actions=GROUP_ACTIONS,
+)
 def test_every_member_of_a_group_gets_every_step_once_and_a_step_is_freed_only_when_all_took_it(
-        steps_per_epoch, depth, group, credits, actions):
+    steps_per_epoch, depth, group, credits, actions
+):
     """Whatever the interleaving of the members (each slow, leaving and coming back on its own), every
     member receives every step of every epoch exactly once, in order; a step leaves `ready` only once
     every member acknowledged it; a member gets the end of an epoch only once all acknowledged all of it;
@@ -343,8 +379,9 @@ def test_every_member_of_a_group_gets_every_step_once_and_a_step_is_freed_only_w
             continue
         nxt = d.next_for(client[k])
         if nxt == SEND_END:
-            assert all(len(consumed[j][epoch_of[k]]) == steps_per_epoch[epoch_of[k]] for j in range(group)), \
+            assert all(len(consumed[j][epoch_of[k]]) == steps_per_epoch[epoch_of[k]] for j in range(group)), (
                 "the end went to a member before every member took every step"
+            )
             d.mark_end_sent(client[k])
             d.disconnect(client[k], now)
             client[k], in_flight[k] = None, []
@@ -370,11 +407,16 @@ def test_a_group_refuses_another_size_and_a_second_process_for_a_member():
     d = _delivery(depth=2)
     assert d.connect("a0", 0, 0, 1, 0.0, 0, 2).outcome == ATTACHED
     other = d.connect("x", 0, 0, 1, 0.0, 1, 3)
-    assert other.outcome == REFUSED and "form a group of 2 process(es), but this trainer says its group has 3" \
-        in other.reason
+    assert (
+        other.outcome == REFUSED
+        and "form a group of 2 process(es), but this trainer says its group has 3" in other.reason
+    )
     assert d.connect("a1", 0, 0, 1, 0.0, 1, 2).outcome == ATTACHED
     twice = d.connect("b1", 0, 0, 1, 0.0, 1, 2)
-    assert twice.outcome == REFUSED and "rank 0's group member 1's batches already stream to trainer a1" in twice.reason
+    assert (
+        twice.outcome == REFUSED
+        and "rank 0's group member 1's batches already stream to trainer a1" in twice.reason
+    )
     with pytest.raises(ValueError, match="member"):
         d.connect("c", 0, 0, 1, 0.0, 2, 2)
 
@@ -392,8 +434,9 @@ def test_a_group_member_gone_fails_the_job_naming_the_member_and_the_group_resto
     assert d.ready == [1] and d.acked == 1
     d.disconnect("a1", 10.0)
     assert d.check(10.0 + GRACE) is None
-    assert d.check(10.0 + GRACE + 0.01) == ("trainer of rank 1 (group member 1 of 2) disconnected and did not "
-                                            "reconnect within 30s")
+    assert d.check(10.0 + GRACE + 0.01) == (
+        "trainer of rank 1 (group member 1 of 2) disconnected and did not reconnect within 30s"
+    )
     e = Delivery(1, 1, 2, GRACE, TRAINER, 50.0)
     e.load_state_dict(json.loads(json.dumps(d.state_dict())), 50.0)
     assert e.group_size == 2 and e.ready == [1] and e.holder is None

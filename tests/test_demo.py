@@ -32,8 +32,13 @@ def test_demo_runs_through_the_ray_pipeline():
     marker = f"BATCHD_TEST_DEMO={uuid.uuid4().hex}"
     env = {**os.environ, marker.split("=")[0]: marker.split("=")[1]}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "batchd", "demo", "--json", "--num-samples", str(NUM)],
-                          capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchd", "demo", "--json", "--num-samples", str(NUM)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     elapsed = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-4000:]
     s = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -70,9 +75,26 @@ def test_demo_with_trainers_that_take_5s_per_step():
     """Real models take seconds per step: the demo's job still ends cleanly (the coordinator stays until
     every trainer took its last step; nothing judges a trainer's speed). Off a terminal the demo logs the
     batchd run's progress, samples of every rank out of the total, every $BATCHD_PROGRESS_S seconds."""
-    proc = subprocess.run([sys.executable, "-m", "batchd", "demo", "--synthetic", "--num-samples", "40",
-                           "--no-baseline", "--depth", "2", "--step-time", "5"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "BATCHD_PROGRESS_S": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "batchd",
+            "demo",
+            "--synthetic",
+            "--num-samples",
+            "40",
+            "--no-baseline",
+            "--depth",
+            "2",
+            "--step-time",
+            "5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "BATCHD_PROGRESS_S": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     steps = json.loads(re.search(r"^steps per rank +(\[[\d, ]+\])", proc.stdout, re.M).group(1))
     assert steps[0] == steps[1] >= 3, proc.stdout
@@ -80,16 +102,21 @@ def test_demo_with_trainers_that_take_5s_per_step():
     wall = float(re.search(r"^epoch wall time +([\d.]+)s", proc.stdout, re.M).group(1))
     assert wall >= 5 * steps[0], proc.stdout
     # >= 3 steps of >= 5 s and a line every 1 s: some line falls between two steps, before the end
-    progress = re.findall(r"\[batchd demo\] batchd run: (\d+)/40 samples \(\d+%\), \d+ steps, "
-                          r"(?:[\d.]+ samples/s, )?ETA \S+", proc.stderr)
+    progress = re.findall(
+        r"\[batchd demo\] batchd run: (\d+)/40 samples \(\d+%\), \d+ steps, "
+        r"(?:[\d.]+ samples/s, )?ETA \S+",
+        proc.stderr,
+    )
     assert any(0 < int(n) < 40 for n in progress), proc.stderr[-4000:]
-    assert re.search(r"\[batchd demo\] batchd run: 40/40 samples \(100%\), \d+ steps, done in", proc.stderr), \
-        proc.stderr[-4000:]
+    assert re.search(
+        r"\[batchd demo\] batchd run: 40/40 samples \(100%\), \d+ steps, done in", proc.stderr
+    ), proc.stderr[-4000:]
 
 
 def _demo_json(*args: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "batchd", "demo", "--json", *args],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchd", "demo", "--json", *args], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -99,15 +126,27 @@ def test_deterministic_demo_runs_make_the_same_batches_steps_and_losses_at_other
     sample ids per step), steps and loss curve, bit for bit, although the second run has twice the
     preprocessing actors and trainers that take 50 ms more per step (without the flag, batches follow
     both speeds). The actors' count is not part of the job: each rank's source emits in its view's order."""
-    common = ("--deterministic", "--num-samples", "96", "--window", "8", "--depth", "4", "--seed", "3",
-              "--no-baseline")
+    common = (
+        "--deterministic",
+        "--num-samples",
+        "96",
+        "--window",
+        "8",
+        "--depth",
+        "4",
+        "--seed",
+        "3",
+        "--no-baseline",
+    )
     a = _demo_json(*common, "--num-actors", "2")
     b = _demo_json(*common, "--num-actors", "4", "--step-time", "0.05")
     assert a["deterministic"] is b["deterministic"] is True
     assert a["preprocess"]["actors"] == 2 and b["preprocess"]["actors"] == 4
     assert a["missing"] == a["duplicates"] == b["missing"] == b["duplicates"] == 0
-    assert a["steps_per_rank"] == b["steps_per_rank"] and a["steps_per_rank"][0] > 5, (a["steps_per_rank"],
-                                                                                      b["steps_per_rank"])
+    assert a["steps_per_rank"] == b["steps_per_rank"] and a["steps_per_rank"][0] > 5, (
+        a["steps_per_rank"],
+        b["steps_per_rank"],
+    )
     assert len(a["step_digests"]) == a["steps_per_rank"][0]
     assert a["step_digests"] == b["step_digests"], "the runs made other batches"
     assert a["losses"] == b["losses"] and a["loss_last"] == b["loss_last"], "the same batches, other losses"

@@ -54,20 +54,39 @@ from _procs import free_block
 from batchd.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
-SHELL_SCRIPTS = ["deploy/ray/start-batchd.sh", "deploy/ray/start-node-agent.sh", "deploy/torchrun/launch.sh",
-                 "deploy/smoke/compose.sh"]
+SHELL_SCRIPTS = [
+    "deploy/ray/start-batchd.sh",
+    "deploy/ray/start-node-agent.sh",
+    "deploy/torchrun/launch.sh",
+    "deploy/smoke/compose.sh",
+]
 TOML_CONFIGS = ["deploy/ray/job.toml", "docker/job.toml"]
 K8S = ["deploy/kubernetes/raycluster.yaml", "deploy/kubernetes/rayjob.yaml"]
 DOCKERFILES = ["docker/Dockerfile", "docker/Dockerfile.cpu"]
 # Variables the platform sets (not documented in the files): Ray sets RAY_HEAD_IP on `ray up` workers.
 PLATFORM_VALUES = {"RAY_HEAD_IP": "10.0.0.1", "USER": "ubuntu", "HOME": "/home/ubuntu"}
 # Placeholders used in the shell blocks of docs/deployment.md.
-DOC_VALUES = {"HEAD_IP": "10.0.0.1", "BATCHD_TOKEN": "t0ken", "i": "0", "r": "0", "POD": "pod-0",
-              "POD0_IP": "10.0.0.2", "NODE0_IP": "10.0.0.2", "NODE_IP": "10.0.0.3", "IP": "10.0.0.3",
-              **PLATFORM_VALUES}
+DOC_VALUES = {
+    "HEAD_IP": "10.0.0.1",
+    "BATCHD_TOKEN": "t0ken",
+    "i": "0",
+    "r": "0",
+    "POD": "pod-0",
+    "POD0_IP": "10.0.0.2",
+    "NODE0_IP": "10.0.0.2",
+    "NODE_IP": "10.0.0.3",
+    "IP": "10.0.0.3",
+    **PLATFORM_VALUES,
+}
 # Variables Kubernetes sets in a pod (the Indexed Job's completion index, downward-API env).
-K8S_VALUES = {"JOB_COMPLETION_INDEX": "0", "NODE_RANK": "0", "POD_IP": "10.0.0.5", "ADVERTISE": "10.0.0.5", "POD_NAME": "pod-0",
-              "HOSTNAME": "pod-0"}
+K8S_VALUES = {
+    "JOB_COMPLETION_INDEX": "0",
+    "NODE_RANK": "0",
+    "POD_IP": "10.0.0.5",
+    "ADVERTISE": "10.0.0.5",
+    "POD_NAME": "pod-0",
+    "HOSTNAME": "pod-0",
+}
 OPERATORS = {"&&", "||", ";", "|", "&", "(", ")", ";;", "|&"}
 KEYWORDS = {"then", "do", "else", "elif", "if", "while", "until", "!", "{"}
 PREFIXES = {"exec", "nohup", "time", "command"}
@@ -139,15 +158,16 @@ def logical_lines(text: str) -> list[str]:
 @dataclasses.dataclass
 class Invocation:
     source: str
-    program: str          # "batchd" | "torchrun" | "trainer" (args of batchd.train)
+    program: str  # "batchd" | "torchrun" | "trainer" (args of batchd.train)
     argv: list[str]
 
     def __str__(self) -> str:
         return f"{self.source}: `{shlex.join([self.program, *self.argv])}`"
 
 
-def shell_invocations(text: str, values: dict[str, str], source: str,
-                      programs: tuple[str, ...] = ("batchd", "torchrun")) -> list[Invocation]:
+def shell_invocations(
+    text: str, values: dict[str, str], source: str, programs: tuple[str, ...] = ("batchd", "torchrun")
+) -> list[Invocation]:
     """Every `batchd`/`torchrun` command (in command position) of a shell text, expanded."""
     found: list[Invocation] = []
     for line in logical_lines(text):
@@ -249,10 +269,16 @@ class Reset:
 
 RESET = Reset()
 ComposeLoader.add_constructor("!reset", lambda loader, node: RESET)
-ComposeLoader.add_constructor("!override", lambda loader, node: (
-    loader.construct_mapping(node, deep=True) if isinstance(node, yaml.MappingNode) else
-    loader.construct_sequence(node, deep=True) if isinstance(node, yaml.SequenceNode) else
-    loader.construct_scalar(node)))
+ComposeLoader.add_constructor(
+    "!override",
+    lambda loader, node: (
+        loader.construct_mapping(node, deep=True)
+        if isinstance(node, yaml.MappingNode)
+        else loader.construct_sequence(node, deep=True)
+        if isinstance(node, yaml.SequenceNode)
+        else loader.construct_scalar(node)
+    ),
+)
 
 
 def compose(rel: str = "docker/compose.yaml") -> dict[str, Any]:
@@ -294,8 +320,11 @@ def compose_interpolate(value: Any) -> Any:
 
 def dockerfile_instructions(rel: str) -> list[tuple[str, str]]:
     text = re.sub(r"\\\n", " ", read(rel))
-    return [(m.group(1).upper(), m.group(2).strip())
-            for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", text, re.MULTILINE) if not m.group(0).lstrip().startswith("#")]
+    return [
+        (m.group(1).upper(), m.group(2).strip())
+        for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", text, re.MULTILINE)
+        if not m.group(0).lstrip().startswith("#")
+    ]
 
 
 def dockerfile_entry(rel: str) -> tuple[list[str], list[str]]:
@@ -314,8 +343,10 @@ def dockerfile_entry(rel: str) -> tuple[list[str], list[str]]:
 
 def compose_invocations(cpu: bool = False) -> list[Invocation]:
     services = compose_interpolate((compose_cpu() if cpu else compose())["services"])
-    image_entry = {"batchd:0.1.0-cpu": dockerfile_entry("docker/Dockerfile.cpu")[0],
-                   "batchd:0.1.0-cuda": dockerfile_entry("docker/Dockerfile")[0]}
+    image_entry = {
+        "batchd:0.1.0-cpu": dockerfile_entry("docker/Dockerfile.cpu")[0],
+        "batchd:0.1.0-cuda": dockerfile_entry("docker/Dockerfile")[0],
+    }
     found = []
     for name, svc in services.items():
         source = f"docker/compose{'.cpu' if cpu else ''}.yaml services.{name}"
@@ -338,8 +369,14 @@ def cluster_yaml() -> dict[str, Any]:
 def cluster_invocations() -> list[Invocation]:
     cfg = cluster_yaml()
     found = []
-    for key in ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
-                "head_start_ray_commands", "worker_start_ray_commands"):
+    for key in (
+        "initialization_commands",
+        "setup_commands",
+        "head_setup_commands",
+        "worker_setup_commands",
+        "head_start_ray_commands",
+        "worker_start_ray_commands",
+    ):
         for command in cfg.get(key) or []:
             found += shell_invocations(command, PLATFORM_VALUES, f"deploy/ray/cluster.yaml {key}")
     return found
@@ -357,12 +394,22 @@ def pod_specs(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, 
         # KubeRay labels the pods it creates with the cluster name (known only for a RayCluster).
         name = {"ray.io/cluster": doc["metadata"]["name"]} if kind == "RayCluster" else {}
         head = cluster["headGroupSpec"]["template"]
-        out = [("headGroupSpec", head["spec"],
-                {**head.get("metadata", {}).get("labels", {}), **name, "ray.io/node-type": "head"})]
+        out = [
+            (
+                "headGroupSpec",
+                head["spec"],
+                {**head.get("metadata", {}).get("labels", {}), **name, "ray.io/node-type": "head"},
+            )
+        ]
         for g in cluster["workerGroupSpecs"]:
             t = g["template"]
-            out.append((f"workerGroupSpecs[{g['groupName']}]", t["spec"],
-                        {**t.get("metadata", {}).get("labels", {}), **name, "ray.io/node-type": "worker"}))
+            out.append(
+                (
+                    f"workerGroupSpecs[{g['groupName']}]",
+                    t["spec"],
+                    {**t.get("metadata", {}).get("labels", {}), **name, "ray.io/node-type": "worker"},
+                )
+            )
         return out
     if kind == "Job":
         t = spec["template"]
@@ -389,8 +436,13 @@ def container_env(c: dict[str, Any]) -> dict[str, str]:
 def launch_target(env: dict[str, str]) -> list[str]:
     """The trainer flags deploy/torchrun/launch.sh derives from its environment (test_launch_modes
     runs the script to check this mapping)."""
-    mode = env.get("LAUNCH_MODE") or ("node-agent" if env.get("NODE_AGENT") or env.get("BATCHD_NODE_AGENT") else
-                                      "rank-services" if env.get("RANK_SERVICES") else "rank-host")
+    mode = env.get("LAUNCH_MODE") or (
+        "node-agent"
+        if env.get("NODE_AGENT") or env.get("BATCHD_NODE_AGENT")
+        else "rank-services"
+        if env.get("RANK_SERVICES")
+        else "rank-host"
+    )
     if mode == "node-agent":
         return ["--node-agent", env.get("NODE_AGENT") or env.get("BATCHD_NODE_AGENT") or "127.0.0.1:7100"]
     if mode == "rank-services":
@@ -408,8 +460,13 @@ def k8s_invocations(rel: str) -> list[Invocation]:
                 argv = [*c.get("command", []), *c.get("args", [])]
                 source = f"{rel} {where} {c['name']}"
                 if argv[:1] == ["bash"] and argv[1].endswith("/torchrun/launch.sh"):
-                    found.append(Invocation(f"{source} (via launch.sh)", "trainer",
-                                            [*launch_target(container_env(c)), *argv[2:]]))
+                    found.append(
+                        Invocation(
+                            f"{source} (via launch.sh)",
+                            "trainer",
+                            [*launch_target(container_env(c)), *argv[2:]],
+                        )
+                    )
                 elif argv[:2] == ["bash", "-c"]:
                     found += shell_invocations(argv[2], {**K8S_VALUES, **container_env(c)}, source)
                 elif argv and Path(argv[0]).name in ("batchd", "torchrun"):
@@ -426,41 +483,66 @@ def docs_invocations() -> list[Invocation]:
 
 
 SOURCES = {
-    "deploy/ray/start-batchd.sh": lambda: shell_invocations(read("deploy/ray/start-batchd.sh"),
-                                                            example_values(read("deploy/ray/start-batchd.sh")),
-                                                            "deploy/ray/start-batchd.sh"),
+    "deploy/ray/start-batchd.sh": lambda: shell_invocations(
+        read("deploy/ray/start-batchd.sh"),
+        example_values(read("deploy/ray/start-batchd.sh")),
+        "deploy/ray/start-batchd.sh",
+    ),
     "deploy/ray/start-node-agent.sh": lambda: shell_invocations(
-        read("deploy/ray/start-node-agent.sh"), example_values(read("deploy/ray/start-node-agent.sh")),
-        "deploy/ray/start-node-agent.sh"),
-    "deploy/torchrun/launch.sh": lambda: shell_invocations(read("deploy/torchrun/launch.sh"),
-                                                           example_values(read("deploy/torchrun/launch.sh")),
-                                                           "deploy/torchrun/launch.sh"),
+        read("deploy/ray/start-node-agent.sh"),
+        example_values(read("deploy/ray/start-node-agent.sh")),
+        "deploy/ray/start-node-agent.sh",
+    ),
+    "deploy/torchrun/launch.sh": lambda: shell_invocations(
+        read("deploy/torchrun/launch.sh"),
+        example_values(read("deploy/torchrun/launch.sh")),
+        "deploy/torchrun/launch.sh",
+    ),
     "deploy/ray/cluster.yaml": cluster_invocations,
     "docker/compose.yaml": compose_invocations,
     "docker/compose.cpu.yaml": lambda: compose_invocations(cpu=True),
     "deploy/kubernetes/rayjob.yaml": lambda: k8s_invocations("deploy/kubernetes/rayjob.yaml"),
     "deploy/kubernetes/raycluster.yaml": lambda: k8s_invocations("deploy/kubernetes/raycluster.yaml"),
-    "docker/Dockerfile": lambda: [Invocation("docker/Dockerfile ENTRYPOINT+CMD", "batchd",
-                                             dockerfile_entry("docker/Dockerfile")[1])],
-    "docker/Dockerfile.cpu": lambda: [Invocation("docker/Dockerfile.cpu ENTRYPOINT+CMD", "batchd",
-                                                 dockerfile_entry("docker/Dockerfile.cpu")[1])],
+    "docker/Dockerfile": lambda: [
+        Invocation("docker/Dockerfile ENTRYPOINT+CMD", "batchd", dockerfile_entry("docker/Dockerfile")[1])
+    ],
+    "docker/Dockerfile.cpu": lambda: [
+        Invocation(
+            "docker/Dockerfile.cpu ENTRYPOINT+CMD", "batchd", dockerfile_entry("docker/Dockerfile.cpu")[1]
+        )
+    ],
     "docs/deployment.md": docs_invocations,
 }
 # The least each file must yield: a refactor that hides commands from the extractor fails here.
-MIN_INVOCATIONS = {"deploy/ray/start-batchd.sh": {"batchd": 2}, "deploy/ray/start-node-agent.sh": {"batchd": 1},
-                   "deploy/torchrun/launch.sh": {"torchrun": 1},
-                   "deploy/ray/cluster.yaml": {"batchd": 1}, "docker/compose.yaml": {"batchd": 2, "torchrun": 1},
-                   "docker/compose.cpu.yaml": {"batchd": 2, "torchrun": 1},
-                   "deploy/kubernetes/rayjob.yaml": {"batchd": 1, "trainer": 1},
-                   "deploy/kubernetes/raycluster.yaml": {"batchd": 1},
-                   "docker/Dockerfile": {"batchd": 1},
-                   "docker/Dockerfile.cpu": {"batchd": 1}, "docs/deployment.md": {"batchd": 4, "torchrun": 2}}
+MIN_INVOCATIONS = {
+    "deploy/ray/start-batchd.sh": {"batchd": 2},
+    "deploy/ray/start-node-agent.sh": {"batchd": 1},
+    "deploy/torchrun/launch.sh": {"torchrun": 1},
+    "deploy/ray/cluster.yaml": {"batchd": 1},
+    "docker/compose.yaml": {"batchd": 2, "torchrun": 1},
+    "docker/compose.cpu.yaml": {"batchd": 2, "torchrun": 1},
+    "deploy/kubernetes/rayjob.yaml": {"batchd": 1, "trainer": 1},
+    "deploy/kubernetes/raycluster.yaml": {"batchd": 1},
+    "docker/Dockerfile": {"batchd": 1},
+    "docker/Dockerfile.cpu": {"batchd": 1},
+    "docs/deployment.md": {"batchd": 4, "torchrun": 2},
+}
 # The files that deploy node agents: each must start at least one `batchd node` (and its trainers use
 # --node-agent, where the file starts trainers).
-NODE_AGENT_SOURCES = {"deploy/ray/start-node-agent.sh", "docker/compose.yaml", "docker/compose.cpu.yaml",
-                      "deploy/kubernetes/rayjob.yaml",
-                      "deploy/kubernetes/raycluster.yaml", "docs/deployment.md"}
-NODE_AGENT_TRAINERS = {"docker/compose.yaml", "docker/compose.cpu.yaml", "deploy/kubernetes/rayjob.yaml", "docs/deployment.md"}
+NODE_AGENT_SOURCES = {
+    "deploy/ray/start-node-agent.sh",
+    "docker/compose.yaml",
+    "docker/compose.cpu.yaml",
+    "deploy/kubernetes/rayjob.yaml",
+    "deploy/kubernetes/raycluster.yaml",
+    "docs/deployment.md",
+}
+NODE_AGENT_TRAINERS = {
+    "docker/compose.yaml",
+    "docker/compose.cpu.yaml",
+    "deploy/kubernetes/rayjob.yaml",
+    "docs/deployment.md",
+}
 
 
 # -- the command lines ------------------------------------------------------------------------------
@@ -473,11 +555,13 @@ def test_every_command_parses(source: str) -> None:
     bad = failures(invocations)
     assert not bad, "commands the CLI rejects:\n" + "\n".join(bad)
     if source in NODE_AGENT_SOURCES:
-        assert any(inv.program == "batchd" and inv.argv[:1] == ["node"] for inv in invocations), \
+        assert any(inv.program == "batchd" and inv.argv[:1] == ["node"] for inv in invocations), (
             f"{source}: no `batchd node` command"
+        )
     if source in NODE_AGENT_TRAINERS:
-        assert any("--node-agent" in inv.argv for inv in invocations if inv.program in ("torchrun", "trainer")), \
-            f"{source}: no trainer uses --node-agent"
+        assert any(
+            "--node-agent" in inv.argv for inv in invocations if inv.program in ("torchrun", "trainer")
+        ), f"{source}: no trainer uses --node-agent"
 
 
 def test_checker_rejects_unknown_flags_and_bad_values() -> None:
@@ -487,10 +571,14 @@ def test_checker_rejects_unknown_flags_and_bad_values() -> None:
     assert inv.argv[-2:] == ["--no-such-flag", "1"]  # joined continuation, redirections dropped
     assert "unrecognized arguments: --no-such-flag 1" in check(inv)
     assert check(Invocation("x", "batchd", shlex.split(good)[1:])) is None
-    assert "invalid choice" in check(Invocation("x", "batchd", ["coordinator", "--world-size", "2",
-                                                                 "--token-budget", "8", "--policy", "fastest"]))
-    bad_torchrun = Invocation("x", "torchrun", ["--nproc-per-node", "2", "-m", "batchd.train",
-                                                "--base-port", "7100", "--bogus"])
+    assert "invalid choice" in check(
+        Invocation(
+            "x", "batchd", ["coordinator", "--world-size", "2", "--token-budget", "8", "--policy", "fastest"]
+        )
+    )
+    bad_torchrun = Invocation(
+        "x", "torchrun", ["--nproc-per-node", "2", "-m", "batchd.train", "--base-port", "7100", "--bogus"]
+    )
     assert "trainer: " in check(bad_torchrun) and "--bogus" in check(bad_torchrun)
     assert "torchrun: " in check(Invocation("x", "torchrun", ["--nprocs-per-nod", "2", "train.py"]))
 
@@ -537,7 +625,7 @@ def test_job_configs_load_and_validate(name: str, tmp_path: Path) -> None:
 def test_config_validation_rejects_a_bad_config(tmp_path: Path) -> None:
     load_config = pytest.importorskip("batchd.config", reason="batchd.config not there yet").load_config
     path = tmp_path / "job.toml"
-    path.write_text(read("docker/job.toml").replace("policy = \"balanced\"", "policy = \"fastest\""))
+    path.write_text(read("docker/job.toml").replace('policy = "balanced"', 'policy = "fastest"'))
     with pytest.raises(ValueError, match="policy"):
         load_config(path, check_files=False)
 
@@ -554,7 +642,9 @@ def test_compose_matches_its_config() -> None:
     agent = by_service["node-agent"].argv
     assert agent[0] == "node"
     opt = dict(itertools.pairwise(agent[1:]))
-    assert opt["--local-ranks"] == str(world) and opt["--node-rank"] == "0", "one agent serves ranks 0..world-1"
+    assert opt["--local-ranks"] == str(world) and opt["--node-rank"] == "0", (
+        "one agent serves ranks 0..world-1"
+    )
     assert opt["--port"] == str(base) and opt["--metrics-port"] == str(mbase)
     assert opt["--coordinator"] == cfg["coordinator"]["address"]
     assert opt["--state-dir"].startswith(cfg["rank"]["state_dir"])  # the batchd-state volume: restartable
@@ -562,7 +652,8 @@ def test_compose_matches_its_config() -> None:
     assert f":{mbase}/metrics" in " ".join(services["node-agent"]["healthcheck"]["test"])
     coord = by_service["coordinator"].argv
     assert f":{dict(itertools.pairwise(coord))['--metrics-port']}/metrics" in " ".join(
-        services["coordinator"]["healthcheck"]["test"])
+        services["coordinator"]["healthcheck"]["test"]
+    )
     assert cfg["coordinator"]["address"] == f"127.0.0.1:{cfg['coordinator']['port']}", "host networking"
     trainer = by_service["trainer"].argv
     from torch.distributed.run import get_args_parser
@@ -587,10 +678,13 @@ def test_compose_matches_its_config() -> None:
             assert "healthcheck" in svc, f"service {name} has no healthcheck"
         # host networking: service names do not resolve, published ports are invalid
         assert svc.get("network_mode") == "host", f"service {name} is not on host networking"
-        assert "ports" not in svc and "networks" not in svc, f"service {name}: ports/networks with host networking"
+        assert "ports" not in svc and "networks" not in svc, (
+            f"service {name}: ports/networks with host networking"
+        )
         argv = by_service[name].argv
-        assert not [a for a in argv if re.match(rf"({'|'.join(services)}):\d+$", a)], \
+        assert not [a for a in argv if re.match(rf"({'|'.join(services)}):\d+$", a)], (
             f"{name} names a service as a host: {argv}"
+        )
 
 
 def test_compose_cpu_override() -> None:
@@ -600,7 +694,9 @@ def test_compose_cpu_override() -> None:
     assert set(override["services"]) <= set(base["services"]), "the override adds no service"
     merged = compose_interpolate(compose_cpu()["services"])
     trainer = merged["trainer"]
-    assert trainer["image"] == "batchd:0.1.0-cpu" and trainer["build"]["dockerfile"] == "docker/Dockerfile.cpu"
+    assert (
+        trainer["image"] == "batchd:0.1.0-cpu" and trainer["build"]["dockerfile"] == "docker/Dockerfile.cpu"
+    )
     assert "deploy" not in trainer, "no GPU reservation on a CPU host"
     assert compose_interpolate(base["services"])["trainer"]["deploy"]["resources"]["reservations"]["devices"]
     assert all(svc["network_mode"] == "host" and "ports" not in svc for svc in merged.values())
@@ -673,8 +769,9 @@ def test_kuberay_manifest(rel: str) -> None:
             if "nvidia.com/gpu" in res.get("limits", {}):
                 assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"]
                 env = container_env(c)
-                replicas = next((g["replicas"] for g in cluster["workerGroupSpecs"]
-                                 if g["template"]["spec"] is pod), None)
+                replicas = next(
+                    (g["replicas"] for g in cluster["workerGroupSpecs"] if g["template"]["spec"] is pod), None
+                )
                 gpus += res["limits"]["nvidia.com/gpu"] * (replicas or int(env.get("NNODES", 1)))
                 if "NPROC_PER_NODE" in env:
                     assert int(env["NPROC_PER_NODE"]) == res["limits"]["nvidia.com/gpu"]
@@ -683,11 +780,14 @@ def test_kuberay_manifest(rel: str) -> None:
     assert gpus == world, f"{rel}: {gpus} GPUs requested for trainers but world_size={world}"
     for svc in (d for d in docs if d["kind"] == "Service"):
         sel = svc["spec"]["selector"]
-        assert any(sel.items() <= labels.items() for _, _, labels in pods), f"Service {svc['metadata']['name']}"
+        assert any(sel.items() <= labels.items() for _, _, labels in pods), (
+            f"Service {svc['metadata']['name']}"
+        )
         ports = {p["port"] for p in svc["spec"]["ports"]}
         if "coordinator" in {p["name"] for p in svc["spec"]["ports"]}:
-            assert {7000, 9100} <= ports and not ports & set(range(7100, 7100 + world)), \
+            assert {7000, 9100} <= ports and not ports & set(range(7100, 7100 + world)), (
                 "the head serves the coordinator only; ranks are served by the node agents"
+            )
     check_node_agents(rel, docs, world)
 
 
@@ -696,8 +796,12 @@ def check_node_agents(rel: str, docs: list[dict[str, Any]], world: int) -> None:
     that reaches it over localhost; the agent joins the RayCluster's Ray and advertises the pod IP."""
     cm = tomllib.loads(configmap_toml(rel))
     base = cm["rank"]["base_port"]
-    gpu_pods = [(w, pod) for d in docs for w, pod, _ in pod_specs(d)
-                if any("nvidia.com/gpu" in c.get("resources", {}).get("limits", {}) for c in pod["containers"])]
+    gpu_pods = [
+        (w, pod)
+        for d in docs
+        for w, pod, _ in pod_specs(d)
+        if any("nvidia.com/gpu" in c.get("resources", {}).get("limits", {}) for c in pod["containers"])
+    ]
     assert gpu_pods, f"{rel}: no GPU pod"
     for where, pod in gpu_pods:
         sidecars = [*pod.get("initContainers", []), *pod["containers"]]
@@ -705,17 +809,30 @@ def check_node_agents(rel: str, docs: list[dict[str, Any]], world: int) -> None:
         agent = next(c for c in sidecars if c["name"] == "node-agent")
         if agent in pod.get("initContainers", []):  # a native sidecar, or the pod would wait for it forever
             assert agent.get("restartPolicy") == "Always", f"{rel} {where}: node-agent init container"
-        assert agent is not pod["containers"][0] or not where.startswith("workerGroupSpecs"), \
+        assert agent is not pod["containers"][0] or not where.startswith("workerGroupSpecs"), (
             "KubeRay replaces the first container's command with ray start"
-        gpus = sum(c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0) for c in pod["containers"])
-        assert "nvidia.com/gpu" not in agent.get("resources", {}).get("limits", {}), "the GPUs are the trainers'"
+        )
+        gpus = sum(
+            c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0) for c in pod["containers"]
+        )
+        assert "nvidia.com/gpu" not in agent.get("resources", {}).get("limits", {}), (
+            "the GPUs are the trainers'"
+        )
         assert {p["containerPort"] for p in agent.get("ports", [])} >= {base}
         env = container_env(agent)
-        assert env.get("LOCAL_RANKS") == str(gpus), f"{rel} {where}: LOCAL_RANKS must be the pod's {gpus} GPUs"
-        assert any(e["name"] == "ADVERTISE" and e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-                   == "status.podIP" for e in agent["env"]), f"{rel} {where}: ADVERTISE = the pod IP"
-        (inv,) = [i for i in k8s_invocations(rel) if i.source.startswith(f"{rel} {where} node-agent")
-                  and i.program == "batchd"]
+        assert env.get("LOCAL_RANKS") == str(gpus), (
+            f"{rel} {where}: LOCAL_RANKS must be the pod's {gpus} GPUs"
+        )
+        assert any(
+            e["name"] == "ADVERTISE"
+            and e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP"
+            for e in agent["env"]
+        ), f"{rel} {where}: ADVERTISE = the pod IP"
+        (inv,) = [
+            i
+            for i in k8s_invocations(rel)
+            if i.source.startswith(f"{rel} {where} node-agent") and i.program == "batchd"
+        ]
         assert inv.argv[0] == "node", inv
         opt = dict(itertools.pairwise(inv.argv[1:]))
         assert opt["--port"] == str(base) and opt["--local-ranks"] == str(gpus)
@@ -781,8 +898,12 @@ def test_dockerfile(rel: str) -> None:
                 assert not dockerignored(src), f"{rel}: COPY {src} is excluded by .dockerignore"
     pyproject = tomllib.loads(read("pyproject.toml"))
     copied = [a.split()[0].rstrip("/") for op, a in ins if op == "COPY"]
-    for pkg_dir in pyproject["tool"]["setuptools"]["package-dir"].values():  # a subpackage ships with its parent
-        assert any(pkg_dir == c or pkg_dir.startswith(c + "/") for c in copied), f"{rel} misses COPY {pkg_dir}"
+    for pkg_dir in pyproject["tool"]["setuptools"][
+        "package-dir"
+    ].values():  # a subpackage ships with its parent
+        assert any(pkg_dir == c or pkg_dir.startswith(c + "/") for c in copied), (
+            f"{rel} misses COPY {pkg_dir}"
+        )
 
 
 @pytest.mark.parametrize("rel", SHELL_SCRIPTS)
@@ -801,7 +922,9 @@ def test_start_script_reads_the_layout_from_the_config(tmp_path: Path, script: s
     for name, toml in all_configs().items():
         path = tmp_path / "job.toml"
         path.write_text(toml)
-        out = subprocess.run([sys.executable, "-c", program, str(path)], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", program, str(path)], capture_output=True, text=True, check=True
+        )
         layout = dict(line.split("=", 1) for line in out.stdout.split())
         cfg = tomllib.loads(toml)
         if script.endswith("start-batchd.sh"):
@@ -815,32 +938,59 @@ def test_start_script_reads_the_layout_from_the_config(tmp_path: Path, script: s
 def argv_stub(tmp_path: Path) -> Path:
     """An executable that prints its arguments as one JSON list (stands in for torchrun / batchd)."""
     stub = tmp_path / "argv-stub"
-    stub.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c "
-                    "'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+    stub.write_text(
+        f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c "
+        "'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n"
+    )
     stub.chmod(0o755)
     return stub
 
 
-LAUNCH_ENV_KEYS = ("LAUNCH_MODE", "NODE_AGENT", "BATCHD_NODE_AGENT", "NODE_RANK", "RANK_SERVICES", "RANK_HOST",
-                   "BASE_PORT", "RDZV_BACKEND", "NNODES", "NPROC_PER_NODE", "RDZV_ENDPOINT", "RDZV_ID")
+LAUNCH_ENV_KEYS = (
+    "LAUNCH_MODE",
+    "NODE_AGENT",
+    "BATCHD_NODE_AGENT",
+    "NODE_RANK",
+    "RANK_SERVICES",
+    "RANK_HOST",
+    "BASE_PORT",
+    "RDZV_BACKEND",
+    "NNODES",
+    "NPROC_PER_NODE",
+    "RDZV_ENDPOINT",
+    "RDZV_ID",
+)
 
 
-@pytest.mark.parametrize("env, target, rdzv, node_rank", [
-    ({"NODE_AGENT": "127.0.0.1:7300", "NODE_RANK": "1"}, ["--node-agent", "127.0.0.1:7300"], "static", "1"),
-    ({"LAUNCH_MODE": "node-agent"}, ["--node-agent", "127.0.0.1:7100"], "static", "0"),
-    ({"BATCHD_NODE_AGENT": "127.0.0.1:7200"}, ["--node-agent", "127.0.0.1:7200"], "static", "0"),
-    ({"RANK_SERVICES": "a:1,b:2"}, ["--rank-services", "a:1,b:2"], "c10d", None),
-    ({"RANK_HOST": "h", "BASE_PORT": "7400"}, ["--rank-host", "h", "--base-port", "7400"], "c10d", None),
-    ({}, ["--rank-host", "127.0.0.1", "--base-port", "7100"], "c10d", None),
-])
-def test_launch_modes(tmp_path: Path, env: dict[str, str], target: list[str], rdzv: str,
-                      node_rank: str | None) -> None:
+@pytest.mark.parametrize(
+    "env, target, rdzv, node_rank",
+    [
+        (
+            {"NODE_AGENT": "127.0.0.1:7300", "NODE_RANK": "1"},
+            ["--node-agent", "127.0.0.1:7300"],
+            "static",
+            "1",
+        ),
+        ({"LAUNCH_MODE": "node-agent"}, ["--node-agent", "127.0.0.1:7100"], "static", "0"),
+        ({"BATCHD_NODE_AGENT": "127.0.0.1:7200"}, ["--node-agent", "127.0.0.1:7200"], "static", "0"),
+        ({"RANK_SERVICES": "a:1,b:2"}, ["--rank-services", "a:1,b:2"], "c10d", None),
+        ({"RANK_HOST": "h", "BASE_PORT": "7400"}, ["--rank-host", "h", "--base-port", "7400"], "c10d", None),
+        ({}, ["--rank-host", "127.0.0.1", "--base-port", "7100"], "c10d", None),
+    ],
+)
+def test_launch_modes(
+    tmp_path: Path, env: dict[str, str], target: list[str], rdzv: str, node_rank: str | None
+) -> None:
     """deploy/torchrun/launch.sh with a stub torchrun: the data target and rendezvous of each mode, and the
     command parses (torchrun's parser, then the trainer's)."""
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_KEYS}
-    run = subprocess.run(["bash", str(REPO / "deploy/torchrun/launch.sh"), "--checkpoint", "/ckpt"],
-                         env={**base, "TORCHRUN": str(argv_stub(tmp_path)), "NPROC_PER_NODE": "2", **env},
-                         capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        ["bash", str(REPO / "deploy/torchrun/launch.sh"), "--checkpoint", "/ckpt"],
+        env={**base, "TORCHRUN": str(argv_stub(tmp_path)), "NPROC_PER_NODE": "2", **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     argv = json.loads(run.stdout)
     assert check(Invocation("launch.sh", "torchrun", argv)) is None
     assert launch_target(env) == target  # the k8s checks' model of the script agrees with it
@@ -854,21 +1004,41 @@ def test_launch_modes(tmp_path: Path, env: dict[str, str], target: list[str], rd
 
 
 def test_launch_rejects_an_unknown_mode(tmp_path: Path) -> None:
-    run = subprocess.run(["bash", str(REPO / "deploy/torchrun/launch.sh")],
-                         env={**os.environ, "TORCHRUN": str(argv_stub(tmp_path)), "LAUNCH_MODE": "nodes"},
-                         capture_output=True, text=True, check=False)
+    run = subprocess.run(
+        ["bash", str(REPO / "deploy/torchrun/launch.sh")],
+        env={**os.environ, "TORCHRUN": str(argv_stub(tmp_path)), "LAUNCH_MODE": "nodes"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert run.returncode == 2 and "LAUNCH_MODE" in run.stderr
 
 
 def test_start_node_agent_command(tmp_path: Path) -> None:
     """deploy/ray/start-node-agent.sh with a stub batchd: the agent's command line from config + env."""
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("COORD_ADDRESS", "LOCAL_RANKS", "LOCAL_WORLD_SIZE", "NODE_RANK", "ADVERTISE", "RAY_ADDRESS")}
-    env = {**base, "BATCHD": str(argv_stub(tmp_path)), "PYTHON": sys.executable, "NODE_RANK": "1",
-           "LOCAL_WORLD_SIZE": "4", "NODE_NAME": "gpu-1", "ADVERTISE": "10.0.0.3"}
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("COORD_ADDRESS", "LOCAL_RANKS", "LOCAL_WORLD_SIZE", "NODE_RANK", "ADVERTISE", "RAY_ADDRESS")
+    }
+    env = {
+        **base,
+        "BATCHD": str(argv_stub(tmp_path)),
+        "PYTHON": sys.executable,
+        "NODE_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "NODE_NAME": "gpu-1",
+        "ADVERTISE": "10.0.0.3",
+    }
     script = str(REPO / "deploy/ray/start-node-agent.sh")
-    run = subprocess.run(["bash", script, str(REPO / "docker/job.toml"), "--state-dir", "/s"], env=env,
-                         capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        ["bash", script, str(REPO / "docker/job.toml"), "--state-dir", "/s"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     argv = json.loads(run.stdout)
     assert check(Invocation("start-node-agent.sh", "batchd", argv)) is None
     cfg = tomllib.loads(read("docker/job.toml"))
@@ -878,30 +1048,80 @@ def test_start_node_agent_command(tmp_path: Path) -> None:
     assert opt["--node-rank"] == "1" and opt["--advertise"] == "10.0.0.3" and opt["--name"] == "gpu-1"
     assert opt["--port"] == str(cfg["rank"]["base_port"]) and opt["--state-dir"] == "/s"
     assert "--ray-address" not in opt
-    run = subprocess.run(["bash", script, str(REPO / "deploy/ray/job.toml")],
-                         env={**env, "COORD_ADDRESS": "10.0.0.1:7000", "RAY_ADDRESS": "auto"},
-                         capture_output=True, text=True, check=True)
+    run = subprocess.run(
+        ["bash", script, str(REPO / "deploy/ray/job.toml")],
+        env={**env, "COORD_ADDRESS": "10.0.0.1:7000", "RAY_ADDRESS": "auto"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     opt = dict(itertools.pairwise(json.loads(run.stdout)[1:]))
     assert opt["--coordinator"] == "10.0.0.1:7000" and opt["--ray-address"] == "auto"
-    run = subprocess.run(["bash", script, str(REPO / "docker/job.toml")], env={**env, "NODE_RANK": ""},
-                         capture_output=True, text=True, check=False)
+    run = subprocess.run(
+        ["bash", script, str(REPO / "docker/job.toml")],
+        env={**env, "NODE_RANK": ""},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert run.returncode == 2 and "NODE_RANK" in run.stderr
 
 
 def test_node_agent_interface() -> None:
     """What the deploy files need of `batchd node` and `batchd.train --node-agent`."""
     parser = batchd_parser()
-    full = ["node", "--coordinator", "10.0.0.1:7000", "--local-ranks", "4", "--node-rank", "1", "--name", "gpu-1",
-            "--host", "0.0.0.0", "--port", "7100", "--advertise", "10.0.0.3", "--port-file", "/tmp/p.json",
-            "--state-dir", "/var/lib/batchd", "--dataset", "/data/train.parquet", "--tokenizer", "/models/t.json",
-            "--num-actors", "2", "--ray-address", "auto", "--config", "job.toml", "--metrics-port", "9200",
-            "--metrics-host", "0.0.0.0", "--token-file", "/t", "--tls-cert", "c", "--tls-key", "k", "--tls-ca", "a",
-            "--log-format", "json"]
+    full = [
+        "node",
+        "--coordinator",
+        "10.0.0.1:7000",
+        "--local-ranks",
+        "4",
+        "--node-rank",
+        "1",
+        "--name",
+        "gpu-1",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "7100",
+        "--advertise",
+        "10.0.0.3",
+        "--port-file",
+        "/tmp/p.json",
+        "--state-dir",
+        "/var/lib/batchd",
+        "--dataset",
+        "/data/train.parquet",
+        "--tokenizer",
+        "/models/t.json",
+        "--num-actors",
+        "2",
+        "--ray-address",
+        "auto",
+        "--config",
+        "job.toml",
+        "--metrics-port",
+        "9200",
+        "--metrics-host",
+        "0.0.0.0",
+        "--token-file",
+        "/t",
+        "--tls-cert",
+        "c",
+        "--tls-key",
+        "k",
+        "--tls-ca",
+        "a",
+        "--log-format",
+        "json",
+    ]
     assert parse_error(parser, full) is None
     args = parser.parse_args(full)
     assert (args.local_ranks, args.node_rank, args.port, args.advertise) == (4, 1, 7100, "10.0.0.3")
     assert parse_error(parser, ["node", "--coordinator", "h:7000", "--lengths", "lengths.txt"]) is None
-    assert parse_error(parser, ["node", "--local-ranks", "2"]) is None, "K, G and the coordinator have defaults"
+    assert parse_error(parser, ["node", "--local-ranks", "2"]) is None, (
+        "K, G and the coordinator have defaults"
+    )
     assert "--rank" in (parse_error(parser, ["node", "--rank", "0"]) or ""), "a node agent has no --rank"
     assert parse_error(parser, ["node", "--local-ranks", "four"])
     trainer = trainer_parser()
@@ -975,27 +1195,65 @@ state_dir = "state"
 token_file = "token"
 """)
     bindir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ.get('PATH', '')}", "PYTHON": sys.executable,
-           "BATCHD_LOG_DIR": str(tmp_path / "logs"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{bindir}:{os.environ.get('PATH', '')}",
+        "PYTHON": sys.executable,
+        "BATCHD_LOG_DIR": str(tmp_path / "logs"),
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "COORD_ADDRESS", "RANK_SERVICES"):
         env.pop(var, None)
-    services = subprocess.Popen(["bash", str(REPO / "deploy/ray/start-batchd.sh"), str(config)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    services = subprocess.Popen(
+        ["bash", str(REPO / "deploy/ray/start-batchd.sh"), str(config)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        trainer_env = {**env, "NPROC_PER_NODE": str(world), "RDZV_ENDPOINT": f"127.0.0.1:{free_block(1)}",
-                       "RANK_HOST": "127.0.0.1", "BASE_PORT": str(base),
-                       "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
-        run = subprocess.run(["bash", str(REPO / "deploy/torchrun/launch.sh"), "--d-model", "32", "--n-layers",
-                              "1", "--n-heads", "2", "--token-file", str(token), "--checkpoint",
-                              str(tmp_path / "ckpt"), "--summary", str(tmp_path / "summary-{rank}.json"),
-                              "--step-time", str(step_time)],
-                             env=trainer_env, capture_output=True, text=True, timeout=300, check=False)
+        trainer_env = {
+            **env,
+            "NPROC_PER_NODE": str(world),
+            "RDZV_ENDPOINT": f"127.0.0.1:{free_block(1)}",
+            "RANK_HOST": "127.0.0.1",
+            "BASE_PORT": str(base),
+            "TORCHRUN": f"{sys.executable} -m torch.distributed.run",
+        }
+        run = subprocess.run(
+            [
+                "bash",
+                str(REPO / "deploy/torchrun/launch.sh"),
+                "--d-model",
+                "32",
+                "--n-layers",
+                "1",
+                "--n-heads",
+                "2",
+                "--token-file",
+                str(token),
+                "--checkpoint",
+                str(tmp_path / "ckpt"),
+                "--summary",
+                str(tmp_path / "summary-{rank}.json"),
+                "--step-time",
+                str(step_time),
+            ],
+            env=trainer_env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
         out, _ = services.communicate(timeout=60)  # the services exit on their own when the epoch ends
     finally:
         if services.poll() is None:
             services.terminate()
             services.wait(10)
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted((tmp_path / "logs").glob("*.log")))
+    logs = "\n".join(
+        f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted((tmp_path / "logs").glob("*.log"))
+    )
     assert run.returncode == 0, f"{run.stderr[-3000:]}\n--- start-batchd.sh\n{out}\n{logs}"
     assert services.returncode == 0, f"{out}\n{logs}"
     results = [json.loads((tmp_path / f"summary-{r}.json").read_text()) for r in range(world)]
@@ -1009,15 +1267,25 @@ token_file = "token"
     assert all(r["backend"] == "gloo" and r["world_size"] == world for r in results)
     assert [r["rank_service"] for r in results] == [f"127.0.0.1:{base + r}" for r in range(world)]
     assert all((tmp_path / "ckpt" / f"rank-{r}.pt").is_file() for r in range(world))
-    assert len(list((tmp_path / "state").iterdir())) == world, "one journal per rank (state_dir of the config)"
+    assert len(list((tmp_path / "state").iterdir())) == world, (
+        "one journal per rank (state_dir of the config)"
+    )
 
 
 def test_compose_config_with_docker_compose(tmp_path: Path) -> None:
     """`docker compose config` as an extra check, where the compose plugin is installed."""
     docker = shutil.which("docker")
-    if docker is None or subprocess.run([docker, "compose", "version"], capture_output=True, check=False).returncode != 0:
+    if (
+        docker is None
+        or subprocess.run([docker, "compose", "version"], capture_output=True, check=False).returncode != 0
+    ):
         pytest.skip("docker compose is not installed here (the YAML checks above still ran)")
     for extra in ([], ["-f", str(REPO / "docker/compose.cpu.yaml")]):
-        run = subprocess.run([docker, "compose", "-f", str(REPO / "docker/compose.yaml"), *extra, "config", "-q"],
-                             capture_output=True, text=True, env={**os.environ, "BATCHD_TOKEN": "t"}, check=False)
+        run = subprocess.run(
+            [docker, "compose", "-f", str(REPO / "docker/compose.yaml"), *extra, "config", "-q"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "BATCHD_TOKEN": "t"},
+            check=False,
+        )
         assert run.returncode == 0, run.stderr

@@ -62,17 +62,26 @@ def test_the_flag_travels_on_the_wire_in_config_files_and_on_the_command_line(tm
     spec = JobSpec(world_size=2, token_budget=64, deterministic=True)
     assert wire.spec_from_pb(wire.spec_to_pb(spec)) == spec
     assert wire.spec_from_pb(wire.spec_to_pb(spec.replace(deterministic=False))).deterministic is False
-    assert spec.diff(spec.replace(deterministic=False)) == {"deterministic": (True, False)}  # a rank must agree
+    assert spec.diff(spec.replace(deterministic=False)) == {
+        "deterministic": (True, False)
+    }  # a rank must agree
     cfg = tmp_path / "job.toml"
     cfg.write_text("[job]\nworld_size = 2\ntoken_budget = 64\ndeterministic = true\n")
     assert load_config(cfg, check_files=False).job == spec
     cfg.write_text("[job]\nworld_size = 2\ntoken_budget = 64\ndeterministic = 1\n")
     with pytest.raises(ValueError, match="deterministic"):
         load_config(cfg, check_files=False)
-    assert "--deterministic" in spec_argv(spec) and "--no-deterministic" in spec_argv(spec.replace(deterministic=False))
+    assert "--deterministic" in spec_argv(spec) and "--no-deterministic" in spec_argv(
+        spec.replace(deterministic=False)
+    )
     parser = build_parser()
-    for argv in (["demo", "--deterministic"], ["bench", "--deterministic"], ["simulate", "--lengths", "x", "--deterministic"],
-                 ["rank", "--rank", "0", "--deterministic"], ["coordinator", "--deterministic"]):
+    for argv in (
+        ["demo", "--deterministic"],
+        ["bench", "--deterministic"],
+        ["simulate", "--lengths", "x", "--deterministic"],
+        ["rank", "--rank", "0", "--deterministic"],
+        ["coordinator", "--deterministic"],
+    ):
         assert parser.parse_args(argv).deterministic is True, argv
     assert parser.parse_args(["demo"]).deterministic is False
 
@@ -114,14 +123,15 @@ def test_a_deterministic_rank_reports_a_full_window_whatever_the_source_had_read
     spec = JobSpec(world_size=2, token_budget=512, window=24, seed=5, deterministic=deterministic)
     fast = SyntheticSource(LENGTHS, 0, 2, spec.seed)
     expected = [fast.poll()[0].id for _ in range(spec.window)]
-    core = RankServiceCore(0, spec, None, JitterySource(LENGTHS, 0, 2, spec.seed, jitter=1),
-                           fill_timeout_s=0.001)
+    core = RankServiceCore(
+        0, spec, None, JitterySource(LENGTHS, 0, 2, spec.seed, jitter=1), fill_timeout_s=0.001
+    )
     core._fill()
     got = [e.sample.id for e in core.state.buffer]
     if deterministic:
         assert got == expected and core.state.room == 0
     else:  # today's default: what was ready (a prefix of the view, its length by timing)
-        assert got == expected[:len(got)] and len(got) < spec.window
+        assert got == expected[: len(got)] and len(got) < spec.window
 
 
 def test_a_deterministic_rank_refuses_a_source_in_completion_order():
@@ -133,14 +143,18 @@ def test_a_deterministic_rank_refuses_a_source_in_completion_order():
 
 
 # -- in-process jobs -------------------------------------------------------------------------------
-def _run(spec: JobSpec, jitter: int | None, slow_trainer: bool, tmp_path=None, crash_round: int | None = None):
+def _run(
+    spec: JobSpec, jitter: int | None, slow_trainer: bool, tmp_path=None, crash_round: int | None = None
+):
     """Per rank, the sample ids of each step and the step's global loss-token total."""
     from _jobs import InProcessJob, drain_clients
+
     from batchd.core import CoordinatorError
 
     def source(r, salt=0):
-        return JitterySource(LENGTHS, r, spec.world_size, spec.seed, jitter=None if jitter is None
-                             else jitter * 10 + r + salt)
+        return JitterySource(
+            LENGTHS, r, spec.world_size, spec.seed, jitter=None if jitter is None else jitter * 10 + r + salt
+        )
 
     rng = random.Random(jitter)
 
@@ -149,8 +163,9 @@ def _run(spec: JobSpec, jitter: int | None, slow_trainer: bool, tmp_path=None, c
             time.sleep(rng.choice((0.0, 0.0, 0.002, 0.01)))
         return np.asarray(b["sample_ids"]).tolist(), info.global_loss_tokens, info.is_idle
 
-    with InProcessJob(spec, sources=[source(r) for r in range(spec.world_size)], rank_state_dir=tmp_path,
-                      grace=30.0) as job:
+    with InProcessJob(
+        spec, sources=[source(r) for r in range(spec.world_size)], rank_state_dir=tmp_path, grace=30.0
+    ) as job:
         crashed = threading.Event()
         if crash_round is not None:
             core = job.cores[1]
@@ -160,36 +175,51 @@ def _run(spec: JobSpec, jitter: int | None, slow_trainer: bool, tmp_path=None, c
                 decision = align(epoch, report)
                 if report.round == crash_round and not crashed.is_set():
                     crashed.set()
-                    threading.Thread(target=job.restart_rank, args=(1, source(1, salt=5)), daemon=True).start()
+                    threading.Thread(
+                        target=job.restart_rank, args=(1, source(1, salt=5)), daemon=True
+                    ).start()
                     core._stop.set()
                     raise CoordinatorError("killed")
                 return decision
 
             core.coord.align = align_then_die
-        results = drain_clients(lambda r: job.client(r, reconnect_timeout_s=30), spec.world_size, 1, 120.0,
-                                project)
+        results = drain_clients(
+            lambda r: job.client(r, reconnect_timeout_s=30), spec.world_size, 1, 120.0, project
+        )
         assert crash_round is None or crashed.is_set()
     return [r[0] for r in results]
 
 
 @pytest.mark.parametrize("policy, align", [("balanced", "min"), ("local", "min"), ("odb", "odb")])
 def test_a_deterministic_job_makes_the_same_batches_whatever_the_speed_of_sources_and_trainers(policy, align):
-    spec = JobSpec(world_size=2, token_budget=512, policy=policy, align=align, window=16, depth=4, seed=5,
-                   deterministic=True)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=512,
+        policy=policy,
+        align=align,
+        window=16,
+        depth=4,
+        seed=5,
+        deterministic=True,
+    )
     fast = _run(spec, None, False)
     slow = _run(spec, 7, True)
     assert slow == fast
     assert sorted(i for r in fast for ids, _, _ in r for i in ids) == list(range(len(LENGTHS)))
     # ... and they are the simulator's (its loss-token counts are synthetic): a function of data, seed, config.
-    sim = [[([x.id for x in s.samples], s.info.is_idle) for s in steps] for steps in zip(*Simulator(LENGTHS, spec))]
+    sim = [
+        [([x.id for x in s.samples], s.info.is_idle) for s in steps]
+        for steps in zip(*Simulator(LENGTHS, spec), strict=False)
+    ]
     assert [[(ids, idle) for ids, _, idle in r] for r in fast] == sim
 
 
 def test_a_deterministic_rank_killed_mid_job_resumes_the_same_batches(tmp_path):
     """kill -9 after a decided round, restart from the journal with a source of other timing: every sample
     once (exactly-once), and the very batches of a run without the crash."""
-    spec = JobSpec(world_size=2, token_budget=512, policy="balanced", window=16, depth=4, seed=5,
-                   deterministic=True)
+    spec = JobSpec(
+        world_size=2, token_budget=512, policy="balanced", window=16, depth=4, seed=5, deterministic=True
+    )
     plain = _run(spec, None, False)
     crashed = _run(spec, 3, True, tmp_path, crash_round=3)
     assert crashed == plain

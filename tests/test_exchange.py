@@ -84,8 +84,15 @@ def make_case(name: str, world: int, groups: list[list[list[tuple]]], layout: st
             sid += 1
     exchanges = plan_vision(row, COST)
     t_tok = sum(s.loss_tokens for g in row for s in g)
-    return {"name": name, "world": world, "row": row, "samples": samples, "exchanges": exchanges,
-            "layout": layout, "t_tok": t_tok}
+    return {
+        "name": name,
+        "world": world,
+        "row": row,
+        "samples": samples,
+        "exchanges": exchanges,
+        "layout": layout,
+        "t_tok": t_tok,
+    }
 
 
 def text_batch(case: dict, rank: int) -> dict[str, np.ndarray]:
@@ -98,14 +105,19 @@ def vision_arrays(case: dict, images: list[tuple[int, int]]) -> dict[str, np.nda
     if not images:
         return {}
     samples = case["samples"]
-    return {"pixel_values": np.concatenate([samples[s]["pixels"][k] for s, k in images]),
-            "image_grid_thw": np.asarray([samples[s]["grids"][k] for s, k in images], np.int64)}
+    return {
+        "pixel_values": np.concatenate([samples[s]["pixels"][k] for s, k in images]),
+        "image_grid_thw": np.asarray([samples[s]["grids"][k] for s, k in images], np.int64),
+    }
 
 
 def two_phase_batch(case: dict, rank: int, exchange: Exchange) -> dict[str, np.ndarray]:
     """What batchd delivers to `rank` under two-phase balancing: its LLM text, its encoder's pixels."""
-    return {**text_batch(case, rank), **vision_arrays(case, [(im.sample_id, im.index) for im in exchange.encode]),
-            **exchange_arrays(exchange)}
+    return {
+        **text_batch(case, rank),
+        **vision_arrays(case, [(im.sample_id, im.index) for im in exchange.encode]),
+        **exchange_arrays(exchange),
+    }
 
 
 def own_images(case: dict, rank: int) -> list[tuple[int, int]]:
@@ -137,27 +149,42 @@ def cases_for(world: int) -> list[dict]:
         moved.append([[grids[int(rng.integers(3))]] if rng.random() < 0.5 else [] for _ in range(2)])
     text_only = [[[], []] for _ in range(world)]
     crowded = [[[BIG, WIDE], [SMALL, BIG], [WIDE, SMALL], [BIG]]] + [[[], []] for _ in range(1, world)]
-    return [make_case("moved", world, moved, "padded"), make_case("no_images", world, text_only, "padded"),
-            make_case("one_rank_all", world, crowded, "packed")]
+    return [
+        make_case("moved", world, moved, "padded"),
+        make_case("no_images", world, text_only, "padded"),
+        make_case("one_rank_all", world, crowded, "packed"),
+    ]
 
 
 # -- model, losses, gradients ----------------------------------------------------------------------------
 def make_model() -> TinyMLLM:
     torch.manual_seed(4321)
-    return TinyMLLM(IMG, vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, d_vision=16, n_vision_layers=1,
-                    n_vision_heads=2)
+    return TinyMLLM(
+        IMG,
+        vocab_size=VOCAB,
+        d_model=32,
+        n_layers=1,
+        n_heads=2,
+        d_vision=16,
+        n_vision_layers=1,
+        n_vision_heads=2,
+    )
 
 
 def grads(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy().copy()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy().copy()
+        for n, p in model.named_parameters()
+    }
 
 
 def reference(case: dict) -> tuple[float, dict[str, np.ndarray]]:
     """One process: the global per-token loss over every rank's one-phase batch, and its gradients."""
     model = make_model()
-    total = sum(token_loss_sum(model(to_torch(one_phase_batch(case, r))), to_torch(text_batch(case, r))["labels"])[0]
-                for r in range(case["world"]))
+    total = sum(
+        token_loss_sum(model(to_torch(one_phase_batch(case, r))), to_torch(text_batch(case, r))["labels"])[0]
+        for r in range(case["world"])
+    )
     loss = total / case["t_tok"]
     loss.backward()
     return float(loss.detach()), grads(model)
@@ -214,8 +241,13 @@ def run_rank(rank: int, world: int, cases: list[dict]) -> dict:
 def worker(rank: int, world: int, cases: list[dict], out_dir: str) -> None:
     faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out_dir}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )
     try:
         result = run_rank(rank, world, cases)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
@@ -316,7 +348,10 @@ def test_exchange_moves_rows_and_gradients_as_a_permutation(run):
 
 # -- single-process unit tests -------------------------------------------------------------------------
 def arrays(send, recv, placement, tokens) -> dict[str, np.ndarray]:
-    return {k: np.asarray(v, np.int64) for k, v in zip(EXCHANGE_KEYS, (send, recv, placement, tokens), strict=True)}
+    return {
+        k: np.asarray(v, np.int64)
+        for k, v in zip(EXCHANGE_KEYS, (send, recv, placement, tokens), strict=True)
+    }
 
 
 def test_without_exchange_arrays_encoded_is_returned_as_is():
@@ -339,26 +374,31 @@ def test_one_rank_exchange_is_the_placement_and_its_inverse():
     inverse = torch.empty(6, dtype=torch.int64)
     inverse[torch.tensor(order)] = torch.arange(6)
     assert torch.equal(encoded.grad, upstream_grad[inverse])
-    torch.autograd.gradcheck(lambda e: exchange_image_embeddings(e, batch), (encoded.detach().requires_grad_(),))
+    torch.autograd.gradcheck(
+        lambda e: exchange_image_embeddings(e, batch), (encoded.detach().requires_grad_(),)
+    )
     # torch tensors work as well as numpy arrays; empty works
     assert torch.equal(exchange_image_embeddings(encoded, to_torch(batch)), out)
     assert exchange_image_embeddings(torch.zeros(0, 2), arrays([0], [0], [], [])).shape == (0, 2)
 
 
-@pytest.mark.parametrize("encoded, batch, match", [
-    (torch.zeros(5, 2), arrays([6], [6], [0], [6]), "encoded rows=5"),
-    (torch.zeros(6), arrays([6], [6], [0], [6]), "encoded must be"),
-    (torch.zeros(6, 2), arrays([6], [6], [1], [6]), "vision_placement"),
-    (torch.zeros(6, 2), arrays([6], [6], [0, 0], [3, 3]), "vision_placement"),
-    (torch.zeros(6, 2), arrays([6], [5], [0], [6]), "vision_recv_splits"),
-    (torch.zeros(6, 2), arrays([6], [6], [0, 1], [6, 0]), "vision_image_tokens"),
-    (torch.zeros(6, 2), arrays([6], [-6], [0], [6]), "vision_recv_splits"),
-    (torch.zeros(6, 2), arrays([6, 0], [6, 0], [0], [6]), "initialized"),
-    (torch.zeros(6, 2), arrays([6, 0], [6], [0], [6]), "one entry per rank"),
-    (torch.zeros(6, 2), {**arrays([6], [6], [0], [6]), "vision_placement": np.zeros(1)}, "integer"),
-    (torch.zeros(6, 2), {**arrays([6], [6], [0], [6]), "vision_image_tokens": np.asarray([[6]])}, "1-D"),
-    (torch.zeros(6, 2), {"vision_send_splits": np.asarray([6])}, "lacks"),
-])
+@pytest.mark.parametrize(
+    "encoded, batch, match",
+    [
+        (torch.zeros(5, 2), arrays([6], [6], [0], [6]), "encoded rows=5"),
+        (torch.zeros(6), arrays([6], [6], [0], [6]), "encoded must be"),
+        (torch.zeros(6, 2), arrays([6], [6], [1], [6]), "vision_placement"),
+        (torch.zeros(6, 2), arrays([6], [6], [0, 0], [3, 3]), "vision_placement"),
+        (torch.zeros(6, 2), arrays([6], [5], [0], [6]), "vision_recv_splits"),
+        (torch.zeros(6, 2), arrays([6], [6], [0, 1], [6, 0]), "vision_image_tokens"),
+        (torch.zeros(6, 2), arrays([6], [-6], [0], [6]), "vision_recv_splits"),
+        (torch.zeros(6, 2), arrays([6, 0], [6, 0], [0], [6]), "initialized"),
+        (torch.zeros(6, 2), arrays([6, 0], [6], [0], [6]), "one entry per rank"),
+        (torch.zeros(6, 2), {**arrays([6], [6], [0], [6]), "vision_placement": np.zeros(1)}, "integer"),
+        (torch.zeros(6, 2), {**arrays([6], [6], [0], [6]), "vision_image_tokens": np.asarray([[6]])}, "1-D"),
+        (torch.zeros(6, 2), {"vision_send_splits": np.asarray([6])}, "lacks"),
+    ],
+)
 def test_exchange_rejects_bad_arguments(encoded, batch, match):
     with pytest.raises(ValueError, match=match):
         exchange_image_embeddings(encoded, batch)
@@ -397,8 +437,9 @@ def test_mllm_image_embedding_does_not_depend_on_its_companions():
     model = make_model()
     a = make_sample(1, 0, [BIG, SMALL])
     b = make_sample(2, 0, [WIDE])
-    both = model.vision(torch.from_numpy(np.concatenate(a["pixels"] + b["pixels"])),
-                        torch.tensor(a["grids"] + b["grids"]))
+    both = model.vision(
+        torch.from_numpy(np.concatenate(a["pixels"] + b["pixels"])), torch.tensor(a["grids"] + b["grids"])
+    )
     alone = model.vision(torch.from_numpy(b["pixels"][0]), torch.tensor(b["grids"]))
     assert both.shape == (16 + 4 + 8, 32)
     assert torch.allclose(both[20:], alone, atol=1e-6, rtol=0)
@@ -414,15 +455,23 @@ def test_mllm_forward_scatters_images_in_llm_order():
     rows = model.encode(batch)
     tokens = model.lm.embed(batch["input_ids"]).clone()
     tokens[(batch["input_ids"] == IMG) & batch["attention_mask"].bool()] = rows
-    want = model.lm(attention_mask=batch["attention_mask"], position_ids=batch["position_ids"], inputs_embeds=tokens)
+    want = model.lm(
+        attention_mask=batch["attention_mask"], position_ids=batch["position_ids"], inputs_embeds=tokens
+    )
     assert torch.allclose(logits, want, atol=1e-6, rtol=0)
     # packed: every sample's logits equal its padded ones
-    packed = model(to_torch({**core.collate_packed([case["samples"][s.id]["payload"] for s in case["row"][0]]),
-                             **vision_arrays(case, own_images(case, 0))}))
+    packed = model(
+        to_torch(
+            {
+                **core.collate_packed([case["samples"][s.id]["payload"] for s in case["row"][0]]),
+                **vision_arrays(case, own_images(case, 0)),
+            }
+        )
+    )
     lengths = [s.length for s in case["row"][0]]
     starts = np.concatenate(([0], np.cumsum(lengths)))
     for i, n in enumerate(lengths):
-        assert torch.allclose(packed[0, starts[i]:starts[i] + n], logits[i, :n], atol=1e-5, rtol=0)
+        assert torch.allclose(packed[0, starts[i] : starts[i] + n], logits[i, :n], atol=1e-5, rtol=0)
     # the exchange path with N = 1 and identity arrays is the one-phase path
     ex = plan_vision(case["row"], COST)[0]
     assert torch.allclose(model({**batch, **exchange_arrays(ex)}), logits, atol=0, rtol=0)
@@ -433,8 +482,13 @@ def test_mllm_validates():
     case = make_case("x", 1, [[[SMALL]]], "padded")
     batch = to_torch(one_phase_batch(case, 0))
     with pytest.raises(ValueError, match="image-token positions"):
-        model({**batch, **{k: v[:8] for k, v in batch.items() if k == "pixel_values"},
-               "image_grid_thw": torch.tensor([[1, 2, 4]])})
+        model(
+            {
+                **batch,
+                **{k: v[:8] for k, v in batch.items() if k == "pixel_values"},
+                "image_grid_thw": torch.tensor([[1, 2, 4]]),
+            }
+        )
     with pytest.raises(ValueError, match="even h, w"):
         image_patches(torch.tensor([[1, 3, 4]]))
     with pytest.raises(ValueError, match="pixel_values must be"):
@@ -448,7 +502,9 @@ def test_mllm_validates():
 
 def test_mllm_init_is_deterministic_and_every_parameter_learns():
     m1, m2 = make_model(), make_model()
-    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values(), strict=True)
+    )
     assert TinyMLLM(IMG).num_parameters() == 690_624  # the module docstring's count
     case = make_case("x", 1, [[[SMALL, BIG], [WIDE]]], "padded")
     batch = to_torch(one_phase_batch(case, 0))

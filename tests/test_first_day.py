@@ -28,8 +28,21 @@ def _lengths(path: Path, n: int = 300) -> Path:
 def test_a_closed_pipe_ends_simulate_quietly(tmp_path):
     """`batchd simulate ... | head -1`: the reader goes away; no `Broken pipe` error, the SIGPIPE status."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
-    proc = subprocess.Popen(["batchd", "simulate", "--lengths", str(_lengths(tmp_path / "l.txt")), "--world-size",
-                             "2", "--token-budget", "2048"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        [
+            "batchd",
+            "simulate",
+            "--lengths",
+            str(_lengths(tmp_path / "l.txt")),
+            "--world-size",
+            "2",
+            "--token-budget",
+            "2048",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     proc.stdout.close()  # before it writes a byte: every write it makes meets a closed pipe
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
@@ -66,8 +79,11 @@ def test_simulate_help_explains_every_output_field(tmp_path):
 
     text = simulate([16 + 37 * i % 900 for i in range(200)], JobSpec(world_size=2, token_budget=2048))
     workload = (REPO / "benchmarks" / "workloads" / "bimodal.csv").read_text().splitlines()[:201]
-    mm = simulate(parse_workload(workload), JobSpec(world_size=4, token_budget=8192, policy="balanced", phases=2),
-                  local_ranks=2)
+    mm = simulate(
+        parse_workload(workload),
+        JobSpec(world_size=4, token_budget=8192, policy="balanced", phases=2),
+        local_ranks=2,
+    )
     keys = set(text) | set(mm)
     assert keys - set(RESULT_FIELDS) == set(), keys - set(RESULT_FIELDS)
     assert set(RESULT_FIELDS) - keys == set(), "RESULT_FIELDS describes keys simulate never prints"

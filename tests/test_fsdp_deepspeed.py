@@ -43,7 +43,14 @@ deepspeed = pytest.importorskip("deepspeed")  # the dev extra pins it; the helpe
 VOCAB, N, BUDGET, SEED = 512, 40, 200, 7
 K = 3  # steps whose gradients are checked, per run
 ATOL = 2e-5  # float32; the controls differ by > 100x this
-JOBS = {"fsdp2": True, "fsdp2_mp": False, "zero2": True, "zero3": False, "train_fsdp2": True, "train_deepspeed": True}
+JOBS = {
+    "fsdp2": True,
+    "fsdp2_mp": False,
+    "zero2": True,
+    "zero3": False,
+    "train_fsdp2": True,
+    "train_deepspeed": True,
+}
 # value: skewed (rank 0 long samples, rank 1 a few tokens each: IDLE from its second step), else balanced
 
 
@@ -54,9 +61,14 @@ def tiny_model(seed: int = 0) -> TinyCausalLM:
 
 # -- the ranks -------------------------------------------------------------------------------------------
 def _ds_config(stage: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
-            "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
 
 
 def _fsdp2_epoch(address: str, rank: int, mixed: bool) -> dict:
@@ -64,7 +76,11 @@ def _fsdp2_epoch(address: str, rank: int, mixed: bool) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = tiny_model()
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if mixed
+        else MixedPrecisionPolicy()
+    )
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -74,8 +90,12 @@ def _fsdp2_epoch(address: str, rank: int, mixed: bool) -> dict:
     class Recording(torch.optim.SGD):
         def step(self, closure=None):
             if len(records) < K:  # collectives: both ranks record the same steps
-                records.append({"grad": {n: p.grad.full_tensor().detach().clone() for n, p in named},
-                                "param": {n: p.full_tensor().detach().clone() for n, p in named}})
+                records.append(
+                    {
+                        "grad": {n: p.grad.full_tensor().detach().clone() for n, p in named},
+                        "param": {n: p.full_tensor().detach().clone() for n, p in named},
+                    }
+                )
             return super().step(closure)
 
     optimizer = Recording(model.parameters(), lr=0.1)
@@ -84,7 +104,9 @@ def _fsdp2_epoch(address: str, rank: int, mixed: bool) -> dict:
         for batch, info in client:
             ids = batch["sample_ids"].tolist() if batch is not None and "sample_ids" in batch else []
             mean = train_step(model, optimizer, batch, info)
-            steps.append({"ids": ids, "idle": info.is_idle, "loss": 0.0 if info.is_idle else mean * info.loss_scale})
+            steps.append(
+                {"ids": ids, "idle": info.is_idle, "loss": 0.0 if info.is_idle else mean * info.loss_scale}
+            )
     return {"steps": steps, "records": records}
 
 
@@ -92,19 +114,28 @@ def _deepspeed_epoch(address: str, rank: int, stage: int) -> dict:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     model = tiny_model()
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                      config=_ds_config(stage))
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=_ds_config(stage)
+    )
     named = list(engine.module.named_parameters())
     records, steps = [], []
     with BatchClient(address, rank, 2) as client:
         for batch, info in client:
             ids = batch["sample_ids"].tolist() if batch is not None and "sample_ids" in batch else []
             mean = batchd_deepspeed_backward(engine, batch, info)
-            if len(records) < K:  # collectives (ZeRO gathers the partitions): both ranks record the same steps
-                records.append({"grad": {n: safe_get_full_grad(p).detach().clone() for n, p in named},
-                                "param": {n: safe_get_full_fp32_param(p).detach().clone() for n, p in named}})
+            if (
+                len(records) < K
+            ):  # collectives (ZeRO gathers the partitions): both ranks record the same steps
+                records.append(
+                    {
+                        "grad": {n: safe_get_full_grad(p).detach().clone() for n, p in named},
+                        "param": {n: safe_get_full_fp32_param(p).detach().clone() for n, p in named},
+                    }
+                )
             engine.step()
-            steps.append({"ids": ids, "idle": info.is_idle, "loss": 0.0 if info.is_idle else mean * info.loss_scale})
+            steps.append(
+                {"ids": ids, "idle": info.is_idle, "loss": 0.0 if info.is_idle else mean * info.loss_scale}
+            )
     engine.destroy()
     return {"steps": steps, "records": records}
 
@@ -112,9 +143,22 @@ def _deepspeed_epoch(address: str, rank: int, stage: int) -> dict:
 def _train_main(strategy: str, addresses: list[str], out_dir: str, rank: int) -> dict:
     from batchd import train
 
-    argv = ["--rank-services", ",".join(addresses), "--strategy", strategy, "--epochs", "1", "--d-model", "64",
-            "--log-every", "0", "--summary", os.path.join(out_dir, f"{strategy}-{{rank}}.json"),
-            "--ids-log", os.path.join(out_dir, f"{strategy}-ids-{{rank}}.jsonl")]
+    argv = [
+        "--rank-services",
+        ",".join(addresses),
+        "--strategy",
+        strategy,
+        "--epochs",
+        "1",
+        "--d-model",
+        "64",
+        "--log-every",
+        "0",
+        "--summary",
+        os.path.join(out_dir, f"{strategy}-{{rank}}.json"),
+        "--ids-log",
+        os.path.join(out_dir, f"{strategy}-ids-{{rank}}.jsonl"),
+    ]
     code = train.main(argv)
     assert code == 0, (strategy, code)
     summary = json.loads(Path(out_dir, f"{strategy}-{rank}.json").read_text(encoding="utf-8"))
@@ -125,8 +169,14 @@ def _train_main(strategy: str, addresses: list[str], out_dir: str, rank: int) ->
 def _rank_main(rank: int, ports: list[int], addresses: dict[str, list[str]], out_dir: str) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE="2", DS_ACCELERATOR="cpu")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        DS_ACCELERATOR="cpu",
+    )
     torch.set_num_threads(1)
     # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op on its first init (~40 s, cached in
     # ~/.cache/torch_extensions), used only by inference_all_reduce: off, training reduces over gloo
@@ -140,10 +190,12 @@ def _rank_main(rank: int, ports: list[int], addresses: dict[str, list[str]], out
         out["wall_s"][f"train_{strategy}"] = time.perf_counter() - t0
     os.environ["MASTER_PORT"] = str(ports[0])
     dist.init_process_group("gloo")
-    for name, run in (("fsdp2", lambda a: _fsdp2_epoch(a, rank, mixed=False)),
-                      ("fsdp2_mp", lambda a: _fsdp2_epoch(a, rank, mixed=True)),
-                      ("zero2", lambda a: _deepspeed_epoch(a, rank, 2)),
-                      ("zero3", lambda a: _deepspeed_epoch(a, rank, 3))):
+    for name, run in (
+        ("fsdp2", lambda a: _fsdp2_epoch(a, rank, mixed=False)),
+        ("fsdp2_mp", lambda a: _fsdp2_epoch(a, rank, mixed=True)),
+        ("zero2", lambda a: _deepspeed_epoch(a, rank, 2)),
+        ("zero3", lambda a: _deepspeed_epoch(a, rank, 3)),
+    ):
         t0 = time.perf_counter()
         out[name] = run(addresses[name][rank])
         out["wall_s"][name] = time.perf_counter() - t0
@@ -175,7 +227,7 @@ def max_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> floa
 
 def rel_err(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     num = sum(float(((got[n].float() - want[n]) ** 2).sum()) for n in want)
-    return (num / sum(float((w ** 2).sum()) for w in want.values())) ** 0.5
+    return (num / sum(float((w**2).sum()) for w in want.values())) ** 0.5
 
 
 @pytest.fixture(scope="module")
@@ -185,11 +237,22 @@ def runs(tmp_path_factory):
     with job_pool(vocab_size=VOCAB) as start:
         jobs = {}
         for name, skewed in JOBS.items():
-            spec = JobSpec(world_size=2, token_budget=BUDGET, policy="local" if skewed else "balanced", window=16,
-                           depth=3, seed=SEED, collate="padded", shuffle=not skewed)
+            spec = JobSpec(
+                world_size=2,
+                token_budget=BUDGET,
+                policy="local" if skewed else "balanced",
+                window=16,
+                depth=3,
+                seed=SEED,
+                collate="padded",
+                shuffle=not skewed,
+            )
             rng = np.random.default_rng(3)
-            lengths = ([150 if i % 2 == 0 else 5 for i in range(N)] if skewed
-                       else np.clip(rng.lognormal(3.3, 0.6, N), 3, 120).astype(int).tolist())
+            lengths = (
+                [150 if i % 2 == 0 else 5 for i in range(N)]
+                if skewed
+                else np.clip(rng.lognormal(3.3, 0.6, N), 3, 120).astype(int).tolist()
+            )
             jobs[name] = start(spec, lengths)
         addresses = {name: [f"127.0.0.1:{port}" for port in job.ports] for name, job in jobs.items()}
         base = free_block(3)
@@ -215,7 +278,10 @@ def _check_gradients(runs: dict, name: str, atol: float | None) -> tuple[list[fl
     errors, gaps = [], []
     for k in range(K):
         s0, s1 = steps[k]
-        assert max_err(rec0[k]["grad"], rec1[k]["grad"]) == 0 and max_err(rec0[k]["param"], rec1[k]["param"]) == 0
+        assert (
+            max_err(rec0[k]["grad"], rec1[k]["grad"]) == 0
+            and max_err(rec0[k]["param"], rec1[k]["param"]) == 0
+        )
         p0, p1 = ([job.payload(i) for i in s["ids"]] for s in (s0, s1))
         assert s0["idle"] == (not p0) and s1["idle"] == (not p1)
         params = rec0[k]["param"]
@@ -225,8 +291,10 @@ def _check_gradients(runs: dict, name: str, atol: float | None) -> tuple[list[fl
         if atol is not None:
             assert abs((s0["loss"] + s1["loss"]) / 2 - loss) < 1e-5, (name, k, s0["loss"], s1["loss"], loss)
         # the control: the plain mean of the ranks' per-token means (an IDLE rank contributes zeros)
-        per_rank = [reference(params, p)[0] if p else {n: torch.zeros_like(w) for n, w in want.items()}
-                    for p in (p0, p1)]
+        per_rank = [
+            reference(params, p)[0] if p else {n: torch.zeros_like(w) for n, w in want.items()}
+            for p in (p0, p1)
+        ]
         naive = {n: (per_rank[0][n] + per_rank[1][n]) / 2 for n in want}
         gaps.append(max_err(naive, want) if atol is not None else rel_err(naive, want))
     if atol is not None:
@@ -258,7 +326,9 @@ def test_deepspeed_zero_gradients_equal_the_single_process_reference(runs, stage
     is the global per-token mean's."""
     _check_gradients(runs, f"zero{stage}", ATOL)
     if stage == 2:
-        assert any(s0["idle"] or s1["idle"] for s0, s1 in _check_epoch(runs, "zero2")[:K]), "no IDLE step checked"
+        assert any(s0["idle"] or s1["idle"] for s0, s1 in _check_epoch(runs, "zero2")[:K]), (
+            "no IDLE step checked"
+        )
 
 
 @pytest.mark.slow

@@ -31,11 +31,13 @@ def test_contiguous_greedy_respects_budget_and_partitions(lengths, budget):
         assert len(g) * max(lengths[i] for i in g) <= budget or len(g) == 1
 
 
-@given(st.lists(st.integers(1, 300), max_size=14).map(lambda xs: sorted(xs, reverse=True)), st.integers(1, 900))
+@given(
+    st.lists(st.integers(1, 300), max_size=14).map(lambda xs: sorted(xs, reverse=True)), st.integers(1, 900)
+)
 def test_contiguous_greedy_is_count_optimal(lengths, budget):
     """Brute force over every contiguous partition (optimal partitions of a sorted list are contiguous)."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(i):
         if i == len(lengths):
             return 0

@@ -53,11 +53,15 @@ def _qwen2vl(template: str):
     try:
         from transformers import Qwen2VLVideoProcessor
 
-        return Qwen2VLProcessor(image_processor=ip, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(),
-                                chat_template=template)
+        return Qwen2VLProcessor(
+            image_processor=ip, tokenizer=tok, video_processor=Qwen2VLVideoProcessor(), chat_template=template
+        )
     except (ImportError, AttributeError, TypeError, ValueError):
-        no_video = type("Qwen2VLProcessor", (Qwen2VLProcessor,),
-                        {"get_attributes": classmethod(lambda c: ["image_processor", "tokenizer"])})
+        no_video = type(
+            "Qwen2VLProcessor",
+            (Qwen2VLProcessor,),
+            {"get_attributes": classmethod(lambda c: ["image_processor", "tokenizer"])},
+        )
         return no_video(image_processor=ip, tokenizer=tok, chat_template=template)
 
 
@@ -98,12 +102,16 @@ def _png(h, w, seed=0):
     return buf.getvalue()
 
 
-MULTI = [{"role": "user", "content": "<image>Look at this. <image>Please reverse: red green blue."},
-         {"role": "assistant", "content": "Here are your words in reverse order: blue green red."},
-         {"role": "user", "content": "And now: cat dog."},
-         {"role": "assistant", "content": "Here are your words in reverse order: dog cat."}]
-TEXT = [{"role": "user", "content": "Please reverse: red green blue."},
-        {"role": "assistant", "content": "Here are your words in reverse order: blue green red."}]
+MULTI = [
+    {"role": "user", "content": "<image>Look at this. <image>Please reverse: red green blue."},
+    {"role": "assistant", "content": "Here are your words in reverse order: blue green red."},
+    {"role": "user", "content": "And now: cat dog."},
+    {"role": "assistant", "content": "Here are your words in reverse order: dog cat."},
+]
+TEXT = [
+    {"role": "user", "content": "Please reverse: red green blue."},
+    {"role": "assistant", "content": "Here are your words in reverse order: blue green red."},
+]
 
 
 def _example(messages, images=(), system=None):
@@ -140,9 +148,11 @@ def _supervised(tok, ex):
 @pytest.mark.parametrize("case", ["multi_image", "text_only", "system"])
 def test_outputs_equal_the_processor_called_directly(which, case, request):
     path, proc = request.getfixturevalue(which)
-    messages, images, system = {"multi_image": (MULTI, [_img(100, 150), _img(60, 300, 1)], None),
-                                "text_only": (TEXT, [], None),
-                                "system": (MULTI[:2], [_img(90, 90), _img(200, 120, 2)], "Be brief.")}[case]
+    messages, images, system = {
+        "multi_image": (MULTI, [_img(100, 150), _img(60, 300, 1)], None),
+        "text_only": (TEXT, [], None),
+        "system": (MULTI[:2], [_img(90, 90), _img(200, 120, 2)], "Be brief."),
+    }[case]
     stage = HFProcessor(path)
     assert stage.label_mode == ("generation" if which == "qwen_gen" else "prefix")
     ex = _run(stage, messages, images, system)
@@ -175,8 +185,9 @@ def test_labels_are_exactly_the_assistant_turns(which, request):
     ex = _run(stage, MULTI, [_img(100, 150), _img(60, 300, 1)])
     labelled = ex.labels != -100
     assert np.array_equal(ex.labels[labelled], ex.input_ids[labelled])
-    assert _supervised(tok, ex) == "".join(m["content"] + "<|im_end|>" for m in MULTI
-                                           if m["role"] == "assistant")
+    assert _supervised(tok, ex) == "".join(
+        m["content"] + "<|im_end|>" for m in MULTI if m["role"] == "assistant"
+    )
     # contiguous per turn: one run of labelled tokens per assistant turn, each ending at <|im_end|>
     edges = np.flatnonzero(np.diff(np.concatenate([[0], labelled.astype(np.int8), [0]])))
     assert len(edges) == 2 * 2
@@ -184,7 +195,7 @@ def test_labels_are_exactly_the_assistant_turns(which, request):
 
 
 def test_both_label_paths_agree_and_match_the_builtin_chain(qwen, qwen_gen):
-    """"prefix" (derived) and "generation" (HF's mask) labels are equal; and on this template the
+    """ "prefix" (derived) and "generation" (HF's mask) labels are equal; and on this template the
     built-in ChatTemplate("qwen2") + Tokenize + Qwen2VLVision chain gives the same ids and labels."""
     images = [_img(100, 150), _img(60, 300, 1)]
     gen = _run(HFProcessor(qwen_gen[0]), MULTI, images)
@@ -210,9 +221,9 @@ def test_image_spans_cover_the_image_pad_runs(qwen):
     ex = _run(HFProcessor(path), MULTI, [_img(100, 150), _img(60, 300, 1)])
     assert len(ex.image_spans) == 2
     covered = np.zeros(len(ex.input_ids), dtype=bool)
-    for (s, e), n, t in zip(ex.image_spans, ex.image_tokens, ex.image_tensors):
+    for (s, e), n, t in zip(ex.image_spans, ex.image_tokens, ex.image_tensors, strict=False):
         assert ex.input_ids[s] == vs and ex.input_ids[e - 1] == ve
-        assert np.all(ex.input_ids[s + 1:e - 1] == pad)
+        assert np.all(ex.input_ids[s + 1 : e - 1] == pad)
         assert n == e - s - 2 == int(np.prod(t["image_grid_thw"])) // 4
         assert np.all(ex.labels[s:e] == -100)
         covered[s:e] = True
@@ -242,9 +253,15 @@ def test_tokenizer_only_directory_is_a_text_only_processor(tok_dir, qwen):
 
 def test_truncate_after_it_never_cuts_inside_an_image(qwen):
     path, _ = qwen
-    record = parse_record({"messages": [{"role": "user", "content": "red green <image> blue <image> cat"},
-                                        {"role": "assistant", "content": "dog " * 30}],
-                           "images": [_png(100, 150), _png(60, 300, 1)]})
+    record = parse_record(
+        {
+            "messages": [
+                {"role": "user", "content": "red green <image> blue <image> cat"},
+                {"role": "assistant", "content": "dog " * 30},
+            ],
+            "images": [_png(100, 150), _png(60, 300, 1)],
+        }
+    )
     stage = HFProcessor(path)
     _, whole = Preprocessor([stage, Truncate(100000)])(record, 0, 0)
     n = len(whole["input_ids"])
@@ -256,7 +273,7 @@ def test_truncate_after_it_never_cuts_inside_an_image(qwen):
             assert exc.code == "no_loss_tokens"
             continue
         ids = payload["input_ids"]
-        assert len(ids) <= cutoff and np.array_equal(ids, whole["input_ids"][:len(ids)])
+        assert len(ids) <= cutoff and np.array_equal(ids, whole["input_ids"][: len(ids)])
         kept = len(meta.images)
         grid = payload.get("image_grid_thw", np.zeros((0, 3), dtype=np.int64))
         pixels = payload.get("pixel_values", np.zeros((0,)))
@@ -294,9 +311,11 @@ def test_prefix_unstable_template_is_rejected_per_record(tok_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
-    tok.chat_template = ("{%- for m in messages -%}{{- m['role'] + ': ' + (m['content'][:3] if m['role'] == "
-                         "'assistant' and not loop.last else m['content']) + '<|im_end|>' -}}{%- endfor -%}"
-                         "{%- if add_generation_prompt -%}{{- 'assistant: ' -}}{%- endif -%}")
+    tok.chat_template = (
+        "{%- for m in messages -%}{{- m['role'] + ': ' + (m['content'][:3] if m['role'] == "
+        "'assistant' and not loop.last else m['content']) + '<|im_end|>' -}}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- 'assistant: ' -}}{%- endif -%}"
+    )
     path = tok_dir.parent / "unstable-template"
     tok.save_pretrained(path)
     with pytest.raises(Reject, match="template_error: .*not prefix-stable at message 1"):
@@ -364,8 +383,14 @@ def test_llava_processor_splits_per_image_along_the_first_dimension(tmp_path):
 
     tok = _hf_tokenizer(eos_token="</s>")
     ip = CLIPImageProcessor(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
-    proc = LlavaProcessor(image_processor=ip, tokenizer=tok, patch_size=14, num_additional_image_tokens=1,
-                          vision_feature_select_strategy="default", chat_template=LLAVA_TEMPLATE)
+    proc = LlavaProcessor(
+        image_processor=ip,
+        tokenizer=tok,
+        patch_size=14,
+        num_additional_image_tokens=1,
+        vision_feature_select_strategy="default",
+        chat_template=LLAVA_TEMPLATE,
+    )
     proc.save_pretrained(tmp_path)
     images = [_img(100, 150), _img(60, 300, 1)]
     ex = _run(HFProcessor(tmp_path), MULTI, images)
@@ -377,7 +402,8 @@ def test_llava_processor_splits_per_image_along_the_first_dimension(tmp_path):
     assert ex.image_tokens == [4, 4]
     assert _supervised(tok, ex) == "".join(m["content"] + "</s>" for m in MULTI if m["role"] == "assistant")
     meta, _ = Preprocessor([HFProcessor(tmp_path), Truncate(4096)])(
-        parse_record({"messages": MULTI, "images": [_png(100, 150), _png(60, 300, 1)]}), 0, 0)
+        parse_record({"messages": MULTI, "images": [_png(100, 150), _png(60, 300, 1)]}), 0, 0
+    )
     assert meta.images == ((4, 4), (4, 4))
 
 
@@ -389,13 +415,18 @@ def test_config_and_cli_take_a_processor_directory(tmp_path, qwen):
     assert cfg.pipeline.processor == str(tmp_path / "model")  # relative to the config file
     assert cfg.pipeline.stage_kwargs()["processor"] == str(tmp_path / "model")
     assert [type(s).__name__ for s in default_stages(cutoff=512, **cfg.pipeline.stage_kwargs())] == [
-        "HFProcessor", "Truncate"]
+        "HFProcessor",
+        "Truncate",
+    ]
     cfg_file.write_text('[job]\nworld_size = 1\ntoken_budget = 1024\n[pipeline]\nprocessor = "nope"\n')
     with pytest.raises(ValueError, match="pipeline.processor names a file that does not exist"):
         load_config(cfg_file)
     parser = build_parser()
-    for argv in (["rank", "--rank", "0", "--processor", "d"], ["node", "--processor", "d"],
-                 ["demo", "--processor", "d"]):
+    for argv in (
+        ["rank", "--rank", "0", "--processor", "d"],
+        ["node", "--processor", "d"],
+        ["demo", "--processor", "d"],
+    ):
         assert parser.parse_args(argv).processor == "d"
 
 
@@ -404,8 +435,16 @@ def test_ray_actors_run_the_processor(ray_session, qwen, tmp_path):
     from batchd.preprocess import EXHAUSTED, RaySource, make_demo_dataset, resolve
 
     demo = make_demo_dataset(tmp_path, num_samples=16, seed=4, image_fraction=0.5, bad_fraction=0.0)
-    src = RaySource(demo.path, 0, 1, 0, 0, stages=default_stages(processor=qwen[0], cutoff=2048),
-                    num_actors=1, actor_num_cpus=0.5)
+    src = RaySource(
+        demo.path,
+        0,
+        1,
+        0,
+        0,
+        stages=default_stages(processor=qwen[0], cutoff=2048),
+        num_actors=1,
+        actor_num_cpus=0.5,
+    )
     try:
         got = []
         while (item := src.poll(60.0)) is not EXHAUSTED:

@@ -38,6 +38,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_exchange import swapped as swapped_placement  # the same control as batchd's own TinyMLLM's
+from test_hf_processor import _img, _run  # tests/ is on sys.path (pytest; spawn copies it)
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from batchd import core
+from batchd._vlm_tiny import TINY_VLM_FAMILIES, tiny_processor, tiny_vlm
 from batchd.client import (
     check_model_batch,
     check_packed_attention,
@@ -48,16 +54,10 @@ from batchd.client import (
     token_loss_sum,
     two_phase,
 )
-from batchd.core import Sample, VisionCost, exchange_arrays, loss_scale, plan_vision
+from batchd.core import Sample, VisionCost, loss_scale, plan_vision
 from batchd.service._rank_service import collate
 from batchd.service.preprocess import HFProcessor
 from batchd.service.preprocess._chain import finalize
-from test_exchange import swapped as swapped_placement  # the same control as batchd's own TinyMLLM's
-from test_hf_processor import _img, _run  # tests/ is on sys.path (pytest; spawn copies it)
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-from batchd import core
-from batchd._vlm_tiny import TINY_VLM_FAMILIES, tiny_processor, tiny_vlm
 
 SEED = 1234
 ATOL, RTOL = 1e-5, 1e-4  # float32 models
@@ -67,7 +67,24 @@ PG_TIMEOUT_S = 60  # a collective that waits longer fails the step (a hang is a 
 # image sizes (h, w): Qwen2-VL grids (1, 4, 4) = 16 patches / 4 tokens, (1, 4, 6) = 24 / 6, (1, 8, 8) = 64 / 16;
 # LLaVA resizes every image to 28 x 28: 4 patches / 4 tokens
 SMALL, MID, BIG = (56, 56), (56, 84), (112, 112)
-WORDS = ["red", "green", "blue", "cat", "dog", "sun", "moon", "tree", "river", "stone", "bird", "fish", "cloud", "rain", "snow", "wind"]
+WORDS = [
+    "red",
+    "green",
+    "blue",
+    "cat",
+    "dog",
+    "sun",
+    "moon",
+    "tree",
+    "river",
+    "stone",
+    "bird",
+    "fish",
+    "cloud",
+    "rain",
+    "snow",
+    "wind",
+]
 
 # workloads: per rank, per sample, its images. One-phase and two-phase steps of a workload share its samples.
 WORKLOADS = {
@@ -127,8 +144,12 @@ def _workload(stage, name: str, world: int) -> dict:
     for sid, (_, sizes) in enumerate(flat):
         samples[sid], payloads[sid] = _sample(stage, sid, owner[sid], sizes)
         row[owner[sid]].append(sid)
-    return {"row": row, "samples": samples, "payloads": payloads,
-            "t_tok": sum(s.loss_tokens for s in samples.values())}
+    return {
+        "row": row,
+        "samples": samples,
+        "payloads": payloads,
+        "t_tok": sum(s.loss_tokens for s in samples.values()),
+    }
 
 
 def _steps(stage) -> list[dict]:
@@ -137,8 +158,19 @@ def _steps(stage) -> list[dict]:
         w = _workload(stage, load, world)
         row = [[w["samples"][i] for i in ids] for ids in w["row"]]
         exchanges = plan_vision(row, COST) if phases == 2 else None
-        out.append({"name": name, "workload": load, "world": world, "layout": layout, "phases": phases,
-                    "exchanges": exchanges, "override": {}, "scale": None, **w})
+        out.append(
+            {
+                "name": name,
+                "workload": load,
+                "world": world,
+                "layout": layout,
+                "phases": phases,
+                "exchanges": exchanges,
+                "override": {},
+                "scale": None,
+                **w,
+            }
+        )
     by_name = {s["name"]: s for s in out}
     swapped = dict(by_name[CONTROLS["swapped"]], name="swapped")
     swapped["override"] = {0: swapped_placement(swapped["exchanges"][0])}
@@ -162,8 +194,16 @@ def rank_batch(step: dict, rank: int, pad_id: int) -> dict:
 
 # -- model, reference ----------------------------------------------------------------------------------------
 def flat_grads(model: torch.nn.Module) -> np.ndarray:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                      for p in model.parameters()]).numpy().copy()
+    return (
+        torch.cat(
+            [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+                for p in model.parameters()
+            ]
+        )
+        .numpy()
+        .copy()
+    )
 
 
 def hf_kwargs(payload: dict) -> dict:
@@ -202,8 +242,13 @@ def ddp_step(ddp: DDP, step: dict, rank: int, pad_id: int) -> dict:
     loss.backward()
     missing = [n for n, p in ddp.module.named_parameters() if p.grad is None]
     share = float(token_loss_sum(logits.detach(), batch["labels"])[0]) / step["t_tok"]
-    return {"loss": float(loss.detach()), "share": share, "scale": scale, "grads": flat_grads(ddp.module),
-            "missing": missing}
+    return {
+        "loss": float(loss.detach()),
+        "share": share,
+        "scale": scale,
+        "grads": flat_grads(ddp.module),
+        "missing": missing,
+    }
 
 
 def run_rank(rank: int, spec: dict) -> dict:
@@ -225,8 +270,13 @@ def worker(rank: int, world: int, spec: dict, out_dir: str) -> None:
     faulthandler.enable(all_threads=True)
     faulthandler.dump_traceback_later(SPAWN_DEADLINE_S - 20, exit=True)  # a hang prints where it is
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out_dir}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+    )
     try:
         result = run_rank(rank, spec)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
@@ -237,8 +287,9 @@ def worker(rank: int, world: int, spec: dict, out_dir: str) -> None:
 
 
 def spawn(world: int, spec: dict, out_dir: Path) -> list[dict]:
-    ctx = mp.start_processes(worker, args=(world, spec, str(out_dir)), nprocs=world, join=False,
-                             start_method="spawn")
+    ctx = mp.start_processes(
+        worker, args=(world, spec, str(out_dir)), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:
@@ -318,9 +369,14 @@ def test_ddp_step_equals_stock_model_per_sample(families, ranks, references, fam
     # the images really train the vision tower (where the step has any)
     model = tiny_vlm(family, families[family]["tokenizer"], SEED)
     sizes = [p.numel() for p in model.parameters()]
-    vision = np.concatenate([np.full(k, pname.startswith(("model.visual.", "model.vision_tower.",
-                                                          "model.multi_modal_projector.")))
-                             for (pname, _), k in zip(model.named_parameters(), sizes)])
+    vision = np.concatenate(
+        [
+            np.full(
+                k, pname.startswith(("model.visual.", "model.vision_tower.", "model.multi_modal_projector."))
+            )
+            for (pname, _), k in zip(model.named_parameters(), sizes, strict=False)
+        ]
+    )
     assert vision.any()
     assert np.any(want[vision] != 0) == any(s.images for s in step["samples"].values())
 
@@ -381,8 +437,10 @@ def test_packed_loss_is_the_sum_of_unpacked_losses(families, family, impl):
     except (ValueError, NotImplementedError) as exc:
         if impl != "flex_attention":
             raise
-        pytest.skip(f"flex_attention cannot train {family} on this CPU: {type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0][:200]}")
+        pytest.skip(
+            f"flex_attention cannot train {family} on this CPU: {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200]}"
+        )
     got = float(token_loss_sum(logits.detach(), packed["labels"])[0])
     alone = sum(_loss(model, to_torch(core.collate_padded([p], pad_id=tok.pad_token_id))) for p in group)
     assert abs(got - alone) <= ATOL + RTOL * abs(alone), (got, alone)
@@ -401,9 +459,14 @@ def test_stock_qwen2vl_on_a_packed_row_crosses_samples(families):
     packed = to_torch(core.collate_packed(group))
     stock = tiny_vlm("qwen2_vl", tok, SEED)
     with torch.no_grad():
-        out = stock(input_ids=packed["input_ids"], position_ids=packed["position_ids"],
-                    pixel_values=packed["pixel_values"], image_grid_thw=packed["image_grid_thw"],
-                    mm_token_type_ids=packed["mm_token_type_ids"], use_cache=False)
+        out = stock(
+            input_ids=packed["input_ids"],
+            position_ids=packed["position_ids"],
+            pixel_values=packed["pixel_values"],
+            image_grid_thw=packed["image_grid_thw"],
+            mm_token_type_ids=packed["mm_token_type_ids"],
+            use_cache=False,
+        )
         got = float(token_loss_sum(out.logits, packed["labels"])[0])
         want = sum(float(sample_loss(stock, p)) for p in group)
     assert abs(got - want) > 10 * (ATOL + RTOL * abs(want)), (got, want)
@@ -434,8 +497,16 @@ def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=1))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    )
 
 
 @pytest.mark.parametrize("family", TINY_VLM_FAMILIES)

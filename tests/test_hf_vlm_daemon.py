@@ -41,18 +41,31 @@ def script(cport: int, rport: int) -> list[str]:
     """The README block with free ports, fewer records and the trainer's logs."""
     block = readme_block()
     assert 'make_demo_dataset(".", 256,' in block and "port = 7000" in block and "base_port = 7100" in block
-    block = (block.replace('make_demo_dataset(".", 256,', f'make_demo_dataset(".", {RECORDS},')
-             .replace("token_budget = 2048", "token_budget = 1024")  # more, smaller steps of 40 records
-             .replace("port = 7000", f"port = {cport}").replace("base_port = 7100", f"base_port = {rport}")
-             .replace("--node-agent 127.0.0.1:7100", f"--node-agent 127.0.0.1:{rport}"))
-    lines = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]  # a failed line: end the rest
+    block = (
+        block.replace('make_demo_dataset(".", 256,', f'make_demo_dataset(".", {RECORDS},')
+        .replace("token_budget = 2048", "token_budget = 1024")  # more, smaller steps of 40 records
+        .replace("port = 7000", f"port = {cport}")
+        .replace("base_port = 7100", f"base_port = {rport}")
+        .replace("--node-agent 127.0.0.1:7100", f"--node-agent 127.0.0.1:{rport}")
+    )
+    lines = [
+        "set -euo pipefail",
+        "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT",
+    ]  # a failed line: end the rest
     for line in block.splitlines():
         if line.startswith("torchrun "):
             assert "--hf-model vlm" in line, line
             # torchrun is `python -m torch.distributed.run`: this interpreter's, whatever the script's shebang
-            line = (line.split("#")[0].rstrip().replace(
-                "torchrun ", f"{sys.executable} -m torch.distributed.run --master-port {free_block(1)} ", 1)
-                + " --log-every 0 --ids-log ids-{rank}.jsonl --summary summary-{rank}.json")
+            line = (
+                line.split("#")[0]
+                .rstrip()
+                .replace(
+                    "torchrun ",
+                    f"{sys.executable} -m torch.distributed.run --master-port {free_block(1)} ",
+                    1,
+                )
+                + " --log-every 0 --ids-log ids-{rank}.jsonl --summary summary-{rank}.json"
+            )
         lines.append(line)
     lines.append('for p in $(jobs -p); do wait "$p"; done')  # the services exit on their own, status 0
     return lines
@@ -64,9 +77,14 @@ def test_stock_qwen2_vl_trains_two_phase_through_the_daemon(tmp_path):
     ray_tmp = tempfile.mkdtemp(prefix="bdv-", dir="/tmp")  # short socket paths for Ray
     marker = f"BATCHD_TEST_VLM={uuid.uuid4().hex}"
     try:
-        run = subprocess.run(["bash", "-c", "\n".join(script(cport, rport))], cwd=tmp_path,
-                             env=job_env(ray_tmp, marker), capture_output=True, text=True,
-                             timeout=900)  # a backstop against a hang: every party has its own liveness limits
+        run = subprocess.run(
+            ["bash", "-c", "\n".join(script(cport, rport))],
+            cwd=tmp_path,
+            env=job_env(ray_tmp, marker),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )  # a backstop against a hang: every party has its own liveness limits
         out = run.stdout[-4000:] + "\n--- stderr\n" + run.stderr[-8000:]
         assert run.returncode == 0, out
         assert "Traceback" not in run.stderr, out
@@ -76,12 +94,16 @@ def test_stock_qwen2_vl_trains_two_phase_through_the_daemon(tmp_path):
         assert results[0]["steps"] == results[1]["steps"] > 0, results
         assert all(r["last_loss"] == r["last_loss"] for r in results), results  # a finite loss, not NaN
         assert [r["exchange_steps"] for r in results] == [r["steps"] for r in results], results  # two-phase
-        logs = [[json.loads(line) for line in (tmp_path / f"ids-{r}.jsonl").read_text().splitlines()]
-                for r in range(2)]
+        logs = [
+            [json.loads(line) for line in (tmp_path / f"ids-{r}.jsonl").read_text().splitlines()]
+            for r in range(2)
+        ]
         assert sum(e["patches"] for lg in logs for e in lg) > 0, logs  # images reached the encoders
         vision = results[0]["vision_imbalance"]
         assert vision is not None and vision == results[1]["vision_imbalance"] and 1.0 <= vision, results
-        m = re.search(r"\[rank 0\] vision encoder: slowest rank / mean, in encoder patches: (\d+\.\d+)", run.stderr)
+        m = re.search(
+            r"\[rank 0\] vision encoder: slowest rank / mean, in encoder patches: (\d+\.\d+)", run.stderr
+        )
         assert m and abs(float(m.group(1)) - vision) < 1e-3, out
     finally:
         left = end_job(marker)
@@ -107,9 +129,14 @@ def test_tiny_vlm_command_writes_what_a_checkout_holds(tmp_path, capsys, monkeyp
 
     from batchd.preprocess import Example, StageContext
 
-    messages = [{"role": "user", "content": "<image>What is it?"}, {"role": "assistant", "content": "A red square."}]
-    ex = HFProcessor(str(out))(Example(0, 0, "", messages, None, [Image.new("RGB", (40, 40), (200, 10, 10))]),
-                               StageContext(0, 0, 0, 0))
+    messages = [
+        {"role": "user", "content": "<image>What is it?"},
+        {"role": "assistant", "content": "A red square."},
+    ]
+    ex = HFProcessor(str(out))(
+        Example(0, 0, "", messages, None, [Image.new("RGB", (40, 40), (200, 10, 10))]),
+        StageContext(0, 0, 0, 0),
+    )
     assert ex.image_tokens == [4] and int(ex.input_ids.max()) < model.get_input_embeddings().num_embeddings
 
     assert main(["tiny-vlm", str(out / "config.json")]) == 2
@@ -121,4 +148,3 @@ def test_tiny_vlm_command_writes_what_a_checkout_holds(tmp_path, capsys, monkeyp
     assert train_main(["--node-agent", "127.0.0.1:1", "--hf-model", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("[rank 0] batchd.train: error: --hf-model") and "nowhere" in err[-1], err
-

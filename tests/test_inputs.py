@@ -20,8 +20,14 @@ from batchd.preprocess import EmptyDatasetError, RecordDataset, TokenizerRef, de
 
 def batchd(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "batchd", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "batchd", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=timeout,
+    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> str:
@@ -57,8 +63,20 @@ def test_an_empty_dataset_is_an_error_naming_the_file(empty_files, fmt):
 
 def test_rank_and_demo_refuse_an_empty_dataset(empty_files, tmp_path):
     path = str(empty_files["jsonl"])
-    rank = batchd("rank", "--world-size", "1", "--token-budget", "256", "--rank", "0", "--coordinator",
-                  "127.0.0.1:9", "--dataset", path, cwd=tmp_path)
+    rank = batchd(
+        "rank",
+        "--world-size",
+        "1",
+        "--token-budget",
+        "256",
+        "--rank",
+        "0",
+        "--coordinator",
+        "127.0.0.1:9",
+        "--dataset",
+        path,
+        cwd=tmp_path,
+    )
     one_line_error(rank, "batchd rank: error:", "no records", path)
     demo = batchd("demo", "--dataset", path, "--no-baseline", cwd=tmp_path)
     one_line_error(demo, "batchd demo: error:", "no records", path)
@@ -70,21 +88,40 @@ def test_missing_inputs_are_one_line_errors(tmp_path):
     one_line_error(demo, "batchd demo: error:", "tokenizer not found", missing)
     demo = batchd("demo", "--dataset", str(tmp_path / "nope.parquet"), cwd=tmp_path)
     one_line_error(demo, "batchd demo: error:", "nope.parquet")
-    rank = batchd("rank", "--world-size", "1", "--token-budget", "256", "--rank", "0", "--coordinator",
-                  "127.0.0.1:9", "--dataset", str(tmp_path / "nope.parquet"), cwd=tmp_path)
+    rank = batchd(
+        "rank",
+        "--world-size",
+        "1",
+        "--token-budget",
+        "256",
+        "--rank",
+        "0",
+        "--coordinator",
+        "127.0.0.1:9",
+        "--dataset",
+        str(tmp_path / "nope.parquet"),
+        cwd=tmp_path,
+    )
     one_line_error(rank, "batchd rank: error:", "data.dataset", "nope.parquet")
     check = batchd("tokenizer", "--check", missing, cwd=tmp_path)
     one_line_error(check, "batchd tokenizer: error:", missing)
     not_json = tmp_path / "tok.txt"
     not_json.write_text("hello")
-    one_line_error(batchd("tokenizer", "--check", str(not_json), cwd=tmp_path), "not a tokenizer.json", "tok.txt")
+    one_line_error(
+        batchd("tokenizer", "--check", str(not_json), cwd=tmp_path), "not a tokenizer.json", "tok.txt"
+    )
 
 
 def test_trainer_reports_a_missing_tokenizer_in_one_line(tmp_path):
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     missing = str(tmp_path / "tok.json")
-    proc = subprocess.run([sys.executable, "-m", "batchd.train", "--base-port", "7100", "--tokenizer",
-                           missing], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchd.train", "--base-port", "7100", "--tokenizer", missing],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().count("\n") == 0 and missing in proc.stderr, proc.stderr
 
@@ -112,14 +149,24 @@ def _users_jsonl(path: Path, n: int = 64) -> dict[int, str]:
     returns {line: reason code} of the bad ones."""
     import json
 
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                                      {"role": "assistant", "content": f"It is {2 * i}. " * (1 + i % 5)}]})
-             for i in range(n)]
+    lines = [
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": f"What is {i} plus {i}?"},
+                    {"role": "assistant", "content": f"It is {2 * i}. " * (1 + i % 5)},
+                ]
+            }
+        )
+        for i in range(n)
+    ]
     bad = {5: "schema", 17: "invalid_json", 30: "missing_field", 44: "bad_role"}
-    lines[5] = json.dumps({"messages": "hello there"})                     # a field of the wrong type
-    lines[17] = '{"messages": [{"role": "user", "content": "broken'       # cut off
-    lines[30] = json.dumps({"conversation": []})                           # no messages at all
-    lines[44] = json.dumps({"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]})
+    lines[5] = json.dumps({"messages": "hello there"})  # a field of the wrong type
+    lines[17] = '{"messages": [{"role": "user", "content": "broken'  # cut off
+    lines[30] = json.dumps({"conversation": []})  # no messages at all
+    lines[44] = json.dumps(
+        {"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    )
     path.write_text("\n".join(lines) + "\n")
     return bad
 
@@ -129,8 +176,15 @@ def test_demo_on_a_users_jsonl_with_bad_lines_quarantines_them_and_trains_on_the
     import json
 
     bad = _users_jsonl(tmp_path / "mine.jsonl")
-    proc = batchd("demo", "--dataset", str(tmp_path / "mine.jsonl"), "--no-baseline", "--json", cwd=tmp_path,
-                  timeout=240)
+    proc = batchd(
+        "demo",
+        "--dataset",
+        str(tmp_path / "mine.jsonl"),
+        "--no-baseline",
+        "--json",
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads(proc.stdout.strip().splitlines()[-1])
     pre = s["preprocess"]
@@ -150,18 +204,33 @@ def test_too_many_bad_records_fail_a_small_dataset_naming_the_kept_quarantine(tm
     each rank's view. The job fails (exit 1, one line) naming the quarantine file that outlives the demo."""
     import json
 
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                                      {"role": "assistant", "content": f"It is {2 * i}."}]}) for i in range(60)]
+    lines = [
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": f"What is {i} plus {i}?"},
+                    {"role": "assistant", "content": f"It is {2 * i}."},
+                ]
+            }
+        )
+        for i in range(60)
+    ]
     for i in range(0, 60, 4):
         lines[i] = json.dumps({"messages": "hello there"})
     (tmp_path / "mine.jsonl").write_text("\n".join(lines) + "\n")
-    proc = batchd("demo", "--dataset", str(tmp_path / "mine.jsonl"), "--no-baseline", cwd=tmp_path, timeout=240)
+    proc = batchd(
+        "demo", "--dataset", str(tmp_path / "mine.jsonl"), "--no-baseline", cwd=tmp_path, timeout=240
+    )
     err = proc.stderr
     assert proc.returncode == 1, (proc.returncode, err[-3000:])  # a failed job (README, "Exit statuses")
     assert "Traceback" not in err, err[-3000:]
     failed = [ln for ln in err.splitlines() if ln.startswith("batchd demo: the job failed: ")]
-    assert len(failed) == 1 and "max_bad_fraction = 0.1" in failed[0] and "by reason: schema " in failed[0], err[-3000:]
+    assert len(failed) == 1 and "max_bad_fraction = 0.1" in failed[0] and "by reason: schema " in failed[0], (
+        err[-3000:]
+    )
     named = Path(failed[0].split("; see ", 1)[1].split(". Fix the data", 1)[0])
-    assert named.name.endswith("-quarantine.jsonl") and named.is_file(), failed[0]  # the kept copy, not the temp dir's
+    assert named.name.endswith("-quarantine.jsonl") and named.is_file(), failed[
+        0
+    ]  # the kept copy, not the temp dir's
     assert f"bad records (quarantine): {named}" in err, err[-3000:]
     named.unlink()

@@ -58,8 +58,15 @@ ATOL = 2e-5  # float32 gradients of a ~2-layer model; the controls differ by > 1
 # -- fixtures ------------------------------------------------------------------------------------------
 def tiny_llama(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+    )
     return transformers.LlamaForCausalLM(cfg).train()
 
 
@@ -72,12 +79,28 @@ def lengths_for(n: int = 48, seed: int = 3) -> list[int]:
 def make_job():
     with job_pool(vocab_size=VOCAB) as start:
 
-        def make(world_size: int = 1, collate: str = "padded", policy: str = "local", n: int = 48,
-                 budget: int = 256, skewed: bool = False, epochs: int = 1) -> InProcessJob:
+        def make(
+            world_size: int = 1,
+            collate: str = "padded",
+            policy: str = "local",
+            n: int = 48,
+            budget: int = 256,
+            skewed: bool = False,
+            epochs: int = 1,
+        ) -> InProcessJob:
             """`skewed`: unshuffled views, rank 0 (even ids) long samples, rank 1 (odd ids) a few tokens each:
             under the local policy rank 1 runs out after its first step and is IDLE from then on."""
-            spec = JobSpec(world_size=world_size, token_budget=budget, policy=policy, window=16, depth=3, seed=SEED,
-                           collate=collate, shuffle=not skewed, epochs=epochs)
+            spec = JobSpec(
+                world_size=world_size,
+                token_budget=budget,
+                policy=policy,
+                window=16,
+                depth=3,
+                seed=SEED,
+                collate=collate,
+                shuffle=not skewed,
+                epochs=epochs,
+            )
             lengths = [150 if i % 2 == 0 else 5 for i in range(n)] if skewed else lengths_for(n)
             return start(spec, lengths)
 
@@ -85,11 +108,17 @@ def make_job():
 
 
 def flat_grad(model: torch.nn.Module) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
-                      for p in model.parameters()])
+    return torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+            for p in model.parameters()
+        ]
+    )
 
 
-def reference_grad(model: torch.nn.Module, payloads: list[dict], per_sample_mean: bool = False) -> torch.Tensor:
+def reference_grad(
+    model: torch.nn.Module, payloads: list[dict], per_sample_mean: bool = False
+) -> torch.Tensor:
     """The gradient of the per-token mean loss over `payloads`, each sample forwarded alone, unpadded.
 
     With `per_sample_mean` (the control): the mean over samples of each sample's own per-token mean.
@@ -98,7 +127,9 @@ def reference_grad(model: torch.nn.Module, payloads: list[dict], per_sample_mean
     model.zero_grad(set_to_none=True)
     sums, counts = [], []
     for p in payloads:
-        logits = model(input_ids=torch.as_tensor(p["input_ids"], dtype=torch.int64)[None], use_cache=False).logits
+        logits = model(
+            input_ids=torch.as_tensor(p["input_ids"], dtype=torch.int64)[None], use_cache=False
+        ).logits
         s, n = token_loss_sum(logits, torch.as_tensor(p["labels"], dtype=torch.int64)[None])
         sums.append(s)
         counts.append(n)
@@ -116,7 +147,9 @@ def dataset_loss(model: torch.nn.Module, job: InProcessJob) -> float:
     with torch.no_grad():
         for i in range(len(job.lengths)):
             p = job.payload(i)
-            logits = model(input_ids=torch.as_tensor(p["input_ids"], dtype=torch.int64)[None], use_cache=False).logits
+            logits = model(
+                input_ids=torch.as_tensor(p["input_ids"], dtype=torch.int64)[None], use_cache=False
+            ).logits
             s, n = token_loss_sum(logits, torch.as_tensor(p["labels"], dtype=torch.int64)[None])
             total, count = total + float(s), count + n
     return total / count
@@ -156,18 +189,36 @@ def recording_trainer_cls():
 def trainer_args(tmp_path, **overrides) -> transformers.TrainingArguments:
     # lr 5e-3: at 1e-2 the one-epoch loss drop of this tiny model ran from 0.11 to 0.34 over 18 data orders
     # (the emission order depends on timing), once diverging in CI; at 5e-3 it ran from 0.12 to 0.39.
-    kwargs = {"output_dir": str(tmp_path / "out"), "max_steps": 1000, "learning_rate": 5e-3,
-              "lr_scheduler_type": "constant", "max_grad_norm": 0.0, "logging_steps": 1, "save_strategy": "no",
-              "report_to": "none", "use_cpu": True, "seed": 0, "disable_tqdm": True, "dataloader_pin_memory": False}
+    kwargs = {
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 1000,
+        "learning_rate": 5e-3,
+        "lr_scheduler_type": "constant",
+        "max_grad_norm": 0.0,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+        "dataloader_pin_memory": False,
+    }
     kwargs.update(overrides)
     return transformers.TrainingArguments(**kwargs)
 
 
-def make_trainer(job: InProcessJob, tmp_path, model=None, client=None, epochs: int | None = None, **overrides):
+def make_trainer(
+    job: InProcessJob, tmp_path, model=None, client=None, epochs: int | None = None, **overrides
+):
     cls = recording_trainer_cls()
     grads = FirstGrads()
-    trainer = cls(model=model or tiny_llama(), args=trainer_args(tmp_path, **overrides),
-                  client=client or (lambda: job.client(0)), callbacks=[grads], epochs=epochs)
+    trainer = cls(
+        model=model or tiny_llama(),
+        args=trainer_args(tmp_path, **overrides),
+        client=client or (lambda: job.client(0)),
+        callbacks=[grads],
+        epochs=epochs,
+    )
     trainer.seen = []
     return trainer, grads
 
@@ -225,7 +276,7 @@ def test_hf_trainer_runs_the_jobs_epochs_as_one_stream(make_job, tmp_path):
     steps = [info.step for _, info in trainer.seen]
     starts = [k for k, s in enumerate(steps) if s == 0]
     assert len(starts) == 3 and starts[0] == 0, steps  # each epoch's steps count from 0
-    epochs = [trainer.seen[a:b] for a, b in zip(starts, [*starts[1:], len(steps)])]
+    epochs = [trainer.seen[a:b] for a, b in zip(starts, [*starts[1:], len(steps)], strict=False)]
     for seen in epochs:
         assert sorted(i for ids, _ in seen for i in ids) == list(range(32)), "every sample once per epoch"
     assert out.global_step == len(trainer.seen)
@@ -253,7 +304,9 @@ def test_hf_trainer_gradient_accumulation_is_the_windows_per_token_mean(make_job
     if k == 2:  # the control: weighting each step's mean equally is measurably different
         halves = [reference_grad(initial, [job.payload(i) for i in ids]) for ids, _ in real[:2]]
         assert real[0][1].global_loss_tokens != real[1][1].global_loss_tokens
-        assert max_err((halves[0] + halves[1]) / 2, want) > 10 * ATOL, max_err((halves[0] + halves[1]) / 2, want)
+        assert max_err((halves[0] + halves[1]) / 2, want) > 10 * ATOL, max_err(
+            (halves[0] + halves[1]) / 2, want
+        )
 
 
 def test_hf_trainer_refuses_bad_setups(make_job, tmp_path):
@@ -331,7 +384,7 @@ def test_accelerate_gradient_accumulation_is_the_windows_per_token_mean(make_job
     assert sorted(i for ids in real for i in ids) == list(range(len(job.lengths))), "every sample once"
     assert len(seen) % k == 0 and len(updates) == len(seen) // k == math.ceil(len(real) / k)
     grad, n = updates[0]
-    want = reference_grad(initial, [job.payload(i) for ids in seen[:n + 1] for i in ids])
+    want = reference_grad(initial, [job.payload(i) for ids in seen[: n + 1] for i in ids])
     assert n == k - 1 and max_err(grad, want) <= ATOL, max_err(grad, want)
 
 
@@ -360,9 +413,12 @@ def test_hf_model_inputs_packed_layout_needs_no_cache():
         packed = model(**kwargs).logits[0]
         cached = model(**{**kwargs, "use_cache": True}).logits[0]
         cu = batch["cu_seqlens"].tolist()
-        alone = [model(input_ids=torch.as_tensor(p["input_ids"])[None], use_cache=False).logits[0] for p in payloads]
-    assert max(max_err(packed[cu[i]:cu[i + 1]], alone[i]) for i in range(3)) < 1e-5
-    assert max(max_err(cached[cu[i]:cu[i + 1]], alone[i]) for i in range(3)) > 1e-2
+        alone = [
+            model(input_ids=torch.as_tensor(p["input_ids"])[None], use_cache=False).logits[0]
+            for p in payloads
+        ]
+    assert max(max_err(packed[cu[i] : cu[i + 1]], alone[i]) for i in range(3)) < 1e-5
+    assert max(max_err(cached[cu[i] : cu[i + 1]], alone[i]) for i in range(3)) > 1e-2
     with pytest.raises(ValueError, match="input_ids"):
         hf_model_inputs({"labels": batch["labels"]})
 
@@ -474,25 +530,42 @@ def _trainer_epoch(address: str, grad_steps: int, out_dir: str, ga: int = 1) -> 
 
     grads = Grads(grad_steps)
     trainer = recording_trainer_cls()(
-        model=tiny_llama(), args=trainer_args(Path(out_dir), optim="sgd", learning_rate=0.1, logging_steps=1000,
-                                              gradient_accumulation_steps=ga),
-        client=lambda: BatchClient(address, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])), callbacks=[grads])
+        model=tiny_llama(),
+        args=trainer_args(
+            Path(out_dir), optim="sgd", learning_rate=0.1, logging_steps=1000, gradient_accumulation_steps=ga
+        ),
+        client=lambda: BatchClient(address, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])),
+        callbacks=[grads],
+    )
     trainer.seen = []
     trainer.train()
-    windows = [trainer.seen[w:w + ga] for w in range(0, len(trainer.seen), ga)]
-    steps = [{"ids": [i for ids, _ in win for i in ids], "idle": all(info.is_idle for _, info in win)}
-             for win in windows]
+    windows = [trainer.seen[w : w + ga] for w in range(0, len(trainer.seen), ga)]
+    steps = [
+        {"ids": [i for ids, _ in win for i in ids], "idle": all(info.is_idle for _, info in win)}
+        for win in windows
+    ]
     for step, (grad, params) in zip(steps, grads.grads, strict=False):
         step.update(grad=grad.tolist(), params=params)
-    return {"num_processes": trainer.args.world_size, "ddp": type(trainer.model_wrapped).__name__, "steps": steps}
+    return {
+        "num_processes": trainer.args.world_size,
+        "ddp": type(trainer.model_wrapped).__name__,
+        "steps": steps,
+    }
 
 
-def _rank_main(rank: int, world: int, port: int, addresses: dict[str, list[str]], out_dir: str,
-               grad_steps: int) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, addresses: dict[str, list[str]], out_dir: str, grad_steps: int
+) -> None:
     """One rank: Accelerate epochs on two jobs, then BatchdTrainer epochs on two others; the second of
     each with gradient accumulation over 2 steps (DDP over gloo)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+    )
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     out = {"accelerate": _accelerate_epoch(addresses["accelerate"][rank], grad_steps)}
@@ -515,10 +588,12 @@ def test_two_ranks_gradients_equal_single_process_reference(make_job, tmp_path):
     over 2 steps (both integrations), every update's gradient is that over the window's samples of both
     ranks."""
     # accelerate: balanced plan over shuffled lengths; trainer: skewed, rank 1 IDLE from its second step on
-    jobs = {"accelerate": make_job(world_size=2, policy="balanced", n=40, budget=200),
-            "trainer": make_job(world_size=2, policy="local", n=40, budget=200, skewed=True),
-            "trainer_ga": make_job(world_size=2, policy="balanced", n=40, budget=120),
-            "accelerate_ga": make_job(world_size=2, policy="local", n=40, budget=120, skewed=True)}
+    jobs = {
+        "accelerate": make_job(world_size=2, policy="balanced", n=40, budget=200),
+        "trainer": make_job(world_size=2, policy="local", n=40, budget=200, skewed=True),
+        "trainer_ga": make_job(world_size=2, policy="balanced", n=40, budget=120),
+        "accelerate_ga": make_job(world_size=2, policy="local", n=40, budget=120, skewed=True),
+    }
     addresses = {kind: [f"127.0.0.1:{port}" for port in job.ports] for kind, job in jobs.items()}
     grad_steps = 3
     spawn(_rank_main, (2, _free_port(), addresses, str(tmp_path), grad_steps), nprocs=2, limit_s=90)
@@ -553,7 +628,9 @@ def test_client_package_imports_without_transformers():
     import subprocess
     import sys
 
-    code = ("import sys, batchd.client as c; assert 'batchd_loss' in c.__all__; "
-            "print(sorted(m for m in ('transformers', 'accelerate', 'pytorch_lightning', 'lightning') if m in sys.modules))")
+    code = (
+        "import sys, batchd.client as c; assert 'batchd_loss' in c.__all__; "
+        "print(sorted(m for m in ('transformers', 'accelerate', 'pytorch_lightning', 'lightning') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out

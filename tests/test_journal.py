@@ -52,7 +52,9 @@ def test_a_corrupt_record_cuts_the_journal_there(tmp_path, caplog):
 def test_a_journal_of_another_job_or_version_is_refused_naming_why(tmp_path):
     path = tmp_path / "j"
     Journal(path, JOB).open()
-    with pytest.raises(JournalError, match=r"journal of another job \(token_budget: journal 512, this job 1024\)"):
+    with pytest.raises(
+        JournalError, match=r"journal of another job \(token_budget: journal 512, this job 1024\)"
+    ):
         Journal(path, {**JOB, "token_budget": 1024}).open()
     path.write_bytes(encode_record({"kind": "header", "version": 99, "job": JOB}))
     with pytest.raises(JournalError, match="journal version 99, this build reads version 1"):
@@ -119,6 +121,8 @@ def test_coordinator_restarted_mid_epoch_resumes_the_job(tmp_path, policy):
             assert len(got[0][e]) == len(got[1][e]) > 0
             for r in range(2):
                 assert [s for _, s in got[r][e]] == list(range(len(got[r][e])))
-            assert sorted(i for r in range(2) for ids, _ in got[r][e] for i in ids) == list(range(n)), f"epoch {e}"
+            assert sorted(i for r in range(2) for ids, _ in got[r][e] for i in ids) == list(range(n)), (
+                f"epoch {e}"
+            )
         job.wait_state("done")
         assert job.state.restored

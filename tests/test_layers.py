@@ -26,8 +26,10 @@ def test_no_import_runs_against_the_layers():
 
 
 def test_the_daemon_never_imports_torch():
-    code = ("import sys, batchd.core, batchd.proto, batchd.service, batchd.service.preprocess; "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys, batchd.core, batchd.proto, batchd.service, batchd.service.preprocess; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -42,55 +44,85 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
     return mods
 
 
-@pytest.mark.parametrize("module, source, needle", [
-    ("batchd.core._x", "from batchd.service import run_rank\n", "batchd.core -> batchd.service"),
-    ("batchd.proto._x", "from batchd import client\n", "batchd.proto -> batchd.client"),
-    ("batchd.service._x", "def f():\n    from batchd.client import BatchClient\n", "batchd.service -> batchd.client"),
-    ("batchd.service._x", "import torch\n", "imports torch"),
-    ("batchd.client._x", "from batchd.demo import run_demo\n", "batchd.client -> batchd"),
-    ("batchd.client._x", "from batchd.service._coordinator import X\n", "private module of batchd.service"),
-    ("batchd._x", "from batchd.client._train import _scaled\n", "private module of batchd.client"),
-    ("batchd.service.preprocess._x", "from batchd.service._main import run_rank\n", "below the rest of service"),
-    ("batchd.service.preprocess._x", "from .. import _coordinator\n", "below the rest of service"),
-])
+@pytest.mark.parametrize(
+    "module, source, needle",
+    [
+        ("batchd.core._x", "from batchd.service import run_rank\n", "batchd.core -> batchd.service"),
+        ("batchd.proto._x", "from batchd import client\n", "batchd.proto -> batchd.client"),
+        (
+            "batchd.service._x",
+            "def f():\n    from batchd.client import BatchClient\n",
+            "batchd.service -> batchd.client",
+        ),
+        ("batchd.service._x", "import torch\n", "imports torch"),
+        ("batchd.client._x", "from batchd.demo import run_demo\n", "batchd.client -> batchd"),
+        (
+            "batchd.client._x",
+            "from batchd.service._coordinator import X\n",
+            "private module of batchd.service",
+        ),
+        ("batchd._x", "from batchd.client._train import _scaled\n", "private module of batchd.client"),
+        (
+            "batchd.service.preprocess._x",
+            "from batchd.service._main import run_rank\n",
+            "below the rest of service",
+        ),
+        ("batchd.service.preprocess._x", "from .. import _coordinator\n", "below the rest of service"),
+    ],
+)
 def test_the_checker_sees_each_kind_of_violation(tmp_path, monkeypatch, module, source, needle):
-    mods = _tree(tmp_path, {module: source, "batchd.service._coordinator": "X = 1\n",
-                            "batchd.service._main": "", "batchd.service.__init__": "", "batchd.client.__init__": ""})
+    mods = _tree(
+        tmp_path,
+        {
+            module: source,
+            "batchd.service._coordinator": "X = 1\n",
+            "batchd.service._main": "",
+            "batchd.service.__init__": "",
+            "batchd.client.__init__": "",
+        },
+    )
     monkeypatch.setattr(graph, "ROOT", tmp_path)
     bad = graph.violations(mods)
     assert any(needle in b for b in bad), bad
 
 
 def test_the_checker_accepts_imports_along_the_arrows(tmp_path, monkeypatch):
-    mods = _tree(tmp_path, {
-        "batchd.client._x": "from batchd.core import JobSpec\nfrom batchd.proto import channel\nfrom . import _y\n",
-        "batchd.client._y": "import numpy\n",
-        "batchd._app": "from batchd.service.preprocess import RaySource\nimport torch\n",
-    })
+    mods = _tree(
+        tmp_path,
+        {
+            "batchd.client._x": "from batchd.core import JobSpec\nfrom batchd.proto import channel\nfrom . import _y\n",
+            "batchd.client._y": "import numpy\n",
+            "batchd._app": "from batchd.service.preprocess import RaySource\nimport torch\n",
+        },
+    )
     monkeypatch.setattr(graph, "ROOT", tmp_path)
     assert graph.violations(mods) == []
 
 
 def test_import_batchd_gives_the_public_api_without_torch():
-    code = ("import sys, batchd; assert 'torch' not in sys.modules; "
-            "missing = [n for n in batchd.__all__ if not hasattr(batchd, n)]; "
-            "assert not missing, missing; assert batchd.__all__ == sorted(batchd.__all__); "
-            "assert batchd.JobFailed is batchd.client.JobFailed is batchd.core.JobFailed; "
-            "assert issubclass(batchd.JobFailed, batchd.BatchdError); print('ok')")
+    code = (
+        "import sys, batchd; assert 'torch' not in sys.modules; "
+        "missing = [n for n in batchd.__all__ if not hasattr(batchd, n)]; "
+        "assert not missing, missing; assert batchd.__all__ == sorted(batchd.__all__); "
+        "assert batchd.JobFailed is batchd.client.JobFailed is batchd.core.JobFailed; "
+        "assert issubclass(batchd.JobFailed, batchd.BatchdError); print('ok')"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr
 
 
 def test_every_modules_all_names_what_it_defines():
     # `from m import *` fails on a name in `__all__` that `m` does not define (a stale export).
-    code = ("import importlib, pkgutil, batchd\n"
-            "bad = []\n"
-            "for info in pkgutil.walk_packages(batchd.__path__, 'batchd.'):\n"
-            "    if info.name.endswith('__main__'):\n"
-            "        continue\n"
-            "    mod = importlib.import_module(info.name)\n"
-            "    bad += [f'{info.name}.{n}' for n in getattr(mod, '__all__', []) if not hasattr(mod, n)]\n"
-            "print(bad)")
+    code = (
+        "import importlib, pkgutil, batchd\n"
+        "bad = []\n"
+        "for info in pkgutil.walk_packages(batchd.__path__, 'batchd.'):\n"
+        "    if info.name.endswith('__main__'):\n"
+        "        continue\n"
+        "    mod = importlib.import_module(info.name)\n"
+        "    bad += [f'{info.name}.{n}' for n in getattr(mod, '__all__', []) if not hasattr(mod, n)]\n"
+        "print(bad)"
+    )
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]", out.stdout

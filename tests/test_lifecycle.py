@@ -51,8 +51,13 @@ class Demo:
     def __init__(self, *args: str) -> None:
         self.marker = f"BATCHD_TEST_LIFECYCLE={uuid.uuid4().hex}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", self.marker.split("=")[0]: self.marker.split("=")[1]}
-        self.proc = subprocess.Popen([sys.executable, "-m", "batchd", "demo", *args], env=env, text=True,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "batchd", "demo", *args],
+            env=env,
+            text=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         self.lines: list[str] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -66,9 +71,15 @@ class Demo:
         return "\n".join(self.lines)
 
     def wait_line(self, text: str, timeout: float) -> str:
-        wait_until(f"the demo printing {text!r}", lambda: any(text in ln for ln in self.lines) or
-                   self.proc.poll() is not None, timeout, lambda: self.stderr[-3000:])
-        assert self.proc.poll() is None, f"the demo exited ({self.proc.returncode}) before {text!r}:\n{self.stderr}"
+        wait_until(
+            f"the demo printing {text!r}",
+            lambda: any(text in ln for ln in self.lines) or self.proc.poll() is not None,
+            timeout,
+            lambda: self.stderr[-3000:],
+        )
+        assert self.proc.poll() is None, (
+            f"the demo exited ({self.proc.returncode}) before {text!r}:\n{self.stderr}"
+        )
         return next(ln for ln in self.lines if text in ln)
 
     def work_dir(self) -> Path:
@@ -83,14 +94,17 @@ class Demo:
 
 def assert_nothing_left(marker: str, work: Path, timeout: float, tree: dict[int, str] | None = None) -> None:
     """No process with `marker`, none of the `descendants` snapshot `tree`, and no `work` left."""
+
     def left() -> list[str]:
         return sorted(set(processes_with_marker(marker)) | set(still_alive(tree or {})))
+
     wait_until("every process of the demo exiting", lambda: not left(), timeout, lambda: "\n".join(left()))
     wait_until(f"the demo's temp dir {work} being removed", lambda: not work.exists(), timeout)
 
 
-@pytest.mark.parametrize("sig, ray", [(signal.SIGINT, False), (signal.SIGTERM, True)], ids=["sigint-synthetic",
-                                                                                          "sigterm-ray"])
+@pytest.mark.parametrize(
+    "sig, ray", [(signal.SIGINT, False), (signal.SIGTERM, True)], ids=["sigint-synthetic", "sigterm-ray"]
+)
 def test_an_interrupted_demo_exits_130_in_one_line_and_leaves_nothing(sig, ray):
     args = ["--num-samples", "64", "--no-baseline"] + ([] if ray else ["--synthetic"])
     demo = Demo(*args)
@@ -158,7 +172,9 @@ def test_the_reaper_ends_descendants_and_orphans_that_hide_the_marker(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     marker = uuid.uuid4().hex
-    parent = subprocess.Popen([sys.executable, "-c", _TREE, str(work), marker], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _TREE, str(work), marker], stdout=subprocess.PIPE, text=True
+    )
     try:
         pids = [int(p) for p in parent.stdout.readline().split()]
         assert len(pids) == 4, pids
@@ -167,8 +183,12 @@ def test_the_reaper_ends_descendants_and_orphans_that_hide_the_marker(tmp_path):
         assert set(pids[2:3]).isdisjoint(descendants(parent.pid)), "C should have been reparented"
         parent.kill()
         parent.wait()
-        wait_until("the reaper ending A, B (no marker) and C (no marker, reparented), and removing the work dir",
-                   lambda: not still_alive(tree) and not work.exists(), 15, lambda: "\n".join(still_alive(tree)))
+        wait_until(
+            "the reaper ending A, B (no marker) and C (no marker, reparented), and removing the work dir",
+            lambda: not still_alive(tree) and not work.exists(),
+            15,
+            lambda: "\n".join(still_alive(tree)),
+        )
     finally:
         parent.kill()
         for pid, start in locals().get("tree", {}).items():
@@ -193,9 +213,23 @@ def test_rank_services_on_one_host_share_one_ray(tmp_path):
     procs = Processes(tmp_path, {"TMPDIR": ray_tmp, marker.split("=")[0]: marker.split("=")[1]})
     spec = spec_argv(JobSpec(world_size=world, token_budget=1024, policy="balanced", window=32, depth=2))
     try:
-        _, ports = start_services(procs, tmp_path, spec, world, None, rank_args=lambda r: [
-            "--dataset", str(data.path), "--num-actors", "1", "--stats-file", str(tmp_path / f"stats-{r}.json"),
-            "--max-bad-fraction", "1"])  # the sample data's 7 bad records are 30% of 24: not what is tested here
+        _, ports = start_services(
+            procs,
+            tmp_path,
+            spec,
+            world,
+            None,
+            rank_args=lambda r: [
+                "--dataset",
+                str(data.path),
+                "--num-actors",
+                "1",
+                "--stats-file",
+                str(tmp_path / f"stats-{r}.json"),
+                "--max-bad-fraction",
+                "1",
+            ],
+        )  # the sample data's 7 bad records are 30% of 24: not what is tested here
         tree = {**descendants(procs.get("rank-0").pid), **descendants(procs.get("rank-1").pid)}
         errors: list[BaseException] = []
 
@@ -211,8 +245,12 @@ def test_rank_services_on_one_host_share_one_ray(tmp_path):
         for t in threads:
             t.start()
         for r in range(world):
-            wait_until(f"rank service {r} exiting after the epoch", lambda r=r: procs.get(f"rank-{r}").poll()
-                       is not None, 120, lambda: procs.log("rank-0") + procs.log("rank-1"))
+            wait_until(
+                f"rank service {r} exiting after the epoch",
+                lambda r=r: procs.get(f"rank-{r}").poll() is not None,
+                120,
+                lambda: procs.log("rank-0") + procs.log("rank-1"),
+            )
         assert not errors, errors
         assert [procs.get(f"rank-{r}").returncode for r in range(world)] == [0, 0], procs.log("rank-0")
         logs = [procs.log(f"rank-{r}") for r in range(world)]
@@ -223,8 +261,12 @@ def test_rank_services_on_one_host_share_one_ray(tmp_path):
         stats = [json.loads((tmp_path / f"stats-{r}.json").read_text()) for r in range(world)]
         assert {s["ray_address"] for s in stats} == addresses and len(addresses) == 1, (stats, addresses)
         left = lambda: processes_with_marker(marker) + still_alive(tree)
-        wait_until("the shared Ray stopping after the last rank service", lambda: not left(), 15,
-                   lambda: "\n".join(left()))
+        wait_until(
+            "the shared Ray stopping after the last rank service",
+            lambda: not left(),
+            15,
+            lambda: "\n".join(left()),
+        )
     finally:
         procs.stop()
         import shutil

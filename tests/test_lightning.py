@@ -22,17 +22,35 @@ import os
 import pytest
 import torch
 from _jobs import job_pool
+from test_integrations import ATOL, SEED, VOCAB, flat_grad, lengths_for, max_err, reference_grad, tiny_llama
+
 from batchd.client import BatchClient
 from batchd.core import JobSpec
-from test_integrations import ATOL, SEED, VOCAB, flat_grad, lengths_for, max_err, reference_grad, tiny_llama
 
 pl = pytest.importorskip("pytorch_lightning")
 
 
-def make_job(start, world_size: int = 1, collate: str = "padded", policy: str = "local", n: int = 40,
-             budget: int = 200, skewed: bool = False, epochs: int = 1):
-    spec = JobSpec(world_size=world_size, token_budget=budget, policy=policy, window=16, depth=3, seed=SEED,
-                   collate=collate, shuffle=not skewed, epochs=epochs)
+def make_job(
+    start,
+    world_size: int = 1,
+    collate: str = "padded",
+    policy: str = "local",
+    n: int = 40,
+    budget: int = 200,
+    skewed: bool = False,
+    epochs: int = 1,
+):
+    spec = JobSpec(
+        world_size=world_size,
+        token_budget=budget,
+        policy=policy,
+        window=16,
+        depth=3,
+        seed=SEED,
+        collate=collate,
+        shuffle=not skewed,
+        epochs=epochs,
+    )
     lengths = [150 if i % 2 == 0 else 5 for i in range(n)] if skewed else lengths_for(n)
     return start(spec, lengths)
 
@@ -83,16 +101,31 @@ def lit_module(grad_steps: int = 0, lr: float = 0.1):
 
 
 def lit_trainer(**kwargs):
-    kwargs = {"accelerator": "cpu", "devices": 1, "max_epochs": -1, "logger": False, "enable_checkpointing": False,
-              "enable_progress_bar": False, "enable_model_summary": False, **kwargs}
+    kwargs = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_epochs": -1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        **kwargs,
+    }
     return pl.Trainer(**kwargs)
 
 
 # -- two processes, Lightning's DDP over gloo --------------------------------------------------------------
-def _rank_main(rank: int, world: int, port: int, addresses: dict[str, list[str]], out_dir: str,
-               grad_steps: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK="0", LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world), RANK=str(rank))
+def _rank_main(
+    rank: int, world: int, port: int, addresses: dict[str, list[str]], out_dir: str, grad_steps: int
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        NODE_RANK="0",
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+    )
     torch.set_num_threads(1)
     import warnings
 
@@ -105,9 +138,15 @@ def _rank_main(rank: int, world: int, port: int, addresses: dict[str, list[str]]
         dm = BatchdDataModule(lambda a=addrs[rank]: BatchClient(a, rank, world))
         trainer = lit_trainer(devices=world, strategy="ddp")
         trainer.fit(module, datamodule=dm)
-        out[kind] = {"world_size": trainer.world_size, "ddp": module.wrapper,
-                     "steps": module.steps, "grads": module.grads, "finished": dm.client.finished,
-                     "should_stop": trainer.should_stop, "global_step": trainer.global_step}
+        out[kind] = {
+            "world_size": trainer.world_size,
+            "ddp": module.wrapper,
+            "steps": module.steps,
+            "grads": module.grads,
+            "finished": dm.client.finished,
+            "should_stop": trainer.should_stop,
+            "global_step": trainer.global_step,
+        }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(out, f)
     # both ranks are done with every collective (the fits ended); a normal interpreter exit here takes
@@ -120,15 +159,19 @@ def test_lightning_ddp_gradients_equal_single_process_reference(jobs, tmp_path):
     from _procs import spawn
     from test_integrations import _free_port
 
-    made = {"balanced": make_job(jobs, world_size=2, policy="balanced"),
-            "skewed": make_job(jobs, world_size=2, policy="local", skewed=True, collate="packed")}
+    made = {
+        "balanced": make_job(jobs, world_size=2, policy="balanced"),
+        "skewed": make_job(jobs, world_size=2, policy="local", skewed=True, collate="packed"),
+    }
     addresses = {kind: [job.rank_address(r) for r in range(2)] for kind, job in made.items()}
     grad_steps = 3
     spawn(_rank_main, (2, _free_port(), addresses, str(tmp_path), grad_steps), nprocs=2, limit_s=60)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for kind, job in made.items():
         res = [r[kind] for r in ranks]
-        assert [r["world_size"] for r in res] == [2, 2] and res[0]["ddp"] == "DistributedDataParallel", res[0]["ddp"]
+        assert [r["world_size"] for r in res] == [2, 2] and res[0]["ddp"] == "DistributedDataParallel", res[
+            0
+        ]["ddp"]
         # the end-to-end epoch: equal steps on both ranks, every id exactly once, Lightning stops with the stream
         n = len(res[0]["steps"])
         assert n == len(res[1]["steps"]) > grad_steps and [r["global_step"] for r in res] == [n, n]
@@ -152,7 +195,9 @@ def test_lightning_ddp_gradients_equal_single_process_reference(jobs, tmp_path):
             gaps.append(max_err((means[0][0] + means[1][0]) / 2 + 0 * want, want))
         assert max(gaps) > 100 * ATOL, (kind, gaps)
     skewed = ranks[1]["skewed"]["steps"]
-    assert any(s["idle"] for s in skewed[:grad_steps]) and sum(s["idle"] for s in skewed) > 5, "IDLE steps checked"
+    assert any(s["idle"] for s in skewed[:grad_steps]) and sum(s["idle"] for s in skewed) > 5, (
+        "IDLE steps checked"
+    )
 
 
 # -- one process -----------------------------------------------------------------------------------------
@@ -191,7 +236,9 @@ def test_lightning_epochs_follow_the_job_and_bad_setups_are_refused(jobs):
     starts = [k for k, s in enumerate(steps) if s == 0]
     assert len(starts) == 2 and starts[0] == 0, steps
     for a, b in zip(starts, [starts[1], len(steps)], strict=True):
-        assert sorted(i for s in module.steps[a:b] for i in s["ids"]) == list(range(16)), "every id once per epoch"
+        assert sorted(i for s in module.steps[a:b] for i in s["ids"]) == list(range(16)), (
+            "every id once per epoch"
+        )
     assert dm.client.epoch == 1 and dm.client.finished and trainer.should_stop and trainer.current_epoch == 2
 
     with pytest.raises(ValueError, match="epochs must be None or an integer >= 1"):

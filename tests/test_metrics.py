@@ -41,8 +41,11 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """{(sample name, sorted labels): value} of one scrape of http://127.0.0.1:port/metrics."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def value(m: dict, name: str, **labels: str) -> float:
@@ -66,13 +69,25 @@ def skewed_lengths(n: int = 240, seed: int = 7) -> list[int]:
     return [int(rng.integers(8, 40)) if i % 2 == 0 else int(rng.integers(150, 500)) for i in range(n)]
 
 
-@pytest.mark.parametrize("policy,collate,quota", [("local", "padded", None), ("balanced", "packed", None),
-                                                  ("local", "padded", 301)])
+@pytest.mark.parametrize(
+    "policy,collate,quota",
+    [("local", "padded", None), ("balanced", "packed", None), ("local", "padded", 301)],
+)
 def test_counters_equal_what_the_trainers_received(jobs, policy, collate, quota):
     lengths = skewed_lengths()
     mode = "join" if quota is None else "non-join"  # non-join: 301 samples, the last step is cut mid-group
-    spec = JobSpec(world_size=2, token_budget=1024, policy=policy, window=24, depth=3, seed=2, shuffle=False,
-                   collate=collate, mode=mode, quota=quota)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=1024,
+        policy=policy,
+        window=24,
+        depth=3,
+        seed=2,
+        shuffle=False,
+        collate=collate,
+        mode=mode,
+        quota=quota,
+    )
     job = jobs(spec, lengths)
     got = _drain(job)
     job.wait_state("done")  # every rank told the coordinator its trainer took the last step
@@ -86,7 +101,7 @@ def test_counters_equal_what_the_trainers_received(jobs, policy, collate, quota)
     n_steps = len(got[0])
     assert len(got[1]) == n_steps > 0
 
-    for r, (steps, m) in enumerate(zip(got, ranks)):
+    for r, (steps, m) in enumerate(zip(got, ranks, strict=False)):
         rk = {"rank": str(r)}
         real = [s for s in steps if not s[2].is_idle]
         samples = sum(len(ids) for ids, _, _ in real)
@@ -123,15 +138,22 @@ def test_counters_equal_what_the_trainers_received(jobs, policy, collate, quota)
         else:
             assert 0 < sps <= samples / (t_scrape0 - job.t_started)
         # the three rates share one time span: their ratios are exact
-        assert value(m, "batchd_real_tokens_per_second", **rk) / sps == pytest.approx(tokens / samples, rel=1e-12)
-        assert value(m, "batchd_padded_tokens_per_second", **rk) / sps == pytest.approx(padded / samples, rel=1e-12)
+        assert value(m, "batchd_real_tokens_per_second", **rk) / sps == pytest.approx(
+            tokens / samples, rel=1e-12
+        )
+        assert value(m, "batchd_padded_tokens_per_second", **rk) / sps == pytest.approx(
+            padded / samples, rel=1e-12
+        )
         assert not any(k[0] == "batchd_quarantined_total" for k in m), "nothing was quarantined"
         assert value(coord, "batchd_job_idle_steps_total", **rk) == idle
         assert value(coord, "batchd_job_rank_cost_total", **rk) == pytest.approx(
-            sum(cost([lengths[i] for i in ids]) for ids, _, _ in real), rel=1e-12)
+            sum(cost([lengths[i] for i in ids]) for ids, _, _ in real), rel=1e-12
+        )
 
     if policy == "local" and quota is None:
-        assert value(ranks[0], "batchd_idle_steps_total", rank="0") > 0, "the skewed split must make IDLE steps"
+        assert value(ranks[0], "batchd_idle_steps_total", rank="0") > 0, (
+            "the skewed split must make IDLE steps"
+        )
     assert value(coord, "batchd_job_steps_total") == n_steps
     received = [i for steps in got for ids, _, _ in steps for i in ids]
     assert len(received) == (len(lengths) if quota is None else quota)
@@ -139,13 +161,19 @@ def test_counters_equal_what_the_trainers_received(jobs, policy, collate, quota)
     assert value(coord, "batchd_job_real_tokens_total") == sum(lengths[i] for i in received)
     step_costs = [[cost([lengths[i] for i in got[r][s][0]]) for r in range(2)] for s in range(n_steps)]
     assert value(coord, "batchd_job_step_cost_max_total") == pytest.approx(sum(max(c) for c in step_costs))
-    assert value(coord, "batchd_job_step_cost_mean_total") == pytest.approx(sum(sum(c) / 2 for c in step_costs))
+    assert value(coord, "batchd_job_step_cost_mean_total") == pytest.approx(
+        sum(sum(c) / 2 for c in step_costs)
+    )
     last_round = max(info.round for _, _, info in got[0])
-    last = [c for c, (_, _, info) in zip(step_costs, got[0]) if info.round == last_round]
+    last = [c for c, (_, _, info) in zip(step_costs, got[0], strict=False) if info.round == last_round]
     expect = sum(max(c) for c in last) / sum(sum(c) / 2 for c in last)
     assert value(coord, "batchd_rank_imbalance") == pytest.approx(expect, rel=1e-12)
     assert 1.0 <= expect <= 2.0
-    for h in ("batchd_align_latency_seconds", "batchd_align_barrier_wait_seconds", "batchd_align_round_seconds"):
+    for h in (
+        "batchd_align_latency_seconds",
+        "batchd_align_barrier_wait_seconds",
+        "batchd_align_round_seconds",
+    ):
         assert value(coord, f"{h}_count") == rounds, h
     assert value(coord, "batchd_job_rounds_total") == rounds
     assert value(coord, "batchd_align_round_seconds_sum") >= value(coord, "batchd_align_latency_seconds_sum")
@@ -182,7 +210,9 @@ def test_live_gauges_while_the_trainer_is_behind(jobs):
     deadline = time.monotonic() + 20
     while True:  # no trainer yet: the service fills its output slots and its window, then waits
         m = scrape(job.rank_metrics_port(0))
-        if value(m, "batchd_ready_batches", rank="0") == spec.depth and value(m, "batchd_steps_total", rank="0"):
+        if value(m, "batchd_ready_batches", rank="0") == spec.depth and value(
+            m, "batchd_steps_total", rank="0"
+        ):
             break
         assert time.monotonic() < deadline, m
         time.sleep(0.05)
@@ -195,27 +225,37 @@ def test_live_gauges_while_the_trainer_is_behind(jobs):
 
 def test_quarantined_records_by_reason():
     spec = JobSpec(world_size=1, token_budget=64, window=4, over_budget="reject")
-    with InProcessJob(spec, sources=[IngestSource(capacity=4)], connect_timeout_s=30,
-                      metrics=True) as job:
+    with InProcessJob(spec, sources=[IngestSource(capacity=4)], connect_timeout_s=30, metrics=True) as job:
         rport, hport = job.ports[0], job.rank_metrics_port(0)
         stub = pb_grpc.RankServiceStub(grpc.insecure_channel(f"127.0.0.1:{rport}"))
 
         def req(i, n, loss=None):
             p = synthetic_payload(i, n, 0, 100)
             k = int((p["labels"][1:] != -100).sum()) if loss is None else loss
-            return pb.IngestRequest(meta=pb.SampleMeta(id=i, length=n, loss_tokens=k), tensors=wire.tensors_to_pb(p))
+            return pb.IngestRequest(
+                meta=pb.SampleMeta(id=i, length=n, loss_tokens=k), tensors=wire.tensors_to_pb(p)
+            )
 
         wrong_length = req(2, 7)
         wrong_length.meta.length = 9
-        msgs = [req(0, 10), req(1, 12, loss=0), wrong_length, req(3, 200), req(4, 9), req(5, 300),
-                pb.IngestRequest(end_of_epoch=True)]
+        msgs = [
+            req(0, 10),
+            req(1, 12, loss=0),
+            wrong_length,
+            req(3, 200),
+            req(4, 9),
+            req(5, 300),
+            pb.IngestRequest(end_of_epoch=True),
+        ]
         reply = stub.Ingest(iter(msgs), timeout=20)
         assert reply.accepted == 4 and len(reply.quarantined) == 2
         with BatchClient(f"127.0.0.1:{rport}", 0, 1) as c:
             got = sorted(i for b, _ in c for i in b["sample_ids"].tolist())
         assert got == [0, 4]  # 3 and 5 exceed the 64-token budget and are rejected
         m = scrape(hport)
-        assert value(m, "batchd_quarantined_total", rank="0", reason="invalid_ingest") == len(reply.quarantined)
+        assert value(m, "batchd_quarantined_total", rank="0", reason="invalid_ingest") == len(
+            reply.quarantined
+        )
         assert value(m, "batchd_quarantined_total", rank="0", reason="over_budget") == 2
         assert value(m, "batchd_samples_total", rank="0") == 2
         assert value(m, "batchd_real_tokens_total", rank="0") == 10 + 9
@@ -283,16 +323,20 @@ def _wait_json(path: Path, timeout: float = 60.0) -> dict:
 def test_run_coordinator_and_run_rank_serve_metrics(tmp_path):
     lengths = skewed_lengths(80)
     spec_kw = "world_size=1, token_budget=1024, window=16, depth=2, seed=0"
-    coord_code = ("from batchd.core import JobSpec; from batchd.service import run_coordinator; import sys; "
-                  f"sys.exit(run_coordinator(JobSpec({spec_kw}), port_file={str(tmp_path / 'c.json')!r}, "
-                  "metrics_port=0))")
+    coord_code = (
+        "from batchd.core import JobSpec; from batchd.service import run_coordinator; import sys; "
+        f"sys.exit(run_coordinator(JobSpec({spec_kw}), port_file={str(tmp_path / 'c.json')!r}, "
+        "metrics_port=0))"
+    )
     coord = subprocess.Popen([sys.executable, "-c", coord_code])
     procs = [coord]
     try:
         cinfo = _wait_json(tmp_path / "c.json")
-        rank_code = ("from batchd.core import JobSpec; from batchd.service import run_rank; import sys; "
-                     f"sys.exit(run_rank(JobSpec({spec_kw}), 0, '127.0.0.1:{cinfo['port']}', {lengths!r}, "
-                     f"port_file={str(tmp_path / 'r.json')!r}, metrics_port=0))")
+        rank_code = (
+            "from batchd.core import JobSpec; from batchd.service import run_rank; import sys; "
+            f"sys.exit(run_rank(JobSpec({spec_kw}), 0, '127.0.0.1:{cinfo['port']}', {lengths!r}, "
+            f"port_file={str(tmp_path / 'r.json')!r}, metrics_port=0))"
+        )
         rank = subprocess.Popen([sys.executable, "-c", rank_code])
         procs.append(rank)
         rinfo = _wait_json(tmp_path / "r.json")
@@ -301,7 +345,9 @@ def test_run_coordinator_and_run_rank_serve_metrics(tmp_path):
         while value(m := scrape(rinfo["metrics_port"]), "batchd_ready_batches", rank="0") < 2:  # slots full
             assert time.monotonic() < deadline, m
             time.sleep(0.05)
-        assert value(m, "batchd_steps_total", rank="0") == 2 and value(m, "batchd_samples_total", rank="0") > 0
+        assert (
+            value(m, "batchd_steps_total", rank="0") == 2 and value(m, "batchd_samples_total", rank="0") > 0
+        )
         with BatchClient(f"127.0.0.1:{rinfo['port']}", 0, 1) as c:
             got = [b["sample_ids"].tolist() for b, _ in c]
         deadline = time.monotonic() + 30  # done once the rank told it its trainer took the last step
@@ -312,7 +358,10 @@ def test_run_coordinator_and_run_rank_serve_metrics(tmp_path):
         assert value(m, "batchd_job_steps_total") == len(got)
         assert value(m, "batchd_job_state", batchd_job_state="done") == 1
         assert coord.wait(30) == 0 and rank.wait(30) == 0
-        for port in (cinfo["metrics_port"], rinfo["metrics_port"]):  # both endpoints closed with their process
+        for port in (
+            cinfo["metrics_port"],
+            rinfo["metrics_port"],
+        ):  # both endpoints closed with their process
             with pytest.raises(urllib.error.URLError):
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
     finally:

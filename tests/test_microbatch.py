@@ -28,8 +28,13 @@ def test_balanced_split_is_a_partition_within_the_lpt_bound_of_the_optimum(costs
     assert len(parts) == m and all(p == sorted(p) for p in parts)
     assert sorted(i for p in parts for i in p) == list(range(len(costs)))
     loads = _loads(costs, parts)
-    best = min((max(_loads(costs, [[i for i, a in enumerate(assign) if a == j] for j in range(m)]))
-                for assign in itertools.product(range(m), repeat=len(costs))), default=0)
+    best = min(
+        (
+            max(_loads(costs, [[i for i, a in enumerate(assign) if a == j] for j in range(m)]))
+            for assign in itertools.product(range(m), repeat=len(costs))
+        ),
+        default=0,
+    )
     assert max(loads) <= (4 / 3 - 1 / (3 * m)) * best + 1e-9
     hi = max(range(m), key=lambda j: loads[j])
     assert max(loads) - min(loads) <= max((costs[i] for i in parts[hi]), default=0)
@@ -72,9 +77,20 @@ def _payloads(lengths, seed=0):
 def _info(payloads, scale=1.7, idle=False) -> StepInfo:
     t = 0 if idle else sum(batchd.loss_tokens(p["labels"]) for p in payloads)
     n = 0 if idle else sum(len(p["input_ids"]) for p in payloads)
-    return StepInfo(rank=0, step=3, round=1, is_idle=idle, local_samples=0 if idle else len(payloads),
-                    local_tokens=n, local_loss_tokens=t, global_samples=9, global_tokens=999,
-                    global_loss_tokens=500, loss_scale=0.0 if idle else scale, cost=float(n))
+    return StepInfo(
+        rank=0,
+        step=3,
+        round=1,
+        is_idle=idle,
+        local_samples=0 if idle else len(payloads),
+        local_tokens=n,
+        local_loss_tokens=t,
+        global_samples=9,
+        global_tokens=999,
+        global_loss_tokens=500,
+        loss_scale=0.0 if idle else scale,
+        cost=float(n),
+    )
 
 
 def _grad(model, parts):
@@ -101,7 +117,9 @@ def test_microbatches_add_up_to_the_step_exactly(layout):
     assert sum(mi.local_loss_tokens for _, mi in parts) == info.local_loss_tokens
     assert all(mi.global_loss_tokens == info.global_loss_tokens for _, mi in parts)
     split, g_split = _grad(model, parts)
-    assert split == pytest.approx(whole, rel=1e-12) and torch.allclose(g_split, g_whole, rtol=1e-10, atol=1e-12)
+    assert split == pytest.approx(whole, rel=1e-12) and torch.allclose(
+        g_split, g_whole, rtol=1e-10, atol=1e-12
+    )
     # control: the step's scale on every part (not x t_m / t_r) gives another gradient
     wrong = [(micro, dataclasses.replace(mi, loss_scale=info.loss_scale)) for micro, mi in parts]
     _, g_wrong = _grad(model, wrong)
@@ -132,15 +150,31 @@ def test_pipeline_steps_weigh_each_step_by_its_share_of_the_pipeline_steps_token
     t = [[5, 0, 7, 2], [3, 9, 0, 4]]  # per rank, per step: local loss tokens (0: IDLE)
     totals = [t[0][j] + t[1][j] for j in range(4)]
     for r in range(n):
-        steps = [({"sample_ids": torch.tensor([j])}, StepInfo(
-            rank=r, step=j, round=0, is_idle=t[r][j] == 0, local_samples=int(t[r][j] > 0), local_tokens=t[r][j],
-            local_loss_tokens=t[r][j], global_samples=2, global_tokens=totals[j], global_loss_tokens=totals[j],
-            loss_scale=n * t[r][j] / totals[j], cost=1.0)) for j in range(4)]
+        steps = [
+            (
+                {"sample_ids": torch.tensor([j])},
+                StepInfo(
+                    rank=r,
+                    step=j,
+                    round=0,
+                    is_idle=t[r][j] == 0,
+                    local_samples=int(t[r][j] > 0),
+                    local_tokens=t[r][j],
+                    local_loss_tokens=t[r][j],
+                    global_samples=2,
+                    global_tokens=totals[j],
+                    global_loss_tokens=totals[j],
+                    loss_scale=n * t[r][j] / totals[j],
+                    cost=1.0,
+                ),
+            )
+            for j in range(4)
+        ]
         windows = list(batchd.pipeline_steps(steps, m))
         assert [len(w) for w in windows] == [m, m], "the epoch's last pipeline step is filled with IDLE steps"
         assert [mi.is_idle for _, mi in windows[1]][1:] == [True, True]
-        for w, first in zip(windows, (0, 3)):
-            window_total = sum(totals[first:first + m])
+        for w, first in zip(windows, (0, 3), strict=False):
+            window_total = sum(totals[first : first + m])
             for j, (_, mi) in enumerate(w):
                 expect = n * t[r][first + j] / window_total if first + j < 4 else 0.0
                 assert mi.loss_scale == pytest.approx(expect)

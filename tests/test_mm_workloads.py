@@ -7,22 +7,22 @@ import json
 from pathlib import Path
 
 import pytest
+
+from batchd import read_workload
+from batchd.cli import main
 from batchd.core import (
     WORKLOAD_HEADER,
     JobSpec,
     Sample,
     Simulator,
-    imbalance,
     format_workload,
+    imbalance,
     parse_lengths,
     parse_workload,
     phase_loads,
     simulate,
     single_phase,
 )
-
-from batchd import read_workload
-from batchd.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = REPO / "benchmarks" / "workloads"
@@ -39,19 +39,25 @@ def test_parse_workload_reads_samples_in_order():
     assert parse_workload([" text_tokens , image_patches , image_tokens ", "0,4,1"])[0].length == 1
 
 
-@pytest.mark.parametrize("lines, match", [
-    ([], r"w\.csv:1: the header must be"),
-    (["length\n", "5\n"], r"w\.csv:1: the header must be"),
-    ([HEADER, "5,1,1", ""], r"w\.csv:3: empty line"),
-    ([HEADER, "5,1"], r"w\.csv:2: expected 3 comma-separated columns"),
-    ([HEADER, "x,1,1"], r"w\.csv:2: text_tokens must be an integer, got 'x'"),
-    ([HEADER, "-1,1,1"], r"w\.csv:2: text_tokens must be >= 0"),
-    ([HEADER, "5,1 a,1 1"], r"w\.csv:2: image_patches must be space-separated integers, got 'a'"),
-    ([HEADER, "5,0,1"], r"w\.csv:2: every image_patches entry must be >= 1"),
-    ([HEADER, "5,1,0"], r"w\.csv:2: every image_tokens entry must be >= 1"),
-    ([HEADER, "5,1 2,1"], r"w\.csv:2: image_patches and image_tokens must list one entry per image, got 2 and 1"),
-    ([HEADER, "0,,"], r"w\.csv:2: a sample needs at least one token"),
-])
+@pytest.mark.parametrize(
+    "lines, match",
+    [
+        ([], r"w\.csv:1: the header must be"),
+        (["length\n", "5\n"], r"w\.csv:1: the header must be"),
+        ([HEADER, "5,1,1", ""], r"w\.csv:3: empty line"),
+        ([HEADER, "5,1"], r"w\.csv:2: expected 3 comma-separated columns"),
+        ([HEADER, "x,1,1"], r"w\.csv:2: text_tokens must be an integer, got 'x'"),
+        ([HEADER, "-1,1,1"], r"w\.csv:2: text_tokens must be >= 0"),
+        ([HEADER, "5,1 a,1 1"], r"w\.csv:2: image_patches must be space-separated integers, got 'a'"),
+        ([HEADER, "5,0,1"], r"w\.csv:2: every image_patches entry must be >= 1"),
+        ([HEADER, "5,1,0"], r"w\.csv:2: every image_tokens entry must be >= 1"),
+        (
+            [HEADER, "5,1 2,1"],
+            r"w\.csv:2: image_patches and image_tokens must list one entry per image, got 2 and 1",
+        ),
+        ([HEADER, "0,,"], r"w\.csv:2: a sample needs at least one token"),
+    ],
+)
 def test_parse_workload_errors_name_the_line(lines, match):
     with pytest.raises(ValueError, match=match):
         parse_workload(lines, "w.csv")
@@ -80,7 +86,9 @@ def test_simulator_reports_per_phase_balance_by_hand():
         if sum(loads):
             single.append(imbalance(loads))
             mean = sum(loads) / len(loads)
-            bound.append(max(mean, max(vision.image(p) for s in step for x in s.samples for p, _ in x.images)) / mean)
+            bound.append(
+                max(mean, max(vision.image(p) for s in step for x in s.samples for p, _ in x.images)) / mean
+            )
 
     one = simulate(samples, spec, on_step=check, local_ranks=2)
     assert one["phases"] == 1 and one["missing"] == 0 and one["duplicates"] == 0
@@ -92,7 +100,14 @@ def test_simulator_reports_per_phase_balance_by_hand():
     assert one["exchanged_intra_node_images_per_step"] == 0 and one["vision_plan_rounds"] == 0
     two = simulate(samples, spec.replace(phases=2), local_ranks=2)
     # the LLM plan does not depend on phases: same steps, same LLM balance, same single-phase vision
-    for key in ("steps", "llm_imbalance", "vision_imbalance_single", "vision_bound", "images", "compute_vs_limit"):
+    for key in (
+        "steps",
+        "llm_imbalance",
+        "vision_imbalance_single",
+        "vision_bound",
+        "images",
+        "compute_vs_limit",
+    ):
         assert two[key] == one[key], key
     assert 1.0 <= two["vision_bound"] <= two["vision_bound_pigeonhole"] <= two["vision_imbalance_two"]
     assert two["vision_imbalance_two"] < one["vision_imbalance_single"]
@@ -126,9 +141,11 @@ def test_simulator_rejects_samples_out_of_order():
 
 def write_workload(tmp_path: Path, n: int = 200) -> Path:
     path = tmp_path / "mm.csv"
-    rows = [HEADER] + [f"{s.modality_tokens[0][1] if s.modality_tokens else s.length - sum(t for _, t in s.images)},"
-                       f"{' '.join(str(p) for p, _ in s.images)},{' '.join(str(t) for _, t in s.images)}"
-                       for s in mm_samples(n)]
+    rows = [HEADER] + [
+        f"{s.modality_tokens[0][1] if s.modality_tokens else s.length - sum(t for _, t in s.images)},"
+        f"{' '.join(str(p) for p, _ in s.images)},{' '.join(str(t) for _, t in s.images)}"
+        for s in mm_samples(n)
+    ]
     path.write_text("\n".join(rows) + "\n")
     return path
 
@@ -136,8 +153,22 @@ def write_workload(tmp_path: Path, n: int = 200) -> Path:
 def test_cli_simulate_prints_per_phase_balance(tmp_path, capsys):
     path = write_workload(tmp_path)
     assert [s.images for s in read_workload(path)] == [s.images for s in mm_samples(200)]
-    args = ["simulate", "--workload", str(path), "--world-size", "4", "--token-budget", "4096", "--policy",
-            "balanced", "--window", "32", "--local-ranks", "2", "--quiet"]
+    args = [
+        "simulate",
+        "--workload",
+        str(path),
+        "--world-size",
+        "4",
+        "--token-budget",
+        "4096",
+        "--policy",
+        "balanced",
+        "--window",
+        "32",
+        "--local-ranks",
+        "2",
+        "--quiet",
+    ]
     assert main([*args, "--phases", "2"]) == 0
     out = capsys.readouterr().out
     assert "per-phase balance" in out and "embeddings exchanged per step: intra-node" in out
@@ -171,7 +202,9 @@ def test_cli_simulate_reads_length_files_as_before(tmp_path, capsys):
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("5\n9\n30\n2\n" * 10)
     for flag in ("--lengths", "--workload"):
-        assert main(["simulate", flag, str(lengths), "--world-size", "2", "--token-budget", "64", "--json"]) == 0
+        assert (
+            main(["simulate", flag, str(lengths), "--world-size", "2", "--token-budget", "64", "--json"]) == 0
+        )
         result = json.loads(capsys.readouterr().out)
         assert result["samples"] == 40 and "vision_imbalance_single" not in result
 
@@ -184,7 +217,9 @@ def test_committed_workloads_parse_and_match_their_generator(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     path = WORKLOADS / f"{name}.csv"
-    assert path.read_text() == module.render(module.WORKLOADS[name]()), "rerun benchmarks/make_mm_workloads.py"
+    assert path.read_text() == module.render(module.WORKLOADS[name]()), (
+        "rerun benchmarks/make_mm_workloads.py"
+    )
     samples = read_workload(path)
     assert 2000 <= len(samples) <= 10000 and path.stat().st_size < 200_000
     assert all(p >= 1 and t >= 1 for s in samples for p, t in s.images)
@@ -204,7 +239,9 @@ def test_parse_lengths_is_unchanged():
 
 
 def test_format_workload_is_the_inverse_of_parse_workload():
-    samples = parse_workload(Path(REPO / "benchmarks" / "workloads" / "bimodal.csv").read_text().splitlines())[:300]
+    samples = parse_workload(
+        Path(REPO / "benchmarks" / "workloads" / "bimodal.csv").read_text().splitlines()
+    )[:300]
     text = format_workload(samples)
     assert parse_workload(text.splitlines()) == samples
     assert text.splitlines()[0] == "text_tokens,image_patches,image_tokens"

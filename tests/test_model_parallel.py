@@ -36,8 +36,18 @@ def make_job():
 
 
 def _spec(**kw) -> JobSpec:
-    return JobSpec(**{"world_size": 2, "token_budget": 256, "policy": "balanced", "window": 16, "depth": 3,
-                      "seed": 5, "collate": "packed", **kw})
+    return JobSpec(
+        **{
+            "world_size": 2,
+            "token_budget": 256,
+            "policy": "balanced",
+            "window": 16,
+            "depth": 3,
+            "seed": 5,
+            "collate": "packed",
+            **kw,
+        }
+    )
 
 
 def _lengths(n: int = 40) -> list[int]:
@@ -62,15 +72,23 @@ def _drain_group(job, epochs: int, slow: tuple[int, int] | None = None) -> dict:
                     for batch, info in c:
                         if (r, g) == slow:
                             time.sleep(0.05)
-                        steps.append((batch["sample_ids"].tolist(), info,
-                                      {k: v.tolist() for k, v in batch.items() if hasattr(v, "tolist")}))
+                        steps.append(
+                            (
+                                batch["sample_ids"].tolist(),
+                                info,
+                                {k: v.tolist() for k, v in batch.items() if hasattr(v, "tolist")},
+                            )
+                        )
                     got.append(steps)
                 out[r, g] = got
         except Exception as exc:  # noqa: BLE001 - asserted below
             errors.append(((r, g), exc))
 
-    threads = [threading.Thread(target=run, args=(r, g), daemon=True)
-               for r in range(job.spec.world_size) for g in range(GROUP)]
+    threads = [
+        threading.Thread(target=run, args=(r, g), daemon=True)
+        for r in range(job.spec.world_size)
+        for g in range(GROUP)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -86,7 +104,9 @@ def test_group_members_get_identical_batches_and_every_id_once(make_job):
     got = _drain_group(job, epochs=2, slow=(1, 1))
     for e in range(2):
         for r in range(2):
-            assert got[r, 0][e] == got[r, 1][e], f"rank {r} epoch {e}: the group's members saw different batches"
+            assert got[r, 0][e] == got[r, 1][e], (
+                f"rank {r} epoch {e}: the group's members saw different batches"
+            )
         steps = {len(got[r, 0][e]) for r in range(2)}
         assert len(steps) == 1, f"epoch {e}: unequal steps {steps}"
         ids = sorted(i for r in range(2) for step in got[r, 0][e] for i in step[0])
@@ -118,7 +138,9 @@ def test_a_member_that_leaves_fails_the_job_naming_it(make_job):
         t.join(60)
     assert set(failures) == {(0, 0), (1, 0), (1, 1)}, failures
     for msg in failures.values():
-        assert "trainer of rank 0 (group member 1 of 2) disconnected and did not reconnect within 1s" in msg, msg
+        assert (
+            "trainer of rank 0 (group member 1 of 2) disconnected and did not reconnect within 1s" in msg
+        ), msg
 
 
 def test_a_group_refuses_a_mismatch_naming_it(make_job):
@@ -126,7 +148,9 @@ def test_a_group_refuses_a_mismatch_naming_it(make_job):
     first = _member(job, 0, 0)
     it = iter(first)
     next(it)
-    with pytest.raises(RankServiceError, match="form a group of 2 process.es., but this trainer says its group has 3"):
+    with pytest.raises(
+        RankServiceError, match="form a group of 2 process.es., but this trainer says its group has 3"
+    ):
         next(iter(job.client(0, group_rank=2, group_size=3)))
     with pytest.raises(RankServiceError, match="group member 0's batches already stream to trainer"):
         next(iter(_member(job, 0, 0)))

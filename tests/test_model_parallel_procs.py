@@ -34,12 +34,26 @@ def _start(job, out: Path, step_time: float) -> dict[tuple[int, int], subprocess
     port = free_block(1)
     procs = {}
     for rank in range(DP * TP):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(DP * TP), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, str(HERE / "_mp_trainer.py"), str(DP), str(TP), str(out), str(step_time),
-               *[job.rank_address(r) for r in range(DP)]]
-        procs[divmod(rank, TP)] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                   text=True)
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(DP * TP),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [
+            sys.executable,
+            str(HERE / "_mp_trainer.py"),
+            str(DP),
+            str(TP),
+            str(out),
+            str(step_time),
+            *[job.rank_address(r) for r in range(DP)],
+        ]
+        procs[divmod(rank, TP)] = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
     return procs
 
 
@@ -54,7 +68,9 @@ def make_job():
 
 
 def _spec() -> JobSpec:
-    return JobSpec(world_size=DP, token_budget=256, policy="balanced", window=16, depth=3, seed=2, collate="packed")
+    return JobSpec(
+        world_size=DP, token_budget=256, policy="balanced", window=16, depth=3, seed=2, collate="packed"
+    )
 
 
 def test_two_by_two_groups_share_their_ranks_batches(make_job, tmp_path):
@@ -65,8 +81,11 @@ def test_two_by_two_groups_share_their_ranks_batches(make_job, tmp_path):
     outputs = {k: p.communicate(timeout=300)[0] for k, p in procs.items()}
     assert all(p.returncode == 0 for p in procs.values()), outputs
     lines = _lines(out)
-    by = {(d, t): [(x["step"], x["ids"]) for x in lines if (x["dp"], x["tp"]) == (d, t)]
-          for d in range(DP) for t in range(TP)}
+    by = {
+        (d, t): [(x["step"], x["ids"]) for x in lines if (x["dp"], x["tp"]) == (d, t)]
+        for d in range(DP)
+        for t in range(TP)
+    }
     for d in range(DP):
         assert by[d, 0] == by[d, 1], f"dp rank {d}: its tensor-parallel members took different steps"
     assert len({len(v) for v in by.values()}) == 1, "unequal steps"
@@ -80,8 +99,12 @@ def test_a_killed_member_fails_the_job_naming_it(make_job, tmp_path):
     procs = _start(job, out, 0.3)
     victim = procs[0, 1]
     try:
-        wait_until("the victim took 2 steps", lambda: sum((x["dp"], x["tp"]) == (0, 1) for x in _lines(out)) >= 2,
-                   120, lambda: "\n".join(p.stdout.read() if p.poll() is not None else "" for p in procs.values()))
+        wait_until(
+            "the victim took 2 steps",
+            lambda: sum((x["dp"], x["tp"]) == (0, 1) for x in _lines(out)) >= 2,
+            120,
+            lambda: "\n".join(p.stdout.read() if p.poll() is not None else "" for p in procs.values()),
+        )
         os.kill(victim.pid, signal.SIGKILL)
         outputs = {k: p.communicate(timeout=120)[0] for k, p in procs.items() if k != (0, 1)}
     finally:
@@ -90,4 +113,6 @@ def test_a_killed_member_fails_the_job_naming_it(make_job, tmp_path):
                 p.kill()
     for k, text in outputs.items():
         assert procs[k].returncode == 1, (k, text)
-        assert "trainer of rank 0 (group member 1 of 2) disconnected and did not reconnect within 2s" in text, (k, text)
+        assert (
+            "trainer of rank 0 (group member 1 of 2) disconnected and did not reconnect within 2s" in text
+        ), (k, text)

@@ -49,26 +49,44 @@ SMALL_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2}  # keeps the float64 
 class Job:
     """One job's processes (coordinator "coordinator", services "rank-R", trainers "trainer-R")."""
 
-    def __init__(self, work: Path, lengths: list[int], policy: str, budget: int, window: int = 64,
-                 depth: int = 4, coordinator_args: tuple[str, ...] = (),
-                 rank_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        work: Path,
+        lengths: list[int],
+        policy: str,
+        budget: int,
+        window: int = 64,
+        depth: int = 4,
+        coordinator_args: tuple[str, ...] = (),
+        rank_args: tuple[str, ...] = (),
+    ) -> None:
         self.work, self.lengths, self.depth = work, lengths, depth
         self.procs = Processes(work)
-        self.spec = spec_argv(JobSpec(world_size=WORLD, token_budget=budget, policy=policy, window=window,
-                                      depth=depth, seed=SEED))
+        self.spec = spec_argv(
+            JobSpec(
+                world_size=WORLD, token_budget=budget, policy=policy, window=window, depth=depth, seed=SEED
+            )
+        )
         self.lengths_file = work / "lengths.txt"
         self.lengths_file.write_text("\n".join(map(str, lengths)) + "\n")
         self.rank_args = rank_args
-        self.cport, self.ports = start_services(self.procs, work, self.spec, WORLD, self.lengths_file,
-                                                coordinator_args, rank_args)
+        self.cport, self.ports = start_services(
+            self.procs, work, self.spec, WORLD, self.lengths_file, coordinator_args, rank_args
+        )
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.cport}")
         self.master_port = 0
         self.outs: list[Path] = []
 
     def start_trainers(self, **common) -> None:
         common = {"mode": "batchd", "seed": SEED, "lr": LR, **common}
-        self.master_port, self.outs = start_trainers(self.procs, self.work, "trainer", WORLD, common,
-                                                     [{"service": f"127.0.0.1:{p}"} for p in self.ports])
+        self.master_port, self.outs = start_trainers(
+            self.procs,
+            self.work,
+            "trainer",
+            WORLD,
+            common,
+            [{"service": f"127.0.0.1:{p}"} for p in self.ports],
+        )
 
     def proc(self, name: str) -> subprocess.Popen:
         return self.procs.get(name)
@@ -77,8 +95,9 @@ class Job:
         return (self.work / f"{name}.log").read_text()
 
     def logs(self) -> str:
-        return "\n".join(f"--- {n} (exit {p.poll()}) ---\n{self.procs.log(n)[-1500:]}"
-                         for n, p in self.procs.procs)
+        return "\n".join(
+            f"--- {n} (exit {p.poll()}) ---\n{self.procs.log(n)[-1500:]}" for n, p in self.procs.procs
+        )
 
     def status(self) -> pb.StatusReply:
         return pb_grpc.CoordinatorStub(self.channel).Status(pb.StatusRequest(), timeout=5)
@@ -98,8 +117,9 @@ class Job:
                 st = self.status()
             except grpc.RpcError:  # the coordinator just exited: the check above reports it
                 continue
-            if st.round >= min_round and all(self.rank_status(r).next_step > self.depth
-                                             for r in range(WORLD)):
+            if st.round >= min_round and all(
+                self.rank_status(r).next_step > self.depth for r in range(WORLD)
+            ):
                 assert st.state == "running", f"the epoch ended before the kill\n{self.logs()}"
                 return
             time.sleep(0.05)
@@ -208,8 +228,9 @@ def test_epoch_gradients_equal_single_process_reference(jobs, policy):
         ids = [i for r in results for i in r["sample_ids"][step]]
         batch = collate_padded([synthetic_payload(i, lengths[i], SEED, VOCAB) for i in ids])
         opt.zero_grad(set_to_none=True)
-        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"])
+        logits = model(
+            batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        )
         loss_sum, n_tokens = token_loss_sum(logits, batch["labels"])
         (loss_sum / n_tokens).backward()
         want = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -225,8 +246,13 @@ def test_epoch_gradients_equal_single_process_reference(jobs, policy):
 # -- 2. a trainer dies: everyone fails fast, naming it ----------------------------------------------
 def test_killed_trainer_fails_every_party_naming_its_rank(jobs):
     victim = 1
-    job = jobs(demo_lengths(512), "balanced", budget=1024,
-               coordinator_args=("--lease", "5"), rank_args=("--client-grace", "2"))
+    job = jobs(
+        demo_lengths(512),
+        "balanced",
+        budget=1024,
+        coordinator_args=("--lease", "5"),
+        rank_args=("--client-grace", "2"),
+    )
     job.start_trainers(gloo_timeout_s=30)
     job.wait_training()
     job.proc(f"trainer-{victim}").send_signal(signal.SIGKILL)
@@ -240,8 +266,9 @@ def test_killed_trainer_fails_every_party_naming_its_rank(jobs):
         if name.startswith("trainer-"):
             assert codes[name] != 0, f"{name} exited 0\n{job.logs()}"
             last = job.log(name).strip().splitlines()[-1]  # the trainer's one line for JobFailed
-            assert f"{name.replace('trainer-', 'rank ')}: the job failed: " in last and failures[0] in last, \
+            assert f"{name.replace('trainer-', 'rank ')}: the job failed: " in last and failures[0] in last, (
                 f"{name}: {last}\n{job.logs()}"
+            )
             assert "Traceback" not in job.log(name), job.log(name)
         else:
             assert codes[name] == 1 and failures[0] in job.log(name), f"{name}: {codes[name]}\n{job.logs()}"
@@ -252,22 +279,30 @@ def test_killed_trainer_fails_every_party_naming_its_rank(jobs):
 def test_restarted_rank_service_completes_the_epoch(jobs, tmp_path):
     victim = 2
     lengths = demo_lengths(512)
-    job = jobs(lengths, "balanced", budget=1024, coordinator_args=("--lease", "15"),
-               rank_args=("--state-dir", str(tmp_path / "state")))
+    job = jobs(
+        lengths,
+        "balanced",
+        budget=1024,
+        coordinator_args=("--lease", "15"),
+        rank_args=("--state-dir", str(tmp_path / "state")),
+    )
     job.start_trainers(gloo_timeout_s=60)
     job.wait_training()
     old = job.proc(f"rank-{victim}")
     old.send_signal(signal.SIGKILL)
     old.wait(10)
     port_file = job.work / f"rank-{victim}-restarted.port"
-    new = job.procs.start(f"rank-{victim}-restarted", rank_argv(job.spec, victim, job.cport, job.lengths_file,
-                                                                job.ports[victim], port_file, job.rank_args))
+    new = job.procs.start(
+        f"rank-{victim}-restarted",
+        rank_argv(job.spec, victim, job.cport, job.lengths_file, job.ports[victim], port_file, job.rank_args),
+    )
     assert wait_port(port_file, new, "the restarted rank service") == job.ports[victim]
     codes = job.wait_exit(TRAINERS, 90)
     assert set(codes.values()) == {0}, job.logs()
     results = job.results()
     assert_epoch(results, len(lengths))
-    restored = re.search(r"restored from \S+ at epoch \d+ round \d+ \(step (\d+)\)",
-                         job.log(f"rank-{victim}-restarted"))
+    restored = re.search(
+        r"restored from \S+ at epoch \d+ round \d+ \(step (\d+)\)", job.log(f"rank-{victim}-restarted")
+    )
     assert restored and 0 < int(restored[1]) < results[0]["steps"], job.logs()  # it resumed mid-epoch
     assert_clean_exit(job, expected={f"rank-{victim}": -signal.SIGKILL})

@@ -9,9 +9,9 @@ Every wait is a deadline on an event.
 from __future__ import annotations
 
 import contextlib
-from concurrent import futures
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import numpy as np
@@ -37,16 +37,18 @@ def _lengths(n=360, seed=5):
 class NodeJob:
     """A coordinator and `nodes` node agents of `spec.world_size // nodes` ranks each, in this process."""
 
-    def __init__(self, spec: JobSpec, lengths, nodes: int, state_dir=None, lease_s: float = 10.0,
-                 **source_kwargs) -> None:
+    def __init__(
+        self, spec: JobSpec, lengths, nodes: int, state_dir=None, lease_s: float = 10.0, **source_kwargs
+    ) -> None:
         """`source_kwargs` go to every `SyntheticSource` (e.g. images=, patch_dim=, vocab_size=)."""
         self.spec, self.lengths, self.state_dir, self.lease_s = spec, lengths, state_dir, lease_s
         self.source_kwargs = source_kwargs
         self.k = spec.world_size // nodes
         self.metrics = CoordinatorMetrics(spec.world_size, spec.cost_model())
         self.coordinator_dir = None if state_dir is None else state_dir / "coordinator"
-        self.server, self.port, self.state = create_server(f"{HOST}:0", spec, lease_s, 60.0, metrics=self.metrics,
-                                                           state_dir=self.coordinator_dir)
+        self.server, self.port, self.state = create_server(
+            f"{HOST}:0", spec, lease_s, 60.0, metrics=self.metrics, state_dir=self.coordinator_dir
+        )
         self.server.start()
         self.agents: list[NodeAgent] = []
         try:
@@ -58,12 +60,22 @@ class NodeJob:
 
     def _agent(self, g: int, port: int) -> NodeAgent:
         spec = self.spec
-        sources = {r: SyntheticSource(self.lengths, r, spec.world_size, spec.seed, 0, spec.shuffle,
-                                      **self.source_kwargs)
-                   for r in range(g * self.k, (g + 1) * self.k)}
-        agent = NodeAgent(spec, f"{HOST}:{self.port}", f"node-{g}", sources, HOST, port,
-                          state_dir=None if self.state_dir is None else self.state_dir / f"node-{g}",
-                          startup_timeout_s=30.0)
+        sources = {
+            r: SyntheticSource(
+                self.lengths, r, spec.world_size, spec.seed, 0, spec.shuffle, **self.source_kwargs
+            )
+            for r in range(g * self.k, (g + 1) * self.k)
+        }
+        agent = NodeAgent(
+            spec,
+            f"{HOST}:{self.port}",
+            f"node-{g}",
+            sources,
+            HOST,
+            port,
+            state_dir=None if self.state_dir is None else self.state_dir / f"node-{g}",
+            startup_timeout_s=30.0,
+        )
         agent.start()
         return agent
 
@@ -81,8 +93,9 @@ class NodeJob:
         """Kills the coordinator abruptly and starts a new one on the same port from its journal."""
         self.server.stop(0)
         self.state.close()
-        self.server, port, self.state = create_server(f"{HOST}:{self.port}", self.spec, self.lease_s, 60.0,
-                                                      state_dir=self.coordinator_dir)
+        self.server, port, self.state = create_server(
+            f"{HOST}:{self.port}", self.spec, self.lease_s, 60.0, state_dir=self.coordinator_dir
+        )
         assert port == self.port
         self.server.start()
 
@@ -113,9 +126,17 @@ def node_job():
 def _drain(job: NodeJob, on_step=None, limit_s: float = 90.0) -> list[list[tuple[list[int], object]]]:
     """Every rank's steps (sample ids, StepInfo), one BatchClient thread per rank."""
     world = job.spec.world_size
-    return [epochs[0] for epochs in drain_clients(
-        lambda r: BatchClient(job.address(r), r, world, reconnect_timeout_s=30), world, 1, limit_s,
-        lambda batch, info: (batch["sample_ids"].tolist(), info), on_step)]
+    return [
+        epochs[0]
+        for epochs in drain_clients(
+            lambda r: BatchClient(job.address(r), r, world, reconnect_timeout_s=30),
+            world,
+            1,
+            limit_s,
+            lambda batch, info: (batch["sample_ids"].tolist(), info),
+            on_step,
+        )
+    ]
 
 
 def _check_exactly_once(results, n: int) -> None:
@@ -128,8 +149,9 @@ def _check_exactly_once(results, n: int) -> None:
 @pytest.mark.parametrize("node_aware", [False, True], ids=["node-blind", "node-aware"])
 def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_process(node_job, node_aware):
     lengths = _lengths()
-    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=24, depth=3, seed=11,
-                   node_aware=node_aware)
+    spec = JobSpec(
+        world_size=4, token_budget=1024, policy="balanced", window=24, depth=3, seed=11, node_aware=node_aware
+    )
     job = node_job(spec, lengths, nodes=2)
     results = _drain(job)
     _check_exactly_once(results, len(lengths))
@@ -143,8 +165,12 @@ def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_pr
     # Every sample placed off its home rank was taken in process (same node) or fetched (other node).
     assert [local[r] + remote[r] for r in range(4)] == moved, (local, remote, moved)
     assert sum(local.values()) > 0, "no move between the ranks of one agent: the in-process path is untested"
-    scraped = {(m.name, s.labels.get("scope")): s.value for m in job.metrics.registry.collect() for s in m.samples
-               if m.name.startswith("batchd_job_moved") and s.name.endswith("_total")}
+    scraped = {
+        (m.name, s.labels.get("scope")): s.value
+        for m in job.metrics.registry.collect()
+        for s in m.samples
+        if m.name.startswith("batchd_job_moved") and s.name.endswith("_total")
+    }
     assert scraped[("batchd_job_moved_samples", "intra_node")] == sum(local.values()), scraped
     assert scraped[("batchd_job_moved_samples", "cross_node")] == sum(remote.values()), scraped
     assert scraped[("batchd_job_moved_bytes", "cross_node")] > 0, scraped
@@ -230,8 +256,11 @@ def coordinator():
 
 
 def _hello(spec, node, ranks, protocol=pb.NODE_PROTOCOL_V1, address="127.0.0.1:1"):
-    return pb.NodeRequest(hello=pb.NodeHello(protocol=protocol, node=node, ranks=ranks, spec=wire.spec_to_pb(spec),
-                                             address=address))
+    return pb.NodeRequest(
+        hello=pb.NodeHello(
+            protocol=protocol, node=node, ranks=ranks, spec=wire.spec_to_pb(spec), address=address
+        )
+    )
 
 
 def test_the_coordinator_refuses_a_node_of_another_protocol_or_out_of_order(coordinator):
@@ -245,8 +274,17 @@ def test_the_coordinator_refuses_a_node_of_another_protocol_or_out_of_order(coor
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "before its hello" in e.value.details()
     report = pb.AlignRequest(rank=3, epoch=0, round=0, capacity=1)
     with pytest.raises(grpc.RpcError) as e:
-        list(stub.Node(iter([_hello(spec, "a", [0, 1]),
-                             pb.NodeRequest(align=pb.NodeAlign(epoch=0, round=0, reports=[report]))]), timeout=5))
+        list(
+            stub.Node(
+                iter(
+                    [
+                        _hello(spec, "a", [0, 1]),
+                        pb.NodeRequest(align=pb.NodeAlign(epoch=0, round=0, reports=[report])),
+                    ]
+                ),
+                timeout=5,
+            )
+        )
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "rank(s) [3], which it did not register" in e.value.details()
     bad = JobSpec(world_size=4, token_budget=2048, policy="local", window=8, depth=2)
@@ -258,7 +296,9 @@ def test_the_coordinator_refuses_a_node_of_another_protocol_or_out_of_order(coor
 def test_two_live_agents_cannot_serve_one_rank_and_a_silent_one_fails_the_job_naming_it(coordinator):
     spec, stub, state = coordinator
     state.register_node("a", [0, 1], spec, "10.0.0.1:7100")
-    with pytest.raises(ValueError, match=r"node agent 'b' claims rank 1, which node agent 'a' at 10.0.0.1:7100"):
+    with pytest.raises(
+        ValueError, match=r"node agent 'b' claims rank 1, which node agent 'a' at 10.0.0.1:7100"
+    ):
         state.register_node("b", [1, 2], spec, "10.0.0.2:7100")
     state.register_node("b", [2, 3], spec, "10.0.0.2:7100")
     assert state._topology() == [0, 0, 1, 1]
@@ -271,7 +311,9 @@ def test_two_live_agents_cannot_serve_one_rank_and_a_silent_one_fails_the_job_na
         stub.Heartbeat(pb.HeartbeatRequest(rank=0, ranks=[0, 1]), timeout=5)
         time.sleep(0.2)
     assert state.failure is not None, "the silent node agent did not fail the job"
-    assert "node agent 'b' at 10.0.0.2:7100, ranks 2-3" in state.failure and "missed its lease" in state.failure
+    assert (
+        "node agent 'b' at 10.0.0.2:7100, ranks 2-3" in state.failure and "missed its lease" in state.failure
+    )
 
 
 def test_a_balanced_plan_reaches_each_node_cut_to_what_it_needs():
@@ -295,6 +337,7 @@ def test_a_replay_goes_at_once_while_the_nodes_other_rank_is_elsewhere():
     server.start()
     links = []
     try:
+
         def run_round(link, states, which):
             out = {}
 
@@ -346,8 +389,9 @@ def test_an_agent_told_apart_from_a_coordinator_that_predates_node_agents():
     server = grpc.server(futures.ThreadPoolExecutor(2))
     port = server.add_insecure_port(f"{HOST}:0")
     server.start()  # serves no method at all: every call is UNIMPLEMENTED
-    link = NodeLink(f"{HOST}:{port}", "n", [0], JobSpec(world_size=1, token_budget=64), "127.0.0.1:9",
-                    startup_timeout_s=5)
+    link = NodeLink(
+        f"{HOST}:{port}", "n", [0], JobSpec(world_size=1, token_budget=64), "127.0.0.1:9", startup_timeout_s=5
+    )
     try:
         with pytest.raises(CoordinatorError, match="does not serve node agents.*same batchd version"):
             link.hello()

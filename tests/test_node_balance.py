@@ -8,6 +8,9 @@ import random
 
 import pytest
 from _sim_check import check_epoch, run_checked
+from hypothesis import example, given
+from hypothesis import strategies as st
+
 from batchd.core import (
     Coordinator,
     CostModel,
@@ -19,8 +22,6 @@ from batchd.core import (
     plan_round,
     simulate,
 )
-from hypothesis import example, given
-from hypothesis import strategies as st
 
 BUDGET = 64
 
@@ -42,12 +43,35 @@ def topologies(world_size: int):
 def rounds(draw):
     world_size = draw(st.integers(1, 12))
     nodes = draw(topologies(world_size))
-    pool = draw(st.lists(st.tuples(st.integers(1, BUDGET + BUDGET // 2), st.integers(0, world_size - 1),
-                                   st.integers(0, 6), st.sampled_from([0, 1, 5000])), max_size=120))
-    entries = [Entry(Sample(i, n, -1, home, (), nbytes), age) for i, (n, home, age, nbytes) in enumerate(pool)]
-    return _args(pool=entries, world_size=world_size, capacity=draw(st.integers(1, 6)), final=draw(st.booleans()),
-                token_budget=BUDGET, cost=CostModel(draw(st.sampled_from(["padded", "packed", "attention"]))),
-                now=6, max_wait=4), nodes, draw(st.booleans()), draw(st.integers(0, 3))
+    pool = draw(
+        st.lists(
+            st.tuples(
+                st.integers(1, BUDGET + BUDGET // 2),
+                st.integers(0, world_size - 1),
+                st.integers(0, 6),
+                st.sampled_from([0, 1, 5000]),
+            ),
+            max_size=120,
+        )
+    )
+    entries = [
+        Entry(Sample(i, n, -1, home, (), nbytes), age) for i, (n, home, age, nbytes) in enumerate(pool)
+    ]
+    return (
+        _args(
+            pool=entries,
+            world_size=world_size,
+            capacity=draw(st.integers(1, 6)),
+            final=draw(st.booleans()),
+            token_budget=BUDGET,
+            cost=CostModel(draw(st.sampled_from(["padded", "packed", "attention"]))),
+            now=6,
+            max_wait=4,
+        ),
+        nodes,
+        draw(st.booleans()),
+        draw(st.integers(0, 3)),
+    )
 
 
 def _plan(args, seed, refine, nodes=None, stats=None):
@@ -59,9 +83,28 @@ def _ids(plan):
 
 
 @given(rounds())
-@example((_args(pool=[Entry(Sample(0, 64, -1, 0), 0), Entry(Sample(1, 64, -1, 0), 0), Entry(Sample(2, 1, -1, 1), 0),
-                     Entry(Sample(3, 1, -1, 1), 0)], world_size=2, capacity=1, final=False, token_budget=64,
-               cost=CostModel("padded"), now=0, max_wait=4), [0, 1], True, 0))
+@example(
+    (
+        _args(
+            pool=[
+                Entry(Sample(0, 64, -1, 0), 0),
+                Entry(Sample(1, 64, -1, 0), 0),
+                Entry(Sample(2, 1, -1, 1), 0),
+                Entry(Sample(3, 1, -1, 1), 0),
+            ],
+            world_size=2,
+            capacity=1,
+            final=False,
+            token_budget=64,
+            cost=CostModel("padded"),
+            now=0,
+            max_wait=4,
+        ),
+        [0, 1],
+        True,
+        0,
+    )
+)
 def test_node_aware_plan_keeps_every_invariant(case):
     """Per-node choice: its own T; each chosen sample exactly once, T steps per rank, every rank's quota
     min(T, B_r) kept, no multi-sample group over the budget, deterministic; a final round with T below
@@ -91,10 +134,14 @@ def test_node_aware_plan_keeps_every_invariant(case):
         assert target >= 1 and sum(stats.get(k, 0) for k in ("node_aware", "node_fallback")) == 1
         if stats.get("node_fallback"):
             return
-        costs = sorted((cost.cost([s.length for s in g]) if g else 0.0 for steps in aware for g in steps), reverse=True)
+        costs = sorted(
+            (cost.cost([s.length for s in g]) if g else 0.0 for steps in aware for g in steps), reverse=True
+        )
         levels = [costs[s * n] for s in range(target)]
-        per_step = sorted((max(cost.cost([s.length for s in p[t]]) if p[t] else 0.0 for p in aware)
-                           for t in range(target)), reverse=True)
+        per_step = sorted(
+            (max(cost.cost([s.length for s in p[t]]) if p[t] else 0.0 for p in aware) for t in range(target)),
+            reverse=True,
+        )
         assert per_step == levels, "a step costs more than its level"
 
 
@@ -106,11 +153,32 @@ def _golden() -> str:
         n = g.randint(1, 12)
         budget = g.choice([64, 512, 8192])
         cost = CostModel(g.choice(["padded", "packed", "attention"]))
-        pool = [Entry(Sample(i, g.randint(1, budget + budget // 4), -1, g.randrange(n), (),
-                             g.choice([0, g.randint(1, 10**6)])), g.randint(0, 20))
-                for i in range(g.randint(0, 300))]
-        plan = plan_round(pool, n, g.randint(1, 8), g.random() < 0.3, budget, cost, 20, g.randint(1, 30),
-                          random.Random(seed), g.random() < 0.8)
+        pool = [
+            Entry(
+                Sample(
+                    i,
+                    g.randint(1, budget + budget // 4),
+                    -1,
+                    g.randrange(n),
+                    (),
+                    g.choice([0, g.randint(1, 10**6)]),
+                ),
+                g.randint(0, 20),
+            )
+            for i in range(g.randint(0, 300))
+        ]
+        plan = plan_round(
+            pool,
+            n,
+            g.randint(1, 8),
+            g.random() < 0.3,
+            budget,
+            cost,
+            20,
+            g.randint(1, 30),
+            random.Random(seed),
+            g.random() < 0.8,
+        )
         h.update(repr([[[s.id for s in grp] for grp in steps] for steps in plan]).encode())
     return h.hexdigest()
 
@@ -120,10 +188,18 @@ def test_nodes_none_is_the_previous_plan():
     assert _golden() == "8c1498958a1b7fd7532a48a380185bd283703d09ea05c1c7d9dbf2765c81d5c9"
 
 
-@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
-       st.lists(st.integers(1, BUDGET), min_size=1, max_size=6), st.randoms(use_true_random=False),
-       st.sampled_from(["padded", "packed"]), st.booleans())
-def test_no_cross_node_move_when_every_node_fills_its_slots(nodes_n, k, steps, templates, rnd, cost_name, refine):
+@given(
+    st.integers(1, 4),
+    st.integers(1, 3),
+    st.integers(1, 3),
+    st.lists(st.integers(1, BUDGET), min_size=1, max_size=6),
+    st.randoms(use_true_random=False),
+    st.sampled_from(["padded", "packed"]),
+    st.booleans(),
+)
+def test_no_cross_node_move_when_every_node_fills_its_slots(
+    nodes_n, k, steps, templates, rnd, cost_name, refine
+):
     """Every node holds the same multiset of complete groups, K x T of them: each node's own samples
     fill exactly its slots under the refined capacity, so nothing crosses a node (moves stay intra-node)."""
     cost = CostModel(cost_name)
@@ -154,9 +230,19 @@ def test_cross_node_moves_fall_overall_but_not_always():
         n = g.randint(2, 12)
         k = g.randint(1, 4)
         nodes = [r // k for r in range(n)]
-        pool = [Entry(Sample(i, g.randint(1, BUDGET), -1, g.randrange(n)), 0) for i in range(g.randint(1, 200))]
-        args = _args(pool=pool, world_size=n, capacity=g.randint(1, 6), final=g.random() < 0.3, token_budget=BUDGET,
-                    cost=CostModel("padded"), now=0, max_wait=8)
+        pool = [
+            Entry(Sample(i, g.randint(1, BUDGET), -1, g.randrange(n)), 0) for i in range(g.randint(1, 200))
+        ]
+        args = _args(
+            pool=pool,
+            world_size=n,
+            capacity=g.randint(1, 6),
+            final=g.random() < 0.3,
+            token_budget=BUDGET,
+            cost=CostModel("padded"),
+            now=0,
+            max_wait=8,
+        )
         b = plan_moves(_plan(args, seed, True), nodes)["cross_node_samples"]
         a = plan_moves(_plan(args, seed, True, nodes), nodes)["cross_node_samples"]
         blind_total, aware_total, worse = blind_total + b, aware_total + a, worse + (a > b)
@@ -166,23 +252,38 @@ def test_cross_node_moves_fall_overall_but_not_always():
 
 
 def test_plan_moves_counts_by_hand():
-    s = [Sample(0, 10, -1, 0), Sample(1, 10, -1, 1, (), 100), Sample(2, 5, -1, 2), Sample(3, 7, -1, 3, (), 9),
-         Sample(4, 3, -1, 9)]
+    s = [
+        Sample(0, 10, -1, 0),
+        Sample(1, 10, -1, 1, (), 100),
+        Sample(2, 5, -1, 2),
+        Sample(3, 7, -1, 3, (), 9),
+        Sample(4, 3, -1, 9),
+    ]
     # ranks 0, 1 on node 0; ranks 2, 3 on node 1. Rank 0 holds its own 0 and rank 1's 1 (intra, 100 B);
     # rank 1 holds rank 2's 2 (cross, 8 x 5 B); rank 2 is IDLE then holds rank 3's 3 (intra, 9 B);
     # rank 3 holds 4, whose home rank 9 is outside the plan (cross, 8 x 3 B).
     plan = [[(s[0], s[1]), ()], [(s[2],), ()], [(), (s[3],)], [(s[4],), ()]]
-    assert plan_moves(plan, [0, 0, 1, 1]) == {"intra_node_samples": 2, "intra_node_bytes": 109,
-                                              "cross_node_samples": 2, "cross_node_bytes": 64}
+    assert plan_moves(plan, [0, 0, 1, 1]) == {
+        "intra_node_samples": 2,
+        "intra_node_bytes": 109,
+        "cross_node_samples": 2,
+        "cross_node_bytes": 64,
+    }
     assert plan_moves(plan, [5, 5, 5, 5])["cross_node_samples"] == 1  # only the homeless sample crosses
-    assert plan_moves(plan) == {"intra_node_samples": 0, "intra_node_bytes": 0,
-                                "cross_node_samples": 4, "cross_node_bytes": 173}
+    assert plan_moves(plan) == {
+        "intra_node_samples": 0,
+        "intra_node_bytes": 0,
+        "cross_node_samples": 4,
+        "cross_node_bytes": 173,
+    }
     with pytest.raises(ValueError, match="len"):
         plan_moves(plan, [0, 0, 1])
 
 
-@pytest.mark.parametrize("nodes, match", [([0, 1], "len"), ([0, -1, 0, 0], r"nodes\[1\]"),
-                                          ([0, 1.0, 0, 0], r"nodes\[1\]"), ("0000", "sequence")])
+@pytest.mark.parametrize(
+    "nodes, match",
+    [([0, 1], "len"), ([0, -1, 0, 0], r"nodes\[1\]"), ([0, 1.0, 0, 0], r"nodes\[1\]"), ("0000", "sequence")],
+)
 def test_coordinator_validates_nodes(nodes, match):
     spec = JobSpec(world_size=4, token_budget=64, policy="balanced")
     with pytest.raises(ValueError, match=match):
@@ -196,14 +297,31 @@ def test_coordinator_state_dict_ignores_the_topology():
     assert Coordinator(spec, 0, [0, 0, 1, 1]).state_dict() == Coordinator(spec, 0).state_dict()
 
 
-@given(lengths=st.lists(st.integers(1, 96), max_size=150), world_size=st.sampled_from([2, 4, 6, 8]),
-       k=st.integers(2, 4), window=st.sampled_from([2, 8, 32]), mode=st.sampled_from(["join", "non-join"]),
-       cost=st.sampled_from(["padded", "packed"]), depth=st.integers(1, 4))
-def test_simulated_epochs_keep_the_protocol_with_a_topology(lengths, world_size, k, window, mode, cost, depth):
+@given(
+    lengths=st.lists(st.integers(1, 96), max_size=150),
+    world_size=st.sampled_from([2, 4, 6, 8]),
+    k=st.integers(2, 4),
+    window=st.sampled_from([2, 8, 32]),
+    mode=st.sampled_from(["join", "non-join"]),
+    cost=st.sampled_from(["padded", "packed"]),
+    depth=st.integers(1, 4),
+)
+def test_simulated_epochs_keep_the_protocol_with_a_topology(
+    lengths, world_size, k, window, mode, cost, depth
+):
     """A whole node-aware epoch: the protocol's per-step and end-of-epoch invariants (coverage, the join
     step bound max_r n_r), and the result's moves add up."""
-    config = JobSpec(world_size=world_size, token_budget=64, policy="balanced", window=window, mode=mode,
-                     cost=cost, depth=depth, shuffle=False, node_aware=True)
+    config = JobSpec(
+        world_size=world_size,
+        token_budget=64,
+        policy="balanced",
+        window=window,
+        mode=mode,
+        cost=cost,
+        depth=depth,
+        shuffle=False,
+        node_aware=True,
+    )
     sim, schedule = run_checked(lengths, config, local_ranks=k)
     check_epoch(lengths, config, sim, schedule)
     m = simulate(lengths, config, local_ranks=k)
@@ -223,7 +341,9 @@ def test_simulator_topology_defaults_and_state():
     assert plain["cross_node_moved"] == plain["moved"]
     one = simulate(lengths, config, local_ranks=1)
     drop = ("wall_s", "samples_per_s_per_rank", "plan_per_round_s")
-    assert {k: v for k, v in one.items() if k not in drop} == {k: v for k, v in plain.items() if k not in drop}
+    assert {k: v for k, v in one.items() if k not in drop} == {
+        k: v for k, v in plain.items() if k not in drop
+    }
     sim = Simulator(lengths, config, local_ranks=2)
     for _ in range(3):
         sim.next_step()
@@ -283,8 +403,9 @@ def test_outliers_pool_the_sample_that_pads_a_group():
 
 def test_simulator_reports_swaps():
     lengths = [random.Random(i).randint(1, 64) for i in range(400)]
-    config = JobSpec(world_size=8, token_budget=64, policy="balanced", window=16, shuffle=False,
-                     node_aware=True)
+    config = JobSpec(
+        world_size=8, token_budget=64, policy="balanced", window=16, shuffle=False, node_aware=True
+    )
     m = simulate(lengths, config, local_ranks=2)
     assert m["node_swaps"] >= 0 and m["node_planned_rounds"] >= 1 and m["node_fallback_rounds"] == 0
     assert "node_widened_rounds" not in m

@@ -48,8 +48,22 @@ HERE = Path(__file__).resolve().parent
 PY = sys.executable
 NUM_SAMPLES = 80  # about 10 steps per rank
 WORLD, LOCAL = 4, 2
-SPEC = ["--world-size", str(WORLD), "--token-budget", "512", "--policy", "local", "--window", "16",
-        "--depth", "2", "--seed", "5", "--epochs", "1"]
+SPEC = [
+    "--world-size",
+    str(WORLD),
+    "--token-budget",
+    "512",
+    "--policy",
+    "local",
+    "--window",
+    "16",
+    "--depth",
+    "2",
+    "--seed",
+    "5",
+    "--epochs",
+    "1",
+]
 MODEL = ["--d-model", "32", "--n-layers", "1", "--n-heads", "2"]
 STEP_TIME = 0.3  # seconds per trainer step: the job is still running when the agent is killed
 KILL_AT_STEP = 2  # SIGKILL agent 1 once every rank logged this many steps
@@ -107,11 +121,20 @@ class NodeJob:
     def start_cluster(self) -> dict:
         info = self.work / "cluster.json"
         with open(self.logs / "cluster.log", "w") as log:
-            self.cluster = subprocess.Popen([PY, str(HERE / "_ray_cluster_host.py"), str(info)],
-                                            stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                                            env={**os.environ, **self.env}, start_new_session=True)
-        _until("the Ray cluster", info.exists, 120,
-               lambda: "the cluster host" if self.cluster.poll() is not None else None)
+            self.cluster = subprocess.Popen(
+                [PY, str(HERE / "_ray_cluster_host.py"), str(info)],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                start_new_session=True,
+            )
+        _until(
+            "the Ray cluster",
+            info.exists,
+            120,
+            lambda: "the cluster host" if self.cluster.poll() is not None else None,
+        )
         self.cluster_tree = descendants(self.cluster.pid)  # raylets, GCS, workers: for the cleanup
         return json.loads(info.read_text())
 
@@ -128,6 +151,7 @@ class NodeJob:
                 if n in names and p.poll() is not None and p.returncode != 0:
                     return f"{n} (status {p.returncode})"
             return None
+
         return dead
 
     def all_logs(self) -> str:
@@ -150,7 +174,10 @@ class NodeJob:
                     self.cluster.wait(30)
                 except (OSError, subprocess.TimeoutExpired):
                     pass
-                for pid in [*(int(s.split(":")[0]) for s in still_alive(self.cluster_tree)), self.cluster.pid]:
+                for pid in [
+                    *(int(s.split(":")[0]) for s in still_alive(self.cluster_tree)),
+                    self.cluster.pid,
+                ]:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except OSError:
@@ -182,14 +209,35 @@ def test_node_agents_on_a_multi_node_ray_cluster_survive_an_agent_kill(tmp_path)
     from batchd.service.preprocess import demo_tokenizer, make_demo_dataset
 
     t0 = time.monotonic()
-    data = make_demo_dataset(tmp_path / "data", num_samples=NUM_SAMPLES, seed=7, image_fraction=0.3,
-                             bad_fraction=0.0, format="parquet", max_image_side=64)
+    data = make_demo_dataset(
+        tmp_path / "data",
+        num_samples=NUM_SAMPLES,
+        seed=7,
+        image_fraction=0.3,
+        bad_fraction=0.0,
+        format="parquet",
+        max_image_side=64,
+    )
     tok = str(demo_tokenizer(tmp_path / "tokenizer.json"))
     job = NodeJob(tmp_path)
     timings: dict[str, float] = {}
     try:
-        job.start("coordinator", [PY, "-m", "batchd", "coordinator", *SPEC, "--port", "0",
-                                  "--port-file", str(tmp_path / "coord.port"), "--lease", "180"])
+        job.start(
+            "coordinator",
+            [
+                PY,
+                "-m",
+                "batchd",
+                "coordinator",
+                *SPEC,
+                "--port",
+                "0",
+                "--port-file",
+                str(tmp_path / "coord.port"),
+                "--lease",
+                "180",
+            ],
+        )
         cluster = job.start_cluster()  # the coordinator starts meanwhile
         nodes, ips = cluster["nodes"], cluster["ips"]
         assert len(set(nodes.values())) == 3, nodes
@@ -200,31 +248,89 @@ def test_node_agents_on_a_multi_node_ray_cluster_survive_an_agent_kill(tmp_path)
         ports = {g: free_port() for g in node_of}
         for g, node in node_of.items():
             job.agent_argv[g] = [
-                PY, "-m", "batchd", "node", *SPEC, "--coordinator", f"127.0.0.1:{cport}",
-                "--local-ranks", str(LOCAL), "--node-rank", str(g), "--name", f"agent-{g}",
-                "--dataset", str(data.path), "--tokenizer", tok, "--num-actors", "1",
-                "--ray-address", cluster["address"], "--state-dir", str(tmp_path / f"state-{g}"),
-                "--stats-file", str(tmp_path / "stats-{rank}.json"),
-                "--port", str(ports[g]), "--port-file", str(tmp_path / f"agent-{g}.port")]
+                PY,
+                "-m",
+                "batchd",
+                "node",
+                *SPEC,
+                "--coordinator",
+                f"127.0.0.1:{cport}",
+                "--local-ranks",
+                str(LOCAL),
+                "--node-rank",
+                str(g),
+                "--name",
+                f"agent-{g}",
+                "--dataset",
+                str(data.path),
+                "--tokenizer",
+                tok,
+                "--num-actors",
+                "1",
+                "--ray-address",
+                cluster["address"],
+                "--state-dir",
+                str(tmp_path / f"state-{g}"),
+                "--stats-file",
+                str(tmp_path / "stats-{rank}.json"),
+                "--port",
+                str(ports[g]),
+                "--port-file",
+                str(tmp_path / f"agent-{g}.port"),
+            ]
             job.agent_env[g] = {"BATCHD_RAY_NODE_IP": ips[node]}  # its driver attaches to its node
             job.start_agent(g, f"agent-{g}")
 
         master = free_port()
         for r in range(WORLD):
             g, local = divmod(r, LOCAL)
-            torchrun = {"RANK": str(r), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(local),
-                        "LOCAL_WORLD_SIZE": str(LOCAL), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)}
-            job.start(f"trainer-{r}", [
-                PY, "-m", "batchd.train", "--node-agent", f"127.0.0.1:{ports[g]}", "--backend", "gloo",
-                "--tokenizer", tok, *MODEL, "--step-time", str(STEP_TIME), "--credits", str(CREDITS),
-                "--reconnect-timeout", "180",
-                "--timeout", "300", "--log-every", "0", "--ids-log", str(tmp_path / "ids-{rank}.jsonl"),
-                "--summary", str(tmp_path / "summary-{rank}.json")], torchrun)
+            torchrun = {
+                "RANK": str(r),
+                "WORLD_SIZE": str(WORLD),
+                "LOCAL_RANK": str(local),
+                "LOCAL_WORLD_SIZE": str(LOCAL),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master),
+            }
+            job.start(
+                f"trainer-{r}",
+                [
+                    PY,
+                    "-m",
+                    "batchd.train",
+                    "--node-agent",
+                    f"127.0.0.1:{ports[g]}",
+                    "--backend",
+                    "gloo",
+                    "--tokenizer",
+                    tok,
+                    *MODEL,
+                    "--step-time",
+                    str(STEP_TIME),
+                    "--credits",
+                    str(CREDITS),
+                    "--reconnect-timeout",
+                    "180",
+                    "--timeout",
+                    "300",
+                    "--log-every",
+                    "0",
+                    "--ids-log",
+                    str(tmp_path / "ids-{rank}.jsonl"),
+                    "--summary",
+                    str(tmp_path / "summary-{rank}.json"),
+                ],
+                torchrun,
+            )
         everyone = [n for n, _ in job.procs.procs]
 
         # agent 1 is SIGKILLed mid-epoch, once every rank has trained a few steps, and restarted
-        _until(f"{KILL_AT_STEP} steps on every rank", lambda: _progress(tmp_path) >= KILL_AT_STEP, JOB_S,
-               job.alive_check(everyone))
+        _until(
+            f"{KILL_AT_STEP} steps on every rank",
+            lambda: _progress(tmp_path) >= KILL_AT_STEP,
+            JOB_S,
+            job.alive_check(everyone),
+        )
         timings["first_steps_s"] = time.monotonic() - t0
         victim = job.procs.get("agent-1")
         assert victim.poll() is None, "agent 1 exited before the kill: the job ended too early"
@@ -255,18 +361,23 @@ def test_node_agents_on_a_multi_node_ray_cluster_survive_an_agent_kill(tmp_path)
             for e in entries:
                 assert e["epoch"] == 0, e
                 seen = steps.setdefault(r, {})
-                assert seen.get(e["step"], e["ids"]) == e["ids"], f"rank {r} step {e['step']} replayed differently"
+                assert seen.get(e["step"], e["ids"]) == e["ids"], (
+                    f"rank {r} step {e['step']} replayed differently"
+                )
                 seen[e["step"]] = e["ids"]
         counts = {r: len(s) for r, s in steps.items()}
-        assert len(set(counts.values())) == 1 and all(sorted(steps[r]) == list(range(counts[r])) for r in steps), \
-            counts
+        assert len(set(counts.values())) == 1 and all(
+            sorted(steps[r]) == list(range(counts[r])) for r in steps
+        ), counts
         assert {s["steps"] for s in summaries.values()} == {counts[0]}, summaries
         # killed mid-epoch: every rank trained batches that only the restarted agent can have made (the
         # killed one had made at most the steps logged, the one in hand and CREDITS more)
         assert all(counts[r] > steps_at_kill[r] + 1 + CREDITS for r in counts), (steps_at_kill, counts)
         ids = collections.Counter(i for s in steps.values() for batch in s.values() for i in batch)
-        assert sorted(ids) == list(range(NUM_SAMPLES)) and set(ids.values()) == {1}, \
-            {"missing": sorted(set(range(NUM_SAMPLES)) - set(ids)), "twice": [i for i, c in ids.items() if c > 1]}
+        assert sorted(ids) == list(range(NUM_SAMPLES)) and set(ids.values()) == {1}, {
+            "missing": sorted(set(range(NUM_SAMPLES)) - set(ids)),
+            "twice": [i for i, c in ids.items() if c > 1],
+        }
 
         # each agent's actors ran on its node; nothing crossed the network
         for r in range(WORLD):
@@ -275,12 +386,19 @@ def test_node_agents_on_a_multi_node_ray_cluster_survive_an_agent_kill(tmp_path)
             assert stats["node_id"] == want and stats["actor_nodes"] == [want], (r, stats, nodes)
             assert stats["fetched_remote"] == 0 and stats["fetched_local"] == 0, (r, stats)
             assert stats["ray_address"] == cluster["address"] or stats["ray_address"].endswith(
-                cluster["address"].rpartition(":")[2]), (stats["ray_address"], cluster["address"])
+                cluster["address"].rpartition(":")[2]
+            ), (stats["ray_address"], cluster["address"])
         # every incarnation's driver attached to its node (the killed one wrote no stats: its log says)
         for name, g in (("agent-0", 0), ("agent-1", 1), ("agent-1-restarted", 1)):
-            joined = re.findall(r"rank (\d+): joined the Ray cluster at \S+ \(gcs \S+\) on node (\w+)",
-                                _tail(job.logs / f"{name}.log", 10**6))
-            assert joined == [(str(g * LOCAL), nodes[node_of[g]])], (name, joined, nodes)  # its first rank joins
+            joined = re.findall(
+                r"rank (\d+): joined the Ray cluster at \S+ \(gcs \S+\) on node (\w+)",
+                _tail(job.logs / f"{name}.log", 10**6),
+            )
+            assert joined == [(str(g * LOCAL), nodes[node_of[g]])], (
+                name,
+                joined,
+                nodes,
+            )  # its first rank joins
         print(f"timings: {timings}, steps per rank {counts[0]}, killed at {steps_at_kill}")
     except BaseException:
         print(job.all_logs())

@@ -4,11 +4,14 @@ coordinator -> rank round trip through the simulator."""
 from __future__ import annotations
 
 import itertools
-import random
 import json
+import random
 from collections import Counter
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from batchd.core import (
     Exchange,
     ImageRef,
@@ -26,8 +29,6 @@ from batchd.core import (
     vision_bound,
 )
 from batchd.core._phases import ACCEPT, SLACKS, _greedy, _images, _place
-from hypothesis import given
-from hypothesis import strategies as st
 
 EPS = 1e-9
 
@@ -41,15 +42,20 @@ def rows(draw, max_ranks=16, max_samples=6, max_images=4):
     for _ in range(n):
         group = []
         for _ in range(draw(st.integers(0, max_samples))):
-            images = tuple(draw(st.lists(st.tuples(st.integers(1, 4096), st.integers(1, 1024)),
-                                         max_size=max_images)))
+            images = tuple(
+                draw(st.lists(st.tuples(st.integers(1, 4096), st.integers(1, 1024)), max_size=max_images))
+            )
             text = draw(st.integers(0, 64))
             length = max(1, text + sum(t for _, t in images))
             group.append(Sample(next(ids), length, -1, draw(st.integers(0, n - 1)), (), 0, images))
         row.append(group)
-    nodes = draw(st.one_of(st.none(),
-                           st.integers(1, n).map(lambda k: [r // k for r in range(n)]),
-                           st.lists(st.integers(0, 3), min_size=n, max_size=n)))
+    nodes = draw(
+        st.one_of(
+            st.none(),
+            st.integers(1, n).map(lambda k: [r // k for r in range(n)]),
+            st.lists(st.integers(0, 3), min_size=n, max_size=n),
+        )
+    )
     cost = VisionCost(quadratic=draw(st.sampled_from([0, 1024, 8192])))
     return row, nodes, cost
 
@@ -112,7 +118,7 @@ def test_the_all_to_all_delivers_every_embedding_to_its_llm_position(case):
         splits = ex[e].send_splits()
         offset = 0
         for o in range(n):
-            received[o].append(out_by_rank[e][offset:offset + splits[o]])
+            received[o].append(out_by_rank[e][offset : offset + splits[o]])
             offset += splits[o]
         assert offset == len(out_by_rank[e])
     for o in range(n):
@@ -124,14 +130,15 @@ def test_the_all_to_all_delivers_every_embedding_to_its_llm_position(case):
         assert sorted(ex[o].placement()) == list(range(len(ex[o].sources)))
         pieces, offset = [], 0
         for size in sizes:
-            pieces.append(flat[offset:offset + size])
+            pieces.append(flat[offset : offset + size])
             offset += size
         assert offset == len(flat)
         llm = [None] * len(sizes)
         for j, piece in enumerate(pieces):
             llm[ex[o].placement()[j]] = piece
-        expect = [[(key, j) for j in range(t)]
-                  for key, t in zip(llm_images(row[o]), ex[o].tokens, strict=True)]
+        expect = [
+            [(key, j) for j in range(t)] for key, t in zip(llm_images(row[o]), ex[o].tokens, strict=True)
+        ]
         assert llm == expect
 
 
@@ -187,8 +194,9 @@ def test_nothing_moves_when_the_single_phase_plan_meets_the_lower_bound(case):
         return
     ex = plan_vision(row, cost, nodes)
     assert all(im.owner == e.rank for e in ex for im in e.encode)
-    assert exchanged(ex, nodes) == dict.fromkeys(("intra_node_images", "intra_node_rows", "cross_node_images",
-                                                  "cross_node_rows"), 0)
+    assert exchanged(ex, nodes) == dict.fromkeys(
+        ("intra_node_images", "intra_node_rows", "cross_node_images", "cross_node_rows"), 0
+    )
 
 
 def optimum(costs, n):
@@ -231,8 +239,12 @@ def test_cross_node_exchange_counts_by_hand():
     row = [[Sample(0, 40, images=((10, 10),) * 4)], [], [], []]
     ex = plan_vision(row, cost, [0, 0, 1, 1])
     assert phase_loads(ex, cost) == [10.0] * 4
-    assert exchanged(ex, [0, 0, 1, 1]) == {"intra_node_images": 1, "intra_node_rows": 10,
-                                           "cross_node_images": 2, "cross_node_rows": 20}
+    assert exchanged(ex, [0, 0, 1, 1]) == {
+        "intra_node_images": 1,
+        "intra_node_rows": 10,
+        "cross_node_images": 2,
+        "cross_node_rows": 20,
+    }
     assert ex[0].sources == (0, 1, 2, 3) and ex[0].recv_splits() == [10, 10, 10, 10]
     assert imbalance(phase_loads(single_phase(row), cost)) == pytest.approx(4.0)
 
@@ -263,25 +275,33 @@ def test_plan_vision_round_is_per_step_plan_vision():
         assert [vision[r][s] for r in range(2)] == plan_vision([plan[r][s] for r in range(2)], VisionCost())
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"rank": 2, "world_size": 2}, "rank must be <= 1"),
-    ({"rank": 0, "world_size": 0}, "world_size must be >= 1"),
-    ({"rank": 0, "world_size": 2, "sources": (0,), "tokens": ()}, "one entry per image"),
-    ({"rank": 0, "world_size": 2, "sources": (2,), "tokens": (3,)}, "source must be <= 1"),
-    ({"rank": 0, "world_size": 2, "encode": (ImageRef(0, 0, 0, 1, 4, 4), ImageRef(1, 0, 0, 0, 4, 4))},
-     "ordered by owner"),
-    ({"rank": 0, "world_size": 2, "encode": (ImageRef(0, 0, 0, 2, 4, 4),)}, "ordered by owner rank < 2"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rank": 2, "world_size": 2}, "rank must be <= 1"),
+        ({"rank": 0, "world_size": 0}, "world_size must be >= 1"),
+        ({"rank": 0, "world_size": 2, "sources": (0,), "tokens": ()}, "one entry per image"),
+        ({"rank": 0, "world_size": 2, "sources": (2,), "tokens": (3,)}, "source must be <= 1"),
+        (
+            {"rank": 0, "world_size": 2, "encode": (ImageRef(0, 0, 0, 1, 4, 4), ImageRef(1, 0, 0, 0, 4, 4))},
+            "ordered by owner",
+        ),
+        ({"rank": 0, "world_size": 2, "encode": (ImageRef(0, 0, 0, 2, 4, 4),)}, "ordered by owner rank < 2"),
+    ],
+)
 def test_exchange_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Exchange(**kwargs)
 
 
-@pytest.mark.parametrize("args, match", [
-    ((0, 0, 0, 0, 1, 0), "tokens must be >= 1"),
-    ((-1, 0, 0, 0, 1, 1), "sample_id must be >= 0"),
-    ((0, 0, 0, 0, 1.5, 1), "patches must be an int"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((0, 0, 0, 0, 1, 0), "tokens must be >= 1"),
+        ((-1, 0, 0, 0, 1, 1), "sample_id must be >= 0"),
+        ((0, 0, 0, 0, 1.5, 1), "patches must be an int"),
+    ],
+)
 def test_imageref_validation(args, match):
     with pytest.raises(ValueError, match=match):
         ImageRef(*args)
@@ -307,7 +327,9 @@ def workload(n: int, seed: int) -> list[Sample]:
     return out
 
 
-@pytest.mark.parametrize("world_size, local_ranks, node_aware", [(4, None, False), (8, 4, False), (8, 4, True)])
+@pytest.mark.parametrize(
+    "world_size, local_ranks, node_aware", [(4, None, False), (8, 4, False), (8, 4, True)]
+)
 def test_two_phase_round_trip_attaches_an_exchange_covering_each_step(world_size, local_ranks, node_aware):
     samples = workload(600, 3)
     spec = JobSpec(world_size=world_size, token_budget=4096, policy="balanced", phases=2, window=32, depth=4)
@@ -343,9 +365,14 @@ def test_a_two_phase_simulator_resumed_mid_epoch_reproduces_the_rest_exchanges_i
     """Resume mid-epoch: a JSON round trip of the simulator's state (coordinator, ranks, views, the steps of
     the round not yet consumed, their exchanges with them) continues exactly as the original does."""
     rng = random.Random(4)
-    samples = [Sample(i, 60 + rng.randrange(400),
-                      images=tuple((4 * t, t) for t in rng.sample([8, 16, 32, 64], rng.randrange(3))))
-               for i in range(160)]
+    samples = [
+        Sample(
+            i,
+            60 + rng.randrange(400),
+            images=tuple((4 * t, t) for t in rng.sample([8, 16, 32, 64], rng.randrange(3))),
+        )
+        for i in range(160)
+    ]
     samples = [s.replace(length=s.length + sum(t for _, t in s.images)) for s in samples]
     spec = JobSpec(world_size=3, token_budget=1024, policy="balanced", window=12, depth=3, phases=2)
 
@@ -364,5 +391,7 @@ def test_a_two_phase_simulator_resumed_mid_epoch_reproduces_the_rest_exchanges_i
 
 
 def test_mean_imbalance_by_hand():
-    assert mean_imbalance([[4, 0], [0, 0], [3, 1]]) == pytest.approx((2.0 + 1.5) / 2)  # the empty step skipped
+    assert mean_imbalance([[4, 0], [0, 0], [3, 1]]) == pytest.approx(
+        (2.0 + 1.5) / 2
+    )  # the empty step skipped
     assert mean_imbalance([[0, 0]]) is None and mean_imbalance([]) is None

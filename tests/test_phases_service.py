@@ -12,8 +12,8 @@ import threading
 
 import numpy as np
 import pytest
-
 from _jobs import InProcessJob, job_pool
+
 from batchd.core import JobSpec
 from batchd.service.preprocess import SyntheticSource, synthetic_image_payload
 
@@ -35,8 +35,20 @@ def _workload(n: int, seed: int, all_images_on: set[int] | None = None) -> tuple
 
 
 def _sources(spec: JobSpec, lengths, images):
-    return [SyntheticSource(lengths, r, spec.world_size, spec.seed, 0, spec.shuffle, vocab_size=VOCAB,
-                            images=images, patch_dim=PATCH_DIM) for r in range(spec.world_size)]
+    return [
+        SyntheticSource(
+            lengths,
+            r,
+            spec.world_size,
+            spec.seed,
+            0,
+            spec.shuffle,
+            vocab_size=VOCAB,
+            images=images,
+            patch_dim=PATCH_DIM,
+        )
+        for r in range(spec.world_size)
+    ]
 
 
 def _encode(pixels: np.ndarray, grid: np.ndarray) -> np.ndarray:
@@ -52,12 +64,14 @@ def _exchange(batches: list[dict]) -> list[np.ndarray]:
     out_rows = []
     sent = []
     for b in batches:
-        enc = _encode(b.get("pixel_values", np.zeros((0, PATCH_DIM), np.float32)),
-                      b.get("image_grid_thw", np.zeros((0, 3), np.int64)))
+        enc = _encode(
+            b.get("pixel_values", np.zeros((0, PATCH_DIM), np.float32)),
+            b.get("image_grid_thw", np.zeros((0, 3), np.int64)),
+        )
         splits = b["vision_send_splits"].tolist()
         assert enc.shape[0] == sum(splits), (enc.shape, splits)
         offs = np.cumsum([0] + splits)
-        sent.append([enc[offs[d]:offs[d + 1]] for d in range(n)])
+        sent.append([enc[offs[d] : offs[d + 1]] for d in range(n)])
     for o, b in enumerate(batches):
         recv = [sent[e][o] for e in range(n)]
         assert [len(x) for x in recv] == b["vision_recv_splits"].tolist()
@@ -103,8 +117,12 @@ def _check(results, lengths, images, seed) -> int:
             ids = b["sample_ids"].tolist()
             seen += ids
             np.testing.assert_array_equal(got[r], _expected(ids, lengths, images, seed))
-            own_grids = [synthetic_image_payload(i, lengths[i], images[i], seed, VOCAB, PATCH_DIM)
-                         .get("image_grid_thw", np.zeros((0, 3), np.int64)) for i in ids]
+            own_grids = [
+                synthetic_image_payload(i, lengths[i], images[i], seed, VOCAB, PATCH_DIM).get(
+                    "image_grid_thw", np.zeros((0, 3), np.int64)
+                )
+                for i in ids
+            ]
             want = np.concatenate(own_grids).tolist() if own_grids else []
             assert b.get("llm_image_grid_thw", np.zeros((0, 3), np.int64)).tolist() == want, "llm grids"
             assert not (b["input_ids"] == 0).all() or not ids
@@ -130,7 +148,9 @@ def job_factory():
 @pytest.mark.parametrize("world", [2, 3])
 def test_two_phase_job_encodes_every_image_once_and_returns_it_to_its_owner(job_factory, world):
     lengths, images = _workload(160, seed=world)
-    spec = JobSpec(world_size=world, token_budget=512, policy="balanced", window=16, depth=3, seed=5, phases=2)
+    spec = JobSpec(
+        world_size=world, token_budget=512, policy="balanced", window=16, depth=3, seed=5, phases=2
+    )
     job = job_factory(spec, sources=_sources(spec, lengths, images))
     results = job.drain(project=_project)
     moved = _check(results, lengths, images, spec.seed)
@@ -139,14 +159,15 @@ def test_two_phase_job_encodes_every_image_once_and_returns_it_to_its_owner(job_
 
 def test_one_rank_holding_every_image_spreads_them_and_image_free_steps_run(job_factory):
     # Only samples of rank 0's view carry images: its LLM groups hold them all, the plan spreads the encoding.
-    spec = JobSpec(world_size=3, token_budget=512, policy="balanced", window=8, depth=2, seed=2, phases=2,
-                   shuffle=False)
+    spec = JobSpec(
+        world_size=3, token_budget=512, policy="balanced", window=8, depth=2, seed=2, phases=2, shuffle=False
+    )
     n = 90
     lengths, images = _workload(n, seed=1, all_images_on={i for i in range(n) if i % 3 == 0 and i < 45})
     job = job_factory(spec, sources=_sources(spec, lengths, images))
     results = job.drain(project=_project)
     _check(results, lengths, images, spec.seed)
-    steps = list(zip(*results))
+    steps = list(zip(*results, strict=False))
     with_images = [row for row in steps if any(len(b.get("image_grid_thw", ())) for b in row)]
     spread = [row for row in with_images if sum(1 for b in row if len(b.get("image_grid_thw", ()))) > 1]
     image_free = [row for row in steps if not any(len(b.get("image_grid_thw", ())) for b in row)]
@@ -158,18 +179,25 @@ def test_a_rank_restarted_mid_epoch_reproduces_the_rest_of_the_exchange(tmp_path
     lengths, images = _workload(150, seed=7)
     spec = JobSpec(world_size=3, token_budget=512, policy="balanced", window=12, depth=2, seed=3, phases=2)
     restarted = threading.Event()
-    with InProcessJob(spec, sources=_sources(spec, lengths, images), rank_state_dir=tmp_path,
-                      grace=30.0) as job:
+    with InProcessJob(
+        spec, sources=_sources(spec, lengths, images), rank_state_dir=tmp_path, grace=30.0
+    ) as job:
+
         def on_step(rank: int, n: int) -> None:
             if rank == 1 and n == 5 and not restarted.is_set():
                 restarted.set()
-                threading.Thread(target=job.restart_rank, args=(1, _sources(spec, lengths, images)[1]),
-                                 daemon=True).start()
+                threading.Thread(
+                    target=job.restart_rank, args=(1, _sources(spec, lengths, images)[1]), daemon=True
+                ).start()
 
         from _jobs import drain_clients
 
-        results = [e[0] for e in drain_clients(lambda r: job.client(r, reconnect_timeout_s=30), 3, 1, 90.0,
-                                               _project, on_step)]
+        results = [
+            e[0]
+            for e in drain_clients(
+                lambda r: job.client(r, reconnect_timeout_s=30), 3, 1, 90.0, _project, on_step
+            )
+        ]
     assert restarted.is_set()
     _check(results, lengths, images, spec.seed)
 
@@ -182,10 +210,15 @@ def test_node_agents_exchange_images_with_a_cut_plan(tmp_path):
     job = NodeJob(spec, lengths, nodes=2, images=images, patch_dim=PATCH_DIM, vocab_size=VOCAB)
     try:
         from _jobs import drain_clients
+
         from batchd.client import BatchClient
 
-        results = [e[0] for e in drain_clients(
-            lambda r: BatchClient(job.address(r), r, 4, reconnect_timeout_s=30), 4, 1, 90.0, _project)]
+        results = [
+            e[0]
+            for e in drain_clients(
+                lambda r: BatchClient(job.address(r), r, 4, reconnect_timeout_s=30), 4, 1, 90.0, _project
+            )
+        ]
     finally:
         job.stop()
     _check(results, lengths, images, spec.seed)
@@ -197,6 +230,10 @@ def test_node_agents_exchange_images_with_a_cut_plan(tmp_path):
             for e, n in enumerate(b["vision_recv_splits"].tolist()):
                 if e != r:
                     rows["intra_node" if e // 2 == r // 2 else "cross_node"] += n
-    scraped = {s.labels.get("scope"): s.value for m in job.metrics.registry.collect() for s in m.samples
-               if s.name == "batchd_job_exchanged_rows_total"}
+    scraped = {
+        s.labels.get("scope"): s.value
+        for m in job.metrics.registry.collect()
+        for s in m.samples
+        if s.name == "batchd_job_exchanged_rows_total"
+    }
     assert scraped == rows and rows["intra_node"] > 0, (scraped, rows)

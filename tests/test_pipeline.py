@@ -34,8 +34,9 @@ NUM = 120
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    return make_demo_dataset(tmp_path_factory.mktemp("demo"), num_samples=NUM, seed=1, format="jsonl",
-                             max_image_side=160)
+    return make_demo_dataset(
+        tmp_path_factory.mktemp("demo"), num_samples=NUM, seed=1, format="jsonl", max_image_side=160
+    )
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,9 @@ def drain(src, limit=None, timeout=120.0):
         if item is not None:
             out.append(item)
             deadline = time.monotonic() + timeout
-        assert time.monotonic() < deadline, f"source stalled: nothing for {timeout:g}s after {len(out)} item(s)"
+        assert time.monotonic() < deadline, (
+            f"source stalled: nothing for {timeout:g}s after {len(out)} item(s)"
+        )
         assert src.in_flight <= src.max_in_flight
     return out
 
@@ -68,7 +71,9 @@ def drain(src, limit=None, timeout=120.0):
 def test_every_id_exactly_once_or_quarantined(pool, demo, tmp_path):
     qpath = tmp_path / "quarantine.jsonl"
     quarantine = Quarantine(qpath)
-    sources = [RaySource(None, rank, 2, seed=3, epoch=0, pool=pool, quarantine=quarantine) for rank in range(2)]
+    sources = [
+        RaySource(None, rank, 2, seed=3, epoch=0, pool=pool, quarantine=quarantine) for rank in range(2)
+    ]
     emitted = {rank: drain(src) for rank, src in enumerate(sources)}
     ids = [s.id for items in emitted.values() for s, _ in items]
     assert len(ids) == len(set(ids)) == demo.num_good
@@ -86,7 +91,7 @@ def test_every_id_exactly_once_or_quarantined(pool, demo, tmp_path):
     payloads = resolve_many([p for _, p in items])
     assert all(type(p).__name__ == "ObjectRef" for _, p in items)
     vision_seen = 0
-    for (s, _), payload in zip(items, payloads):
+    for (s, _), payload in zip(items, payloads, strict=False):
         ids_, labels = payload["input_ids"], payload["labels"]
         assert s.length == len(ids_) == len(labels) <= 1024
         assert s.loss_tokens == int(np.count_nonzero(labels[1:] != -100)) > 0
@@ -106,7 +111,7 @@ def test_deterministic_order_payloads_and_materialize(pool):
     b = drain(RaySource(None, 1, 2, seed=9, epoch=2, pool=pool, chunk_size=5, max_in_flight=7))
     assert [s for s, _ in a] == [s for s, _ in b]  # same view order and metadata, whatever the chunking
     src = RaySource(None, 1, 2, seed=9, epoch=2, pool=pool)
-    for (s, ref), (_, ref2) in list(zip(a, b))[:6]:
+    for (s, ref), (_, ref2) in list(zip(a, b, strict=False))[:6]:
         x, y, z = resolve(ref), resolve(ref2), src.materialize(s.id)
         assert all(np.array_equal(x[k], y[k]) and np.array_equal(x[k], z[k]) for k in x)
         assert s.nbytes == payload_nbytes(x) == payload_nbytes(z) > 0  # the bytes the payload carries
@@ -152,8 +157,9 @@ def test_one_epoch_reads_each_block_once(ray_session, tok, tmp_path):
     when the pull crossed into the next window were read again, synchronously, to submit the chunk)."""
     import pyarrow.parquet as pq
 
-    data = make_demo_dataset(tmp_path, num_samples=96, seed=3, format="parquet", max_image_side=64,
-                             bad_fraction=0.0)
+    data = make_demo_dataset(
+        tmp_path, num_samples=96, seed=3, format="parquet", max_image_side=64, bad_fraction=0.0
+    )
     path = tmp_path / "small-row-groups.parquet"
     pq.write_table(pq.read_table(data.path), path, row_group_size=6)
     with PreprocessPool(str(path), default_stages(tok, cutoff=1024), num_actors=2, actor_num_cpus=0.5) as p:
@@ -180,7 +186,9 @@ def test_start_epoch_gives_the_next_epochs_view_with_cumulative_counters(pool, d
     drain(src, limit=5)
     assert src.in_flight > 0
     src.start_epoch(3)
-    assert [s for s, _ in drain(src)] == [s for s, _ in drain(RaySource(None, 0, 2, seed=6, epoch=3, pool=pool))]
+    assert [s for s, _ in drain(src)] == [
+        s for s, _ in drain(RaySource(None, 0, 2, seed=6, epoch=3, pool=pool))
+    ]
 
 
 def test_wrap_mode_starts_a_new_pass_and_resumes_in_it(pool, demo):
@@ -188,8 +196,8 @@ def test_wrap_mode_starts_a_new_pass_and_resumes_in_it(pool, demo):
     good = [i for i in src.view.ids() if i not in demo.bad]
     items = drain(src, limit=len(good) + 10)
     ids = [s.id for s, _ in items]
-    assert ids[: len(good)] == good and len(set(ids[len(good):])) == 10
-    assert set(ids[len(good):]) <= set(good)  # the second pass, in a fresh order
+    assert ids[: len(good)] == good and len(set(ids[len(good) :])) == 10
+    assert set(ids[len(good) :]) <= set(good)  # the second pass, in a fresh order
     state = src.state_dict()
     nxt = src.poll(5.0)
     src2 = RaySource(None, 1, 4, seed=0, epoch=0, pool=pool, wrap=True)
@@ -209,8 +217,17 @@ def test_actor_killed_mid_epoch_and_a_record_that_crashes_its_worker(ray_session
 
     stages = [ChatTemplate("qwen2"), Tokenize(tok), slow_or_poison] + default_stages(tok, cutoff=1024)[2:]
     with PreprocessPool(demo.path, stages, num_actors=2, actor_num_cpus=0.5) as kpool:
-        src = RaySource(None, 0, 1, seed=0, epoch=0, pool=kpool, max_in_flight=16, max_attempts=2,
-                        quarantine=tmp_path / "q.jsonl")
+        src = RaySource(
+            None,
+            0,
+            1,
+            seed=0,
+            epoch=0,
+            pool=kpool,
+            max_in_flight=16,
+            max_attempts=2,
+            quarantine=tmp_path / "q.jsonl",
+        )
         head = drain(src, limit=20)
         assert src.in_flight > 0
         ray_session.kill(kpool.actors[0], no_restart=False)  # dies with its in-flight tasks
@@ -241,6 +258,7 @@ def test_rank_services_on_ray_sources_run_several_epochs(pool, demo):
     """Two in-process rank services read RaySources on one pool through a 2-epoch balanced job: every good
     record reaches a trainer exactly once per epoch, and each source's counters cover both epochs."""
     from _jobs import InProcessJob
+
     from batchd.core import JobSpec
 
     spec = JobSpec(world_size=2, token_budget=2048, policy="balanced", window=16, depth=3, seed=2, epochs=2)

@@ -25,7 +25,9 @@ class _Tty(io.StringIO):
 
 def test_off_a_terminal_one_line_per_interval_with_the_total_the_rate_and_the_eta():
     clock, lines = _Clock(), []
-    bar = Progress("rank 0", 1004, "samples", interval_s=30, emit=lines.append, stream=io.StringIO(), clock=clock)
+    bar = Progress(
+        "rank 0", 1004, "samples", interval_s=30, emit=lines.append, stream=io.StringIO(), clock=clock
+    )
     for _ in range(47):  # 47 steps in 165 s, ~11 samples each
         clock.t += 165 / 47
         bar.update(512 // 47, steps=1)
@@ -37,7 +39,9 @@ def test_off_a_terminal_one_line_per_interval_with_the_total_the_rate_and_the_et
     clock.t += 1
     bar.update(1004 - 512)
     bar.close()
-    assert lines[-1].startswith("rank 0: 1004/1004 samples (100%), 47 steps, ") and "done in 3m16s" in lines[-1]
+    assert (
+        lines[-1].startswith("rank 0: 1004/1004 samples (100%), 47 steps, ") and "done in 3m16s" in lines[-1]
+    )
     assert len(lines) == 7
 
 

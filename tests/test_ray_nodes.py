@@ -26,9 +26,14 @@ HERE = Path(__file__).resolve().parent
 
 
 def test_payload_nbytes_sums_the_arrays_and_skips_scalars():
-    payload = {"input_ids": np.zeros(7, np.int32), "labels": np.zeros(7, np.int32),
-               "pixel_values": np.zeros((4, 1176), np.float32), "image_grid_thw": np.array([[1, 2, 2]], np.int64),
-               "weight": 0.5, "count": 3}
+    payload = {
+        "input_ids": np.zeros(7, np.int32),
+        "labels": np.zeros(7, np.int32),
+        "pixel_values": np.zeros((4, 1176), np.float32),
+        "image_grid_thw": np.array([[1, 2, 2]], np.int64),
+        "weight": 0.5,
+        "count": 3,
+    }
     assert payload_nbytes(payload) == 28 + 28 + 4 * 1176 * 4 + 24
     assert payload_nbytes({}) == 0
     assert payload_nbytes({"ids": [1, 2, 3]}) == np.asarray([1, 2, 3]).nbytes  # a list counts as its array
@@ -72,8 +77,14 @@ def test_sources_pinned_to_nodes_of_a_real_cluster(tmp_path):
                 pytest.skip(f"{ip} is not a local address here")
     work = tempfile.mkdtemp(prefix="bd-")  # short: Ray's socket paths live under RAY_TMPDIR
     env = {**os.environ, "RAY_TMPDIR": work}  # a private Ray root: no other process on the host finds it
-    proc = subprocess.Popen([sys.executable, str(HERE / "_ray_cluster_check.py"), str(tmp_path)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "_ray_cluster_check.py"), str(tmp_path)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=150)
     except subprocess.TimeoutExpired:
@@ -98,7 +109,9 @@ def test_sources_pinned_to_nodes_of_a_real_cluster(tmp_path):
 
     assert facts["driver_node"] == nodes["head"]  # one host: a driver attaches to the head's raylet
     default = facts["default"]
-    assert default["target"] == nodes["head"] and default["actors"] == [nodes["head"]] and default["samples"] > 0
+    assert (
+        default["target"] == nodes["head"] and default["actors"] == [nodes["head"]] and default["samples"] > 0
+    )
     agent = facts["agent"]
     assert "error" not in agent, agent.get("error", "")
     assert agent["node"] == agent["target"] == nodes["node_b"] and agent["actors"] == [nodes["node_b"]], agent

@@ -29,7 +29,9 @@ PROBE = Path(__file__).with_name("_share_ray_probe.py")
 
 def test_job_key_names_one_job():
     spec = JobSpec(world_size=2, token_budget=1024)
-    assert job_key("127.0.0.1:7000", spec) == job_key("127.0.0.1:7000", JobSpec(world_size=2, token_budget=1024))
+    assert job_key("127.0.0.1:7000", spec) == job_key(
+        "127.0.0.1:7000", JobSpec(world_size=2, token_budget=1024)
+    )
     assert job_key("127.0.0.1:7000", spec) != job_key("127.0.0.1:7001", spec)  # another coordinator
     assert job_key("127.0.0.1:7000", spec) != job_key("127.0.0.1:7000", spec.replace(seed=spec.seed + 1))
 
@@ -41,8 +43,10 @@ def test_a_ray_is_judged_gone_by_its_gcs_and_raylet_refusing_connections():
         assert ray_lost(g, r) is None
         raylet.close()
         lost = ray_lost(g, r)
-        assert isinstance(lost, RayLost) and str(lost) == f"its Ray at {g} went away (the raylet of this node at {r} " \
-            "is unreachable)", lost
+        assert (
+            isinstance(lost, RayLost)
+            and str(lost) == f"its Ray at {g} went away (the raylet of this node at {r} is unreachable)"
+        ), lost
         shared = SharedRay(g, started=False)  # not connected to Ray: watches the GCS only
         seen: list[RayLost] = []
         told = threading.Event()
@@ -51,7 +55,9 @@ def test_a_ray_is_judged_gone_by_its_gcs_and_raylet_refusing_connections():
             assert shared.check() is None  # its GCS is there: nothing to say
             gcs.close()
             assert told.wait(30), "the watch did not notice the GCS going away"
-            assert str(seen[0]) == f"its Ray at {g} went away (its GCS at {g} is unreachable)" and len(seen) == 1
+            assert (
+                str(seen[0]) == f"its Ray at {g} went away (its GCS at {g} is unreachable)" and len(seen) == 1
+            )
         finally:
             shared.close()
     finally:
@@ -64,13 +70,24 @@ def test_same_job_shares_other_job_ray_ignored_auto_joins(tmp_path):
     # One temp root for all of them, as on a user's host (/tmp): only the job key tells the Rays apart.
     ray_tmp = tempfile.mkdtemp(prefix="bds-", dir="/tmp")
     marker = f"BATCHD_TEST_SHARE={uuid.uuid4().hex}"
-    env = {**os.environ, "TMPDIR": ray_tmp, marker.split("=")[0]: marker.split("=")[1], "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "TMPDIR": ray_tmp,
+        marker.split("=")[0]: marker.split("=")[1],
+        "PYTHONUNBUFFERED": "1",
+    }
     env.pop("RAY_ADDRESS", None)
     holders: list[subprocess.Popen] = []
 
     def probe(address: str, job: str, hold: bool = False) -> dict:
-        p = subprocess.Popen([sys.executable, str(PROBE), address, job], env=env, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(
+            [sys.executable, str(PROBE), address, job],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         holders.append(p)
         line = p.stdout.readline()  # the probe's one line once connected (or EOF when it failed)
         if not hold:

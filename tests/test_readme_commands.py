@@ -105,8 +105,7 @@ def readme_commands(text: str | None = None) -> list[str]:
 # Each README command and the test that runs it as a user would (file::function). Placeholders as the
 # README writes them (FILE, PATH, K, G, r).
 RUN_BY = {
-    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[dev,bench]'":
-        "tests/test_readme_commands.py::test_install_line_is_what_ci_runs",
+    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[dev,bench]'": "tests/test_readme_commands.py::test_install_line_is_what_ci_runs",
     "batchd demo": "tests/test_demo.py::test_demo_runs_through_the_ray_pipeline",
     "python -m pytest -q": "tests/test_readme_commands.py::test_install_line_is_what_ci_runs",
     "batchd config --example": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
@@ -114,51 +113,39 @@ RUN_BY = {
     "batchd tokenizer tok.json": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "batchd config job.toml": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "batchd coordinator --config job.toml": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
-    "batchd node --config job.toml --local-ranks 2 --node-rank 0":
-        "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
-    "torchrun --nproc-per-node 2 -m batchd.train --node-agent 127.0.0.1:7100 --tokenizer tok.json":
-        "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
-    "batchd coordinator --world-size 2 --token-budget 8192 --policy balanced --port 7000 --state-dir /tmp/batchd-coord":
-        "tests/test_readme_commands.py::test_readme_processes_block_runs",
+    "batchd node --config job.toml --local-ranks 2 --node-rank 0": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
+    "torchrun --nproc-per-node 2 -m batchd.train --node-agent 127.0.0.1:7100 --tokenizer tok.json": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
+    "batchd coordinator --world-size 2 --token-budget 8192 --policy balanced --port 7000 --state-dir /tmp/batchd-coord": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "batchd rank --world-size 2 --token-budget 8192 --policy balanced --rank 0 --coordinator 127.0.0.1:7000 "
     "--dataset data.parquet --num-actors 2 --ray-address HEAD:6379 --quarantine bad.jsonl --state-dir "
     "/tmp/batchd --port 7100": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "batchd rank --dataset": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "batchd simulate --help": "tests/test_readme_commands.py::test_readme_and_help_commands_parse",
-    "batchd simulate --deterministic":
-        "tests/test_deterministic.py::test_a_deterministic_job_makes_the_same_batches_whatever_the_speed_of_sources_and_trainers",
-    "python -m batchd.train --base-port 7100 --tokenizer tok.json":
-        "tests/test_readme_commands.py::test_readme_processes_block_runs",
+    "batchd simulate --deterministic": "tests/test_deterministic.py::test_a_deterministic_job_makes_the_same_batches_whatever_the_speed_of_sources_and_trainers",
+    "python -m batchd.train --base-port 7100 --tokenizer tok.json": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "python -m batchd.train": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
-    "python -m batchd.train --strategy fsdp2":
-        "tests/test_fsdp_deepspeed.py::test_batchd_train_strategy_runs_an_epoch",
-    "python -m batchd.train --strategy deepspeed":
-        "tests/test_fsdp_deepspeed.py::test_batchd_train_strategy_runs_an_epoch",
-    "python -m batchd.train --startup-timeout S":
-        "tests/test_trainer_start.py::test_a_trainer_pointed_at_nobody_says_whom_it_waits_for_then_exits_2_in_one_line",
+    "python -m batchd.train --strategy fsdp2": "tests/test_fsdp_deepspeed.py::test_batchd_train_strategy_runs_an_epoch",
+    "python -m batchd.train --strategy deepspeed": "tests/test_fsdp_deepspeed.py::test_batchd_train_strategy_runs_an_epoch",
+    "python -m batchd.train --startup-timeout S": "tests/test_trainer_start.py::test_a_trainer_pointed_at_nobody_says_whom_it_waits_for_then_exits_2_in_one_line",
     "batchd node": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "batchd node --local-ranks K --node-rank G": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "batchd coordinator": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "batchd rank": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "batchd rank --rank r": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "torchrun --node-rank G": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
-    "batchd node --node-rank G --advertise <its address> --ray-address <the cluster's Ray>":
-        "tests/test_node_cluster.py::test_node_agents_on_a_multi_node_ray_cluster_survive_an_agent_kill",
+    "batchd node --node-rank G --advertise <its address> --ray-address <the cluster's Ray>": "tests/test_node_cluster.py::test_node_agents_on_a_multi_node_ray_cluster_survive_an_agent_kill",
     "batchd bench": "tests/test_readme_commands.py::test_bench_runs_as_the_readme_shows_it",
     "batchd bench --epochs 3": "tests/test_readme_commands.py::test_bench_runs_as_the_readme_shows_it",
     "batchd demo --help": "tests/test_readme_commands.py::test_readme_and_help_commands_parse",
     "batchd simulate": "tests/test_readme_commands.py::test_simulate_runs_as_the_readme_shows_it",
     "batchd config": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "batchd tokenizer FILE": "tests/test_inputs.py::test_tokenizer_command_writes_the_demo_tokenizer_and_a_directory_loads_the_same",
-    "batchd tokenizer --check PATH":
-        "tests/test_inputs.py::test_tokenizer_command_writes_the_demo_tokenizer_and_a_directory_loads_the_same",
+    "batchd tokenizer --check PATH": "tests/test_inputs.py::test_tokenizer_command_writes_the_demo_tokenizer_and_a_directory_loads_the_same",
     "python -m batchd.proto.generate": "tests/test_proto.py::test_stubs_are_not_stale",
     "batchd tiny-vlm vlm": "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
     "cat > job.toml <<'EOF'": "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
-    "torchrun --nproc-per-node 2 -m batchd.train --node-agent 127.0.0.1:7100 --hf-model vlm":
-        "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
-    "python -m batchd.train --hf-model DIR":
-        "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
+    "torchrun --nproc-per-node 2 -m batchd.train --node-agent 127.0.0.1:7100 --hf-model vlm": "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
+    "python -m batchd.train --hf-model DIR": "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
     "batchd tiny-vlm DIR": "tests/test_hf_vlm_daemon.py::test_tiny_vlm_command_writes_what_a_checkout_holds",
 }
 
@@ -181,13 +168,27 @@ def test_every_readme_command_is_run_by_a_test():
 
 
 def test_block_commands_join_lines_cut_comments_and_skip_heredocs():
-    block = "a --x 1 \\\n    --y 2   # why\npython - <<'EOF'  # make data\nbody # not a command\nEOF\nb '#not'\n"
+    block = (
+        "a --x 1 \\\n    --y 2   # why\npython - <<'EOF'  # make data\nbody # not a command\nEOF\nb '#not'\n"
+    )
     assert block_commands(block) == ["a --x 1 --y 2", "python - <<'EOF'", "b '#not'"]
 
 
 # -- every command parses ----------------------------------------------------------------------------
-PLACEHOLDERS = {"FILE": "f.txt", "PATH": "p", "K": "2", "G": "0", "r": "0", "N": "2", "L": "8192",
-                "HEAD:6379": "127.0.0.1:6379", "S": "5", "DIR": "d", "ADDR": "127.0.0.1:1", "HOST:PORT": "127.0.0.1:1"}
+PLACEHOLDERS = {
+    "FILE": "f.txt",
+    "PATH": "p",
+    "K": "2",
+    "G": "0",
+    "r": "0",
+    "N": "2",
+    "L": "8192",
+    "HEAD:6379": "127.0.0.1:6379",
+    "S": "5",
+    "DIR": "d",
+    "ADDR": "127.0.0.1:1",
+    "HOST:PORT": "127.0.0.1:1",
+}
 
 
 def _argv(cmd: str) -> list[str]:
@@ -199,7 +200,14 @@ def _parse(argv: list[str]) -> None:
     if argv[0] == "batchd":
         rest = argv[1:]
         if rest[:1] == ["simulate"] and not {"--lengths", "--workload", "--help"} & set(rest):
-            rest += ["--lengths", "f.txt", "--world-size", "2", "--token-budget", "8192"]  # prose names a flag
+            rest += [
+                "--lengths",
+                "f.txt",
+                "--world-size",
+                "2",
+                "--token-budget",
+                "8192",
+            ]  # prose names a flag
         if rest[:1] == ["rank"] and "--rank" not in rest:
             rest += ["--rank", "0"]
         build_parser().parse_args(rest)
@@ -207,7 +215,7 @@ def _parse(argv: list[str]) -> None:
     if "batchd.train" in argv:
         from batchd.train import build_parser as train_parser
 
-        train_parser().parse_args(argv[argv.index("batchd.train") + 1:])
+        train_parser().parse_args(argv[argv.index("batchd.train") + 1 :])
         return
     if argv[:3] == ["python", "-m", "batchd.proto.generate"]:
         return
@@ -239,13 +247,18 @@ def test_readme_and_help_commands_parse():
         if cmd.startswith("torchrun"):
             if "-m" not in words:
                 continue  # torchrun's own flags only
-            words = ["python"] + words[words.index("-m"):]
+            words = ["python"] + words[words.index("-m") :]
         argv = _argv(" ".join(words))
-        tries = [argv, argv + ["p"]] if argv[-1].startswith("--") else [argv]  # prose names a flag: `rank --dataset`
+        tries = (
+            [argv, argv + ["p"]] if argv[-1].startswith("--") else [argv]
+        )  # prose names a flag: `rank --dataset`
         errors = []
         for attempt in tries:
             try:
-                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+                with (
+                    contextlib.redirect_stdout(io.StringIO()),
+                    contextlib.redirect_stderr(io.StringIO()) as err,
+                ):
                     _parse(attempt)
                 break
             except SystemExit as exc:
@@ -271,8 +284,12 @@ def test_install_line_is_what_ci_runs():
 # -- the commands no other test runs ----------------------------------------------------------------
 def _env(marker: str | None = None) -> dict[str, str]:
     bindir = str(Path(sys.executable).parent)
-    env = {**os.environ, "PATH": f"{bindir}:{os.environ.get('PATH', '')}", "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{bindir}:{os.environ.get('PATH', '')}",
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS"):
         env.pop(var, None)
     if marker:
@@ -292,7 +309,9 @@ def test_simulate_runs_as_the_readme_shows_it(tmp_path):
     for flag in ("--world-size", "--token-budget"):
         assert flag in required, usage
         argv += [flag, PLACEHOLDERS[required[required.index(flag) + 1]]]
-    proc = subprocess.run(argv + ["--json"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        argv + ["--json"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["missing"] == result["duplicates"] == 0 and result["emitted"] == 300, result
@@ -306,8 +325,14 @@ def test_bench_runs_as_the_readme_shows_it(tmp_path):
 
     if default_workload() is None:
         pytest.skip("shared/workloads/odb-synthetic.txt is not beside this checkout")
-    proc = subprocess.run(["batchd", "bench", "--epochs", "3", "--num-samples", "24", "--heldout", "4"],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        ["batchd", "bench", "--epochs", "3", "--num-samples", "24", "--heldout", "4"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     table = proc.stdout.strip().splitlines()
     systems = {line.split()[0] for line in table[1:]}
@@ -338,11 +363,18 @@ def test_readme_processes_block_runs(tmp_path):
     make_demo_dataset(tmp_path, RECORDS).path.rename(tmp_path / "data.parquet")
 
     def fill(cmd: str) -> list[str]:
-        cmd = (cmd.replace("--port 7000", f"--port {cport}").replace("127.0.0.1:7000", f"127.0.0.1:{cport}")
-               .replace("--port 7100", f"--port {rport}").replace("--ray-address HEAD:6379", "")
-               .replace("/tmp/batchd-coord", str(tmp_path / "coord")).replace("/tmp/batchd", str(tmp_path / "rank"))
-               .replace("--token-budget 8192", "--token-budget 1024"))
-        return shlex.split(cmd) + (["--window", "32"] if cmd.startswith(("batchd coordinator", "batchd rank")) else [])
+        cmd = (
+            cmd.replace("--port 7000", f"--port {cport}")
+            .replace("127.0.0.1:7000", f"127.0.0.1:{cport}")
+            .replace("--port 7100", f"--port {rport}")
+            .replace("--ray-address HEAD:6379", "")
+            .replace("/tmp/batchd-coord", str(tmp_path / "coord"))
+            .replace("/tmp/batchd", str(tmp_path / "rank"))
+            .replace("--token-budget 8192", "--token-budget 1024")
+        )
+        return shlex.split(cmd) + (
+            ["--window", "32"] if cmd.startswith(("batchd coordinator", "batchd rank")) else []
+        )
 
     train_inline = "python -m batchd.train --base-port 7100 --tokenizer tok.json"
     assert f"`{train_inline}`" in " ".join(readme_text().split())
@@ -353,8 +385,14 @@ def test_readme_processes_block_runs(tmp_path):
 
     def start(name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> None:
         log = open(tmp_path / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-        procs.append((name, subprocess.Popen(argv, cwd=tmp_path, env={**env, **(extra_env or {})}, stdout=log,
-                                             stderr=subprocess.STDOUT)))
+        procs.append(
+            (
+                name,
+                subprocess.Popen(
+                    argv, cwd=tmp_path, env={**env, **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT
+                ),
+            )
+        )
 
     try:
         start("coordinator", fill(coord_cmd))
@@ -362,11 +400,34 @@ def test_readme_processes_block_runs(tmp_path):
             start(f"rank-{r}", _rank_argv(fill(rank_cmd), r, rport, tmp_path))
         master = free_block(1)  # what torchrun would set: one rendezvous for both trainers
         for r in range(2):
-            argv = [sys.executable, "-m", "batchd.train", "--base-port", str(rport), "--tokenizer", "tok.json",
-                    "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
-                    "--summary", str(tmp_path / f"summary-{r}.json")]
-            start(f"trainer-{r}", argv, {"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r),
-                                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master)})
+            argv = [
+                sys.executable,
+                "-m",
+                "batchd.train",
+                "--base-port",
+                str(rport),
+                "--tokenizer",
+                "tok.json",
+                "--d-model",
+                "32",
+                "--n-layers",
+                "1",
+                "--n-heads",
+                "2",
+                "--summary",
+                str(tmp_path / f"summary-{r}.json"),
+            ]
+            start(
+                f"trainer-{r}",
+                argv,
+                {
+                    "RANK": str(r),
+                    "WORLD_SIZE": "2",
+                    "LOCAL_RANK": str(r),
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(master),
+                },
+            )
         deadline = time.monotonic() + 400
         for name, p in procs:
             p.wait(max(deadline - time.monotonic(), 1))

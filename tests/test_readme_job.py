@@ -28,9 +28,13 @@ pytestmark = pytest.mark.slow
 def stats_fields() -> set[str]:
     """The fields the README's "Stats file" table documents."""
     text = (REPO / "README.md").read_text()
-    table = text[text.index("### Stats file"):].split("\n## ", 1)[0]
-    return {f for row in table.splitlines() if row.startswith("| `")
-            for f in re.findall(r"`([a-z_]+)`", row.split(" | ")[0])}
+    table = text[text.index("### Stats file") :].split("\n## ", 1)[0]
+    return {
+        f
+        for row in table.splitlines()
+        if row.startswith("| `")
+        for f in re.findall(r"`([a-z_]+)`", row.split(" | ")[0])
+    }
 
 
 def test_readme_real_job_runs_as_written(tmp_path):
@@ -40,8 +44,14 @@ def test_readme_real_job_runs_as_written(tmp_path):
     marker = f"BATCHD_TEST_README={uuid.uuid4().hex}"
     env = job_env(ray_tmp, marker)
     try:
-        run = subprocess.run(["bash", "-c", "\n".join(script)], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=400)
+        run = subprocess.run(
+            ["bash", "-c", "\n".join(script)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+        )
         out = run.stdout[-4000:] + "\n--- stderr\n" + run.stderr[-6000:]
         assert run.returncode == 0, out
         results = [json.loads((tmp_path / f"summary-{r}.json").read_text()) for r in range(2)]
@@ -50,7 +60,10 @@ def test_readme_real_job_runs_as_written(tmp_path):
         assert len(started) == 1 and "joined" not in run.stderr, out  # one Ray, in the agent
         assert re.search(r"node agent '[^']+' serving ranks \[0, 1\]", run.stderr), out
         assert "Traceback" not in run.stderr, out
-        for noise in ("max_restarts > 0", "Token authentication is enabled"):  # Ray's, caused by batchd: silenced
+        for noise in (
+            "max_restarts > 0",
+            "Token authentication is enabled",
+        ):  # Ray's, caused by batchd: silenced
             assert noise not in run.stderr, out
         documented = stats_fields()
         for r in range(2):

@@ -16,8 +16,10 @@ from batchd.service.preprocess import iter_records
 @pytest.fixture(scope="module")
 def demos(tmp_path_factory):
     root = tmp_path_factory.mktemp("records")
-    return {fmt: make_demo_dataset(root / fmt, num_samples=60, seed=3, format=fmt, max_image_side=64)
-            for fmt in ("parquet", "jsonl", "arrow")}
+    return {
+        fmt: make_demo_dataset(root / fmt, num_samples=60, seed=3, format=fmt, max_image_side=64)
+        for fmt in ("parquet", "jsonl", "arrow")
+    }
 
 
 def _summary(rec):
@@ -96,9 +98,11 @@ def test_schema_errors_name_file_row_and_field(tmp_path):
     assert e.value.field == "images"
 
     p = tmp_path / "rows.jsonl"
-    rows = [{"messages": _msgs(("user", "a"), ("assistant", "b"))},
-            {"messages": _msgs(("user", "a"), ("assistant", "b"))},
-            {"messages": [{"role": "user", "content": "a"}, {"role": 7, "content": "b"}]}]
+    rows = [
+        {"messages": _msgs(("user", "a"), ("assistant", "b"))},
+        {"messages": _msgs(("user", "a"), ("assistant", "b"))},
+        {"messages": [{"role": "user", "content": "a"}, {"role": 7, "content": "b"}]},
+    ]
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     # In JSONL a wrongly typed value is the record's problem, not the file's: that row is quarantined
     # with a reason naming the field, the others read (a Parquet/Arrow column's type is the file's).
@@ -116,16 +120,29 @@ def test_unknown_extension_and_missing_file(tmp_path):
         RecordDataset(tmp_path / "nope.parquet")
 
 
-@pytest.mark.parametrize(("raw", "code"), [
-    ({"messages": []}, "empty_conversation"),
-    ({"messages": None}, "missing_field"),
-    ({"other": 1}, "missing_field"),
-    ({"messages": [{"role": "user"}]}, "missing_field"),
-    ({"messages": _msgs(("user", "a"))}, "no_assistant"),
-    ({"messages": _msgs(("user", "a"), ("wizard", "b"))}, "bad_role"),
-    ({"messages": _msgs(("user", "<image><image>a"), ("assistant", "b")), "images": [b"x"]}, "image_mismatch"),
-    ({"messages": _msgs(("system", "s"),)}, "empty_conversation"),
-])
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        ({"messages": []}, "empty_conversation"),
+        ({"messages": None}, "missing_field"),
+        ({"other": 1}, "missing_field"),
+        ({"messages": [{"role": "user"}]}, "missing_field"),
+        ({"messages": _msgs(("user", "a"))}, "no_assistant"),
+        ({"messages": _msgs(("user", "a"), ("wizard", "b"))}, "bad_role"),
+        (
+            {"messages": _msgs(("user", "<image><image>a"), ("assistant", "b")), "images": [b"x"]},
+            "image_mismatch",
+        ),
+        (
+            {
+                "messages": _msgs(
+                    ("system", "s"),
+                )
+            },
+            "empty_conversation",
+        ),
+    ],
+)
 def test_bad_records_are_rejected_with_a_code(raw, code):
     with pytest.raises(Reject) as e:
         parse_record(raw)
@@ -134,15 +151,31 @@ def test_bad_records_are_rejected_with_a_code(raw, code):
 
 def test_record_variants_are_normalized():
     png = base64.b64encode(b"\x89PNGfake").decode()
-    rec = parse_record({"conversations": [{"from": "system", "value": "be nice"},
-                                          {"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}],
-                        "images": f"data:image/png;base64,{png}"})
+    rec = parse_record(
+        {
+            "conversations": [
+                {"from": "system", "value": "be nice"},
+                {"from": "human", "value": "hi"},
+                {"from": "gpt", "value": "hello"},
+            ],
+            "images": f"data:image/png;base64,{png}",
+        }
+    )
     assert rec.system == "be nice"
-    assert rec.messages == [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "hello"}]
+    assert rec.messages == [
+        {"role": "user", "content": "<image>hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
     assert rec.images[0].read("") == b"\x89PNGfake"
-    rec = parse_record({"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]},
-                                     {"role": "assistant", "content": "a cat"}],
-                        "images": [{"bytes": png, "path": None}]})
+    rec = parse_record(
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]},
+                {"role": "assistant", "content": "a cat"},
+            ],
+            "images": [{"bytes": png, "path": None}],
+        }
+    )
     assert rec.messages[0]["content"] == "<image>what?" and rec.images[0].read("") == b"\x89PNGfake"
 
 

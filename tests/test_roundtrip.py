@@ -70,19 +70,23 @@ def assert_same_continuation(original: Iterable[Any], restored: Iterable[Any], w
     """The restored instance yields exactly what the original yields from the cut on (names the first
     item that differs)."""
     original, restored = list(original), list(restored)
-    for k, (a, b) in enumerate(zip(original, restored)):
+    for k, (a, b) in enumerate(zip(original, restored, strict=False)):
         if a != b:
-            raise AssertionError(f"{what}: the continuations first differ at item {k}: original {a!r}, "
-                                 f"restored {b!r}")
+            raise AssertionError(
+                f"{what}: the continuations first differ at item {k}: original {a!r}, restored {b!r}"
+            )
     if len(original) != len(restored):
-        raise AssertionError(f"{what}: the original continues for {len(original)} items, the restored "
-                             f"for {len(restored)}")
+        raise AssertionError(
+            f"{what}: the original continues for {len(original)} items, the restored for {len(restored)}"
+        )
 
 
 def digest(arrays: dict[str, np.ndarray]) -> tuple:
     """A payload dict as something `==` compares exactly: (key, dtype, shape, sha1 of the bytes) per array."""
-    return tuple((k, v.dtype.str, v.shape, hashlib.sha1(np.ascontiguousarray(v).tobytes()).hexdigest())
-                 for k, v in sorted(arrays.items()))
+    return tuple(
+        (k, v.dtype.str, v.shape, hashlib.sha1(np.ascontiguousarray(v).tobytes()).hexdigest())
+        for k, v in sorted(arrays.items())
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -93,8 +97,9 @@ LENGTHS = [int(n) for n in np.random.default_rng(7).integers(1, 180, 90)] + [300
 WORLDS = {
     "local": JobSpec(world_size=3, token_budget=256, window=7, depth=2, seed=3, policy="local"),
     "balanced": JobSpec(world_size=3, token_budget=256, window=7, depth=2, seed=3, policy="balanced"),
-    "odb-non-join": JobSpec(world_size=3, token_budget=256, window=7, depth=3, seed=3, policy="odb",
-                            mode="non-join", quota=70),
+    "odb-non-join": JobSpec(
+        world_size=3, token_budget=256, window=7, depth=3, seed=3, policy="odb", mode="non-join", quota=70
+    ),
 }
 COMPONENTS = ("simulator", "coordinator", "rank", "view")
 
@@ -125,8 +130,12 @@ def fresh_component(world: str, component: str, rank: int) -> Any:
 
 
 def component_of(sim: Simulator, component: str, rank: int) -> Any:
-    return {"simulator": sim, "coordinator": sim.coordinator, "rank": sim.ranks[rank],
-            "view": sim.sources[rank]}[component]
+    return {
+        "simulator": sim,
+        "coordinator": sim.coordinator,
+        "rank": sim.ranks[rank],
+        "view": sim.sources[rank],
+    }[component]
 
 
 def restored_world(world: str, cut: int, component: str, rank: int, state: dict) -> Simulator:
@@ -150,8 +159,12 @@ def total_steps(world: str) -> int:
     return len(sim_steps(Simulator(LENGTHS, WORLDS[world])))
 
 
-@given(world=st.sampled_from(sorted(WORLDS)), component=st.sampled_from(COMPONENTS), rank=st.integers(0, 2),
-       cut=st.floats(0.0, 1.0, exclude_max=True))
+@given(
+    world=st.sampled_from(sorted(WORLDS)),
+    component=st.sampled_from(COMPONENTS),
+    rank=st.integers(0, 2),
+    cut=st.floats(0.0, 1.0, exclude_max=True),
+)
 def test_core_state_round_trip_continues_identically(world, component, rank, cut):
     cut = int(cut * total_steps(world))
     original = simulator_at(world, cut)
@@ -162,11 +175,14 @@ def test_core_state_round_trip_continues_identically(world, component, rank, cut
     assert_same_continuation(rest, sim_steps(restored), f"{component} of {world} at step {cut}")
 
 
-@pytest.mark.parametrize("component, key", [
-    ("view", "position"),  # a sample is skipped
-    ("rank", "step"),  # the step numbers shift
-    ("simulator", "sources"),  # rank 0's view skips a sample
-])
+@pytest.mark.parametrize(
+    "component, key",
+    [
+        ("view", "position"),  # a sample is skipped
+        ("rank", "step"),  # the step numbers shift
+        ("simulator", "sources"),  # rank 0's view skips a sample
+    ],
+)
 def test_control_a_corrupted_core_state_changes_the_continuation(component, key):
     world, cut, rank = "local", 3, 1
     original = simulator_at(world, cut)
@@ -204,16 +220,31 @@ def _other(component: str, field: str, value: Any = None) -> tuple[Any, dict]:
     return ViewSource(n, rank, spec.world_size, spec.seed, epoch, spec.shuffle), state
 
 
-@pytest.mark.parametrize("component, field, value", [
-    ("view", "rank", None), ("view", "world_size", 4), ("view", "seed", 4), ("view", "epoch", None),
-    ("view", "num_samples", None),
-    ("rank", "rank", None), ("rank", "world_size", 4), ("rank", "seed", 4), ("rank", "epoch", None),
-    ("rank", "policy", "odb"), ("rank", "token_budget", 255),
-    ("coordinator", "world_size", 4), ("coordinator", "seed", 4), ("coordinator", "epoch", None),
-    ("coordinator", "policy", "balanced"), ("coordinator", "mode", "non-join"),
-    ("simulator", "world_size", 4), ("simulator", "seed", 4), ("simulator", "epoch", None),
-    ("simulator", "window", 8),
-])
+@pytest.mark.parametrize(
+    "component, field, value",
+    [
+        ("view", "rank", None),
+        ("view", "world_size", 4),
+        ("view", "seed", 4),
+        ("view", "epoch", None),
+        ("view", "num_samples", None),
+        ("rank", "rank", None),
+        ("rank", "world_size", 4),
+        ("rank", "seed", 4),
+        ("rank", "epoch", None),
+        ("rank", "policy", "odb"),
+        ("rank", "token_budget", 255),
+        ("coordinator", "world_size", 4),
+        ("coordinator", "seed", 4),
+        ("coordinator", "epoch", None),
+        ("coordinator", "policy", "balanced"),
+        ("coordinator", "mode", "non-join"),
+        ("simulator", "world_size", 4),
+        ("simulator", "seed", 4),
+        ("simulator", "epoch", None),
+        ("simulator", "window", 8),
+    ],
+)
 def test_core_refuses_a_state_of_another_configuration(component, field, value):
     fresh, state = _other(component, field, value)
     with pytest.raises(ValueError, match=rf"{field}: saved|'{field}': \("):  # the simulator's config diff
@@ -235,6 +266,7 @@ def test_core_state_is_refused_mid_round():
 @given(shuffle=st.booleans(), wrap=st.booleans(), cut=st.integers(0, 70))
 def test_view_source_round_trip_continues_across_passes(shuffle, wrap, cut):
     """A view on its own, also in non-join mode (wrap): the continuation crosses into later passes."""
+
     def make():
         return ViewSource(50, rank=1, world_size=4, seed=3, shuffle=shuffle, wrap=wrap)
 
@@ -244,7 +276,9 @@ def test_view_source_round_trip_continues_across_passes(shuffle, wrap, cut):
     restored = make()
     restored.load_state_dict(json_round_trip(original.state_dict()))
     assert restored.peek() == original.peek()
-    assert_same_continuation([original.next() for _ in range(40)], [restored.next() for _ in range(40)], "view")
+    assert_same_continuation(
+        [original.next() for _ in range(40)], [restored.next() for _ in range(40)], "view"
+    )
 
 
 # Delivery: a scripted trainer and round loop on a driven clock, both decided by the tick only.
@@ -363,13 +397,21 @@ def source_items(src: Source, epoch: int, polls: int | None = None, epochs: int 
     return out
 
 
-def _synthetic(epoch: int = 0, wrap: bool = False, shuffle: bool = True, rank: int = 1, world_size: int = 3,
-               seed: int = 4, lengths: list[int] = SYN_LENGTHS) -> SyntheticSource:
+def _synthetic(
+    epoch: int = 0,
+    wrap: bool = False,
+    shuffle: bool = True,
+    rank: int = 1,
+    world_size: int = 3,
+    seed: int = 4,
+    lengths: list[int] = SYN_LENGTHS,
+) -> SyntheticSource:
     return SyntheticSource(lengths, rank, world_size, seed, epoch, shuffle, vocab_size=97, wrap=wrap)
 
 
-def synthetic_pair(cut: int, wrap: bool, shuffle: bool, corrupt: Callable[[dict], None] | None = None
-                   ) -> tuple[list, list]:
+def synthetic_pair(
+    cut: int, wrap: bool, shuffle: bool, corrupt: Callable[[dict], None] | None = None
+) -> tuple[list, list]:
     polls = 2 * len(_synthetic()) + 3 if wrap else None  # past the end of the first pass
     original = _synthetic(wrap=wrap, shuffle=shuffle)
     head = source_items(original, 0, polls=cut, epochs=1 if wrap else SYN_EPOCHS)
@@ -402,10 +444,16 @@ def test_control_a_corrupted_synthetic_state_changes_the_continuation():
         assert_same_continuation(*synthetic_pair(4, False, True, corrupt), "SyntheticSource")
 
 
-@pytest.mark.parametrize("field, other", [
-    ("rank", {"rank": 2}), ("world_size", {"world_size": 4, "rank": 1}), ("seed", {"seed": 5}),
-    ("epoch", {"epoch": 1}), ("num_samples", {"lengths": SYN_LENGTHS + [7]}),
-])
+@pytest.mark.parametrize(
+    "field, other",
+    [
+        ("rank", {"rank": 2}),
+        ("world_size", {"world_size": 4, "rank": 1}),
+        ("seed", {"seed": 5}),
+        ("epoch", {"epoch": 1}),
+        ("num_samples", {"lengths": SYN_LENGTHS + [7]}),
+    ],
+)
 def test_synthetic_source_refuses_a_state_of_another_view(field, other):
     src = _synthetic()
     source_items(src, 0, polls=3)
@@ -432,12 +480,16 @@ def test_quarantine_round_trip_continues_identically(cut):
         quarantine_trace(original, 0, cut)
         restored = Quarantine(Path(tmp) / "b.jsonl")  # the file is a log; the counts are the state
         restored.load_state_dict(json_round_trip(original.state_dict()))
-        assert_same_continuation(quarantine_trace(original, cut), quarantine_trace(restored, cut), "Quarantine")
+        assert_same_continuation(
+            quarantine_trace(original, cut), quarantine_trace(restored, cut), "Quarantine"
+        )
         assert Quarantine.read(Path(tmp) / "a.jsonl")[cut:] == Quarantine.read(Path(tmp) / "b.jsonl")
 
 
-@pytest.mark.parametrize("state", [{}, {"count": {}}, {"counts": {"bad_image": -1}}, {"counts": [1]},
-                                   {"counts": {"bad_image": "2"}}])
+@pytest.mark.parametrize(
+    "state",
+    [{}, {"count": {}}, {"counts": {"bad_image": -1}}, {"counts": [1]}, {"counts": {"bad_image": "2"}}],
+)
 def test_quarantine_refuses_a_malformed_state_naming_the_field(state):
     with pytest.raises(ValueError, match="'counts'"):
         Quarantine().load_state_dict(state)
@@ -450,8 +502,9 @@ RAY_NUM = 40
 def ray_pool(ray_session, tmp_path_factory):
     """A 2-actor pool (0.5 CPU each) over a tiny demo dataset with bad records (quarantined)."""
     work = tmp_path_factory.mktemp("roundtrip-ray")
-    demo = make_demo_dataset(work / "demo", num_samples=RAY_NUM, seed=2, format="jsonl", max_image_side=96,
-                             bad_fraction=0.1)
+    demo = make_demo_dataset(
+        work / "demo", num_samples=RAY_NUM, seed=2, format="jsonl", max_image_side=96, bad_fraction=0.1
+    )
     tok = TokenizerRef(demo_tokenizer(work / "tokenizer.json"))
     with PreprocessPool(demo.path, default_stages(tok, cutoff=512), num_actors=2, actor_num_cpus=0.5) as pool:
         yield pool, demo
@@ -473,7 +526,7 @@ def ray_items(src: RaySource, limit: int | None = None) -> list:
         assert time.monotonic() < deadline, f"RaySource stalled after {len(out)} item(s)"
     refs = [i for i, x in enumerate(out) if isinstance(x, tuple) and isinstance(x[0], Sample)]
     payloads = resolve_many([out[i][1] for i in refs])
-    for i, payload in zip(refs, payloads):
+    for i, payload in zip(refs, payloads, strict=False):
         out[i] = (out[i][0], digest(payload))
     return out
 
@@ -500,8 +553,12 @@ def test_ray_source_round_trip_continues_identically(ray_pool, cut):
     bad = set(ViewSource(RAY_NUM, 1, 2, 5, 0, True)._view) & set(demo.bad)
     assert rest[-1][0] == "end" and sum(rest[-1][2].values()) == len(bad), rest[-1]
     assert_same_continuation(rest, ray_items(restored), f"RaySource at {cut}")
-    for field, other in [("rank", {"rank": 0}), ("world_size", {"world_size": 3}), ("seed", {"seed": 6}),
-                         ("epoch", {"epoch": 1})]:
+    for field, other in [
+        ("rank", {"rank": 0}),
+        ("world_size", {"world_size": 3}),
+        ("seed", {"seed": 6}),
+        ("epoch", {"epoch": 1}),
+    ]:
         with pytest.raises(ValueError, match=f"{field}: saved"):
             make(**other).load_state_dict(state)
     with pytest.raises(ValueError, match="not a RaySource state"):
@@ -563,11 +620,16 @@ def make_job():
 
 def project(batch: dict, info: Any) -> tuple:
     """A received step as something `==` compares: epoch-local step, sample ids, the token ids' digest."""
-    return info.step, tuple(batch["sample_ids"].tolist()), hashlib.sha1(batch["input_ids"].numpy().tobytes()).hexdigest()
+    return (
+        info.step,
+        tuple(batch["sample_ids"].tolist()),
+        hashlib.sha1(batch["input_ids"].numpy().tobytes()).hexdigest(),
+    )
 
 
-def client_steps(client: BatchClient, epochs: int = JOB_SPEC.epochs, limit: int | None = None,
-                 it: Iterator | None = None) -> tuple[list, Iterator | None]:
+def client_steps(
+    client: BatchClient, epochs: int = JOB_SPEC.epochs, limit: int | None = None, it: Iterator | None = None
+) -> tuple[list, Iterator | None]:
     """Steps read by `client` from its epoch on, as (epoch, *project): to the job's end, or `limit` of them.
     Returns them and the open iterator (to continue the same stream)."""
     out: list = []
@@ -637,8 +699,9 @@ def wait_for_trainer_wait(job, limit_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def journal_pair(make, tmp_path: Path, cut: int, corrupt: Callable[[dict], None] | None = None
-                 ) -> tuple[list, list]:
+def journal_pair(
+    make, tmp_path: Path, cut: int, corrupt: Callable[[dict], None] | None = None
+) -> tuple[list, list]:
     """Job A: its trainer reads `cut` steps, A's rank journal is saved, the trainer reads on to the end (the
     original rank service continues). Job B, the same job: its trainer reads `cut` steps and leaves; B's
     rank service is killed and restarted from A's saved journal (the restored); a trainer resumes it at the
@@ -687,8 +750,9 @@ def journal_dir(tmp_path) -> Iterator[tuple[Path, dict]]:
     """A state dir with rank 0's journal written by a rank service of JOB_SPEC at its start, and the journal."""
     coord = CoordinatorClient("127.0.0.1:1", 0, JOB_SPEC, startup_timeout_s=1)
     try:
-        core = RankServiceCore(0, JOB_SPEC, coord, SyntheticSource(JOB_LENGTHS, 0, 1, JOB_SPEC.seed),
-                               state_dir=tmp_path)
+        core = RankServiceCore(
+            0, JOB_SPEC, coord, SyntheticSource(JOB_LENGTHS, 0, 1, JOB_SPEC.seed), state_dir=tmp_path
+        )
         core._write_journal()
     finally:
         coord.close()
@@ -698,8 +762,13 @@ def journal_dir(tmp_path) -> Iterator[tuple[Path, dict]]:
 def _restore(state_dir: Path, rank: int = 0, spec: JobSpec = JOB_SPEC) -> RankServiceCore:
     coord = CoordinatorClient("127.0.0.1:1", rank, spec, startup_timeout_s=1)
     try:
-        return RankServiceCore(rank, spec, coord, SyntheticSource(JOB_LENGTHS, rank, spec.world_size, spec.seed),
-                               state_dir=state_dir)
+        return RankServiceCore(
+            rank,
+            spec,
+            coord,
+            SyntheticSource(JOB_LENGTHS, rank, spec.world_size, spec.seed),
+            state_dir=state_dir,
+        )
     finally:
         coord.close()
 
@@ -723,26 +792,36 @@ def test_rank_journal_of_another_version_is_refused_naming_the_file_and_both_ver
         _restore(state_dir)
 
 
-@pytest.mark.parametrize("key", ["delivery", "rank", "source", "ready", "rejected_before", "finish_acked",
-                                 "filled"])
+@pytest.mark.parametrize(
+    "key", ["delivery", "rank", "source", "ready", "rejected_before", "finish_acked", "filled"]
+)
 def test_rank_journal_missing_a_key_is_refused_naming_it(journal_dir, key):
     state_dir, journal = journal_dir
     del journal[key]
     (state_dir / "rank-0.json").write_text(json.dumps(journal))
-    with pytest.raises(ValueError, match=rf"rank-0\.json: rank journal version 3 lacks the required key\(s\) "
-                                         rf"\['{key}'\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"rank-0\.json: rank journal version 3 lacks the required key\(s\) "
+        rf"\['{key}'\]",
+    ):
         _restore(state_dir)
 
 
-@pytest.mark.parametrize("edit, needle", [
-    (lambda j: j.update(extra=1), r"unknown key\(s\) \['extra'\]"),
-    (lambda j: j.update(finish_acked=0), "'finish_acked' is a int, expected a bool"),
-    (lambda j: j.update(ready={}), "'ready' is a dict, expected a list"),
-    (lambda j: j["rank"].update(epoch=1), r"cannot resume rank 0 from this journal: .*epoch: saved 1, current 0"),
-    (lambda j: j["source"].update(seed=7), "seed: saved 7, current 6"),
-    (lambda j: j["delivery"].update(epoch=5), "epoch must be <= 1"),
-    (lambda j: j["delivery"].pop("made"), "KeyError: 'made'"),
-])
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda j: j.update(extra=1), r"unknown key\(s\) \['extra'\]"),
+        (lambda j: j.update(finish_acked=0), "'finish_acked' is a int, expected a bool"),
+        (lambda j: j.update(ready={}), "'ready' is a dict, expected a list"),
+        (
+            lambda j: j["rank"].update(epoch=1),
+            r"cannot resume rank 0 from this journal: .*epoch: saved 1, current 0",
+        ),
+        (lambda j: j["source"].update(seed=7), "seed: saved 7, current 6"),
+        (lambda j: j["delivery"].update(epoch=5), "epoch must be <= 1"),
+        (lambda j: j["delivery"].pop("made"), "KeyError: 'made'"),
+    ],
+)
 def test_rank_journal_that_does_not_fit_is_refused_naming_the_file_and_field(journal_dir, edit, needle):
     state_dir, journal = journal_dir
     edit(journal)

@@ -41,37 +41,62 @@ def _name(cn: str) -> x509.Name:
 
 
 def _builder(subject: str, issuer: x509.Name, key) -> x509.CertificateBuilder:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(issuer)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1)))
+    now = datetime.datetime.now(datetime.UTC)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(issuer)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+    )
 
 
 def _make_ca(cn: str):
     key = ec.generate_private_key(ec.SECP256R1())
-    cert = (_builder(cn, _name(cn), key)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False, encipher_only=False,
-                                         decipher_only=False),
-                           critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        _builder(cn, _name(cn), key)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
     return key, cert
 
 
 def _make_leaf(ca, cn: str, server: bool):
     ca_key, ca_cert = ca
     key = ec.generate_private_key(ec.SECP256R1())
-    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH] if server else \
-        [ExtendedKeyUsageOID.CLIENT_AUTH]
-    builder = (_builder(cn, ca_cert.subject, key)
-               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-               .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
+    usages = (
+        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        if server
+        else [ExtendedKeyUsageOID.CLIENT_AUTH]
+    )
+    builder = (
+        _builder(cn, ca_cert.subject, key)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    )
     if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
     return key, builder.sign(ca_key, hashes.SHA256())
 
 
@@ -185,8 +210,9 @@ def test_security_rejects_bad_arguments_naming_field_and_path(pki, tmp_path):
 
 
 def test_from_files_reads_the_token_and_repr_hides_it(pki):
-    sec = Security.from_files(pki["server"], pki["server_key"], pki["ca"], client_auth=True,
-                              token_file=pki["token_file"])
+    sec = Security.from_files(
+        pki["server"], pki["server_key"], pki["ca"], client_auth=True, token_file=pki["token_file"]
+    )
     assert sec.token == TOKEN and sec.tls and sec.client_auth
     assert TOKEN not in repr(sec) and pki["server"] in repr(sec)
     assert sec.describe() == "mutual TLS + bearer token"
@@ -294,22 +320,30 @@ def test_job_end_to_end_under_mutual_tls_and_token(pki):
     """Coordinator + 2 rank services (balanced: payloads move between ranks through peer `Fetch`) + 2
     trainers, every channel under mutual TLS + token: trainer->rank, rank->coordinator, rank->rank."""
     lengths = np.clip(np.random.default_rng(5).lognormal(4.0, 0.9, 120), 2, 900).astype(int).tolist()
-    spec = JobSpec(world_size=2, token_budget=1024, policy="balanced", window=16, depth=4, seed=3,
-                   shuffle=False)  # unshuffled views: sample i's home rank is i % 2
-    service = Security.from_files(pki["server"], pki["server_key"], pki["ca"], client_auth=True,
-                                  token_file=pki["token_file"])
-    trainer = Security(tls_cert=pki["client"], tls_key=pki["client_key"], tls_ca=pki["ca"], client_auth=True,
-                       token=TOKEN)
+    spec = JobSpec(
+        world_size=2, token_budget=1024, policy="balanced", window=16, depth=4, seed=3, shuffle=False
+    )  # unshuffled views: sample i's home rank is i % 2
+    service = Security.from_files(
+        pki["server"], pki["server_key"], pki["ca"], client_auth=True, token_file=pki["token_file"]
+    )
+    trainer = Security(
+        tls_cert=pki["client"], tls_key=pki["client_key"], tls_ca=pki["ca"], client_auth=True, token=TOKEN
+    )
     with InProcessJob(spec, lengths, security=service) as job:  # every service, channel and server
         # a trainer without the token, and one without a certificate, get nothing
-        no_token = Security(tls_cert=pki["client"], tls_key=pki["client_key"], tls_ca=pki["ca"],
-                            client_auth=True)
-        with BatchClient(job.rank_address(0), 0, 2, security=no_token) as c, \
-                pytest.raises(BatchdError, match="UNAUTHENTICATED: missing 'authorization"):
+        no_token = Security(
+            tls_cert=pki["client"], tls_key=pki["client_key"], tls_ca=pki["ca"], client_auth=True
+        )
+        with (
+            BatchClient(job.rank_address(0), 0, 2, security=no_token) as c,
+            pytest.raises(BatchdError, match="UNAUTHENTICATED: missing 'authorization"),
+        ):
             _first_batch(c)
         no_cert = dict(tls_ca=pki["ca"], token=TOKEN, startup_timeout_s=0.5)  # the shortcuts
-        with BatchClient(job.rank_address(0), 0, 2, **no_cert) as c, \
-                pytest.raises(BatchdError, match="unreachable for 0.5s: UNAVAILABLE"):
+        with (
+            BatchClient(job.rank_address(0), 0, 2, **no_cert) as c,
+            pytest.raises(BatchdError, match="unreachable for 0.5s: UNAVAILABLE"),
+        ):
             _first_batch(c)
 
         results = job.drain(60, lambda b, info: (b["sample_ids"].tolist(), info), security=trainer)

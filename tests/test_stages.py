@@ -46,10 +46,12 @@ def _png(h, w, seed=0):
     return buf.getvalue()
 
 
-CONV = [{"role": "user", "content": "Please reverse: red green blue."},
-        {"role": "assistant", "content": "Here are your words in reverse order: blue green red."},
-        {"role": "user", "content": "And now: cat dog."},
-        {"role": "assistant", "content": "Here are your words in reverse order: dog cat."}]
+CONV = [
+    {"role": "user", "content": "Please reverse: red green blue."},
+    {"role": "assistant", "content": "Here are your words in reverse order: blue green red."},
+    {"role": "user", "content": "And now: cat dog."},
+    {"role": "assistant", "content": "Here are your words in reverse order: dog cat."},
+]
 
 
 def _run(stages, record, sample_id=0, epoch=0, seed=0):
@@ -61,9 +63,14 @@ def test_chat_template_matches_hf_apply_chat_template_and_masks_only_assistant_t
     ct = ChatTemplate(template)
     meta, payload = _run([ct, Tokenize(tok)], Record([dict(m) for m in CONV], "Be brief.", []))
     ids, labels = payload["input_ids"], payload["labels"]
-    hf = tok.hf.apply_chat_template([{"role": "system", "content": "Be brief."}] + CONV, chat_template=ct.jinja,
-                                    tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
-                                    default_system=ct.default_system)
+    hf = tok.hf.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}] + CONV,
+        chat_template=ct.jinja,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+        default_system=ct.default_system,
+    )
     assert ids.tolist() == list(hf["input_ids"])
     assert (labels != -100).astype(int).tolist() == list(hf["assistant_masks"])
     assert np.all(labels[labels != -100] == ids[labels != -100])
@@ -103,36 +110,62 @@ def test_smart_resize_and_pixel_values_match_transformers():
     for h, w in [(768, 1024), (20, 20), (3000, 4000), (333, 517), (28, 28 * 150), (1, 100)]:
         assert smart_resize(h, w) == pil.smart_resize(h, w), (h, w)
     img = Image.open(io.BytesIO(_png(300, 500)))
-    ref = pil.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=14 * 14 * 4 * 1280)(images=[img], return_tensors="np")
+    ref = pil.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=14 * 14 * 4 * 1280)(
+        images=[img], return_tensors="np"
+    )
     n, tensors = Qwen2VLVision(None).tokens_and_tensors(img)
-    assert n == 11 * 18 and tensors["image_grid_thw"].tolist() == ref["image_grid_thw"].tolist() == [[1, 22, 36]]
+    assert n == 11 * 18 and tensors["image_grid_thw"].tolist() == ref["image_grid_thw"].tolist() == [
+        [1, 22, 36]
+    ]
     np.testing.assert_allclose(tensors["pixel_values"], ref["pixel_values"], atol=1e-5)
 
 
 def test_qwen2vl_expansion_of_a_1024x768_image(tok):
-    rec = parse_record({"messages": [{"role": "user", "content": "<image>What is it?"},
-                                     {"role": "assistant", "content": "Noise."}], "images": [_png(768, 1024)]})
-    text_only = _run([ChatTemplate("qwen2"), Tokenize(tok)],
-                     parse_record({"messages": [{"role": "user", "content": "What is it?"},
-                                                {"role": "assistant", "content": "Noise."}]}))[0]
+    rec = parse_record(
+        {
+            "messages": [
+                {"role": "user", "content": "<image>What is it?"},
+                {"role": "assistant", "content": "Noise."},
+            ],
+            "images": [_png(768, 1024)],
+        }
+    )
+    text_only = _run(
+        [ChatTemplate("qwen2"), Tokenize(tok)],
+        parse_record(
+            {
+                "messages": [
+                    {"role": "user", "content": "What is it?"},
+                    {"role": "assistant", "content": "Noise."},
+                ]
+            }
+        ),
+    )[0]
     meta, payload = _run(default_stages(tok, cutoff=4096), rec)
     ids, labels = payload["input_ids"], payload["labels"]
     pad, vs, ve = (tok.token_id(t) for t in ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
     assert int((ids == pad).sum()) == 999
     start = int(np.flatnonzero(ids == vs)[0])
-    assert ids[start + 1000] == ve and np.all(ids[start + 1:start + 1000] == pad)
+    assert ids[start + 1000] == ve and np.all(ids[start + 1 : start + 1000] == pad)
     assert np.all(labels[ids == pad] == -100)
     # length = text tokens (with vision start/end) + 999 visual tokens
     assert meta.length == len(ids) == text_only.length + 2 + 999
     assert meta.modality_tokens() == (("text", len(ids) - 999), ("vision", 999))
     assert meta.images == ((54 * 74, 999),)  # per image: encoder patches, tokens (two-phase balancing)
     assert payload["image_grid_thw"].tolist() == [[1, 54, 74]]
-    assert payload["pixel_values"].shape == (54 * 74, 3 * 2 * 14 * 14) and payload["pixel_values"].dtype == np.float32
+    assert (
+        payload["pixel_values"].shape == (54 * 74, 3 * 2 * 14 * 14)
+        and payload["pixel_values"].dtype == np.float32
+    )
 
 
 def test_llava_fixed_576_tokens(tok):
-    rec = parse_record({"messages": [{"role": "user", "content": "Describe."}, {"role": "assistant", "content": "Dots."}],
-                        "images": [_png(100, 300), _png(500, 200, seed=1)]})
+    rec = parse_record(
+        {
+            "messages": [{"role": "user", "content": "Describe."}, {"role": "assistant", "content": "Dots."}],
+            "images": [_png(100, 300), _png(500, 200, seed=1)],
+        }
+    )
     meta, payload = _run(default_stages(tok, template="llama3", vision="llava"), rec)
     assert LlavaVision(tok).num_tokens() == 576
     ids = payload["input_ids"]
@@ -144,9 +177,15 @@ def test_llava_fixed_576_tokens(tok):
 
 
 def test_truncation_policies(tok):
-    rec = parse_record({"messages": [{"role": "user", "content": "<image>Look. " + "red " * 40},
-                                     {"role": "assistant", "content": "blue " * 200}],
-                        "images": [_png(112, 112)]})
+    rec = parse_record(
+        {
+            "messages": [
+                {"role": "user", "content": "<image>Look. " + "red " * 40},
+                {"role": "assistant", "content": "blue " * 200},
+            ],
+            "images": [_png(112, 112)],
+        }
+    )
     full, _ = _run(default_stages(tok, cutoff=100000), rec)
     assert full.vision_tokens == 16 and full.length > 150
     meta, payload = _run(default_stages(tok, cutoff=150), rec)
@@ -158,10 +197,17 @@ def test_truncation_policies(tok):
     with pytest.raises(Reject, match="no_loss_tokens"):
         _run(default_stages(tok, cutoff=12), rec)
     # A cut inside an image drops the image whole (its tokens and its pixels), never half of it.
-    two = parse_record({"messages": [{"role": "user", "content": "red green"}, {"role": "assistant", "content": "ok"},
-                                     {"role": "user", "content": "<image>Look."},
-                                     {"role": "assistant", "content": "blue " * 50}],
-                        "images": [_png(112, 112)]})
+    two = parse_record(
+        {
+            "messages": [
+                {"role": "user", "content": "red green"},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "<image>Look."},
+                {"role": "assistant", "content": "blue " * 50},
+            ],
+            "images": [_png(112, 112)],
+        }
+    )
     _, whole = _run(default_stages(tok, cutoff=100000), two)
     start = int(np.flatnonzero(whole["input_ids"] == tok.token_id("<|vision_start|>"))[0])
     meta, payload = _run(default_stages(tok, cutoff=start + 5), two)
@@ -194,12 +240,17 @@ def test_random_resized_crop_and_turn_subsample(tok):
     out = crop(ex, StageContext(0, 0, 0, 0)).images[0]
     assert 0.25 * 60000 <= out.width * out.height <= 0.55 * 60000
     assert crop(Example(0, 0, "", [], images=[img]), StageContext(0, 0, 0, 0)).images[0].size == out.size
-    msgs = [{"role": "user", "content": "<image>a"}, {"role": "assistant", "content": "b"},
-            {"role": "user", "content": "<image>c"}, {"role": "assistant", "content": "d"}]
+    msgs = [
+        {"role": "user", "content": "<image>a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "<image>c"},
+        {"role": "assistant", "content": "d"},
+    ]
     kept = set()
     for sid in range(20):
-        ex = TurnSubsample(p=1.0)(Example(sid, 0, "", [dict(m) for m in msgs], images=["i0", "i1"]),
-                                  StageContext(sid, 0, 0, 1))
+        ex = TurnSubsample(p=1.0)(
+            Example(sid, 0, "", [dict(m) for m in msgs], images=["i0", "i1"]), StageContext(sid, 0, 0, 1)
+        )
         assert len(ex.images) == len(ex.messages) // 2 and ex.messages[-1]["role"] == "assistant"
         kept.add(len(ex.messages))
     assert kept == {2, 4}
@@ -218,12 +269,14 @@ def test_plugin_stages_class_function_and_module_string(tok, tmp_path, monkeypat
         ex.extra["draw"] = np.array([ctx.rng.integers(1 << 30)])
         return ex
 
-    (tmp_path / "my_stages.py").write_text(textwrap.dedent("""
+    (tmp_path / "my_stages.py").write_text(
+        textwrap.dedent("""
         class Double:
             def __call__(self, ex, ctx):
                 ex.messages = ex.messages + ex.messages
                 return ex
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     rec = Record([dict(m) for m in CONV[:2]], None, [])
     chain = [Upper, "my_stages:Double", ChatTemplate("chatml"), Tokenize(tok), mark, with_ctx]

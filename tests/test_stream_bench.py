@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import stream_scale
+
 from batchd.service.preprocess import RecordDataset, Reject, iter_records
 from batchd.service.preprocess._parse import parse_record
 from batchd.service.preprocess._vision import decode_images
@@ -94,7 +95,16 @@ def test_reading_shuffle_and_report(tiny):
         assert 0 <= q["rho"] <= 1 and 0 <= q["same"] <= 1
     # small windows keep consecutive samples in one block far more often than a global permutation
     assert by[(1, "1 MiB")]["same"] > by[(1, "global permutation")]["same"]
-    result = {"budget": budget, "layout": lay, "reads": reads, "shuffle": rows,
-              "meta": {"flags": " --pure", "revision": "test", "python": "CPython", "cores": 2, "seconds": 1.0}}
+    result = {
+        "budget": budget,
+        "layout": lay,
+        "reads": reads,
+        "shuffle": rows,
+        "meta": {"flags": " --pure", "revision": "test", "python": "CPython", "cores": 2, "seconds": 1.0},
+    }
     text_md = "\n".join(stream_scale.render(result))
-    assert text_md.startswith("## Streaming") and "Shuffle quality" in text_md and "data >= 4x the budget" in text_md
+    assert (
+        text_md.startswith("## Streaming")
+        and "Shuffle quality" in text_md
+        and "data >= 4x the budget" in text_md
+    )

@@ -16,13 +16,11 @@ import pyarrow as pa
 import pyarrow.ipc as paipc
 import pyarrow.parquet as pq
 import pytest
-from batchd.core import BlockView
-from batchd.service.preprocess import _jsonl_index
 from hypothesis import given
 from hypothesis import strategies as st
-
 from test_pipeline import drain  # the shared poll-until-EXHAUSTED helper, with its stall check
 
+from batchd.core import BlockView
 from batchd.preprocess import (
     BlockReader,
     RaySource,
@@ -36,6 +34,7 @@ from batchd.preprocess import (
     iter_records,
     line_index,
 )
+from batchd.service.preprocess import _jsonl_index
 
 
 # -- BlockView ---------------------------------------------------------------------------------------
@@ -114,12 +113,15 @@ def test_blockview_splits_a_lone_block_so_every_rank_gets_a_share_and_epochs_res
     v = BlockView([50] * 8, [100] * 8, 0, 1, seed=3, window_bytes=100)
     assert len(v.windows) == 8 and all(len(v.window_blocks(w)) == 1 for w in range(8))
     ids = v.ids()
-    assert all(len({i // 50 for i in ids[k:k + 50]}) == 1 for k in range(0, 400, 50))
+    assert all(len({i // 50 for i in ids[k : k + 50]}) == 1 for k in range(0, 400, 50))
 
 
 # -- the JSONL index -----------------------------------------------------------------------------------
-@given(st.lists(st.sampled_from(["", " ", "\t", "{}", '{"a": 1}', "x" * 7, "  {}  ", "\r"]), max_size=30),
-       st.booleans(), st.integers(1, 9))
+@given(
+    st.lists(st.sampled_from(["", " ", "\t", "{}", '{"a": 1}', "x" * 7, "  {}  ", "\r"]), max_size=30),
+    st.booleans(),
+    st.integers(1, 9),
+)
 def test_jsonl_index_finds_every_non_blank_line(tmp_path_factory, lines, newline_at_end, chunk):
     text = "\n".join(lines) + ("\n" if newline_at_end else "")
     p = tmp_path_factory.mktemp("idx") / "f.jsonl"
@@ -130,7 +132,7 @@ def test_jsonl_index_finds_every_non_blank_line(tmp_path_factory, lines, newline
         starts, ends = _jsonl_index.scan_lines(str(p))
     finally:
         _jsonl_index._CHUNK = old
-    got = [text.encode()[s:e].decode() for s, e in zip(starts, ends)]
+    got = [text.encode()[s:e].decode() for s, e in zip(starts, ends, strict=False)]
     assert got == [ln for ln in text.split("\n") if ln.strip()]
     _jsonl_index._CHUNK = chunk
     try:  # each record's line as an editor numbers it: 1-based, blank lines counted
@@ -162,8 +164,10 @@ def test_jsonl_index_is_cached_beside_the_data_and_rebuilt_when_the_file_changes
 
 # -- blocks of each format -----------------------------------------------------------------------------
 def _conv(i: int, words: int = 4) -> list[dict[str, str]]:
-    return [{"role": "user", "content": f"question {i} " + "w " * words},
-            {"role": "assistant", "content": f"answer {i} " + "v " * (words + i % 7)}]
+    return [
+        {"role": "user", "content": f"question {i} " + "w " * words},
+        {"role": "assistant", "content": f"answer {i} " + "v " * (words + i % 7)},
+    ]
 
 
 def _write_parquet(path, n: int, group: int, bad: dict[int, list] | None = None) -> None:
@@ -210,14 +214,16 @@ def test_opening_reads_metadata_only_and_a_wrong_column_fails_at_once_naming_it(
 
 
 def test_jsonl_values_of_the_wrong_type_or_shape_are_quarantined_per_record(tmp_path):
-    lines = [json.dumps({"messages": _conv(0)}),
-             json.dumps({"messages": "hello"}),                                  # wrong type
-             "{not json",                                                          # invalid JSON
-             json.dumps({"messages": [{"role": "user", "content": 5}]}),         # wrong type, nested
-             json.dumps({"messages": [{"role": "user", "content": "q"}]}),       # no assistant turn
-             json.dumps({"messages": _conv(5), "images": [3]}),                  # wrong image type
-             json.dumps([1, 2]),                                                   # not an object
-             json.dumps({"messages": _conv(7)})]
+    lines = [
+        json.dumps({"messages": _conv(0)}),
+        json.dumps({"messages": "hello"}),  # wrong type
+        "{not json",  # invalid JSON
+        json.dumps({"messages": [{"role": "user", "content": 5}]}),  # wrong type, nested
+        json.dumps({"messages": [{"role": "user", "content": "q"}]}),  # no assistant turn
+        json.dumps({"messages": _conv(5), "images": [3]}),  # wrong image type
+        json.dumps([1, 2]),  # not an object
+        json.dumps({"messages": _conv(7)}),
+    ]
     (tmp_path / "mixed.jsonl").write_text("\n".join(lines) + "\n")
     ds = RecordDataset(tmp_path / "mixed.jsonl")  # opening never parses: no error here
     reasons = {i: r.reason for i, r in iter_records(ds) if isinstance(r, Reject)}
@@ -260,14 +266,21 @@ def text_stages(tmp_path_factory):
 
 @pytest.mark.slow
 def test_ray_source_streams_each_rank_its_own_blocks_in_bounded_memory_and_resumes_exactly(
-        ray_session, tmp_path, text_stages):
+    ray_session, tmp_path, text_stages
+):
     n, group = 480, 20
     bad = {7: [], 100: [{"role": "user", "content": "q"}], 333: []}
     _write_parquet(tmp_path / "a.parquet", n, group, bad)
     ds = RecordDataset(tmp_path / "a.parquet")
     budget = 4 * 2 * max(ds.block_bytes)  # windows of two blocks, the reader holds four at most
-    common = dict(stages=text_stages, num_actors=1, actor_num_cpus=0.5, memory_budget=budget,
-                  max_bad_fraction=0.5, quarantine=tmp_path / "q.jsonl")
+    common = dict(
+        stages=text_stages,
+        num_actors=1,
+        actor_num_cpus=0.5,
+        memory_budget=budget,
+        max_bad_fraction=0.5,
+        quarantine=tmp_path / "q.jsonl",
+    )
     got: list[int] = []
     for rank in range(2):
         src = RaySource(ds, rank, 2, seed=4, epoch=0, **common)
@@ -295,12 +308,22 @@ def test_ray_source_streams_each_rank_its_own_blocks_in_bounded_memory_and_resum
 
 @pytest.mark.slow
 def test_too_many_bad_records_fail_with_their_reasons_and_the_file(ray_session, tmp_path, text_stages):
-    lines = [json.dumps({"messages": "oops"}) if i % 4 == 0 else json.dumps({"messages": _conv(i)})
-             for i in range(150)]
+    lines = [
+        json.dumps({"messages": "oops"}) if i % 4 == 0 else json.dumps({"messages": _conv(i)})
+        for i in range(150)
+    ]
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
     q = tmp_path / "quarantine.jsonl"
-    ok = RaySource(tmp_path / "d.jsonl", 0, 1, stages=text_stages, num_actors=1, actor_num_cpus=0.5,
-                   max_bad_fraction=0.3, quarantine=q)
+    ok = RaySource(
+        tmp_path / "d.jsonl",
+        0,
+        1,
+        stages=text_stages,
+        num_actors=1,
+        actor_num_cpus=0.5,
+        max_bad_fraction=0.3,
+        quarantine=q,
+    )
     try:  # 25% bad, under 0.3: the epoch runs, every bad record quarantined with its reason
         assert len(drain(ok)) == 112 and ok.quarantined == 38 and ok.reasons == {"schema": 38}
     finally:
@@ -309,8 +332,16 @@ def test_too_many_bad_records_fail_with_their_reasons_and_the_file(ray_session, 
     assert lines_q[0]["reason"] == "schema: field 'messages': expected a list of messages, got str"
     # `file:line` as an editor shows it: 1-based
     assert {x["source"] for x in lines_q} == {f"{tmp_path / 'd.jsonl'}:{i + 1}" for i in range(0, 150, 4)}
-    strict = RaySource(tmp_path / "d.jsonl", 0, 1, stages=text_stages, num_actors=1, actor_num_cpus=0.5,
-                       max_bad_fraction=0.1, quarantine=q)
+    strict = RaySource(
+        tmp_path / "d.jsonl",
+        0,
+        1,
+        stages=text_stages,
+        num_actors=1,
+        actor_num_cpus=0.5,
+        max_bad_fraction=0.1,
+        quarantine=q,
+    )
     try:
         with pytest.raises(TooManyBadRecords) as e:
             drain(strict)
@@ -350,6 +381,7 @@ def test_a_rank_killed_after_its_round_was_decided_replays_it_exactly(tmp_path, 
     it reported then (journaled before the report), not to a buffer filled again from a source whose
     readiness is timing. Every sample exactly once, and every step's totals match the ranks' batches."""
     from _jobs import InProcessJob, drain_clients
+
     from batchd.core import CoordinatorError, JobSpec
 
     n = 240
@@ -365,16 +397,25 @@ def test_a_rank_killed_after_its_round_was_decided_replays_it_exactly(tmp_path, 
             decision = align(epoch, report)
             if report.round == CRASH_ROUND and not crashed.is_set():
                 crashed.set()  # decided and not yet applied or journaled: the crash the replay must survive
-                threading.Thread(target=job.restart_rank, args=(1, _TimingSource(lengths, 1, 2, spec.seed)),
-                                 daemon=True).start()
+                threading.Thread(
+                    target=job.restart_rank, args=(1, _TimingSource(lengths, 1, 2, spec.seed)), daemon=True
+                ).start()
                 core._stop.set()
                 raise CoordinatorError("killed")
             return decision
 
         core.coord.align = align_then_die
-        results = drain_clients(lambda r: job.client(r, reconnect_timeout_s=30), 2, 1, 90.0,
-                                lambda b, info: (np.asarray(b["sample_ids"]).tolist(), int(np.count_nonzero(
-                                    np.asarray(b["labels"])[..., 1:] != -100)), info.global_loss_tokens))
+        results = drain_clients(
+            lambda r: job.client(r, reconnect_timeout_s=30),
+            2,
+            1,
+            90.0,
+            lambda b, info: (
+                np.asarray(b["sample_ids"]).tolist(),
+                int(np.count_nonzero(np.asarray(b["labels"])[..., 1:] != -100)),
+                info.global_loss_tokens,
+            ),
+        )
     assert crashed.is_set()
     ids = [i for r in results for ids_, _, _ in r[0] for i in ids_]
     assert sorted(ids) == list(range(n)), "a sample lost or trained twice after the replay"
@@ -385,18 +426,28 @@ def test_a_rank_killed_after_its_round_was_decided_replays_it_exactly(tmp_path, 
 def test_parquet_rows_of_the_wrong_shape_are_quarantined_naming_the_field(tmp_path):
     """Arrow types fix a column's type, not a row's shape: null and empty values are that row's problem."""
     msg = pa.struct([("role", pa.string()), ("content", pa.string())])
-    rows = [_conv(0),
-            [],                                                        # an empty conversation
-            [{"role": "user", "content": None}, {"role": "assistant", "content": "a"}],   # a null content
-            [{"role": None, "content": "q"}, {"role": "assistant", "content": "a"}],      # a null role
-            None,                                                      # no messages at all
-            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]]
+    rows = [
+        _conv(0),
+        [],  # an empty conversation
+        [{"role": "user", "content": None}, {"role": "assistant", "content": "a"}],  # a null content
+        [{"role": None, "content": "q"}, {"role": "assistant", "content": "a"}],  # a null role
+        None,  # no messages at all
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+    ]
     images = [None, None, None, None, None, [b"not an image"]]
-    pq.write_table(pa.table({"messages": pa.array(rows, pa.list_(msg)),
-                             "images": pa.array(images, pa.list_(pa.binary()))}), tmp_path / "p.parquet")
+    pq.write_table(
+        pa.table(
+            {"messages": pa.array(rows, pa.list_(msg)), "images": pa.array(images, pa.list_(pa.binary()))}
+        ),
+        tmp_path / "p.parquet",
+    )
     ds = RecordDataset(tmp_path / "p.parquet")
     reasons = {i: r.reason for i, r in iter_records(ds) if isinstance(r, Reject)}
-    assert reasons == {1: "empty_conversation: messages is empty", 2: "missing_field: messages[0].content",
-                       3: "missing_field: messages[0].role", 4: "missing_field: messages"}
+    assert reasons == {
+        1: "empty_conversation: messages is empty",
+        2: "missing_field: messages[0].content",
+        3: "missing_field: messages[0].role",
+        4: "missing_field: messages",
+    }
     # The undecodable image is the vision stage's to find (it decodes): the record parses.
     assert len(ds.record(5).images) == 1

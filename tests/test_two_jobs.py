@@ -39,7 +39,12 @@ def demo_gcs(marker: str) -> str | None:
     """The GCS address of the demo's Ray once its raylet runs (a process of the demo naming it)."""
     for entry in processes_with_marker(marker):
         try:
-            argv = Path(f"/proc/{entry.split(':', 1)[0]}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            argv = (
+                Path(f"/proc/{entry.split(':', 1)[0]}/cmdline")
+                .read_bytes()
+                .decode(errors="replace")
+                .split("\0")
+            )
         except OSError:
             continue
         if os.path.basename(argv[0]) == "raylet":
@@ -50,12 +55,21 @@ def demo_gcs(marker: str) -> str | None:
 def _start_recipe(work: Path, ray_tmp: str, marker: str, gate: bool) -> tuple[subprocess.Popen, Path]:
     """The README recipe in `work` (its trainers log their ids; with `gate`, held until `work/go` exists)."""
     cport, rport = free_block(1), free_block(2)
-    script = readme_script(cport, rport, train_args="--ids-log ids-{rank}.jsonl",
-                           before_train=("while [ ! -e go ]; do sleep 0.2; done",) if gate else ())
+    script = readme_script(
+        cport,
+        rport,
+        train_args="--ids-log ids-{rank}.jsonl",
+        before_train=("while [ ! -e go ]; do sleep 0.2; done",) if gate else (),
+    )
     err = work.with_suffix(".err")
     with open(err, "w") as f:
-        proc = subprocess.Popen(["bash", "-c", "\n".join(script)], cwd=work, env=job_env(ray_tmp, marker),
-                                stdout=subprocess.DEVNULL, stderr=f)
+        proc = subprocess.Popen(
+            ["bash", "-c", "\n".join(script)],
+            cwd=work,
+            env=job_env(ray_tmp, marker),
+            stdout=subprocess.DEVNULL,
+            stderr=f,
+        )
     return proc, err
 
 
@@ -79,21 +93,43 @@ def test_a_demo_and_the_readme_job_on_one_host_each_on_its_own_ray(tmp_path):
     demo_out, demo_err = (open(tmp_path / "demo" / n, "w") for n in ("out.json", "err.log"))
     # The demo's trainers take 15 s a step (a real model's pace; its 48 records make about 4 steps), so
     # the demo is still training once the first recipe has ended and the second one's agent is up.
-    demo = subprocess.Popen([sys.executable, "-m", "batchd", "demo", "--json", "--num-samples", str(DEMO_RECORDS),
-                             "--no-baseline", "--step-time", "15"], cwd=tmp_path / "demo",
-                            env=job_env(ray_tmp, markers["DEMO"]), stdout=demo_out, stderr=demo_err)
+    demo = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "batchd",
+            "demo",
+            "--json",
+            "--num-samples",
+            str(DEMO_RECORDS),
+            "--no-baseline",
+            "--step-time",
+            "15",
+        ],
+        cwd=tmp_path / "demo",
+        env=job_env(ray_tmp, markers["DEMO"]),
+        stdout=demo_out,
+        stderr=demo_err,
+    )
     first = second = None
     try:
-        wait_until("the demo's Ray running", lambda: demo_gcs(markers["DEMO"]) or demo.poll() is not None, 120)
+        wait_until(
+            "the demo's Ray running", lambda: demo_gcs(markers["DEMO"]) or demo.poll() is not None, 120
+        )
         gcs_demo = demo_gcs(markers["DEMO"])
         assert gcs_demo, (tmp_path / "demo" / "err.log").read_text()
         first, first_err = _start_recipe(tmp_path / "first", ray_tmp, markers["FIRST"], gate=False)
         second, second_err = _start_recipe(tmp_path / "second", ray_tmp, markers["SECOND"], gate=True)
         for proc, err in ((first, first_err), (second, second_err)):
             log = lambda err=err: err.read_text()[-6000:]  # noqa: E731
-            wait_until("the recipe's node agent serving its ranks",
-                       lambda proc=proc, err=err: "serving ranks [0, 1]" in err.read_text() or proc.poll() is not None,
-                       180, log)
+            wait_until(
+                "the recipe's node agent serving its ranks",
+                lambda proc=proc, err=err: (
+                    "serving ranks [0, 1]" in err.read_text() or proc.poll() is not None
+                ),
+                180,
+                log,
+            )
             full = err.read_text()  # whole: under load the waiting lines push this one past log()'s tail
             started = re.findall(r"rank 0: started an embedded Ray for this job \(gcs (\S+)\)", full)
             assert len(started) == 1 and started[0] != gcs_demo and "joined" not in full, (gcs_demo, log())

@@ -12,13 +12,13 @@ import copy
 import numpy as np
 import pytest
 import torch
-from batchd.client import to_torch, token_loss_sum, two_phase
-from batchd.service.preprocess import Example, HFProcessor, StageContext
-from batchd.service.preprocess._chain import finalize
 from test_hf_vlm import sample_loss  # the stock model called the HF way on one sample
 
 from batchd import core
 from batchd._vlm_tiny import tiny_processor
+from batchd.client import to_torch, token_loss_sum, two_phase
+from batchd.service.preprocess import Example, HFProcessor, StageContext
+from batchd.service.preprocess._chain import finalize
 
 pytest.importorskip("transformers")
 
@@ -30,12 +30,27 @@ def _img(h: int, w: int, seed: int):
 
 
 RECORDS = [
-    {"messages": [{"role": "user", "content": "<image> what is this?"}, {"role": "assistant", "content": "a cat."}],
-     "images": [(56, 84)]},
-    {"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi, how are you?"}],
-     "images": []},
-    {"messages": [{"role": "user", "content": "<image><image> two"},
-                  {"role": "assistant", "content": "yes, two of them"}], "images": [(112, 56), (56, 56)]},
+    {
+        "messages": [
+            {"role": "user", "content": "<image> what is this?"},
+            {"role": "assistant", "content": "a cat."},
+        ],
+        "images": [(56, 84)],
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "hello"},
+            {"role": "assistant", "content": "hi, how are you?"},
+        ],
+        "images": [],
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "<image><image> two"},
+            {"role": "assistant", "content": "yes, two of them"},
+        ],
+        "images": [(112, 56), (56, 56)],
+    },
 ]
 
 
@@ -58,14 +73,32 @@ def _model(tok):
 
     ids = tok.convert_tokens_to_ids
     cfg = Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=14,
-                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, window_size=56,
-                           fullatt_block_indexes=[1]),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"))
+        text_config=dict(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=2,
+            in_channels=3,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            out_hidden_size=64,
+            window_size=56,
+            fullatt_block_indexes=[1],
+        ),
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+    )
     torch.manual_seed(0)
     return Qwen2_5_VLForConditionalGeneration(cfg).double()
 

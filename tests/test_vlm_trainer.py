@@ -16,6 +16,10 @@ import copy
 import pytest
 import torch
 from _jobs import job_pool
+from test_hf_vlm import sample_loss  # the stock model called the HF way on one sample
+
+from batchd import two_phase
+from batchd._vlm_tiny import tiny_processor, tiny_vlm
 from batchd.client import loss_tokens
 from batchd.core import JobSpec
 from batchd.service.preprocess import (
@@ -26,10 +30,6 @@ from batchd.service.preprocess import (
     demo_record,
     parse_record,
 )
-from test_hf_vlm import sample_loss  # the stock model called the HF way on one sample
-
-from batchd import two_phase
-from batchd._vlm_tiny import tiny_processor, tiny_vlm
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,8 +41,9 @@ class PayloadSource(SyntheticSource):
     """A rank's view over given payloads and their metadata (image patches and tokens)."""
 
     def __init__(self, payloads, metas, rank: int, world_size: int, seed: int) -> None:
-        super().__init__([len(p["input_ids"]) for p in payloads], rank, world_size, seed,
-                         images=[m.images for m in metas])
+        super().__init__(
+            [len(p["input_ids"]) for p in payloads], rank, world_size, seed, images=[m.images for m in metas]
+        )
         self.payloads = payloads
 
     def materialize(self, sample_id: int):
@@ -57,7 +58,10 @@ def data(tmp_path_factory):
     proc = tiny_processor("qwen2_vl")
     proc.save_pretrained(path)
     pre = Preprocessor([HFProcessor(path), Truncate(2048)])
-    out = [pre(parse_record(demo_record(i, seed=4, image_fraction=0.5, max_image_side=96)), i, 0) for i in range(N)]
+    out = [
+        pre(parse_record(demo_record(i, seed=4, image_fraction=0.5, max_image_side=96)), i, 0)
+        for i in range(N)
+    ]
     metas, payloads = [m for m, _ in out], [p for _, p in out]
     assert sum(1 for m in metas if m.images) >= 6 and sum(1 for m in metas if not m.images) >= 4
     return proc.tokenizer, metas, payloads
@@ -68,10 +72,15 @@ def reference_grad(model, payloads, per_sample_mean: bool = False) -> torch.Tens
     model = copy.deepcopy(model)
     sums = [sample_loss(model, p) for p in payloads]
     counts = [loss_tokens(p["labels"]) for p in payloads]
-    loss = (torch.stack([s / n for s, n in zip(sums, counts)]).mean() if per_sample_mean
-            else torch.stack(sums).sum() / sum(counts))
+    loss = (
+        torch.stack([s / n for s, n in zip(sums, counts, strict=False)]).mean()
+        if per_sample_mean
+        else torch.stack(sums).sum() / sum(counts)
+    )
     loss.backward()
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()])
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in model.parameters()]
+    )
 
 
 class FirstGrads(transformers.TrainerCallback):
@@ -97,11 +106,23 @@ def test_batchd_trainer_trains_a_stock_qwen2_vl(data, tmp_path, collate):
             seen.append(inputs["sample_ids"].tolist())
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
-    spec = JobSpec(world_size=1, token_budget=1024, policy="balanced", window=8, depth=2, seed=3, collate=collate)
+    spec = JobSpec(
+        world_size=1, token_budget=1024, policy="balanced", window=8, depth=2, seed=3, collate=collate
+    )
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), max_steps=1000, learning_rate=1e-3, lr_scheduler_type="constant",
-        max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=0,
-        disable_tqdm=True, dataloader_pin_memory=False)
+        output_dir=str(tmp_path / "out"),
+        max_steps=1000,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+    )
     grads = FirstGrads()
     with job_pool() as start:
         job = start(spec, sources=[PayloadSource(payloads, metas, 0, 1, spec.seed)])
@@ -111,7 +132,9 @@ def test_batchd_trainer_trains_a_stock_qwen2_vl(data, tmp_path, collate):
     assert sorted(ids) == list(range(N)), "every sample exactly once"
     assert out.global_step == len(seen) > 2
     first = [payloads[i] for i in seen[0]]
-    assert len(first) > 1 and any("pixel_values" in p for p in first), "the first step mixes samples and images"
+    assert len(first) > 1 and any("pixel_values" in p for p in first), (
+        "the first step mixes samples and images"
+    )
     want = reference_grad(stock, first)
     err = float((grads.grads[0] - want).abs().max())
     assert err <= ATOL, err

@@ -21,8 +21,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Source directories of the one namespace `batchd` (see pyproject's package-dir).
-PACKAGE_DIRS = {"batchd.core": "core", "batchd.proto": "proto", "batchd.service": "service",
-                "batchd.client": "client", "batchd": "batchd"}
+PACKAGE_DIRS = {
+    "batchd.core": "core",
+    "batchd.proto": "proto",
+    "batchd.service": "service",
+    "batchd.client": "client",
+    "batchd": "batchd",
+}
 LAYERS = ["batchd.core", "batchd.proto", "batchd.service", "batchd.client", "batchd"]
 # Inside service, service.preprocess is the lower sub-layer: the rank service uses it, never the reverse.
 NO_TORCH = {"batchd.core", "batchd.proto", "batchd.service"}
@@ -73,8 +78,11 @@ def imports(module: str, path: Path, known: set[str]) -> list[tuple[int, str, bo
                 if names:
                     out.append((child.lineno, target, in_func))
                 # `from batchd.service._x import _y`: a private name, even if not a module
-                out.extend((child.lineno, f"{target}.{n}", in_func) for n in names
-                           if n.startswith("_") and not n.startswith("__"))
+                out.extend(
+                    (child.lineno, f"{target}.{n}", in_func)
+                    for n in names
+                    if n.startswith("_") and not n.startswith("__")
+                )
             visit(child, f)
 
     visit(tree, False)
@@ -99,9 +107,14 @@ def violations(mods: dict[str, Path]) -> list[str]:
             dst = layer_of(target)
             if rank[dst] > rank[src]:
                 out.append(f"{where}: {mod} imports {target} ({src} -> {dst} runs against the layers)")
-            elif dst == "batchd.service" and mod.startswith("batchd.service.preprocess") and \
-                    not target.startswith("batchd.service.preprocess"):
-                out.append(f"{where}: {mod} imports {target} (service.preprocess is below the rest of service)")
+            elif (
+                dst == "batchd.service"
+                and mod.startswith("batchd.service.preprocess")
+                and not target.startswith("batchd.service.preprocess")
+            ):
+                out.append(
+                    f"{where}: {mod} imports {target} (service.preprocess is below the rest of service)"
+                )
             private = [p for p in target.split(".") if p.startswith("_") and not p.startswith("__")]
             if private:
                 owner = target.split("." + private[0])[0]
@@ -151,8 +164,10 @@ def main(argv=None) -> int:
         if "._" in b and not b.startswith(a.split("._")[0]):
             mark = "   <-- another package's private module"
         print(f"  {a:28s} -> {b:28s} {n:3d}{mark}")
-    print(f"{len(bad)} imports against the layers or into another package's private module; "
-          f"{in_funcs} imports inside functions")
+    print(
+        f"{len(bad)} imports against the layers or into another package's private module; "
+        f"{in_funcs} imports inside functions"
+    )
     return 0
 
 

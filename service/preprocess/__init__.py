@@ -21,13 +21,12 @@ Private modules, one concern each (`_chain` is the one that imports every stage)
 Imports only `batchd.core`: the rank service builds on it, never the other way.
 """
 
-
 from ._augment import RandomResizedCrop, SystemPrompt, TurnSubsample
 from ._chain import Preprocessor, SampleMeta, default_stages
 from ._dataset import Block, EmptyDatasetError, RecordDataset, iter_records, parse_item
+from ._demo_data import DemoDataset, demo_bad_ids, demo_record, demo_records, make_demo_dataset
 from ._hf import HFProcessor
 from ._jsonl_index import line_index
-from ._demo_data import DemoDataset, demo_bad_ids, demo_record, demo_records, make_demo_dataset
 from ._parse import Record, parse_record
 from ._pool import PreprocessPool, PreprocessWorker
 from ._quarantine import Quarantine, Reject, TooManyBadRecords
@@ -67,18 +66,75 @@ from ._text import QWEN2VL_IMAGE, TEMPLATES, ChatTemplate, Tokenize, Truncate
 from ._tokenizer import SPECIAL_TOKENS, TokenizerRef, demo_tokenizer, train_tokenizer
 from ._vision import LlavaVision, Qwen2VLVision, smart_resize
 
-__all__ = sorted([
-    "IngestSource", "Payload", "SharedRay", "Source", "SyntheticSource", "loss_tokens_of", "share_ray", "synthetic_image_payload", "synthetic_payload",
-    "NO_REASONS", "SOURCE_MEMBERS", "SYNTHETIC_PATCH_DIM", "missing_source_members", "payload_nbytes",
-    "EXHAUSTED", "demo_bad_ids", "demo_record", "QWEN2VL_IMAGE", "SPECIAL_TOKENS", "TEMPLATES",
-    "ChatTemplate", "DemoDataset", "EmptyDatasetError", "Example", "HFProcessor", "LlavaVision",
-    "PreprocessPool", "PreprocessWorker", "Preprocessor",
-    "Quarantine", "Qwen2VLVision", "RandomResizedCrop", "RaySource", "Record", "RecordDataset", "Reject",
-    "SampleMeta", "SchemaError", "Stage", "StageContext", "SystemPrompt", "Tokenize", "TokenizerRef", "Truncate",
-    "TurnSubsample", "default_stages", "demo_records", "demo_tokenizer", "ensure_ray", "iter_records",
-    "make_demo_dataset", "parse_record", "resolve", "resolve_many", "resolve_stage", "smart_resize",
-    "train_tokenizer", "Block", "BlockReader", "DEFAULT_MAX_BAD_FRACTION", "DEFAULT_MEMORY_BUDGET",
-    "TooManyBadRecords", "line_index", "parse_item", "RayLost", "job_key", "job_ray_address", "quiet_token_auth",
+__all__ = [
+    "Block",
+    "BlockReader",
+    "ChatTemplate",
+    "DEFAULT_MAX_BAD_FRACTION",
+    "DEFAULT_MEMORY_BUDGET",
+    "DemoDataset",
+    "EXHAUSTED",
+    "EmptyDatasetError",
+    "Example",
+    "HFProcessor",
+    "IngestSource",
+    "LlavaVision",
+    "NO_REASONS",
+    "Payload",
+    "PreprocessPool",
+    "PreprocessWorker",
+    "Preprocessor",
+    "QWEN2VL_IMAGE",
+    "Quarantine",
+    "Qwen2VLVision",
+    "RandomResizedCrop",
+    "RayLost",
+    "RaySource",
+    "Record",
+    "RecordDataset",
+    "Reject",
+    "SOURCE_MEMBERS",
+    "SPECIAL_TOKENS",
+    "SYNTHETIC_PATCH_DIM",
+    "SampleMeta",
+    "SchemaError",
+    "SharedRay",
+    "Source",
+    "Stage",
+    "StageContext",
+    "SyntheticSource",
+    "SystemPrompt",
+    "TEMPLATES",
+    "Tokenize",
+    "TokenizerRef",
+    "TooManyBadRecords",
+    "Truncate",
+    "TurnSubsample",
+    "default_stages",
+    "demo_bad_ids",
+    "demo_record",
+    "demo_records",
+    "demo_tokenizer",
+    "ensure_ray",
+    "iter_records",
+    "job_key",
+    "job_ray_address",
+    "line_index",
+    "loss_tokens_of",
+    "make_demo_dataset",
+    "missing_source_members",
+    "parse_item",
+    "parse_record",
+    "payload_nbytes",
+    "quiet_token_auth",
     "ray_lost",
+    "resolve",
+    "resolve_many",
+    "resolve_stage",
     "running_ray_address",
-])
+    "share_ray",
+    "smart_resize",
+    "synthetic_image_payload",
+    "synthetic_payload",
+    "train_tokenizer",
+]

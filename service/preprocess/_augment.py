@@ -54,12 +54,15 @@ class TurnSubsample(Stage):
         if starts and starts[0] != 0:
             starts[0] = 0
         bounds = starts[1:] + [len(ex.messages)]
-        valid = [k + 1 for k, end in enumerate(bounds)
-                 if k + 1 >= self.min_rounds and any(m["role"] == "assistant" for m in ex.messages[:end])]
+        valid = [
+            k + 1
+            for k, end in enumerate(bounds)
+            if k + 1 >= self.min_rounds and any(m["role"] == "assistant" for m in ex.messages[:end])
+        ]
         if draw >= self.p or len(valid) <= 1:
             return ex
         k = valid[int(ctx.rng.integers(len(valid)))]
-        kept = ex.messages[:bounds[k - 1]]
+        kept = ex.messages[: bounds[k - 1]]
         n_markers = sum(m["content"].count(IMAGE_MARKER) for m in kept)
         ex.messages, ex.images = kept, ex.images[:n_markers]
         return ex
@@ -74,8 +77,13 @@ class RandomResizedCrop(Stage):
     crop to a fixed size instead.
     """
 
-    def __init__(self, scale: tuple[float, float] = (0.5, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3),
-                 p: float = 0.5, size: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        scale: tuple[float, float] = (0.5, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        p: float = 0.5,
+        size: tuple[int, int] | None = None,
+    ) -> None:
         self.scale, self.ratio, self.p, self.size = tuple(scale), tuple(ratio), float(p), size
 
     def box(self, height: int, width: int, rng: np.random.Generator) -> tuple[int, int, int, int]:

@@ -42,11 +42,18 @@ from ._tokenizer import TokenizerRef
 from ._vision import LlavaVision, Qwen2VLVision, _NoImages, decode_images
 
 
-def default_stages(tokenizer: str | os.PathLike | TokenizerRef | None = None, template: str = "qwen2",
-                   vision: str | None = "qwen2_vl", cutoff: int = 4096, policy: str = "truncate",
-                   augment: bool = False, system_prompts: Sequence[str] | None = None,
-                   min_pixels: int = 56 * 56, max_pixels: int = 14 * 14 * 4 * 1280,
-                   processor: str | os.PathLike | None = None) -> list[Stage]:
+def default_stages(
+    tokenizer: str | os.PathLike | TokenizerRef | None = None,
+    template: str = "qwen2",
+    vision: str | None = "qwen2_vl",
+    cutoff: int = 4096,
+    policy: str = "truncate",
+    augment: bool = False,
+    system_prompts: Sequence[str] | None = None,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 14 * 14 * 4 * 1280,
+    processor: str | os.PathLike | None = None,
+) -> list[Stage]:
     """The standard chain: [augmentation] -> chat template -> tokenize -> vision -> truncate, or with
     `processor`: [augmentation] -> HFProcessor(processor) -> truncate.
 
@@ -64,14 +71,27 @@ def default_stages(tokenizer: str | os.PathLike | TokenizerRef | None = None, te
     tok = _as_ref(tokenizer) if processor is None else None
     chain: list[Stage] = []
     if augment:
-        chain += [SystemPrompt(system_prompts or ["You are a helpful assistant.", "Answer concisely.",
-                                                  "You are a careful, precise assistant."], p=0.3),
-                  TurnSubsample(p=0.3), RandomResizedCrop(p=0.5)]
+        chain += [
+            SystemPrompt(
+                system_prompts
+                or [
+                    "You are a helpful assistant.",
+                    "Answer concisely.",
+                    "You are a careful, precise assistant.",
+                ],
+                p=0.3,
+            ),
+            TurnSubsample(p=0.3),
+            RandomResizedCrop(p=0.5),
+        ]
     if processor is not None:
         chain.append(HFProcessor(processor))
     elif vision == "qwen2_vl":
-        chain += [ChatTemplate(template, image_placeholder=QWEN2VL_IMAGE), Tokenize(tok),
-                  Qwen2VLVision(tok, min_pixels=min_pixels, max_pixels=max_pixels)]
+        chain += [
+            ChatTemplate(template, image_placeholder=QWEN2VL_IMAGE),
+            Tokenize(tok),
+            Qwen2VLVision(tok, min_pixels=min_pixels, max_pixels=max_pixels),
+        ]
     elif vision == "llava":
         chain += [ChatTemplate(template, image_placeholder=IMAGE_MARKER), Tokenize(tok), LlavaVision(tok)]
     elif vision is None:
@@ -116,11 +136,24 @@ class Preprocessor:
             if callable(fn):
                 fn()
 
-    def __call__(self, record: Record, sample_id: int, epoch: int, source: str = "", base_dir: str = "",
-                 seed: int | None = None) -> tuple[SampleMeta, dict[str, np.ndarray]]:
+    def __call__(
+        self,
+        record: Record,
+        sample_id: int,
+        epoch: int,
+        source: str = "",
+        base_dir: str = "",
+        seed: int | None = None,
+    ) -> tuple[SampleMeta, dict[str, np.ndarray]]:
         seed = self.seed if seed is None else seed
-        ex = Example(sample_id, epoch, source, [dict(m) for m in record.messages], record.system,
-                     decode_images(record, base_dir))
+        ex = Example(
+            sample_id,
+            epoch,
+            source,
+            [dict(m) for m in record.messages],
+            record.system,
+            decode_images(record, base_dir),
+        )
         for k, stage in enumerate(self.stages):
             ctx = StageContext(sample_id, epoch, seed, k)
             try:
@@ -132,7 +165,9 @@ class Preprocessor:
                 raise Reject("stage_error", f"{name}: {type(exc).__name__}: {exc}") from None
             if out is not None:
                 if not isinstance(out, Example):
-                    raise Reject("stage_error", f"stage {k} returned {type(out).__name__}, expected Example or None")
+                    raise Reject(
+                        "stage_error", f"stage {k} returned {type(out).__name__}, expected Example or None"
+                    )
                 ex = out
         return finalize(ex)
 
@@ -144,7 +179,9 @@ def finalize(ex: Example) -> tuple[SampleMeta, dict[str, np.ndarray]]:
     ids = np.ascontiguousarray(ex.input_ids, dtype=np.int32)
     labels = np.ascontiguousarray(ex.labels, dtype=np.int32)
     if ids.ndim != 1 or labels.shape != ids.shape:
-        raise Reject("stage_error", f"input_ids {ids.shape} and labels {labels.shape} must be equal 1-D shapes")
+        raise Reject(
+            "stage_error", f"input_ids {ids.shape} and labels {labels.shape} must be equal 1-D shapes"
+        )
     n = len(ids)
     if n == 0:
         raise Reject("empty_sample", "no tokens after the stages")
@@ -160,7 +197,9 @@ def finalize(ex: Example) -> tuple[SampleMeta, dict[str, np.ndarray]]:
             raise Reject("stage_error", f"extra payload key {key!r} clashes with a built-in key")
         payload[key] = np.asarray(value)
     vision = int(sum(ex.image_tokens))
-    images = tuple((_patches(t, n_tok), int(n_tok)) for t, n_tok in zip(ex.image_tensors, ex.image_tokens))
+    images = tuple(
+        (_patches(t, n_tok), int(n_tok)) for t, n_tok in zip(ex.image_tensors, ex.image_tokens, strict=False)
+    )
     return SampleMeta(n, loss, n - vision, vision, images), payload
 
 

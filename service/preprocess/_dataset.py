@@ -49,7 +49,9 @@ class EmptyDatasetError(ValueError):
 
     def __init__(self, paths: Sequence[str]) -> None:
         self.paths = list(paths)
-        shown = ", ".join(self.paths[:3]) + (f" and {len(self.paths) - 3} more" if len(self.paths) > 3 else "")
+        shown = ", ".join(self.paths[:3]) + (
+            f" and {len(self.paths) - 3} more" if len(self.paths) > 3 else ""
+        )
         super().__init__(f"the dataset has no records: {shown}")
 
 
@@ -94,8 +96,11 @@ def _parquet_blocks(path: str) -> tuple[list[tuple[int, int, int, int]], tuple[s
         blocks = []
         for g in range(md.num_row_groups):
             rg = md.row_group(g)
-            used = sum(rg.column(c).total_uncompressed_size for c in range(rg.num_columns)
-                       if rg.column(c).path_in_schema.split(".", 1)[0] in cols)
+            used = sum(
+                rg.column(c).total_uncompressed_size
+                for c in range(rg.num_columns)
+                if rg.column(c).path_in_schema.split(".", 1)[0] in cols
+            )
             blocks.append((rg.num_rows, max(int(used), 1), -1, -1))
     return blocks, tuple(cols)
 
@@ -162,8 +167,9 @@ class RecordDataset:
         FileNotFoundError: on a missing file.
     """
 
-    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike],
-                 format: str | None = None) -> None:
+    def __init__(
+        self, paths: str | os.PathLike | Sequence[str | os.PathLike], format: str | None = None
+    ) -> None:
         self.paths = expand_paths(paths)
         self.files: list[FileInfo] = []
         self.blocks: list[Block] = []
@@ -269,12 +275,16 @@ class RecordDataset:
         with fs.open_input_file(inner) as f:
             f.seek(b.start)
             data = f.read(b.end - b.start)
-        rel_s = starts[i0:i0 + b.rows] - b.start
-        rel_e = ends[i0:i0 + b.rows] - b.start
-        return [data[s:e].decode("utf-8", errors="replace") for s, e in zip(rel_s.tolist(), rel_e.tolist())]
+        rel_s = starts[i0 : i0 + b.rows] - b.start
+        rel_e = ends[i0 : i0 + b.rows] - b.start
+        return [
+            data[s:e].decode("utf-8", errors="replace")
+            for s, e in zip(rel_s.tolist(), rel_e.tolist(), strict=False)
+        ]
 
-    def items(self, k: int, data: pa.Table | list[str], ids: Sequence[int]
-              ) -> list[tuple[int, str, str, Any]]:
+    def items(
+        self, k: int, data: pa.Table | list[str], ids: Sequence[int]
+    ) -> list[tuple[int, str, str, Any]]:
         """(id, source, base_dir, raw) of `ids` (all in block k) from its `read_block` data: raw is the row
         as Python objects, or a JSONL line's text (parsed by `parse_item`)."""
         b = self.blocks[k]
@@ -285,8 +295,10 @@ class RecordDataset:
         else:
             raws = data.take(pa.array(rows, pa.int64())).to_pylist()
         first_row = b.offset - info.offset
-        return [(int(i), f"{info.path}:{first_row + r}", info.base_dir, raw)
-                for i, r, raw in zip(ids, rows, raws, strict=True)]
+        return [
+            (int(i), f"{info.path}:{first_row + r}", info.base_dir, raw)
+            for i, r, raw in zip(ids, rows, raws, strict=True)
+        ]
 
     def _cached_block(self, k: int) -> pa.Table | list[str]:
         with self._cache_lock:

@@ -61,9 +61,9 @@ def _png(rng: np.random.Generator, max_side: int) -> bytes:
     y = np.linspace(0, 1, h, dtype=np.float32)[:, None, None]
     x = np.linspace(0, 1, w, dtype=np.float32)[None, :, None]
     c0, c1 = rng.random(3, dtype=np.float32), rng.random(3, dtype=np.float32)
-    img = (c0 * (1 - x) * (1 - y) + c1 * x * y + 0.5 * (c0 + c1) * (x * (1 - y)))
+    img = c0 * (1 - x) * (1 - y) + c1 * x * y + 0.5 * (c0 + c1) * (x * (1 - y))
     y0, x0 = int(rng.integers(0, h // 2)), int(rng.integers(0, w // 2))
-    img[y0:y0 + h // 3, x0:x0 + w // 3] = rng.random(3, dtype=np.float32)
+    img[y0 : y0 + h // 3, x0 : x0 + w // 3] = rng.random(3, dtype=np.float32)
     buf = io.BytesIO()
     Image.fromarray((img * 255).astype(np.uint8), "RGB").save(buf, format="PNG")
     return buf.getvalue()
@@ -78,7 +78,9 @@ def _conversation(rng: np.random.Generator) -> list[dict[str, str]]:
     return messages
 
 
-def demo_record(i: int, seed: int = 0, image_fraction: float = 0.3, max_image_side: int = 224) -> dict[str, Any]:
+def demo_record(
+    i: int, seed: int = 0, image_fraction: float = 0.3, max_image_side: int = 224
+) -> dict[str, Any]:
     """Record `i` of the demo dataset (a good one): messages, images (PNG bytes), system."""
     rng = np.random.default_rng([seed, i, 17])
     messages = _conversation(rng)
@@ -107,8 +109,9 @@ def _bad_record(kind: str, i: int, seed: int) -> dict[str, Any]:
     return rec
 
 
-def demo_bad_ids(num_samples: int, seed: int = 0, bad_fraction: float = 0.02,
-                 kinds: tuple[str, ...] = BAD_KINDS_COLUMNAR) -> dict[int, str]:
+def demo_bad_ids(
+    num_samples: int, seed: int = 0, bad_fraction: float = 0.02, kinds: tuple[str, ...] = BAD_KINDS_COLUMNAR
+) -> dict[int, str]:
     """{id: quarantine code} of the deliberately bad records."""
     if bad_fraction <= 0 or num_samples == 0:
         return {}
@@ -117,9 +120,14 @@ def demo_bad_ids(num_samples: int, seed: int = 0, bad_fraction: float = 0.02,
     return {int(i): kinds[j % len(kinds)] for j, i in enumerate(ids)}
 
 
-def demo_records(num_samples: int, seed: int = 0, image_fraction: float = 0.3, bad_fraction: float = 0.02,
-                 max_image_side: int = 224, kinds: tuple[str, ...] = BAD_KINDS_COLUMNAR
-                 ) -> tuple[list[dict[str, Any]], dict[int, str]]:
+def demo_records(
+    num_samples: int,
+    seed: int = 0,
+    image_fraction: float = 0.3,
+    bad_fraction: float = 0.02,
+    max_image_side: int = 224,
+    kinds: tuple[str, ...] = BAD_KINDS_COLUMNAR,
+) -> tuple[list[dict[str, Any]], dict[int, str]]:
     """(records, {bad id: code}): the demo dataset in memory ('invalid_json' records are None here)."""
     bad = demo_bad_ids(num_samples, seed, bad_fraction, kinds)
     records: list[Any] = []
@@ -153,9 +161,15 @@ class DemoDataset:
         return self.num_records - len(self.bad)
 
 
-def make_demo_dataset(out_dir: str | os.PathLike, num_samples: int = 512, seed: int = 0,
-                      image_fraction: float = 0.3, bad_fraction: float = 0.02, format: str = "parquet",
-                      max_image_side: int = 224) -> DemoDataset:
+def make_demo_dataset(
+    out_dir: str | os.PathLike,
+    num_samples: int = 512,
+    seed: int = 0,
+    image_fraction: float = 0.3,
+    bad_fraction: float = 0.02,
+    format: str = "parquet",
+    max_image_side: int = 224,
+) -> DemoDataset:
     """Writes the demo dataset to `out_dir` as `demo-<n>-<seed>.<ext>` and returns where and what.
 
     Args:
@@ -199,11 +213,13 @@ def make_demo_dataset(out_dir: str | os.PathLike, num_samples: int = 512, seed: 
         path.write_text("\n".join(lines) + "\n", encoding="utf-8")
         return DemoDataset(path, num_samples, bad, format)
     msg_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    table = pa.table({
-        "messages": pa.array([r["messages"] for r in records], msg_type),
-        "images": pa.array([r["images"] for r in records], pa.list_(pa.binary())),
-        "system": pa.array([r["system"] for r in records], pa.string()),
-    })
+    table = pa.table(
+        {
+            "messages": pa.array([r["messages"] for r in records], msg_type),
+            "images": pa.array([r["images"] for r in records], pa.list_(pa.binary())),
+            "system": pa.array([r["system"] for r in records], pa.string()),
+        }
+    )
     if format == "parquet":
         import pyarrow.parquet as pq
 

@@ -16,9 +16,15 @@ import pyarrow.fs as pafs
 
 FORMATS = ("parquet", "jsonl", "arrow")
 _EXTENSIONS = {
-    ".parquet": "parquet", ".pq": "parquet",
-    ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
-    ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow", ".arrows": "arrow",
+    ".parquet": "parquet",
+    ".pq": "parquet",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+    ".arrow": "arrow",
+    ".feather": "arrow",
+    ".ipc": "arrow",
+    ".arrows": "arrow",
 }
 
 
@@ -41,8 +47,10 @@ def _format_of(path: str, fmt: str | None) -> str:
         return fmt
     ext = os.path.splitext(path)[1].lower()
     if ext not in _EXTENSIONS:
-        raise ValueError(f"{path}: cannot tell the format from the extension {ext!r}; "
-                         f"pass format= one of {list(FORMATS)} (known extensions: {sorted(_EXTENSIONS)})")
+        raise ValueError(
+            f"{path}: cannot tell the format from the extension {ext!r}; "
+            f"pass format= one of {list(FORMATS)} (known extensions: {sorted(_EXTENSIONS)})"
+        )
     return _EXTENSIONS[ext]
 
 
@@ -59,9 +67,13 @@ def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
         if info.type == pafs.FileType.NotFound:
             raise FileNotFoundError(f"dataset file not found: {s}")
         if info.type == pafs.FileType.Directory:
-            found = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(inner, recursive=False))
-                           if i.type == pafs.FileType.File and os.path.splitext(i.path)[1].lower() in _EXTENSIONS
-                           and not _metadata_file(i.path))
+            found = sorted(
+                i.path
+                for i in fs.get_file_info(pafs.FileSelector(inner, recursive=False))
+                if i.type == pafs.FileType.File
+                and os.path.splitext(i.path)[1].lower() in _EXTENSIONS
+                and not _metadata_file(i.path)
+            )
             if not found:
                 raise FileNotFoundError(f"no {sorted(_EXTENSIONS)} files in directory {s}")
             prefix = s[: s.index("://") + 3] if _is_uri(s) else ""

@@ -96,8 +96,12 @@ def _without_video(path: Path, cause: Exception):
     keep = [a for a in cls.get_attributes() if "video" not in a]
     image_text = type(cls.__name__, (cls,), {"get_attributes": classmethod(lambda c: list(keep))})
     proc = image_text.from_pretrained(str(path), local_files_only=True)
-    log.warning("processor %s at %s loaded without its video processor (%s); images and text work",
-                name, path, _first_line(cause))
+    log.warning(
+        "processor %s at %s loaded without its video processor (%s); images and text work",
+        name,
+        path,
+        _first_line(cause),
+    )
     return proc
 
 
@@ -119,8 +123,10 @@ def load_processor(path: str | os.PathLike):
     try:
         proc = _without_video(path, first)
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"processor directory {path} cannot be loaded: {_first_line(first)}; without its "
-                         f"video processor: {_first_line(exc)}") from None
+        raise ValueError(
+            f"processor directory {path} cannot be loaded: {_first_line(first)}; without its "
+            f"video processor: {_first_line(exc)}"
+        ) from None
     if proc is not None:
         return proc
     if _has_image_processor(path):
@@ -128,8 +134,10 @@ def load_processor(path: str | os.PathLike):
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"processor directory {path} loads neither as a Hugging Face processor "
-                         f"({_first_line(first)}) nor as a tokenizer ({_first_line(exc)})") from None
+        raise ValueError(
+            f"processor directory {path} loads neither as a Hugging Face processor "
+            f"({_first_line(first)}) nor as a tokenizer ({_first_line(exc)})"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -152,8 +160,9 @@ class _Loaded:
         self.template = template
         has_generation = bool(_GENERATION_RE.search(template))
         if labels == "generation" and not has_generation:
-            raise ValueError(f"labels='generation' needs {{% generation %}} blocks in the chat template of "
-                             f"{path}")
+            raise ValueError(
+                f"labels='generation' needs {{% generation %}} blocks in the chat template of {path}"
+            )
         self.generation = labels == "generation" or (labels == "auto" and has_generation)
         self.template_kwargs = template_kwargs
         self.image_token: str | None = None
@@ -165,25 +174,37 @@ class _Loaded:
             if tid is None and self.image_token is not None:
                 tid = self.tok.convert_tokens_to_ids(self.image_token)
             if self.image_token is None or tid is None or tid == self.tok.unk_token_id:
-                raise ValueError(f"the processor at {path} names no image token (image_token / "
-                                 f"image_token_id)")
+                raise ValueError(
+                    f"the processor at {path} names no image token (image_token / image_token_id)"
+                )
             self.image_token_id = int(tid)
             self.wrap = self._probe_wrap()
 
     def render(self, conv: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         """The template's text for one conversation (`apply_chat_template(..., tokenize=False)`)."""
-        return self.proc.apply_chat_template(conv, chat_template=self.template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **self.template_kwargs)
+        return self.proc.apply_chat_template(
+            conv,
+            chat_template=self.template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.template_kwargs,
+        )
 
-    def render_many(self, convs: list[list[dict[str, Any]]],
-                    add_generation_prompt: bool = False) -> list[str]:
+    def render_many(
+        self, convs: list[list[dict[str, Any]]], add_generation_prompt: bool = False
+    ) -> list[str]:
         """`render` of several conversations in one call."""
         if not convs:
             return []
-        return list(self.proc.apply_chat_template(convs, chat_template=self.template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  **self.template_kwargs))
+        return list(
+            self.proc.apply_chat_template(
+                convs,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs,
+            )
+        )
 
     def _probe_wrap(self) -> tuple[list[int], list[int]]:
         """The tokens the template writes around each image token (Qwen2-VL: `<|vision_start|>`,
@@ -200,15 +221,17 @@ class _Loaded:
         hi = 0
         while hi < min(len(with_img), len(without)) - lo and with_img[-1 - hi] == without[-1 - hi]:
             hi += 1
-        inserted = with_img[lo:len(with_img) - hi]
+        inserted = with_img[lo : len(with_img) - hi]
         if inserted.count(self.image_token) != 1:
             return [], []
         before, after = inserted.split(self.image_token)
         enc = self.tok.backend_tokenizer if hasattr(self.tok, "backend_tokenizer") else None
         if enc is None:
             return [], []
-        return (enc.encode(before, add_special_tokens=False).ids if before else [],
-                enc.encode(after, add_special_tokens=False).ids if after else [])
+        return (
+            enc.encode(before, add_special_tokens=False).ids if before else [],
+            enc.encode(after, add_special_tokens=False).ids if after else [],
+        )
 
 
 class HFProcessor(Stage):
@@ -246,13 +269,19 @@ class HFProcessor(Stage):
         ValueError: for a bad `labels`.
     """
 
-    def __init__(self, path: str | os.PathLike, labels: str = "auto",
-                 template_kwargs: dict[str, Any] | None = None,
-                 processor_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        labels: str = "auto",
+        template_kwargs: dict[str, Any] | None = None,
+        processor_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         p = Path(os.fspath(path)).expanduser()
         if not p.is_dir():
-            raise FileNotFoundError(f"processor directory not found: {path} (expected a Hugging Face "
-                                    f"processor or tokenizer directory, what save_pretrained writes)")
+            raise FileNotFoundError(
+                f"processor directory not found: {path} (expected a Hugging Face "
+                f"processor or tokenizer directory, what save_pretrained writes)"
+            )
         if labels not in LABEL_MODES:
             raise ValueError(f"labels must be one of {list(LABEL_MODES)}, got {labels=}")
         self.path = str(p.resolve())
@@ -283,7 +312,7 @@ class HFProcessor(Stage):
 
     @property
     def label_mode(self) -> str:
-        """"generation" or "prefix": how this processor's labels are derived."""
+        """ "generation" or "prefix": how this processor's labels are derived."""
         return "generation" if self._load().generation else "prefix"
 
     def conversation(self, ex: Example) -> list[dict[str, Any]]:
@@ -327,8 +356,14 @@ class HFProcessor(Stage):
         if lp.generation:
             mask = np.asarray(out["assistant_masks"])[0].astype(bool)
         else:
-            mask = self._span_mask(lp, np.asarray(out["offset_mapping"])[0], spans, text, runs,
-                                   out.get("text_replacement_offsets"))
+            mask = self._span_mask(
+                lp,
+                np.asarray(out["offset_mapping"])[0],
+                spans,
+                text,
+                runs,
+                out.get("text_replacement_offsets"),
+            )
         for k in _DROP:
             out.pop(k, None)
         labels = np.where(mask, ids, IGNORE_INDEX)
@@ -353,9 +388,14 @@ class HFProcessor(Stage):
         extra: dict[str, Any] = dict(self.processor_kwargs)
         try:
             if lp.generation:
-                kwargs: dict[str, Any] = dict(chat_template=lp.template, tokenize=True, return_dict=True,
-                                              return_tensors="np", return_assistant_tokens_mask=True,
-                                              **lp.template_kwargs)
+                kwargs: dict[str, Any] = dict(
+                    chat_template=lp.template,
+                    tokenize=True,
+                    return_dict=True,
+                    return_tensors="np",
+                    return_assistant_tokens_mask=True,
+                    **lp.template_kwargs,
+                )
                 if lp.text_only:
                     kwargs["tokenizer_kwargs"] = extra
                 else:
@@ -367,8 +407,15 @@ class HFProcessor(Stage):
             bos = lp.tok.bos_token
             if bos is not None and text.startswith(bos):
                 extra["add_special_tokens"] = False
-            return dict(lp.proc(text=[text], images=list(images) if images else None, return_tensors="np",
-                               return_text_replacement_offsets=True, **extra))
+            return dict(
+                lp.proc(
+                    text=[text],
+                    images=list(images) if images else None,
+                    return_tensors="np",
+                    return_text_replacement_offsets=True,
+                    **extra,
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - whatever the processor raises on this record
             raise self._reject(lp, images, exc) from None
 
@@ -383,7 +430,7 @@ class HFProcessor(Stage):
     def _prefix_spans(self, lp: _Loaded, conv: list[dict[str, Any]], text: str) -> list[tuple[int, int]]:
         """Character spans of the assistant turns in `text` (module docstring, labels "prefix")."""
         turns = [k for k, m in enumerate(conv) if m["role"] == "assistant"]
-        ups = iter(lp.render_many([conv[:k + 1] for k in turns if k + 1 < len(conv)]))
+        ups = iter(lp.render_many([conv[: k + 1] for k in turns if k + 1 < len(conv)]))
         heads = iter(lp.render_many([conv[:k] for k in turns if k], add_generation_prompt=True))
         spans = []
         for k in turns:
@@ -393,11 +440,14 @@ class HFProcessor(Stage):
             else:  # nothing before: where the turn's content starts, from the same turn with no content
                 m = conv[0]
                 empty = lp.render([{**m, "content": "" if isinstance(m["content"], str) else []}])
-                head = upto[:len(os.path.commonprefix([upto, empty]))]
+                head = upto[: len(os.path.commonprefix([upto, empty]))]
             if not (text.startswith(upto) and upto.startswith(head)):
-                raise Reject("template_error", f"the chat template is not prefix-stable at message {k} "
-                             f"(rendering messages[:{k + 1}] is not a prefix of the whole conversation): "
-                             f"give it {{% generation %}} blocks")
+                raise Reject(
+                    "template_error",
+                    f"the chat template is not prefix-stable at message {k} "
+                    f"(rendering messages[:{k + 1}] is not a prefix of the whole conversation): "
+                    f"give it {{% generation %}} blocks",
+                )
             end = len(upto.rstrip())
             if end > len(head):
                 spans.append((len(head), end))
@@ -409,27 +459,36 @@ class HFProcessor(Stage):
             return []
         is_img = np.concatenate([[False], ids == lp.image_token_id, [False]]).astype(np.int8)
         edges = np.flatnonzero(np.diff(is_img))
-        runs = [(int(s), int(e)) for s, e in zip(edges[0::2], edges[1::2])]
+        runs = [(int(s), int(e)) for s, e in zip(edges[0::2], edges[1::2], strict=False)]
         if len(runs) != n_images:
-            raise Reject("image_mismatch", f"{len(runs)} runs of {lp.image_token} tokens for {n_images} "
-                         f"images (HFProcessor needs one run per image)")
+            raise Reject(
+                "image_mismatch",
+                f"{len(runs)} runs of {lp.image_token} tokens for {n_images} "
+                f"images (HFProcessor needs one run per image)",
+            )
         return runs
 
     @staticmethod
     def _widen(lp: _Loaded, ids: np.ndarray, s: int, e: int) -> tuple[int, int]:
         before, after = lp.wrap
-        if before and s >= len(before) and ids[s - len(before):s].tolist() == before:
+        if before and s >= len(before) and ids[s - len(before) : s].tolist() == before:
             s -= len(before)
-        if after and ids[e:e + len(after)].tolist() == after:
+        if after and ids[e : e + len(after)].tolist() == after:
             e += len(after)
         return s, e
 
     @staticmethod
-    def _span_mask(lp: _Loaded, offsets: np.ndarray, spans: list[tuple[int, int]], text: str,
-                   runs: list[tuple[int, int]], replacements: Any) -> np.ndarray:
+    def _span_mask(
+        lp: _Loaded,
+        offsets: np.ndarray,
+        spans: list[tuple[int, int]],
+        text: str,
+        runs: list[tuple[int, int]],
+        replacements: Any,
+    ) -> np.ndarray:
         """Tokens overlapping the character spans of `text`, after the processor expanded each image
         placeholder (from its `text_replacement_offsets`, else from the image-token runs' offsets)."""
-        ends: list[int] = []     # placeholder ends in `text`
+        ends: list[int] = []  # placeholder ends in `text`
         gained: list[int] = [0]  # characters the expansions up to and including each one added
         reps = list(replacements[0]) if replacements else []
         if reps:
@@ -442,8 +501,11 @@ class HFProcessor(Stage):
                 at = text.index(lp.image_token, pos)
                 pos = at + width
                 if int(offsets[s][0]) != at + gained[-1]:
-                    raise Reject("processor_error", "cannot locate the expanded image placeholders in the "
-                                 "processor's offsets (give the template {% generation %} blocks)")
+                    raise Reject(
+                        "processor_error",
+                        "cannot locate the expanded image placeholders in the "
+                        "processor's offsets (give the template {% generation %} blocks)",
+                    )
                 ends.append(pos)
                 gained.append(gained[-1] + int(offsets[e - 1][1]) - int(offsets[s][0]) - width)
         mask = np.zeros(len(offsets), dtype=bool)
@@ -455,8 +517,9 @@ class HFProcessor(Stage):
         return mask
 
     @staticmethod
-    def _split(out: dict[str, Any], n: int,
-               n_images: int) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+    def _split(
+        out: dict[str, Any], n: int, n_images: int
+    ) -> tuple[list[dict[str, np.ndarray]], dict[str, np.ndarray]]:
         """(per-image tensors, the rest) of the processor's outputs (see the class docstring)."""
         arrays = {k: np.asarray(v) for k, v in out.items() if v is not None}
         per_image: list[dict[str, np.ndarray]] = [{} for _ in range(n_images)]
@@ -471,10 +534,10 @@ class HFProcessor(Stage):
             elif n_images and sizes is not None and arr.ndim >= 1 and arr.shape[0] == int(sizes.sum()):
                 bounds = np.concatenate([[0], np.cumsum(sizes)])
                 for k in range(n_images):
-                    per_image[k][key] = arr[bounds[k]:bounds[k + 1]]
+                    per_image[k][key] = arr[bounds[k] : bounds[k + 1]]
             elif n_images and arr.ndim >= 1 and arr.shape[0] == n_images:
                 for k in range(n_images):
-                    per_image[k][key] = arr[k:k + 1]
+                    per_image[k][key] = arr[k : k + 1]
             else:
                 extra[key] = arr
         return (per_image if n_images else []), extra

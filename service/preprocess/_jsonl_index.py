@@ -62,8 +62,8 @@ def scan_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
     starts: list[np.ndarray] = []
     ends: list[np.ndarray] = []
     base = 0
-    line_start = 0       # absolute offset where the current (unfinished) line starts
-    line_text = False    # whether the unfinished line holds a non-whitespace byte so far
+    line_start = 0  # absolute offset where the current (unfinished) line starts
+    line_text = False  # whether the unfinished line holds a non-whitespace byte so far
     with fs.open_input_stream(inner) as f:
         while True:
             chunk = f.read(_CHUNK)
@@ -88,7 +88,7 @@ def scan_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
     if line_text:  # a last line without a newline
         starts.append(np.asarray([line_start]))
         ends.append(np.asarray([base]))
-    cat = (lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64))
+    cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)
     starts_a, ends_a = cat(starts), cat(ends)
     return starts_a, ends_a
 
@@ -126,7 +126,7 @@ def _load(p: Path, size: int, mtime: int) -> tuple[np.ndarray, np.ndarray] | Non
     n = int(arr[4])
     if len(arr) != 5 + 2 * n:
         return None
-    return arr[5:5 + n].copy(), arr[5 + n:].copy()
+    return arr[5 : 5 + n].copy(), arr[5 + n :].copy()
 
 
 def _save(p: Path, size: int, mtime: int, starts: np.ndarray, ends: np.ndarray) -> bool:

@@ -27,8 +27,15 @@ from ._quarantine import Reject
 from ._schema import _conversation_column, _type_name
 
 ROLES = ("system", "user", "assistant")
-_ROLE_ALIASES = {"human": "user", "gpt": "assistant", "model": "assistant", "bot": "assistant",
-                 "system": "system", "user": "user", "assistant": "assistant"}
+_ROLE_ALIASES = {
+    "human": "user",
+    "gpt": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+}
 IMAGE_MARKER = "<image>"
 
 

@@ -87,8 +87,17 @@ class PreprocessWorker:
         for i, source, base_dir, raw in items:
             try:
                 meta, payload = self.pre(parse_item(raw, source, base_dir), i, epoch, source, base_dir, seed)
-                metas.append((meta.length, meta.loss_tokens, meta.text_tokens, meta.vision_tokens, None,
-                              payload_nbytes(payload), meta.images))
+                metas.append(
+                    (
+                        meta.length,
+                        meta.loss_tokens,
+                        meta.text_tokens,
+                        meta.vision_tokens,
+                        None,
+                        payload_nbytes(payload),
+                        meta.images,
+                    )
+                )
                 payloads.append(payload)
             except Reject as exc:
                 metas.append((0, 0, 0, 0, exc.reason, 0, ()))
@@ -105,9 +114,14 @@ class PreprocessWorker:
         return os.getpid()
 
     def stats(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "node_id": self.node_id, "processed": self.processed,
-                "busy_s": self.busy_s, "cpu_s": self.cpu_s,
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        return {
+            "pid": os.getpid(),
+            "node_id": self.node_id,
+            "processed": self.processed,
+            "busy_s": self.busy_s,
+            "cpu_s": self.cpu_s,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
 
 
 def affinity_node(node_id: str | None) -> str | None:
@@ -140,10 +154,18 @@ class PreprocessPool:
             (None when unpinned).
     """
 
-    def __init__(self, dataset: RecordDataset | str | os.PathLike | Sequence[str | os.PathLike],
-                 stages: Sequence[Any] | None = None, num_actors: int = 2, *, actor_num_cpus: float = 1.0,
-                 ray_address: str | None = None, start_timeout_s: float = 600.0,
-                 actor_options: Mapping[str, Any] | None = None, node_id: str | None = None) -> None:
+    def __init__(
+        self,
+        dataset: RecordDataset | str | os.PathLike | Sequence[str | os.PathLike],
+        stages: Sequence[Any] | None = None,
+        num_actors: int = 2,
+        *,
+        actor_num_cpus: float = 1.0,
+        ray_address: str | None = None,
+        start_timeout_s: float = 600.0,
+        actor_options: Mapping[str, Any] | None = None,
+        node_id: str | None = None,
+    ) -> None:
         if num_actors < 1:
             raise ValueError(f"num_actors must be >= 1, got {num_actors=}")
         self.dataset = dataset if isinstance(dataset, RecordDataset) else RecordDataset(dataset)
@@ -160,8 +182,9 @@ class PreprocessPool:
         options = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": actor_num_cpus}
         self.node_id = affinity_node(node_id) if "scheduling_strategy" not in (actor_options or {}) else None
         if self.node_id is not None:
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(self.node_id, soft=True,
-                                                                            _spill_on_unavailable=True)
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                self.node_id, soft=True, _spill_on_unavailable=True
+            )
         options.update(actor_options or {})
         cls = ray.remote(PreprocessWorker).options(**options)
         self.actors = [cls.remote(args) for _ in range(num_actors)]
@@ -183,8 +206,13 @@ class PreprocessPool:
                     raise lost
                 if time.monotonic() - last_log >= START_LOG_S:
                     last_log = time.monotonic()
-                    log.info("waiting for %d of %d preprocessing actors to start (%.0fs of %.0fs)", len(pending),
-                             num_actors, time.monotonic() - t0, start_timeout_s)
+                    log.info(
+                        "waiting for %d of %d preprocessing actors to start (%.0fs of %.0fs)",
+                        len(pending),
+                        num_actors,
+                        time.monotonic() - t0,
+                        start_timeout_s,
+                    )
         if pending:
             total = ray.cluster_resources().get("CPU", 0)
             self.close()
@@ -192,7 +220,8 @@ class PreprocessPool:
                 f"only {num_actors - len(pending)} of {num_actors} preprocessing actors started within "
                 f"{start_timeout_s:.0f}s: each reserves {actor_num_cpus} CPU and the Ray cluster has {total:g} "
                 f"CPUs in all (other pools may hold some); lower num_actors or actor_num_cpus, or start Ray with "
-                f"more logical CPUs")
+                f"more logical CPUs"
+            )
         try:
             ray.get([a.ping.remote() for a in self.actors])  # an actor whose start failed raises here
         except ray.exceptions.RayError:
@@ -211,8 +240,9 @@ class PreprocessPool:
     def num_actors(self) -> int:
         return len(self.actors)
 
-    def submit(self, items: Sequence[tuple[int, str, str, Any]], epoch: int, seed: int, mode: str = "normal"
-               ) -> tuple[int, list[ray.ObjectRef], ray.ObjectRef | None] | None:
+    def submit(
+        self, items: Sequence[tuple[int, str, str, Any]], epoch: int, seed: int, mode: str = "normal"
+    ) -> tuple[int, list[ray.ObjectRef], ray.ObjectRef | None] | None:
         """Sends `items` (`RecordDataset.items`) to an actor: (actor index, [metadata ref, payload refs...], probe) or None if refused.
 
         mode "normal": the least loaded actor; refused while a source waits for an idle actor (`hold`).

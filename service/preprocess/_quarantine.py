@@ -85,9 +85,11 @@ class Quarantine:
             raise ValueError(f"Quarantine state lacks the {K_COUNTS!r} field, got fields {sorted(state)}")
         counts = state[K_COUNTS]
         if not isinstance(counts, Mapping) or not all(
-                isinstance(k, str) and type(v) is int and v >= 0 for k, v in counts.items()):
-            raise ValueError(f"Quarantine state field {K_COUNTS!r} must map reason codes to counts >= 0, "
-                             f"got {counts!r}")
+            isinstance(k, str) and type(v) is int and v >= 0 for k, v in counts.items()
+        ):
+            raise ValueError(
+                f"Quarantine state field {K_COUNTS!r} must map reason codes to counts >= 0, got {counts!r}"
+            )
         with self._lock:
             self.counts = collections.Counter(counts)
 
@@ -102,13 +104,23 @@ class TooManyBadRecords(RuntimeError):
     """More than `max_bad_fraction` of the records a rank read were bad: the job stops (names the counts,
     the reasons and the quarantine file)."""
 
-    def __init__(self, rank: int, bad: int, read: int, max_bad_fraction: float, reasons: Mapping[str, int],
-                 path: str | None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        bad: int,
+        read: int,
+        max_bad_fraction: float,
+        reasons: Mapping[str, int],
+        path: str | None,
+    ) -> None:
         self.rank, self.bad, self.read, self.max_bad_fraction = rank, bad, read, max_bad_fraction
         self.reasons, self.path = dict(reasons), path
-        top = ", ".join(f"{code} {n}" for code, n in sorted(self.reasons.items(), key=lambda kv: (-kv[1], kv[0])))
+        top = ", ".join(
+            f"{code} {n}" for code, n in sorted(self.reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+        )
         where = f"see {path}" if path else "no quarantine file was given ([data] quarantine)"
         super().__init__(
             f"{bad} of the {read} records this rank read ({100 * bad / read:.1f}%) are bad, more than "
             f"[data] max_bad_fraction = {max_bad_fraction:g}; by reason: {top}; {where}. Fix the data, or "
-            f"raise max_bad_fraction to train on the rest")
+            f"raise max_bad_fraction to train on the rest"
+        )

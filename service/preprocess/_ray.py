@@ -74,7 +74,9 @@ def _gcs_reachable(address: str, timeout: float = 1.0) -> bool:
 
 def _ray_root() -> str:
     """Ray's temp root on this host (where `ray start` writes `ray_current_cluster`)."""
-    base = os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if os.name == "posix" else None) or "/tmp"
+    base = (
+        os.environ.get("RAY_TMPDIR") or (os.environ.get("TMPDIR") if os.name == "posix" else None) or "/tmp"
+    )
     return os.path.join(base, "ray")
 
 
@@ -111,7 +113,11 @@ def job_key(coordinator: str, spec: Any) -> str:
 
     The processes of one job (its `batchd rank`s, its node agents) agree on it; another job (another
     coordinator, or another spec) gets another key, so it never shares their Ray."""
-    fields = spec if isinstance(spec, dict) else {k: getattr(spec, k) for k in getattr(spec, "__dataclass_fields__", {})}
+    fields = (
+        spec
+        if isinstance(spec, dict)
+        else {k: getattr(spec, k) for k in getattr(spec, "__dataclass_fields__", {})}
+    )
     blob = json.dumps({"coordinator": coordinator, "spec": fields}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -121,7 +127,7 @@ def _own_pids() -> list[int]:
     uid = os.getuid() if hasattr(os, "getuid") else None
     out = []
     with contextlib.suppress(OSError):
-        for pid in sorted((int(p) for p in os.listdir("/proc") if p.isdigit())):
+        for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
             with contextlib.suppress(OSError):
                 if uid is None or os.stat(f"/proc/{pid}").st_uid == uid:
                     out.append(pid)
@@ -244,8 +250,11 @@ class SharedRay:
             # A /proc scan: at every check while the raylet is still starting its agents (a look taken
             # before they existed missed them, and they outlived a killed raylet), then every fifth. Every
             # process seen is kept ({pid: start time}: a reused pid is spared).
-            if (self.lost is None and self._raylet_pid is not None
-                    and (self._checks < 3 * FAMILY_EVERY or self._checks % FAMILY_EVERY == 0)):
+            if (
+                self.lost is None
+                and self._raylet_pid is not None
+                and (self._checks < 3 * FAMILY_EVERY or self._checks % FAMILY_EVERY == 0)
+            ):
                 self._family.update(_descendants(self._raylet_pid))
             self._checks += 1
         return self.lost
@@ -274,8 +283,11 @@ class SharedRay:
         try:
             if self.started:
                 if not _flock(fd, shared=False, wait=False):
-                    log.info("waiting for the other rank services that joined the Ray at %s to exit before "
-                             "stopping it", self.address)
+                    log.info(
+                        "waiting for the other rank services that joined the Ray at %s to exit before "
+                        "stopping it",
+                        self.address,
+                    )
                     while not _flock(fd, shared=False, wait=False):
                         time.sleep(poll_s)
                 ray.shutdown()
@@ -313,15 +325,18 @@ def _orphaned_agents(raylet_start: str | None) -> set[int]:
     return out
 
 
-def _end_leftovers(job: str | None, family: dict[int, str], raylet_start: str | None = None,
-                   grace_s: float = 5.0) -> None:
+def _end_leftovers(
+    job: str | None, family: dict[int, str], raylet_start: str | None = None, grace_s: float = 5.0
+) -> None:
     """Ends what is left of an embedded Ray that went away: Ray's agents (DashboardAgent, RuntimeEnvAgent)
     and workers outlive a raylet killed with SIGKILL. Only processes this Ray started: its raylet's
     descendants seen alive (`family`, {pid: start time}, so a reused pid is spared), its agents orphaned
     before the watch saw them (`_orphaned_agents`, by the raylet's start time) and those
     carrying this job's `$BATCHD_RAY_JOB` (inherited from this process when it started that Ray; Ray's
     agents may hide it, setting their title over it); never this process."""
-    mine = {pid for pid, start in family.items() if _start_time(pid) == start} | _orphaned_agents(raylet_start)
+    mine = {pid for pid, start in family.items() if _start_time(pid) == start} | _orphaned_agents(
+        raylet_start
+    )
     if job:
         tag = f"{JOB_ENV}={job}".encode()
         mine.update(pid for pid in _own_pids() if _has_env(pid, tag))
@@ -404,7 +419,9 @@ def _local_auth() -> None:
         from ray._raylet import AuthenticationTokenLoader
     except ImportError:  # a Ray without token auth
         return
-    if os.environ.get("RAY_AUTH_MODE") is None and AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+    if os.environ.get("RAY_AUTH_MODE") is None and AuthenticationTokenLoader.instance().has_token(
+        ignore_auth_mode=True
+    ):
         quiet_token_auth()  # what Ray's discovery does, without its warning at every start
 
 
@@ -446,8 +463,9 @@ def quiet_token_auth() -> None:
         Config.initialize("")
 
 
-def share_ray(address: str | None = None, num_cpus: int | None = None, who: str = "batchd",
-              job: str | None = None) -> SharedRay:
+def share_ray(
+    address: str | None = None, num_cpus: int | None = None, who: str = "batchd", job: str | None = None
+) -> SharedRay:
     """Connects this process to Ray the way a rank service does; returns the `SharedRay` to close at exit.
 
     `address` given: joins it ("auto": the Ray already running on this host, `running_ray_address`, an
@@ -470,9 +488,11 @@ def share_ray(address: str | None = None, num_cpus: int | None = None, who: str 
         with _host_lock():
             found = running_ray_address()
         if not found:
-            raise RuntimeError(f"{who}: ray_address is 'auto' but no Ray is running on this host: start one "
-                               f"(`ray start --head`), give its address, or leave ray_address unset for an "
-                               f"embedded Ray of this job")
+            raise RuntimeError(
+                f"{who}: ray_address is 'auto' but no Ray is running on this host: start one "
+                f"(`ray start --head`), give its address, or leave ray_address unset for an "
+                f"embedded Ray of this job"
+            )
         _local_auth()
         _join(found)
         gcs = ray.get_runtime_context().gcs_address
@@ -481,8 +501,13 @@ def share_ray(address: str | None = None, num_cpus: int | None = None, who: str 
     if address:
         _join(address)
         gcs = ray.get_runtime_context().gcs_address
-        log.info("%s: joined the Ray cluster at %s (gcs %s) on node %s", who, address, gcs,
-                 ray.get_runtime_context().get_node_id())
+        log.info(
+            "%s: joined the Ray cluster at %s (gcs %s) on node %s",
+            who,
+            address,
+            gcs,
+            ray.get_runtime_context().get_node_id(),
+        )
         return SharedRay(gcs, started=False, connected=True)
     with _host_lock():
         found = job_ray_address(job) if job else None
@@ -494,12 +519,18 @@ def share_ray(address: str | None = None, num_cpus: int | None = None, who: str 
             return SharedRay(gcs, started=False, connected=True)
         quiet_token_auth()
         if job:
-            os.environ[JOB_ENV] = job  # inherited by the Ray processes started here: how the job's others find it
+            os.environ[JOB_ENV] = (
+                job  # inherited by the Ray processes started here: how the job's others find it
+            )
         ray.init(num_cpus=num_cpus, include_dashboard=False)
         gcs = ray.get_runtime_context().gcs_address
         shared = SharedRay(gcs, started=True, job=job)  # holds its lock before the next process may look
-    log.info("%s: started an embedded Ray for this job (gcs %s)%s", who, gcs,
-             "; this job's other rank services on this host join it" if job else "")
+    log.info(
+        "%s: started an embedded Ray for this job (gcs %s)%s",
+        who,
+        gcs,
+        "; this job's other rank services on this host join it" if job else "",
+    )
     return shared
 
 
@@ -515,6 +546,6 @@ def resolve_many(payloads: Sequence[Any]) -> list[dict[str, np.ndarray]]:
     idx = [k for k, p in enumerate(payloads) if isinstance(p, ray.ObjectRef)]
     out = list(payloads)
     if idx:
-        for k, value in zip(idx, ray.get([payloads[k] for k in idx])):
+        for k, value in zip(idx, ray.get([payloads[k] for k in idx]), strict=False):
             out[k] = value
     return out

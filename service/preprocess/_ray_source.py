@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 import ray
+
 from batchd.core import BlockView, Sample, parse_bytes
 
 from ._dataset import RecordDataset
@@ -63,8 +64,6 @@ STATE_VERSION = 2
 DEFAULT_MEMORY_BUDGET = 2 << 30
 DEFAULT_MAX_BAD_FRACTION = 0.1
 MIN_JUDGED = 100
-
-
 
 
 _FLIGHT, _READY, _DONE = 0, 1, 2
@@ -119,18 +118,37 @@ class RaySource:
             "" = anywhere (Ray's placement). Ignored with `pool` (the pool's placement holds).
     """
 
-    def __init__(self, dataset: RecordDataset | str | os.PathLike | Sequence[Any] | None, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, epoch: int = 0, shuffle: bool = True, *,
-                 stages: Sequence[Any] | None = None, num_actors: int = 2, pool: PreprocessPool | None = None,
-                 max_in_flight: int | None = None, chunk_size: int = 8, ordered: bool = True, wrap: bool = False,
-                 quarantine: Quarantine | str | os.PathLike | None = None, max_attempts: int = 3,
-                 payload: str = "ref", ray_address: str | None = None, actor_num_cpus: float = 1.0,
-                 node_id: str | None = None, memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
-                 max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION) -> None:
+    def __init__(
+        self,
+        dataset: RecordDataset | str | os.PathLike | Sequence[Any] | None,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        epoch: int = 0,
+        shuffle: bool = True,
+        *,
+        stages: Sequence[Any] | None = None,
+        num_actors: int = 2,
+        pool: PreprocessPool | None = None,
+        max_in_flight: int | None = None,
+        chunk_size: int = 8,
+        ordered: bool = True,
+        wrap: bool = False,
+        quarantine: Quarantine | str | os.PathLike | None = None,
+        max_attempts: int = 3,
+        payload: str = "ref",
+        ray_address: str | None = None,
+        actor_num_cpus: float = 1.0,
+        node_id: str | None = None,
+        memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
+        max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
+    ) -> None:
         if payload not in ("ref", "dict"):
             raise ValueError(f"payload must be 'ref' or 'dict', got {payload=}")
         if wrap and not ordered:
-            raise ValueError("wrap=True (non-join mode) needs ordered=True: peek_id must name the next sample")
+            raise ValueError(
+                "wrap=True (non-join mode) needs ordered=True: peek_id must name the next sample"
+            )
         if chunk_size < 1 or max_attempts < 1:
             raise ValueError(f"chunk_size and max_attempts must be >= 1, got {chunk_size=} {max_attempts=}")
         if isinstance(max_bad_fraction, bool) or not 0.0 <= float(max_bad_fraction) <= 1.0:
@@ -145,8 +163,14 @@ class RaySource:
         if pool is None:
             if dataset is None:
                 raise ValueError("RaySource needs a dataset or a pool")
-            pool = PreprocessPool(dataset, stages, num_actors, ray_address=ray_address,
-                                  actor_num_cpus=actor_num_cpus, node_id=node_id)
+            pool = PreprocessPool(
+                dataset,
+                stages,
+                num_actors,
+                ray_address=ray_address,
+                actor_num_cpus=actor_num_cpus,
+                node_id=node_id,
+            )
             self._own_pool = True
         else:
             if dataset is not None:
@@ -163,8 +187,17 @@ class RaySource:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight=}")
         self.fetch_payloads = payload == "dict"
         self.quarantine = quarantine if isinstance(quarantine, Quarantine) else Quarantine(quarantine)
-        self.view = BlockView(self.dataset.block_rows, self.dataset.block_bytes, rank, world_size, seed,
-                              epoch, shuffle, wrap, window_bytes=self.memory_budget // 4)
+        self.view = BlockView(
+            self.dataset.block_rows,
+            self.dataset.block_bytes,
+            rank,
+            world_size,
+            seed,
+            epoch,
+            shuffle,
+            wrap,
+            window_bytes=self.memory_budget // 4,
+        )
         self.reader = BlockReader(self.dataset, self.memory_budget // 2)
         self._want_window = -1
         self._lock = threading.RLock()
@@ -298,14 +331,22 @@ class RaySource:
         While the view is being read the share counts at least `MIN_JUDGED` records (a few bad records
         early in a view are not yet a share); once the view is finished (`final`) it is judged on what was
         read, however few, so the rule holds for every dataset size."""
-        bad, read = self.quarantined, self.records_read + sum(
-            1 for e in self._entries.values() if e.status == _READY)
+        bad, read = (
+            self.quarantined,
+            self.records_read + sum(1 for e in self._entries.values() if e.status == _READY),
+        )
         if self.max_bad_fraction >= 1.0 or not bad:
             return
         if bad <= self.max_bad_fraction * (read if final else max(read, MIN_JUDGED)):
             return
-        raise TooManyBadRecords(self.rank, bad, read, self.max_bad_fraction, dict(self.reasons),
-                                str(self.quarantine.path) if self.quarantine.path is not None else None)
+        raise TooManyBadRecords(
+            self.rank,
+            bad,
+            read,
+            self.max_bad_fraction,
+            dict(self.reasons),
+            str(self.quarantine.path) if self.quarantine.path is not None else None,
+        )
 
     def _collect(self, wait: float) -> None:
         refs = list(self._tasks)
@@ -345,20 +386,28 @@ class RaySource:
                 if charged:
                     e.attempts += 1
                     if e.attempts >= self.max_attempts:
-                        log.warning("sample %d: its actor died %d times while processing it; quarantined",
-                                    e.id, e.attempts)
-                        self._quarantine(seq, f"worker_crashed: the actor died {e.attempts} times while "
-                                              f"processing this sample ({type(exc).__name__})")
+                        log.warning(
+                            "sample %d: its actor died %d times while processing it; quarantined",
+                            e.id,
+                            e.attempts,
+                        )
+                        self._quarantine(
+                            seq,
+                            f"worker_crashed: the actor died {e.attempts} times while "
+                            f"processing this sample ({type(exc).__name__})",
+                        )
                         continue
                 self._suspects.append(seq)
             return
-        for seq, meta, pref in zip(task.seqs, metas, task.payloads):
+        for seq, meta, pref in zip(task.seqs, metas, task.payloads, strict=False):
             length, loss, text, vision, reason, nbytes, images = meta
             if reason is not None:
                 self._quarantine(seq, reason)
                 continue
             e = self._entries[seq]
-            e.sample = Sample(e.id, length, loss, self.rank, (("text", text), ("vision", vision)), nbytes, images)
+            e.sample = Sample(
+                e.id, length, loss, self.rank, (("text", text), ("vision", vision)), nbytes, images
+            )
             e.payload = pref
             e.status = _READY
             if not self.ordered:
@@ -438,7 +487,7 @@ class RaySource:
                 break
             tasks = []
             for k in range(0, len(todo), self.chunk_size):
-                chunk = todo[k:k + self.chunk_size]
+                chunk = todo[k : k + self.chunk_size]
                 sent = self.pool.submit(self.reader.items(chunk), self.epoch, self.seed, "force")
                 tasks.append((chunk, sent[1]))
             failed: list[int] = []
@@ -452,7 +501,7 @@ class RaySource:
                         raise lost from None
                     failed += chunk
                     continue
-                for i, meta, pref in zip(chunk, metas, refs[1:]):
+                for i, meta, pref in zip(chunk, metas, refs[1:], strict=False):
                     if meta[4] is not None:
                         bad.append(f"sample {i} is quarantined: {meta[4]}")
                     out[i] = pref
@@ -460,7 +509,9 @@ class RaySource:
                 raise KeyError("; ".join(bad))
             todo = failed
         if todo:
-            raise RuntimeError(f"samples {todo[:10]} could not be preprocessed: actors died {self.max_attempts} times")
+            raise RuntimeError(
+                f"samples {todo[:10]} could not be preprocessed: actors died {self.max_attempts} times"
+            )
         refs = [out[int(i)] for i in sample_ids]
         return ray.get(refs)
 
@@ -473,17 +524,27 @@ class RaySource:
         with self._lock:
             self._advance_low()
             low = self._low
-            ahead = sorted({s - low for s, e in self._entries.items() if e.status == _DONE and s > low}
-                           | {s - low for s in self._skip if s >= low})
-            return {"version": STATE_VERSION, "kind": "RaySource", "view": self._view_state_at(low),
-                    "resolved_ahead": ahead, "emitted": self.emitted, "reasons": dict(self.reasons),
-                    "retries": self.retries}
+            ahead = sorted(
+                {s - low for s, e in self._entries.items() if e.status == _DONE and s > low}
+                | {s - low for s in self._skip if s >= low}
+            )
+            return {
+                "version": STATE_VERSION,
+                "kind": "RaySource",
+                "view": self._view_state_at(low),
+                "resolved_ahead": ahead,
+                "emitted": self.emitted,
+                "reasons": dict(self.reasons),
+                "retries": self.retries,
+            }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continues from `state`: emitted/quarantined samples are skipped, the rest is requested again."""
         if state.get("kind") != "RaySource" or state.get("version") != STATE_VERSION:
-            raise ValueError(f"not a RaySource state (version {STATE_VERSION}): kind={state.get('kind')!r} "
-                             f"version={state.get('version')!r}")
+            raise ValueError(
+                f"not a RaySource state (version {STATE_VERSION}): kind={state.get('kind')!r} "
+                f"version={state.get('version')!r}"
+            )
         with self._lock:
             self.view.load_state_dict(state["view"])
             n = len(self.view)
@@ -503,10 +564,20 @@ class RaySource:
         """Counters for reports: actors, the node they are pinned to ("" = none), samples, quarantined (by
         reason), samples/s, time poll waited."""
         wall = (self._t_last or time.perf_counter()) - self._t_first if self._t_first else 0.0
-        return {"actors": self.pool.num_actors, "node_id": self.pool.node_id or "", "samples": self.emitted,
-                "quarantined": self.quarantined, **self.reader.stats(), "windows": len(self.view.windows),
-                "reasons": dict(self.reasons), "records_read": self.records_read, "retries": self.retries,
-                "wall_s": wall, "samples_per_s": self.emitted / wall if wall > 0 else 0.0, "poll_wait_s": self.wait_s}
+        return {
+            "actors": self.pool.num_actors,
+            "node_id": self.pool.node_id or "",
+            "samples": self.emitted,
+            "quarantined": self.quarantined,
+            **self.reader.stats(),
+            "windows": len(self.view.windows),
+            "reasons": dict(self.reasons),
+            "records_read": self.records_read,
+            "retries": self.retries,
+            "wall_s": wall,
+            "samples_per_s": self.emitted / wall if wall > 0 else 0.0,
+            "poll_wait_s": self.wait_s,
+        }
 
     def start_epoch(self, epoch: int) -> None:
         """Moves to `epoch`'s view (a new seeded permutation) from its start, keeping the pool, the counters
@@ -543,4 +614,5 @@ def check_blocks(dataset: RecordDataset, window_bytes: int) -> None:
             f"{info.path}: {unit} {big.index} holds {big.nbytes / 2**20:.0f} MiB once read, more than a "
             f"quarter of the memory budget ({4 * window_bytes / 2**20:.0f} MiB), the most one read-ahead "
             f"window may hold: rewrite the file with smaller {unit}s (e.g. "
-            f"pyarrow.parquet.write_table(row_group_size=...)) or raise [data] memory_budget")
+            f"pyarrow.parquet.write_table(row_group_size=...)) or raise [data] memory_budget"
+        )

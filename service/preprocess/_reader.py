@@ -43,12 +43,12 @@ class BlockReader:
         self._wanted: list[int] = []
         self._cond = threading.Condition()
         self._closed = False
-        self.reads = 0            # blocks read (a block read again after eviction counts again)
+        self.reads = 0  # blocks read (a block read again after eviction counts again)
         self.bytes_read = 0
-        self.peak_bytes = 0       # the most bytes held at once
+        self.peak_bytes = 0  # the most bytes held at once
         self.error: BaseException | None = None
-        self._ratio = 1.0         # the largest bytes read / metadata estimate of a block so far
-        self._idle = False        # the read-ahead thread has nothing it may read now
+        self._ratio = 1.0  # the largest bytes read / metadata estimate of a block so far
+        self._idle = False  # the read-ahead thread has nothing it may read now
         self._thread = threading.Thread(target=self._prefetch, name="batchd-block-reader", daemon=True)
         self._thread.start()
 
@@ -93,8 +93,9 @@ class BlockReader:
                 while True:
                     if self._closed:
                         return
-                    todo = next((b for b in self._wanted
-                                 if b not in self._held and b not in self._loading), None)
+                    todo = next(
+                        (b for b in self._wanted if b not in self._held and b not in self._loading), None
+                    )
                     if todo is not None and self._room_for(todo):
                         break
                     self._idle = True
@@ -126,8 +127,10 @@ class BlockReader:
                 self._extra[b] = (data, n)
                 while len(self._extra) > EXTRA_BLOCKS:
                     self._extra.pop(next(iter(self._extra)))
-            self.peak_bytes = max(self.peak_bytes, sum(m for _, m in self._held.values())
-                                  + sum(m for _, m in self._extra.values()))
+            self.peak_bytes = max(
+                self.peak_bytes,
+                sum(m for _, m in self._held.values()) + sum(m for _, m in self._extra.values()),
+            )
             self._cond.notify_all()
         return data
 
@@ -162,8 +165,13 @@ class BlockReader:
     def stats(self) -> dict[str, int]:
         with self._cond:
             held = sum(n for _, n in self._held.values())
-            return {"blocks_read": self.reads, "bytes_read": self.bytes_read, "held_bytes": held,
-                    "peak_held_bytes": self.peak_bytes, "budget_bytes": self.budget}
+            return {
+                "blocks_read": self.reads,
+                "bytes_read": self.bytes_read,
+                "held_bytes": held,
+                "peak_held_bytes": self.peak_bytes,
+                "budget_bytes": self.budget,
+            }
 
     def close(self) -> None:
         with self._cond:

@@ -33,8 +33,12 @@ def _is_bin(t: pa.DataType) -> bool:
 
 
 def _is_list(t: pa.DataType) -> bool:
-    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t) \
+    return (
+        pa.types.is_list(t)
+        or pa.types.is_large_list(t)
+        or pa.types.is_fixed_size_list(t)
         or pa.types.is_list_view(t)
+    )
 
 
 def _conversation_column(names: Sequence[str]) -> str | None:
@@ -46,8 +50,12 @@ def check_arrow_schema(schema: pa.Schema, file: str) -> None:
     names = schema.names
     col = _conversation_column(names)
     if col is None:
-        raise SchemaError(file, "messages", f"missing column (a conversation column 'messages' or "
-                                            f"'conversations' is required; the file has {names})")
+        raise SchemaError(
+            file,
+            "messages",
+            f"missing column (a conversation column 'messages' or "
+            f"'conversations' is required; the file has {names})",
+        )
     t = schema.field(col).type
     if not (_is_list(t) and pa.types.is_struct(t.value_type)):
         raise SchemaError(file, col, f"expected list<struct<role: string, content: string>>, got {t}")
@@ -56,15 +64,23 @@ def check_arrow_schema(schema: pa.Schema, file: str) -> None:
     role = "role" if "role" in fields else "from" if "from" in fields else None
     content = "content" if "content" in fields else "value" if "value" in fields else None
     if role is None:
-        raise SchemaError(file, f"{col}[].role", f"missing struct field (the message struct has {sorted(fields)})")
+        raise SchemaError(
+            file, f"{col}[].role", f"missing struct field (the message struct has {sorted(fields)})"
+        )
     if content is None:
-        raise SchemaError(file, f"{col}[].content", f"missing struct field (the message struct has {sorted(fields)})")
+        raise SchemaError(
+            file, f"{col}[].content", f"missing struct field (the message struct has {sorted(fields)})"
+        )
     if not _is_str(fields[role]):
         raise SchemaError(file, f"{col}[].{role}", f"expected string, got {fields[role]}")
     ct = fields[content]
     if not (_is_str(ct) or (_is_list(ct) and pa.types.is_struct(ct.value_type))):
-        raise SchemaError(file, f"{col}[].{content}", f"expected string (or a list of content parts), got {ct}")
-    if "system" in names and not (_is_str(schema.field("system").type) or pa.types.is_null(schema.field("system").type)):
+        raise SchemaError(
+            file, f"{col}[].{content}", f"expected string (or a list of content parts), got {ct}"
+        )
+    if "system" in names and not (
+        _is_str(schema.field("system").type) or pa.types.is_null(schema.field("system").type)
+    ):
         raise SchemaError(file, "system", f"expected string, got {schema.field('system').type}")
     if "images" in names:
         it = schema.field("images").type
@@ -72,12 +88,18 @@ def check_arrow_schema(schema: pa.Schema, file: str) -> None:
         ok = pa.types.is_null(it) or _is_str(inner) or _is_bin(inner) or pa.types.is_null(inner)
         if pa.types.is_struct(inner):
             sub = {inner.field(i).name: inner.field(i).type for i in range(inner.num_fields)}
-            ok = ("bytes" in sub or "path" in sub) and ("bytes" not in sub or _is_bin(sub["bytes"])
-                                                        or pa.types.is_null(sub["bytes"])) \
+            ok = (
+                ("bytes" in sub or "path" in sub)
+                and ("bytes" not in sub or _is_bin(sub["bytes"]) or pa.types.is_null(sub["bytes"]))
                 and ("path" not in sub or _is_str(sub["path"]) or pa.types.is_null(sub["path"]))
+            )
         if not ok:
-            raise SchemaError(file, "images", f"expected list<binary> (image bytes), list<string> (paths) or "
-                                              f"list<struct<bytes: binary, path: string>>, got {it}")
+            raise SchemaError(
+                file,
+                "images",
+                f"expected list<binary> (image bytes), list<string> (paths) or "
+                f"list<struct<bytes: binary, path: string>>, got {it}",
+            )
 
 
 def _type_name(v: Any) -> str:
@@ -100,17 +122,27 @@ def check_json_row(obj: Any, file: str, row: int) -> None:
                 raise SchemaError(file, f"{col}[{j}]", f"expected an object, got {_type_name(m)}", row)
             for key in ("role", "from"):
                 if m.get(key) is not None and not isinstance(m[key], str):
-                    raise SchemaError(file, f"{col}[{j}].{key}", f"expected string, got {_type_name(m[key])}", row)
+                    raise SchemaError(
+                        file, f"{col}[{j}].{key}", f"expected string, got {_type_name(m[key])}", row
+                    )
             for key in ("content", "value"):
                 c = m.get(key)
                 if c is not None and not isinstance(c, (str, list)):
-                    raise SchemaError(file, f"{col}[{j}].{key}", f"expected string or list of parts, got "
-                                                                f"{_type_name(c)}", row)
+                    raise SchemaError(
+                        file,
+                        f"{col}[{j}].{key}",
+                        f"expected string or list of parts, got {_type_name(c)}",
+                        row,
+                    )
                 if isinstance(c, list):
                     for k, part in enumerate(c):
                         if not isinstance(part, (dict, str)):
-                            raise SchemaError(file, f"{col}[{j}].{key}[{k}]", f"expected an object, got "
-                                                                             f"{_type_name(part)}", row)
+                            raise SchemaError(
+                                file,
+                                f"{col}[{j}].{key}[{k}]",
+                                f"expected an object, got {_type_name(part)}",
+                                row,
+                            )
     sys_prompt = obj.get("system")
     if sys_prompt is not None and not isinstance(sys_prompt, str):
         raise SchemaError(file, "system", f"expected string, got {_type_name(sys_prompt)}", row)
@@ -119,5 +151,9 @@ def check_json_row(obj: Any, file: str, row: int) -> None:
         items = imgs if isinstance(imgs, list) else [imgs]
         for k, im in enumerate(items):
             if not (im is None or isinstance(im, (str, dict))):
-                raise SchemaError(file, f"images[{k}]", f"expected a path, data URI or {{bytes, path}} object, "
-                                                        f"got {_type_name(im)}", row)
+                raise SchemaError(
+                    file,
+                    f"images[{k}]",
+                    f"expected a path, data URI or {{bytes, path}} object, got {_type_name(im)}",
+                    row,
+                )

@@ -28,7 +28,9 @@ from batchd.core import Sample, ViewSource
 
 EXHAUSTED = object()
 Payload = dict[str, np.ndarray]
-NO_REASONS: Mapping[str, int] = types.MappingProxyType({})  # `Source.reasons` of a source that quarantines nothing
+NO_REASONS: Mapping[str, int] = types.MappingProxyType(
+    {}
+)  # `Source.reasons` of a source that quarantines nothing
 
 
 @runtime_checkable
@@ -102,8 +104,14 @@ def synthetic_payload(sample_id: int, length: int, seed: int, vocab_size: int) -
 SYNTHETIC_PATCH_DIM = 48  # floats per synthetic patch (a 4 x 4 RGB patch; Qwen2-VL's real ones hold 1,176)
 
 
-def synthetic_image_payload(sample_id: int, length: int, images: Sequence[tuple[int, int]], seed: int,
-                            vocab_size: int, patch_dim: int = SYNTHETIC_PATCH_DIM) -> Payload:
+def synthetic_image_payload(
+    sample_id: int,
+    length: int,
+    images: Sequence[tuple[int, int]],
+    seed: int,
+    vocab_size: int,
+    patch_dim: int = SYNTHETIC_PATCH_DIM,
+) -> Payload:
     """`synthetic_payload` with images: image k's `tokens` placeholder tokens (id vocab_size - 1, which the
     text never uses; labels -100) follow the first token, one text token between consecutive images (while
     the text lasts; where a real sample has its vision end / start markers), and its pixels are `patches` random float32 rows
@@ -116,9 +124,14 @@ def synthetic_image_payload(sample_id: int, length: int, images: Sequence[tuple[
     """
     vision = sum(t for _, t in images)
     if vision > length - 1:
-        raise ValueError(f"sample {sample_id}: {vision} image tokens do not fit {length=} (one text token at least)")
-    payload = synthetic_payload(sample_id, length - vision, seed, vocab_size - 1) if vision else \
-        synthetic_payload(sample_id, length, seed, vocab_size - 1)
+        raise ValueError(
+            f"sample {sample_id}: {vision} image tokens do not fit {length=} (one text token at least)"
+        )
+    payload = (
+        synthetic_payload(sample_id, length - vision, seed, vocab_size - 1)
+        if vision
+        else synthetic_payload(sample_id, length, seed, vocab_size - 1)
+    )
     if not images:
         return payload
     rng = np.random.default_rng([seed, sample_id, 1])
@@ -128,20 +141,26 @@ def synthetic_image_payload(sample_id: int, length: int, images: Sequence[tuple[
     pos = 1
     for k, (patches, tokens) in enumerate(images):
         if patches != 4 * tokens:
-            raise ValueError(f"sample {sample_id}: image {k} has {patches=} {tokens=}; synthetic images need "
-                             f"patches = 4 x tokens (a 2x2 merge)")
+            raise ValueError(
+                f"sample {sample_id}: image {k} has {patches=} {tokens=}; synthetic images need "
+                f"patches = 4 x tokens (a 2x2 merge)"
+            )
         ids.append(np.full(tokens, vocab_size - 1, dtype=np.int32))
         labels.append(np.full(tokens, -100, dtype=np.int32))
         pixels.append(rng.standard_normal((patches, patch_dim), dtype=np.float32))
         grids.append((1, 2, patches // 2))
         if k + 1 < len(images) and pos < len(text_ids):  # one text token between images (a vision marker's
-            ids.append(text_ids[pos:pos + 1])              # place): Qwen2-VL's M-RoPE tells images apart
-            labels.append(text_labels[pos:pos + 1])        # by the text between them
+            ids.append(text_ids[pos : pos + 1])  # place): Qwen2-VL's M-RoPE tells images apart
+            labels.append(text_labels[pos : pos + 1])  # by the text between them
             pos += 1
     ids.append(text_ids[pos:])
     labels.append(text_labels[pos:])
-    return {"input_ids": np.concatenate(ids), "labels": np.concatenate(labels),
-            "pixel_values": np.concatenate(pixels), "image_grid_thw": np.asarray(grids, dtype=np.int64)}
+    return {
+        "input_ids": np.concatenate(ids),
+        "labels": np.concatenate(labels),
+        "pixel_values": np.concatenate(pixels),
+        "image_grid_thw": np.asarray(grids, dtype=np.int64),
+    }
 
 
 def payload_nbytes(payload: Mapping[str, Any]) -> int:
@@ -174,10 +193,19 @@ class SyntheticSource:
 
     reasons: Mapping[str, int] = NO_REASONS
 
-    def __init__(self, lengths: Sequence[int], rank: int, world_size: int, seed: int = 0, epoch: int = 0,
-                 shuffle: bool = True, vocab_size: int = 512, wrap: bool = False,
-                 images: Sequence[Sequence[tuple[int, int]]] | None = None,
-                 patch_dim: int = SYNTHETIC_PATCH_DIM) -> None:
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        epoch: int = 0,
+        shuffle: bool = True,
+        vocab_size: int = 512,
+        wrap: bool = False,
+        images: Sequence[Sequence[tuple[int, int]]] | None = None,
+        patch_dim: int = SYNTHETIC_PATCH_DIM,
+    ) -> None:
         """`images[i]`: sample i's images as (patches, tokens) (`synthetic_image_payload`); None: text only."""
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size=}")
@@ -200,8 +228,14 @@ class SyntheticSource:
         if not 0 <= sample_id < len(self.lengths):
             raise KeyError(f"sample {sample_id} is not in this dataset of {len(self.lengths)} samples")
         if self.images is not None:
-            return synthetic_image_payload(sample_id, self.lengths[sample_id], self.images[sample_id], self.seed,
-                                           self.vocab_size, self.patch_dim)
+            return synthetic_image_payload(
+                sample_id,
+                self.lengths[sample_id],
+                self.images[sample_id],
+                self.seed,
+                self.vocab_size,
+                self.patch_dim,
+            )
         return synthetic_payload(sample_id, self.lengths[sample_id], self.seed, self.vocab_size)
 
     def materialize_many(self, sample_ids: Sequence[int]) -> list[Payload]:
@@ -211,8 +245,14 @@ class SyntheticSource:
         n = self.lengths[sample_id]
         home = self.rank if home_rank is None else home_rank
         images = self.images[sample_id] if self.images is not None else ()
-        return Sample(sample_id, n, loss_tokens_of(payload["labels"]), home, nbytes=payload_nbytes(payload),
-                      images=images)
+        return Sample(
+            sample_id,
+            n,
+            loss_tokens_of(payload["labels"]),
+            home,
+            nbytes=payload_nbytes(payload),
+            images=images,
+        )
 
     def peek_id(self) -> int | None:
         return self.view.peek()

@@ -40,13 +40,13 @@ class Example:
     source: str
     messages: list[dict[str, str]]
     system: str | None = None
-    images: list[Any] = dataclasses.field(default_factory=list)          # PIL images (RGB)
+    images: list[Any] = dataclasses.field(default_factory=list)  # PIL images (RGB)
     text: str | None = None
     assistant_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     input_ids: np.ndarray | None = None
     labels: np.ndarray | None = None
-    image_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)   # token spans per image
-    image_tokens: list[int] = dataclasses.field(default_factory=list)             # expanded tokens per image
+    image_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # token spans per image
+    image_tokens: list[int] = dataclasses.field(default_factory=list)  # expanded tokens per image
     image_tensors: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
     extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
@@ -123,10 +123,14 @@ def resolve_stage(spec: Any) -> Stage | Callable:
         raise TypeError(f"a stage must be callable as stage(example, ctx), got {spec!r}")
     target = spec if inspect.isfunction(spec) or inspect.ismethod(spec) else getattr(spec, "__call__", spec)
     try:
-        params = [p for p in inspect.signature(target).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        wants_ctx = len(params) >= 2 or any(p.kind == p.VAR_POSITIONAL
-                                            for p in inspect.signature(target).parameters.values())
+        params = [
+            p
+            for p in inspect.signature(target).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        wants_ctx = len(params) >= 2 or any(
+            p.kind == p.VAR_POSITIONAL for p in inspect.signature(target).parameters.values()
+        )
     except (TypeError, ValueError):
         wants_ctx = True
     return _FunctionStage(spec, wants_ctx)

@@ -78,8 +78,13 @@ class ChatTemplate(Stage):
         template_kwargs: Extra variables for the template.
     """
 
-    def __init__(self, template: str = "qwen2", default_system: Any = _UNSET, image_placeholder: str | None = None,
-                 template_kwargs: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        template: str = "qwen2",
+        default_system: Any = _UNSET,
+        image_placeholder: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         if template in TEMPLATES:
             jinja, sys_default, placeholder = TEMPLATES[template]
         elif "{%" in template or "{{" in template:
@@ -109,8 +114,13 @@ class ChatTemplate(Stage):
         from transformers.utils.chat_template_utils import render_jinja_template
 
         rendered, spans = render_jinja_template(
-            conversations=[self.messages_of(ex)], chat_template=self.jinja, return_assistant_tokens_mask=True,
-            add_generation_prompt=False, default_system=self.default_system, **self.template_kwargs)
+            conversations=[self.messages_of(ex)],
+            chat_template=self.jinja,
+            return_assistant_tokens_mask=True,
+            add_generation_prompt=False,
+            default_system=self.default_system,
+            **self.template_kwargs,
+        )
         ex.text, ex.assistant_spans = rendered[0], [tuple(s) for s in spans[0]]
         return ex
 

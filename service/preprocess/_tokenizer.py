@@ -29,16 +29,24 @@ from typing import Any
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
-    "<|im_start|>", "<|im_end|>",
-    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-    "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
     "<image>",
 )
 PAD_TOKEN = "<|endoftext|>"
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048,
-                    special_tokens: Iterable[str] = SPECIAL_TOKENS):
+def train_tokenizer(
+    texts: Iterable[str], vocab_size: int = 2048, special_tokens: Iterable[str] = SPECIAL_TOKENS
+):
     """A byte-level BPE `tokenizers.Tokenizer` trained on `texts` (deterministic for the same input)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -46,8 +54,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 2048,
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
@@ -96,11 +108,15 @@ def _read_tokenizer_dir(path: Path) -> tuple[str, str | None]:
 
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError... by case
-        raise ValueError(f"tokenizer directory {path} cannot be loaded as a Hugging Face tokenizer: "
-                         f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise ValueError(
+            f"tokenizer directory {path} cannot be loaded as a Hugging Face tokenizer: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
     if not getattr(hf, "is_fast", False):
-        raise ValueError(f"tokenizer directory {path} holds a slow tokenizer that cannot be converted to a fast "
-                         f"one (batchd needs tokenizer.json)")
+        raise ValueError(
+            f"tokenizer directory {path} holds a slow tokenizer that cannot be converted to a fast "
+            f"one (batchd needs tokenizer.json)"
+        )
     return hf.backend_tokenizer.to_str(), hf.pad_token
 
 
@@ -118,7 +134,9 @@ class TokenizerRef:
         ValueError: naming `source` when it is not a tokenizer.
     """
 
-    def __init__(self, source: str | os.PathLike | TokenizerRef | None = None, pad_token: str | None = None) -> None:
+    def __init__(
+        self, source: str | os.PathLike | TokenizerRef | None = None, pad_token: str | None = None
+    ) -> None:
         if isinstance(source, TokenizerRef):
             self.json_text, self.pad_token, self.name = source.json_text, source.pad_token, source.name
             return
@@ -139,9 +157,11 @@ class TokenizerRef:
                 except ValueError:
                     raise ValueError(f"tokenizer file {text} is not a tokenizer.json (not JSON)") from None
             else:
-                raise FileNotFoundError(f"tokenizer not found: {text} (expected a tokenizer.json file or a "
-                                        f"Hugging Face tokenizer directory; `batchd tokenizer FILE` writes the "
-                                        f"demo one)")
+                raise FileNotFoundError(
+                    f"tokenizer not found: {text} (expected a tokenizer.json file or a "
+                    f"Hugging Face tokenizer directory; `batchd tokenizer FILE` writes the "
+                    f"demo one)"
+                )
             self.name = text
         self.pad_token = pad_token or dir_pad
         if self.pad_token is None and f'"{PAD_TOKEN}"' in self.json_text:

@@ -46,14 +46,19 @@ def decode_images(record: Record, base_dir: str) -> list[Any]:
         try:
             img = Image.open(io.BytesIO(data))
             if img.width * img.height > MAX_IMAGE_PIXELS:
-                raise Reject("bad_image", f"images[{k}]: {img.width}x{img.height} exceeds {MAX_IMAGE_PIXELS} pixels")
+                raise Reject(
+                    "bad_image", f"images[{k}]: {img.width}x{img.height} exceeds {MAX_IMAGE_PIXELS} pixels"
+                )
             img.load()
             out.append(img.convert("RGB"))
         except Reject:
             raise
         except Exception as exc:
-            why = "unrecognized image format" if isinstance(exc, UnidentifiedImageError) else \
-                f"{type(exc).__name__}: {exc}"
+            why = (
+                "unrecognized image format"
+                if isinstance(exc, UnidentifiedImageError)
+                else f"{type(exc).__name__}: {exc}"
+            )
             raise Reject("bad_image", f"images[{k}]: cannot decode: {why}") from None
     return out
 
@@ -61,8 +66,9 @@ def decode_images(record: Record, base_dir: str) -> list[Any]:
 # ---------------------------------------------------------------------------------------------------
 # Visual-token expansion
 # ---------------------------------------------------------------------------------------------------
-def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56,
-                 max_pixels: int = 14 * 14 * 4 * 1280) -> tuple[int, int]:
+def smart_resize(
+    height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56, max_pixels: int = 14 * 14 * 4 * 1280
+) -> tuple[int, int]:
     """Qwen2-VL's resize rule: both sides multiples of `factor`, pixels within [min_pixels, max_pixels],
     aspect ratio kept as closely as possible (transformers' `image_processing_qwen2_vl.smart_resize`).
 
@@ -70,7 +76,9 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
         ValueError: if the aspect ratio exceeds 200.
     """
     if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}")
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -112,7 +120,9 @@ class _VisionStage(Stage):
         token_id = self.tokenizer.token_id(self.image_token)
         positions = np.flatnonzero(ex.input_ids == token_id)
         if len(positions) != len(ex.images):
-            raise Reject("image_mismatch", f"{len(positions)} {self.image_token} tokens but {len(ex.images)} images")
+            raise Reject(
+                "image_mismatch", f"{len(positions)} {self.image_token} tokens but {len(ex.images)} images"
+            )
         if not len(positions):
             return ex
         counts = np.ones(len(ex.input_ids), dtype=np.int64)
@@ -126,10 +136,10 @@ class _VisionStage(Stage):
         labels = np.repeat(ex.labels, counts)
         starts = np.cumsum(counts) - counts  # new position of each old token
         spans = []
-        for pos, n in zip(positions, tokens):
+        for pos, n in zip(positions, tokens, strict=False):
             lo, hi = self._span_extra(ex.input_ids, int(pos))
             s = int(starts[pos])
-            labels[s:s + n] = IGNORE_INDEX
+            labels[s : s + n] = IGNORE_INDEX
             spans.append((s - lo, s + n + hi))
         ex.input_ids, ex.labels = ids.astype(np.int32), labels.astype(np.int32)
         ex.image_tokens, ex.image_tensors, ex.image_spans = tokens, tensors, spans
@@ -151,15 +161,29 @@ class Qwen2VLVision(_VisionStage):
         pixel_dtype: "float32" or "float16" for `pixel_values`.
     """
 
-    def __init__(self, tokenizer: str | os.PathLike | TokenizerRef | None = None, image_token: str = "<|image_pad|>",
-                 vision_start: str = "<|vision_start|>", vision_end: str = "<|vision_end|>",
-                 min_pixels: int = 56 * 56, max_pixels: int = 14 * 14 * 4 * 1280, patch_size: int = 14,
-                 merge_size: int = 2, temporal_patch_size: int = 2, pixel_dtype: str = "float32",
-                 mean: Sequence[float] = OPENAI_CLIP_MEAN, std: Sequence[float] = OPENAI_CLIP_STD) -> None:
+    def __init__(
+        self,
+        tokenizer: str | os.PathLike | TokenizerRef | None = None,
+        image_token: str = "<|image_pad|>",
+        vision_start: str = "<|vision_start|>",
+        vision_end: str = "<|vision_end|>",
+        min_pixels: int = 56 * 56,
+        max_pixels: int = 14 * 14 * 4 * 1280,
+        patch_size: int = 14,
+        merge_size: int = 2,
+        temporal_patch_size: int = 2,
+        pixel_dtype: str = "float32",
+        mean: Sequence[float] = OPENAI_CLIP_MEAN,
+        std: Sequence[float] = OPENAI_CLIP_STD,
+    ) -> None:
         self.tokenizer = _as_ref(tokenizer)
         self.image_token, self.vision_start, self.vision_end = image_token, vision_start, vision_end
         self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
-        self.patch_size, self.merge_size, self.temporal_patch_size = patch_size, merge_size, temporal_patch_size
+        self.patch_size, self.merge_size, self.temporal_patch_size = (
+            patch_size,
+            merge_size,
+            temporal_patch_size,
+        )
         self.pixel_dtype, self.mean, self.std = np.dtype(pixel_dtype).name, tuple(mean), tuple(std)
 
     @property
@@ -184,8 +208,10 @@ class Qwen2VLVision(_VisionStage):
         frames = np.broadcast_to(arr[None], (t, 3, h, w))
         patches = frames.reshape(1, t, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
         flat = patches.reshape(gh * gw, 3 * t * p * p).astype(self.pixel_dtype)
-        return (gh // m) * (gw // m), {"pixel_values": flat,
-                                       "image_grid_thw": np.array([[1, gh, gw]], dtype=np.int64)}
+        return (gh // m) * (gw // m), {
+            "pixel_values": flat,
+            "image_grid_thw": np.array([[1, gh, gw]], dtype=np.int64),
+        }
 
     def _span_extra(self, ids: np.ndarray, pos: int) -> tuple[int, int]:
         vs, ve = self.tokenizer.token_id(self.vision_start), self.tokenizer.token_id(self.vision_end)
@@ -201,9 +227,16 @@ class LlavaVision(_VisionStage):
     Payload: `pixel_values` float [images, 3, image_size, image_size].
     """
 
-    def __init__(self, tokenizer: str | os.PathLike | TokenizerRef | None = None, image_token: str = IMAGE_MARKER,
-                 image_size: int = 336, patch_size: int = 14, pixel_dtype: str = "float32",
-                 mean: Sequence[float] = OPENAI_CLIP_MEAN, std: Sequence[float] = OPENAI_CLIP_STD) -> None:
+    def __init__(
+        self,
+        tokenizer: str | os.PathLike | TokenizerRef | None = None,
+        image_token: str = IMAGE_MARKER,
+        image_size: int = 336,
+        patch_size: int = 14,
+        pixel_dtype: str = "float32",
+        mean: Sequence[float] = OPENAI_CLIP_MEAN,
+        std: Sequence[float] = OPENAI_CLIP_STD,
+    ) -> None:
         self.tokenizer = _as_ref(tokenizer)
         self.image_token, self.image_size, self.patch_size = image_token, int(image_size), int(patch_size)
         self.pixel_dtype, self.mean, self.std = np.dtype(pixel_dtype).name, tuple(mean), tuple(std)
