@@ -15,7 +15,6 @@ from ._align import (
     target_min,
     target_odb,
 )
-from ._balance import plan_moves, plan_round
 from ._blockview import BlockView
 from ._collate import (
     IGNORE_INDEX,
@@ -71,17 +70,15 @@ from ._phases import (
     single_phase,
     vision_bound,
 )
+from ._plan import PlanInputs, RoundPlan, plan_round
+from ._plan_moves import plan_moves
 from ._policy import ALIGN_RULES, POLICIES, Entry, Policy, form_groups
 from ._rank import OVER_BUDGET, RankState, fill_may_stop, max_fitting_length
 from ._simulator import (
     RESULT_FIELDS,
-    WORKLOAD_HEADER,
     PhaseMetrics,
     SimMetrics,
     Simulator,
-    format_workload,
-    parse_lengths,
-    parse_workload,
     simulate,
     synthetic_token_loss,
 )
@@ -98,6 +95,7 @@ from ._types import (
     check_str,
     parse_bytes,
 )
+from ._workload import WORKLOAD_HEADER, format_workload, parse_lengths, parse_workload
 
 __all__ = [
     "ALIGN_RULES",
@@ -127,6 +125,7 @@ __all__ = [
     "PHASES",
     "POLICIES",
     "PhaseMetrics",
+    "PlanInputs",
     "Policy",
     "ProtocolError",
     "REFUSED",
@@ -137,6 +136,7 @@ __all__ = [
     "RankServiceError",
     "RankState",
     "RoundDecision",
+    "RoundPlan",
     "RoundTotals",
     "SEND_END",
     "Sample",

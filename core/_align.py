@@ -44,7 +44,7 @@ IDLE ones when it has no group left.
   most max_r n_r rounds and max_r n_r steps per rank (join); equal steps: every rank emits exactly T.
 - `balanced` plans the round itself (`plan_round`, no target rule) and keeps the same bound: each
   round of T steps emits >= min(T, B_r) of every rank's buffered samples, and T never exceeds the
-  window, so a join epoch takes at most max_r n_r steps (proof in `batchd.core._balance`; tested).
+  window, so a join epoch takes at most max_r n_r steps (proof in docs/design/balancing.md; tested).
 
 Measured steps, splits and IDLE steps under both rules: docs/benchmarks.md (Batching quality, config B).
 """
@@ -52,12 +52,12 @@ Measured steps, splits and IDLE steps under both rules: docs/benchmarks.md (Batc
 from __future__ import annotations
 
 import dataclasses
-import random
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._balance import check_nodes, plan_round
 from ._phases import Exchange, plan_vision_round
+from ._plan import PlanInputs, plan_round
+from ._plan_moves import check_nodes
 from ._policy import Entry
 from ._types import Sample, check_int
 
@@ -248,21 +248,24 @@ class Coordinator:
                 raise ProtocolError(f"sample id {e.sample.id} reported by two ranks in round {self.round}")
             seen.add(e.sample.id)
         final = self.mode == "join" and all(r.exhausted for r in reports)
-        rng = random.Random(f"plan:{self.seed}:{self.epoch}:{self.round}")
-        plan = plan_round(
-            pool,
-            self.world_size,
-            min(r.capacity for r in reports),
-            final,
-            self.token_budget,
-            self.cost,
-            self.round,
-            self.policy.max_wait,
-            rng,
-            self.policy.refine,
-            self.nodes,
-            self.plan_stats,
+        planned = plan_round(
+            PlanInputs(
+                pool=pool,
+                world_size=self.world_size,
+                capacity=min(r.capacity for r in reports),
+                final=final,
+                token_budget=self.token_budget,
+                cost=self.cost,
+                now=self.round,
+                max_wait=self.policy.max_wait,
+                seed=f"plan:{self.seed}:{self.epoch}:{self.round}",
+                refine=self.policy.refine,
+                nodes=self.nodes,
+            )
         )
+        for key, count in planned.stats.items():
+            self.plan_stats[key] = self.plan_stats.get(key, 0) + count
+        plan = planned.plan
         target = len(plan[0]) if plan else 0
         vision = (
             self.vision_planner(plan, self.vision_cost, self.vision_nodes)

@@ -12,9 +12,9 @@ how far the straggler-bound compute is from a perfectly packed, perfectly balanc
 
 Topology (`local_ranks` = K): rank r sits on node r // K. The result then splits `moved` into
 intra-node and cross-node samples and bytes (`plan_moves`: `nbytes`, else 8 x length), totals and
-means per round; with `node_aware` (the job's `node_aware`, or the argument) `balanced` plans node-aware (`plan_round`'s `nodes`),
-without it the plan stays node-blind and only the counts use the topology. K = 1 or None: every rank is
-its own node and the plan is node-blind, as without topology.
+means per round; with `node_aware` (the job's `node_aware`, or the argument) `balanced` plans
+node-aware (`PlanInputs.nodes`), without it the plan stays node-blind and only the counts use the
+topology. K = 1 or None: every rank is its own node and the plan is node-blind, as without topology.
 
 Multimodal workloads: `lengths` may be `Sample`s (ids 0..n-1 in order, e.g. from `parse_workload`)
 whose `images` carry (patches, tokens) per image. The result then adds per-phase balance (`PhaseMetrics`):
@@ -36,13 +36,21 @@ import collections
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ._align import Coordinator
-from ._balance import plan_moves
 from ._delivery import report_capacity
-from ._phases import exchanged, imbalance, phase_loads, single_phase, vision_bound
+from ._phases import (
+    Exchange,
+    VisionCost,
+    exchanged,
+    imbalance,
+    phase_loads,
+    single_phase,
+    vision_bound,
+)
+from ._plan_moves import plan_moves
 from ._rank import RankState
 from ._source import ViewSource
 from ._spec import JobSpec
@@ -80,17 +88,20 @@ class Simulator:
         self.nodes = [r // k for r in range(spec.world_size)]
         self.records: list[Sample] | None = None
         if lengths and isinstance(lengths[0], Sample):
+            records: list[Sample] = []
             for i, x in enumerate(lengths):
                 if not isinstance(x, Sample) or x.id != i:
                     raise ValueError(
                         f"lengths[{i}] must be a Sample with id {i} (like every entry), got {x!r}"
                     )
-            self.records = list(lengths)
-            lengths = [x.length for x in self.records]
+                records.append(x)
+            self.records = records
+            lengths = [x.length for x in records]
+        self.lengths: list[int] = []
         for i, n in enumerate(lengths):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"lengths[{i}] must be a positive int, got {n!r}")
-        self.lengths = list(lengths)
+            self.lengths.append(n)
         if spec.mode == "non-join" and spec.quota is None:  # the simulator's default quota: every sample
             spec = spec.replace(quota=len(self.lengths))
         self.spec = c = spec
@@ -118,9 +129,11 @@ class Simulator:
     def _time_vision_plan(self) -> None:
         planner = self.coordinator.vision_planner
 
-        def timed(*args: Any) -> Any:
+        def timed(
+            plan: Sequence[Sequence[Sequence[Sample]]], cost: VisionCost, nodes: Sequence[int] | None = None
+        ) -> tuple[tuple[Exchange, ...], ...]:
             t0 = time.perf_counter()
-            out = planner(*args)
+            out = planner(plan, cost, nodes)
             self.vision_plan_s.append(time.perf_counter() - t0)
             return out
 
@@ -360,7 +373,7 @@ class SimMetrics:
         duplicates = sum(k - 1 for k in self.counts if k > 1)
         steps = self.steps[0] if self.steps else 0
         n = c.world_size
-        counters = collections.Counter()
+        counters: collections.Counter[str] = collections.Counter()
         for r in sim.ranks:
             counters.update(r.counters)
         return {
@@ -477,7 +490,8 @@ RESULT_FIELDS: dict[str, str] = {
     "llm_imbalance": "LLM phase: mean over steps of max / mean rank cost",
     "vision_imbalance_single": "vision phase, every rank encoding its own images: mean max / mean",
     "vision_imbalance_two": "vision phase under the two-phase plan: mean max / mean",
-    "vision_bound": "vision phase's per-step lower bound max(C / N, largest image) / (C / N), mean over steps",
+    "vision_bound": "vision phase's per-step lower bound max(C / N, largest image) / (C / N), "
+    "mean over steps",
     "vision_bound_pigeonhole": "the tighter per-step bound (an image is never split), mean over steps",
     "exchanged_intra_node_images_per_step": "two-phase: images encoded off their sample's rank, same node",
     "exchanged_intra_node_rows_per_step": "their embedding rows in the all-to-all",
@@ -509,101 +523,3 @@ def simulate(
         if on_step is not None:
             on_step(step)
     return metrics.result(sim, time.perf_counter() - t0)
-
-
-def parse_lengths(lines: Iterable[str], source: str = "<lengths>") -> list[int]:
-    """Parses one positive integer length per line; errors name `source` and the line (no I/O here:
-    `batchd.read_lengths(path)` opens the file)."""
-    out = []
-    for lineno, line in enumerate(lines, 1):
-        text = line.strip()
-        if not text:
-            raise ValueError(f"{source}:{lineno}: empty line (ids are 0-based line numbers)")
-        try:
-            n = int(text)
-        except ValueError:
-            raise ValueError(f"{source}:{lineno}: not an integer length: {text!r}") from None
-        if n < 1:
-            raise ValueError(f"{source}:{lineno}: length must be >= 1, got {n}")
-        out.append(n)
-    return out
-
-
-WORKLOAD_HEADER = ("text_tokens", "image_patches", "image_tokens")
-
-
-def _int_list(text: str, what: str, where: str, lo: int) -> list[int]:
-    out = []
-    for word in text.split():
-        try:
-            v = int(word)
-        except ValueError:
-            raise ValueError(f"{where}: {what} must be space-separated integers, got {word!r}") from None
-        if v < lo:
-            raise ValueError(f"{where}: every {what} entry must be >= {lo}, got {v}")
-        out.append(v)
-    return out
-
-
-def format_workload(samples: Iterable[Sample]) -> str:
-    """The multimodal workload CSV of `samples` in order (the inverse of `parse_workload`): the header, then
-    per sample its text tokens (length - image tokens) and its images' patches and tokens."""
-    lines = [",".join(WORKLOAD_HEADER)]
-    for s in samples:
-        patches, tokens = " ".join(str(p) for p, _ in s.images), " ".join(str(t) for _, t in s.images)
-        lines.append(f"{s.length - sum(t for _, t in s.images)},{patches},{tokens}")
-    return "\n".join(lines) + "\n"
-
-
-def parse_workload(lines: Iterable[str], source: str = "<workload>") -> list[Sample]:
-    """Parses a multimodal workload (CSV, docs/workloads.md) into `Sample`s with ids 0, 1, ... in order.
-
-    The first line is the header `text_tokens,image_patches,image_tokens`; every other line is one
-    sample: its text tokens (int >= 0), then its images' encoder patches (ints >= 1) and image tokens
-    (ints >= 1) as space-separated lists of equal length (both empty: text-only). A sample's length is
-    text_tokens + sum(image_tokens) (>= 1); `modality_tokens` is (("text", t), ("vision", v)). Errors
-    are ValueErrors naming `source` and the line (no I/O here: `batchd.read_workload(path)` opens it).
-    """
-    out: list[Sample] = []
-    it = iter(lines)
-    header = next(it, None)
-    if header is None or tuple(c.strip() for c in header.strip().split(",")) != WORKLOAD_HEADER:
-        raise ValueError(f"{source}:1: the header must be {','.join(WORKLOAD_HEADER)!r}, got {header!r}")
-    for lineno, line in enumerate(it, 2):
-        where = f"{source}:{lineno}"
-        text = line.strip()
-        if not text:
-            raise ValueError(f"{where}: empty line (ids are 0-based sample rows after the header)")
-        cells = text.split(",")
-        if len(cells) != 3:
-            raise ValueError(
-                f"{where}: expected 3 comma-separated columns {WORKLOAD_HEADER}, got {len(cells)}"
-            )
-        try:
-            text_tokens = int(cells[0])
-        except ValueError:
-            raise ValueError(f"{where}: text_tokens must be an integer, got {cells[0]!r}") from None
-        if text_tokens < 0:
-            raise ValueError(f"{where}: text_tokens must be >= 0, got {text_tokens}")
-        patches = _int_list(cells[1], "image_patches", where, 1)
-        tokens = _int_list(cells[2], "image_tokens", where, 1)
-        if len(patches) != len(tokens):
-            raise ValueError(
-                f"{where}: image_patches and image_tokens must list one entry per image, got "
-                f"{len(patches)} and {len(tokens)}"
-            )
-        vision = sum(tokens)
-        if text_tokens + vision < 1:
-            raise ValueError(f"{where}: a sample needs at least one token, got text_tokens=0 and no image")
-        out.append(
-            Sample(
-                len(out),
-                text_tokens + vision,
-                -1,
-                0,
-                (("text", text_tokens), ("vision", vision)),
-                0,
-                tuple(zip(patches, tokens, strict=False)),
-            )
-        )
-    return out

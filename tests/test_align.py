@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -13,6 +11,7 @@ from batchd.core import (
     CostModel,
     Entry,
     JobSpec,
+    PlanInputs,
     ProtocolError,
     RankCommit,
     RankReport,
@@ -84,9 +83,8 @@ def test_balanced_plan_emits_a_quota_of_every_rank(world_size, pool, capacity, f
     min(T, B_r) of its B_r pooled samples (the progress behind the join bound max_r n_r steps)."""
     entries = [Entry(Sample(i, n, -1, home % world_size), age) for i, (n, home, age) in enumerate(pool)]
     budget = 64
-    plan = plan_round(
-        entries, world_size, capacity, final, budget, CostModel(cost), 6, 4, random.Random(0), refine
-    )
+    inputs = PlanInputs(entries, world_size, capacity, final, budget, CostModel(cost), 6, 4, 0, refine)
+    plan = plan_round(inputs).plan
     assert len(plan) == world_size
     target = len(plan[0])
     assert all(len(steps) == target for steps in plan)

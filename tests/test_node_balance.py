@@ -1,4 +1,4 @@
-"""Node-aware balancing (`plan_round(..., nodes=...)`), `plan_moves` and the simulator's topology."""
+"""Node-aware balancing (`PlanInputs.nodes`), `plan_moves` and the simulator's topology."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from batchd.core import (
     CostModel,
     Entry,
     JobSpec,
+    PlanInputs,
     Sample,
     Simulator,
     plan_moves,
@@ -27,7 +28,7 @@ BUDGET = 64
 
 
 def _args(**kw):
-    """plan_round's arguments but rng, refine and nodes."""
+    """PlanInputs' fields but seed, refine and nodes."""
     return kw
 
 
@@ -75,7 +76,10 @@ def rounds(draw):
 
 
 def _plan(args, seed, refine, nodes=None, stats=None):
-    return plan_round(**args, rng=random.Random(seed), refine=refine, nodes=nodes, stats=stats)
+    result = plan_round(PlanInputs(**args, seed=seed, refine=refine, nodes=nodes))
+    if stats is not None:
+        stats.update(result.stats)
+    return result.plan
 
 
 def _ids(plan):
@@ -167,18 +171,19 @@ def _golden() -> str:
             )
             for i in range(g.randint(0, 300))
         ]
-        plan = plan_round(
-            pool,
-            n,
-            g.randint(1, 8),
-            g.random() < 0.3,
-            budget,
-            cost,
-            20,
-            g.randint(1, 30),
-            random.Random(seed),
-            g.random() < 0.8,
+        inputs = PlanInputs(
+            pool=pool,
+            world_size=n,
+            capacity=g.randint(1, 8),
+            final=g.random() < 0.3,
+            token_budget=budget,
+            cost=cost,
+            now=20,
+            max_wait=g.randint(1, 30),
+            seed=seed,
+            refine=g.random() < 0.8,
         )
+        plan = plan_round(inputs).plan
         h.update(repr([[[s.id for s in grp] for grp in steps] for steps in plan]).encode())
     return h.hexdigest()
 
@@ -214,7 +219,8 @@ def test_no_cross_node_move_when_every_node_fills_its_slots(
             for n in lengths:
                 entries.append(Entry(Sample(i, n, -1, node * k + rnd.randrange(k)), 0))
                 i += 1
-    plan = plan_round(entries, world_size, steps, False, BUDGET, cost, 0, 16, random.Random(0), refine, nodes)
+    inputs = PlanInputs(entries, world_size, steps, False, BUDGET, cost, 0, 16, 0, refine, nodes)
+    plan = plan_round(inputs).plan
     assert len(plan[0]) == steps and _ids(plan) == list(range(i))
     moves = plan_moves(plan, nodes)
     assert moves["cross_node_samples"] == 0 and moves["cross_node_bytes"] == 0
@@ -289,7 +295,7 @@ def test_coordinator_validates_nodes(nodes, match):
     with pytest.raises(ValueError, match=match):
         Coordinator(spec, 0, nodes)
     with pytest.raises(ValueError, match=match):
-        plan_round([], 4, 1, False, 64, CostModel(), 0, 4, random.Random(0), nodes=nodes)
+        PlanInputs([], 4, 1, False, 64, CostModel(), 0, 4, 0, nodes=nodes)
 
 
 def test_coordinator_state_dict_ignores_the_topology():
@@ -366,7 +372,7 @@ def test_deal_levels_swaps_a_group_above_its_row_level():
     """Two nodes of one rank, T = 2. Global sort 10, 9 | 1, IDLE: levels 10 and 1. Node 0 holds 10 and 9,
     so its 9 sits in row 2 above level 1: one of node 0's groups over level 1 (the 10 on a tie of
     samples moved) swaps with node 1's 1, which sits in row 1 (level 10 covers 10)."""
-    from batchd.core._balance import _deal_levels
+    from batchd.core._plan_deal import deal_levels
 
     cost = CostModel("padded")
     a, b, c = _group([10], 0, 0), _group([9], 0, 1), _group([1], 1, 2)
@@ -374,30 +380,30 @@ def test_deal_levels_swaps_a_group_above_its_row_level():
     def group_cost(g):
         return cost.cost([e.sample.length for e in g]) if g else 0.0
 
-    held, swaps = _deal_levels([[a, b], [c, []]], [1, 1], 2, group_cost)
+    held, swaps = deal_levels([[a, b], [c, []]], [1, 1], 2, group_cost)
     assert swaps == 1
     assert held == [[b, c], [a, []]]
 
 
 def test_deal_levels_without_violation_swaps_nothing():
-    from batchd.core._balance import _deal_levels
+    from batchd.core._plan_deal import deal_levels
 
     cost = CostModel("padded")
     groups = [[_group([8], 0, 0), _group([2], 0, 1)], [_group([7], 1, 2), _group([3], 1, 3)]]
-    held, swaps = _deal_levels(groups, [1, 1], 2, lambda g: cost.cost([e.sample.length for e in g]))
+    held, swaps = deal_levels(groups, [1, 1], 2, lambda g: cost.cost([e.sample.length for e in g]))
     assert swaps == 0 and held == groups
 
 
 def test_outliers_pool_the_sample_that_pads_a_group():
     """Padded cost, capacity 64: one 16 among eight 8s costs two slots node-pure (16 x 4, then 8 x 5...);
     pooling the 16 leaves one full group of eight 8s; a prohibitive penalty pools nothing."""
-    from batchd.core._balance import _outliers
+    from batchd.core._plan_nodes import outliers
 
     entries = _group([16] + [8] * 8)
-    groups, out = _outliers(entries, 64, 0.05)
+    groups, out = outliers(entries, 64, 0.05)
     assert [e.sample.length for e in out] == [16]
     assert [[e.sample.length for e in g] for g in groups] == [[8] * 8]
-    groups, out = _outliers(entries, 64, 10.0)
+    groups, out = outliers(entries, 64, 10.0)
     assert out == [] and sum(map(len, groups)) == 9
 
 

@@ -98,7 +98,7 @@ def test_empty_dataset_ends_immediately():
 # Found by hypothesis (test_protocol_invariants[balanced]): 138 samples on 16 ranks (views of <= 9).
 # Rank 4's window held two short samples (4 and 1 tokens) whose group ranked below every complete group
 # for five rounds, so rank 4 read nothing new and the epoch took 10 steps. The planner now gives every
-# rank min(T, B_r) of its samples per round (`batchd.core._balance._choose`).
+# rank min(T, B_r) of its samples per round (`batchd.core._plan_blind.choose`).
 HYPOTHESIS_BALANCED_LENGTHS = (
     69,
     69,

@@ -1,0 +1,159 @@
+"""The node-blind balanced plan of one round, and the steps the node-aware plan shares with it.
+
+`plan_blind` plans T steps for all N ranks from the pooled window (docs/design/balancing.md, "Node-blind
+plan"): group and rank the pool, take the best N x T groups keeping every rank's quota (`choose`),
+regroup them under the smallest capacity that still fits (`refine_groups`), split the costliest if slots are
+left (`split_to_slots`), sort by cost, cut rows of N, shuffle the rows and place each group on the rank
+holding most of its samples (`place`).
+
+Invariants: each chosen sample is in exactly one group, every rank gets exactly T steps (IDLE = empty),
+no group of several samples costs more than the budget, every rank r receives at least
+q_r = min(T, B_r) of its B_r pooled samples; the plan is a function of the inputs and the rng's state.
+Cost: O(P log P) for P pooled samples plus O(log L) regroupings of the chosen ones.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ._cost import CostModel
+from ._grouping import split_largest
+from ._policy import Entry, Group, form_groups, group_lengths, rank_groups
+from ._types import Sample
+
+if TYPE_CHECKING:
+    from ._plan import PlanInputs
+
+Plan = list[list[tuple[Sample, ...]]]  # plan[rank][step] -> the samples of that step (() = IDLE)
+
+
+def round_target(groups: int, world_size: int, capacity: int, final: bool) -> int:
+    """T, the round's steps per rank, from the number of candidate groups: whole rows of N groups,
+    T = max(min(floor(groups / N), capacity), 1); a final round takes everything that fits,
+    T = min(ceil(groups / N), capacity). O(1)."""
+    if final:
+        return min(-(-groups // world_size), capacity)
+    return max(min(groups // world_size, capacity), 1)
+
+
+def refine_groups(chosen: list[Entry], slots: int, token_budget: int, cost: CostModel) -> list[Group] | None:
+    """Groups `chosen` under the smallest capacity c <= `token_budget` that still needs <= `slots`
+    groups (binary search over c, from the costliest sample that fits), or None if none does.
+    O(log L) groupings of `chosen`."""
+    fitting = [cost.item(e.sample.length) for e in chosen if cost.item(e.sample.length) <= token_budget]
+    lo = math.ceil(max(fitting)) if fitting else token_budget
+    best = None
+    hi = token_budget
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        groups = form_groups(chosen, mid, cost)
+        if len(groups) <= slots:
+            best, hi = groups, mid - 1
+        else:
+            lo = mid + 1
+    return best
+
+
+def choose(groups: Sequence[Group], slots: int, target: int, world_size: int) -> list[Group]:
+    """The round's groups: the first `slots` of the ranked `groups`, unless that would leave a rank behind.
+
+    Every rank r (< `world_size`) must see at least q_r = min(target, B_r) of its B_r samples in
+    `groups` chosen. When the ranked prefix already does that (the usual case) it is the answer.
+    Otherwise one pass in ranked order takes a group if it covers a sample some rank still needs, or if
+    it leaves at least as many free slots as samples still needed; this keeps the invariant
+    free slots >= samples needed (it holds at the start since sum_r q_r <= `slots`), so every quota is
+    met. At most `slots` groups, in ranked order. O(samples in `groups`).
+    """
+    head = list(groups[:slots])
+    if len(groups) <= slots:
+        return head
+    pooled: dict[int, int] = {}
+    for g in groups:
+        for e in g:
+            pooled[e.sample.home_rank] = pooled.get(e.sample.home_rank, 0) + 1
+    need = {r: min(target, b) for r, b in pooled.items() if r < world_size}
+    covered = dict.fromkeys(need, 0)
+    for g in head:
+        for e in g:
+            if e.sample.home_rank in covered:
+                covered[e.sample.home_rank] += 1
+    if all(covered[r] >= q for r, q in need.items()):
+        return head
+    owed = sum(need.values())
+    chosen: list[Group] = []
+    for g in groups:
+        if len(chosen) == slots:
+            break
+        helps = False
+        for e in g:
+            r = e.sample.home_rank
+            if need.get(r, 0) > 0:
+                need[r] -= 1
+                owed -= 1
+                helps = True
+        if helps or slots - len(chosen) - 1 >= owed:
+            chosen.append(g)
+    return chosen
+
+
+def place(row: Sequence[Group], world_size: int) -> list[Group | None]:
+    """Assigns each group of a row (at most `world_size` groups) to a distinct rank, greedily by how many
+    of its samples live there; ranks left without a group get None. O(samples x log samples)."""
+    pairs: list[tuple[int, int, int]] = []
+    for g, group in enumerate(row):
+        counts: dict[int, int] = {}
+        for e in group:
+            counts[e.sample.home_rank] = counts.get(e.sample.home_rank, 0) + 1
+        pairs.extend((-c, g, r) for r, c in counts.items() if r < world_size)
+    pairs.sort()
+    out: list[Group | None] = [None] * world_size
+    placed = set()
+    for _, g, r in pairs:
+        if g not in placed and out[r] is None:
+            out[r] = row[g]
+            placed.add(g)
+    free = iter(r for r in range(world_size) if out[r] is None)
+    for g, group in enumerate(row):
+        if g not in placed:
+            out[next(free)] = group
+    return out
+
+
+def split_to_slots(groups: list[Group], slots: int, cost: CostModel) -> list[Group]:
+    """Splits the costliest group in halves (longest-first order kept) until `slots` groups or only
+    singletons remain; a split never raises a group's cost. O(splits x groups)."""
+    flat = [e for g in groups for e in g]
+    idx, i = [], 0
+    for g in groups:
+        idx.append(list(range(i, i + len(g))))
+        i += len(g)
+    idx = split_largest(idx, slots, key=lambda g: cost.cost([flat[j].sample.length for j in g]))
+    return [[flat[j] for j in g] for g in idx]
+
+
+def plan_blind(inputs: PlanInputs, rng: random.Random) -> Plan:
+    """The node-blind plan of a non-empty round (`inputs.pool` non-empty, `inputs.capacity` >= 1):
+    plan[rank][step], T steps per rank. Draws from `rng` for the ranking and the row shuffle."""
+    n, budget, cost = inputs.world_size, inputs.token_budget, inputs.cost
+    groups = form_groups(inputs.pool, budget, cost)
+    groups = rank_groups(groups, budget, cost, inputs.now, inputs.max_wait, rng, inputs.final)
+    target = round_target(len(groups), n, inputs.capacity, inputs.final)
+    slots = n * target
+    chosen = choose(groups, slots, target, n)
+    if inputs.refine and len(chosen) == slots:
+        refined = refine_groups([e for g in chosen for e in g], slots, budget, cost)
+        if refined is not None:
+            chosen = refined
+    if len(chosen) < slots:
+        chosen = split_to_slots(chosen, slots, cost)
+    chosen.sort(key=lambda g: -cost.cost(group_lengths(g)))
+    rows = [chosen[i : i + n] for i in range(0, len(chosen), n)]
+    rng.shuffle(rows)
+    plan: Plan = [[] for _ in range(n)]
+    for row in rows:
+        for rank, group in enumerate(place(row, n)):
+            plan[rank].append(tuple(e.sample for e in group) if group else ())
+    return plan
