@@ -2,10 +2,10 @@
 
 Each entry point binds port 0 when asked (tests, the demo) and writes the bound port (and the metrics
 port) to its port file (`write_port_file`: JSON, replaced atomically). It serves Prometheus metrics when
-given a metrics port (`_start_metrics`), stops on SIGTERM or SIGINT (`_stop_event`), and exits on its
-own once its job is done or failed. After a failure it lingers (`LINGER_S`, `_linger_until_told`) so
+given a metrics port (`start_metrics`), stops on SIGTERM or SIGINT (`stop_event`), and exits on its
+own once its job is done or failed. After a failure it lingers (`LINGER_S`, `linger_until_told`) so
 every party reads the failure message; a Ray lost while the sources start fails the job at once
-(`_ray_lost_at_start`). Exit status, for all three: 0 done, 1 job failed, 130 interrupted.
+(`ray_lost_at_start`). Exit status, for all three: 0 done, 1 job failed, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ RESTORED_LINGER_S = 10.0
 
 
 def write_port_file(path: str | os.PathLike | None, port: int, metrics_port: int | None = None) -> None:
+    """Writes `{"port", "pid"}` (and `"metrics_port"` when given) as JSON to `path`, when given: to a
+    temporary file first, then renamed over `path`, so a reader never sees it half written."""
     if path:
         p = Path(path)
         tmp = p.with_suffix(p.suffix + ".tmp")
@@ -41,7 +43,7 @@ def write_port_file(path: str | os.PathLike | None, port: int, metrics_port: int
         os.replace(tmp, p)
 
 
-def _start_metrics(metrics, host: str, port: int | None, who: str):
+def start_metrics(metrics, host: str, port: int | None, who: str):
     """Serves `metrics.registry` on host:port (0 = a free port) when `port` is given: (server, bound),
     else (None, None)."""
     if port is None:
@@ -51,24 +53,27 @@ def _start_metrics(metrics, host: str, port: int | None, who: str):
     return server, bound
 
 
-def _stop_event() -> threading.Event:
+def stop_event() -> threading.Event:
+    """An event that SIGTERM and SIGINT set (the handlers are this process's from now on): the serving
+    loops poll it and exit with status 130 when it was set before their job ended."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     return stop
 
 
-def _linger_until_told(cores, stop: threading.Event, grace_s: float) -> None:
+def linger_until_told(cores, stop: threading.Event, grace_s: float) -> None:
     """After the job failed: stays LINGER_S, then until every rank's trainer heard why (ABORTED, or a
     RankStatus that said it), at most `grace_s`: a trainer still starting when the job failed would find
-    no service and wait out its start-up timeout instead of failing with the message that names the cause."""
+    no service and wait out its start-up timeout instead of failing with the message that names the
+    cause."""
     deadline = time.monotonic() + max(grace_s, LINGER_S)
     stop.wait(LINGER_S)
     while not all(c.failure_told for c in cores) and time.monotonic() < deadline and not stop.wait(0.2):
         pass
 
 
-def _ray_lost_at_start(
+def ray_lost_at_start(
     coordinator: str, ranks: list[int], spec: JobSpec, security: Security | None, lost: RayLost
 ) -> int:
     """The Ray went away while the ranks' sources were starting: tells the coordinator (so the other ranks

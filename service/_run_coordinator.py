@@ -16,7 +16,7 @@ from batchd.proto import Security
 from ._coordinator import create_server
 from ._metrics import CoordinatorMetrics
 from ._metrics_http import stop_metrics_server
-from ._run_common import LINGER_S, _start_metrics, _stop_event, log, write_port_file
+from ._run_common import LINGER_S, log, start_metrics, stop_event, write_port_file
 
 
 def run_coordinator(
@@ -48,7 +48,7 @@ def run_coordinator(
         state.close()
         return 0
     try:
-        metrics_server, metrics_bound = _start_metrics(metrics, metrics_host, metrics_port, "coordinator")
+        metrics_server, metrics_bound = start_metrics(metrics, metrics_host, metrics_port, "coordinator")
     except OSError:
         state.close()
         raise
@@ -62,7 +62,7 @@ def run_coordinator(
         security.describe() if security else "plaintext",
         f", journal in {state_dir}" if state_dir else "",
     )
-    stop = _stop_event()
+    stop = stop_event()
     try:
         while not stop.wait(0.2):
             if state.state == "done":

@@ -1,7 +1,7 @@
 """`batchd node`: the node agent, one process per host serving all its trainer ranks (`run_node`).
 
 Its ranks are torchrun's numbering of the node (`node_ranks`). Each rank has its own rank service core
-and source (as for `batchd rank`: `_run_rank._make_source`); the agent runs one gRPC server for its
+and source (as for `batchd rank`: `_run_rank.make_source`); the agent runs one gRPC server for its
 trainers and peers and one stream to the coordinator (`NodeAgent`, `_node_link`). Moved samples
 between its ranks are handed over in process. It exits once every one of its trainers took the job's
 last step, or the job failed (after a short linger so every trainer reads the failure message). Exit
@@ -28,13 +28,13 @@ from ._rank_server import job_samples
 from ._rank_service import RankServiceCore
 from ._run_common import (
     RESTORED_LINGER_S,
-    _linger_until_told,
-    _ray_lost_at_start,
-    _stop_event,
+    linger_until_told,
     log,
+    ray_lost_at_start,
+    stop_event,
     write_port_file,
 )
-from ._run_rank import _make_source, _write_stats
+from ._run_rank import make_source, write_stats
 from .preprocess import RayLost, RaySource, SharedRay, Source, job_key
 
 
@@ -124,7 +124,7 @@ def run_node(
                 job_key(coordinator, spec),
             )
         except RayLost as lost:
-            return _ray_lost_at_start(coordinator, ranks, spec, security, lost)
+            return ray_lost_at_start(coordinator, ranks, spec, security, lost)
         return _serve_node(
             spec,
             ranks,
@@ -195,9 +195,9 @@ class _NodeSources:
         source_options: dict | None,
         job: str,
     ) -> None:
-        """Opens each rank's source (`_run_rank._make_source`); raises `RayLost` if the Ray went away."""
+        """Opens each rank's source (`_run_rank.make_source`); raises `RayLost` if the Ray went away."""
         for r in ranks:
-            self.sources[r], ray_handle = _make_source(
+            self.sources[r], ray_handle = make_source(
                 spec,
                 r,
                 lengths,
@@ -224,7 +224,7 @@ class _NodeSources:
                 if isinstance(src, RaySource):
                     path = _rank_path(stats_file, r)
                     try:
-                        _write_stats(
+                        write_stats(
                             path,
                             r,
                             src,
@@ -337,7 +337,7 @@ def _serve_node(
     metrics_server = _start_node_agent(
         agent, name, host, port_file, security, metrics_host, metrics_port, shared
     )
-    stop = _stop_event()
+    stop = stop_event()
     progress = _NodeProgress(name, cores[min(cores)])
     try:
         status = _wait_node(agent, stop, progress, client_grace_s)
@@ -397,7 +397,7 @@ def _wait_node(
     while not stop.wait(0.2):
         progress.poll()
         if agent.failure is not None:
-            _linger_until_told(list(agent.cores.values()), stop, client_grace_s)
+            linger_until_told(list(agent.cores.values()), stop, client_grace_s)
             return 1
         if agent.finished:
             finished_at = finished_at or time.monotonic()

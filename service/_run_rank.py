@@ -5,7 +5,7 @@ tells the coordinator: `Finish`), or the job failed (after a short linger so its
 failure message). Exit status 0 done, 1 job failed, 130 interrupted. With `--state-dir` it journals its
 state and a restart with the same command resumes.
 
-A rank reads from one of three sources (`_make_source`): `--lengths` (synthetic tokenized samples),
+A rank reads from one of three sources (`make_source`): `--lengths` (synthetic tokenized samples),
 `--dataset` (records preprocessed by a Ray actor pool: `RaySource`, `make_ray_source`; it joins
 `--ray-address` (`auto`: the Ray already running on this host), else its own job's Ray on this host,
 else starts an embedded one that the job's next rank services on this host join; never a Ray another
@@ -13,7 +13,7 @@ job started. A Ray that goes away under a running service fails the job at once,
 (`SharedRay.watch`, `RayLost`)) or neither (producers push samples through `Ingest`). With
 `--stats-file`, a rank service reading a dataset writes its source's counters (samples, quarantined,
 records read, samples/s, actor busy time, the Ray node of each actor) there as JSON when it exits
-(`_write_stats`; with `ray_address`, the GCS address of the Ray it ran on).
+(`write_stats`; with `ray_address`, the GCS address of the Ray it ran on).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from ._rank_server import create_rank_server
 from ._rank_service import RankServiceCore
 from ._run_common import (
     RESTORED_LINGER_S,
-    _linger_until_told,
-    _ray_lost_at_start,
-    _start_metrics,
-    _stop_event,
+    linger_until_told,
     log,
+    ray_lost_at_start,
+    start_metrics,
+    stop_event,
     write_port_file,
 )
 from .preprocess import (
@@ -114,7 +114,7 @@ def make_ray_source(
     return source, shared
 
 
-def _write_stats(
+def write_stats(
     path: str | None,
     rank: int,
     source: RaySource,
@@ -159,7 +159,7 @@ def _write_stats(
     os.replace(tmp, p)
 
 
-def _make_source(
+def make_source(
     spec: JobSpec,
     rank: int,
     lengths: list[int] | list[Sample] | None,
@@ -238,7 +238,7 @@ def run_rank(
     if lengths is not None and dataset is not None:
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
     try:
-        source, shared = _make_source(
+        source, shared = make_source(
             spec,
             rank,
             lengths,
@@ -254,7 +254,7 @@ def run_rank(
             job_key(coordinator, spec),
         )
     except RayLost as lost:
-        return _ray_lost_at_start(coordinator, [rank], spec, security, lost)
+        return ray_lost_at_start(coordinator, [rank], spec, security, lost)
     ray_source = source if isinstance(source, RaySource) else None
     try:
         return _serve_rank(
@@ -277,7 +277,7 @@ def run_rank(
     finally:
         if ray_source is not None:
             try:
-                _write_stats(stats_file, rank, ray_source, shared.address, ray_gone=shared.lost is not None)
+                write_stats(stats_file, rank, ray_source, shared.address, ray_gone=shared.lost is not None)
                 ray_source.close()
             finally:
                 shared.close()  # stops only a Ray this service started, once no other service uses it
@@ -318,7 +318,7 @@ def _serve_rank(
         metrics=metrics,
     )
     server, bound = create_rank_server(f"{host}:{port}", core, security)
-    metrics_server, metrics_bound = _start_metrics(metrics, metrics_host, metrics_port, f"rank {rank}")
+    metrics_server, metrics_bound = start_metrics(metrics, metrics_host, metrics_port, f"rank {rank}")
     server.start()
     core.start(f"{host}:{bound}")
     if shared is not None:
@@ -331,7 +331,7 @@ def _serve_rank(
         bound,
         security.describe() if security else "plaintext",
     )
-    stop = _stop_event()
+    stop = stop_event()
     status = 0
     finished_at = None
     try:
@@ -341,7 +341,7 @@ def _serve_rank(
                 finished = core.finished and core.delivery.holder is None
             if failed:
                 status = 1
-                _linger_until_told([core], stop, client_grace_s)
+                linger_until_told([core], stop, client_grace_s)
                 break
             if finished:
                 finished_at = finished_at or time.monotonic()
