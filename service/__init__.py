@@ -8,18 +8,15 @@ Imports `batchd.core` and `batchd.proto` only; it needs no torch (batches are co
 from ._coord_client import CoordinatorClient
 from ._coordinator import CoordinatorServicer, CoordinatorState, create_server
 from ._journal import Journal, JournalError
-from ._main import node_ranks, run_coordinator, run_node, run_rank
-from ._metrics import (
-    CoordinatorMetrics,
-    MergedRegistry,
-    RankMetrics,
-    start_metrics_server,
-    stop_metrics_server,
-)
+from ._metrics import CoordinatorMetrics, RankMetrics
+from ._metrics_http import MergedRegistry, start_metrics_server, stop_metrics_server
 from ._node import NodeAgent
 from ._node_link import LocalRankClient, NodeLink
 from ._rank_server import RankServicer, create_rank_server
 from ._rank_service import RankServiceCore, collate
+from ._run_coordinator import run_coordinator
+from ._run_node import node_ranks, run_node
+from ._run_rank import run_rank
 from ._security import add_port, server_interceptors
 
 __all__ = [

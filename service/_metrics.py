@@ -1,4 +1,4 @@
-"""Prometheus metrics of the coordinator and the rank services, and the HTTP endpoint that serves them.
+"""Prometheus metrics of the coordinator and the rank services (served over HTTP by `_metrics_http`).
 
 Each service instance owns one `CollectorRegistry` (never prometheus_client's global one: tests and
 the demo run several services in one process, and a global registry would refuse the second set of
@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, StateSetMetricFamily
 
 from batchd.core import CostModel
@@ -220,7 +220,8 @@ class RankMetrics:
         ready_batches: Callable[[], int],
         epoch: Callable[[], int] = lambda: 0,
     ) -> None:
-        """Sets the live readers of the window depth, the ready-batch count and the epoch (read at scrape time)."""
+        """Sets the live readers of the window depth, the ready-batch count and the epoch (read at scrape
+        time)."""
         self._buffer_fn, self._ready_fn, self._epoch_fn = buffer_depth, ready_batches, epoch
 
     def _efficiency(self) -> float:
@@ -351,8 +352,20 @@ class CoordinatorMetrics:
         self.world_size = world_size
         self.cost = cost or CostModel()
         self.registry = registry if registry is not None else CollectorRegistry()
-        r = self.registry
-        self.rounds = Counter("batchd_job_rounds_total", "Alignment rounds committed.", registry=r)
+        self.rounds = Counter(
+            "batchd_job_rounds_total", "Alignment rounds committed.", registry=self.registry
+        )
+        self._register_moves(self.registry)
+        self._register_counts(self.registry)
+        self._register_costs(self.registry, world_size)
+        self._register_latencies(self.registry)
+        self._state_fn: Callable[[], str] = lambda: "running"
+        self._epoch_fn: Callable[[], int] = lambda: 0
+        self._registered_fn: Callable[[], int] = lambda: 0
+        self.registry.register(_JobCollector(self))
+
+    def _register_moves(self, r: CollectorRegistry) -> None:
+        """Samples a balanced plan moved and images a two-phase step exchanged, by scope."""
         moved = Counter(
             "batchd_job_moved_samples_total",
             "Samples a balanced plan placed off their home rank, "
@@ -384,6 +397,9 @@ class CoordinatorMetrics:
             scope: (exch.labels(scope=scope), exch_rows.labels(scope=scope))
             for scope in ("intra_node", "cross_node")
         }
+
+    def _register_counts(self, r: CollectorRegistry) -> None:
+        """The job-wide counts of the committed steps, their samples and sample tokens."""
         self.steps = Counter(
             "batchd_job_steps_total", "Aligned steps kept (one per step, not per rank).", registry=r
         )
@@ -393,6 +409,9 @@ class CoordinatorMetrics:
         self.real_tokens = Counter(
             "batchd_job_real_tokens_total", "Sample tokens in the committed steps, all ranks.", registry=r
         )
+
+    def _register_costs(self, r: CollectorRegistry, world_size: int) -> None:
+        """Per-rank IDLE steps and costs (created at zero for every rank), and the rank imbalance."""
         idle = Counter(
             "batchd_job_idle_steps_total", "IDLE steps (no sample on that rank).", ["rank"], registry=r
         )
@@ -418,6 +437,9 @@ class CoordinatorMetrics:
             "cost / sum of the mean rank step cost (1.0 = balanced).",
             registry=r,
         )
+
+    def _register_latencies(self, r: CollectorRegistry) -> None:
+        """The histograms of a round's alignment latency, barrier wait and duration."""
         self.align_latency = Histogram(
             "batchd_align_latency_seconds",
             "From the last rank's report to the round's decision.",
@@ -436,10 +458,6 @@ class CoordinatorMetrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
-        self._state_fn: Callable[[], str] = lambda: "running"
-        self._epoch_fn: Callable[[], int] = lambda: 0
-        self._registered_fn: Callable[[], int] = lambda: 0
-        self.registry.register(_JobCollector(self))
 
     def bind(self, state: Callable[[], str], epoch: Callable[[], int], registered: Callable[[], int]) -> None:
         """Sets the live readers of the job state, the epoch and the number of registered ranks."""
@@ -537,57 +555,3 @@ class _JobCollector:
             "Ranks that have registered with the coordinator.",
             value=self.m._registered_fn(),
         )
-
-
-def start_metrics_server(
-    registry: CollectorRegistry,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    certfile: str | None = None,
-    keyfile: str | None = None,
-) -> tuple[Any, int]:
-    """Serves `registry` in the Prometheus text format at http://host:port/ (any path) on a daemon thread.
-
-    Args:
-        registry: The service's registry (`RankMetrics.registry`, `CoordinatorMetrics.registry`).
-        host: Address to bind; 127.0.0.1 by default (metrics are not meant for the open network).
-        port: Port to bind; 0 picks a free one.
-        certfile: With `keyfile`, serve HTTPS with this certificate chain.
-        keyfile: The certificate's private key.
-
-    Returns:
-        (server, bound_port); stop it with `stop_metrics_server(server)`.
-    """
-    if not 0 <= port <= 65535:
-        raise ValueError(f"metrics port must be in 0..65535, got {port=}")
-    if (certfile is None) != (keyfile is None):
-        raise ValueError(f"give both certfile and keyfile or neither, got {certfile=} {keyfile=}")
-    # prometheus_client >= 0.20 (pyproject) returns (server, thread); the thread ends with `shutdown()`
-    server, _thread = start_http_server(
-        port, addr=host, registry=registry, certfile=certfile, keyfile=keyfile
-    )
-    return server, int(server.server_port)
-
-
-def stop_metrics_server(server: Any) -> None:
-    """Stops a `start_metrics_server` server: ends its serving loop and closes its socket."""
-    server.shutdown()
-    server.server_close()
-
-
-class MergedRegistry:
-    """The metrics of several registries (a node agent's ranks) as one: families of the same name are
-    merged (their series differ by the `rank` label). Serve it with `start_metrics_server`."""
-
-    def __init__(self, registries: list[CollectorRegistry]) -> None:
-        self.registries = list(registries)
-
-    def collect(self):
-        families: dict[str, Any] = {}
-        for registry in self.registries:
-            for family in registry.collect():
-                if family.name in families:
-                    families[family.name].samples.extend(family.samples)
-                else:
-                    families[family.name] = family
-        return list(families.values())

@@ -19,6 +19,10 @@ quarantine file. While a view is read the share counts at least `MIN_JUDGED` rec
 early are not yet a share; at the end of the view it is judged on the records read, however few, so the
 rule holds for a dataset of any size.
 
+Order: each pulled sample gets the next sequence number in a `Ledger` (`_ledger`), which tracks it from
+in flight to ready to done and says which one leaves next (view order, or completion order); the source
+itself holds what talks to Ray: the tasks in flight, their reruns, and the reader.
+
 Only metadata (id, realized length, loss tokens, per-modality counts, payload bytes) reaches the
 caller's process eagerly; `resolve(payload)` fetches the payload dict at collate time (a balanced plan
 that moves a sample to another rank moves the reference, not the bytes).
@@ -38,7 +42,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import heapq
 import logging
 import os
 import threading
@@ -52,6 +55,7 @@ import ray
 from batchd.core import BlockView, Sample, parse_bytes
 
 from ._dataset import RecordDataset
+from ._ledger import Ledger
 from ._pool import PreprocessPool
 from ._quarantine import Quarantine, TooManyBadRecords
 from ._ray import ray_lost
@@ -64,18 +68,6 @@ STATE_VERSION = 2
 DEFAULT_MEMORY_BUDGET = 2 << 30
 DEFAULT_MAX_BAD_FRACTION = 0.1
 MIN_JUDGED = 100
-
-
-_FLIGHT, _READY, _DONE = 0, 1, 2
-
-
-@dataclasses.dataclass(slots=True)
-class _Entry:
-    id: int
-    status: int
-    attempts: int = 0
-    sample: Sample | None = None
-    payload: Any = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -143,41 +135,12 @@ class RaySource:
         memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
         max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
     ) -> None:
-        if payload not in ("ref", "dict"):
-            raise ValueError(f"payload must be 'ref' or 'dict', got {payload=}")
-        if wrap and not ordered:
-            raise ValueError(
-                "wrap=True (non-join mode) needs ordered=True: peek_id must name the next sample"
-            )
-        if chunk_size < 1 or max_attempts < 1:
-            raise ValueError(f"chunk_size and max_attempts must be >= 1, got {chunk_size=} {max_attempts=}")
-        if isinstance(max_bad_fraction, bool) or not 0.0 <= float(max_bad_fraction) <= 1.0:
-            raise ValueError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction=}")
+        _check_options(payload, wrap, ordered, chunk_size, max_attempts, max_bad_fraction)
         self.memory_budget = parse_bytes(memory_budget)
         self.max_bad_fraction = float(max_bad_fraction)
-        if pool is None and dataset is not None and not isinstance(dataset, RecordDataset):
-            dataset = RecordDataset(dataset)
-        probe = pool.dataset if pool is not None else dataset
-        if isinstance(probe, RecordDataset):
-            check_blocks(probe, self.memory_budget // 4)
-        if pool is None:
-            if dataset is None:
-                raise ValueError("RaySource needs a dataset or a pool")
-            pool = PreprocessPool(
-                dataset,
-                stages,
-                num_actors,
-                ray_address=ray_address,
-                actor_num_cpus=actor_num_cpus,
-                node_id=node_id,
-            )
-            self._own_pool = True
-        else:
-            if dataset is not None:
-                n = len(dataset) if isinstance(dataset, RecordDataset) else None
-                if dataset is not pool.dataset and n is not None and n != len(pool.dataset):
-                    raise ValueError(f"dataset has {n} records but the pool's has {len(pool.dataset)}")
-            self._own_pool = False
+        pool, self._own_pool = _open_pool(
+            dataset, pool, self.memory_budget, stages, num_actors, ray_address, actor_num_cpus, node_id
+        )
         self.pool = pool
         self.dataset = pool.dataset
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
@@ -211,15 +174,11 @@ class RaySource:
 
     # -- bookkeeping ---------------------------------------------------------------------------------
     def _reset(self, low: int, skip: set[int]) -> None:
-        self._entries: dict[int, _Entry] = {}
+        self._ledger = Ledger(low, skip, self.ordered)  # the pulled samples, from seq `low` on
         self._tasks: dict[ray.ObjectRef, _Task] = {}
         self._suspects: collections.deque[int] = collections.deque()  # to rerun alone on an idle actor
         self._unsent: list[list[int]] = []  # pulled, not yet accepted by the pool
         self._hold(False)
-        self._ready: list[int] = []  # heap of READY seqs (completion-order mode)
-        self._low = self._next = low
-        self._skip = skip
-        self._open = 0
 
     def __len__(self) -> int:
         return len(self.view)
@@ -236,27 +195,19 @@ class RaySource:
     @property
     def in_flight(self) -> int:
         """Samples requested and not yet returned by poll (nor quarantined)."""
-        return self._open
+        return self._ledger.open
 
     def _pull(self) -> int | None:
         """Pulls the next id of the view as a new entry; returns its seq (None: exhausted or skipped)."""
         i = self.view.next()
         if i is None:
             return None
-        seq = self._next
-        self._next += 1
-        if seq in self._skip:
-            self._skip.discard(seq)
-            self._entries[seq] = _Entry(i, _DONE)
-            return None
-        self._entries[seq] = _Entry(i, _FLIGHT)
-        self._open += 1
-        return seq
+        return self._ledger.add(i)
 
     def _submit(self, seqs: list[int], mode: str = "normal") -> bool:
         if mode == "normal" and self.pool._holds > 0:  # refused anyway: do not read for nothing
             return False
-        items = self.reader.items([self._entries[s].id for s in seqs])
+        items = self.reader.items([self._ledger.entries[s].id for s in seqs])
         sent = self.pool.submit(items, self.epoch, self.seed, mode)
         if sent is None:
             return False
@@ -293,7 +244,7 @@ class RaySource:
             # Whole chunks only while work is in flight: topping up one freed slot at a time would
             # degrade to one-sample tasks and pay Ray's per-task cost on every sample.
             while not self._unsent and not self.view.exhausted():
-                room = self.max_in_flight - self._open
+                room = self.max_in_flight - self._ledger.open
                 left = len(self.view) - self.view.position if not self.wrap else self.chunk_size
                 if room <= 0 or (room < min(self.chunk_size, left) and self._tasks):
                     break
@@ -306,21 +257,12 @@ class RaySource:
                         batch.append(seq)
                 if batch and not self._submit(batch):
                     self._unsent.append(batch)
-        self._advance_low()
-
-    def _advance_low(self) -> None:
-        while self._low < self._next and self._entries[self._low].status == _DONE:
-            del self._entries[self._low]
-            self._low += 1
-
-    def _resolve_done(self, seq: int) -> None:
-        self._entries[seq].status = _DONE
-        self._open -= 1
+        self._ledger.advance()
 
     def _quarantine(self, seq: int, reason: str) -> None:
-        e = self._entries[seq]
+        e = self._ledger.entries[seq]
         e.payload = e.sample = None
-        self._resolve_done(seq)
+        self._ledger.resolve(seq)
         self.reasons[Quarantine.code_of(reason)] += 1
         self.quarantine.add(e.id, self.dataset.source(e.id), reason, self.epoch)
         self._judge(final=False)
@@ -333,7 +275,7 @@ class RaySource:
         read, however few, so the rule holds for every dataset size."""
         bad, read = (
             self.quarantined,
-            self.records_read + sum(1 for e in self._entries.values() if e.status == _READY),
+            self.records_read + self._ledger.ready_count(),
         )
         if self.max_bad_fraction >= 1.0 or not bad:
             return
@@ -382,7 +324,7 @@ class RaySource:
             self.retries += len(task.seqs)
             charged = self.pool.probe_ok(task.probe)
             for seq in task.seqs:
-                e = self._entries[seq]
+                e = self._ledger.entries[seq]
                 if charged:
                     e.attempts += 1
                     if e.attempts >= self.max_attempts:
@@ -404,35 +346,26 @@ class RaySource:
             if reason is not None:
                 self._quarantine(seq, reason)
                 continue
-            e = self._entries[seq]
-            e.sample = Sample(
+            e = self._ledger.entries[seq]
+            sample = Sample(
                 e.id, length, loss, self.rank, (("text", text), ("vision", vision)), nbytes, images
             )
-            e.payload = pref
-            e.status = _READY
-            if not self.ordered:
-                heapq.heappush(self._ready, seq)
+            self._ledger.mark_ready(seq, sample, pref)
 
     def _pop_ready(self) -> tuple[Sample, Any] | None:
-        self._advance_low()
-        seq = None
-        if self.ordered:
-            if self._low < self._next and self._entries[self._low].status == _READY:
-                seq = self._low
-        elif self._ready:
-            seq = heapq.heappop(self._ready)
+        seq = self._ledger.next_ready()
         if seq is None:
             return None
-        e = self._entries[seq]
+        e = self._ledger.entries[seq]
         item = (e.sample, ray.get(e.payload) if self.fetch_payloads else e.payload)
         e.sample = e.payload = None
-        self._resolve_done(seq)
+        self._ledger.resolve(seq)
         self.emitted += 1
-        self._advance_low()
+        self._ledger.advance()
         return item
 
     def _finished(self) -> bool:
-        return self._open == 0 and self.view.exhausted()
+        return self._ledger.open == 0 and self.view.exhausted()
 
     # -- the source interface ------------------------------------------------------------------------
     def poll(self, timeout: float = 0.0):
@@ -459,15 +392,11 @@ class RaySource:
                 collected = True
 
     def peek_id(self) -> int | None:
-        """The id the next emitted sample will most likely have (exact in ordered mode, unless quarantined)."""
+        """The id the next emitted sample will most likely have (exact in ordered mode, unless
+        quarantined)."""
         with self._lock:
-            self._advance_low()
-            if not self.ordered and self._ready:
-                return self._entries[self._ready[0]].id
-            for seq in range(self._low, self._next):
-                if self._entries[seq].status != _DONE:
-                    return self._entries[seq].id
-            return self.view.peek()
+            sample_id = self._ledger.peek_id()
+            return sample_id if sample_id is not None else self.view.peek()
 
     def materialize(self, sample_id: int) -> dict[str, np.ndarray]:
         """Preprocesses one sample again (deterministic: the same payload as when it was emitted).
@@ -482,7 +411,7 @@ class RaySource:
         out: dict[int, dict[str, np.ndarray]] = {}
         # In block order: each chunk then reads few blocks, and each block is read once per call.
         todo = sorted(dict.fromkeys(int(i) for i in sample_ids), key=lambda i: (self.dataset.block_of(i), i))
-        for attempt in range(self.max_attempts):
+        for _attempt in range(self.max_attempts):
             if not todo:
                 break
             tasks = []
@@ -522,12 +451,8 @@ class RaySource:
     def state_dict(self) -> dict[str, Any]:
         """Exact resume point: the view at the first unresolved sample, plus what is resolved beyond it."""
         with self._lock:
-            self._advance_low()
-            low = self._low
-            ahead = sorted(
-                {s - low for s, e in self._entries.items() if e.status == _DONE and s > low}
-                | {s - low for s in self._skip if s >= low}
-            )
+            ahead = self._ledger.resolved_ahead()
+            low = self._ledger.low
             return {
                 "version": STATE_VERSION,
                 "kind": "RaySource",
@@ -592,7 +517,7 @@ class RaySource:
     def close(self) -> None:
         """Drops outstanding work; closes the pool if this source created it."""
         with self._lock:
-            self._reset(self._low, set())
+            self._reset(self._ledger.low, set())
             self.reader.close()
             if self._own_pool:
                 self.pool.close()
@@ -616,3 +541,55 @@ def check_blocks(dataset: RecordDataset, window_bytes: int) -> None:
             f"window may hold: rewrite the file with smaller {unit}s (e.g. "
             f"pyarrow.parquet.write_table(row_group_size=...)) or raise [data] memory_budget"
         )
+
+
+def _check_options(
+    payload: str, wrap: bool, ordered: bool, chunk_size: int, max_attempts: int, max_bad_fraction: float
+) -> None:
+    """Raises ValueError naming the first of `RaySource`'s options that is out of range."""
+    if payload not in ("ref", "dict"):
+        raise ValueError(f"payload must be 'ref' or 'dict', got {payload=}")
+    if wrap and not ordered:
+        raise ValueError("wrap=True (non-join mode) needs ordered=True: peek_id must name the next sample")
+    if chunk_size < 1 or max_attempts < 1:
+        raise ValueError(f"chunk_size and max_attempts must be >= 1, got {chunk_size=} {max_attempts=}")
+    if isinstance(max_bad_fraction, bool) or not 0.0 <= float(max_bad_fraction) <= 1.0:
+        raise ValueError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction=}")
+
+
+def _open_pool(
+    dataset: RecordDataset | str | os.PathLike | Sequence[Any] | None,
+    pool: PreprocessPool | None,
+    memory_budget: int,
+    stages: Sequence[Any] | None,
+    num_actors: int,
+    ray_address: str | None,
+    actor_num_cpus: float,
+    node_id: str | None,
+) -> tuple[PreprocessPool, bool]:
+    """The pool a `RaySource` runs on, and whether it is the source's own: `pool` when given (`dataset`,
+    if given too, must have as many records as the pool's), else a new `PreprocessPool` over `dataset`
+    (opened as a `RecordDataset` if it is paths). The dataset's blocks are checked against the read-ahead
+    window (`check_blocks`, a quarter of `memory_budget`) before any actor starts."""
+    if pool is None and dataset is not None and not isinstance(dataset, RecordDataset):
+        dataset = RecordDataset(dataset)
+    probe = pool.dataset if pool is not None else dataset
+    if isinstance(probe, RecordDataset):
+        check_blocks(probe, memory_budget // 4)
+    if pool is None:
+        if dataset is None:
+            raise ValueError("RaySource needs a dataset or a pool")
+        pool = PreprocessPool(
+            dataset,
+            stages,
+            num_actors,
+            ray_address=ray_address,
+            actor_num_cpus=actor_num_cpus,
+            node_id=node_id,
+        )
+        return pool, True
+    if dataset is not None:
+        n = len(dataset) if isinstance(dataset, RecordDataset) else None
+        if dataset is not pool.dataset and n is not None and n != len(pool.dataset):
+            raise ValueError(f"dataset has {n} records but the pool's has {len(pool.dataset)}")
+    return pool, False

@@ -1,0 +1,87 @@
+"""What the three process entry points (`_run_coordinator`, `_run_rank`, `_run_node`) share.
+
+Each entry point binds port 0 when asked (tests, the demo) and writes the bound port (and the metrics
+port) to its port file (`write_port_file`: JSON, replaced atomically). It serves Prometheus metrics when
+given a metrics port (`start_metrics`), stops on SIGTERM or SIGINT (`stop_event`), and exits on its
+own once its job is done or failed. After a failure it lingers (`LINGER_S`, `linger_until_told`) so
+every party reads the failure message; a Ray lost while the sources start fails the job at once
+(`ray_lost_at_start`). Exit status, for all three: 0 done, 1 job failed, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+from batchd.core import JobSpec
+from batchd.proto import Security
+
+from ._coord_client import CoordinatorClient
+from ._metrics_http import start_metrics_server
+from .preprocess import RayLost
+
+log = logging.getLogger("batchd")
+LINGER_S = 2.0
+RESTORED_LINGER_S = 10.0
+
+
+def write_port_file(path: str | os.PathLike | None, port: int, metrics_port: int | None = None) -> None:
+    """Writes `{"port", "pid"}` (and `"metrics_port"` when given) as JSON to `path`, when given: to a
+    temporary file first, then renamed over `path`, so a reader never sees it half written."""
+    if path:
+        p = Path(path)
+        tmp = p.with_suffix(p.suffix + ".tmp")
+        info = {"port": port, "pid": os.getpid()}
+        if metrics_port is not None:
+            info["metrics_port"] = metrics_port
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, p)
+
+
+def start_metrics(metrics, host: str, port: int | None, who: str):
+    """Serves `metrics.registry` on host:port (0 = a free port) when `port` is given: (server, bound),
+    else (None, None)."""
+    if port is None:
+        return None, None
+    server, bound = start_metrics_server(metrics.registry, host, port)
+    log.info("%s: Prometheus metrics on http://%s:%d/metrics", who, host, bound)
+    return server, bound
+
+
+def stop_event() -> threading.Event:
+    """An event that SIGTERM and SIGINT set (the handlers are this process's from now on): the serving
+    loops poll it and exit with status 130 when it was set before their job ended."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def linger_until_told(cores, stop: threading.Event, grace_s: float) -> None:
+    """After the job failed: stays LINGER_S, then until every rank's trainer heard why (ABORTED, or a
+    RankStatus that said it), at most `grace_s`: a trainer still starting when the job failed would find
+    no service and wait out its start-up timeout instead of failing with the message that names the
+    cause."""
+    deadline = time.monotonic() + max(grace_s, LINGER_S)
+    stop.wait(LINGER_S)
+    while not all(c.failure_told for c in cores) and time.monotonic() < deadline and not stop.wait(0.2):
+        pass
+
+
+def ray_lost_at_start(
+    coordinator: str, ranks: list[int], spec: JobSpec, security: Security | None, lost: RayLost
+) -> int:
+    """The Ray went away while the ranks' sources were starting: tells the coordinator (so the other ranks
+    and the trainers learn at once, naming it) and returns the failed-job status 1."""
+    log.error("rank %d: job failed: %s", ranks[0], lost)
+    client = CoordinatorClient(coordinator, ranks[0], spec, security=security)
+    try:
+        client.fail(str(lost))
+    finally:
+        client.close()
+    return 1

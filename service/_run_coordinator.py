@@ -1,0 +1,86 @@
+"""`batchd coordinator`: the process around the alignment coordinator (`run_coordinator`).
+
+It serves the coordinator's gRPC service (and its metrics, when asked) until every rank finished
+(`Finish`), or the job failed: then it stays until every rank heard why, at most a lease. Exit status
+0 done, 1 job failed, 130 interrupted. With `--state-dir` it journals its state and a restart with the
+same command resumes; a journal of a finished job makes it exit 0 at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+from batchd.core import JobSpec
+from batchd.proto import Security
+
+from ._coordinator import create_server
+from ._metrics import CoordinatorMetrics
+from ._metrics_http import stop_metrics_server
+from ._run_common import LINGER_S, log, start_metrics, stop_event, write_port_file
+
+
+def run_coordinator(
+    spec: JobSpec,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    port_file: str | None = None,
+    lease_s: float = 60.0,
+    startup_timeout_s: float = 600.0,
+    security: Security | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    state_dir: str | None = None,
+) -> int:
+    metrics = CoordinatorMetrics(spec.world_size, spec.cost_model()) if metrics_port is not None else None
+    server, bound, state = create_server(
+        f"{host}:{port}",
+        spec,
+        lease_s,
+        startup_timeout_s,
+        security=security,
+        metrics=metrics,
+        state_dir=state_dir,
+    )
+    if state.job_done:
+        log.warning(
+            "the job in %s already finished; nothing to do (remove the state dir to run it again)", state_dir
+        )
+        state.close()
+        return 0
+    try:
+        metrics_server, metrics_bound = start_metrics(metrics, metrics_host, metrics_port, "coordinator")
+    except OSError:
+        state.close()
+        raise
+    server.start()
+    write_port_file(port_file, bound, metrics_bound)
+    log.info(
+        "coordinator listening on %s:%d for %d ranks (%s)%s",
+        host,
+        bound,
+        spec.world_size,
+        security.describe() if security else "plaintext",
+        f", journal in {state_dir}" if state_dir else "",
+    )
+    stop = stop_event()
+    try:
+        while not stop.wait(0.2):
+            if state.state == "done":
+                stop.wait(LINGER_S)
+                break
+            if (
+                state.state == "failed"
+            ):  # stay until every rank heard why (they tell their trainers), <= a lease
+                deadline = time.monotonic() + max(lease_s, LINGER_S)
+                stop.wait(LINGER_S)
+                while not state.all_informed() and time.monotonic() < deadline and not stop.wait(0.2):
+                    pass
+                break
+    finally:
+        state.close()
+        server.stop(1.0).wait()
+        if metrics_server is not None:
+            stop_metrics_server(metrics_server)
+    if state.state == "running":
+        return 130
+    return 0 if state.state == "done" else 1

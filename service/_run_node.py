@@ -1,0 +1,408 @@
+"""`batchd node`: the node agent, one process per host serving all its trainer ranks (`run_node`).
+
+Its ranks are torchrun's numbering of the node (`node_ranks`). Each rank has its own rank service core
+and source (as for `batchd rank`: `_run_rank.make_source`); the agent runs one gRPC server for its
+trainers and peers and one stream to the coordinator (`NodeAgent`, `_node_link`). Moved samples
+between its ranks are handed over in process. It exits once every one of its trainers took the job's
+last step, or the job failed (after a short linger so every trainer reads the failure message). Exit
+status 0 done, 1 job failed, 130 interrupted. With `--stats-file` it writes one file per rank
+(`_rank_path`), which adds the rank's moved-sample counts `fetched_local` and `fetched_remote`. While
+it serves it logs its progress every $BATCHD_PROGRESS_S seconds (`_NodeProgress`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from batchd.core import JobSpec
+from batchd.proto import Progress, Security
+
+from ._metrics_http import MergedRegistry, start_metrics_server, stop_metrics_server
+from ._node import NodeAgent
+from ._rank_server import job_samples
+from ._rank_service import RankServiceCore
+from ._run_common import (
+    RESTORED_LINGER_S,
+    linger_until_told,
+    log,
+    ray_lost_at_start,
+    stop_event,
+    write_port_file,
+)
+from ._run_rank import make_source, write_stats
+from .preprocess import RayLost, RaySource, SharedRay, Source, job_key
+
+
+def node_ranks(
+    local_ranks: int | None = None, node_rank: int | None = None, env: dict[str, str] | None = None
+) -> list[int]:
+    """The global ranks a node agent serves: node_rank * K .. node_rank * K + K - 1, torchrun's numbering.
+
+    K is `local_ranks`, else $LOCAL_WORLD_SIZE (torchrun's); the node rank is `node_rank`, else $GROUP_RANK
+    (torchrun), else $NODE_RANK. Raises ValueError naming what is missing or bad.
+    """
+    env = os.environ if env is None else env
+
+    def pick(value: int | None, names: tuple[str, ...], what: str) -> int:
+        if value is not None:
+            return value
+        for name in names:
+            if env.get(name, "").strip():
+                try:
+                    return int(env[name])
+                except ValueError:
+                    raise ValueError(f"${name}={env[name]!r} is not an integer ({what})") from None
+        raise ValueError(
+            f"the node agent needs {what}: pass --{what.replace('_', '-')} or set "
+            f"{' or '.join('$' + n for n in names)}"
+        )
+
+    k = pick(local_ranks, ("LOCAL_WORLD_SIZE",), "local_ranks")
+    g = pick(node_rank, ("GROUP_RANK", "NODE_RANK"), "node_rank")
+    if k < 1:
+        raise ValueError(f"local_ranks must be >= 1, got local_ranks={k}")
+    if g < 0:
+        raise ValueError(f"node_rank must be >= 0, got node_rank={g}")
+    return list(range(g * k, g * k + k))
+
+
+def run_node(
+    spec: JobSpec,
+    ranks: list[int],
+    coordinator: str,
+    lengths: list[int] | None,
+    name: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    advertise: str | None = None,
+    port_file: str | None = None,
+    state_dir: str | None = None,
+    client_grace_s: float = 30.0,
+    vocab_size: int = 512,
+    dataset: str | None = None,
+    tokenizer: str | None = None,
+    num_actors: int = 2,
+    ray_address: str | None = None,
+    quarantine: str | None = None,
+    stats_file: str | None = None,
+    pipeline: dict | None = None,
+    cutoff: int | None = None,
+    security: Security | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "127.0.0.1",
+    trainer_timeout_s: float = 1800.0,
+    startup_timeout_s: float = 600.0,
+    source_options: dict | None = None,
+) -> int:
+    """`batchd node`: serves `ranks` (one `RankServiceCore` each, one gRPC server, one coordinator stream)
+    until every one of its trainers took the job's last step, or the job failed. Sources as for
+    `run_rank`, one per rank (`num_actors` actors per rank; `stats_file` gets `{rank}` filled in or, without
+    it, ".rank<r>" before its suffix). `advertise` is the host peers on other nodes reach it at (default
+    `host`, or this machine's name when `host` is 0.0.0.0)."""
+    _check_node_ranks(spec, ranks, lengths, dataset)
+    held = _NodeSources()
+    try:
+        try:
+            held.open(
+                spec,
+                ranks,
+                lengths,
+                vocab_size,
+                dataset,
+                tokenizer,
+                num_actors,
+                ray_address,
+                quarantine,
+                cutoff,
+                pipeline,
+                source_options,
+                job_key(coordinator, spec),
+            )
+        except RayLost as lost:
+            return ray_lost_at_start(coordinator, ranks, spec, security, lost)
+        return _serve_node(
+            spec,
+            ranks,
+            coordinator,
+            name or socket.gethostname(),
+            held.sources,
+            host,
+            port,
+            advertise,
+            port_file,
+            state_dir,
+            client_grace_s,
+            security,
+            metrics_port,
+            metrics_host,
+            trainer_timeout_s,
+            startup_timeout_s,
+            held.fetched,
+            held.ray,
+        )
+    finally:
+        held.close(stats_file)
+
+
+def _check_node_ranks(
+    spec: JobSpec, ranks: list[int], lengths: list[int] | None, dataset: str | None
+) -> None:
+    """Raises ValueError when both `lengths` and `dataset` are given, or `ranks` is empty or holds a rank
+    outside the job's 0..world_size-1."""
+    if lengths is not None and dataset is not None:
+        raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
+    bad = [r for r in ranks if not 0 <= r < spec.world_size]
+    if not ranks or bad:
+        raise ValueError(
+            f"a node agent's ranks must lie in 0..{spec.world_size - 1} (world_size="
+            f"{spec.world_size}), got {ranks}"
+        )
+
+
+class _NodeSources:
+    """The node agent's sources, one per rank (`sources`), and the `SharedRay` handles they run on
+    (`ray`: the first one's; every rank's source shares that Ray). `open` fills them in rank order, so a
+    failure part way leaves the ones opened so far to `close`; `fetched` gets each rank's moved-sample
+    counts as the agent ends (`_serve_node`), for the stats files."""
+
+    def __init__(self) -> None:
+        self.sources: dict[int, Source] = {}
+        self.shared: list[SharedRay] = []
+        self.fetched: dict[int, dict[str, int]] = {}
+
+    @property
+    def ray(self) -> SharedRay | None:
+        return self.shared[0] if self.shared else None
+
+    def open(
+        self,
+        spec: JobSpec,
+        ranks: list[int],
+        lengths: list[int] | None,
+        vocab_size: int,
+        dataset: str | None,
+        tokenizer: str | None,
+        num_actors: int,
+        ray_address: str | None,
+        quarantine: str | None,
+        cutoff: int | None,
+        pipeline: dict | None,
+        source_options: dict | None,
+        job: str,
+    ) -> None:
+        """Opens each rank's source (`_run_rank.make_source`); raises `RayLost` if the Ray went away."""
+        for r in ranks:
+            self.sources[r], ray_handle = make_source(
+                spec,
+                r,
+                lengths,
+                vocab_size,
+                dataset,
+                tokenizer,
+                num_actors,
+                ray_address,
+                quarantine,
+                cutoff,
+                pipeline,
+                source_options,
+                job,
+            )
+            if ray_handle is not None:
+                self.shared.append(ray_handle)
+
+    def close(self, stats_file: str | None) -> None:
+        """Writes each `RaySource`'s stats (one file per rank: `_rank_path`), closes the sources, then the
+        Ray handles, even when a write fails."""
+        ray = self.ray
+        try:
+            for r, src in self.sources.items():
+                if isinstance(src, RaySource):
+                    path = _rank_path(stats_file, r)
+                    try:
+                        write_stats(
+                            path,
+                            r,
+                            src,
+                            ray.address if ray is not None else None,
+                            self.fetched.get(r),
+                            ray_gone=ray is not None and ray.lost is not None,
+                        )
+                    finally:
+                        src.close()
+        finally:
+            for handle in reversed(self.shared):  # the one that started an embedded Ray (the first) goes last
+                handle.close()
+
+
+def _node_ray_lost(agent: NodeAgent, lost: RayLost) -> None:
+    """The node's Ray went away: every rank of the node fails, naming it (its first rank tells the
+    coordinator)."""
+    first = agent.ranks[0]
+    for r in agent.ranks:
+        agent.cores[r].set_failure(f"rank {first}: {lost}")
+    agent.cores[first].coord.fail(str(lost))
+
+
+def _rank_path(path: str | None, rank: int) -> str | None:
+    if not path:
+        return None
+    if "{rank}" in path:
+        return path.format(rank=rank)
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
+
+
+def _advertised(host: str, advertise: str | None) -> str:
+    if advertise:
+        return advertise
+    if host in ("0.0.0.0", "::", "[::]"):
+        return socket.getfqdn()
+    return host
+
+
+class _NodeProgress:
+    """The node agent's progress: one log line every $BATCHD_PROGRESS_S seconds (30) with the samples of
+    every rank made into this epoch's steps, out of the job's total, and the steps (as seen by `core`,
+    the node's first rank: every rank makes the same steps). Always log lines, never a bar: an agent
+    runs in the background, beside the trainers' own progress."""
+
+    def __init__(self, name: str, core: RankServiceCore) -> None:
+        self.name, self.core = name, core
+        self.epoch: int | None = None
+        self.bar: Progress | None = None
+
+    def poll(self) -> None:
+        core = self.core
+        with core.cond:  # the epoch, its state and its count change together (`_next_epoch`)
+            epoch, made, steps = core.epoch, core.samples_made, core.state.step
+        if epoch != self.epoch or self.bar is None:
+            self.close()
+            self.epoch = epoch
+            self.bar = Progress(
+                f"node agent {self.name!r}: epoch {epoch + 1}/{core.spec.epochs}",
+                job_samples(core) or None,
+                "samples",
+                tty=False,
+            )
+        self.bar.update(made - self.bar.n, steps - self.bar.steps)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _serve_node(
+    spec: JobSpec,
+    ranks: list[int],
+    coordinator: str,
+    name: str,
+    sources: dict[int, Source],
+    host: str,
+    port: int,
+    advertise: str | None,
+    port_file: str | None,
+    state_dir: str | None,
+    client_grace_s: float,
+    security: Security | None,
+    metrics_port: int | None,
+    metrics_host: str,
+    trainer_timeout_s: float,
+    startup_timeout_s: float,
+    fetched: dict[int, dict[str, int]] | None = None,
+    shared: SharedRay | None = None,
+) -> int:
+    """Serves the node's ranks (see `run_node`); `fetched` gets each rank's moved-sample counts at the end.
+    `shared`: the Ray its sources run on, watched: once it goes away the job fails, naming it."""
+    agent = NodeAgent(
+        spec,
+        coordinator,
+        name,
+        sources,
+        host,
+        port,
+        _advertised(host, advertise),
+        state_dir,
+        client_grace_s,
+        security,
+        metrics_port is not None,
+        trainer_timeout_s,
+        startup_timeout_s,
+    )
+    cores = agent.cores
+    metrics_server = _start_node_agent(
+        agent, name, host, port_file, security, metrics_host, metrics_port, shared
+    )
+    stop = stop_event()
+    progress = _NodeProgress(name, cores[min(cores)])
+    try:
+        status = _wait_node(agent, stop, progress, client_grace_s)
+    finally:
+        progress.close()
+        agent.stop()
+        if fetched is not None:
+            fetched.update((r, dict(core.fetched)) for r, core in cores.items())
+        if metrics_server is not None:
+            stop_metrics_server(metrics_server)
+    if stop.is_set() and not all(c.finished for c in cores.values()) and status == 0:
+        return 130
+    return status
+
+
+def _start_node_agent(
+    agent: NodeAgent,
+    name: str,
+    host: str,
+    port_file: str | None,
+    security: Security | None,
+    metrics_host: str,
+    metrics_port: int | None,
+    shared: SharedRay | None,
+) -> Any:
+    """Starts `agent` with its ranks' merged metrics (when it keeps metrics), watches its Ray (`shared`),
+    writes the port file and logs where it serves; returns the metrics server, or None."""
+    metrics_server = metrics_bound = None
+    if agent.metrics:
+        metrics_server, metrics_bound = start_metrics_server(
+            MergedRegistry([m.registry for m in agent.metrics.values()]), metrics_host, metrics_port
+        )
+    agent.start()
+    if shared is not None:
+        shared.watch(lambda lost: _node_ray_lost(agent, lost))
+    bound = agent.port
+    write_port_file(port_file, bound, metrics_bound)
+    log.info(
+        "node agent %r serving ranks %s on %s:%d (peers reach it at %s; %s)",
+        name,
+        agent.ranks,
+        host,
+        bound,
+        agent.address,
+        security.describe() if security else "plaintext",
+    )
+    return metrics_server
+
+
+def _wait_node(
+    agent: NodeAgent, stop: threading.Event, progress: _NodeProgress, client_grace_s: float
+) -> int:
+    """Polls `agent` every 0.2 s (logging `progress`) until the job failed (then lingers until every
+    trainer heard why: status 1), every trainer finished (status 0; a restored agent that had already
+    finished waits RESTORED_LINGER_S for a trainer asking for that end again), or `stop` is set (0)."""
+    finished_at = None
+    while not stop.wait(0.2):
+        progress.poll()
+        if agent.failure is not None:
+            linger_until_told(list(agent.cores.values()), stop, client_grace_s)
+            return 1
+        if agent.finished:
+            finished_at = finished_at or time.monotonic()
+            if not agent.restored_finished or time.monotonic() - finished_at >= RESTORED_LINGER_S:
+                break
+        else:
+            finished_at = None
+    return 0
