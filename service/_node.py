@@ -4,7 +4,7 @@
 and trainer stream, exactly as a one-rank service), one gRPC server for all of them (requests name their
 rank), and one `NodeLink`: the stream to the coordinator that carries all its ranks' reports and commits.
 Samples a balanced plan moves between two of its ranks are handed over in process (`local_peers`); only
-moves to other nodes are fetched over gRPC. `service._main.run_node` is the process around it (sources,
+moves to other nodes are fetched over gRPC. `service._run_node.run_node` is the process around it (sources,
 Ray, signals, exit status); tests build it in process.
 """
 

@@ -16,7 +16,8 @@ Private modules, one concern each (`_chain` is the one that imports every stage)
     stages     `_tokenizer`, `_stage` (the stage contract), `_augment`, `_text` (template, tokenize,
                truncate), `_vision` (images, visual tokens), `_hf` (`HFProcessor`: a model's own HF
                processor), `_chain` (`default_stages`, `Preprocessor`)
-    Ray        `_ray` (connect, `resolve`), `_pool` (the actor pool), `_ray_source` (`RaySource`)
+    Ray        `_ray` (connect, `resolve`), `_pool` (the actor pool), `_ray_source` (`RaySource`),
+               `_ledger` (its record of pulled samples)
     sources    `_sources` (the `Source` protocol, synthetic and pushed sources); `_demo_data`
 Imports only `batchd.core`: the rank service builds on it, never the other way.
 """
