@@ -6,7 +6,6 @@ Imports `batchd.core` and `batchd.proto` only; it needs no torch (batches are co
 """
 
 from ._coord_client import CoordinatorClient
-from ._coordinator import CoordinatorServicer, CoordinatorState, create_server
 from ._journal import Journal, JournalError
 from ._main import node_ranks, run_coordinator, run_node, run_rank
 from ._metrics import (
@@ -21,6 +20,7 @@ from ._node_link import LocalRankClient, NodeLink
 from ._rank_server import RankServicer, create_rank_server
 from ._rank_service import RankServiceCore, collate
 from ._security import add_port, server_interceptors
+from .coordinator import CoordinatorServicer, CoordinatorState, create_server
 
 __all__ = [
     "CoordinatorClient",

@@ -38,7 +38,6 @@ from batchd.core import JobSpec, Sample, max_fitting_length
 from batchd.proto import Progress, Security
 
 from ._coord_client import CoordinatorClient
-from ._coordinator import create_server
 from ._metrics import (
     CoordinatorMetrics,
     MergedRegistry,
@@ -49,6 +48,7 @@ from ._metrics import (
 from ._node import NodeAgent
 from ._rank_server import create_rank_server, job_samples
 from ._rank_service import RankServiceCore
+from .coordinator import create_server
 from .preprocess import (
     IngestSource,
     RayLost,
