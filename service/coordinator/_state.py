@@ -338,8 +338,7 @@ class CoordinatorState:
     def heartbeat_many(self, ranks: list[int]) -> tuple[str, str]:
         """The ranks are alive: (state, failure or ""); the ranks count as told of a failure."""
         with self._lock:
-            for r in ranks:
-                self._touch([r], "Heartbeat")
+            self._touch(ranks, "Heartbeat")
             if self.failure is not None:
                 self.informed.update(ranks)
             return self.state, self.failure or ""
