@@ -249,3 +249,22 @@ def test_commits_read_off_the_wire_total_as_the_core_sums_them(mode):
             else:
                 totals.append(core.commit(commits))
         assert totals[0] == totals[1]
+
+
+def test_the_method_table_is_the_generated_one_with_replies_passed_as_bytes():
+    """Registration takes the generated table (every method of the service, its streaming kind) and only
+    wraps each response serializer so that a reply serialized once for a whole round passes through."""
+    from batchd.service import CoordinatorServicer, CoordinatorState
+    from batchd.service.coordinator._server import method_handlers
+
+    state = CoordinatorState(SPEC)
+    try:
+        table = method_handlers(CoordinatorServicer(state))
+    finally:
+        state.close()
+    assert set(table) == set(pb.DESCRIPTOR.services_by_name["Coordinator"].methods_by_name)
+    reply = pb.AlignReply(epoch=1, round=3, target=2)
+    serialize = table["Align"].response_serializer
+    assert serialize(reply) == reply.SerializeToString() and serialize(b"shared") == b"shared"
+    assert table["Node"].request_streaming and table["Node"].response_streaming
+    assert not table["Commit"].request_streaming and not table["Commit"].response_streaming

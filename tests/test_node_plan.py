@@ -8,12 +8,15 @@ is one of its ranks; so the union of every node's view is the whole plan.
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchd.core import (
+    Coordinator,
     Exchange,
     ImageRef,
+    JobSpec,
     RoundDecision,
     Sample,
     decision_for_node,
@@ -95,3 +98,16 @@ def test_round_exchanges_sums_the_steps(case):
     assert set(got) == {"intra_node_images", "intra_node_rows", "cross_node_images", "cross_node_rows"}
     for key, value in got.items():
         assert value == sum(exchanged(step, nodes)[key] for step in zip(*decision.vision, strict=False))
+
+
+def test_set_topology_validates_both_before_setting_either():
+    core = Coordinator(JobSpec(world_size=2, token_budget=512, window=8))
+    core.set_topology([0, 0], [0, 1])
+    assert (core.nodes, core.vision_nodes) == ([0, 0], [0, 1])
+    with pytest.raises(ValueError, match=r"nodes\[1\]"):
+        core.set_topology([1, 1], [0, -1])
+    with pytest.raises(ValueError, match="one node index per rank"):
+        core.set_topology([0], None)
+    assert (core.nodes, core.vision_nodes) == ([0, 0], [0, 1])  # a refused topology changes nothing
+    core.set_topology(None, None)
+    assert core.nodes is None and core.vision_nodes is None

@@ -81,6 +81,8 @@ def method_handlers(servicer: CoordinatorServicer) -> dict[str, grpc.RpcMethodHa
     """The Coordinator service's method table: the generated one, replies possibly pre-serialized."""
     recorder = _Recorder()
     pb_grpc.add_CoordinatorServicer_to_server(servicer, recorder)
+    if SERVICE not in recorder.tables:  # stubs of a grpcio-tools that predates registered methods
+        raise RuntimeError(f"the generated stubs registered no method table for {SERVICE}: regenerate them")
     return {name: _rebuilt(h) for name, h in recorder.tables[SERVICE].items()}
 
 
