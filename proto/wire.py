@@ -179,6 +179,9 @@ def commit_from_pb(m: pb.CommitRequest) -> RankCommit:
     return RankCommit(int(m.rank), int(m.round), tuple(steps), int(m.remaining), bool(m.exhausted))
 
 
+_Steps = tuple[tuple[tuple[int, int], ...], ...]  # RankCommit.steps
+
+
 class WireStep(collections.abc.Sequence[tuple[int, int]]):
     """One committed step as it came off the wire: a sequence of the (length, loss_tokens) pairs of its
     samples (as `commit_from_pb` builds them), made only when someone reads them (the metrics, a quota
@@ -240,7 +243,7 @@ def commit_with_sums_from_pb(m: pb.CommitRequest) -> tuple[RankCommit, tuple[tup
         steps.append(WireStep(lengths, loss))
         sums.append((len(lengths), sum(lengths), sum(loss)))
     # A WireStep is a Sequence equal to the tuple it stands for; the core only iterates and measures it.
-    pairs = cast(tuple[tuple[tuple[int, int], ...], ...], tuple(steps))
+    pairs = cast(_Steps, tuple(steps))
     commit = RankCommit(int(m.rank), int(m.round), pairs, int(m.remaining), bool(m.exhausted))
     return commit, tuple(sums)
 
