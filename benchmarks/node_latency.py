@@ -118,7 +118,7 @@ def coordinator_main(
     `base`: a directory holding another revision's `batchd` package (`baseline_tree`) to run instead."""
     if base is not None:  # before anything imports batchd: this tree wins over the editable install
         sys.path.insert(0, base)
-    from batchd.service import _coordinator as co
+    import batchd.service as co
     from batchd.service import create_server
 
     profiles: list = []

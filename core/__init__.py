@@ -1,5 +1,6 @@
 """batchd's batching core: pure grouping, DGAP alignment, balancing, loss scaling, the simulator, and the
-lifecycle state machines, the job spec, numpy collation, the error hierarchy (a rank's delivery to its trainer, the coordinator's view of who is alive).
+lifecycle state machines, the job spec, numpy collation, the error hierarchy (a rank's delivery to its
+trainer, the coordinator's view of who is alive), one node's view of a round's plan.
 
 No I/O, no threads: the daemon (gRPC, Ray) and the simulator carry these functions' inputs and outputs.
 """
@@ -54,6 +55,7 @@ from ._grouping import (
 from ._liveness import Liveness
 from ._loss import loss_scale
 from ._microbatch import balanced_split, chunk_split
+from ._node_plan import decision_for_node, round_exchanges
 from ._phases import (
     EXCHANGE_KEYS,
     PHASES,
@@ -162,6 +164,7 @@ __all__ = [
     "collate_packed",
     "collate_padded",
     "contiguous_greedy",
+    "decision_for_node",
     "epoch_permutation",
     "exchange_arrays",
     "exchanged",
@@ -189,6 +192,7 @@ __all__ = [
     "plan_vision",
     "plan_vision_round",
     "report_capacity",
+    "round_exchanges",
     "simulate",
     "single_phase",
     "split_largest",

@@ -178,12 +178,6 @@ class Coordinator:
         `vision_planner` (attribute; default `plan_vision_round`) plans a round's vision exchange; the
         simulator wraps it to time it."""
         spec.check_daemon()
-        self.nodes = check_nodes(nodes, spec.world_size) if nodes is not None else None
-        # The vision phase keeps images on their owner's node whenever the topology is known, node-aware
-        # LLM planning or not (an exchange inside a node is cheap, across nodes it is not).
-        self.vision_nodes = (
-            check_nodes(vision_nodes, spec.world_size) if vision_nodes is not None else self.nodes
-        )
         self.vision_planner = plan_vision_round
         self.plan_stats: dict[str, int] = {}  # node-aware planning counts (`plan_round`'s `stats`)
         self.spec = spec
@@ -192,6 +186,11 @@ class Coordinator:
             spec.policy_object(),
             spec.token_budget,
         )
+        self.nodes: list[int] | None = None
+        self.vision_nodes: list[int] | None = None
+        # The vision phase keeps images on their owner's node whenever the topology is known, node-aware
+        # LLM planning or not (an exchange inside a node is cheap, across nodes it is not).
+        self.set_topology(nodes, vision_nodes if vision_nodes is not None else nodes)
         self.cost = spec.cost_model()
         self.vision_cost = spec.vision_cost() if spec.phases == 2 else None
         self.mode, self.seed, self.epoch = spec.mode, spec.seed, epoch
@@ -200,6 +199,15 @@ class Coordinator:
         self.emitted = 0
         self.done = False
         self._decided: RoundDecision | None = None
+
+    def set_topology(self, nodes: Sequence[int] | None, vision_nodes: Sequence[int] | None) -> None:
+        """Sets the topology the next `decide` plans with (the daemon learns it as node agents register):
+        `nodes` for the LLM plan (None: node-blind), `vision_nodes` for the vision plan (None: none),
+        each validated (`check_nodes`: one int >= 0 per rank) before either is set. Raises ValueError
+        naming the bad value. O(world_size)."""
+        checked = check_nodes(nodes, self.world_size) if nodes is not None else None
+        vision = check_nodes(vision_nodes, self.world_size) if vision_nodes is not None else None
+        self.nodes, self.vision_nodes = checked, vision
 
     # -- validation ---------------------------------------------------------------------------------
     def _check(self, msgs: Sequence[Any], what: str) -> list[Any]:

@@ -3,12 +3,19 @@
 Kept in one place so the coordinator, the rank service and the client agree field by field; every
 `*_from_pb` validates through the core's own constructors, so a malformed message raises ValueError
 (which the servicers turn into INVALID_ARGUMENT).
+
+The coordinator's hot path has its own reader of a commit, `commit_with_sums_from_pb`: its steps are
+`WireStep`s (pairs built only when read) and it sums each step in C, so a round's totals cost no
+per-sample Python work. `node_decision_to_pb` / `node_totals_to_pb` wrap a round's answer as the reply of
+a node agent's stream.
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, cast, overload
 
 import numpy as np
 
@@ -172,6 +179,75 @@ def commit_from_pb(m: pb.CommitRequest) -> RankCommit:
     return RankCommit(int(m.rank), int(m.round), tuple(steps), int(m.remaining), bool(m.exhausted))
 
 
+_Steps = tuple[tuple[tuple[int, int], ...], ...]  # RankCommit.steps
+
+
+class WireStep(collections.abc.Sequence[tuple[int, int]]):
+    """One committed step as it came off the wire: a sequence of the (length, loss_tokens) pairs of its
+    samples (as `commit_from_pb` builds them), made only when someone reads them (the metrics, a quota
+    cut); its length is known at once. Equal to the tuple of those pairs (and to another WireStep of
+    them); unhashable. Raises ValueError on unequal lengths and loss counts."""
+
+    __slots__ = ("_lengths", "_loss", "_pairs")
+
+    def __init__(self, lengths: list[int], loss_tokens: list[int]) -> None:
+        if len(lengths) != len(loss_tokens):
+            raise ValueError(f"{len(lengths)} lengths but {len(loss_tokens)} loss counts")
+        self._lengths, self._loss = lengths, loss_tokens
+        self._pairs: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        """The (length, loss_tokens) pairs, built on first read."""
+        if self._pairs is None:
+            self._pairs = tuple(zip(self._lengths, self._loss, strict=False))
+        return self._pairs
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[int, int]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[tuple[int, int], ...]: ...
+
+    def __getitem__(self, i: int | slice) -> tuple[int, int] | tuple[tuple[int, int], ...]:
+        return self.pairs[i]
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self.pairs)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, WireStep | tuple):
+            return self.pairs == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"WireStep({self.pairs!r})"
+
+
+def commit_with_sums_from_pb(m: pb.CommitRequest) -> tuple[RankCommit, tuple[tuple[int, int, int], ...]]:
+    """`commit_from_pb` for the coordinator's hot path, plus per step its (samples, tokens, loss tokens):
+    the repeated fields are copied to lists and summed in C, with no per-sample pair (the steps are
+    `WireStep`s, which stand in for the core's step tuples). O(samples) in C, O(steps) in Python.
+    Raises ValueError naming the rank on unequal lengths and loss counts."""
+    steps: list[WireStep] = []
+    sums: list[tuple[int, int, int]] = []
+    for st in m.steps:
+        lengths, loss = st.lengths[:], st.loss_tokens[:]
+        if len(lengths) != len(loss):
+            raise ValueError(f"commit of rank {m.rank}: {len(lengths)} lengths but {len(loss)} loss counts")
+        steps.append(WireStep(lengths, loss))
+        sums.append((len(lengths), sum(lengths), sum(loss)))
+    # A WireStep is a Sequence equal to the tuple it stands for; the core only iterates and measures it.
+    pairs = cast(_Steps, tuple(steps))
+    commit = RankCommit(int(m.rank), int(m.round), pairs, int(m.remaining), bool(m.exhausted))
+    return commit, tuple(sums)
+
+
 def totals_to_pb(t: RoundTotals, epoch: int) -> pb.CommitReply:
     return pb.CommitReply(
         epoch=epoch,
@@ -196,6 +272,17 @@ def totals_from_pb(m: pb.CommitReply) -> RoundTotals:
         bool(m.done),
         tuple(int(x) for x in m.keep_last) if m.has_keep_last else None,
     )
+
+
+def node_decision_to_pb(d: RoundDecision, epoch: int) -> pb.NodeReply:
+    """A round's decision as the reply of a node agent's stream (`d` already cut for that node, if at
+    all: `batchd.core.decision_for_node`)."""
+    return pb.NodeReply(decision=decision_to_pb(d, epoch))
+
+
+def node_totals_to_pb(t: RoundTotals, epoch: int) -> pb.NodeReply:
+    """A round's totals as the reply of a node agent's stream."""
+    return pb.NodeReply(totals=totals_to_pb(t, epoch))
 
 
 def info_to_pb(i: StepInfo, epoch: int) -> pb.StepInfo:
@@ -233,7 +320,7 @@ def info_from_pb(m: pb.StepInfo) -> StepInfo:
     )
 
 
-def tensor_to_pb(name: str, array) -> pb.Tensor:
+def tensor_to_pb(name: str, array: Any) -> pb.Tensor:
     """Encodes a numpy array or CPU torch tensor as raw little-endian bytes."""
     if hasattr(array, "numpy") and not isinstance(array, np.ndarray):
         array = array.detach().cpu().numpy()

@@ -6,7 +6,6 @@ Imports `batchd.core` and `batchd.proto` only; it needs no torch (batches are co
 """
 
 from ._coord_client import CoordinatorClient
-from ._coordinator import CoordinatorServicer, CoordinatorState, create_server
 from ._journal import Journal, JournalError
 from ._metrics import CoordinatorMetrics, RankMetrics
 from ._metrics_http import MergedRegistry, start_metrics_server, stop_metrics_server
@@ -18,6 +17,7 @@ from ._run_coordinator import run_coordinator
 from ._run_node import node_ranks, run_node
 from ._run_rank import run_rank
 from ._security import add_port, server_interceptors
+from .coordinator import CoordinatorServicer, CoordinatorState, create_server
 
 __all__ = [
     "CoordinatorClient",

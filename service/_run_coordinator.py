@@ -13,10 +13,10 @@ import time
 from batchd.core import JobSpec
 from batchd.proto import Security
 
-from ._coordinator import create_server
 from ._metrics import CoordinatorMetrics
 from ._metrics_http import stop_metrics_server
 from ._run_common import LINGER_S, log, start_metrics, stop_event, write_port_file
+from .coordinator import create_server
 
 
 def run_coordinator(

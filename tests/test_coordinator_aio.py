@@ -18,6 +18,7 @@ from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.proto import wire
 from batchd.service import create_server
+from batchd.service.coordinator import Barrier
 
 HOST = "127.0.0.1"
 SPEC = JobSpec(world_size=3, token_budget=1024, policy="local", window=8, depth=2)
@@ -79,6 +80,17 @@ class Stream:
         )
 
 
+def _align(state, report: RankReport):
+    """A sync caller's Align (as a rank service alone would send it): submit, then wait on the barrier."""
+    got = state.submit_align(0, [report])
+    return state.outcome(got, [report.rank], timeout=20) if isinstance(got, Barrier) else got
+
+
+def _commit(state, commit: RankCommit):
+    got = state.submit_commit(0, [commit])
+    return state.outcome(got, [commit.rank], timeout=20) if isinstance(got, Barrier) else got
+
+
 def _in_thread(fn):
     out: dict = {}
 
@@ -97,13 +109,13 @@ def test_a_sync_caller_and_a_node_stream_share_one_barrier(coordinator):
     stub, state = coordinator
     state.register(0, SPEC, f"{HOST}:2")
     stream = Stream(stub, "n", [1, 2])
-    t, out = _in_thread(lambda: state.align(0, RankReport(0, 0, 1, 0, 0, False, ())))
+    t, out = _in_thread(lambda: _align(state, RankReport(0, 0, 1, 0, 0, False, ())))
     stream.align()
     reply = next(stream.call)
     t.join(10)
     assert reply.WhichOneof("kind") == "decision" and reply.decision.round == 0
     assert out["value"].round == 0 and out["value"].target == reply.decision.target
-    t, out = _in_thread(lambda: state.commit(0, RankCommit(0, 0, (), 0, False)))
+    t, out = _in_thread(lambda: _commit(state, RankCommit(0, 0, (), 0, False)))
     stream.commit()
     totals = next(stream.call).totals
     t.join(10)
@@ -126,7 +138,7 @@ def test_fail_wakes_every_waiter_with_aborted_and_tells_its_ranks(coordinator):
     assert "rank 0: trainer crashed" in out["error"].details()
     assert {1, 2} <= state.informed
     with pytest.raises(Exception, match="trainer crashed"):
-        state.align(0, RankReport(0, 0, 1, 0, 0, False, ()))
+        _align(state, RankReport(0, 0, 1, 0, 0, False, ()))
 
 
 def test_close_wakes_waiters_with_unavailable_and_a_cancelled_stream_leaves_the_others(coordinator):
@@ -198,11 +210,10 @@ def test_stop_shuts_grpc_aio_down_on_the_loop_before_the_caller_lets_go():
 
 @pytest.mark.parametrize("mode", ["join", "non-join"])
 def test_commits_read_off_the_wire_total_as_the_core_sums_them(mode):
-    """`commit_from_pb`'s lazy steps and C sums give the core's totals exactly, cut or not."""
+    """`commit_with_sums_from_pb`'s lazy steps and C sums give the core's totals exactly, cut or not."""
     import random
 
     from batchd.core import Coordinator, RoundDecision
-    from batchd.service._coordinator import commit_from_pb
 
     rng = random.Random(7)
     for quota in (10_000, 40, 3):
@@ -232,9 +243,28 @@ def test_commits_read_off_the_wire_total_as_the_core_sums_them(mode):
             core = Coordinator(spec, 0)
             core.resume_decided(RoundDecision(0, 3))
             if wire_side:
-                read = [commit_from_pb(wire.commit_to_pb(c, 0)) for c in commits]
+                read = [wire.commit_with_sums_from_pb(wire.commit_to_pb(c, 0)) for c in commits]
                 assert [c for c, _ in read] == commits
                 totals.append(core.commit([c for c, _ in read], {c.rank: s for c, s in read}))
             else:
                 totals.append(core.commit(commits))
         assert totals[0] == totals[1]
+
+
+def test_the_method_table_is_the_generated_one_with_replies_passed_as_bytes():
+    """Registration takes the generated table (every method of the service, its streaming kind) and only
+    wraps each response serializer so that a reply serialized once for a whole round passes through."""
+    from batchd.service import CoordinatorServicer, CoordinatorState
+    from batchd.service.coordinator._server import method_handlers
+
+    state = CoordinatorState(SPEC)
+    try:
+        table = method_handlers(CoordinatorServicer(state))
+    finally:
+        state.close()
+    assert set(table) == set(pb.DESCRIPTOR.services_by_name["Coordinator"].methods_by_name)
+    reply = pb.AlignReply(epoch=1, round=3, target=2)
+    serialize = table["Align"].response_serializer
+    assert serialize(reply) == reply.SerializeToString() and serialize(b"shared") == b"shared"
+    assert table["Node"].request_streaming and table["Node"].response_streaming
+    assert not table["Commit"].request_streaming and not table["Commit"].response_streaming

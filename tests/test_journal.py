@@ -9,8 +9,8 @@ import pytest
 from _jobs import InProcessJob
 
 from batchd.core import JobSpec
-from batchd.service._coordinator import JOURNAL, create_server
 from batchd.service._journal import Journal, JournalError, decode_records, encode_record
+from batchd.service.coordinator import JOURNAL, create_server
 
 JOB = {"world_size": 2, "token_budget": 512}
 
@@ -72,6 +72,30 @@ def test_coordinator_refuses_a_journal_of_another_job(tmp_path):
     assert (tmp_path / JOURNAL).exists()
     with pytest.raises(JournalError, match=r"another job \(.*window: journal 8, this job 16"):
         create_server("127.0.0.1:0", spec.replace(window=16), state_dir=tmp_path)
+
+
+def test_a_compaction_keeps_the_record_that_triggered_it(tmp_path, monkeypatch):
+    """Compacting on every record: each snapshot is taken after the state took in the record that made
+    the journal due (a registration, a decision, totals), so a restart still finds all of them."""
+    from batchd.core import RankCommit, RankReport
+    from batchd.service import CoordinatorState
+    from batchd.service.coordinator import _recovery
+
+    monkeypatch.setattr(_recovery, "COMPACT_EVERY", 1)
+    spec = JobSpec(world_size=1, token_budget=512, window=8)
+    state = CoordinatorState(spec, state_dir=tmp_path)
+    state.register(0, spec, "127.0.0.1:1")
+    decision = state.submit_align(0, [RankReport(0, 0, 1, 0, 0, False, ())])
+    totals = state.submit_commit(0, [RankCommit(0, 0, ((),) * decision.target, 0, False)])
+    pending = state.submit_align(0, [RankReport(0, 1, 1, 0, 0, False, ())])
+    state.close()
+    again = CoordinatorState(spec, state_dir=tmp_path)
+    try:
+        assert again.restored and again.addresses == {0: "127.0.0.1:1"} and again.core.round == 1
+        assert again.submit_commit(0, [RankCommit(0, 0, ((),) * decision.target, 0, False)]) == totals
+        assert again.submit_align(0, [RankReport(0, 1, 1, 0, 0, False, ())]) == pending
+    finally:
+        again.close()
 
 
 @pytest.mark.parametrize("policy", ["local", "balanced"])

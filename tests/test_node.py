@@ -156,7 +156,7 @@ def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_pr
     results = _drain(job)
     _check_exactly_once(results, len(lengths))
     assert job.state.node_of == {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}
-    assert job.state._topology() == [0, 0, 1, 1]
+    assert job.state.topology() == [0, 0, 1, 1]
     assert job.state.core.nodes == ([0, 0, 1, 1] if node_aware else None)
     home = {i: r for a in job.agents for r, c in a.cores.items() for i in c.source.view._view}
     moved = [sum(1 for ids, _ in res for i in ids if home[i] != r) for r, res in enumerate(results)]
@@ -301,7 +301,7 @@ def test_two_live_agents_cannot_serve_one_rank_and_a_silent_one_fails_the_job_na
     ):
         state.register_node("b", [1, 2], spec, "10.0.0.2:7100")
     state.register_node("b", [2, 3], spec, "10.0.0.2:7100")
-    assert state._topology() == [0, 0, 1, 1]
+    assert state.topology() == [0, 0, 1, 1]
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:  # node a heartbeats (both its ranks in one call); b stays silent
         stub.Heartbeat(pb.HeartbeatRequest(rank=0, ranks=[0, 1]), timeout=5)
@@ -317,12 +317,15 @@ def test_two_live_agents_cannot_serve_one_rank_and_a_silent_one_fails_the_job_na
 
 
 def test_a_balanced_plan_reaches_each_node_cut_to_what_it_needs():
-    from batchd.service._coordinator import NodeView
+    from batchd.core import decision_for_node
 
     s = [Sample(i, 10 + i, home_rank=i % 4) for i in range(8)]
     plan = ((tuple(s[0:2]),), (tuple(s[2:5]),), (tuple(s[5:7]),), (tuple(s[7:8]),))
     decision = RoundDecision(3, 1, plan)
-    got = wire.decision_from_pb(NodeView("a", [0, 1]).decision_pb(decision, 0))
+    reply = pb.NodeReply.FromString(
+        wire.node_decision_to_pb(decision_for_node(decision, {0, 1}), 0).SerializeToString()
+    )
+    got = wire.decision_from_pb(reply.decision)
     assert got.plan[0] == plan[0] and got.plan[1] == plan[1]  # its own ranks: whole
     # others: only what ranks 0 and 1 lend them (homes 0 and 1)
     assert got.plan[2] == ((s[5],),) and got.plan[3] == ((),)

@@ -1,0 +1,210 @@
+"""Restart: the coordinator's journal records, the replay tables, snapshot and restore.
+
+With `state_dir`, every decision, totals, registration, finish and failure is appended to a journal
+(`batchd.service._journal`: fsynced, checksummed) before any rank sees it (write-ahead). A coordinator
+killed with `kill -9` and restarted with the same command resumes: ranks reconnect (their calls retry
+while it is away, for up to a lease) and go on; rounds already decided are replayed from the journal.
+
+Records (JSON objects, `kind` first):
+- `register`: rank, address, and the node agent serving it (`node`, absent for a rank alone);
+- `decision`: epoch, round, the serialized `AlignReply` (`reply`, base64);
+- `totals`: epoch, round, the serialized `CommitReply`, and the core's `state_dict` after those totals
+  (`core`; in a snapshot only the newest totals carry it, older ones only fill the replay tables);
+- `finish`: a rank's trainer took the job's last step; `failure`: the job failed (its message).
+
+A snapshot (`snapshot`, written by `Journal.compact` every `COMPACT_EVERY` records and after a restore)
+holds the registrations, the replay tables, the finishes and the failure: about 20 records. Restoring
+(`replay_records`, then `resume_core`) rebuilds the core from the newest totals, a decision newer than
+those totals as the round's pending decision, the replay tables, and the ranks.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from batchd.core import Coordinator, JobSpec, RoundDecision, RoundTotals
+from batchd.proto import batchd_pb2 as pb
+from batchd.proto import wire
+
+JOURNAL = "coordinator.journal"
+COMPACT_EVERY = 4096  # journal records between compactions (a compacted journal holds ~20 records)
+KEEP_ROUNDS = 8  # decisions and totals kept for replay (a restarted rank is at most a round or two behind)
+
+Key = tuple[int, int]  # (epoch, round)
+Record = dict[str, Any]
+
+
+def job_of(spec: JobSpec) -> dict[str, Any]:
+    """What names a job in its journal: its spec."""
+    return dataclasses.asdict(spec)
+
+
+def register_record(rank: int, address: str, node: str | None) -> Record:
+    record: Record = {"kind": "register", "rank": rank, "address": address}
+    if node is not None:
+        record["node"] = node
+    return record
+
+
+def decision_record(key: Key, decision: RoundDecision) -> Record:
+    return {
+        "kind": "decision",
+        "epoch": key[0],
+        "round": key[1],
+        "reply": base64.b64encode(wire.decision_to_pb(decision, key[0]).SerializeToString()).decode(),
+    }
+
+
+def totals_record(key: Key, totals: RoundTotals, core_state: Mapping[str, Any] | None) -> Record:
+    return {
+        "kind": "totals",
+        "epoch": key[0],
+        "round": key[1],
+        "core": core_state,
+        "reply": base64.b64encode(wire.totals_to_pb(totals, key[0]).SerializeToString()).decode(),
+    }
+
+
+def _decision_of(rec: Mapping[str, Any]) -> RoundDecision:
+    return wire.decision_from_pb(pb.AlignReply.FromString(base64.b64decode(rec["reply"])))
+
+
+def _totals_of(rec: Mapping[str, Any]) -> RoundTotals:
+    return wire.totals_from_pb(pb.CommitReply.FromString(base64.b64decode(rec["reply"])))
+
+
+def _trim(table: dict[Key, Any]) -> None:
+    while len(table) > KEEP_ROUNDS:
+        table.pop(next(iter(table)))
+
+
+class ReplayTables:
+    """The newest `KEEP_ROUNDS` rounds' decisions and totals (a restarted rank that resends a message of
+    a decided round gets the stored answer: its state is deterministic, so it gets what it had), and
+    the core's state after the newest totals (what a snapshot needs to rebuild the core)."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[Key, RoundDecision] = {}
+        self.totals: dict[Key, RoundTotals] = {}
+        self.core_state: dict[str, Any] | None = None
+        self.core_key: Key | None = None
+
+    def decided(self, key: Key, decision: RoundDecision) -> None:
+        self.decisions[key] = decision
+        _trim(self.decisions)
+
+    def committed(self, key: Key, totals: RoundTotals, core_state: dict[str, Any]) -> None:
+        self.totals[key] = totals
+        _trim(self.totals)
+        self.core_state, self.core_key = core_state, key
+
+    def records(self) -> list[Record]:
+        """Their journal records, in round order (a round's decision before its totals)."""
+        out: list[Record] = []
+        for key in sorted(set(self.decisions) | set(self.totals)):
+            if key in self.decisions:
+                out.append(decision_record(key, self.decisions[key]))
+            if key in self.totals:
+                core = self.core_state if key == self.core_key else {}
+                out.append(totals_record(key, self.totals[key], core))
+        return out
+
+
+def snapshot(
+    addresses: Mapping[int, str],
+    node_of: Mapping[int, str],
+    replay: ReplayTables,
+    finished: Iterable[int],
+    failure: str | None,
+) -> list[Record]:
+    """The records a restart needs: ranks, the replay tables, finishes (sorted), the failure."""
+    out = [register_record(r, a, node_of.get(r)) for r, a in sorted(addresses.items())]
+    out += replay.records()
+    out += [{"kind": "finish", "rank": r} for r in sorted(finished)]
+    if failure is not None:
+        out.append({"kind": "failure", "message": failure})
+    return out
+
+
+@dataclasses.dataclass
+class Recovered:
+    """What a journal's records say (`replay_records`): the ranks, the replay tables, the newest
+    decision (`pending`, its key), finishes and the failure."""
+
+    addresses: dict[int, str] = dataclasses.field(default_factory=dict)
+    node_of: dict[int, str] = dataclasses.field(default_factory=dict)
+    registered: set[int] = dataclasses.field(default_factory=set)
+    finished: set[int] = dataclasses.field(default_factory=set)
+    replay: ReplayTables = dataclasses.field(default_factory=ReplayTables)
+    pending: Key | None = None
+    failure: str | None = None
+
+    @property
+    def awaiting_commits(self) -> bool:
+        """The newest decision has no totals yet: the round is decided, its commits are pending."""
+        return self.pending is not None and self.pending not in self.replay.totals
+
+    def _register(self, rec: Mapping[str, Any]) -> None:
+        rank = rec["rank"]
+        self.addresses[rank] = rec["address"]
+        self.registered.add(rank)
+        if rec.get("node"):
+            self.node_of[rank] = rec["node"]
+        else:
+            self.node_of.pop(rank, None)
+
+    def _totals(self, rec: Mapping[str, Any]) -> None:
+        key = (rec["epoch"], rec["round"])
+        self.replay.totals[key] = _totals_of(rec)
+        if rec.get("core"):
+            self.replay.core_state, self.replay.core_key = rec["core"], key
+
+    def read(self, rec: Mapping[str, Any]) -> None:
+        """Folds one record in (records of an unknown kind are skipped)."""
+        kind = rec["kind"]
+        if kind == "register":
+            self._register(rec)
+        elif kind == "decision":
+            key = (rec["epoch"], rec["round"])
+            self.replay.decisions[key] = _decision_of(rec)
+            self.pending = key
+        elif kind == "totals":
+            self._totals(rec)
+        elif kind == "finish":
+            self.finished.add(rec["rank"])
+        elif kind == "failure":
+            self.failure = rec["message"]
+
+
+def replay_records(records: Sequence[Mapping[str, Any]]) -> Recovered:
+    """Reads journal records (oldest first) into a `Recovered`; the replay tables keep the newest
+    `KEEP_ROUNDS` rounds. O(records)."""
+    out = Recovered()
+    for rec in records:
+        out.read(rec)
+    _trim(out.replay.decisions)
+    _trim(out.replay.totals)
+    return out
+
+
+def resume_core(
+    recovered: Recovered, epoch: int, core: Coordinator, new_core: Callable[[int], Coordinator]
+) -> tuple[int, Coordinator]:
+    """The (epoch, protocol core) a restart resumes with, from (`epoch`, `core`), a fresh start: the core
+    of the newest totals' epoch loaded from their state, then, when the newest decision has no totals,
+    that decision resumed (in a fresh core of the next epoch when it opened one). `new_core(epoch)`
+    builds a fresh core. Raises ValueError when a journaled core state does not fit the spec."""
+    replay = recovered.replay
+    if replay.core_state is not None:
+        epoch = replay.core_state["epoch"]
+        core = new_core(epoch)
+        core.load_state_dict(replay.core_state)
+    pending = recovered.pending
+    if pending is not None and recovered.awaiting_commits:
+        if pending[0] == epoch + 1 and core.done:
+            epoch, core = pending[0], new_core(pending[0])
+        core.resume_decided(replay.decisions[pending])
+    return epoch, core

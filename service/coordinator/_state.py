@@ -1,0 +1,551 @@
+"""The coordinator's logic for one job: registration, the two barriers of every round, epochs, job end.
+
+`CoordinatorState` is thread-safe and knows no gRPC (`_servicer` is the wire layer over it).
+
+Per round: every rank sends `Align` (its report) and waits until all N reports are in, then the core
+decides T (or the balanced plan) and every call returns it; `Commit` works the same way and returns
+exact per-step totals. A barrier call does not block: `submit_align` / `submit_commit` records the
+message and returns the round's decision / totals when it completed the barrier (or replays one), else
+the pending `Barrier`, which handlers await (`barrier_future`: one future per waiter, resolved when the
+barrier completes) and sync callers block on (`outcome`). A failure completes every pending barrier
+with JobFailed (ABORTED), `close()` with ShuttingDown (UNAVAILABLE).
+
+A restarted rank may resend a report or commit of a round that is already decided: the stored answer is
+replayed (`_recovery.ReplayTables`; the rank's state is deterministic, so it gets what it had).
+
+Epochs: once epoch e is done, the first `Align` of epoch e+1 starts a fresh protocol core for it.
+Job end: after the last epoch's rounds, each rank calls `Finish` once its trainer took its last step;
+the job is done (the coordinator process exits) when every rank finished.
+
+Who else owns what: liveness and its watchdog thread `_watchdog`; journal records, snapshot and restore
+`_recovery`; node agents and the topology `_topology`; per-round metrics `_observe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from batchd.core import (
+    Coordinator,
+    JobFailed,
+    JobSpec,
+    Liveness,
+    ProtocolError,
+    RankCommit,
+    RankReport,
+    RoundDecision,
+    RoundTotals,
+)
+from batchd.proto import batchd_pb2 as pb
+
+from .._journal import Journal
+from .._metrics import CoordinatorMetrics
+from . import _recovery as recovery
+from . import _topology as topo
+from ._barrier import Barrier, ShuttingDown
+from ._observe import observe_commit, observe_decision
+from ._watchdog import LeaseWatchdog
+
+log = logging.getLogger("batchd.coordinator")
+
+Sums = tuple[tuple[int, int, int], ...]  # per step of one commit: (samples, tokens, loss tokens)
+
+
+def _one_round(msgs: Sequence[RankReport] | Sequence[RankCommit], what: str) -> int:
+    """The one round of a message's reports / commits; ProtocolError on two rounds or a rank twice."""
+    rounds = {m.round for m in msgs}
+    if len(rounds) != 1:
+        raise ProtocolError(
+            f"one {what} message holds rounds {sorted(rounds)} of ranks "
+            f"{sorted(m.rank for m in msgs)}; a message carries one round"
+        )
+    ranks = [m.rank for m in msgs]
+    if len(set(ranks)) != len(ranks):
+        raise ProtocolError(f"one {what} message names a rank twice: {sorted(ranks)}")
+    return rounds.pop()
+
+
+class CoordinatorState:
+    """Thread-safe coordinator logic for one job (see module docstring).
+
+    `lease_s`, `startup_timeout_s` (> 0, else ValueError): see `_watchdog`. `metrics`: updated once per
+    round (None: off). `state_dir`: journal the job there and resume from a journal found there (a
+    journal of another job raises `JournalError`). Starts the lease watchdog; `close()` stops it.
+    """
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        lease_s: float = 60.0,
+        startup_timeout_s: float = 600.0,
+        metrics: CoordinatorMetrics | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if lease_s <= 0 or startup_timeout_s <= 0:
+            raise ValueError(f"timeouts must be positive, got {lease_s=} {startup_timeout_s=}")
+        self.spec = spec
+        self.metrics = metrics
+        self.lease_s, self.startup_timeout_s = lease_s, startup_timeout_s
+        self._lock = threading.Lock()  # guards everything below; never held while waiting for a barrier
+        self._barriers: dict[tuple[str, int, int], Barrier] = {}  # pending ones, completed exactly once
+        self.epoch = 0
+        self.core = self._new_core(0)
+        self.failure: str | None = None
+        self.informed: set[int] = set()  # ranks told of the failure (they fail their trainers with it)
+        self.addresses: dict[int, str] = {}
+        self.node_of: dict[int, str] = {}  # rank -> the name of the node agent serving it
+        self.liveness = Liveness(spec.world_size, lease_s, startup_timeout_s, time.monotonic())
+        self._reports: dict[int, RankReport] = {}
+        self._commits: dict[int, RankCommit] = {}
+        self._commit_sums: dict[int, Sums] = {}  # rank -> its steps' sums
+        self._replay = recovery.ReplayTables()
+        self._round_started: float | None = None
+        self.latencies_ms: collections.deque[float] = collections.deque(maxlen=1000)
+        self._stop = threading.Event()
+        self.journal = (
+            Journal(Path(state_dir) / recovery.JOURNAL, recovery.job_of(spec))
+            if state_dir is not None
+            else None
+        )
+        self.restored = False
+        if self.journal is not None:
+            self._restore(self.journal.open())
+        self._watchdog = LeaseWatchdog(self.check_leases, min(lease_s / 4, 1.0), self._stop)
+        self._watchdog.start()
+        if metrics is not None:
+            metrics.bind(lambda: self.state, lambda: self.epoch, lambda: len(self.addresses))
+
+    def _new_core(self, epoch: int) -> Coordinator:
+        return Coordinator(self.spec, epoch)
+
+    # -- journal -------------------------------------------------------------------------------------
+    def _log(self, record: dict[str, Any]) -> None:
+        """Journals `record` before anyone is told (write-ahead). The caller then updates its tables and
+        calls `_compact_if_due`, so a compaction's snapshot holds what `record` says."""
+        if self.journal is None:
+            return
+        if self._stop.is_set():
+            raise ShuttingDown("the coordinator is shutting down")
+        self.journal.append(record)
+
+    def _compact_if_due(self) -> None:
+        """Rewrites the journal as a snapshot every `COMPACT_EVERY` records."""
+        if self.journal is not None and self.journal.records_written >= recovery.COMPACT_EVERY:
+            self.journal.compact(self._snapshot())
+
+    def _snapshot(self) -> list[dict[str, Any]]:
+        return recovery.snapshot(
+            self.addresses, self.node_of, self._replay, self.liveness.finished, self.failure
+        )
+
+    def _restore(self, records: list[dict[str, Any]]) -> None:
+        """Rebuilds the state from the journal's records (`_recovery`), then compacts the journal."""
+        got = recovery.replay_records(records)
+        self.addresses, self.node_of, self._replay = got.addresses, got.node_of, got.replay
+        self.failure = got.failure
+        self.epoch, self.core = recovery.resume_core(got, self.epoch, self.core, self._new_core)
+        self.liveness.restore(got.registered, got.finished, time.monotonic())
+        for node in set(self.node_of.values()):
+            topo.label_node(node, self.node_of, self.addresses, self.liveness)
+        self.restored = bool(records)
+        if self.restored and self.journal is not None:
+            log.info(
+                "coordinator restored from %s: epoch %d round %d%s, %d rank(s) registered, %d finished%s",
+                self.journal.path,
+                self.epoch,
+                self.core.round,
+                " (decided, waiting for commits)" if got.awaiting_commits else "",
+                len(got.registered),
+                len(got.finished),
+                f"; the job had failed: {self.failure}" if self.failure else "",
+            )
+            self.journal.compact(self._snapshot())
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    @property
+    def rounds_done(self) -> bool:
+        """The last epoch's rounds are done (between epochs the job is still running)."""
+        return self.core.done and self.epoch + 1 >= self.spec.epochs
+
+    @property
+    def job_done(self) -> bool:
+        """The last epoch is done and every rank's trainer took its last step."""
+        return self.rounds_done and self.liveness.all_finished
+
+    @property
+    def state(self) -> str:
+        """ "failed", "done" or "running"."""
+        if self.failure is not None:
+            return "failed"
+        if self.job_done:
+            return "done"
+        return "running"
+
+    def close(self) -> None:
+        """Stops the state (a shutdown: a restart may follow): every pending and later barrier call
+        raises `ShuttingDown` (UNAVAILABLE: callers retry), the watchdog stops, the journal is closed."""
+        with self._lock:
+            self._stop.set()
+            self._complete_all((ShuttingDown, "the coordinator is shutting down"))
+            if self.journal is not None:
+                self.journal.close()
+
+    def _complete_all(self, error: tuple[type[Exception], str]) -> None:
+        for barrier in self._barriers.values():
+            barrier.complete(error=error)
+        self._barriers.clear()
+
+    def _fail_locked(self, message: str) -> None:
+        if self.failure is None:
+            self.failure = message
+            log.error("job failed: %s", message)
+            try:
+                self._log({"kind": "failure", "message": message})
+                self._compact_if_due()
+            except OSError as exc:
+                log.error("could not journal the failure: %s", exc)
+        self._complete_all((JobFailed, self.failure))
+
+    def fail(self, rank: int, reason: str) -> None:
+        """Fails the job (`Fail` RPC): every waiter, pending and later, gets JobFailed(ABORTED)."""
+        with self._lock:
+            self._fail_locked(f"rank {rank}: {reason}")
+
+    def check_leases(self, log_after: float) -> tuple[float, str | None]:
+        """The watchdog's tick (`_watchdog`): fails the job if a party's lease or the start-up timeout
+        lapsed. Returns (now, whom the job waits for, or None): the latter only at now >= `log_after`,
+        while the job runs."""
+        with self._lock:
+            now = time.monotonic()
+            if self.failure is not None or self.job_done:
+                return now, None
+            failure = self.liveness.check(now)
+            if failure is not None:
+                self._fail_locked(failure)
+                return now, None
+            if now < log_after:
+                return now, None
+            return now, self.liveness.waiting(now) or self._waiting_for_trainers()
+
+    def _waiting_for_trainers(self) -> str | None:
+        if self.rounds_done:
+            left = [r for r in range(self.spec.world_size) if r not in self.liveness.finished]
+            return f"rounds done; waiting for the trainers of rank(s) {left} to take their last step"
+        return None
+
+    def _check_alive(self, ranks: list[int] | None = None) -> None:
+        """Raises JobFailed (the ranks then count as told) or ShuttingDown unless the job runs."""
+        if self.failure is not None:
+            if ranks is not None:
+                self.informed.update(ranks)
+            raise JobFailed(self.failure)
+        if self._stop.is_set():
+            raise ShuttingDown("the coordinator is shutting down")
+
+    def all_informed(self) -> bool:
+        """Every registered rank that has not finished has been told of the failure (or the job is fine)."""
+        with self._lock:
+            waiting = set(self.addresses) - self.liveness.finished - self.informed
+            return not waiting
+
+    def check_rank(self, rank: int, what: str) -> None:
+        """Raises ValueError (INVALID_ARGUMENT) naming `what` unless 0 <= rank < world_size."""
+        if not 0 <= rank < self.spec.world_size:
+            raise ValueError(
+                f"{what} from rank {rank}, but the job has ranks 0..{self.spec.world_size - 1} "
+                f"(world_size={self.spec.world_size})"
+            )
+
+    def _touch(self, ranks: list[int], what: str) -> None:
+        """Every rank of one message was seen now (one clock read); ProtocolError on an unregistered one."""
+        now = time.monotonic()
+        addresses, seen = self.addresses, self.liveness.seen
+        for rank in ranks:
+            if rank not in addresses:  # a registered rank is in range
+                self.check_rank(rank, what)
+                raise ProtocolError(f"{what} from rank {rank}, which has not registered")
+            seen(rank, now)
+
+    # -- registration --------------------------------------------------------------------------------
+    def _check_spec(self, who: str, spec: JobSpec) -> None:
+        diff = self.spec.diff(spec)
+        if diff:
+            party = who.split(" ")[0] if who.startswith("rank") else "node agent"
+            detail = ", ".join(
+                f"{k}: coordinator {a!r}, {party} {b!r}"
+                for k, a, b in ((k, *v) for k, v in sorted(diff.items()))
+            )
+            raise ProtocolError(f"{who} registered with a different job spec ({detail})")
+
+    def _register_locked(self, rank: int, address: str, node: str | None) -> None:
+        if self.addresses.get(rank) != address or self.node_of.get(rank) != node:
+            self._log(recovery.register_record(rank, address, node))
+            self.addresses[rank] = address
+            if node is None:
+                self.node_of.pop(rank, None)
+            else:
+                self.node_of[rank] = node
+            self._compact_if_due()
+        self.liveness.register(rank, time.monotonic())
+
+    def _addresses(self) -> list[str]:
+        addrs = [self.addresses.get(r, "") for r in range(self.spec.world_size)]
+        return addrs if all(addrs) else []
+
+    def register(self, rank: int, spec: JobSpec, address: str) -> tuple[int, int, list[str]]:
+        """Rank `rank` at `address` registers (again, after a restart): (epoch, round, every rank's
+        address, or [] until all registered). Raises ValueError, ProtocolError, JobFailed, ShuttingDown."""
+        with self._lock:
+            self._check_alive([rank])
+            self.check_rank(rank, "Register")
+            self._check_spec(f"rank {rank}", spec)
+            # A rank a node agent serves keeps its node when it registers alone (refreshing its peers).
+            node = self.node_of.get(rank) if self.addresses.get(rank) == address else None
+            self._register_locked(rank, address, node)
+            return self.epoch, self.core.round, self._addresses()
+
+    def register_node(
+        self, node: str, ranks: list[int], spec: JobSpec, address: str
+    ) -> tuple[int, int, list[str]]:
+        """A node agent (`node`, its name) serving `ranks` at `address` registers them all (again, after a
+        restart); returns as `register`. Refuses a rank that another node agent serves and that is still
+        alive (`_topology.check_claim`)."""
+        topo.check_node_message(node, ranks)
+        with self._lock:
+            self._check_alive(ranks)
+            for r in ranks:
+                self.check_rank(r, f"Register of node agent {node!r}")
+            self._check_spec(f"node agent {node!r}", spec)
+            topo.check_claim(node, ranks, self.node_of, self.addresses, self.liveness, time.monotonic())
+            for r in ranks:
+                self._register_locked(r, address, node)
+            topo.label_node(node, self.node_of, self.addresses, self.liveness)
+            log.info("node agent %r at %s registered rank(s) %s", node, address, topo.span(sorted(ranks)))
+            return self.epoch, self.core.round, self._addresses()
+
+    def topology(self) -> list[int] | None:
+        """The node index of every rank, or None while node-blind (`_topology.node_indices`)."""
+        return topo.node_indices(self.node_of, self.spec.world_size)
+
+    def heartbeat_many(self, ranks: list[int]) -> tuple[str, str]:
+        """The ranks are alive: (state, failure or ""); the ranks count as told of a failure."""
+        with self._lock:
+            self._touch(ranks, "Heartbeat")
+            if self.failure is not None:
+                self.informed.update(ranks)
+            return self.state, self.failure or ""
+
+    def heartbeat(self, rank: int) -> tuple[str, str]:
+        return self.heartbeat_many([rank])
+
+    def finish(self, rank: int) -> None:
+        """Rank `rank`'s trainer took the job's last step (ProtocolError before the last round)."""
+        with self._lock:
+            self._check_alive([rank])
+            self._touch([rank], "Finish")
+            if not self.rounds_done:
+                raise ProtocolError(
+                    f"rank {rank} finished while the job is in epoch {self.epoch} round "
+                    f"{self.core.round} of {self.spec.epochs} epoch(s)"
+                )
+            if rank not in self.liveness.finished:
+                self._log({"kind": "finish", "rank": rank})
+                self.liveness.finish(rank, time.monotonic())
+                self._compact_if_due()
+                log.info(
+                    "rank %d finished (%d of %d)", rank, len(self.liveness.finished), self.spec.world_size
+                )
+
+    # -- barriers ------------------------------------------------------------------------------------
+    def _barrier(self, key: tuple[str, int, int]) -> Barrier:
+        barrier = self._barriers.get(key)
+        if barrier is None:
+            barrier = self._barriers[key] = Barrier(key)
+        return barrier
+
+    def _complete(self, key: tuple[str, int, int], result: RoundDecision | RoundTotals) -> None:
+        barrier = self._barriers.pop(key, None)
+        if barrier is not None:
+            barrier.complete(result)
+
+    def barrier_future(self, barrier: Barrier) -> asyncio.Future[Barrier]:
+        """A future of the running loop for one waiter, resolved (to `barrier`) once `barrier` completes:
+        await it, then read `outcome`. Cancelling it (the waiter's call ended) touches no other waiter."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            return barrier.future(loop)
+
+    def outcome(
+        self, barrier: Barrier, ranks: list[int], timeout: float | None = None
+    ) -> RoundDecision | RoundTotals:
+        """The result of `barrier` for a waiter on behalf of `ranks`, blocking until it completes: the
+        decision / totals, else raises what completed it (JobFailed, the ranks being then told of the
+        failure; ShuttingDown). `timeout` (s) raises TimeoutError. Returns at once once completed."""
+        if not barrier.wait(timeout):
+            raise TimeoutError(f"barrier {barrier.key} not complete within {timeout=}")
+        if barrier.error is not None:
+            cls, message = barrier.error
+            if cls is JobFailed:
+                with self._lock:
+                    self.informed.update(ranks)
+            raise cls(message)
+        assert barrier.result is not None  # a barrier completes with a result or an error
+        return barrier.result
+
+    # -- align -----------------------------------------------------------------------------------------
+    def _advance_epoch(self, epoch: int) -> None:
+        if epoch == self.epoch:
+            return
+        if epoch >= self.spec.epochs:
+            raise ProtocolError(
+                f"epoch {epoch} requested, but the job runs {self.spec.epochs} epoch(s): "
+                f"0..{self.spec.epochs - 1}"
+            )
+        if epoch == self.epoch + 1 and self.core.done:
+            self.epoch = epoch
+            self.core = self._new_core(epoch)
+            self._reports.clear()
+            self._commits.clear()
+            self._commit_sums.clear()
+            return
+        raise ProtocolError(
+            f"epoch {epoch} requested while the coordinator is in epoch {self.epoch} "
+            f"({'done' if self.core.done else 'running'})"
+        )
+
+    def submit_align(self, epoch: int, reports: list[RankReport]) -> RoundDecision | Barrier:
+        """The reports of one or more ranks (a node agent sends its ranks' at once) for one round,
+        without blocking: the decision when the round is decided (these reports completed it, or it is
+        a replay for a restarted rank), else the pending barrier to wait on (`outcome`,
+        `barrier_future`). The decision is journaled before anyone is told of it.
+
+        Raises:
+            ValueError: a malformed message (INVALID_ARGUMENT); ProtocolError (a ValueError): out of
+                order (FAILED_PRECONDITION); JobFailed; ShuttingDown.
+        """
+        if not reports:
+            raise ValueError("an Align without any report")
+        ranks = [r.rank for r in reports]
+        with self._lock:
+            self._check_alive(ranks)
+            self._touch(ranks, "Align")
+            rnd = _one_round(reports, "Align")
+            key = (epoch, rnd)
+            replay = self._replay.decisions.get(key)
+            if replay is not None:  # for a restarted rank
+                return replay
+            self._advance_epoch(epoch)
+            if rnd != self.core.round:
+                raise ProtocolError(
+                    f"rank(s) {ranks} report round {rnd} of epoch {epoch}; "
+                    f"the coordinator is at round {self.core.round}"
+                )
+            if not self._reports:
+                self._round_started = time.perf_counter()
+            for report in reports:
+                self._reports[report.rank] = report
+            if len(self._reports) < self.spec.world_size:
+                return self._barrier(("align", *key))
+            return self._decide(key)
+
+    def _decide(self, key: tuple[int, int]) -> RoundDecision:
+        """Every report of round `key` is in: decides, journals, completes the barrier."""
+        t_last = time.perf_counter()
+        topology = self.topology()
+        try:
+            self.core.set_topology(topology if self.spec.node_aware else None, topology)
+            decision = self.core.decide(list(self._reports.values()))
+        except ValueError as exc:
+            self._fail_locked(f"round {key[1]} could not be decided: {exc}")
+            raise
+        self._log(recovery.decision_record(key, decision))
+        if self.metrics is not None:
+            wait_s = t_last - (self._round_started or t_last)
+            observe_decision(self.metrics, decision, topology, wait_s, time.perf_counter() - t_last)
+        self._replay.decided(key, decision)
+        self._compact_if_due()
+        self._reports.clear()
+        self._complete(("align", *key), decision)
+        return decision
+
+    # -- commit ----------------------------------------------------------------------------------------
+    def submit_commit(
+        self, epoch: int, commits: list[RankCommit], sums: list[Sums] | None = None
+    ) -> RoundTotals | Barrier:
+        """The commits of one or more ranks for one round, without blocking: the totals when the round is
+        committed (these commits completed it, or a replay), else the pending barrier. The totals are
+        journaled before anyone is told of them. `sums[i]`: per step of `commits[i]`, its (samples,
+        tokens, loss tokens) (`wire.commit_with_sums_from_pb`); when every rank's commit of the round
+        came with them, the core adds those instead of every sample. Raises as `submit_align`."""
+        if not commits:
+            raise ValueError("a Commit without any commit")
+        ranks = [c.rank for c in commits]
+        with self._lock:
+            self._check_alive(ranks)
+            self._touch(ranks, "Commit")
+            rnd = _one_round(commits, "Commit")
+            key = (epoch, rnd)
+            replay = self._replay.totals.get(key)
+            if replay is not None:
+                return replay
+            if epoch != self.epoch or rnd != self.core.round or key not in self._replay.decisions:
+                raise ProtocolError(
+                    f"rank(s) {ranks} commit round {rnd} of epoch {epoch} "
+                    f"before it was decided (coordinator at epoch {self.epoch} "
+                    f"round {self.core.round})"
+                )
+            for i, commit in enumerate(commits):
+                self._commits[commit.rank] = commit
+                if sums is not None:
+                    self._commit_sums[commit.rank] = sums[i]
+                else:
+                    self._commit_sums.pop(commit.rank, None)
+            if len(self._commits) < self.spec.world_size:
+                return self._barrier(("commit", *key))
+            return self._total(key)
+
+    def _total(self, key: tuple[int, int]) -> RoundTotals:
+        """Every commit of round `key` is in: totals, journals, completes the barrier."""
+        commits = list(self._commits.values())
+        try:
+            totals = self.core.commit(
+                commits, self._commit_sums if len(self._commit_sums) == len(self._commits) else None
+            )
+        except ValueError as exc:
+            self._fail_locked(f"round {key[1]} could not be committed: {exc}")
+            raise
+        core_state = self.core.state_dict()
+        self._log(recovery.totals_record(key, totals, core_state))
+        self._replay.committed(key, totals, core_state)
+        self._compact_if_due()
+        if self.metrics is not None:
+            round_s = time.perf_counter() - (self._round_started or time.perf_counter())
+            observe_commit(self.metrics, commits, totals, round_s)
+        self._commits.clear()
+        self._commit_sums.clear()
+        if self._round_started is not None:
+            self.latencies_ms.append((time.perf_counter() - self._round_started) * 1000)
+        self._complete(("commit", *key), totals)
+        return totals
+
+    def status(self) -> pb.StatusReply:
+        """The `Status` reply: state, failure, epoch, round, registered and finished ranks, the last 100
+        rounds' latencies (ms, first report -> totals)."""
+        with self._lock:
+            return pb.StatusReply(
+                state=self.state,
+                failure=self.failure or "",
+                epoch=self.epoch,
+                round=self.core.round,
+                registered=sorted(self.addresses),
+                round_latency_ms=list(self.latencies_ms)[-100:],
+                finished=sorted(self.liveness.finished),
+            )
