@@ -1,11 +1,11 @@
-"""batchd's batching core: pure grouping, DGAP alignment, balancing, loss scaling, the simulator, and the
-lifecycle state machines, the job spec, numpy collation, the error hierarchy (a rank's delivery to its trainer, the coordinator's view of who is alive).
+"""batchd's batching core: pure grouping, DGAP alignment, balancing, loss scaling, the simulator, the
+lifecycle state machines (a rank's delivery to its trainer, the coordinator's view of who is alive), the job
+spec and its choice lists, the state contract, numpy collation, and the error hierarchy.
 
 No I/O, no threads: the daemon (gRPC, Ray) and the simulator carry these functions' inputs and outputs.
 """
 
 from ._align import (
-    MODES,
     Coordinator,
     ProtocolError,
     RankCommit,
@@ -17,6 +17,7 @@ from ._align import (
 )
 from ._balance import plan_moves, plan_round
 from ._blockview import BlockView
+from ._choices import ALIGN_RULES, COLLATE, COST_MODELS, MODES, OVER_BUDGET, PHASES, POLICIES
 from ._collate import (
     IGNORE_INDEX,
     LLM_GRID_KEY,
@@ -31,7 +32,7 @@ from ._collate import (
     loss_tokens,
     strip_vision,
 )
-from ._cost import COST_MODELS, CostModel
+from ._cost import CostModel
 from ._delivery import (
     ATTACHED,
     END,
@@ -44,6 +45,7 @@ from ._delivery import (
     report_capacity,
 )
 from ._errors import BatchdError, CoordinatorError, JobFailed, RankServiceError
+from ._exchange import Exchange, ImageRef
 from ._grouping import (
     best_fit_decreasing,
     contiguous_greedy,
@@ -57,9 +59,6 @@ from ._loss import loss_scale
 from ._microbatch import balanced_split, chunk_split
 from ._phases import (
     EXCHANGE_KEYS,
-    PHASES,
-    Exchange,
-    ImageRef,
     VisionCost,
     exchange_arrays,
     exchanged,
@@ -71,8 +70,8 @@ from ._phases import (
     single_phase,
     vision_bound,
 )
-from ._policy import ALIGN_RULES, POLICIES, Entry, Policy, form_groups
-from ._rank import OVER_BUDGET, RankState, fill_may_stop, max_fitting_length
+from ._policy import Entry, Policy, form_groups
+from ._rank import RankState, fill_may_stop, max_fitting_length
 from ._simulator import (
     RESULT_FIELDS,
     WORKLOAD_HEADER,
@@ -86,11 +85,11 @@ from ._simulator import (
     synthetic_token_loss,
 )
 from ._source import ViewSource, epoch_permutation
-from ._spec import COLLATE, FIELDS, REQUIRED, JobSpec
+from ._spec import FIELDS, REQUIRED, JobSpec
+from ._state import STATE_VERSION, ClockedStateful, Stateful, check_state
+from ._step import Step, StepInfo
 from ._types import (
     Sample,
-    Step,
-    StepInfo,
     check_bool,
     check_choice,
     check_int,
@@ -106,6 +105,7 @@ __all__ = [
     "BlockView",
     "COLLATE",
     "COST_MODELS",
+    "ClockedStateful",
     "Connect",
     "Coordinator",
     "CoordinatorError",
@@ -139,9 +139,11 @@ __all__ = [
     "RoundDecision",
     "RoundTotals",
     "SEND_END",
+    "STATE_VERSION",
     "Sample",
     "SimMetrics",
     "Simulator",
+    "Stateful",
     "Step",
     "StepInfo",
     "TOKEN_KEYS",
@@ -156,6 +158,7 @@ __all__ = [
     "check_choice",
     "check_int",
     "check_number",
+    "check_state",
     "check_str",
     "chunk_split",
     "collate_images",
