@@ -7,12 +7,13 @@ Imports `batchd.core` and `batchd.proto` only; it needs no torch (batches are co
 
 from ._coord_client import CoordinatorClient
 from ._coordinator import CoordinatorServicer, CoordinatorState, create_server
-from ._journal import Journal, JournalError
+from ._journal import Journal, JournalError, decode_records, encode_record
 from ._main import node_ranks, run_coordinator, run_node, run_rank
 from ._metrics import (
     CoordinatorMetrics,
     MergedRegistry,
     RankMetrics,
+    RateWindow,
     start_metrics_server,
     stop_metrics_server,
 )
@@ -36,10 +37,13 @@ __all__ = [
     "RankMetrics",
     "RankServiceCore",
     "RankServicer",
+    "RateWindow",
     "add_port",
     "collate",
     "create_rank_server",
     "create_server",
+    "decode_records",
+    "encode_record",
     "node_ranks",
     "run_coordinator",
     "run_node",

@@ -9,8 +9,8 @@ import pytest
 from _jobs import InProcessJob
 
 from batchd.core import JobSpec
+from batchd.service import Journal, JournalError, decode_records, encode_record
 from batchd.service._coordinator import JOURNAL, create_server
-from batchd.service._journal import Journal, JournalError, decode_records, encode_record
 
 JOB = {"world_size": 2, "token_budget": 512}
 
