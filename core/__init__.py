@@ -3,6 +3,16 @@ lifecycle state machines (a rank's delivery to its trainer, the coordinator's vi
 spec and its choice lists, the state contract, numpy collation, and the error hierarchy.
 
 No I/O, no threads: the daemon (gRPC, Ray) and the simulator carry these functions' inputs and outputs.
+
+Where things live (private modules, their public names re-exported here). At the bottom, importing
+nothing or only each other: `_types` (`Sample`, the `check_*` validators), `_choices` (`JobSpec`'s
+choice lists), `_state` (the state keys, `STATE_VERSION`, `check_state`, the `Stateful` protocols),
+`_errors`, `_exchange` (`Exchange`, `ImageRef`), `_step` (`Step`, `StepInfo`). Above them: `_cost`,
+`_grouping`, `_policy` (grouping policies), `_phases` (the vision plan), `_balance` (the balanced round
+plan), `_align` (DGAP messages, target rules, `Coordinator`), `_rank` (`RankState`), `_source` and
+`_blockview` (sampler views), `_delivery`, `_liveness`, `_loss`, `_microbatch`, `_collate`, `_spec`
+(`JobSpec`), `_simulator`. No module cycle: `tools/import_graph.py --check` fails on one.
+`batchd.core.testing` exposes planner steps for their property tests.
 """
 
 from ._align import (
