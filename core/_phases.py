@@ -179,7 +179,7 @@ def _search(
     the placement of least peak among those that fit; None when no slack fits."""
     n = len(where_node)
     floor = vision_bound(costs, n)
-    for k, slack in enumerate(SLACKS):
+    for k, slack in enumerate(SLACKS):  # noqa: B007 - k is read after the loop
         where = _greedy(images, costs, where_node, floor * (1.0 + slack), order, keep_first)
         if where is not None:
             break
@@ -215,6 +215,7 @@ def _place(
         return _lpt(images, costs, where_node), None
     if keep is None or (one_pass is not None and one_pass[1] < keep[1] * (1.0 - 1e-9)):
         keep = one_pass  # strictly lower peak; on a tie keep-first, which moves fewer images
+    assert keep is not None  # both None returned above
     return keep[0], keep[2]
 
 
