@@ -1,7 +1,8 @@
 """Steps: what one rank emits for one aligned step (its samples, `StepInfo`, its vision `Exchange`).
 
-`RankState.steps` builds them; the rank service serves them and the simulator counts them. A step is
-JSON-safe through `to_json` / `from_json` (the journal and the wire's debug form).
+`RankState.finalize` builds them at the end of a round; the rank service serves them and the simulator
+counts them. A step is JSON-safe through `to_json` / `from_json` (the rank service's and the
+simulator's saved states hold the steps not yet delivered).
 """
 
 from __future__ import annotations
