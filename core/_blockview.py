@@ -51,7 +51,9 @@ from ._types import check_int
 UNITS_PER_RANK = 8
 
 
-def split_units(block_rows: Sequence[int] | np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_units(
+    block_rows: Sequence[int] | np.ndarray, world_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(unit first id, unit rows, unit's block) for blocks of `block_rows` rows in id order (step 1)."""
     rows = np.asarray(block_rows, dtype=np.int64)
     total = int(rows.sum())
