@@ -1,6 +1,7 @@
 """Job config files: `load_config(path, overrides)` -> a validated `Config` (see `batchd._config`)."""
 
 from batchd._config import (
+    DROP,
     EXAMPLE,
     Config,
     ConfigError,
@@ -15,13 +16,16 @@ from batchd._config import (
     load_config,
     read_config_file,
 )
+from batchd._logging import JsonFormatter
 
 __all__ = [
+    "DROP",
     "EXAMPLE",
     "Config",
     "ConfigError",
     "CoordinatorConfig",
     "DataConfig",
+    "JsonFormatter",
     "LoggingConfig",
     "PipelineConfig",
     "RankConfig",

@@ -1,12 +1,24 @@
-"""batchd's batching core: pure grouping, DGAP alignment, balancing, loss scaling, the simulator, and the
-lifecycle state machines, the job spec, numpy collation, the error hierarchy (a rank's delivery to its
-trainer, the coordinator's view of who is alive), one node's view of a round's plan.
+"""batchd's batching core: pure grouping, DGAP alignment, balancing, loss scaling, the simulator, the
+lifecycle state machines (a rank's delivery to its trainer, the coordinator's view of who is alive), one
+node's view of a round's plan, the job spec and its choice lists, the state contract, numpy collation, and
+the error hierarchy.
 
 No I/O, no threads: the daemon (gRPC, Ray) and the simulator carry these functions' inputs and outputs.
+
+Where things live (private modules, their public names re-exported here). At the bottom, importing
+nothing or only each other: `_types` (`Sample`, the `check_*` validators), `_choices` (`JobSpec`'s
+choice lists), `_state` (the state keys, `STATE_VERSION`, `check_state`, the `Stateful` protocols),
+`_errors`, `_exchange` (`Exchange`, `ImageRef`), `_step` (`Step`, `StepInfo`). Above them: `_cost`,
+`_grouping`, `_policy` (grouping policies), `_phases` (the vision plan), `_plan` (the balanced round
+plan; its steps in `_plan_blind`, `_plan_nodes`, `_plan_deal`, `_plan_moves`), `_node_plan` (one node's
+view of a decision), `_align` (DGAP messages, target rules, `Coordinator`), `_rank` (`RankState`),
+`_source` and `_blockview` (sampler views), `_delivery`, `_liveness`, `_loss`, `_microbatch`,
+`_collate`, `_spec` (`JobSpec`), `_workload` (workload files), `_simulator`. No module cycle:
+`tools/import_graph.py --check` fails on one. `batchd.core.testing` exposes planner steps for their
+property tests.
 """
 
 from ._align import (
-    MODES,
     Coordinator,
     ProtocolError,
     RankCommit,
@@ -17,6 +29,7 @@ from ._align import (
     target_odb,
 )
 from ._blockview import BlockView
+from ._choices import ALIGN_RULES, COLLATE, COST_MODELS, MODES, OVER_BUDGET, PHASES, POLICIES
 from ._collate import (
     IGNORE_INDEX,
     LLM_GRID_KEY,
@@ -31,7 +44,7 @@ from ._collate import (
     loss_tokens,
     strip_vision,
 )
-from ._cost import COST_MODELS, CostModel
+from ._cost import CostModel
 from ._delivery import (
     ATTACHED,
     END,
@@ -44,6 +57,7 @@ from ._delivery import (
     report_capacity,
 )
 from ._errors import BatchdError, CoordinatorError, JobFailed, RankServiceError
+from ._exchange import Exchange, ImageRef
 from ._grouping import (
     best_fit_decreasing,
     contiguous_greedy,
@@ -58,9 +72,6 @@ from ._microbatch import balanced_split, chunk_split
 from ._node_plan import decision_for_node, round_exchanges
 from ._phases import (
     EXCHANGE_KEYS,
-    PHASES,
-    Exchange,
-    ImageRef,
     VisionCost,
     exchange_arrays,
     exchanged,
@@ -74,8 +85,8 @@ from ._phases import (
 )
 from ._plan import PlanInputs, RoundPlan, plan_round
 from ._plan_moves import plan_moves
-from ._policy import ALIGN_RULES, POLICIES, Entry, Policy, form_groups
-from ._rank import OVER_BUDGET, RankState, fill_may_stop, max_fitting_length
+from ._policy import Entry, Policy, form_groups
+from ._rank import RankState, fill_may_stop, max_fitting_length
 from ._simulator import (
     RESULT_FIELDS,
     PhaseMetrics,
@@ -85,11 +96,11 @@ from ._simulator import (
     synthetic_token_loss,
 )
 from ._source import ViewSource, epoch_permutation
-from ._spec import COLLATE, FIELDS, REQUIRED, JobSpec
+from ._spec import FIELDS, REQUIRED, JobSpec
+from ._state import STATE_VERSION, ClockedStateful, Stateful, check_state
+from ._step import Step, StepInfo
 from ._types import (
     Sample,
-    Step,
-    StepInfo,
     check_bool,
     check_choice,
     check_int,
@@ -106,6 +117,7 @@ __all__ = [
     "BlockView",
     "COLLATE",
     "COST_MODELS",
+    "ClockedStateful",
     "Connect",
     "Coordinator",
     "CoordinatorError",
@@ -141,9 +153,11 @@ __all__ = [
     "RoundPlan",
     "RoundTotals",
     "SEND_END",
+    "STATE_VERSION",
     "Sample",
     "SimMetrics",
     "Simulator",
+    "Stateful",
     "Step",
     "StepInfo",
     "TOKEN_KEYS",
@@ -158,6 +172,7 @@ __all__ = [
     "check_choice",
     "check_int",
     "check_number",
+    "check_state",
     "check_str",
     "chunk_split",
     "collate_images",

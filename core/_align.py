@@ -55,16 +55,29 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ._phases import Exchange, plan_vision_round
+from ._exchange import Exchange
+from ._phases import plan_vision_round
 from ._plan import PlanInputs, plan_round
 from ._plan_moves import check_nodes
 from ._policy import Entry
+from ._state import (
+    K_BUDGET,
+    K_EMITTED,
+    K_EPOCH,
+    K_MODE,
+    K_POLICY,
+    K_QUOTA,
+    K_ROUND,
+    K_SEED,
+    K_VERSION,
+    K_WORLD,
+    STATE_VERSION,
+    check_state,
+)
 from ._types import Sample, check_int
 
 if TYPE_CHECKING:
     from ._spec import JobSpec
-
-MODES = ("join", "non-join")
 
 
 class ProtocolError(ValueError):
@@ -153,10 +166,6 @@ def target_odb(reports: Sequence[RankReport]) -> int:
 
 
 _RULES = {"min": target_min, "odb": target_odb}
-
-# state_dict keys
-K_VERSION, K_WORLD, K_SEED, K_EPOCH, K_MODE = "version", "world_size", "seed", "epoch", "mode"
-K_POLICY, K_ROUND, K_EMITTED, K_QUOTA, K_BUDGET = "policy", "round", "emitted", "quota", "token_budget"
 
 
 class Coordinator:
@@ -361,7 +370,7 @@ class Coordinator:
         if self._decided is not None:
             raise ProtocolError(f"state_dict() in the middle of round {self.round}; take it between rounds")
         return {
-            K_VERSION: 1,
+            K_VERSION: STATE_VERSION,
             K_WORLD: self.world_size,
             K_SEED: self.seed,
             K_EPOCH: self.epoch,
@@ -390,12 +399,3 @@ class Coordinator:
         self.epoch = state[K_EPOCH]
         self.round, self.emitted, self.done = state[K_ROUND], state[K_EMITTED], state["done"]
         self._decided = None
-
-
-def check_state(state: Mapping[str, Any], expect: Mapping[str, Any], owner: str) -> None:
-    """Raises ValueError naming every field where `state` disagrees with this object's configuration."""
-    if state.get(K_VERSION) != 1:
-        raise ValueError(f"{owner} state has version {state.get(K_VERSION)!r}; this build reads version 1")
-    bad = [f"{k}: saved {state.get(k)!r}, current {v!r}" for k, v in expect.items() if state.get(k) != v]
-    if bad:
-        raise ValueError(f"{owner} state does not match this configuration ({'; '.join(bad)})")

@@ -33,15 +33,27 @@ from typing import Any
 
 import numpy as np
 
-from ._align import K_EPOCH, K_SEED, K_VERSION, K_WORLD, check_state
-from ._source import K_NUM, K_PASS, K_POS, K_RANK
+from ._state import (
+    K_EPOCH,
+    K_LAYOUT,
+    K_NUM,
+    K_PASS,
+    K_POS,
+    K_RANK,
+    K_SEED,
+    K_VERSION,
+    K_WORLD,
+    STATE_VERSION,
+    check_state,
+)
 from ._types import check_int
 
-K_LAYOUT = "layout"
 UNITS_PER_RANK = 8
 
 
-def split_units(block_rows: Sequence[int], world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_units(
+    block_rows: Sequence[int] | np.ndarray, world_size: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(unit first id, unit rows, unit's block) for blocks of `block_rows` rows in id order (step 1)."""
     rows = np.asarray(block_rows, dtype=np.int64)
     total = int(rows.sum())
@@ -54,7 +66,8 @@ def split_units(block_rows: Sequence[int], world_size: int) -> tuple[np.ndarray,
             sizes.append(min(cap, n - s))
             owner.append(k)
         first += n
-    return tuple(np.asarray(x, dtype=np.int64) for x in (starts, sizes, owner))
+    unit_start, unit_rows, unit_block = (np.asarray(x, dtype=np.int64) for x in (starts, sizes, owner))
+    return unit_start, unit_rows, unit_block
 
 
 def deal_units(unit_rows: np.ndarray, world_size: int, order: np.ndarray) -> list[list[int]]:
@@ -107,8 +120,8 @@ class BlockView:
 
     def __init__(
         self,
-        block_rows: Sequence[int],
-        block_bytes: Sequence[int],
+        block_rows: Sequence[int] | np.ndarray,
+        block_bytes: Sequence[int] | np.ndarray,
         rank: int,
         world_size: int,
         seed: int = 0,
@@ -241,7 +254,7 @@ class BlockView:
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {
-            K_VERSION: 1,
+            K_VERSION: STATE_VERSION,
             K_RANK: self.rank,
             K_WORLD: self.world_size,
             K_SEED: self.seed,

@@ -17,9 +17,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from ._choices import COST_MODELS
 from ._types import check_choice, check_int
-
-COST_MODELS = ("attention", "packed", "padded")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -39,23 +39,13 @@ import dataclasses
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+from ._state import K_ACKED, K_DONE, K_END_SENT, K_ENDS, K_EPOCH, K_GROUP, K_MADE, K_PREV, K_READY
 from ._types import check_int
 
 # outcomes of `connect`
 ATTACHED, WAIT, END, REFUSED = "attached", "wait", "end", "refused"
 # what `next_for` says besides a step number
 SEND_END = "end"
-K_EPOCH, K_READY, K_MADE, K_ACKED, K_DONE, K_END_SENT, K_PREV, K_GROUP, K_ENDS = (
-    "epoch",
-    "ready",
-    "made",
-    "acked",
-    "done",
-    "end_sent",
-    "prev_epoch_steps",
-    "group_size",
-    "ends_sent",
-)
 
 
 def fixed_capacity(depth: int) -> int:

@@ -22,9 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ._state import K_FINISHED, K_REGISTERED
 from ._types import check_int
-
-K_REGISTERED, K_FINISHED = "registered", "finished"
 
 
 class Liveness:

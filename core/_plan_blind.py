@@ -25,7 +25,7 @@ from ._policy import Entry, Group, form_groups, group_lengths, rank_groups
 from ._types import Sample
 
 if TYPE_CHECKING:
-    from ._plan import PlanInputs
+    from ._plan_inputs import PlanInputs
 
 Plan = list[list[tuple[Sample, ...]]]  # plan[rank][step] -> the samples of that step (() = IDLE)
 

@@ -36,7 +36,7 @@ from ._plan_moves import sample_bytes
 from ._policy import _ORDER, Entry, Group, form_groups, group_lengths, rank_groups
 
 if TYPE_CHECKING:
-    from ._plan import PlanInputs
+    from ._plan_inputs import PlanInputs
 
 # `outliers`' price of pooling one sample across nodes, in slots (None: never pool, refine per node).
 POOL_PENALTY: float | None = 0.05

@@ -25,6 +25,7 @@ import operator
 import random
 from collections.abc import Sequence
 
+from ._choices import ALIGN_RULES, POLICIES
 from ._cost import CostModel
 from ._grouping import (
     best_fit_decreasing,
@@ -35,9 +36,6 @@ from ._grouping import (
     split_largest,
 )
 from ._types import Sample, check_choice, check_int
-
-POLICIES = ("balanced", "fixed", "local", "odb", "sorted")
-ALIGN_RULES = ("min", "odb")
 
 
 class Entry:

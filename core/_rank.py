@@ -29,40 +29,33 @@ import random
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._align import (
+from ._align import ProtocolError, RankCommit, RankReport, RoundDecision, RoundTotals
+from ._cost import CostModel
+from ._exchange import Exchange
+from ._loss import loss_scale
+from ._policy import Entry, Group
+from ._state import (
     K_BUDGET,
+    K_BUFFER,
+    K_COUNTERS,
     K_EPOCH,
+    K_EXHAUSTED,
     K_POLICY,
+    K_RANK,
+    K_REJECTED,
     K_ROUND,
     K_SEED,
+    K_STEP,
     K_VERSION,
     K_WORLD,
-    ProtocolError,
-    RankCommit,
-    RankReport,
-    RoundDecision,
-    RoundTotals,
+    STATE_VERSION,
     check_state,
 )
-from ._cost import CostModel
-from ._loss import loss_scale
-from ._phases import Exchange
-from ._policy import Entry, Group
-from ._types import Sample, Step, StepInfo, check_int
+from ._step import Step, StepInfo
+from ._types import Sample, check_int
 
 if TYPE_CHECKING:
     from ._spec import JobSpec
-
-OVER_BUDGET = ("reject", "singleton", "truncate")
-
-K_RANK, K_BUFFER, K_STEP, K_EXHAUSTED, K_REJECTED, K_COUNTERS = (
-    "rank",
-    "buffer",
-    "step",
-    "exhausted",
-    "rejected",
-    "counters",
-)
 
 
 def max_fitting_length(token_budget: int, cost: CostModel) -> int:
@@ -152,7 +145,10 @@ class RankState:
         outcome = "ok"
         if sample.length > self._truncate_to:  # cheaper than cost.item() for the common case
             if self.over_budget == "reject":
-                reason = f"length {sample.length} costs {self.cost.item(sample.length):g} > token_budget {self.token_budget}"
+                reason = (
+                    f"length {sample.length} costs {self.cost.item(sample.length):g} "
+                    f"> token_budget {self.token_budget}"
+                )
                 self.rejected.append((sample.id, reason))
                 self._rejected_ids.add(sample.id)
                 self.counters["rejected"] += 1
@@ -308,7 +304,7 @@ class RankState:
                 f"rank {self.rank}: state_dict() inside round {self.round}; take it between rounds"
             )
         return {
-            K_VERSION: 1,
+            K_VERSION: STATE_VERSION,
             K_RANK: self.rank,
             K_WORLD: self.world_size,
             K_SEED: self.seed,

@@ -54,7 +54,8 @@ from ._plan_moves import plan_moves
 from ._rank import RankState
 from ._source import ViewSource
 from ._spec import JobSpec
-from ._types import Sample, Step, check_bool, check_int
+from ._step import Step
+from ._types import Sample, check_bool, check_int
 
 
 def synthetic_token_loss(sample_id: int) -> float:
@@ -288,8 +289,8 @@ class PhaseMetrics:
         costs = [self.vision.image(p) for s in step for x in s.samples for p, _ in x.images]
         self.bound += max(mean, max(costs)) / mean
         self.tight += vision_bound(costs, len(step)) / mean
-        exchanges = [s.exchange for s in step]
-        if all(ex is not None for ex in exchanges):
+        exchanges = [s.exchange for s in step if s.exchange is not None]
+        if len(exchanges) == len(step):
             self.two_steps += 1
             self.two += imbalance(phase_loads(exchanges, self.vision)) or 1.0
             for k, v in exchanged(exchanges, self.nodes).items():

@@ -14,10 +14,19 @@ from typing import Any
 
 import numpy as np
 
-from ._align import K_EPOCH, K_SEED, K_VERSION, K_WORLD, check_state
+from ._state import (
+    K_EPOCH,
+    K_NUM,
+    K_PASS,
+    K_POS,
+    K_RANK,
+    K_SEED,
+    K_VERSION,
+    K_WORLD,
+    STATE_VERSION,
+    check_state,
+)
 from ._types import check_int
-
-K_RANK, K_POS, K_PASS, K_NUM = "rank", "position", "pass", "num_samples"
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
@@ -54,8 +63,8 @@ class ViewSource:
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
         self.seed, self.epoch, self.shuffle, self.wrap = seed, epoch, shuffle, wrap
         base = epoch_permutation(num_samples, seed, epoch) if shuffle else np.arange(num_samples)
-        self._view = base[rank::world_size].tolist()
-        self._order = self._view
+        self._view: list[int] = base[rank::world_size].tolist()
+        self._order: list[int] = self._view
         self.position = 0
         self.passes = 0
 
@@ -106,7 +115,7 @@ class ViewSource:
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            K_VERSION: 1,
+            K_VERSION: STATE_VERSION,
             K_RANK: self.rank,
             K_WORLD: self.world_size,
             K_SEED: self.seed,
@@ -117,7 +126,8 @@ class ViewSource:
         }
 
     def state_at(self, seq: int) -> dict[str, Any]:
-        """The `state_dict()` this view has after yielding `seq` ids from its start (passes wrap in non-join)."""
+        """The `state_dict()` this view has after yielding `seq` ids from its start (passes wrap in
+        non-join)."""
         n = len(self)
         passes, position = divmod(seq, n) if self.wrap and n else (0, seq)
         return {**self.state_dict(), K_POS: position, K_PASS: passes}

@@ -14,14 +14,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ._align import MODES
-from ._cost import COST_MODELS, CostModel
-from ._phases import PHASES, VisionCost
-from ._policy import ALIGN_RULES, POLICIES, Policy
-from ._rank import OVER_BUDGET
+from ._choices import ALIGN_RULES, COLLATE, COST_MODELS, MODES, OVER_BUDGET, PHASES, POLICIES
+from ._cost import CostModel
+from ._phases import VisionCost
+from ._policy import Policy
 from ._types import check_bool, check_choice, check_int
-
-COLLATE = ("packed", "padded")
 
 
 def _field(default: Any, help: str, **meta: Any) -> Any:
@@ -129,7 +126,8 @@ class JobSpec:
         return VisionCost(quadratic=self.vision_quadratic)
 
     def check_daemon(self) -> JobSpec:
-        """Raises ValueError if the daemon cannot run this spec (the simulator can): non-join needs a quota."""
+        """Raises ValueError if the daemon cannot run this spec (the simulator can): non-join needs a
+        quota."""
         if self.mode == "non-join" and self.quota is None:
             raise ValueError("non-join mode needs an explicit sample quota in the job spec, got quota=None")
         return self
@@ -143,5 +141,5 @@ class JobSpec:
         return dataclasses.replace(self, **changes)
 
 
-FIELDS: tuple[dataclasses.Field, ...] = dataclasses.fields(JobSpec)
+FIELDS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(JobSpec)
 REQUIRED = ("world_size", "token_budget")

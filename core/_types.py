@@ -1,4 +1,4 @@
-"""Sample metadata, steps and the validation shared by every core module.
+"""Sample metadata and the validation shared by every core module (steps: `_step`).
 
 Only metadata travels through the protocol: a sample is an id, its realized length (tokens after
 augmentation, chat template, tokenization and visual-token expansion), how many of those tokens carry
@@ -8,9 +8,8 @@ the core; the daemon maps ids to payload references.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 # JSON keys of a serialized sample (compact: samples appear by the hundred thousand in states).
 _ID, _LEN, _LOSS, _HOME, _MOD, _BYTES, _IMG = "i", "n", "l", "h", "m", "b", "v"
@@ -27,11 +26,14 @@ def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = Non
     return value
 
 
-def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+_Choice = TypeVar("_Choice", str, int)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[_Choice]) -> _Choice:
     """Returns `value` if it is one of `choices`; raises ValueError listing them otherwise."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {name}={value!r}")
-    return value
+    return cast(_Choice, value)
 
 
 def check_number(name: str, value: Any, gt: float = 0.0) -> float:
@@ -42,7 +44,8 @@ def check_number(name: str, value: Any, gt: float = 0.0) -> float:
 
 
 def parse_bytes(value: int | str) -> int:
-    """Bytes from an int or a size such as "512MiB", "1GiB", "2GB", "300k" (powers of 1024 for both spellings)."""
+    """Bytes from an int or a size such as "512MiB", "1GiB", "2GB", "300k" (powers of 1024 for both
+    spellings)."""
     if isinstance(value, bool):
         raise ValueError(f"a size must be bytes or a string like '1GiB', got {value=}")
     if isinstance(value, int):
@@ -160,7 +163,7 @@ class Sample(_SampleFields):
                     raise ValueError(f"modality_tokens entries must be (name, count), got {entry!r}")
                 check_int(f"modality_tokens[{entry[0]!r}]", entry[1], lo=0)
         if images:
-            images = tuple(tuple(im) for im in images)
+            images = cast(tuple[tuple[int, int], ...], tuple(tuple(im) for im in images))
             for k, im in enumerate(images):
                 if len(im) != 2:
                     raise ValueError(f"images entries must be (patches, tokens), got images[{k}]={im!r}")
@@ -195,51 +198,3 @@ class Sample(_SampleFields):
             nbytes=obj.get(_BYTES, 0),
             images=tuple((int(p), int(t)) for p, t in obj.get(_IMG, ())),
         )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class StepInfo:
-    """What a trainer needs to know about one aligned step on one rank.
-
-    `loss_scale` multiplies the rank's per-token mean loss so that DDP's gradient mean equals the
-    gradient of the global per-token mean loss (see `batchd.core.loss_scale`). An IDLE step has no
-    samples and `loss_scale == 0`: the trainer runs a zero-weight forward/backward so collectives align.
-    """
-
-    rank: int
-    step: int
-    round: int
-    is_idle: bool
-    local_samples: int
-    local_tokens: int
-    local_loss_tokens: int
-    global_samples: int
-    global_tokens: int
-    global_loss_tokens: int
-    loss_scale: float
-    cost: float
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Step:
-    """One aligned step on one rank: the samples of its group (empty when IDLE), the step info, and with
-    two-phase balancing the rank's part of the step's vision exchange (`batchd.core.Exchange`)."""
-
-    samples: tuple[Sample, ...]
-    info: StepInfo
-    exchange: Any = None  # Exchange | None (typed loosely: _phases imports this module)
-
-    def to_json(self) -> dict[str, Any]:
-        out = {"samples": [s.to_json() for s in self.samples], "info": dataclasses.asdict(self.info)}
-        if self.exchange is not None:
-            out["exchange"] = self.exchange.to_json()
-        return out
-
-    @staticmethod
-    def from_json(obj: Mapping[str, Any]) -> Step:
-        exchange = None
-        if "exchange" in obj:
-            from ._phases import Exchange  # _phases imports this module
-
-            exchange = Exchange.from_json(obj["exchange"])
-        return Step(tuple(Sample.from_json(s) for s in obj["samples"]), StepInfo(**obj["info"]), exchange)

@@ -6,8 +6,8 @@ Imports `batchd.core` and `batchd.proto` only; it needs no torch (batches are co
 """
 
 from ._coord_client import CoordinatorClient
-from ._journal import Journal, JournalError
-from ._metrics import CoordinatorMetrics, RankMetrics
+from ._journal import Journal, JournalError, decode_records, encode_record
+from ._metrics import CoordinatorMetrics, RankMetrics, RateWindow
 from ._metrics_http import MergedRegistry, start_metrics_server, stop_metrics_server
 from ._node import NodeAgent
 from ._node_link import LocalRankClient, NodeLink
@@ -33,10 +33,13 @@ __all__ = [
     "RankMetrics",
     "RankServiceCore",
     "RankServicer",
+    "RateWindow",
     "add_port",
     "collate",
     "create_rank_server",
     "create_server",
+    "decode_records",
+    "encode_record",
     "node_ranks",
     "run_coordinator",
     "run_node",

@@ -2,7 +2,7 @@
 locally (nothing is downloaded)."""
 
 # Qwen2-VL's own chat template (as its processor ships it): no {% generation %} blocks -> "prefix" labels.
-from batchd._vlm_tiny import QWEN2VL_TEMPLATE  # noqa: F401 - re-exported for the tests
+from batchd.testing import QWEN2VL_TEMPLATE  # noqa: F401 - re-exported for the tests
 
 # The same rendering with the assistant's content and <|im_end|> in {% generation %} blocks -> HF's mask.
 QWEN2VL_GENERATION_TEMPLATE = (

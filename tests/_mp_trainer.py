@@ -29,8 +29,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import batchd
-from batchd._trainer import _FailureWatch, raise_job_failure
 from batchd.client import BatchClient, train_step
+from batchd.testing import FailureWatch as _FailureWatch
+from batchd.testing import raise_job_failure
 
 
 def main() -> int:

@@ -168,7 +168,7 @@ def test_odb_missing_is_skipped_with_a_message(tmp_path, monkeypatch):
 
 
 def test_learning_rate_rule_is_one_rule_for_every_system():
-    from batchd._bench_trainer import step_lr
+    from batchd.testing import step_lr
 
     assert step_lr(1e-3, 400, 100) == pytest.approx(2e-3)  # sqrt: 4x the tokens, 2x the lr
     assert step_lr(1e-3, 400, 100, power=1.0) == pytest.approx(4e-3)  # linear

@@ -14,8 +14,10 @@ import torch
 def test_tiny_qwen2vl_trains_padded_and_packed_alike():
     """The bench's model on the bench's payloads: the packed row's loss is the padded batch's (per-sample
     M-RoPE and restarting positions), and the vision timer sees the tower's forward and backward."""
-    from batchd._bench_trainer import VisionTimer, build_model, hf_pixels, payload, vision_module
     from batchd.client import collate_packed, collate_padded, forward_logits, token_loss_sum
+    from batchd.testing import VisionTimer, hf_pixels, vision_module
+    from batchd.testing import bench_model as build_model
+    from batchd.testing import bench_payload as payload
 
     images = [[[16, 4]], [[32, 8], [8, 2]], []]  # sample 1: two images, one text token between them
     lengths = [40, 60, 20]

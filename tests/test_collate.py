@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd._model import TinyCausalLM
 from batchd.client import (
     IGNORE_INDEX,
     collate_packed,
@@ -24,6 +23,7 @@ from batchd.client import (
     loss_tokens,
     token_loss_sum,
 )
+from batchd.testing import TinyCausalLM
 
 VOCAB = 512
 

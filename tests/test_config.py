@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from batchd._config import DROP, EXAMPLE, ConfigError, build_config, load_config
-from batchd._logging import JsonFormatter
 from batchd.cli import build_parser, main
+from batchd.config import DROP, EXAMPLE, ConfigError, JsonFormatter, build_config, load_config
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "odb-synthetic.txt"
 

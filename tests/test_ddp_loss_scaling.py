@@ -33,7 +33,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from batchd._model import TinyCausalLM
 from batchd.client import (
     IGNORE_INDEX,
     collate_packed,
@@ -44,6 +43,7 @@ from batchd.client import (
     train_step,
 )
 from batchd.core import JobSpec, Simulator, Step, loss_scale
+from batchd.testing import TinyCausalLM
 
 WORLD = 4
 VOCAB = 128

@@ -54,8 +54,8 @@ def test_a_deterministic_fill_stops_only_at_a_full_window_or_the_sources_end(roo
 
 
 def test_the_flag_travels_on_the_wire_in_config_files_and_on_the_command_line(tmp_path):
-    from batchd._config import load_config
     from batchd.cli import build_parser
+    from batchd.config import load_config
     from batchd.launch import spec_argv
     from batchd.proto import wire
 

@@ -36,10 +36,9 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchd import core
-from batchd._mllm import PATCH_DIM, TinyMLLM, image_patches
-from batchd._model import TinyCausalLM
 from batchd.client import IGNORE_INDEX, exchange_image_embeddings, scaled_loss, to_torch, token_loss_sum
 from batchd.core import EXCHANGE_KEYS, Exchange, Sample, VisionCost, exchange_arrays, loss_scale, plan_vision
+from batchd.testing import PATCH_DIM, TinyCausalLM, TinyMLLM, image_patches
 
 WORLDS = (2, 3, 4)
 VOCAB = 64

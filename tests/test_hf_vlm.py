@@ -43,7 +43,6 @@ from test_hf_processor import _img, _run  # tests/ is on sys.path (pytest; spawn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchd import core
-from batchd._vlm_tiny import TINY_VLM_FAMILIES, tiny_processor, tiny_vlm
 from batchd.client import (
     check_model_batch,
     check_packed_attention,
@@ -56,8 +55,8 @@ from batchd.client import (
 )
 from batchd.core import Sample, VisionCost, loss_scale, plan_vision
 from batchd.service._rank_service import collate
-from batchd.service.preprocess import HFProcessor
-from batchd.service.preprocess._chain import finalize
+from batchd.service.preprocess import HFProcessor, finalize
+from batchd.testing import TINY_VLM_FAMILIES, tiny_processor, tiny_vlm
 
 SEED = 1234
 ATOL, RTOL = 1e-5, 1e-4  # float32 models

@@ -115,9 +115,9 @@ def test_tiny_vlm_command_writes_what_a_checkout_holds(tmp_path, capsys, monkeyp
     """`batchd tiny-vlm DIR --family llava` writes a model `load_vlm` loads and a processor `HFProcessor`
     runs (the Qwen2-VL one: the job above); a file as DIR, or a directory `--hf-model` cannot load, is
     exit 2 with one line naming it (README, "Exit statuses")."""
-    from batchd._vlm_tiny import load_vlm
     from batchd.cli import main
     from batchd.preprocess import HFProcessor
+    from batchd.testing import load_vlm
     from batchd.train import main as train_main
 
     out = tmp_path / "llava"

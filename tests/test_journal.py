@@ -9,7 +9,7 @@ import pytest
 from _jobs import InProcessJob
 
 from batchd.core import JobSpec
-from batchd.service._journal import Journal, JournalError, decode_records, encode_record
+from batchd.service import Journal, JournalError, decode_records, encode_record
 from batchd.service.coordinator import JOURNAL, create_server
 
 JOB = {"world_size": 2, "token_budget": 512}

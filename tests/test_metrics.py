@@ -30,8 +30,13 @@ from batchd.core import JobSpec
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.proto import wire
-from batchd.service import CoordinatorMetrics, RankMetrics, start_metrics_server, stop_metrics_server
-from batchd.service._metrics import RateWindow
+from batchd.service import (
+    CoordinatorMetrics,
+    RankMetrics,
+    RateWindow,
+    start_metrics_server,
+    stop_metrics_server,
+)
 from batchd.service.preprocess import IngestSource, synthetic_payload
 
 REPO = Path(__file__).resolve().parents[1]

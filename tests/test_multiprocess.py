@@ -25,7 +25,6 @@ import grpc
 import pytest
 import torch
 
-from batchd._trainer import build_model
 from batchd.client import collate_padded, token_loss_sum
 from batchd.core import JobSpec, epoch_permutation
 from batchd.demo import demo_lengths
@@ -33,6 +32,7 @@ from batchd.launch import Processes, rank_argv, spec_argv, start_services, start
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.service.preprocess import synthetic_payload
+from batchd.testing import build_model
 
 pytestmark = pytest.mark.slow
 

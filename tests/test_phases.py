@@ -28,7 +28,10 @@ from batchd.core import (
     single_phase,
     vision_bound,
 )
-from batchd.core._phases import ACCEPT, SLACKS, _greedy, _images, _place
+from batchd.core.testing import ACCEPT, SLACKS
+from batchd.core.testing import vision_greedy as _greedy
+from batchd.core.testing import vision_images as _images
+from batchd.core.testing import vision_place as _place
 
 EPS = 1e-9
 

@@ -24,12 +24,13 @@ import pytest
 from _procs import processes_with_marker, wait_until
 
 from batchd.core import JobSpec
-from batchd.demo import IMAGE_TOKEN, _vocab_size
+from batchd.demo import IMAGE_TOKEN
 from batchd.launch import Processes, spec_argv, start_node_agents, start_trainers
 from batchd.preprocess import make_demo_dataset
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.service.preprocess import TokenizerRef, demo_tokenizer
+from batchd.testing import demo_vocab_size as _vocab_size
 
 pytestmark = pytest.mark.slow
 

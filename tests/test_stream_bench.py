@@ -17,9 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import stream_scale
 
-from batchd.service.preprocess import RecordDataset, Reject, iter_records
-from batchd.service.preprocess._parse import parse_record
-from batchd.service.preprocess._vision import decode_images
+from batchd.service.preprocess import RecordDataset, Reject, decode_images, iter_records, parse_record
 
 
 def test_noise_pngs_are_valid_distinct_and_incompressible():

@@ -15,10 +15,9 @@ import torch
 from test_hf_vlm import sample_loss  # the stock model called the HF way on one sample
 
 from batchd import core
-from batchd._vlm_tiny import tiny_processor
 from batchd.client import to_torch, token_loss_sum, two_phase
-from batchd.service.preprocess import Example, HFProcessor, StageContext
-from batchd.service.preprocess._chain import finalize
+from batchd.service.preprocess import Example, HFProcessor, StageContext, finalize
+from batchd.testing import tiny_processor
 
 pytest.importorskip("transformers")
 

@@ -19,7 +19,6 @@ from _jobs import job_pool
 from test_hf_vlm import sample_loss  # the stock model called the HF way on one sample
 
 from batchd import two_phase
-from batchd._vlm_tiny import tiny_processor, tiny_vlm
 from batchd.client import loss_tokens
 from batchd.core import JobSpec
 from batchd.service.preprocess import (
@@ -30,6 +29,7 @@ from batchd.service.preprocess import (
     demo_record,
     parse_record,
 )
+from batchd.testing import tiny_processor, tiny_vlm
 
 transformers = pytest.importorskip("transformers")
 

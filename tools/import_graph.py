@@ -1,13 +1,17 @@
 """Prints batchd's import graph between its layers, and checks it against the one-way arrows.
 
     python tools/import_graph.py            # the package-to-package graph, with counts
-    python tools/import_graph.py --check    # exit 1, listing every import against the arrows
+    python tools/import_graph.py --check    # exit 1 on any import against the rules below
+    python tools/import_graph.py --cycles   # every import cycle between the modules of one package
 
 Layers, each importing only from those before it:
     core -> proto -> service (service.preprocess inside it) -> client -> app (the `batchd/` package)
 
 Also flagged: an import of another package's private module (`batchd.service._x` from outside
-`batchd.service`), and torch imported anywhere in core, proto or service.
+`batchd.service`), torch imported anywhere in core, proto or service, an import cycle between the
+modules of one package (every import counts: top-level, deferred in a function, under
+`if TYPE_CHECKING:`), and in `tests/*.py` and `benchmarks/*.py` any import of a private module or
+private name of batchd (`batchd.x._y`, `from batchd.x import _y`): those use public names.
 Reads the source with `ast` only; nothing is imported.
 """
 
@@ -90,7 +94,8 @@ def imports(module: str, path: Path, known: set[str]) -> list[tuple[int, str, bo
 
 
 def violations(mods: dict[str, Path]) -> list[str]:
-    """Every import against the layers, into another package's private module, or of torch below the client."""
+    """Every import against the layers, into another package's private module, or of torch below the
+    client."""
     rank = {p: i for i, p in enumerate(LAYERS)}
     known = set(mods)
     out = []
@@ -131,7 +136,8 @@ def package_of(module: str, mods: dict[str, Path]) -> str:
 
 
 def graph(mods: dict[str, Path]) -> tuple[Counter, int]:
-    """Package -> package import counts (batchd's own packages only), and how many imports sit in functions."""
+    """Package -> package import counts (batchd's own packages only), and how many imports sit in
+    functions."""
     edges: Counter = Counter()
     known = set(mods)
     in_funcs = 0
@@ -148,14 +154,163 @@ def graph(mods: dict[str, Path]) -> tuple[Counter, int]:
     return edges, in_funcs
 
 
+def _owning_module(target: str, known: set[str]) -> str:
+    """The module an import target names: itself, or the module a name was imported from."""
+    while target and target not in known:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def module_edges(mods: dict[str, Path]) -> dict[str, dict[str, int]]:
+    """module -> {module of the same package it imports: first line}, every import counted (top level,
+    in a function, under `if TYPE_CHECKING:`). A package's `__init__` belongs to the package."""
+    known = set(mods)
+    out: dict[str, dict[str, int]] = {m: {} for m in mods}
+    for mod, path in mods.items():
+        pkg = package_of(mod, mods)
+        for line, target, _ in imports(mod, path, known):
+            dst = _owning_module(target, known)
+            if dst and dst != mod and package_of(dst, mods) == pkg:
+                out[mod].setdefault(dst, line)
+    return out
+
+
+def _path(edges: dict[str, dict[str, int]], src: str, dst: str, inside: set[str]) -> list[str] | None:
+    """A shortest path src -> ... -> dst through `inside` (breadth first, neighbours in sorted order)."""
+    prev = {src: src}
+    frontier = [src]
+    while frontier:
+        nxt = []
+        for u in frontier:
+            for v in sorted(edges[u]):
+                if v in inside and v not in prev:
+                    prev[v] = u
+                    if v == dst:
+                        path = [v]
+                        while path[-1] != src:
+                            path.append(prev[path[-1]])
+                        return path[::-1]
+                    nxt.append(v)
+        frontier = nxt
+    return None
+
+
+def _components(edges: dict[str, dict[str, int]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[set[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            u, it = work[-1]
+            v = next(it, None)
+            if v is not None:
+                if v not in index:
+                    index[v] = low[v] = len(index)
+                    stack.append(v)
+                    on.add(v)
+                    work.append((v, iter(sorted(edges[v]))))
+                elif v in on:
+                    low[u] = min(low[u], index[v])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[u])
+            if low[u] == index[u]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on.discard(w)
+                    comp.add(w)
+                    if w == u:
+                        break
+                if len(comp) > 1:
+                    out.append(comp)
+    return out
+
+
+def cycles(mods: dict[str, Path]) -> list[list[str]]:
+    """Import cycles between the modules of one package, each as [a, b, ..., a].
+
+    For every import u -> v inside a strongly connected component, the cycle of u -> v and a shortest
+    path back, deduplicated: every import that lies on some cycle shows in at least one. O(E x (V + E))."""
+    edges = module_edges(mods)
+    seen: set[tuple[str, ...]] = set()
+    out = []
+    for comp in _components(edges):
+        for u in sorted(comp):
+            for v in sorted(edges[u]):
+                back = _path(edges, v, u, comp) if v in comp else None
+                if back is None:
+                    continue
+                ring = [u, *back[:-1]]
+                k = ring.index(min(ring))
+                key = tuple(ring[k:] + ring[:k])
+                if key not in seen:
+                    seen.add(key)
+                    out.append([*key, key[0]])
+    return sorted(out, key=lambda c: (len(c), c))
+
+
+def _short(module: str) -> str:
+    return module.removeprefix("batchd.")
+
+
+def cycle_violations(mods: dict[str, Path]) -> list[str]:
+    """One line per import cycle inside a package: `core._a -> core._b -> core._a`."""
+    return [f"import cycle: {' -> '.join(_short(m) for m in c)}" for c in cycles(mods)]
+
+
+def script_files(root: Path | None = None) -> dict[str, Path]:
+    """Module-like name -> file for `tests/*.py` and `benchmarks/*.py` (they use batchd's public names)."""
+    root = ROOT if root is None else root
+    out = {}
+    for d in ("tests", "benchmarks"):
+        for path in sorted((root / d).glob("*.py")):
+            out[f"{d}.{path.stem}"] = path
+    return out
+
+
+def private_uses(scripts: dict[str, Path], mods: dict[str, Path]) -> list[str]:
+    """Every import in `scripts` of a private module or private name of batchd, by file and line."""
+    known = set(mods)
+    out = []
+    for name, path in scripts.items():
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        found: dict[int, list[str]] = {}
+        for line, target, _ in imports(name, path, known):
+            if not (target == "batchd" or target.startswith("batchd.")):
+                continue
+            if any(p.startswith("_") and not p.startswith("__") for p in target.split(".")):
+                names = found.setdefault(line, [])
+                if not any(target.startswith(n + ".") for n in names):
+                    names.append(target)
+        out += [f"{where}:{line}: imports {', '.join(t)} (use public names)" for line, t in found.items()]
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 on any import against the layers")
+    ap.add_argument("--check", action="store_true", help="exit 1 on any import against the rules")
+    ap.add_argument("--cycles", action="store_true", help="print the import cycles inside each package")
     args = ap.parse_args(argv)
     mods = modules()
+    if args.cycles:
+        found = cycles(mods)
+        print("\n".join(" -> ".join(_short(m) for m in c) for c in found) or "no import cycle")
+        return 0
     bad = violations(mods)
     if args.check:
-        print("\n".join(bad) or "no import runs against the layers")
+        bad += cycle_violations(mods) + private_uses(script_files(), mods)
+        print("\n".join(bad) or "no import runs against the layers, no import cycle, no private use")
         return 1 if bad else 0
     edges, in_funcs = graph(mods)
     print("package -> package   (imports)")

@@ -23,7 +23,7 @@ Imports only `batchd.core`: the rank service builds on it, never the other way.
 """
 
 from ._augment import RandomResizedCrop, SystemPrompt, TurnSubsample
-from ._chain import Preprocessor, SampleMeta, default_stages
+from ._chain import Preprocessor, SampleMeta, default_stages, finalize
 from ._dataset import Block, EmptyDatasetError, RecordDataset, iter_records, parse_item
 from ._demo_data import DemoDataset, demo_bad_ids, demo_record, demo_records, make_demo_dataset
 from ._hf import HFProcessor
@@ -65,7 +65,7 @@ from ._sources import (
 from ._stage import Example, Stage, StageContext, resolve_stage
 from ._text import QWEN2VL_IMAGE, TEMPLATES, ChatTemplate, Tokenize, Truncate
 from ._tokenizer import SPECIAL_TOKENS, TokenizerRef, demo_tokenizer, train_tokenizer
-from ._vision import LlavaVision, Qwen2VLVision, smart_resize
+from ._vision import LlavaVision, Qwen2VLVision, decode_images, smart_resize
 
 __all__ = [
     "Block",
@@ -111,12 +111,14 @@ __all__ = [
     "TooManyBadRecords",
     "Truncate",
     "TurnSubsample",
+    "decode_images",
     "default_stages",
     "demo_bad_ids",
     "demo_record",
     "demo_records",
     "demo_tokenizer",
     "ensure_ray",
+    "finalize",
     "iter_records",
     "job_key",
     "job_ray_address",

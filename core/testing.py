@@ -1,0 +1,24 @@
+"""The planners' internal steps, public for their property tests only (no stability promise).
+
+`batchd.core`'s planners are tested through their public functions and, where a property belongs to
+one step, through that step: the vision plan's greedy placement and its search (`batchd.core._phases`),
+and the node-aware round plan's outlier pooling and level dealing (`batchd.core._plan_nodes`,
+`batchd.core._plan_deal`). Tests import them from here, so no test imports a private module.
+"""
+
+from ._phases import ACCEPT, SLACKS
+from ._phases import _greedy as vision_greedy
+from ._phases import _images as vision_images
+from ._phases import _place as vision_place
+from ._plan_deal import deal_levels
+from ._plan_nodes import outliers
+
+__all__ = [
+    "ACCEPT",
+    "SLACKS",
+    "deal_levels",
+    "outliers",
+    "vision_greedy",
+    "vision_images",
+    "vision_place",
+]
