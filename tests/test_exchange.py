@@ -327,7 +327,7 @@ def test_exchange_moves_rows_and_gradients_as_a_permutation(run):
     exchanges = case["exchanges"]
     # where each (sample id, image index, row) lands: (owner rank, row in the owner's LLM order)
     landing = {}
-    for rank, group in enumerate(case["row"]):
+    for rank, _group in enumerate(case["row"]):
         want = []
         for (sid, k), source in zip(own_images(case, rank), exchanges[rank].sources, strict=True):
             for row in range(case["samples"][sid]["sample"].images[k][1]):

@@ -12,9 +12,11 @@ import pickle
 
 import numpy as np
 import pytest
+from _hf_templates import QWEN2VL_GENERATION_TEMPLATE, QWEN2VL_TEMPLATE
 from PIL import Image
 
 from batchd._config import load_config
+from batchd._vlm_tiny import LLAVA_TEMPLATE, tiny_tokenizer
 from batchd.cli import build_parser
 from batchd.preprocess import (
     ChatTemplate,
@@ -33,9 +35,6 @@ from batchd.preprocess import (
 )
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 64
-from _hf_templates import QWEN2VL_GENERATION_TEMPLATE, QWEN2VL_TEMPLATE
-
-from batchd._vlm_tiny import LLAVA_TEMPLATE, tiny_tokenizer
 
 # ---------------------------------------------------------------------------------------------------
 # Building processors locally
