@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -233,7 +234,7 @@ def info_from_pb(m: pb.StepInfo) -> StepInfo:
     )
 
 
-def tensor_to_pb(name: str, array) -> pb.Tensor:
+def tensor_to_pb(name: str, array: Any) -> pb.Tensor:
     """Encodes a numpy array or CPU torch tensor as raw little-endian bytes."""
     if hasattr(array, "numpy") and not isinstance(array, np.ndarray):
         array = array.detach().cpu().numpy()
