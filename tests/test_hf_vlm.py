@@ -352,6 +352,7 @@ def errors(got: list[dict], want_loss: float, want: np.ndarray) -> tuple[float, 
 
 
 # -- 1. a DDP step through batchd equals the single-process stock model --------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("family", TINY_VLM_FAMILIES)
 @pytest.mark.parametrize("name", [s[0] for s in STEPS])
 def test_ddp_step_equals_stock_model_per_sample(families, ranks, references, family, name):
@@ -403,6 +404,7 @@ def test_plans_move_images_where_the_steps_need_it(families, family):
 
 
 # -- 2. controls: the same comparison fails -----------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("family", TINY_VLM_FAMILIES)
 @pytest.mark.parametrize("control", sorted(CONTROLS))
 def test_controls_fail_the_comparison(families, ranks, references, family, control):

@@ -311,7 +311,8 @@ def test_readme_and_help_commands_parse():
 
 
 def test_install_line_is_what_ci_runs():
-    """The README's first lines are what `.ci/run` runs on a clean clone: the install, then the suite."""
+    """The README's first lines are what `.ci/run` runs on a clean clone: the install, then the suite,
+    in two stages that split it by the `slow` marker (together: every test once)."""
     first = bash_blocks(readme_text())[0]
     install, demo, suite = block_commands(first)
     ci = (REPO / ".ci" / "run").read_text()
@@ -319,7 +320,10 @@ def test_install_line_is_what_ci_runs():
     assert steps[0] == "python3 -m venv .venv" and "python3 -m venv .venv" in ci
     for step in steps[2:]:  # pip install ... ; CI runs the same through `python -m pip --quiet`
         assert step.replace("pip install", "python -m pip install --quiet") in ci, (step, ci)
-    assert demo == "batchd demo" and suite == "python -m pytest -q" and ci.rstrip().endswith(suite)
+    assert demo == "batchd demo" and suite == "python -m pytest -q"
+    runs = [line.strip() for line in ci.splitlines() if line.strip().startswith("python -m pytest")]
+    assert runs == [f'{suite} -m "not slow"', f"{suite} -m slow"], runs
+    assert ".ci/run" in readme_text() and "two stages" in readme_text()
 
 
 # -- the commands no other test runs ----------------------------------------------------------------
