@@ -12,9 +12,9 @@ What a trainer needs is here, from one import::
 
 and so is what a job is made of: `JobSpec` (the job every party agrees on), `Config` / `load_config`
 (the config file), `simulate` (the daemon's core over a list of lengths, no processes), and one error
-hierarchy: `BatchdError` > `JobFailed`, `CoordinatorError`, `RankServiceError`; bad configs raise `ConfigError` (a
-ValueError). The layers underneath (`batchd.core`, `batchd.proto`, `batchd.service`, `batchd.client`)
-keep their own public modules; see the README's architecture section.
+hierarchy: `BatchdError` > `JobFailed`, `CoordinatorError`, `RankServiceError`; bad configs raise
+`ConfigError` (a ValueError). The layers underneath (`batchd.core`, `batchd.proto`, `batchd.service`,
+`batchd.client`) keep their own public modules; see the README's architecture section.
 
 Names resolve on first use, so `import batchd.service` (the daemon) never imports torch.
 """

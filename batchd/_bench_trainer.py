@@ -8,8 +8,9 @@ Systems (the `system` key of the config):
 - `odb-0.1.2`: the seed's own package, run the way its README says: a map-style torch `Dataset` that
   returns exactly the samples batchd's `SyntheticSource` produces for these ids, a multi-worker
   `DataLoader(batch_size=1)` over the rank's view (one loader, re-iterated every epoch after the view
-  sampler's `set_epoch`, as ODB expects: it names each iteration's gloo group after an iteration count), `odb.apply(loader, token_budget=L, loss_scaling="exact",
-  join=True, buffer_size=window)`, the user collate (`collate_padded`, the layout batchd's padded path
+  sampler's `set_epoch`, as ODB expects: it names each iteration's gloo group after an iteration
+  count), `odb.apply(loader, token_budget=L, loss_scaling="exact", join=True, buffer_size=window)`,
+  the user collate (`collate_padded`, the layout batchd's padded path
   uses), `odb.pop_step_info` + `loss * info.loss_scale`, and the DDP model under torch's `Join` context
   (ODB's join mode lets ranks end on different step counts; its README pairs it with DDP Join).
 - `batchd` (policies `odb` / `balanced`, chosen by the rank services): a `BatchClient` against this
@@ -178,7 +179,8 @@ class VisionTimer:
 def build_model(name: str, seed: int, max_len: int, images: bool = False) -> torch.nn.Module:
     """The preset `name`, randomly initialised from `seed` (identical on every rank); with `images`, the
     same LM behind `TinyMLLM`'s vision encoder (its image token: the synthetic vocabulary's last id).
-    `tiny-qwen2vl`: the stock HF Qwen2-VL adapted by `batchd.two_phase` (`hf_qwen2vl`), with or without images."""
+    `tiny-qwen2vl`: the stock HF Qwen2-VL adapted by `batchd.two_phase` (`hf_qwen2vl`), with or
+    without images."""
     if name not in MODELS:
         raise ValueError(f"unknown model, expected one of {sorted(MODELS)}, got {name=}")
     if name in HF_MODELS:

@@ -31,8 +31,8 @@ shows up directly as wasted time. Measured step times: docs/benchmarks.md (`batc
 
 The trade-off: no KV cache, no fused varlen kernel (given `cu_seqlens`, a packed row's attention runs
 one SDPA call per sample, sum(n_i^2) work but a Python loop over samples; without it the block-diagonal
-mask is a dense [T, T] mask, quadratic in the packed row length), no dropout. It exists to make loss/gradient equivalences and
-straggler effects measurable, not to be fast.
+mask is a dense [T, T] mask, quadratic in the packed row length), no dropout. It exists to make
+loss/gradient equivalences and straggler effects measurable, not to be fast.
 
 Initialisation is deterministic given `torch.manual_seed` (normal(0, 0.02) for matrices, ones for
 norms), so every DDP rank and a single-process reference build the same weights.

@@ -148,7 +148,8 @@ def tiny_qwen2vl_config(
 
 
 def tiny_vlm_config(family: str, tokenizer: Any, attn_implementation: str = "sdpa"):
-    """The tiny model's config for a tokenizer of `tiny_processor(family)` (its vocabulary and image tokens)."""
+    """The tiny model's config for a tokenizer of `tiny_processor(family)` (its vocabulary and image
+    tokens)."""
     ids = tokenizer.convert_tokens_to_ids
     vocab = len(tokenizer)
     if _check_family(family) == "qwen2_vl":

@@ -387,7 +387,8 @@ def run_bench(
             workload `MM_SYSTEMS`).
         device: "cpu" (gloo) or "cuda" (NCCL, bf16).
         model: "tiny", "llama-100m" or "tiny-qwen2vl" (the stock HF Qwen2-VL through `batchd.two_phase`;
-            default workload bimodal.csv, 256 samples, `HF_VLM_SYSTEMS`) (None: tiny on CPU, llama-100m on CUDA).
+            default workload bimodal.csv, 256 samples, `HF_VLM_SYSTEMS`) (None: tiny on CPU,
+            llama-100m on CUDA).
         out: Directory for bench.json and the PNG plots (None: no files).
         seed: Seeds the model, the sampler views and the synthetic samples.
         window: Per-rank window in samples (batchd `--window`, ODB `buffer_size`).
@@ -557,8 +558,9 @@ def run_bench(
             runs[system].append(s)
             run = f" (run {rep + 1}/{repeats})" if repeats > 1 else ""
             say(
-                f"[bench] {system}{run}: {s['wall_s']:.1f} s wall, {s['steps']} steps, {s['samples']} samples "
-                f"(missing {s['missing']}, dup {s['duplicates']}), padding eff {s['padding_efficiency']:.3f}, "
+                f"[bench] {system}{run}: {s['wall_s']:.1f} s wall, {s['steps']} steps, "
+                f"{s['samples']} samples (missing {s['missing']}, dup {s['duplicates']}), "
+                f"padding eff {s['padding_efficiency']:.3f}, "
                 f"final loss {s['final_loss']:.3f}, held-out {_f(s['heldout_loss'])}"
                 + (
                     f", vision tower {_pct(s['vision_share'])} of rank 0's time"
@@ -636,9 +638,9 @@ holds its first batch to the last rank's last optimizer step; start-up is exclud
 alike and shown as startup_s), samples, steps, padding efficiency (real / materialized tokens), the
 loss curve, the final loss (per-token, last 10% of steps) and a held-out loss of the final model,
 with speedups vs fixed and vs odb-0.1.2; every system must train on every sample id exactly once per
-epoch (missing / duplicates; --epochs). PNG plots (loss vs step, loss vs wall time, wall-time bars) and bench.json go
-to --out. odb-0.1.2 is skipped when online-dynamic-batching 0.1.2 is not installed (pip install
-'batchd[bench]')."""
+epoch (missing / duplicates; --epochs). PNG plots (loss vs step, loss vs wall time, wall-time bars)
+and bench.json go to --out. odb-0.1.2 is skipped when online-dynamic-batching 0.1.2 is not installed
+(pip install 'batchd[bench]')."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -675,7 +677,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--systems",
         default=None,
-        help=f"comma-separated, run in this order (default: {','.join(s for s in SYSTEMS if s != 'batchd-2phase')}; "
+        help="comma-separated, run in this order (default: "
+        f"{','.join(s for s in SYSTEMS if s != 'batchd-2phase')}; "
         f"for a multimodal .csv workload {','.join(MM_SYSTEMS)})",
     )
     p.add_argument(

@@ -137,7 +137,8 @@ def phase_table(result: dict) -> str:
         f"  {'phase':<8} {'single-phase':>12} {'two-phase':>10} {'bound':>8}",
         f"  {'llm':<8} {f(llm):>12} {f(llm) if two else '-':>10} {'-':>8}",
         (
-            f"  {'vision':<8} {f(result['vision_imbalance_single']):>12} {f(result['vision_imbalance_two']):>10} "
+            f"  {'vision':<8} {f(result['vision_imbalance_single']):>12} "
+            f"{f(result['vision_imbalance_two']):>10} "
             f"{f(result['vision_bound_pigeonhole']):>8}"
         ),
         "  (bound: a lower bound no vision plan beats, images being whole: vision_bound_pigeonhole)",
@@ -452,8 +453,8 @@ def _config_cmd(args: argparse.Namespace) -> int:
         print(json.dumps(out))
     else:
         print(
-            f"{args.file}: ok ({cfg.job.world_size} ranks, L_max {cfg.job.token_budget}, policy {cfg.job.policy}, "
-            f"mode {cfg.job.mode})"
+            f"{args.file}: ok ({cfg.job.world_size} ranks, L_max {cfg.job.token_budget}, "
+            f"policy {cfg.job.policy}, mode {cfg.job.mode})"
         )
     return 0
 
@@ -488,7 +489,8 @@ def _tiny_vlm_cmd(args: argparse.Namespace) -> int:
     path = save_tiny_vlm(args.path, args.family, args.seed)
     print(
         f"wrote a tiny {args.family} model and its processor to {path} (config, weights, tokenizer, image "
-        f'processor, chat template): [pipeline] processor = "{path}", python -m batchd.train --hf-model {path}'
+        f'processor, chat template): [pipeline] processor = "{path}", '
+        f"python -m batchd.train --hf-model {path}"
     )
     return 0
 
@@ -541,8 +543,8 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"epoch wall time     {summary['wall_s']:.2f}s")
     if pre is not None:
         print(
-            f"preprocessing       {pre['actors']} Ray actors: {pre['samples']} samples + {pre['quarantined']} "
-            f"quarantined = {pre['records_read']} of {pre['records']} records read; "
+            f"preprocessing       {pre['actors']} Ray actors: {pre['samples']} samples + "
+            f"{pre['quarantined']} quarantined = {pre['records_read']} of {pre['records']} records read; "
             f"{pre['samples_per_s']:.0f} samples/s; trainers waited for data "
             f"{100 * pre['stall_fraction']:.1f}% of their time (slowest rank)"
         )
@@ -632,8 +634,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "coordinator",
         help="run the gRPC alignment coordinator",
-        description="Runs the DGAP alignment coordinator for one job until every rank's trainer took its last step. "
-        "Settings come from --config ([job], [coordinator], [security], [logging]) and flags.",
+        description="Runs the DGAP alignment coordinator for one job until every rank's trainer took its "
+        "last step. Settings come from --config ([job], [coordinator], [security], [logging]) and flags.",
     )
     _add_config_flag(p)
     _add_spec(p)
@@ -706,8 +708,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the main job end to end on this machine",
         description="Starts a local Ray, a coordinator, N rank services (each preprocessing its "
         "view of the dataset with Ray actors: chat template, tokenizer, Qwen2-VL visual tokens) "
-        "and N gloo DDP trainers, trains a tiny multimodal LM (two-phase: its vision encoder balanced too) for "
-        "one epoch through batchd, then "
+        "and N gloo DDP trainers, trains a tiny multimodal LM (two-phase: its vision encoder balanced "
+        "too) for one epoch through batchd, then "
         "with fixed batching on the same preprocessed samples, and compares. Default data: a "
         "generated demo dataset (conversations, images and a few bad records).",
     )
@@ -844,7 +846,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _closed_pipe() -> int:
-    """Points stdout at /dev/null so the interpreter's final flush cannot fail again; the status for SIGPIPE."""
+    """Points stdout at /dev/null so the interpreter's final flush cannot fail again; the status for
+    SIGPIPE."""
     with contextlib.suppress(OSError, ValueError):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -4,8 +4,8 @@ One command starts one local Ray (or joins `--ray-address`), the coordinator, th
 (`batchd node`: the rank services of all N ranks in one process, one stream to the coordinator) and N
 trainer processes (torch.distributed gloo on CPU) that train a tiny multimodal LM (`TinyMLLM`; the tiny
 causal LM with `--synthetic`) for one epoch through the batchd client, two-phase by default on image data
-(`run_demo`'s `phases`). Each rank's service preprocesses its sampler view of the dataset with its own Ray actors
-(`batchd node --dataset`: chat template, the demo BPE tokenizer, Qwen2-VL visual tokens with pixel
+(`run_demo`'s `phases`). Each rank's service preprocesses its sampler view of the dataset with its own
+Ray actors (`batchd node --dataset`: chat template, the demo BPE tokenizer, Qwen2-VL visual tokens with pixel
 values, cutoff L) and batches the realized lengths; samples the balanced plan moves between ranks are
 handed over inside the agent; the default dataset is generated
 (`make_demo_dataset`: conversations, images and a few deliberately bad records, no downloads). Then it
@@ -444,8 +444,8 @@ def _run_ray(
                     signal.signal(sig, handler)
         ray_address = ray.get_runtime_context().gcs_address
     say(
-        f"Ray at {ray_address}; {sum(per_rank)} preprocessing actors ({per_rank} per rank) on {records} records "
-        f"of {dataset}"
+        f"Ray at {ray_address}; {sum(per_rank)} preprocessing actors ({per_rank} per rank) "
+        f"on {records} records of {dataset}"
     )
 
     node_args = [

@@ -375,9 +375,10 @@ def start_node_agents(
     coordinator_args: list[str] | tuple[str, ...] = (),
     node_args: list[str] | tuple[str, ...] | Callable[[int], list[str]] = (),
 ) -> tuple[int, list[int]]:
-    """Starts the coordinator ("coordinator") and world_size / local_ranks node agents ("node-G", serving ranks
-    G*K .. G*K+K-1) on free loopback ports; returns (coordinator port, the service port of every rank: its
-    agent's) once every one listens. `node_args` may be a function of the node rank G."""
+    """Starts the coordinator ("coordinator") and world_size / local_ranks node agents ("node-G",
+    serving ranks G*K .. G*K+K-1) on free loopback ports; returns (coordinator port, the service port
+    of every rank: its agent's) once every one listens. `node_args` may be a function of the node
+    rank G."""
     if local_ranks < 1 or world_size % local_ranks:
         raise ValueError(f"local_ranks must divide world_size, got {local_ranks=} {world_size=}")
     coord = procs.start(

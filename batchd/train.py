@@ -490,7 +490,8 @@ def _load_hf_model(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def _vocabulary(model: torch.nn.Module) -> int | None:
-    """Rows of the model's token embedding: `vocab_size` of the tiny LM, the input embedding's of an HF model."""
+    """Rows of the model's token embedding: `vocab_size` of the tiny LM, the input embedding's of an
+    HF model."""
     if hasattr(model, "vocab_size") and isinstance(model.vocab_size, int):
         return model.vocab_size
     embeddings = getattr(model, "get_input_embeddings", None)
@@ -583,13 +584,14 @@ def _check_vocabulary(batch: dict[str, Any], vocab: int | None, args: argparse.N
     if top >= vocab:
         if args.hf_model is not None:
             raise VocabularyError(
-                f"token id {top} is past the vocabulary of --hf-model {args.hf_model} ({vocab} ids): the rank "
-                f"services' processor ([pipeline] processor) must be this model's"
+                f"token id {top} is past the vocabulary of --hf-model {args.hf_model} ({vocab} ids): "
+                "the rank services' processor ([pipeline] processor) must be this model's"
             )
         given = f"--tokenizer {args.tokenizer}" if args.tokenizer else "no --tokenizer"
         raise VocabularyError(
-            f"token id {top} is past the model's vocabulary of {vocab} ({given}): give --tokenizer the rank "
-            f"services' tokenizer (`batchd tokenizer tok.json` writes the default one) or a larger --vocab-size"
+            f"token id {top} is past the model's vocabulary of {vocab} ({given}): give --tokenizer the "
+            "rank services' tokenizer (`batchd tokenizer tok.json` writes the default one) or a larger "
+            "--vocab-size"
         )
 
 

@@ -103,7 +103,8 @@ def _plan(
             f"vision_recv_splits={recv} cut a received image in two (row boundaries {stray} fall "
             f"inside an image; received image tokens in order: {[image_tokens[i] for i in placement]})"
         )
-    # received row r_j + k (image j from the sources, LLM image placement[j]) is LLM row start[placement[j]] + k
+    # received row r_j + k (image j from the sources, LLM image placement[j]) is
+    # LLM row start[placement[j]] + k
     sizes = np.asarray([image_tokens[i] for i in placement], dtype=np.int64)
     received_start = np.concatenate(([0], np.cumsum(sizes)))[:-1]
     shift = (

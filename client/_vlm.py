@@ -1,8 +1,9 @@
 """Stock Hugging Face multimodal models on batchd batches: `two_phase(model)`, without forking the model.
 
-``batchd.two_phase(model)`` adapts a ``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``
-or ``LlavaForConditionalGeneration`` in place (its ``forward`` only; parameters, state dict, ``save_pretrained``
-and ``generate`` stay the model's own) so that it trains on every kind of batchd step:
+``batchd.two_phase(model)`` adapts a ``Qwen2VLForConditionalGeneration``,
+``Qwen2_5_VLForConditionalGeneration`` or ``LlavaForConditionalGeneration`` in place (its ``forward``
+only; parameters, state dict, ``save_pretrained`` and ``generate`` stay the model's own) so that it
+trains on every kind of batchd step:
 
 * **Two-phase** (the batch carries ``vision_send_splits``): the model's own vision tower
   (``get_image_features``: the ViT and its merger / projector) encodes the images the vision plan gave this
@@ -31,9 +32,9 @@ and ``generate`` stay the model's own) so that it trains on every kind of batchd
 Calling it. `batchd.client.forward_logits(model, batch)`, `train_step`, `BatchdTrainer` and `batchd_backward`
 pass the whole batch (the adapted model has ``takes_batch = True``); ``model(batch)`` takes a batchd batch
 (labels, sample ids and packing boundaries are dropped), ``model(**hf_kwargs)`` the model's own keyword
-arguments plus the batchd keys above. A call with a cache, ``use_cache=True`` or ``inputs_embeds`` (generation)
-goes to the model's own forward unchanged. The exchange is a collective over `group`: every rank calls the
-forward, and the backward, of every step.
+arguments plus the batchd keys above. A call with a cache, ``use_cache=True`` or ``inputs_embeds``
+(generation) goes to the model's own forward unchanged. The exchange is a collective over `group`:
+every rank calls the forward, and the backward, of every step.
 
 Imports torch and `batchd.core` only; transformers only through the model it is given.
 """
@@ -214,7 +215,8 @@ class _Adapter:
     def vision(
         self, pixels: Any, grid: Any, exchange: Mapping[str, Any], device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(this rank's LLM image rows in LLM order, a zero scalar that puts every vision parameter in the graph)."""
+        """(this rank's LLM image rows in LLM order, a zero scalar that puts every vision parameter in
+        the graph)."""
         if self.family.grids and (pixels is None) != (grid is None):
             raise ValueError(
                 f"pixel_values and image_grid_thw come together, got {pixels is None=} {grid is None=}"

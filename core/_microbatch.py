@@ -56,16 +56,16 @@ def balanced_split(costs: Sequence[float], m: int) -> list[list[int]]:
                         best = (score, i, k)
         if best is None:
             break
-        _, i, k = best
-        parts[hi].remove(i)
-        parts[lo].append(i)
-        loads[hi] -= costs[i]
-        loads[lo] += costs[i]
-        if k is not None:
-            parts[lo].remove(k)
-            parts[hi].append(k)
-            loads[lo] -= costs[k]
-            loads[hi] += costs[k]
+        _, move, swap = best
+        parts[hi].remove(move)
+        parts[lo].append(move)
+        loads[hi] -= costs[move]
+        loads[lo] += costs[move]
+        if swap is not None:
+            parts[lo].remove(swap)
+            parts[hi].append(swap)
+            loads[lo] -= costs[swap]
+            loads[hi] += costs[swap]
     return [sorted(p) for p in parts]
 
 

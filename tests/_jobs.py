@@ -303,7 +303,8 @@ class InProcessJob:
         project: Callable[[dict, Any], Any] | None = None,
         **client_kwargs: Any,
     ) -> list[list[list[Any]]]:
-        """Like `drain`, through epochs 0..epochs-1 (`set_epoch` before each); per rank, per epoch, the steps."""
+        """Like `drain`, through epochs 0..epochs-1 (`set_epoch` before each); per rank, per epoch,
+        the steps."""
         return drain_clients(
             lambda r: self.client(r, **client_kwargs), self.spec.world_size, epochs, limit_s, project
         )
@@ -330,8 +331,9 @@ class InProcessJob:
         deadline = time.monotonic() + limit_s
         while self.state.state != state:
             assert time.monotonic() < deadline, (
-                f"the coordinator did not reach state {state!r} within {limit_s:g}s: it is {self.state.state!r} "
-                f"({self.state.failure or 'no failure'}; finished ranks {sorted(self.state.liveness.finished)})"
+                f"the coordinator did not reach state {state!r} within {limit_s:g}s: "
+                f"it is {self.state.state!r} ({self.state.failure or 'no failure'}; "
+                f"finished ranks {sorted(self.state.liveness.finished)})"
             )
             time.sleep(0.05)
 

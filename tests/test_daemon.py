@@ -130,7 +130,7 @@ def test_client_resumes_mid_epoch_from_its_state(job_factory):
     job = job_factory(spec, lengths)
     c = job.client(0)
     seen = []
-    for k, (batch, info) in enumerate(c):
+    for k, (batch, _info) in enumerate(c):
         seen.append(batch["sample_ids"].tolist())
         if k == 4:
             break

@@ -218,6 +218,7 @@ def ddp_run(tmp_path_factory) -> dict:
     return {"cases": {c["policy"]: c for c in cases}, "ranks": ranks, "wall_s": wall}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_ddp_gradient_equals_global_per_token_gradient(ddp_run, policy):
     case, per_rank = ddp_run["cases"][policy], [r[policy] for r in ddp_run["ranks"]]
@@ -238,6 +239,7 @@ def test_ddp_gradient_equals_global_per_token_gradient(ddp_run, policy):
     assert max(per_rank[0]["naive_gaps"]) > 100 * ATOL, per_rank[0]["naive_gaps"]
 
 
+@pytest.mark.slow
 def test_ddp_run_is_fast(ddp_run):
     assert ddp_run["wall_s"] < 40, ddp_run["wall_s"]
 

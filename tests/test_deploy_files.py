@@ -9,7 +9,10 @@ Every command line they run is extracted and parsed by the parser that will run 
   which deploy/torchrun/launch.sh forwards).
 
 `batchd node ...` lines (one node agent per GPU host) and the trainer's `--node-agent` parse with the
-real parsers. launch.sh and start-node-agent.sh also run with stub programs that print their argv.
+real parsers. launch.sh and start-node-agent.sh also run for real, from their environment, up to their
+final `exec` (`exec_argv`: the program variable set to `true`, the command line read from bash's trace
+of that exec), and what they would exec parses with the same real parsers; the Kubernetes pods that run
+launch.sh are checked through that run too, not through a model of the script.
 docker/compose.yaml is checked alone and merged with its CPU override docker/compose.cpu.yaml (host
 networking everywhere, no published ports); deploy/smoke/compose.sh, which runs that merge for real
 under docker, is only syntax-checked here (CI has no docker daemon).
@@ -29,11 +32,9 @@ One slow test runs deploy/torchrun/launch.sh for real: torchrun starts 2 gloo tr
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import fnmatch
-import importlib
 import io
 import itertools
 import json
@@ -51,6 +52,7 @@ import pytest
 import yaml
 from _procs import free_block
 
+from batchd import train
 from batchd.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -158,7 +160,7 @@ def logical_lines(text: str) -> list[str]:
 @dataclasses.dataclass
 class Invocation:
     source: str
-    program: str  # "batchd" | "torchrun" | "trainer" (args of batchd.train)
+    program: str  # "batchd" | "torchrun"
     argv: list[str]
 
     def __str__(self) -> str:
@@ -223,23 +225,12 @@ def parse_error(parser, argv: list[str]) -> str | None:
     return None
 
 
-# -- the parsers -----------------------------------------------------------------------------------
-def batchd_parser() -> argparse.ArgumentParser:
-    return build_parser()
-
-
-def trainer_parser() -> argparse.ArgumentParser:
-    return importlib.import_module("batchd.train").build_parser()
-
-
 def check(inv: Invocation) -> str | None:
-    """Why `inv` would not start (None when every parser accepts it)."""
+    """Why `inv` would not start (None when every parser accepts it): `batchd ...` by the CLI's
+    parser; `torchrun ...` by torch's, then its `-m batchd.train` arguments by the trainer's."""
     if inv.program == "batchd":
-        error = parse_error(batchd_parser(), inv.argv)
+        error = parse_error(build_parser(), inv.argv)
         return f"{inv}: {error}" if error else None
-    if inv.program == "trainer":
-        error = parse_error(trainer_parser(), inv.argv)
-        return f"{inv}: trainer: {error}" if error else None
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
@@ -249,8 +240,34 @@ def check(inv: Invocation) -> str | None:
     args = parser.parse_args(inv.argv)
     if not (args.module and args.training_script == "batchd.train"):
         return f"{inv}: torchrun must run `-m batchd.train`, got {args.training_script!r}"
-    error = parse_error(trainer_parser(), list(args.training_script_args))
+    error = parse_error(train.build_parser(), list(args.training_script_args))
     return f"{inv}: trainer: {error}" if error else None
+
+
+# -- running a deploy script up to its exec ---------------------------------------------------------
+def exec_argv(script: str, args: list[str], env: dict[str, str], program_var: str) -> list[str]:
+    """Runs `script` (bash, with `args`) for real in `env`, with `$program_var` (TORCHRUN, BATCHD) set
+    to coreutils' `true` so that its final `exec` starts nothing; returns what the script would exec
+    after the program: bash's xtrace of that line (`+ exec true ...`, shell-quoted; nested commands
+    trace as `++ ...`), split back. Fails with the script's stderr when it exits non-zero."""
+    run = subprocess.run(
+        ["bash", "-x", str(REPO / script), *args],
+        env={**env, program_var: "true"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, f"{script} exited {run.returncode}:\n{run.stderr[-3000:]}"
+    execs = [line for line in run.stderr.splitlines() if line.startswith("+ exec true")]
+    assert execs, f"{script} ran no exec:\n{run.stderr[-3000:]}"
+    words = shlex.split(execs[-1][2:])
+    assert words[:2] == ["exec", "true"], words
+    return words[2:]
+
+
+def launch_argv(env: dict[str, str], args: list[str]) -> list[str]:
+    """torchrun's arguments as deploy/torchrun/launch.sh builds them from `env` (plus PATH)."""
+    return exec_argv("deploy/torchrun/launch.sh", args, {"PATH": os.environ["PATH"], **env}, "TORCHRUN")
 
 
 def failures(invocations: list[Invocation]) -> list[str]:
@@ -433,23 +450,6 @@ def container_env(c: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e["value"] if "value" in e else K8S_VALUES[e["name"]] for e in c.get("env", [])}
 
 
-def launch_target(env: dict[str, str]) -> list[str]:
-    """The trainer flags deploy/torchrun/launch.sh derives from its environment (test_launch_modes
-    runs the script to check this mapping)."""
-    mode = env.get("LAUNCH_MODE") or (
-        "node-agent"
-        if env.get("NODE_AGENT") or env.get("BATCHD_NODE_AGENT")
-        else "rank-services"
-        if env.get("RANK_SERVICES")
-        else "rank-host"
-    )
-    if mode == "node-agent":
-        return ["--node-agent", env.get("NODE_AGENT") or env.get("BATCHD_NODE_AGENT") or "127.0.0.1:7100"]
-    if mode == "rank-services":
-        return ["--rank-services", env["RANK_SERVICES"]]
-    return ["--rank-host", env.get("RANK_HOST", "127.0.0.1"), "--base-port", env.get("BASE_PORT", "7100")]
-
-
 def k8s_invocations(rel: str) -> list[Invocation]:
     found: list[Invocation] = []
     for doc in k8s_docs(rel):
@@ -460,13 +460,8 @@ def k8s_invocations(rel: str) -> list[Invocation]:
                 argv = [*c.get("command", []), *c.get("args", [])]
                 source = f"{rel} {where} {c['name']}"
                 if argv[:1] == ["bash"] and argv[1].endswith("/torchrun/launch.sh"):
-                    found.append(
-                        Invocation(
-                            f"{source} (via launch.sh)",
-                            "trainer",
-                            [*launch_target(container_env(c)), *argv[2:]],
-                        )
-                    )
+                    torchrun = launch_argv(container_env(c), argv[2:])
+                    found.append(Invocation(f"{source} (via launch.sh)", "torchrun", torchrun))
                 elif argv[:2] == ["bash", "-c"]:
                     found += shell_invocations(argv[2], {**K8S_VALUES, **container_env(c)}, source)
                 elif argv and Path(argv[0]).name in ("batchd", "torchrun"):
@@ -521,7 +516,7 @@ MIN_INVOCATIONS = {
     "deploy/ray/cluster.yaml": {"batchd": 1},
     "docker/compose.yaml": {"batchd": 2, "torchrun": 1},
     "docker/compose.cpu.yaml": {"batchd": 2, "torchrun": 1},
-    "deploy/kubernetes/rayjob.yaml": {"batchd": 1, "trainer": 1},
+    "deploy/kubernetes/rayjob.yaml": {"batchd": 1, "torchrun": 1},
     "deploy/kubernetes/raycluster.yaml": {"batchd": 1},
     "docker/Dockerfile": {"batchd": 1},
     "docker/Dockerfile.cpu": {"batchd": 1},
@@ -549,7 +544,7 @@ NODE_AGENT_TRAINERS = {
 @pytest.mark.parametrize("source", sorted(SOURCES))
 def test_every_command_parses(source: str) -> None:
     invocations = SOURCES[source]()
-    counts = {p: sum(inv.program == p for inv in invocations) for p in ("batchd", "torchrun", "trainer")}
+    counts = {p: sum(inv.program == p for inv in invocations) for p in ("batchd", "torchrun")}
     for program, least in MIN_INVOCATIONS[source].items():
         assert counts[program] >= least, f"{source}: expected >= {least} `{program}` commands, found {counts}"
     bad = failures(invocations)
@@ -559,9 +554,9 @@ def test_every_command_parses(source: str) -> None:
             f"{source}: no `batchd node` command"
         )
     if source in NODE_AGENT_TRAINERS:
-        assert any(
-            "--node-agent" in inv.argv for inv in invocations if inv.program in ("torchrun", "trainer")
-        ), f"{source}: no trainer uses --node-agent"
+        assert any("--node-agent" in inv.argv for inv in invocations if inv.program == "torchrun"), (
+            f"{source}: no trainer uses --node-agent"
+        )
 
 
 def test_checker_rejects_unknown_flags_and_bad_values() -> None:
@@ -705,7 +700,7 @@ def test_compose_cpu_override() -> None:
     from torch.distributed.run import get_args_parser
 
     targs = get_args_parser().parse_args(inv.argv)
-    args = trainer_parser().parse_args(targs.training_script_args)
+    args = train.build_parser().parse_args(targs.training_script_args)
     assert args.backend == "gloo" and args.node_agent == "127.0.0.1:7100"
     assert int(targs.nproc_per_node) == tomllib.loads(read("docker/job.toml"))["job"]["world_size"]
     mounts = {v.split(":")[1] for v in trainer["volumes"]}
@@ -841,7 +836,11 @@ def check_node_agents(rel: str, docs: list[dict[str, Any]], world: int) -> None:
         trainer = next((c for c in pod["containers"] if c["name"] == "trainer"), None)
         if trainer is not None:  # the Job's pods; raycluster.yaml's trainers are exec'd (docs/deployment.md)
             tenv = container_env(trainer)
-            assert launch_target(tenv) == ["--node-agent", f"127.0.0.1:{base}"], tenv
+            from torch.distributed.run import get_args_parser
+
+            targs = get_args_parser().parse_args(launch_argv(tenv, []))
+            assert targs.training_script_args == ["--node-agent", f"127.0.0.1:{base}"], tenv
+            assert targs.rdzv_backend == "static" and str(targs.node_rank) == env["NODE_RANK"], targs
             assert tenv["NPROC_PER_NODE"] == str(gpus) and tenv["RDZV_BACKEND"] == "static"
             assert tenv["NODE_RANK"] == env["NODE_RANK"], "torchrun's node rank = the agent's"
 
@@ -935,17 +934,6 @@ def test_start_script_reads_the_layout_from_the_config(tmp_path: Path, script: s
         assert layout["COORD_PORT"] == str(cfg["coordinator"]["port"])
 
 
-def argv_stub(tmp_path: Path) -> Path:
-    """An executable that prints its arguments as one JSON list (stands in for torchrun / batchd)."""
-    stub = tmp_path / "argv-stub"
-    stub.write_text(
-        f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c "
-        "'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n"
-    )
-    stub.chmod(0o755)
-    return stub
-
-
 LAUNCH_ENV_KEYS = (
     "LAUNCH_MODE",
     "NODE_AGENT",
@@ -978,22 +966,12 @@ LAUNCH_ENV_KEYS = (
         ({}, ["--rank-host", "127.0.0.1", "--base-port", "7100"], "c10d", None),
     ],
 )
-def test_launch_modes(
-    tmp_path: Path, env: dict[str, str], target: list[str], rdzv: str, node_rank: str | None
-) -> None:
-    """deploy/torchrun/launch.sh with a stub torchrun: the data target and rendezvous of each mode, and the
-    command parses (torchrun's parser, then the trainer's)."""
+def test_launch_modes(env: dict[str, str], target: list[str], rdzv: str, node_rank: str | None) -> None:
+    """deploy/torchrun/launch.sh run up to its exec: the data target and rendezvous of each mode, and
+    the command parses (torchrun's parser, then the trainer's)."""
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_ENV_KEYS}
-    run = subprocess.run(
-        ["bash", str(REPO / "deploy/torchrun/launch.sh"), "--checkpoint", "/ckpt"],
-        env={**base, "TORCHRUN": str(argv_stub(tmp_path)), "NPROC_PER_NODE": "2", **env},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    argv = json.loads(run.stdout)
+    argv = launch_argv({**base, "NPROC_PER_NODE": "2", **env}, ["--checkpoint", "/ckpt"])
     assert check(Invocation("launch.sh", "torchrun", argv)) is None
-    assert launch_target(env) == target  # the k8s checks' model of the script agrees with it
     from torch.distributed.run import get_args_parser
 
     args = get_args_parser().parse_args(argv)
@@ -1003,10 +981,10 @@ def test_launch_modes(
         assert str(args.node_rank) == node_rank
 
 
-def test_launch_rejects_an_unknown_mode(tmp_path: Path) -> None:
+def test_launch_rejects_an_unknown_mode() -> None:
     run = subprocess.run(
         ["bash", str(REPO / "deploy/torchrun/launch.sh")],
-        env={**os.environ, "TORCHRUN": str(argv_stub(tmp_path)), "LAUNCH_MODE": "nodes"},
+        env={**os.environ, "TORCHRUN": "true", "LAUNCH_MODE": "nodes"},
         capture_output=True,
         text=True,
         check=False,
@@ -1014,8 +992,9 @@ def test_launch_rejects_an_unknown_mode(tmp_path: Path) -> None:
     assert run.returncode == 2 and "LAUNCH_MODE" in run.stderr
 
 
-def test_start_node_agent_command(tmp_path: Path) -> None:
-    """deploy/ray/start-node-agent.sh with a stub batchd: the agent's command line from config + env."""
+def test_start_node_agent_command() -> None:
+    """deploy/ray/start-node-agent.sh run up to its exec: the agent's command line from config + env,
+    parsed by the real `batchd node` parser."""
     base = {
         k: v
         for k, v in os.environ.items()
@@ -1024,22 +1003,14 @@ def test_start_node_agent_command(tmp_path: Path) -> None:
     }
     env = {
         **base,
-        "BATCHD": str(argv_stub(tmp_path)),
         "PYTHON": sys.executable,
         "NODE_RANK": "1",
         "LOCAL_WORLD_SIZE": "4",
         "NODE_NAME": "gpu-1",
         "ADVERTISE": "10.0.0.3",
     }
-    script = str(REPO / "deploy/ray/start-node-agent.sh")
-    run = subprocess.run(
-        ["bash", script, str(REPO / "docker/job.toml"), "--state-dir", "/s"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    argv = json.loads(run.stdout)
+    script = "deploy/ray/start-node-agent.sh"
+    argv = exec_argv(script, [str(REPO / "docker/job.toml"), "--state-dir", "/s"], env, "BATCHD")
     assert check(Invocation("start-node-agent.sh", "batchd", argv)) is None
     cfg = tomllib.loads(read("docker/job.toml"))
     assert argv[0] == "node"
@@ -1048,18 +1019,18 @@ def test_start_node_agent_command(tmp_path: Path) -> None:
     assert opt["--node-rank"] == "1" and opt["--advertise"] == "10.0.0.3" and opt["--name"] == "gpu-1"
     assert opt["--port"] == str(cfg["rank"]["base_port"]) and opt["--state-dir"] == "/s"
     assert "--ray-address" not in opt
-    run = subprocess.run(
-        ["bash", script, str(REPO / "deploy/ray/job.toml")],
-        env={**env, "COORD_ADDRESS": "10.0.0.1:7000", "RAY_ADDRESS": "auto"},
-        capture_output=True,
-        text=True,
-        check=True,
+    argv = exec_argv(
+        script,
+        [str(REPO / "deploy/ray/job.toml")],
+        {**env, "COORD_ADDRESS": "10.0.0.1:7000", "RAY_ADDRESS": "auto"},
+        "BATCHD",
     )
-    opt = dict(itertools.pairwise(json.loads(run.stdout)[1:]))
+    assert check(Invocation("start-node-agent.sh", "batchd", argv)) is None
+    opt = dict(itertools.pairwise(argv[1:]))
     assert opt["--coordinator"] == "10.0.0.1:7000" and opt["--ray-address"] == "auto"
     run = subprocess.run(
-        ["bash", script, str(REPO / "docker/job.toml")],
-        env={**env, "NODE_RANK": ""},
+        ["bash", str(REPO / script), str(REPO / "docker/job.toml")],
+        env={**env, "BATCHD": "true", "NODE_RANK": ""},
         capture_output=True,
         text=True,
         check=False,
@@ -1069,7 +1040,7 @@ def test_start_node_agent_command(tmp_path: Path) -> None:
 
 def test_node_agent_interface() -> None:
     """What the deploy files need of `batchd node` and `batchd.train --node-agent`."""
-    parser = batchd_parser()
+    parser = build_parser()
     full = [
         "node",
         "--coordinator",
@@ -1124,7 +1095,7 @@ def test_node_agent_interface() -> None:
     )
     assert "--rank" in (parse_error(parser, ["node", "--rank", "0"]) or ""), "a node agent has no --rank"
     assert parse_error(parser, ["node", "--local-ranks", "four"])
-    trainer = trainer_parser()
+    trainer = train.build_parser()
     assert parse_error(trainer, ["--node-agent", "127.0.0.1:7100"]) is None
     assert trainer.parse_args(["--node-agent", "127.0.0.1:7100"]).node_agent == "127.0.0.1:7100"
     assert parse_error(trainer, ["--rank-services", "a:1,b:2"]) is None, "per-rank services stay supported"
@@ -1133,7 +1104,6 @@ def test_node_agent_interface() -> None:
 
 # -- the trainer entry point ------------------------------------------------------------------------
 def test_trainer_module_imports_and_resolves_addresses() -> None:
-    train = importlib.import_module("batchd.train")
     assert callable(train.main) and callable(train.build_parser)
     assert train.rank_service_address(1, 2, rank_services="a:1,b:2") == "b:2"
     assert train.rank_service_address(3, 4, rank_services="rank-{rank}:7100") == "rank-3:7100"
@@ -1147,7 +1117,6 @@ def test_trainer_module_imports_and_resolves_addresses() -> None:
 
 
 def test_trainer_refuses_to_start_outside_torchrun(monkeypatch) -> None:
-    train = importlib.import_module("batchd.train")
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="RANK"):
         train.main(["--base-port", "7100"])

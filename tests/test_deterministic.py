@@ -206,7 +206,8 @@ def test_a_deterministic_job_makes_the_same_batches_whatever_the_speed_of_source
     slow = _run(spec, 7, True)
     assert slow == fast
     assert sorted(i for r in fast for ids, _, _ in r for i in ids) == list(range(len(LENGTHS)))
-    # ... and they are the simulator's (its loss-token counts are synthetic): a function of data, seed, config.
+    # ... and they are the simulator's (its loss-token counts are synthetic): a function of data,
+    # seed, config.
     sim = [
         [([x.id for x in s.samples], s.info.is_idle) for s in steps]
         for steps in zip(*Simulator(LENGTHS, spec), strict=False)

@@ -277,6 +277,7 @@ def max_error(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> tuple[
     return err, RTOL * scale
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["moved", "no_images", "one_rank_all"])
 def test_two_phase_ddp_step_equals_one_process(run, name):
     case = run["cases"][name]
@@ -294,6 +295,7 @@ def test_two_phase_ddp_step_equals_one_process(run, name):
         assert moved_any and all(want[n].any() for n in vision)
 
 
+@pytest.mark.slow
 def test_control_wrong_placement_differs(run):
     """Two equal-size images swapped on rank 0: valid arrays, wrong step. The comparison catches it."""
     case = run["cases"]["moved"]
@@ -304,6 +306,7 @@ def test_control_wrong_placement_differs(run):
     assert abs(got_loss - want_loss) > 10 * RTOL * max(1.0, abs(want_loss)), (got_loss, want_loss)
 
 
+@pytest.mark.slow
 def test_plans_encode_every_image_once_and_spread_a_crowded_rank(run):
     world = run["world"]
     for case in run["cases"].values():
@@ -319,6 +322,7 @@ def test_plans_encode_every_image_once_and_spread_a_crowded_rank(run):
     assert max(loads) <= 1.5 * floor < total, loads  # near the best possible, far below one rank doing all
 
 
+@pytest.mark.slow
 def test_exchange_moves_rows_and_gradients_as_a_permutation(run):
     """Forward: each owner receives exactly its LLM images, in LLM order, each from the rank that encoded
     it. Backward: each encoder gets the upstream gradient rows of the rows it sent (numpy reference)."""
@@ -326,7 +330,7 @@ def test_exchange_moves_rows_and_gradients_as_a_permutation(run):
     exchanges = case["exchanges"]
     # where each (sample id, image index, row) lands: (owner rank, row in the owner's LLM order)
     landing = {}
-    for rank, group in enumerate(case["row"]):
+    for rank, _group in enumerate(case["row"]):
         want = []
         for (sid, k), source in zip(own_images(case, rank), exchanges[rank].sources, strict=True):
             for row in range(case["samples"][sid]["sample"].images[k][1]):

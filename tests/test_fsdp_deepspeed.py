@@ -357,7 +357,8 @@ def test_batchd_deepspeed_backward_refuses_gradient_accumulation():
 
 
 def test_batchd_train_refuses_a_strategy_it_cannot_run(monkeypatch, capsys):
-    """--strategy fsdp2/deepspeed with --checkpoint (or --hf-model): exit 2 in one line, before the rendezvous."""
+    """--strategy fsdp2/deepspeed with --checkpoint (or --hf-model): exit 2 in one line, before the
+    rendezvous."""
     from batchd import train
 
     monkeypatch.setenv("RANK", "0")

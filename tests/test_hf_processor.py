@@ -12,6 +12,7 @@ import pickle
 
 import numpy as np
 import pytest
+from _hf_templates import QWEN2VL_GENERATION_TEMPLATE, QWEN2VL_TEMPLATE
 from PIL import Image
 
 from batchd.cli import build_parser
@@ -31,11 +32,9 @@ from batchd.preprocess import (
     demo_records,
     parse_record,
 )
+from batchd.testing import LLAVA_TEMPLATE, tiny_tokenizer
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 64
-from _hf_templates import QWEN2VL_GENERATION_TEMPLATE, QWEN2VL_TEMPLATE
-
-from batchd.testing import LLAVA_TEMPLATE, tiny_tokenizer
 
 # ---------------------------------------------------------------------------------------------------
 # Building processors locally

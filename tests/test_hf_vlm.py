@@ -1,4 +1,5 @@
-"""Stock HF Qwen2-VL and LLaVA through `batchd.two_phase`: a DDP step equals one process calling the model the HF way.
+"""Stock HF Qwen2-VL and LLaVA through `batchd.two_phase`: a DDP step equals one process calling the
+model the HF way.
 
 Per-sample payloads come from the real `HFProcessor` stage on the tiny processors of `batchd._vlm_tiny`
 (saved to a tmp dir), with the `Sample` metadata `finalize` reports. One set of gloo processes (3 ranks,
@@ -63,8 +64,8 @@ ATOL, RTOL = 1e-5, 1e-4  # float32 models
 COST = VisionCost()
 SPAWN_DEADLINE_S = 240.0  # the parent kills the ranks past it
 PG_TIMEOUT_S = 60  # a collective that waits longer fails the step (a hang is a failure, not a stall)
-# image sizes (h, w): Qwen2-VL grids (1, 4, 4) = 16 patches / 4 tokens, (1, 4, 6) = 24 / 6, (1, 8, 8) = 64 / 16;
-# LLaVA resizes every image to 28 x 28: 4 patches / 4 tokens
+# image sizes (h, w): Qwen2-VL grids (1, 4, 4) = 16 patches / 4 tokens, (1, 4, 6) = 24 / 6,
+# (1, 8, 8) = 64 / 16; LLaVA resizes every image to 28 x 28: 4 patches / 4 tokens
 SMALL, MID, BIG = (56, 56), (56, 84), (112, 112)
 WORDS = [
     "red",
@@ -230,7 +231,7 @@ def reference(family: str, tokenizer, step: dict) -> tuple[float, np.ndarray]:
     return float(loss.detach()), flat_grads(model)
 
 
-# -- the distributed worker ------------------------------------------------------------------------------------
+# -- the distributed worker ----------------------------------------------------------------------------------
 def ddp_step(ddp: DDP, step: dict, rank: int, pad_id: int) -> dict:
     ddp.zero_grad(set_to_none=True)
     batch = rank_batch(step, rank, pad_id)
@@ -299,7 +300,7 @@ def spawn(world: int, spec: dict, out_dir: Path) -> list[dict]:
     return [pickle.loads((out_dir / f"rank{r}.pkl").read_bytes()) for r in range(world)]
 
 
-# -- fixtures --------------------------------------------------------------------------------------------------
+# -- fixtures ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict:
     """Per family: its tokenizer, an HFProcessor stage on the saved tiny processor, and every step."""
@@ -349,7 +350,8 @@ def errors(got: list[dict], want_loss: float, want: np.ndarray) -> tuple[float, 
     return loss_err, grad_err
 
 
-# -- 1. a DDP step through batchd equals the single-process stock model ---------------------------------------
+# -- 1. a DDP step through batchd equals the single-process stock model --------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("family", TINY_VLM_FAMILIES)
 @pytest.mark.parametrize("name", [s[0] for s in STEPS])
 def test_ddp_step_equals_stock_model_per_sample(families, ranks, references, family, name):
@@ -358,7 +360,8 @@ def test_ddp_step_equals_stock_model_per_sample(families, ranks, references, fam
     want_loss, want = references(family, step)
     assert all(not g["missing"] for g in got), [g["missing"] for g in got]  # DDP: every parameter, every rank
     n = step["world"]
-    # the loss as batchd's trainers compute it: mean over ranks of the scaled losses = the global per-token loss
+    # the loss as batchd's trainers compute it: mean over ranks of the scaled losses = the global
+    # per-token loss
     assert abs(sum(g["loss"] for g in got) / n - want_loss) <= ATOL + RTOL * abs(want_loss)
     loss_err, grad_err = errors(got, want_loss, want)
     assert loss_err <= ATOL + RTOL * abs(want_loss), (loss_err, want_loss)
@@ -400,6 +403,7 @@ def test_plans_move_images_where_the_steps_need_it(families, family):
 
 
 # -- 2. controls: the same comparison fails -----------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("family", TINY_VLM_FAMILIES)
 @pytest.mark.parametrize("control", sorted(CONTROLS))
 def test_controls_fail_the_comparison(families, ranks, references, family, control):

@@ -630,7 +630,8 @@ def test_client_package_imports_without_transformers():
 
     code = (
         "import sys, batchd.client as c; assert 'batchd_loss' in c.__all__; "
-        "print(sorted(m for m in ('transformers', 'accelerate', 'pytorch_lightning', 'lightning') if m in sys.modules))"
+        "print(sorted(m for m in ('transformers', 'accelerate', 'pytorch_lightning', 'lightning') "
+        "if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out

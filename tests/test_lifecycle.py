@@ -159,7 +159,8 @@ a = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
                      env={**bare, MARKER_ENV: marker}, stdout=subprocess.PIPE, text=True)
 b = int(a.stdout.readline())
 c_parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; "
-                             "print(subprocess.Popen(sys.argv[1:], env={}).pid, flush=True); time.sleep(3)", *sleeper],
+                             "print(subprocess.Popen(sys.argv[1:], env={}).pid, flush=True); "
+                             "time.sleep(3)", *sleeper],
                             env={**bare, MARKER_ENV: marker}, stdout=subprocess.PIPE, text=True)
 c = int(c_parent.stdout.readline())
 c_parent.wait()  # C is reparented now, and carries no marker
@@ -260,7 +261,10 @@ def test_rank_services_on_one_host_share_one_ray(tmp_path):
         addresses = {m.group(1) for m in started + joined if m is not None}
         stats = [json.loads((tmp_path / f"stats-{r}.json").read_text()) for r in range(world)]
         assert {s["ray_address"] for s in stats} == addresses and len(addresses) == 1, (stats, addresses)
-        left = lambda: processes_with_marker(marker) + still_alive(tree)
+
+        def left() -> list[str]:
+            return processes_with_marker(marker) + still_alive(tree)
+
         wait_until(
             "the shared Ray stopping after the last rank service",
             lambda: not left(),

@@ -172,7 +172,8 @@ def test_lightning_ddp_gradients_equal_single_process_reference(jobs, tmp_path):
         assert [r["world_size"] for r in res] == [2, 2] and res[0]["ddp"] == "DistributedDataParallel", res[
             0
         ]["ddp"]
-        # the end-to-end epoch: equal steps on both ranks, every id exactly once, Lightning stops with the stream
+        # the end-to-end epoch: equal steps on both ranks, every id exactly once, Lightning stops with
+        # the stream
         n = len(res[0]["steps"])
         assert n == len(res[1]["steps"]) > grad_steps and [r["global_step"] for r in res] == [n, n]
         assert all(r["finished"] and r["should_stop"] for r in res)

@@ -69,7 +69,8 @@ def _drain(job: InProcessJob, limit_s: float = 60.0) -> list[list[tuple[list[int
 
 
 def skewed_lengths(n: int = 240, seed: int = 7) -> list[int]:
-    """Even ids short, odd ids long: with an unshuffled 2-rank split, rank 0 runs out of groups first (IDLE)."""
+    """Even ids short, odd ids long: with an unshuffled 2-rank split, rank 0 runs out of groups first
+    (IDLE)."""
     rng = np.random.default_rng(seed)
     return [int(rng.integers(8, 40)) if i % 2 == 0 else int(rng.integers(150, 500)) for i in range(n)]
 

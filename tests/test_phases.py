@@ -97,7 +97,7 @@ def test_every_image_is_encoded_once_and_reaches_its_owner(case):
     encoded = Counter((im.sample_id, im.index) for e in ex for im in e.encode)
     assert encoded == Counter(key for g in row for key in llm_images(g))
     where = {(im.sample_id, im.index): e.rank for e in ex for im in e.encode}
-    for r, (group, e) in enumerate(zip(row, ex, strict=True)):
+    for group, e in zip(row, ex, strict=True):
         own = llm_images(group)
         assert list(e.sources) == [where[key] for key in own]
         assert list(e.tokens) == [t for s in group for _, t in s.images]

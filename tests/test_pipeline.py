@@ -205,6 +205,7 @@ def test_wrap_mode_starts_a_new_pass_and_resumes_in_it(pool, demo):
     assert src2.poll(5.0)[0] == nxt[0]
 
 
+@pytest.mark.slow
 def test_actor_killed_mid_epoch_and_a_record_that_crashes_its_worker(ray_session, demo, tok, tmp_path):
     """An actor killed while it holds tasks is restarted and its samples processed again; a record that
     kills every worker that touches it is quarantined after max_attempts; nothing is lost or duplicated."""

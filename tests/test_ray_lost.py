@@ -39,7 +39,8 @@ STARTUP_S = 600.0  # the default: what every party waited out before the fix
 
 
 def ray_processes_of(gcs: str) -> list[int]:
-    """pids of the raylet of the Ray whose GCS is at `gcs` (host:port) and of the GCS server of its session."""
+    """pids of the raylet of the Ray whose GCS is at `gcs` (host:port) and of the GCS server of its
+    session."""
     cmds = {}
     for proc in Path("/proc").glob("[0-9]*"):
         with contextlib.suppress(OSError):

@@ -105,7 +105,10 @@ def readme_commands(text: str | None = None) -> list[str]:
 # Each README command and the test that runs it as a user would (file::function). Placeholders as the
 # README writes them (FILE, PATH, K, G, r).
 RUN_BY = {
-    "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[dev,bench]'": "tests/test_readme_commands.py::test_install_line_is_what_ci_runs",
+    (
+        "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install "
+        "-e '.[dev,bench]'"
+    ): "tests/test_readme_commands.py::test_install_line_is_what_ci_runs",
     "batchd demo": "tests/test_demo.py::test_demo_runs_through_the_ray_pipeline",
     "python -m pytest -q": "tests/test_readme_commands.py::test_install_line_is_what_ci_runs",
     "batchd config --example": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
@@ -113,39 +116,76 @@ RUN_BY = {
     "batchd tokenizer tok.json": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "batchd config job.toml": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "batchd coordinator --config job.toml": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
-    "batchd node --config job.toml --local-ranks 2 --node-rank 0": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
-    "torchrun --nproc-per-node 2 -m batchd.train --node-agent 127.0.0.1:7100 --tokenizer tok.json": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
-    "batchd coordinator --world-size 2 --token-budget 8192 --policy balanced --port 7000 --state-dir /tmp/batchd-coord": "tests/test_readme_commands.py::test_readme_processes_block_runs",
+    "batchd node --config job.toml --local-ranks 2 --node-rank 0": (
+        "tests/test_readme_job.py::test_readme_real_job_runs_as_written"
+    ),
+    "torchrun --nproc-per-node 2 -m batchd.train --node-agent 127.0.0.1:7100 --tokenizer tok.json": (
+        "tests/test_readme_job.py::test_readme_real_job_runs_as_written"
+    ),
+    (
+        "batchd coordinator --world-size 2 --token-budget 8192 --policy balanced --port 7000 "
+        "--state-dir /tmp/batchd-coord"
+    ): "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "batchd rank --world-size 2 --token-budget 8192 --policy balanced --rank 0 --coordinator 127.0.0.1:7000 "
     "--dataset data.parquet --num-actors 2 --ray-address HEAD:6379 --quarantine bad.jsonl --state-dir "
     "/tmp/batchd --port 7100": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "batchd rank --dataset": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "batchd simulate --help": "tests/test_readme_commands.py::test_readme_and_help_commands_parse",
-    "batchd simulate --deterministic": "tests/test_deterministic.py::test_a_deterministic_job_makes_the_same_batches_whatever_the_speed_of_sources_and_trainers",
-    "python -m batchd.train --base-port 7100 --tokenizer tok.json": "tests/test_readme_commands.py::test_readme_processes_block_runs",
+    "batchd simulate --deterministic": (
+        "tests/test_deterministic.py::"
+        "test_a_deterministic_job_makes_the_same_batches_whatever_the_speed_of_sources_and_trainers"
+    ),
+    "python -m batchd.train --base-port 7100 --tokenizer tok.json": (
+        "tests/test_readme_commands.py::test_readme_processes_block_runs"
+    ),
     "python -m batchd.train": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
-    "python -m batchd.train --strategy fsdp2": "tests/test_fsdp_deepspeed.py::test_batchd_train_strategy_runs_an_epoch",
-    "python -m batchd.train --strategy deepspeed": "tests/test_fsdp_deepspeed.py::test_batchd_train_strategy_runs_an_epoch",
-    "python -m batchd.train --startup-timeout S": "tests/test_trainer_start.py::test_a_trainer_pointed_at_nobody_says_whom_it_waits_for_then_exits_2_in_one_line",
+    "python -m batchd.train --strategy fsdp2": (
+        "tests/test_fsdp_deepspeed.py::test_batchd_train_strategy_runs_an_epoch"
+    ),
+    "python -m batchd.train --strategy deepspeed": (
+        "tests/test_fsdp_deepspeed.py::test_batchd_train_strategy_runs_an_epoch"
+    ),
+    "python -m batchd.train --startup-timeout S": (
+        "tests/test_trainer_start.py::"
+        "test_a_trainer_pointed_at_nobody_says_whom_it_waits_for_then_exits_2_in_one_line"
+    ),
     "batchd node": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
-    "batchd node --local-ranks K --node-rank G": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
+    "batchd node --local-ranks K --node-rank G": (
+        "tests/test_readme_job.py::test_readme_real_job_runs_as_written"
+    ),
     "batchd coordinator": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "batchd rank": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "batchd rank --rank r": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "torchrun --node-rank G": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
-    "batchd node --node-rank G --advertise <its address> --ray-address <the cluster's Ray>": "tests/test_node_cluster.py::test_node_agents_on_a_multi_node_ray_cluster_survive_an_agent_kill",
+    "batchd node --node-rank G --advertise <its address> --ray-address <the cluster's Ray>": (
+        "tests/test_node_cluster.py::test_node_agents_on_a_multi_node_ray_cluster_survive_an_agent_kill"
+    ),
     "batchd bench": "tests/test_readme_commands.py::test_bench_runs_as_the_readme_shows_it",
     "batchd bench --epochs 3": "tests/test_readme_commands.py::test_bench_runs_as_the_readme_shows_it",
     "batchd demo --help": "tests/test_readme_commands.py::test_readme_and_help_commands_parse",
     "batchd simulate": "tests/test_readme_commands.py::test_simulate_runs_as_the_readme_shows_it",
     "batchd config": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
-    "batchd tokenizer FILE": "tests/test_inputs.py::test_tokenizer_command_writes_the_demo_tokenizer_and_a_directory_loads_the_same",
-    "batchd tokenizer --check PATH": "tests/test_inputs.py::test_tokenizer_command_writes_the_demo_tokenizer_and_a_directory_loads_the_same",
+    "batchd tokenizer FILE": (
+        "tests/test_inputs.py::"
+        "test_tokenizer_command_writes_the_demo_tokenizer_and_a_directory_loads_the_same"
+    ),
+    "batchd tokenizer --check PATH": (
+        "tests/test_inputs.py::"
+        "test_tokenizer_command_writes_the_demo_tokenizer_and_a_directory_loads_the_same"
+    ),
     "python -m batchd.proto.generate": "tests/test_proto.py::test_stubs_are_not_stale",
-    "batchd tiny-vlm vlm": "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
-    "cat > job.toml <<'EOF'": "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
-    "torchrun --nproc-per-node 2 -m batchd.train --node-agent 127.0.0.1:7100 --hf-model vlm": "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
-    "python -m batchd.train --hf-model DIR": "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon",
+    "batchd tiny-vlm vlm": (
+        "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon"
+    ),
+    "cat > job.toml <<'EOF'": (
+        "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon"
+    ),
+    "torchrun --nproc-per-node 2 -m batchd.train --node-agent 127.0.0.1:7100 --hf-model vlm": (
+        "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon"
+    ),
+    "python -m batchd.train --hf-model DIR": (
+        "tests/test_hf_vlm_daemon.py::test_stock_qwen2_vl_trains_two_phase_through_the_daemon"
+    ),
     "batchd tiny-vlm DIR": "tests/test_hf_vlm_daemon.py::test_tiny_vlm_command_writes_what_a_checkout_holds",
 }
 
@@ -242,7 +282,8 @@ def test_readme_and_help_commands_parse():
     assert any(c.startswith("batchd config --example") for c in helps), helps
     for cmd in readme_commands() + helps:
         if cmd.startswith(("python3 -m venv", "python -m pytest", "python - <<", "cat > ")):
-            continue  # the install and test lines (test_install_line_is_what_ci_runs), heredocs that write files
+            # the install and test lines (test_install_line_is_what_ci_runs), heredocs that write files
+            continue
         words = cmd.replace("|", " ").split()
         if cmd.startswith("torchrun"):
             if "-m" not in words:
@@ -270,7 +311,8 @@ def test_readme_and_help_commands_parse():
 
 
 def test_install_line_is_what_ci_runs():
-    """The README's first lines are what `.ci/run` runs on a clean clone: the install, then the suite."""
+    """The README's first lines are what `.ci/run` runs on a clean clone: the install, then the suite,
+    in two stages that split it by the `slow` marker (together: every test once)."""
     first = bash_blocks(readme_text())[0]
     install, demo, suite = block_commands(first)
     ci = (REPO / ".ci" / "run").read_text()
@@ -278,7 +320,10 @@ def test_install_line_is_what_ci_runs():
     assert steps[0] == "python3 -m venv .venv" and "python3 -m venv .venv" in ci
     for step in steps[2:]:  # pip install ... ; CI runs the same through `python -m pip --quiet`
         assert step.replace("pip install", "python -m pip install --quiet") in ci, (step, ci)
-    assert demo == "batchd demo" and suite == "python -m pytest -q" and ci.rstrip().endswith(suite)
+    assert demo == "batchd demo" and suite == "python -m pytest -q"
+    runs = [line.strip() for line in ci.splitlines() if line.strip().startswith("python -m pytest")]
+    assert runs == [f'{suite} -m "not slow"', f"{suite} -m slow"], runs
+    assert ".ci/run" in readme_text() and "two stages" in readme_text()
 
 
 # -- the commands no other test runs ----------------------------------------------------------------
@@ -429,7 +474,7 @@ def test_readme_processes_block_runs(tmp_path):
                 },
             )
         deadline = time.monotonic() + 400
-        for name, p in procs:
+        for _name, p in procs:
             p.wait(max(deadline - time.monotonic(), 1))
         logs = {name: (tmp_path / f"{name}.log").read_text() for name, _ in procs}
         for name, p in procs:

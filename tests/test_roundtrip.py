@@ -747,7 +747,8 @@ def test_control_a_corrupted_rank_journal_changes_the_continuation(make_job, tmp
 
 @pytest.fixture
 def journal_dir(tmp_path) -> Iterator[tuple[Path, dict]]:
-    """A state dir with rank 0's journal written by a rank service of JOB_SPEC at its start, and the journal."""
+    """A state dir with rank 0's journal written by a rank service of JOB_SPEC at its start, and the
+    journal."""
     coord = CoordinatorClient("127.0.0.1:1", 0, JOB_SPEC, startup_timeout_s=1)
     try:
         core = RankServiceCore(

@@ -1,4 +1,5 @@
-"""Preprocessing stages: chat templates and loss masks, tokenization, visual tokens, truncation, seeding, plug-ins."""
+"""Preprocessing stages: chat templates and loss masks, tokenization, visual tokens, truncation,
+seeding, plug-ins."""
 
 from __future__ import annotations
 

@@ -54,6 +54,7 @@ def _until(what: str, cond, timeout: float, log: Path) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_trainer_pointed_at_nobody_says_whom_it_waits_for_then_exits_2_in_one_line():
     port = _free_port()  # bound and released: nobody listens there
     proc = subprocess.run(
