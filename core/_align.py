@@ -312,9 +312,12 @@ class Coordinator:
                     f"rank {c.rank} committed {len(c.steps)} steps in round {self.round}, expected {target}"
                 )
         steps, keep_last = target, None
-        per_step = [[c.steps[s] for c in commits] for s in range(target)]
-        if self.mode == "non-join":
-            left = self.quota - self.emitted
+        per_step: list[list[Sequence[tuple[int, int]]]] = [
+            [c.steps[s] for c in commits] for s in range(target)
+        ]
+        quota = self.quota
+        if quota is not None:  # non-join mode, and only it, has a quota (__init__)
+            left = quota - self.emitted
             if left <= 0:
                 steps, per_step, keep_last = 0, [], tuple(0 for _ in commits)
             for s, row in enumerate(per_step):
@@ -333,10 +336,10 @@ class Coordinator:
                 left -= n
         if sums is not None and keep_last is None:
             rows = [sums[c.rank] for c in commits]
-            for c, row in zip(commits, rows, strict=False):
-                if len(row) != len(c.steps):
+            for c, sum_row in zip(commits, rows, strict=False):
+                if len(sum_row) != len(c.steps):
                     raise ProtocolError(
-                        f"rank {c.rank}: sums of {len(row)} steps for a commit of {len(c.steps)}"
+                        f"rank {c.rank}: sums of {len(sum_row)} steps for a commit of {len(c.steps)}"
                     )
             step_samples = tuple(sum(row[s][0] for row in rows) for s in range(steps))
             step_tokens = tuple(sum(row[s][1] for row in rows) for s in range(steps))
@@ -347,7 +350,7 @@ class Coordinator:
             step_loss = tuple(sum(m for x in row for _, m in x) for row in per_step)
         self.emitted += sum(step_samples)
         drained = all(c.exhausted and c.remaining == 0 for c in commits)
-        done = keep_last is not None or drained or (self.mode == "non-join" and self.emitted >= self.quota)
+        done = keep_last is not None or drained or (quota is not None and self.emitted >= quota)
         totals = RoundTotals(self.round, steps, step_samples, step_tokens, step_loss, done, keep_last)
         self.round += 1
         self.done = done

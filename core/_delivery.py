@@ -27,9 +27,10 @@ Contract:
 - Resume: a trainer resumes at `start_step`; a step before the last acknowledgement was freed and
   cannot be sent again, so such a start is refused naming both numbers.
 - Timeouts (liveness only; a slow trainer never fails): a trainer (a group member) that disconnected
-  mid-epoch and did not come back within `grace_s` fails the job; a rank whose ready steps (or end of epoch) waited
-  `trainer_timeout_s` with no trainer connected (one that never connected, or did not come back for
-  the next epoch: model loading and evaluation take long) fails it too. `check(now)` names the rank (and the
+  mid-epoch and did not come back within `grace_s` fails the job; a rank whose ready steps (or end of
+  epoch) waited `trainer_timeout_s` with no trainer connected (one that never connected, or did not
+  come back for the next epoch: model loading and evaluation take long) fails it too. `check(now)`
+  names the rank (and the
   member of a group).
 """
 
@@ -341,7 +342,10 @@ class Delivery:
                     if len(self.members) == 1
                     else f"rank {self.rank}'s service as group member {k} of {len(self.members)}"
                 )
-                return f"no trainer connected to {who} for {self.trainer_timeout_s:g}s while its batches were ready"
+                return (
+                    f"no trainer connected to {who} for {self.trainer_timeout_s:g}s "
+                    "while its batches were ready"
+                )
         return None
 
     # -- state ---------------------------------------------------------------------------------------

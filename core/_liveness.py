@@ -104,7 +104,10 @@ class Liveness:
             )
         for rank, seen in sorted(self.last_seen.items()):
             if rank not in self.finished and now - seen > self.lease_s:
-                return f"{self._name(rank)} missed its lease: silent for {now - seen:.1f}s (lease {self.lease_s:g}s)"
+                silent = now - seen
+                return (
+                    f"{self._name(rank)} missed its lease: silent for {silent:.1f}s (lease {self.lease_s:g}s)"
+                )
         return None
 
     def waiting(self, now: float) -> str | None:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from ._align import RoundDecision
-from ._phases import Exchange, exchanged
+from ._exchange import Exchange
+from ._phases import exchanged
 from ._types import Sample
 
 _NO_EXCHANGE = ("intra_node_images", "intra_node_rows", "cross_node_images", "cross_node_rows")

@@ -41,8 +41,8 @@ from typing import Any
 
 from ._align import Coordinator
 from ._delivery import report_capacity
+from ._exchange import Exchange
 from ._phases import (
-    Exchange,
     VisionCost,
     exchanged,
     imbalance,

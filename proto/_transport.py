@@ -292,7 +292,9 @@ WAIT_LOG_S = 5.0  # how often a party that waits for an unreachable peer says so
 
 
 class Unreachable(Exception):
-    """`retry_while_unreachable` gave up: the peer stayed unreachable for `elapsed_s` (`error`: the last failure)."""
+    """`retry_while_unreachable` gave up: the peer stayed unreachable for `elapsed_s`.
+
+    `error` is the last failure."""
 
     def __init__(self, error: grpc.RpcError, elapsed_s: float) -> None:
         super().__init__(error.details() or error.code().name)
