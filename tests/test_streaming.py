@@ -33,8 +33,9 @@ from batchd.preprocess import (
     demo_tokenizer,
     iter_records,
     line_index,
+    line_numbers,
+    scan_lines,
 )
-from batchd.service.preprocess import _jsonl_index
 
 
 # -- BlockView ---------------------------------------------------------------------------------------
@@ -126,19 +127,11 @@ def test_jsonl_index_finds_every_non_blank_line(tmp_path_factory, lines, newline
     text = "\n".join(lines) + ("\n" if newline_at_end else "")
     p = tmp_path_factory.mktemp("idx") / "f.jsonl"
     p.write_bytes(text.encode())
-    old = _jsonl_index._CHUNK
-    _jsonl_index._CHUNK = chunk  # lines across chunk boundaries
-    try:
-        starts, ends = _jsonl_index.scan_lines(str(p))
-    finally:
-        _jsonl_index._CHUNK = old
+    starts, ends = scan_lines(str(p), chunk_bytes=chunk)  # lines across chunk boundaries
     got = [text.encode()[s:e].decode() for s, e in zip(starts, ends, strict=False)]
     assert got == [ln for ln in text.split("\n") if ln.strip()]
-    _jsonl_index._CHUNK = chunk
-    try:  # each record's line as an editor numbers it: 1-based, blank lines counted
-        numbers = _jsonl_index.line_numbers(str(p), starts)
-    finally:
-        _jsonl_index._CHUNK = old
+    # each record's line as an editor numbers it: 1-based, blank lines counted
+    numbers = line_numbers(str(p), starts, chunk_bytes=chunk)
     assert numbers.tolist() == [k + 1 for k, ln in enumerate(text.split("\n")) if ln.strip()]
 
 
@@ -147,10 +140,12 @@ def test_jsonl_index_is_cached_beside_the_data_and_rebuilt_when_the_file_changes
     p.write_text('{"a": 1}\n\n{"b": 2}\n')
     starts, ends, where = line_index(str(p))
     assert where == str(tmp_path / ".d.jsonl.batchd-index.npy") and len(starts) == 2
-    calls = []
-    monkeypatch.setattr(_jsonl_index, "scan_lines", lambda path: calls.append(path) or (starts, ends))
-    assert line_index(str(p))[2] == where and calls == []  # read from the cache, no scan
-    monkeypatch.undo()
+    # Same size and mtime, other lines: the cache answers (a scan would find the second line at 9).
+    before = os.stat(p)
+    p.write_text('{"a": 1}\n{"b": 2}\n\n')
+    os.utime(p, ns=(before.st_atime_ns, before.st_mtime_ns))
+    cached, _, where2 = line_index(str(p))
+    assert where2 == where and cached.tolist() == starts.tolist() == [0, 10]  # read from the cache
     p.write_text('{"a": 1}\n{"b": 2}\n{"c": 3}\n')
     st_ = os.stat(p)
     os.utime(p, ns=(st_.st_atime_ns, st_.st_mtime_ns + 1_000_000))

@@ -27,7 +27,7 @@ from ._chain import Preprocessor, SampleMeta, default_stages, finalize
 from ._dataset import Block, EmptyDatasetError, RecordDataset, iter_records, parse_item
 from ._demo_data import DemoDataset, demo_bad_ids, demo_record, demo_records, make_demo_dataset
 from ._hf import HFProcessor
-from ._jsonl_index import line_index
+from ._jsonl_index import line_index, line_numbers, scan_lines
 from ._parse import Record, parse_record
 from ._pool import PreprocessPool, PreprocessWorker
 from ._quarantine import Quarantine, Reject, TooManyBadRecords
@@ -123,6 +123,7 @@ __all__ = [
     "job_key",
     "job_ray_address",
     "line_index",
+    "line_numbers",
     "loss_tokens_of",
     "make_demo_dataset",
     "missing_source_members",
@@ -135,6 +136,7 @@ __all__ = [
     "resolve_many",
     "resolve_stage",
     "running_ray_address",
+    "scan_lines",
     "share_ray",
     "smart_resize",
     "synthetic_image_payload",

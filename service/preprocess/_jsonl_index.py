@@ -56,8 +56,9 @@ def _candidates(path: str) -> list[Path]:
     return out + [cache_dir() / "jsonl-index" / f"{digest}-{name}.npy"]
 
 
-def scan_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """(start, end) byte offsets of every non-blank line of `path` (end excludes the newline)."""
+def scan_lines(path: str, chunk_bytes: int = _CHUNK) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) byte offsets of every non-blank line of `path` (end excludes the newline), reading
+    `chunk_bytes` at a time (lines may span chunks)."""
     fs, inner = filesystem_of(path)
     starts: list[np.ndarray] = []
     ends: list[np.ndarray] = []
@@ -66,7 +67,7 @@ def scan_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
     line_text = False  # whether the unfinished line holds a non-whitespace byte so far
     with fs.open_input_stream(inner) as f:
         while True:
-            chunk = f.read(_CHUNK)
+            chunk = f.read(chunk_bytes)
             if not chunk:
                 break
             buf = np.frombuffer(chunk, dtype=np.uint8)
@@ -88,20 +89,22 @@ def scan_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
     if line_text:  # a last line without a newline
         starts.append(np.asarray([line_start]))
         ends.append(np.asarray([base]))
-    cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)
-    starts_a, ends_a = cat(starts), cat(ends)
-    return starts_a, ends_a
+    return _concat(starts), _concat(ends)
 
 
-def line_numbers(path: str, starts: np.ndarray) -> np.ndarray:
+def _concat(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+def line_numbers(path: str, starts: np.ndarray, chunk_bytes: int = _CHUNK) -> np.ndarray:
     """The 1-based line number (what an editor shows, blank lines counted) of each byte offset in `starts`
-    (ascending: `scan_lines`' starts), by one streaming pass counting newlines."""
+    (ascending: `scan_lines`' starts), by one streaming pass counting newlines, `chunk_bytes` at a time."""
     fs, inner = filesystem_of(path)
     out = np.empty(len(starts), dtype=np.int64)
     base, newlines, i = 0, 0, 0
     with fs.open_input_stream(inner) as f:
         while i < len(starts):
-            chunk = f.read(_CHUNK)
+            chunk = f.read(chunk_bytes)
             if not chunk:
                 break
             nl = np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == 10)

@@ -3,8 +3,8 @@
 A record is one conversation:
 
     {"messages": [{"role": "user", "content": "<image>What is this?"}, {"role": "assistant", ...}],
-     "images": [b"\\x89PNG..." | "relative/or/absolute/path.png" | {"bytes": ..., "path": ...}],   # optional
-     "system": "You are ..."}                                                                        # optional
+     "images": [b"\\x89PNG..." | "relative/or/absolute/path.png" | {"bytes": ..., "path": ...}],  # optional
+     "system": "You are ..."}                                                                       # optional
 
 Also accepted: ShareGPT rows (`conversations: [{from: human|gpt|system, value}]`), content given as a list
 of parts (`[{"type": "text", "text": ...}, {"type": "image"}]`), a single image instead of a list, and

@@ -217,10 +217,10 @@ class PreprocessPool:
             total = ray.cluster_resources().get("CPU", 0)
             self.close()
             raise RuntimeError(
-                f"only {num_actors - len(pending)} of {num_actors} preprocessing actors started within "
-                f"{start_timeout_s:.0f}s: each reserves {actor_num_cpus} CPU and the Ray cluster has {total:g} "
-                f"CPUs in all (other pools may hold some); lower num_actors or actor_num_cpus, or start Ray with "
-                f"more logical CPUs"
+                f"only {num_actors - len(pending)} of {num_actors} preprocessing actors started "
+                f"within {start_timeout_s:.0f}s: each reserves {actor_num_cpus} CPU and the Ray cluster "
+                f"has {total:g} CPUs in all (other pools may hold some); lower num_actors or "
+                f"actor_num_cpus, or start Ray with more logical CPUs"
             )
         try:
             ray.get([a.ping.remote() for a in self.actors])  # an actor whose start failed raises here
@@ -243,7 +243,8 @@ class PreprocessPool:
     def submit(
         self, items: Sequence[tuple[int, str, str, Any]], epoch: int, seed: int, mode: str = "normal"
     ) -> tuple[int, list[ray.ObjectRef], ray.ObjectRef | None] | None:
-        """Sends `items` (`RecordDataset.items`) to an actor: (actor index, [metadata ref, payload refs...], probe) or None if refused.
+        """Sends `items` (`RecordDataset.items`) to an actor: (actor index, [metadata ref, payload
+        refs...], probe), or None if refused.
 
         mode "normal": the least loaded actor; refused while a source waits for an idle actor (`hold`).
         mode "isolated": only an idle actor (nothing queued ahead), else refused.

@@ -243,8 +243,9 @@ class SharedRay:
         self._checks = 0
 
     def check(self) -> RayLost | None:
-        """`ray_lost` for this Ray (its GCS and this node's raylet); remembered in `lost`. While a Ray started
-        here is alive, the processes its raylet started are noted (`_end_leftovers` ends them once it is gone)."""
+        """`ray_lost` for this Ray (its GCS and this node's raylet); remembered in `lost`. While a Ray
+        started here is alive, the processes its raylet started are noted (`_end_leftovers` ends them
+        once it is gone)."""
         if self.lost is None:
             self.lost = ray_lost(self.address, self.raylet)
             # A /proc scan: at every check while the raylet is still starting its agents (a look taken
@@ -427,7 +428,8 @@ def _local_auth() -> None:
 
 @contextlib.contextmanager
 def _host_lock():
-    """Serializes `share_ray`'s look-or-start across the processes of this host (a lock file in the temp dir)."""
+    """Serializes `share_ray`'s look-or-start across the processes of this host (a lock file in the
+    temp dir)."""
     fd = os.open(os.path.join(tempfile.gettempdir(), "batchd-ray-start.lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         _flock(fd, shared=False, wait=True)
@@ -440,7 +442,8 @@ NODE_IP_ENV = "BATCHD_RAY_NODE_IP"
 
 
 def _join(address: str) -> None:
-    """`ray.init(address)`, attached to the raylet of `$BATCHD_RAY_NODE_IP` when it is set (module docstring)."""
+    """`ray.init(address)`, attached to the raylet of `$BATCHD_RAY_NODE_IP` when it is set (module
+    docstring)."""
     ip = os.environ.get(NODE_IP_ENV, "").strip()
     if ip:
         ray.init(address=address, _node_ip_address=ip)

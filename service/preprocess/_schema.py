@@ -107,7 +107,8 @@ def _type_name(v: Any) -> str:
 
 
 def check_json_row(obj: Any, file: str, row: int) -> None:
-    """Raises SchemaError if a parsed JSONL row has a field of the wrong type (missing/null is not checked)."""
+    """Raises SchemaError if a parsed JSONL row has a field of the wrong type (missing or null is not
+    checked)."""
     if not isinstance(obj, dict):
         raise SchemaError(file, "<row>", f"expected a JSON object, got {_type_name(obj)}", row)
     col = _conversation_column(list(obj)) or "messages"

@@ -121,7 +121,7 @@ def resolve_stage(spec: Any) -> Stage | Callable:
         return spec
     if not callable(spec):
         raise TypeError(f"a stage must be callable as stage(example, ctx), got {spec!r}")
-    target = spec if inspect.isfunction(spec) or inspect.ismethod(spec) else getattr(spec, "__call__", spec)
+    target = spec if inspect.isfunction(spec) or inspect.ismethod(spec) else spec.__call__
     try:
         params = [
             p

@@ -51,7 +51,9 @@ LLAMA3_TEMPLATE = (
     "{{- message['content'] | trim + '<|eot_id|>' -}}"
     "{%- endif -%}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}"
+    "{%- endif -%}"
 )
 # name -> (Jinja template, default system prompt, image placeholder text)
 TEMPLATES: dict[str, tuple[str, str | None, str]] = {
@@ -143,7 +145,7 @@ class Tokenize(Stage):
         self.tokenizer = _as_ref(tokenizer)
 
     def setup(self) -> None:
-        self.tokenizer.hf
+        _ = self.tokenizer.hf  # loads the tokenizer once per actor, before the first sample
 
     def __call__(self, ex: Example, ctx: StageContext) -> Example:
         if ex.text is None:
