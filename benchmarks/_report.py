@@ -46,6 +46,7 @@ __all__ = [
     "RESULTS",
     "TEMPLATES",
     "add_common_args",
+    "command_line",
     "environment",
     "finish",
     "fmt",
@@ -150,6 +151,20 @@ def add_common_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=None, help="write the result JSON here instead")
     parser.add_argument("--print", action="store_true", help="print the rendered section on stdout")
     return parser
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """How a result was made, for its `config`: `python benchmarks/<script> ARGS` (`argv`, or
+    sys.argv[1:] when None) without `--out PATH` and `--print`, which say where it went."""
+    args, out, skip = list(sys.argv[1:] if argv is None else argv), [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif a != "--print" and not a.startswith("--out="):
+            out.append(a)
+    return " ".join([f"python benchmarks/{Path(script).name}", *out])
 
 
 def finish(

@@ -41,6 +41,7 @@ ORDER = (
     "bench-epochs",
     "chaos",
     "node-balance",
+    "_notes/node-balance",
     "node-latency",
     "node-balance-w128",
     "phase-balance",

@@ -38,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import DEFAULT_WORKLOADS, REPO, add_common_args, finish  # noqa: E402
+from _report import DEFAULT_WORKLOADS, REPO, add_common_args, command_line, finish  # noqa: E402
 
 from batchd import read_lengths
 from batchd.core import (  # noqa: E402
@@ -267,9 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = {k: v for k, v in vars(args).items() if k not in ("out", "print")}
     config.update(budget=BUDGET, window=WINDOW, depth=DEPTH, target_rate=TARGET_RATE)
     config.update(target_e2e_s=TARGET_E2E_S, workloads=str(args.workloads))
-    config["command"] = " ".join(
-        ["python benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])]
-    )
+    config["command"] = command_line(__file__, argv)
     finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
 
