@@ -45,6 +45,7 @@ ORDER = (
     "node-latency",
     "node-balance-w128",
     "phase-balance",
+    "_notes/phase-balance",
     "mllm-bench",
     "_notes/mllm-bench",
     "hf-processor",
