@@ -69,6 +69,7 @@ def summarize(s: dict[str, Any]) -> dict[str, Any]:
     ]
     return {
         "systems": out,
+        "order": list(out),  # the run's order (the JSON's keys are sorted)
         "target": target,
         "t_fixed": t_fixed,
         "lowest": {"system": ranked[0][1], "loss": ranked[0][0]},

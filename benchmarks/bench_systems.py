@@ -98,6 +98,7 @@ def record(s: dict[str, Any]) -> dict[str, Any]:
             "workload": Path(s["workload"]).name,
         },
         "systems": {n: {k: v[k] for k in SYSTEM_KEYS if k in v} for n, v in s["systems"].items()},
+        "order": list(s["systems"]),  # the run's order (the JSON's keys are sorted)
         "reading": reading(s["systems"]),
         "plots": rel,
     }

@@ -202,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     data = {
         "workloads": workloads,
+        "order": list(workloads),  # the run's order (the JSON's keys are sorted)
         "all_agree": agree,
         "image_processor": backend,
         "transformers": transformers.__version__,

@@ -160,10 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         import pytorch_lightning
 
         data["lightning_version"] = pytorch_lightning.__version__
-        data["lightning"] = {
-            h: lightning_overhead.measure(args.lightning_samples, int(h), args.lightning_repeat)
+        data["lightning"] = [
+            {
+                "hidden": int(h),
+                "runs": lightning_overhead.measure(args.lightning_samples, int(h), args.lightning_repeat),
+            }
             for h in args.lightning_hidden.split(",")
-        }
+        ]
     config = {
         "command": command("integrations.py", list(argv if argv is not None else sys.argv[1:])),
         **{k: v for k, v in vars(args).items() if k not in ("out", "print")},

@@ -204,6 +204,7 @@ def record(s: dict[str, Any], share: dict[str, float], exch: dict[str, float]) -
             **{k: s.get(k) for k in ("num_samples", "images", "world_size", "token_budget", "window")},
         },
         "systems": systems,
+        "order": list(systems),  # the run's order (the JSON's keys are sorted)
         "share": share,
         "exchange": {**exch, "step_s": step_s, "of_step": exch["mean_s"] / step_s if step_s else None},
         "two_phase": {

@@ -37,6 +37,7 @@ ORDER = (
     "demo-pipeline",
     "_notes/demo-pipeline",
     "bench",
+    "_notes/bench",
     "epoch-boundary",
     "bench-epochs",
     "chaos",
@@ -50,9 +51,11 @@ ORDER = (
     "_notes/mllm-bench",
     "hf-processor",
     "streaming",
-    "_notes/streaming",
+    "deterministic",
+    "_notes/deterministic",
     "microbatch",
     "integrations",
+    "_notes/integrations",
     "group-delivery",
 )
 
@@ -77,6 +80,7 @@ FULL_RUNS = {
     "mllm-bench": "python benchmarks/mllm_bench.py",
     "hf-processor": "python benchmarks/hf_processor_throughput.py --samples 400 --rounds 5",
     "streaming": "python benchmarks/stream_scale.py",
+    "deterministic": "python benchmarks/deterministic_cost.py --pairs 3 --bench-samples 256",
     "microbatch": "python benchmarks/microbatch_balance.py",
     "integrations": "python benchmarks/integrations.py",
     "group-delivery": "python benchmarks/group_delivery.py",

@@ -141,6 +141,7 @@ def derived(r: dict[str, Any]) -> dict[str, Any]:
             p["seconds"] for p in r["reads"] if p["dataset"] == "images" and p["cache"] == "cold"
         ),
         "runs": {name: _run_figures(run, img) for name, run in runs.items()},
+        "run_order": list(runs),  # the run's order (the JSON's keys are sorted)
         "shuffle_blocks": [
             {"budget": q["budget"], "blocks": img["blocks"] / q["windows"], "same": q["same"]}
             for q in r["shuffle"]
