@@ -44,6 +44,7 @@ ORDER = (
     "node-balance",
     "_notes/node-balance",
     "node-latency",
+    "_notes/node-latency",
     "node-balance-w128",
     "phase-balance",
     "_notes/phase-balance",
