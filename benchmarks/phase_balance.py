@@ -245,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     data.update(results=results, wall_s=time.perf_counter() - t0, python=platform.python_version())
     data["llm_identical"] = all(r["llm_two"] == r["llm_single"] for r in results)
     config = {"command": command_line(__file__, argv), "ranks": args.ranks, "limit": args.limit}
-    config.update(workloads=list(WORKLOADS), local_ranks=LOCAL_RANKS, spec=CONFIG, target=TARGET)
+    config.update(workloads=list(WORKLOADS), local_ranks=LOCAL_RANKS, target=TARGET)
+    config["spec"] = list(CONFIG.items())  # in this order (the JSON sorts a dict's keys)
     config.update(llm_tolerance=LLM_TOLERANCE, timing_repeats=TIMING_REPEATS, accept=ACCEPT)
     config["vision_quadratic"] = JobSpec(world_size=1, token_budget=1).vision_quadratic
     finish(args, SECTION, data, measures=MEASURES, config=config)
