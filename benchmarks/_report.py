@@ -231,7 +231,8 @@ def measured(r: Mapping[str, Any]) -> str:
 
 def environment(templates: Path = TEMPLATES) -> Any:
     """The jinja2 environment of the section templates: undefined names raise; `fmt`, `table` and
-    `measured` are filters and globals; blocks do not leave blank lines."""
+    `measured` are filters and globals, `zip` a global; block tags do not leave blank lines (so a
+    line that ends in a block tag loses its newline: end such lines with text or an expression)."""
     import jinja2
 
     env = jinja2.Environment(
@@ -245,6 +246,7 @@ def environment(templates: Path = TEMPLATES) -> Any:
     for name, fn in (("fmt", fmt), ("table", table), ("measured", measured)):
         env.filters[name] = fn
         env.globals[name] = fn
+    env.globals["zip"] = zip  # pairs of runs (before/after) in one loop
     return env
 
 
