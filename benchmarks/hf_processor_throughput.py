@@ -87,7 +87,7 @@ def save_qwen2vl_processor(path: Path, tokenizer_json: Path, template: str) -> P
 
 
 def records_of(name: str, n: int) -> list[Any]:
-    from batchd.preprocess import demo_records, parse_record
+    from batchd.service.preprocess import demo_records, parse_record
 
     frac, side, _ = WORKLOADS[name]
     raw, _ = demo_records(n, seed=11, image_fraction=frac, bad_fraction=0.0, max_image_side=side)
@@ -127,7 +127,13 @@ def agreement(base: list, other: list) -> dict[str, Any]:
 def build_chains(tmp: Path) -> tuple[dict[str, Any], str]:
     """The three chains (built-in, HF processor, HF with the generation template), set up, and the
     name of the HF image processor's class."""
-    from batchd.preprocess import HFProcessor, Preprocessor, TokenizerRef, default_stages, demo_tokenizer
+    from batchd.service.preprocess import (
+        HFProcessor,
+        Preprocessor,
+        TokenizerRef,
+        default_stages,
+        demo_tokenizer,
+    )
 
     tok_json = demo_tokenizer(tmp / "tokenizer.json")
     plain = save_qwen2vl_processor(tmp / "qwen2vl", tok_json, QWEN2VL_TEMPLATE)

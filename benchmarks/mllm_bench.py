@@ -44,8 +44,8 @@ def encoder_share(workload: Path, num_samples: int, token_budget: int, seed: int
     """Encoder / whole-model forward+backward time over length-sorted groups of the workload's samples."""
     import torch
 
+    from batchd import read_workload
     from batchd._bench_trainer import build_model, payload
-    from batchd._lengths import read_workload
     from batchd.client import collate_padded, to_torch
 
     torch.set_num_threads(1)
@@ -140,7 +140,7 @@ def exchange_time(
     spec as the bench): the all-to-all the trainers run, without the model around it."""
     import torch.multiprocessing as mp
 
-    from batchd._lengths import read_workload
+    from batchd import read_workload
     from batchd.core import JobSpec, Simulator
 
     spec = JobSpec(world_size=world, token_budget=token_budget, policy="balanced", window=window, phases=2)

@@ -51,7 +51,7 @@ WORKLOADS = {  # name -> (image_fraction, max_image_side, share of --samples)
 
 
 def make_data(root: Path, name: str, n: int) -> Any:
-    from batchd.preprocess import make_demo_dataset
+    from batchd.service.preprocess import make_demo_dataset
 
     frac, side, _ = WORKLOADS[name]
     return make_demo_dataset(
@@ -60,7 +60,7 @@ def make_data(root: Path, name: str, n: int) -> Any:
 
 
 def bench_inprocess(dataset, stages, limit: int) -> dict[str, float]:
-    from batchd.preprocess import Preprocessor
+    from batchd.service.preprocess import Preprocessor
 
     pre = Preprocessor(stages)
     pre.setup()
@@ -82,7 +82,7 @@ def bench_inprocess(dataset, stages, limit: int) -> dict[str, float]:
 
 
 def drain_epoch(pool, epoch: int, chunk_size: int | None = None) -> tuple[int, float]:
-    from batchd.preprocess import EXHAUSTED, RaySource
+    from batchd.service.preprocess import EXHAUSTED, RaySource
 
     kwargs = {"chunk_size": chunk_size} if chunk_size else {}
     src = RaySource(None, 0, 1, seed=0, epoch=epoch, pool=pool, **kwargs)
@@ -102,7 +102,7 @@ def drain_epoch(pool, epoch: int, chunk_size: int | None = None) -> tuple[int, f
 def bench_pool(
     dataset, stages, actors: int, epochs: int, chunk_sizes: Sequence[int | None] = (None,)
 ) -> dict[Any, dict[str, float]]:
-    from batchd.preprocess import PreprocessPool
+    from batchd.service.preprocess import PreprocessPool
 
     out = {}
     with PreprocessPool(dataset, stages, num_actors=actors, actor_num_cpus=1) as pool:
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import ray
 
-    from batchd.preprocess import RecordDataset, TokenizerRef, default_stages, demo_tokenizer
+    from batchd.service.preprocess import RecordDataset, TokenizerRef, default_stages, demo_tokenizer
 
     t_all = time.perf_counter()
     load_start = load_average()
