@@ -410,31 +410,16 @@ class Job:
             self.parties[f"rank-{r}"] = Party(
                 self.harness, f"rank-{r}", argv, w / f"rank-{r}.log", port_file=w / f"rank-{r}.port"
             )
-        services = ",".join(f"127.0.0.1:{port}" for port in ports)
+        self._trainer_parties(",".join(f"127.0.0.1:{port}" for port in ports), model)
+
+    def _trainer_parties(self, services: str, model: list[str]) -> None:
+        """The N trainers of the job (gloo DDP over `services`), as parties not yet started."""
+        p, w = self.plan, self.work
         for r in range(p.world_size):
-            argv = [
-                PY,
-                "-m",
-                "batchd.train",
-                "--rank-services",
-                services,
-                *model,
-                *MODEL,
-                "--checkpoint",
-                str(w / "ckpt"),
-                "--checkpoint-every",
-                "1",
-                "--step-time",
-                str(p.step_time),
-                "--ids-log",
-                str(w / "ids-{rank}.jsonl"),
-                "--summary",
-                str(w / "summary-{rank}.json"),
-                "--log-every",
-                "0",
-                "--timeout",
-                "120",
-            ]
+            argv = [PY, "-m", "batchd.train", "--rank-services", services, *model, *MODEL]
+            argv += ["--checkpoint", str(w / "ckpt"), "--checkpoint-every", "1"]
+            argv += ["--step-time", str(p.step_time), "--ids-log", str(w / "ids-{rank}.jsonl")]
+            argv += ["--summary", str(w / "summary-{rank}.json"), "--log-every", "0", "--timeout", "120"]
             env = {
                 "RANK": str(r),
                 "WORLD_SIZE": str(p.world_size),

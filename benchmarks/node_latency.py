@@ -36,7 +36,7 @@ Optionally (`--unary`, on by default) one `align_latency.py` run at 64 ranks (on
 Commit per rank per barrier, same clients) in the same script, for the ratio.
 
 "Off the critical path" (`--trainer-s`, default 20 s): 64 ranks as 8 agents x 8 using the real agent
-link (`batchd.service._node_link.NodeLink` + `LocalRankClient`). Each rank has a round loop like the
+link (`batchd.service.NodeLink` + `LocalRankClient`). Each rank has a round loop like the
 daemon's `RankServiceCore._round` (fill, wait until capacity = depth - ready > 0, report(capacity),
 align, apply, commit, finalize, append the steps to its ready queue) and a trainer thread that takes one
 batch from that queue every 50 ms, in lockstep with the others (step k at t0 + k x 50 ms on the clock
@@ -567,7 +567,7 @@ def trainers_main(
     go_at,
     out_q,
 ) -> None:
-    from batchd.service._node_link import NodeLink
+    from batchd.service import NodeLink
 
     spec = job_spec(world_size)
     data = rings([r for _, ranks in agents for r in ranks], world_size, pool)
