@@ -73,7 +73,8 @@ FULL_RUNS = {
     "bench": "python benchmarks/bench_systems.py",
     "epoch-boundary": "python benchmarks/epoch_boundary.py",
     "bench-epochs": "python benchmarks/bench_epochs.py",
-    "chaos": "python benchmarks/chaos.py --jobs 6 --seed 0 --faults-per-job 2 --work /tmp/chaos_full",
+    "chaos": "python benchmarks/chaos.py --jobs 6 --seed 0 --faults-per-job 2 --json /tmp/chaos_full.json "
+    "--work /tmp/chaos_full",
     "node-balance": "python benchmarks/node_balance.py",
     "node-latency": "python benchmarks/node_latency.py --profile --before 086f7f1",
     "node-balance-w128": "python benchmarks/node_balance.py --repeat 64 --window 128",
