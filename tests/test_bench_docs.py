@@ -2,6 +2,7 @@
 
 On the committed tree the page must be exactly the rendering. Controls: a changed result makes the check
 fail, a result whose measured code changed after its commit is reported stale (in a tmp git repo).
+Also the shared process harness (benchmarks/_harness.py): waits, fast failure, process-group stop.
 """
 
 from __future__ import annotations
@@ -106,3 +107,42 @@ def test_render_main_commands_and_check_exit_codes(
     empty = tmp_path / "results"
     empty.mkdir()
     assert render.main(["--check", "--results", str(empty), "--docs", str(tmp_path / "p.md")]) == 1
+
+
+def test_harness_waits_fails_fast_and_stops_the_process_group(tmp_path: Path) -> None:
+    import os
+    import time
+
+    import _harness
+
+    ready = tmp_path / "ready"
+    parent = (  # a child that starts a grandchild in its group, then says it is ready
+        "import pathlib, subprocess, sys, time\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"print('grandchild', g.pid, flush=True)\n"
+        f"pathlib.Path({str(ready)!r}).write_text('{{\"port\": 1234}}')\n"
+        "time.sleep(60)\n"
+    )
+    with _harness.Harness(tmp_path) as h:
+        h.start("p", [sys.executable, "-c", parent])
+        assert h.wait_port(ready, "p", 60) == 1234
+        grandchild = int(h.wait_line("p", r"grandchild (\d+)", 10).group(1))
+        h.start("dies", [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"])
+        with pytest.raises(RuntimeError, match="status 3"):
+            h.wait_file(tmp_path / "never", "dies", 30)
+        with pytest.raises(TimeoutError):
+            h.wait_line("p", "never logged", 0.2)
+        assert h.codes()["dies"] == 3 and h.codes()["p"] is None
+    assert h.get("p").poll() is not None  # stopped on leaving the block ...
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # ... with its whole group, the grandchild included
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{grandchild}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break  # a zombie waiting for its (gone) parent's reaper: it is dead
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"grandchild {grandchild} outlived the harness")
+    assert isinstance(_harness.free_port(), int)
