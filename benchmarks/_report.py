@@ -119,12 +119,16 @@ def write_result(
 ) -> Path:
     """Writes section `section`'s result to `RESULTS/<section>.json` (or `out`) and returns the path.
 
-    `measures` are repo-relative paths that must exist (files or dirs); `data` and `config` pass
-    through `json_safe`. The file is the whole record of the run: render.py needs nothing else.
+    `measures` are repo-relative paths (files or dirs; at least one); one that does not exist is
+    recorded anyway, with a warning on stderr (a long run is not lost to a moved file; `--stale` still
+    follows its history). `data` and `config` pass through `json_safe`. The file is the whole record
+    of the run: render.py needs nothing else.
     """
+    if not measures:
+        raise ValueError(f"measures must name the code the section measures: {section=}")
     missing = [m for m in measures if not (REPO / m).exists()]
-    if not measures or missing:
-        raise ValueError(f"measures must name existing repo paths: {section=} {missing=}")
+    if missing:
+        print(f"warning: {section}: measured paths not in the tree: {missing}", file=sys.stderr)
     record = {
         "section": section,
         "commit": head_commit(),

@@ -42,7 +42,7 @@ from batchd import read_lengths
 from batchd.core import CostModel, JobSpec, contiguous_greedy, simulate  # noqa: E402
 
 SECTION = "simulate"
-MEASURES = ("benchmarks/simulate_workloads.py", "core", "batchd/_lengths.py")
+MEASURES = ("benchmarks/simulate_workloads.py", "batchd", "core")
 
 CONFIG_A = dict(
     world_size=8, token_budget=8192, window=512, depth=8, cost="padded", mode="join", batch_size=8
