@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import add_common_args, finish  # noqa: E402
+from _report import add_common_args, command_line, finish  # noqa: E402
 
 SECTION = "group-delivery"
 MEASURES = ("benchmarks/group_delivery.py", "client", "service", "proto", "core")
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"rates": [[k, best[k], best[k] / best[1]] for k in GROUPS], "wall_s": time.perf_counter() - t0}
     config = {"samples": args.samples, "budget": args.budget, "repeat": args.repeat, "groups": GROUPS}
     config.update(world_size=2, policy="balanced", collate="packed", window=64, depth=8, seed=3)
+    config["command"] = command_line(__file__, argv)
     finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
 

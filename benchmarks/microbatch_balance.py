@@ -28,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import DEFAULT_WORKLOADS, add_common_args, finish  # noqa: E402
+from _report import DEFAULT_WORKLOADS, add_common_args, command_line, finish  # noqa: E402
 
 from batchd.core import CostModel, JobSpec, Simulator, balanced_split, chunk_split  # noqa: E402
 
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     data["wall_s"] = time.perf_counter() - t0
     config = {"workloads": str(args.workloads), "limit": args.limit, "world_size": 8, "window": 512}
     config.update(micro_budget=MICRO_BUDGET, micro=MICRO, cost=COST.name, attention_q=COST.quadratic)
+    config["command"] = command_line(__file__, argv)
     finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
 

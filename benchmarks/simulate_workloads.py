@@ -36,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import DEFAULT_WORKLOADS, add_common_args, finish  # noqa: E402
+from _report import DEFAULT_WORKLOADS, add_common_args, command_line, finish  # noqa: E402
 
 from batchd import read_lengths
 from batchd.core import CostModel, JobSpec, contiguous_greedy, simulate  # noqa: E402
@@ -352,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workload_b": WORKLOAD_B,
         "odb_paper": ODB_PAPER,
         "targets": TARGETS,
+        "command": command_line(__file__, argv),
     }
     finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
