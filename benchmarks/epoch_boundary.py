@@ -74,7 +74,7 @@ def service_main(conn, source_kind: str, lengths: list[int]) -> None:
     if source_kind == "ray":
         import ray
 
-        from batchd.preprocess import (
+        from batchd.service.preprocess import (
             PreprocessPool,
             RaySource,
             default_stages,
