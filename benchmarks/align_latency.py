@@ -32,10 +32,10 @@ Diagnostics at the largest N (`--diagnose`, on by default): a second run with pe
 cProfile on every thread of the coordinator process (per-thread profilers installed through
 `threading.setprofile`, merged), plus the CPU seconds each process burned per round.
 
-Results go to docs/benchmarks.md between `<!-- align-latency:begin -->` and `<!-- align-latency:end -->`.
+The result goes to benchmarks/results/align-latency.json (template: templates/align-latency.md.j2).
 
 Usage: python benchmarks/align_latency.py [--ranks 8,32,64] [--rounds 250] [--warmup 30]
-       [--client-procs 2] [--no-diagnose] [--no-write]
+       [--client-procs 2] [--no-diagnose] [--out PATH] [--print]
 """
 
 from __future__ import annotations
@@ -55,18 +55,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import (  # noqa: E402
+from _report import (  # noqa: E402
     DEFAULT_WORKLOADS,
     REPO,
+    add_common_args,
+    command_line,
+    finish,
     format_profile,
     idle_share,
     merged_stats,
-    publish,
-    revision,
-    table,
 )
 
 SECTION = "align-latency"
+MEASURES = ("benchmarks/align_latency.py", "core", "proto", "service")
 BUDGET, WINDOW, DEPTH = 8192, 64, 8
 TARGET_P99_MS, TARGET_N = 5.0, 64
 
@@ -90,6 +91,7 @@ def pct(xs: list[float], q: float) -> float:
 
 PROFILE_GROUPS = (
     ("gRPC Python server/channel code", lambda f, fn: "/grpc/" in f),
+    ("asyncio event loop (the grpc.aio server's)", lambda f, fn: "/asyncio/" in f or "_contextvars" in fn),
     (
         "locks, conditions, queues (thread hand-offs)",
         lambda f, fn: (
@@ -213,7 +215,8 @@ def client_main(
     barrier,
     out_q,
 ) -> None:
-    """Runs ranks `ranks` as threads; puts {rank: [(t_send, t_decision, t_commit_send, t_totals, compute)]}."""
+    """Runs ranks `ranks` as threads; puts
+    {rank: [(t_send, t_decision, t_commit_send, t_totals, compute)]}."""
     from batchd.core import RankState, Sample
     from batchd.service import CoordinatorClient
 
@@ -424,17 +427,18 @@ PHASES = [
     (
         "Align in flight",
         "last Align sent -> it enters CoordinatorState.submit_align (client serialization, "
-        "loopback, gRPC dispatch to a handler thread)",
+        "loopback, gRPC dispatch to the server's event loop)",
     ),
     ("decide", "core.decide under the lock"),
     (
         "decision fan-out",
-        "decision made -> the last rank holds it (N blocked handler threads wake, "
-        "reacquire the lock, serialize; transport; client deserializes)",
+        "decision made -> the last rank holds it (the barrier's N waiting handlers resume on "
+        "the event loop, each serializes its response; transport; client deserializes)",
     ),
     (
         "apply + Commit in flight",
-        "-> last Commit enters CoordinatorState.commit (slowest apply, serialization, transport, dispatch)",
+        "-> last Commit enters CoordinatorState.submit_commit (slowest apply, serialization, "
+        "transport, dispatch)",
     ),
     ("commit", "core.commit under the lock"),
     ("totals fan-out", "totals made -> the last rank holds them"),
@@ -482,54 +486,66 @@ def phases(events: list[tuple], results: dict[int, list], warmup: int, total: in
     ]
 
 
-def analysis(run: dict[str, Any], diag: dict[str, Any] | None, floor: dict[str, float] | None) -> list[str]:
-    """The reading of the N=64 figures (numbers from this run)."""
-    n, cpu = run["N"], run["coord_cpu_per_round_ms"]
-    budget_us = 1000 * TARGET_P99_MS / (2 * n)
-    core_ms = ""
-    if diag:
-        ph = {r[0]: float(r[1]) for r in diag["phases"]}
-        core = ph.get("decide", 0.0) + ph.get("commit", 0.0)
-        core_ms = f" (the core's `decide` + `commit` take {core:.2f} ms of it)"
-    floor_txt = (
-        f"; a trivial `Status` call sent alone costs {floor['server_cpu_us']:.0f} us of server CPU"
-        if floor
-        else ""
-    )
+HEADERS = ["N", "ranks per client proc", "rounds", "coord p50 ms", "coord p99 ms", "client p50 ms"]
+HEADERS += ["client p99 ms", "span p50 ms", "client CPU p50 ms", "rounds/s", "coord CPU ms/round"]
+HEADERS += ["coord CPU us/RPC", "client CPU ms/round", "target (p99 <= 5 ms @ 64)"]
+PCTS = (("coord_ms", 50), ("coord_ms", 99), ("client_ms", 50), ("client_ms", 99), ("span_ms", 50))
+PCTS += (("compute_ms", 50),)
+
+
+def summary(res: dict[str, Any]) -> dict[str, Any]:
+    """A run's figures without its per-round lists: percentiles as `<key>_p<q>`."""
+    per_round = {k for k, _ in PCTS} | {"profile"}
+    out = {k: v for k, v in res.items() if k not in per_round}
+    for k, q in PCTS + (("client_ms", 50), ("coord_ms", 50)):
+        out[f"{k}_p{q}"] = pct(res[k], q)
+    return out
+
+
+def table_row(res: dict[str, Any]) -> list[object]:
+    n = res["N"]
+    met = ""
+    if n == TARGET_N:
+        ok = pct(res["client_ms"], 99) <= TARGET_P99_MS and pct(res["coord_ms"], 99) <= TARGET_P99_MS
+        met = "PASS" if ok else "FAIL"
     return [
-        "### Reading",
-        "",
-        f"- **The coordinator is CPU-bound on one core.** At N={n} it burns {cpu:.1f} ms of CPU per round, "
-        f"about its p50 round latency ({pct(run['coord_ms'], 50):.1f} ms){core_ms}. Its CPU per RPC is flat "
-        f"across N ({run['coord_cpu_per_round_ms'] * 1000 / (2 * n):.0f} us at N={n}){floor_txt}: the cost "
-        "is gRPC Python's per-call machinery (completion-queue event on the serve thread, hand-off to a "
-        "pool thread, `unary_request`, `_status`/`_send_response`, protobuf <-> dataclass conversion in "
-        "`batchd.proto.wire`) plus the barrier's `notify_all` waking N blocked handler threads that each "
-        "re-take the lock and the GIL. It grows linearly with the 2N calls of a round and the GIL "
-        "serializes most of it, so extra cores help this process little.",
-        f"- **The gap:** p99 <= {TARGET_P99_MS:g} ms at {n} ranks leaves ~{budget_us:.0f} us of coordinator "
-        f"time per call (2N = {2 * n} calls a round), ~{cpu * 1000 / (2 * n) / budget_us:.0f}x less than now. "
-        "Tuning the Python server will not close that.",
-        "- **Client-side share (an artifact of this box):** the `send skew` and `fan-out` phases also hold "
-        f"the clients' own work: {n // 2} rank threads share one GIL per client process, and the coordinator "
-        "and both client processes compete for 2 cores (their CPU per round adds up to about 2 cores x "
-        "the round time). With one process per rank on its own host these phases shrink, but the "
-        "coordinator's own CPU per round stays.",
-        "- **What would close it**, roughly in order of payoff: (1) a C++ (or Rust/Go) coordinator: "
-        "server-side gRPC cost per call drops to ~10-20 us, i.e. ~1-3 ms a round at 64 ranks; decide + commit "
-        "are simple reductions for the non-pooled policies (min over reports, per-step sums), the "
-        "balanced plan could stay in Python behind it; (2) hierarchical aggregation: one aggregator per "
-        "node (8 ranks) combines reports (min of capacity/groups, concatenated or summed per-step "
-        "counts) so the root handles 2 x 8 calls a round (~16 x 0.3 ms ~ 5 ms even in Python; far below "
-        "with (1)); (3) one persistent bidi stream per rank (Align and Commit as messages on it) on a "
-        "`grpc.aio` server: no per-call setup, no thread pool, no N-way thread wake-ups; per-message "
-        "cost is still tens of us of Python, so expect a 2-4x gain, not enough alone at 64 ranks; "
-        "(4) fewer messages per round: piggyback round r's Commit on round r+1's Align (halves the "
-        "calls; a protocol change); (5) or align over the trainers' own collective backend (all-reduce "
-        "MIN for T, SUM for the per-step totals): microseconds on NCCL, but it couples batchd to the "
-        "trainer's process group.",
-        "",
+        n,
+        " + ".join(map(str, res["groups"])),
+        res["rounds"],
+        *(f"{pct(res[k], q):.1f}" for k, q in PCTS),
+        f"{res['rounds_per_s']:.0f}",
+        f"{res['coord_cpu_per_round_ms']:.1f}",
+        f"{1000 * res['coord_cpu_per_round_ms'] / (2 * n):.0f}",
+        " + ".join(f"{x:.1f}" for x in res["client_cpu_per_round_ms"]),
+        met,
     ]
+
+
+def _profile_lines(text: str) -> list[str]:
+    site = str(Path(sys.prefix)) + "/lib/python3.11/site-packages/"
+    lines = (ln.replace(str(REPO) + "/", "").replace(site, "").rstrip() for ln in text.strip().splitlines())
+    return [ln for ln in lines if ln.strip()]
+
+
+def diagnose(n: int, pool: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """The phase-timestamp run, the cProfile run and the trivial-RPC floor at N=`n`."""
+    phase = run_once(n, pool, args.rounds, args.warmup, args.client_procs, mode="phases")
+    for r in phase["phases"]:
+        print(" | ".join(r[:3]), flush=True)
+    prof = run_once(n, pool, min(args.rounds, 120), 10, args.client_procs, mode="profile")
+    print(prof["profile"], flush=True)
+    floor = rpc_floor()
+    print(floor, flush=True)
+    groups = prof.get("profile_groups") or []
+    total = sum(v for _, v in groups) or 1.0
+    phases_ms = {r[0]: float(r[1]) for r in phase["phases"]}
+    return {
+        "phase": summary(phase),
+        "core_ms": phases_ms.get("decide", 0.0) + phases_ms.get("commit", 0.0),
+        "prof": {**summary(prof), "profile_lines": _profile_lines(prof["profile"])},
+        "prof_groups": [[g, f"{v:.2f}", f"{v / total:.0%}"] for g, v in groups],
+        "floor": floor,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -540,194 +556,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-procs", type=int, default=2, help="processes the rank threads are spread over")
     ap.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
     ap.add_argument("--no-diagnose", action="store_true", help="skip the phase and cProfile runs")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    add_common_args(ap)
     args = ap.parse_args(argv)
-    cmd = "python benchmarks/align_latency.py" + (
-        " " + " ".join(argv if argv is not None else sys.argv[1:])
-        if (argv if argv is not None else sys.argv[1:])
-        else ""
-    )
     from batchd import read_lengths
 
     pool = read_lengths(str(args.workloads / "odb-synthetic.txt"))
     t_all = time.perf_counter()
-    rev = revision()
     ranks = [int(x) for x in args.ranks.split(",")]
-    rows = []
-    runs = []
+    runs, rows = [], []
     for n in ranks:
         res = run_once(n, pool, args.rounds, args.warmup, args.client_procs)
-        runs.append(res)
-        met = (
-            ""
-            if n != TARGET_N
-            else (
-                "PASS"
-                if pct(res["client_ms"], 99) <= TARGET_P99_MS and pct(res["coord_ms"], 99) <= TARGET_P99_MS
-                else "FAIL"
-            )
-        )
-        rows.append(
-            [
-                n,
-                " + ".join(map(str, res["groups"])),
-                res["rounds"],
-                *(
-                    f"{pct(res[k], q):.1f}"
-                    for k, q in (
-                        ("coord_ms", 50),
-                        ("coord_ms", 99),
-                        ("client_ms", 50),
-                        ("client_ms", 99),
-                        ("span_ms", 50),
-                        ("compute_ms", 50),
-                    )
-                ),
-                f"{res['rounds_per_s']:.0f}",
-                f"{res['coord_cpu_per_round_ms']:.1f}",
-                f"{1000 * res['coord_cpu_per_round_ms'] / (2 * n):.0f}",
-                " + ".join(f"{x:.1f}" for x in res["client_cpu_per_round_ms"]),
-                met,
-            ]
-        )
+        runs.append(summary(res))
+        rows.append(table_row(res))
         print(" | ".join(str(c) for c in rows[-1]), flush=True)
-    diag_phase = diag_prof = floor = None
     idle0 = idle_share()
-    if not args.no_diagnose:
-        n = max(ranks)
-        diag_phase = run_once(n, pool, args.rounds, args.warmup, args.client_procs, mode="phases")
-        for r in diag_phase["phases"]:
-            print(" | ".join(r[:3]), flush=True)
-        diag_prof = run_once(n, pool, min(args.rounds, 120), 10, args.client_procs, mode="profile")
-        print(diag_prof["profile"], flush=True)
-        floor = rpc_floor()
-        print(floor, flush=True)
-    wall = time.perf_counter() - t_all
-    idle1 = idle_share()
+    diag = None if args.no_diagnose else diagnose(max(ranks), pool, args)
+    import grpc
 
-    machine = (
+    data = {"headers": HEADERS, "rows": rows, "runs": runs, "diag": diag, "grpcio": grpc.__version__}
+    data.update(wall_s=time.perf_counter() - t_all, idle_before=idle0, idle_after=idle_share())
+    data["target"] = next((r for r in runs if r["N"] == TARGET_N), None)
+    data["machine"] = (
         f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
         f"shared by the coordinator and the client processes, {platform.machine()}"
     )
-    import grpc
-
-    headers = [
-        "N",
-        "ranks per client proc",
-        "rounds",
-        "coord p50 ms",
-        "coord p99 ms",
-        "client p50 ms",
-        "client p99 ms",
-        "span p50 ms",
-        "client CPU p50 ms",
-        "rounds/s",
-        "coord CPU ms/round",
-        "coord CPU us/RPC",
-        "client CPU ms/round",
-        "target (p99 <= 5 ms @ 64)",
-    ]
-    body = [
-        "## Alignment round latency (gRPC coordinator, loopback)",
-        "",
-        f"Generated by `{cmd}` ({wall:.0f} s in all; {rev}; {machine}; grpcio {grpc.__version__}; CPU idle "
-        f"{idle0:.0%} in the 3 s before, {idle1:.0%} in the 3 s after). "
-        "Machine note: 2 shared cores, noisy; compare figures within one run.",
-        "",
-        f"The coordinator is the real gRPC server (`create_server`, grpc.aio) in its own process. N rank "
-        f"clients run the real round protocol (fill -> `RankState.report` -> `CoordinatorClient.align` -> "
-        f"`apply` -> `CoordinatorClient.commit` -> `finalize`; policy local, window {WINDOW}, depth {DEPTH}, "
-        f"L={BUDGET}, lengths drawn from odb-synthetic, every round offers capacity {DEPTH}) as **threads "
-        f"in {args.client_procs} client processes** (one `CoordinatorClient` per rank, registered, with "
-        f"heartbeats; the pre-built samples are `gc.freeze()`d). {args.warmup} warm-up rounds are "
-        f"discarded, then {args.rounds} rounds are measured per N.",
-        "",
-        "- **coord**: the coordinator's own figure, `Status().round_latency_ms` (first Align received -> "
-        "round totals decided; the full per-round record is taken from the coordinator process because "
-        "Status returns only the last 100 rounds; the script checks they agree).",
-        "- **client**: per rank, Align sent -> Commit returned (includes the rank's `apply` between the "
-        "two RPCs); per round the max over ranks. **span**: first Align sent anywhere -> last Commit "
-        "returned anywhere.",
-        "- **client CPU p50**: the slowest rank's own Python work per round (fill, report, apply, finalize; "
-        "outside the RPCs). **rounds/s**: measured rounds / their wall time. **CPU ms/round**: process CPU "
-        "time (user+sys) over the measured rounds / rounds (approximate window); **us/RPC** = coordinator "
-        "CPU per round / 2N (each rank makes two unary calls a round).",
-        "",
-        table(headers, rows),
-        "",
-    ]
-    target_row = next((r for r in runs if r["N"] == TARGET_N), None)
-    if target_row is not None:
-        c99, k99 = pct(target_row["coord_ms"], 99), pct(target_row["client_ms"], 99)
-        verdict = "met" if max(c99, k99) <= TARGET_P99_MS else "**not met**"
-        body += [
-            f"Target (issue): p99 <= {TARGET_P99_MS:g} ms at {TARGET_N} ranks: {verdict} "
-            f"(coordinator p99 {c99:.1f} ms, client p99 {k99:.1f} ms).",
-            "",
-        ]
-    if diag_phase:
-        body += [
-            f"### Where a round's time goes at N={diag_phase['N']} (second run, phase timestamps)",
-            "",
-            "Absolute CLOCK_MONOTONIC timestamps from the clients and from wrappers around "
-            "`CoordinatorState.submit_align/submit_commit` and the core's `decide/commit` in the coordinator process; "
-            "each phase ends when its *last* rank is through, so the phases add up to the span. "
-            f"Round latency in this run: coord p50 {pct(diag_phase['coord_ms'], 50):.1f} ms, "
-            f"client p50 {pct(diag_phase['client_ms'], 50):.1f} ms.",
-            "",
-            table(["phase", "p50 ms", "p99 ms", "what"], diag_phase["phases"]),
-            "",
-        ]
-    if diag_prof:
-        lines = [
-            ln.replace(str(REPO) + "/", "").rstrip()
-            for ln in diag_prof["profile"].strip().splitlines()
-            if ln.strip()
-        ]
-        site = str(Path(sys.prefix)) + "/lib/python3.11/site-packages/"
-        lines = [ln.replace(site, "") for ln in lines]
-        body += [
-            f"### cProfile of the coordinator process at N={diag_prof['N']} ({diag_prof['rounds']} rounds, "
-            f"{diag_prof['profiled_threads']} threads profiled and merged, top 14 by tottime CPU)",
-            "",
-            "Under cProfile the round takes "
-            f"{pct(diag_prof['coord_ms'], 50):.1f} ms (coord p50). Each thread is profiled with "
-            "`time.thread_time` (its own CPU time), so blocking on the barrier, the lock or the completion "
-            "queue does not count; gRPC's C-core threads are invisible to cProfile (compare the process's "
-            f"CPU: {diag_prof['coord_cpu_per_round_ms']:.1f} ms/round under cProfile, "
-            f"{diag_phase['coord_cpu_per_round_ms'] if diag_phase else float('nan'):.1f} ms/round without).",
-            "",
-        ]
-        groups = diag_prof.get("profile_groups") or []
-        total = sum(v for _, v in groups) or 1.0
-        if groups:
-            body += [
-                table(
-                    ["where (own CPU time of the profiled threads)", "s", "share"],
-                    [[g, f"{v:.2f}", f"{v / total:.0%}"] for g, v in groups],
-                ),
-                "",
-            ]
-        body += [
-            "```",
-            *lines,
-            "```",
-            "",
-        ]
-    if floor:
-        body += [
-            "### One trivial unary RPC, for scale",
-            "",
-            "`Status` calls sent one at a time from one client (3000, after 200 warm-up) to the same "
-            f"coordinator server: **{floor['server_cpu_us']:.0f} us of coordinator CPU per call**, "
-            f"{floor['rtt_us']:.0f} us round trip. That is the same order as the CPU per call of a real "
-            "round (table above; calls that arrive together share some wake-ups, so they can even be "
-            "cheaper): the per-call cost is gRPC Python's, not batchd's.",
-            "",
-        ]
-    if target_row is not None:
-        body += analysis(target_row, diag_phase, floor)
-    publish(SECTION, body, args.no_write)
+    config = {"command": command_line(__file__, argv), "ranks": ranks, "rounds": args.rounds}
+    config.update(warmup=args.warmup, client_procs=args.client_procs, budget=BUDGET, window=WINDOW)
+    config.update(depth=DEPTH, target_p99_ms=TARGET_P99_MS, target_n=TARGET_N)
+    finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
 
 

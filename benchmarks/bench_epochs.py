@@ -1,152 +1,94 @@
 """`batchd bench --epochs E` for the docs: time to quality over several epochs, section "bench-epochs".
 
 The one-epoch bench (section "bench") compares systems on the same samples, once each: the token-budget
-batchers finish the epoch 2-3x sooner but, with 5-8x fewer optimizer updates, at a higher held-out loss.
-This run asks the follow-up question a user has: training longer, which system first reaches the
-held-out loss that fixed batching ends its first epoch at, and how long does it take? Every system trains
-E epochs (epoch e: every system's view of epoch e, the same seeded permutation), with the held-out loss
-measured after every epoch, the clock paused while evaluating.
+batchers finish the epoch sooner but, with fewer optimizer updates, at a higher held-out loss. This run
+asks the follow-up question a user has: training longer, which system first reaches the held-out loss
+that fixed batching ends its first epoch at, and how long does it take? Every system trains E epochs
+(epoch e: every system's view of epoch e, the same seeded permutation), with the held-out loss measured
+after every epoch, the clock paused while evaluating.
 
-Usage: python benchmarks/bench_epochs.py [--epochs 3] [--num-samples 1024] [--from-json FILE] [--no-write]
+Result: benchmarks/results/bench-epochs.json (template benchmarks/templates/bench-epochs.md.j2).
+
+Usage: python benchmarks/bench_epochs.py [--epochs 3] [--num-samples 1024] [--from-json FILE]
+       [--out PATH] [--print]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import idle_share, publish, revision, table  # noqa: E402
+from _cli_runs import machine  # noqa: E402
+from _report import add_common_args, finish, idle_share  # noqa: E402
 
 SECTION = "bench-epochs"
+MEASURES = ["batchd/bench.py", "batchd/_bench_trainer.py", "client", "core", "service"]
 
 
-def time_to(evals: list[dict], target: float) -> tuple[int, float] | None:
+def time_to(evals: list[dict[str, Any]], target: float) -> tuple[int, float] | None:
     """(epoch, seconds) of the first epoch end whose held-out loss is <= target; None if never."""
     return next(((e["epoch"], e["t"]) for e in evals if e["loss"] <= target), None)
 
 
-def best_by(evals: list[dict], t: float) -> dict | None:
-    """The lowest held-out loss among the epoch ends at or before `t` seconds (None: no epoch ended by then)."""
+def best_by(evals: list[dict[str, Any]], t: float) -> dict[str, Any] | None:
+    """The lowest held-out loss among the epoch ends at or before `t` seconds (None: none by then)."""
     done = [e for e in evals if e["t"] <= t]
     return min(done, key=lambda e: e["loss"]) if done else None
 
 
-def render(s: dict, cmd: str, wall: float, idle: tuple[float, float] | None) -> str:
+def summarize(s: dict[str, Any]) -> dict[str, Any]:
+    """Per system: the held-out loss after each epoch, the best by fixed's epoch-1 time, the first
+    epoch reaching fixed's epoch-1 loss; and the run's lowest loss by then and the near misses."""
     systems = {k: v for k, v in s["systems"].items() if "wall_s" in v}
     fixed = systems.get("fixed")
     if not fixed or not fixed.get("heldout_by_epoch"):
         raise ValueError("the run needs the fixed system and a held-out set")
-    target = fixed["heldout_by_epoch"][0]["loss"]
-    t_fixed = fixed["heldout_by_epoch"][0]["t"]
-    epochs = s["epochs"]
-    rows = []
+    target, t_fixed = fixed["heldout_by_epoch"][0]["loss"], fixed["heldout_by_epoch"][0]["t"]
+    out = {}
     for name, r in systems.items():
         evals = r["heldout_by_epoch"]
-        hit, best = time_to(evals, target), best_by(evals, t_fixed)
-        rows.append(
-            [
-                name,
-                f"{r['wall_s']:.1f}",
-                r["steps"],
-                f"{r['samples']} / {r['missing']} / {r['duplicates']}",
-                *[f"{e['loss']:.3f} @ {e['t']:.0f} s" for e in evals],
-                "-" if best is None else f"{best['loss']:.3f} (epoch {best['epoch'] + 1})",
-                "-" if hit is None else f"epoch {hit[0] + 1}, {hit[1]:.1f} s",
-                "-" if hit is None else f"{t_fixed / hit[1]:.2f}x",
-            ]
-        )
-    headers = [
-        "system",
-        "wall s",
-        "steps",
-        "samples / missing / dup",
-        *[f"held-out after epoch {e + 1}" for e in range(epochs)],
-        f"best held-out within fixed's epoch-1 time ({t_fixed:.0f} s)",
-        f"reaches fixed's epoch-1 held-out ({target:.3f})",
-        "vs fixed's time to it",
-    ]
-    machine = f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s)"
-    return "\n".join(
-        [
-            f"## `batchd bench --epochs {epochs}`: time to fixed batching's one-epoch held-out loss",
-            "",
-            f"Generated by `{cmd}` ({wall:.0f} s in all; {revision()}; {machine}; "
-            + (
-                f"CPU idle {idle[0]:.0%} in the 3 s before, {idle[1]:.0%} in the 3 s after"
-                if idle
-                else "rendered from the run's saved JSON"
-            )
-            + "). Machine note: 2 shared cores; the systems run one after another.",
-            "",
-            f"The setup of the one-epoch bench above (workload `{Path(s['workload']).name}`, first {s['num_samples']} "
-            f"lengths, {s['heldout']} held out, N={s['world_size']}, L={s['token_budget']}, model `{s['model']}`, "
-            f"AdamW lr {s['lr']:g} with `--lr-scaling {s['lr_scaling']}`), for {epochs} epochs. Each cell "
-            "`loss @ t` is the held-out loss after that epoch and the training time at which the epoch ended (all "
-            "ranks done; the evaluations themselves are not timed). Samples: each id must be seen once per epoch "
-            f"({epochs} x {s['num_samples']}). **Best held-out within fixed's epoch-1 time**: the model each "
-            "system has when fixed batching finishes its first epoch (the lowest held-out loss among its epoch "
-            "ends by then). The last two columns: the first epoch end at which a system's held-out loss is at or "
-            "below fixed batching's after its first epoch, and fixed's time to that loss divided by the "
-            "system's; the granularity is one epoch (a system just above the target at an epoch end is charged "
-            "its whole next epoch).",
-            "",
-            table(headers, rows),
-            "",
-            reading(systems, target, t_fixed),
-        ]
-    )
-
-
-def reading(systems: dict, target: float, t_fixed: float) -> str:
-    """What the run shows, with its numbers."""
-    by_time = {n: best_by(r["heldout_by_epoch"], t_fixed) for n, r in systems.items()}
-    ranked = sorted(((b["loss"], n) for n, b in by_time.items() if b is not None))
-    loss, name = ranked[0]
+        hit = time_to(evals, target)
+        out[name] = {
+            **{k: r[k] for k in ("wall_s", "steps", "samples", "missing", "duplicates")},
+            "evals": [{k: e[k] for k in ("epoch", "loss", "t")} for e in evals],
+            "best_by_fixed": best_by(evals, t_fixed),
+            "reaches": None if hit is None else {"epoch": hit[0], "t": hit[1], "vs_fixed": t_fixed / hit[1]},
+        }
+    ranked = sorted((b["best_by_fixed"]["loss"], n) for n, b in out.items() if b["best_by_fixed"])
     near = [
-        (n, e)
-        for n, r in systems.items()
-        for e in r["heldout_by_epoch"]
+        {"system": n, **e}
+        for n, b in out.items()
+        for e in b["evals"]
         if e["loss"] > target and e["loss"] - target < 0.05 and e["t"] < t_fixed
     ]
-    lines = [
-        f"In fixed batching's one-epoch time ({t_fixed:.0f} s) the lowest held-out loss is {name}'s, "
-        f"{loss:.3f} against fixed's {target:.3f}: a token-budget batcher that runs epochs faster turns the "
-        "saved time into more passes over the data, and per unit of training time that beats fixed "
-        "batching's more, smaller updates here."
-    ]
-    if near:
-        lines.append(
-            "Within 0.05 of the target before fixed's time, then charged a whole further epoch by "
-            "the one-epoch granularity: "
-            + ", ".join(f"{n} {e['loss']:.3f} at {e['t']:.0f} s (epoch {e['epoch'] + 1})" for n, e in near)
-            + "."
-        )
-    lines.append(
-        "The issue's target, the same samples once each ending within noise of fixed batching's loss, "
-        "stays missed (section above): per pass over the data, fewer larger updates learn less."
-    )
-    return "\n\n".join(lines) + "\n"
+    return {
+        "systems": out,
+        "order": list(out),  # the run's order (the JSON's keys are sorted)
+        "target": target,
+        "t_fixed": t_fixed,
+        "lowest": {"system": ranked[0][1], "loss": ranked[0][0]},
+        "near": near,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--num-samples", type=int, default=1024)
-    ap.add_argument("--from-json", metavar="FILE", help="render a saved `batchd bench --json` output instead")
-    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--from-json", metavar="FILE", help="record a saved `batchd bench --json` output")
+    add_common_args(ap)
     args = ap.parse_args(argv)
-    cmd = f"batchd bench --epochs {args.epochs} --num-samples {args.num_samples}"
     t0 = time.perf_counter()
+    idle: tuple[float, float] | None = None
     if args.from_json:
         s = json.loads(Path(args.from_json).read_text().strip().splitlines()[-1])
-        wall, idle = s.get("total_s", 0.0), None
+        wall = s.get("total_s", 0.0)
     else:
         from batchd.bench import run_bench
 
@@ -158,7 +100,22 @@ def main(argv: list[str] | None = None) -> int:
             progress=lambda m: print(m, file=sys.stderr, flush=True),
         )
         wall, idle = time.perf_counter() - t0, (idle0, idle_share())
-    publish(SECTION, render(s, cmd, wall, idle), args.no_write, echo=True)
+    setup = ("workload", "num_samples", "heldout", "world_size", "token_budget", "model", "lr", "lr_scaling")
+    data = {
+        **summarize(s),
+        "setup": {**{k: s[k] for k in setup}, "workload": Path(s["workload"]).name},
+        "epochs": s["epochs"],
+        "wall_s": wall,
+        "idle": idle,
+        "machine": machine(),
+    }
+    config = {
+        "command": f"batchd bench --epochs {args.epochs} --num-samples {args.num_samples}",
+        "epochs": args.epochs,
+        "num_samples": args.num_samples,
+        "from_json": args.from_json,
+    }
+    finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
 
 

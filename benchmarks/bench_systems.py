@@ -1,207 +1,152 @@
-"""`batchd bench` for the docs: runs it (or reads a saved bench.json) and writes the section "bench" of
-docs/benchmarks.md with the command line, the table, the ratios and the plots (docs/img/bench_*.png).
+"""`batchd bench` for the docs: runs it (or reads a saved bench.json) and records section "bench": the
+command line, each system's figures, the derived reading and the plots (docs/img/bench_*.png).
 
-Usage: python benchmarks/bench_systems.py [--num-samples 1024] [--repeats 1] [--from-json FILE] [--no-write]
-       [any other `batchd bench` flag after --, e.g. -- --window 256]
+Result: benchmarks/results/bench.json (template benchmarks/templates/bench.md.j2).
+
+Usage: python benchmarks/bench_systems.py [--num-samples 1024] [--repeats 1] [--from-json FILE]
+       [--out PATH] [--print] [any other `batchd bench` flag after --, e.g. -- --window 256]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import REPO, idle_share, publish, revision, table  # noqa: E402
+from _cli_runs import machine  # noqa: E402
+from _report import REPO, add_common_args, finish, idle_share  # noqa: E402
 
 SECTION = "bench"
 IMG = REPO / "docs" / "img"
+MEASURES = ["batchd/bench.py", "batchd/_bench_trainer.py", "batchd/_model.py", "client", "core", "service"]
+SYSTEM_KEYS = (
+    "wall_s",
+    "wall_s_runs",
+    "speedup_vs_fixed",
+    "speedup_vs_odb-0.1.2",
+    "steps",
+    "steps_per_rank",
+    "samples",
+    "missing",
+    "duplicates",
+    "padding_efficiency",
+    "tokens_per_rank_step",
+    "rank_imbalance",
+    "stall_fraction",
+    "trainer_cpu_s",
+    "final_loss",
+    "heldout_loss",
+    "real_tokens",
+    "materialized_tokens",
+    "skipped",
+)
+SETUP_KEYS = (
+    "workload",
+    "num_samples",
+    "mean_length",
+    "longest",
+    "heldout",
+    "world_size",
+    "model",
+    "lr",
+    "seed",
+    "token_budget",
+    "window",
+    "depth",
+    "odb_workers",
+    "fixed_batch_size",
+    "layout",
+    "lr_scaling",
+)
 
 
-def _x(v) -> str:
-    return "-" if v is None else f"{v:.2f}x"
+def reading(systems: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The figures the "Targets and reading" part quotes (None without fixed, ODB and a batchd system)."""
+    sy = {k: v for k, v in systems.items() if "wall_s" in v}
+    ours = {k: v for k, v in sy.items() if k.startswith("batchd-")}
+    if "fixed" not in sy or "odb-0.1.2" not in sy or not ours:
+        return None
+    best = max(ours, key=lambda k: ours[k]["speedup_vs_fixed"])
+    k = min(len(v["loss_curve"]) for v in sy.values()) - 1
+    return {
+        "best": best,
+        "best_vs_fixed": ours[best]["speedup_vs_fixed"],
+        "best_vs_odb": ours[best]["speedup_vs_odb-0.1.2"],
+        "ours": sorted(ours, key=list(sy).index),
+        "loss_step": k + 1,
+        "loss_at_step": {n: v["loss_curve"][k] for n, v in sy.items()},
+    }
 
 
-def render(s: dict, cmd: str, wall: float, idle: tuple[float, float]) -> str:
-    machine = (
-        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), "
-        f"{platform.machine()}"
-    )
-    systems = s["systems"]
-    rows = []
-    for name, r in systems.items():
-        if "wall_s" not in r:
-            rows.append([name, "skipped: " + r.get("skipped", "?")] + [""] * 13)
-            continue
-        runs = ", ".join(f"{w:.1f}" for w in r.get("wall_s_runs", [r["wall_s"]]))
-        rows.append(
-            [
-                name,
-                f"{r['wall_s']:.1f}",
-                runs,
-                _x(r.get("speedup_vs_fixed")),
-                _x(r.get("speedup_vs_odb-0.1.2")),
-                r["steps"],
-                "/".join(map(str, r["steps_per_rank"])),
-                f"{r['samples']} / {r['missing']} / {r['duplicates']}",
-                f"{r['padding_efficiency']:.3f}",
-                f"{r['tokens_per_rank_step']:.0f}",
-                f"{r['rank_imbalance']:.3f}",
-                f"{r['stall_fraction']:.1%}",
-                f"{r.get('trainer_cpu_s', float('nan')):.1f}",
-                f"{r['final_loss']:.3f}",
-                "-" if r.get("heldout_loss") is None else f"{r['heldout_loss']:.3f}",
-            ]
-        )
-    headers = [
-        "system",
-        "wall s",
-        "runs (s)",
-        "vs fixed",
-        "vs odb-0.1.2",
-        "steps",
-        "steps/rank",
-        "samples / missing / dup",
-        "padding_eff",
-        "tokens/rank-step",
-        "imbalance",
-        "stall",
-        "trainer CPU s",
-        "final loss",
-        "held-out loss",
-    ]
+def record(s: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-safe figures of one bench output `s` (plots as paths relative to docs/)."""
     rel = [
         Path(p).relative_to(REPO / "docs").as_posix()
         if Path(p).is_absolute() and (REPO / "docs") in Path(p).parents
-        else p
+        else str(p)
         for p in s.get("plots", [])
     ]
-    body = [
-        "## `batchd bench`: real side-by-side training run (fixed, ODB 0.1.2, batchd)",
-        "",
-        f"Generated by `{cmd}` ({wall:.0f} s in all; {revision()}; {machine}; CPU idle {idle[0]:.0%} in the 3 s "
-        f"before, {idle[1]:.0%} in the 3 s after). Machine note: 2 cores shared with whatever else runs on the "
-        "box, so absolute times are noisy; the systems run one after "
-        "another, so compare ratios with that in mind.",
-        "",
-        f"Setup: workload `{Path(s['workload']).name}` (first {s['num_samples']} lengths, mean "
-        f"{s['mean_length']:.0f}, longest {s['longest']}; synthetic tokenized samples of exactly those lengths, "
-        f"the same token content for every system), held-out set = the next {s['heldout']} lengths; "
-        f"N={s['world_size']} trainer processes, gloo DDP on CPU, 1 torch thread each; model `{s['model']}` "
-        "(TinyCausalLM, ~0.5M parameters, fp32, SDPA with a padding/causal mask; packed rows: one causal SDPA "
-        "per sample); AdamW lr "
-        f"{s['lr']:g}, seed {s['seed']}; L_max = {s['token_budget']} tokens per rank step; per-rank window "
-        f"{s['window']} samples (batchd `--window`, ODB `buffer_size`); batchd `--depth {s['depth']}`; ODB "
-        f"{s['odb_workers']} DataLoader workers per rank (prefetch_factor = window / workers), "
-        '`loss_scaling="exact"`, `join=True` with torch\'s DDP `Join`; fixed: B = floor(L / longest) = '
-        f"{s['fixed_batch_size']}. **Layout**: "
-        + ", ".join(f"{k} {v}" for k, v in (s["layout"].items() if isinstance(s.get("layout"), dict) else []))
-        + " (padded: `collate_padded`, rows x longest; packed: one row per step, `collate_packed`, varlen "
-        "attention, the packed cost model: a group's cost is its token sum).",
-        "",
-        "- **wall s**: epoch wall time, from the moment every rank holds its first batch (a barrier) to the "
-        "last rank's last optimizer step. Excluded for all systems alike: process start, gloo rendezvous, model "
-        "build, and the data pipeline's start (ODB's worker and collate processes, its startup jitter and first "
-        "grouping round; batchd's coordinator/rank-service start and first round). With `--repeats` > 1 the "
-        "systems run interleaved and the median run is shown (**runs** lists all).",
-        "- **samples / missing / dup**: ids trained on / ids of the training set never seen / seen twice "
-        "(must be N / 0 / 0 for every system: all train on the same ids exactly once).",
-        "- **padding_eff**: real tokens / materialized tokens (rows x longest, summed over steps and ranks). "
-        "**tokens/rank-step**: materialized tokens per rank per step. **imbalance**: sum over steps of the "
-        "larger rank's materialized tokens / sum of the ranks' mean (1.0 = every step equally heavy on both "
-        "ranks; the excess is straggler wait at the gradient all-reduce). **stall**: time the slowest rank "
-        "spent blocked waiting for its next batch / wall. **trainer CPU s**: CPU time of the busiest trainer "
-        "process over the timed epoch (less sensitive to other load on the box than wall time; the data-side "
-        "processes are not in it).",
-        "- **final loss**: global per-token training loss over the last 10% of steps. **held-out loss**: the "
-        "final model's per-token loss on the held-out samples (the fairer quality check: the last steps of "
-        "each system hold different samples).",
-        "",
-        table(headers, rows),
-        "",
-    ]
-    if rel:
-        body += [
-            "![loss vs step](" + rel[0] + ")",
-            "",
-            "![loss vs wall time](" + rel[1] + ")",
-            "",
-            "![wall time](" + rel[2] + ")",
-            "",
-        ]
-    return "\n".join(body)
+    return {
+        "setup": {
+            **{k: s.get(k) for k in SETUP_KEYS},
+            "workload": Path(s["workload"]).name,
+        },
+        "systems": {n: {k: v[k] for k in SYSTEM_KEYS if k in v} for n, v in s["systems"].items()},
+        "order": list(s["systems"]),  # the run's order (the JSON's keys are sorted)
+        "reading": reading(s["systems"]),
+        "plots": rel,
+    }
 
 
-def reading(s: dict) -> str:
-    """The targets and the analysis of one bench run, with its numbers."""
-    sy = {k: v for k, v in s["systems"].items() if "wall_s" in v}
-    if "fixed" not in sy or "odb-0.1.2" not in sy:
-        return ""
-    f, o = sy["fixed"], sy["odb-0.1.2"]
-    ours = {k: v for k, v in sy.items() if k.startswith("batchd-")}
-    if not ours:
-        return ""
-    name, best = max(ours.items(), key=lambda kv: kv[1]["speedup_vs_fixed"])
-    ok = lambda c: "**met**" if c else "**missed**"  # noqa: E731
-    each = lambda key: ", ".join(f"{k} {v[key]:.2f}x" for k, v in ours.items())  # noqa: E731
-    held = ", ".join(
-        f"{k} {v['heldout_loss']:.2f}" for k, v in sy.items() if v.get("heldout_loss") is not None
-    )
-    mat = ", ".join(f"{k} {v['materialized_tokens']:,}" for k, v in sy.items())
-    k = min(len(v["loss_curve"]) for v in sy.values()) - 1
-    at_k = ", ".join(f"{n} {v['loss_curve'][k]:.2f}" for n, v in sy.items())
-    return "\n".join(
-        [
-            "### Targets and reading",
-            "",
-            f"- **>= 1.5x vs fixed** (wall time, same samples): {ok(best['speedup_vs_fixed'] >= 1.5)}: {each('speedup_vs_fixed')} "
-            f"(ODB 0.1.2 {o['speedup_vs_fixed']:.2f}x).",
-            f"- **>= 1.3x vs ODB 0.1.2**: {ok(best['speedup_vs_odb-0.1.2'] >= 1.3)} by {name} "
-            f"{best['speedup_vs_odb-0.1.2']:.2f}x ({each('speedup_vs_odb-0.1.2')}).",
-            f"- **final loss within noise of fixed**: **missed** by every dynamic batcher, ODB 0.1.2 included: held-out "
-            f"loss {held} (learning-rate rule `--lr-scaling {s.get('lr_scaling', 'none')}` for every system).",
-            "",
-            "Wall time follows the materialized tokens. A step of the tiny model is almost all per-token compute: "
-            "one padded row of T tokens costs about 45 us x T + 41 ns x T^2 (forward, backward, AdamW, one thread: "
-            "15 ms at T=256, 81 ms at 1024, 238 ms at 2048, 862 ms at 4096), against a per-step overhead of "
-            "~10-20 ms (gloo all-reduce of 1.9 MB, Python, the data client); so fewer steps buy little, and what "
-            f"counts is the tokens each system makes the model process: {mat} materialized tokens for "
-            f"{best['real_tokens']:,} real ones, plus the straggler wait at the gradient all-reduce (`imbalance`). "
-            "The padded systems pay the T^2 term on every pad of a long row. `batchd-packed` materializes exactly "
-            "the real tokens and its varlen attention costs sum(n_i^2) per row, so it does the least work; it is "
-            "the one layout difference in the table, and it is a capability of the system: ODB 0.1.2 groups "
-            "under the padded cost (k x longest <= L), which is what its budget means, and its groups would stay "
-            "as small if its collate packed them. On 2 cores, ODB's DataLoader workers and collate process per "
-            "rank (every sample and batch pickled through multiprocessing queues) compete with the trainers; "
-            "batchd's rank services run in other processes too, so this is part of what is measured.",
-            "",
-            "Noise. Steps, padding and losses are deterministic; wall times are not. Earlier runs of this command "
-            "(4 systems, padded; wall s fixed / ODB 0.1.2 / batchd-odb / batchd-balanced): constant lr, other test "
-            "suites loading both cores: 128.0 / 93.5 / 89.5 / 77.7 (batchd 1.65x vs fixed, 1.20x vs ODB); constant "
-            "lr, quiet: 87.8 / 53.6 / 40.0 / 39.9 (2.20x, 1.34x); sqrt lr, quiet: 81.8 / 44.0 / 37.7 / 40.1 (2.17x, "
-            "1.17x). ODB 0.1.2's time varies most.",
-            "",
-            f"Loss. One epoch, AdamW, base lr {s['lr']:g}: fixed makes {f['steps']} optimizer updates, ODB "
-            f"{o['steps']}, " + ", ".join(f"{n} {v['steps']}" for n, v in ours.items()) + ". Per update the "
-            f"large-batch systems learn faster (global training loss at step {k + 1}: {at_k}; see loss vs step), "
-            "but with 5-8x fewer updates they end the epoch at a higher loss, ODB 0.1.2 as much as batchd, in order "
-            "of the update count. That is the batch-size / update-count trade-off of token-budget batching, not a "
-            "data or loss-scaling defect: every system saw the same ids once, batchd's loss scale is exact per loss "
-            "token (tests check the gradient against a single-process per-token mean), ODB's `exact` mode weights "
-            "ranks by input tokens. The bench applies one learning-rate rule to every system; with `--lr-scaling "
-            "sqrt` (default) each step's lr is lr x sqrt(step tokens / fixed batching's mean step tokens), the "
-            "square-root scaling rule for Adam-type optimizers. It narrows the gap (batchd-balanced held-out 3.43 "
-            "with a constant lr, 2.91 with the sqrt rule; fixed 2.31-2.32 either way); the linear rule overshoots "
-            "(`--lr-scaling linear`: batchd-balanced 3.65). Matching fixed batching's end-of-epoch loss needs more "
-            "epochs or a schedule tuned for the larger batches, so the target is reported as missed.",
-            "",
-        ]
+def from_json(path: Path) -> tuple[dict[str, Any], float]:
+    """A saved bench.json, its plots redrawn under docs/img from the saved curves."""
+    s = json.loads(Path(path).read_text())
+    if s.get("plots"):
+        from batchd.bench import write_plots
+
+        title = (
+            f"{Path(s['workload']).stem}, {s['num_samples']} samples, N={s['world_size']}, "
+            f"L={s['token_budget']}, {s['model']}, {s['device']}"
+        )
+        s["plots"] = [str(p) for p in write_plots(s["systems"], IMG, title)]
+    return s, s.get("total_s", 0.0)
+
+
+def run(bench_args: list[str]) -> dict[str, Any]:
+    """`batchd bench` with the CLI's own flags and defaults, in this process."""
+    from batchd.bench import add_arguments, parse_systems, run_bench
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args(bench_args)
+    return run_bench(
+        workload=a.workload,
+        num_samples=a.num_samples,
+        world_size=a.world_size,
+        token_budget=a.token_budget,
+        systems=parse_systems(a.systems) if a.systems else None,
+        device=a.device,
+        model=a.model,
+        out=REPO / a.out,
+        seed=a.seed,
+        window=a.window,
+        depth=a.depth,
+        heldout=a.heldout,
+        odb_workers=a.odb_workers,
+        lr=a.lr,
+        timeout=a.timeout,
+        repeats=a.repeats,
+        lr_scaling=a.lr_scaling,
+        epochs=a.epochs,
+        step_time=a.step_time,
+        deterministic=a.deterministic,
+        progress=lambda m: print(m, file=sys.stderr, flush=True),
     )
 
 
@@ -209,71 +154,35 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--num-samples", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--from-json", metavar="FILE", help="render a saved bench.json instead of running")
-    ap.add_argument("--analysis", metavar="FILE", help="Markdown appended to the section (the run's reading)")
-    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--from-json", metavar="FILE", help="record a saved bench.json instead of running")
     ap.add_argument("extra", nargs="*", help="more `batchd bench` flags (after --)")
+    add_common_args(ap)
     args = ap.parse_args(argv)
-    # --no-write: the plots and bench.json go to a temp dir, so a check run never touches docs/img
-    out = "docs/img" if not args.no_write else tempfile.mkdtemp(prefix="bench-systems-")
-    bench_args = [
-        "--num-samples",
-        str(args.num_samples),
-        "--repeats",
-        str(args.repeats),
-        "--out",
-        out,
-        *args.extra,
-    ]
-    cmd = "batchd bench " + " ".join(bench_args)
+    # --out (a smoke run): the plots and bench.json go to a temp dir, never under docs/img
+    img = "docs/img" if args.out is None else tempfile.mkdtemp(prefix="bench-systems-")
+    bench_args = ["--num-samples", str(args.num_samples), "--repeats", str(args.repeats), *args.extra]
     t0 = time.perf_counter()
     idle0 = idle_share()
     if args.from_json:
-        s = json.loads(Path(args.from_json).read_text())
-        wall = s.get("total_s", 0.0)
-        if s.get("plots"):  # redraw under docs/img from the saved curves
-            from batchd.bench import write_plots
-
-            title = (
-                f"{Path(s['workload']).stem}, {s['num_samples']} samples, N={s['world_size']}, "
-                f"L={s['token_budget']}, {s['model']}, {s['device']}"
-            )
-            s["plots"] = [str(p) for p in write_plots(s["systems"], IMG, title)]
+        s, wall = from_json(Path(args.from_json))
     else:
-        from batchd.bench import add_arguments, parse_systems, run_bench
-
-        p = argparse.ArgumentParser()  # the CLI's own flags and defaults
-        add_arguments(p)
-        a = p.parse_args(bench_args)
-        s = run_bench(
-            workload=a.workload,
-            num_samples=a.num_samples,
-            world_size=a.world_size,
-            token_budget=a.token_budget,
-            systems=parse_systems(a.systems),
-            device=a.device,
-            model=a.model,
-            out=REPO / a.out,
-            seed=a.seed,
-            window=a.window,
-            depth=a.depth,
-            heldout=a.heldout,
-            odb_workers=a.odb_workers,
-            lr=a.lr,
-            timeout=a.timeout,
-            repeats=a.repeats,
-            lr_scaling=a.lr_scaling,
-            epochs=a.epochs,
-            step_time=a.step_time,
-            deterministic=a.deterministic,
-            progress=lambda m: print(m, file=sys.stderr, flush=True),
-        )
+        s = run([*bench_args, "--out", img])
         wall = time.perf_counter() - t0
-    idle1 = idle_share()
-    text = render(s, cmd, wall, (idle0, idle1)) + "\n" + reading(s)
-    if args.analysis:
-        text += "\n" + Path(args.analysis).read_text()
-    publish(SECTION, text, args.no_write)
+    data = {
+        **record(s),
+        "wall_s": wall,
+        "idle_before": idle0,
+        "idle_after": idle_share(),
+        "machine": machine(),
+    }
+    config = {
+        "command": "batchd bench " + " ".join(bench_args),
+        "num_samples": args.num_samples,
+        "repeats": args.repeats,
+        "extra": args.extra,
+        "from_json": args.from_json,
+    }
+    finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
 
 

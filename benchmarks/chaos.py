@@ -30,12 +30,13 @@ counted separately), the same contiguous steps 0..n-1 on every rank, a replayed 
 before its checkpoint) carrying the same ids as the first time, and every party's final incarnation
 exiting 0, or, for an unrecoverable fault, non-zero with a message naming the killed party.
 
-Where the harness lives: here (a benchmark script that publishes its section of docs/benchmarks.md);
-`tests/test_chaos.py` imports it from this directory (`run_jobs`, `plan_jobs`, `JobPlan`, `Fault`).
+Where the chaos harness lives: here (processes through benchmarks/_harness.py; the result goes to
+benchmarks/results/chaos.json, its prose to templates/chaos.md.j2); `tests/test_chaos.py` imports it
+from this directory (`run_jobs`, `plan_jobs`, `JobPlan`, `Fault`).
 
 Usage:
     python benchmarks/chaos.py [--jobs 6] [--seed 0] [--kinds actor,rank,coordinator,trainer]
-        [--max-step-time 5] [--json FILE] [--no-write]
+        [--max-step-time 5] [--json FILE] [--out PATH] [--print]
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import publish, revision, table  # noqa: E402
+from _harness import Harness, free_port  # noqa: E402
+from _report import add_common_args, command_line, finish, table  # noqa: E402
 
 SECTION = "chaos"
+MEASURES = ("benchmarks/chaos.py", "batchd", "client", "core", "proto", "service")
 KINDS = ("actor", "rank", "coordinator", "trainer", "trainer-gone")
 DEFAULT_KINDS = ("actor", "rank", "coordinator", "trainer")
 UNRECOVERABLE = {"trainer-gone"}  # a job with such a fault must fail, naming the killed party
@@ -169,34 +172,29 @@ def plan_jobs(
 
 # -- processes -------------------------------------------------------------------------------------
 class Party:
-    """One party of a job (a command line) and its incarnations (Popen objects, in order)."""
+    """One party of a job (a command line) and its incarnations (Popen objects, in order), started
+    through the job's `Harness` (own session, log appended per incarnation, stopped at the job's end)."""
 
     def __init__(
         self,
+        harness: Harness,
         name: str,
         argv: list[str],
         log: Path,
         env: dict[str, str] | None = None,
         port_file: Path | None = None,
     ) -> None:
-        self.name, self.argv, self.log, self.env, self.port_file = name, argv, log, env or {}, port_file
+        self.harness, self.name, self.argv, self.log = harness, name, argv, log
+        self.env, self.port_file = env or {}, port_file
         self.procs: list[subprocess.Popen] = []
         self.expected_end: dict[int, str] = {}  # incarnation index -> why it did not exit on its own
 
     def start(self, env: dict[str, str] | None = None) -> subprocess.Popen:
-        from batchd.launch import die_with_parent
-
         if env:
             self.env = {**self.env, **env}
         if self.port_file is not None:
             self.port_file.unlink(missing_ok=True)
-        full = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env}
-        with open(self.log, "a") as log:
-            log.write(f"\n=== {self.name} incarnation {len(self.procs)}: {' '.join(self.argv)}\n")
-            log.flush()
-            self.procs.append(
-                subprocess.Popen(die_with_parent(self.argv), stdout=log, stderr=subprocess.STDOUT, env=full)
-            )
+        self.procs.append(self.harness.start(self.name, self.argv, env=self.env, log=self.log, append=True))
         return self.procs[-1]
 
     @property
@@ -212,18 +210,19 @@ class Party:
             self.proc.send_signal(sig)
 
     def wait_listening(self, timeout: float) -> float:
-        """Seconds until the current incarnation wrote its port file; raises with the log's tail."""
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.port_file.exists():
-                return time.monotonic() - t0
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with status {self.proc.returncode} before listening: "
-                    f"{last_error(self.log)}"
-                )
-            time.sleep(0.05)
-        raise TimeoutError(f"{self.name} did not listen within {timeout:g}s: {last_error(self.log)}")
+        """Seconds until the current incarnation wrote its port file; raises with the log's last error."""
+        assert self.port_file is not None, self.name
+        try:
+            return self.harness.wait_file(self.port_file, self.name, timeout)
+        except RuntimeError:
+            raise RuntimeError(
+                f"{self.name} exited with status {self.proc.returncode} before listening: "
+                f"{last_error(self.log)}"
+            ) from None
+        except TimeoutError:
+            raise TimeoutError(
+                f"{self.name} did not listen within {timeout:g}s: {last_error(self.log)}"
+            ) from None
 
 
 _ERR_PATTERNS = [
@@ -289,12 +288,6 @@ def actor_pids() -> list[int]:
     return sorted(pids)
 
 
-def free_port() -> int:
-    from batchd.launch import free_port as fp
-
-    return fp()
-
-
 # -- one job ---------------------------------------------------------------------------------------
 class Job:
     """Runs one JobPlan in `work` and checks it (see module docstring)."""
@@ -316,6 +309,7 @@ class Job:
         self.trainers: list[Party] = []
         self.notes: list[str] = []
         self.t_train: float | None = None
+        self.harness = Harness(work)
 
     # setup
     def _spec(self) -> list[str]:
@@ -389,7 +383,7 @@ class Job:
         if self.coordinator_journal:
             cargs += ["--state-dir", str(w / "coord-state")]
         self.parties["coordinator"] = Party(
-            "coordinator", cargs, w / "coordinator.log", port_file=w / "coord.port"
+            self.harness, "coordinator", cargs, w / "coordinator.log", port_file=w / "coord.port"
         )
         ports = [free_port() for _ in range(p.world_size)]
         for r in range(p.world_size):
@@ -414,33 +408,18 @@ class Job:
             if p.client_grace is not None:
                 argv += ["--client-grace", f"{p.client_grace:g}"]
             self.parties[f"rank-{r}"] = Party(
-                f"rank-{r}", argv, w / f"rank-{r}.log", port_file=w / f"rank-{r}.port"
+                self.harness, f"rank-{r}", argv, w / f"rank-{r}.log", port_file=w / f"rank-{r}.port"
             )
-        services = ",".join(f"127.0.0.1:{port}" for port in ports)
+        self._trainer_parties(",".join(f"127.0.0.1:{port}" for port in ports), model)
+
+    def _trainer_parties(self, services: str, model: list[str]) -> None:
+        """The N trainers of the job (gloo DDP over `services`), as parties not yet started."""
+        p, w = self.plan, self.work
         for r in range(p.world_size):
-            argv = [
-                PY,
-                "-m",
-                "batchd.train",
-                "--rank-services",
-                services,
-                *model,
-                *MODEL,
-                "--checkpoint",
-                str(w / "ckpt"),
-                "--checkpoint-every",
-                "1",
-                "--step-time",
-                str(p.step_time),
-                "--ids-log",
-                str(w / "ids-{rank}.jsonl"),
-                "--summary",
-                str(w / "summary-{rank}.json"),
-                "--log-every",
-                "0",
-                "--timeout",
-                "120",
-            ]
+            argv = [PY, "-m", "batchd.train", "--rank-services", services, *model, *MODEL]
+            argv += ["--checkpoint", str(w / "ckpt"), "--checkpoint-every", "1"]
+            argv += ["--step-time", str(p.step_time), "--ids-log", str(w / "ids-{rank}.jsonl")]
+            argv += ["--summary", str(w / "summary-{rank}.json"), "--log-every", "0", "--timeout", "120"]
             env = {
                 "RANK": str(r),
                 "WORLD_SIZE": str(p.world_size),
@@ -448,7 +427,7 @@ class Job:
                 "LOCAL_WORLD_SIZE": str(p.world_size),
                 "MASTER_ADDR": "127.0.0.1",
             }
-            party = Party(f"trainer-{r}", argv, w / f"trainer-{r}.log", env=env)
+            party = Party(self.harness, f"trainer-{r}", argv, w / f"trainer-{r}.log", env=env)
             self.parties[party.name] = party
             self.trainers.append(party)
 
@@ -569,6 +548,7 @@ class Job:
                 if party.alive():
                     party.kill("killed by the harness at the job's end (still running)")
                     party.proc.wait(10)
+            self.harness.stop()  # whatever is left of the parties' process groups
         result["wall_s"] = round(time.monotonic() - t_start, 2)
         result["faults"] = [dataclasses.asdict(f) for f in p.faults]
         result.update(self.check())
@@ -871,62 +851,25 @@ JOB_HEADERS = [
 ]
 
 
-def render(report: dict[str, Any], cmd: str) -> list[str]:
+def section_data(report: dict[str, Any]) -> dict[str, Any]:
+    """What the section shows of a run's report (the per-job tables' cells, totals, failures)."""
     fk = report["faults"]
-    body = [
-        "## Chaos: parties killed and restarted mid-job",
-        "",
-        f"Generated by `{cmd}` ({report['wall_s']:.0f} s in all; {revision()}; CPython "
-        f"{platform.python_version()}, {os.cpu_count()} CPU(s) shared by every process; noisy machine).",
-        "",
-        "Each job: the real CLI as separate processes on loopback: `batchd coordinator`, 2 `batchd rank` "
-        f"(`--state-dir`; `--lengths` synthetic samples or `--dataset` on a generated demo dataset with one Ray "
-        f"actor per rank), 2 `python -m batchd.train` (gloo DDP, `--checkpoint-every 1`, a per-job "
-        f"`--step-time`), L={BUDGET}, policy balanced, window {WINDOW}, depth {DEPTH}, 2 epochs, join mode. "
-        "At a seeded step one party is SIGKILLed: an actor (Ray restarts it), a rank service or the "
-        "coordinator (restarted with the same command), a trainer (the group is stopped and restarted as "
-        "torchrun does; each resumes from its checkpoint). Checked per epoch from the trainers' step logs: "
-        "every sample id exactly once across ranks (quarantined records apart), equal contiguous steps on "
-        "every rank, and every party's last incarnation exiting 0.",
-        "",
-        table(
-            ["jobs", "faults planned", "injected", "lost", "duplicated", "unequal steps", "jobs failed"],
-            [
-                [
-                    report["jobs"],
-                    sum(v["planned"] for v in fk.values()),
-                    sum(v["injected"] for v in fk.values()),
-                    report["lost"],
-                    report["duplicated"],
-                    report["jobs_unequal_steps"],
-                    report["jobs_failed"],
-                ]
-            ],
-        ),
-        "",
-        table(
-            ["fault kind", "planned", "injected", "skipped"],
-            [[k, v["planned"], v["injected"], v["skipped"]] for k, v in sorted(fk.items())],
-        ),
-        "",
-        table(JOB_HEADERS, job_rows(report)),
-        "",
-        "`lost` counts only completed jobs (a failed job's missing samples are the failure's, listed "
-        "below); `dup` counts every job. `back`: seconds until the killed party listened again (the "
-        "actor: until Ray had restarted it; the trainers: until the group was restarted).",
-    ]
-    if report["notes"]:
-        body += [""] + [f"Note: {n}." for n in report["notes"]]
-    if report["failures"]:
-        body += [
-            "",
-            "Failures (the last incarnation of each party that did not exit 0, with its last error):",
-            "",
-        ]
-        for f in report["failures"]:
-            body.append(f"- job {f['job']} ({f['verdict']}):")
-            body += [f"  - `{m}`" for m in f["messages"]] or ["  - (no message)"]
-    return body
+    totals = [report["jobs"], sum(v["planned"] for v in fk.values()), sum(v["injected"] for v in fk.values())]
+    totals += [report["lost"], report["duplicated"], report["jobs_unequal_steps"], report["jobs_failed"]]
+    return {
+        "totals_headers": ["jobs", "faults planned", "injected", "lost", "duplicated", "unequal steps"]
+        + ["jobs failed"],
+        "totals": [totals],
+        "kinds_headers": ["fault kind", "planned", "injected", "skipped"],
+        "kinds": [[k, v["planned"], v["injected"], v["skipped"]] for k, v in sorted(fk.items())],
+        "job_headers": JOB_HEADERS,
+        "jobs": job_rows(report),
+        "notes": report["notes"],
+        "failures": report["failures"],
+        "wall_s": report["wall_s"],
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+    }
 
 
 def print_report(report: dict[str, Any]) -> None:
@@ -939,7 +882,8 @@ def print_report(report: dict[str, Any]) -> None:
         + ", ".join(f"{k} {v['injected']}/{v['planned']} injected" for k, v in sorted(fk.items()))
     )
     print(
-        f"jobs {report['jobs']}, failed {report['jobs_failed']}; samples lost {report['lost']} (completed jobs; "
+        f"jobs {report['jobs']}, failed {report['jobs_failed']}; samples lost {report['lost']} "
+        "(completed jobs; "
         f"{report['lost_in_failed_jobs']} more in failed jobs), duplicated {report['duplicated']}, "
         f"unexpected {report['unexpected']}, conflicting replays {report['conflicting_replays']}, "
         f"jobs with unequal steps {report['jobs_unequal_steps']}"
@@ -971,7 +915,7 @@ def main(argv: list[str] | None = None) -> int:
         "--work", type=Path, default=None, help="keep the jobs' logs here (default: a temporary dir)"
     )
     ap.add_argument("--json", type=Path, default=None, help="write the full report here")
-    ap.add_argument("--no-write", action="store_true", help="do not update docs/benchmarks.md")
+    add_common_args(ap)
     args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
@@ -981,8 +925,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(
             f"need 0 < --min-step-time <= --max-step-time, got {args.min_step_time} {args.max_step_time}"
         )
-    raw = argv if argv is not None else sys.argv[1:]
-    cmd = "python benchmarks/chaos.py" + (" " + " ".join(raw) if raw else "")
+    cmd = command_line(__file__, argv)
     journal = coordinator_has_state_dir()
     notes = []
     if not journal and "coordinator" in kinds and len(kinds) > 1:
@@ -1005,7 +948,9 @@ def main(argv: list[str] | None = None) -> int:
     print_report(report)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1, default=str))
-    publish(SECTION, render(report, cmd), args.no_write)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "print", "work", "json")}
+    config.update(command=cmd, kinds=kinds, budget=BUDGET, window=WINDOW, depth=DEPTH, journal=journal)
+    finish(args, SECTION, section_data(report), measures=MEASURES, config=config)
     return 0 if report["jobs_failed"] == 0 else 1
 
 

@@ -1,14 +1,16 @@
-"""The wall time `[job] deterministic` costs, on the demo and on the bench (docs/benchmarks.md).
+"""The wall time `[job] deterministic` costs, on the demo and on the bench (section "deterministic").
 
 Runs interleaved pairs, default and `--deterministic`, the order alternating from pair to pair so that
 drift in the machine's speed does not land on one mode, through the real CLI (`batchd demo --json
---no-baseline`, `batchd bench --json --systems ...`), and reports per pair the batchd epoch's wall time
+--no-baseline`, `batchd bench --json --systems ...`), and records per pair the batchd epoch's wall time
 (the trainers' `wall_s`), the ratio deterministic / default, the steps, the final loss and whether the
 runs of a mode made the same batches (the demo's `step_digests`). Ratios are taken within a pair: the
 machine is shared and noisy, so compare the median ratio, not the seconds.
 
+Result: benchmarks/results/deterministic.json (template benchmarks/templates/deterministic.md.j2).
+
     python benchmarks/deterministic_cost.py --pairs 3 [--demo-samples 1024] [--bench-samples 512]
-        [--demo-actors 2] [--skip-bench] [--json]
+        [--demo-actors 2] [--skip-bench] [--out PATH] [--print]
 
 `--demo-actors 1` makes preprocessing the slower side (one actor for both ranks), where a deterministic
 rank waits for its window's slowest sample.
@@ -17,22 +19,29 @@ rank waits for its window's slowest sample.
 from __future__ import annotations
 
 import argparse
-import json
+import hashlib
 import statistics
-import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _cli_runs import cli_json, command, machine  # noqa: E402
+from _report import add_common_args, finish  # noqa: E402
+
+SECTION = "deterministic"
+MEASURES = ["batchd/demo.py", "batchd/bench.py", "core", "service"]
 BENCH_SYSTEMS = "batchd-balanced,batchd-packed"
 
 
 def _run(argv: list[str], timeout: float) -> dict[str, Any]:
-    proc = subprocess.run(
-        [sys.executable, "-m", "batchd", *argv, "--json"], capture_output=True, text=True, timeout=timeout
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return cli_json(argv, timeout)[0]
+
+
+def _digest(steps: list[str] | None) -> str:
+    """One stable fingerprint of a run's batches (its `step_digests`)."""
+    return hashlib.sha256("".join(steps or ()).encode()).hexdigest()[:16]
 
 
 def demo_pair(k: int, samples: int, actors: int, timeout: float) -> dict[str, Any]:
@@ -48,7 +57,7 @@ def demo_pair(k: int, samples: int, actors: int, timeout: float) -> dict[str, An
             "wall_s": s["wall_s"],
             "steps": s["steps_per_rank"][0],
             "loss_last": s["loss_last"],
-            "digest": hash(tuple(s.get("step_digests") or ())),
+            "digest": _digest(s.get("step_digests")),
             "stall": s["preprocess"]["stall_fraction"],
         }
     out["ratio"] = out["deterministic"]["wall_s"] / out["default"]["wall_s"]
@@ -74,41 +83,6 @@ def bench_pair(k: int, samples: int, timeout: float) -> dict[str, Any]:
     return out
 
 
-def markdown(result: dict[str, Any]) -> str:
-    lines = [
-        "| pair | default wall s | deterministic wall s | ratio | steps default / det | final loss default / det |",
-        "| --: | --: | --: | --: | --: | --: |",
-    ]
-    for k, p in enumerate(result["demo"], 1):
-        a, b = p["default"], p["deterministic"]
-        lines.append(
-            f"| {k} | {a['wall_s']:.2f} | {b['wall_s']:.2f} | {p['ratio']:.2f} | {a['steps']} / {b['steps']} "
-            f"| {a['loss_last']:.3f} / {b['loss_last']:.3f} |"
-        )
-    lines.append(
-        f"\ndemo: median ratio {result['demo_median_ratio']:.2f}; deterministic runs identical: "
-        f"{result['demo_deterministic_identical']}; default runs identical: {result['demo_default_identical']}"
-    )
-    if result.get("bench"):
-        lines += [
-            "",
-            "| pair | system | default wall s | deterministic wall s | ratio | steps default / det |",
-            "| --: | --- | --: | --: | --: | --: |",
-        ]
-        for k, p in enumerate(result["bench"], 1):
-            for name, ratio in p["ratio"].items():
-                a, b = p["default"][name], p["deterministic"][name]
-                lines.append(
-                    f"| {k} | {name} | {a['wall_s']:.2f} | {b['wall_s']:.2f} | {ratio:.2f} | "
-                    f"{a['steps']} / {b['steps']} |"
-                )
-        lines.append(
-            "\nbench: median ratio per system "
-            + ", ".join(f"{n} {r:.2f}" for n, r in result["bench_median_ratio"].items())
-        )
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", type=int, default=3)
@@ -117,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench-samples", type=int, default=512)
     p.add_argument("--skip-bench", action="store_true")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
-    p.add_argument("--json", action="store_true")
+    add_common_args(p)
     args = p.parse_args(argv)
     demo = []
     for k in range(args.pairs):
@@ -128,9 +102,6 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     result: dict[str, Any] = {
-        "pairs": args.pairs,
-        "demo_samples": args.demo_samples,
-        "demo_actors": args.demo_actors,
         "demo": demo,
         "demo_median_ratio": statistics.median(p["ratio"] for p in demo),
         "demo_deterministic_identical": len({p["deterministic"]["digest"] for p in demo}) == 1,
@@ -147,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         result["bench_median_ratio"] = {
             n: statistics.median(p["ratio"][n] for p in bench) for n in bench[0]["ratio"]
         }
-    print(json.dumps(result) if args.json else markdown(result))
+    config = {
+        "command": command("deterministic_cost.py", list(argv if argv is not None else sys.argv[1:])),
+        **{k: v for k, v in vars(args).items() if k not in ("out", "print")},
+        "bench_systems": BENCH_SYSTEMS,
+    }
+    finish(args, SECTION, {**result, "machine": machine()}, measures=MEASURES, config=config)
     return 0
 
 

@@ -7,7 +7,8 @@ rank is a thread iterating its own `BatchClient(group_rank=g, group_size=k)` and
 figure is the delivery itself: the steps per second of the slowest member, against k = 1. (A group's
 members sit in one process here, sharing the GIL; on a real job each is its own process.)
 
-Usage: python benchmarks/group_delivery.py [--samples 3000] [--budget 2048] [--repeat 3]
+Usage: python benchmarks/group_delivery.py [--samples 3000] [--budget 2048] [--repeat 3] [--out PATH]
+       [--print]
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import add_common_args, command_line, finish  # noqa: E402
+
+SECTION = "group-delivery"
+MEASURES = ("benchmarks/group_delivery.py", "client", "service", "proto", "core")
+GROUPS = (1, 2, 4)
 
 
 def run(k: int, lengths: list[int], budget: int) -> float:
@@ -50,21 +58,29 @@ def run(k: int, lengths: list[int], budget: int) -> float:
         return min(rates)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=3000)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--repeat", type=int, default=3)
-    args = ap.parse_args()
+    add_common_args(ap)
+    args = ap.parse_args(argv)
     rng = np.random.default_rng(0)
     lengths = [int(x) for x in np.clip(rng.lognormal(5.0, 0.8, args.samples), 8, args.budget)]
     best: dict[int, float] = {}
+    t0 = time.perf_counter()
     for _ in range(args.repeat):  # interleaved, best of each: the machine is shared and noisy
-        for k in (1, 2, 4):
+        for k in GROUPS:
             best[k] = max(best.get(k, 0.0), run(k, lengths, args.budget))
     for k, rate in best.items():
         print(f"group of {k}: {rate:.0f} steps/s per member ({rate / best[1]:.2f}x of a single trainer)")
+    data = {"rates": [[k, best[k], best[k] / best[1]] for k in GROUPS], "wall_s": time.perf_counter() - t0}
+    config = {"samples": args.samples, "budget": args.budget, "repeat": args.repeat, "groups": GROUPS}
+    config.update(world_size=2, policy="balanced", collate="packed", window=64, depth=8, seed=3)
+    config["command"] = command_line(__file__, argv)
+    finish(args, SECTION, data, measures=MEASURES, config=config)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

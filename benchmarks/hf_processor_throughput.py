@@ -17,22 +17,16 @@ Workloads: `text` (no images), `image` (every record 1-2 images, 32-224 px a sid
 It also checks that the chains agree: input_ids and labels per record, and the built-in
 Qwen2VLVision's pixel_values / image_grid_thw against the HF image processor's (max abs diff).
 
-Results go to docs/benchmarks.md between `<!-- hf-processor:begin -->` and `<!-- hf-processor:end -->`.
+Result: benchmarks/results/hf-processor.json (template benchmarks/templates/hf-processor.md.j2).
 
-Usage: python benchmarks/hf_processor_throughput.py [--samples N] [--rounds R] [--no-write]
+Usage: python benchmarks/hf_processor_throughput.py [--samples N] [--rounds R] [--out PATH] [--print]
 """
 
 from __future__ import annotations
 
-import os
-
-for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"):
-    os.environ[_var] = "1"
-os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
 import argparse
 import json
-import platform
+import os
 import statistics
 import sys
 import tempfile
@@ -41,13 +35,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"):
+    os.environ[_var] = "1"  # before numpy, torch and tokenizers start their thread pools
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DOCS, publish, revision, table  # noqa: E402
+from _cli_runs import command, load_average, machine  # noqa: E402
+from _report import add_common_args, finish  # noqa: E402
 
 SECTION = "hf-processor"
+MEASURES = ["service/preprocess"]
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 14 * 14 * 4 * 1280
 WORKLOADS = {  # name -> (image_fraction, max_image_side, share of --samples)
     "text": (0.0, 224, 1.0),
@@ -87,7 +87,7 @@ def save_qwen2vl_processor(path: Path, tokenizer_json: Path, template: str) -> P
 
 
 def records_of(name: str, n: int) -> list[Any]:
-    from batchd.preprocess import demo_records, parse_record
+    from batchd.service.preprocess import demo_records, parse_record
 
     frac, side, _ = WORKLOADS[name]
     raw, _ = demo_records(n, seed=11, image_fraction=frac, bad_fraction=0.0, max_image_side=side)
@@ -124,170 +124,106 @@ def agreement(base: list, other: list) -> dict[str, Any]:
     }
 
 
+def build_chains(tmp: Path) -> tuple[dict[str, Any], str]:
+    """The three chains (built-in, HF processor, HF with the generation template), set up, and the
+    name of the HF image processor's class."""
+    from batchd.service.preprocess import (
+        HFProcessor,
+        Preprocessor,
+        TokenizerRef,
+        default_stages,
+        demo_tokenizer,
+    )
+
+    tok_json = demo_tokenizer(tmp / "tokenizer.json")
+    plain = save_qwen2vl_processor(tmp / "qwen2vl", tok_json, QWEN2VL_TEMPLATE)
+    gen = save_qwen2vl_processor(tmp / "qwen2vl-generation", tok_json, GENERATION_TEMPLATE)
+    chains = {
+        "built-in": Preprocessor(
+            default_stages(TokenizerRef(plain), cutoff=4096, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+        ),
+        "HF processor": Preprocessor(default_stages(processor=plain, cutoff=4096)),
+        "HF, generation template": Preprocessor(default_stages(processor=gen, cutoff=4096)),
+    }
+    for pre in chains.values():
+        pre.setup()
+    hf = next(s for s in chains["HF processor"].stages if isinstance(s, HFProcessor))
+    return chains, type(hf.processor.image_processor).__name__
+
+
+def measure(name: str, chains: dict[str, Any], samples: int, rounds: int) -> dict[str, Any]:
+    """One workload: each chain's samples/s (median of the rounds), the ratio HF / built-in (median
+    of the rounds' interleaved ratios: robust to the machine's drift) and the chains' agreement."""
+    records = records_of(name, max(int(samples * WORKLOADS[name][2]), 20))
+    for pre in chains.values():  # warm-up (first-call imports, caches)
+        for i, rec in enumerate(records[:5]):
+            pre(rec, i, 0)
+    times: dict[str, list[float]] = {c: [] for c in chains}
+    outs: dict[str, list[Any]] = {}
+    for _ in range(rounds):
+        for c, pre in chains.items():
+            cpu, outs[c] = run_chain(pre, records)
+            times[c].append(cpu)
+    metas = [m for m, _ in outs["built-in"]]
+    result = {
+        "records": len(records),
+        "mean_length": statistics.mean(m.length for m in metas),
+        "mean_vision_tokens": statistics.mean(m.vision_tokens for m in metas),
+        "rates": {c: len(records) / statistics.median(t) for c, t in times.items()},
+        "ratios": {
+            c: statistics.median(b / h for b, h in zip(times["built-in"], times[c], strict=True))
+            for c in chains
+        },
+        "seconds": times,
+        "agreement": {c: agreement(outs["built-in"], outs[c]) for c in chains if c != "built-in"},
+    }
+    print(name, json.dumps({k: result[k] for k in ("rates", "ratios")}), flush=True)
+    return result
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--samples", type=int, default=400, help="records of the text workload (images: fewer)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per chain (median reported)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--docs", type=Path, default=DOCS)
-    ap.add_argument("--json", type=Path, default=None, help="also write the raw numbers here")
-    ap.add_argument("--no-write", action="store_true", help="print only")
+    add_common_args(ap)
     args = ap.parse_args(argv)
 
     import torch
-
-    torch.set_num_threads(1)
-    from batchd.preprocess import HFProcessor, Preprocessor, TokenizerRef, default_stages, demo_tokenizer
-
-    t_all = time.perf_counter()
-    load_start = os.getloadavg()[0]
-    given = argv if argv is not None else sys.argv[1:]
-    cmd = " ".join(["python benchmarks/hf_processor_throughput.py", *given])
-    rows, checks, raw = [], [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        tok_json = demo_tokenizer(Path(tmp) / "tokenizer.json")
-        plain = save_qwen2vl_processor(Path(tmp) / "qwen2vl", tok_json, QWEN2VL_TEMPLATE)
-        gen = save_qwen2vl_processor(Path(tmp) / "qwen2vl-generation", tok_json, GENERATION_TEMPLATE)
-        chains = {
-            "built-in": Preprocessor(
-                default_stages(TokenizerRef(plain), cutoff=4096, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-            ),
-            "HF processor": Preprocessor(default_stages(processor=plain, cutoff=4096)),
-            "HF, generation template": Preprocessor(default_stages(processor=gen, cutoff=4096)),
-        }
-        for pre in chains.values():
-            pre.setup()
-        backend = type(
-            next(
-                s for s in chains["HF processor"].stages if isinstance(s, HFProcessor)
-            ).processor.image_processor
-        ).__name__
-        for name in args.workloads.split(","):
-            records = records_of(name, max(int(args.samples * WORKLOADS[name][2]), 20))
-            for pre in chains.values():  # warm-up (first-call imports, caches)
-                for i, rec in enumerate(records[:5]):
-                    pre(rec, i, 0)
-            times: dict[str, list[float]] = {c: [] for c in chains}
-            outs: dict[str, list] = {}
-            for _ in range(args.rounds):
-                for c, pre in chains.items():
-                    wall, outs[c] = run_chain(pre, records)
-                    times[c].append(wall)
-            rates = {c: len(records) / statistics.median(t) for c, t in times.items()}
-            # the ratio of each round's interleaved runs, median over rounds: robust to the machine's drift
-            ratio = {
-                c: statistics.median(b / h for b, h in zip(times["built-in"], times[c], strict=False))
-                for c in chains
-            }
-            metas = [m for m, _ in outs["built-in"]]
-            rows.append(
-                [
-                    name,
-                    len(records),
-                    f"{statistics.mean(m.length for m in metas):.0f}",
-                    f"{statistics.mean(m.vision_tokens for m in metas):.0f}",
-                    f"{rates['built-in']:.0f}",
-                    f"{rates['HF processor']:.0f}",
-                    f"{ratio['HF processor']:.2f}x",
-                    f"{rates['HF, generation template']:.0f}",
-                    f"{ratio['HF, generation template']:.2f}x",
-                ]
-            )
-            print(" | ".join(str(c) for c in rows[-1]), flush=True)
-            agrees = {c: agreement(outs["built-in"], outs[c]) for c in chains if c != "built-in"}
-            for c, agree in agrees.items():
-                n_img, big, mean = agree["with_images"], agree["max_abs_diff"], agree["mean_max_abs_diff"]
-                checks.append(
-                    [
-                        name,
-                        c,
-                        f"{agree['same_ids']}/{agree['records']}",
-                        f"{agree['same_labels']}/{agree['records']}",
-                        f"{agree['same_grid']}/{n_img}" if n_img else "-",
-                        "-" if big is None else f"{big:.2e}",
-                        "-" if mean is None else f"{mean:.2e}",
-                    ]
-                )
-                print(" | ".join(str(x) for x in checks[-1]), flush=True)
-            raw[name] = {
-                "records": len(records),
-                "rates": rates,
-                "ratios": ratio,
-                "seconds": times,
-                "agreement": agrees,
-            }
-    wall = time.perf_counter() - t_all
-    load_end = os.getloadavg()[0]
-    if args.json:
-        args.json.write_text(json.dumps(raw, indent=1))
     import transformers
 
-    machine = (
-        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), "
-        f"{platform.machine()}"
+    torch.set_num_threads(1)
+    t_all = time.perf_counter()
+    load_start = load_average()
+    with tempfile.TemporaryDirectory() as tmp:
+        chains, backend = build_chains(Path(tmp))
+        workloads = {n: measure(n, chains, args.samples, args.rounds) for n in args.workloads.split(",")}
+    agree = all(
+        a["same_ids"] == a["records"]
+        and a["same_labels"] == a["records"]
+        and a["same_grid"] == a["with_images"]
+        and (a["max_abs_diff"] or 0.0) < 1e-5
+        for w in workloads.values()
+        for a in w["agreement"].values()
     )
-    body = [
-        "## hf-processor: a model's own Hugging Face processor vs the built-in chain",
-        "",
-        f"Generated by `{cmd}` ({wall:.0f} s in all; {revision()}; {machine}; transformers "
-        f"{transformers.__version__}, image processor `{backend}`). One process, one thread (one actor's "
-        "share), `Preprocessor` over the same demo records, image decoding included, cutoff 4096. "
-        "`built-in`: `default_stages(tok)` (ChatTemplate qwen2 + Tokenize + Qwen2VLVision + Truncate); "
-        "`HF`: `default_stages(processor=DIR)` (HFProcessor + Truncate) with a Qwen2-VL processor saved "
-        "locally (the same demo tokenizer, Qwen2-VL's own chat template, `Qwen2VLImageProcessor`, the same "
-        "min/max pixels), labels derived from rendered prefixes; `HF, generation`: the same processor whose "
-        "template marks assistant turns with `{% generation %}` (transformers' assistant mask). samples/s "
-        "= records / CPU seconds of the loop (what an actor with a core of its own gets; the machine is "
-        f"shared), the median of {args.rounds} rounds; `ratio` = HF / built-in samples/s, the median of the "
-        "rounds' ratios (the chains run interleaved in each round; above 1: HF is faster).",
-        "",
-        f"1-minute load average: {load_start:.1f} at the start, {load_end:.1f} at the end (2-core machine "
-        "shared with other work).",
-        "",
-        table(
-            [
-                "workload",
-                "records",
-                "mean length",
-                "mean vision tokens",
-                "built-in samples/s",
-                "HF samples/s",
-                "ratio",
-                "HF, generation samples/s",
-                "ratio (generation)",
-            ],
-            rows,
-        ),
-        "",
-        "Do the chains agree? Records whose `input_ids` / `labels` are identical, images whose "
-        "`image_grid_thw` is identical, and the largest absolute difference between the built-in "
-        "Qwen2VLVision's `pixel_values` and the HF image processor's (max over records, and the mean of "
-        "the per-record maxima; values are CLIP-normalized, about -1.8..2.1).",
-        "",
-        table(
-            [
-                "workload",
-                "HF chain",
-                "same input_ids",
-                "same labels",
-                "same grid",
-                "max abs diff",
-                "mean per-record max",
-            ],
-            checks,
-        ),
-        "",
-        "The two implementations agree: the same tokens, labels and grids, and the built-in Qwen2VLVision's "
-        "pixel values equal the HF image processor's up to float32 rounding. Where the HF chain's extra time "
-        "goes (cProfile, text records): transformers' work around each call (merging and validating the "
-        "processor's keyword arguments, `mm_token_type_ids`, `BatchFeature`) costs about as much as the "
-        "tokenization itself, and `apply_chat_template` normalizes the conversation on every render; "
-        "prefix labels render each assistant turn's two prefixes (two batched calls), the generation "
-        "template runs transformers' per-token Python mask loop. With images the image processing "
-        "dominates both chains, so the ratio rises with the image size (a real Qwen2-VL image gives "
-        "hundreds to thousands of tokens).",
-    ]
-    publish(SECTION, body, args.no_write)
+    data = {
+        "workloads": workloads,
+        "order": list(workloads),  # the run's order (the JSON's keys are sorted)
+        "all_agree": agree,
+        "image_processor": backend,
+        "transformers": transformers.__version__,
+        "load_start": load_start,
+        "load_end": load_average(),
+        "wall_s": time.perf_counter() - t_all,
+        "machine": machine(),
+    }
+    config = {
+        "command": command("hf_processor_throughput.py", list(argv if argv is not None else sys.argv[1:])),
+        "samples": args.samples,
+        "rounds": args.rounds,
+        "workloads": args.workloads,
+    }
+    finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
 
 

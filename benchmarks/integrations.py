@@ -12,30 +12,37 @@ torch optimizer, DeepSpeed's shared-memory op off, as in the tests). Each rank t
 This measures the frameworks' per-step overhead on a tiny CPU model (sharding, all-gathers, reduce-scatters,
 DeepSpeed's bookkeeping), not their memory savings, which are what they are for on large models.
 
+The section also records PyTorch Lightning's loop against a plain DDP loop (lightning_overhead.py's
+`measure`, once per `--lightning-hidden` size; `--lightning-hidden ""` skips it).
+
+Result: benchmarks/results/integrations.json (template benchmarks/templates/integrations.md.j2).
+
 Usage: python benchmarks/integrations.py [--samples 600] [--budget 512] [--warmup 3]
+       [--lightning-hidden 64,256] [--lightning-samples 240] [--out PATH] [--print]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _cli_runs import command, machine  # noqa: E402
+from _harness import free_port  # noqa: E402
+from _report import add_common_args, finish  # noqa: E402
+
+SECTION = "integrations"
+MEASURES = ["client", "batchd/_model.py"]
 STRATEGIES = ("ddp", "fsdp2", "zero2", "zero3")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _epoch(strategy: str, address: str, rank: int, warmup: int) -> tuple[int, float]:
@@ -103,7 +110,8 @@ def _rank(rank: int, port: int, addresses: dict[str, list[str]], warmup: int, ou
     deepspeed.comm.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> None:
+def strategies(samples: int, budget: int, warmup: int) -> dict[str, Any]:
+    """Each strategy's steps/s (the slower rank's) on the same batches, and its ratio to DDP's."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -111,37 +119,61 @@ def main(argv: list[str] | None = None) -> None:
 
     from batchd.core import JobSpec
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--samples", type=int, default=600)
-    p.add_argument("--budget", type=int, default=512)
-    p.add_argument("--warmup", type=int, default=3)
-    args = p.parse_args(argv)
     rng = np.random.default_rng(3)
-    lengths = np.clip(rng.lognormal(4.0, 0.7, args.samples), 8, args.budget).astype(int).tolist()
+    lengths = np.clip(rng.lognormal(4.0, 0.7, samples), 8, budget).astype(int).tolist()
     spec = JobSpec(
-        world_size=2,
-        token_budget=args.budget,
-        policy="balanced",
-        window=64,
-        depth=4,
-        seed=7,
-        collate="padded",
+        world_size=2, token_budget=budget, policy="balanced", window=64, depth=4, seed=7, collate="padded"
     )
     with job_pool(vocab_size=512) as start, tempfile.TemporaryDirectory() as out:
         jobs = {s: start(spec, lengths) for s in STRATEGIES}
         addresses = {s: [f"127.0.0.1:{port}" for port in job.ports] for s, job in jobs.items()}
-        mp.spawn(_rank, args=(_free_port(), addresses, args.warmup, out), nprocs=2, join=True)
+        mp.spawn(_rank, args=(free_port(), addresses, warmup, out), nprocs=2, join=True)
         ranks = [torch.load(Path(out) / f"rank{r}.pt") for r in range(2)]
     steps = {s: {r[s][0] for r in ranks} for s in STRATEGIES}
     assert all(len(v) == 1 for v in steps.values()) and len({v.pop() for v in steps.values()}) == 1, steps
     rate = {s: min(r[s][1] for r in ranks) for s in STRATEGIES}
-    print(
-        f"{ranks[0]['ddp'][0]} steps per strategy, 2 gloo ranks, TinyCausalLM d128 x2, L={args.budget}, "
-        f"{args.samples} samples"
-    )
     for s in STRATEGIES:
-        print(f"{s:6s} {rate[s]:7.2f} steps/s   x{rate[s] / rate['ddp']:.2f} of ddp")
+        print(f"{s:6s} {rate[s]:7.2f} steps/s   x{rate[s] / rate['ddp']:.2f} of ddp", flush=True)
+    return {
+        "steps": ranks[0]["ddp"][0],
+        "steps_per_s": rate,
+        "vs_ddp": {s: rate[s] / rate["ddp"] for s in STRATEGIES},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--samples", type=int, default=600)
+    p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--lightning-hidden", default="64,256", help="Lightning model sizes ('': skip)")
+    p.add_argument("--lightning-samples", type=int, default=240)
+    p.add_argument("--lightning-repeat", type=int, default=2)
+    add_common_args(p)
+    args = p.parse_args(argv)
+    data: dict[str, Any] = {
+        "strategies": strategies(args.samples, args.budget, args.warmup),
+        "machine": machine(),
+    }
+    if args.lightning_hidden:
+        import lightning_overhead
+        import pytorch_lightning
+
+        data["lightning_version"] = pytorch_lightning.__version__
+        data["lightning"] = [
+            {
+                "hidden": int(h),
+                "runs": lightning_overhead.measure(args.lightning_samples, int(h), args.lightning_repeat),
+            }
+            for h in args.lightning_hidden.split(",")
+        ]
+    config = {
+        "command": command("integrations.py", list(argv if argv is not None else sys.argv[1:])),
+        **{k: v for k, v in vars(args).items() if k not in ("out", "print")},
+    }
+    finish(args, SECTION, data, measures=MEASURES, config=config)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,11 +9,11 @@ construction, process-group setup and teardown are left out); Lightning's whole 
 
     python benchmarks/lightning_overhead.py [--samples 240] [--hidden 64] [--repeat 2]
 
+It prints its figures; the docs' section "integrations" records them through integrations.py (which calls
+`measure` for each `--lightning-hidden` size).
+
 Trade-off: a tiny model on CPU makes each step short, so Lightning's fixed per-step cost (hooks,
 logging, progress tracking) weighs more than on a real model; the ratio is an upper bound on the overhead.
-
-Measured 2026-12-02 on 2 shared CPU cores (24 steps per epoch, 3 runs): Lightning / plain steps per second
-0.873, 0.913, 0.915 at hidden 64 (~40 steps/s plain); 0.991 and 1.037 at hidden 256 (47 steps, ~16 steps/s).
 """
 
 from __future__ import annotations
@@ -21,17 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+from typing import Any
 
 import numpy as np
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _harness import free_port  # noqa: E402
 
 
 def tiny_llama(hidden: int) -> torch.nn.Module:
@@ -133,47 +136,59 @@ def rank_main(
     os._exit(0)  # skip the slow interpreter shutdown of gloo / gRPC threads
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--samples", type=int, default=240)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=2)
-    args = ap.parse_args()
+def measure(samples: int, hidden: int, repeat: int) -> list[dict[str, Any]]:
+    """`repeat` runs of one epoch each, plain DDP then Lightning DDP on the same batches: per run the
+    steps, both loops' steps/s (the slower rank's), their ratio and Lightning's whole `fit` time."""
     import torch.multiprocessing as mp
     from _jobs import job_pool
 
     from batchd.core import JobSpec
 
     rng = np.random.default_rng(3)
-    lengths = np.clip(rng.lognormal(3.3, 0.6, args.samples), 3, 120).astype(int).tolist()
+    lengths = np.clip(rng.lognormal(3.3, 0.6, samples), 3, 120).astype(int).tolist()
     spec = JobSpec(
         world_size=2, token_budget=256, policy="local", window=16, depth=3, seed=7, collate="padded"
     )
     with job_pool(vocab_size=512) as make, tempfile.TemporaryDirectory() as out:
-        jobs = [{kind: make(spec, lengths) for kind in ("plain", "lightning")} for _ in range(args.repeat)]
+        jobs = [{kind: make(spec, lengths) for kind in ("plain", "lightning")} for _ in range(repeat)]
         addresses = [
             {kind: [job.rank_address(r) for r in range(2)] for kind, job in run.items()} for run in jobs
         ]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(rank_main, args=(2, port, addresses, args.hidden, out), nprocs=2, join=True)
+        mp.spawn(rank_main, args=(2, free_port(), addresses, hidden, out), nprocs=2, join=True)
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(2)]
-    for i, (r0, r1) in enumerate(zip(*ranks, strict=True)):
-        assert (
-            r0["plain"]["steps"]
-            == r1["plain"]["steps"]
-            == r0["lightning"]["steps"]
-            == r1["lightning"]["steps"]
-        )
+    runs = []
+    for r0, r1 in zip(*ranks, strict=True):
+        steps = {r[k]["steps"] for r in (r0, r1) for k in ("plain", "lightning")}
+        assert len(steps) == 1, steps
         plain = r0["plain"]["steps"] / max(r["plain"]["loop_s"] for r in (r0, r1))
         lit = r0["lightning"]["steps"] / max(r["lightning"]["loop_s"] for r in (r0, r1))
-        print(
-            f"run {i}: {r0['plain']['steps']} steps; plain DDP {plain:.1f} steps/s, Lightning DDP {lit:.1f} steps/s "
-            f"(ratio {lit / plain:.3f}); Lightning fit() {max(r['lightning']['fit_s'] for r in (r0, r1)):.1f} s "
-            f"vs its loop {max(r['lightning']['loop_s'] for r in (r0, r1)):.1f} s"
+        runs.append(
+            {
+                "steps": r0["plain"]["steps"],
+                "plain_steps_per_s": plain,
+                "lightning_steps_per_s": lit,
+                "ratio": lit / plain,
+                "fit_s": max(r["lightning"]["fit_s"] for r in (r0, r1)),
+                "loop_s": max(r["lightning"]["loop_s"] for r in (r0, r1)),
+            }
         )
+    return runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=240)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=2)
+    args = ap.parse_args(argv)
+    for i, run in enumerate(measure(args.samples, args.hidden, args.repeat)):
+        print(
+            f"run {i}: {run['steps']} steps; plain DDP {run['plain_steps_per_s']:.1f} steps/s, Lightning DDP "
+            f"{run['lightning_steps_per_s']:.1f} steps/s (ratio {run['ratio']:.3f}); Lightning fit() "
+            f"{run['fit_s']:.1f} s vs its loop {run['loop_s']:.1f} s"
+        )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,19 +13,27 @@ microbatches' costs (attention cost sum of len + len^2/q; an empty microbatch co
 
 For `steps`, each rank's last pipeline step of the epoch, when the epoch's step count is not a multiple of
 M, holds fewer than M batchd steps (`pipeline_steps` fills it with zero-weight IDLE steps): one per rank
-per epoch, left out of the figures. The table gives the mean, the 95th percentile and the share of pipeline steps within 5%.
+per epoch, left out of the figures. The table gives the mean, the 95th percentile and the share of
+pipeline steps within 5%.
 
-Usage: python benchmarks/microbatch_balance.py [--workloads DIR] [--docs FILE] [--no-write]
+Usage: python benchmarks/microbatch_balance.py [--workloads DIR] [--limit N] [--out PATH] [--print]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from pathlib import Path
 
-from _mdsection import DEFAULT_WORKLOADS, DOCS, publish, table
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batchd.core import CostModel, JobSpec, Simulator, balanced_split, chunk_split
+from _report import DEFAULT_WORKLOADS, add_common_args, command_line, finish  # noqa: E402
+
+from batchd.core import CostModel, JobSpec, Simulator, balanced_split, chunk_split  # noqa: E402
+
+SECTION = "microbatch"
+MEASURES = ("benchmarks/microbatch_balance.py", "core", "client")
 
 MICRO_BUDGET = 8192  # L: one microbatch's budget
 MICRO = (2, 4, 8)
@@ -82,31 +90,26 @@ def run(lengths: list[int]) -> list[list[str]]:
     return rows
 
 
-def main() -> None:
+HEADERS = ["microbatches", "batchd step budget", "M", "pipeline steps (x ranks)", "imbalance: mean"]
+HEADERS += ["p95", "<= 5%"]
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
-    ap.add_argument("--docs", type=Path, default=DOCS)
-    ap.add_argument("--no-write", action="store_true")
-    args = ap.parse_args()
-    lengths = [int(x) for x in (args.workloads / "odb-synthetic.txt").read_text().split()]
-    rows = run(lengths)
-    header = [
-        "microbatches",
-        "batchd step budget",
-        "M",
-        "pipeline steps (x ranks)",
-        "imbalance: mean",
-        "p95",
-        "<= 5%",
-    ]
-    text = (
-        "## Pipeline microbatches\n\nImbalance (max/mean - 1) of the M microbatches of one rank's pipeline step on odb-synthetic "
-        "(8 ranks, balanced policy, packed, attention cost q=4096, microbatch budget L=8192): M consecutive "
-        "batchd steps (`pipeline_steps`), one step of M x L split by cost (`microbatches`) or by count "
-        "(`python benchmarks/microbatch_balance.py`):\n\n" + table(header, rows)
-    )
-    publish("microbatch", text, args.no_write, args.docs)
+    ap.add_argument("--limit", type=int, default=None, help="use only the first N lengths (smoke runs)")
+    add_common_args(ap)
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in (args.workloads / "odb-synthetic.txt").read_text().split()][: args.limit]
+    t0 = time.perf_counter()
+    data = {"headers": HEADERS, "rows": run(lengths), "samples": len(lengths)}
+    data["wall_s"] = time.perf_counter() - t0
+    config = {"workloads": str(args.workloads), "limit": args.limit, "world_size": 8, "window": 512}
+    config.update(micro_budget=MICRO_BUDGET, micro=MICRO, cost=COST.name, attention_q=COST.quadratic)
+    config["command"] = command_line(__file__, argv)
+    finish(args, SECTION, data, measures=MEASURES, config=config)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,5 +1,5 @@
-"""`batchd bench` with the tiny MLLM: two-phase vs single-phase batchd vs ODB 0.1.2 vs fixed, and the encoder's
-share of a step, for the docs (section "mllm-bench" of docs/benchmarks.md).
+"""`batchd bench` with the tiny MLLM: two-phase vs one-phase batchd vs ODB 0.1.2 vs fixed, and the
+encoder's share of a step (result benchmarks/results/mllm-bench.json, template mllm-bench.md.j2).
 
 1. Runs `batchd bench` on a multimodal workload (`benchmarks/workloads/*.csv`, docs/workloads.md): every
    system trains `batchd.TinyMLLM` (a patch-embedding vision encoder with per-image attention, a 2x2
@@ -15,34 +15,37 @@ share of a step, for the docs (section "mllm-bench" of docs/benchmarks.md).
    of a step and encoder imbalance v1 (one phase) vs v2 (two phase), the step's encoder part shrinks by
    about s x (1 - v2 / v1) (the LLM part is the same plan in both).
 
-Usage: python benchmarks/mllm_bench.py [--workload NAME] [--num-samples 192] [--world-size 2] [--no-write]
+Usage: python benchmarks/mllm_bench.py [--workload NAME] [--num-samples 192] [--world-size 2] [--out PATH]
+       [--print]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import REPO, publish, revision, table  # noqa: E402
+from _cli_runs import command, machine  # noqa: E402
+from _harness import free_port  # noqa: E402
+from _report import REPO, add_common_args, finish  # noqa: E402
 
 SECTION = "mllm-bench"
 WORKLOADS = REPO / "benchmarks" / "workloads"
 SHARE_GROUPS = 6
+MEASURES = ["batchd/bench.py", "batchd/_bench_trainer.py", "batchd/_mllm.py", "client", "core", "service"]
 
 
 def encoder_share(workload: Path, num_samples: int, token_budget: int, seed: int = 0) -> dict[str, float]:
     """Encoder / whole-model forward+backward time over length-sorted groups of the workload's samples."""
     import torch
 
+    from batchd import read_workload
     from batchd._bench_trainer import build_model, payload
-    from batchd._lengths import read_workload
     from batchd.client import collate_padded, to_torch
 
     torch.set_num_threads(1)
@@ -65,11 +68,11 @@ def encoder_share(workload: Path, num_samples: int, token_budget: int, seed: int
     for g in picked:
         batch = to_torch(collate_padded([payload(i, lengths, seed, images) for i in g]))
 
-        def enc():
+        def enc(batch=batch):
             model.zero_grad(set_to_none=True)
             model.encode(batch).sum().backward()
 
-        def whole():
+        def whole(batch=batch):
             model.zero_grad(set_to_none=True)
             model(batch).float().logsumexp(-1).mean().backward()
 
@@ -132,14 +135,12 @@ def exchange_time(
     d_model: int = 128,
     repeats: int = 3,
 ) -> dict[str, float]:
-    """Forward + backward time of `exchange_image_embeddings` (gloo, `world` processes on this host) for the
-    exchanges the two-phase plan makes on this workload's steps (the simulator's plan, same spec as the bench):
-    the all-to-all the trainers run, without the model around it."""
-    import socket
-
+    """Forward + backward time of `exchange_image_embeddings` (gloo, `world` processes on this host)
+    for the exchanges the two-phase plan makes on this workload's steps (the simulator's plan, same
+    spec as the bench): the all-to-all the trainers run, without the model around it."""
     import torch.multiprocessing as mp
 
-    from batchd._lengths import read_workload
+    from batchd import read_workload
     from batchd.core import JobSpec, Simulator
 
     spec = JobSpec(world_size=world, token_budget=token_budget, policy="balanced", window=window, phases=2)
@@ -151,9 +152,7 @@ def exchange_time(
                 send[st.info.rank][im.owner] += im.tokens
         if any(any(r) for r in send):
             rows.append(send)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [
@@ -175,83 +174,46 @@ def exchange_time(
     }
 
 
-def render(s: dict, share: dict, cmd: str, wall: float, exch: dict | None = None) -> str:
-    machine = f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s)"
-    rows = []
-    for name, r in s["systems"].items():
-        if "wall_s" not in r:
-            rows.append([name, "skipped: " + r.get("skipped", "?")] + [""] * 8)
-            continue
-        vi = r.get("vision_imbalance")
-        rows.append(
-            [
-                name,
-                f"{r['wall_s']:.1f}",
-                _x(r.get("speedup_vs_fixed")),
-                _x(r.get("speedup_vs_odb-0.1.2")),
-                r["steps"],
-                f"{r['samples']} / {r['missing']} / {r['duplicates']}",
-                f"{r['padding_efficiency']:.3f}",
-                "-" if vi is None else f"{vi:.3f}",
-                f"{r['final_loss']:.3f}",
-                "-" if r.get("heldout_loss") is None else f"{r['heldout_loss']:.3f}",
-            ]
-        )
-    one, two = s["systems"].get("batchd-balanced", {}), s["systems"].get("batchd-2phase", {})
+SYSTEM_KEYS = (
+    "wall_s",
+    "speedup_vs_fixed",
+    "speedup_vs_odb-0.1.2",
+    "steps",
+    "samples",
+    "missing",
+    "duplicates",
+    "padding_efficiency",
+    "vision_imbalance",
+    "final_loss",
+    "heldout_loss",
+    "skipped",
+)
+
+
+def record(s: dict[str, Any], share: dict[str, float], exch: dict[str, float]) -> dict[str, Any]:
+    """The figures the section shows: per system, the encoder share, the exchange's time and the
+    two-phase saving expected (share x (1 - v2 / v1)) and measured."""
+    systems = {n: {k: v[k] for k in SYSTEM_KEYS if k in v} for n, v in s["systems"].items()}
+    one, two = systems.get("batchd-balanced", {}), systems.get("batchd-2phase", {})
     v1, v2 = one.get("vision_imbalance"), two.get("vision_imbalance")
-    body = [
-        "## `batchd bench` with the tiny MLLM: two-phase vs single-phase vs ODB 0.1.2 vs fixed",
-        "",
-        f"Generated by `{cmd}` ({wall:.0f} s in all; {revision()}; {machine}). {s['num_samples']} samples of "
-        f"`{Path(s['workload']).name}` ({s['images']} images), N={s['world_size']} gloo ranks, "
-        f"L={s['token_budget']}, window {s['window']}; the systems run one after another on this shared 2-core "
-        "box, so compare ratios. `vision imbalance`: per step, the most encoder patches any rank ran over the "
-        "mean, averaged over steps with images (1.0: every rank encodes alike).",
-        "",
-        table(
-            [
-                "system",
-                "wall s",
-                "vs fixed",
-                "vs odb-0.1.2",
-                "steps",
-                "samples / missing / dup",
-                "padding_eff",
-                "vision imbalance",
-                "final loss",
-                "held-out loss",
-            ],
-            rows,
-        ),
-        "",
-        f"Encoder share of a step (forward + backward, one thread, {share['groups']} length-sorted groups of this "
-        f"workload under L): {share['share']:.1%} of the time in all (median group {share['share_median']:.1%}).",
-    ]
-    if exch is not None and "wall_s" in two and two["steps"]:
-        step_s = two["wall_s"] / two["steps"]
-        body += [
-            "",
-            f"The exchange's share of a step: `exchange_image_embeddings` forward + backward (gloo, "
-            f"{s['world_size']} processes, the two-phase plan's {exch['steps']} steps with images, "
-            f"{exch['rows_per_step']:.0f} embedding rows of {exch['d_model']} floats crossing ranks per step "
-            f"on average) takes {1e3 * exch['mean_s']:.2f} ms per step, {exch['mean_s'] / step_s:.2%} of "
-            f"batchd-2phase's mean step ({step_s:.2f} s).",
-        ]
-    if v1 and v2 and "wall_s" in one and "wall_s" in two:
-        expect = share["share"] * (1 - v2 / v1)
-        body += [
-            "",
-            f"Two-phase vs one-phase: encoder imbalance {v1:.3f} -> {v2:.3f}; with the encoder at "
-            f"{share['share']:.0%} of a step, the expected saving is about {expect:.1%} of the step time "
-            f"(share x (1 - v2 / v1)); measured: {one['wall_s']:.1f} s -> {two['wall_s']:.1f} s "
-            f"({1 - two['wall_s'] / one['wall_s']:+.1%} saved). Both runs take the same LLM plan (the same "
-            f"steps and final loss: the exchange changes where images are encoded, not what is computed).",
-        ]
-    return "\n".join(body)
-
-
-def _x(v) -> str:
-    return "-" if v is None else f"{v:.2f}x"
+    step_s = two["wall_s"] / two["steps"] if "wall_s" in two and two["steps"] else None
+    both = bool(v1 and v2 and "wall_s" in one and "wall_s" in two)
+    return {
+        "setup": {
+            "workload": Path(s["workload"]).name,
+            **{k: s.get(k) for k in ("num_samples", "images", "world_size", "token_budget", "window")},
+        },
+        "systems": systems,
+        "order": list(systems),  # the run's order (the JSON's keys are sorted)
+        "share": share,
+        "exchange": {**exch, "step_s": step_s, "of_step": exch["mean_s"] / step_s if step_s else None},
+        "two_phase": {
+            "v1": v1,
+            "v2": v2,
+            "expected_saving": share["share"] * (1 - v2 / v1) if both else None,
+            "measured_saving": 1 - two["wall_s"] / one["wall_s"] if both else None,
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--token-budget", type=int, default=8192)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--no-write", action="store_true")
+    add_common_args(p)
     args = p.parse_args(argv)
     from batchd.bench import MM_SYSTEMS, run_bench
 
@@ -284,8 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     share = encoder_share(workload, args.num_samples, args.token_budget)
     exch = exchange_time(workload, args.num_samples, args.world_size, args.token_budget, args.window)
-    cmd = "python benchmarks/mllm_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    publish(SECTION, render(s, share, cmd.strip(), time.perf_counter() - t0, exch), args.no_write, echo=True)
+    data = {**record(s, share, exch), "wall_s": time.perf_counter() - t0, "machine": machine()}
+    config = {
+        "command": command("mllm_bench.py", argv if argv is not None else sys.argv[1:]),
+        **{k: v for k, v in vars(args).items() if k not in ("out", "print")},
+    }
+    finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
 
 

@@ -2,18 +2,18 @@
 
 Runs `batchd.core.simulate` twice per workload with the same topology (`local_ranks=8`: rank r on node
 r // 8, 128 nodes): once node-blind (`node_aware=False`, today's plan, its moves counted under the
-topology) and once node-aware, and writes the table into docs/benchmarks.md between
-`<!-- node-balance:begin -->` and `<!-- node-balance:end -->` (printing it too).
+topology) and once node-aware, and records the rows in benchmarks/results/node-balance.json (template:
+benchmarks/templates/node-balance.md.j2).
 
 Workloads: odb-synthetic and sharegpt4o-like from the workloads folder. Each holds 4,096 lengths, i.e.
 4 samples per rank at 1,024 ranks, so the file is repeated `--repeat` times (ids stay distinct) to give
 every rank a few windows. Targets (the issue's): compute_vs_limit within 0.02 of node-blind, and >= 5x
 fewer cross-node moved samples.
 
-Usage: python benchmarks/node_balance.py [--workloads DIR] [--docs FILE] [--no-write] [--repeat R]
-       [--window W]
+Usage: python benchmarks/node_balance.py [--workloads DIR] [--repeat R] [--window W] [--world-size N]
+       [--out PATH] [--print]
 
-`--window W` (other than 32) writes its own section, `node-balance-w<W>`, so the default run's stays.
+`--window W` (other than 32) records its own section, `node-balance-w<W>`, so the default run's stays.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DEFAULT_WORKLOADS, DOCS, publish, revision, table
+from _report import DEFAULT_WORKLOADS, add_common_args, command_line, finish  # noqa: E402
 
-from batchd import read_lengths
-from batchd.core import CostModel, Entry, JobSpec, Sample, form_groups, simulate
+from batchd import read_lengths  # noqa: E402
+from batchd.core import CostModel, Entry, JobSpec, Sample, form_groups, simulate  # noqa: E402
 
 SECTION = "node-balance"
+MEASURES = ("benchmarks/node_balance.py", "core")
 WORKLOADS = ("odb-synthetic", "sharegpt4o-like")
 LOCAL_RANKS = 8
 CONFIG = {
@@ -92,6 +93,50 @@ def run(lengths: Sequence[int], aware: bool) -> dict:
     return simulate(lengths, JobSpec(**CONFIG), local_ranks=LOCAL_RANKS, node_aware=aware)
 
 
+def _row(name: str, label: str, m: dict) -> list[object]:
+    return [name, label, m["steps"], m["rounds"], m["compute_vs_limit"], m["moved"]] + [
+        m["intra_node_moved"],
+        m["cross_node_moved"],
+        m["cross_node_bytes"] / 1e6,
+        m["intra_node_bytes"] / 1e6,
+        m["node_swaps"],
+        m["node_fallback_rounds"],
+        m["plan_per_round_s"],
+    ]
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("inf")  # inf is recorded as null
+
+
+def measure(workloads: Path, repeat: int) -> dict:
+    """Both plans on each workload: the table's rows and, per workload, the targets' figures."""
+    rows, verdicts = [], []
+    for name in WORKLOADS:
+        lengths = read_lengths(str(workloads / f"{name}.txt")) * repeat
+        blind, aware = run(lengths, False), run(lengths, True)
+        for label, m in (("node-blind", blind), ("node-aware", aware)):
+            assert m["missing"] == 0 and m["duplicates"] == 0, (name, label, m["missing"], m["duplicates"])
+            rows.append(_row(name, label, m))
+        d_cvl = aware["compute_vs_limit"] - blind["compute_vs_limit"]
+        ratio = _ratio(blind["cross_node_moved"], aware["cross_node_moved"])
+        pooled, per_node = padding(lengths)
+        verdicts.append(
+            {
+                "workload": name,
+                "d_cvl": d_cvl,
+                "cvl_met": abs(d_cvl) <= CVL_TOLERANCE or d_cvl < 0,
+                "cross_ratio": ratio,
+                "cross_met": ratio >= CROSS_RATIO,
+                "bytes_ratio": _ratio(blind["cross_node_bytes"], aware["cross_node_bytes"]),
+                "samples": len(lengths),
+                "padding_pooled": pooled,
+                "padding_per_node": per_node,
+            }
+        )
+    return {"headers": HEADERS, "rows": rows, "verdicts": verdicts}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -100,135 +145,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=DEFAULT_WORKLOADS,
         help=f"folder of *.txt length files (default {DEFAULT_WORKLOADS})",
     )
-    ap.add_argument("--docs", type=Path, default=DOCS, help=f"Markdown file to update (default {DOCS})")
     ap.add_argument("--repeat", type=int, default=REPEAT, help=f"copies of each workload (default {REPEAT})")
     ap.add_argument(
         "--window",
         type=int,
         default=CONFIG["window"],
-        help=f"samples a rank buffers (default {CONFIG['window']}; another value writes section "
+        help=f"samples a rank buffers (default {CONFIG['window']}; another value records section "
         f"{SECTION}-w<W>)",
     )
-    ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--world-size", type=int, default=CONFIG["world_size"], help="ranks (smoke runs: fewer)")
+    add_common_args(ap)
     args = ap.parse_args(argv)
     CONFIG["window"] = args.window
+    CONFIG["world_size"] = args.world_size
     section = SECTION if args.window == 32 else f"{SECTION}-w{args.window}"
-    cmd = (
-        "python benchmarks/node_balance.py"
-        + ("" if args.repeat == REPEAT else f" --repeat {args.repeat}")
-        + ("" if section == SECTION else f" --window {args.window}")
-    )
+    missing = [w for w in WORKLOADS if not (args.workloads / f"{w}.txt").exists()]
+    if missing:
+        print(f"missing workloads {missing} in {args.workloads}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
-    rev = revision()
-    rows, verdicts = [], []
-    for name in WORKLOADS:
-        path = args.workloads / f"{name}.txt"
-        if not path.exists():
-            print(f"missing workload {path}", file=sys.stderr)
-            return 2
-        lengths = read_lengths(str(path)) * args.repeat
-        blind, aware = run(lengths, False), run(lengths, True)
-        for label, m in (("node-blind", blind), ("node-aware", aware)):
-            assert m["missing"] == 0 and m["duplicates"] == 0, (name, label, m["missing"], m["duplicates"])
-            rows.append(
-                [
-                    name,
-                    label,
-                    m["steps"],
-                    m["rounds"],
-                    m["compute_vs_limit"],
-                    m["moved"],
-                    m["intra_node_moved"],
-                    m["cross_node_moved"],
-                    m["cross_node_bytes"] / 1e6,
-                    m["intra_node_bytes"] / 1e6,
-                    m["node_swaps"],
-                    m["node_fallback_rounds"],
-                    m["plan_per_round_s"],
-                ]
-            )
-        d_cvl = aware["compute_vs_limit"] - blind["compute_vs_limit"]
-        ratio = (
-            blind["cross_node_moved"] / aware["cross_node_moved"]
-            if aware["cross_node_moved"]
-            else float("inf")
-        )
-        bytes_ratio = (
-            blind["cross_node_bytes"] / aware["cross_node_bytes"]
-            if aware["cross_node_bytes"]
-            else float("inf")
-        )
-        verdicts.append((name, d_cvl, ratio, bytes_ratio, len(lengths), padding(lengths)))
-    wall = time.perf_counter() - t0
-    machine = (
+    data = measure(args.workloads, args.repeat)
+    data["wall_s"] = time.perf_counter() - t0
+    data["machine"] = (
         f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), "
         f"{platform.machine()}"
     )
-    c = CONFIG
-    body = [
-        "## Node-aware balancing (1,024 ranks, 8 per node"
-        + ("" if section == SECTION else f", window {args.window}")
-        + ")",
-        "",
-        (
-            f"Generated by `{cmd}` ({wall:.0f} s in all; {rev}; {machine}; planning "
-            "times are single-threaded Python on a shared machine, compare within one run). "
-            f"N={c['world_size']} ranks, {LOCAL_RANKS} per node ({c['world_size'] // LOCAL_RANKS} nodes), "
-            f"policy {c['policy']}, L={c['token_budget']}, window {c['window']}, depth {c['depth']}, {c['cost']} "
-            f"cost, {c['mode']} mode, file order. Each workload file (4,096 lengths) is repeated {args.repeat}x "
-            f"({4096 * args.repeat:,} samples, {4096 * args.repeat // c['world_size']} per rank) so ranks see "
-            "more than one window; both plans run on the same data and topology, node-blind's moves counted "
-            "under it."
-        ),
-        "",
-        table(HEADERS, rows),
-        "",
-        (
-            "- **cvl**: compute_vs_limit (the straggler-bound compute; Metrics above). **moved**: samples "
-            "trained off their home rank; **intra-node** / **cross-node**: of those, the ones that stay in / "
-            "leave their node (bytes: 8 x length, int32 input_ids + labels). **swaps**: group pairs swapped "
-            "across nodes so every step costs its level; **fallback**: rounds planned node-blind. "
-            "**plan s/round**: the coordinator's decide per round."
-        ),
-        "",
-        (
-            "Node-aware plan (`core/_balance.py`): each node groups, ranks and chooses its own K_n x T groups "
-            "(its ranks' quotas, so the progress bound holds per node), deficit nodes receive other nodes' "
-            "unchosen groups (fewest bytes first), padding outliers are pooled across nodes and the rest "
-            "regrouped per node under the smallest common capacity that fits, and a global cost sort sets "
-            "each step's level, kept by cross-node swaps (fewest samples first)."
-        ),
-        "",
-        "Targets (cvl within 0.02 of node-blind; >= 5x fewer cross-node samples):",
-        "",
-    ]
-    for name, d_cvl, ratio, bytes_ratio, n, pad in verdicts:
-        ok_cvl = abs(d_cvl) <= CVL_TOLERANCE or d_cvl < 0
-        ok_ratio = ratio >= CROSS_RATIO
-        body.append(
-            f"- {name}: cvl node-aware - node-blind = {d_cvl:+.3f} ({'met' if ok_cvl else 'MISSED'}); "
-            f"cross-node samples node-blind / node-aware = {ratio:.2f}x "
-            f"({'met' if ok_ratio else 'MISSED'}); cross-node bytes {bytes_ratio:.2f}x; padding "
-            f"efficiency of the first window grouped pooled vs per node: {pad[0]:.1%} vs {pad[1]:.1%}."
-        )
-    body += [
-        "",
-        (
-            f"Why cvl misses: padded cost. A node's window holds 1/{c['world_size'] // LOCAL_RANKS} of the pooled "
-            f"one, so a node-pure group of n samples spans n/{LOCAL_RANKS * c['window']:,} of the node's length "
-            f"distribution instead of n/{c['world_size'] * c['window']:,}: it pads more (efficiency above), a "
-            "round's K_n x T node-pure groups carry fewer tokens than node-blind's, more samples are left for "
-            "the tail, and the tail rounds cost the most per token. Pooling padding outliers across nodes "
-            "recovers part of it; closing the gap fully takes pooling most short samples, which moves more "
-            "than node-blind / 5. The level swaps buy cvl with cross-node moves (measured while building it "
-            "at window 32: sharegpt4o-like without them 8.4x fewer cross-node samples but cvl +0.13). An earlier "
-            "cut (node-blind's chosen samples, regrouped per node) measured cvl +0.023 / +0.165 with 1.18x / "
-            "1.33x fewer cross-node samples. Under an additive cost (packed) node-pure groups waste nothing, "
-            "so the gap should be smaller there (not measured). Hence `node_aware` is off by default: a job "
-            "turns it on where cross-node bytes cost more than a few percent of step time."
-        ),
-    ]
-    publish(section, body, args.no_write, args.docs, echo=True)
+    config = {**CONFIG, "local_ranks": LOCAL_RANKS, "repeat": args.repeat, "workloads": list(WORKLOADS)}
+    config.update(cvl_tolerance=CVL_TOLERANCE, cross_ratio=CROSS_RATIO)
+    config["command"] = command_line(__file__, argv)
+    finish(args, section, data, measures=MEASURES, config=config)
     return 0
 
 

@@ -36,18 +36,18 @@ Optionally (`--unary`, on by default) one `align_latency.py` run at 64 ranks (on
 Commit per rank per barrier, same clients) in the same script, for the ratio.
 
 "Off the critical path" (`--trainer-s`, default 20 s): 64 ranks as 8 agents x 8 using the real agent
-link (`batchd.service._node_link.NodeLink` + `LocalRankClient`). Each rank has a round loop like the
+link (`batchd.service.NodeLink` + `LocalRankClient`). Each rank has a round loop like the
 daemon's `RankServiceCore._round` (fill, wait until capacity = depth - ready > 0, report(capacity),
 align, apply, commit, finalize, append the steps to its ready queue) and a trainer thread that takes one
 batch from that queue every 50 ms, in lockstep with the others (step k at t0 + k x 50 ms on the clock
 the processes share, as DDP keeps trainers together). Measured after a warm-up: the share
 of trainer time spent waiting for a batch (queue empty), plus the fewest batches a trainer found ready.
 
-Results go to docs/benchmarks.md between `<!-- node-latency:begin -->` and `<!-- node-latency:end -->`.
+The result goes to benchmarks/results/node-latency.json (template: templates/node-latency.md.j2).
 
 Usage: python benchmarks/node_latency.py [--configs 8x8,64x8,128x8] [--rounds 300,150,80]
-       [--warmup 20] [--client-procs 2] [--trainer-s 20] [--no-unary] [--profile] [--no-write]
-       [--before REV]
+       [--warmup 20] [--client-procs 2] [--trainer-s 20] [--no-unary] [--profile] [--before REV]
+       [--out PATH] [--print]
 """
 
 from __future__ import annotations
@@ -69,18 +69,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import (
+from _report import (  # noqa: E402
     DEFAULT_WORKLOADS,
     REPO,
+    add_common_args,
+    command_line,
+    finish,
     format_profile,
     idle_share,
     merged_stats,
-    publish,
-    revision,
-    table,
 )
 
 SECTION = "node-latency"
+MEASURES = ("benchmarks/node_latency.py", "core", "proto", "service")
 BUDGET, WINDOW, DEPTH = 8192, 64, 8
 RING = 512  # pre-built samples per rank, used as a ring
 HEARTBEAT_S = 2.0
@@ -566,7 +567,7 @@ def trainers_main(
     go_at,
     out_q,
 ) -> None:
-    from batchd.service._node_link import NodeLink
+    from batchd.service import NodeLink
 
     spec = job_spec(world_size)
     data = rings([r for _, ranks in agents for r in ranks], world_size, pool)
@@ -695,6 +696,90 @@ def run_trainers(
 
 
 # -- driver ----------------------------------------------------------------------------------------
+PCT_KEYS = ("coord_ms", "own_ms", "client_ms", "span_ms", "compute_ms")
+HEADERS = ["agents x ranks", "N", "ranks per client proc", "rounds", "coord p50 ms", "coord p99 ms"]
+HEADERS += ["coord max ms", "coord-own p50 ms", "coord-own p99 ms", "client p99 ms", "span p50 ms"]
+HEADERS += ["slowest agent CPU p50 ms", "rounds/s", "coord CPU ms/round", "client CPU ms/round"]
+
+
+def summary(res: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A run without its per-round lists: `<name>_p50`, `_p99`, `_max` for each (`coord_ms` -> coord_p50)."""
+    if res is None:
+        return None
+    out = {k: v for k, v in res.items() if k not in PCT_KEYS and k != "profile"}
+    for key in PCT_KEYS:
+        if res.get(key):
+            name = key[: -len("_ms")]
+            out[f"{name}_p50"], out[f"{name}_p99"] = pct(res[key], 50), pct(res[key], 99)
+            out[f"{name}_max"] = max(res[key])
+    return out
+
+
+def node_row(s: dict[str, Any], label: str | None) -> list[object]:
+    return [f"{s['agents']} x {s['k']}", *([label] if label else []), s["N"]] + [
+        " + ".join(map(str, s["procs"])),
+        s["rounds"],
+        f"{s['coord_p50']:.1f}",
+        f"{s['coord_p99']:.1f}",
+        f"{s['coord_max']:.1f}",
+        f"{s['own_p50']:.2f}",
+        f"{s['own_p99']:.2f}",
+        f"{s['client_p99']:.1f}",
+        f"{s['span_p50']:.1f}",
+        f"{s['compute_p50']:.1f}",
+        f"{s['rounds_per_s']:.0f}",
+        f"{s['coord_cpu_per_round_ms']:.2f}",
+        " + ".join(f"{x:.1f}" for x in s["client_cpu_per_round_ms"]),
+    ]
+
+
+def _say(label: str, res: dict[str, Any]) -> None:
+    s = summary(res) or {}
+    print(
+        f"{label}: coord p50 {s['coord_p50']:.2f} p99 {s['coord_p99']:.2f} own p50 {s['own_p50']:.2f} "
+        f"cpu/round {res['coord_cpu_per_round_ms']:.2f} ms",
+        flush=True,
+    )
+
+
+def measure(args: argparse.Namespace, pool: list[int]) -> dict[str, Any]:
+    """Every run of the section: the configs (and `--before`'s), the unary run, the profile, trainers."""
+    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    rounds = [int(x) for x in args.rounds.split(",")]
+    rounds = (rounds * len(configs))[: len(configs)] if len(rounds) == 1 else rounds
+    runs, before = [], []
+    base = baseline_tree(args.before) if args.before else None
+    for (agents, k), n_rounds in zip(configs, rounds, strict=False):
+        if base is not None:
+            before.append(run_nodes(agents, k, pool, n_rounds, args.warmup, args.client_procs, base=base))
+            _say(f"before ({args.before}) {agents}x{k}", before[-1])
+        runs.append(run_nodes(agents, k, pool, n_rounds, args.warmup, args.client_procs))
+        _say(f"{agents}x{k}", runs[-1])
+    unary = None
+    if not args.no_unary:
+        import align_latency
+
+        unary = align_latency.run_once(64, pool, 150, 20, 2)
+    prof = None
+    if args.profile:
+        a, k = configs[0]
+        prof = run_nodes(a, k, pool, rounds[0], args.warmup, args.client_procs, profile=True)
+        print(prof["profile"], flush=True)
+    trainer = None
+    if args.trainer_s > 0:
+        trainer = run_trainers(8, 8, pool, args.trainer_s, args.trainer_warmup_s, args.client_procs)
+        print(f"trainers: waited {trainer['waited_s']:.3f} s, min ready {trainer['min_found']}", flush=True)
+    out = {"runs": [summary(r) for r in runs], "before": [summary(r) for r in before]}
+    out.update(unary=summary(unary), trainer=summary(trainer), profile=None)
+    if prof is not None:
+        site = str(Path(sys.prefix)) + "/lib/python3.11/site-packages/"
+        lines = [
+            ln.replace(str(REPO) + "/", "").replace(site, "").rstrip() for ln in prof["profile"].splitlines()
+        ]
+        out["profile"] = {**(summary(prof) or {}), "lines": [ln for ln in lines if ln.strip()]}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--configs", default="8x8,64x8,128x8", help="comma-separated AGENTSxRANKS_PER_AGENT")
@@ -717,349 +802,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile", action="store_true", help="also cProfile the coordinator at the first config"
     )
-    ap.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md alone")
     ap.add_argument(
         "--before",
         metavar="REV",
         help="also run the coordinator of revision REV (e.g. the last "
         "sync-gRPC one), interleaved with this tree's config by config, for a before/after table",
     )
+    add_common_args(ap)
     args = ap.parse_args(argv)
-    given = argv if argv is not None else sys.argv[1:]
-    cmd = "python benchmarks/node_latency.py" + (" " + " ".join(given) if given else "")
     from batchd import read_lengths
 
     pool = read_lengths(str(args.workloads / "odb-synthetic.txt"))
-    configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
-    rounds = [int(x) for x in args.rounds.split(",")]
-    rounds = (rounds * len(configs))[: len(configs)] if len(rounds) == 1 else rounds
-    rev = revision()
     idle0 = idle_share()
     t_all = time.perf_counter()
-    runs, before = [], []
-    base = baseline_tree(args.before) if args.before else None
-    for (agents, k), n_rounds in zip(configs, rounds, strict=False):
-        if base is not None:
-            res = run_nodes(agents, k, pool, n_rounds, args.warmup, args.client_procs, base=base)
-            before.append(res)
-            print(
-                f"before ({args.before}) {agents}x{k}: coord p50 {pct(res['coord_ms'], 50):.2f} "
-                f"p99 {pct(res['coord_ms'], 99):.2f} own p50 {pct(res['own_ms'], 50):.2f} "
-                f"cpu/round {res['coord_cpu_per_round_ms']:.2f} ms",
-                flush=True,
-            )
-        res = run_nodes(agents, k, pool, n_rounds, args.warmup, args.client_procs)
-        runs.append(res)
-        print(
-            f"{agents}x{k}: coord p50 {pct(res['coord_ms'], 50):.2f} p99 {pct(res['coord_ms'], 99):.2f} "
-            f"max {max(res['coord_ms']):.2f} own p50 {pct(res['own_ms'], 50):.2f} "
-            f"p99 {pct(res['own_ms'], 99):.2f} span p50 {pct(res['span_ms'], 50):.2f} "
-            f"cpu/round {res['coord_cpu_per_round_ms']:.2f} ms rounds/s {res['rounds_per_s']:.0f}",
-            flush=True,
-        )
-    unary = None
-    if not args.no_unary:
-        import align_latency
-
-        unary = align_latency.run_once(64, pool, 150, 20, 2)
-        print(
-            f"unary 64: coord p50 {pct(unary['coord_ms'], 50):.1f} p99 {pct(unary['coord_ms'], 99):.1f} "
-            f"cpu/round {unary['coord_cpu_per_round_ms']:.1f}",
-            flush=True,
-        )
-    prof = None
-    if args.profile:
-        a, k = configs[0]
-        prof = run_nodes(a, k, pool, rounds[0], args.warmup, args.client_procs, profile=True)
-        print(prof["profile"], flush=True)
-    trainer = None
-    if args.trainer_s > 0:
-        trainer = run_trainers(8, 8, pool, args.trainer_s, args.trainer_warmup_s, args.client_procs)
-        print(
-            f"trainers: waited {trainer['waited_s']:.3f} s of {trainer['trainer_s']:.0f} s, min ready "
-            f"{trainer['min_found']}, rounds/s {trainer['rounds_per_s']:.1f}",
-            flush=True,
-        )
-    wall = time.perf_counter() - t_all
-    idle1 = idle_share()
-    publish(
-        SECTION, render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer, before), args.no_write
-    )
-    return 0
-
-
-LIMITS = (
-    "What bounds these figures on this box: **coord** runs from a barrier's first message to its last "
-    "totals, so it holds the agents' skew (their finalize/fill/report/apply share the 2 cores and their "
-    "processes' GILs with the coordinator); **coord-own** is the coordinator's part once the last message is "
-    "in, and its CPU per round is what a dedicated coordinator core would spend. At 512 and 1,024 ranks the "
-    "two client processes need more CPU per round than the box has between rounds, so coord there is "
-    "mostly client time."
-)
-
-OPTIMIZED = (
-    "**grpc.aio (this revision).** The coordinator serves on one asyncio event loop: a `Node` stream is an "
-    "async generator, a barrier an awaited future per waiter that the message completing the barrier "
-    "resolves on the loop (no thread per stream, no hand-off of every message between a handler thread and "
-    "the server's poller, no `notify_all` waking every handler). Decision and totals replies that every "
-    "agent gets are serialized once per round and handed to gRPC as bytes. Commits are read as lazy "
-    "`WireStep`s: the repeated fields are copied to lists and summed in C, and the core adds those per-rank "
-    "sums (`Coordinator.commit(..., sums=)`) instead of a Python generator over every sample (the "
-    "per-sample pairs were ~40% of coordinator CPU at 512 ranks). Figures: the before/after rows above. "
-    "What remains is mostly per message: gRPC's own (Cython) receive/send path, the asyncio loop and "
-    "the kernel's socket work, about two thirds of the coordinator's CPU at 64 ranks (batchd's own message "
-    "conversion and barrier logic measured ~3 ms of ~8-9 ms per round with per-function thread-CPU timers).\n\n"
-    "**Earlier (commit cbb92f0).** "
-    "A cProfile of the coordinator at 8 x 8 put batchd's largest own cost in `wire.commit_from_pb` (a "
-    "per-sample generator with `int()` per field: ~2 ms of the ~8 ms of coordinator CPU per round), then "
-    "the core's `commit` (~0.8 ms; sums over every rank's samples) and the per-rank `_touch`. Changed "
-    "(commit cbb92f0): `commit_from_pb` pairs the repeated fields with `zip` in C (same values; ~2x "
-    "faster), and `align_many`/`commit_many` touch a message's ranks with one clock read. Measured at "
-    "8 x 8 with 250 rounds, runs interleaved old/new/old/new on the shared box (load average 8-11 from "
-    "other jobs, so latency percentiles swing 3x between identical runs): coordinator CPU per round "
-    "9.0 / 9.0 ms before, 8.0 / 7.4 ms after (-15%); coord p50 17.8 / 19.0 ms before, 20.9 / 11.5 ms after "
-    "(noise-dominated). The rest of the coordinator's CPU is gRPC Python's per-message work on a sync "
-    "stream (each received and each sent message is a hand-off between the handler thread and the "
-    "server's polling thread) and the barrier waking every node's handler; neither shrinks without "
-    "moving the Node stream off sync gRPC (grpc.aio or a native coordinator): the change above."
-)
-
-
-def render(args, cmd, rev, wall, idle0, idle1, runs, unary, prof, trainer, before=()) -> list[str]:
+    data = measure(args, pool)
     import grpc
 
-    machine = (
+    data.update(wall_s=time.perf_counter() - t_all, idle_before=idle0, idle_after=idle_share())
+    data["grpcio"] = grpc.__version__
+    data["machine"] = (
         f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
         f"shared by the coordinator and the client processes, {platform.machine()}"
     )
-    headers = [
-        "agents x ranks",
-        "N",
-        "ranks per client proc",
-        "rounds",
-        "coord p50 ms",
-        "coord p99 ms",
-        "coord max ms",
-        "coord-own p50 ms",
-        "coord-own p99 ms",
-        "client p99 ms",
-        "span p50 ms",
-        "slowest agent CPU p50 ms",
-        "rounds/s",
-        "coord CPU ms/round",
-        "client CPU ms/round",
-    ]
-    if before:
-        headers.insert(1, "coordinator")
-        label = {id(r): f"before: sync ({args.before})" for r in before}
-        ordered = [r for pair in zip(before, runs, strict=False) for r in pair]
-    else:
-        label, ordered = {}, runs
-    rows = []
-    for r in ordered:
-        server = [label.get(id(r), "after: grpc.aio")] if before else []
-        rows.append(
-            [
-                f"{r['agents']} x {r['k']}",
-                *server,
-                r["N"],
-                " + ".join(map(str, r["procs"])),
-                r["rounds"],
-                *(f"{pct(r[key], q):.1f}" for key, q in (("coord_ms", 50), ("coord_ms", 99))),
-                f"{max(r['coord_ms']):.1f}",
-                *(f"{pct(r[key], q):.2f}" for key, q in (("own_ms", 50), ("own_ms", 99))),
-                f"{pct(r['client_ms'], 99):.1f}",
-                f"{pct(r['span_ms'], 50):.1f}",
-                f"{pct(r['compute_ms'], 50):.1f}",
-                f"{r['rounds_per_s']:.0f}",
-                f"{r['coord_cpu_per_round_ms']:.2f}",
-                " + ".join(f"{x:.1f}" for x in r["client_cpu_per_round_ms"]),
-            ]
-        )
-    body = [
-        "## Alignment round latency with node agents (one Node stream per host, loopback)",
-        "",
-        (
-            f"Generated by `{cmd}` ({wall:.0f} s in all; {rev}; {machine}; grpcio {grpc.__version__}; CPU idle "
-            f"{idle0:.0%} in the 3 s before, {idle1:.0%} in the 3 s after). "
-            "Machine note: 2 shared cores, noisy; compare figures within one run."
-        ),
-        "",
-        (
-            "**How the agents are simulated.** The coordinator is the real gRPC server (`create_server`: "
-            "grpc.aio, one event loop; "
-            + (
-                f"the *before* rows run revision {args.before}'s sync-gRPC coordinator in the same harness, "
-                "config by config just before the *after* row"
-                if before
-                else ""
-            )
-            + ") in its own process. Each node agent is a *light client*: one thread holding its K "
-            f"`RankState`s (policy local, window {WINDOW}, depth {DEPTH}, L={BUDGET}, padded cost, join mode, "
-            "lengths from odb-synthetic, pre-built and `gc.freeze()`d) that speaks `Coordinator.Node` itself: "
-            "one stream per agent on its own channel and TCP connection (local subchannel pool), hello, then "
-            "per round one NodeAlign with its K reports, `apply` x K, one NodeCommit with K commits, "
-            "`finalize` x K; every round offers capacity "
-            f"{DEPTH}. One heartbeat thread per client process sends each agent's node heartbeat "
-            f"(`HeartbeatRequest.ranks`) every {HEARTBEAT_S:g} s. The agent threads are spread round-robin "
-            f"over **{args.client_procs} client processes**; the coordinator and the client processes share "
-            f"the 2 cores. {args.warmup} warm-up rounds are discarded per config. No rank service, no data "
-            "plane: this measures the coordination path only."
-        ),
-        "",
-        (
-            "- **coord**: `CoordinatorState.latencies_ms` (= `Status().round_latency_ms`): first NodeAlign "
-            "received -> round totals decided. It includes the agents' skew: on this box the slowest agent's "
-            "own Python work (finalize, fill, report and apply of its K ranks, sharing a GIL with the other "
-            "agents of its process) lies between the first and the last message of a barrier."
-        ),
-        (
-            "- **coord-own**: what the coordinator adds once a barrier's last message is in: last NodeAlign "
-            "taken by its stream handler -> last decision handed back to gRPC, plus the same for the commit "
-            "(timestamps from a wrapper around `CoordinatorServicer.Node` in the coordinator process)."
-        ),
-        (
-            "- **client**: per agent, NodeAlign sent -> totals received, max over agents; **span**: first "
-            "NodeAlign sent anywhere -> last totals received anywhere. **slowest agent CPU**: the agent "
-            "thread's own work per round (outside the stream)."
-        ),
-        (
-            "- **coord CPU ms/round**: coordinator process CPU (user+sys) from the warm-up's last totals to the "
-            "last measured totals, / rounds. **client CPU**: per client process."
-        ),
-        "",
-        table(headers, rows),
-        "",
-    ]
-    by_n = {r["N"]: r for r in runs}
-    verdicts = []
-    if 64 in by_n:
-        c99 = pct(by_n[64]["coord_ms"], 99)
-        verdicts.append(
-            f"p99 <= {TARGET_64_MS:g} ms at 64 ranks (8 x 8): "
-            f"{'met' if c99 <= TARGET_64_MS else '**not met**'} (coordinator p99 {c99:.1f} ms)"
-        )
-    if 512 in by_n:
-        c99 = pct(by_n[512]["coord_ms"], 99)
-        verdicts.append(
-            f"p99 <= {TARGET_512_MS:g} ms at 512 ranks (64 x 8): "
-            f"{'met' if c99 <= TARGET_512_MS else '**not met**'} (coordinator p99 {c99:.1f} ms)"
-        )
-    if verdicts:
-        body += ["Targets (issue): " + "; ".join(verdicts) + ".", ""]
-    if before:
-        parts = []
-        for b, a in zip(before, runs, strict=False):
-            parts.append(
-                f"{a['agents']} x {a['k']}: coord p50 {pct(b['coord_ms'], 50):.1f} -> {pct(a['coord_ms'], 50):.1f} ms, "
-                f"p99 {pct(b['coord_ms'], 99):.1f} -> {pct(a['coord_ms'], 99):.1f} ms, coord-own p50 "
-                f"{pct(b['own_ms'], 50):.2f} -> {pct(a['own_ms'], 50):.2f} ms, CPU per round "
-                f"{b['coord_cpu_per_round_ms']:.2f} -> {a['coord_cpu_per_round_ms']:.2f} ms "
-                f"({a['coord_cpu_per_round_ms'] / max(b['coord_cpu_per_round_ms'], 1e-9) - 1:+.0%})"
-            )
-        body += [
-            f"**Before (sync gRPC, {args.before}) -> after (grpc.aio)**, same run: " + "; ".join(parts) + ".",
-            "",
-        ]
-        body += [LIMITS, ""]
-    if unary is not None and 64 in by_n:
-        n64 = by_n[64]
-        body += [
-            (
-                f"**Against one unary call per rank** (same script, `align_latency.run_once` at 64 ranks, "
-                f"{unary['rounds']} rounds, 2 client processes): coord p50 {pct(unary['coord_ms'], 50):.1f} ms, "
-                f"p99 {pct(unary['coord_ms'], 99):.1f} ms, {unary['coord_cpu_per_round_ms']:.1f} ms of coordinator "
-                f"CPU per round; with 8 agents x 8 ranks: p50 {pct(n64['coord_ms'], 50):.1f} ms, "
-                f"p99 {pct(n64['coord_ms'], 99):.1f} ms, {n64['coord_cpu_per_round_ms']:.2f} ms of CPU per round "
-                f"(x{pct(unary['coord_ms'], 99) / max(pct(n64['coord_ms'], 99), 1e-9):.0f} on p99, "
-                f"x{unary['coord_cpu_per_round_ms'] / max(n64['coord_cpu_per_round_ms'], 1e-9):.0f} on CPU)."
-            ),
-            "",
-        ]
-    if trainer is not None:
-        frac = trainer["waited_s"] / trainer["trainer_s"]
-        lat = trainer["coord_ms"]
-        body += [
-            "### Off the critical path: trainers stepping every 50 ms",
-            "",
-            (
-                f"{trainer['N']} ranks as {trainer['agents']} agents x {trainer['k']}, each agent the real "
-                "`NodeLink` (`service/_node_link.py`) with a `LocalRankClient` per rank, spread over "
-                f"{len(trainer['procs'])} client processes ({' + '.join(map(str, trainer['procs']))} ranks). "
-                "Each rank has a round loop like `RankServiceCore._round` (fill; wait until capacity = depth - "
-                f"ready > 0; report(capacity); align; apply; commit; finalize; the steps join its ready queue, "
-                f"depth {DEPTH}) and a trainer thread that takes one batch, then trains for {1000 * STEP_S:.0f} ms "
-                "(a sleep), in lockstep: trainer step k starts at the same moment on every rank (t0 + k x "
-                f"{1000 * STEP_S:.0f} ms on the shared monotonic clock), as DDP's all-reduce keeps trainers together. "
-                f"After {trainer['warmup_s']:g} s of warm-up, over {trainer['seconds']:g} s:"
-            ),
-            "",
-            table(
-                [
-                    "trainer steps",
-                    "time waiting for a batch",
-                    "share of trainer time",
-                    ("fewest batches ready at a take"),
-                    "median ready at a take",
-                    "rounds/s",
-                    "coord p50 ms",
-                    "coord p99 ms",
-                    "coord CPU (share of a core)",
-                ],
-                [
-                    [
-                        trainer["steps"],
-                        f"{trainer['waited_s'] * 1000:.1f} ms",
-                        f"{frac:.4%}",
-                        trainer["min_found"],
-                        trainer["found_p50"],
-                        f"{trainer['rounds_per_s']:.1f}",
-                        f"{pct(lat, 50):.1f}",
-                        f"{pct(lat, 99):.1f}",
-                        f"{trainer['coord_cpu_share']:.0%}",
-                    ]
-                ],
-            ),
-            "",
-            (
-                f"Target (issue): trainer time spent waiting on alignment is 0: "
-                f"{'met' if trainer['waited_s'] == 0 else '**not met**'} (measured share {frac:.4%}; a wait counts "
-                "only when a trainer found its ready queue empty). "
-                + (
-                    "The ready queue never ran dry: a round (T = min capacity over the ranks, usually 1 here) "
-                    "refills a slot within a few ms of a trainer freeing it, while the queue holds up to "
-                    f"{DEPTH} steps of {1000 * STEP_S:.0f} ms of slack."
-                    if trainer["min_found"] > 0
-                    else "Some trainer found its queue empty at least once: alignment reached the critical path."
-                )
-            ),
-            "",
-        ]
-    body += [
-        "### What was optimized (before/after)",
-        "",
-        OPTIMIZED,
-        "",
-    ]
-    if prof is not None:
-        lines = [
-            ln.replace(str(REPO) + "/", "").rstrip()
-            for ln in prof["profile"].strip().splitlines()
-            if ln.strip()
-        ]
-        site = str(Path(sys.prefix)) + "/lib/python3.11/site-packages/"
-        body += [
-            (
-                f"### cProfile of the coordinator at {prof['agents']} x {prof['k']} ({prof['rounds']} rounds, "
-                f"{prof['profiled_threads']} threads, top 16 by own CPU time)"
-            ),
-            "",
-            "```",
-            *[ln.replace(site, "") for ln in lines],
-            "```",
-            "",
-        ]
-    return body
+    label = f"before: sync ({args.before})"
+    pairs = list(zip(data["before"], data["runs"], strict=False))
+    ordered = [(r, lab) for b, a in pairs for r, lab in ((b, label), (a, "after: grpc.aio"))]
+    data["headers"] = HEADERS[:1] + ["coordinator"] + HEADERS[1:] if pairs else HEADERS
+    data["rows"] = (
+        [node_row(r, lab) for r, lab in ordered] if pairs else [node_row(r, None) for r in data["runs"]]
+    )
+    config = {"command": command_line(__file__, argv), "configs": args.configs, "rounds": args.rounds}
+    config.update(warmup=args.warmup, client_procs=args.client_procs, trainer_s=args.trainer_s)
+    config.update(before=args.before, budget=BUDGET, window=WINDOW, depth=DEPTH, heartbeat_s=HEARTBEAT_S)
+    config.update(step_ms=1000 * STEP_S, target_64_ms=TARGET_64_MS, target_512_ms=TARGET_512_MS)
+    finish(args, SECTION, data, measures=MEASURES, config=config)
+    return 0
 
 
 if __name__ == "__main__":

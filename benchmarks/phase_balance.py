@@ -18,9 +18,10 @@ spec but `phases` 1 and 2 (the LLM plan is the same; phases=2 adds the vision ex
 
 The workload is repeated (ids stay distinct) so that 64 ranks get as many steps as 8. Targets (the
 issue's): two-phase <= 1.05 in both phases, and the LLM phase no worse than single-phase by > 0.01.
-Results go to docs/benchmarks.md between `<!-- phase-balance:begin -->` and `<!-- phase-balance:end -->`.
+The result goes to benchmarks/results/phase-balance.json (template: templates/phase-balance.md.j2).
 
-Usage: python benchmarks/phase_balance.py [--workloads DIR] [--docs FILE] [--no-write] [--ranks 8 64]
+Usage: python benchmarks/phase_balance.py [--workloads DIR] [--ranks 8 64] [--limit N] [--out PATH]
+       [--print]
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DOCS, publish, revision, table
+from _report import add_common_args, command_line, finish  # noqa: E402
 
-from batchd import read_workload
-from batchd.core import JobSpec, Sample, _phases, imbalance, plan_vision, simulate
-from batchd.core._phases import ACCEPT
+from batchd import read_workload  # noqa: E402
+from batchd.core import JobSpec, Sample, _phases, imbalance, plan_vision, simulate  # noqa: E402
+from batchd.core._phases import ACCEPT  # noqa: E402  (private: the first-committed planner replay)
 
 SECTION = "phase-balance"
+MEASURES = ("benchmarks/phase_balance.py", "core")
 WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
 WORKLOADS = ("llava-like", "sharegpt4o-like", "bimodal")
 RANKS = (8, 64)
@@ -189,133 +191,26 @@ def verdict(r: dict) -> str:
     )
 
 
-def render(results: Sequence[dict], seconds: float) -> list[str]:
+HEADERS_OLD = ["workload", "N", "vision before", "vision after", "bound whole", "intra img before"]
+HEADERS_OLD += ["intra img after", "cross img before", "cross img after", "plan ms before", "plan ms after"]
+
+
+def table_rows(results: Sequence[dict]) -> tuple[list[list[object]], list[list[object]]]:
+    """The two tables' cells: per-phase imbalance and exchanges, and the planner before / after."""
     rows = [
-        [
-            r["workload"],
-            r["N"],
-            r["steps"],
-            f"{r['img_per_step']:.0f}",
-            r["vision_single"],
-            r["vision_two"],
-            r["vision_bound"],
-            r["vision_whole"],
-            r["llm_single"],
-            r["llm_two"],
-            f"{r['intra_images']:.1f}",
-            f"{r['cross_images']:.1f}",
-            f"{r['intra_rows']:.0f}",
-            f"{r['cross_rows']:.0f}",
-            f"{r['plan_ms']:.2f}",
-            f"{r['plan_p99_ms']:.2f}",
-        ]
+        [r["workload"], r["N"], r["steps"], f"{r['img_per_step']:.0f}", r["vision_single"], r["vision_two"]]
+        + [r["vision_bound"], r["vision_whole"], r["llm_single"], r["llm_two"]]
+        + [f"{r['intra_images']:.1f}", f"{r['cross_images']:.1f}", f"{r['intra_rows']:.0f}"]
+        + [f"{r['cross_rows']:.0f}", f"{r['plan_ms']:.2f}", f"{r['plan_p99_ms']:.2f}"]
         for r in results
     ]
     old = [
-        [
-            r["workload"],
-            r["N"],
-            r["old"]["vision"],
-            r["vision_two"],
-            r["vision_whole"],
-            f"{r['old']['intra']:.1f}",
-            f"{r['intra_images']:.1f}",
-            f"{r['old']['cross']:.1f}",
-            f"{r['cross_images']:.1f}",
-            f"{r['old']['plan_ms']:.2f}",
-            f"{r['plan_ms']:.2f}",
-        ]
+        [r["workload"], r["N"], r["old"]["vision"], r["vision_two"], r["vision_whole"]]
+        + [f"{r['old']['intra']:.1f}", f"{r['intra_images']:.1f}", f"{r['old']['cross']:.1f}"]
+        + [f"{r['cross_images']:.1f}", f"{r['old']['plan_ms']:.2f}", f"{r['plan_ms']:.2f}"]
         for r in results
     ]
-    cfg = ", ".join(f"{k}={v}" for k, v in CONFIG.items())
-    lines = [
-        "## Two-phase balancing (vision encoder + LLM)",
-        "",
-        (
-            f"`python benchmarks/phase_balance.py` ({revision()}, {platform.python_implementation()} "
-            f"{platform.python_version()}, {seconds:.0f} s). Workloads: `benchmarks/workloads/*.csv` "
-            f"(docs/workloads.md), repeated N / 8 times; {LOCAL_RANKS} ranks per node; {cfg}; vision cost "
-            f"patches + patches^2 / {JobSpec(world_size=1, token_budget=1).vision_quadratic} per image."
-        ),
-        "",
-        (
-            "Imbalance = mean over steps of max / mean rank cost (1.0 = every rank equally loaded); the vision "
-            "means skip steps without images. Bounds (means over steps of a per-step lower bound / (C / N); no "
-            "plan can beat them): **max(C/N,c)** = max(C / N, max c); **whole** = `vision_bound`, which adds "
-            "that an image is encoded whole on one rank (of the kN + 1 costliest images some rank encodes "
-            "k + 1). The LLM plan is the same in "
-            "both runs, so its two columns must agree. Exchanged: images (and embedding rows = image tokens) "
-            "encoded on another rank than their LLM sample's, per step. plan ms/step: `plan_vision` on each "
-            f"step's row (the least of {TIMING_REPEATS} runs), mean and p99."
-        ),
-        "",
-        table(HEADERS, rows),
-        "",
-        (
-            "The planner before and after this section's change (`core/_phases.py`), on the same steps: "
-            "**before** = as first committed (keep-first greedy, first fitting `SLACKS` cap); **after** = "
-            "bisection of the cap between the last failing and first fitting slack, and a one-pass greedy "
-            "(LPT order, own rank first) searched the same way unless keep-first is already within `ACCEPT` "
-            f"({ACCEPT:.0%}) of the bound, the plan of lower peak kept (ties: keep-first)."
-        ),
-        "",
-        table(
-            [
-                "workload",
-                "N",
-                "vision before",
-                "vision after",
-                "bound whole",
-                "intra img before",
-                "intra img after",
-                "cross img before",
-                "cross img after",
-                "plan ms before",
-                "plan ms after",
-            ],
-            old,
-        ),
-        "",
-        f"Targets (two-phase <= {TARGET} in both phases; LLM no worse than single-phase by > {LLM_TOLERANCE}):",
-        "",
-    ]
-    lines += [f"- {r['workload']}, N={r['N']}: {verdict(r)}" for r in results]
-    lines += ["", "Findings:", ""]
-    for r in results:
-        if r["vision_two"] > TARGET and r["vision_whole"] > TARGET:
-            lines.append(
-                f"- {r['workload']}, N={r['N']}: the vision target is out of reach, not missed by the "
-                f"planner: the mean lower bound is already {r['vision_whole']:.3f} > {TARGET} (whole "
-                f"images: {r['img_per_step']:.0f} images per step on {r['N']} ranks, so some rank "
-                f"encodes one more image than the mean), and the plan is at "
-                f"{r['vision_two'] - r['vision_whole']:+.3f} from it."
-            )
-        elif r["vision_two"] > TARGET:
-            lines.append(
-                f"- {r['workload']}, N={r['N']}: vision missed with the bound at {r['vision_whole']:.3f}: "
-                f"the planner leaves {r['vision_two'] - r['vision_whole']:.3f} on the table."
-            )
-    llm_missed = [
-        f"{r['workload']} N={r['N']} ({r['llm_two']:.3f})" for r in results if r["llm_two"] > TARGET
-    ]
-    same = all(r["llm_two"] == r["llm_single"] for r in results)
-    if llm_missed:
-        lines.append(
-            f"- LLM phase above {TARGET}: {', '.join(llm_missed)}. Two-phase balancing does not change "
-            f"the LLM plan ({'identical' if same else 'NOT identical'} columns): this is the `balanced` "
-            "plan's own per-step spread under the padded cost model (whole samples, a round's "
-            "groups dealt to ranks), the same with phases=1; it is outside the vision planner's reach."
-        )
-    lines.append(
-        "- The after planner exchanges more images than the before one where it matters (sharegpt4o-like: "
-        "the one-pass greedy wins most steps and moves about twice as many, cross-node too) and plans "
-        "slower (two greedy searches and the bisection). Without `ACCEPT` it also took the one-pass plan "
-        "on bimodal for 1.016 -> 1.008 at 2.3x the cross-node images and 4x the plan time; with it, a "
-        "keep-first plan within 2% of the bound stands. Plan ms columns: `plan_vision` per step, before "
-        "replayed from `core._phases` internals, with today's heap-based greedy, so faster than the code "
-        "as first committed."
-    )
-    return lines
+    return rows, old
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -326,24 +221,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=WORKLOADS_DIR,
         help=f"folder of the *.csv workloads (default {WORKLOADS_DIR})",
     )
-    ap.add_argument("--docs", type=Path, default=DOCS, help=f"Markdown file to update (default {DOCS})")
     ap.add_argument(
         "--ranks", type=int, nargs="+", default=list(RANKS), help=f"world sizes (default {RANKS})"
     )
-    ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--limit", type=int, default=None, help="use only each workload's first N samples")
+    add_common_args(ap)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     results = []
     for name in WORKLOADS:
-        samples = read_workload(args.workloads / f"{name}.csv")
+        samples = read_workload(args.workloads / f"{name}.csv")[: args.limit]
         for n in args.ranks:
             r = measure(name, samples, n)
             print(
                 f"{name} N={n}: {verdict(r)}; plan {r['plan_ms']:.2f} ms/step (p99 {r['plan_p99_ms']:.2f})",
                 file=sys.stderr,
             )
+            r["vision_met"], r["llm_met"] = r["vision_two"] <= TARGET, r["llm_two"] <= TARGET
+            r["llm_no_worse"] = r["llm_two"] <= r["llm_single"] + LLM_TOLERANCE
             results.append(r)
-    publish(SECTION, render(results, time.perf_counter() - t0), args.no_write, args.docs, echo=True)
+    rows, old = table_rows(results)
+    data = {"headers": HEADERS, "rows": rows, "headers_old": HEADERS_OLD, "rows_old": old}
+    data.update(results=results, wall_s=time.perf_counter() - t0, python=platform.python_version())
+    data["llm_identical"] = all(r["llm_two"] == r["llm_single"] for r in results)
+    config = {"command": command_line(__file__, argv), "ranks": args.ranks, "limit": args.limit}
+    config.update(workloads=list(WORKLOADS), local_ranks=LOCAL_RANKS, target=TARGET)
+    config["spec"] = list(CONFIG.items())  # in this order (the JSON sorts a dict's keys)
+    config.update(llm_tolerance=LLM_TOLERANCE, timing_repeats=TIMING_REPEATS, accept=ACCEPT)
+    config["vision_quadratic"] = JobSpec(world_size=1, token_budget=1).vision_quadratic
+    finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
 
 

@@ -18,9 +18,10 @@ MB/s (message bytes on the wire / s) and tokens/s. Wire bytes per batch are the 
 gRPC adds 5 bytes of message framing plus HTTP/2 frame headers. CPU seconds per batch of the service
 and client processes come from `os.times()` in each over the same window.
 
-Results go to docs/benchmarks.md between `<!-- rank-service:begin -->` and `<!-- rank-service:end -->`.
+The result goes to benchmarks/results/rank-service.json (template: templates/rank-service.md.j2).
 
-Usage: python benchmarks/rank_service_throughput.py [--samples 40000] [--credits 2,4,8] [--no-write]
+Usage: python benchmarks/rank_service_throughput.py [--samples 40000] [--credits 2,4,8] [--no-profile]
+       [--out PATH] [--print]
 """
 
 from __future__ import annotations
@@ -37,9 +38,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DEFAULT_WORKLOADS, format_profile, idle_share, merged_stats, publish, revision, table  # noqa: E402
+from _report import (  # noqa: E402
+    DEFAULT_WORKLOADS,
+    REPO,
+    add_common_args,
+    command_line,
+    finish,
+    format_profile,
+    idle_share,
+    merged_stats,
+)
 
 SECTION = "rank-service"
+MEASURES = ("benchmarks/rank_service_throughput.py", "core", "proto", "service", "client")
+# The modules whose cumulative share of the service's CPU the profile reports.
+PROFILED = ("_sources.py", "_collate.py", "wire.py", "_rank_service.py", "_rank_server.py")
 BUDGET, WINDOW, DEPTH = 8192, 512, 8
 # The GPU step this is compared with: a ~100M-parameter model on 8k tokens.
 PARAMS, PEAK_TFLOPS, MFU = 1e8, 989.0, 0.5
@@ -84,7 +97,7 @@ def service_main(conn, lengths: list[int], samples: int, profile: bool = False) 
 
         threading.setprofile(install)
 
-    from batchd.client import _collate  # noqa: F401 - import torch now, not in the first round
+    import torch  # noqa: F401 - import torch now (the collation needs it), not in the first round
 
     spec = job_spec(samples)
     cserver, cport, cstate = create_server("127.0.0.1:0", spec)
@@ -95,8 +108,8 @@ def service_main(conn, lengths: list[int], samples: int, profile: bool = False) 
     sizes: list[tuple[int, int, int]] = []  # (message bytes, tensor bytes, padded tokens)
     orig_batch = core._batch
 
-    def batch(step, payloads):
-        msg = orig_batch(step, payloads)
+    def batch(step, payloads, *rest):  # rest: the images of a two-phase step (today's signature)
+        msg = orig_batch(step, payloads, *rest)
         sizes.append(
             (
                 msg.ByteSize(),
@@ -128,9 +141,7 @@ def service_main(conn, lengths: list[int], samples: int, profile: bool = False) 
             total = sum(row[2] for row in stats.stats.values()) or 1.0
             cum = {}
             for (filename, _line, func), row in stats.stats.items():
-                if filename.endswith(
-                    ("_sources.py", "_collate.py", "wire.py", "_rank_service.py", "_rank_server.py")
-                ):
+                if filename.endswith(PROFILED):
                     cum[f"{Path(filename).name}:{func}"] = row[3] / total
             out["profile_cum"] = sorted(cum.items(), key=lambda kv: -kv[1])[:9]
     conn.send(out)
@@ -159,7 +170,7 @@ def run_once(
         real = 0
         t0 = c0 = None
         t_first = time.perf_counter()
-        for batch, info in client:
+        for _batch, info in client:
             n += 1
             real += info.local_tokens
             if n == warmup:
@@ -207,6 +218,32 @@ def run_once(
     }
 
 
+HEADERS = ["credits", "batches", "s", "batches/s", "MB/s", "padded Mtok/s", "real Mtok/s", "KB/batch"]
+HEADERS += ["max KB/batch", "service CPU ms/batch", "client CPU ms/batch", "service cores", "client cores"]
+HEADERS += ["vs GPU step rate"]
+
+
+def _row(r: dict[str, Any], need: float) -> list[object]:
+    return [r["credits"], r["measured"], f"{r['seconds']:.1f}", f"{r['batches_per_s']:.0f}"] + [
+        f"{r['mb_per_s']:.0f}",
+        f"{r['padded_tokens_per_s'] / 1e6:.2f}",
+        f"{r['real_tokens_per_s'] / 1e6:.2f}",
+        f"{r['bytes_per_batch'] / 1e3:.0f}",
+        f"{r['max_bytes_per_batch'] / 1e3:.0f}",
+        f"{r['service_cpu_ms_per_batch']:.2f}",
+        f"{r['client_cpu_ms_per_batch']:.2f}",
+        f"{r['service_cores']:.2f}",
+        f"{r['client_cores']:.2f}",
+        f"{r['batches_per_s'] / need:.1f}x",
+    ]
+
+
+def _profile_lines(text: str) -> list[str]:
+    site = str(Path(sys.prefix)) + "/lib/python3.11/site-packages/"
+    lines = (ln.replace(str(REPO) + "/", "").replace(site, "").rstrip() for ln in text.strip().splitlines())
+    return [ln for ln in lines if ln.strip()]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
@@ -218,10 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=20, help="batches before the clock starts")
     ap.add_argument("--workloads", type=Path, default=DEFAULT_WORKLOADS)
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile run of the service")
-    ap.add_argument("--no-write", action="store_true")
+    add_common_args(ap)
     args = ap.parse_args(argv)
-    raw = argv if argv is not None else sys.argv[1:]
-    cmd = "python benchmarks/rank_service_throughput.py" + (" " + " ".join(raw) if raw else "")
     from batchd import read_lengths
 
     lengths = read_lengths(str(args.workloads / "odb-synthetic.txt"))
@@ -236,122 +271,25 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_profile:
         prof = run_once(lengths, max(args.samples // 3, 4000), runs[0]["credits"], args.warmup, profile=True)
         print(prof["profile"], flush=True)
+        prof["profile_lines"] = _profile_lines(prof.pop("profile"))
     wall = time.perf_counter() - t_all
-    idle1 = idle_share()
-
     step_flop = 6 * PARAMS * BUDGET
     step_s = step_flop / (PEAK_TFLOPS * 1e12 * MFU)
     need = 1 / step_s
-    best = max(r["batches_per_s"] for r in runs)
-    worst = min(r["batches_per_s"] for r in runs)
-    rows = [
-        [
-            r["credits"],
-            r["measured"],
-            f"{r['seconds']:.1f}",
-            f"{r['batches_per_s']:.0f}",
-            f"{r['mb_per_s']:.0f}",
-            f"{r['padded_tokens_per_s'] / 1e6:.2f}",
-            f"{r['real_tokens_per_s'] / 1e6:.2f}",
-            f"{r['bytes_per_batch'] / 1e3:.0f}",
-            f"{r['max_bytes_per_batch'] / 1e3:.0f}",
-            f"{r['service_cpu_ms_per_batch']:.2f}",
-            f"{r['client_cpu_ms_per_batch']:.2f}",
-            f"{r['service_cores']:.2f}",
-            f"{r['client_cores']:.2f}",
-            f"{r['batches_per_s'] / need:.1f}x",
-        ]
-        for r in runs
-    ]
-    headers = [
-        "credits",
-        "batches",
-        "s",
-        "batches/s",
-        "MB/s",
-        "padded Mtok/s",
-        "real Mtok/s",
-        "KB/batch",
-        "max KB/batch",
-        "service CPU ms/batch",
-        "client CPU ms/batch",
-        "service cores",
-        "client cores",
-        "vs GPU step rate",
-    ]
-    r0 = runs[0]
-    machine = (
+    for r in runs:
+        r.pop("profile"), r.pop("profile_cum")
+    data = {"headers": HEADERS, "rows": [_row(r, need) for r in runs], "runs": runs, "profile": prof}
+    data.update(wall_s=wall, idle_before=idle0, idle_after=idle_share(), need_per_s=need)
+    data.update(step_tflop=step_flop / 1e12, step_ms=1000 * step_s)
+    data["best"], data["worst"] = max(r["batches_per_s"] for r in runs), min(r["batches_per_s"] for r in runs)
+    data["machine"] = (
         f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
         f"shared by the service and client processes, {platform.machine()}"
     )
-    body = [
-        "## Rank service delivery rate (one rank, trainer doing nothing)",
-        "",
-        f"Generated by `{cmd}` ({wall:.0f} s in all; {revision()}; {machine}; "
-        f"CPU idle {idle0:.0%} in the 3 s before, {idle1:.0%} in the 3 s after). "
-        "Machine note: 2 shared cores, noisy; compare figures within one run.",
-        "",
-        f"One rank service (world size 1; coordinator server in the same process, its own process) over "
-        f"the odb-synthetic lengths (4096 samples, wrapping; non-join quota {args.samples:,} samples), "
-        f"L={BUDGET}, policy local, window {WINDOW}, depth {DEPTH}, **padded** collation (4 int64 tensors "
-        f"[B, T]: input_ids, attention_mask, labels, position_ids). The trainer is a `BatchClient` in "
-        f"the parent process that only iterates (it still decodes each batch into torch tensors). "
-        f"Figures from batch {args.warmup} to the last; the service's per-batch work includes "
-        "materializing the synthetic payloads, the alignment round, collation and protobuf encoding.",
-        "",
-        "- **KB/batch**: the exact protobuf `Batch` size (`ByteSize()`, measured in the service) = bytes "
-        "on the wire per batch before gRPC's 5-byte framing and HTTP/2 frame headers; "
-        f"{r0['tensor_bytes_per_batch'] / 1e3:.0f} KB of it is raw tensor data, for "
-        f"{r0['padded_tokens_per_batch']:.0f} padded tokens per batch on average "
-        "(8 bytes x 4 tensors per token).",
-        "- **service/client cores**: process CPU seconds / wall seconds over the window (1.00 = one core "
-        "busy).",
-        f"- **vs GPU step rate**: batches/s / {need:.0f} steps/s. A ~100M-parameter model on an 8k-token "
-        f"batch costs ~6 x 1e8 x {BUDGET} = {step_flop / 1e12:.1f} TFLOP, i.e. ~{1000 * step_s:.0f} ms on an "
-        f"H100-class GPU at {MFU:.0%} MFU of ~{PEAK_TFLOPS:.0f} TFLOP/s bf16 dense (an estimate, not "
-        "measured here).",
-        "",
-        table(headers, rows),
-        "",
-        f"At {worst:.0f}-{best:.0f} batches/s one rank service delivers {worst / need:.1f}-{best / need:.1f}x "
-        f"the ~{need:.0f} batches/s that such a GPU step consumes, using "
-        f"{r0['service_cpu_ms_per_batch']:.1f} ms of service CPU per batch, i.e. ~"
-        f"{r0['service_cpu_ms_per_batch'] * need / 1000:.2f} of a core at {need:.0f} steps/s "
-        f"(plus {r0['client_cpu_ms_per_batch']:.1f} ms/batch of decoding in the trainer process). "
-        + (
-            "It is not the bottleneck of such a step."
-            if worst > need
-            else "**It would be the bottleneck of such a step.**"
-        ),
-        "",
-    ]
-    if prof is not None:
-        from _mdsection import REPO
-
-        site = str(Path(sys.prefix)) + "/lib/python3.11/site-packages/"
-        lines = [
-            ln.replace(str(REPO) + "/", "").replace(site, "").rstrip()
-            for ln in prof["profile"].strip().splitlines()
-            if ln.strip()
-        ]
-        body += [
-            f"### Where the service's CPU goes (cProfile, separate run of {prof['measured'] + args.warmup} "
-            f"batches, credits {prof['credits']}, top 12 by tottime)",
-            "",
-            "Every thread of the service process is profiled with `time.thread_time` (its own CPU time; "
-            "blocking does not count) and the profiles are merged; gRPC's C-core threads are not visible. "
-            f"Under cProfile: {prof['batches_per_s']:.0f} batches/s, {prof['service_cpu_ms_per_batch']:.2f} "
-            "ms service CPU per batch. Cumulative shares of the profiled CPU time (a function's time "
-            "including what it calls; nested, so they overlap): "
-            + ", ".join(f"`{name}` {share:.0%}" for name, share in prof["profile_cum"])
-            + ".",
-            "",
-            "```",
-            *lines,
-            "```",
-            "",
-        ]
-    publish(SECTION, body, args.no_write)
+    config = {"command": command_line(__file__, argv), "samples": args.samples, "credits": args.credits}
+    config.update(warmup=args.warmup, budget=BUDGET, window=WINDOW, depth=DEPTH)
+    config.update(params=PARAMS, peak_tflops=PEAK_TFLOPS, mfu=MFU)
+    finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
 
 

@@ -1,8 +1,7 @@
 """Batching quality of every policy on the public workloads, against an offline oracle and ODB 0.1.2.
 
-Runs `batchd.core.simulate` over every `*.txt` length file of the workloads folder and writes the
-tables into docs/benchmarks.md between `<!-- simulate:begin -->` and `<!-- simulate:end -->`
-(printing them too).
+Runs `batchd.core.simulate` over every `*.txt` length file of the workloads folder and records the
+rows in benchmarks/results/simulate.json (template: benchmarks/templates/simulate.md.j2).
 
 - Config A (the issue's targets): N=8, L=8192, window 512, padded cost, join mode, depth 8; policies
   local, balanced, odb, fixed (B=8), sorted (B=8), plus the offline ORACLE and the ODB 0.1.2 package.
@@ -20,7 +19,7 @@ and no warm-up, keeps the returned overflow and shuffles its groups with its own
 exhausted and its buffer is empty (ODB's own collate loop declares it as soon as the sampler is
 exhausted, which would strand the overflow; this driver gives the package the benefit of the doubt).
 
-Usage: python benchmarks/simulate_workloads.py [--workloads DIR] [--docs FILE] [--no-write]
+Usage: python benchmarks/simulate_workloads.py [--workloads DIR] [--out PATH] [--print]
 """
 
 from __future__ import annotations
@@ -37,12 +36,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DEFAULT_WORKLOADS, DOCS, publish, revision, table  # noqa: E402
+from _report import DEFAULT_WORKLOADS, add_common_args, command_line, finish  # noqa: E402
 
 from batchd import read_lengths
 from batchd.core import CostModel, JobSpec, contiguous_greedy, simulate  # noqa: E402
 
 SECTION = "simulate"
+MEASURES = ("benchmarks/simulate_workloads.py", "batchd", "core")
 
 CONFIG_A = dict(
     world_size=8, token_budget=8192, window=512, depth=8, cost="padded", mode="join", batch_size=8
@@ -296,6 +296,36 @@ def run_config(
     return rows
 
 
+def measure(data: dict[str, list[int]]) -> dict[str, Any]:
+    """Every row of both configs: the result's `data` (tables as cells, figures as measured)."""
+    results: list[tuple[str, str, str]] = []
+    rows_a: list[list[object]] = []
+    for name, lengths in data.items():
+        rows_a += run_config(name, lengths, CONFIG_A, POLICIES_A, True, results)
+    rows_b: list[list[object]] = []
+    if WORKLOAD_B in data:
+        rows_b = run_config(WORKLOAD_B, data[WORKLOAD_B], CONFIG_B, POLICIES_B, False, results)
+        ideal_b = math.ceil(sum(data[WORKLOAD_B]) / (CONFIG_B["world_size"] * CONFIG_B["token_budget"]))
+        paper = ODB_PAPER
+        rows_b.append(
+            [WORKLOAD_B, "ODB paper (pkg, gloo DDP)", "-", "-", f"{paper['steps_over_ideal']:.2f}x", "-"]
+            + [paper["padding_efficiency"], "-", paper["compute_vs_limit"], "-", "-", "-", "-"]
+            + [f"reported (ideal here = {ideal_b})"]
+        )
+    n, w = CONFIG_A["world_size"], CONFIG_A["window"]
+    full = [k for k, v in data.items() if -(-len(v) // n) <= w]
+    return {
+        "headers": HEADERS,
+        "rows_a": rows_a,
+        "rows_b": rows_b,
+        "targets_passed": sum(1 for *_, v in results if v == "PASS"),
+        "targets_total": len(results),
+        "whole_view_workloads": full,  # config A's window holds a rank's whole view (offline per rank)
+        "whole_view_max": max((-(-len(data[k]) // n) for k in full), default=0),
+        "workloads": list(data),
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -304,102 +334,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=DEFAULT_WORKLOADS,
         help=f"folder of *.txt length files (default {DEFAULT_WORKLOADS})",
     )
-    ap.add_argument("--docs", type=Path, default=DOCS, help=f"Markdown file to update (default {DOCS})")
-    ap.add_argument("--no-write", action="store_true", help="print only")
+    add_common_args(ap)
     args = ap.parse_args(argv)
     files = sorted(args.workloads.glob("*.txt"))
     if not files:
         print(f"no *.txt length files in {args.workloads}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    rev = revision()
-    results: list[tuple[str, str, str]] = []
-    rows_a: list[list[object]] = []
-    data = {f.stem: read_lengths(str(f)) for f in files}
-    for name, lengths in data.items():
-        rows_a += run_config(name, lengths, CONFIG_A, POLICIES_A, True, results)
-    rows_b: list[list[object]] = []
-    if WORKLOAD_B in data:
-        rows_b = run_config(WORKLOAD_B, data[WORKLOAD_B], CONFIG_B, POLICIES_B, False, results)
-        ideal_b = math.ceil(sum(data[WORKLOAD_B]) / (CONFIG_B["world_size"] * CONFIG_B["token_budget"]))
-        rows_b.append(
-            [
-                WORKLOAD_B,
-                "ODB paper (pkg, gloo DDP)",
-                "-",
-                "-",
-                f"{ODB_PAPER['steps_over_ideal']:.2f}x",
-                "-",
-                ODB_PAPER["padding_efficiency"],
-                "-",
-                ODB_PAPER["compute_vs_limit"],
-                "-",
-                "-",
-                "-",
-                "-",
-                f"reported (ideal here = {ideal_b})",
-            ]
-        )
-    wall = time.perf_counter() - t0
-    passed = sum(1 for *_, v in results if v == "PASS")
-
-    a, b = CONFIG_A, CONFIG_B
-    body = [
-        "## Batching quality on the public workloads",
-        "",
-        f"Generated by `python benchmarks/simulate_workloads.py` ({len(files)} workloads from "
-        f"`{_rel(args.workloads)}`, {wall:.1f} s, {rev}). Samples are in file order; rank r owns ids "
-        "r, r+N, ...",
-        "",
-        f"### Config A: N={a['world_size']}, L={a['token_budget']}, window {a['window']}, {a['cost']} cost, "
-        f"{a['mode']} mode, depth {a['depth']} (fixed/sorted: B={a['batch_size']})",
-        "",
-        table(HEADERS, rows_a),
-        "",
-        f"Targets (config A): {passed}/{len(results)} pass.",
-        "",
-    ]
-    if rows_b:
-        body += [
-            f"### Config B (ODB's reference point): {WORKLOAD_B}, N={b['world_size']}, "
-            f"L={b['token_budget']}, "
-            f"window {b['window']}, depth {b['depth']}, {b['cost']} cost, {b['mode']} mode",
-            "",
-            table(HEADERS, rows_b),
-            "",
-            "The last row is what the ODB paper reports for its package on this workload in a real gloo DDP "
-            "run (its own buffer size, warm-up and index budget), not measured here.",
-            "",
-        ]
-    body += [
-        "Notes:",
-        "",
-        "- `odb` is batchd's re-implementation of ODB 0.1.2 (its grouping rule, overflow choice, split and "
-        "target rule) running in batchd's protocol; `odb-0.1.2 pkg` is the package's own "
-        "`odb.grouping.grouping_data`, driven for N ranks in one process (index budget = depth, join mode, "
-        "no warm-up; see the docstring of `benchmarks/simulate_workloads.py`).",
-        "- ORACLE knows the whole epoch; `moved` is not defined for it.",
-        *window_notes(data, a),
-        "- The targets are the issue's for config A; on config B they are shown as `(info)` only.",
-        "- `over_L` > 0 only for the fixed-batch-size baselines, which ignore the budget; that is also why "
-        "they can take fewer steps than the oracle.",
-    ]
-    publish(SECTION, body, args.no_write, args.docs, echo=True)
+    data = measure({f.stem: read_lengths(str(f)) for f in files})
+    data["wall_s"] = time.perf_counter() - t0
+    config = {
+        "workloads": _rel(args.workloads),
+        "config_a": CONFIG_A,
+        "policies_a": POLICIES_A,
+        "config_b": CONFIG_B,
+        "policies_b": POLICIES_B,
+        "workload_b": WORKLOAD_B,
+        "odb_paper": ODB_PAPER,
+        "targets": TARGETS,
+        "command": command_line(__file__, argv),
+    }
+    finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
-
-
-def window_notes(data: dict[str, list[int]], cfg: dict[str, Any]) -> list[str]:
-    """Says when config A's window holds a rank's whole view (the run is then offline per rank)."""
-    n, w = cfg["world_size"], cfg["window"]
-    full = [k for k, v in data.items() if -(-len(v) // n) <= w]
-    if not full:
-        return []
-    biggest = max(-(-len(data[k]) // n) for k in full)
-    return [
-        f"- Config A: on {', '.join(full)} a rank's whole view (<= {biggest} "
-        f"samples) fits its {w}-sample window, so each rank groups its entire epoch share in its first "
-        "round; config B (window 128 of a 2048-sample view) is the online case."
-    ]
 
 
 def _rel(p: Path) -> str:

@@ -17,9 +17,10 @@
 (b) End-to-end `batchd.core.simulate` of `--samples` lengths (same draw) at N=64, window 512, L=8192,
     policies local and balanced: wall time of one run each (target: < 60 s).
 
-Results go to docs/benchmarks.md between `<!-- throughput:begin -->` and `<!-- throughput:end -->`.
+The result goes to benchmarks/results/throughput.json (template: benchmarks/templates/throughput.md.j2).
 
-Usage: python benchmarks/throughput.py [--samples N] [--runs R] [--profile] [--skip-e2e] [--no-write]
+Usage: python benchmarks/throughput.py [--samples N] [--runs R] [--profile] [--skip-e2e]
+       [--out PATH] [--print]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _mdsection import DEFAULT_WORKLOADS, DOCS, REPO, publish, revision, table  # noqa: E402
+from _report import DEFAULT_WORKLOADS, REPO, add_common_args, command_line, finish  # noqa: E402
 
 from batchd import read_lengths
 from batchd.core import (  # noqa: E402
@@ -49,6 +50,7 @@ from batchd.core import (  # noqa: E402
 )
 
 SECTION = "throughput"
+MEASURES = ("benchmarks/throughput.py", "core")
 BUDGET, WINDOW, DEPTH = 8192, 512, 8
 TARGET_RATE = 200_000
 TARGET_E2E_S = 60.0
@@ -174,6 +176,60 @@ def profile_rank(lengths: Sequence[int], policy: str, top: int = 10) -> str:
     return buf.getvalue()
 
 
+HEADERS_A = [
+    "policy",
+    "N",
+    "samples/s per rank",
+    "slowest rank",
+    "each run",
+    "excl. Sample()",
+    "rounds",
+    "steps/rank",
+    "build",
+    "push",
+    "report",
+    "apply",
+    "finalize",
+    "coord/N",
+    "target",
+]
+HEADERS_B = ["policy", "N", "wall s", "steps", "rounds", "padding_eff", "cvl", "missing", "dup", "target"]
+
+
+def rows_rank(lengths: Sequence[int], policies: Sequence[str], runs: int) -> list[list[object]]:
+    """Table (a): one row per policy and N in (1, 8)."""
+    rows: list[list[object]] = []
+    for policy in policies:
+        for world_size in (1, 8):
+            res = bench_rank(lengths, world_size, policy, runs)
+            ph = res["phases"]
+            tot = sum(ph.values())
+            share = {k: f"{100 * v / tot:.0f}%" for k, v in ph.items()}
+            rows.append(
+                [policy, world_size, f"{res['median_rate']:,.0f}", f"{res['min_rate']:,.0f}"]
+                + [" / ".join(f"{x / 1000:.0f}k" for x in res["all_runs"]), f"{res['median_no_build']:,.0f}"]
+                + [res["rounds"], res["steps"], *(share[k] for k in PHASES)]
+                + [f"{100 * (ph['decide'] + ph['commit']) / tot:.0f}%"]
+                + ["PASS" if res["median_rate"] >= TARGET_RATE else "FAIL"]
+            )
+            print(" | ".join(str(c) for c in rows[-1]), flush=True)
+    return rows
+
+
+def rows_e2e(lengths: Sequence[int], policies: Sequence[str]) -> list[list[object]]:
+    """Table (b): one `simulate` run per policy at N=64."""
+    rows: list[list[object]] = []
+    for policy in policies:
+        m = bench_e2e(lengths, policy)
+        rows.append(
+            [policy, 64, f"{m['outer_wall_s']:.1f}", m["steps"], m["rounds"], m["padding_efficiency"]]
+            + [m["compute_vs_limit"], m["missing"], m["duplicates"]]
+            + ["PASS" if m["outer_wall_s"] < TARGET_E2E_S else "FAIL"]
+        )
+        print(" | ".join(str(c) for c in rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -192,147 +248,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="also cProfile (a) at N=1 and list the top 10 functions by tottime",
     )
-    ap.add_argument("--docs", type=Path, default=DOCS)
-    ap.add_argument("--no-write", action="store_true", help="print only")
+    add_common_args(ap)
     args = ap.parse_args(argv)
 
     t_all = time.perf_counter()
-    rev = revision()
     lengths = draw_lengths(args.workloads, args.samples, args.seed)
-    cmd = " ".join(["python benchmarks/throughput.py", *(argv if argv is not None else sys.argv[1:])])
-    headers_a = [
-        "policy",
-        "N",
-        "samples/s per rank",
-        "slowest rank",
-        "each run",
-        "excl. Sample()",
-        "rounds",
-        "steps/rank",
-        "build",
-        "push",
-        "report",
-        "apply",
-        "finalize",
-        "coord/N",
-        "target",
-    ]
-    rows_a = []
-    for policy in args.policies.split(","):
-        for world_size in (1, 8):
-            res = bench_rank(lengths, world_size, policy, args.runs)
-            ph = res["phases"]
-            tot = sum(ph.values())
-            share = {k: f"{100 * v / tot:.0f}%" for k, v in ph.items()}
-            rows_a.append(
-                [
-                    policy,
-                    world_size,
-                    f"{res['median_rate']:,.0f}",
-                    f"{res['min_rate']:,.0f}",
-                    " / ".join(f"{x / 1000:.0f}k" for x in res["all_runs"]),
-                    f"{res['median_no_build']:,.0f}",
-                    res["rounds"],
-                    res["steps"],
-                    share["build"],
-                    share["push"],
-                    share["report"],
-                    share["apply"],
-                    share["finalize"],
-                    f"{100 * (ph['decide'] + ph['commit']) / tot:.0f}%",
-                    "PASS" if res["median_rate"] >= TARGET_RATE else "FAIL",
-                ]
-            )
-            print(" | ".join(str(c) for c in rows_a[-1]), flush=True)
-
-    rows_b = []
-    if not args.skip_e2e:
-        headers_b = [
-            "policy",
-            "N",
-            "wall s",
-            "steps",
-            "rounds",
-            "padding_eff",
-            "cvl",
-            "missing",
-            "dup",
-            "target",
-        ]
-        for policy in args.e2e_policies.split(","):
-            m = bench_e2e(lengths, policy)
-            rows_b.append(
-                [
-                    policy,
-                    64,
-                    f"{m['outer_wall_s']:.1f}",
-                    m["steps"],
-                    m["rounds"],
-                    m["padding_efficiency"],
-                    m["compute_vs_limit"],
-                    m["missing"],
-                    m["duplicates"],
-                    "PASS" if m["outer_wall_s"] < TARGET_E2E_S else "FAIL",
-                ]
-            )
-            print(" | ".join(str(c) for c in rows_b[-1]), flush=True)
-
-    prof_text = profile_rank(lengths, args.policies.split(",")[0]) if args.profile else ""
-    wall = time.perf_counter() - t_all
-    machine = (
+    policies = args.policies.split(",")
+    data: dict[str, Any] = {"headers_a": HEADERS_A, "headers_b": HEADERS_B}
+    data["rows_a"] = rows_rank(lengths, policies, args.runs)
+    data["rows_b"] = [] if args.skip_e2e else rows_e2e(lengths, args.e2e_policies.split(","))
+    prof_text = profile_rank(lengths, policies[0]) if args.profile else ""
+    data["profile"] = [ln.replace(str(REPO) + "/", "") for ln in prof_text.strip().splitlines() if ln.strip()]
+    data["wall_s"] = time.perf_counter() - t_all
+    data["machine"] = (
         f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), "
         f"{platform.machine()}"
     )
-    body = [
-        "## Throughput",
-        "",
-        f"Generated by `{cmd}` ({wall:.0f} s in all; {rev}; {machine}; single-threaded). "
-        f"{args.samples:,} lengths drawn with `random.Random({args.seed}).choices` from odb-synthetic.",
-        "",
-        f"### (a) Grouping + alignment per rank (window {WINDOW}, depth {DEPTH}, L={BUDGET}, padded, join)",
-        "",
-        "samples/s per rank = samples the rank emitted / (time in its push/report/apply/finalize calls + "
-        "the coordinator's decide/commit time / N), median of "
-        f"{args.runs} runs (for N=8 each run contributes its median rank; `slowest rank` is from the same "
-        "run). The phase columns split the median rank's time: `build` = constructing the `Sample`s from "
-        "(id, length) "
-        "(validation in `Sample.__post_init__`), `push` = `RankState.push`, `coord/N` = the rank's share of "
-        "`decide` + `commit`. `excl. Sample()` is the same rate without `build` (for a daemon that receives "
-        "ready-made samples). Target: >= 200,000 samples/s per rank (on the first rate column).",
-        "",
-        "The `slowest rank` spread at N=8 is mostly Python's cyclic garbage collector: its pauses land in "
-        "whichever rank's call triggers them (with `gc.disable()` the 8 ranks of a run measure within ~10% "
-        "of each other).",
-        "",
-        table(headers_a, rows_a),
-        "",
-    ]
-    if rows_b:
-        body += [
-            f"### (b) End-to-end `simulate` of {args.samples:,} samples, N=64, window {WINDOW}, L={BUDGET}",
-            "",
-            "One run per policy, wall time around `batchd.core.simulate` (it includes the metrics). "
-            "Target: < 60 s. Rerun one row with "
-            "`python benchmarks/throughput.py --policies local --runs 1 --e2e-policies balanced "
-            "--no-write`, or "
-            "through the CLI on a length file: `batchd simulate --lengths FILE --world-size 64 "
-            "--token-budget 8192 --window 512 --policy balanced`.",
-            "",
-            table(headers_b, rows_b),
-            "",
-        ]
-    if prof_text:
-        lines = [ln.replace(str(REPO) + "/", "") for ln in prof_text.strip().splitlines() if ln.strip()]
-        body += [
-            f"### Hot spots of (a): cProfile, policy {args.policies.split(',')[0]}, N=1, top 10 by tottime "
-            "(`--profile`; cProfile roughly doubles the run time)",
-            "",
-            "```",
-            *lines,
-            "```",
-            "",
-        ]
-    publish(SECTION, body, args.no_write, args.docs, echo=True)
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "print")}
+    config.update(budget=BUDGET, window=WINDOW, depth=DEPTH, target_rate=TARGET_RATE)
+    config.update(target_e2e_s=TARGET_E2E_S, workloads=str(args.workloads))
+    config["command"] = command_line(__file__, argv)
+    finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
 
 
