@@ -151,7 +151,7 @@ class VisionTimer:
         self.fwd_s += time.perf_counter() - self.t_fwd
         values = (
             output.values()
-            if hasattr(output, "values")
+            if isinstance(output, dict)  # a ModelOutput; a tensor has .values() too
             else output
             if isinstance(output, (tuple, list))
             else (output,)

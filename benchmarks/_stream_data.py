@@ -45,9 +45,9 @@ RUN_LIMIT_S = 1500.0
 
 
 def _words() -> list[str]:
-    from batchd.service.preprocess._demo_data import _WORDS  # the demo tokenizer was trained on these
+    from batchd.service.preprocess import DEMO_WORDS  # the demo tokenizer was trained on these
 
-    return list(_WORDS)
+    return list(DEMO_WORDS)
 
 
 # -- 1. data ----------------------------------------------------------------------------------------

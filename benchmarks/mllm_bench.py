@@ -45,8 +45,9 @@ def encoder_share(workload: Path, num_samples: int, token_budget: int, seed: int
     import torch
 
     from batchd import read_workload
-    from batchd._bench_trainer import build_model, payload
     from batchd.client import collate_padded, to_torch
+    from batchd.testing import bench_model as build_model
+    from batchd.testing import bench_payload as payload
 
     torch.set_num_threads(1)
     samples = read_workload(workload)[:num_samples]

@@ -40,8 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import add_common_args, command_line, finish  # noqa: E402
 
 from batchd import read_workload  # noqa: E402
-from batchd.core import JobSpec, Sample, _phases, imbalance, plan_vision, simulate  # noqa: E402
-from batchd.core._phases import ACCEPT  # noqa: E402  (private: the first-committed planner replay)
+from batchd.core import JobSpec, Sample, imbalance, plan_vision, simulate  # noqa: E402
+from batchd.core.testing import (  # noqa: E402  (the planner's steps: the first-committed replay)
+    ACCEPT,
+    SLACKS,
+    vision_greedy,
+    vision_images,
+    vision_lpt,
+)
 
 SECTION = "phase-balance"
 MEASURES = ("benchmarks/phase_balance.py", "core")
@@ -90,19 +96,19 @@ def repeat(samples: Sequence[Sample], times: int) -> list[Sample]:
 def before(row: Sequence[Sequence[Sample]], spec: JobSpec, nodes: list[int]) -> tuple[list[float], list[int]]:
     """Rank loads and [intra, cross]-node exchanged images of the planner as first committed (keep-first
     greedy, first fitting cap max(C / N, max c) x (1 + slack), LPT fallback) on one step's row."""
-    images = _phases._images(row)
+    images = vision_images(row)
     cost = spec.vision_cost()
     costs = [cost.image(im.patches) for im in images]
     order = sorted(range(len(images)), key=lambda i: -costs[i])
     where = None
     if images:
         floor = max(sum(costs) / len(row), max(costs))
-        for slack in _phases.SLACKS:
-            where = _phases._greedy(images, costs, nodes, floor * (1.0 + slack), order, True)
+        for slack in SLACKS:
+            where = vision_greedy(images, costs, nodes, floor * (1.0 + slack), order, True)
             if where is not None:
                 break
         else:
-            where = _phases._lpt(images, costs, nodes)
+            where = vision_lpt(images, costs, nodes)
     loads = [0.0] * len(row)
     moved = [0, 0]
     for im, r, c in zip(images, where or [], costs, strict=True):

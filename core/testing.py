@@ -9,6 +9,7 @@ and the node-aware round plan's outlier pooling and level dealing (`batchd.core.
 from ._phases import ACCEPT, SLACKS
 from ._phases import _greedy as vision_greedy
 from ._phases import _images as vision_images
+from ._phases import _lpt as vision_lpt
 from ._phases import _place as vision_place
 from ._plan_deal import deal_levels
 from ._plan_nodes import outliers
@@ -20,5 +21,6 @@ __all__ = [
     "outliers",
     "vision_greedy",
     "vision_images",
+    "vision_lpt",
     "vision_place",
 ]

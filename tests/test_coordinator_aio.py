@@ -255,7 +255,7 @@ def test_the_method_table_is_the_generated_one_with_replies_passed_as_bytes():
     """Registration takes the generated table (every method of the service, its streaming kind) and only
     wraps each response serializer so that a reply serialized once for a whole round passes through."""
     from batchd.service import CoordinatorServicer, CoordinatorState
-    from batchd.service.coordinator._server import method_handlers
+    from batchd.service.coordinator import method_handlers
 
     state = CoordinatorState(SPEC)
     try:

@@ -74,16 +74,14 @@ def test_coordinator_refuses_a_journal_of_another_job(tmp_path):
         create_server("127.0.0.1:0", spec.replace(window=16), state_dir=tmp_path)
 
 
-def test_a_compaction_keeps_the_record_that_triggered_it(tmp_path, monkeypatch):
+def test_a_compaction_keeps_the_record_that_triggered_it(tmp_path):
     """Compacting on every record: each snapshot is taken after the state took in the record that made
     the journal due (a registration, a decision, totals), so a restart still finds all of them."""
     from batchd.core import RankCommit, RankReport
     from batchd.service import CoordinatorState
-    from batchd.service.coordinator import _recovery
 
-    monkeypatch.setattr(_recovery, "COMPACT_EVERY", 1)
     spec = JobSpec(world_size=1, token_budget=512, window=8)
-    state = CoordinatorState(spec, state_dir=tmp_path)
+    state = CoordinatorState(spec, state_dir=tmp_path, compact_every=1)
     state.register(0, spec, "127.0.0.1:1")
     decision = state.submit_align(0, [RankReport(0, 0, 1, 0, 0, False, ())])
     totals = state.submit_commit(0, [RankCommit(0, 0, ((),) * decision.target, 0, False)])

@@ -31,20 +31,9 @@ def test_no_import_cycle_inside_a_package():
     assert not found, "import cycles:\n" + "\n".join(found)
 
 
-# Moved by the coordinator and rank-service refactors, which fix these tests' imports as they land.
-_PENDING = ("batchd.service._coordinator", "batchd.service._rank_service", "batchd.service._rank_server")
-# Needs an API first: the test patches the module's read-chunk constant (`_jsonl_index._CHUNK`).
-_NEEDS_API = ("tests/test_streaming.py:37: imports batchd.service.preprocess._jsonl_index ",)
-
-
-def test_tests_import_only_public_names():
-    tests = {k: v for k, v in graph.script_files().items() if k.startswith("tests.")}
-    bad = [
-        b
-        for b in graph.private_uses(tests, graph.modules())
-        if not any(p in b for p in _PENDING) and not b.startswith(_NEEDS_API)
-    ]
-    assert not bad, "tests importing batchd's private modules or names:\n" + "\n".join(bad)
+def test_tests_and_benchmarks_import_only_public_names():
+    bad = graph.private_uses(graph.script_files(), graph.modules())
+    assert not bad, "tests or benchmarks importing batchd's private modules or names:\n" + "\n".join(bad)
 
 
 def test_the_daemon_never_imports_torch():

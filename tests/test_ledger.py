@@ -1,9 +1,11 @@
-"""`Ledger` (batchd.service.preprocess._ledger): a RaySource's account of its pulled samples, without Ray."""
+"""`Ledger`: a RaySource's account of its pulled samples, without Ray."""
 
 from __future__ import annotations
 
 from batchd.core import Sample
-from batchd.service.preprocess._ledger import DONE, FLIGHT, READY, Ledger
+from batchd.service.preprocess import Ledger
+
+FLIGHT, READY, DONE = Ledger.FLIGHT, Ledger.READY, Ledger.DONE
 
 
 def _sample(i: int) -> Sample:

@@ -20,7 +20,7 @@ The wire conversions it uses (`commit_with_sums_from_pb`, `WireStep`, the node r
 
 from ._barrier import Barrier, ShuttingDown
 from ._recovery import COMPACT_EVERY, JOURNAL
-from ._server import CoordinatorServer, create_server
+from ._server import CoordinatorServer, create_server, method_handlers
 from ._servicer import CoordinatorServicer
 from ._session import NodeSession
 from ._state import CoordinatorState
@@ -37,4 +37,5 @@ __all__ = [
     "ShuttingDown",
     "WAIT_LOG_S",
     "create_server",
+    "method_handlers",
 ]

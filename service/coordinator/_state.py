@@ -88,9 +88,13 @@ class CoordinatorState:
         startup_timeout_s: float = 600.0,
         metrics: CoordinatorMetrics | None = None,
         state_dir: str | os.PathLike[str] | None = None,
+        compact_every: int = recovery.COMPACT_EVERY,
     ) -> None:
         if lease_s <= 0 or startup_timeout_s <= 0:
             raise ValueError(f"timeouts must be positive, got {lease_s=} {startup_timeout_s=}")
+        if compact_every < 1:
+            raise ValueError(f"compact_every must be >= 1, got {compact_every=}")
+        self.compact_every = compact_every
         self.spec = spec
         self.metrics = metrics
         self.lease_s, self.startup_timeout_s = lease_s, startup_timeout_s
@@ -137,8 +141,8 @@ class CoordinatorState:
         self.journal.append(record)
 
     def _compact_if_due(self) -> None:
-        """Rewrites the journal as a snapshot every `COMPACT_EVERY` records."""
-        if self.journal is not None and self.journal.records_written >= recovery.COMPACT_EVERY:
+        """Rewrites the journal as a snapshot every `compact_every` records."""
+        if self.journal is not None and self.journal.records_written >= self.compact_every:
             self.journal.compact(self._snapshot())
 
     def _snapshot(self) -> list[dict[str, Any]]:

@@ -25,9 +25,10 @@ Imports only `batchd.core`: the rank service builds on it, never the other way.
 from ._augment import RandomResizedCrop, SystemPrompt, TurnSubsample
 from ._chain import Preprocessor, SampleMeta, default_stages, finalize
 from ._dataset import Block, EmptyDatasetError, RecordDataset, iter_records, parse_item
-from ._demo_data import DemoDataset, demo_bad_ids, demo_record, demo_records, make_demo_dataset
+from ._demo_data import DEMO_WORDS, DemoDataset, demo_bad_ids, demo_record, demo_records, make_demo_dataset
 from ._hf import HFProcessor
 from ._jsonl_index import line_index, line_numbers, scan_lines
+from ._ledger import Ledger
 from ._parse import Record, parse_record
 from ._pool import PreprocessPool, PreprocessWorker
 from ._quarantine import Quarantine, Reject, TooManyBadRecords
@@ -73,12 +74,14 @@ __all__ = [
     "ChatTemplate",
     "DEFAULT_MAX_BAD_FRACTION",
     "DEFAULT_MEMORY_BUDGET",
+    "DEMO_WORDS",
     "DemoDataset",
     "EXHAUSTED",
     "EmptyDatasetError",
     "Example",
     "HFProcessor",
     "IngestSource",
+    "Ledger",
     "LlavaVision",
     "NO_REASONS",
     "Payload",

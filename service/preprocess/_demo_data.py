@@ -38,6 +38,7 @@ read write think know see look find give tell ask work seem feel try leave call 
 build carry count draw drive eat fall grow hold keep learn meet pay send sing sit speak stand
 teach turn walk watch win open close begin end show help start stop change follow create
 """.split()
+DEMO_WORDS: tuple[str, ...] = tuple(_WORDS)  # the demo text's vocabulary (the demo tokenizer's corpus)
 _SYSTEMS = [
     "You are a helpful assistant.",
     "You answer briefly and precisely.",

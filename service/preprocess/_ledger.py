@@ -49,6 +49,8 @@ class Ledger:
         ordered: Emit in view order (True) or in completion order.
     """
 
+    FLIGHT, READY, DONE = FLIGHT, READY, DONE  # the statuses, for callers of the public `Ledger`
+
     def __init__(self, low: int, skip: set[int], ordered: bool) -> None:
         self.entries: dict[int, Entry] = {}
         self.ready: list[int] = []  # heap of READY seqs (completion-order mode)
