@@ -21,8 +21,6 @@ import render  # noqa: E402
 
 
 def test_committed_page_is_the_rendering() -> None:
-    if not any(_report.RESULTS.glob("*.json")):
-        pytest.skip("no full-run results committed yet (benchmarks/results/ is empty)")
     assert render.check() == []
 
 
@@ -89,14 +87,15 @@ def test_stale_names_the_commits_after_the_measured_one(tmp_path: Path) -> None:
     results.mkdir()
     rec = {"section": "s", "commit": measured, "measures": ["core"], "config": {}, "data": {}}
     (results / "s.json").write_text(__import__("json").dumps(rec))
-    assert render.stale(results, repo) == {}
+    assert render.stale(results, repo, expected=["s"]) == {}
     (repo / "docs" / "y.md").write_text("z\n")  # not measured code: still fresh
     _git(repo, "commit", "-q", "-am", "docs only")
-    assert render.stale(results, repo) == {}
+    assert render.stale(results, repo, expected=["s"]) == {}
     (repo / "core" / "x.py").write_text("x = 2\n")
     _git(repo, "commit", "-q", "-am", "change the code")
-    found = render.stale(results, repo)
+    found = render.stale(results, repo, expected=["s"])
     assert list(found) == ["s"] and found["s"][0].endswith("change the code")
+    assert render.stale(results, repo, expected=["never-run"])["never-run"] == ["no result"]
 
 
 def test_render_main_commands_and_check_exit_codes(
@@ -106,7 +105,12 @@ def test_render_main_commands_and_check_exit_codes(
     assert "python benchmarks/simulate_workloads.py" in capsys.readouterr().out
     empty = tmp_path / "results"
     empty.mkdir()
-    assert render.main(["--check", "--results", str(empty), "--docs", str(tmp_path / "p.md")]) == 1
+    page = tmp_path / "p.md"
+    assert render.main(["--check", "--results", str(empty), "--docs", str(page)]) == 1  # no page
+    assert render.main(["--results", str(empty), "--docs", str(page)]) == 0
+    assert "not measured at this code yet" in page.read_text()  # every section pending
+    assert render.main(["--check", "--results", str(empty), "--docs", str(page)]) == 0
+    assert render.main(["--stale", "--results", str(empty)]) == 1
 
 
 def test_harness_waits_fails_fast_and_stops_the_process_group(tmp_path: Path) -> None:
