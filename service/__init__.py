@@ -18,9 +18,8 @@ from ._metrics import (
 )
 from ._node import NodeAgent
 from ._node_link import LocalRankClient, NodeLink
-from ._rank_server import RankServicer, create_rank_server
-from ._rank_service import RankServiceCore, collate
 from ._security import add_port, server_interceptors
+from .rank import RankServiceCore, RankServicer, collate, create_rank_server
 
 __all__ = [
     "CoordinatorClient",

@@ -47,8 +47,6 @@ from ._metrics import (
     stop_metrics_server,
 )
 from ._node import NodeAgent
-from ._rank_server import create_rank_server, job_samples
-from ._rank_service import RankServiceCore
 from .preprocess import (
     IngestSource,
     RayLost,
@@ -61,6 +59,7 @@ from .preprocess import (
     job_key,
     share_ray,
 )
+from .rank import RankServiceCore, create_rank_server, job_samples
 
 log = logging.getLogger("batchd")
 LINGER_S = 2.0

@@ -55,9 +55,9 @@ from batchd.client import (
     two_phase,
 )
 from batchd.core import Sample, VisionCost, loss_scale, plan_vision
-from batchd.service._rank_service import collate
 from batchd.service.preprocess import HFProcessor
 from batchd.service.preprocess._chain import finalize
+from batchd.service.rank import collate
 
 SEED = 1234
 ATOL, RTOL = 1e-5, 1e-4  # float32 models
