@@ -63,7 +63,7 @@ from ..preprocess import (
 )
 from ._delivery import WATCH_S, TrainerSide, TrainerStream
 from ._journal import journal_path, journal_record, restore, write_journal
-from ._payloads import Payloads, batch_of, resolve_payloads
+from ._payloads import FetchRefused, Payloads, batch_of, resolve_payloads
 
 log = logging.getLogger("batchd.rank")
 DETERMINISTIC_POLL_S = (
@@ -236,6 +236,16 @@ class RankServiceCore:
     def untake_lent(self, sample_id: int, payload: Payload) -> None:
         """`Payloads.untake_lent`."""
         self.store.untake_lent(sample_id, payload)
+
+    def lend_out(self, ids: list[int], epoch: int, limit_bytes: int) -> list[pb.IngestRequest]:
+        """`Payloads.lend_out` for a peer's `Fetch` of samples of `epoch`: this epoch or the one before (a
+        peer still finishing it). Raises FetchRefused for another epoch, or a payload no one has."""
+        if not self.epoch - 1 <= epoch <= self.epoch:
+            raise FetchRefused(
+                f"Fetch of samples of epoch {epoch}, but rank {self.rank} is in epoch {self.epoch} "
+                f"(the job runs {self.spec.epochs} epoch(s))"
+            )
+        return self.store.lend_out(ids, epoch, limit_bytes)
 
     def ingest_source(self) -> IngestSource:
         """This rank's source, when producers push to it. Raises IngestRefused when it reads its own."""

@@ -12,12 +12,13 @@ the lending side of a balanced plan:
              -> fetch_moved (one Fetch per home rank, FETCH_CHUNK ids each) -> take / image_payload
 
 A lent payload is handed to each rank that takes it (its LLM owner, every rank encoding one of its
-images) and dropped after the last; one this rank also uses stays held (the same reference, no copy).
-A rank of the same node agent (`local_peers`) hands moved payloads over in process; others are fetched
-over one long-lived gRPC channel per peer address, retried while the peer restarts (up to the
-coordinator's lease; then the job fails naming it). A payload not held (after a restart) is re-made from
-the source by id. Thread safety: `lend`, `take_lent` and `untake_lent` take the lending lock (the `Fetch`
-handler runs on server threads); everything else runs on the rank's loop thread.
+images; `lend_out` serves a peer's `Fetch`) and dropped after the last; one this rank also uses stays
+held (the same reference, no copy). A rank of the same node agent (`local_peers`) hands moved payloads
+over in process; others are fetched over one long-lived gRPC channel per peer address, retried while
+the peer restarts (up to the coordinator's lease; then the job fails naming it). A payload not held
+(after a restart) is re-made from the source by id. Thread safety: `lend`, `take_lent` and `untake_lent`
+take the lending lock (`lend_out` runs on the server's threads); everything else runs on the rank's loop
+thread.
 
 `collate` / `batch_of` turn one step's payloads into its arrays (padded, packed or two-phase; numpy, no
 torch) and its `pb.Batch`.
@@ -118,6 +119,16 @@ def batch_of(
         tensors=wire.tensors_to_pb(tensors),
         sample_ids=[s.id for s in step.samples],
     )
+
+
+class FetchRefused(Exception):
+    """A peer's `Fetch` this rank cannot serve, the message says why: samples of another epoch than this
+    one or the one before (the handler sends FAILED_PRECONDITION), or a payload neither lent nor made by
+    the source (`not_found`: NOT_FOUND)."""
+
+    def __init__(self, message: str, not_found: bool = False) -> None:
+        super().__init__(message)
+        self.not_found = not_found
 
 
 def _takers(me: int, decision: RoundDecision) -> tuple[dict[int, set[int]], set[int]]:
@@ -247,6 +258,41 @@ class Payloads:
                 self.lent_takers[sample_id] = self.lent_takers.get(sample_id, 1) + 1
             else:
                 self.lent[sample_id], self.lent_takers[sample_id] = payload, 1
+
+    def lend_out(self, ids: list[int], epoch: int, limit_bytes: int) -> list[pb.IngestRequest]:
+        """The payloads of `ids` (samples of `epoch`) for a peer's `Fetch`, in order, encoded in this rank's
+        epoch: lent ones handed over (`take_lent`), others re-made by the source. A prefix of them when the
+        encoded reply would pass `limit_bytes` (at least one): the peer asks again for the rest, which stays
+        lent (`untake_lent`).
+
+        Raises:
+            FetchRefused: (`not_found`) naming a sample neither lent nor made by the source.
+        """
+        out: list[pb.IngestRequest] = []
+        size = 0
+        for i in ids:
+            lent = self.take_lent(i)
+            payload = lent
+            if payload is None:
+                try:
+                    payload = self.source.materialize(i)
+                except (KeyError, IndexError, ValueError) as exc:
+                    log.warning("Fetch: sample %d: %s: %s", i, type(exc).__name__, exc)
+                    raise FetchRefused(
+                        f"rank {self.rank} has no payload for sample {i} of epoch {epoch}: it was not lent "
+                        f"to a peer and its source cannot make it ({type(exc).__name__}: {exc})",
+                        not_found=True,
+                    ) from None
+            msg = pb.IngestRequest(
+                tensors=wire.tensors_to_pb(resolve_payloads([payload])[0]), epoch=self._epoch()
+            )
+            size += msg.ByteSize()
+            if out and size > limit_bytes:
+                if lent is not None:
+                    self.untake_lent(i, lent)
+                break
+            out.append(msg)
+        return out
 
     # -- fetching -----------------------------------------------------------------------------------
     def fetch_moved(self, steps: Iterable[Step]) -> None:

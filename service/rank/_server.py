@@ -29,7 +29,7 @@ from .._security import add_port, server_interceptors
 from ..preprocess import IngestRefused, Payload
 from ._core import RankServiceCore
 from ._delivery import TrainerStream
-from ._payloads import resolve_payloads
+from ._payloads import FetchRefused
 
 log = logging.getLogger("batchd.rank")
 FETCH_REPLY_BYTES = 16 << 20  # a Fetch reply stops adding samples past this (the message cap is 64 MiB)
@@ -160,38 +160,12 @@ class RankServicer(pb_grpc.RankServiceServicer):
         FETCH_REPLY_BYTES (at least one); the caller asks again for the rest. Samples of this epoch or of
         the one before (a peer still finishing it) are served; another epoch is refused."""
         core = self._pick(int(request.rank) if request.HasField("rank") else None, context, "Fetch")
-        epoch = int(request.epoch)
-        if not core.epoch - 1 <= epoch <= core.epoch:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"Fetch of samples of epoch {epoch}, but rank {core.rank} is in epoch {core.epoch} "
-                f"(the job runs {core.spec.epochs} epoch(s))",
-            )
-        out, size = [], 0
-        for i in request.ids:
-            i = int(i)
-            lent = core.take_lent(i)
-            payload = lent
-            if payload is None:
-                try:
-                    payload = core.source.materialize(i)
-                except (KeyError, IndexError, ValueError) as exc:
-                    log.warning("Fetch: sample %d: %s: %s", i, type(exc).__name__, exc)
-                    context.abort(
-                        grpc.StatusCode.NOT_FOUND,
-                        f"rank {core.rank} has no payload for sample {i} of epoch {epoch}: it was not lent "
-                        f"to a peer and its source cannot make it ({type(exc).__name__}: {exc})",
-                    )
-            msg = pb.IngestRequest(
-                tensors=wire.tensors_to_pb(resolve_payloads([payload])[0]), epoch=core.epoch
-            )
-            size += msg.ByteSize()
-            if out and size > FETCH_REPLY_BYTES:
-                if lent is not None:
-                    core.untake_lent(i, lent)
-                break
-            out.append(msg)
-        return pb.FetchReply(samples=out)
+        try:
+            samples = core.lend_out([int(i) for i in request.ids], int(request.epoch), FETCH_REPLY_BYTES)
+        except FetchRefused as exc:
+            code = grpc.StatusCode.NOT_FOUND if exc.not_found else grpc.StatusCode.FAILED_PRECONDITION
+            context.abort(code, str(exc))
+        return pb.FetchReply(samples=samples)
 
     def RankStatus(self, request, context):
         core = self._pick(int(request.rank) if request.HasField("rank") else None, context, "RankStatus")
