@@ -401,6 +401,7 @@ class RankServiceCore:
         long as it takes (a failure or a stop ends the wait)."""
         deterministic = self.spec.deterministic
         deadline = time.monotonic() + self.fill_timeout_s
+        held = self.store.held
         while self.state.room > 0 and not self.state.exhausted:
             if self.spec.mode == "non-join":
                 peek = self.source.peek_id()
@@ -443,7 +444,7 @@ class RankServiceCore:
                 cut = loss_tokens_of(payload["labels"]) if "labels" in payload else n - 1
             if self.state.push(sample, cut) == "rejected":
                 continue
-            self.payloads[sample.id] = payload
+            held[sample.id] = payload
 
     def _wait_for_room(self) -> int:
         """Waits until the trainer has freed output slots (a slow trainer as long as it takes; a gone one
