@@ -4,7 +4,8 @@
   ../shared/workloads): token ids and the prompt mask come from a generator seeded by (seed, id), so
   any payload can be re-materialized from its id alone. That is what makes a rank service restartable
   from a metadata-only journal, and what lets a balanced plan move a reference instead of a payload.
-- `IngestSource`: samples pushed by external producers through `RankService.Ingest`; a bounded queue,
+- `IngestSource`: samples pushed by external producers through `RankService.Ingest`, validated on the
+  way in (`ingest`: malformed ones quarantined, duplicates refused); a bounded queue,
   so a full window blocks the producer's stream (gRPC flow control). Not replayable: a rank service fed
   this way cannot be restarted mid-epoch without the producer resending (documented limitation).
 
