@@ -11,13 +11,12 @@ from ._metrics import CoordinatorMetrics, RankMetrics, RateWindow
 from ._metrics_http import MergedRegistry, start_metrics_server, stop_metrics_server
 from ._node import NodeAgent
 from ._node_link import LocalRankClient, NodeLink
-from ._rank_server import RankServicer, create_rank_server
-from ._rank_service import RankServiceCore, collate
 from ._run_coordinator import run_coordinator
 from ._run_node import node_ranks, run_node
 from ._run_rank import run_rank
 from ._security import add_port, server_interceptors
 from .coordinator import CoordinatorServicer, CoordinatorState, create_server
+from .rank import RankServiceCore, RankServicer, collate, create_rank_server
 
 __all__ = [
     "CoordinatorClient",

@@ -17,9 +17,8 @@ from batchd.proto import Security
 
 from ._metrics import RankMetrics
 from ._node_link import NodeLink
-from ._rank_server import create_rank_server
-from ._rank_service import RankServiceCore
 from .preprocess import Source
+from .rank import RankServiceCore, create_rank_server
 
 
 class NodeAgent:

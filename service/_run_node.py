@@ -24,8 +24,6 @@ from batchd.proto import Progress, Security
 
 from ._metrics_http import MergedRegistry, start_metrics_server, stop_metrics_server
 from ._node import NodeAgent
-from ._rank_server import job_samples
-from ._rank_service import RankServiceCore
 from ._run_common import (
     RESTORED_LINGER_S,
     linger_until_told,
@@ -36,6 +34,7 @@ from ._run_common import (
 )
 from ._run_rank import make_source, write_stats
 from .preprocess import RayLost, RaySource, SharedRay, Source, job_key
+from .rank import RankServiceCore, job_samples
 
 
 def node_ranks(

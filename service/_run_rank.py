@@ -30,8 +30,6 @@ from batchd.proto import Security
 from ._coord_client import CoordinatorClient
 from ._metrics import RankMetrics
 from ._metrics_http import stop_metrics_server
-from ._rank_server import create_rank_server
-from ._rank_service import RankServiceCore
 from ._run_common import (
     RESTORED_LINGER_S,
     linger_until_told,
@@ -53,6 +51,7 @@ from .preprocess import (
     job_key,
     share_ray,
 )
+from .rank import RankServiceCore, create_rank_server
 
 
 def make_ray_source(

@@ -55,7 +55,7 @@ from batchd.client import (
     two_phase,
 )
 from batchd.core import Sample, VisionCost, loss_scale, plan_vision
-from batchd.service._rank_service import collate
+from batchd.service import collate
 from batchd.service.preprocess import HFProcessor, finalize
 from batchd.testing import TINY_VLM_FAMILIES, tiny_processor, tiny_vlm
 

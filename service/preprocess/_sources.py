@@ -4,7 +4,8 @@
   ../shared/workloads): token ids and the prompt mask come from a generator seeded by (seed, id), so
   any payload can be re-materialized from its id alone. That is what makes a rank service restartable
   from a metadata-only journal, and what lets a balanced plan move a reference instead of a payload.
-- `IngestSource`: samples pushed by external producers through `RankService.Ingest`; a bounded queue,
+- `IngestSource`: samples pushed by external producers through `RankService.Ingest`, validated on the
+  way in (`ingest`: malformed ones quarantined, duplicates refused); a bounded queue,
   so a full window blocks the producer's stream (gRPC flow control). Not replayable: a rank service fed
   this way cannot be restarted mid-epoch without the producer resending (documented limitation).
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -114,10 +115,10 @@ def synthetic_image_payload(
 ) -> Payload:
     """`synthetic_payload` with images: image k's `tokens` placeholder tokens (id vocab_size - 1, which the
     text never uses; labels -100) follow the first token, one text token between consecutive images (while
-    the text lasts; where a real sample has its vision end / start markers), and its pixels are `patches` random float32 rows
-    of `patch_dim` (Qwen2-VL's layout: grid (1, 2, patches / 2), 4 patches per token). The default patch is
-    small (`SYNTHETIC_PATCH_DIM`): with a tiny encoder, real-size pixels would make the bench measure
-    payload bytes instead of the encoder's share of compute that a real ViT has.
+    the text lasts; where a real sample has its vision end / start markers), and its pixels are `patches`
+    random float32 rows of `patch_dim` (Qwen2-VL's layout: grid (1, 2, patches / 2), 4 patches per token).
+    The default patch is small (`SYNTHETIC_PATCH_DIM`): with a tiny encoder, real-size pixels would make
+    the bench measure payload bytes instead of the encoder's share of compute that a real ViT has.
 
     Raises:
         ValueError: an image whose patches are not 4 x tokens, or images with more tokens than `length` - 1.
@@ -206,7 +207,8 @@ class SyntheticSource:
         images: Sequence[Sequence[tuple[int, int]]] | None = None,
         patch_dim: int = SYNTHETIC_PATCH_DIM,
     ) -> None:
-        """`images[i]`: sample i's images as (patches, tokens) (`synthetic_image_payload`); None: text only."""
+        """`images[i]`: sample i's images as (patches, tokens) (`synthetic_image_payload`); None: text
+        only."""
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size=}")
         if images is not None and len(images) != len(lengths):
@@ -277,11 +279,42 @@ class SyntheticSource:
         pass
 
 
+class IngestRefused(ValueError):
+    """A pushed sample an `IngestSource` (or its rank) refuses: the stream's error, not the sample's (a
+    duplicate id in the epoch, a sample after end_of_epoch, a sample for another epoch, a rank that reads
+    its own source). The `Ingest` handler ends the stream with FAILED_PRECONDITION and this message."""
+
+
+def check_pushed(sample: Sample, payload: Payload) -> None:
+    """Checks a pushed payload against its metadata: a 1-D `input_ids` of `sample.length` tokens, and
+    `labels` (when sent) of its shape carrying `sample.loss_tokens` loss tokens (`loss_tokens_of`).
+
+    Raises:
+        ValueError: naming the mismatch (the reason an `IngestSource` quarantines the sample with).
+    """
+    ids = payload.get("input_ids")
+    if ids is None or ids.ndim != 1:
+        raise ValueError("needs a 1-D input_ids tensor")
+    if len(ids) != sample.length:
+        raise ValueError(f"input_ids has {len(ids)} tokens, metadata says length={sample.length}")
+    labels = payload.get("labels")
+    if labels is not None:
+        if labels.shape != ids.shape:
+            raise ValueError(f"labels shape {labels.shape} != input_ids shape {ids.shape}")
+        if loss_tokens_of(labels) != sample.loss_tokens:
+            raise ValueError(
+                f"labels carry {loss_tokens_of(labels)} loss tokens, "
+                f"metadata says loss_tokens={sample.loss_tokens}"
+            )
+
+
 class IngestSource:
     """A bounded queue filled by `RankService.Ingest` (a `Source`; see module docstring).
 
-    Malformed pushes are refused by the `Ingest` handler before they reach the queue, so the source
-    itself quarantines nothing (`reasons` stays empty).
+    `ingest` validates each pushed record before it reaches the queue: a malformed one (bytes that do not
+    decode, a payload that contradicts its metadata: `check_pushed`) is quarantined, i.e. not queued and
+    its reason returned to the handler, which reports it to the producer and counts it (metric reason
+    `invalid_ingest`). `reasons` stays empty: the rank loop never sees such a record.
     """
 
     reasons: Mapping[str, int] = NO_REASONS
@@ -292,8 +325,44 @@ class IngestSource:
         self._ids: set[int] = set()
         self._lock = threading.Lock()
 
+    def ingest(self, decode: Callable[[], tuple[Sample, Payload]], home_rank: int) -> str | None:
+        """Validates one pushed record and enqueues it as a sample of `home_rank` (blocking while the queue
+        is full: backpressure on the producer's stream).
+
+        Args:
+            decode: Makes the record's (metadata, payload) from its wire form; a ValueError it raises (bytes
+                that do not decode) quarantines the record like a failed `check_pushed`.
+            home_rank: The rank the sample is queued for (the producer's `home_rank` is not trusted).
+
+        Returns:
+            None when queued; the reason when quarantined (nothing is queued then).
+
+        Raises:
+            IngestRefused: a duplicate id in this epoch or a sample after end_of_epoch (see `put`),
+                prefixed with "rank {home_rank}: ".
+        """
+        try:
+            sample, payload = decode()
+            check_pushed(sample, payload)
+        except ValueError as exc:
+            return str(exc)
+        pushed = Sample(
+            sample.id,
+            sample.length,
+            sample.loss_tokens,
+            home_rank,
+            sample.modality_tokens,
+            images=sample.images,
+        )
+        try:
+            self.put(pushed, payload)
+        except IngestRefused as exc:
+            raise IngestRefused(f"rank {home_rank}: {exc}") from None
+        return None
+
     def put(self, sample: Sample, payload: Payload, timeout: float | None = None) -> None:
-        """Blocks while the queue is full (backpressure); raises ValueError on a duplicate id.
+        """Blocks while the queue is full (backpressure); raises IngestRefused (a ValueError) on a
+        duplicate id in this epoch or after end_of_epoch. Does not validate the payload (`ingest` does).
 
         The queued sample's `nbytes` is that of the ingested tensors (`payload_nbytes`), whatever the
         producer's metadata said.
@@ -303,9 +372,9 @@ class IngestSource:
             sample = sample.replace(nbytes=nbytes)
         with self._lock:
             if self._ended.is_set():
-                raise ValueError(f"sample {sample.id} arrived after end_of_epoch")
+                raise IngestRefused(f"sample {sample.id} arrived after end_of_epoch")
             if sample.id in self._ids:
-                raise ValueError(f"duplicate sample id {sample.id} in this epoch")
+                raise IngestRefused(f"duplicate sample id {sample.id} in this epoch")
             self._ids.add(sample.id)
         self._q.put((sample, payload), timeout=timeout)
 

@@ -1,13 +1,17 @@
-"""The rank service's gRPC server: a thin servicer over `RankServiceCore` (`_rank_service`).
+"""The rank service's gRPC server: a thin servicer over `RankServiceCore` (`_core`), or a node agent's.
 
-`Batches` (the trainer's bidi stream: credits and acks in, collated batches out), `Ingest` (producers
-push samples), `Fetch` (payloads a balanced plan moved to another rank) and `RankStatus`. Domain errors
-become status codes with `context.abort`; `create_rank_server(address, core) -> (server, port)` binds
-port 0 in tests.
+`Batches` (the trainer's bidi stream: credits and acks in, collated batches out; `_delivery`), `Ingest`
+(producers push samples: decoded here, validated and queued by the rank's `IngestSource`), `Fetch`
+(payloads a balanced plan moved to another rank: lent ones, else re-made by the source; `_payloads`) and
+`RankStatus`. Each handler decodes, calls the core and encodes; domain errors become status codes with
+`context.abort` (the job's failure: ABORTED; a request the rank cannot serve: FAILED_PRECONDITION;
+a malformed one: INVALID_ARGUMENT; a payload no one has: NOT_FOUND).
+`create_rank_server(address, core) -> (server, port)` binds port 0 in tests.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -21,9 +25,11 @@ from batchd.proto import GRPC_OPTIONS, Security, wire
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
-from ._rank_service import RankServiceCore, _Stream, resolve_payloads
-from ._security import add_port, server_interceptors
-from .preprocess import IngestSource, loss_tokens_of
+from .._security import add_port, server_interceptors
+from ..preprocess import IngestRefused, Payload
+from ._core import RankServiceCore
+from ._delivery import TrainerStream
+from ._payloads import FetchRefused
 
 log = logging.getLogger("batchd.rank")
 FETCH_REPLY_BYTES = 16 << 20  # a Fetch reply stops adding samples past this (the message cap is 64 MiB)
@@ -67,7 +73,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
         except StopIteration:
             return
         core = self._pick(int(first.rank) if first.HasField("rank") else None, context, "Batches")
-        stream = _Stream(context.peer(), context)
+        stream = TrainerStream(context.peer(), context)
         try:
             outcome = core.connect(
                 stream,
@@ -116,6 +122,9 @@ class RankServicer(pb_grpc.RankServiceServicer):
             core.sent(stream, step)
 
     def Ingest(self, request_iterator, context):
+        """Decodes each pushed record and hands it to the rank's `IngestSource.ingest` (which validates and
+        queues it, or quarantines it); replies with the counts. A refusal (`IngestRefused`) ends the stream
+        with FAILED_PRECONDITION."""
         if len(self.cores) == 1:
             core = self.core
         else:  # a node agent: the stream's rank is its first sample's home rank
@@ -125,72 +134,25 @@ class RankServicer(pb_grpc.RankServiceServicer):
                 return pb.IngestReply()
             core = self._pick(int(first.meta.home_rank), context, "Ingest")
             request_iterator = itertools.chain([first], request_iterator)
-        source = core.source
-        if not isinstance(source, IngestSource):
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"rank {core.rank} reads its own source; it does not accept Ingest streams",
-            )
         accepted, quarantined = 0, []
-        for req in request_iterator:
-            if core.epoch < req.epoch < core.spec.epochs:  # a later epoch: wait until this rank starts it
-                with core.cond:
-                    while core.epoch < req.epoch and core.failure is None and context.is_active():
-                        core.cond.wait(0.5)
-            if req.epoch != core.epoch:
-                log.warning(
-                    "Ingest: sample %d for epoch %d, rank %d is in epoch %d",
-                    req.meta.id,
-                    req.epoch,
-                    core.rank,
-                    core.epoch,
-                )
-                context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"sample {req.meta.id} is for epoch {req.epoch}; rank {core.rank} is in epoch {core.epoch}",
-                )
-            if req.end_of_epoch:
-                source.end()
-                continue
-            try:
-                sample = wire.sample_from_pb(req.meta)
-                payload = wire.tensors_from_pb(req.tensors)
-                ids = payload.get("input_ids")
-                if ids is None or ids.ndim != 1:
-                    raise ValueError("needs a 1-D input_ids tensor")
-                if len(ids) != sample.length:
-                    raise ValueError(f"input_ids has {len(ids)} tokens, metadata says length={sample.length}")
-                labels = payload.get("labels")
-                if labels is not None:
-                    if labels.shape != ids.shape:
-                        raise ValueError(f"labels shape {labels.shape} != input_ids shape {ids.shape}")
-                    if loss_tokens_of(labels) != sample.loss_tokens:
-                        raise ValueError(
-                            f"labels carry {loss_tokens_of(labels)} loss tokens, "
-                            f"metadata says loss_tokens={sample.loss_tokens}"
-                        )
-            except ValueError as exc:
-                log.warning("Ingest: quarantined sample %d: %s", req.meta.id, exc)
-                quarantined.append(pb.Quarantined(id=req.meta.id, reason=str(exc)))
+        try:
+            source = core.ingest_source()
+            for req in request_iterator:
+                core.wait_for_epoch(int(req.epoch), int(req.meta.id), context.is_active)
+                if req.end_of_epoch:
+                    source.end()
+                    continue
+                reason = source.ingest(functools.partial(_decode_pushed, req), core.rank)
+                if reason is None:
+                    accepted += 1
+                    continue
+                log.warning("Ingest: quarantined sample %d: %s", req.meta.id, reason)
+                quarantined.append(pb.Quarantined(id=req.meta.id, reason=reason))
                 if core.metrics is not None:
                     core.metrics.ingest_quarantined()
-                continue
-            try:
-                source.put(
-                    Sample(
-                        sample.id,
-                        sample.length,
-                        sample.loss_tokens,
-                        core.rank,
-                        sample.modality_tokens,
-                        images=sample.images,
-                    ),
-                    payload,
-                )
-            except ValueError as exc:
-                log.warning("Ingest: %s", exc)
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"rank {core.rank}: {exc}")
-            accepted += 1
+        except IngestRefused as exc:
+            log.warning("Ingest: %s", exc)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.IngestReply(accepted=accepted, quarantined=quarantined)
 
     def Fetch(self, request, context):
@@ -198,38 +160,12 @@ class RankServicer(pb_grpc.RankServiceServicer):
         FETCH_REPLY_BYTES (at least one); the caller asks again for the rest. Samples of this epoch or of
         the one before (a peer still finishing it) are served; another epoch is refused."""
         core = self._pick(int(request.rank) if request.HasField("rank") else None, context, "Fetch")
-        epoch = int(request.epoch)
-        if not core.epoch - 1 <= epoch <= core.epoch:
-            context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"Fetch of samples of epoch {epoch}, but rank {core.rank} is in epoch {core.epoch} "
-                f"(the job runs {core.spec.epochs} epoch(s))",
-            )
-        out, size = [], 0
-        for i in request.ids:
-            i = int(i)
-            lent = core.take_lent(i)
-            payload = lent
-            if payload is None:
-                try:
-                    payload = core.source.materialize(i)
-                except (KeyError, IndexError, ValueError) as exc:
-                    log.warning("Fetch: sample %d: %s: %s", i, type(exc).__name__, exc)
-                    context.abort(
-                        grpc.StatusCode.NOT_FOUND,
-                        f"rank {core.rank} has no payload for sample {i} of epoch {epoch}: it was not lent "
-                        f"to a peer and its source cannot make it ({type(exc).__name__}: {exc})",
-                    )
-            msg = pb.IngestRequest(
-                tensors=wire.tensors_to_pb(resolve_payloads([payload])[0]), epoch=core.epoch
-            )
-            size += msg.ByteSize()
-            if out and size > FETCH_REPLY_BYTES:
-                if lent is not None:
-                    core.untake_lent(i, lent)
-                break
-            out.append(msg)
-        return pb.FetchReply(samples=out)
+        try:
+            samples = core.lend_out([int(i) for i in request.ids], int(request.epoch), FETCH_REPLY_BYTES)
+        except FetchRefused as exc:
+            code = grpc.StatusCode.NOT_FOUND if exc.not_found else grpc.StatusCode.FAILED_PRECONDITION
+            context.abort(code, str(exc))
+        return pb.FetchReply(samples=samples)
 
     def RankStatus(self, request, context):
         core = self._pick(int(request.rank) if request.HasField("rank") else None, context, "RankStatus")
@@ -250,6 +186,11 @@ class RankServicer(pb_grpc.RankServiceServicer):
                 fetched_remote=core.fetched["remote"],
                 job_samples=job_samples(core),
             )
+
+
+def _decode_pushed(req: pb.IngestRequest) -> tuple[Sample, Payload]:
+    """A pushed record's (metadata, payload); ValueError when its bytes do not decode."""
+    return wire.sample_from_pb(req.meta), wire.tensors_from_pb(req.tensors)
 
 
 def job_samples(core: RankServiceCore) -> int:

@@ -1,0 +1,538 @@
+"""`RankServiceCore`: one rank's state and its round loop, the facade over its parts.
+
+One process per trainer rank (or one per rank inside a node agent). A loop thread runs the core's round
+protocol against the coordinator:
+
+    fill the window from the source -> wait for a free output slot -> report -> Align -> lend
+    -> Commit -> finalize -> fetch the moved payloads -> collate the steps -> journal -> expose them
+    to the trainer
+
+and a watcher thread judges the trainer's liveness. The parts, each in its own module:
+    `_delivery`  the trainer streams (attach, credits, acks) over `core.Delivery`: `TrainerSide`
+    `_payloads`  the payloads held, lent to and fetched from peers, and collation: `Payloads`, `collate`
+    `_journal`   the rank journal (written after every round and fill; `restore` on a restart)
+    `_server`    the gRPC servicer over one or several cores
+
+Deterministic mode (`JobSpec.deterministic`): the rank reports only a full window (or its source's end),
+waiting for the source as long as it takes, and a fixed capacity max(1, depth // 2) once that many slots
+are free (`batchd.core.fill_may_stop`, `report_capacity`): no report depends on timing, so with an
+ordered source (a `RaySource` emits in view order) the same data, seed and config make the same batches.
+
+Failure: the coordinator's failure (it names the rank) is passed to the trainer as ABORTED; a crash of
+the loop, a lost Ray (`RayLost`) or too many bad records (`TooManyBadRecords`) fail the job, named. Locking:
+`cond` guards the rank state, the delivery and the held batches; the loop holds it only between its
+coordinator calls, never across one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+
+from batchd.core import (
+    Connect,
+    CoordinatorError,
+    Delivery,
+    JobSpec,
+    RankState,
+    Step,
+    fill_may_stop,
+    report_capacity,
+)
+from batchd.proto import Security
+from batchd.proto import batchd_pb2 as pb
+
+from .._coord_client import CoordinatorClient
+from .._metrics import RankMetrics, materialized_tokens
+from ..preprocess import (
+    EXHAUSTED,
+    IngestRefused,
+    IngestSource,
+    Payload,
+    RayLost,
+    Source,
+    TooManyBadRecords,
+    loss_tokens_of,
+    missing_source_members,
+)
+from ._delivery import WATCH_S, TrainerSide, TrainerStream
+from ._journal import journal_path, journal_record, restore, write_journal
+from ._payloads import FetchRefused, Payloads, batch_of, resolve_payloads
+
+log = logging.getLogger("batchd.rank")
+DETERMINISTIC_POLL_S = (
+    0.5  # deterministic fill: how long one poll waits before failure and stop are looked at
+)
+
+
+class RankServiceCore:
+    """State and loop of one rank service (see module docstring).
+
+    Attributes (beside the constructor's): `delivery` (`core.Delivery`), `state` (this epoch's
+    `core.RankState`), `cond` (the one lock), `failure` (the job's failure message, or None),
+    `failure_told` (the trainer heard it), `finished` (the coordinator knows this rank's trainer took
+    the job's last step), `restored_finished` (restored from a journal written after that),
+    `waiting_for_trainer` (the loop waits for a free output slot), `samples_made` (samples of every rank
+    in this epoch's steps so far), `journal` (its path, or None); and, from the parts, `batches`,
+    `payloads`, `lent`, `lent_takers`, `address`, `peers`, `local_peers`, `fetched`.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        spec: JobSpec,
+        coordinator: CoordinatorClient,
+        source: Source,
+        state_dir: str | os.PathLike | None = None,
+        epoch: int = 0,
+        client_grace_s: float = 30.0,
+        fill_timeout_s: float = 0.5,
+        security: Security | None = None,
+        metrics: RankMetrics | None = None,
+        trainer_timeout_s: float = 1800.0,
+    ) -> None:
+        """Raises TypeError naming the missing members when `source` is not a `Source`, and ValueError
+        naming the file and why when `state_dir` holds a journal this build cannot resume from."""
+        if not trainer_timeout_s > 0 or not client_grace_s > 0:
+            raise ValueError(f"timeouts must be > 0, got {trainer_timeout_s=} {client_grace_s=}")
+        if not isinstance(source, Source):
+            raise TypeError(
+                f"rank {rank}: the source must implement batchd.service.preprocess.Source; "
+                f"{type(source).__name__} lacks {missing_source_members(source)}"
+            )
+        if spec.deterministic and getattr(source, "ordered", True) is False:
+            raise ValueError(
+                f"rank {rank}: deterministic=true needs a source that emits in its view's order, "
+                f"got a {type(source).__name__} with ordered=False (completion order follows timing)"
+            )
+        self.rank, self.spec, self.coord, self.source = rank, spec, coordinator, source
+        self.metrics = metrics  # Prometheus metrics (`_metrics`), updated once per round; None = off
+        self.security = security  # this process's TLS / token: its server and its peer (Fetch) channels
+        self.client_grace_s, self.fill_timeout_s = client_grace_s, fill_timeout_s
+        self.trainer_timeout_s = trainer_timeout_s
+        self.delivery = Delivery(
+            rank, spec.epochs, spec.depth, client_grace_s, trainer_timeout_s, time.monotonic(), epoch
+        )
+        self.state = self.new_state(epoch)
+        self.rejected_before = 0  # over-budget rejections of the epochs before this one (metrics)
+        self.finished = False
+        self.filled = False  # the restored buffer is the current round's report (`_journal`)
+        self.waiting_for_trainer = False  # (tests: the journal is stable while this holds)
+        self.samples_made = 0
+        self.restored_finished = False
+        self.failure: str | None = None
+        self.failure_told = False  # the trainer heard the failure (ABORTED, or a RankStatus that said it)
+        self.cond = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
+        self.streams = TrainerSide(
+            self.delivery, self.cond, self._stop, lambda: self.failure, self._write_journal
+        )
+        self.store = Payloads(
+            rank, spec.world_size, source, lambda: self.coord, security, self._stop, lambda: self.epoch
+        )
+        self.journal = journal_path(state_dir, rank)
+        if self.journal is not None and self.journal.exists():
+            restore(self, self.journal)
+        if metrics is not None:  # read at scrape time, lock-free: len() of a list / dict
+            metrics.bind(lambda: len(self.state.buffer), lambda: len(self.batches), lambda: self.epoch)
+
+    def new_state(self, epoch: int) -> RankState:
+        """A fresh rank state of `epoch` for this rank."""
+        return RankState(self.spec, self.rank, epoch)
+
+    @property
+    def epoch(self) -> int:
+        return self.delivery.epoch
+
+    @property
+    def done(self) -> bool:
+        """This epoch has no further step."""
+        return self.delivery.done
+
+    # -- the parts' state, under the names it always had ----------------------------------------------
+    @property
+    def batches(self) -> dict[int, tuple[Step, pb.Batch]]:
+        return self.streams.batches
+
+    @property
+    def payloads(self) -> dict[int, Payload]:
+        return self.store.held
+
+    @property
+    def lent(self) -> dict[int, Payload]:
+        return self.store.lent
+
+    @property
+    def lent_takers(self) -> dict[int, int]:
+        return self.store.lent_takers
+
+    @property
+    def fetched(self) -> dict[str, int]:
+        return self.store.fetched
+
+    @property
+    def address(self) -> str:
+        return self.store.address
+
+    @address.setter
+    def address(self, value: str) -> None:
+        self.store.address = value
+
+    @property
+    def peers(self) -> list[str]:
+        return self.store.peers
+
+    @peers.setter
+    def peers(self, value: list[str]) -> None:
+        self.store.peers = value
+
+    @property
+    def local_peers(self) -> Mapping[int, RankServiceCore]:
+        """The other ranks of this node agent, in process (their moved samples are handed over, no copy)."""
+        return self.store.local_peers
+
+    @local_peers.setter
+    def local_peers(self, value: Mapping[int, RankServiceCore]) -> None:
+        self.store.local_peers = value
+
+    # -- trainer side (`_delivery`) and lending (`_payloads`): what the servicer calls --------------------
+    def connect(
+        self,
+        stream: TrainerStream,
+        epoch: int,
+        start_step: int,
+        credits: int,
+        member: int = 0,
+        group_size: int = 1,
+    ) -> Connect:
+        """`TrainerSide.connect`."""
+        return self.streams.connect(stream, epoch, start_step, credits, member, group_size)
+
+    def next_item(self, stream: TrainerStream) -> tuple[int, pb.Batch] | None:
+        """`TrainerSide.next_item`."""
+        return self.streams.next_item(stream)
+
+    def sent(self, stream: TrainerStream, step: int) -> None:
+        self.streams.sent(stream, step)
+
+    def ack(self, stream: TrainerStream, step: int) -> None:
+        self.streams.ack(stream, step)
+
+    def detach(self, stream: TrainerStream) -> None:
+        self.streams.detach(stream)
+
+    def take_lent(self, sample_id: int) -> Payload | None:
+        """`Payloads.take_lent`."""
+        return self.store.take_lent(sample_id)
+
+    def untake_lent(self, sample_id: int, payload: Payload) -> None:
+        """`Payloads.untake_lent`."""
+        self.store.untake_lent(sample_id, payload)
+
+    def lend_out(self, ids: list[int], epoch: int, limit_bytes: int) -> list[pb.IngestRequest]:
+        """`Payloads.lend_out` for a peer's `Fetch` of samples of `epoch`: this epoch or the one before (a
+        peer still finishing it). Raises FetchRefused for another epoch, or a payload no one has."""
+        if not self.epoch - 1 <= epoch <= self.epoch:
+            raise FetchRefused(
+                f"Fetch of samples of epoch {epoch}, but rank {self.rank} is in epoch {self.epoch} "
+                f"(the job runs {self.spec.epochs} epoch(s))"
+            )
+        return self.store.lend_out(ids, epoch, limit_bytes)
+
+    def ingest_source(self) -> IngestSource:
+        """This rank's source, when producers push to it. Raises IngestRefused when it reads its own."""
+        if not isinstance(self.source, IngestSource):
+            raise IngestRefused(f"rank {self.rank} reads its own source; it does not accept Ingest streams")
+        return self.source
+
+    def wait_for_epoch(self, epoch: int, sample_id: int, active: Callable[[], bool]) -> None:
+        """Holds a pushed record (sample `sample_id`) of `epoch` until this rank is in it: a later epoch of
+        the job waits while `active()` (its stream is open) and the job has not failed.
+
+        Raises:
+            IngestRefused: the record is (still) for another epoch than this rank's.
+        """
+        if self.epoch < epoch < self.spec.epochs:  # a later epoch: wait until this rank starts it
+            with self.cond:
+                while self.epoch < epoch and self.failure is None and active():
+                    self.cond.wait(0.5)
+        if epoch != self.epoch:
+            raise IngestRefused(
+                f"sample {sample_id} is for epoch {epoch}; rank {self.rank} is in epoch {self.epoch}"
+            )
+
+    # -- journal (`_journal`) -----------------------------------------------------------------------
+    def _write_journal(self, filled: bool = False) -> None:
+        if self.journal is not None:
+            write_journal(self.journal, journal_record(self, filled))
+
+    # -- loop ---------------------------------------------------------------------------------------
+    def start(self, my_address: str) -> None:
+        self.address = my_address
+        self._thread = threading.Thread(target=self._run, name=f"batchd-rank-{self.rank}", daemon=True)
+        self._thread.start()
+        self._watcher = threading.Thread(
+            target=self._watch, name=f"batchd-rank-watch-{self.rank}", daemon=True
+        )
+        self._watcher.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        self.store.close()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread:
+            self._thread.join(timeout)
+
+    def set_failure(self, message: str) -> None:
+        with self.cond:
+            if self.failure is None:
+                self.failure = message
+                log.error("rank %d: job failed: %s", self.rank, message)
+            self.cond.notify_all()
+
+    def fail_ray(self, lost: RayLost) -> None:
+        """Fails the job because this rank's Ray went away (`RayLost`): tells the coordinator (which names
+        this rank to every party) and this rank's trainer."""
+        with self.cond:
+            first = self.failure is None
+        self.set_failure(f"rank {self.rank}: {lost}")
+        if first:
+            self.coord.fail(str(lost))
+
+    def _watch(self) -> None:
+        """Judges the trainer's liveness (`Delivery.check`) every WATCH_S: a gone trainer fails the job,
+        naming this rank."""
+        while not self._stop.wait(WATCH_S):
+            with self.cond:
+                if self.failure is not None:
+                    return
+                why = self.delivery.check(time.monotonic())
+            if why is not None:
+                self.coord.fail(why)
+                self.set_failure(f"rank {self.rank}: {why}")
+                return
+
+    def _run(self) -> None:
+        if self.finished:  # restored after the coordinator took this rank's Finish: nothing left to ask it
+            log.info(
+                "rank %d: the job's last step was taken before this restart; serving only its end", self.rank
+            )
+            return
+        try:
+            self._epochs()
+        except CoordinatorError as exc:
+            if self._stop.is_set() and self.failure is None:  # stopping (a restart may follow):
+                log.debug("rank %d loop ended by stop(): %s", self.rank, exc)  # not a failure of the job
+                return
+            if exc.code != grpc.StatusCode.ABORTED and not self._stop.is_set():  # not the job's: tell it
+                self.coord.fail(str(exc))
+            self.set_failure(str(exc))
+        except RayLost as exc:  # its Ray went away: the job's failure, named, no traceback
+            self.fail_ray(exc)
+        except TooManyBadRecords as exc:  # the data's failure, not the service's: no traceback
+            self.coord.fail(str(exc))  # (the coordinator names the rank)
+            self.set_failure(f"rank {self.rank}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - any bug must reach the trainer and the job, not vanish
+            if self._stop.is_set():  # stopped mid-round: its channels are closing under it, not a crash
+                log.debug("rank %d loop ended by stop(): %s: %s", self.rank, type(exc).__name__, exc)
+                return
+            log.exception("rank %d loop crashed", self.rank)
+            msg = f"rank {self.rank} service crashed: {type(exc).__name__}: {exc}"
+            self.coord.fail(msg)
+            self.set_failure(msg)
+
+    def _epochs(self) -> None:
+        """Registers, then runs the rounds of each epoch until the trainer took the job's last step."""
+        reply = self.coord.register(self.address)
+        self.peers = list(reply.rank_addresses)
+        self.coord.start_heartbeats(self.set_failure)
+        while True:
+            while not self.done and not self._stop.is_set():
+                self._round()
+            if not self._end_sent():
+                break
+            if self.delivery.finished:
+                self.coord.finish()
+                with self.cond:
+                    self.finished = True
+                    self._write_journal()
+                    self.cond.notify_all()
+                log.info("rank %d: its trainer took the job's last step", self.rank)
+                break
+            self._next_epoch()
+
+    def _end_sent(self) -> bool:
+        """Waits until the trainer has taken this epoch's end (every step acknowledged); False if the job
+        failed or the service stops first."""
+        with self.cond:
+            while not self.delivery.end_sent and self.failure is None and not self._stop.is_set():
+                self.cond.wait(0.5)
+            return self.delivery.end_sent and self.failure is None and not self._stop.is_set()
+
+    def _next_epoch(self) -> None:
+        """Starts the next epoch: a fresh rank state and the source's next view. In non-join mode the
+        samples still buffered at the quota are dropped, as at the end of a one-epoch job."""
+        with self.cond:
+            self.rejected_before += self.state.counters["rejected"]
+            self.delivery.advance(time.monotonic())
+            self.state = self.new_state(self.epoch)
+            self.source.start_epoch(self.epoch)
+            self.samples_made = 0
+            self.payloads.clear()
+            self.batches.clear()
+            self._write_journal()
+            self.cond.notify_all()
+        log.info("rank %d: epoch %d of %d starts", self.rank, self.epoch, self.spec.epochs)
+
+    def _fill(self) -> None:
+        """Tops the buffer up from the source (`fill_may_stop`): by default with what it has ready by a short
+        deadline; in deterministic mode until the window is full or the source exhausted, waiting for it as
+        long as it takes (a failure or a stop ends the wait)."""
+        deterministic = self.spec.deterministic
+        deadline = time.monotonic() + self.fill_timeout_s
+        held = self.store.held
+        while self.state.room > 0 and not self.state.exhausted:
+            if self.spec.mode == "non-join":
+                peek = self.source.peek_id()
+                if peek is not None and self.state.holds(peek):
+                    break  # wrap-around: this id's previous pass is still buffered
+            if deterministic:
+                wait = DETERMINISTIC_POLL_S
+            else:
+                wait = 0.0 if self.state.buffer else max(deadline - time.monotonic(), 0.0)
+            item = self.source.poll(wait)
+            if item is EXHAUSTED:
+                self.state.mark_exhausted()
+                break
+            if item is None:
+                if fill_may_stop(
+                    self.state.room,
+                    self.state.exhausted,
+                    len(self.state.buffer),
+                    deterministic,
+                    time.monotonic() >= deadline,
+                ):
+                    break
+                if deterministic and (self.failure is not None or self._stop.is_set()):
+                    raise CoordinatorError(self.failure or "stopped")
+                continue
+            sample, payload = item
+            if self.state.was_rejected(sample.id):
+                continue
+            cut = None
+            if self.spec.over_budget == "truncate" and sample.length > self.state.truncate_length:
+                # Cut the token sequences only. Other arrays (pixel_values, image_grid_thw) are kept whole:
+                # an image whose tokens are cut would need the pipeline's spans to drop consistently, which
+                # is why `batchd rank --dataset` preprocesses with cutoff <= truncate_length (the Truncate
+                # stage drops whole images) and never reaches this branch.
+                n = self.state.truncate_length
+                payload = dict(resolve_payloads([payload])[0])
+                for k in ("input_ids", "labels"):
+                    if k in payload:
+                        payload[k] = payload[k][:n]
+                cut = loss_tokens_of(payload["labels"]) if "labels" in payload else n - 1
+            if self.state.push(sample, cut) == "rejected":
+                continue
+            held[sample.id] = payload
+
+    def _wait_for_room(self) -> int:
+        """Waits until the trainer has freed output slots (a slow trainer as long as it takes; a gone one
+        fails in `_watch`); returns the capacity to report. Raises CoordinatorError on failure or stop."""
+        with self.cond:
+            while (
+                (
+                    capacity := report_capacity(
+                        self.delivery.capacity, self.spec.depth, self.spec.deterministic
+                    )
+                )
+                is None
+                and self.failure is None
+                and not self._stop.is_set()
+            ):
+                self.waiting_for_trainer = True
+                self.cond.wait(0.5)
+            self.waiting_for_trainer = False
+            if self.failure is not None or self._stop.is_set():
+                raise CoordinatorError(self.failure or "stopped")
+        return capacity
+
+    def _round(self) -> None:
+        if self.filled:  # restored with the buffer of this round's report: no fill
+            self.filled = False
+        else:  # journaled before it is reported, even unchanged: a restored rank must not fill it again
+            self._fill()
+            with self.cond:
+                self._write_journal(filled=True)
+        metrics = self.metrics
+        if metrics is not None:
+            self._observe(
+                metrics.observe_quarantine,
+                self.source.reasons,
+                self.rejected_before + self.state.counters["rejected"],
+            )
+        t_wait = time.perf_counter()
+        capacity = self._wait_for_room()
+        t_report = time.perf_counter()
+        report = self.state.report(capacity)
+        decision = self.coord.align(self.epoch, report)
+        commit = self.state.apply(decision)
+        self.store.lend(decision)  # before the commit: peers fetch only once every rank committed
+        totals = self.coord.commit(self.epoch, commit)
+        t_totals = time.perf_counter()
+        steps = self.state.finalize(totals)
+        self.samples_made += sum(st.info.global_samples for st in steps)
+        batches = self._collate_steps(steps)
+        if metrics is not None:  # before the batches become visible: a drained trainer sees final counts
+            self._observe(metrics.observe_output_wait, t_report - t_wait)
+            self._observe(
+                metrics.observe_round,
+                t_totals - t_report,
+                [st.info for st in steps],
+                [materialized_tokens(b) for _, _, b in batches],
+            )
+        with self.cond:
+            for i, step, b in batches:
+                self.batches[i] = (step, b)
+            self.delivery.add([i for i, _, _ in batches])
+            if totals.done:
+                self.delivery.close()
+            self._write_journal()
+            self.cond.notify_all()
+
+    def _collate_steps(self, steps: list[Step]) -> list[tuple[int, Step, pb.Batch]]:
+        """Fetches the payloads the plan moved here and collates each step: (step number, step, batch)."""
+        self.store.fetch_moved(steps)
+        batches = []
+        image_only: set[int] = set()
+        for step in steps:
+            images = None
+            if step.exchange is not None:  # before the LLM payloads are taken: a sample may be in both
+                images = [self.store.image_payload(im.sample_id, im.home_rank) for im in step.exchange.encode]
+                image_only.update(im.sample_id for im in step.exchange.encode)
+            payloads = [self.store.take(s) for s in step.samples]
+            batches.append((step.info.step, step, self._batch(step, payloads, images)))
+        for sample_id in image_only:  # pixels of other ranks' LLM samples, encoded here: done with
+            self.payloads.pop(sample_id, None)
+        return batches
+
+    @staticmethod
+    def _observe(fn: Callable[..., Any], *args: Any) -> None:
+        try:  # metrics must never fail or stall the round loop
+            fn(*args)
+        except Exception:  # noqa: BLE001
+            log.exception("metrics update failed")
+
+    def _batch(self, step: Step, payloads: list[Any], images: list[Any] | None = None) -> pb.Batch:
+        """`batch_of` in this rank's epoch (one attribute, so a benchmark can wrap it per instance)."""
+        return batch_of(self.spec, self.epoch, step, payloads, images)
