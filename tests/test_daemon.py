@@ -86,18 +86,18 @@ def test_moved_samples_arrive_intact_in_any_fetch_reply_size(job_factory, monkey
     """The balanced plan moves samples: the training rank fetches their payloads from their home rank
     in one request per peer and round; a reply capped at 1 byte carries one sample at a time and the
     fetcher asks again for the rest. Every moved sample's tokens must arrive intact, in order."""
-    from batchd.service.rank import _payloads, _server
+    from batchd.service.rank import Payloads, RankServicer
 
-    monkeypatch.setattr(_server, "FETCH_REPLY_BYTES", reply_bytes)
+    monkeypatch.setattr(RankServicer, "fetch_reply_bytes", reply_bytes)
     calls = []
-    real = _payloads.Payloads.fetch_ids
+    real = Payloads.fetch_ids
 
     def counting(self, home, ids):
         out = real(self, home, ids)
         calls.append(len(ids))
         return out
 
-    monkeypatch.setattr(_payloads.Payloads, "fetch_ids", counting)
+    monkeypatch.setattr(Payloads, "fetch_ids", counting)
     lengths = _lengths(120)
     spec = JobSpec(
         world_size=2,

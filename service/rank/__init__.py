@@ -18,7 +18,7 @@ Private modules, one part each (each module's docstring states its contract):
 
 from ._core import RankServiceCore
 from ._journal import JOURNAL, JOURNAL_KEYS, JOURNAL_VERSION, read_journal
-from ._payloads import FETCH_CHUNK, collate, materialize_many, resolve_payloads
+from ._payloads import FETCH_CHUNK, Payloads, collate, materialize_many, resolve_payloads
 from ._server import FETCH_REPLY_BYTES, RankServicer, create_rank_server, job_samples
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "JOURNAL",
     "JOURNAL_KEYS",
     "JOURNAL_VERSION",
+    "Payloads",
     "RankServiceCore",
     "RankServicer",
     "collate",

@@ -29,16 +29,35 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from batchd.core import Step
 
 from ._payloads import materialize_many
 
-if TYPE_CHECKING:
-    from ._core import RankServiceCore
-
 log = logging.getLogger("batchd.rank")
+
+
+class Journaled(Protocol):
+    """What the journal reads from and restores into: `RankServiceCore`'s parts (`_core`), named here so
+    this module does not import the core that imports it."""
+
+    rank: int
+    epoch: int
+    delivery: Any
+    state: Any
+    source: Any
+    batches: Any
+    payloads: Any
+    rejected_before: Any
+    finished: bool
+    restored_finished: bool
+    filled: bool
+
+    def new_state(self, epoch: int) -> Any: ...
+
+    def _batch(self, step: Step, payloads: list[Any], images: list[Any] | None) -> Any: ...
+
 
 JOURNAL = "rank-{rank}.json"
 JOURNAL_VERSION = 3
@@ -124,7 +143,7 @@ def read_journal(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
-def journal_record(core: RankServiceCore, filled: bool) -> dict[str, Any]:
+def journal_record(core: Journaled, filled: bool) -> dict[str, Any]:
     """The journal object of `core` now (call with `core.cond` held: the states must not move under it)."""
     return {
         J_VERSION: JOURNAL_VERSION,
@@ -148,7 +167,7 @@ def write_journal(path: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def restore(core: RankServiceCore, path: Path) -> None:
+def restore(core: Journaled, path: Path) -> None:
     """Loads `core`'s state from its journal at `path` (see module docstring): the delivery, the epoch's
     rank state and source position, the buffered payloads and the held steps (re-collated with
     `core._batch`), whether the trainer took the job's last step and whether the buffer was filled.

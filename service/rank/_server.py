@@ -42,6 +42,8 @@ class RankServicer(pb_grpc.RankServiceServicer):
     `FetchRequest.rank`, `RankStatusRequest.rank`, an Ingest stream's `meta.home_rank`); a one-rank
     service also takes requests that do not (a client that predates the field)."""
 
+    fetch_reply_bytes = FETCH_REPLY_BYTES  # per servicer class: a Fetch reply's size cap
+
     def __init__(self, core: RankServiceCore | Mapping[int, RankServiceCore]) -> None:
         self.cores = dict(core) if isinstance(core, Mapping) else {core.rank: core}
         if not self.cores:
@@ -157,11 +159,11 @@ class RankServicer(pb_grpc.RankServiceServicer):
 
     def Fetch(self, request, context):
         """The payloads of `request.ids`, in order: a prefix of them when the reply would pass
-        FETCH_REPLY_BYTES (at least one); the caller asks again for the rest. Samples of this epoch or of
+        `fetch_reply_bytes` (at least one); the caller asks again for the rest. Samples of this epoch or of
         the one before (a peer still finishing it) are served; another epoch is refused."""
         core = self._pick(int(request.rank) if request.HasField("rank") else None, context, "Fetch")
         try:
-            samples = core.lend_out([int(i) for i in request.ids], int(request.epoch), FETCH_REPLY_BYTES)
+            samples = core.lend_out([int(i) for i in request.ids], int(request.epoch), self.fetch_reply_bytes)
         except FetchRefused as exc:
             code = grpc.StatusCode.NOT_FOUND if exc.not_found else grpc.StatusCode.FAILED_PRECONDITION
             context.abort(code, str(exc))
