@@ -103,7 +103,7 @@ PROFILE_GROUPS = (
     ("batchd.proto.wire (protobuf <-> core dataclasses)", lambda f, fn: f.endswith("proto/wire.py")),
     (
         "coordinator state + core (decide/commit)",
-        lambda f, fn: "/core/" in f or f.endswith("_coordinator.py") or f.endswith("_align.py"),
+        lambda f, fn: "/core/" in f or "/service/coordinator/" in f,
     ),
 )
 

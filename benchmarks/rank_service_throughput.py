@@ -52,7 +52,8 @@ from _report import (  # noqa: E402
 SECTION = "rank-service"
 MEASURES = ("benchmarks/rank_service_throughput.py", "core", "proto", "service", "client")
 # The modules whose cumulative share of the service's CPU the profile reports.
-PROFILED = ("_sources.py", "_collate.py", "wire.py", "_rank_service.py", "_rank_server.py")
+PROFILED = ("_sources.py", "_collate.py", "wire.py")  # and every module of the rank service package
+PROFILED_DIRS = ("/service/rank/",)
 BUDGET, WINDOW, DEPTH = 8192, 512, 8
 # The GPU step this is compared with: a ~100M-parameter model on 8k tokens.
 PARAMS, PEAK_TFLOPS, MFU = 1e8, 989.0, 0.5
@@ -141,7 +142,7 @@ def service_main(conn, lengths: list[int], samples: int, profile: bool = False) 
             total = sum(row[2] for row in stats.stats.values()) or 1.0
             cum = {}
             for (filename, _line, func), row in stats.stats.items():
-                if filename.endswith(PROFILED):
+                if filename.endswith(PROFILED) or any(d in filename for d in PROFILED_DIRS):
                     cum[f"{Path(filename).name}:{func}"] = row[3] / total
             out["profile_cum"] = sorted(cum.items(), key=lambda kv: -kv[1])[:9]
     conn.send(out)
