@@ -50,3 +50,28 @@ def test_mypy_passes():
         pytest.skip("mypy is not installed (pip install -e '.[dev]'): types not checked")
     run = _run([sys.executable, "-m", "mypy"])
     assert run.returncode == 0, f"python -m mypy found:\n{run.stdout[-6000:]}{run.stderr[-2000:]}"
+
+
+def _sizes():
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import sizes
+    finally:
+        sys.path.pop(0)
+    return sizes
+
+
+def test_no_module_over_600_lines_and_no_function_over_80():
+    found = _sizes().violations()
+    assert not found, "over the size limits (python tools/sizes.py --check):\n" + "\n".join(found)
+
+
+def test_the_size_check_sees_a_long_module_and_a_long_function(tmp_path):
+    sizes = _sizes()
+    (tmp_path / "core").mkdir()
+    body = "\n".join(f"        x{i} = {i}" for i in range(85))
+    (tmp_path / "core" / "_long.py").write_text(f"class C:\n    def f(self):\n{body}\n")
+    (tmp_path / "core" / "_big.py").write_text("x = 1\n" * 601)
+    (tmp_path / "core" / "_ok.py").write_text("def g():\n    return 1\n")
+    found = sizes.violations(tmp_path, ("core",))
+    assert found == ["core/_big.py: 601 lines (limit 600)", "core/_long.py:2: C.f is 86 lines (limit 80)"]
