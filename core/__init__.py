@@ -13,7 +13,8 @@ choice lists), `_state` (the state keys, `STATE_VERSION`, `check_state`, the `St
 plan; its steps in `_plan_blind`, `_plan_nodes`, `_plan_deal`, `_plan_moves`), `_node_plan` (one node's
 view of a decision), `_align` (DGAP messages, target rules, `Coordinator`), `_rank` (`RankState`),
 `_source` and `_blockview` (sampler views), `_delivery`, `_liveness`, `_loss`, `_microbatch`,
-`_collate`, `_spec` (`JobSpec`), `_workload` (workload files), `_simulator`. No module cycle:
+`_collate`, `_updates` (optimizer update boundaries), `_spec` (`JobSpec`), `_workload` (workload
+files), `_simulator`. No module cycle:
 `tools/import_graph.py --check` fails on one. `batchd.core.testing` exposes planner steps for their
 property tests.
 """
@@ -29,7 +30,16 @@ from ._align import (
     target_odb,
 )
 from ._blockview import BlockView
-from ._choices import ALIGN_RULES, COLLATE, COST_MODELS, MODES, OVER_BUDGET, PHASES, POLICIES
+from ._choices import (
+    ALIGN_RULES,
+    COLLATE,
+    COST_MODELS,
+    MODES,
+    OVER_BUDGET,
+    PHASES,
+    POLICIES,
+    UPDATE_RULES,
+)
 from ._collate import (
     IGNORE_INDEX,
     LLM_GRID_KEY,
@@ -108,6 +118,7 @@ from ._types import (
     check_str,
     parse_bytes,
 )
+from ._updates import UpdateEnds, UpdateWindows, update_scale
 from ._workload import WORKLOAD_HEADER, format_workload, parse_lengths, parse_workload
 
 __all__ = [
@@ -161,6 +172,9 @@ __all__ = [
     "Step",
     "StepInfo",
     "TOKEN_KEYS",
+    "UPDATE_RULES",
+    "UpdateEnds",
+    "UpdateWindows",
     "VISION_KEYS",
     "ViewSource",
     "VisionCost",
@@ -215,5 +229,6 @@ __all__ = [
     "synthetic_token_loss",
     "target_min",
     "target_odb",
+    "update_scale",
     "vision_bound",
 ]

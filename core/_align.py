@@ -134,6 +134,10 @@ class RoundTotals:
     """Closes a round: the steps every rank keeps (T' <= T), per-step global totals, and termination.
 
     `keep_last[r]`, when set, is how many samples rank r keeps in its last step (non-join quota cut).
+    `update_first`, `update_open_steps`, `update_end`, `update_loss_tokens`: where the epoch's
+    optimizer updates end (`UpdateEnds`; with `tokens_per_update` / `samples_per_update`); empty
+    tuples, from a peer or a journal that predates them, mean every step ends an update with its own
+    loss tokens.
     """
 
     round: int
@@ -143,6 +147,16 @@ class RoundTotals:
     step_loss_tokens: tuple[int, ...]
     done: bool
     keep_last: tuple[int, ...] | None = None
+    update_first: int = 0
+    update_open_steps: int = 0
+    update_end: tuple[bool, ...] = ()
+    update_loss_tokens: tuple[int, ...] = ()
+
+    def ends(self, j: int) -> tuple[bool, int]:
+        """Step j's (update ends here, the ended update's global loss tokens)."""
+        if not self.update_end:
+            return True, self.step_loss_tokens[j]
+        return self.update_end[j], self.update_loss_tokens[j]
 
 
 def target_min(reports: Sequence[RankReport]) -> int:
@@ -207,6 +221,7 @@ class Coordinator:
         self.round = 0
         self.emitted = 0
         self.done = False
+        self.windows = spec.update_windows()
         self._decided: RoundDecision | None = None
 
     def set_topology(self, nodes: Sequence[int] | None, vision_nodes: Sequence[int] | None) -> None:
@@ -351,7 +366,22 @@ class Coordinator:
         self.emitted += sum(step_samples)
         drained = all(c.exhausted and c.remaining == 0 for c in commits)
         done = keep_last is not None or drained or (quota is not None and self.emitted >= quota)
-        totals = RoundTotals(self.round, steps, step_samples, step_tokens, step_loss, done, keep_last)
+        if self.windows.closing_step(steps, done):  # the open update needs a step to end on
+            steps, step_samples, step_tokens, step_loss = 1, (0,), (0,), (0,)
+        ends = self.windows.close(step_samples, step_loss, done)
+        totals = RoundTotals(
+            self.round,
+            steps,
+            step_samples,
+            step_tokens,
+            step_loss,
+            done,
+            keep_last,
+            ends.first,
+            ends.open_steps,
+            ends.ends,
+            ends.loss_tokens,
+        )
         self.round += 1
         self.done = done
         self._decided = None
@@ -384,11 +414,25 @@ class Coordinator:
             K_ROUND: self.round,
             K_EMITTED: self.emitted,
             "done": self.done,
+            **self._update_fields(),
+            **self.windows.state_dict(),
         }
+
+    def _update_fields(self) -> dict[str, Any]:
+        """The update settings a state must match (the rule only where updates are counted: a state
+        saved before the settings existed has neither, and matches a job without them)."""
+        spec = self.spec
+        out: dict[str, Any] = {
+            "tokens_per_update": spec.tokens_per_update,
+            "samples_per_update": spec.samples_per_update,
+        }
+        if spec.tokens_per_update is not None or spec.samples_per_update is not None:
+            out["update_rule"] = spec.update_rule
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a `state_dict()`; refuses one taken with another world size, seed, epoch, mode, policy,
-        token budget or quota (ValueError naming each field that differs)."""
+        token budget, quota or update settings (ValueError naming each field that differs)."""
         expect = {
             K_WORLD: self.world_size,
             K_SEED: self.seed,
@@ -397,8 +441,10 @@ class Coordinator:
             K_POLICY: self.policy.name,
             K_BUDGET: self.token_budget,
             K_QUOTA: self.quota,
+            **self._update_fields(),
         }
         check_state(state, expect, "Coordinator")
         self.epoch = state[K_EPOCH]
         self.round, self.emitted, self.done = state[K_ROUND], state[K_EMITTED], state["done"]
+        self.windows.load_state_dict(state)
         self._decided = None

@@ -22,3 +22,6 @@ OVER_BUDGET = ("reject", "singleton", "truncate")
 PHASES = (1, 2)
 # `JobSpec.collate`: the batch layout the rank service builds.
 COLLATE = ("packed", "padded")
+# `JobSpec.update_rule`: where an optimizer update closes when `tokens_per_update` or `samples_per_update`
+# is set (`UpdateWindows`): cumulative (update k at the running count k x G) or at_least (each >= G).
+UPDATE_RULES = ("at_least", "cumulative")

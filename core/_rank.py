@@ -53,6 +53,7 @@ from ._state import (
 )
 from ._step import Step, StepInfo
 from ._types import Sample, check_int
+from ._updates import update_scale
 
 if TYPE_CHECKING:
     from ._spec import JobSpec
@@ -116,6 +117,7 @@ class RankState:
         self._emitted: list[list[Sample]] | None = None
         self.phases = spec.phases
         self._vision: list[Exchange] | None = None  # this round's exchanges (phases=2), one per emitted step
+        self.update_denominator = spec.update_denominator()  # D of the loss scale (`_updates`), or None
 
     # -- input ---------------------------------------------------------------------------------------
     @property
@@ -265,11 +267,16 @@ class RankState:
         for s in back:  # quota cut: the samples return to the window
             self.buffer.append(Entry(s, self.round))
             self._ids.add(s.id)
+        # An epoch's closing IDLE step (`UpdateWindows.closing_step`): more steps than were emitted.
+        kept += [[] for _ in range(totals.steps - len(kept))]
+        denom = self.update_denominator
+        update, update_step = totals.update_first, totals.update_open_steps
         out = []
         for j, group in enumerate(kept):
             lengths = [s.length for s in group]
             tokens = sum(lengths)
             loss_tokens = sum(s.loss_tokens for s in group)
+            end, window_loss = totals.ends(j)
             info = StepInfo(
                 rank=self.rank,
                 step=self.step,
@@ -281,15 +288,30 @@ class RankState:
                 global_samples=totals.step_samples[j],
                 global_tokens=totals.step_tokens[j],
                 global_loss_tokens=totals.step_loss_tokens[j],
-                loss_scale=loss_scale(loss_tokens, totals.step_loss_tokens[j], self.world_size),
+                loss_scale=(
+                    loss_scale(loss_tokens, totals.step_loss_tokens[j], self.world_size)
+                    if denom is None
+                    else self.world_size * loss_tokens / denom
+                ),
                 cost=self.cost.cost(lengths),
+                update=update,
+                update_step=update_step,
+                update_end=end,
+                update_scale=update_scale(denom, window_loss) if end else 1.0,
+                update_loss_tokens=window_loss if end else 0,
             )
-            out.append(Step(tuple(group), info, self._vision[j] if self._vision is not None else None))
+            out.append(Step(tuple(group), info, self._step_exchange(j)))
+            update, update_step = (update + 1, 0) if end else (update, update_step + 1)
             self.step += 1
         self._emitted = None
         self._vision = None
         self.round += 1
         return out
+
+    def _step_exchange(self, j: int) -> Exchange | None:
+        if self._vision is None:
+            return None
+        return self._vision[j] if j < len(self._vision) else Exchange(self.rank, self.world_size)
 
     def _remove(self, ids: set[int]) -> None:
         if ids:

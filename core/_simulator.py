@@ -332,12 +332,16 @@ class SimMetrics:
         self.idle = self.emitted = self.moved = self.real = self.padded = self.over_budget = 0
         self.slowest = 0.0
         self.loss_err = 0.0
+        # The open optimizer update: scaled rank means and the window's loss sums / tokens so far.
+        self._w_num, self._w_den = 0.0, 0
+        self._w_sums: list[float] = []
+        self.update_tokens: list[int] = []  # per ended update, its global loss tokens
         self.phases = PhaseMetrics(spec, nodes)
 
     def add(self, step: tuple[Step, ...]) -> None:
         c = self.c
         slowest, num, den = 0.0, 0.0, 0
-        rank_sums = []
+        rank_sums: list[float] = []
         for k, v in plan_moves([[s.samples] for s in step], self.nodes).items():
             self.moves[k] += v
         for rank, s in enumerate(step):
@@ -361,11 +365,26 @@ class SimMetrics:
             if s.info.local_loss_tokens:
                 num += rank_sum / s.info.local_loss_tokens * s.info.loss_scale
             den += s.info.local_loss_tokens
-        if den:
-            ref = math.fsum(rank_sums) / den
-            self.loss_err = max(self.loss_err, abs(num / len(step) - ref))
+        self._window(step, num, rank_sums, den)
         self.slowest += slowest
         self.phases.add(step)
+
+    def _window(self, step: tuple[Step, ...], num: float, rank_sums: list[float], den: int) -> None:
+        """The loss-scale check over an optimizer update (one step without `tokens_per_update`): the
+        ranks' scaled means, averaged over ranks and times `update_scale`, against the per-token mean
+        over every sample of the update."""
+        self._w_num += num
+        self._w_sums += rank_sums
+        self._w_den += den
+        info = step[0].info
+        if not info.update_end:
+            return
+        self.update_tokens.append(info.update_loss_tokens)
+        if self._w_den:
+            ref = math.fsum(self._w_sums) / self._w_den
+            got = self._w_num / len(step) * info.update_scale
+            self.loss_err = max(self.loss_err, abs(got - ref))
+        self._w_num, self._w_sums, self._w_den = 0.0, [], 0
 
     def result(self, sim: Simulator, wall_s: float) -> dict[str, Any]:
         c = self.c
@@ -406,6 +425,12 @@ class SimMetrics:
             "compute_vs_limit": self.slowest / (self.real / n) if self.real else 0.0,
             "over_budget": self.over_budget,
             "loss_scale_error": self.loss_err,
+            "updates": len(self.update_tokens),
+            "update_loss_tokens_min": min(self.update_tokens, default=0),
+            "update_loss_tokens_mean": (
+                sum(self.update_tokens) / len(self.update_tokens) if self.update_tokens else 0.0
+            ),
+            "update_loss_tokens_max": max(self.update_tokens, default=0),
             "wall_s": wall_s,
             "samples_per_s_per_rank": self.emitted / n / wall_s if wall_s > 0 else 0.0,
             **self.node_result(sim),
@@ -468,7 +493,12 @@ RESULT_FIELDS: dict[str, str] = {
     "compute_vs_limit": "sum over steps of the slowest rank's cost / (real_tokens / N): the straggler-bound "
     "compute against a padding-free, balanced run (1.0 = at that limit)",
     "over_budget": "steps on which a group of several samples costs more than L (only fixed-size baselines)",
-    "loss_scale_error": "largest |scaled mean of rank losses - global per-token mean| over steps (0 = exact)",
+    "loss_scale_error": "largest |scaled mean of rank losses x update_scale - per-token mean| over "
+    "optimizer updates (0 = exact)",
+    "updates": "optimizer updates (steps without --tokens-per-update / --samples-per-update)",
+    "update_loss_tokens_min": "fewest global loss tokens in an update",
+    "update_loss_tokens_mean": "mean global loss tokens per update",
+    "update_loss_tokens_max": "most global loss tokens in an update",
     "wall_s": "seconds the simulation took",
     "samples_per_s_per_rank": "simulated samples / s / rank",
     "local_ranks": "ranks per node K (--local-ranks)",

@@ -14,11 +14,21 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ._choices import ALIGN_RULES, COLLATE, COST_MODELS, MODES, OVER_BUDGET, PHASES, POLICIES
+from ._choices import (
+    ALIGN_RULES,
+    COLLATE,
+    COST_MODELS,
+    MODES,
+    OVER_BUDGET,
+    PHASES,
+    POLICIES,
+    UPDATE_RULES,
+)
 from ._cost import CostModel
 from ._phases import VisionCost
 from ._policy import Policy
 from ._types import check_bool, check_choice, check_int
+from ._updates import UpdateWindows, denominator
 
 
 def _field(default: Any, help: str, **meta: Any) -> Any:
@@ -81,6 +91,21 @@ class JobSpec:
         "only a full window (or its source's end) and a fixed capacity (costs wall time: "
         "docs/benchmarks.md)",
     )
+    tokens_per_update: int | None = _field(
+        None,
+        "G: one optimizer update per G global loss tokens (gradients accumulate over the steps of an "
+        "update; off: one update per step)",
+        metavar="G",
+    )
+    samples_per_update: int | None = _field(
+        None, "one optimizer update per this many global samples (instead of tokens_per_update)", metavar="S"
+    )
+    update_rule: str = _field(
+        "cumulative",
+        "where an update ends: cumulative (update k at the epoch's running count k x G: G per update on "
+        "average) or at_least (each update >= G)",
+        choices=UPDATE_RULES,
+    )
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, lo=1)
@@ -111,6 +136,15 @@ class JobSpec:
         check_int("vision_quadratic", self.vision_quadratic, lo=0)
         if self.quota is not None:
             check_int("quota", self.quota, lo=0)
+        for name in ("tokens_per_update", "samples_per_update"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), lo=1)
+        if self.tokens_per_update is not None and self.samples_per_update is not None:
+            raise ValueError(
+                f"set tokens_per_update or samples_per_update, not both, got "
+                f"tokens_per_update={self.tokens_per_update} samples_per_update={self.samples_per_update}"
+            )
+        check_choice("update_rule", self.update_rule, UPDATE_RULES)
         self.policy_object()
         self.cost_model()
 
@@ -131,6 +165,18 @@ class JobSpec:
         if self.mode == "non-join" and self.quota is None:
             raise ValueError("non-join mode needs an explicit sample quota in the job spec, got quota=None")
         return self
+
+    def update_windows(self) -> UpdateWindows:
+        """A fresh epoch's update boundaries (`UpdateWindows`) for these fields."""
+        if self.samples_per_update is not None:
+            return UpdateWindows(self.samples_per_update, "samples", self.update_rule)
+        return UpdateWindows(self.tokens_per_update, "tokens", self.update_rule)
+
+    def update_denominator(self) -> int | None:
+        """D of the loss scale with updates of a fixed count (`batchd.core._updates`), else None."""
+        return denominator(
+            self.tokens_per_update, self.samples_per_update, self.world_size, self.token_budget
+        )
 
     def diff(self, other: JobSpec) -> dict[str, tuple[Any, Any]]:
         """Fields where `other` differs: {field: (self's, other's)}."""

@@ -42,6 +42,14 @@ K_READY, K_MADE, K_ACKED, K_END_SENT, K_PREV, K_GROUP, K_ENDS = (
     "group_size",
     "ends_sent",
 )
+# Coordinator: the epoch's optimizer updates (`UpdateWindows`)
+K_UPDATES, K_UPDATE_SEEN, K_UPDATE_OPEN, K_UPDATE_LOSS, K_UPDATE_STEPS = (
+    "updates",
+    "update_seen",
+    "update_open",
+    "update_open_loss_tokens",
+    "update_open_steps",
+)
 # Liveness
 K_REGISTERED, K_FINISHED = "registered", "finished"
 

@@ -22,6 +22,15 @@ class StepInfo:
     `loss_scale` multiplies the rank's per-token mean loss so that DDP's gradient mean equals the
     gradient of the global per-token mean loss (see `batchd.core.loss_scale`). An IDLE step has no
     samples and `loss_scale == 0`: the trainer runs a zero-weight forward/backward so collectives align.
+
+    Optimizer updates (`batchd.core._updates`): `update` is the epoch's index of the update this step
+    belongs to, `update_step` the step's index inside it (0: the trainer zeroes gradients before its
+    backward), `update_end` whether the trainer steps its optimizer after this step (every step when
+    the job does not count updates), and there `update_scale` multiplies the accumulated gradient
+    before the optimizer step and `update_loss_tokens` is the update's global loss tokens (0 on the
+    other steps). With updates of a fixed count, `loss_scale` is N t_r / D for the job's constant D, so
+    the gradient after `update_scale` is the per-token mean over the whole update; without them
+    `update_scale` is 1.0 and `loss_scale` N t_r / T_tok, as before.
     """
 
     rank: int
@@ -36,6 +45,11 @@ class StepInfo:
     global_loss_tokens: int
     loss_scale: float
     cost: float
+    update: int = 0
+    update_step: int = 0
+    update_end: bool = True
+    update_scale: float = 1.0
+    update_loss_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -55,7 +55,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("world_size", "token_budget", "policy", "mode", "cost", "window", "depth", "seed", "batch_size", "max_wait", "align", "refine", "quota", "over_budget", "quadratic", "collate", "shuffle", "epochs", "node_aware", "phases", "vision_quadratic", "deterministic")
+    __slots__ = ("world_size", "token_budget", "policy", "mode", "cost", "window", "depth", "seed", "batch_size", "max_wait", "align", "refine", "quota", "over_budget", "quadratic", "collate", "shuffle", "epochs", "node_aware", "phases", "vision_quadratic", "deterministic", "tokens_per_update", "samples_per_update", "update_rule")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,9 @@ class JobSpec(_message.Message):
     PHASES_FIELD_NUMBER: _ClassVar[int]
     VISION_QUADRATIC_FIELD_NUMBER: _ClassVar[int]
     DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_PER_UPDATE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_RULE_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     token_budget: int
     policy: str
@@ -100,10 +103,13 @@ class JobSpec(_message.Message):
     phases: int
     vision_quadratic: int
     deterministic: bool
-    def __init__(self, world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., cost: _Optional[str] = ..., window: _Optional[int] = ..., depth: _Optional[int] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_wait: _Optional[int] = ..., align: _Optional[str] = ..., refine: _Optional[bool] = ..., quota: _Optional[int] = ..., over_budget: _Optional[str] = ..., quadratic: _Optional[int] = ..., collate: _Optional[str] = ..., shuffle: _Optional[bool] = ..., epochs: _Optional[int] = ..., node_aware: _Optional[bool] = ..., phases: _Optional[int] = ..., vision_quadratic: _Optional[int] = ..., deterministic: _Optional[bool] = ...) -> None: ...
+    tokens_per_update: int
+    samples_per_update: int
+    update_rule: str
+    def __init__(self, world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., cost: _Optional[str] = ..., window: _Optional[int] = ..., depth: _Optional[int] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_wait: _Optional[int] = ..., align: _Optional[str] = ..., refine: _Optional[bool] = ..., quota: _Optional[int] = ..., over_budget: _Optional[str] = ..., quadratic: _Optional[int] = ..., collate: _Optional[str] = ..., shuffle: _Optional[bool] = ..., epochs: _Optional[int] = ..., node_aware: _Optional[bool] = ..., phases: _Optional[int] = ..., vision_quadratic: _Optional[int] = ..., deterministic: _Optional[bool] = ..., tokens_per_update: _Optional[int] = ..., samples_per_update: _Optional[int] = ..., update_rule: _Optional[str] = ...) -> None: ...
 
 class StepInfo(_message.Message):
-    __slots__ = ("rank", "step", "round", "is_idle", "local_samples", "local_tokens", "local_loss_tokens", "global_samples", "global_tokens", "global_loss_tokens", "loss_scale", "cost", "epoch")
+    __slots__ = ("rank", "step", "round", "is_idle", "local_samples", "local_tokens", "local_loss_tokens", "global_samples", "global_tokens", "global_loss_tokens", "loss_scale", "cost", "epoch", "update", "not_update_end", "update_scale", "update_loss_tokens", "update_step")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +123,11 @@ class StepInfo(_message.Message):
     LOSS_SCALE_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIELD_NUMBER: _ClassVar[int]
+    NOT_UPDATE_END_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_SCALE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_STEP_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     round: int
@@ -130,7 +141,12 @@ class StepInfo(_message.Message):
     loss_scale: float
     cost: float
     epoch: int
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., is_idle: _Optional[bool] = ..., local_samples: _Optional[int] = ..., local_tokens: _Optional[int] = ..., local_loss_tokens: _Optional[int] = ..., global_samples: _Optional[int] = ..., global_tokens: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., loss_scale: _Optional[float] = ..., cost: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
+    update: int
+    not_update_end: bool
+    update_scale: float
+    update_loss_tokens: int
+    update_step: int
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., is_idle: _Optional[bool] = ..., local_samples: _Optional[int] = ..., local_tokens: _Optional[int] = ..., local_loss_tokens: _Optional[int] = ..., global_samples: _Optional[int] = ..., global_tokens: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., loss_scale: _Optional[float] = ..., cost: _Optional[float] = ..., epoch: _Optional[int] = ..., update: _Optional[int] = ..., not_update_end: _Optional[bool] = ..., update_scale: _Optional[float] = ..., update_loss_tokens: _Optional[int] = ..., update_step: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("rank", "spec", "address")
@@ -267,7 +283,7 @@ class CommitRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSamples, _Mapping]]] = ..., remaining: _Optional[int] = ..., exhausted: _Optional[bool] = ...) -> None: ...
 
 class CommitReply(_message.Message):
-    __slots__ = ("epoch", "round", "steps", "step_samples", "step_tokens", "step_loss_tokens", "done", "keep_last", "has_keep_last")
+    __slots__ = ("epoch", "round", "steps", "step_samples", "step_tokens", "step_loss_tokens", "done", "keep_last", "has_keep_last", "update_first", "update_end", "update_loss_tokens", "update_open_steps")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +293,10 @@ class CommitReply(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
     HAS_KEEP_LAST_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_FIRST_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_END_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_OPEN_STEPS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     round: int
     steps: int
@@ -286,7 +306,11 @@ class CommitReply(_message.Message):
     done: bool
     keep_last: _containers.RepeatedScalarFieldContainer[int]
     has_keep_last: bool
-    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[int] = ..., step_samples: _Optional[_Iterable[int]] = ..., step_tokens: _Optional[_Iterable[int]] = ..., step_loss_tokens: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., keep_last: _Optional[_Iterable[int]] = ..., has_keep_last: _Optional[bool] = ...) -> None: ...
+    update_first: int
+    update_end: _containers.RepeatedScalarFieldContainer[bool]
+    update_loss_tokens: _containers.RepeatedScalarFieldContainer[int]
+    update_open_steps: int
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., steps: _Optional[int] = ..., step_samples: _Optional[_Iterable[int]] = ..., step_tokens: _Optional[_Iterable[int]] = ..., step_loss_tokens: _Optional[_Iterable[int]] = ..., done: _Optional[bool] = ..., keep_last: _Optional[_Iterable[int]] = ..., has_keep_last: _Optional[bool] = ..., update_first: _Optional[int] = ..., update_end: _Optional[_Iterable[bool]] = ..., update_loss_tokens: _Optional[_Iterable[int]] = ..., update_open_steps: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("rank", "ranks")

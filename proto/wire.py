@@ -42,6 +42,8 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
     """Every `JobSpec` field by name (the message mirrors the dataclass; quota None travels as -1)."""
     d = dataclasses.asdict(spec)
     d["quota"] = -1 if spec.quota is None else spec.quota
+    d["tokens_per_update"] = spec.tokens_per_update or 0
+    d["samples_per_update"] = spec.samples_per_update or 0
     return pb.JobSpec(**d)
 
 
@@ -51,6 +53,9 @@ def spec_from_pb(m: pb.JobSpec) -> JobSpec:
     d["quota"] = None if m.quota < 0 else int(m.quota)
     d["epochs"] = max(m.epochs, 1)  # a peer that predates the field sends 0
     d["phases"] = max(m.phases, 1)
+    d["tokens_per_update"] = int(m.tokens_per_update) or None
+    d["samples_per_update"] = int(m.samples_per_update) or None
+    d["update_rule"] = m.update_rule or "cumulative"
     return JobSpec(**d)
 
 
@@ -259,10 +264,20 @@ def totals_to_pb(t: RoundTotals, epoch: int) -> pb.CommitReply:
         done=t.done,
         keep_last=t.keep_last or (),
         has_keep_last=t.keep_last is not None,
+        update_first=t.update_first,
+        update_open_steps=t.update_open_steps,
+        update_end=t.update_end,
+        update_loss_tokens=t.update_loss_tokens,
     )
 
 
 def totals_from_pb(m: pb.CommitReply) -> RoundTotals:
+    """The `RoundTotals` of a message; raises ValueError when its update fields do not give one entry
+    per step (empty ones, from a peer that predates them, mean every step ends an update)."""
+    for name in ("update_end", "update_loss_tokens"):
+        n = len(getattr(m, name))
+        if n not in (0, m.steps):
+            raise ValueError(f"commit reply of round {m.round}: {n} {name} entries for {m.steps} steps")
     return RoundTotals(
         int(m.round),
         int(m.steps),
@@ -271,6 +286,10 @@ def totals_from_pb(m: pb.CommitReply) -> RoundTotals:
         tuple(int(x) for x in m.step_loss_tokens),
         bool(m.done),
         tuple(int(x) for x in m.keep_last) if m.has_keep_last else None,
+        int(m.update_first),
+        int(m.update_open_steps),
+        tuple(bool(x) for x in m.update_end),
+        tuple(int(x) for x in m.update_loss_tokens),
     )
 
 
@@ -300,6 +319,11 @@ def info_to_pb(i: StepInfo, epoch: int) -> pb.StepInfo:
         loss_scale=i.loss_scale,
         cost=i.cost,
         epoch=epoch,
+        update=i.update,
+        update_step=i.update_step,
+        not_update_end=not i.update_end,
+        update_scale=i.update_scale,
+        update_loss_tokens=i.update_loss_tokens,
     )
 
 
@@ -317,6 +341,11 @@ def info_from_pb(m: pb.StepInfo) -> StepInfo:
         global_loss_tokens=int(m.global_loss_tokens),
         loss_scale=float(m.loss_scale),
         cost=float(m.cost),
+        update=int(m.update),
+        update_step=int(m.update_step),
+        update_end=not m.not_update_end,
+        update_scale=float(m.update_scale) or 1.0,
+        update_loss_tokens=int(m.update_loss_tokens),
     )
 
 

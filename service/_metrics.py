@@ -501,7 +501,7 @@ class CoordinatorMetrics:
         for s in range(n):
             row = []
             for k, c in enumerate(by_rank):
-                group = c.steps[s]
+                group = c.steps[s] if s < len(c.steps) else ()  # an epoch's closing IDLE step
                 if totals.keep_last is not None and s == n - 1:
                     group = group[: totals.keep_last[c.rank]]
                 if not group:

@@ -100,6 +100,22 @@ WORLDS = {
     "odb-non-join": JobSpec(
         world_size=3, token_budget=256, window=7, depth=3, seed=3, policy="odb", mode="non-join", quota=70
     ),
+    # Optimizer updates of a fixed count: the coordinator carries the open update across rounds.
+    "balanced-updates": JobSpec(
+        world_size=3, token_budget=256, window=7, depth=2, seed=3, policy="balanced", tokens_per_update=900
+    ),
+    "local-non-join-updates": JobSpec(
+        world_size=3,
+        token_budget=256,
+        window=7,
+        depth=3,
+        seed=3,
+        policy="local",
+        mode="non-join",
+        quota=70,
+        samples_per_update=10,
+        update_rule="at_least",
+    ),
 }
 COMPONENTS = ("simulator", "coordinator", "rank", "view")
 
@@ -181,16 +197,17 @@ def test_core_state_round_trip_continues_identically(world, component, rank, cut
         ("view", "position"),  # a sample is skipped
         ("rank", "step"),  # the step numbers shift
         ("simulator", "sources"),  # rank 0's view skips a sample
+        ("coordinator", "update_seen"),  # the updates end elsewhere
     ],
 )
 def test_control_a_corrupted_core_state_changes_the_continuation(component, key):
-    world, cut, rank = "local", 3, 1
+    world, cut, rank = ("balanced-updates" if key.startswith("update") else "local"), 3, 1
     original = simulator_at(world, cut)
     state = json_round_trip(component_of(original, component, rank).state_dict())
     if key == "sources":
         state[key][0]["position"] += 1
     else:
-        state[key] += 1
+        state[key] += 450 if key == "update_seen" else 1  # half an update: a boundary moves
     restored = restored_world(world, cut, component, rank, state)
     with pytest.raises(AssertionError, match="first differ"):
         assert_same_continuation(sim_steps(original), sim_steps(restored), component)
