@@ -520,6 +520,8 @@ epochs = 1                 # each epoch: a new seeded view of the data per rank
                            # nodes, steps may cost a little more: docs/benchmarks.md, node-balance)
 # deterministic = true     # the same batches, steps and loss on every run (same data, seed, config),
                            # whatever the speed of actors and trainers; costs wall time (docs/benchmarks.md)
+# tokens_per_update = 262144  # one optimizer update per this many global loss tokens (gradient
+                           # accumulation over steps; off: one update per step)
 
 [data]
 dataset = "train.parquet"  # Parquet / JSONL / Arrow records; or lengths = "lengths.txt"

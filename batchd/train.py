@@ -247,7 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout", type=float, default=600.0, help="process group collective timeout, seconds")
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save/resume rank-<r>.pt here")
-    p.add_argument("--checkpoint-every", type=int, default=100, metavar="K", help="steps between checkpoints")
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=100,
+        metavar="K",
+        help="steps between checkpoints (taken at the next end of an optimizer update)",
+    )
     p.add_argument(
         "--log-every", type=int, default=10, metavar="K", help="rank 0 logs the loss every K steps"
     )
@@ -597,6 +603,7 @@ def _check_vocabulary(batch: dict[str, Any], vocab: int | None, args: argparse.N
 
 def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> dict[str, Any]:
     steps = idle = 0
+    due = False  # a checkpoint is due at the next update's end
     epoch_steps: list[int] = []
     patches: list[int] = []  # per step of this run: the encoder's load on this rank
     exchange_steps = 0  # steps whose batch carried a two-phase vision exchange
@@ -637,8 +644,10 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> d
                             file=sys.stderr,
                             flush=True,
                         )
-                    if ckpt is not None and steps % args.checkpoint_every == 0:
+                    due = due or steps % args.checkpoint_every == 0
+                    if ckpt is not None and due and info.update_end:  # no gradient held
                         _save(ckpt, module, opt, client)
+                        due = False
             except VocabularyError:
                 raise
             except BatchdError as exc:  # the client's own diagnosis (JobFailed, or its service unreachable)

@@ -30,7 +30,17 @@ from ._collate import IGNORE_INDEX, collate_packed, collate_padded, idle_batch, 
 from ._deepspeed import batchd_deepspeed_backward
 from ._exchange import exchange_image_embeddings
 from ._microbatch import microbatches, pipeline_steps
-from ._train import forward_logits, scaled_loss, scaled_loss_and_mean, step_batch, token_loss_sum, train_step
+from ._train import (
+    accumulating,
+    apply_update_scale,
+    check_one_step_update,
+    forward_logits,
+    scaled_loss,
+    scaled_loss_and_mean,
+    step_batch,
+    token_loss_sum,
+    train_step,
+)
 from ._vlm import (
     PACKED_ATTENTION,
     VLM_FAMILIES,
@@ -70,12 +80,15 @@ __all__ = [
     "RankServiceError",
     "StepInfo",
     "VLM_FAMILIES",
+    "accumulating",
+    "apply_update_scale",
     "batchd_backward",
     "batchd_batches",
     "batchd_deepspeed_backward",
     "batchd_lightning_loss",
     "batchd_loss",
     "check_model_batch",
+    "check_one_step_update",
     "check_packed_attention",
     "collate_packed",
     "collate_padded",

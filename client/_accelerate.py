@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from ._collate import NON_MODEL_KEYS, idle_batch
-from ._train import _check_scale, _to_device, scaled_loss_and_mean
+from ._train import _check_scale, _to_device, check_one_step_update, scaled_loss_and_mean
 from ._vlm import check_model_batch
 
 
@@ -188,6 +188,7 @@ def _device_batches(client: Any, device: torch.device, k: int) -> Iterator[tuple
         return
     for window in accumulation_windows(client, k, factor=k):  # x k: accelerator.backward divides by k
         for batch, info in window:
+            check_one_step_update(info, "Accelerate's gradient_accumulation_steps")
             yield _to_device(batch, device), info
 
 

@@ -46,8 +46,9 @@ def batchd_deepspeed_backward(engine: Any, batch: Mapping[str, Any] | None, info
         The unscaled local per-token mean loss (nan for IDLE or loss-free steps), like `train_step`.
 
     Raises:
-        ValueError: a gradient accumulation other than 1, a non-IDLE step without a batch, or labels that
-            disagree with ``info.local_loss_tokens``.
+        ValueError: a gradient accumulation other than 1, a step inside an update of several steps
+            (``tokens_per_update``), a non-IDLE step without a batch, or labels that disagree with
+            ``info.local_loss_tokens``.
     """
     steps = engine.gradient_accumulation_steps()
     if steps != 1:
@@ -55,6 +56,13 @@ def batchd_deepspeed_backward(engine: Any, batch: Mapping[str, Any] | None, info
             f"batchd steps need a DeepSpeed engine with gradient_accumulation_steps = 1 (each step is "
             f"one token-budget batch; engine.backward would divide its loss scale by {steps}), "
             f"got {steps=}"
+        )
+    if info.update_step != 0 or not info.update_end:
+        raise ValueError(
+            "DeepSpeed does not take batchd's optimizer updates of several steps (tokens_per_update / "
+            "samples_per_update): the update's gradient must be scaled by StepInfo.update_scale before "
+            "the optimizer step, and ZeRO keeps it partitioned inside its optimizer; run the job without "
+            f"them (one update per step), got step {info.step} inside update {info.update}"
         )
     device = getattr(engine, "device", None)
     device = torch.device(device) if device is not None else next(engine.module.parameters()).device

@@ -61,7 +61,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ._accelerate import accumulation_windows, hf_model_inputs, logits_of
 from ._client import BatchClient
 from ._collate import INFO_KEY
-from ._train import _check_scale, scaled_loss_and_mean
+from ._train import _check_scale, check_one_step_update, scaled_loss_and_mean
 from ._vlm import check_model_batch
 
 CLIENT_STATE_FILE = "batchd_client_rank{rank}.json"
@@ -217,6 +217,7 @@ class BatchdTrainer(transformers.Trainer):
         if INFO_KEY not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         info = inputs[INFO_KEY]
+        check_one_step_update(info, "BatchdTrainer")
         scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
         _check_scale(scale, tokens)
         check_model_batch(model, inputs)

@@ -53,7 +53,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
 
 from ._accelerate import batchd_loss, hf_model_inputs
 from ._client import BatchClient
-from ._train import _to_device
+from ._train import _to_device, check_one_step_update
 from ._vlm import check_model_batch
 
 
@@ -216,5 +216,6 @@ def batchd_lightning_loss(model: torch.nn.Module, batch: Mapping[str, Any], info
         ValueError: on a bad scale, labels that disagree with ``info.local_loss_tokens``, or a model the
             batch does not fit (`batchd.client.check_model_batch`).
     """
+    check_one_step_update(info, "batchd's Lightning integration")
     check_model_batch(model, batch)
     return batchd_loss(model(**hf_model_inputs(batch)), batch, info)

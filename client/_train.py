@@ -23,8 +23,9 @@ manager. The loss is accumulated in at least fp32 (fp64 stays fp64) whatever the
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -156,17 +157,31 @@ def forward_logits(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Te
 
 
 def train_step(
-    ddp_model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, Any] | None, info: Any
+    ddp_model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Mapping[str, Any] | None,
+    info: Any,
+    scheduler: Any = None,
 ) -> float:
-    """One optimizer step of one rank: forward, scaled loss, backward (all-reduce), update.
+    """One step of one rank: forward, scaled loss, backward; at the end of an optimizer update, the
+    update (the gradient times ``info.update_scale``, then `optimizer` and `scheduler` step).
+
+    Without ``tokens_per_update`` every step is an update, as before. With it, a step inside an update
+    accumulates its gradient: gradients are zeroed at the update's first step (``update_step == 0``),
+    DDP's ``no_sync`` (FSDP2's ``set_requires_gradient_sync(False)``) skips the all-reduce until the
+    update's last step, and only then does the optimizer step, so there is one gradient all-reduce
+    and one learning-rate step per update. The gradient it steps with is the per-token mean over
+    every sample of the update on every rank (`batchd.core._updates`).
 
     Args:
-        ddp_model: The (DDP-wrapped) model; called as ``model(input_ids, attention_mask=...,
-            position_ids=...)``.
-        optimizer: Its optimizer; gradients are zeroed before the backward and kept after the step.
+        ddp_model: The (DDP-wrapped or FSDP2-sharded) model; called as ``model(input_ids,
+            attention_mask=..., position_ids=...)``.
+        optimizer: Its optimizer; gradients are zeroed before an update's first backward and kept
+            after the update.
         batch: A `collate_padded` / `collate_packed` batch; ignored (may be None) on IDLE steps.
         info: The rank's `batchd.core.StepInfo` (uses ``is_idle``, ``loss_scale``,
-            ``local_loss_tokens``).
+            ``local_loss_tokens`` and the ``update_*`` fields).
+        scheduler: A learning-rate scheduler stepped once per update (None: none).
 
     Returns:
         The unscaled local per-token mean loss (nan for IDLE or loss-free steps).
@@ -174,11 +189,65 @@ def train_step(
     Raises:
         ValueError: if a non-IDLE step has no batch, or the labels disagree with ``local_loss_tokens``.
     """
-    optimizer.zero_grad(set_to_none=True)
-    loss, mean = step_loss(ddp_model, batch, info, next(ddp_model.parameters()).device)
-    loss.backward()
-    optimizer.step()
+    if info.update_step == 0:
+        optimizer.zero_grad(set_to_none=True)
+    with accumulating(ddp_model, info):
+        loss, mean = step_loss(ddp_model, batch, info, next(ddp_model.parameters()).device)
+        loss.backward()
+    if info.update_end:
+        apply_update_scale(ddp_model, info)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
     return mean
+
+
+@contextlib.contextmanager
+def accumulating(model: Any, info: Any) -> Iterator[None]:
+    """Inside an optimizer update (not its last step), the context that skips the gradient all-reduce:
+    DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``; elsewhere (the update's last
+    step, a model of neither kind) nothing. Gradients accumulate locally and the update's last
+    backward all-reduces their sum, which equals all-reducing each step's."""
+    if info.update_end:
+        yield
+    elif hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def check_one_step_update(info: Any, where: str) -> None:
+    """Raises ValueError when `info` is a step of an optimizer update of several steps
+    (``tokens_per_update`` / ``samples_per_update``) and `where` (an integration that steps the
+    optimizer itself after every step) cannot take one: its gradients would be stepped with a scale
+    meant for the whole update. Every step of a job without those settings passes."""
+    if getattr(info, "update_step", 0) != 0 or not getattr(info, "update_end", True):
+        raise ValueError(
+            f"{where} does not take optimizer updates of several steps (the job's tokens_per_update / "
+            f"samples_per_update) yet: use batchd.train_step, or the loop of README 'Optimizer updates "
+            f"of a fixed token count'; got step {info.step} inside update {info.update}"
+        )
+
+
+def apply_update_scale(model: Any, info: Any) -> None:
+    """At an update's last step: multiplies every gradient by ``info.update_scale`` (D / W, so that the
+    accumulated gradient is the per-token mean over the update; 1.0 without ``tokens_per_update``,
+    where this does nothing). Call it after the last backward, before clipping and the optimizer."""
+    scale = float(getattr(info, "update_scale", 1.0))
+    if scale == 1.0:
+        return
+    if not math.isfinite(scale) or scale < 0:
+        raise ValueError(f"update_scale must be a finite number >= 0, got {scale=}")
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, scale)
 
 
 def step_loss(
