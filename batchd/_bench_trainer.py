@@ -56,6 +56,7 @@ from batchd.client import (
     collate_padded,
     forward_logits,
     idle_batch,
+    loss_tokens,
     scaled_loss_and_mean,
     token_loss_sum,
 )
@@ -308,37 +309,81 @@ def step_lr(base_lr: float, global_tokens: int, ref_tokens: int | None, power: f
     return base_lr * (global_tokens / ref_tokens) ** power
 
 
-def _step(
-    ddp: torch.nn.Module,
-    opt: torch.optim.Optimizer,
-    batch: dict[str, Any],
-    scale: float | None,
-    tokens: int,
-    lr: float,
+def _backward(
+    ddp: torch.nn.Module, batch: dict[str, Any], scale: float | None, tokens: int, sync: bool
 ) -> torch.Tensor:
-    """Forward, loss (x scale; None: plain per-token mean), backward (DDP all-reduce), update at `lr`."""
+    """Forward, loss (x scale; None: plain per-token mean) and backward; `sync` False skips DDP's
+    all-reduce (``no_sync``: a micro-step inside an optimizer update, its gradient kept locally)."""
+    with nullcontext() if sync else ddp.no_sync():
+        logits = forward_logits(ddp, batch)
+        if scale is None:
+            s, n = token_loss_sum(logits, batch["labels"])
+            loss = s / n if n else logits.sum() * 0.0
+        else:
+            loss = scaled_loss_and_mean(logits, batch["labels"], scale, tokens)[0]
+        loss.backward()
+    return logits
+
+
+def _update(ddp: torch.nn.Module, opt: torch.optim.Optimizer, lr: float, grad_scale: float) -> None:
+    """The optimizer step at `lr`, after scaling the accumulated gradient by `grad_scale`."""
+    if grad_scale != 1.0:
+        torch._foreach_mul_([p.grad for p in ddp.parameters() if p.grad is not None], grad_scale)
     for group in opt.param_groups:
         group["lr"] = lr
-    opt.zero_grad(set_to_none=True)
-    logits = forward_logits(ddp, batch)
-    if scale is None:
-        s, n = token_loss_sum(logits, batch["labels"])
-        loss = s / n if n else logits.sum() * 0.0
-    else:
-        loss = scaled_loss_and_mean(logits, batch["labels"], scale, tokens)[0]
-    loss.backward()
     opt.step()
-    return logits
+
+
+class _Window:
+    """Where this rank's optimizer updates start and end, and the gradient's factor at the end.
+
+    batchd: the StepInfo's update fields (one update per step without ``tokens_per_update``). fixed and
+    ODB with `accumulate` = K > 1: K consecutive local steps (the epoch's last step ends the open one),
+    weighted so that the update's gradient is its per-token mean: fixed knows every rank's batches, so
+    each step is scaled by N t_r / W for the update's global loss tokens W; ODB's exact scale (N t_r /
+    T_j, input tokens) is weighted by T_j / D and the sum by D / sum T_j at the update's end."""
+
+    D = 1e4  # any constant: the ODB steps' common denominator until the update's tokens are known
+
+    def __init__(self, k: int) -> None:
+        self.k, self.pos, self.weight = k, 0, 0.0
+        self.start, self.end, self.end_scale = True, True, 1.0
+
+    def local(self, last: bool, weight: float = 0.0) -> None:
+        """A fixed / ODB micro-step: `last`, the epoch's last step of this rank (if known); `weight`,
+        its ODB weight T_j (0: the scale is already over the update)."""
+        self.start, self.end = self.pos == 0, self.pos == self.k - 1 or last
+        self.weight = (0.0 if self.start else self.weight) + weight
+        self.end_scale = self.D / self.weight if weight and self.end and self.weight else 1.0
+        self.pos = 0 if self.end else self.pos + 1
+
+    def batchd(self, info: Any) -> None:
+        self.start, self.end = info.update_step == 0, info.update_end
+        self.end_scale = info.update_scale if info.update_end else 1.0
+
+    def tail_scale(self) -> float:
+        """The factor of an update the epoch left open (ODB: the stream's end is known only after it)."""
+        return self.D / self.weight if self.weight else 1.0
 
 
 def _iter_fixed(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
     lengths, seed, n, size = cfg["lengths"], cfg["seed"], cfg["world_size"], cfg["batch_size"]
     views = [fixed_batches(cfg["num_samples"], r, n, seed, size, epoch) for r in range(n)]
-    for k, ids in enumerate(views[cfg["rank"]]):
+    k_acc, window = cfg.get("accumulate", 1), holder["window"]
+    mine = views[cfg["rank"]]
+    for k, ids in enumerate(mine):
         # every rank knows every view: the step's real tokens over all ranks, without a collective
         holder["global_tokens"] = sum(lengths[i] for view in views if k < len(view) for i in view[k])
         batch = collate_padded([payload(i, lengths, seed, cfg.get("images")) for i in ids])
-        yield ids, batch, None, 0
+        if k_acc == 1:
+            yield ids, batch, None, 0
+            continue
+        window.local(last=k == len(mine) - 1)
+        first = k - k % k_acc  # this update's steps: first .. first + K - 1 (or the epoch's end)
+        tokens = holder["loss_tokens"]
+        total = sum(tokens[i] for view in views for b in view[first : first + k_acc] for i in b)
+        local = sum(tokens[i] for i in ids)
+        yield ids, batch, n * local / total if total else 0.0, local
 
 
 class ViewSampler(torch.utils.data.Sampler):
@@ -385,7 +430,12 @@ def _iter_odb(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
         info = odb.pop_step_info(batch, loss_scaling="exact")
         sample_ids = batch.pop("sample_ids").tolist()
         tokens = int((batch["labels"][:, 1:] != -100).sum())
-        yield sample_ids, batch, float(info.loss_scale), tokens
+        scale = float(info.loss_scale)
+        if cfg.get("accumulate", 1) > 1:  # ODB's stream end is known only after it: `tail_scale`
+            weight = max(holder["global_tokens"], 1)
+            holder["window"].local(last=False, weight=weight)
+            scale *= weight / _Window.D
+        yield sample_ids, batch, scale, tokens
 
 
 def _slowed(batches, step_time: float):
@@ -406,6 +456,7 @@ def _iter_batchd(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
     for batch, info in it:
         ids = batch.pop("sample_ids").tolist()
         holder["global_tokens"] = int(info.global_tokens)
+        holder["window"].batchd(info)
         if info.is_idle and batch.get("vision_send_splits") is None:
             yield [], None, 0.0, 0
         elif info.is_idle:  # two-phase: an IDLE rank may still encode images, and joins the exchange
@@ -474,7 +525,14 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     ddp = DDP(model, device_ids=[device.index] if cuda else None)
     base_lr, ref_tokens = cfg.get("lr", 1e-3), cfg.get("lr_ref_tokens")
     opt = torch.optim.AdamW(model.parameters(), lr=base_lr)
-    holder: dict[str, Any] = {}
+    holder: dict[str, Any] = {"window": _Window(cfg.get("accumulate", 1))}
+    if system == "fixed" and cfg.get("accumulate", 1) > 1:  # fixed knows every rank's batches
+        holder["loss_tokens"] = {
+            i: loss_tokens(payload(i, cfg["lengths"], cfg["seed"], cfg.get("images"))["labels"])
+            for i in range(cfg["num_samples"])
+        }
+    window, update_tokens = holder["window"], 0
+    updates: list[int] = []  # per optimizer update: its global real tokens
     iters = {"fixed": _iter_fixed, "odb-0.1.2": _iter_odb}
     if system not in iters and not system.startswith("batchd"):
         raise ValueError(f"unknown system, expected fixed, odb-0.1.2 or batchd-*, got {system=}")
@@ -508,11 +566,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 while item is not None:
                     ids, batch, scale, tokens = item
                     wait_s = 0.0 if item is first and not epoch else holder.get("wait", 0.0)
-                    lr = step_lr(
-                        base_lr, holder.get("global_tokens", 0), ref_tokens, cfg.get("lr_power", 0.5)
-                    )
+                    if window.start:
+                        opt.zero_grad(set_to_none=True)
+                        update_tokens = 0
+                    update_tokens += holder.get("global_tokens", 0)
+                    lr = step_lr(base_lr, update_tokens, ref_tokens, cfg.get("lr_power", 0.5))
+                    # ODB: every micro-step all-reduces (no no_sync beside its Join); the others only
+                    # at an update's last step
+                    sync = window.end or system == "odb-0.1.2"
                     if batch is None:  # batchd IDLE step: zero-weight forward/backward keeps DDP aligned
-                        _step(ddp, opt, _device_batch(idle_batch(), device), 0.0, 0, lr)
+                        _backward(ddp, _device_batch(idle_batch(), device), 0.0, 0, sync)
                         rec.add([], None, None, t0, wait_s)
                     else:
                         batch = _device_batch(batch, device)
@@ -520,12 +583,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                             batch = hf_pixels(batch)
                         if timer is not None:
                             timer.on = True
-                        logits = _step(ddp, opt, batch, scale, tokens, lr)
+                        logits = _backward(ddp, batch, scale, tokens, sync)
                         if timer is not None:
                             timer.on = False
                         rec.add(ids, batch, logits, t0, wait_s)
                         if timer is not None:
                             rec.steps[-1]["vision_s"] = timer.take()
+                    if window.end:
+                        _update(ddp, opt, lr, window.end_scale)
+                        updates.append(update_tokens)
+                        rec.steps[-1]["t"] = time.monotonic() - t0  # the step ends with its update
                     ticker.tick(len(ids))
                     rec.steps[-1]["lr"] = lr
                     rec.steps[-1]["global_tokens"] = holder.get("global_tokens", 0)
@@ -533,6 +600,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                     t_wait = time.monotonic()
                     item = next(batches, None)
                     holder["wait"] = time.monotonic() - t_wait
+                if not window.end:  # ODB with accumulation: the epoch left an update open
+                    _update(ddp, opt, lr, window.tail_scale())
+                    updates.append(update_tokens)
+                    window.pos = 0
+                    rec.steps[-1]["t"] = time.monotonic() - t0
             if cuda:
                 torch.cuda.synchronize()
             # held-out loss after every epoch, outside the clock: every rank's t0 moves by the same span, from
@@ -556,6 +628,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             "eval": evals[-1]["eval"] if evals else None,
             "epoch_evals": evals,
             "params": model.num_parameters(),
+            "updates": updates,
         }
         Path(cfg["out"]).write_text(json.dumps(result))
         return result

@@ -214,6 +214,11 @@ def summarize(
         for k in range(n_steps)
     ]
     ev = next((r["eval"] for r in results if r.get("eval")), None)
+    per_update = max((r.get("updates") or [] for r in results), key=len)
+    seen, tokens_curve = 0, []
+    for k in range(n_steps):  # real tokens trained so far, all ranks, after each step
+        seen += sum(r["steps"][k]["real"] for r in results if k < len(r["steps"]))
+        tokens_curve.append(seen)
     return {
         "wall_s": wall,
         "samples": sum(counts.values()),
@@ -244,6 +249,11 @@ def summarize(
         "params": results[0].get("params"),
         "loss_curve": curve,
         "step_times": times,
+        "tokens_curve": tokens_curve,
+        "updates": len(per_update),
+        "update_tokens_min": min(per_update, default=0),
+        "update_tokens_mean": sum(per_update) / len(per_update) if per_update else 0.0,
+        "update_tokens_max": max(per_update, default=0),
     }
 
 
@@ -290,7 +300,7 @@ def _smooth(values: list[float], window: int) -> list[float]:
 def write_plots(
     systems: dict[str, dict[str, Any]], out: Path, title: str, prefix: str = "bench_"
 ) -> list[Path]:
-    """loss vs step, loss vs wall time, and a wall-time bar chart, as PNGs under `out`."""
+    """loss vs step, vs wall time and vs tokens seen, and a wall-time bar chart, as PNGs under `out`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -299,10 +309,15 @@ def write_plots(
     ran = {k: v for k, v in systems.items() if "wall_s" in v}
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for kind, xlabel in (("step", "optimizer step"), ("time", "wall time (s)")):
+    kinds = [("step", "step"), ("time", "wall time (s)"), ("tokens", "tokens seen (all ranks)")]
+    for kind, xlabel in kinds:
         fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
         for name, s in ran.items():
-            xs = list(range(1, len(s["loss_curve"]) + 1)) if kind == "step" else s["step_times"]
+            xs = {
+                "step": list(range(1, len(s["loss_curve"]) + 1)),
+                "time": s["step_times"],
+                "tokens": s.get("tokens_curve") or list(range(1, len(s["loss_curve"]) + 1)),
+            }[kind]
             w = max(1, len(s["loss_curve"]) // 20)
             (line,) = ax.plot(xs, s["loss_curve"], alpha=0.25, linewidth=0.8)
             ax.plot(
@@ -310,7 +325,7 @@ def write_plots(
                 _smooth(s["loss_curve"], w),
                 color=line.get_color(),
                 linewidth=1.8,
-                label=f"{name} ({len(xs)} steps, {s['wall_s']:.1f} s)",
+                label=f"{name} ({len(xs)} steps, {s.get('updates') or len(xs)} updates, {s['wall_s']:.1f} s)",
             )
         ax.set_xlabel(xlabel)
         ax.set_ylabel("global per-token loss (train)")
@@ -374,6 +389,8 @@ def run_bench(
     epochs: int = 1,
     step_time: float = 0.0,
     deterministic: bool = False,
+    accumulate: int = 1,
+    tokens_per_update: int | str | None = None,
 ) -> dict[str, Any]:
     """Runs the bench; returns the dict `batchd bench --json` prints (see the module docstring).
 
@@ -409,6 +426,12 @@ def run_bench(
         step_time: Seconds every system's trainers sleep per step, a stand-in for a large model's step
             (tests that slow trainers never fail a job); 0 in measurements.
         deterministic: The batchd systems' `JobSpec.deterministic` (batches independent of timing).
+        accumulate: K: fixed and ODB 0.1.2 step the optimizer once per K steps (gradient accumulation,
+            the update's gradient its per-token mean; `batchd._bench_trainer._Window`).
+        tokens_per_update: The batchd systems' `JobSpec.tokens_per_update`; "auto": fixed batching's
+            mean global loss tokens per update (with `accumulate`), the comparison at equal update
+            semantics. With either, the learning-rate rule compares an update's tokens with fixed
+            batching's mean per update.
 
     Raises:
         ValueError: on bad arguments (the message names the value).
@@ -437,7 +460,10 @@ def run_bench(
         epochs=epochs,
         deterministic=deterministic,
     )
+    if tokens_per_update is not None and tokens_per_update != "auto":
+        job = job.replace(tokens_per_update=tokens_per_update)  # validated there
     for name, value, lo in (
+        ("accumulate", accumulate, 1),
         ("num_samples", num_samples, 1),
         ("heldout", heldout, 0),
         ("odb_workers", odb_workers, 1),
@@ -495,7 +521,14 @@ def run_bench(
     fixed_steps = max(
         len(fixed_batches(num_samples, r, world_size, seed, batch_size)) for r in range(world_size)
     )
-    lr_ref_tokens = round(sum(lengths) / fixed_steps) if lr_scaling != "none" else None
+    fixed_updates = math.ceil(fixed_steps / accumulate)
+    lr_ref_tokens = round(sum(lengths) / fixed_updates) if lr_scaling != "none" else None
+    if tokens_per_update == "auto":  # fixed batching's mean global loss tokens per update
+        from batchd._bench_trainer import payload
+        from batchd.client import loss_tokens
+
+        loss = sum(loss_tokens(payload(i, lengths, seed)["labels"]) for i in range(num_samples))
+        job = job.replace(tokens_per_update=max(1, round(loss / fixed_updates)))
     title = f"{workload.stem}, {num_samples} samples, N={world_size}, L={token_budget}, {model}, {device}"
     common = {
         "num_samples": num_samples,
@@ -512,6 +545,7 @@ def run_bench(
         "window": window,
         "odb_workers": odb_workers,
         "epochs": epochs,
+        "accumulate": accumulate,
         "step_time": step_time,
         "heldout_ids": list(range(num_samples, num_samples + heldout)),
         "images": all_images[: num_samples + heldout] if all_images else None,
@@ -600,6 +634,8 @@ def run_bench(
         "fixed_batch_size": batch_size,
         "epochs": epochs,
         "deterministic": deterministic,
+        "accumulate": accumulate,
+        "tokens_per_update": job.tokens_per_update,
         "longest": max(lengths),
         "mean_length": sum(lengths) / len(lengths),
         "layout": {name: BATCHD_SYSTEMS.get(name, ("", "padded"))[1] for name in systems},
@@ -719,6 +755,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sqrt: each step's lr = lr x sqrt(its tokens / fixed batching's mean step tokens), the "
         "same rule for every system; linear: lr x that ratio; none: constant lr (default sqrt)",
     )
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        metavar="K",
+        help="fixed and ODB 0.1.2: one optimizer update per K steps (gradient accumulation; default 1)",
+    )
+    p.add_argument(
+        "--tokens-per-update",
+        default=None,
+        metavar="G|auto",
+        type=lambda v: v if v == "auto" else int(v),
+        help="batchd systems: one optimizer update per G global loss tokens; auto: fixed batching's "
+        "mean per update (with --accumulate: the comparison at equal update semantics; default off)",
+    )
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per system run (default 1800)")
     p.add_argument(
         "--repeats",
@@ -769,6 +820,8 @@ def bench_command(args: argparse.Namespace) -> int:
             epochs=args.epochs,
             step_time=args.step_time,
             deterministic=args.deterministic,
+            accumulate=args.accumulate,
+            tokens_per_update=args.tokens_per_update,
         )
     except ValueError as exc:
         print(f"batchd bench: error: {exc}", file=sys.stderr)
