@@ -42,6 +42,7 @@ ORDER = (
     "_notes/bench",
     "epoch-boundary",
     "bench-epochs",
+    "bench-updates",
     "chaos",
     "node-balance",
     "_notes/node-balance",
@@ -79,6 +80,7 @@ FULL_RUNS = {
     "bench": "python benchmarks/bench_systems.py",
     "epoch-boundary": "python benchmarks/epoch_boundary.py",
     "bench-epochs": "python benchmarks/bench_epochs.py",
+    "bench-updates": "python benchmarks/bench_updates.py",
     "chaos": "python benchmarks/chaos.py --jobs 6 --seed 0 --faults-per-job 2 --json /tmp/chaos_full.json "
     "--work /tmp/chaos_full",
     "node-balance": "python benchmarks/node_balance.py",
