@@ -34,6 +34,34 @@ def _workload(tmp_path: Path, n: int) -> Path:
 
 
 @pytest.mark.slow
+def test_bench_at_equal_update_semantics_counts_every_systems_updates(tmp_path):
+    """`--accumulate K` (fixed: one update per K steps) against `--tokens-per-update auto` (batchd:
+    one per G = fixed's mean global loss tokens per update): the JSON reports each system's updates,
+    fixed's exactly ceil(steps / K) per rank, batchd's about fixed's count (the cumulative rule)."""
+    workload = _workload(tmp_path, NUM + 8)
+    k = 3
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchd.bench", "--json", "--workload", str(workload)]
+        + ["--num-samples", str(NUM), "--heldout", "8", "--token-budget", "600", "--window", "16"]
+        + ["--systems", "fixed,batchd-balanced", "--accumulate", str(k), "--tokens-per-update", "auto"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    s = json.loads(proc.stdout)
+    fixed, bd = s["systems"]["fixed"], s["systems"]["batchd-balanced"]
+    assert s["accumulate"] == k and s["tokens_per_update"] > 0
+    assert fixed["updates"] == -(-fixed["steps"] // k)
+    assert bd["steps"] > bd["updates"] >= 1  # updates of several steps
+    assert abs(bd["updates"] - fixed["updates"]) <= 1
+    for r in (fixed, bd):
+        assert (r["samples"], r["missing"], r["duplicates"]) == (NUM, 0, 0)
+        assert r["update_tokens_min"] <= r["update_tokens_mean"] <= r["update_tokens_max"]
+        assert r["tokens_curve"][-1] == r["real_tokens"] and np.isfinite(r["heldout_loss"])
+
+
+@pytest.mark.slow
 def test_bench_runs_all_systems_on_the_same_samples(tmp_path):
     workload = _workload(tmp_path, NUM + 8)
     out = tmp_path / "out"
@@ -106,7 +134,12 @@ def test_bench_runs_all_systems_on_the_same_samples(tmp_path):
         )
 
     names = {Path(p).name for p in s["plots"]}
-    assert names == {"bench_loss_vs_step.png", "bench_loss_vs_time.png", "bench_wall_time.png"}
+    assert names == {
+        "bench_loss_vs_step.png",
+        "bench_loss_vs_time.png",
+        "bench_loss_vs_tokens.png",
+        "bench_wall_time.png",
+    }
     for p in s["plots"]:
         data = Path(p).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, p
