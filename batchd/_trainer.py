@@ -45,6 +45,7 @@ from batchd.client import (
     BatchClient,
     BatchdError,
     JobFailed,
+    check_one_step_update,
     collate_padded,
     forward_logits,
     scaled_loss_and_mean,
@@ -226,6 +227,7 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_ti
                 if mask is not None:
                     result["longest"] = max(result["longest"], int(mask.sum(1).max()))
                 result["padded_tokens"] += int(batch["input_ids"].numel())
+            check_one_step_update(info, "the demo trainer")  # it steps after every step
             scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
             if step_time > 0:
                 time.sleep(step_time)
