@@ -57,6 +57,7 @@ from batchd.client import (
     forward_logits,
     idle_batch,
     loss_tokens,
+    scale_gradients,
     scaled_loss_and_mean,
     token_loss_sum,
 )
@@ -327,8 +328,7 @@ def _backward(
 
 def _update(ddp: torch.nn.Module, opt: torch.optim.Optimizer, lr: float, grad_scale: float) -> None:
     """The optimizer step at `lr`, after scaling the accumulated gradient by `grad_scale`."""
-    if grad_scale != 1.0:
-        torch._foreach_mul_([p.grad for p in ddp.parameters() if p.grad is not None], grad_scale)
+    scale_gradients(ddp, grad_scale)
     for group in opt.param_groups:
         group["lr"] = lr
     opt.step()
@@ -361,8 +361,10 @@ class _Window:
         self.start, self.end = info.update_step == 0, info.update_end
         self.end_scale = info.update_scale if info.update_end else 1.0
 
-    def tail_scale(self) -> float:
-        """The factor of an update the epoch left open (ODB: the stream's end is known only after it)."""
+    def close_open(self) -> float:
+        """Ends the update the epoch left open (ODB: the stream's end is known only after it); returns
+        its gradient's factor."""
+        self.pos, self.end = 0, True
         return self.D / self.weight if self.weight else 1.0
 
 
@@ -379,9 +381,9 @@ def _iter_fixed(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
             yield ids, batch, None, 0
             continue
         window.local(last=k == len(mine) - 1)
-        first = k - k % k_acc  # this update's steps: first .. first + K - 1 (or the epoch's end)
         tokens = holder["loss_tokens"]
-        total = sum(tokens[i] for view in views for b in view[first : first + k_acc] for i in b)
+        if window.start:  # this update's steps: k .. k + K - 1 (or the epoch's end), every rank's
+            total = sum(tokens[i] for view in views for b in view[k : k + k_acc] for i in b)
         local = sum(tokens[i] for i in ids)
         yield ids, batch, n * local / total if total else 0.0, local
 
@@ -601,9 +603,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                     item = next(batches, None)
                     holder["wait"] = time.monotonic() - t_wait
                 if not window.end:  # ODB with accumulation: the epoch left an update open
-                    _update(ddp, opt, lr, window.tail_scale())
+                    _update(ddp, opt, lr, window.close_open())
                     updates.append(update_tokens)
-                    window.pos = 0
                     rec.steps[-1]["t"] = time.monotonic() - t0
             if cuda:
                 torch.cuda.synchronize()

@@ -228,7 +228,7 @@ def check_one_step_update(info: Any, where: str) -> None:
     (``tokens_per_update`` / ``samples_per_update``) and `where` (an integration that steps the
     optimizer itself after every step) cannot take one: its gradients would be stepped with a scale
     meant for the whole update. Every step of a job without those settings passes."""
-    if getattr(info, "update_step", 0) != 0 or not getattr(info, "update_end", True):
+    if info.update_step != 0 or not info.update_end:
         raise ValueError(
             f"{where} does not take optimizer updates of several steps (the job's tokens_per_update / "
             f"samples_per_update) yet: use batchd.train_step, or the loop of README 'Optimizer updates "
@@ -240,7 +240,12 @@ def apply_update_scale(model: Any, info: Any) -> None:
     """At an update's last step: multiplies every gradient by ``info.update_scale`` (D / W, so that the
     accumulated gradient is the per-token mean over the update; 1.0 without ``tokens_per_update``,
     where this does nothing). Call it after the last backward, before clipping and the optimizer."""
-    scale = float(getattr(info, "update_scale", 1.0))
+    scale_gradients(model, float(info.update_scale))
+
+
+def scale_gradients(model: Any, scale: float) -> None:
+    """Multiplies every gradient of `model` by `scale` in place (1.0: nothing to do). Raises
+    ValueError on a negative or non-finite scale."""
     if scale == 1.0:
         return
     if not math.isfinite(scale) or scale < 0:
