@@ -81,7 +81,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from batchd.client import BatchClient, BatchdError, JobFailed, batchd_deepspeed_backward, train_step
+from batchd.client import (
+    BatchClient,
+    BatchdError,
+    JobFailed,
+    batchd_deepspeed_backward,
+    train_step,
+    weighted_steps,
+)
 from batchd.proto import Progress, Security, progress_interval
 from batchd.service.preprocess import TokenizerRef
 
@@ -623,7 +630,9 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> d
         for epoch in range(client.epoch, epochs):
             client.set_epoch(epoch)  # the checkpoint's epoch keeps its position
             n = 0
-            batches = iter(client)  # closed only after a failure was asked about (see _trainer._run_batchd)
+            # closed only after a failure was asked about (see _trainer._run_batchd); DeepSpeed cannot
+            # rescale a gradient after the backward: it reads each update ahead, weighed over it
+            batches = weighted_steps(client) if args.strategy == "deepspeed" else iter(client)
             bar = Progress(f"rank 0: epoch {epoch + 1}/{epochs}", total, "samples", enabled=rank == 0)
             try:
                 for batch, info in batches:

@@ -14,17 +14,20 @@ Pipeline parallelism: `pipeline_steps(client, m)` makes m consecutive steps one 
 Model-parallel groups: `BatchClient(..., group_rank=, group_size=)`.
 
 Trainer integrations: `BatchdTrainer` (transformers.Trainer; imported lazily), for PyTorch Lightning
-`BatchdDataModule` / `batchd_lightning_loss` (imported lazily) and, for Accelerate, `batchd_batches` /
-`batchd_loss` / `batchd_backward`; FSDP2 (`fully_shard`) trains through `train_step` unchanged; DeepSpeed
-through `batchd_deepspeed_backward` (then ``engine.step()``). Imports `batchd.core` and `batchd.proto`
-only; nothing from the daemon.
+`BatchdDataModule` / `batchd_lightning_loss` / `batchd_lightning_step` (imported lazily) and, for
+Accelerate, `batchd_batches` / `batchd_loss` / `batchd_backward` / `batchd_accumulate`; FSDP2
+(`fully_shard`) trains through `train_step` unchanged; DeepSpeed through `batchd_deepspeed_backward`
+(then ``engine.step()``). Optimizer updates of several steps (``tokens_per_update``): `train_step`
+accumulates and rescales at the update's end; `optimizer_updates` / `weighted_steps` read each update
+ahead and weigh every step over it, for the integrations that cannot rescale a gradient afterwards.
+Imports `batchd.core` and `batchd.proto` only; nothing from the daemon.
 """
 
 import importlib
 
 from batchd.core import BatchdError, JobFailed, RankServiceError, StepInfo
 
-from ._accelerate import batchd_backward, batchd_batches, batchd_loss, hf_model_inputs
+from ._accelerate import batchd_accumulate, batchd_backward, batchd_batches, batchd_loss, hf_model_inputs
 from ._client import BatchClient
 from ._collate import IGNORE_INDEX, collate_packed, collate_padded, idle_batch, loss_tokens, to_torch
 from ._deepspeed import batchd_deepspeed_backward
@@ -34,13 +37,18 @@ from ._train import (
     accumulating,
     apply_update_scale,
     check_one_step_update,
+    check_weighted,
     forward_logits,
+    next_update,
+    optimizer_updates,
     scale_gradients,
     scaled_loss,
     scaled_loss_and_mean,
     step_batch,
     token_loss_sum,
     train_step,
+    weigh_update,
+    weighted_steps,
 )
 from ._vlm import (
     PACKED_ATTENTION,
@@ -58,6 +66,7 @@ _LAZY = {
     "BatchdTrainer": "._hf",
     "BatchdDataModule": "._lightning",
     "BatchdStep": "._lightning",
+    "batchd_lightning_step": "._lightning",
     "batchd_lightning_loss": "._lightning",
 }
 
@@ -83,14 +92,17 @@ __all__ = [
     "VLM_FAMILIES",
     "accumulating",
     "apply_update_scale",
+    "batchd_accumulate",
     "batchd_backward",
     "batchd_batches",
     "batchd_deepspeed_backward",
     "batchd_lightning_loss",
+    "batchd_lightning_step",
     "batchd_loss",
     "check_model_batch",
     "check_one_step_update",
     "check_packed_attention",
+    "check_weighted",
     "collate_packed",
     "collate_padded",
     "exchange_image_embeddings",
@@ -100,6 +112,8 @@ __all__ = [
     "is_two_phase",
     "loss_tokens",
     "microbatches",
+    "next_update",
+    "optimizer_updates",
     "pipeline_steps",
     "scale_gradients",
     "scaled_loss",
@@ -109,4 +123,6 @@ __all__ = [
     "token_loss_sum",
     "train_step",
     "two_phase",
+    "weigh_update",
+    "weighted_steps",
 ]

@@ -24,8 +24,9 @@ manager. The loss is accumulated in at least fp32 (fp64 stays fp64) whatever the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -233,6 +234,92 @@ def check_one_step_update(info: Any, where: str) -> None:
             f"{where} does not take optimizer updates of several steps (the job's tokens_per_update / "
             f"samples_per_update) yet: use batchd.train_step, or the loop of README 'Optimizer updates "
             f"of a fixed token count'; got step {info.step} inside update {info.update}"
+        )
+
+
+def optimizer_updates(steps: Iterable[tuple[Any, Any]]) -> Iterator[list[tuple[Any, Any]]]:
+    """Groups a rank's (batch, StepInfo) stream into its optimizer updates, each weighted over itself
+    (`weigh_update`): each list holds the steps of one update, the last with ``update_end``.
+
+    That is what an integration needs whose gradients it cannot rescale after the backward (DeepSpeed's
+    ZeRO partitions them inside its optimizer) or that reads an update ahead anyway (HF Trainer's
+    ``get_batch_samples``). Without ``tokens_per_update`` every update is one step and nothing changes.
+    The cost: one update's batches are held in memory before its first step trains (the rank service
+    keeps producing meanwhile). Closing the generator closes `steps` when it can be closed.
+
+    Raises:
+        RuntimeError: when `steps` ends inside an update (`next_update`).
+    """
+    it = iter(steps)
+    try:
+        while update := next_update(it):
+            yield weigh_update(update)
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def next_update(steps: Iterator[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """The (batch, StepInfo) pairs read from `steps` through the next update's end, as they are; [] when
+    `steps` is exhausted between updates. `steps` is left open.
+
+    Raises:
+        RuntimeError: when `steps` ends inside an update (a stream cut short: the epoch's last step always
+            ends one), naming the update and step.
+    """
+    update = []
+    for batch, info in steps:
+        update.append((batch, info))
+        if info.update_end:
+            return update
+    if update:
+        last = update[-1][1]
+        raise RuntimeError(
+            f"the stream ended inside update {last.update} (at step {last.step}, its step "
+            f"{last.update_step}): no update end arrived, so the update's weights are unknown"
+        )
+    return update
+
+
+def weigh_update(update: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
+    """One update's steps with every StepInfo's ``loss_scale`` multiplied by the update's
+    ``update_scale`` (known at its last step) and ``update_scale`` set to 1.0: step j's loss then weighs
+    N t_rj / W, its share of the whole update's W loss tokens, so each backward adds its part of the
+    update's per-token-mean gradient and nothing rescales the gradient afterwards (``train_step`` on
+    these steps scales by 1.0)."""
+    if not update or not update[-1][1].update_end:
+        raise ValueError(
+            f"weigh_update needs one whole update, ending with update_end, got {len(update)} steps"
+        )
+    scale = float(update[-1][1].update_scale)
+    if scale == 1.0:
+        return list(update)
+    return [(b, dataclasses.replace(i, loss_scale=i.loss_scale * scale, update_scale=1.0)) for b, i in update]
+
+
+def weighted_steps(steps: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
+    """`optimizer_updates` flattened: the stream's steps in order, each weighted over its update (read
+    an update ahead). Loops that take one step at a time (``batchd_deepspeed_backward``) read this."""
+    updates = optimizer_updates(steps)
+    try:
+        for update in updates:
+            yield from update
+    finally:
+        updates.close()
+
+
+def check_weighted(info: Any, where: str) -> None:
+    """Raises ValueError when `info` ends an optimizer update whose steps were not weighted over it
+    (``update_scale`` != 1.0: the stream was not read through `optimizer_updates` / `weighted_steps`)
+    and `where` cannot rescale the gradient after the backward. Checked before the update's last
+    backward, so no optimizer step has used the wrong weights."""
+    if info.update_end and info.update_scale != 1.0:
+        raise ValueError(
+            f"{where} needs each step weighted over its whole optimizer update (the job's "
+            f"tokens_per_update / samples_per_update): read the stream through "
+            f"batchd.client.weighted_steps(client); got update {info.update} ending at step "
+            f"{info.step} with update_scale={info.update_scale}"
         )
 
 

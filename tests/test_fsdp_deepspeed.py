@@ -35,7 +35,13 @@ from _jobs import job_pool
 from _procs import free_block, spawn
 
 from batchd import TinyCausalLM
-from batchd.client import BatchClient, batchd_deepspeed_backward, token_loss_sum, train_step
+from batchd.client import (
+    BatchClient,
+    batchd_deepspeed_backward,
+    token_loss_sum,
+    train_step,
+    weighted_steps,
+)
 from batchd.core import JobSpec
 
 deepspeed = pytest.importorskip("deepspeed")  # the dev extra pins it; the helper itself needs no deepspeed
@@ -50,7 +56,10 @@ JOBS = {
     "zero3": False,
     "train_fsdp2": True,
     "train_deepspeed": True,
+    "fsdp2_updates": True,
+    "zero2_updates": True,
 }
+UPDATE_TOKENS = {"fsdp2_updates": 450, "zero2_updates": 450, "train_deepspeed": 450}  # updates of ~3 steps
 # value: skewed (rank 0 long samples, rank 1 a few tokens each: IDLE from its second step), else balanced
 
 
@@ -104,13 +113,25 @@ def _fsdp2_epoch(address: str, rank: int, mixed: bool) -> dict:
         for batch, info in client:
             ids = batch["sample_ids"].tolist() if batch is not None and "sample_ids" in batch else []
             mean = train_step(model, optimizer, batch, info)
-            steps.append(
-                {"ids": ids, "idle": info.is_idle, "loss": 0.0 if info.is_idle else mean * info.loss_scale}
-            )
+            steps.append(_step_log(ids, info, mean))
     return {"steps": steps, "records": records}
 
 
+def _step_log(ids: list[int], info, mean: float) -> dict:
+    loss = 0.0 if info.is_idle else mean * info.loss_scale
+    return {
+        "ids": ids,
+        "idle": info.is_idle,
+        "loss": loss,
+        "update": info.update,
+        "end": info.update_end,
+        "scale": info.update_scale,  # at the update's end: what train_step multiplies the gradient by
+    }
+
+
 def _deepspeed_epoch(address: str, rank: int, stage: int) -> dict:
+    """The docstring's DeepSpeed loop (`weighted_steps`); the gradients and parameters at the first K
+    updates' ends (every step's, without tokens_per_update)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     model = tiny_model()
@@ -120,12 +141,10 @@ def _deepspeed_epoch(address: str, rank: int, stage: int) -> dict:
     named = list(engine.module.named_parameters())
     records, steps = [], []
     with BatchClient(address, rank, 2) as client:
-        for batch, info in client:
+        for batch, info in weighted_steps(client):
             ids = batch["sample_ids"].tolist() if batch is not None and "sample_ids" in batch else []
             mean = batchd_deepspeed_backward(engine, batch, info)
-            if (
-                len(records) < K
-            ):  # collectives (ZeRO gathers the partitions): both ranks record the same steps
+            if len(records) < K and info.update_end:  # collectives (ZeRO gathers): both ranks record
                 records.append(
                     {
                         "grad": {n: safe_get_full_grad(p).detach().clone() for n, p in named},
@@ -133,9 +152,7 @@ def _deepspeed_epoch(address: str, rank: int, stage: int) -> dict:
                     }
                 )
             engine.step()
-            steps.append(
-                {"ids": ids, "idle": info.is_idle, "loss": 0.0 if info.is_idle else mean * info.loss_scale}
-            )
+            steps.append(_step_log(ids, info, mean))
     engine.destroy()
     return {"steps": steps, "records": records}
 
@@ -195,6 +212,8 @@ def _rank_main(rank: int, ports: list[int], addresses: dict[str, list[str]], out
         ("fsdp2_mp", lambda a: _fsdp2_epoch(a, rank, mixed=True)),
         ("zero2", lambda a: _deepspeed_epoch(a, rank, 2)),
         ("zero3", lambda a: _deepspeed_epoch(a, rank, 3)),
+        ("fsdp2_updates", lambda a: _fsdp2_epoch(a, rank, mixed=False)),
+        ("zero2_updates", lambda a: _deepspeed_epoch(a, rank, 2)),
     ):
         t0 = time.perf_counter()
         out[name] = run(addresses[name][rank])
@@ -246,6 +265,7 @@ def runs(tmp_path_factory):
                 seed=SEED,
                 collate="padded",
                 shuffle=not skewed,
+                tokens_per_update=UPDATE_TOKENS.get(name),
             )
             rng = np.random.default_rng(3)
             lengths = (
@@ -271,25 +291,35 @@ def _check_epoch(runs: dict, name: str) -> list[tuple[dict, dict]]:
 
 
 def _check_gradients(runs: dict, name: str, atol: float | None) -> tuple[list[float], list[float]]:
-    """The first K steps: the full gradient and the mean scaled loss against the reference; the control's
-    gap. Returns (errors, gaps) (relative errors when `atol` is None: mixed precision)."""
+    """The first K updates (steps, without tokens_per_update): the full gradient and the mean scaled
+    loss against the reference over every sample of the update on both ranks; the control's gap.
+    Returns (errors, gaps) (relative errors when `atol` is None: mixed precision)."""
     job, steps = runs["jobs"][name], _check_epoch(runs, name)
     rec0, rec1 = (r[name]["records"] for r in runs["ranks"])
+    updates: list[list[tuple[dict, dict]]] = [[]]
+    for s0, s1 in steps:
+        assert (s0["update"], s0["end"]) == (s1["update"], s1["end"]), "the ranks agree on the updates"
+        updates[-1].append((s0, s1))
+        if s0["end"]:
+            updates.append([])
     errors, gaps = [], []
     for k in range(K):
-        s0, s1 = steps[k]
         assert (
             max_err(rec0[k]["grad"], rec1[k]["grad"]) == 0
             and max_err(rec0[k]["param"], rec1[k]["param"]) == 0
         )
-        p0, p1 = ([job.payload(i) for i in s["ids"]] for s in (s0, s1))
-        assert s0["idle"] == (not p0) and s1["idle"] == (not p1)
+        p0, p1 = (
+            [job.payload(i) for s in (pair[r] for pair in updates[k]) for i in s["ids"]] for r in (0, 1)
+        )
+        for s0, s1 in updates[k]:
+            assert s0["idle"] == (not s0["ids"]) and s1["idle"] == (not s1["ids"])
         params = rec0[k]["param"]
         want, loss = reference(params, p0 + p1)
         got = rec0[k]["grad"]
         errors.append(max_err(got, want) if atol is not None else rel_err(got, want))
         if atol is not None:
-            assert abs((s0["loss"] + s1["loss"]) / 2 - loss) < 1e-5, (name, k, s0["loss"], s1["loss"], loss)
+            got_loss = sum(s0["loss"] + s1["loss"] for s0, s1 in updates[k]) / 2 * updates[k][-1][0]["scale"]
+            assert abs(got_loss - loss) < 1e-5, (name, k, got_loss, loss)
         # the control: the plain mean of the ranks' per-token means (an IDLE rank contributes zeros)
         per_rank = [
             reference(params, p)[0] if p else {n: torch.zeros_like(w) for n, w in want.items()}
@@ -329,6 +359,24 @@ def test_deepspeed_zero_gradients_equal_the_single_process_reference(runs, stage
         assert any(s0["idle"] or s1["idle"] for s0, s1 in _check_epoch(runs, "zero2")[:K]), (
             "no IDLE step checked"
         )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp2_updates", "zero2_updates"])
+def test_updates_of_several_steps_give_the_updates_per_token_mean(runs, name):
+    """tokens_per_update: FSDP2 through train_step (local accumulation, one reduce-scatter per update,
+    the gradient rescaled at the end) and ZeRO-2 through weighted_steps (each step weighed over its
+    update, the engine's accumulation boundary at the update's end): each update's gradient is the
+    per-token mean over all its samples on both ranks, an IDLE step inside included."""
+    steps = _check_epoch(runs, name)
+    ends = [k for k, (s0, _) in enumerate(steps) if s0["end"]]
+    assert len(ends) > K and ends[0] > 0, ("updates of several steps", ends)
+    assert len(runs["ranks"][0][name]["records"]) == K  # recorded at update ends only
+    _check_gradients(runs, name, ATOL)
+    first = steps[: ends[K - 1] + 1]
+    assert any(s1["idle"] for _, s1 in first) and any(not s1["idle"] for _, s1 in first), (
+        "an IDLE step inside"
+    )
 
 
 @pytest.mark.slow

@@ -260,20 +260,46 @@ def test_a_coordinator_state_of_other_update_settings_is_refused():
     Coordinator(JobSpec(world_size=2, token_budget=64)).load_state_dict(old)  # saved before the fields
 
 
-def test_integrations_that_step_every_step_refuse_an_update_of_several_steps():
-    from batchd.client import batchd_deepspeed_backward, batchd_lightning_loss, check_one_step_update
+def test_integrations_refuse_an_update_their_weights_cannot_serve():
+    """DeepSpeed's gradient cannot be rescaled after the backward: the last step of an update not read
+    through weighted_steps is refused before it; read through it, every step's scale is the update's.
+    Lightning's automatic loss and the HF / Accelerate accumulation windows refuse updates of several
+    steps (tests/test_integrations.py, tests/test_lightning.py show the paths that take them)."""
+    from batchd.client import (
+        batchd_deepspeed_backward,
+        check_one_step_update,
+        check_weighted,
+        optimizer_updates,
+        weighted_steps,
+    )
 
     spec = JobSpec(world_size=2, token_budget=64, policy="local", window=4, tokens_per_update=500)
-    inside = Simulator([30] * 40, spec).next_step()[0].info
-    assert not inside.update_end
-    with pytest.raises(ValueError, match="Lightning integration does not take optimizer updates"):
-        batchd_lightning_loss(None, {}, inside)
+    sim = Simulator([30] * 40, spec)
+    steps = []
+    while (got := sim.next_step()) is not None:
+        steps.append((None, got[0].info))
+    ends = [info for _, info in steps if info.update_end]
+    assert not steps[0][1].update_end and any(i.update_scale != 1.0 for i in ends)
+    with pytest.raises(ValueError, match="does not take optimizer updates"):
+        check_one_step_update(steps[0][1], "an integration that steps every step")
+    bad = next(i for i in ends if i.update_scale != 1.0)
+    with pytest.raises(ValueError, match="read the stream through batchd.client.weighted_steps"):
+        check_weighted(bad, "batchd_deepspeed_backward")
 
-    class Engine:  # only what the refusal reads before any forward
+    class Engine:  # only what is read before any forward
         def gradient_accumulation_steps(self):
             return 1
 
-    with pytest.raises(ValueError, match="DeepSpeed does not take"):
-        batchd_deepspeed_backward(Engine(), None, inside)
-    one = Simulator([30] * 4, spec.replace(tokens_per_update=None)).next_step()[0].info
-    check_one_step_update(one, "anything")  # a job without updates of several steps passes
+    with pytest.raises(ValueError, match="batchd_deepspeed_backward needs each step weighted"):
+        batchd_deepspeed_backward(Engine(), None, bad)
+    weighted = list(weighted_steps(iter(steps)))
+    assert [i.step for _, i in weighted] == [i.step for _, i in steps]
+    for update in optimizer_updates(iter(steps)):
+        last = update[-1][1]
+        raw = [i for _, i in steps if i.update == last.update]
+        for (_, got), want in zip(update, raw, strict=True):
+            assert got.update_scale == 1.0
+            assert math.isclose(got.loss_scale, want.loss_scale * raw[-1].update_scale)
+        check_weighted(last, "x")  # passes
+    with pytest.raises(RuntimeError, match="the stream ended inside update 0"):
+        list(weighted_steps(iter(steps[:1])))
