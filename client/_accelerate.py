@@ -30,6 +30,20 @@ model derives the block-diagonal mask of packed samples from the restarting ``po
 when no cache is in use; with the default ``use_cache=True`` the packed samples attend to each other
 silently.
 
+Optimizer updates of a fixed token count (the job's ``tokens_per_update``): keep
+``gradient_accumulation_steps`` = 1 and step where batchd ends an update::
+
+    for batch, info in batchd_batches(accelerator, client):          # each step weighed over its update
+        with batchd_accumulate(accelerator, model, info):             # no all-reduce inside an update
+            batchd_backward(accelerator, model, batch, info)
+        if info.update_end:                                           # once per update
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+`batchd_batches` reads each update ahead (`batchd.client.weighted_steps`): every step's loss scale
+weighs its share of the update's loss tokens, so the accumulated gradient is the update's per-token
+mean with no rescaling afterwards, under DDP, FSDP and DeepSpeed alike (`batchd_accumulate` sets
+Accelerate's ``sync_gradients`` to the update's end, which is also DeepSpeed's accumulation boundary).
+
 Gradient accumulation: with ``Accelerator(gradient_accumulation_steps=k)`` wrap the step in
 ``with accelerator.accumulate(model):``. `batchd_batches` then reads k steps at a time and rescales
 each step's ``loss_scale`` by k T_j / (T_1 + ... + T_k) (its share of the window's global loss tokens;
@@ -43,6 +57,7 @@ This module imports neither accelerate nor transformers; the accelerator is only
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
@@ -51,7 +66,7 @@ from typing import Any
 import torch
 
 from ._collate import NON_MODEL_KEYS, idle_batch
-from ._train import _check_scale, _to_device, check_one_step_update, scaled_loss_and_mean
+from ._train import _check_scale, _to_device, check_one_step_update, scaled_loss_and_mean, weighted_steps
 from ._vlm import check_model_batch
 
 
@@ -170,8 +185,10 @@ def batchd_batches(accelerator: Any, client: Any) -> Iterator[tuple[dict[str, An
     Pass the client itself, never a prepared dataloader: the stream is already this rank's own.
     IDLE steps come with the rank service's 1-token dummy batch. Closing the generator (or leaving the
     loop) closes the client's stream; ``client.state_dict()`` resumes after the last step read (with
-    gradient accumulation, after the current window). With ``gradient_accumulation_steps`` = k > 1 the
-    StepInfos' ``loss_scale`` is reweighted over each window of k steps (module docstring).
+    gradient accumulation, after the current window; with updates of several steps, after the current
+    update: checkpoint after the optimizer steps). With k = 1 each step is weighed over its optimizer
+    update (`weighted_steps`); with ``gradient_accumulation_steps`` = k > 1 the StepInfos' ``loss_scale``
+    is reweighted over each window of k steps (module docstring).
 
     Raises:
         ValueError: (at the call, not at the first step) if the client's rank / world size are not the
@@ -183,8 +200,12 @@ def batchd_batches(accelerator: Any, client: Any) -> Iterator[tuple[dict[str, An
 
 def _device_batches(client: Any, device: torch.device, k: int) -> Iterator[tuple[dict[str, Any], Any]]:
     if k == 1:
-        for batch, info in client:
-            yield _to_device(batch, device), info
+        steps = weighted_steps(client)
+        try:
+            for batch, info in steps:
+                yield _to_device(batch, device), info
+        finally:
+            steps.close()
         return
     for window in accumulation_windows(client, k, factor=k):  # x k: accelerator.backward divides by k
         for batch, info in window:
@@ -205,3 +226,20 @@ def batchd_backward(
     loss = batchd_loss(model(**hf_model_inputs(batch)), batch, info)
     accelerator.backward(loss)
     return loss.detach()
+
+
+@contextlib.contextmanager
+def batchd_accumulate(accelerator: Any, model: torch.nn.Module, info: Any) -> Iterator[None]:
+    """The context of one step's backward in a job with optimizer updates of several steps: inside an
+    update ``accelerator.no_sync(model)`` (gradients accumulate locally), at its end nothing (the
+    backward all-reduces the update's sum). Sets Accelerate's ``sync_gradients`` to ``info.update_end``
+    (prepared optimizers step only then; DeepSpeed's accumulation boundary follows it). Without
+    updates of several steps every step ends one and this does nothing."""
+    state = getattr(accelerator, "gradient_state", None)
+    if state is not None:
+        state._set_sync_gradients(bool(info.update_end))
+    if info.update_end:
+        yield
+        return
+    with accelerator.no_sync(model):
+        yield

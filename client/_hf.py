@@ -33,6 +33,17 @@ trains on this rank's batchd stream instead of a dataset:
   client and sets ``args.ignore_data_skip = True``, since batchd resumes the stream itself (Trainer's
   own batch skipping needs a DataLoader and would skip a second time).
 
+* **Optimizer updates of a fixed token count** (the job's ``tokens_per_update`` /
+  ``samples_per_update``): one Trainer step is one batchd update, however many batchd steps it holds.
+  Keep ``gradient_accumulation_steps`` = 1: `get_batch_samples` reads the whole update ahead
+  (`batchd.client.optimizer_updates`: each step's loss scale weighed over the update's loss tokens)
+  and hands it to `training_step` as one input, which runs the update's steps one after the other,
+  all but the last under ``accelerator.no_sync`` (one gradient all-reduce per update; under DeepSpeed
+  the engine's accumulation boundary is the update's end). Trainer then clips, steps the optimizer
+  and the scheduler once, and counts one ``global_step``: ``max_steps``, ``save_steps``,
+  ``logging_steps`` and the learning-rate schedule count updates, as a recipe's global batch does.
+  The logged loss is the update's global per-token mean. Checkpoints fall between updates.
+
 * **Gradient accumulation.** With ``gradient_accumulation_steps`` = k, one optimizer step takes k
   batchd steps (the same k on every rank: their step counts are aligned), and each step's loss scale is
   multiplied by T_j / (T_1 + ... + T_k), its share of the window's global loss tokens, so the update is
@@ -44,11 +55,14 @@ trains on this rank's batchd stream instead of a dataset:
   not (`batchd.client.check_model_batch`), and a packed row on an attention that crosses samples.
 
 Trade-offs: DataParallel (``n_gpu`` > 1 in one process) is refused with a ValueError; ``max_steps``
-(optimizer steps) must be an upper bound, not the exact count.
+(optimizer steps) must be an upper bound, not the exact count; ``gradient_accumulation_steps`` > 1 in a
+job with updates of several steps is refused at the first such update (the update already is the
+accumulation); one update's batches are held in host memory before its first step runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -61,10 +75,18 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoin
 from ._accelerate import accumulation_windows, hf_model_inputs, logits_of
 from ._client import BatchClient
 from ._collate import INFO_KEY
-from ._train import _check_scale, check_one_step_update, scaled_loss_and_mean
+from ._train import (
+    _check_scale,
+    check_one_step_update,
+    check_weighted,
+    next_update,
+    scaled_loss_and_mean,
+    weigh_update,
+)
 from ._vlm import check_model_batch
 
 CLIENT_STATE_FILE = "batchd_client_rank{rank}.json"
+UPDATE_KEY = "batchd_update"  # a Trainer input that is one batchd update of several steps: their batch dicts
 
 
 class BatchdStream:
@@ -188,22 +210,74 @@ class BatchdTrainer(transformers.Trainer):
     def get_batch_samples(
         self, epoch_iterator: Iterator, num_batches: int, device: torch.device
     ) -> tuple[list, None]:
-        """Takes the next accumulation window's batches and weights them (see the module docstring)."""
-        batches = []
-        for _ in range(num_batches):
-            try:
-                batches.append(next(epoch_iterator))
-            except StopIteration:
-                break
-        if not batches:  # the stream has ended: stop here, between optimizer steps
+        """The next optimizer step's inputs: one batchd update (``gradient_accumulation_steps`` = 1), or
+        k one-step updates weighted over their window (module docstring).
+
+        Raises:
+            ValueError: k > 1 in a job whose updates span several steps.
+        """
+        steps = ((b, b[INFO_KEY]) for b in epoch_iterator)  # reads the stream on; never closes it
+        if num_batches == 1:
+            update = next_update(steps)
+            if not update:
+                self.control.should_training_stop = True
+                return [], None
+            batches = [{**b, INFO_KEY: info} for b, info in weigh_update(update)]
+            return ([batches[0]] if len(batches) == 1 else [{UPDATE_KEY: batches}]), None
+        pairs = []
+        for _, (batch, info) in zip(range(num_batches), steps, strict=False):
+            check_one_step_update(info, f"BatchdTrainer with gradient_accumulation_steps={num_batches}")
+            pairs.append((batch, info))
+        if not pairs:  # the stream has ended: stop here, between optimizer steps
             self.control.should_training_stop = True
             return [], None
         # a window the stream ended in is filled with IDLE batches, so Trainer still takes its step
         out = []
-        for batch, info in next(accumulation_windows([(b, b[INFO_KEY]) for b in batches], num_batches)):
+        for batch, info in next(accumulation_windows(pairs, num_batches)):
             batch[INFO_KEY] = info  # its loss_scale now weighs the step within the window
             out.append(batch)
         return out, None
+
+    def training_step(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        """Trainer's step; for an update of several steps, each of its steps in turn, the gradient synced
+        (all-reduced, or DeepSpeed's boundary) after the last only. Returns the summed scaled losses:
+        the update's local share of the global per-token mean."""
+        if UPDATE_KEY not in inputs:
+            return super().training_step(model, inputs, num_items_in_batch)
+        batches = inputs[UPDATE_KEY]
+        total = None
+        state = self.accelerator.gradient_state
+        for k, batch in enumerate(batches):
+            last = k == len(batches) - 1
+            state._set_sync_gradients(last)  # as Trainer's own accumulation loop sets it per micro-batch
+            with self._update_sync_context(model, last):
+                loss = super().training_step(model, batch, None)
+            total = loss if total is None else total + loss
+        assert total is not None  # an update holds at least one step
+        return total
+
+    def _update_sync_context(self, model: torch.nn.Module, last: bool) -> Any:
+        """No all-reduce inside an update: ``accelerator.no_sync`` (DeepSpeed: nothing, its boundary is
+        the sync flag set by `training_step`)."""
+        from accelerate.utils import DistributedType
+
+        if last or self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(model=model)
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        if UPDATE_KEY in inputs:
+            return sum(super(BatchdTrainer, self).floating_point_ops(b) for b in inputs[UPDATE_KEY])
+        return super().floating_point_ops(inputs)
+
+    def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
+        for batch in inputs.get(UPDATE_KEY, [inputs]):
+            super()._track_num_input_tokens(batch)
 
     # -- loss ------------------------------------------------------------------------------------------
     def compute_loss(
@@ -217,7 +291,7 @@ class BatchdTrainer(transformers.Trainer):
         if INFO_KEY not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         info = inputs[INFO_KEY]
-        check_one_step_update(info, "BatchdTrainer")
+        check_weighted(info, "BatchdTrainer.compute_loss")  # a batch not read through get_batch_samples
         scale, tokens = (0.0, 0) if info.is_idle else (info.loss_scale, info.local_loss_tokens)
         _check_scale(scale, tokens)
         check_model_batch(model, inputs)

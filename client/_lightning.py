@@ -1,4 +1,4 @@
-"""batchd with PyTorch Lightning: `BatchdDataModule` and `batchd_lightning_loss`.
+"""batchd with PyTorch Lightning: `BatchdDataModule`, `batchd_lightning_loss`, `batchd_lightning_step`.
 
 ``trainer.fit(module, datamodule=BatchdDataModule(lambda: BatchClient(address, rank, world_size)))``
 trains on this rank's batchd stream:
@@ -30,6 +30,19 @@ trains on this rank's batchd stream:
   every rank (the streams are aligned: same epoch, same step count), so each rank restores its own
   client from it in ``trainer.fit(..., ckpt_path=...)``.
 
+* **Optimizer updates of a fixed token count** (the job's ``tokens_per_update`` /
+  ``samples_per_update``): an update spans a varying number of steps, which Lightning's automatic
+  optimization cannot follow, so the module uses manual optimization, as Lightning recommends for
+  custom accumulation: ``self.automatic_optimization = False`` in ``__init__`` and
+  ``return batchd_lightning_step(self, self.model, batch, info)`` in ``training_step``. It zeroes the
+  gradients at an update's first step, runs forward and backward inside the update under the
+  strategy's ``block_backward_sync`` (DDP: no all-reduce until the update's last step), and at the
+  update's end multiplies the gradient by ``info.update_scale`` (the update's per-token mean), clips
+  (``gradient_clip_val``), steps the optimizer and every scheduler once. ``trainer.global_step``
+  counts optimizer steps, i.e. updates, so ``max_steps``, ``every_n_train_steps`` checkpoints (which
+  then fall between updates) and the schedule are in updates. A job whose updates span several steps
+  trained by a module with automatic optimization is refused at its first such step.
+
 Trade-offs: ``accumulate_grad_batches`` must be 1 (Lightning's accumulation would weigh every step of a
 window equally, which is not the window's per-token mean: use the Accelerate or HF Trainer integration
 for accumulation); Lightning's ``batch_idx`` counts the steps of the current Lightning run, while
@@ -41,6 +54,7 @@ package ``batchd.client`` imports this module lazily.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -53,7 +67,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
 
 from ._accelerate import batchd_loss, hf_model_inputs
 from ._client import BatchClient
-from ._train import _to_device, check_one_step_update
+from ._train import _to_device, scale_gradients
 from ._vlm import check_model_batch
 
 
@@ -174,10 +188,28 @@ class BatchdDataModule(pl.LightningDataModule):
             trainer.should_stop = True  # the job's last epoch has ended: no empty Lightning epochs after it
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Moves a `BatchdStep`'s tensors to `device` (the StepInfo stays) and notes it as trained on."""
+        """Moves a `BatchdStep`'s tensors to `device` (the StepInfo stays) and notes it as trained on.
+
+        Raises:
+            ValueError: a step of an update of several steps for a module with automatic optimization.
+        """
         if not isinstance(batch, BatchdStep):
             return super().transfer_batch_to_device(batch, device, dataloader_idx)
-        self._trained = (self.client.epoch, batch.info.step)
+        info = batch.info
+        trainer = self.trainer
+        if (
+            (info.update_step != 0 or not info.update_end)
+            and trainer is not None
+            and trainer.lightning_module.automatic_optimization
+        ):
+            raise ValueError(
+                f"the job's optimizer updates span several steps (tokens_per_update / samples_per_update), "
+                f"which Lightning's automatic optimization cannot follow: set automatic_optimization = "
+                f"False in {type(trainer.lightning_module).__name__} and return batchd.client."
+                f"batchd_lightning_step(self, model, batch, info) from training_step; got step "
+                f"{info.step} of update {info.update}"
+            )
+        self._trained = (self.client.epoch, info.step)
         return BatchdStep(_to_device(batch.batch, device), batch.info)
 
     # -- checkpoints ---------------------------------------------------------------------------------
@@ -216,6 +248,60 @@ def batchd_lightning_loss(model: torch.nn.Module, batch: Mapping[str, Any], info
         ValueError: on a bad scale, labels that disagree with ``info.local_loss_tokens``, or a model the
             batch does not fit (`batchd.client.check_model_batch`).
     """
-    check_one_step_update(info, "batchd's Lightning integration")
     check_model_batch(model, batch)
     return batchd_loss(model(**hf_model_inputs(batch)), batch, info)
+
+
+def batchd_lightning_step(
+    module: Any,
+    model: torch.nn.Module,
+    batch: Mapping[str, Any],
+    info: Any,
+    *,
+    gradient_clip_val: float | None = None,
+) -> torch.Tensor:
+    """The ``training_step`` of a module with ``automatic_optimization = False`` (module docstring):
+    forward and `batchd_loss` (as `batchd_lightning_loss`), ``module.manual_backward``; inside an
+    optimizer update without the gradient all-reduce; at its end the update's scale, clipping, the
+    optimizer step and every scheduler's step. Works for one-step updates too (every step ends one).
+
+    Args:
+        module: The ``LightningModule`` (its ``optimizers()``, ``lr_schedulers()``, trainer).
+        model: What it calls the HF way, ``model(**hf_model_inputs(batch))``.
+        batch, info: The `BatchdStep`'s batch and StepInfo.
+        gradient_clip_val: Clip the update's gradient norm to this (None: no clipping).
+
+    Returns:
+        The detached scaled loss (its sum over an update's steps, averaged over ranks, is the update's
+        global per-token mean loss times D / W; 0 on IDLE steps).
+
+    Raises:
+        ValueError: a module with automatic optimization, or what `batchd_lightning_loss` raises.
+    """
+    if module.automatic_optimization:
+        raise ValueError(
+            f"batchd_lightning_step steps the optimizer itself: set automatic_optimization = False in "
+            f"{type(module).__name__}.__init__"
+        )
+    opt = module.optimizers()
+    if info.update_step == 0:
+        opt.zero_grad()
+    sync = contextlib.nullcontext if info.update_end else _block_sync(module)
+    with sync():
+        check_model_batch(model, batch)
+        loss = batchd_loss(model(**hf_model_inputs(batch)), batch, info)
+        module.manual_backward(loss)
+    if info.update_end:
+        scale_gradients(module, float(info.update_scale))
+        if gradient_clip_val is not None:
+            module.clip_gradients(opt, gradient_clip_val=gradient_clip_val)
+        opt.step()
+        schedulers = module.lr_schedulers()
+        for sched in schedulers if isinstance(schedulers, list) else [schedulers] if schedulers else []:
+            sched.step()
+    return loss.detach()
+
+
+def _block_sync(module: Any) -> Callable[[], Any]:
+    """The strategy's context that skips DDP's gradient all-reduce (nothing for a single device)."""
+    return getattr(module.trainer.strategy, "block_backward_sync", contextlib.nullcontext)

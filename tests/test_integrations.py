@@ -87,6 +87,7 @@ def make_job():
             budget: int = 256,
             skewed: bool = False,
             epochs: int = 1,
+            tokens_per_update: int | None = None,
         ) -> InProcessJob:
             """`skewed`: unshuffled views, rank 0 (even ids) long samples, rank 1 (odd ids) a few tokens each:
             under the local policy rank 1 runs out after its first step and is IDLE from then on."""
@@ -100,6 +101,7 @@ def make_job():
                 collate=collate,
                 shuffle=not skewed,
                 epochs=epochs,
+                tokens_per_update=tokens_per_update,
             )
             lengths = [150 if i % 2 == 0 else 5 for i in range(n)] if skewed else lengths_for(n)
             return start(spec, lengths)
@@ -309,6 +311,62 @@ def test_hf_trainer_gradient_accumulation_is_the_windows_per_token_mean(make_job
         )
 
 
+def _updates(seen: list) -> list[list[tuple[list[int], object]]]:
+    """`seen` (sample ids, StepInfo per batchd step) split at the update ends."""
+    out: list = [[]]
+    for ids, info in seen:
+        out[-1].append((ids, info))
+        if info.update_end:
+            out.append([])
+    assert not out[-1], "the epoch's last step ends an update"
+    return out[:-1]
+
+
+def test_hf_trainer_steps_once_per_update_of_a_fixed_token_count(make_job, tmp_path):
+    """tokens_per_update: one Trainer step (optimizer, scheduler, global_step, logged loss) per batchd
+    update of several steps; the first update's gradient is the per-token mean over all its samples,
+    which weighting its steps equally is not; a checkpoint between updates resumes with nothing lost."""
+    job = make_job(n=96, tokens_per_update=300)
+    model = tiny_llama()
+    initial = copy.deepcopy(model)
+    trainer, grads = make_trainer(job, tmp_path, model=model, lr_scheduler_type="linear")
+    out = trainer.train()
+    updates = _updates(trainer.seen)
+    assert sorted(i for ids, _ in trainer.seen for i in ids) == list(range(len(job.lengths)))
+    assert out.global_step == len(updates) == trainer.lr_scheduler.last_epoch > 2
+    assert len(updates[0]) > 1 and max(len(u) for u in updates) < len(trainer.seen), [len(u) for u in updates]
+    assert len([h for h in trainer.state.log_history if "loss" in h]) == len(updates)
+    window = [job.payload(i) for ids, _ in updates[0] for i in ids]
+    want = reference_grad(initial, window)
+    assert max_err(grads.grads[0], want) <= ATOL, max_err(grads.grads[0], want)
+    per_step = [reference_grad(initial, [job.payload(i) for i in ids]) for ids, _ in updates[0]]
+    control = sum(per_step) / len(per_step)
+    assert max_err(control, want) > 10 * ATOL, "the control must differ, or the check above cannot fail"
+
+    # the same job again: two updates, a checkpoint, and a new Trainer finishes the epoch from it (the
+    # emission order after the first updates depends on timing, so the later updates may differ)
+    again = make_job(n=96, tokens_per_update=300)
+    first, _ = make_trainer(again, tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    first.train()
+    assert [len(u) for u in _updates(first.seen)] == [len(u) for u in updates[:2]]
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    state = json.loads((ckpt / "batchd_client_rank0.json").read_text())
+    assert state["next_step"] == len(first.seen) == sum(len(u) for u in updates[:2])  # between updates
+    resumed, _ = make_trainer(again, tmp_path, model=tiny_llama())
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    head = resumed.seen[0][1]
+    assert (head.step, head.update_step) == (state["next_step"], 0), "resumed at an update's first step"
+    ids = [i for seen in (first.seen, resumed.seen) for step_ids, _ in seen for i in step_ids]
+    assert sorted(ids) == list(range(len(again.lengths))), "every sample exactly once across the two runs"
+    assert resumed.state.global_step == 2 + len(_updates(resumed.seen))
+
+    accumulating, _ = make_trainer(
+        make_job(n=96, tokens_per_update=300), tmp_path, gradient_accumulation_steps=2
+    )
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2 does not take optimizer updates"):
+        accumulating.train()
+
+
 def test_hf_trainer_refuses_bad_setups(make_job, tmp_path):
     from batchd.client import BatchdTrainer
 
@@ -386,6 +444,43 @@ def test_accelerate_gradient_accumulation_is_the_windows_per_token_mean(make_job
     grad, n = updates[0]
     want = reference_grad(initial, [job.payload(i) for ids in seen[: n + 1] for i in ids])
     assert n == k - 1 and max_err(grad, want) <= ATOL, max_err(grad, want)
+
+
+def test_accelerate_updates_of_a_fixed_token_count_step_once_per_update(make_job):
+    """The module docstring's loop for tokens_per_update: batchd_accumulate keeps the steps inside an
+    update from syncing (and the prepared optimizer from stepping); each update's gradient is the
+    per-token mean over all its samples, which the steps' own per-step scales are not."""
+    from accelerate import Accelerator
+
+    from batchd.client import batchd_accumulate
+
+    job = make_job(n=96, tokens_per_update=300)
+    accelerator = Accelerator(cpu=True)
+    model = tiny_llama()
+    initial = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (1 + k))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    seen, grads = [], []
+    for batch, info in batchd_batches(accelerator, job.client(0)):
+        with batchd_accumulate(accelerator, model, info):
+            batchd_backward(accelerator, model, batch, info)
+        seen.append((batch["sample_ids"].tolist(), info))
+        if info.update_end:
+            grads.append(flat_grad(accelerator.unwrap_model(model)))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        else:
+            assert not accelerator.sync_gradients
+    updates = _updates(seen)
+    assert sorted(i for ids, _ in seen for i in ids) == list(range(len(job.lengths))), "every sample once"
+    assert len(grads) == len(updates) == scheduler.last_epoch > 2 and len(updates[0]) > 1
+    assert all(info.update_scale == 1.0 for _, info in seen)  # weighed over the update when read
+    want = reference_grad(initial, [job.payload(i) for ids, _ in updates[0] for i in ids])
+    assert max_err(grads[0], want) <= ATOL, max_err(grads[0], want)
+    per_step = [reference_grad(initial, [job.payload(i) for i in ids]) for ids, _ in updates[0]]
+    assert max_err(sum(per_step) / len(per_step), want) > 10 * ATOL, "the control must differ"
 
 
 def test_batchd_batches_refuses_a_mismatched_accelerator():
@@ -492,36 +587,44 @@ def _params(model: torch.nn.Module) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
-def _accelerate_epoch(address: str, grad_steps: int, ga: int = 1) -> dict:
-    """An Accelerate epoch; with `ga` > 1 (accumulate()) each reported step is one window (its ids joined)."""
+def _accelerate_epoch(address: str, grad_steps: int, ga: int = 1, updates: bool = False) -> dict:
+    """An Accelerate epoch; with `ga` > 1 (accumulate()) each reported step is one window (its ids joined),
+    with `updates` (batchd_accumulate, the job's tokens_per_update) one update."""
     from accelerate import Accelerator
+
+    from batchd.client import batchd_accumulate
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ga)
     model = tiny_llama()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = accelerator.prepare(model, optimizer)
     out = {"num_processes": accelerator.num_processes, "ddp": type(model).__name__, "steps": []}
-    window = {"ids": [], "idle": True}
+    window = {"ids": [], "idle": True, "n": 0}
     with BatchClient(address, accelerator.process_index, accelerator.num_processes) as client:
         for batch, info in batchd_batches(accelerator, client):
-            with accelerator.accumulate(model):
+            context = (
+                batchd_accumulate(accelerator, model, info) if updates else accelerator.accumulate(model)
+            )
+            with context:
                 batchd_backward(accelerator, model, batch, info)
                 window["ids"] += batch["sample_ids"].tolist()
                 window["idle"] = window["idle"] and info.is_idle
+                window["n"] += 1
                 if accelerator.sync_gradients:
                     if len(out["steps"]) < grad_steps:
                         window["grad"] = flat_grad(accelerator.unwrap_model(model)).tolist()
                         window["params"] = _params(model)
                     out["steps"].append(window)
-                    window = {"ids": [], "idle": True}
-                optimizer.step()
+                    window = {"ids": [], "idle": True, "n": 0}
+                optimizer.step()  # a prepared optimizer steps (and zeroes) only when sync_gradients is set
                 optimizer.zero_grad()
     assert not window["ids"], "samples after the last update"
     return out
 
 
 def _trainer_epoch(address: str, grad_steps: int, out_dir: str, ga: int = 1) -> dict:
-    """A BatchdTrainer epoch; with `ga` > 1 each reported step is one accumulation window (its ids joined)."""
+    """A BatchdTrainer epoch; with `ga` > 1 each reported step is one accumulation window (its ids joined),
+    in a job with tokens_per_update one update."""
 
     class Grads(FirstGrads):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
@@ -539,9 +642,17 @@ def _trainer_epoch(address: str, grad_steps: int, out_dir: str, ga: int = 1) -> 
     )
     trainer.seen = []
     trainer.train()
-    windows = [trainer.seen[w : w + ga] for w in range(0, len(trainer.seen), ga)]
+    if any(not info.update_end for _, info in trainer.seen):
+        windows = [[(ids, info) for ids, info in u] for u in _updates(trainer.seen)]
+    else:
+        windows = [trainer.seen[w : w + ga] for w in range(0, len(trainer.seen), ga)]
     steps = [
-        {"ids": [i for ids, _ in win for i in ids], "idle": all(info.is_idle for _, info in win)}
+        {
+            "ids": [i for ids, _ in win for i in ids],
+            "idle": all(info.is_idle for _, info in win),
+            "n": len(win),
+            "n_idle": sum(info.is_idle for _, info in win),
+        }
         for win in windows
     ]
     for step, (grad, params) in zip(steps, grads.grads, strict=False):
@@ -557,7 +668,8 @@ def _rank_main(
     rank: int, world: int, port: int, addresses: dict[str, list[str]], out_dir: str, grad_steps: int
 ) -> None:
     """One rank: Accelerate epochs on two jobs, then BatchdTrainer epochs on two others; the second of
-    each with gradient accumulation over 2 steps (DDP over gloo)."""
+    each with gradient accumulation over 2 steps; then both on jobs with tokens_per_update (DDP over
+    gloo)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -574,7 +686,17 @@ def _rank_main(
     out["trainer"] = _trainer_epoch(addresses["trainer"][rank], grad_steps, out_dir)
     t2 = time.perf_counter()
     out["trainer_ga"] = _trainer_epoch(addresses["trainer_ga"][rank], grad_steps, out_dir, ga=2)
-    out["wall_s"] = {"accelerate": t1 - t0, "trainer": t2 - t1, "trainer_ga": time.perf_counter() - t2}
+    t3 = time.perf_counter()
+    out["trainer_updates"] = _trainer_epoch(addresses["trainer_updates"][rank], grad_steps, out_dir)
+    out["accelerate_updates"] = _accelerate_epoch(
+        addresses["accelerate_updates"][rank], grad_steps, updates=True
+    )
+    out["wall_s"] = {
+        "accelerate": t1 - t0,
+        "trainer": t2 - t1,
+        "trainer_ga": t3 - t2,
+        "updates": time.perf_counter() - t3,
+    }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump(out, f)
     torch.distributed.barrier()
@@ -585,14 +707,21 @@ def _rank_main(
 def test_two_ranks_gradients_equal_single_process_reference(make_job, tmp_path):
     """Accelerate and BatchdTrainer under real DDP (2 gloo processes): every step's all-reduced gradient
     equals the single-process per-token gradient over both ranks' samples; with gradient accumulation
-    over 2 steps (both integrations), every update's gradient is that over the window's samples of both
-    ranks."""
+    over 2 steps (both integrations) and with tokens_per_update (updates of several steps, no_sync inside
+    them), every update's gradient is that over the window's samples of both ranks."""
     # accelerate: balanced plan over shuffled lengths; trainer: skewed, rank 1 IDLE from its second step on
     jobs = {
         "accelerate": make_job(world_size=2, policy="balanced", n=40, budget=200),
         "trainer": make_job(world_size=2, policy="local", n=40, budget=200, skewed=True),
         "trainer_ga": make_job(world_size=2, policy="balanced", n=40, budget=120),
         "accelerate_ga": make_job(world_size=2, policy="local", n=40, budget=120, skewed=True),
+        # updates of ~3 steps: the trainer's with rank 1 IDLE inside them
+        "trainer_updates": make_job(
+            world_size=2, policy="local", n=40, budget=200, skewed=True, tokens_per_update=450
+        ),
+        "accelerate_updates": make_job(
+            world_size=2, policy="balanced", n=40, budget=120, tokens_per_update=250
+        ),
     }
     addresses = {kind: [f"127.0.0.1:{port}" for port in job.ports] for kind, job in jobs.items()}
     grad_steps = 3
@@ -621,6 +750,9 @@ def test_two_ranks_gradients_equal_single_process_reference(make_job, tmp_path):
         assert max(gaps) > 100 * ATOL, (kind, gaps)
     assert any(s["idle"] for r in ranks for s in r["trainer"]["steps"][:grad_steps]), "no IDLE step checked"
     assert sum(s["idle"] for s in ranks[1]["trainer"]["steps"]) > 5
+    for kind in ("trainer_updates", "accelerate_updates"):  # updates of several steps were checked
+        assert all(s["n"] > 1 for s in ranks[0][kind]["steps"][:grad_steps]), kind
+    assert ranks[1]["trainer_updates"]["steps"][0]["n_idle"] > 0, "an IDLE step inside a checked update"
 
 
 def test_client_package_imports_without_transformers():

@@ -39,6 +39,7 @@ def make_job(
     budget: int = 200,
     skewed: bool = False,
     epochs: int = 1,
+    tokens_per_update: int | None = None,
 ):
     spec = JobSpec(
         world_size=world_size,
@@ -50,6 +51,7 @@ def make_job(
         collate=collate,
         shuffle=not skewed,
         epochs=epochs,
+        tokens_per_update=tokens_per_update,
     )
     lengths = [150 if i % 2 == 0 else 5 for i in range(n)] if skewed else lengths_for(n)
     return start(spec, lengths)
@@ -69,8 +71,9 @@ def _params(model: torch.nn.Module) -> list[float]:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
 
 
-def lit_module(grad_steps: int = 0, lr: float = 0.1):
-    from batchd.client import batchd_lightning_loss
+def lit_module(grad_steps: int = 0, lr: float = 0.1, updates: bool = False):
+    """`updates`: manual optimization through batchd_lightning_step (for tokens_per_update)."""
+    from batchd.client import batchd_lightning_loss, batchd_lightning_step
 
     class Lit(pl.LightningModule):
         """The tiny Llama; records each step's ids / IDLE flag / batchd step, and the first gradients."""
@@ -81,21 +84,38 @@ def lit_module(grad_steps: int = 0, lr: float = 0.1):
             self.steps: list[dict] = []
             self.grads: list[tuple[list[float], list[float]]] = []
             self.wrapper = ""
+            self.automatic_optimization = not updates
 
         def on_train_start(self):
             self.wrapper = type(self.trainer.strategy.model).__name__  # DDP while training (unwrapped after)
 
         def training_step(self, step, batch_idx):
             batch, info = step
-            self.steps.append({"ids": batch["sample_ids"].tolist(), "idle": info.is_idle, "step": info.step})
+            self.steps.append(
+                {
+                    "ids": batch["sample_ids"].tolist(),
+                    "idle": info.is_idle,
+                    "step": info.step,
+                    "end": info.update_end,
+                }
+            )
+            if updates:
+                return batchd_lightning_step(self, self.model, batch, info)
             return batchd_lightning_loss(self.model, batch, info)
 
+        optimizer_steps = 0
+
         def on_before_optimizer_step(self, optimizer):
+            self.optimizer_steps += 1
             if len(self.grads) < grad_steps:  # DDP has all-reduced; the parameters are those of the forward
                 self.grads.append((flat_grad(self.model).tolist(), _params(self.model)))
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=lr)
+            opt = torch.optim.SGD(self.parameters(), lr=lr)
+            if not updates:
+                return opt
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     return Lit()
 
@@ -248,3 +268,49 @@ def test_lightning_epochs_follow_the_job_and_bad_setups_are_refused(jobs):
         lit_trainer().fit(lit_module(), datamodule=BatchdDataModule(BatchClient("127.0.0.1:1", 1, 2)))
     with pytest.raises(ValueError, match="accumulate_grad_batches=1"):
         lit_trainer(accumulate_grad_batches=2).fit(lit_module(), datamodule=BatchdDataModule(job.client(0)))
+
+
+def test_lightning_updates_of_a_fixed_token_count_step_once_per_update(jobs, tmp_path):
+    """tokens_per_update, manual optimization through batchd_lightning_step: one optimizer and scheduler
+    step (one global_step) per batchd update; the first update's gradient is the per-token mean over all
+    its samples (the steps' equal weighting is not); a checkpoint after two updates resumes at the next
+    one, every id exactly once; automatic optimization is refused."""
+    from batchd.client import BatchdDataModule
+
+    job = make_job(jobs, n=96, budget=256, tokens_per_update=300)
+    initial = tiny_llama()
+    module, dm = lit_module(grad_steps=1, updates=True), BatchdDataModule(job.client(0))
+    trainer = lit_trainer()
+    trainer.fit(module, datamodule=dm)
+    ends = [k for k, s in enumerate(module.steps) if s["end"]]
+    assert ends[-1] == len(module.steps) - 1 and ends[0] > 0 and len(ends) > 2, ends
+    assert trainer.global_step == len(ends) == module.optimizer_steps
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == len(ends)
+    assert sorted(i for s in module.steps for i in s["ids"]) == list(range(96)), "every id once"
+    first = [job.payload(i) for s in module.steps[: ends[0] + 1] for i in s["ids"]]
+    want = reference_grad(initial, first)
+    assert max_err(torch.tensor(module.grads[0][0]), want) <= ATOL
+    per_step = [
+        reference_grad(initial, [job.payload(i) for i in s["ids"]]) for s in module.steps[: ends[0] + 1]
+    ]
+    assert max_err(sum(per_step) / len(per_step), want) > 10 * ATOL, "the control must differ"
+
+    again = make_job(jobs, n=96, budget=256, tokens_per_update=300)
+    part, dm = lit_module(updates=True), BatchdDataModule(again.client(0))
+    stopped = lit_trainer(max_steps=2)  # two updates
+    stopped.fit(part, datamodule=dm)
+    assert part.optimizer_steps == 2 and part.steps[-1]["end"]
+    ckpt = tmp_path / "two.ckpt"
+    stopped.save_checkpoint(ckpt)
+    rest, dm2 = lit_module(updates=True), BatchdDataModule(lambda: again.client(0))
+    resumed = lit_trainer()
+    resumed.fit(rest, datamodule=dm2, ckpt_path=str(ckpt))
+    assert (
+        rest.steps[0]["step"] == part.steps[-1]["step"] + 1
+        and resumed.global_step == 2 + rest.optimizer_steps
+    )
+    assert sorted(i for s in part.steps + rest.steps for i in s["ids"]) == list(range(96))
+
+    plain = make_job(jobs, n=96, budget=256, tokens_per_update=300)
+    with pytest.raises(ValueError, match="automatic optimization cannot follow"):
+        lit_trainer().fit(lit_module(), datamodule=BatchdDataModule(plain.client(0)))
