@@ -154,7 +154,7 @@ def _rank_main(
     warnings.filterwarnings("ignore")
     out = {}
     for kind, addrs in addresses.items():
-        module = lit_module(grad_steps)
+        module = lit_module(grad_steps, updates=kind == "updates")
         dm = BatchdDataModule(lambda a=addrs[rank]: BatchClient(a, rank, world))
         trainer = lit_trainer(devices=world, strategy="ddp")
         trainer.fit(module, datamodule=dm)
@@ -182,12 +182,16 @@ def test_lightning_ddp_gradients_equal_single_process_reference(jobs, tmp_path):
     made = {
         "balanced": make_job(jobs, world_size=2, policy="balanced"),
         "skewed": make_job(jobs, world_size=2, policy="local", skewed=True, collate="packed"),
+        # tokens_per_update: updates of ~3 steps, rank 1 IDLE inside them (batchd_lightning_step)
+        "updates": make_job(jobs, world_size=2, policy="local", skewed=True, tokens_per_update=450),
     }
     addresses = {kind: [job.rank_address(r) for r in range(2)] for kind, job in made.items()}
     grad_steps = 3
     spawn(_rank_main, (2, _free_port(), addresses, str(tmp_path), grad_steps), nprocs=2, limit_s=60)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for kind, job in made.items():
+        if kind == "updates":
+            continue
         res = [r[kind] for r in ranks]
         assert [r["world_size"] for r in res] == [2, 2] and res[0]["ddp"] == "DistributedDataParallel", res[
             0
@@ -219,6 +223,29 @@ def test_lightning_ddp_gradients_equal_single_process_reference(jobs, tmp_path):
     assert any(s["idle"] for s in skewed[:grad_steps]) and sum(s["idle"] for s in skewed) > 5, (
         "IDLE steps checked"
     )
+    _check_ddp_updates([r["updates"] for r in ranks], made["updates"], grad_steps)
+
+
+def _check_ddp_updates(res: list[dict], job, grad_steps: int) -> None:
+    """batchd_lightning_step under DDP: one optimizer step per update on both ranks, and each checked
+    update's all-reduced gradient is the per-token mean over all its samples on both ranks."""
+    assert res[0]["ddp"] == "DistributedDataParallel" and len(res[0]["steps"]) == len(res[1]["steps"])
+    assert sorted(i for r in res for s in r["steps"] for i in s["ids"]) == list(range(len(job.lengths)))
+    ends = [k for k, s in enumerate(res[0]["steps"]) if s["end"]]
+    assert [s["end"] for s in res[0]["steps"]] == [s["end"] for s in res[1]["steps"]]
+    assert [r["global_step"] for r in res] == [len(ends)] * 2 and len(ends) > grad_steps and ends[0] > 0
+    starts = [0, *(e + 1 for e in ends)]
+    for k in range(grad_steps):
+        (g0, w0), (g1, w1) = res[0]["grads"][k], res[1]["grads"][k]
+        assert g0 == g1 and w0 == w1
+        model = tiny_llama()
+        with torch.no_grad():
+            torch.nn.utils.vector_to_parameters(torch.tensor(w0), model.parameters())
+        window = [job.payload(i) for r in res for s in r["steps"][starts[k] : ends[k] + 1] for i in s["ids"]]
+        want = reference_grad(model, window)
+        assert max_err(torch.tensor(g0), want) <= ATOL, (k, max_err(torch.tensor(g0), want))
+    first = res[1]["steps"][: ends[0] + 1]
+    assert any(s["idle"] for s in first) and not all(s["idle"] for s in first), "an IDLE step inside"
 
 
 # -- one process -----------------------------------------------------------------------------------------
