@@ -594,6 +594,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                     if window.end:
                         _update(ddp, opt, lr, window.end_scale)
                         updates.append(update_tokens)
+                        rec.steps[-1]["update_end"] = True
                         rec.steps[-1]["t"] = time.monotonic() - t0  # the step ends with its update
                     ticker.tick(len(ids))
                     rec.steps[-1]["lr"] = lr

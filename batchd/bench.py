@@ -50,6 +50,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -215,6 +216,7 @@ def summarize(
     ]
     ev = next((r["eval"] for r in results if r.get("eval")), None)
     per_update = max((r.get("updates") or [] for r in results), key=len)
+    update_len_cv = _update_length_spread(results)
     seen, tokens_curve = 0, []
     for k in range(n_steps):  # real tokens trained so far, all ranks, after each step
         seen += sum(r["steps"][k]["real"] for r in results if k < len(r["steps"]))
@@ -254,7 +256,26 @@ def summarize(
         "update_tokens_min": min(per_update, default=0),
         "update_tokens_mean": sum(per_update) / len(per_update) if per_update else 0.0,
         "update_tokens_max": max(per_update, default=0),
+        "update_length_cv": update_len_cv,
     }
+
+
+def _update_length_spread(results: list[dict[str, Any]]) -> float:
+    """How much the updates' composition varies: the coefficient of variation, over the epoch's optimizer
+    updates (cut where rank 0's updates end), of each update's mean sample length (real tokens / samples,
+    all ranks). Random fixed-size micro-batches give a low value; updates of a few length-homogeneous
+    token-budget steps a high one."""
+    ends = [k for k, s in enumerate(results[0]["steps"]) if s.get("update_end")]
+    means, start = [], 0
+    for end in ends:
+        recs = [r["steps"][k] for r in results for k in range(start, end + 1) if k < len(r["steps"])]
+        samples = sum(len(x["ids"]) for x in recs)
+        if samples:
+            means.append(sum(x["real"] for x in recs) / samples)
+        start = end + 1
+    if len(means) < 2:
+        return 0.0
+    return statistics.pstdev(means) / statistics.fmean(means)
 
 
 def _vision_share(result: dict[str, Any]) -> dict[str, Any]:

@@ -11,8 +11,15 @@ seed-to-seed spread of the held-out loss, the yardstick of "within noise".
 Result: benchmarks/results/bench-updates.json (template benchmarks/templates/bench-updates.md.j2),
 plots of seed 0 under docs/img/bench_updates_*.png.
 
+Every update steps at the recipe's learning rate (`--lr-scaling none`, the default here: "the same
+learning-rate schedule per update"). The bench's default sqrt rule scales each update's lr by the
+square root of its tokens over the mean; its sum over an epoch's updates is largest when they are
+even (Jensen), so it charges batchd, whose updates are quantized to whole steps of L x N tokens, a
+smaller total learning rate for the same tokens.
+
 Usage: python benchmarks/bench_updates.py [--seeds 3] [--num-samples 1024] [--accumulate 16]
-       [--systems fixed,odb-0.1.2,batchd-balanced,batchd-packed] [--out PATH] [--print] [--no-plots]
+       [--systems fixed,odb-0.1.2,batchd-balanced,batchd-packed] [--lr-scaling none|sqrt|linear]
+       [--out PATH] [--print] [--no-plots]
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ KEEP = (
     "update_tokens_min",
     "update_tokens_mean",
     "update_tokens_max",
+    "update_length_cv",
     "samples",
     "missing",
     "duplicates",
@@ -85,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-samples", type=int, default=1024)
     ap.add_argument("--accumulate", type=int, default=16)
     ap.add_argument("--systems", default=SYSTEMS)
+    ap.add_argument(
+        "--lr-scaling",
+        default="none",
+        help="the bench's lr rule per update; none (default): the recipe's lr for every update, as "
+        "equal update semantics ask; sqrt scales it by each update's tokens, which favours even updates",
+    )
     ap.add_argument("--no-plots", action="store_true", help="no PNGs under docs/img")
     add_common_args(ap)
     args = ap.parse_args(argv)
@@ -99,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=seed,
             accumulate=args.accumulate,
             tokens_per_update="auto",
+            lr_scaling=args.lr_scaling,
             plots=False,
             progress=lambda m: print(m, file=sys.stderr, flush=True),
         )
@@ -128,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     config = {
         "command": f"python benchmarks/bench_updates.py --seeds {args.seeds} --num-samples "
-        f"{args.num_samples} --accumulate {args.accumulate} --systems {args.systems}",
+        f"{args.num_samples} --accumulate {args.accumulate} --systems {args.systems} --lr-scaling "
+        f"{args.lr_scaling}",
         "seeds": args.seeds,
         "num_samples": args.num_samples,
         "accumulate": args.accumulate,
         "systems": args.systems,
+        "lr_scaling": args.lr_scaling,
     }
     finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0

@@ -59,6 +59,7 @@ def test_bench_at_equal_update_semantics_counts_every_systems_updates(tmp_path):
         assert (r["samples"], r["missing"], r["duplicates"]) == (NUM, 0, 0)
         assert r["update_tokens_min"] <= r["update_tokens_mean"] <= r["update_tokens_max"]
         assert r["tokens_curve"][-1] == r["real_tokens"] and np.isfinite(r["heldout_loss"])
+        assert 0 < r["update_length_cv"] < 2  # the updates' composition spread, from their cut points
 
 
 @pytest.mark.slow
