@@ -43,6 +43,7 @@ ORDER = (
     "epoch-boundary",
     "bench-epochs",
     "bench-updates",
+    "update-replay",
     "chaos",
     "node-balance",
     "_notes/node-balance",
@@ -81,6 +82,7 @@ FULL_RUNS = {
     "epoch-boundary": "python benchmarks/epoch_boundary.py",
     "bench-epochs": "python benchmarks/bench_epochs.py",
     "bench-updates": "python benchmarks/bench_updates.py",
+    "update-replay": "python benchmarks/update_replay.py",
     "chaos": "python benchmarks/chaos.py --jobs 6 --seed 0 --faults-per-job 2 --json /tmp/chaos_full.json "
     "--work /tmp/chaos_full",
     "node-balance": "python benchmarks/node_balance.py",

@@ -293,6 +293,7 @@ class Coordinator:
                 seed=f"plan:{self.seed}:{self.epoch}:{self.round}",
                 refine=self.policy.refine,
                 nodes=self.nodes,
+                mix=self.spec.tokens_per_update is not None or self.spec.samples_per_update is not None,
             )
         )
         for key, count in planned.stats.items():

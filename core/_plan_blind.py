@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ._cost import CostModel
 from ._grouping import split_largest
+from ._plan_mix import mix_groups, mix_order
 from ._policy import Entry, Group, form_groups, group_lengths, rank_groups
 from ._types import Sample
 
@@ -99,6 +101,15 @@ def choose(groups: Sequence[Group], slots: int, target: int, world_size: int) ->
     return chosen
 
 
+def quotas(pool: Sequence[Entry], target: int, world_size: int) -> dict[int, int]:
+    """q_r = min(target, B_r) for every rank r < `world_size` with B_r > 0 pooled samples. O(P)."""
+    pooled: dict[int, int] = {}
+    for e in pool:
+        if e.sample.home_rank < world_size:
+            pooled[e.sample.home_rank] = pooled.get(e.sample.home_rank, 0) + 1
+    return {r: min(target, b) for r, b in pooled.items()}
+
+
 def place(row: Sequence[Group], world_size: int) -> list[Group | None]:
     """Assigns each group of a row (at most `world_size` groups) to a distinct rank, greedily by how many
     of its samples live there; ranks left without a group get None. O(samples x log samples)."""
@@ -149,9 +160,16 @@ def plan_blind(inputs: PlanInputs, rng: random.Random) -> Plan:
             chosen = refined
     if len(chosen) < slots:
         chosen = split_to_slots(chosen, slots, cost)
+    if inputs.mix:
+        quota, salt = quotas(inputs.pool, target, n), zlib.crc32(str(inputs.seed).encode())
+        mixed = mix_groups(inputs.pool, chosen, slots, budget, cost, quota, inputs.final, n, salt)
+        if mixed is not None:
+            chosen = mixed
     chosen.sort(key=lambda g: -cost.cost(group_lengths(g)))
     rows = [chosen[i : i + n] for i in range(0, len(chosen), n)]
     rng.shuffle(rows)
+    if inputs.mix:
+        rows = [rows[i] for i in mix_order([sum(map(len, row)) for row in rows])]
     plan: Plan = [[] for _ in range(n)]
     for row in rows:
         for rank, group in enumerate(place(row, n)):

@@ -38,6 +38,11 @@ class PlanInputs:
         refine: Regroup the chosen samples under the smallest capacity that still fits.
         nodes: `nodes[r]` the node index (int >= 0) of rank r: plan node-aware; None plans node-blind.
             Stored as a tuple.
+        mix: Give the round's steps the sampler stream's make-up (`_plan_mix`: additive costs fill
+            the groups from the oldest samples; rows reordered to even out sample counts), for
+            optimizer updates of several steps (the coordinator sets it with `tokens_per_update` /
+            `samples_per_update`); the rng draws are the same either way. The node-blind plan only
+            (node-aware ignores it).
 
     Raises:
         ValueError: a field out of its range or of the wrong type, naming it.
@@ -54,6 +59,7 @@ class PlanInputs:
     seed: int | str
     refine: bool = True
     nodes: Sequence[int] | None = None
+    mix: bool = False
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, lo=1)
@@ -68,6 +74,7 @@ class PlanInputs:
         if isinstance(seed, bool) or not isinstance(seed, int | str):
             raise ValueError(f"seed must be an int or a str, got {seed=!r}")
         check_bool("refine", self.refine)
+        check_bool("mix", self.mix)
         pool = tuple(self.pool)
         for i, e in enumerate(pool):
             if not isinstance(e, Entry):

@@ -67,6 +67,7 @@ def test_odb_rule_capacity_and_split_feasibility(raw):
     final=st.booleans(),
     cost=st.sampled_from(["padded", "packed", "attention"]),
     refine=st.booleans(),
+    mix=st.booleans(),
 )
 # Two complete 64-token groups on rank 0 outrank rank 1's incomplete [1, 1]: ranked alone, the round
 # (T = 1, 2 slots) left rank 1 with nothing, the starvation behind the join step bound's failure.
@@ -77,13 +78,16 @@ def test_odb_rule_capacity_and_split_feasibility(raw):
     final=False,
     cost="padded",
     refine=True,
+    mix=False,
 )
-def test_balanced_plan_emits_a_quota_of_every_rank(world_size, pool, capacity, final, cost, refine):
+def test_balanced_plan_emits_a_quota_of_every_rank(world_size, pool, capacity, final, cost, refine, mix):
     """`plan_round`: T steps for every rank, each sample at most once, and every rank r gets at least
     min(T, B_r) of its B_r pooled samples (the progress behind the join bound max_r n_r steps)."""
     entries = [Entry(Sample(i, n, -1, home % world_size), age) for i, (n, home, age) in enumerate(pool)]
     budget = 64
-    inputs = PlanInputs(entries, world_size, capacity, final, budget, CostModel(cost), 6, 4, 0, refine)
+    inputs = PlanInputs(
+        entries, world_size, capacity, final, budget, CostModel(cost), 6, 4, 0, refine, mix=mix
+    )
     plan = plan_round(inputs).plan
     assert len(plan) == world_size
     target = len(plan[0])
