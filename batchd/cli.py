@@ -79,9 +79,31 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "intra- and cross-node, and with --node-aware balanced plans node-aware (default: every rank "
         "its own node)",
     )
+    p.add_argument(
+        "--resize",
+        type=_resizes,
+        default=(),
+        metavar="STEP:W[,STEP:W...]",
+        help="change the world size to W at STEP (at the first optimizer update boundary from there), as "
+        "a job resumed from a checkpoint at another world size does: reports missing and duplicated ids, "
+        "steps per rank of each world size and the batching around each change (segments, resizes)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object (no progress bar)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_simulate)
+
+
+def _resizes(text: str) -> list[tuple[int, int]]:
+    """`STEP:W[,STEP:W...]` -> [(STEP, W), ...] (argparse type: a bad item is its error message)."""
+    out = []
+    for item in text.split(","):
+        step, sep, world = item.strip().partition(":")
+        if not sep or not step.isdigit() or not world.isdigit() or int(world) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected STEP:W (STEP >= 0, W >= 1), comma-separated, got {item.strip()!r}"
+            )
+        out.append((int(step), int(world)))
+    return out
 
 
 SIM_KEYS = tuple(f.name for f in FIELDS if f.name not in ("collate", "epochs"))
@@ -104,15 +126,21 @@ def _simulate(args: argparse.Namespace) -> int:
             spec,
             on_step=lambda step: bar.update(sum(len(s.samples) for s in step), 1),
             local_ranks=args.local_ranks,
+            resize=args.resize,
         )
     if args.json:
         print(json.dumps(result))
     else:
         width = max(len(k) for k in result)
         for key, value in result.items():
+            if key in ("segments", "resizes"):
+                continue
             if isinstance(value, float):
                 value = f"{value:.4f}"
             print(f"{key:<{width}}  {value}")
+        if "resizes" in result:
+            print()
+            print(resize_table(result))
         if "vision_imbalance_single" in result:
             print()
             print(phase_table(result))
@@ -121,6 +149,26 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def resize_table(result: dict) -> str:
+    """The world-size changes of `batchd simulate --resize` (text output): each world size's steps per
+    rank, and per change the batching of the 8 steps after it beside the same steps without a change."""
+    lines = ["world sizes (segments): first step, steps per rank"]
+    for seg in result["segments"]:
+        lines.append(f"  W={seg['world_size']:<4} from step {seg['first_step']:<6} {seg['steps_per_rank']}")
+    lines.append("changes: padding_efficiency / compute_vs_limit of the steps after it (without the change)")
+    for m in result["resizes"]:
+        if m["step"] is None:
+            lines.append(f"  asked at step {m['asked']} -> W={m['to']}: not made (the epoch ended first)")
+            continue
+        a, b = m["after"], m["without"]
+        lines.append(
+            f"  step {m['step']} (asked {m['asked']}): W {m['from']} -> {m['to']}; {a['steps']} steps: "
+            f"{a['padding_efficiency']:.4f} / {a['compute_vs_limit']:.4f} "
+            f"({b['padding_efficiency']:.4f} / {b['compute_vs_limit']:.4f})"
+        )
+    return "\n".join(lines)
 
 
 def phase_table(result: dict) -> str:

@@ -76,6 +76,7 @@ from ._grouping import (
     odb_split,
     split_largest,
 )
+from ._ledger import StepLedger
 from ._liveness import Liveness
 from ._loss import loss_scale
 from ._microbatch import balanced_split, chunk_split
@@ -97,14 +98,9 @@ from ._plan import PlanInputs, RoundPlan, plan_round
 from ._plan_moves import plan_moves
 from ._policy import Entry, Policy, form_groups
 from ._rank import RankState, fill_may_stop, max_fitting_length
-from ._simulator import (
-    RESULT_FIELDS,
-    PhaseMetrics,
-    SimMetrics,
-    Simulator,
-    simulate,
-    synthetic_token_loss,
-)
+from ._resize import Remainder, ResumePoint, remaining_order, resume_point
+from ._sim_metrics import RESULT_FIELDS, PhaseMetrics, SimMetrics, synthetic_token_loss
+from ._simulator import Simulator, simulate
 from ._source import ViewSource, epoch_permutation
 from ._spec import FIELDS, REQUIRED, JobSpec
 from ._state import STATE_VERSION, ClockedStateful, Stateful, check_state
@@ -160,6 +156,8 @@ __all__ = [
     "RankReport",
     "RankServiceError",
     "RankState",
+    "Remainder",
+    "ResumePoint",
     "RoundDecision",
     "RoundPlan",
     "RoundTotals",
@@ -171,6 +169,7 @@ __all__ = [
     "Stateful",
     "Step",
     "StepInfo",
+    "StepLedger",
     "TOKEN_KEYS",
     "UPDATE_RULES",
     "UpdateEnds",
@@ -220,7 +219,9 @@ __all__ = [
     "plan_round",
     "plan_vision",
     "plan_vision_round",
+    "remaining_order",
     "report_capacity",
+    "resume_point",
     "round_exchanges",
     "simulate",
     "single_phase",

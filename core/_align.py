@@ -56,6 +56,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ._exchange import Exchange
+from ._ledger import StepLedger
 from ._phases import plan_vision_round
 from ._plan import PlanInputs, plan_round
 from ._plan_moves import check_nodes
@@ -77,6 +78,7 @@ from ._state import (
 from ._types import Sample, check_int
 
 if TYPE_CHECKING:
+    from ._resize import ResumePoint
     from ._spec import JobSpec
 
 
@@ -120,13 +122,16 @@ class RoundDecision:
 
 @dataclasses.dataclass(frozen=True)
 class RankCommit:
-    """What a rank emitted this round: per step, the (length, loss_tokens) of each sample (IDLE: ())."""
+    """What a rank emitted this round: per step, the (length, loss_tokens) of each sample (IDLE: ()),
+    and `ids`, per step the samples' ids in the same order (for the coordinator's `StepLedger`; empty
+    from a peer that does not send them: the ledger then cannot serve a resize)."""
 
     rank: int
     round: int
     steps: tuple[tuple[tuple[int, int], ...], ...]
     remaining: int
     exhausted: bool
+    ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +227,8 @@ class Coordinator:
         self.emitted = 0
         self.done = False
         self.windows = spec.update_windows()
+        self.ledger = StepLedger(epoch)
+        self.ledger_complete = True  # every committed step's ids are in the ledger
         self._decided: RoundDecision | None = None
 
     def set_topology(self, nodes: Sequence[int] | None, vision_nodes: Sequence[int] | None) -> None:
@@ -327,29 +334,11 @@ class Coordinator:
                 raise ProtocolError(
                     f"rank {c.rank} committed {len(c.steps)} steps in round {self.round}, expected {target}"
                 )
-        steps, keep_last = target, None
         per_step: list[list[Sequence[tuple[int, int]]]] = [
             [c.steps[s] for c in commits] for s in range(target)
         ]
         quota = self.quota
-        if quota is not None:  # non-join mode, and only it, has a quota (__init__)
-            left = quota - self.emitted
-            if left <= 0:
-                steps, per_step, keep_last = 0, [], tuple(0 for _ in commits)
-            for s, row in enumerate(per_step):
-                n = sum(len(x) for x in row)
-                if n >= left:
-                    keep, budget_left = [], left
-                    for x in row:
-                        k = min(len(x), budget_left)
-                        keep.append(k)
-                        budget_left -= k
-                    keep_last = tuple(keep)
-                    per_step = per_step[: s + 1]
-                    per_step[s] = [x[:k] for x, k in zip(row, keep, strict=False)]
-                    steps = s + 1
-                    break
-                left -= n
+        steps, per_step, keep_last = self._quota_cut(per_step, len(commits))
         if sums is not None and keep_last is None:
             rows = [sums[c.rank] for c in commits]
             for c, sum_row in zip(commits, rows, strict=False):
@@ -367,8 +356,11 @@ class Coordinator:
         self.emitted += sum(step_samples)
         drained = all(c.exhausted and c.remaining == 0 for c in commits)
         done = keep_last is not None or drained or (quota is not None and self.emitted >= quota)
+        id_rows = self._ledger_rows(commits, steps, keep_last)
         if self.windows.closing_step(steps, done):  # the open update needs a step to end on
             steps, step_samples, step_tokens, step_loss = 1, (0,), (0,), (0,)
+            id_rows = [[]]
+        self.ledger.add(id_rows, step_loss)
         ends = self.windows.close(step_samples, step_loss, done)
         totals = RoundTotals(
             self.round,
@@ -387,6 +379,65 @@ class Coordinator:
         self.done = done
         self._decided = None
         return totals
+
+    def _quota_cut(
+        self, per_step: list[list[Sequence[tuple[int, int]]]], ranks: int
+    ) -> tuple[int, list[list[Sequence[tuple[int, int]]]], tuple[int, ...] | None]:
+        """Non-join mode: the round's steps cut where the epoch's quota is reached (steps, per-step
+        rows kept, `keep_last`: how many samples each rank keeps in its last step; None: no cut)."""
+        if self.quota is None:  # only non-join mode has a quota (__init__)
+            return len(per_step), per_step, None
+        left = self.quota - self.emitted
+        if left <= 0:
+            return 0, [], tuple(0 for _ in range(ranks))
+        for s, row in enumerate(per_step):
+            n = sum(len(x) for x in row)
+            if n >= left:
+                keep, budget_left = [], left
+                for x in row:
+                    k = min(len(x), budget_left)
+                    keep.append(k)
+                    budget_left -= k
+                cut = per_step[: s + 1]
+                cut[s] = [x[:k] for x, k in zip(row, keep, strict=False)]
+                return s + 1, cut, tuple(keep)
+            left -= n
+        return len(per_step), per_step, None
+
+    def _ledger_rows(
+        self, commits: Sequence[RankCommit], steps: int, keep_last: tuple[int, ...] | None
+    ) -> list[list[int]]:
+        """Per kept step, the ids every rank kept (the quota cut keeps a prefix of the last step)."""
+        rows: list[list[int]] = [[] for _ in range(steps)]
+        for r, c in enumerate(commits):
+            if len(c.ids) != len(c.steps):
+                self.ledger_complete = self.ledger_complete and not any(c.steps[:steps])
+                continue
+            for s in range(steps):
+                cut = keep_last[r] if keep_last is not None and s == steps - 1 else None
+                rows[s].extend(c.ids[s][:cut])
+        return rows
+
+    def resume_at(self, point: ResumePoint, round_: int, ledger: StepLedger) -> None:
+        """Starts this fresh coordinator (its spec at the new world size) mid-epoch after a resize
+        (`batchd.core._resize`): at round `round_` (past every round of the epoch before the resize),
+        with the update windows and the emitted count of `point`, and `ledger`, the epoch's steps,
+        cut to those before `point.step` (the later ones are dealt again). Raises ProtocolError on a
+        coordinator that already ran a round, ValueError on a ledger of another epoch or shorter than
+        `point.step`."""
+        if self.round or self.done or self._decided is not None:
+            raise ProtocolError(
+                f"resume_at on a coordinator already at round {self.round} of epoch {self.epoch}"
+            )
+        if ledger.epoch != self.epoch or ledger.steps < point.step:
+            raise ValueError(
+                f"a ledger of epoch {ledger.epoch} with {ledger.steps} steps cannot resume epoch "
+                f"{self.epoch} at step {point.step}"
+            )
+        check_int("round", round_, lo=0)
+        ledger.truncate(point.step)
+        self.round, self.emitted, self.ledger = round_, point.emitted, ledger
+        self.windows.load_state_dict(point.windows)
 
     # -- state ---------------------------------------------------------------------------------------
     def resume_decided(self, decision: RoundDecision) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from ._resize import Remainder, check_remainder, resize_key
 from ._state import (
     K_EPOCH,
     K_LAYOUT,
@@ -40,6 +41,7 @@ from ._state import (
     K_PASS,
     K_POS,
     K_RANK,
+    K_RESIZE,
     K_SEED,
     K_VERSION,
     K_WORLD,
@@ -113,6 +115,9 @@ class BlockView:
         block_bytes: Bytes a reader holds for each block once read (same length as block_rows).
         rank, world_size, seed, epoch, shuffle, wrap: As in `ViewSource`.
         window_bytes: A window's budget (see module docstring); None: one window per view.
+        remainder: After a resize of this epoch (`batchd.core.Remainder`, its `world_size` this one's):
+            the units are dealt by the rows they have left, in an order seeded by the resize too, and a
+            window holds only those rows; None: the whole epoch.
 
     Raises:
         ValueError: naming the argument, on mismatched lengths or negative sizes.
@@ -129,9 +134,11 @@ class BlockView:
         shuffle: bool = True,
         wrap: bool = False,
         window_bytes: int | None = None,
+        remainder: Remainder | None = None,
     ) -> None:
         check_int("world_size", world_size, lo=1)
         check_int("rank", rank, lo=0, hi=world_size - 1)
+        check_remainder(remainder, epoch, world_size)
         if len(block_rows) != len(block_bytes):
             raise ValueError(
                 f"block_rows and block_bytes must have one entry per block, got "
@@ -146,13 +153,24 @@ class BlockView:
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
         self.shuffle, self.wrap, self.window_bytes = shuffle, wrap, window_bytes
         self.num_samples = int(self.block_rows.sum())
+        self.remainder = remainder
         self.unit_start, self.unit_rows, self.unit_block = split_units(self.block_rows, world_size)
         n_units = len(self.unit_rows)
-        order = np.random.default_rng([seed, epoch]).permutation(n_units) if shuffle else np.arange(n_units)
-        self.units = deal_units(self.unit_rows, world_size, order)[rank]
+        seeds = [seed, epoch] if remainder is None else [seed, epoch, remainder.salt]
+        order = np.random.default_rng(seeds).permutation(n_units) if shuffle else np.arange(n_units)
+        self._keep: np.ndarray | None = None
+        self.unit_left = self.unit_rows
+        if remainder is not None:  # deal the units by the rows they have left
+            keep = remainder.mask(self.num_samples)
+            if keep.any() or not wrap:  # non-join: nothing left is a new pass over every row
+                self._keep = keep
+                ends = np.concatenate([[0], np.cumsum(keep, dtype=np.int64)])
+                self.unit_left = ends[self.unit_start + self.unit_rows] - ends[self.unit_start]
+                order = order[self.unit_left[order] > 0]
+        self.units = deal_units(self.unit_left, world_size, order)[rank]
         budget = window_bytes if window_bytes is not None else max(int(self.block_bytes.sum()), 1)
         self.windows = cut_windows(self.units, self.unit_block, self.block_bytes, budget)
-        sizes = [int(self.unit_rows[w].sum()) for w in self.windows]
+        sizes = [int(self.unit_left[w].sum()) for w in self.windows]
         self._ends = np.cumsum(sizes, dtype=np.int64)
         self._len = int(self._ends[-1]) if sizes else 0
         self.layout = zlib.crc32(
@@ -183,8 +201,12 @@ class BlockView:
             if self.windows[w]
             else np.zeros(0, np.int64)
         )
+        seeds = [self.seed, self.epoch, self.rank, w, p]
+        if self._keep is not None and self.remainder is not None:
+            ids = ids[self._keep[ids]]
+            seeds.append(self.remainder.salt)
         if self.shuffle or p > 0:
-            ids = ids[np.random.default_rng([self.seed, self.epoch, self.rank, w, p]).permutation(len(ids))]
+            ids = ids[np.random.default_rng(seeds).permutation(len(ids))]
         self._cached = (w, p, ids)
         return ids
 
@@ -234,7 +256,9 @@ class BlockView:
         return [int(i) for w in range(len(self.windows)) for i in self.window_ids(w)]
 
     def for_epoch(self, epoch: int) -> BlockView:
-        """The same rank's view of `epoch`, from its start."""
+        """The same rank's view of `epoch`, from its start (a resize's remainder applies to its own
+        epoch only)."""
+        rem = self.remainder if self.remainder is not None and self.remainder.epoch == epoch else None
         return BlockView(
             self.block_rows,
             self.block_bytes,
@@ -245,6 +269,7 @@ class BlockView:
             self.shuffle,
             self.wrap,
             self.window_bytes,
+            rem,
         )
 
     def reset(self) -> None:
@@ -261,6 +286,7 @@ class BlockView:
             K_EPOCH: self.epoch,
             K_NUM: self.num_samples,
             K_LAYOUT: self.layout,
+            K_RESIZE: resize_key(self.remainder),
             K_POS: self.position,
             K_PASS: self.passes,
         }
@@ -280,6 +306,7 @@ class BlockView:
                 K_EPOCH: self.epoch,
                 K_NUM: self.num_samples,
                 K_LAYOUT: self.layout,
+                K_RESIZE: resize_key(self.remainder),
             },
             f"BlockView(rank={self.rank})",
         )

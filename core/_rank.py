@@ -119,6 +119,16 @@ class RankState:
         self._vision: list[Exchange] | None = None  # this round's exchanges (phases=2), one per emitted step
         self.update_denominator = spec.update_denominator()  # D of the loss scale (`_updates`), or None
 
+    def start_at(self, round_: int, step: int) -> None:
+        """Starts this fresh rank mid-epoch after a resize (`batchd.core._resize`): its first round is
+        `round_` and its first step `step` (S), with an empty window. Raises ProtocolError on a rank
+        that already took part in a round or holds samples."""
+        if self.round or self.step or self.buffer or self._candidates is not None:
+            raise ProtocolError(f"rank {self.rank}: start_at on a rank already at round {self.round}")
+        check_int("round", round_, lo=0)
+        check_int("step", step, lo=0)
+        self.round, self.step = round_, step
+
     # -- input ---------------------------------------------------------------------------------------
     @property
     def truncate_length(self) -> int:
@@ -251,7 +261,8 @@ class RankState:
             raise ProtocolError(f"rank {self.rank}: a two-phase round {self.round} without a vision plan")
         self._candidates = None
         steps = tuple(tuple((s.length, s.loss_tokens) for s in g) for g in emitted)
-        return RankCommit(self.rank, self.round, steps, len(self.buffer), self.exhausted)
+        ids = tuple(tuple(s.id for s in g) for g in emitted)
+        return RankCommit(self.rank, self.round, steps, len(self.buffer), self.exhausted, ids)
 
     def finalize(self, totals: RoundTotals) -> list[Step]:
         """Builds the round's steps with exact totals and loss scales (phase 2)."""

@@ -14,12 +14,14 @@ from typing import Any
 
 import numpy as np
 
+from ._resize import Remainder, check_remainder, resize_key
 from ._state import (
     K_EPOCH,
     K_NUM,
     K_PASS,
     K_POS,
     K_RANK,
+    K_RESIZE,
     K_SEED,
     K_VERSION,
     K_WORLD,
@@ -45,6 +47,8 @@ class ViewSource:
         epoch: Epoch number.
         shuffle: Permute before splitting.
         wrap: Start a new seeded pass when the view runs out (non-join mode).
+        remainder: After a resize of this epoch (`batchd.core.Remainder`, its `world_size` this one's):
+            the epoch's permutation without the ids it consumed, split r::N; None: the whole epoch.
     """
 
     def __init__(
@@ -56,13 +60,19 @@ class ViewSource:
         epoch: int = 0,
         shuffle: bool = False,
         wrap: bool = False,
+        remainder: Remainder | None = None,
     ) -> None:
         check_int("num_samples", num_samples, lo=0)
         check_int("world_size", world_size, lo=1)
         check_int("rank", rank, lo=0, hi=world_size - 1)
+        check_remainder(remainder, epoch, world_size)
         self.num_samples, self.rank, self.world_size = num_samples, rank, world_size
         self.seed, self.epoch, self.shuffle, self.wrap = seed, epoch, shuffle, wrap
+        self.remainder = remainder
         base = epoch_permutation(num_samples, seed, epoch) if shuffle else np.arange(num_samples)
+        if remainder is not None:
+            left = base[remainder.mask(num_samples)[base]]
+            base = left if len(left) or not wrap else base  # non-join: nothing left is a new pass
         self._view: list[int] = base[rank::world_size].tolist()
         self._order: list[int] = self._view
         self.position = 0
@@ -104,9 +114,11 @@ class ViewSource:
         return i
 
     def for_epoch(self, epoch: int) -> ViewSource:
-        """The same rank's view of `epoch` (its own seeded permutation when shuffled), from its start."""
+        """The same rank's view of `epoch` (its own seeded permutation when shuffled), from its start;
+        the remainder of a resize applies only to its own epoch."""
+        rem = self.remainder if self.remainder is not None and self.remainder.epoch == epoch else None
         return ViewSource(
-            self.num_samples, self.rank, self.world_size, self.seed, epoch, self.shuffle, self.wrap
+            self.num_samples, self.rank, self.world_size, self.seed, epoch, self.shuffle, self.wrap, rem
         )
 
     def reset(self) -> None:
@@ -121,6 +133,7 @@ class ViewSource:
             K_SEED: self.seed,
             K_EPOCH: self.epoch,
             K_NUM: self.num_samples,
+            K_RESIZE: resize_key(self.remainder),
             K_POS: self.position,
             K_PASS: self.passes,
         }
@@ -141,6 +154,7 @@ class ViewSource:
                 K_SEED: self.seed,
                 K_EPOCH: self.epoch,
                 K_NUM: self.num_samples,
+                K_RESIZE: resize_key(self.remainder),
             },
             f"ViewSource(rank={self.rank})",
         )

@@ -30,8 +30,8 @@ K_RANK, K_BUFFER, K_STEP, K_EXHAUSTED, K_REJECTED, K_COUNTERS = (
     "rejected",
     "counters",
 )
-# ViewSource and BlockView
-K_POS, K_PASS, K_NUM, K_LAYOUT = "position", "pass", "num_samples", "layout"
+# ViewSource and BlockView (K_RESIZE: [generation, step] of the resize whose remainder the view reads)
+K_POS, K_PASS, K_NUM, K_LAYOUT, K_RESIZE = "position", "pass", "num_samples", "layout", "resize"
 # Delivery (besides K_EPOCH and K_DONE)
 K_READY, K_MADE, K_ACKED, K_END_SENT, K_PREV, K_GROUP, K_ENDS = (
     "ready",
@@ -52,6 +52,8 @@ K_UPDATES, K_UPDATE_SEEN, K_UPDATE_OPEN, K_UPDATE_LOSS, K_UPDATE_STEPS = (
 )
 # Liveness
 K_REGISTERED, K_FINISHED = "registered", "finished"
+# StepLedger (besides K_EPOCH)
+K_LEDGER_IDS, K_LEDGER_ENDS, K_LEDGER_LOSS = "ids", "ends", "loss_tokens"
 
 
 @runtime_checkable

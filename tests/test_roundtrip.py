@@ -40,6 +40,7 @@ from batchd.core import (
     JobSpec,
     ProtocolError,
     RankState,
+    Remainder,
     Sample,
     Simulator,
     ViewSource,
@@ -280,12 +281,14 @@ def test_core_state_is_refused_mid_round():
         sim.coordinator.state_dict()
 
 
-@given(shuffle=st.booleans(), wrap=st.booleans(), cut=st.integers(0, 70))
-def test_view_source_round_trip_continues_across_passes(shuffle, wrap, cut):
-    """A view on its own, also in non-join mode (wrap): the continuation crosses into later passes."""
+@given(shuffle=st.booleans(), wrap=st.booleans(), cut=st.integers(0, 70), resized=st.booleans())
+def test_view_source_round_trip_continues_across_passes(shuffle, wrap, cut, resized):
+    """A view on its own, also in non-join mode (wrap): the continuation crosses into later passes; also
+    a view of a resize's remainder."""
+    rem = Remainder(0, 5, 4, 1, set(range(0, 50, 3))) if resized else None
 
     def make():
-        return ViewSource(50, rank=1, world_size=4, seed=3, shuffle=shuffle, wrap=wrap)
+        return ViewSource(50, rank=1, world_size=4, seed=3, shuffle=shuffle, wrap=wrap, remainder=rem)
 
     original = make()
     for _ in range(cut):

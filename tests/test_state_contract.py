@@ -21,7 +21,9 @@ from batchd.core import (
     JobSpec,
     Liveness,
     RankState,
+    Remainder,
     Stateful,
+    StepLedger,
     ViewSource,
     check_state,
 )
@@ -49,6 +51,8 @@ def _parts():
         RankState(spec, rank=0),
         ViewSource(10, rank=0, world_size=2),
         BlockView([5, 5], [50, 50], rank=1, world_size=2),
+        ViewSource(10, rank=1, world_size=2, remainder=Remainder(0, 3, 2, 1, {4, 7})),
+        StepLedger(),
     ], [
         Delivery(rank=0, epochs=1, depth=4, grace_s=1.0, trainer_timeout_s=1.0, now=0.0),
         Liveness(world_size=2, lease_s=1.0, startup_timeout_s=1.0, now=0.0),
