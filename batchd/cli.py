@@ -386,6 +386,7 @@ def _coordinator(args: argparse.Namespace) -> int:
         metrics_port=c.metrics_port,
         metrics_host=args.metrics_host or c.host,
         state_dir=c.state_dir,
+        resize=args.resize,
     )
 
 
@@ -704,6 +705,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--state-dir",
         help="journal the job here (fsynced); a coordinator restarted with the same command resumes it",
+    )
+    p.add_argument(
+        "--resize",
+        action="store_true",
+        help="the journal in --state-dir ran this job at another world size: go on at --world-size from "
+        "the trainers' checkpoint, the epoch's samples no step before it held dealt to the new ranks "
+        "(without it a different world size is refused, so a typo cannot resize a job)",
     )
     p.set_defaults(func=_coordinator)
 

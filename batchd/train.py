@@ -25,7 +25,10 @@ and resumes from its file when it exists, so a restarted torchrun continues mid-
 rank services must still be running, or have been restarted with `--state-dir`). A restarted group
 first agrees on the furthest saved position (a rank killed between the all-reduce of step s and its own
 save is one step behind: step s was consumed by the collective, so it skips it rather than replaying it
-against the others' next step).
+against the others' next step). Beside each checkpoint a small `rank-<r>.pos.json` holds its position:
+when the furthest position in DIR was saved at another world size (the job was resized: `batchd
+coordinator --resize`), every rank loads that checkpoint (`BatchClient.load_state_dict(..., resize=True)`;
+DDP replicates the model, so any rank's serves all) and the rank services resume the epoch there.
 
 `--strategy` picks the data parallelism; every one trains the same loop on the same loss scale:
 `ddp` (the default, DistributedDataParallel), `fsdp2` (torch's `fully_shard` on each transformer block,
@@ -37,9 +40,10 @@ DDP model), and are refused otherwise in one line, as is `deepspeed` without the
 
 Test hooks (`benchmarks/chaos.py`): `--step-time S` sleeps S seconds per step (a stand-in for a slow
 model); `--ids-log FILE` appends one JSON line per step as the batch arrives, before it is trained
-(`{"epoch", "step", "ids", "patches"}`, fsynced; `patches`: the vision-encoder patches this rank runs
-that step, the rows of its `pixel_values`), so a restarted trainer that replays a step logs it again
-with the same ids.
+(`{"epoch", "step", "ids", "patches", "world", "restart"}`, fsynced; `patches`: the vision-encoder
+patches this rank runs that step, the rows of its `pixel_values`; `world`: the world size; `restart`:
+torchrun's $TORCHELASTIC_RESTART_COUNT), so a restarted trainer that replays a step logs it again with
+the same ids.
 
 Summary (one JSON line on stdout, and `--summary FILE`): the strategy, steps, idle steps, steps per
 epoch, the last loss, the wall time, `exchange_steps` (steps whose batch carried a two-phase vision
@@ -92,6 +96,7 @@ from batchd.client import (
 from batchd.proto import Progress, Security, progress_interval
 from batchd.service.preprocess import TokenizerRef
 
+from ._elastic import ElasticServices
 from ._logging import setup_logging
 from ._model import TinyCausalLM
 from ._trainer import _FailureWatch, raise_job_failure
@@ -255,6 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="process group collective timeout, seconds")
     p.add_argument("--checkpoint", default=None, metavar="DIR", help="save/resume rank-<r>.pt here")
     p.add_argument(
+        "--elastic",
+        default=None,
+        metavar="DIR",
+        help="torchrun elastic: rank 0 starts the coordinator (--resize) and each host's local rank 0 "
+        "its node agent, from --config, journaling under DIR (shared by every host), so a restarted "
+        "worker group goes on at its new world size (batchd/_elastic.py)",
+    )
+    p.add_argument(
+        "--config", default=None, metavar="FILE", help="the job config the --elastic services read"
+    )
+    p.add_argument(
         "--checkpoint-every",
         type=int,
         default=100,
@@ -316,10 +332,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("WARNING")  # batchd's own lines (waiting, progress) at INFO; torch's and others' quieter
     logging.getLogger("batchd").setLevel(logging.INFO)
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+    services: ElasticServices | None = None
     try:  # bad addresses and TLS/token/tokenizer files fail here, before the rendezvous, in one line
         if not args.startup_timeout > 0:
             raise ValueError(f"--startup-timeout must be > 0, got {args.startup_timeout}")
         progress_interval()  # a bad $BATCHD_PROGRESS_S fails here
+        if args.elastic is not None:
+            if args.config is None or args.checkpoint is None or args.node_agent or args.rank_services:
+                raise ValueError(
+                    "--elastic DIR needs --config FILE and --checkpoint DIR, and starts its own node agent"
+                )
+            services = ElasticServices(args.config, args.elastic)
+            services.start()
+            args.node_agent = services.agent
         node_agent = args.node_agent or (
             os.environ.get("BATCHD_NODE_AGENT", "").strip() or None
             if args.rank_services is None and args.base_port is None
@@ -385,13 +410,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             startup_timeout_s=args.startup_timeout,
         )
         ckpt = Path(args.checkpoint) / f"rank-{rank}.pt" if args.checkpoint else None
-        if ckpt is not None and ckpt.exists():  # before DDP wraps the model: DDP broadcasts rank 0's weights
-            state = torch.load(ckpt, map_location=device, weights_only=False)
+        load, resize = _checkpoint_to_load(ckpt, world_size)
+        if load is not None:  # before DDP wraps the model: DDP broadcasts rank 0's weights
+            state = torch.load(load, map_location=device, weights_only=False)
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
-            client.load_state_dict(state["data"])
+            client.load_state_dict(state["data"], resize=resize)
             print(
-                f"[rank {rank}] resumed from {ckpt} at epoch {client.epoch} step {client.next_step}",
+                f"[rank {rank}] resumed from {load} at epoch {client.epoch} step {client.next_step}"
+                + (
+                    f" (saved at world size {state['data']['world_size']}: the job was resized)"
+                    if resize
+                    else ""
+                ),
                 file=sys.stderr,
                 flush=True,
             )
@@ -405,6 +436,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             ddp, step = _deepspeed_engine(model, opt, args), _deepspeed_step
         summary = _loop(client, ddp, opt, rank, args, ckpt, step, works)
+        if services is not None:  # the job ended: they exit by themselves once every rank finished
+            services.wait(120.0)
     except JobFailed as exc:
         print(f"[rank {rank}] batchd job failed: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -555,6 +588,35 @@ def _save(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, client
     tmp = ckpt.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "data": client.state_dict()}, tmp)
     tmp.replace(ckpt)  # atomic: a crash mid-save keeps the previous checkpoint
+    pos, tmp = ckpt.with_suffix(".pos.json"), ckpt.with_suffix(".pos.tmp")
+    tmp.write_text(json.dumps(client.state_dict()))  # its position, read without loading the model
+    tmp.replace(pos)
+
+
+def _position(data: dict[str, Any]) -> tuple[int, int, int]:
+    return int(data["epoch"]), int(data["next_step"]), int(data["finished"])
+
+
+def _checkpoint_to_load(ckpt: Path | None, world_size: int) -> tuple[Path | None, bool]:
+    """(the checkpoint this rank resumes from, whether the job was resized since it was saved). Every
+    rank's file holds the same model and optimizer at an update's end (DDP replicates them); the
+    furthest position saved in the directory says where the job stands. Saved at this world size: each
+    rank its own file (`_agree_position` evens out a step between them). Saved at another (the job was
+    resized, `batchd coordinator --resize`): every rank the furthest one, its data state at that size."""
+    if ckpt is None:
+        return None, False
+    saved = {}
+    for pos in ckpt.parent.glob("rank-*.pos.json"):
+        try:
+            saved[pos] = json.loads(pos.read_text())
+        except ValueError:
+            continue
+    if not saved:
+        return (ckpt if ckpt.exists() else None), False
+    newest = max(saved, key=lambda p: _position(saved[p]))
+    if int(saved[newest]["world_size"]) == world_size:
+        return (ckpt if ckpt.exists() else None), False
+    return newest.with_name(newest.name.replace(".pos.json", ".pt")), True
 
 
 def _agree_position(client: Any, device: torch.device) -> None:
@@ -580,6 +642,10 @@ def _agree_position(client: Any, device: torch.device) -> None:
 def _log_step(fd: int | None, epoch: int, step: int, ids: list[int], patches: int) -> None:
     if fd is not None:  # one write per line: a kill leaves whole lines
         line = {"epoch": epoch, "step": step, "ids": ids, "patches": patches}
+        line |= {
+            "world": dist.get_world_size(),
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        }
         os.write(fd, (json.dumps(line) + "\n").encode())
         os.fsync(fd)
 

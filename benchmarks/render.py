@@ -45,6 +45,7 @@ ORDER = (
     "bench-updates",
     "update-replay",
     "chaos",
+    "elastic",
     "node-balance",
     "_notes/node-balance",
     "node-latency",
@@ -85,6 +86,7 @@ FULL_RUNS = {
     "update-replay": "python benchmarks/update_replay.py",
     "chaos": "python benchmarks/chaos.py --jobs 6 --seed 0 --faults-per-job 2 --json /tmp/chaos_full.json "
     "--work /tmp/chaos_full",
+    "elastic": "python benchmarks/elastic.py",
     "node-balance": "python benchmarks/node_balance.py",
     "node-latency": "python benchmarks/node_latency.py --profile --before 086f7f1",
     "node-balance-w128": "python benchmarks/node_balance.py --repeat 64 --window 128",

@@ -13,6 +13,8 @@ steps (the service's alignment guarantees it).
   (a restored client starts at its saved epoch and keeps its position in it).
 - Resume: `state_dict()` stores rank, world size, epoch and the next step; `load_state_dict()` refuses
   a state of another rank or world size. A new client resumes exactly where the old one stopped.
+  `load_state_dict(state, resize=True)` takes a state saved at another world size, for a job resumed at
+  this one (`batchd coordinator --resize`).
 - Start order: the first connection waits up to `startup_timeout_s` (default 10 min) for a rank service
   that is not up yet (it may be starting Ray), logging every 5 s whom it waits for and why ("waiting for
   the rank service at ADDR (rank R of N) (5s of 600s): UNAVAILABLE: ... Connection refused", the
@@ -103,6 +105,7 @@ class BatchClient:
         self._connected = False  # once a stream got through, an unreachable service is a restart
         self.next_step = 0
         self.finished = False
+        self.resize_from = 0  # `load_state_dict(..., resize=True)` of a state saved at another world size
         if security is not None and (token is not None or tls_ca is not None):
             raise ValueError(
                 f"give security or the token/tls_ca shortcuts, not both, got {security=} "
@@ -135,21 +138,30 @@ class BatchClient:
             "finished": self.finished,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], resize: bool = False) -> None:
+        """Resumes where `state` (a `state_dict()`) stopped. A state of another rank or world size is refused,
+        unless `resize`: a job resumed at another world size (`batchd coordinator --resize`) takes any
+        rank's state of the old size (every data-parallel rank saved the same position at an update's
+        end), and the rank service resumes the epoch there at this world size. Raises ValueError naming
+        each field that differs."""
         saved = {"group_rank": 0, "group_size": 1, **state}  # states from before groups: a plain trainer
-        bad = [
-            f"{k}: saved {saved.get(k)!r}, current {v!r}"
-            for k, v in (
-                ("rank", self.rank),
-                ("world_size", self.world_size),
-                ("group_rank", self.group_rank),
-                ("group_size", self.group_size),
-            )
-            if saved.get(k) != v
-        ]
+        checked = [("group_rank", self.group_rank), ("group_size", self.group_size)]
+        if not resize:
+            checked = [("rank", self.rank), ("world_size", self.world_size), *checked]
+        bad = [f"{k}: saved {saved.get(k)!r}, current {v!r}" for k, v in checked if saved.get(k) != v]
         if state.get("version") != 1 or bad:
-            raise ValueError(f"BatchClient state does not match this client ({'; '.join(bad) or 'version'})")
+            hint = (
+                "; to resume at another world size pass resize=True"
+                if not resize and "world_size" in " ".join(bad)
+                else ""
+            )
+            raise ValueError(
+                f"BatchClient state does not match this client ({'; '.join(bad) or 'version'}){hint}"
+            )
         self.epoch, self.next_step, self.finished = state["epoch"], state["next_step"], state["finished"]
+        self.resize_from = (
+            int(state["world_size"]) if resize and state["world_size"] != self.world_size else 0
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Reads `epoch` next, from its first step: call it before each epoch's loop, like
@@ -274,6 +286,7 @@ class BatchClient:
                 rank=self.rank,
                 group_rank=self.group_rank,
                 group_size=self.group_size,
+                resize_from=self.resize_from,
             )
             while (ack := acks.get()) is not None:
                 yield pb.BatchRequest(ack_step=ack)

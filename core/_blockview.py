@@ -255,10 +255,9 @@ class BlockView:
         """Every id of the view's first pass, in order (for tests and reports)."""
         return [int(i) for w in range(len(self.windows)) for i in self.window_ids(w)]
 
-    def for_epoch(self, epoch: int) -> BlockView:
-        """The same rank's view of `epoch`, from its start (a resize's remainder applies to its own
-        epoch only)."""
-        rem = self.remainder if self.remainder is not None and self.remainder.epoch == epoch else None
+    def for_epoch(self, epoch: int, remainder: Remainder | None = None) -> BlockView:
+        """The same rank's view of `epoch`, from its start; with a resize's `remainder` (of `epoch`), the
+        ids it left."""
         return BlockView(
             self.block_rows,
             self.block_bytes,
@@ -269,7 +268,7 @@ class BlockView:
             self.shuffle,
             self.wrap,
             self.window_bytes,
-            rem,
+            remainder,
         )
 
     def reset(self) -> None:

@@ -26,6 +26,10 @@ Contract:
   rank, the member and the holder.
 - Resume: a trainer resumes at `start_step`; a step before the last acknowledgement was freed and
   cannot be sent again, so such a start is refused naming both numbers.
+- Resize: until its service knows whether the job was resized since its state was saved, a rank holds
+  its trainers back (`await_resume`: they WAIT); not resized, it goes on where it stands (`release`);
+  resized, its first trainer's (epoch, start_step) is the request the service passes to the
+  coordinator, and `start_at` puts the delivery at the answer.
 - Timeouts (liveness only; a slow trainer never fails): a trainer (a group member) that disconnected
   mid-epoch and did not come back within `grace_s` fails the job; a rank whose ready steps (or end of
   epoch) waited `trainer_timeout_s` with no trainer connected (one that never connected, or did not
@@ -123,6 +127,8 @@ class Delivery:
         self.group_size: int | None = None  # fixed by the first trainer that connects
         self._reset(epoch, now)
         self.prev_epoch_steps = 0
+        self.awaiting = False  # a resized job: the first trainer's position says where it goes on
+        self.resume_request: tuple[int, int] | None = None  # (epoch, start_step) it asked for
 
     def _reset(self, epoch: int, now: float, acked: int = 0) -> None:
         self.epoch = epoch
@@ -210,6 +216,27 @@ class Delivery:
         self.prev_epoch_steps = self.made
         self._reset(self.epoch + 1, now)
 
+    # -- a resized job ---------------------------------------------------------------------------------
+    def await_resume(self) -> None:
+        """This rank starts in a resized job (`batchd.core._resize`): every step it holds is stale, and the
+        first trainer to connect says where the job goes on (`resume_request`); until `start_at`, a
+        trainer waits (WAIT)."""
+        self.awaiting, self.resume_request = True, None
+
+    def release(self) -> None:
+        """Ends `await_resume` without moving: the delivery goes on where it stands (the job was not
+        resized since its state was saved)."""
+        self.awaiting, self.resume_request = False, None
+
+    def start_at(self, epoch: int, step: int, now: float) -> None:
+        """Goes on in `epoch` from step `step` (the coordinator's answer to the resume request): nothing
+        made or held before it, nobody connected."""
+        check_int("epoch", epoch, lo=0, hi=self.epochs - 1)
+        check_int("step", step, lo=0)
+        self.awaiting, self.resume_request = False, None
+        self._reset(epoch, now, acked=step)
+        self.made = step
+
     # -- the trainer's side --------------------------------------------------------------------------
     def connect(
         self,
@@ -232,6 +259,10 @@ class Delivery:
                 f"rank {self.rank}'s trainers form a group of {self.group_size} process(es), "
                 f"but this trainer says its group has {group_size}",
             )
+        if self.awaiting:
+            if self.resume_request is None:
+                self.resume_request = (epoch, start_step)
+            return Connect(WAIT, f"rank {self.rank} waits for the coordinator to resume the resized job")
         m = self.members[member] if self.group_size is not None or member == 0 else None
         if epoch == self.epoch + 1 < self.epochs and (self.end_sent or (m is not None and m.end_sent)):
             return Connect(WAIT, f"rank {self.rank} starts epoch {epoch} next")

@@ -81,6 +81,10 @@ class StepLedger:
         samples = [self._ends[s] - (self._ends[s - 1] if s else 0) for s in range(before)]
         return samples, self._loss[:before].tolist()
 
+    def loss_tokens(self, first: int, last: int) -> list[int]:
+        """The global loss tokens of steps first .. last - 1."""
+        return self._loss[first:last].tolist()
+
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self.rows(0, self.steps))
 

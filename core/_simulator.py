@@ -325,7 +325,7 @@ def simulate(
     made: list[dict[str, Any]] = [{"asked": a, "step": None, "from": None, "to": w} for a, w in changes]
     pending = list(range(len(changes)))
     while True:
-        while pending and sim.taken >= changes[pending[0]][0] and not sim.update_open:
+        while pending and sim.taken >= changes[pending[0]][0] and not sim.update_open and not sim.done:
             k = pending.pop(0)
             made[k].update(step=sim.taken, **{"from": sim.spec.world_size})
             sim.resize(changes[k][1])

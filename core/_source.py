@@ -113,12 +113,11 @@ class ViewSource:
         self.position += 1
         return i
 
-    def for_epoch(self, epoch: int) -> ViewSource:
-        """The same rank's view of `epoch` (its own seeded permutation when shuffled), from its start;
-        the remainder of a resize applies only to its own epoch."""
-        rem = self.remainder if self.remainder is not None and self.remainder.epoch == epoch else None
+    def for_epoch(self, epoch: int, remainder: Remainder | None = None) -> ViewSource:
+        """The same rank's view of `epoch` (its own seeded permutation when shuffled), from its start; with
+        a resize's `remainder` (of `epoch`), the ids it left."""
         return ViewSource(
-            self.num_samples, self.rank, self.world_size, self.seed, epoch, self.shuffle, self.wrap, rem
+            self.num_samples, self.rank, self.world_size, self.seed, epoch, self.shuffle, self.wrap, remainder
         )
 
     def reset(self) -> None:

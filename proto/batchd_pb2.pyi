@@ -159,18 +159,48 @@ class RegisterRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("epoch", "round", "lease_ms", "round_timeout_ms", "rank_addresses")
+    __slots__ = ("epoch", "round", "lease_ms", "round_timeout_ms", "rank_addresses", "generation", "resume_needed")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     ROUND_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     RANK_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RESUME_NEEDED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     round: int
     lease_ms: int
     round_timeout_ms: int
     rank_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., lease_ms: _Optional[int] = ..., round_timeout_ms: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    generation: int
+    resume_needed: bool
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., lease_ms: _Optional[int] = ..., round_timeout_ms: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., resume_needed: _Optional[bool] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("rank", "epoch", "step", "from_world_size")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    FROM_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    epoch: int
+    step: int
+    from_world_size: int
+    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., from_world_size: _Optional[int] = ...) -> None: ...
+
+class ResumeReply(_message.Message):
+    __slots__ = ("epoch", "round", "step", "generation", "remainder")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REMAINDER_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    round: int
+    step: int
+    generation: int
+    remainder: str
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., remainder: _Optional[str] = ...) -> None: ...
 
 class PoolEntry(_message.Message):
     __slots__ = ("sample", "arrival")
@@ -259,12 +289,14 @@ class AlignReply(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., target: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., vision: _Optional[_Iterable[_Union[RankVision, _Mapping]]] = ...) -> None: ...
 
 class StepSamples(_message.Message):
-    __slots__ = ("lengths", "loss_tokens")
+    __slots__ = ("lengths", "loss_tokens", "ids")
     LENGTHS_FIELD_NUMBER: _ClassVar[int]
     LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
     lengths: _containers.RepeatedScalarFieldContainer[int]
     loss_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, lengths: _Optional[_Iterable[int]] = ..., loss_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, lengths: _Optional[_Iterable[int]] = ..., loss_tokens: _Optional[_Iterable[int]] = ..., ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("rank", "epoch", "round", "steps", "remaining", "exhausted")
@@ -455,7 +487,7 @@ class IngestReply(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[Quarantined, _Mapping]]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("start_step", "credits", "ack_step", "epoch", "rank", "group_rank", "group_size")
+    __slots__ = ("start_step", "credits", "ack_step", "epoch", "rank", "group_rank", "group_size", "resize_from")
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     ACK_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -463,6 +495,7 @@ class BatchRequest(_message.Message):
     RANK_FIELD_NUMBER: _ClassVar[int]
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FROM_FIELD_NUMBER: _ClassVar[int]
     start_step: int
     credits: int
     ack_step: int
@@ -470,7 +503,8 @@ class BatchRequest(_message.Message):
     rank: int
     group_rank: int
     group_size: int
-    def __init__(self, start_step: _Optional[int] = ..., credits: _Optional[int] = ..., ack_step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., group_rank: _Optional[int] = ..., group_size: _Optional[int] = ...) -> None: ...
+    resize_from: int
+    def __init__(self, start_step: _Optional[int] = ..., credits: _Optional[int] = ..., ack_step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., group_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., resize_from: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("info", "tensors", "sample_ids", "end_of_epoch")

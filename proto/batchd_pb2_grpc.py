@@ -76,6 +76,11 @@ class CoordinatorStub:
                 request_serializer=batchd_dot_proto_dot_batchd__pb2.NodeRequest.SerializeToString,
                 response_deserializer=batchd_dot_proto_dot_batchd__pb2.NodeReply.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/batchd.v1.Coordinator/Resume',
+                request_serializer=batchd_dot_proto_dot_batchd__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=batchd_dot_proto_dot_batchd__pb2.ResumeReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -139,6 +144,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """A resized job (`batchd coordinator --resize`): a rank says at which (epoch, step) its trainer
+        resumes; the first one fixes where the epoch goes on at the new world size (the ids no step
+        before it held), the others must agree. FAILED_PRECONDITION names what cannot be resumed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +195,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Node,
                     request_deserializer=batchd_dot_proto_dot_batchd__pb2.NodeRequest.FromString,
                     response_serializer=batchd_dot_proto_dot_batchd__pb2.NodeReply.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=batchd_dot_proto_dot_batchd__pb2.ResumeRequest.FromString,
+                    response_serializer=batchd_dot_proto_dot_batchd__pb2.ResumeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -401,6 +420,33 @@ class Coordinator:
             '/batchd.v1.Coordinator/Node',
             batchd_dot_proto_dot_batchd__pb2.NodeRequest.SerializeToString,
             batchd_dot_proto_dot_batchd__pb2.NodeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchd.v1.Coordinator/Resume',
+            batchd_dot_proto_dot_batchd__pb2.ResumeRequest.SerializeToString,
+            batchd_dot_proto_dot_batchd__pb2.ResumeReply.FromString,
             options,
             channel_credentials,
             insecure,

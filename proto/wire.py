@@ -166,7 +166,11 @@ def decision_from_pb(m: pb.AlignReply) -> RoundDecision:
 
 
 def commit_to_pb(c: RankCommit, epoch: int) -> pb.CommitRequest:
-    steps = [pb.StepSamples(lengths=[n for n, _ in st], loss_tokens=[k for _, k in st]) for st in c.steps]
+    ids = c.ids if len(c.ids) == len(c.steps) else [()] * len(c.steps)
+    steps = [
+        pb.StepSamples(lengths=[n for n, _ in st], loss_tokens=[k for _, k in st], ids=step_ids)
+        for st, step_ids in zip(c.steps, ids, strict=True)
+    ]
     return pb.CommitRequest(
         rank=c.rank, epoch=epoch, round=c.round, steps=steps, remaining=c.remaining, exhausted=c.exhausted
     )
@@ -181,7 +185,22 @@ def commit_from_pb(m: pb.CommitRequest) -> RankCommit:
         if len(lengths) != len(loss):
             raise ValueError(f"commit of rank {m.rank}: {len(lengths)} lengths but {len(loss)} loss counts")
         steps.append(tuple(zip(lengths, loss, strict=False)))
-    return RankCommit(int(m.rank), int(m.round), tuple(steps), int(m.remaining), bool(m.exhausted))
+    return RankCommit(
+        int(m.rank), int(m.round), tuple(steps), int(m.remaining), bool(m.exhausted), _commit_ids(m)
+    )
+
+
+def _commit_ids(m: pb.CommitRequest) -> tuple[tuple[int, ...], ...]:
+    """The commit's ids per step; () from a peer that sends none (its steps not all empty). Raises
+    ValueError naming the rank on a step whose ids and samples differ in number."""
+    if not any(len(st.ids) for st in m.steps):
+        return () if any(len(st.lengths) for st in m.steps) else tuple(() for _ in m.steps)
+    for st in m.steps:
+        if len(st.ids) != len(st.lengths):
+            raise ValueError(
+                f"commit of rank {m.rank}: a step of {len(st.lengths)} samples with {len(st.ids)} ids"
+            )
+    return tuple(tuple(st.ids) for st in m.steps)
 
 
 _Steps = tuple[tuple[tuple[int, int], ...], ...]  # RankCommit.steps
@@ -249,7 +268,7 @@ def commit_with_sums_from_pb(m: pb.CommitRequest) -> tuple[RankCommit, tuple[tup
         sums.append((len(lengths), sum(lengths), sum(loss)))
     # A WireStep is a Sequence equal to the tuple it stands for; the core only iterates and measures it.
     pairs = cast(_Steps, tuple(steps))
-    commit = RankCommit(int(m.rank), int(m.round), pairs, int(m.remaining), bool(m.exhausted))
+    commit = RankCommit(int(m.rank), int(m.round), pairs, int(m.remaining), bool(m.exhausted), _commit_ids(m))
     return commit, tuple(sums)
 
 

@@ -123,6 +123,12 @@ class CoordinatorClient:
         reply = self._call("Commit", self.stub.Commit, wire.commit_to_pb(commit, epoch), None, self.lease_s)
         return wire.totals_from_pb(reply)
 
+    def resume(self, epoch: int, step: int, from_world: int) -> pb.ResumeReply:
+        """Where the resized job goes on, for this rank whose trainer resumes `epoch` at `step`."""
+        request = pb.ResumeRequest(rank=self.rank, epoch=epoch, step=step, from_world_size=from_world)
+        reply: pb.ResumeReply = self._call("Resume", self.stub.Resume, request, 60.0, self.lease_s)
+        return reply
+
     def finish(self) -> None:
         """Tells the coordinator this rank's trainer took the job's last step; stops the heartbeats."""
         self._call("Finish", self.stub.Finish, pb.FinishRequest(rank=self.rank), 10.0, self.lease_s)

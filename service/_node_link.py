@@ -429,6 +429,12 @@ class LocalRankClient:
     def commit(self, epoch: int, commit: RankCommit) -> RoundTotals:
         return self.link.call(self.rank, "commit", epoch, commit)
 
+    def resume(self, epoch: int, step: int, from_world: int) -> pb.ResumeReply:
+        """`CoordinatorClient.resume`, a unary call of this rank."""
+        request = pb.ResumeRequest(rank=self.rank, epoch=epoch, step=step, from_world_size=from_world)
+        reply: pb.ResumeReply = self.link.unary("Resume", self.link.stub.Resume, request, self.rank, 60.0)
+        return reply
+
     def finish(self) -> None:
         self.link.unary("Finish", self.link.stub.Finish, pb.FinishRequest(rank=self.rank), self.rank)
         self.link.retire(self.rank)

@@ -30,7 +30,10 @@ def run_coordinator(
     metrics_port: int | None = None,
     metrics_host: str = "127.0.0.1",
     state_dir: str | None = None,
+    resize: bool = False,
 ) -> int:
+    if resize and not state_dir:
+        raise ValueError("--resize needs --state-dir: the journal of the job to resize")
     metrics = CoordinatorMetrics(spec.world_size, spec.cost_model()) if metrics_port is not None else None
     server, bound, state = create_server(
         f"{host}:{port}",
@@ -40,6 +43,7 @@ def run_coordinator(
         security=security,
         metrics=metrics,
         state_dir=state_dir,
+        resize=resize,
     )
     if state.job_done:
         log.warning(

@@ -115,6 +115,7 @@ class InProcessJob:
         trainer_timeout_s: float = 1800.0,
         coordinator_state_dir: str | None = None,
         rank_state_dir: str | os.PathLike | None = None,
+        resize: bool = False,
     ) -> None:
         """Starts the job.
 
@@ -135,6 +136,7 @@ class InProcessJob:
             trainer_timeout_s: Each rank service's wait for a trainer that has not connected.
             coordinator_state_dir: The coordinator's journal (`restart_coordinator` resumes from it).
             rank_state_dir: The rank services' journals (`restart_rank` resumes from them).
+            resize: The coordinator resizes the job journaled in `coordinator_state_dir` (`--resize`).
         """
         if lengths is None and sources is None:
             raise ValueError(f"give lengths or sources, got {lengths=} and {sources=}")
@@ -169,6 +171,7 @@ class InProcessJob:
                 security=security,
                 metrics=self.cmetrics,
                 state_dir=coordinator_state_dir,
+                resize=resize,
             )
             self.server.start()
             if metrics:

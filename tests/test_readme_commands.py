@@ -160,6 +160,28 @@ RUN_BY = {
     "batchd node --node-rank G --advertise <its address> --ray-address <the cluster's Ray>": (
         "tests/test_node_cluster.py::test_node_agents_on_a_multi_node_ray_cluster_survive_an_agent_kill"
     ),
+    "batchd coordinator --config job.toml --world-size 2 --state-dir /shared/batchd-coord --resize": (
+        "tests/test_elastic.py::test_an_agent_killed_job_resumes_at_2_ranks_then_grows_to_3"
+    ),
+    "batchd node --config job.toml --world-size 2 --local-ranks 2 --node-rank 0 --state-dir /var/batchd": (
+        "tests/test_elastic.py::test_an_agent_killed_job_resumes_at_2_ranks_then_grows_to_3"
+    ),
+    "torchrun --nproc-per-node 2 -m batchd.train --node-agent 127.0.0.1:7100 --checkpoint /shared/ckpt": (
+        "tests/test_elastic.py::test_an_agent_killed_job_resumes_at_2_ranks_then_grows_to_3"
+    ),
+    (
+        "torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint "
+        "HEAD:29400 -m batchd.train --elastic /shared/batchd --config job.toml --checkpoint /shared/ckpt"
+    ): "tests/test_elastic_torchrun.py::test_torchrun_elastic_resizes_the_job_by_itself_when_a_host_is_lost",
+    "batchd coordinator --world-size $WORLD_SIZE --resize": (
+        "tests/test_elastic_torchrun.py::test_torchrun_elastic_resizes_the_job_by_itself_when_a_host_is_lost"
+    ),
+    "python -m batchd.train --checkpoint DIR": (
+        "tests/test_elastic.py::test_an_agent_killed_job_resumes_at_2_ranks_then_grows_to_3"
+    ),
+    "batchd simulate --resize STEP:W": (
+        "tests/test_resize.py::test_batchd_simulate_resize_prints_each_world_size_and_change"
+    ),
     "batchd bench": "tests/test_readme_commands.py::test_bench_runs_as_the_readme_shows_it",
     "batchd bench --epochs 3": "tests/test_readme_commands.py::test_bench_runs_as_the_readme_shows_it",
     "batchd demo --help": "tests/test_readme_commands.py::test_readme_and_help_commands_parse",
@@ -228,6 +250,8 @@ PLACEHOLDERS = {
     "DIR": "d",
     "ADDR": "127.0.0.1:1",
     "HOST:PORT": "127.0.0.1:1",
+    "STEP:W": "3:2",
+    "$WORLD_SIZE": "2",
 }
 
 

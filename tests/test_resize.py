@@ -97,7 +97,7 @@ def test_view_states_name_the_resize_they_read():
         resized.load_state_dict(plain.state_dict())
     with pytest.raises(ValueError, match="remainder of a resize of epoch 0 to world_size 2"):
         ViewSource(10, 0, 3, remainder=rem)
-    assert resized.for_epoch(1).remainder is None and resized.for_epoch(0).remainder == rem
+    assert resized.for_epoch(1).remainder is None and plain.for_epoch(0, rem).remainder == rem
 
 
 def test_resume_point_refuses_a_step_inside_an_update_or_past_the_ledger():
@@ -190,3 +190,21 @@ def test_simulate_reports_each_change_and_what_the_epoch_lost_none_of():
     assert 0 < first["after"]["padding_efficiency"] <= 1 and first["after"]["steps"] == 4
     counts = collections.Counter(s["world_size"] for s in out["segments"])
     assert counts == {4: 1, 2: 1, 3: 1}
+
+
+def test_batchd_simulate_resize_prints_each_world_size_and_change(tmp_path, capsys):
+    """`batchd simulate --resize STEP:W` as the README shows it: text and --json; a bad item is refused."""
+    from batchd.cli import main
+
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(str(16 + (37 * i) % 500) for i in range(300)) + "\n")
+    args = ["simulate", "--lengths", str(lengths), "--world-size", "4", "--token-budget", "1024", "--policy"]
+    assert main([*args, "balanced", "--resize", "3:2,6:3", "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "W=4" in text and "W=2" in text and "W=3" in text and "step 3 (asked 3): W 4 -> 2" in text
+    assert main([*args, "balanced", "--resize", "3:2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["missing"], out["duplicates"]) == (0, 0) and out["resizes"][0]["to"] == 2
+    with pytest.raises(SystemExit):
+        main([*args, "balanced", "--resize", "3:0"])
+    assert "expected STEP:W" in capsys.readouterr().err

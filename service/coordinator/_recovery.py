@@ -8,9 +8,14 @@ while it is away, for up to a lease) and go on; rounds already decided are repla
 Records (JSON objects, `kind` first):
 - `register`: rank, address, and the node agent serving it (`node`, absent for a rank alone);
 - `decision`: epoch, round, the serialized `AlignReply` (`reply`, base64);
-- `totals`: epoch, round, the serialized `CommitReply`, and the core's `state_dict` after those totals
-  (`core`; in a snapshot only the newest totals carry it, older ones only fill the replay tables);
-- `finish`: a rank's trainer took the job's last step; `failure`: the job failed (its message).
+- `totals`: epoch, round, the serialized `CommitReply`, the core's `state_dict` after those totals
+  (`core`; in a snapshot only the newest totals carry it, older ones only fill the replay tables) and
+  the round's `ledger` rows (`ledger_record`: the ids and loss tokens of its steps);
+- `finish`: a rank's trainer took the job's last step; `failure`: the job failed (its message);
+- `ledger`: epoch, the first step, and per step its ids and global loss tokens (`batchd.core.StepLedger`):
+  a snapshot holds one with every step of the current epoch (a round's rows ride in its totals);
+- `resize`: the job was resized (`_resize`): generation, world sizes, epoch, first round, step (null
+  until a rank resumed).
 
 A snapshot (`snapshot`, written by `Journal.compact` every `COMPACT_EVERY` records and after a restore)
 holds the registrations, the replay tables, the finishes and the failure: about 20 records. Restoring
@@ -25,7 +30,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from batchd.core import Coordinator, JobSpec, RoundDecision, RoundTotals
+from batchd.core import Coordinator, JobSpec, RoundDecision, RoundTotals, StepLedger
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import wire
 
@@ -58,14 +63,49 @@ def decision_record(key: Key, decision: RoundDecision) -> Record:
     }
 
 
-def totals_record(key: Key, totals: RoundTotals, core_state: Mapping[str, Any] | None) -> Record:
-    return {
+def totals_record(
+    key: Key, totals: RoundTotals, core_state: Mapping[str, Any] | None, ledger: StepLedger | None = None
+) -> Record:
+    """A round's totals; with `ledger`, also the ledger's rows of the round's steps (its last
+    `totals.steps`), in the same record, so they reach the disk together."""
+    record: Record = {
         "kind": "totals",
         "epoch": key[0],
         "round": key[1],
         "core": core_state,
         "reply": base64.b64encode(wire.totals_to_pb(totals, key[0]).SerializeToString()).decode(),
     }
+    if ledger is not None:
+        record["ledger"] = ledger_record(ledger, ledger.steps - totals.steps)
+    return record
+
+
+def ledger_record(ledger: StepLedger, first: int) -> Record:
+    """The ledger's steps from `first` on (a round's, or a snapshot's whole epoch)."""
+    return {
+        "kind": "ledger",
+        "epoch": ledger.epoch,
+        "first": first,
+        "rows": ledger.rows(first, ledger.steps),
+        "loss": ledger.loss_tokens(first, ledger.steps),
+    }
+
+
+def read_ledger(ledger: StepLedger | None, rec: Mapping[str, Any]) -> StepLedger:
+    """`ledger` with a ledger record folded in: a later epoch starts a new ledger; steps from the
+    record's first step on replace what the ledger held there (a resize forgot them)."""
+    epoch, first = int(rec["epoch"]), int(rec["first"])
+    if ledger is None or epoch > ledger.epoch:
+        ledger = StepLedger(epoch)
+    if epoch == ledger.epoch:
+        if first > ledger.steps:
+            raise ValueError(
+                f"journal: a ledger record of epoch {epoch} from step {first}, but the ledger holds "
+                f"{ledger.steps} step(s)"
+            )
+        ledger.truncate(first)
+        ledger.add(rec["rows"], rec["loss"])
+    return ledger
 
 
 def _decision_of(rec: Mapping[str, Any]) -> RoundDecision:
@@ -119,9 +159,14 @@ def snapshot(
     replay: ReplayTables,
     finished: Iterable[int],
     failure: str | None,
+    ledger: StepLedger | None = None,
+    resize: Record | None = None,
 ) -> list[Record]:
-    """The records a restart needs: ranks, the replay tables, finishes (sorted), the failure."""
+    """The records a restart needs: ranks, the resize, the epoch's ledger, the replay tables, finishes
+    (sorted), the failure."""
     out = [register_record(r, a, node_of.get(r)) for r, a in sorted(addresses.items())]
+    out += [resize] if resize is not None else []
+    out += [ledger_record(ledger, 0)] if ledger is not None else []
     out += replay.records()
     out += [{"kind": "finish", "rank": r} for r in sorted(finished)]
     if failure is not None:
@@ -141,6 +186,8 @@ class Recovered:
     replay: ReplayTables = dataclasses.field(default_factory=ReplayTables)
     pending: Key | None = None
     failure: str | None = None
+    ledger: StepLedger | None = None  # the newest epoch's
+    resize: Record | None = None  # the newest resize record
 
     @property
     def awaiting_commits(self) -> bool:
@@ -159,6 +206,8 @@ class Recovered:
     def _totals(self, rec: Mapping[str, Any]) -> None:
         key = (rec["epoch"], rec["round"])
         self.replay.totals[key] = _totals_of(rec)
+        if rec.get("ledger"):
+            self.ledger = read_ledger(self.ledger, rec["ledger"])
         if rec.get("core"):
             self.replay.core_state, self.replay.core_key = rec["core"], key
 
@@ -177,6 +226,10 @@ class Recovered:
             self.finished.add(rec["rank"])
         elif kind == "failure":
             self.failure = rec["message"]
+        elif kind == "ledger":
+            self.ledger = read_ledger(self.ledger, rec)
+        elif kind == "resize":
+            self.resize = dict(rec)
 
 
 def replay_records(records: Sequence[Mapping[str, Any]]) -> Recovered:
@@ -207,4 +260,6 @@ def resume_core(
         if pending[0] == epoch + 1 and core.done:
             epoch, core = pending[0], new_core(pending[0])
         core.resume_decided(replay.decisions[pending])
+    if recovered.ledger is not None and recovered.ledger.epoch == epoch:
+        core.ledger = recovered.ledger
     return epoch, core

@@ -191,6 +191,7 @@ def create_server(
     security: Security | None = None,
     metrics: CoordinatorMetrics | None = None,
     state_dir: str | os.PathLike[str] | None = None,
+    resize: bool = False,
 ) -> tuple[CoordinatorServer, int, CoordinatorState]:
     """Builds (not starts) a coordinator server bound to `address` ("127.0.0.1:0" picks a free port).
 
@@ -205,7 +206,9 @@ def create_server(
         ValueError: `security` cannot serve (see `Security.server_credentials`).
         OSError: `address` cannot be bound.
     """
-    state = CoordinatorState(spec, lease_s, startup_timeout_s, metrics=metrics, state_dir=state_dir)
+    state = CoordinatorState(
+        spec, lease_s, startup_timeout_s, metrics=metrics, state_dir=state_dir, resize=resize
+    )
     try:
         server = CoordinatorServer(CoordinatorServicer(state), security)
         port = server.bind(address, security)

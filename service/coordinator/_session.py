@@ -15,13 +15,20 @@ from batchd.core import ProtocolError, RoundDecision, decision_for_node
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import wire
 
+from . import _resize as resizing
 from ._state import CoordinatorState
 
 
 def register_reply(state: CoordinatorState, epoch: int, rnd: int, addresses: list[str]) -> pb.RegisterReply:
-    """The reply to a registration: where the job is, the lease, every rank's address ([] until all)."""
+    """The reply to a registration: where the job is, the lease, every rank's address ([] until all),
+    the job's resize generation and whether a fresh rank must Resume first (`_resize`)."""
     return pb.RegisterReply(
-        epoch=epoch, round=rnd, lease_ms=int(state.lease_s * 1000), rank_addresses=addresses
+        epoch=epoch,
+        round=rnd,
+        lease_ms=int(state.lease_s * 1000),
+        rank_addresses=addresses,
+        generation=resizing.generation(state),
+        resume_needed=resizing.resume_needed(state),
     )
 
 

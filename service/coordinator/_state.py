@@ -49,6 +49,7 @@ from batchd.proto import batchd_pb2 as pb
 from .._journal import Journal
 from .._metrics import CoordinatorMetrics
 from . import _recovery as recovery
+from . import _resize as resizing
 from . import _topology as topo
 from ._barrier import Barrier, ShuttingDown
 from ._observe import observe_commit, observe_decision
@@ -89,7 +90,13 @@ class CoordinatorState:
         metrics: CoordinatorMetrics | None = None,
         state_dir: str | os.PathLike[str] | None = None,
         compact_every: int = recovery.COMPACT_EVERY,
+        resize: bool = False,
     ) -> None:
+        """`resize`: the journal in `state_dir` may be of this job at another world size: go on at this
+        one from the trainers' checkpoint (`_resize`)."""
+        path = Path(state_dir) / recovery.JOURNAL if state_dir is not None else None
+        old = resizing.resize_from(path, recovery.job_of(spec), resize) if path is not None else None
+        new, spec = spec, old or spec
         if lease_s <= 0 or startup_timeout_s <= 0:
             raise ValueError(f"timeouts must be positive, got {lease_s=} {startup_timeout_s=}")
         if compact_every < 1:
@@ -114,14 +121,13 @@ class CoordinatorState:
         self._round_started: float | None = None
         self.latencies_ms: collections.deque[float] = collections.deque(maxlen=1000)
         self._stop = threading.Event()
-        self.journal = (
-            Journal(Path(state_dir) / recovery.JOURNAL, recovery.job_of(spec))
-            if state_dir is not None
-            else None
-        )
+        self.journal = Journal(path, recovery.job_of(spec)) if path is not None else None
         self.restored = False
+        self.resize_state: resizing.ResizeState | None = None
         if self.journal is not None:
             self._restore(self.journal.open())
+        if old is not None and not self.job_done:  # a finished job has nothing left to resize
+            resizing.begin(self, old, new, resizing.generation(self) + 1)
         self._watchdog = LeaseWatchdog(self.check_leases, min(lease_s / 4, 1.0), self._stop)
         self._watchdog.start()
         if metrics is not None:
@@ -146,9 +152,22 @@ class CoordinatorState:
             self.journal.compact(self._snapshot())
 
     def _snapshot(self) -> list[dict[str, Any]]:
+        rs = self.resize_state
+        ledger = rs.ledger if rs is not None and rs.pending else self.core.ledger
+        resize = rs.record() if rs is not None else None
         return recovery.snapshot(
-            self.addresses, self.node_of, self._replay, self.liveness.finished, self.failure
+            self.addresses, self.node_of, self._replay, self.liveness.finished, self.failure, ledger, resize
         )
+
+    snapshot_records = _snapshot
+
+    # -- resize (`_resize`) ------------------------------------------------------------------------------
+    def resume(self, rank: int, epoch: int, step: int, from_world: int) -> tuple[int, int, int, str]:
+        """A rank of the resized job resumes its trainer's (epoch, step) (`_resize.resume`)."""
+        with self._lock:
+            self._check_alive([rank])
+            self._touch([rank], "Resume")
+            return resizing.resume(self, rank, epoch, step, from_world)
 
     def _restore(self, records: list[dict[str, Any]]) -> None:
         """Rebuilds the state from the journal's records (`_recovery`), then compacts the journal."""
@@ -156,6 +175,7 @@ class CoordinatorState:
         self.addresses, self.node_of, self._replay = got.addresses, got.node_of, got.replay
         self.failure = got.failure
         self.epoch, self.core = recovery.resume_core(got, self.epoch, self.core, self._new_core)
+        resizing.restore(self, got)
         self.liveness.restore(got.registered, got.finished, time.monotonic())
         for node in set(self.node_of.values()):
             topo.label_node(node, self.node_of, self.addresses, self.liveness)
@@ -446,6 +466,11 @@ class CoordinatorState:
             replay = self._replay.decisions.get(key)
             if replay is not None:  # for a restarted rank
                 return replay
+            if self.resize_state is not None and self.resize_state.pending:
+                raise ProtocolError(
+                    f"rank(s) {ranks} report round {rnd} of epoch {epoch}, but the job was resized and "
+                    f"no rank resumed it yet: a rank calls Resume with its trainer's step first"
+                )
             self._advance_epoch(epoch)
             if rnd != self.core.round:
                 raise ProtocolError(
@@ -527,7 +552,7 @@ class CoordinatorState:
             self._fail_locked(f"round {key[1]} could not be committed: {exc}")
             raise
         core_state = self.core.state_dict()
-        self._log(recovery.totals_record(key, totals, core_state))
+        self._log(recovery.totals_record(key, totals, core_state, self.core.ledger))
         self._replay.committed(key, totals, core_state)
         self._compact_if_due()
         if self.metrics is not None:

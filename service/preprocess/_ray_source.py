@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from batchd.core import BlockView, Sample, parse_bytes
+from batchd.core import BlockView, Remainder, Sample, parse_bytes
 
 from ._dataset import RecordDataset
 from ._ledger import Ledger
@@ -504,13 +504,14 @@ class RaySource:
             "poll_wait_s": self.wait_s,
         }
 
-    def start_epoch(self, epoch: int) -> None:
+    def start_epoch(self, epoch: int, remainder: Remainder | None = None) -> None:
         """Moves to `epoch`'s view (a new seeded permutation) from its start, keeping the pool, the counters
         (they count all epochs) and the quarantine. Work still in flight (non-join mode stops mid-view) is
-        dropped; its actors are released when it ends."""
+        dropped; its actors are released when it ends. With a resize's `remainder` (its epoch, at its
+        world size) the view holds the ids it left, dealt to this rank by units (`batchd.core.BlockView`)."""
         with self._lock:
             self.epoch = epoch
-            self.view = self.view.for_epoch(epoch)
+            self.view = self.view.for_epoch(epoch, remainder)
             self._want_window = -1
             self._reset(0, set())
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from batchd.core import Sample, ViewSource
+from batchd.core import Remainder, Sample, ViewSource
 
 EXHAUSTED = object()
 Payload = dict[str, np.ndarray]
@@ -64,7 +64,7 @@ class Source(Protocol):
 
     def materialize_many(self, sample_ids: Sequence[int]) -> list[Payload]: ...
 
-    def start_epoch(self, epoch: int) -> None: ...
+    def start_epoch(self, epoch: int, remainder: Remainder | None = None) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -219,9 +219,10 @@ class SyntheticSource:
         self.rank, self.seed, self.vocab_size = rank, seed, vocab_size
         self.view = ViewSource(len(self.lengths), rank, world_size, seed, epoch, shuffle, wrap)
 
-    def start_epoch(self, epoch: int) -> None:
-        """Moves to `epoch`'s view (a new seeded permutation when shuffled), from its start."""
-        self.view = self.view.for_epoch(epoch)
+    def start_epoch(self, epoch: int, remainder: Remainder | None = None) -> None:
+        """Moves to `epoch`'s view (a new seeded permutation when shuffled), from its start; with a resize's
+        `remainder` (its epoch, at its world size), the ids it left, dealt to this rank."""
+        self.view = self.view.for_epoch(epoch, remainder)
 
     def __len__(self) -> int:
         return len(self.view)
@@ -381,8 +382,14 @@ class IngestSource:
     def end(self) -> None:
         self._ended.set()
 
-    def start_epoch(self, epoch: int) -> None:
-        """Accepts the next epoch's samples (ids may repeat across epochs); anything left is dropped."""
+    def start_epoch(self, epoch: int, remainder: Remainder | None = None) -> None:
+        """Accepts the next epoch's samples (ids may repeat across epochs); anything left is dropped.
+        Raises ValueError on a resize's `remainder`: the producers decide what is pushed."""
+        if remainder is not None:
+            raise ValueError(
+                "a rank whose samples are pushed (Ingest) cannot be resized mid-epoch: its producers choose "
+                "the samples; resume its trainers at an epoch's end instead"
+            )
         with self._lock:
             while True:
                 try:

@@ -26,6 +26,7 @@ coordinator calls, never across one.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -41,6 +42,7 @@ from batchd.core import (
     Delivery,
     JobSpec,
     RankState,
+    Remainder,
     Step,
     fill_may_stop,
     report_capacity,
@@ -125,6 +127,8 @@ class RankServiceCore:
         self.filled = False  # the restored buffer is the current round's report (`_journal`)
         self.waiting_for_trainer = False  # (tests: the journal is stable while this holds)
         self.samples_made = 0
+        self.generation = 0  # the job's resizes this rank's state is of (`_resume`)
+        self.remainder: Remainder | None = None  # the epoch's remainder after the last resize, if any
         self.restored_finished = False
         self.failure: str | None = None
         self.failure_told = False  # the trainer heard the failure (ABORTED, or a RankStatus that said it)
@@ -141,6 +145,7 @@ class RankServiceCore:
         self.journal = journal_path(state_dir, rank)
         if self.journal is not None and self.journal.exists():
             restore(self, self.journal)
+        self.delivery.await_resume()  # trainers wait until the registration says whether the job was resized
         if metrics is not None:  # read at scrape time, lock-free: len() of a list / dict
             metrics.bind(lambda: len(self.state.buffer), lambda: len(self.batches), lambda: self.epoch)
 
@@ -212,9 +217,10 @@ class RankServiceCore:
         credits: int,
         member: int = 0,
         group_size: int = 1,
+        resize_from: int = 0,
     ) -> Connect:
         """`TrainerSide.connect`."""
-        return self.streams.connect(stream, epoch, start_step, credits, member, group_size)
+        return self.streams.connect(stream, epoch, start_step, credits, member, group_size, resize_from)
 
     def next_item(self, stream: TrainerStream) -> tuple[int, pb.Batch] | None:
         """`TrainerSide.next_item`."""
@@ -325,6 +331,9 @@ class RankServiceCore:
 
     def _run(self) -> None:
         if self.finished:  # restored after the coordinator took this rank's Finish: nothing left to ask it
+            with self.cond:
+                self.delivery.release()
+                self.cond.notify_all()
             log.info(
                 "rank %d: the job's last step was taken before this restart; serving only its end", self.rank
             )
@@ -357,6 +366,12 @@ class RankServiceCore:
         reply = self.coord.register(self.address)
         self.peers = list(reply.rank_addresses)
         self.coord.start_heartbeats(self.set_failure)
+        if reply.generation != self.generation:
+            self._resume(reply)
+        else:
+            with self.cond:
+                self.delivery.release()
+                self.cond.notify_all()
         while True:
             while not self.done and not self._stop.is_set():
                 self._round()
@@ -371,6 +386,53 @@ class RankServiceCore:
                 log.info("rank %d: its trainer took the job's last step", self.rank)
                 break
             self._next_epoch()
+
+    def _resume(self, registered: pb.RegisterReply) -> None:
+        """The job was resized (`batchd.core._resize`; generation `registered.generation`): what this rank
+        holds, of another world size or of nothing, is stale. Its first trainer to connect says where the
+        job goes on (the step of its checkpoint); the coordinator answers with the epoch's first round and
+        step at the new size and the samples left; the source then reads this rank's share of them."""
+        if not registered.resume_needed:
+            raise CoordinatorError(
+                f"rank {self.rank}'s state is of resize generation {self.generation}, the job's is "
+                f"{registered.generation}, and it has gone on: a rank of it that lost its state cannot rejoin"
+            )
+        with self.cond:
+            if not self.delivery.awaiting:
+                self.delivery.await_resume()
+            self.batches.clear()
+            self.payloads.clear()
+            self.finished = self.restored_finished = self.filled = False
+            deadline = time.monotonic() + self.trainer_timeout_s
+            while self.delivery.resume_request is None:
+                if self.failure is not None or self._stop.is_set():
+                    raise CoordinatorError(self.failure or "stopped")
+                if time.monotonic() > deadline:
+                    raise CoordinatorError(
+                        f"rank {self.rank}: no trainer connected within {self.trainer_timeout_s:g}s to say "
+                        f"where the resized job resumes"
+                    )
+                self.cond.wait(0.5)
+            epoch, step = self.delivery.resume_request
+        reply = self.coord.resume(epoch, step, self.streams.resize_from)
+        remainder = Remainder.from_json(json.loads(reply.remainder)) if reply.remainder else None
+        with self.cond:
+            self.generation, self.remainder = int(reply.generation), remainder
+            self.state = self.new_state(int(reply.epoch))
+            self.state.start_at(int(reply.round), int(reply.step))
+            self.source.start_epoch(int(reply.epoch), remainder)
+            self.samples_made = len(remainder.consumed) if remainder is not None else 0
+            self.delivery.start_at(int(reply.epoch), int(reply.step), time.monotonic())
+            self._write_journal()
+            self.cond.notify_all()
+        log.info(
+            "rank %d: the resized job goes on at epoch %d step %d (round %d)%s",
+            self.rank,
+            reply.epoch,
+            reply.step,
+            reply.round,
+            f", {len(self.source)} sample(s) of its share left" if remainder is not None else "",
+        )
 
     def _end_sent(self) -> bool:
         """Waits until the trainer has taken this epoch's end (every step acknowledged); False if the job

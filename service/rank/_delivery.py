@@ -73,6 +73,7 @@ class TrainerSide:
         self.delivery, self.cond, self._stop = delivery, cond, stop
         self._failure, self._on_end_sent = failure, on_end_sent
         self.batches: dict[int, tuple[Step, pb.Batch]] = {}
+        self.resize_from = 0  # a resized job: the world size of the first trainer's saved state
 
     def _prune_locked(self) -> None:
         for i in [i for i in self.batches if i < self.delivery.acked]:
@@ -99,12 +100,17 @@ class TrainerSide:
         credits: int,
         member: int = 0,
         group_size: int = 1,
+        resize_from: int = 0,
     ) -> Connect:
         """Attaches a trainer stream, member `member` of a group of `group_size` (see `Delivery.connect`):
-        waits while the next epoch is about to start or a previous stream of this member is ending (up to
-        BUSY_WAIT_S); returns the final outcome. Raises RuntimeError with the job's failure."""
+        waits while the next epoch is about to start, the rank waits for a resized job to resume
+        (`resize_from`: the world size of the trainer's saved state, kept for the resume) or a previous
+        stream of this member is ending (up to BUSY_WAIT_S); returns the final outcome. Raises RuntimeError
+        with the job's failure."""
         busy_until = time.monotonic() + BUSY_WAIT_S
         with self.cond:
+            if self.delivery.awaiting and self.delivery.resume_request is None:
+                self.resize_from = resize_from
             while True:
                 failure = self._failure()
                 if failure is not None:

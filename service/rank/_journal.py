@@ -11,7 +11,9 @@ is lost or duplicated.
 Format (version `JOURNAL_VERSION`, every key of `JOURNAL_KEYS` required, of its type, no other key):
 `delivery` (`core.Delivery.state_dict`), `rank` (`core.RankState.state_dict`), `source` (the source's
 `state_dict`), `ready` (the held steps, `Step.to_json`), `rejected_before` (over-budget rejections of the
-epochs before this one), `finish_acked` (the coordinator took this rank's Finish) and `filled`: the buffer
+epochs before this one), `finish_acked` (the coordinator took this rank's Finish), `resize` (the job's
+resize generation the state is of, and that resize's remainder, which a restored source reads again) and
+`filled`: the buffer
 is the one this rank reports (or reported) for its current round; a restored rank reports it again without
 filling, so a round the coordinator decided before a crash is replayed on exactly the buffer it was
 decided on (a source whose readiness depends on timing, like a RaySource, would fill it differently).
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from batchd.core import Step
+from batchd.core import Remainder, Step
 
 from ._payloads import materialize_many
 
@@ -53,6 +55,8 @@ class Journaled(Protocol):
     finished: bool
     restored_finished: bool
     filled: bool
+    generation: int
+    remainder: Any
 
     def new_state(self, epoch: int) -> Any: ...
 
@@ -60,7 +64,7 @@ class Journaled(Protocol):
 
 
 JOURNAL = "rank-{rank}.json"
-JOURNAL_VERSION = 3
+JOURNAL_VERSION = 4
 J_VERSION, J_DELIVERY, J_RANK, J_SOURCE, J_READY, J_REJECTED_BEFORE, J_FINISH_ACKED, J_FILLED = (
     "version",
     "delivery",
@@ -71,6 +75,7 @@ J_VERSION, J_DELIVERY, J_RANK, J_SOURCE, J_READY, J_REJECTED_BEFORE, J_FINISH_AC
     "finish_acked",
     "filled",
 )
+J_RESIZE = "resize"  # {"generation": the job's resizes this state is of, "remainder": Remainder JSON or null}
 JOURNAL_KEYS = {
     J_VERSION: int,
     J_DELIVERY: dict,
@@ -80,6 +85,7 @@ JOURNAL_KEYS = {
     J_REJECTED_BEFORE: int,
     J_FINISH_ACKED: bool,
     J_FILLED: bool,
+    J_RESIZE: dict,
 }  # every key required, this type
 
 
@@ -154,6 +160,10 @@ def journal_record(core: Journaled, filled: bool) -> dict[str, Any]:
         J_REJECTED_BEFORE: core.rejected_before,
         J_FINISH_ACKED: core.finished,
         J_FILLED: filled,
+        J_RESIZE: {
+            "generation": core.generation,
+            "remainder": core.remainder.to_json() if core.remainder is not None else None,
+        },
     }
 
 
@@ -170,18 +180,37 @@ def write_journal(path: Path, record: dict[str, Any]) -> None:
 def restore(core: Journaled, path: Path) -> None:
     """Loads `core`'s state from its journal at `path` (see module docstring): the delivery, the epoch's
     rank state and source position, the buffered payloads and the held steps (re-collated with
-    `core._batch`), whether the trainer took the job's last step and whether the buffer was filled.
+    `core._batch`), whether the trainer took the job's last step and whether the buffer was filled. A
+    journal of another world size (the job was resized since) is left as it is: the rank starts empty
+    and resumes where the coordinator says (`RankServiceCore._resume`).
 
     Raises:
         ValueError: naming the file and why (`read_journal`; a state of another job, rank or
             configuration).
     """
     state = read_journal(path)
+    saved_world = state[J_RANK].get("world_size")
+    if saved_world != core.state.world_size and state[J_RANK].get("rank") == core.rank:  # a resized job
+        log.warning(
+            "rank %d: %s is of a job at world size %s; this one runs at %d (a resize): not restored, the "
+            "rank resumes where the coordinator says",
+            core.rank,
+            path,
+            saved_world,
+            core.state.world_size,
+        )
+        return
     try:
+        resize = state[J_RESIZE]
+        core.generation = int(resize["generation"])
+        core.remainder = Remainder.from_json(resize["remainder"]) if resize.get("remainder") else None
         core.delivery.load_state_dict(state[J_DELIVERY], time.monotonic())
-        if core.epoch != 0:
+        remainder = (
+            core.remainder if core.remainder is not None and core.remainder.epoch == core.epoch else None
+        )
+        if core.epoch != 0 or remainder is not None:
             core.state = core.new_state(core.epoch)
-            core.source.start_epoch(core.epoch)
+            core.source.start_epoch(core.epoch, remainder)
         core.rejected_before = state[J_REJECTED_BEFORE]
         core.state.load_state_dict(state[J_RANK])
         core.source.load_state_dict(state[J_SOURCE])

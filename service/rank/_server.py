@@ -84,6 +84,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
                 int(first.credits),
                 int(first.group_rank),
                 max(int(first.group_size), 1),
+                int(first.resize_from),
             )
         except RuntimeError as exc:
             core.failure_told = core.failure is not None
