@@ -78,6 +78,7 @@ from batchd.service.preprocess import (
     demo_tokenizer,
     make_demo_dataset,
     quiet_token_auth,
+    start_local_ray,
 )
 
 DEMO_BUDGET = 1024
@@ -433,7 +434,7 @@ def _run_ray(
         os.environ[MARKER_ENV] = marker  # Ray's processes inherit it: the reaper finds them by it
         try:
             quiet_token_auth()  # token auth on, without Ray's warning (its children inherit the mode)
-            ray.init(num_cpus=sum(per_rank), include_dashboard=False, log_to_driver=False)
+            start_local_ray(num_cpus=sum(per_rank), include_dashboard=False, log_to_driver=False)
         finally:
             if previous is None:
                 os.environ.pop(MARKER_ENV, None)

@@ -711,7 +711,9 @@ class RayCluster:
         if self.address is None:
             import ray
 
-            ray.init(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False)
+            from batchd.service.preprocess import start_local_ray
+
+            start_local_ray(num_cpus=self.num_cpus, include_dashboard=False, log_to_driver=False)
             self.address = ray.get_runtime_context().gcs_address
         return self.address
 

@@ -72,17 +72,16 @@ def service_main(conn, source_kind: str, lengths: list[int]) -> None:
     spec = job_spec()
     pool = None
     if source_kind == "ray":
-        import ray
-
         from batchd.service.preprocess import (
             PreprocessPool,
             RaySource,
             default_stages,
             demo_tokenizer,
             make_demo_dataset,
+            start_local_ray,
         )
 
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
         work = Path(tempfile.mkdtemp(prefix="batchd-epoch-bench-"))
         demo = make_demo_dataset(work / "demo", num_samples=RAY_RECORDS, seed=1, format="jsonl")
         tok = demo_tokenizer(work / "tokenizer.json")

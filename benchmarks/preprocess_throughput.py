@@ -160,7 +160,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import ray
 
-    from batchd.service.preprocess import RecordDataset, TokenizerRef, default_stages, demo_tokenizer
+    from batchd.service.preprocess import (
+        RecordDataset,
+        TokenizerRef,
+        default_stages,
+        demo_tokenizer,
+        start_local_ray,
+    )
 
     t_all = time.perf_counter()
     load_start = load_average()
@@ -177,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         # The in-process baselines run before Ray starts (its worker start-up would steal CPU).
         bases = {name: bench_inprocess(datasets[name], stages, len(datasets[name])) for name in names}
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+        start_local_ray(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
         time.sleep(5.0)  # let Ray's prestarted workers settle
         workloads = {n: measure(n, datasets[n], stages, bases[n], actors, args.epochs) for n in names}
     ray.shutdown()

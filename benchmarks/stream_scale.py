@@ -226,9 +226,9 @@ def service_parts(
 
     import ray
 
-    from batchd.service.preprocess import default_stages
+    from batchd.service.preprocess import default_stages, start_local_ray
 
-    ray.init(
+    start_local_ray(
         num_cpus=max(4, 2 * args.ranks),
         include_dashboard=False,
         log_to_driver=False,

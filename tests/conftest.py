@@ -56,7 +56,9 @@ def ray_session():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False)
+        from batchd.service.preprocess import start_local_ray
+
+        start_local_ray(num_cpus=2, include_dashboard=False)
     yield ray
     if started:
         ray.shutdown()

@@ -136,3 +136,21 @@ def test_a_resize_is_refused_without_the_flag_mid_update_and_on_other_checkpoint
             c.load_state_dict(inside, resize=True)
             with pytest.raises(Exception, match="inside optimizer update"):
                 next(iter(c))
+
+
+def test_a_non_join_job_resized_keeps_its_quota_exact(tmp_path):
+    """Non-join mode: the epoch closes on a sample quota; resized at step S, the new ranks count on from
+    the samples emitted before S, so the epoch's steps before S plus the resized run's hold exactly the
+    quota; the new views (which wrap in non-join mode) read only what the steps before S did not hold."""
+    coord_dir = str(tmp_path / "coordinator")
+    quota = len(LENGTHS) - 17
+    spec = dict(mode="non-join", quota=quota)
+    with InProcessJob(_spec(3, **spec), LENGTHS, coordinator_state_dir=coord_dir) as job:
+        first = _run(job, None, 4)
+    states = [first[0][1]]
+    with InProcessJob(_spec(2, **spec), LENGTHS, coordinator_state_dir=coord_dir, resize=True) as job:
+        second = _run(job, states, None, True)
+    before = [i for steps, _ in first for _, ids, _, _ in steps for i in ids]
+    after = [i for steps, _ in second for _, ids, _, _ in steps for i in ids]
+    assert len(before) + len(after) == quota and len(before) == len(set(before))
+    assert not set(before) & set(after)

@@ -44,6 +44,7 @@ from ._ray import (
     resolve_many,
     running_ray_address,
     share_ray,
+    start_local_ray,
 )
 from ._ray_source import DEFAULT_MAX_BAD_FRACTION, DEFAULT_MEMORY_BUDGET, RaySource
 from ._reader import BlockReader
@@ -146,6 +147,7 @@ __all__ = [
     "scan_lines",
     "share_ray",
     "smart_resize",
+    "start_local_ray",
     "synthetic_image_payload",
     "synthetic_payload",
     "train_tokenizer",

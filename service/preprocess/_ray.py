@@ -53,6 +53,19 @@ import ray
 log = logging.getLogger("batchd.preprocess")
 
 
+GCS_START_WAIT_S = 300  # how long a Ray started here may take to bring its GCS up (Ray's default: 30 s)
+
+
+def start_local_ray(**kwargs: Any) -> None:
+    """`ray.init(**kwargs)` starting a local Ray, whose GCS may take up to `GCS_START_WAIT_S` to come up
+    (unless $RAY_gcs_server_port_wait_time_s says otherwise). Ray's own 30 s judges speed, not liveness:
+    on a busy host, or the first start of a fresh install (a cold binary of a few hundred MB), its GCS
+    has been seen to take longer, and the start failed with "Timed out waiting for file
+    .../gcs_server_port_..."."""
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_START_WAIT_S))
+    ray.init(**kwargs)
+
+
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Connects to Ray: no-op when initialized, joins `address` when given, else starts a local instance."""
     if ray.is_initialized():
@@ -60,7 +73,7 @@ def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
+        start_local_ray(num_cpus=num_cpus, include_dashboard=False)
 
 
 def _gcs_reachable(address: str, timeout: float = 1.0) -> bool:
@@ -525,7 +538,7 @@ def share_ray(
             os.environ[JOB_ENV] = (
                 job  # inherited by the Ray processes started here: how the job's others find it
             )
-        ray.init(num_cpus=num_cpus, include_dashboard=False)
+        start_local_ray(num_cpus=num_cpus, include_dashboard=False)
         gcs = ray.get_runtime_context().gcs_address
         shared = SharedRay(gcs, started=True, job=job)  # holds its lock before the next process may look
     log.info(
