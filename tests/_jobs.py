@@ -56,26 +56,36 @@ def drain_clients(
     per rank over `client(rank)`; per rank, per epoch, the projected steps (by default (batch, info)).
     `on_step(rank, n)` runs after each rank's n-th step of the epoch. Asserts no trainer raised and all
     finished within `limit_s` each."""
+
+    def consume(r: int) -> list[list[Any]]:
+        with client(r) as c:
+            out = []
+            for e in range(epochs):
+                c.set_epoch(e)
+                steps: list = []
+                for b, info in c:
+                    steps.append((b, info) if project is None else project(b, info))
+                    if on_step is not None:
+                        on_step(r, len(steps))
+                out.append(steps)
+            return out
+
+    return per_rank(consume, world_size, limit_s)
+
+
+def per_rank(work: Callable[[int], Any], world_size: int, limit_s: float = 60.0) -> list[Any]:
+    """`work(r)` for every rank r, each in a trainer thread of its own; their results by rank. Asserts that
+    none raised and that all finished within `limit_s` each."""
     results: list = [None] * world_size
     errors: list = []
 
-    def consume(r: int) -> None:
+    def run(r: int) -> None:
         try:
-            with client(r) as c:
-                out = []
-                for e in range(epochs):
-                    c.set_epoch(e)
-                    steps: list = []
-                    for b, info in c:
-                        steps.append((b, info) if project is None else project(b, info))
-                        if on_step is not None:
-                            on_step(r, len(steps))
-                    out.append(steps)
-                results[r] = out
+            results[r] = work(r)
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append((r, exc))
 
-    threads = [threading.Thread(target=consume, args=(r,), daemon=True) for r in range(world_size)]
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
     for t in threads:
         t.start()
     for t in threads:

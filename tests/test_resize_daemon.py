@@ -15,7 +15,7 @@ import contextlib
 import threading
 
 import pytest
-from _jobs import InProcessJob
+from _jobs import InProcessJob, per_rank
 
 from batchd.core import JobSpec
 from batchd.service import JournalError
@@ -38,38 +38,23 @@ def _run(
     at or after `stop_after` steps of this run (None: the epoch's end); the coordinator is killed and
     restarted from its journal once rank 0 took `restart_at` steps. Returns per rank the steps
     [(step, ids, global samples, loss_scale)] and its state_dict at the stop."""
-    n = job.spec.world_size
-    out: list = [None] * n
-    errors: list = []
     restarted = threading.Event()
 
-    def consume(r: int) -> None:
-        try:
-            with job.client(r) as c:
-                if states is not None:
-                    c.load_state_dict(states[0] if len(states) == 1 else states[r], resize=resize)
-                steps = []
-                for batch, info in c:
-                    steps.append(
-                        (info.step, batch["sample_ids"].tolist(), info.global_samples, info.loss_scale)
-                    )
-                    if r == 0 and len(steps) == restart_at and not restarted.is_set():
-                        job.restart_coordinator()
-                        restarted.set()
-                    if stop_after is not None and len(steps) >= stop_after and info.update_end:
-                        break
-                out[r] = (steps, c.state_dict())
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append((r, exc))
+    def consume(r: int) -> tuple[list, dict]:
+        with job.client(r) as c:
+            if states is not None:
+                c.load_state_dict(states[0] if len(states) == 1 else states[r], resize=resize)
+            steps = []
+            for batch, info in c:
+                steps.append((info.step, batch["sample_ids"].tolist(), info.global_samples, info.loss_scale))
+                if r == 0 and len(steps) == restart_at and not restarted.is_set():
+                    job.restart_coordinator()
+                    restarted.set()
+                if stop_after is not None and len(steps) >= stop_after and info.update_end:
+                    break
+            return steps, c.state_dict()
 
-    threads = [threading.Thread(target=consume, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    assert all(x is not None for x in out), "a trainer did not finish"
-    return out
+    return per_rank(consume, job.spec.world_size)
 
 
 @pytest.mark.parametrize("per_update", [None, 1500])
