@@ -83,6 +83,8 @@ def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
     fixed = out["fixed"]
     for v in out.values():
         v["within_fixed_spread"] = fixed["heldout_min"] <= v["heldout_mean"] <= fixed["heldout_max"]
+        below = v["heldout_mean"] < fixed["heldout_min"]
+        v["vs_fixed_spread"] = "within" if v["within_fixed_spread"] else "below" if below else "above"
         v["gap_to_fixed"] = v["heldout_mean"] - fixed["heldout_mean"]
     return {"systems": out, "order": names}
 
