@@ -162,6 +162,8 @@ class BatchClient:
         self.resize_from = (
             int(state["world_size"]) if resize and state["world_size"] != self.world_size else 0
         )
+        if self.resize_from:  # take the epoch's end again from the resized service: it learns where we stand
+            self.finished = False
 
     def set_epoch(self, epoch: int) -> None:
         """Reads `epoch` next, from its first step: call it before each epoch's loop, like

@@ -13,8 +13,9 @@ choice lists), `_state` (the state keys, `STATE_VERSION`, `check_state`, the `St
 plan; its steps in `_plan_blind`, `_plan_nodes`, `_plan_deal`, `_plan_moves`), `_node_plan` (one node's
 view of a decision), `_align` (DGAP messages, target rules, `Coordinator`), `_rank` (`RankState`),
 `_source` and `_blockview` (sampler views), `_delivery`, `_liveness`, `_loss`, `_microbatch`,
-`_collate`, `_updates` (optimizer update boundaries), `_spec` (`JobSpec`), `_workload` (workload
-files), `_simulator`. No module cycle:
+`_collate`, `_updates` (optimizer update boundaries), `_ledger` (the step ledger), `_resize` (an epoch
+resumed at another world size), `_spec` (`JobSpec`), `_workload` (workload files), `_sim_metrics`,
+`_simulator`. No module cycle:
 `tools/import_graph.py --check` fails on one. `batchd.core.testing` exposes planner steps for their
 property tests.
 """

@@ -189,18 +189,20 @@ class ResumeRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., from_world_size: _Optional[int] = ...) -> None: ...
 
 class ResumeReply(_message.Message):
-    __slots__ = ("epoch", "round", "step", "generation", "remainder")
+    __slots__ = ("epoch", "round", "step", "generation", "remainder", "job_end")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     REMAINDER_FIELD_NUMBER: _ClassVar[int]
+    JOB_END_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     round: int
     step: int
     generation: int
     remainder: str
-    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., remainder: _Optional[str] = ...) -> None: ...
+    job_end: bool
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., step: _Optional[int] = ..., generation: _Optional[int] = ..., remainder: _Optional[str] = ..., job_end: _Optional[bool] = ...) -> None: ...
 
 class PoolEntry(_message.Message):
     __slots__ = ("sample", "arrival")

@@ -139,3 +139,22 @@ def test_a_non_join_job_resized_keeps_its_quota_exact(tmp_path):
     after = [i for steps, _ in second for _, ids, _, _ in steps for i in ids]
     assert len(before) + len(after) == quota and len(before) == len(set(before))
     assert not set(before) & set(after)
+
+
+def test_a_job_resized_after_its_last_step_only_hands_out_its_end(tmp_path):
+    """Trainers that took every step of the job's last epoch but not its end (the job was lost in between)
+    resume at another size: the resized ranks hand them the end, make no step and finish, and the
+    coordinator is done. (A job whose trainers took the end too is done: there is nothing to resize.)"""
+    spec = dict(deterministic=True)  # the same steps in both runs: the probe gives the epoch's length
+    with InProcessJob(_spec(2, **spec), LENGTHS, coordinator_state_dir=str(tmp_path / "probe")) as job:
+        total = len(_run(job, None, None)[0][0])
+    coord_dir = str(tmp_path / "coordinator")
+    with InProcessJob(_spec(2, **spec), LENGTHS, coordinator_state_dir=coord_dir) as job:
+        got = _run(job, None, total)  # stops after the last step, before the end
+    state = got[0][1]
+    assert (state["next_step"], state["finished"]) == (total, False)
+    with InProcessJob(_spec(3, **spec), LENGTHS, coordinator_state_dir=coord_dir, resize=True) as job:
+        again = _run(job, [state], None, True)
+        assert [steps for steps, _ in again] == [[], [], []]
+        assert all(s["finished"] for _, s in again)
+        job.wait_state("done")

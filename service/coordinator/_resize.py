@@ -13,7 +13,8 @@
    else FAILED_PRECONDITION names why; the epoch's protocol core at W' starts at round R0 from S, the
    update windows replayed; the `resize` record is journaled again with its step. Every later Resume
    must name the same position. A trainer that took the end of the epoch resumes the next epoch at
-   step 0: it starts whole at W'. Aligning before the resize is resumed is refused.
+   step 0: it starts whole at W'; at the end of the job's last epoch only that end is left (`job_end`:
+   the ranks hand it to their trainers and finish). Aligning before the resize is resumed is refused.
 3. `restore` (a restart of a resized coordinator) rebuilds the resize from its journal record: the
    core of the new size at R0 when no round was committed since (later rounds' totals carry the core).
 """
@@ -84,6 +85,7 @@ class ResizeState:
     ledger: StepLedger
     step: int | None = None
     next_epoch: bool = False  # S fixed at the epoch's end: the next epoch starts whole
+    job_end: bool = False  # S fixed at the end of the job's last epoch: only its end is left to take
     remainder: Remainder | None = None
 
     def record(self) -> dict[str, Any]:
@@ -97,6 +99,7 @@ class ResizeState:
             "epoch_done": self.epoch_done,
             "step": self.step,
             "next_epoch": self.next_epoch,
+            "job_end": self.job_end,
         }
 
     @staticmethod
@@ -112,8 +115,9 @@ class ResizeState:
             ledger if ledger is not None and ledger.epoch == epoch else StepLedger(epoch),
             None if rec.get("step") is None else int(rec["step"]),
             bool(rec.get("next_epoch", False)),
+            bool(rec.get("job_end", False)),
         )
-        if rs.step is not None and not rs.next_epoch:
+        if rs.step is not None and not rs.next_epoch and not rs.job_end:
             rs.remainder = Remainder(epoch, rs.step, rs.world, rs.generation, rs.ledger.consumed(rs.step))
         return rs
 
@@ -189,9 +193,10 @@ def placeholder(spec: JobSpec, rs: ResizeState) -> Coordinator:
     return core
 
 
-def resume(state: Any, rank: int, epoch: int, step: int, from_world: int) -> tuple[int, int, int, str]:
-    """A rank's Resume (module docstring, step 2): (epoch, first round, first step, remainder JSON or
-    ""). Raises ProtocolError naming what cannot be resumed."""
+def resume(state: Any, rank: int, epoch: int, step: int, from_world: int) -> tuple[int, int, int, str, bool]:
+    """A rank's Resume (module docstring, step 2): (epoch, first round, first step, remainder JSON or "",
+    whether the job's last epoch is complete at that step: only its end is left for the trainers to
+    take). Raises ProtocolError naming what cannot be resumed."""
     rs: ResizeState | None = state.resize_state
     if rs is None:
         raise ProtocolError(f"rank {rank} asked to resume, but the job was never resized")
@@ -214,7 +219,14 @@ def resume(state: Any, rank: int, epoch: int, step: int, from_world: int) -> tup
             f"of it that lost its state cannot rejoin"
         )
     remainder = "" if rs.remainder is None else json.dumps(rs.remainder.to_json())
-    return position(rs)[0], first_round(rs), position(rs)[1], remainder
+    return position(rs)[0], first_round(rs), position(rs)[1], remainder, rs.job_end
+
+
+def finished_core(spec: JobSpec, rs: ResizeState) -> Coordinator:
+    """The core of the resize's epoch, the job's last, complete: no round is left to run."""
+    core = placeholder(spec, rs)
+    core.ledger, core.done = rs.ledger, True
+    return core
 
 
 def position(rs: ResizeState) -> tuple[int, int]:
@@ -232,10 +244,13 @@ def fix(state: Any, rs: ResizeState, rank: int, epoch: int, step: int) -> None:
     spec: JobSpec = state.spec
     whole_epoch_done = rs.epoch_done and step == rs.ledger.steps
     if epoch == rs.epoch + 1 and step == 0 and rs.epoch_done or (epoch == rs.epoch and whole_epoch_done):
-        if rs.epoch + 1 >= spec.epochs:
-            raise ProtocolError(f"rank {rank}'s trainer resumes after the job's last epoch ({rs.epoch})")
-        rs.step, rs.next_epoch = rs.ledger.steps, True
-        state.epoch, state.core = rs.epoch + 1, Coordinator(spec, rs.epoch + 1)
+        rs.step = rs.ledger.steps
+        if rs.epoch + 1 >= spec.epochs:  # the job's last epoch is complete: its end is all there is left
+            rs.job_end = True
+            state.epoch, state.core = rs.epoch, finished_core(spec, rs)
+        else:
+            rs.next_epoch = True
+            state.epoch, state.core = rs.epoch + 1, Coordinator(spec, rs.epoch + 1)
     elif epoch == rs.epoch:
         try:
             point = resume_point(rs.ledger, step, spec.update_windows())
@@ -277,6 +292,9 @@ def restore(state: Any, recovered: recovery.Recovered) -> None:
         return  # rounds of the new size were committed: their totals restored the core
     if rs.next_epoch:
         state.epoch, state.core = epoch, Coordinator(state.spec, epoch)
+        return
+    if rs.job_end:
+        state.epoch, state.core = rs.epoch, finished_core(state.spec, rs)
         return
     core = Coordinator(state.spec, rs.epoch)
     core.resume_at(resume_point(rs.ledger, position(rs)[1], state.spec.update_windows()), rnd, rs.ledger)

@@ -114,12 +114,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
             self.state.check_rank(request.rank, "Resume")
-            epoch, rnd, step, remainder = self.state.resume(
+            epoch, rnd, step, remainder, job_end = self.state.resume(
                 int(request.rank), int(request.epoch), int(request.step), int(request.from_world_size)
             )
             generation = self.state.resize_state.generation if self.state.resize_state else 0
             return pb.ResumeReply(
-                epoch=epoch, round=rnd, step=step, generation=generation, remainder=remainder
+                epoch=epoch, round=rnd, step=step, generation=generation, remainder=remainder, job_end=job_end
             )
         except DOMAIN_ERRORS as exc:
             await self._abort(context, exc)

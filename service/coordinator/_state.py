@@ -162,7 +162,7 @@ class CoordinatorState:
     snapshot_records = _snapshot
 
     # -- resize (`_resize`) ------------------------------------------------------------------------------
-    def resume(self, rank: int, epoch: int, step: int, from_world: int) -> tuple[int, int, int, str]:
+    def resume(self, rank: int, epoch: int, step: int, from_world: int) -> tuple[int, int, int, str, bool]:
         """A rank of the resized job resumes its trainer's (epoch, step) (`_resize.resume`)."""
         with self._lock:
             self._check_alive([rank])

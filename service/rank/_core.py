@@ -423,15 +423,13 @@ class RankServiceCore:
             self.source.start_epoch(int(reply.epoch), remainder)
             self.samples_made = len(remainder.consumed) if remainder is not None else 0
             self.delivery.start_at(int(reply.epoch), int(reply.step), time.monotonic())
+            if reply.job_end:  # the job's last epoch is complete: its end is all the trainer has to take
+                self.delivery.close()
             self._write_journal()
             self.cond.notify_all()
+        left = f", {len(self.source)} sample(s) of its share left" if remainder is not None else ""
         log.info(
-            "rank %d: the resized job goes on at epoch %d step %d (round %d)%s",
-            self.rank,
-            reply.epoch,
-            reply.step,
-            reply.round,
-            f", {len(self.source)} sample(s) of its share left" if remainder is not None else "",
+            "rank %d: the resized job goes on at epoch %d step %d%s", self.rank, reply.epoch, reply.step, left
         )
 
     def _end_sent(self) -> bool:
