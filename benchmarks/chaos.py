@@ -341,6 +341,7 @@ class Job:
             f = self.work / "lengths.txt"
             f.write_text("\n".join(map(str, lengths)) + "\n")
             return ["--lengths", str(f)], ["--vocab-size", "512"]
+        from batchd.demo import generated_bad_fraction
         from batchd.service.preprocess import demo_tokenizer, make_demo_dataset
 
         demo = make_demo_dataset(
@@ -348,8 +349,13 @@ class Job:
         )
         self.bad = dict(demo.bad)
         tok = demo_tokenizer()
+        # the demo's deliberate bad records, one of each kind at least, are a large share of a small job's
+        # records: the demo's own allowance for them (a job of 48 records failed at the default 0.1)
+        bad_fraction = generated_bad_fraction(len(demo.bad), p.num_samples, p.world_size)
         return (
             [
+                "--max-bad-fraction",
+                f"{bad_fraction:g}",
                 "--dataset",
                 str(demo.path),
                 "--tokenizer",

@@ -219,7 +219,11 @@ class ElasticJob:
                     f"[elastic] job {self.plan.seed} phase {k}: {phase.world} rank(s) on {phase.agents}, "
                     f"ends by {phase.end}"
                 )
-                self.phase_results.append(self.run_phase(k, phase, timeout_s))
+                res = self.run_phase(k, phase, timeout_s)
+                self.phase_results.append(res)
+                if phase.end != "end" and all(c == 0 for c in res["codes"].values()):
+                    res["end"] = "done"  # the job ended before the planned kill: no phase is left to run
+                    break
         finally:
             self.harness.stop()
         out = self.check()
@@ -301,7 +305,8 @@ def scenario(seed: int, source: str = "synthetic", **kw: Any) -> ElasticPlan:
 
 def chaos_plan(seed: int, **kw: Any) -> ElasticPlan:
     """A seeded job of 2-4 phases: world sizes 1-4 on agents of 1-2 ranks, each phase ended by an agent
-    kill or a preemption at a seeded step, the last run to the end."""
+    kill or a preemption at a seeded step, the last run to the end (a job that ends before a planned
+    kill ends there)."""
     rng = random.Random(seed)
     phases = []
     for _ in range(rng.randint(2, 4)):
@@ -310,7 +315,7 @@ def chaos_plan(seed: int, **kw: Any) -> ElasticPlan:
         end = rng.choice(["agent", "preempt"])
         phases.append(Phase(agents, end, at_step=rng.randint(1, 6), victim=agents[-1][0]))
     phases[-1].end = "end"
-    return ElasticPlan(seed, phases, tokens_per_update=rng.choice([None, 3000]), **kw)
+    return ElasticPlan(seed, phases, num_samples=800, tokens_per_update=rng.choice([None, 3000]), **kw)
 
 
 def restart_plans(seed: int, root: Path, budget_mib: int, say=print) -> dict[str, ElasticPlan]:
