@@ -116,3 +116,29 @@ def test_same_job_shares_other_job_ray_ignored_auto_joins(tmp_path):
         left = end_job(marker)  # the Ray A started stops once its last user (A's first) has exited
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert not left, left
+
+
+def test_a_raylet_slow_to_register_is_started_again_and_other_errors_raise(monkeypatch):
+    """Ray gives the raylet a hard-coded 30 s to register ("timed out during startup"); on a busy host
+    `start_local_ray` starts Ray again instead of failing the job. Ray's start is faked: the test is of
+    the retry, not of Ray."""
+    from batchd.service.preprocess import _ray
+
+    calls = []
+
+    def fake_init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) < 3:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    monkeypatch.setattr(_ray.ray, "init", fake_init)
+    monkeypatch.setattr(_ray.ray, "shutdown", lambda: None)
+    _ray.start_local_ray(num_cpus=1)
+    assert calls == [{"num_cpus": 1}] * 3
+
+    def broken_init(**kwargs):
+        raise RuntimeError("some other start failure")
+
+    monkeypatch.setattr(_ray.ray, "init", broken_init)
+    with pytest.raises(RuntimeError, match="some other start failure"):
+        _ray.start_local_ray(num_cpus=1)

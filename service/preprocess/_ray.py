@@ -61,9 +61,41 @@ def start_local_ray(**kwargs: Any) -> None:
     (unless $RAY_gcs_server_port_wait_time_s says otherwise). Ray's own 30 s judges speed, not liveness:
     on a busy host, or the first start of a fresh install (a cold binary of a few hundred MB), its GCS
     has been seen to take longer, and the start failed with "Timed out waiting for file
-    .../gcs_server_port_..."."""
+    .../gcs_server_port_...". Likewise Ray's hard-coded 30 s for the raylet to register ("The current node
+    timed out during startup"): the start is tried again until `GCS_START_WAIT_S` has passed."""
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_START_WAIT_S))
-    ray.init(**kwargs)
+    deadline = time.monotonic() + GCS_START_WAIT_S
+    while True:
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as e:
+            # Ray gives its raylet a hard-coded 30 s to register with the GCS, no knob: on a host busy
+            # enough the GCS answers later and the start fails though every process is alive. Start again
+            # (the half-started node's processes killed first) until our own deadline.
+            if RAYLET_START_TIMEOUT not in str(e) or time.monotonic() > deadline:
+                raise
+            log.warning("Ray's raylet did not register within Ray's 30 s (a busy host?): starting Ray again")
+            _kill_half_started_node(e)
+            ray.shutdown()
+
+
+RAYLET_START_TIMEOUT = "timed out during startup"
+
+
+def _kill_half_started_node(error: BaseException) -> None:
+    """Kills the processes of the `ray._private.node.Node` whose constructor raised `error` (the object is
+    lost with the exception; its frame still holds it)."""
+    from ray._private.node import Node
+
+    tb = error.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            with contextlib.suppress(Exception):
+                node.kill_all_processes(check_alive=False, allow_graceful=False)
+            return
+        tb = tb.tb_next
 
 
 def ensure_ray(address: str | None = None, num_cpus: int | None = None) -> None:
