@@ -122,7 +122,9 @@ def test_a_raylet_slow_to_register_is_started_again_and_other_errors_raise(monke
     """Ray gives the raylet a hard-coded 30 s to register ("timed out during startup"); on a busy host
     `start_local_ray` starts Ray again instead of failing the job. Ray's start is faked: the test is of
     the retry, not of Ray."""
-    from batchd.service.preprocess import _ray
+    import ray
+
+    from batchd.service.preprocess import start_local_ray
 
     calls = []
 
@@ -131,14 +133,14 @@ def test_a_raylet_slow_to_register_is_started_again_and_other_errors_raise(monke
         if len(calls) < 3:
             raise Exception("The current node timed out during startup. This could happen because ...")
 
-    monkeypatch.setattr(_ray.ray, "init", fake_init)
-    monkeypatch.setattr(_ray.ray, "shutdown", lambda: None)
-    _ray.start_local_ray(num_cpus=1)
+    monkeypatch.setattr(ray, "init", fake_init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)  # never the session's Ray
+    start_local_ray(num_cpus=1)
     assert calls == [{"num_cpus": 1}] * 3
 
     def broken_init(**kwargs):
         raise RuntimeError("some other start failure")
 
-    monkeypatch.setattr(_ray.ray, "init", broken_init)
+    monkeypatch.setattr(ray, "init", broken_init)
     with pytest.raises(RuntimeError, match="some other start failure"):
-        _ray.start_local_ray(num_cpus=1)
+        start_local_ray(num_cpus=1)
