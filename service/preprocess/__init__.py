@@ -33,6 +33,7 @@ from ._parse import Record, parse_record
 from ._pool import PreprocessPool, PreprocessWorker
 from ._quarantine import Quarantine, Reject, TooManyBadRecords
 from ._ray import (
+    START_ATTEMPTS,
     RayLost,
     SharedRay,
     ensure_ray,
@@ -103,6 +104,7 @@ __all__ = [
     "Reject",
     "SOURCE_MEMBERS",
     "SPECIAL_TOKENS",
+    "START_ATTEMPTS",
     "SYNTHETIC_PATCH_DIM",
     "SampleMeta",
     "SchemaError",

@@ -53,34 +53,33 @@ import ray
 log = logging.getLogger("batchd.preprocess")
 
 
-GCS_START_WAIT_S = 300  # how long a Ray started here may take to bring its GCS up (Ray's default: 30 s)
+GCS_START_WAIT_S = 120  # per start: how long its GCS may take to come up (Ray's default: 30 s)
+START_ATTEMPTS = 3  # starts of a local Ray before its failure is the caller's
+# What ray.init raises when a part of the node did not come up in time (GCS port file, raylet registration)
+START_TIMEOUTS = ("Timed out waiting for file", "timed out during startup")
 
 
 def start_local_ray(**kwargs: Any) -> None:
     """`ray.init(**kwargs)` starting a local Ray, whose GCS may take up to `GCS_START_WAIT_S` to come up
-    (unless $RAY_gcs_server_port_wait_time_s says otherwise). Ray's own 30 s judges speed, not liveness:
-    on a busy host, or the first start of a fresh install (a cold binary of a few hundred MB), its GCS
-    has been seen to take longer, and the start failed with "Timed out waiting for file
-    .../gcs_server_port_...". Likewise Ray's hard-coded 30 s for the raylet to register ("The current node
-    timed out during startup"): the start is tried again until `GCS_START_WAIT_S` has passed."""
+    (unless $RAY_gcs_server_port_wait_time_s says otherwise), started up to `START_ATTEMPTS` times.
+
+    Ray's own start timeouts judge speed, not liveness: on a busy host, or the first start of a fresh
+    install (a cold binary of a few hundred MB), its GCS has been seen to take over its 30 s to write its
+    port file ("Timed out waiting for file .../gcs_server_port_..."), its raylet over the hard-coded 30 s
+    to register ("The current node timed out during startup", no knob), and once, beside two CPU burners,
+    a GCS never to write a log line in 300 s. So a start that times out is abandoned (the half-started
+    node's processes killed) and Ray is started again; other errors, and the last attempt's, raise."""
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", str(GCS_START_WAIT_S))
-    deadline = time.monotonic() + GCS_START_WAIT_S
-    while True:
+    for attempt in range(1, START_ATTEMPTS + 1):
         try:
             ray.init(**kwargs)
             return
         except Exception as e:
-            # Ray gives its raylet a hard-coded 30 s to register with the GCS, no knob: on a host busy
-            # enough the GCS answers later and the start fails though every process is alive. Start again
-            # (the half-started node's processes killed first) until our own deadline.
-            if RAYLET_START_TIMEOUT not in str(e) or time.monotonic() > deadline:
+            if attempt == START_ATTEMPTS or not any(t in str(e) for t in START_TIMEOUTS):
                 raise
-            log.warning("Ray's raylet did not register within Ray's 30 s (a busy host?): starting Ray again")
+            log.warning("starting Ray timed out (%s; a busy host?): starting it again", e)
             _kill_half_started_node(e)
             ray.shutdown()
-
-
-RAYLET_START_TIMEOUT = "timed out during startup"
 
 
 def _kill_half_started_node(error: BaseException) -> None:
