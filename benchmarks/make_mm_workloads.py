@@ -1,4 +1,4 @@
-"""Writes the three synthetic multimodal workloads of `benchmarks/workloads/` (docs/workloads.md).
+"""Writes the five synthetic multimodal workloads of `benchmarks/workloads/` (docs/workloads.md).
 
 Each file is a CSV with the header `text_tokens,image_patches,image_tokens` (image lists space-separated,
 empty for a text-only sample). Every draw comes from a numpy generator with a fixed seed per workload,
@@ -15,6 +15,13 @@ so rerunning the script rewrites byte-identical files:
 - `bimodal` (4,096 samples): 88% small one-image samples (Qwen2-VL geometry, 224..448 px sides, text
   30..200) and 12% long documents with 4..16 pages at 448..896 px sides (capped at 1,024 tokens per
   page) and 500..3,000 text tokens.
+- `document-like` (4,096 samples): scanned multi-page documents (DocVQA / slide decks): 1..8 pages
+  (geometric, mean ~2.5) at 900..2,400 px sides (over 90% at 900..1,024 tokens, the cap), and 60..1,500
+  text tokens.
+- `mixed` (4,096 samples): one mixture of everything: 25% text-only (lognormal mean 900, CV 1.0), 30%
+  one image and 15% 2..6 images (Qwen2-VL geometry, 200..2,000 px), 15% video-like clips of 8..32 frames
+  at 224..448 px, 15% documents of 2..8 pages at 900..1,800 px; text as in `sharegpt4o-like` for the
+  image samples, 50..400 for the video and 200..2,000 for the documents.
 
 Usage: python benchmarks/make_mm_workloads.py [--out DIR]
 """
@@ -96,7 +103,44 @@ def bimodal(seed: int = 13) -> list[Row]:
     return rows
 
 
-WORKLOADS = {"llava-like": llava_like, "sharegpt4o-like": sharegpt4o_like, "bimodal": bimodal}
+def document_like(seed: int = 14) -> list[Row]:
+    rng = np.random.default_rng(seed)
+    rows: list[Row] = []
+    for _ in range(N):
+        ims = [image(rng, 900, 2400) for _ in range(min(8, int(rng.geometric(0.38))))]
+        rows.append((lognormal(rng, 400, 0.8, 60, 1500), [p for p, _ in ims], [t for _, t in ims]))
+    return rows
+
+
+def mixed(seed: int = 15) -> list[Row]:
+    rng = np.random.default_rng(seed)
+    rows: list[Row] = []
+    for _ in range(N):
+        kind = int(rng.choice(5, p=[0.25, 0.30, 0.15, 0.15, 0.15]))
+        if kind == 0:
+            rows.append((lognormal(rng, 900, 1.0, 16, 12000), [], []))
+            continue
+        if kind in (1, 2):
+            ims = [image(rng, 200, 2000) for _ in range(1 if kind == 1 else int(rng.integers(2, 7)))]
+            text = lognormal(rng, 900, 1.0, 16, 12000)
+        elif kind == 3:
+            frame = image(rng, 224, 448)  # a clip's frames share one geometry
+            ims = [frame] * int(rng.integers(8, 33))
+            text = int(rng.integers(50, 401))
+        else:
+            ims = [image(rng, 900, 1800) for _ in range(int(rng.integers(2, 9)))]
+            text = int(rng.integers(200, 2001))
+        rows.append((text, [p for p, _ in ims], [t for _, t in ims]))
+    return rows
+
+
+WORKLOADS = {
+    "llava-like": llava_like,
+    "sharegpt4o-like": sharegpt4o_like,
+    "bimodal": bimodal,
+    "document-like": document_like,
+    "mixed": mixed,
+}
 
 
 def render(rows: Sequence[Row]) -> str:

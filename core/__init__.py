@@ -9,7 +9,8 @@ Where things live (private modules, their public names re-exported here). At the
 nothing or only each other: `_types` (`Sample`, the `check_*` validators), `_choices` (`JobSpec`'s
 choice lists), `_state` (the state keys, `STATE_VERSION`, `check_state`, the `Stateful` protocols),
 `_errors`, `_exchange` (`Exchange`, `ImageRef`), `_step` (`Step`, `StepInfo`). Above them: `_cost`,
-`_grouping`, `_policy` (grouping policies), `_phases` (the vision plan), `_plan` (the balanced round
+`_grouping`, `_policy` (grouping policies), `_phases` (the vision plan; its local search in
+`_phase_search`, the exact MILP yardstick in `_phase_exact`), `_plan` (the balanced round
 plan; its steps in `_plan_blind`, `_plan_nodes`, `_plan_deal`, `_plan_moves`), `_node_plan` (one node's
 view of a decision), `_align` (DGAP messages, target rules, `Coordinator`), `_rank` (`RankState`),
 `_source` and `_blockview` (sampler views), `_delivery`, `_liveness`, `_loss`, `_microbatch`,
@@ -82,6 +83,7 @@ from ._liveness import Liveness
 from ._loss import loss_scale
 from ._microbatch import balanced_split, chunk_split
 from ._node_plan import decision_for_node, round_exchanges
+from ._phase_exact import ExactPlacement, exact_placement
 from ._phases import (
     EXCHANGE_KEYS,
     VisionCost,
@@ -134,6 +136,7 @@ __all__ = [
     "END",
     "EXCHANGE_KEYS",
     "Entry",
+    "ExactPlacement",
     "Exchange",
     "FIELDS",
     "IGNORE_INDEX",
@@ -195,6 +198,7 @@ __all__ = [
     "contiguous_greedy",
     "decision_for_node",
     "epoch_permutation",
+    "exact_placement",
     "exchange_arrays",
     "exchanged",
     "fill_may_stop",

@@ -26,6 +26,10 @@ image embeddings travel back to the rank whose LLM sample holds them: one `all_t
    when it is placed (OrchMLLM's node-wise all-to-all preference).
 4. Fallback. If no cap in `SLACKS` fits either greedy (a few huge images), LPT: costliest first to the
    least-loaded rank, ties to the owner, then to the owner's node. LPT is within 4/3 of the optimum.
+5. Local search (`batchd.core._phase_search.improve`): moves and swaps off the most loaded rank while
+   they lower it, until the peak is within 0.5% of the bound; first only those that put no image off its
+   owner's node, then (if still above) any. The greedies stop where first-fit runs out of room; the
+   search takes the plan the rest of the way to its bound (docs/benchmarks.md, two-phase balancing).
 
 The exchange of a step, per rank (`Exchange`): `encode`, the images it encodes, ordered by owner rank
 and then by the owner's LLM image order; `sources`, for each image of its own LLM samples (samples in
@@ -37,9 +41,11 @@ the LLM consumes, after the encoder's merger/projector).
 
 Invariants (property-tested): every image of the row is encoded exactly once; every rank's received
 images are exactly its LLM images; the peak load is within the first fitting `SLACKS` cap (with the
-greedy) and never above the single-phase plan's (every rank encodes its own); under the chosen cap B an
-image of cost c is encoded off its owner only if the owner ends above B - c, and off its owner's node
-only if every rank of that node ends above B - c (it had no room when placed; loads only grow). A node
+greedy) and never above the single-phase plan's (every rank encodes its own); in the greedy's placement,
+under its cap B, an image of cost c is encoded off its owner only if the owner ends above B - c, and off
+its owner's node only if every rank of that node ends above B - c (it had no room when placed; loads
+only grow); the local search never raises the peak, and its node-preserving pass puts no image off its
+owner's node. A node
 whose images' total would fit its ranks can still send some out (packing is not fluid, and other
 nodes' spills may take its room first). Pure and deterministic: no rng, no I/O.
 """
@@ -54,6 +60,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ._exchange import Exchange, ImageRef
+from ._phase_search import improve
 from ._types import Sample, check_int, check_number
 
 SLACKS = (0.0, 0.01, 0.02, 0.035, 0.05, 0.1, 0.2, 0.5)
@@ -241,6 +248,7 @@ def plan_vision(
         return [Exchange(r, n) for r in range(n)]
     costs = [cost.image(im.patches) for im in images]
     where, _cap = _place(images, costs, where_node)
+    where = improve(where, costs, [im.owner for im in images], where_node, vision_bound(costs, n))
     encode: list[list[ImageRef]] = [[] for _ in range(n)]
     sources: list[list[int]] = [[] for _ in range(n)]
     tokens: list[list[int]] = [[] for _ in range(n)]

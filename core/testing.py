@@ -2,10 +2,13 @@
 
 `batchd.core`'s planners are tested through their public functions and, where a property belongs to
 one step, through that step: the vision plan's greedy placement and its search (`batchd.core._phases`),
-and the node-aware round plan's outlier pooling and level dealing (`batchd.core._plan_nodes`,
-`batchd.core._plan_deal`). Tests import them from here, so no test imports a private module.
+its local search (`batchd.core._phase_search`), and the node-aware round plan's outlier pooling and
+level dealing (`batchd.core._plan_nodes`, `batchd.core._plan_deal`). Tests import them from here, so
+no test imports a private module.
 """
 
+from ._phase_search import PARTNERS
+from ._phase_search import improve as vision_improve
 from ._phases import ACCEPT, SLACKS
 from ._phases import _greedy as vision_greedy
 from ._phases import _images as vision_images
@@ -16,11 +19,13 @@ from ._plan_nodes import outliers
 
 __all__ = [
     "ACCEPT",
+    "PARTNERS",
     "SLACKS",
     "deal_levels",
     "outliers",
     "vision_greedy",
     "vision_images",
+    "vision_improve",
     "vision_lpt",
     "vision_place",
 ]

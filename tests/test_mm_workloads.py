@@ -209,7 +209,7 @@ def test_cli_simulate_reads_length_files_as_before(tmp_path, capsys):
         assert result["samples"] == 40 and "vision_imbalance_single" not in result
 
 
-@pytest.mark.parametrize("name", ["llava-like", "sharegpt4o-like", "bimodal"])
+@pytest.mark.parametrize("name", ["llava-like", "sharegpt4o-like", "bimodal", "document-like", "mixed"])
 def test_committed_workloads_parse_and_match_their_generator(name):
     import importlib.util
 
@@ -232,6 +232,12 @@ def test_committed_workloads_parse_and_match_their_generator(name):
     if name == "bimodal":
         counts = {len(s.images) for s in samples}
         assert 1 in counts and max(counts) >= 12 and not counts & {2, 3}
+    if name == "document-like":
+        assert {len(s.images) for s in samples} == set(range(1, 9))
+        assert sum(t >= 900 for s in samples for _, t in s.images) > 0.8 * sum(len(s.images) for s in samples)
+    if name == "mixed":
+        counts = [len(s.images) for s in samples]
+        assert 0.2 < counts.count(0) / len(counts) < 0.3 and max(counts) == 32
 
 
 def test_parse_lengths_is_unchanged():

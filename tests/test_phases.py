@@ -173,19 +173,19 @@ def test_an_image_leaves_its_owners_node_only_when_that_node_had_no_room(case):
     if not images:
         return
     where_node = list(nodes) if nodes is not None else list(range(len(row)))
-    _where, cap = _place(images, [cost.image(im.patches) for im in images], where_node)
+    costs = [cost.image(im.patches) for im in images]
+    where, cap = _place(images, costs, where_node)  # the greedy's placement, before the local search
     if cap is None:
         return
-    ex = plan_vision(row, cost, nodes)
-    loads = phase_loads(ex, cost)
-    for e in ex:
-        for im in e.encode:
-            c = cost.image(im.patches)
-            if e.rank != im.owner:
-                assert loads[im.owner] + c > cap * (1 - EPS)
-            if where_node[e.rank] != where_node[im.owner]:
-                peers = [r for r in range(len(row)) if where_node[r] == where_node[im.owner]]
-                assert all(loads[r] + c > cap * (1 - EPS) for r in peers)
+    loads = [0.0] * len(row)
+    for r, c in zip(where, costs, strict=True):
+        loads[r] += c
+    for im, r, c in zip(images, where, costs, strict=True):
+        if r != im.owner:
+            assert loads[im.owner] + c > cap * (1 - EPS)
+        if where_node[r] != where_node[im.owner]:
+            peers = [q for q in range(len(row)) if where_node[q] == where_node[im.owner]]
+            assert all(loads[q] + c > cap * (1 - EPS) for q in peers)
 
 
 @given(rows())

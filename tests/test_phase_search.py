@@ -1,0 +1,145 @@
+"""Encoder plans at their bounds: the local search after the greedy (`batchd.core._phase_search`) and
+the exact MILP yardstick (`batchd.core.exact_placement`)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchd.core import VisionCost, exact_placement, phase_loads, plan_vision, vision_bound
+from batchd.core.testing import PARTNERS
+from batchd.core.testing import vision_improve as improve
+
+EPS = 1e-9
+
+
+@st.composite
+def placements(draw, max_ranks=12, max_items=40):
+    """(costs, owners, nodes, where): items placed anywhere, owners and a topology drawn."""
+    n = draw(st.integers(1, max_ranks))
+    m = draw(st.integers(1, max_items))
+    costs = [float(c) for c in draw(st.lists(st.integers(1, 5000), min_size=m, max_size=m))]
+    owners = draw(st.lists(st.integers(0, n - 1), min_size=m, max_size=m))
+    where = draw(st.lists(st.integers(0, n - 1), min_size=m, max_size=m))
+    per_node = draw(st.integers(1, n))
+    nodes = [r // per_node for r in range(n)]
+    return costs, owners, nodes, where
+
+
+def loads_of(where, costs, n):
+    load = [0.0] * n
+    for r, c in zip(where, costs, strict=True):
+        load[r] += c
+    return load
+
+
+@given(placements())
+def test_the_search_never_raises_the_peak_nor_beats_the_bound(case):
+    costs, owners, nodes, where = case
+    n = len(nodes)
+    floor = vision_bound(costs, n)
+    out = improve(where, costs, owners, nodes, floor)
+    assert len(out) == len(where) and all(0 <= r < n for r in out)
+    after, before = max(loads_of(out, costs, n)), max(loads_of(where, costs, n))
+    assert after <= before * (1 + EPS)
+    assert after >= floor * (1 - EPS)
+    assert sum(loads_of(out, costs, n)) == pytest.approx(sum(costs))
+
+
+@given(placements())
+def test_the_node_preserving_pass_puts_no_new_item_off_its_owners_node(case):
+    costs, owners, nodes, where = case
+    out = improve(where, costs, owners, nodes, vision_bound(costs, len(nodes)), cross_nodes=False)
+    for i, (r0, r1) in enumerate(zip(where, out, strict=True)):
+        if nodes[r1] != nodes[owners[i]]:
+            assert nodes[r0] != nodes[owners[i]], f"item {i} was moved off its owner's node"
+
+
+@given(placements(max_ranks=PARTNERS))
+def test_the_search_stops_only_at_its_tolerance_or_where_no_move_or_swap_helps(case):
+    """With at most PARTNERS ranks every rank is a partner: at the end, unless the peak is within the
+    tolerance of the bound, no single move or swap off the most loaded rank lowers that pair's max below
+    the peak (brute force over all of them)."""
+    costs, owners, nodes, where = case
+    n = len(nodes)
+    floor = vision_bound(costs, n)
+    out = improve(where, costs, owners, nodes, floor, tol=0.0)
+    load = loads_of(out, costs, n)
+    peak = max(load)
+    if peak <= floor * (1 + EPS):
+        return
+    p = min(r for r in range(n) if load[r] == peak)
+    on_p = [i for i, r in enumerate(out) if r == p]
+    for q in range(n):
+        if q == p:
+            continue
+        for i in on_p:
+            assert not load[q] + costs[i] < peak * (1 - 1e-9), f"moving item {i} to rank {q} helps"
+            for j, r in enumerate(out):
+                if r == q and costs[j] < costs[i]:
+                    d = costs[i] - costs[j]
+                    assert not max(peak - d, load[q] + d) < peak * (1 - 1e-9), f"swapping {i}, {j} helps"
+
+
+def test_a_swap_reaches_what_no_move_can():
+    """Two ranks: {6, 4} and {5, 3}, peak 10; no single move lowers it (any item moved makes the other
+    rank >= 10... 8 + 4 = 12, 8 + 6 = 14), but swapping 6 and 5 gives 9 / 9, the optimum."""
+    costs, owners, nodes, where = [6.0, 4.0, 5.0, 3.0], [0, 0, 1, 1], [0, 1], [0, 0, 1, 1]
+    out = improve(where, costs, owners, nodes, vision_bound(costs, 2), tol=0.0)
+    assert sorted(loads_of(out, costs, 2)) == [9.0, 9.0]
+
+
+def brute_optimum(costs, n):
+    best = float("inf")
+    for assign in itertools.product(range(n), repeat=len(costs)):
+        best = min(best, max(loads_of(assign, costs, n)))
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 100), min_size=1, max_size=6), st.integers(1, 3), st.data())
+def test_the_exact_solver_finds_the_brute_force_optimum(costs, n, data):
+    costs = [float(c) for c in costs]
+    owners = data.draw(st.lists(st.integers(0, n - 1), min_size=len(costs), max_size=len(costs)))
+    res = exact_placement(costs, n, owners)
+    assert res is not None and res.optimal
+    assert res.peak == pytest.approx(brute_optimum(costs, n))
+    assert max(loads_of(res.where, costs, n)) == pytest.approx(res.peak)
+    assert res.peak >= vision_bound(costs, n) * (1 - EPS)
+
+
+def test_among_optimal_placements_the_exact_solver_moves_nothing_it_need_not():
+    costs, owners = [4.0, 4.0, 2.0, 2.0], [0, 0, 1, 1]  # 6 / 6 needs one swap; 4 + 2 each way
+    res = exact_placement(costs, 2, owners)
+    assert res is not None and res.peak == pytest.approx(6.0)
+    assert sum(r != o for r, o in zip(res.where, owners, strict=True)) == 2
+    res = exact_placement([3.0, 3.0], 2, [0, 1])
+    assert res is not None and res.where == (0, 1)
+
+
+def test_exact_solver_validates_its_arguments():
+    with pytest.raises(ValueError, match="costs must be > 0"):
+        exact_placement([1.0, 0.0], 2)
+    with pytest.raises(ValueError, match="owners must hold one rank per item"):
+        exact_placement([1.0], 2, [0, 1])
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        exact_placement([1.0], 0)
+    assert exact_placement([], 3) is not None
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(64, 4096), min_size=1, max_size=8), st.integers(2, 3))
+def test_plan_vision_is_never_below_the_exact_optimum(patches, n):
+    from batchd.core import Sample
+
+    row = [[] for _ in range(n)]
+    for k, p in enumerate(patches):
+        row[k % n].append(Sample(k, 10 + p // 4, -1, k % n, (), 0, ((p, p // 4 or 1),)))
+    cost = VisionCost()
+    peak = max(phase_loads(plan_vision(row, cost), cost))
+    res = exact_placement([cost.image(p) for p in patches], n)
+    assert res is not None and res.optimal
+    assert peak >= res.peak * (1 - 1e-6)
