@@ -22,6 +22,12 @@ rank 0 may run on another host than the old one. The services die with the worke
 their journals; a new one first waits until the old one left its port. MASTER_ADDR, which torchrun sets
 to rank 0's host, is where the coordinator listens. `BATCHD_ADVERTISE` (default the host name) is the
 address other hosts reach this host's agent at.
+
+torchrun must run with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`: by default its agents share one TCPStore
+across restarts of the worker group, and a restarted group's gloo (or NCCL) bootstrap can read the last
+group's keys (a dead peer's address: "Connection refused", or a reused port: a hang; pytorch issue
+#135712). With the variable set, each group's rank 0 hosts a fresh store. `--elastic` refuses to start
+without it (`check_torchrun_env`).
 """
 
 from __future__ import annotations
@@ -44,6 +50,19 @@ def _port_taken(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+SHARED_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def check_torchrun_env(env: dict[str, str]) -> None:
+    """Raises ValueError when torchrun shares its rendezvous store with the workers (module docstring)."""
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise ValueError(
+            f"--elastic needs torchrun started with {SHARED_STORE_VAR}=1: with the store torchrun shares "
+            f"across restarts, a restarted worker group reads the last group's addresses and its process "
+            f"group fails or hangs (pytorch issue #135712); run `{SHARED_STORE_VAR}=1 torchrun ...`"
+        )
+
+
 class ElasticServices:
     """The services this worker started (module docstring); `agent` is its host's node agent address."""
 
@@ -51,6 +70,7 @@ class ElasticServices:
         from batchd._config import load_config
 
         env = dict(os.environ if env is None else env)
+        check_torchrun_env(env)
         cfg = load_config(config, check_files=False)
         self.coordinator_port, self.agent_port = int(cfg.coordinator.port), int(cfg.rank.base_port)
         if not self.coordinator_port or not self.agent_port:

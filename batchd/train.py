@@ -76,6 +76,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -382,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    _init_process_group(backend, args.timeout, rank)
     ddp = None
     works: list[
         Any
@@ -464,6 +465,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.summary:
         Path(args.summary.format(rank=rank)).write_text(line)
     return 0
+
+
+INIT_GRACE_S = 60.0  # past the process group's own timeout, the watchdog ends a stuck init
+
+
+def _init_process_group(backend: str, timeout_s: float, rank: int) -> None:
+    """`dist.init_process_group`, ended by a watchdog when it outlives its own timeout: a gloo bootstrap
+    that connected to a stale peer address (a port reused by another process) waits forever, and a rank
+    that never returns is a silent hang of the whole job. The watchdog names the stall and exits 1, so
+    that torchrun restarts the group or the job fails."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(timeout_s + INIT_GRACE_S):
+            print(
+                f"[rank {rank}] batchd.train: error: the {backend} process group did not form within "
+                f"{timeout_s + INIT_GRACE_S:g}s (--timeout {timeout_s:g} + {INIT_GRACE_S:g}); a peer "
+                f"unreachable or stuck in its own init (MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
+                f"MASTER_PORT={os.environ.get('MASTER_PORT')})",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
+
+    threading.Thread(target=watch, name="batchd-init-watchdog", daemon=True).start()
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    finally:
+        done.set()
 
 
 def _destroy_process_group() -> None:

@@ -1122,6 +1122,35 @@ def test_trainer_refuses_to_start_outside_torchrun(monkeypatch) -> None:
         train.main(["--base-port", "7100"])
 
 
+def test_elastic_trainer_refuses_torchruns_shared_store(monkeypatch, capsys, tmp_path) -> None:
+    """--elastic under a torchrun that shares its rendezvous store with the workers (torch's default) would
+    let a restarted group read the last group's addresses: exit 2 in one line naming the variable, before
+    any service starts."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    (tmp_path / "job.toml").write_text("[coordinator]\nport = 1\n[rank]\nbase_port = 2\n")
+    argv = ["--elastic", str(tmp_path / "state"), "--config", str(tmp_path / "job.toml")]
+    assert train.main([*argv, "--checkpoint", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert "--elastic needs torchrun started with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in err, err
+    assert not (tmp_path / "state").exists()  # no service started
+
+
+def test_a_process_group_init_that_outlives_its_timeout_ends_the_trainer(tmp_path) -> None:
+    """The watchdog on init_process_group: a rank whose peer never comes exits 1 naming the stall (here the
+    watchdog's grace is set below gloo's own timeout, so that it, not gloo, ends the wait)."""
+    script = (
+        "import sys; from batchd import train; train.INIT_GRACE_S = -29.0; "
+        "train._init_process_group('gloo', 30.0, 0); sys.exit(0)"
+    )
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(free_block(1))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "[rank 0] batchd.train: error: the gloo process group did not form within 1s" in proc.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("step_time", [0.0, 5.0])
 def test_start_and_launch_scripts_run_a_job(tmp_path: Path, step_time: float) -> None:

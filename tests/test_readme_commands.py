@@ -170,7 +170,8 @@ RUN_BY = {
         "tests/test_elastic.py::test_an_agent_killed_job_resumes_at_2_ranks_then_grows_to_3"
     ),
     (
-        "torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 "
+        "--rdzv-backend c10d --rdzv-endpoint "
         "HEAD:29400 -m batchd.train --elastic /shared/batchd --config job.toml --checkpoint /shared/ckpt"
     ): "tests/test_elastic_torchrun.py::test_torchrun_elastic_resizes_the_job_by_itself_when_a_host_is_lost",
     "batchd coordinator --world-size $WORLD_SIZE --resize": (
