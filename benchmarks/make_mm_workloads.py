@@ -1,8 +1,9 @@
-"""Writes the five synthetic multimodal workloads of `benchmarks/workloads/` (docs/workloads.md).
+"""Writes the six synthetic multimodal workloads of `benchmarks/workloads/` (docs/workloads.md).
 
 Each file is a CSV with the header `text_tokens,image_patches,image_tokens` (image lists space-separated,
-empty for a text-only sample). Every draw comes from a numpy generator with a fixed seed per workload,
-so rerunning the script rewrites byte-identical files:
+empty for a text-only sample), and `,audio_frames,audio_tokens` for the one with audio. Every draw comes
+from a numpy generator with a fixed seed per workload, so rerunning the script rewrites byte-identical
+files:
 
 - `llava-like` (4,096 samples): LLaVA-1.5 geometry, one 336 px image per sample = 24 x 24 = 576 patches
   and 576 tokens (no merge); short instructions (text lognormal, mean 140, CV 0.6, clipped to 50..300);
@@ -22,6 +23,12 @@ so rerunning the script rewrites byte-identical files:
   one image and 15% 2..6 images (Qwen2-VL geometry, 200..2,000 px), 15% video-like clips of 8..32 frames
   at 224..448 px, 15% documents of 2..8 pages at 900..1,800 px; text as in `sharegpt4o-like` for the
   image samples, 50..400 for the video and 200..2,000 for the documents.
+- `audio-visual` (4,096 samples): speech and sound beside images, Qwen2-Audio geometry (log-mel frames at
+  100 per second, one token per 4 frames, clips of at most 30 s = 3,000 frames, not padded): 35% one
+  spoken instruction (lognormal mean 8 s, CV 0.8, 1..30 s; text mean 120, CV 0.6, 10..1,000), 20%
+  multi-turn audio with 2..5 clips of 2..20 s (text mean 300, CV 0.8, 20..3,000), 20% one image
+  (Qwen2-VL geometry, 224..1,024 px) and one clip of 2..15 s (text 20..400), 15% one or two images
+  only (200..2,000 px, text as in `sharegpt4o-like`), 10% text only (mean 900, CV 1.0).
 
 Usage: python benchmarks/make_mm_workloads.py [--out DIR]
 """
@@ -40,7 +47,8 @@ OUT = Path(__file__).resolve().parent / "workloads"
 N = 4096
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 1024 * 28 * 28  # Qwen2-VL's resize bounds (max lowered to 1,024 tokens)
 
-Row = tuple[int, list[int], list[int]]
+Row = tuple[int, list[int], list[int]] | tuple[int, list[int], list[int], list[int], list[int]]
+FRAMES_PER_S, FRAMES_PER_TOKEN = 100, 4
 
 
 def lognormal(rng: np.random.Generator, mean: float, cv: float, lo: int, hi: int) -> int:
@@ -134,19 +142,59 @@ def mixed(seed: int = 15) -> list[Row]:
     return rows
 
 
+def clip(rng: np.random.Generator, lo_s: float, hi_s: float, mean_s: float | None = None) -> tuple[int, int]:
+    """(frames, tokens) of an audio clip: lognormal around `mean_s` (CV 0.8) or uniform, within [lo, hi] s."""
+    if mean_s is None:
+        secs = rng.uniform(lo_s, hi_s)
+    else:
+        sigma2 = np.log(1 + 0.8 * 0.8)
+        secs = float(np.clip(rng.lognormal(np.log(mean_s) - sigma2 / 2, np.sqrt(sigma2)), lo_s, hi_s))
+    frames = max(FRAMES_PER_TOKEN, int(secs * FRAMES_PER_S))
+    return frames, frames // FRAMES_PER_TOKEN
+
+
+def audio_visual(seed: int = 16) -> list[Row]:
+    rng = np.random.default_rng(seed)
+    rows: list[Row] = []
+    for _ in range(N):
+        kind = int(rng.choice(5, p=[0.35, 0.20, 0.20, 0.15, 0.10]))
+        ims: list[tuple[int, int]] = []
+        clips: list[tuple[int, int]] = []
+        if kind == 0:
+            clips, text = [clip(rng, 1, 30, 8)], lognormal(rng, 120, 0.6, 10, 1000)
+        elif kind == 1:
+            clips = [clip(rng, 2, 20) for _ in range(int(rng.integers(2, 6)))]
+            text = lognormal(rng, 300, 0.8, 20, 3000)
+        elif kind == 2:
+            ims, clips, text = [image(rng, 224, 1024)], [clip(rng, 2, 15)], int(rng.integers(20, 401))
+        elif kind == 3:
+            ims = [image(rng, 200, 2000) for _ in range(int(rng.integers(1, 3)))]
+            text = lognormal(rng, 900, 1.0, 16, 12000)
+        else:
+            text = lognormal(rng, 900, 1.0, 16, 12000)
+        rows.append(
+            (text, [p for p, _ in ims], [t for _, t in ims], [f for f, _ in clips], [t for _, t in clips])
+        )
+    return rows
+
+
 WORKLOADS = {
     "llava-like": llava_like,
     "sharegpt4o-like": sharegpt4o_like,
     "bimodal": bimodal,
     "document-like": document_like,
     "mixed": mixed,
+    "audio-visual": audio_visual,
 }
 
 
 def render(rows: Sequence[Row]) -> str:
-    return format_workload(
-        Sample(i, t + sum(k), images=tuple(zip(p, k, strict=False))) for i, (t, p, k) in enumerate(rows)
-    )
+    samples = []
+    for i, (t, p, k, *audio) in enumerate(rows):
+        frames, tokens = audio if audio else ([], [])
+        clips = tuple(zip(frames, tokens, strict=True))
+        samples.append(Sample(i, t + sum(k) + sum(tokens), images=tuple(zip(p, k, strict=True)), audio=clips))
+    return format_workload(samples)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,8 +9,9 @@ Where things live (private modules, their public names re-exported here). At the
 nothing or only each other: `_types` (`Sample`, the `check_*` validators), `_choices` (`JobSpec`'s
 choice lists), `_state` (the state keys, `STATE_VERSION`, `check_state`, the `Stateful` protocols),
 `_errors`, `_exchange` (`Exchange`, `ImageRef`), `_step` (`Step`, `StepInfo`). Above them: `_cost`,
-`_grouping`, `_policy` (grouping policies), `_phases` (the vision plan; its local search in
-`_phase_search`, the exact MILP yardstick in `_phase_exact`), `_plan` (the balanced round
+`_grouping`, `_policy` (grouping policies), `_encoders` (the encoders' cost models), `_phases` (the
+encoder phases' plans, vision and audio; the local search in `_phase_search`, the exact MILP yardstick
+in `_phase_exact`), `_plan` (the balanced round
 plan; its steps in `_plan_blind`, `_plan_nodes`, `_plan_deal`, `_plan_moves`), `_node_plan` (one node's
 view of a decision), `_align` (DGAP messages, target rules, `Coordinator`), `_rank` (`RankState`),
 `_source` and `_blockview` (sampler views), `_delivery`, `_liveness`, `_loss`, `_microbatch`,
@@ -43,6 +44,7 @@ from ._choices import (
     UPDATE_RULES,
 )
 from ._collate import (
+    AUDIO_KEYS,
     IGNORE_INDEX,
     LLM_GRID_KEY,
     TOKEN_KEYS,
@@ -68,6 +70,7 @@ from ._delivery import (
     fixed_capacity,
     report_capacity,
 )
+from ._encoders import AudioCost, EncoderCost, VisionCost
 from ._errors import BatchdError, CoordinatorError, JobFailed, RankServiceError
 from ._exchange import Exchange, ImageRef
 from ._grouping import (
@@ -86,12 +89,13 @@ from ._node_plan import decision_for_node, round_exchanges
 from ._phase_exact import ExactPlacement, exact_placement
 from ._phases import (
     EXCHANGE_KEYS,
-    VisionCost,
     exchange_arrays,
     exchanged,
     imbalance,
     mean_imbalance,
     phase_loads,
+    plan_phase,
+    plan_phases,
     plan_vision,
     plan_vision_round,
     single_phase,
@@ -123,6 +127,8 @@ from ._workload import WORKLOAD_HEADER, format_workload, parse_lengths, parse_wo
 __all__ = [
     "ALIGN_RULES",
     "ATTACHED",
+    "AUDIO_KEYS",
+    "AudioCost",
     "BatchdError",
     "BlockView",
     "COLLATE",
@@ -135,6 +141,7 @@ __all__ = [
     "Delivery",
     "END",
     "EXCHANGE_KEYS",
+    "EncoderCost",
     "Entry",
     "ExactPlacement",
     "Exchange",
@@ -221,6 +228,8 @@ __all__ = [
     "parse_workload",
     "phase_loads",
     "plan_moves",
+    "plan_phase",
+    "plan_phases",
     "plan_round",
     "plan_vision",
     "plan_vision_round",

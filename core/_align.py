@@ -112,12 +112,15 @@ class RankReport:
 @dataclasses.dataclass(frozen=True)
 class RoundDecision:
     """The coordinator's answer: T steps this round, and for `balanced` the whole plan[rank][step]; with
-    `phases=2` also vision[rank][step], each rank's part of the step's vision exchange (`plan_vision`)."""
+    `phases=2` also vision[rank][step], each rank's part of the step's vision exchange (`plan_vision`),
+    and when some sample of the round has audio clips audio[rank][step], the audio encoder's exchange
+    (`plan_phase` with `AudioCost`; None: no clip in the round, every rank encodes nothing)."""
 
     round: int
     target: int
     plan: tuple[tuple[tuple[Sample, ...], ...], ...] | None = None
     vision: tuple[tuple[Exchange, ...], ...] | None = None
+    audio: tuple[tuple[Exchange, ...], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,10 +206,11 @@ class Coordinator:
         of `state_dict` (the daemon owns it). Raises ValueError on a `nodes` or `vision_nodes` without one
         int >= 0 per rank.
 
-        `vision_planner` (attribute; default `plan_vision_round`) plans a round's vision exchange; the
-        simulator wraps it to time it."""
+        `vision_planner` and `audio_planner` (attributes; default `plan_vision_round`) plan a round's
+        exchange of the vision phase and, when the round has clips, of the audio phase (each phase on its
+        own, N-phase balancing); the simulator wraps the vision one to time it."""
         spec.check_daemon()
-        self.vision_planner = plan_vision_round
+        self.vision_planner = self.audio_planner = plan_vision_round
         self.plan_stats: dict[str, int] = {}  # node-aware planning counts (`plan_round`'s `stats`)
         self.spec = spec
         self.world_size, self.policy, self.token_budget = (
@@ -221,6 +225,7 @@ class Coordinator:
         self.set_topology(nodes, vision_nodes if vision_nodes is not None else nodes)
         self.cost = spec.cost_model()
         self.vision_cost = spec.vision_cost() if spec.phases == 2 else None
+        self.audio_cost = spec.audio_cost() if spec.phases == 2 else None
         self.mode, self.seed, self.epoch = spec.mode, spec.seed, epoch
         self.quota = spec.quota if spec.mode == "non-join" else None
         self.round = 0
@@ -307,12 +312,12 @@ class Coordinator:
             self.plan_stats[key] = self.plan_stats.get(key, 0) + count
         plan = planned.plan
         target = len(plan[0]) if plan else 0
-        vision = (
-            self.vision_planner(plan, self.vision_cost, self.vision_nodes)
-            if self.vision_cost is not None
-            else None
-        )
-        return RoundDecision(self.round, target, tuple(tuple(p) for p in plan), vision)
+        vision = audio = None
+        if self.vision_cost is not None:
+            vision = self.vision_planner(plan, self.vision_cost, self.vision_nodes)
+        if self.audio_cost is not None and any(s.audio for steps in plan for g in steps for s in g):
+            audio = self.audio_planner(plan, self.audio_cost, self.vision_nodes)
+        return RoundDecision(self.round, target, tuple(tuple(p) for p in plan), vision, audio)
 
     # -- phase 2 -------------------------------------------------------------------------------------
     def commit(

@@ -26,7 +26,9 @@ Vision inputs: when samples carry ``pixel_values`` (and, for Qwen2-VL, ``image_g
 layouts add them to the batch, concatenated along dim 0 over the samples that have them, in row
 order: Qwen2-VL ``pixel_values`` [sum of patches, C] and ``image_grid_thw`` [images, 3] (the model
 splits them per image with the grid, as Qwen2-VL's own collator does), LLaVA ``pixel_values``
-[images, 3, S, S]. Their dtype is kept (float32/float16). Samples without images add nothing.
+[images, 3, S, S]. Their dtype is kept (float32/float16). Samples without images add nothing. Audio
+clips alike (`AUDIO_KEYS`): ``audio_features`` [sum of frames, mel bins] and ``audio_frames`` [clips], the
+frames of each clip (the model splits the features per clip with them).
 
 Per-token model inputs (`TOKEN_KEYS`: HF Qwen2-VL's ``mm_token_type_ids``, 0 text / 1 image / 2 video)
 are collated like input_ids: [B, T] with 0 at pads, or the [1, S] packed row. A two-phase step's LLM part
@@ -45,6 +47,7 @@ import numpy as np
 
 IGNORE_INDEX = -100
 VISION_KEYS = ("pixel_values", "image_grid_thw")
+AUDIO_KEYS = ("audio_features", "audio_frames")
 TOKEN_KEYS = ("mm_token_type_ids",)
 """Per-token integer arrays a payload may carry beside input_ids (HF processors' outputs the model takes):
 collated like input_ids, 0 at pads."""
@@ -95,9 +98,10 @@ def _parse(samples: Sequence[Payload]) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def _vision(samples: Sequence[Payload]) -> dict[str, np.ndarray]:
-    """The samples' vision tensors, concatenated along dim 0 in sample order (see the module docstring)."""
+    """The samples' vision and audio tensors, concatenated along dim 0 in sample order (see the module
+    docstring)."""
     out: dict[str, np.ndarray] = {}
-    for key in VISION_KEYS:
+    for key in VISION_KEYS + AUDIO_KEYS:
         parts = [np.asarray(s[key]) for s in samples if s.get(key) is not None]
         if parts:
             try:

@@ -40,7 +40,8 @@ def decision_for_node(decision: RoundDecision, ranks: Collection[int]) -> RoundD
     """`decision` as the node serving `ranks` needs it.
 
     Returns `decision` itself when it has no plan (a target-only decision is the same for everyone).
-    Else a decision of the same round and target whose plan (and vision, when set) holds every rank:
+    Else a decision of the same round and target whose plan (and vision and audio, when set) holds every
+    rank:
     the ranks in `ranks` whole; every other rank's groups (exchanges) cut to the samples (images) whose
     `home_rank` is in `ranks`, keeping each rank's step count. Invariants (tested): the union over the
     nodes of a partition of the ranks is the whole plan, and each rank's part appears whole in exactly
@@ -49,10 +50,13 @@ def decision_for_node(decision: RoundDecision, ranks: Collection[int]) -> RoundD
     if decision.plan is None:
         return decision
     plan = tuple(tuple(steps) if r in ranks else _lent(steps, ranks) for r, steps in enumerate(decision.plan))
-    vision = decision.vision
-    if vision is not None:
-        vision = tuple(tuple(exs) if r in ranks else _fetched(r, exs, ranks) for r, exs in enumerate(vision))
-    return RoundDecision(decision.round, decision.target, plan, vision)
+    vision, audio = (
+        None
+        if phase is None
+        else tuple(tuple(x) if r in ranks else _fetched(r, x, ranks) for r, x in enumerate(phase))
+        for phase in (decision.vision, decision.audio)
+    )
+    return RoundDecision(decision.round, decision.target, plan, vision, audio)
 
 
 def round_exchanges(vision: Sequence[Sequence[Exchange]], topology: Sequence[int] | None) -> dict[str, int]:

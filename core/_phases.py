@@ -1,4 +1,9 @@
-"""Two-phase balancing (OrchMLLM): a vision-encoder plan per step beside the LLM plan, and the exchange.
+"""Phase balancing (OrchMLLM): a plan per encoder and step beside the LLM plan, and the exchange.
+
+Every encoder phase is planned on its own by the same function (`plan_phase`, also named `plan_vision`;
+`plan_phases` runs it for each encoder of a step): its items (images for `VisionCost`, audio clips for
+`AudioCost`, `batchd.core._encoders`) and their costs are all that differ. The text below says images;
+it holds for clips alike.
 
 In a multimodal model a step has two phases with different costs. The vision encoder's cost follows the
 images (per image: its patches, plus attention quadratic within the image); the LLM's follows whole
@@ -52,16 +57,16 @@ nodes' spills may take its room first). Pure and deterministic: no rng, no I/O.
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ._encoders import EncoderCost
 from ._exchange import Exchange, ImageRef
 from ._phase_search import improve
-from ._types import Sample, check_int, check_number
+from ._types import Sample, check_int
 
 SLACKS = (0.0, 0.01, 0.02, 0.035, 0.05, 0.1, 0.2, 0.5)
 REFINE = 6  # bisection steps between the last slack cap that failed and the first that fit
@@ -70,40 +75,15 @@ REFINE = 6  # bisection steps between the last slack cap that failed and the fir
 ACCEPT = 0.02
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class VisionCost:
-    """The vision encoder's cost of one image of p patches: `linear` x p + p^2 / `quadratic`.
-
-    The linear term is the encoder's per-patch layers (patch embedding, MLPs, projections), the
-    quadratic one its self-attention within the image (a ViT attends over one image's patches).
-    `quadratic` is the patch count at which the two terms are equal for linear = 1: ~6 x hidden size for a
-    ViT (a 1,280-wide encoder: ~8k). 0 turns the quadratic term off.
-    """
-
-    linear: float = 1.0
-    quadratic: int = 8192
-
-    def __post_init__(self) -> None:
-        check_number("vision_linear", self.linear, gt=0.0)
-        check_int("vision_quadratic", self.quadratic, lo=0)
-
-    def image(self, patches: int) -> float:
-        """Encoder cost of one image."""
-        quad = patches * patches / self.quadratic if self.quadratic else 0.0
-        return self.linear * patches + quad
-
-    def samples(self, samples: Sequence[Sample]) -> float:
-        """Encoder cost of every image of these samples."""
-        return sum(self.image(p) for s in samples for p, _ in s.images)
-
-
-def _images(row: Sequence[Sequence[Sample]]) -> list[ImageRef]:
-    """The row's images in LLM order: rank by rank, samples in group order, images in sample order."""
+def _images(row: Sequence[Sequence[Sample]], cost: EncoderCost | None = None) -> list[ImageRef]:
+    """The row's items of `cost`'s encoder (default: images) in LLM order: rank by rank, samples in group
+    order, items in sample order."""
+    items = cost.items if cost is not None else (lambda s: s.images)
     out = []
     for owner, group in enumerate(row):
         for s in group:
-            for k, (patches, tokens) in enumerate(s.images):
-                out.append(ImageRef(s.id, k, s.home_rank, owner, patches, tokens))
+            for k, (size, tokens) in enumerate(items(s)):
+                out.append(ImageRef(s.id, k, s.home_rank, owner, size, tokens))
     return out
 
 
@@ -227,13 +207,15 @@ def _place(
 
 
 def plan_vision(
-    row: Sequence[Sequence[Sample]], cost: VisionCost, nodes: Sequence[int] | None = None
+    row: Sequence[Sequence[Sample]], cost: EncoderCost, nodes: Sequence[int] | None = None
 ) -> list[Exchange]:
-    """The vision-phase plan of one step (module docstring).
+    """The plan of one encoder phase of one step (module docstring): the vision phase with a `VisionCost`,
+    any other encoder's with its cost model (`AudioCost`: the samples' audio clips). `plan_phase` is the
+    same function.
 
     Args:
         row: row[r] is rank r's LLM group at this step (empty = IDLE).
-        cost: The encoder's cost model.
+        cost: The encoder's cost model; it also names the items it encodes (`EncoderCost.items`).
         nodes: nodes[r] is rank r's node; None = every rank its own node.
 
     Returns:
@@ -243,10 +225,10 @@ def plan_vision(
     where_node = list(nodes) if nodes is not None else list(range(n))
     if len(where_node) != n:
         raise ValueError(f"nodes must hold one node index per rank ({n=}), got {len(where_node)=}")
-    images = _images(row)
+    images = _images(row, cost)
     if not images:
         return [Exchange(r, n) for r in range(n)]
-    costs = [cost.image(im.patches) for im in images]
+    costs = [cost.item(im.patches) for im in images]
     where, _cap = _place(images, costs, where_node)
     where = improve(where, costs, [im.owner for im in images], where_node, vision_bound(costs, n))
     encode: list[list[ImageRef]] = [[] for _ in range(n)]
@@ -276,8 +258,23 @@ def vision_bound(costs: Sequence[float], n: int) -> float:
     return out
 
 
+plan_phase = plan_vision
+
+
+def plan_phases(
+    row: Sequence[Sequence[Sample]], encoders: Sequence[EncoderCost], nodes: Sequence[int] | None = None
+) -> dict[str, list[Exchange]]:
+    """Every encoder phase of one step, each planned on its own (`plan_phase`): {encoder name: one
+    `Exchange` per rank}. The LLM plan (the row) is shared; each encoder's exchange is composed with it
+    (its embeddings go back to the rank whose LLM sample holds them), one all-to-all per encoder."""
+    names = [e.name for e in encoders]
+    if len(set(names)) != len(names):
+        raise ValueError(f"encoders must have distinct names, got {names=}")
+    return {e.name: plan_phase(row, e, nodes) for e in encoders}
+
+
 def plan_vision_round(
-    plan: Sequence[Sequence[Sequence[Sample]]], cost: VisionCost, nodes: Sequence[int] | None = None
+    plan: Sequence[Sequence[Sequence[Sample]]], cost: EncoderCost, nodes: Sequence[int] | None = None
 ) -> tuple[tuple[Exchange, ...], ...]:
     """`plan_vision` for every step of a round's plan (plan[rank][step]): vision[rank][step]."""
     n = len(plan)
@@ -286,10 +283,11 @@ def plan_vision_round(
     return tuple(tuple(per_step[s][r] for s in range(steps)) for r in range(n))
 
 
-def single_phase(row: Sequence[Sequence[Sample]]) -> list[Exchange]:
-    """The exchange of a one-phase step: every rank encodes its own LLM samples' images (no row moves)."""
+def single_phase(row: Sequence[Sequence[Sample]], cost: EncoderCost | None = None) -> list[Exchange]:
+    """The exchange of a one-phase step: every rank encodes its own LLM samples' items of `cost`'s encoder
+    (default: images); no row moves."""
     n = len(row)
-    images = _images(row)
+    images = _images(row, cost)
     encode: list[list[ImageRef]] = [[] for _ in range(n)]
     for im in images:
         encode[im.owner].append(im)
@@ -299,9 +297,9 @@ def single_phase(row: Sequence[Sequence[Sample]]) -> list[Exchange]:
     ]
 
 
-def phase_loads(exchanges: Sequence[Exchange], cost: VisionCost) -> list[float]:
+def phase_loads(exchanges: Sequence[Exchange], cost: EncoderCost) -> list[float]:
     """Each rank's encoder cost under `exchanges` (one step)."""
-    return [sum(cost.image(im.patches) for im in ex.encode) for ex in exchanges]
+    return [sum(cost.item(im.patches) for im in ex.encode) for ex in exchanges]
 
 
 def imbalance(loads: Sequence[float]) -> float | None:

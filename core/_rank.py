@@ -117,6 +117,7 @@ class RankState:
         self._emitted: list[list[Sample]] | None = None
         self.phases = spec.phases
         self._vision: list[Exchange] | None = None  # this round's exchanges (phases=2), one per emitted step
+        self._audio: list[Exchange] | None = None  # the same for the audio phase, when the round has clips
         self.update_denominator = spec.update_denominator()  # D of the loss scale (`_updates`), or None
 
     def start_at(self, round_: int, step: int) -> None:
@@ -242,13 +243,18 @@ class RankState:
             self._remove(planned)
             emitted = [list(g) for g in decision.plan[self.rank]]
             self.counters["moved_in"] += sum(s.home_rank != self.rank for g in emitted for s in g)
-            if decision.vision is not None:
-                if len(decision.vision) != self.world_size or len(decision.vision[self.rank]) != len(emitted):
+            for name, phase in (("vision", decision.vision), ("audio", decision.audio)):
+                if phase is not None and (
+                    len(phase) != self.world_size or len(phase[self.rank]) != len(emitted)
+                ):
                     raise ProtocolError(
-                        f"rank {self.rank}: round {self.round}'s vision plan does not match its "
+                        f"rank {self.rank}: round {self.round}'s {name} plan does not match its "
                         f"plan (one exchange per rank and step)"
                     )
+            if decision.vision is not None:
                 self._vision = list(decision.vision[self.rank])
+            if decision.audio is not None:
+                self._audio = list(decision.audio[self.rank])
         else:
             groups, _rest = self.policy.fit(self._candidates, target, self.cost) if target else ([], [])
             if self.policy.shuffle:
@@ -311,18 +317,25 @@ class RankState:
                 update_scale=update_scale(denom, window_loss) if end else 1.0,
                 update_loss_tokens=window_loss if end else 0,
             )
-            out.append(Step(tuple(group), info, self._step_exchange(j)))
+            out.append(
+                Step(
+                    tuple(group),
+                    info,
+                    self._step_exchange(self._vision, j),
+                    self._step_exchange(self._audio, j),
+                )
+            )
             update, update_step = (update + 1, 0) if end else (update, update_step + 1)
             self.step += 1
         self._emitted = None
-        self._vision = None
+        self._vision = self._audio = None
         self.round += 1
         return out
 
-    def _step_exchange(self, j: int) -> Exchange | None:
-        if self._vision is None:
+    def _step_exchange(self, phase: list[Exchange] | None, j: int) -> Exchange | None:
+        if phase is None:
             return None
-        return self._vision[j] if j < len(self._vision) else Exchange(self.rank, self.world_size)
+        return phase[j] if j < len(phase) else Exchange(self.rank, self.world_size)
 
     def _remove(self, ids: set[int]) -> None:
         if ids:

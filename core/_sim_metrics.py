@@ -26,6 +26,43 @@ def synthetic_token_loss(sample_id: int) -> float:
     return 0.5 + ((sample_id * 2654435761) % 1000) / 100.0
 
 
+class AudioPhase:
+    """The audio encoder phase's balance over consumed steps with clips: single-phase (each rank encodes
+    its own clips) and planned (the steps' `audio_exchange`), beside the per-step bound."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.cost = spec.audio_cost()
+        self.steps = self.planned_steps = self.clips = 0
+        self.single = self.planned = self.bound = 0.0
+        self.cross = 0
+
+    def add(self, step: tuple[Step, ...], row: list[tuple[Any, ...]], nodes: Sequence[int] | None) -> None:
+        loads = phase_loads(single_phase(row, self.cost), self.cost)
+        single = imbalance(loads)
+        if single is None:  # no clip in this step
+            return
+        costs = [self.cost.item(f) for s in step for x in s.samples for f, _ in x.audio]
+        self.steps += 1
+        self.clips += len(costs)
+        self.single += single
+        self.bound += vision_bound(costs, len(step)) / (sum(loads) / len(loads))
+        exchanges = [s.audio_exchange for s in step if s.audio_exchange is not None]
+        if len(exchanges) == len(step):
+            self.planned_steps += 1
+            self.planned += imbalance(phase_loads(exchanges, self.cost)) or 1.0
+            self.cross += exchanged(exchanges, nodes)["cross_node_images"]
+
+    def result(self, steps: int) -> dict[str, Any]:
+        return {
+            "audio_clips": self.clips,
+            "audio_steps": self.steps,
+            "audio_imbalance_single": self.single / self.steps if self.steps else None,
+            "audio_imbalance_two": self.planned / self.planned_steps if self.planned_steps else None,
+            "audio_bound_pigeonhole": self.bound / self.steps if self.steps else None,
+            "exchanged_cross_node_clips_per_step": self.cross / max(steps, 1),
+        }
+
+
 class PhaseMetrics:
     """Per-phase balance of consumed steps (module docstring): sums of each step's max / mean rank load,
     per phase and plan, and the embeddings the two-phase plan exchanges."""
@@ -38,6 +75,7 @@ class PhaseMetrics:
         self.steps = self.llm_steps = self.vision_steps = self.two_steps = self.images = 0
         self.llm = self.single = self.two = self.bound = self.tight = 0.0
         self.moved = dict.fromkeys(self.KEYS, 0)
+        self.audio = AudioPhase(spec)
 
     def add(self, step: tuple[Step, ...]) -> None:
         self.steps += 1
@@ -46,6 +84,7 @@ class PhaseMetrics:
             self.llm_steps += 1
             self.llm += llm
         row = [s.samples for s in step]
+        self.audio.add(step, row, self.nodes)
         loads = phase_loads(single_phase(row), self.vision)
         single = imbalance(loads)
         if single is None:  # no vision cost in this step
@@ -81,6 +120,8 @@ class PhaseMetrics:
             out[f"exchanged_{k}_per_step"] = self.moved[k] / steps
         out["vision_plan_rounds"] = len(plans)
         out["vision_plan_per_round_s"] = sum(plans) / len(plans) if plans else 0.0
+        if sim.has_audio:
+            out.update(self.audio.result(self.steps))
         return out
 
 
@@ -333,6 +374,12 @@ RESULT_FIELDS: dict[str, str] = {
     "resizes": "with --resize: per change, the step it was made at (the first update boundary at or after "
     "the one asked; null if the epoch ended first), the world sizes from and to, and padding_efficiency / "
     "compute_vs_limit of the 8 steps after it (after) and of the same steps run without any change (without)",
+    "audio_clips": "audio clips in the workload (a workload with audio columns)",
+    "audio_steps": "steps with audio cost",
+    "audio_imbalance_single": "audio phase, every rank encoding its own clips: mean max / mean",
+    "audio_imbalance_two": "audio phase under the phase plan (phases 2): mean max / mean",
+    "audio_bound_pigeonhole": "audio phase's per-step lower bound (a clip is never split), mean over steps",
+    "exchanged_cross_node_clips_per_step": "phases 2: audio clips encoded on another node",
     "vision_plan_rounds": "rounds the vision plan ran",
     "vision_plan_per_round_s": "its seconds per round",
 }

@@ -40,8 +40,8 @@ from typing import Any
 
 from ._align import Coordinator
 from ._delivery import report_capacity
+from ._encoders import EncoderCost
 from ._exchange import Exchange
-from ._phases import VisionCost
 from ._rank import RankState
 from ._resize import Remainder, ResumePoint, resume_point
 from ._sim_metrics import SimMetrics
@@ -153,7 +153,7 @@ class Simulator:
         planner = self.coordinator.vision_planner
 
         def timed(
-            plan: Sequence[Sequence[Sequence[Sample]]], cost: VisionCost, nodes: Sequence[int] | None = None
+            plan: Sequence[Sequence[Sequence[Sample]]], cost: EncoderCost, nodes: Sequence[int] | None = None
         ) -> tuple[tuple[Exchange, ...], ...]:
             t0 = time.perf_counter()
             out = planner(plan, cost, nodes)
@@ -164,8 +164,13 @@ class Simulator:
 
     @property
     def multimodal(self) -> bool:
-        """True when some sample carries images."""
-        return self.records is not None and any(x.images for x in self.records)
+        """True when some sample carries images or audio clips."""
+        return self.records is not None and any(x.images or x.audio for x in self.records)
+
+    @property
+    def has_audio(self) -> bool:
+        """True when some sample carries audio clips."""
+        return self.records is not None and any(x.audio for x in self.records)
 
     @property
     def planned_by_node(self) -> bool:
@@ -193,7 +198,8 @@ class Simulator:
                     rank.push(Sample(i, self.lengths[i], -1, rank.rank))
                 else:
                     x = self.records[i]
-                    rank.push(Sample(i, x.length, -1, rank.rank, x.modality_tokens, x.nbytes, x.images))
+                    fields = (x.modality_tokens, x.nbytes, x.images, x.audio)
+                    rank.push(Sample(i, x.length, -1, rank.rank, *fields))
             if not rank.exhausted and (src.exhausted() or rank.rejected_all(len(src))):
                 rank.mark_exhausted()
 

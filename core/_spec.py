@@ -25,7 +25,7 @@ from ._choices import (
     UPDATE_RULES,
 )
 from ._cost import CostModel
-from ._phases import VisionCost
+from ._encoders import AudioCost, VisionCost
 from ._policy import Policy
 from ._types import check_bool, check_choice, check_int
 from ._updates import UpdateWindows, denominator
@@ -154,6 +154,10 @@ class JobSpec:
 
     def cost_model(self) -> CostModel:
         return CostModel(self.cost, self.quadratic)
+
+    def audio_cost(self) -> AudioCost:
+        """The audio encoder's per-clip cost model (N-phase balancing; `AudioCost`'s defaults)."""
+        return AudioCost()
 
     def vision_cost(self) -> VisionCost:
         """The vision encoder's per-image cost model (two-phase balancing)."""

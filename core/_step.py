@@ -55,11 +55,13 @@ class StepInfo:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Step:
     """One aligned step on one rank: the samples of its group (empty when IDLE), the step info, and with
-    two-phase balancing the rank's part of the step's vision exchange (`batchd.core.Exchange`)."""
+    phase balancing the rank's part of the step's vision exchange (`batchd.core.Exchange`) and, when the
+    round has audio clips, of its audio exchange (`audio_exchange`)."""
 
     samples: tuple[Sample, ...]
     info: StepInfo
     exchange: Exchange | None = None
+    audio_exchange: Exchange | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -68,9 +70,14 @@ class Step:
         }
         if self.exchange is not None:
             out["exchange"] = self.exchange.to_json()
+        if self.audio_exchange is not None:
+            out["audio_exchange"] = self.audio_exchange.to_json()
         return out
 
     @staticmethod
     def from_json(obj: Mapping[str, Any]) -> Step:
-        exchange = Exchange.from_json(obj["exchange"]) if "exchange" in obj else None
-        return Step(tuple(Sample.from_json(s) for s in obj["samples"]), StepInfo(**obj["info"]), exchange)
+        exchange, audio = (
+            Exchange.from_json(obj[k]) if k in obj else None for k in ("exchange", "audio_exchange")
+        )
+        samples = tuple(Sample.from_json(s) for s in obj["samples"])
+        return Step(samples, StepInfo(**obj["info"]), exchange, audio)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, TypeVar, cast
 
 # JSON keys of a serialized sample (compact: samples appear by the hundred thousand in states).
-_ID, _LEN, _LOSS, _HOME, _MOD, _BYTES, _IMG = "i", "n", "l", "h", "m", "b", "v"
+_ID, _LEN, _LOSS, _HOME, _MOD, _BYTES, _IMG, _AUD = "i", "n", "l", "h", "m", "b", "v", "a"
 
 
 def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None) -> int:
@@ -96,6 +96,17 @@ def check_str(name: str, value: Any, optional: bool = False) -> str | None:
     return value
 
 
+def _encoder_items(field: str, size: str, items: Any) -> tuple[tuple[int, int], ...]:
+    """`items` as a tuple of (encoder size, tokens) pairs, validated; errors name the field and entry."""
+    out = cast(tuple[tuple[int, int], ...], tuple(tuple(it) for it in items))
+    for k, it in enumerate(out):
+        if len(it) != 2:
+            raise ValueError(f"{field} entries must be ({size}, tokens), got {field}[{k}]={it!r}")
+        check_int(f"{field}[{k}] {size}", it[0], lo=0)
+        check_int(f"{field}[{k}] tokens", it[1], lo=1)
+    return out
+
+
 class _SampleFields(NamedTuple):
     id: int
     length: int
@@ -104,6 +115,7 @@ class _SampleFields(NamedTuple):
     modality_tokens: tuple[tuple[str, int], ...]
     nbytes: int
     images: tuple[tuple[int, int], ...]
+    audio: tuple[tuple[int, int], ...]
 
 
 class Sample(_SampleFields):
@@ -122,6 +134,8 @@ class Sample(_SampleFields):
             0 = unknown. A node-aware balanced plan moves the groups that carry the fewest bytes.
         images: Per image, (encoder patches, image tokens in the sequence): the vision encoder's cost and
             the rows of the image's embedding (two-phase balancing, `batchd.core.plan_vision`).
+        audio: Per audio clip, (encoder frames, clip tokens in the sequence): the audio encoder's cost
+            (log-mel frames, 100 per second) and the rows of the clip's embedding (`batchd.core.plan_phases`).
     """
 
     __slots__ = ()
@@ -135,6 +149,7 @@ class Sample(_SampleFields):
         modality_tokens: tuple[tuple[str, int], ...] = (),
         nbytes: int = 0,
         images: tuple[tuple[int, int], ...] = (),
+        audio: tuple[tuple[int, int], ...] = (),
     ) -> Sample:
         if loss_tokens == -1 and type(length) is int:
             loss_tokens = length
@@ -163,13 +178,11 @@ class Sample(_SampleFields):
                     raise ValueError(f"modality_tokens entries must be (name, count), got {entry!r}")
                 check_int(f"modality_tokens[{entry[0]!r}]", entry[1], lo=0)
         if images:
-            images = cast(tuple[tuple[int, int], ...], tuple(tuple(im) for im in images))
-            for k, im in enumerate(images):
-                if len(im) != 2:
-                    raise ValueError(f"images entries must be (patches, tokens), got images[{k}]={im!r}")
-                check_int(f"images[{k}] patches", im[0], lo=0)
-                check_int(f"images[{k}] tokens", im[1], lo=1)
-        return tuple.__new__(cls, (id, length, loss_tokens, home_rank, modality_tokens, nbytes, images))
+            images = _encoder_items("images", "patches", images)
+        if audio:
+            audio = _encoder_items("audio", "frames", audio)
+        fields = (id, length, loss_tokens, home_rank, modality_tokens, nbytes, images, audio)
+        return tuple.__new__(cls, fields)
 
     def replace(self, **changes: Any) -> Sample:
         """A copy with some fields changed (validated again)."""
@@ -185,6 +198,8 @@ class Sample(_SampleFields):
             out[_BYTES] = self.nbytes
         if self.images:
             out[_IMG] = [list(im) for im in self.images]
+        if self.audio:
+            out[_AUD] = [list(a) for a in self.audio]
         return out
 
     @staticmethod
@@ -197,4 +212,5 @@ class Sample(_SampleFields):
             modality_tokens=tuple((str(k), int(v)) for k, v in obj.get(_MOD, ())),
             nbytes=obj.get(_BYTES, 0),
             images=tuple((int(p), int(t)) for p, t in obj.get(_IMG, ())),
+            audio=tuple((int(f), int(t)) for f, t in obj.get(_AUD, ())),
         )

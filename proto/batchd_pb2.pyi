@@ -23,7 +23,7 @@ class ModalityTokens(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class SampleMeta(_message.Message):
-    __slots__ = ("id", "length", "loss_tokens", "home_rank", "modality_tokens", "nbytes", "image_patches", "image_tokens")
+    __slots__ = ("id", "length", "loss_tokens", "home_rank", "modality_tokens", "nbytes", "image_patches", "image_tokens", "audio_frames", "audio_tokens")
     ID_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,8 @@ class SampleMeta(_message.Message):
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_PATCHES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_TOKENS_FIELD_NUMBER: _ClassVar[int]
     id: int
     length: int
     loss_tokens: int
@@ -40,7 +42,9 @@ class SampleMeta(_message.Message):
     nbytes: int
     image_patches: _containers.RepeatedScalarFieldContainer[int]
     image_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, id: _Optional[int] = ..., length: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., home_rank: _Optional[int] = ..., modality_tokens: _Optional[_Iterable[_Union[ModalityTokens, _Mapping]]] = ..., nbytes: _Optional[int] = ..., image_patches: _Optional[_Iterable[int]] = ..., image_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    audio_frames: _containers.RepeatedScalarFieldContainer[int]
+    audio_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., length: _Optional[int] = ..., loss_tokens: _Optional[int] = ..., home_rank: _Optional[int] = ..., modality_tokens: _Optional[_Iterable[_Union[ModalityTokens, _Mapping]]] = ..., nbytes: _Optional[int] = ..., image_patches: _Optional[_Iterable[int]] = ..., image_tokens: _Optional[_Iterable[int]] = ..., audio_frames: _Optional[_Iterable[int]] = ..., audio_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -277,18 +281,20 @@ class RankVision(_message.Message):
     def __init__(self, steps: _Optional[_Iterable[_Union[StepExchange, _Mapping]]] = ...) -> None: ...
 
 class AlignReply(_message.Message):
-    __slots__ = ("epoch", "round", "target", "plan", "vision")
+    __slots__ = ("epoch", "round", "target", "plan", "vision", "audio")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     VISION_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     round: int
     target: int
     plan: _containers.RepeatedCompositeFieldContainer[RankPlan]
     vision: _containers.RepeatedCompositeFieldContainer[RankVision]
-    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., target: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., vision: _Optional[_Iterable[_Union[RankVision, _Mapping]]] = ...) -> None: ...
+    audio: _containers.RepeatedCompositeFieldContainer[RankVision]
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., target: _Optional[int] = ..., plan: _Optional[_Iterable[_Union[RankPlan, _Mapping]]] = ..., vision: _Optional[_Iterable[_Union[RankVision, _Mapping]]] = ..., audio: _Optional[_Iterable[_Union[RankVision, _Mapping]]] = ...) -> None: ...
 
 class StepSamples(_message.Message):
     __slots__ = ("lengths", "loss_tokens", "ids")

@@ -69,6 +69,8 @@ def sample_to_pb(s: Sample) -> pb.SampleMeta:
         nbytes=s.nbytes,
         image_patches=[p for p, _ in s.images],
         image_tokens=[t for _, t in s.images],
+        audio_frames=[f for f, _ in s.audio],
+        audio_tokens=[t for _, t in s.audio],
     )
 
 
@@ -78,6 +80,11 @@ def sample_from_pb(m: pb.SampleMeta) -> Sample:
             f"sample {m.id}: {len(m.image_patches)} image patch counts but {len(m.image_tokens)} "
             f"image token counts"
         )
+    if len(m.audio_frames) != len(m.audio_tokens):
+        raise ValueError(
+            f"sample {m.id}: {len(m.audio_frames)} audio frame counts but {len(m.audio_tokens)} "
+            f"audio token counts"
+        )
     return Sample(
         int(m.id),
         int(m.length),
@@ -86,6 +93,7 @@ def sample_from_pb(m: pb.SampleMeta) -> Sample:
         tuple((t.name, int(t.tokens)) for t in m.modality_tokens),
         int(m.nbytes),
         tuple(zip(m.image_patches, m.image_tokens, strict=False)),
+        tuple(zip(m.audio_frames, m.audio_tokens, strict=False)),
     )
 
 
@@ -149,20 +157,26 @@ def decision_to_pb(d: RoundDecision, epoch: int) -> pb.AlignReply:
             pb.RankPlan(steps=[pb.Group(samples=[sample_to_pb(s) for s in g]) for g in steps])
             for steps in d.plan
         ]
-    vision = []
-    if d.vision is not None:
-        vision = [pb.RankVision(steps=[exchange_to_pb(x) for x in steps]) for steps in d.vision]
-    return pb.AlignReply(epoch=epoch, round=d.round, target=d.target, plan=plan, vision=vision)
+    vision, audio = (
+        [pb.RankVision(steps=[exchange_to_pb(x) for x in steps]) for steps in phase]
+        if phase is not None
+        else []
+        for phase in (d.vision, d.audio)
+    )
+    return pb.AlignReply(epoch=epoch, round=d.round, target=d.target, plan=plan, vision=vision, audio=audio)
 
 
 def decision_from_pb(m: pb.AlignReply) -> RoundDecision:
-    plan = vision = None
+    plan = None
     if len(m.plan):
         plan = tuple(tuple(tuple(sample_from_pb(s) for s in g.samples) for g in p.steps) for p in m.plan)
-    if len(m.vision):
-        n = len(m.vision)
-        vision = tuple(tuple(exchange_from_pb(x, r, n) for x in rv.steps) for r, rv in enumerate(m.vision))
-    return RoundDecision(int(m.round), int(m.target), plan, vision)
+    vision, audio = (
+        tuple(tuple(exchange_from_pb(x, r, len(phase)) for x in rv.steps) for r, rv in enumerate(phase))
+        if len(phase)
+        else None
+        for phase in (m.vision, m.audio)
+    )
+    return RoundDecision(int(m.round), int(m.target), plan, vision, audio)
 
 
 def commit_to_pb(c: RankCommit, epoch: int) -> pb.CommitRequest:

@@ -73,8 +73,8 @@ def _simulate_help() -> str:
 
 
 def test_simulate_help_explains_every_output_field(tmp_path):
-    """Every key `batchd simulate` prints, text and multimodal, two-phase, with a topology and resized, is in
-    RESULT_FIELDS, and `batchd simulate --help` lists each with its meaning."""
+    """Every key `batchd simulate` prints, text and multimodal (images, audio), two-phase, with a topology and
+    resized, is in RESULT_FIELDS, and `batchd simulate --help` lists each with its meaning."""
     from batchd.core import JobSpec, parse_workload, simulate
 
     text = simulate([16 + 37 * i % 900 for i in range(200)], JobSpec(world_size=2, token_budget=2048))
@@ -87,7 +87,12 @@ def test_simulate_help_explains_every_output_field(tmp_path):
     resized = simulate(
         [16 + 37 * i % 900 for i in range(200)], JobSpec(world_size=2, token_budget=2048), resize=[(3, 3)]
     )
-    keys = set(text) | set(mm) | set(resized)
+    audio = (REPO / "benchmarks" / "workloads" / "audio-visual.csv").read_text().splitlines()[:201]
+    heard = simulate(
+        parse_workload(audio), JobSpec(world_size=4, token_budget=8192, policy="balanced", phases=2)
+    )
+    assert heard["audio_imbalance_two"] <= heard["audio_imbalance_single"], heard
+    keys = set(text) | set(mm) | set(resized) | set(heard)
     assert keys - set(RESULT_FIELDS) == set(), keys - set(RESULT_FIELDS)
     assert set(RESULT_FIELDS) - keys == set(), "RESULT_FIELDS describes keys simulate never prints"
     help_text = " ".join(_simulate_help().split())

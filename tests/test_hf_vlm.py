@@ -456,7 +456,9 @@ def test_packed_loss_is_the_sum_of_unpacked_losses(families, family, impl):
 
 def test_stock_qwen2vl_on_a_packed_row_crosses_samples(families):
     """Control: the unadapted model on the packed row (1-D restarting position_ids, no mask) treats it as one
-    sequence (its positions and attention run across the samples): not the sum of the samples' losses."""
+    sequence (its positions and attention run across the samples): a later sample's logits are not its own.
+    (Compared per sample and per logit: the loss sum of random tiny weights barely moves, and partly
+    cancels across samples.)"""
     tok = families["qwen2_vl"]["tokenizer"]
     group = _group(families, "qwen2_vl")
     packed = to_torch(core.collate_packed(group))
@@ -470,9 +472,15 @@ def test_stock_qwen2vl_on_a_packed_row_crosses_samples(families):
             mm_token_type_ids=packed["mm_token_type_ids"],
             use_cache=False,
         )
-        got = float(token_loss_sum(out.logits, packed["labels"])[0])
-        want = sum(float(sample_loss(stock, p)) for p in group)
-    assert abs(got - want) > 10 * (ATOL + RTOL * abs(want)), (got, want)
+        bounds = packed["cu_seqlens"].tolist()
+        gaps = []  # per sample: how far its logits in the packed row lie from its logits alone
+        for p, lo, hi in zip(group, bounds, bounds[1:], strict=False):
+            alone = stock(**hf_kwargs(p)).logits[0]
+            gaps.append(float((out.logits[0, lo:hi] - alone).abs().max()))
+    # A later sample attends across the boundary: its logits move by tenths (measured ~0.5), 20x and more
+    # beyond the first sample's, which only its image's flattened positions move (~0.003); the adapted
+    # model meets the per-sample losses within float32 noise (the test above).
+    assert max(gaps[1:]) > 0.1 and max(gaps[1:]) > 20 * gaps[0], gaps
     with pytest.raises(ValueError, match="two_phase"):  # and batchd refuses to train it so
         forward_logits(stock, packed)
 

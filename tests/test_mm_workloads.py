@@ -209,7 +209,9 @@ def test_cli_simulate_reads_length_files_as_before(tmp_path, capsys):
         assert result["samples"] == 40 and "vision_imbalance_single" not in result
 
 
-@pytest.mark.parametrize("name", ["llava-like", "sharegpt4o-like", "bimodal", "document-like", "mixed"])
+@pytest.mark.parametrize(
+    "name", ["llava-like", "sharegpt4o-like", "bimodal", "document-like", "mixed", "audio-visual"]
+)
 def test_committed_workloads_parse_and_match_their_generator(name):
     import importlib.util
 

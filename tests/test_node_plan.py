@@ -27,7 +27,7 @@ from batchd.core import (
 
 @st.composite
 def rounds(draw):
-    """(decision with plan and vision, node of each rank)."""
+    """(decision with plan, vision and maybe audio, node of each rank)."""
     world = draw(st.integers(1, 5))
     steps = draw(st.integers(0, 3))
     ids = iter(range(10_000))
@@ -50,8 +50,11 @@ def rounds(draw):
         return Exchange(rank, world, tuple(sorted(images, key=lambda im: im.owner)))
 
     vision = tuple(tuple(exchange(r) for _ in range(steps)) for r in range(world))
+    audio = (
+        tuple(tuple(exchange(r) for _ in range(steps)) for r in range(world)) if draw(st.booleans()) else None
+    )
     nodes = [draw(st.integers(0, 2)) for _ in range(world)]
-    return RoundDecision(draw(st.integers(0, 9)), steps, plan, vision), nodes
+    return RoundDecision(draw(st.integers(0, 9)), steps, plan, vision, audio), nodes
 
 
 @settings(max_examples=200, deadline=None)
@@ -72,6 +75,8 @@ def test_each_rank_is_whole_in_its_node_and_the_views_cover_the_plan(case):
             assert len(view.plan[r]) == len(decision.plan[r])  # every rank keeps its step count
             if nodes[r] == n:
                 assert view.plan[r] == decision.plan[r] and view.vision[r] == decision.vision[r]
+                assert decision.audio is None or view.audio[r] == decision.audio[r]
+        assert (view.audio is None) == (decision.audio is None)
     for r in range(world):
         for s, group in enumerate(decision.plan[r]):
             for sample in group:  # seen by its rank's node and its home's node, by no other
@@ -79,10 +84,11 @@ def test_each_rank_is_whole_in_its_node_and_the_views_cover_the_plan(case):
                 assert seen == {nodes[r], nodes[sample.home_rank]}
             union = {x.id for v in views.values() for x in v.plan[r][s]}
             assert union == {x.id for x in group}
-        for s, ex in enumerate(decision.vision[r]):
-            for im in ex.encode:
-                seen = {n for n, v in views.items() if im in v.vision[r][s].encode}
-                assert seen == {nodes[r], nodes[im.home_rank]}
+        for phase in ("vision", "audio") if decision.audio is not None else ("vision",):
+            for s, ex in enumerate(getattr(decision, phase)[r]):
+                for im in ex.encode:  # an item (image, clip) is seen by its encoder's node and its home's
+                    seen = {n for n, v in views.items() if im in getattr(v, phase)[r][s].encode}
+                    assert seen == {nodes[r], nodes[im.home_rank]}
 
 
 def test_a_decision_without_a_plan_is_everyones():

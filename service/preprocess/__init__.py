@@ -14,7 +14,8 @@ Private modules, one concern each (`_chain` is the one that imports every stage)
                offsets, cached), `_dataset` (`RecordDataset`: metadata and blocks), `_reader`
                (`BlockReader`: a rank's blocks, read ahead within a budget)
     stages     `_tokenizer`, `_stage` (the stage contract), `_augment`, `_text` (template, tokenize,
-               truncate), `_vision` (images, visual tokens), `_hf` (`HFProcessor`: a model's own HF
+               truncate), `_vision` (images, visual tokens), `_audio` (clips: decoding, log-mel
+               features, audio tokens), `_hf` (`HFProcessor`: a model's own HF
                processor), `_chain` (`default_stages`, `Preprocessor`)
     Ray        `_ray` (connect, `resolve`), `_pool` (the actor pool), `_ray_source` (`RaySource`),
                `_ledger` (its record of pulled samples)
@@ -22,6 +23,7 @@ Private modules, one concern each (`_chain` is the one that imports every stage)
 Imports only `batchd.core`: the rank service builds on it, never the other way.
 """
 
+from ._audio import Qwen2Audio, decode_audios, log_mel, qwen2_audio_tokens, read_audio, resample
 from ._augment import RandomResizedCrop, SystemPrompt, TurnSubsample
 from ._chain import Preprocessor, SampleMeta, default_stages, finalize
 from ._dataset import Block, EmptyDatasetError, RecordDataset, iter_records, parse_item
@@ -95,6 +97,7 @@ __all__ = [
     "Preprocessor",
     "QWEN2VL_IMAGE",
     "Quarantine",
+    "Qwen2Audio",
     "Qwen2VLVision",
     "RandomResizedCrop",
     "RayLost",
@@ -121,6 +124,7 @@ __all__ = [
     "Truncate",
     "TurnSubsample",
     "check_pushed",
+    "decode_audios",
     "decode_images",
     "default_stages",
     "demo_bad_ids",
@@ -134,6 +138,7 @@ __all__ = [
     "job_ray_address",
     "line_index",
     "line_numbers",
+    "log_mel",
     "loss_tokens_of",
     "make_demo_dataset",
     "missing_source_members",
@@ -141,7 +146,10 @@ __all__ = [
     "parse_record",
     "payload_nbytes",
     "quiet_token_auth",
+    "qwen2_audio_tokens",
     "ray_lost",
+    "read_audio",
+    "resample",
     "resolve",
     "resolve_many",
     "resolve_stage",

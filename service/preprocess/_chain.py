@@ -7,7 +7,9 @@ The default chain and what each stage reads -> writes:
     Tokenize          text, assistant_spans        -> input_ids, labels (-100 outside assistant spans)
     Qwen2VLVision     input_ids, labels, images    -> expanded input_ids/labels, image_spans, image_tensors
       | LlavaVision
-    Truncate          everything above             -> cut to the cutoff (never inside an image) or Reject
+    Qwen2Audio        input_ids, labels, audios    -> expanded input_ids/labels, audio_spans, audio_tensors
+    Truncate          everything above             -> cut to the cutoff (never inside an image or a clip)
+                                                      or Reject
 
 With `processor=DIR` the model's own Hugging Face processor replaces the middle three stages:
 
@@ -15,9 +17,10 @@ With `processor=DIR` the model's own Hugging Face processor replaces the middle 
 
 `Preprocessor` runs a chain on a parsed record and returns the sample's metadata and payload: the
 payload is a dict of numpy arrays (`input_ids` and `labels` int32, plus `pixel_values` and, for
-Qwen2-VL, `image_grid_thw` when the sample has images, plus any `example.extra` arrays a plug-in adds).
-The realized length is `len(input_ids)` after every stage; `loss_tokens = count(labels[1:] != -100)`;
-modality tokens: ("text", length - vision) and ("vision", expanded image placeholder tokens). Any other
+Qwen2-VL, `image_grid_thw` when the sample has images, `audio_features` and `audio_frames` when it has
+audio clips, plus any `example.extra` arrays a plug-in adds). The realized length is `len(input_ids)`
+after every stage; `loss_tokens = count(labels[1:] != -100)`; modality tokens: ("text", length - vision
+- audio), ("vision", expanded image placeholder tokens) and, with clips, ("audio", their tokens). Any other
 error a stage raises becomes `Reject("stage_error", ...)`: it quarantines the record, not the actor.
 
 The only module that imports every built-in stage (`_augment`, `_text`, `_vision`, `_hf`).
@@ -32,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ._audio import QWEN2_AUDIO, Qwen2Audio, _NoAudio, decode_audios
 from ._augment import RandomResizedCrop, SystemPrompt, TurnSubsample
 from ._hf import HFProcessor
 from ._parse import IMAGE_MARKER, Record
@@ -53,6 +57,7 @@ def default_stages(
     min_pixels: int = 56 * 56,
     max_pixels: int = 14 * 14 * 4 * 1280,
     processor: str | os.PathLike | None = None,
+    audio: str | None = "qwen2_audio",
 ) -> list[Stage]:
     """The standard chain: [augmentation] -> chat template -> tokenize -> vision -> truncate, or with
     `processor`: [augmentation] -> HFProcessor(processor) -> truncate.
@@ -67,7 +72,12 @@ def default_stages(
         min_pixels, max_pixels: Qwen2-VL's smart_resize bounds.
         processor: A Hugging Face processor directory (the model's own, read offline): its chat template,
             tokenizer and image processor replace `tokenizer`, `template`, `vision` and the pixel bounds.
+        audio: "qwen2_audio" (records' audio clips become Qwen2-Audio tokens and log-mel features) or None
+            (records with audio are quarantined as "unsupported_audio").
     """
+    if audio not in ("qwen2_audio", None):
+        raise ValueError(f"audio must be 'qwen2_audio' or None, got {audio=}")
+    placeholder = QWEN2_AUDIO if audio is not None else "<audio>"
     tok = _as_ref(tokenizer) if processor is None else None
     chain: list[Stage] = []
     if augment:
@@ -86,16 +96,20 @@ def default_stages(
         ]
     if processor is not None:
         chain.append(HFProcessor(processor))
-    elif vision == "qwen2_vl":
+    elif vision in ("qwen2_vl", "llava", None):
+        stage: Stage = (
+            Qwen2VLVision(tok, min_pixels=min_pixels, max_pixels=max_pixels)
+            if vision == "qwen2_vl"
+            else LlavaVision(tok)
+            if vision == "llava"
+            else _NoImages()
+        )
+        image = QWEN2VL_IMAGE if vision == "qwen2_vl" else IMAGE_MARKER
         chain += [
-            ChatTemplate(template, image_placeholder=QWEN2VL_IMAGE),
+            ChatTemplate(template, image_placeholder=image, audio_placeholder=placeholder),
             Tokenize(tok),
-            Qwen2VLVision(tok, min_pixels=min_pixels, max_pixels=max_pixels),
         ]
-    elif vision == "llava":
-        chain += [ChatTemplate(template, image_placeholder=IMAGE_MARKER), Tokenize(tok), LlavaVision(tok)]
-    elif vision is None:
-        chain += [ChatTemplate(template, image_placeholder=IMAGE_MARKER), Tokenize(tok), _NoImages()]
+        chain += [stage, Qwen2Audio(tok) if audio is not None else _NoAudio()]
     else:
         raise ValueError(f"vision must be 'qwen2_vl', 'llava' or None, got {vision=}")
     chain.append(Truncate(cutoff, policy))
@@ -111,9 +125,12 @@ class SampleMeta:
     text_tokens: int
     vision_tokens: int
     images: tuple[tuple[int, int], ...] = ()  # per image: (encoder patches, tokens in the sequence)
+    audio: tuple[tuple[int, int], ...] = ()  # per audio clip: (encoder frames, tokens in the sequence)
 
     def modality_tokens(self) -> tuple[tuple[str, int], ...]:
-        return (("text", self.text_tokens), ("vision", self.vision_tokens))
+        out = (("text", self.text_tokens), ("vision", self.vision_tokens))
+        heard = sum(t for _, t in self.audio)
+        return (*out, ("audio", heard)) if heard else out
 
 
 class Preprocessor:
@@ -153,6 +170,7 @@ class Preprocessor:
             [dict(m) for m in record.messages],
             record.system,
             decode_images(record, base_dir),
+            audios=decode_audios(record, base_dir),
         )
         for k, stage in enumerate(self.stages):
             ctx = StageContext(sample_id, epoch, seed, k)
@@ -189,18 +207,22 @@ def finalize(ex: Example) -> tuple[SampleMeta, dict[str, np.ndarray]]:
     if loss == 0:
         raise Reject("no_loss_tokens", f"{n} tokens, none carries loss (after truncation?)")
     payload: dict[str, np.ndarray] = {"input_ids": ids, "labels": labels}
-    if ex.image_tensors:
-        for key in ex.image_tensors[0]:
-            payload[key] = np.concatenate([t[key] for t in ex.image_tensors], axis=0)
+    for tensors in (ex.image_tensors, ex.audio_tensors):
+        for key in tensors[0] if tensors else ():
+            payload[key] = np.concatenate([t[key] for t in tensors], axis=0)
     for key, value in ex.extra.items():
         if key in payload:
             raise Reject("stage_error", f"extra payload key {key!r} clashes with a built-in key")
         payload[key] = np.asarray(value)
-    vision = int(sum(ex.image_tokens))
+    vision, heard = int(sum(ex.image_tokens)), int(sum(ex.audio_tokens))
     images = tuple(
         (_patches(t, n_tok), int(n_tok)) for t, n_tok in zip(ex.image_tensors, ex.image_tokens, strict=False)
     )
-    return SampleMeta(n, loss, n - vision, vision, images), payload
+    audio = tuple(
+        (int(t["audio_frames"].sum()), int(n_tok))
+        for t, n_tok in zip(ex.audio_tensors, ex.audio_tokens, strict=True)
+    )
+    return SampleMeta(n, loss, n - vision - heard, vision, images, audio), payload
 
 
 def _patches(tensors: dict[str, np.ndarray], tokens: int) -> int:

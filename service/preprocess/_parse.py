@@ -4,14 +4,16 @@ A record is one conversation:
 
     {"messages": [{"role": "user", "content": "<image>What is this?"}, {"role": "assistant", ...}],
      "images": [b"\\x89PNG..." | "relative/or/absolute/path.png" | {"bytes": ..., "path": ...}],  # optional
+     "audios": [b"RIFF..." | "clip.wav" | "clip.flac" | {"bytes": ..., "path": ...}],              # optional
      "system": "You are ..."}                                                                       # optional
 
 Also accepted: ShareGPT rows (`conversations: [{from: human|gpt|system, value}]`), content given as a list
 of parts (`[{"type": "text", "text": ...}, {"type": "image"}]`), a single image instead of a list, and
 images as data URIs (`data:image/png;base64,...`) or base64 `{"bytes": ...}` objects in JSON. `<image>`
 in a message marks where an image goes; images without a marker are put in front of the first user
-message (the LLaVA / LLaMA-Factory convention). Images stay references (`ImageRef`) here: they are read
-and decoded by the chain (`_vision.decode_images`).
+message (the LLaVA / LLaMA-Factory convention). Audio clips alike: `audios` (LLaMA-Factory's key),
+`<audio>` markers, `{"type": "audio"}` parts. Images and clips stay references (`ImageRef`) here: they are
+read and decoded by the chain (`_vision.decode_images`, `_audio.decode_audios`).
 """
 
 from __future__ import annotations
@@ -37,11 +39,13 @@ _ROLE_ALIASES = {
     "assistant": "assistant",
 }
 IMAGE_MARKER = "<image>"
+AUDIO_MARKER = "<audio>"
 
 
 @dataclasses.dataclass
 class ImageRef:
-    """An image as stored in a record: raw bytes, or a path/URI (relative paths: to the record's file)."""
+    """An image (or audio clip) as stored in a record: raw bytes, or a path/URI (relative paths: to the
+    record's file)."""
 
     data: bytes | None = None
     path: str | None = None
@@ -59,11 +63,13 @@ class ImageRef:
 
 @dataclasses.dataclass
 class Record:
-    """A validated conversation: messages with string content (`<image>` markers), system, image refs."""
+    """A validated conversation: messages with string content (`<image>`, `<audio>` markers), system, image
+    and audio refs."""
 
     messages: list[dict[str, str]]
     system: str | None
     images: list[ImageRef]
+    audios: list[ImageRef] = dataclasses.field(default_factory=list)
 
 
 def _content_text(content: Any, field: str) -> str:
@@ -84,13 +90,15 @@ def _content_text(content: Any, field: str) -> str:
                 out.append(part["text"])
             elif kind == "image":
                 out.append(IMAGE_MARKER)
+            elif kind == "audio":
+                out.append(AUDIO_MARKER)
             else:
                 raise Reject("unsupported_content", f"{field}[{k}].type = {kind!r}")
         return "".join(out)
     raise Reject("schema", f"field {field}: expected string, got {_type_name(content)}")
 
 
-def _image_ref(im: Any, k: int) -> ImageRef:
+def _image_ref(im: Any, k: int, field: str = "images") -> ImageRef:
     if isinstance(im, (bytes, bytearray, memoryview)):
         return ImageRef(data=bytes(im))
     if isinstance(im, str):
@@ -101,11 +109,30 @@ def _image_ref(im: Any, k: int) -> ImageRef:
             try:
                 data = base64.b64decode(data, validate=True)
             except (ValueError, TypeError) as exc:
-                raise Reject("bad_image", f"images[{k}].bytes is not base64: {exc}") from None
+                bad = "bad_image" if field == "images" else "bad_audio"
+                raise Reject(bad, f"{field}[{k}].bytes is not base64: {exc}") from None
         if data is None and not path:
-            raise Reject("missing_field", f"images[{k}] has neither bytes nor path")
+            raise Reject("missing_field", f"{field}[{k}] has neither bytes nor path")
         return ImageRef(data=bytes(data) if data is not None else None, path=path)
-    raise Reject("missing_field" if im is None else "schema", f"images[{k}] is {_type_name(im)}")
+    raise Reject("missing_field" if im is None else "schema", f"{field}[{k}] is {_type_name(im)}")
+
+
+def _refs(raw: Mapping[str, Any], field: str, marker: str, messages: list[dict[str, str]]) -> list[ImageRef]:
+    """The record's `field` refs; markers added in front of the first user message for refs without one."""
+    items = raw.get(field)
+    if items is None:
+        items = []
+    elif not isinstance(items, list):
+        items = [items]
+    refs = [_image_ref(x, k, field) for k, x in enumerate(items)]
+    markers = sum(m["content"].count(marker) for m in messages)
+    if markers > len(refs):
+        what = "image" if field == "images" else "audio"
+        raise Reject(f"{what}_mismatch", f"{markers} {marker} markers but {len(refs)} {field}")
+    if markers < len(refs):
+        first_user = next((m for m in messages if m["role"] == "user"), messages[0])
+        first_user["content"] = marker * (len(refs) - markers) + first_user["content"]
+    return refs
 
 
 def parse_record(raw: Mapping[str, Any], base_dir: str = "") -> Record:
@@ -147,16 +174,6 @@ def parse_record(raw: Mapping[str, Any], base_dir: str = "") -> Record:
         raise Reject("empty_conversation", f"{col} has no user or assistant message")
     if not any(m["role"] == "assistant" for m in messages):
         raise Reject("no_assistant", "no assistant message: nothing carries loss")
-    imgs_in = raw.get("images")
-    if imgs_in is None:
-        imgs_in = []
-    elif not isinstance(imgs_in, list):
-        imgs_in = [imgs_in]
-    images = [_image_ref(im, k) for k, im in enumerate(imgs_in)]
-    markers = sum(m["content"].count(IMAGE_MARKER) for m in messages)
-    if markers > len(images):
-        raise Reject("image_mismatch", f"{markers} {IMAGE_MARKER} markers but {len(images)} images")
-    if markers < len(images):
-        first_user = next((m for m in messages if m["role"] == "user"), messages[0])
-        first_user["content"] = IMAGE_MARKER * (len(images) - markers) + first_user["content"]
-    return Record(messages, system, images)
+    images = _refs(raw, "images", IMAGE_MARKER, messages)
+    audios = _refs(raw, "audios", AUDIO_MARKER, messages)
+    return Record(messages, system, images, audios)

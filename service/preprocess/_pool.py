@@ -79,8 +79,9 @@ class PreprocessWorker:
         """[metadata per sample, payload per sample...] for `items` = (id, source, base_dir, raw) each
         (`RecordDataset.items`).
 
-        metadata = (length, loss, text, vision, reason, nbytes, images): nbytes = `payload_nbytes(payload)`,
-        images = ((patches, tokens) per image).
+        metadata = (length, loss, text, vision, reason, nbytes, images, audio): nbytes =
+        `payload_nbytes(payload)`, images = ((patches, tokens) per image), audio = ((frames, tokens) per
+        clip).
         """
         t0, c0 = time.perf_counter(), time.process_time()
         metas, payloads = [], []
@@ -96,14 +97,15 @@ class PreprocessWorker:
                         None,
                         payload_nbytes(payload),
                         meta.images,
+                        meta.audio,
                     )
                 )
                 payloads.append(payload)
             except Reject as exc:
-                metas.append((0, 0, 0, 0, exc.reason, 0, ()))
+                metas.append((0, 0, 0, 0, exc.reason, 0, (), ()))
                 payloads.append(None)
             except Exception as exc:
-                metas.append((0, 0, 0, 0, f"stage_error: {type(exc).__name__}: {exc}", 0, ()))
+                metas.append((0, 0, 0, 0, f"stage_error: {type(exc).__name__}: {exc}", 0, (), ()))
                 payloads.append(None)
         self.processed += len(items)
         self.busy_s += time.perf_counter() - t0

@@ -342,14 +342,14 @@ class RaySource:
                 self._suspects.append(seq)
             return
         for seq, meta, pref in zip(task.seqs, metas, task.payloads, strict=False):
-            length, loss, text, vision, reason, nbytes, images = meta
+            length, loss, text, vision, reason, nbytes, images, audio = meta
             if reason is not None:
                 self._quarantine(seq, reason)
                 continue
             e = self._ledger.entries[seq]
-            sample = Sample(
-                e.id, length, loss, self.rank, (("text", text), ("vision", vision)), nbytes, images
-            )
+            heard = sum(t for _, t in audio)
+            mods = (("text", text), ("vision", vision)) + ((("audio", heard),) if heard else ())
+            sample = Sample(e.id, length, loss, self.rank, mods, nbytes, images, audio)
             self._ledger.mark_ready(seq, sample, pref)
 
     def _pop_ready(self) -> tuple[Sample, Any] | None:

@@ -354,6 +354,7 @@ class IngestSource:
             home_rank,
             sample.modality_tokens,
             images=sample.images,
+            audio=sample.audio,
         )
         try:
             self.put(pushed, payload)

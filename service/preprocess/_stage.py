@@ -48,6 +48,10 @@ class Example:
     image_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # token spans per image
     image_tokens: list[int] = dataclasses.field(default_factory=list)  # expanded tokens per image
     image_tensors: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
+    audios: list[np.ndarray] = dataclasses.field(default_factory=list)  # mono float32 clips at 16 kHz
+    audio_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # token spans per clip
+    audio_tokens: list[int] = dataclasses.field(default_factory=list)  # expanded tokens per clip
+    audio_tensors: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
     extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 

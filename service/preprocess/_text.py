@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ._parse import IMAGE_MARKER
+from ._parse import AUDIO_MARKER, IMAGE_MARKER
 from ._quarantine import Reject
 from ._stage import IGNORE_INDEX, Example, Stage, StageContext, _as_ref
 from ._tokenizer import TokenizerRef
@@ -77,6 +77,8 @@ class ChatTemplate(Stage):
         default_system: System prompt when the record has none (default: the template's).
         image_placeholder: What each `<image>` marker becomes in the text (default: the template's;
             set it to match the vision stage: `QWEN2VL_IMAGE` for Qwen2-VL, "<image>" for LLaVA).
+        audio_placeholder: What each `<audio>` marker becomes (default: kept; `QWEN2_AUDIO` for the
+            Qwen2-Audio stage).
         template_kwargs: Extra variables for the template.
     """
 
@@ -86,6 +88,7 @@ class ChatTemplate(Stage):
         default_system: Any = _UNSET,
         image_placeholder: str | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        audio_placeholder: str = AUDIO_MARKER,
     ) -> None:
         if template in TEMPLATES:
             jinja, sys_default, placeholder = TEMPLATES[template]
@@ -97,14 +100,19 @@ class ChatTemplate(Stage):
         self.jinja = jinja
         self.default_system = sys_default if default_system is _UNSET else default_system
         self.image_placeholder = placeholder if image_placeholder is None else image_placeholder
+        self.audio_placeholder = audio_placeholder
         self.template_kwargs = dict(template_kwargs or {})
 
     def messages_of(self, ex: Example) -> list[dict[str, str]]:
         msgs = [{"role": "system", "content": ex.system}] if ex.system is not None else []
         msgs += [dict(m) for m in ex.messages]
-        if self.image_placeholder != IMAGE_MARKER:
-            for m in msgs:
-                m["content"] = m["content"].replace(IMAGE_MARKER, self.image_placeholder)
+        for marker, placeholder in (
+            (IMAGE_MARKER, self.image_placeholder),
+            (AUDIO_MARKER, self.audio_placeholder),
+        ):
+            if placeholder != marker:
+                for m in msgs:
+                    m["content"] = m["content"].replace(marker, placeholder)
         return msgs
 
     def setup(self) -> None:
@@ -175,8 +183,9 @@ TRUNCATE_POLICIES = ("truncate", "reject")
 class Truncate(Stage):
     """Keeps samples within `cutoff` tokens.
 
-    policy "truncate": cut to `cutoff` tokens; an image whose tokens would be cut is dropped whole (the cut
-    moves to just before it, and its pixel values leave the payload), so the payload stays consistent.
+    policy "truncate": cut to `cutoff` tokens; an image or audio clip whose tokens would be cut is dropped
+    whole (the cut moves to just before it, and its pixels or features leave the payload), so the payload
+    stays consistent.
     `example.extra` arrays with one row per token (leading dimension = the sequence's length: a plug-in's
     loss weights, a processor's token type ids) are cut with the tokens.
     policy "reject": a sample over the cutoff is quarantined (`over_cutoff`).
@@ -195,15 +204,19 @@ class Truncate(Stage):
             return ex
         if self.policy == "reject":
             raise Reject("over_cutoff", f"{n} tokens > cutoff {self.cutoff}")
-        cut, keep = self.cutoff, len(ex.image_spans)
-        for k, (s, e) in enumerate(ex.image_spans):
+        cut = self.cutoff
+        for s, e in sorted(ex.image_spans + ex.audio_spans):  # never inside an image or a clip
             if e > cut:
-                cut, keep = min(cut, s), k
+                cut = min(cut, s)
                 break
+        keep = sum(e <= cut for _, e in ex.image_spans)
+        heard = sum(e <= cut for _, e in ex.audio_spans)
         ex.input_ids, ex.labels = ex.input_ids[:cut], ex.labels[:cut]
         for key, value in ex.extra.items():
             if getattr(value, "ndim", 0) >= 1 and len(value) == n:
                 ex.extra[key] = value[:cut]
         ex.image_spans, ex.image_tokens = ex.image_spans[:keep], ex.image_tokens[:keep]
         ex.image_tensors, ex.images = ex.image_tensors[:keep], ex.images[:keep]
+        ex.audio_spans, ex.audio_tokens = ex.audio_spans[:heard], ex.audio_tokens[:heard]
+        ex.audio_tensors, ex.audios = ex.audio_tensors[:heard], ex.audios[:heard]
         return ex

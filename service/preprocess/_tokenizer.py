@@ -1,10 +1,11 @@
 """A tiny byte-level BPE tokenizer trained locally (no downloads), and a picklable tokenizer reference.
 
 `train_tokenizer` trains a byte-level BPE with the `tokenizers` library on the given texts (by default
-the demo dataset's generated text) and adds the special tokens the built-in chat templates and vision
-stages use: ChatML/Qwen2 (`<|im_start|>`, `<|im_end|>`), Qwen2-VL (`<|vision_start|>`, `<|vision_end|>`,
-`<|image_pad|>`), Llama-3 (`<|begin_of_text|>`, `<|start_header_id|>`, `<|end_header_id|>`, `<|eot_id|>`)
-and LLaVA (`<image>`). Id 0 is `<|endoftext|>`, which doubles as the pad token.
+the demo dataset's generated text) and adds the special tokens the built-in chat templates, vision and
+audio stages use: ChatML/Qwen2 (`<|im_start|>`, `<|im_end|>`), Qwen2-VL (`<|vision_start|>`,
+`<|vision_end|>`, `<|image_pad|>`), Llama-3 (`<|begin_of_text|>`, `<|start_header_id|>`,
+`<|end_header_id|>`, `<|eot_id|>`), LLaVA (`<image>`) and Qwen2-Audio (`<|audio_bos|>`, `<|AUDIO|>`,
+`<|audio_eos|>`). Id 0 is `<|endoftext|>`, which doubles as the pad token.
 
 `TokenizerRef` is how stages hold a tokenizer: it carries the tokenizer.json *text* (so it pickles to
 any Ray worker, on any node) and builds the `transformers.PreTrainedTokenizerFast` lazily, once per
@@ -40,6 +41,9 @@ SPECIAL_TOKENS = (
     "<|end_header_id|>",
     "<|eot_id|>",
     "<image>",
+    "<|audio_bos|>",
+    "<|AUDIO|>",
+    "<|audio_eos|>",
 )
 PAD_TOKEN = "<|endoftext|>"
 

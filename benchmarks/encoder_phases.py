@@ -1,0 +1,254 @@
+"""N encoder phases (OrchMLLM): each encoder (vision, audio) balanced on its own per step, beside the LLM.
+
+On each workload with audio of `benchmarks/workloads/` (docs/workloads.md: `audio-visual`), at N in
+(8, 64) ranks, 8 per node, `balanced`, L = 8,192, window 64, the LLM plan's rows (`simulate`, one row per
+step: each rank's group) are planned for every encoder with `plan_phases` (`VisionCost`, `AudioCost`).
+Per encoder, over the steps that hold its items:
+
+- imbalance, mean over steps of max / mean rank encoder cost: **single** (each rank encodes its own LLM
+  samples' items) and **planned**, beside the per-step lower bound `vision_bound` / (C / N) (an item is
+  encoded whole on one rank);
+- the plan's peak over that step's bound: mean and worst step;
+- at N <= 8, the exact optimum (`exact_placement`, a MILP through scipy's HiGHS) on `EXACT_STEPS` steps:
+  plan / exact and exact / bound;
+- items encoded off their LLM rank per step, intra- and cross-node.
+
+Also the LLM phase's imbalance (the simulator's `llm_imbalance`) and the planning time of every encoder
+of a step (`plan_phases`, the least of `TIMING_REPEATS` runs), mean and p99, at N and at 8 x N ranks
+(rows of 8 consecutive steps side by side). The workload is repeated N / 8 times (ids stay distinct).
+The result goes to benchmarks/results/encoder-phases.json (template: templates/encoder-phases.md.j2).
+
+Usage: python benchmarks/encoder_phases.py [--workloads DIR] [--ranks 8 64] [--limit N] [--out PATH]
+       [--print]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import add_common_args, command_line, finish  # noqa: E402
+from phase_balance import least_time, p99, repeat  # noqa: E402
+
+from batchd import read_workload  # noqa: E402
+from batchd.core import (  # noqa: E402
+    AudioCost,
+    EncoderCost,
+    JobSpec,
+    Sample,
+    VisionCost,
+    exact_placement,
+    exchanged,
+    imbalance,
+    phase_loads,
+    plan_phases,
+    simulate,
+    single_phase,
+    vision_bound,
+)
+
+SECTION = "encoder-phases"
+MEASURES = ("benchmarks/encoder_phases.py", "core")
+WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
+WORKLOADS = ("audio-visual",)
+RANKS = (8, 64)
+LOCAL_RANKS = 8
+CONFIG = {
+    "token_budget": 8192,
+    "window": 64,
+    "depth": 4,
+    "cost": "padded",
+    "mode": "join",
+    "policy": "balanced",
+    "shuffle": False,
+}
+ENCODERS: tuple[EncoderCost, ...] = (VisionCost(), AudioCost())
+BOUND_TOL = 0.01  # issue 25: each encoder phase within 1% of its per-step lower bound
+EXACT_STEPS, EXACT_LIMIT_S, EXACT_MAX_RANKS = 6, 3.0, 8
+
+HEADERS = [
+    "workload",
+    "N",
+    "encoder",
+    "steps with items",
+    "items/step",
+    "single",
+    "planned",
+    "bound",
+    "over bound (mean)",
+    "over bound (worst)",
+    "intra-node moved/step",
+    "cross-node moved/step",
+]
+HEADERS_EXACT = [
+    "workload",
+    "N",
+    "encoder",
+    "steps",
+    "proved optimal",
+    "plan / exact",
+    "max",
+    "exact / bound",
+]
+HEADERS_TIME = ["workload", "N", "LLM imbalance", "plan ms/step (all encoders)", "p99", "8N ranks ms", "p99"]
+
+
+def encoder_stats(rows: Sequence[Sequence[Sequence[Sample]]], enc: EncoderCost, nodes: list[int]) -> dict:
+    """Per-step balance of one encoder's phase over the steps that hold its items (module docstring)."""
+    single, planned, bound, over, items = [], [], [], [], 0
+    moved = {"intra": 0, "cross": 0}
+    exact_rows = []
+    for row in rows:
+        costs = [enc.item(size) for g in row for s in g for size, _ in enc.items(s)]
+        if not costs:
+            continue
+        ex = plan_phases(row, [enc], nodes)[enc.name]
+        loads = phase_loads(ex, enc)
+        mean = sum(costs) / len(row)
+        single.append(imbalance(phase_loads(single_phase(row, enc), enc)) or 1.0)
+        planned.append(max(loads) / mean)
+        floor = vision_bound(costs, len(row))
+        bound.append(floor / mean)
+        over.append(max(loads) / floor)
+        items += len(costs)
+        ex_moved = exchanged(ex, nodes)
+        moved["intra"] += ex_moved["intra_node_images"]
+        moved["cross"] += ex_moved["cross_node_images"]
+        exact_rows.append((row, costs, max(loads)))
+    steps = len(single)
+    out = {
+        "encoder": enc.name,
+        "steps": steps,
+        "items_per_step": items / max(steps, 1),
+        "single": statistics.fmean(single) if steps else None,
+        "planned": statistics.fmean(planned) if steps else None,
+        "bound": statistics.fmean(bound) if steps else None,
+        "over_bound": statistics.fmean(over) if steps else None,
+        "over_bound_max": max(over, default=None),
+        "intra_per_step": moved["intra"] / max(len(rows), 1),
+        "cross_per_step": moved["cross"] / max(len(rows), 1),
+        "exact": exact_gaps(exact_rows, len(nodes)) if len(nodes) <= EXACT_MAX_RANKS else None,
+    }
+    out["bound_met"] = out["over_bound"] is not None and out["over_bound"] <= 1 + BOUND_TOL
+    return out
+
+
+def exact_gaps(rows: Sequence[tuple[object, list[float], float]], n: int) -> dict:
+    """The exact optimum on up to `EXACT_STEPS` evenly spaced steps: plan / exact and exact / bound."""
+    pick = list(rows[:: max(1, len(rows) // EXACT_STEPS)][:EXACT_STEPS])
+    plan_over, exact_over, proved = [], [], 0
+    for _row, costs, peak in pick:
+        res = exact_placement(costs, n, time_limit_s=EXACT_LIMIT_S)
+        assert res is not None
+        plan_over.append(peak / res.peak)
+        exact_over.append(res.peak / vision_bound(costs, n))
+        proved += res.optimal
+    return {
+        "steps": len(pick),
+        "proved": proved,
+        "plan_over_exact": statistics.fmean(plan_over) if pick else None,
+        "plan_over_exact_max": max(plan_over, default=None),
+        "exact_over_bound": statistics.fmean(exact_over) if pick else None,
+    }
+
+
+def plan_ms(rows: Sequence[Sequence[Sequence[Sample]]], side_by_side: int) -> list[float]:
+    """`plan_phases` ms per step on rows of `side_by_side` consecutive steps' rows side by side."""
+    out = []
+    for k in range(0, len(rows) - side_by_side + 1, side_by_side):
+        wide = [g for row in rows[k : k + side_by_side] for g in row]
+        nodes = [r // LOCAL_RANKS for r in range(len(wide))]
+        out.append(least_time(lambda wide=wide, nodes=nodes: plan_phases(wide, ENCODERS, nodes)) * 1e3)
+    return out
+
+
+def measure(name: str, samples: Sequence[Sample], n: int) -> dict:
+    data = repeat(samples, max(1, n // 8))
+    spec = JobSpec(world_size=n, **CONFIG)
+    rows: list[list[tuple[Sample, ...]]] = []
+    result = simulate(
+        data, spec, on_step=lambda step: rows.append([s.samples for s in step]), local_ranks=LOCAL_RANKS
+    )
+    assert result["missing"] == 0 and result["duplicates"] == 0, result
+    nodes = [r // LOCAL_RANKS for r in range(n)]
+    per_step, wide = plan_ms(rows, 1), plan_ms(rows, 8) if n == max(RANKS) else []
+    return {
+        "workload": name,
+        "N": n,
+        "steps": len(rows),
+        "llm": result["llm_imbalance"],
+        "encoders": [encoder_stats(rows, enc, nodes) for enc in ENCODERS],
+        "plan_ms": statistics.fmean(per_step),
+        "plan_ms_p99": p99(per_step),
+        "wide_ms": statistics.fmean(wide) if wide else None,
+        "wide_ms_p99": p99(wide) if wide else None,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", type=Path, default=WORKLOADS_DIR)
+    ap.add_argument("--ranks", type=int, nargs="+", default=list(RANKS))
+    ap.add_argument("--limit", type=int, default=None, help="first N samples of each workload (smoke runs)")
+    add_common_args(ap)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    results = []
+    for name in WORKLOADS:
+        samples = read_workload(args.workloads / f"{name}.csv")[: args.limit]
+        for n in args.ranks:
+            results.append(measure(name, samples, n))
+            print(f"{name} N={n} done", file=sys.stderr, flush=True)
+    rows, rows_exact, rows_time = [], [], []
+    for x in results:
+        for e in x["encoders"]:
+            rows.append(
+                [
+                    x["workload"], x["N"], e["encoder"], e["steps"], e["items_per_step"], e["single"],
+                    e["planned"], e["bound"], e["over_bound"], e["over_bound_max"], e["intra_per_step"],
+                    e["cross_per_step"],
+                ]
+            )  # fmt: skip
+            if (g := e["exact"]) is not None:
+                rows_exact.append(
+                    [
+                        x["workload"], x["N"], e["encoder"], g["steps"], g["proved"], g["plan_over_exact"],
+                        g["plan_over_exact_max"], g["exact_over_bound"],
+                    ]
+                )  # fmt: skip
+        rows_time.append(
+            [x["workload"], x["N"], x["llm"], x["plan_ms"], x["plan_ms_p99"], x["wide_ms"], x["wide_ms_p99"]]
+        )
+    data = {
+        "python": platform.python_version(),
+        "wall_s": time.perf_counter() - t0,
+        "headers": HEADERS,
+        "rows": rows,
+        "headers_exact": HEADERS_EXACT,
+        "rows_exact": rows_exact,
+        "headers_time": HEADERS_TIME,
+        "rows_time": rows_time,
+        "results": results,
+    }
+    config = {
+        "command": command_line("benchmarks/encoder_phases.py", argv),
+        "spec": sorted(CONFIG.items()),
+        "local_ranks": LOCAL_RANKS,
+        "encoders": [repr(e) for e in ENCODERS],
+        "bound_tol": BOUND_TOL,
+        "exact_steps": EXACT_STEPS,
+        "exact_limit_s": EXACT_LIMIT_S,
+    }
+    finish(args, SECTION, data, measures=MEASURES, config=config)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
