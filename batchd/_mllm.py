@@ -170,13 +170,78 @@ class VisionEncoder(nn.Module):
         return self.merge_out(F.gelu(self.merge_in(x)))
 
 
+def clip_tokens(frames: int) -> int:
+    """Tokens the audio encoder makes of a clip of `frames` log-mel frames: a stride-2 convolution, then a
+    stride-2 average pool (Qwen2-Audio's rule, `batchd.service.preprocess.qwen2_audio_tokens`)."""
+    return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+class AudioEncoder(nn.Module):
+    """audio_features [F, n_mels] + audio_frames [clips] -> clip-token embeddings [sum of tokens, d_model].
+
+    A Qwen2-Audio / Whisper-style encoder in miniature, per clip (nothing crosses a clip's boundary, so a
+    clip's embedding does not depend on which other clips a rank encodes with it): Conv1d(n_mels -> d_audio,
+    kernel 3) -> GELU -> Conv1d(kernel 3, stride 2) -> GELU, `n_layers` pre-norm blocks attending within the
+    clip (`VisionBlock`), AvgPool1d(2, 2), RMSNorm and Linear(d_audio -> d_model): `clip_tokens(frames)`
+    rows per clip. No position embedding: it exists to make the audio path measurable, not to hear.
+
+    Args:
+        d_model: Width of the LM the embeddings feed.
+        n_mels: Mel bins of the features (128, the built-in chain's).
+        d_audio: Encoder width (divisible by `n_heads`).
+        n_layers, n_heads: Its blocks.
+    """
+
+    def __init__(
+        self, d_model: int, n_mels: int = 128, d_audio: int = 64, n_layers: int = 1, n_heads: int = 2
+    ):
+        super().__init__()
+        for name, value in (("n_mels", n_mels), ("d_audio", d_audio), ("n_audio_layers", n_layers)):
+            _check_positive(name, value)
+        if d_audio % n_heads:
+            raise ValueError(f"d_audio must split into n_heads heads, got {d_audio=} {n_heads=}")
+        self.n_mels = n_mels
+        self.conv1 = nn.Conv1d(n_mels, d_audio, 3, padding=1)
+        self.conv2 = nn.Conv1d(d_audio, d_audio, 3, stride=2, padding=1)
+        self.blocks = nn.ModuleList(VisionBlock(d_audio, n_heads) for _ in range(n_layers))
+        self.norm = RMSNorm(d_audio)
+        self.proj = nn.Linear(d_audio, d_model, bias=False)
+
+    def forward(self, features: torch.Tensor, frames: list[int]) -> torch.Tensor:
+        """Clip-token embeddings, clip by clip in order (zero rows without clips; every parameter stays in
+        the graph). Raises ValueError unless features is [sum(frames), n_mels]."""
+        if features.ndim != 2 or features.shape[1] != self.n_mels or features.shape[0] != sum(frames):
+            raise ValueError(
+                f"audio_features must be [sum of audio_frames = {sum(frames)}, {self.n_mels}], got "
+                f"{tuple(features.shape)=}"
+            )
+        features = features.to(self.conv1.weight.dtype)
+        outs, start = [], 0
+        for f in frames:
+            x = F.gelu(self.conv1(features[start : start + f].T[None]))
+            x = F.gelu(self.conv2(x))[0].T  # [(f - 1) // 2 + 1, d_audio]
+            for block in self.blocks:
+                x = block(x, [(0, x.shape[0])])
+            x = F.avg_pool1d(x.T[None], 2, 2)[0].T  # [clip_tokens(f), d_audio]
+            outs.append(self.proj(self.norm(x)))
+            start += f
+        if outs:
+            return torch.cat(outs)
+        zero = sum(p.sum() for p in self.parameters()) * 0.0  # no clip: the graph still holds every weight
+        return self.proj.weight.new_zeros((0, self.proj.weight.shape[0])) + zero
+
+
 class TinyMLLM(nn.Module):
-    """`VisionEncoder` + `TinyCausalLM` (module docstring for sizes and cost).
+    """`VisionEncoder` + `TinyCausalLM` (module docstring for sizes and cost), and with `audio_token_id`
+    an `AudioEncoder` whose clip embeddings go to the audio-token positions (each rank encodes its own
+    samples' clips: the audio phase is not exchanged yet).
 
     Args:
         image_token_id: The placeholder id of image tokens in input_ids (in [1, vocab_size): 0 is the pad).
         vocab_size, d_model, n_layers, n_heads, d_ff, max_len, tie_embeddings: The LM's (`TinyCausalLM`).
         d_vision, n_vision_layers, n_vision_heads, patch_dim: The encoder's (`VisionEncoder`).
+        audio_token_id: The placeholder id of audio tokens (None: no audio encoder); n_mels, d_audio: its
+            encoder's (`AudioEncoder`), built after the LM so the image model's initialisation is unchanged.
     """
 
     takes_batch = True  # `batchd.client.forward_logits` passes the whole batch (pixels, the exchange)
@@ -195,18 +260,24 @@ class TinyMLLM(nn.Module):
         n_vision_layers: int = 2,
         n_vision_heads: int = 2,
         patch_dim: int = PATCH_DIM,
+        audio_token_id: int | None = None,
+        n_mels: int = 128,
+        d_audio: int = 64,
     ) -> None:
         super().__init__()
-        if (
-            isinstance(image_token_id, bool)
-            or not isinstance(image_token_id, int)
-            or not 0 < image_token_id < vocab_size
-        ):
-            raise ValueError(f"image_token_id must be an int in [1, {vocab_size=}), got {image_token_id=}")
-        self.image_token_id = image_token_id
+        for name, token in (("image_token_id", image_token_id), ("audio_token_id", audio_token_id)):
+            if (token is not None or name == "image_token_id") and (
+                isinstance(token, bool) or not isinstance(token, int) or not 0 < token < vocab_size
+            ):
+                raise ValueError(f"{name} must be an int in [1, {vocab_size=}), got {name}={token!r}")
+        self.image_token_id, self.audio_token_id = image_token_id, audio_token_id
         self.vision = VisionEncoder(d_model, d_vision, n_vision_layers, n_vision_heads, patch_dim)
         self.vision.apply(TinyCausalLM._init)
         self.lm = TinyCausalLM(vocab_size, d_model, n_layers, n_heads, d_ff, max_len, tie_embeddings)
+        self.audio: AudioEncoder | None = None
+        if audio_token_id is not None:
+            self.audio = AudioEncoder(d_model, n_mels, d_audio)
+            self.audio.apply(TinyCausalLM._init)
 
     def num_parameters(self) -> int:
         """Distinct parameters (a tied head counts once)."""
@@ -226,6 +297,35 @@ class TinyMLLM(nn.Module):
             grid = torch.zeros((0, 3), dtype=torch.int64)
         pixels = _as_tensor(pixels, "pixel_values").to(weight.device)
         return self.vision(pixels, _as_tensor(grid, "image_grid_thw").cpu())
+
+    def encode_audio(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        """This rank's audio-encoder output [rows, d_model] for the batch's clips (zero rows without any)."""
+        assert self.audio is not None
+        feats, frames = batch.get("audio_features"), batch.get("audio_frames")
+        if (feats is None) != (frames is None):
+            raise ValueError(
+                f"audio_features and audio_frames come together, got {feats is None=} {frames is None=}"
+            )
+        weight = self.audio.proj.weight
+        if feats is None:
+            return self.audio(weight.new_zeros((0, self.audio.n_mels)), [])
+        counts = [int(f) for f in _as_tensor(frames, "audio_frames").reshape(-1).tolist()]
+        return self.audio(_as_tensor(feats, "audio_features").to(weight.device), counts)
+
+    def _write_audio(
+        self, flat: torch.Tensor, batch: Mapping[str, Any], input_ids: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        clips = self.encode_audio(batch)
+        at = input_ids == self.audio_token_id
+        if mask is not None:
+            at &= mask.bool()
+        where = at.reshape(-1).nonzero().squeeze(1)
+        if where.shape[0] != clips.shape[0]:
+            raise ValueError(
+                f"the batch has {where.shape[0]} audio-token positions but {clips.shape[0]} audio "
+                f"embedding rows (audio_token_id={self.audio_token_id})"
+            )
+        return flat.index_copy(0, where, clips.to(flat.dtype))
 
     def forward(self, batch: Mapping[str, Any], group: Any = None) -> torch.Tensor:
         """Logits [B, T, vocab] of a collated batch (padded or packed, `batchd.client.collate_*`).
@@ -258,7 +358,10 @@ class TinyMLLM(nn.Module):
             )
         tokens = self.lm.embed(input_ids)
         b, t, d = tokens.shape
-        embeds = tokens.reshape(b * t, d).index_copy(0, where, images.to(tokens.dtype)).view(b, t, d)
+        flat = tokens.reshape(b * t, d).index_copy(0, where, images.to(tokens.dtype))
+        if self.audio is not None:
+            flat = self._write_audio(flat, batch, input_ids, extra.get("attention_mask"))
+        embeds = flat.view(b, t, d)
         return self.lm(
             attention_mask=extra.get("attention_mask"),
             position_ids=extra.get("position_ids"),

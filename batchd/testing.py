@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # the names for readers and type checkers; at run time `__get
     from batchd._bench_trainer import VisionTimer, hf_pixels, step_lr, vision_module
     from batchd._bench_trainer import build_model as bench_model
     from batchd._bench_trainer import payload as bench_payload
-    from batchd._mllm import PATCH_DIM, TinyMLLM, image_patches
+    from batchd._mllm import PATCH_DIM, AudioEncoder, TinyMLLM, clip_tokens, image_patches
     from batchd._model import TinyCausalLM
     from batchd._trainer import _FailureWatch as FailureWatch
     from batchd._trainer import build_model, raise_job_failure
@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # the names for readers and type checkers; at run time `__get
 
 # public name -> (module, name there)
 _EXPORTS = {
+    "AudioEncoder": ("batchd._mllm", "AudioEncoder"),
     "FailureWatch": ("batchd._trainer", "_FailureWatch"),
     "LLAVA_TEMPLATE": ("batchd._vlm_tiny", "LLAVA_TEMPLATE"),
     "PATCH_DIM": ("batchd._mllm", "PATCH_DIM"),
@@ -44,6 +45,7 @@ _EXPORTS = {
     "bench_model": ("batchd._bench_trainer", "build_model"),
     "bench_payload": ("batchd._bench_trainer", "payload"),
     "build_model": ("batchd._trainer", "build_model"),
+    "clip_tokens": ("batchd._mllm", "clip_tokens"),
     "hf_pixels": ("batchd._bench_trainer", "hf_pixels"),
     "image_patches": ("batchd._mllm", "image_patches"),
     "load_vlm": ("batchd._vlm_tiny", "load_vlm"),
@@ -56,6 +58,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AudioEncoder",
     "FailureWatch",
     "LLAVA_TEMPLATE",
     "PATCH_DIM",
@@ -67,6 +70,7 @@ __all__ = [
     "bench_model",
     "bench_payload",
     "build_model",
+    "clip_tokens",
     "demo_vocab_size",
     "hf_pixels",
     "image_patches",

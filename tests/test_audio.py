@@ -11,7 +11,9 @@ import wave
 import numpy as np
 import pytest
 import soundfile
+import torch
 
+from batchd.client import to_torch, token_loss_sum
 from batchd.core import collate_padded
 from batchd.service.preprocess import (
     Preprocessor,
@@ -21,7 +23,9 @@ from batchd.service.preprocess import (
     qwen2_audio_tokens,
     read_audio,
     resample,
+    resolve,
 )
+from batchd.testing import TinyMLLM, clip_tokens
 
 RATE = 16000
 
@@ -211,3 +215,90 @@ def test_collation_concatenates_the_clips_of_a_batch():
     assert batch["audio_frames"].tolist() == [100, 50, 150]
     assert batch["audio_features"].shape == (300, 128)
     np.testing.assert_array_equal(batch["audio_features"][100:150], c["audio_features"][:50])
+
+
+# -- the audio encoder of the tiny MLLM ----------------------------------------------------------------
+def _model(tok, seed: int = 0, audio: bool = True):
+    torch.manual_seed(seed)
+    vocab = len(tok.hf)
+    audio_id = tok.token_id("<|AUDIO|>") if audio else None
+    return TinyMLLM(
+        tok.token_id("<|image_pad|>"), vocab_size=vocab, d_model=32, n_layers=1, audio_token_id=audio_id
+    )
+
+
+def test_the_tiny_mllm_encodes_each_clip_alone_and_writes_it_at_its_tokens():
+    pre = Preprocessor()
+    tok = pre.stages[2].tokenizer
+    model = _model(tok)
+    payloads = [
+        pre(record(audios=[wav(tone(1.0))]), 0, 0)[1],
+        pre(record("no audio"), 1, 0)[1],
+        pre(record("<audio><audio>?", audios=[wav(tone(0.5, freq=300.0)), wav(tone(1.3))]), 2, 0)[1],
+    ]
+    batch = to_torch(collate_padded(payloads))
+    rows = model.encode_audio(batch)
+    assert (
+        rows.shape[0]
+        == sum(clip_tokens(f) for f in [100, 50, 130])
+        == int((batch["input_ids"] == tok.token_id("<|AUDIO|>")).sum())
+    )
+    alone = torch.cat([model.encode_audio(to_torch(collate_padded([p]))) for p in (payloads[0], payloads[2])])
+    torch.testing.assert_close(rows, alone, rtol=1e-5, atol=1e-6)  # a clip's rows ignore the other clips
+    logits = model(batch)
+    quiet = dict(batch, audio_features=torch.zeros_like(batch["audio_features"]))
+    with torch.no_grad():
+        moved = (model(quiet) - logits).abs().amax(dim=-1)  # [B, T]
+    first = int((batch["input_ids"][0] == tok.token_id("<|AUDIO|>")).nonzero()[0])
+    assert float(moved[0, :first].max()) == 0.0  # causal: nothing before the clip moves
+    assert float(moved[0, first:].max()) > 0
+    assert float(moved[1].max()) == 0.0  # the sample without audio is untouched
+    loss = token_loss_sum(logits, batch["labels"])[0]
+    loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.audio.parameters())
+
+
+def test_a_step_without_audio_keeps_the_audio_encoder_in_the_graph_and_the_image_model_unchanged():
+    pre = Preprocessor()
+    tok = pre.stages[2].tokenizer
+    model = _model(tok)
+    batch = to_torch(collate_padded([pre(record("no audio"), 1, 0)[1]]))
+    token_loss_sum(model(batch), batch["labels"])[0].backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.audio.parameters())  # zero, not None
+    plain = _model(tok, audio=False)
+    assert plain.audio is None
+    state = {k: v for k, v in model.state_dict().items() if not k.startswith("audio.")}
+    assert all(torch.equal(state[k], v) for k, v in plain.state_dict().items())  # built after the LM
+    with pytest.raises(ValueError, match="audio_token_id must be an int"):
+        TinyMLLM(5, vocab_size=64, audio_token_id=64)
+    with pytest.raises(ValueError, match="audio-token positions"):
+        model(dict(batch, input_ids=torch.full_like(batch["input_ids"], tok.token_id("<|AUDIO|>"))))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_a_dataset_with_audio_streams_through_the_ray_actors(ray_session, tmp_path, fmt):
+    """The demo generator's clips (tones, noise; some at 22.05 kHz) in a Parquet column or WAV files beside
+    a JSONL file reach every sample's metadata and payload through the real actor pool."""
+    from batchd.service.preprocess import EXHAUSTED, RaySource, make_demo_dataset
+
+    demo = make_demo_dataset(tmp_path, 64, seed=5, audio_fraction=0.5, bad_fraction=0.0, format=fmt)
+    got = {}
+    with RaySource(
+        demo.path, 0, 1, seed=0, stages=default_stages(cutoff=4096), num_actors=1, actor_num_cpus=0.5
+    ) as src:
+        while (item := src.poll(120.0)) is not EXHAUSTED:
+            assert item is not None, "the source stalled"
+            sample, ref = item
+            got[sample.id] = (sample, resolve(ref))
+    assert len(got) == 64
+    heard = [(s, p) for s, p in got.values() if s.audio]
+    assert 20 <= len(heard) <= 44  # about half
+    for s, p in heard:
+        assert p["audio_frames"].tolist() == [f for f, _ in s.audio]
+        assert p["audio_features"].shape == (sum(f for f, _ in s.audio), 128)
+        assert (
+            dict(s.modality_tokens)["audio"]
+            == sum(t for _, t in s.audio)
+            == sum(qwen2_audio_tokens(f) for f, _ in s.audio)
+        )
+    assert all("audio_features" not in p for s, p in got.values() if not s.audio)

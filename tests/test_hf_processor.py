@@ -353,9 +353,10 @@ def test_bad_arguments(tmp_path, qwen):
 def test_default_stages_with_a_processor_give_consistent_payload_and_meta(qwen):
     path, _ = qwen
     chain = default_stages(processor=path, cutoff=2048)
-    assert [type(s).__name__ for s in chain] == ["HFProcessor", "Truncate"]
+    assert [type(s).__name__ for s in chain] == ["HFProcessor", "_NoAudio", "Truncate"]  # audio: refused
     augmented = default_stages(processor=path, augment=True)
-    assert [type(s).__name__ for s in augmented][-2:] == ["HFProcessor", "Truncate"] and len(augmented) == 5
+    names = [type(s).__name__ for s in augmented]
+    assert names[-3:] == ["HFProcessor", "_NoAudio", "Truncate"] and len(augmented) == 6
     records, _ = demo_records(24, seed=2, image_fraction=0.7, bad_fraction=0.0)
     pre = Preprocessor(chain)
     pre.setup()
@@ -415,6 +416,7 @@ def test_config_and_cli_take_a_processor_directory(tmp_path, qwen):
     assert cfg.pipeline.stage_kwargs()["processor"] == str(tmp_path / "model")
     assert [type(s).__name__ for s in default_stages(cutoff=512, **cfg.pipeline.stage_kwargs())] == [
         "HFProcessor",
+        "_NoAudio",
         "Truncate",
     ]
     cfg_file.write_text('[job]\nworld_size = 1\ntoken_budget = 1024\n[pipeline]\nprocessor = "nope"\n')

@@ -585,4 +585,6 @@ def test_processor_block_runs_with_a_local_processor(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     scope: dict = {}
     exec(compile(block, "README:processor", "exec"), scope)  # noqa: S102 - the README's own code
-    assert [type(s).__name__ for s in scope["stages"]] == ["HFProcessor", "Truncate"], scope["stages"]
+    assert [type(s).__name__ for s in scope["stages"]] == ["HFProcessor", "_NoAudio", "Truncate"], scope[
+        "stages"
+    ]

@@ -11,7 +11,8 @@ The default chain and what each stage reads -> writes:
     Truncate          everything above             -> cut to the cutoff (never inside an image or a clip)
                                                       or Reject
 
-With `processor=DIR` the model's own Hugging Face processor replaces the middle three stages:
+With `processor=DIR` the model's own Hugging Face processor replaces the middle stages (its audio side is
+not run yet: a record with audio clips is quarantined as "unsupported_audio"):
 
     HFProcessor       messages, system, images     -> input_ids, labels, image_spans, image_tensors, extra
 
@@ -94,8 +95,8 @@ def default_stages(
             TurnSubsample(p=0.3),
             RandomResizedCrop(p=0.5),
         ]
-    if processor is not None:
-        chain.append(HFProcessor(processor))
+    if processor is not None:  # its processor's audio side is not run yet: records with audio are refused
+        chain += [HFProcessor(processor), _NoAudio()]
     elif vision in ("qwen2_vl", "llava", None):
         stage: Stage = (
             Qwen2VLVision(tok, min_pixels=min_pixels, max_pixels=max_pixels)

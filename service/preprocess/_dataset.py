@@ -83,7 +83,9 @@ class Block:
 
 
 def _columns(schema: pa.Schema) -> list[str]:
-    return [c for c in (_conversation_column(schema.names), "images", "system") if c in schema.names]
+    return [
+        c for c in (_conversation_column(schema.names), "images", "audios", "system") if c in schema.names
+    ]
 
 
 def _parquet_blocks(path: str) -> tuple[list[tuple[int, int, int, int]], tuple[str, ...]]:

@@ -79,10 +79,32 @@ def _conversation(rng: np.random.Generator) -> list[dict[str, str]]:
     return messages
 
 
+def _clip(rng: np.random.Generator) -> bytes:
+    """A short generated audio clip as 16-bit WAV bytes: a gliding tone or a burst of noise, 0.3-2 s, at
+    16 kHz (or 22.05 kHz, which the chain resamples)."""
+    import wave
+
+    rate = 16000 if rng.random() < 0.8 else 22050
+    t = np.arange(int(rng.uniform(0.3, 2.0) * rate)) / rate
+    if rng.random() < 0.6:
+        f0, f1 = rng.uniform(200.0, 2000.0, size=2)
+        x = 0.4 * np.sin(2 * np.pi * (f0 + (f1 - f0) * t / (2 * t[-1])) * t)
+    else:
+        x = 0.2 * rng.standard_normal(len(t)) * np.hanning(len(t))
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
 def demo_record(
-    i: int, seed: int = 0, image_fraction: float = 0.3, max_image_side: int = 224
+    i: int, seed: int = 0, image_fraction: float = 0.3, max_image_side: int = 224, audio_fraction: float = 0.0
 ) -> dict[str, Any]:
-    """Record `i` of the demo dataset (a good one): messages, images (PNG bytes), system."""
+    """Record `i` of the demo dataset (a good one): messages, images (PNG bytes), audios (WAV bytes; drawn
+    from their own generator, so a record's other fields do not depend on `audio_fraction`), system."""
     rng = np.random.default_rng([seed, i, 17])
     messages = _conversation(rng)
     system = _SYSTEMS[int(rng.integers(len(_SYSTEMS)))] if rng.random() < 0.3 else None
@@ -91,7 +113,12 @@ def demo_record(
         images = [_png(rng, max_image_side) for _ in range(1 if rng.random() < 0.8 else 2)]
         if rng.random() < 0.5:  # explicit markers; otherwise the reader puts them in front of the first turn
             messages[0]["content"] = "<image>" * len(images) + "Look at this. " + messages[0]["content"]
-    return {"messages": messages, "images": images, "system": system}
+    heard = np.random.default_rng([seed, i, 23])
+    audios = []
+    if heard.random() < audio_fraction:
+        audios = [_clip(heard) for _ in range(1 if heard.random() < 0.8 else 2)]
+        messages[0]["content"] = "<audio>" * len(audios) + "Listen. " + messages[0]["content"]
+    return {"messages": messages, "images": images, "audios": audios, "system": system}
 
 
 def _bad_record(kind: str, i: int, seed: int) -> dict[str, Any]:
@@ -128,6 +155,7 @@ def demo_records(
     bad_fraction: float = 0.02,
     max_image_side: int = 224,
     kinds: tuple[str, ...] = BAD_KINDS_COLUMNAR,
+    audio_fraction: float = 0.0,
 ) -> tuple[list[dict[str, Any]], dict[int, str]]:
     """(records, {bad id: code}): the demo dataset in memory ('invalid_json' records are None here)."""
     bad = demo_bad_ids(num_samples, seed, bad_fraction, kinds)
@@ -136,7 +164,7 @@ def demo_records(
         if i in bad:
             records.append(None if bad[i] == "invalid_json" else _bad_record(bad[i], i, seed))
         else:
-            records.append(demo_record(i, seed, image_fraction, max_image_side))
+            records.append(demo_record(i, seed, image_fraction, max_image_side, audio_fraction))
     return records, bad
 
 
@@ -162,6 +190,38 @@ class DemoDataset:
         return self.num_records - len(self.bad)
 
 
+def _write_jsonl(out: Path, stem: str, records: list[Any]) -> Path:
+    """The records as JSONL, their images and clips as files in `<stem>-images/` beside it."""
+    path = out / f"{stem}.jsonl"
+    img_dir = out / f"{stem}-images"
+    img_dir.mkdir(exist_ok=True)
+    lines = []
+    for i, rec in enumerate(records):
+        if rec is None:
+            lines.append('{"messages": [{"role": "user", "content": "truncated')
+            continue
+        paths = []
+        for k, data in enumerate(rec["images"]):
+            name = f"{img_dir.name}/{i:06d}-{k}.png"
+            (out / name).write_bytes(data)
+            paths.append(name)
+        clips = []
+        for k, data in enumerate(rec.get("audios", ())):
+            name = f"{img_dir.name}/{i:06d}-{k}.wav"
+            (out / name).write_bytes(data)
+            clips.append(name)
+        obj: dict[str, Any] = {"messages": rec["messages"]}
+        if paths:
+            obj["images"] = paths
+        if clips:
+            obj["audios"] = clips
+        if rec["system"] is not None:
+            obj["system"] = rec["system"]
+        lines.append(json.dumps(obj))
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
 def make_demo_dataset(
     out_dir: str | os.PathLike,
     num_samples: int = 512,
@@ -170,6 +230,7 @@ def make_demo_dataset(
     bad_fraction: float = 0.02,
     format: str = "parquet",
     max_image_side: int = 224,
+    audio_fraction: float = 0.0,
 ) -> DemoDataset:
     """Writes the demo dataset to `out_dir` as `demo-<n>-<seed>.<ext>` and returns where and what.
 
@@ -181,6 +242,8 @@ def make_demo_dataset(
         bad_fraction: Share of deliberately bad records (at least one of each kind when > 0).
         format: "parquet", "jsonl" or "arrow" (Arrow IPC file).
         max_image_side: Largest generated image side in pixels.
+        audio_fraction: Share of good records with 1-2 generated audio clips (tones, noise; `<audio>`
+            markers in front of the first turn). JSONL writes them as WAV files beside the images.
     """
     import pyarrow as pa
 
@@ -189,35 +252,23 @@ def make_demo_dataset(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kinds = BAD_KINDS_JSONL if format == "jsonl" else BAD_KINDS_COLUMNAR
-    records, bad = demo_records(num_samples, seed, image_fraction, bad_fraction, max_image_side, kinds)
+    records, bad = demo_records(
+        num_samples, seed, image_fraction, bad_fraction, max_image_side, kinds, audio_fraction
+    )
     stem = f"demo-{num_samples}-{seed}"
     if format == "jsonl":
-        path = out / f"{stem}.jsonl"
-        img_dir = out / f"{stem}-images"
-        img_dir.mkdir(exist_ok=True)
-        lines = []
-        for i, rec in enumerate(records):
-            if rec is None:
-                lines.append('{"messages": [{"role": "user", "content": "truncated')
-                continue
-            paths = []
-            for k, data in enumerate(rec["images"]):
-                name = f"{img_dir.name}/{i:06d}-{k}.png"
-                (out / name).write_bytes(data)
-                paths.append(name)
-            obj: dict[str, Any] = {"messages": rec["messages"]}
-            if paths:
-                obj["images"] = paths
-            if rec["system"] is not None:
-                obj["system"] = rec["system"]
-            lines.append(json.dumps(obj))
-        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        path = _write_jsonl(out, stem, records)
         return DemoDataset(path, num_samples, bad, format)
     msg_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     table = pa.table(
         {
             "messages": pa.array([r["messages"] for r in records], msg_type),
             "images": pa.array([r["images"] for r in records], pa.list_(pa.binary())),
+            **(
+                {"audios": pa.array([r.get("audios", []) for r in records], pa.list_(pa.binary()))}
+                if audio_fraction > 0
+                else {}
+            ),
             "system": pa.array([r["system"] for r in records], pa.string()),
         }
     )

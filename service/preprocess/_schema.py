@@ -82,24 +82,29 @@ def check_arrow_schema(schema: pa.Schema, file: str) -> None:
         _is_str(schema.field("system").type) or pa.types.is_null(schema.field("system").type)
     ):
         raise SchemaError(file, "system", f"expected string, got {schema.field('system').type}")
-    if "images" in names:
-        it = schema.field("images").type
-        inner = it.value_type if _is_list(it) else it
-        ok = pa.types.is_null(it) or _is_str(inner) or _is_bin(inner) or pa.types.is_null(inner)
-        if pa.types.is_struct(inner):
-            sub = {inner.field(i).name: inner.field(i).type for i in range(inner.num_fields)}
-            ok = (
-                ("bytes" in sub or "path" in sub)
-                and ("bytes" not in sub or _is_bin(sub["bytes"]) or pa.types.is_null(sub["bytes"]))
-                and ("path" not in sub or _is_str(sub["path"]) or pa.types.is_null(sub["path"]))
-            )
-        if not ok:
-            raise SchemaError(
-                file,
-                "images",
-                f"expected list<binary> (image bytes), list<string> (paths) or "
-                f"list<struct<bytes: binary, path: string>>, got {it}",
-            )
+    for media in ("images", "audios"):
+        if media in names:
+            _check_media(file, media, schema.field(media).type)
+
+
+def _check_media(file: str, media: str, it: Any) -> None:
+    """A column of images or audio clips: list<binary>, list<string> or list<struct<bytes, path>>."""
+    inner = it.value_type if _is_list(it) else it
+    ok = pa.types.is_null(it) or _is_str(inner) or _is_bin(inner) or pa.types.is_null(inner)
+    if pa.types.is_struct(inner):
+        sub = {inner.field(i).name: inner.field(i).type for i in range(inner.num_fields)}
+        ok = (
+            ("bytes" in sub or "path" in sub)
+            and ("bytes" not in sub or _is_bin(sub["bytes"]) or pa.types.is_null(sub["bytes"]))
+            and ("path" not in sub or _is_str(sub["path"]) or pa.types.is_null(sub["path"]))
+        )
+    if not ok:
+        raise SchemaError(
+            file,
+            media,
+            f"expected list<binary> ({'image' if media == 'images' else 'audio'} bytes), list<string> "
+            f"(paths) or list<struct<bytes: binary, path: string>>, got {it}",
+        )
 
 
 def _type_name(v: Any) -> str:
@@ -147,14 +152,14 @@ def check_json_row(obj: Any, file: str, row: int) -> None:
     sys_prompt = obj.get("system")
     if sys_prompt is not None and not isinstance(sys_prompt, str):
         raise SchemaError(file, "system", f"expected string, got {_type_name(sys_prompt)}", row)
-    imgs = obj.get("images")
-    if imgs is not None:
-        items = imgs if isinstance(imgs, list) else [imgs]
+    for media in ("images", "audios"):
+        found = obj.get(media)
+        items = [] if found is None else found if isinstance(found, list) else [found]
         for k, im in enumerate(items):
             if not (im is None or isinstance(im, (str, dict))):
                 raise SchemaError(
                     file,
-                    f"images[{k}]",
+                    f"{media}[{k}]",
                     f"expected a path, data URI or {{bytes, path}} object, got {_type_name(im)}",
                     row,
                 )
