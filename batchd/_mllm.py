@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchd.client import exchange_image_embeddings
+from batchd.client import exchange_audio_embeddings, exchange_image_embeddings
 
 from ._model import RMSNorm, TinyCausalLM, _check_positive
 
@@ -233,8 +233,9 @@ class AudioEncoder(nn.Module):
 
 class TinyMLLM(nn.Module):
     """`VisionEncoder` + `TinyCausalLM` (module docstring for sizes and cost), and with `audio_token_id`
-    an `AudioEncoder` whose clip embeddings go to the audio-token positions (each rank encodes its own
-    samples' clips: the audio phase is not exchanged yet).
+    an `AudioEncoder` whose clip embeddings go to the audio-token positions: the clips this rank encodes,
+    sent to their owners when the batch carries the audio exchange (`batchd.client.exchange_audio_embeddings`,
+    a collective like the vision one), else its own samples' clips.
 
     Args:
         image_token_id: The placeholder id of image tokens in input_ids (in [1, vocab_size): 0 is the pad).
@@ -313,9 +314,14 @@ class TinyMLLM(nn.Module):
         return self.audio(_as_tensor(feats, "audio_features").to(weight.device), counts)
 
     def _write_audio(
-        self, flat: torch.Tensor, batch: Mapping[str, Any], input_ids: torch.Tensor, mask: torch.Tensor | None
+        self,
+        flat: torch.Tensor,
+        batch: Mapping[str, Any],
+        input_ids: torch.Tensor,
+        mask: torch.Tensor | None,
+        group: Any = None,
     ) -> torch.Tensor:
-        clips = self.encode_audio(batch)
+        clips = exchange_audio_embeddings(self.encode_audio(batch), batch, group)
         at = input_ids == self.audio_token_id
         if mask is not None:
             at &= mask.bool()
@@ -360,7 +366,7 @@ class TinyMLLM(nn.Module):
         b, t, d = tokens.shape
         flat = tokens.reshape(b * t, d).index_copy(0, where, images.to(tokens.dtype))
         if self.audio is not None:
-            flat = self._write_audio(flat, batch, input_ids, extra.get("attention_mask"))
+            flat = self._write_audio(flat, batch, input_ids, extra.get("attention_mask"), group)
         embeds = flat.view(b, t, d)
         return self.lm(
             attention_mask=extra.get("attention_mask"),

@@ -31,7 +31,7 @@ from ._accelerate import batchd_accumulate, batchd_backward, batchd_batches, bat
 from ._client import BatchClient
 from ._collate import IGNORE_INDEX, collate_packed, collate_padded, idle_batch, loss_tokens, to_torch
 from ._deepspeed import batchd_deepspeed_backward
-from ._exchange import exchange_image_embeddings
+from ._exchange import exchange_audio_embeddings, exchange_embeddings, exchange_image_embeddings
 from ._microbatch import microbatches, pipeline_steps
 from ._train import (
     accumulating,
@@ -105,6 +105,8 @@ __all__ = [
     "check_weighted",
     "collate_packed",
     "collate_padded",
+    "exchange_audio_embeddings",
+    "exchange_embeddings",
     "exchange_image_embeddings",
     "forward_logits",
     "hf_model_inputs",

@@ -35,9 +35,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from batchd.core import EXCHANGE_KEYS
+from batchd.core import AUDIO_EXCHANGE_KEYS, EXCHANGE_KEYS
 
-__all__ = ["exchange_image_embeddings"]
+__all__ = ["exchange_audio_embeddings", "exchange_embeddings", "exchange_image_embeddings"]
 
 
 def _ints(batch: Mapping[str, Any], key: str) -> list[int]:
@@ -71,28 +71,28 @@ def _world_size(group: Any, n: int) -> int:
 
 
 def _plan(
-    rows: int, send: list[int], recv: list[int], placement: list[int], image_tokens: list[int]
+    rows: int,
+    send: list[int],
+    recv: list[int],
+    placement: list[int],
+    image_tokens: list[int],
+    keys: tuple[str, ...] = EXCHANGE_KEYS,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Validates one rank's exchange arrays; returns int64 (gather, inverse): out = received[gather] puts
-    the received rows in LLM order, received = out[inverse] undoes it."""
+    the received rows in LLM order, received = out[inverse] undoes it. `keys` name the arrays in errors
+    (an image of the vision phase or a clip of the audio phase: an "item")."""
+    ks, kr, kp, kt = keys
     if rows != sum(send):
-        raise ValueError(
-            f"encoded must have sum(vision_send_splits) rows, got encoded rows={rows} "
-            f"vision_send_splits={send}"
-        )
+        raise ValueError(f"encoded must have sum({ks}) rows, got encoded rows={rows} {ks}={send}")
     n_images = len(image_tokens)
     if len(placement) != n_images or sorted(placement) != list(range(n_images)):
         raise ValueError(
-            f"vision_placement must be a permutation of range({n_images}) (one entry per LLM "
-            f"image), got vision_placement={placement}"
+            f"{kp} must be a permutation of range({n_images}) (one entry per LLM item), got {kp}={placement}"
         )
     if any(t < 1 for t in image_tokens):
-        raise ValueError(f"every image has >= 1 token, got vision_image_tokens={image_tokens}")
+        raise ValueError(f"every item has >= 1 token, got {kt}={image_tokens}")
     if sum(recv) != sum(image_tokens):
-        raise ValueError(
-            f"sum(vision_recv_splits) must equal sum(vision_image_tokens), got "
-            f"vision_recv_splits={recv} vision_image_tokens={image_tokens}"
-        )
+        raise ValueError(f"sum({kr}) must equal sum({kt}), got {kr}={recv} {kt}={image_tokens}")
     llm_start = np.concatenate(([0], np.cumsum(image_tokens, dtype=np.int64)))
     # the received images, source by source, must fill each source's rows exactly
     bounds = set(np.cumsum(recv, dtype=np.int64).tolist())
@@ -100,8 +100,8 @@ def _plan(
     stray = sorted(b for b in bounds if b and b not in set(received_end))
     if stray:
         raise ValueError(
-            f"vision_recv_splits={recv} cut a received image in two (row boundaries {stray} fall "
-            f"inside an image; received image tokens in order: {[image_tokens[i] for i in placement]})"
+            f"{kr}={recv} cut a received item in two (row boundaries {stray} fall inside an item; "
+            f"received item tokens in order: {[image_tokens[i] for i in placement]})"
         )
     # received row r_j + k (image j from the sources, LLM image placement[j]) is
     # LLM row start[placement[j]] + k
@@ -154,8 +154,8 @@ class _Exchange(torch.autograd.Function):
         return grad_encoded, None, None, None, None, None, None
 
 
-def exchange_image_embeddings(
-    encoded: torch.Tensor, batch: Mapping[str, Any], group: Any = None
+def exchange_embeddings(
+    encoded: torch.Tensor, batch: Mapping[str, Any], group: Any = None, keys: tuple[str, ...] = EXCHANGE_KEYS
 ) -> torch.Tensor:
     """Sends this rank's encoder output to the images' owners; returns its own images' embeddings.
 
@@ -181,28 +181,45 @@ def exchange_image_embeddings(
             match the group size, the encoded rows or each other, or an uninitialized process group with
             more than one rank. The arrays are checked before any communication, so a malformed batch
             raises on its own rank only (the others then wait in the collective until the group's timeout).
+
+    Any encoder phase: `keys` names the phase's four arrays (`batchd.core.EXCHANGE_KEYS` for the vision
+    phase, the default; `batchd.core.AUDIO_EXCHANGE_KEYS` for the audio clips), `exchange_image_embeddings`
+    and `exchange_audio_embeddings` are this function with either.
     """
-    if "vision_send_splits" not in batch:
+    ks, kr = keys[0], keys[1]
+    if ks not in batch:
         return encoded
-    missing = [k for k in EXCHANGE_KEYS if k not in batch]
+    missing = [k for k in keys if k not in batch]
     if missing:
-        raise ValueError(f"the batch has vision_send_splits but lacks {missing=}")
+        raise ValueError(f"the batch has {ks} but lacks {missing=}")
     if not isinstance(encoded, torch.Tensor) or encoded.ndim != 2:
         raise ValueError(
             f"encoded must be a [rows, H] tensor, got "
             f"shape={tuple(getattr(encoded, 'shape', ()))} type={type(encoded).__name__}"
         )
-    send, recv, placement, image_tokens = (_ints(batch, k) for k in EXCHANGE_KEYS)
+    send, recv, placement, image_tokens = (_ints(batch, k) for k in keys)
     if len(send) != len(recv):
-        raise ValueError(
-            f"vision_send_splits and vision_recv_splits need one entry per rank, got "
-            f"vision_send_splits={send} vision_recv_splits={recv}"
-        )
+        raise ValueError(f"{ks} and {kr} need one entry per rank, got {ks}={send} {kr}={recv}")
     world = _world_size(group, len(send))
     if len(send) != world:
         raise ValueError(
             f"the exchange arrays are for {len(send)} ranks but the group has world_size={world}"
         )
-    gather, inverse = _plan(encoded.shape[0], send, recv, placement, image_tokens)
+    gather, inverse = _plan(encoded.shape[0], send, recv, placement, image_tokens, keys)
     gather_t, inverse_t = (torch.from_numpy(ix).to(encoded.device) for ix in (gather, inverse))
     return _Exchange.apply(encoded, send, recv, gather_t, inverse_t, group, world)
+
+
+def exchange_image_embeddings(
+    encoded: torch.Tensor, batch: Mapping[str, Any], group: Any = None
+) -> torch.Tensor:
+    """`exchange_embeddings` of the vision phase: image embeddings back to their owners (`EXCHANGE_KEYS`)."""
+    return exchange_embeddings(encoded, batch, group, EXCHANGE_KEYS)
+
+
+def exchange_audio_embeddings(
+    encoded: torch.Tensor, batch: Mapping[str, Any], group: Any = None
+) -> torch.Tensor:
+    """`exchange_embeddings` of the audio phase: audio-clip embeddings back to the ranks whose LLM samples
+    hold them (`AUDIO_EXCHANGE_KEYS`); without ``audio_send_splits`` in the batch `encoded` unchanged."""
+    return exchange_embeddings(encoded, batch, group, AUDIO_EXCHANGE_KEYS)

@@ -49,6 +49,8 @@ from ._collate import (
     LLM_GRID_KEY,
     TOKEN_KEYS,
     VISION_KEYS,
+    clip_of,
+    collate_clips,
     collate_images,
     collate_packed,
     collate_padded,
@@ -56,6 +58,7 @@ from ._collate import (
     image_of,
     llm_grids,
     loss_tokens,
+    strip_audio,
     strip_vision,
 )
 from ._cost import CostModel
@@ -88,6 +91,7 @@ from ._microbatch import balanced_split, chunk_split
 from ._node_plan import decision_for_node, round_exchanges
 from ._phase_exact import ExactPlacement, exact_placement
 from ._phases import (
+    AUDIO_EXCHANGE_KEYS,
     EXCHANGE_KEYS,
     exchange_arrays,
     exchanged,
@@ -127,6 +131,7 @@ from ._workload import WORKLOAD_HEADER, format_workload, parse_lengths, parse_wo
 __all__ = [
     "ALIGN_RULES",
     "ATTACHED",
+    "AUDIO_EXCHANGE_KEYS",
     "AUDIO_KEYS",
     "AudioCost",
     "BatchdError",
@@ -199,6 +204,8 @@ __all__ = [
     "check_state",
     "check_str",
     "chunk_split",
+    "clip_of",
+    "collate_clips",
     "collate_images",
     "collate_packed",
     "collate_padded",
@@ -240,6 +247,7 @@ __all__ = [
     "simulate",
     "single_phase",
     "split_largest",
+    "strip_audio",
     "strip_vision",
     "synthetic_token_loss",
     "target_min",

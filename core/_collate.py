@@ -289,10 +289,42 @@ def collate_images(images: Sequence[Payload]) -> dict[str, np.ndarray]:
     return _vision(images)
 
 
+def collate_clips(clips: Sequence[Payload]) -> dict[str, np.ndarray]:
+    """The audio-encoder input of a step whose audio phase is exchanged: one-clip payloads (`clip_of`)
+    concatenated in order. No clip: no key."""
+    return {k: v for k, v in _vision(clips).items() if k in AUDIO_KEYS}
+
+
 def strip_vision(samples: Sequence[Payload]) -> list[dict[str, np.ndarray]]:
     """The payloads without their vision tensors (a two-phase step's LLM part: the images travel to the
     ranks that encode them, `collate_images`)."""
     return [{k: v for k, v in s.items() if k not in VISION_KEYS} for s in samples]
+
+
+def clip_of(sample: Payload, index: int) -> dict[str, np.ndarray]:
+    """Audio clip `index` of a sample's payload, as a one-clip payload: its ``audio_features`` rows (located
+    by ``audio_frames``) and its frame count.
+
+    Raises:
+        ValueError: the payload has no clip `index` (naming both counts).
+    """
+    feats, frames = sample.get("audio_features"), sample.get("audio_frames")
+    if feats is None or frames is None:
+        raise ValueError(f"clip {index} requested of a payload without audio: keys={sorted(sample)}")
+    frames = np.asarray(frames).reshape(-1)
+    if not 0 <= index < frames.shape[0]:
+        raise ValueError(f"clip {index} requested of a payload with {frames.shape[0]} clips")
+    start = int(frames[:index].sum())
+    return {
+        "audio_features": np.asarray(feats)[start : start + int(frames[index])],
+        "audio_frames": frames[index : index + 1],
+    }
+
+
+def strip_audio(samples: Sequence[Payload]) -> list[dict[str, np.ndarray]]:
+    """The payloads without their audio tensors (a step whose audio phase is exchanged: the clips travel
+    to the ranks that encode them, concatenated by `collate`'s rules from `clip_of` payloads)."""
+    return [{k: v for k, v in s.items() if k not in AUDIO_KEYS} for s in samples]
 
 
 def llm_grids(samples: Sequence[Payload]) -> dict[str, np.ndarray]:

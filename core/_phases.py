@@ -333,9 +333,10 @@ def exchanged(exchanges: Sequence[Exchange], nodes: Sequence[int] | None = None)
 
 
 EXCHANGE_KEYS = ("vision_send_splits", "vision_recv_splits", "vision_placement", "vision_image_tokens")
+AUDIO_EXCHANGE_KEYS = ("audio_send_splits", "audio_recv_splits", "audio_placement", "audio_clip_tokens")
 
 
-def exchange_arrays(exchange: Exchange) -> dict[str, np.ndarray]:
+def exchange_arrays(exchange: Exchange, keys: tuple[str, ...] = EXCHANGE_KEYS) -> dict[str, np.ndarray]:
     """A rank's part of a step's exchange as the int64 arrays its batch carries (beside `StepInfo`):
 
     - `vision_send_splits` [N]: rows of this rank's encoder output (images in `encode` order) for each rank;
@@ -343,11 +344,8 @@ def exchange_arrays(exchange: Exchange) -> dict[str, np.ndarray]:
     - `vision_placement` [I]: for the j-th received image (source by source), its index in LLM order;
     - `vision_image_tokens` [I]: the rows of each of its LLM images, in LLM order.
 
-    `batchd.client.exchange_image_embeddings` runs the exchange from these.
+    `batchd.client.exchange_image_embeddings` runs the exchange from these. Another phase's exchange under
+    its own `keys` (`AUDIO_EXCHANGE_KEYS`: the audio clips; `batchd.client.exchange_audio_embeddings`).
     """
-    return {
-        "vision_send_splits": np.asarray(exchange.send_splits(), dtype=np.int64),
-        "vision_recv_splits": np.asarray(exchange.recv_splits(), dtype=np.int64),
-        "vision_placement": np.asarray(exchange.placement(), dtype=np.int64),
-        "vision_image_tokens": np.asarray(exchange.tokens, dtype=np.int64),
-    }
+    values = (exchange.send_splits(), exchange.recv_splits(), exchange.placement(), exchange.tokens)
+    return {k: np.asarray(v, dtype=np.int64) for k, v in zip(keys, values, strict=True)}

@@ -412,7 +412,7 @@ def test_recv_splits_must_not_cut_an_image(monkeypatch):
     before any collective, so a faked 2-rank group is enough."""
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    with pytest.raises(ValueError, match="cut a received image"):
+    with pytest.raises(ValueError, match="cut a received item"):
         exchange_image_embeddings(torch.zeros(3, 2), arrays([3, 0], [3, 3], [0, 1], [2, 4]))
     with pytest.raises(ValueError, match="world_size=2"):
         exchange_image_embeddings(torch.zeros(6, 2), arrays([6, 0, 0], [6, 0, 0], [0], [6]))

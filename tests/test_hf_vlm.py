@@ -184,7 +184,7 @@ def rank_batch(step: dict, rank: int, pad_id: int) -> dict:
     payloads = [step["payloads"][i] for i in step["row"][rank]]
     if step["phases"] == 2:
         ex = step["exchanges"][rank]
-        planned = types.SimpleNamespace(exchange=ex, info=types.SimpleNamespace(step=0))
+        planned = types.SimpleNamespace(exchange=ex, audio_exchange=None, info=types.SimpleNamespace(step=0))
         batch = collate(spec, payloads, pad_id, planned, [step["payloads"][im.sample_id] for im in ex.encode])
     else:
         batch = collate(spec, payloads, pad_id)

@@ -15,7 +15,7 @@ import pytest
 from _jobs import InProcessJob, job_pool
 
 from batchd.core import JobSpec
-from batchd.service.preprocess import SyntheticSource, synthetic_image_payload
+from batchd.service.preprocess import SyntheticSource, synthetic_audio_payload, synthetic_image_payload
 
 PATCH_DIM = 4  # small pixel rows: the data path, not the pixels, is under test
 VOCAB = 512
@@ -237,3 +237,103 @@ def test_node_agents_exchange_images_with_a_cut_plan(tmp_path):
         if s.name == "batchd_job_exchanged_rows_total"
     }
     assert scraped == rows and rows["intra_node"] > 0, (scraped, rows)
+
+
+# -- the audio phase beside the vision phase ------------------------------------------------------------
+MELS = 8
+
+
+def _audio_workload(n: int, seed: int) -> tuple[list[int], list[tuple], list[tuple]]:
+    """Lengths, images and audio clips (frames = 4 x tokens): ~half the samples carry 1-2 clips."""
+    lengths, images = _workload(n, seed)
+    rng = np.random.default_rng([seed, 5])
+    audio = []
+    for i in range(n):
+        clips = tuple(
+            (4 * t, t) for t in (int(rng.choice([4, 10, 25])) for _ in range(int(rng.choice([0, 1, 1, 2]))))
+        )
+        lengths[i] += sum(t for _, t in clips)
+        audio.append(clips)
+    return lengths, images, audio
+
+
+def _audio_rows(batches: list[dict]) -> list[np.ndarray]:
+    """One step's audio all-to-all in numpy with a stand-in encoder (4 frame rows -> one token row)."""
+    n = len(batches)
+    sent = []
+    for b in batches:
+        enc = b.get("audio_features", np.zeros((0, MELS), np.float32)).reshape(-1, 4 * MELS)
+        splits = b["audio_send_splits"].tolist()
+        assert enc.shape[0] == sum(splits), (enc.shape, splits)
+        offs = np.cumsum([0] + splits)
+        sent.append([enc[offs[d] : offs[d + 1]] for d in range(n)])
+    out = []
+    for o, b in enumerate(batches):
+        received = np.concatenate([sent[e][o] for e in range(n)])
+        assert [len(sent[e][o]) for e in range(n)] == b["audio_recv_splits"].tolist()
+        tokens, placement = b["audio_clip_tokens"].tolist(), b["audio_placement"].tolist()
+        chunks = np.split(received, np.cumsum([tokens[p] for p in placement])[:-1]) if placement else []
+        ordered = [None] * len(tokens)
+        for j, p in enumerate(placement):
+            ordered[p] = chunks[j]
+        out.append(np.concatenate(ordered) if ordered else np.zeros((0, 4 * MELS), np.float32))
+    return out
+
+
+def test_the_audio_phase_is_exchanged_beside_the_vision_phase_across_a_rank_restart(tmp_path):
+    """Images and audio clips, phases 2, through the daemon, rank 1 restarted mid-epoch from its journal:
+    in every step with clips each rank's batch carries the features of the clips it encodes and the audio
+    exchange arrays; after the all-to-all each rank holds exactly its own LLM samples' clip rows, in order
+    (every clip encoded exactly once), and every sample id is trained exactly once."""
+    from _jobs import drain_clients
+
+    lengths, images, audio = _audio_workload(150, seed=9)
+    spec = JobSpec(world_size=3, token_budget=512, policy="balanced", window=12, depth=2, seed=4, phases=2)
+
+    def sources():
+        return [
+            SyntheticSource(
+                lengths, r, 3, spec.seed, 0, spec.shuffle, vocab_size=VOCAB, images=images,
+                patch_dim=PATCH_DIM, audio=audio,
+            )
+            for r in range(3)
+        ]  # fmt: skip
+
+    restarted = threading.Event()
+    with InProcessJob(spec, sources=sources(), rank_state_dir=tmp_path, grace=30.0) as job:
+
+        def on_step(rank: int, n: int) -> None:
+            if rank == 1 and n == 4 and not restarted.is_set():
+                restarted.set()
+                threading.Thread(target=job.restart_rank, args=(1, sources()[1]), daemon=True).start()
+
+        results = [
+            e[0]
+            for e in drain_clients(
+                lambda r: job.client(r, reconnect_timeout_s=30), 3, 1, 90.0, _project, on_step
+            )
+        ]
+    assert restarted.is_set()
+    seen, moved, with_clips = [], 0, 0
+    for s in range(len(results[0])):
+        batches = [results[r][s] for r in range(3)]
+        seen += [i for b in batches for i in b["sample_ids"].tolist()]
+        if not any("audio_send_splits" in b for b in batches):
+            assert not any(audio[i] for b in batches for i in b["sample_ids"].tolist()), f"step {s}"
+            continue
+        with_clips += 1
+        got = _audio_rows(batches)
+        for r, b in enumerate(batches):
+            want = [
+                synthetic_audio_payload(
+                    {"input_ids": np.zeros(1), "labels": np.zeros(1)}, i, audio[i], spec.seed, VOCAB
+                )
+                for i in b["sample_ids"].tolist()
+                if audio[i]
+            ]
+            rows = [p["audio_features"].reshape(-1, 4 * MELS) for p in want]
+            np.testing.assert_array_equal(got[r], np.concatenate(rows) if rows else np.zeros((0, 4 * MELS)))
+            assert "audio_features" not in b or b["audio_frames"].sum() == b["audio_features"].shape[0]
+            moved += sum(n for e, n in enumerate(b["audio_recv_splits"].tolist()) if e != r)
+    assert sorted(seen) == list(range(len(lengths)))
+    assert with_clips > 0 and moved > 0, (with_clips, moved)

@@ -164,6 +164,49 @@ def synthetic_image_payload(
     }
 
 
+SYNTHETIC_MELS = 8  # synthetic clips' mel bins: the data path, not the features, is under test
+
+
+def synthetic_audio_payload(
+    payload: Payload,
+    sample_id: int,
+    audio: Sequence[tuple[int, int]],
+    seed: int,
+    vocab_size: int,
+    n_mels: int = SYNTHETIC_MELS,
+) -> Payload:
+    """`payload` (a synthetic sample of length - audio tokens) with audio clips: clip k's `tokens`
+    placeholder tokens (id vocab_size - 2; a text token of that id becomes vocab_size - 3; labels -100)
+    after the first token, and `frames` random float32 feature rows of `n_mels` (frames = 4 x tokens:
+    Qwen2-Audio's stride-2 convolution and stride-2 pool).
+
+    Raises:
+        ValueError: a clip whose frames are not 4 x tokens.
+    """
+    if not audio:
+        return payload
+    rng = np.random.default_rng([seed, sample_id, 2])
+    ids, labels = np.array(payload["input_ids"]), np.array(payload["labels"])
+    ids[ids == vocab_size - 2] = vocab_size - 3
+    labels[labels == vocab_size - 2] = vocab_size - 3
+    feats = []
+    for k, (frames, tokens) in enumerate(audio):
+        if frames != 4 * tokens:
+            raise ValueError(
+                f"sample {sample_id}: clip {k} has {frames=} {tokens=}; synthetic clips need frames = "
+                f"4 x tokens"
+            )
+        feats.append(rng.standard_normal((frames, n_mels), dtype=np.float32))
+    heard = sum(t for _, t in audio)
+    return {
+        **payload,
+        "input_ids": np.concatenate([ids[:1], np.full(heard, vocab_size - 2, dtype=ids.dtype), ids[1:]]),
+        "labels": np.concatenate([labels[:1], np.full(heard, -100, dtype=labels.dtype), labels[1:]]),
+        "audio_features": np.concatenate(feats),
+        "audio_frames": np.asarray([f for f, _ in audio], dtype=np.int64),
+    }
+
+
 def payload_nbytes(payload: Mapping[str, Any]) -> int:
     """Bytes of a payload's arrays as they cross the network (`Sample.nbytes`): the sum of their `nbytes`.
 
@@ -206,9 +249,14 @@ class SyntheticSource:
         wrap: bool = False,
         images: Sequence[Sequence[tuple[int, int]]] | None = None,
         patch_dim: int = SYNTHETIC_PATCH_DIM,
+        audio: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> None:
         """`images[i]`: sample i's images as (patches, tokens) (`synthetic_image_payload`); None: text
-        only."""
+        only. `audio[i]`: its audio clips as (frames, tokens) (`synthetic_audio_payload`; their tokens
+        count in lengths[i])."""
+        if audio is not None and len(audio) != len(lengths):
+            raise ValueError(f"audio must hold one entry per sample, got {len(audio)=} for {len(lengths)=}")
+        self.audio = [tuple(tuple(c) for c in row) for row in audio] if audio is not None else None
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size=}")
         if images is not None and len(images) != len(lengths):
@@ -230,16 +278,15 @@ class SyntheticSource:
     def materialize(self, sample_id: int) -> Payload:
         if not 0 <= sample_id < len(self.lengths):
             raise KeyError(f"sample {sample_id} is not in this dataset of {len(self.lengths)} samples")
+        clips = self.audio[sample_id] if self.audio is not None else ()
+        length = self.lengths[sample_id] - sum(t for _, t in clips)
         if self.images is not None:
-            return synthetic_image_payload(
-                sample_id,
-                self.lengths[sample_id],
-                self.images[sample_id],
-                self.seed,
-                self.vocab_size,
-                self.patch_dim,
+            payload = synthetic_image_payload(
+                sample_id, length, self.images[sample_id], self.seed, self.vocab_size, self.patch_dim
             )
-        return synthetic_payload(sample_id, self.lengths[sample_id], self.seed, self.vocab_size)
+        else:
+            payload = synthetic_payload(sample_id, length, self.seed, self.vocab_size)
+        return synthetic_audio_payload(payload, sample_id, clips, self.seed, self.vocab_size)
 
     def materialize_many(self, sample_ids: Sequence[int]) -> list[Payload]:
         return [self.materialize(int(i)) for i in sample_ids]
@@ -248,6 +295,7 @@ class SyntheticSource:
         n = self.lengths[sample_id]
         home = self.rank if home_rank is None else home_rank
         images = self.images[sample_id] if self.images is not None else ()
+        audio = self.audio[sample_id] if self.audio is not None else ()
         return Sample(
             sample_id,
             n,
@@ -255,6 +303,7 @@ class SyntheticSource:
             home,
             nbytes=payload_nbytes(payload),
             images=images,
+            audio=audio,
         )
 
     def peek_id(self) -> int | None:

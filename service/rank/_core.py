@@ -575,13 +575,13 @@ class RankServiceCore:
         self.store.fetch_moved(steps)
         batches = []
         image_only: set[int] = set()
-        for step in steps:
-            images = None
-            if step.exchange is not None:  # before the LLM payloads are taken: a sample may be in both
-                images = [self.store.image_payload(im.sample_id, im.home_rank) for im in step.exchange.encode]
-                image_only.update(im.sample_id for im in step.exchange.encode)
+        for step in steps:  # the images' and clips' payloads before the LLM ones: a sample may be in both
+            images, clips = self.store.encoded(step.exchange), self.store.encoded(step.audio_exchange)
+            for ex in (step.exchange, step.audio_exchange):
+                if ex is not None:
+                    image_only.update(im.sample_id for im in ex.encode)
             payloads = [self.store.take(s) for s in step.samples]
-            batches.append((step.info.step, step, self._batch(step, payloads, images)))
+            batches.append((step.info.step, step, self._batch(step, payloads, images, clips)))
         for sample_id in image_only:  # pixels of other ranks' LLM samples, encoded here: done with
             self.payloads.pop(sample_id, None)
         return batches
@@ -593,6 +593,8 @@ class RankServiceCore:
         except Exception:  # noqa: BLE001
             log.exception("metrics update failed")
 
-    def _batch(self, step: Step, payloads: list[Any], images: list[Any] | None = None) -> pb.Batch:
+    def _batch(
+        self, step: Step, payloads: list[Any], images: list[Any] | None = None, clips: list[Any] | None = None
+    ) -> pb.Batch:
         """`batch_of` in this rank's epoch (one attribute, so a benchmark can wrap it per instance)."""
-        return batch_of(self.spec, self.epoch, step, payloads, images)
+        return batch_of(self.spec, self.epoch, step, payloads, images, clips)

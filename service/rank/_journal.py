@@ -60,7 +60,9 @@ class Journaled(Protocol):
 
     def new_state(self, epoch: int) -> Any: ...
 
-    def _batch(self, step: Step, payloads: list[Any], images: list[Any] | None) -> Any: ...
+    def _batch(
+        self, step: Step, payloads: list[Any], images: list[Any] | None, clips: list[Any] | None = None
+    ) -> Any: ...
 
 
 JOURNAL = "rank-{rank}.json"
@@ -226,6 +228,12 @@ def restore(core: Journaled, path: Path) -> None:
                 *ids,
                 *(s.id for st in steps for s in st.samples),
                 *(im.sample_id for st in steps if st.exchange is not None for im in st.exchange.encode),
+                *(
+                    c.sample_id
+                    for st in steps
+                    if st.audio_exchange is not None
+                    for c in st.audio_exchange.encode
+                ),
             ]
         )
     )
@@ -233,10 +241,11 @@ def restore(core: Journaled, path: Path) -> None:
     core.payloads.update((i, made[i]) for i in ids)
     for step in steps:
         payloads = [made[s.id] for s in step.samples]
-        images = None
-        if step.exchange is not None:
-            images = [made[im.sample_id] for im in step.exchange.encode]
-        core.batches[step.info.step] = (step, core._batch(step, payloads, images))
+        images = [made[im.sample_id] for im in step.exchange.encode] if step.exchange is not None else None
+        clips = None
+        if step.audio_exchange is not None:
+            clips = [made[c.sample_id] for c in step.audio_exchange.encode]
+        core.batches[step.info.step] = (step, core._batch(step, payloads, images, clips))
     core.restored_finished = core.delivery.finished
     core.finished = state[J_FINISH_ACKED]  # the coordinator knew: it may be gone by now
     core.filled = state[J_FILLED]  # report the journaled buffer as it is (see module docstring)

@@ -29,16 +29,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Any
 
 import grpc
 
 from batchd.core import (
+    AUDIO_EXCHANGE_KEYS,
     CoordinatorError,
+    Exchange,
     JobSpec,
     RoundDecision,
     Sample,
     Step,
+    clip_of,
+    collate_clips,
     collate_images,
     collate_packed,
     collate_padded,
@@ -46,6 +51,7 @@ from batchd.core import (
     idle_batch,
     image_of,
     llm_grids,
+    strip_audio,
     strip_vision,
 )
 from batchd.proto import CHANNEL_OPTIONS, Security, Unreachable, channel, retry_while_unreachable, wire
@@ -79,12 +85,26 @@ def collate(
     pad_id: int = 0,
     step: Step | None = None,
     images: list[Payload] | None = None,
+    clips: list[Payload] | None = None,
 ) -> dict[str, Any]:
     """Collates payloads into the step's arrays (padded or packed, per the job spec; numpy, no torch).
 
     A two-phase step (`step.exchange` set) carries its LLM samples without their pixels, the pixels of the
     images it encodes (`images`: their samples' payloads, one per `exchange.encode` entry, in order) and the
-    exchange arrays (`batchd.core.exchange_arrays`)."""
+    exchange arrays (`batchd.core.exchange_arrays`). A step with an audio exchange (`step.audio_exchange`)
+    alike: its LLM samples without their audio features, the features of the clips it encodes (`clips`:
+    their samples' payloads, one per `audio_exchange.encode` entry) and the `AUDIO_EXCHANGE_KEYS` arrays."""
+    if step is not None and step.audio_exchange is not None:
+        encode = step.audio_exchange.encode
+        if clips is None or len(clips) != len(encode):
+            raise ValueError(
+                f"step {step.info.step}: {len(encode)} audio clips to encode, got "
+                f"{None if clips is None else len(clips)} payloads"
+            )
+        out = collate(spec, strip_audio(payloads), pad_id, replace(step, audio_exchange=None), images)
+        out.update(collate_clips([clip_of(p, c.index) for p, c in zip(clips, encode, strict=True)]))
+        out.update(exchange_arrays(step.audio_exchange, AUDIO_EXCHANGE_KEYS))
+        return out
     if step is not None and step.exchange is not None:
         out = collate(spec, strip_vision(payloads), pad_id)
         out.update(llm_grids(payloads))
@@ -105,7 +125,12 @@ def collate(
 
 
 def batch_of(
-    spec: JobSpec, epoch: int, step: Step, payloads: list[Any], images: list[Any] | None = None
+    spec: JobSpec,
+    epoch: int,
+    step: Step,
+    payloads: list[Any],
+    images: list[Any] | None = None,
+    clips: list[Any] | None = None,
 ) -> pb.Batch:
     """The `pb.Batch` the trainer gets for `step` of `epoch`: its info, collated tensors and sample ids."""
     tensors = collate(
@@ -113,6 +138,7 @@ def batch_of(
         resolve_payloads(payloads),
         step=step,
         images=resolve_payloads(images) if images else images,
+        clips=resolve_payloads(clips) if clips else clips,
     )
     return pb.Batch(
         info=wire.info_to_pb(step.info, epoch),
@@ -142,14 +168,15 @@ def _takers(me: int, decision: RoundDecision) -> tuple[dict[int, set[int]], set[
                 for s in group:
                     if s.home_rank == me:
                         takers.setdefault(s.id, set()).add(rank)
-    for rank, exchanges in enumerate(decision.vision or ()):
-        for ex in exchanges:
-            for im in ex.encode:
-                if im.home_rank == me:
-                    if rank == me:
-                        mine.add(im.sample_id)
-                    else:
-                        takers.setdefault(im.sample_id, set()).add(rank)
+    for phase in (decision.vision, decision.audio):  # the samples whose images (clips) a rank encodes
+        for rank, exchanges in enumerate(phase or ()):
+            for ex in exchanges:
+                for im in ex.encode:
+                    if im.home_rank == me:
+                        if rank == me:
+                            mine.add(im.sample_id)
+                        else:
+                            takers.setdefault(im.sample_id, set()).add(rank)
     return takers, mine
 
 
@@ -221,6 +248,13 @@ class Payloads:
             payload = self.source.materialize(sample_id)
         self.held[sample_id] = payload
         return payload
+
+    def encoded(self, exchange: Exchange | None) -> list[Payload] | None:
+        """The payloads of the samples whose images (clips) `exchange` has this rank encode, in its order
+        (`image_payload` each); None without an exchange."""
+        if exchange is None:
+            return None
+        return [self.image_payload(im.sample_id, im.home_rank) for im in exchange.encode]
 
     # -- lending ------------------------------------------------------------------------------------
     def lend(self, decision: RoundDecision) -> None:
@@ -303,8 +337,8 @@ class Payloads:
         seen: set[int] = set()
         for step in steps:
             refs = [(s.id, s.home_rank) for s in step.samples]
-            if step.exchange is not None:  # two-phase: the samples of the images this rank encodes
-                refs += [(im.sample_id, im.home_rank) for im in step.exchange.encode]
+            for ex in (step.exchange, step.audio_exchange):  # the samples of the images (clips) encoded here
+                refs += [(im.sample_id, im.home_rank) for im in ex.encode] if ex is not None else []
             for sample_id, home in refs:
                 if home != self.rank and sample_id not in self.held and sample_id not in seen:
                     seen.add(sample_id)

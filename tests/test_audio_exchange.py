@@ -1,0 +1,245 @@
+"""The audio phase exchanged (issue 25): the coordinator's audio plan (`plan_phase` with `AudioCost`), the
+rank service's batches (`batchd.service.collate`: the LLM samples without their clips' features, the
+features of the clips this rank encodes, the `AUDIO_EXCHANGE_KEYS` arrays) and `TinyMLLM`'s audio encoder
+with `exchange_audio_embeddings`, trained by DDP on gloo at world sizes 2-4, give the loss and every
+gradient of one process training every rank's one-phase batch (each rank encoding its own clips).
+
+Cases: clips on every rank, some moved; a step with no clip; one rank holding every clip. A control
+swaps two received clips of equal size on rank 0: valid arrays, a wrong step, and the comparison sees it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from batchd import core
+from batchd.client import IGNORE_INDEX, exchange_audio_embeddings, scaled_loss, to_torch, token_loss_sum
+from batchd.core import (
+    AUDIO_EXCHANGE_KEYS,
+    AudioCost,
+    JobSpec,
+    Sample,
+    Step,
+    StepInfo,
+    loss_scale,
+    plan_phase,
+)
+from batchd.service import collate
+from batchd.testing import TinyMLLM, clip_tokens
+
+pytestmark = pytest.mark.slow
+
+WORLDS = (2, 3, 4)
+VOCAB, IMG, AUD, N_MELS = 64, 3, 2, 16  # text tokens are drawn from [4, VOCAB)
+RTOL = 1e-5
+
+
+def make_sample(sid: int, home: int, frames: list[int]) -> tuple[Sample, dict[str, np.ndarray]]:
+    """Deterministic per id: text around each clip's audio tokens (labels -100 there), random features."""
+    rng = np.random.default_rng([777, sid])
+    ids: list[int] = []
+    labels: list[int] = []
+    for f in [*frames, None]:
+        text = rng.integers(4, VOCAB, int(rng.integers(3, 8))).tolist()
+        ids, labels = ids + text, labels + text
+        if f is None:
+            break
+        ids += [AUD] * clip_tokens(f)
+        labels += [IGNORE_INDEX] * clip_tokens(f)
+    labels[:2] = [IGNORE_INDEX] * 2
+    payload = {"input_ids": np.asarray(ids, np.int64), "labels": np.asarray(labels, np.int64)}
+    if frames:
+        payload["audio_features"] = rng.standard_normal((sum(frames), N_MELS)).astype(np.float32)
+        payload["audio_frames"] = np.asarray(frames, np.int64)
+    audio = tuple((f, clip_tokens(f)) for f in frames)
+    return Sample(sid, len(ids), core.loss_tokens(payload["labels"]), home_rank=home, audio=audio), payload
+
+
+def make_case(name: str, groups: list[list[list[int]]]) -> dict:
+    """groups[r] = rank r's LLM samples, each its clips' frame counts; homes rotate so clips move."""
+    world = len(groups)
+    row, payloads, sid = [], {}, 0
+    for r, group in enumerate(groups):
+        row.append([])
+        for frames in group:
+            sample, payload = make_sample(sid, (r + sid) % world, frames)
+            row[r].append(sample)
+            payloads[sid] = payload
+            sid += 1
+    exchanges = plan_phase(row, AudioCost())
+    t_tok = sum(s.loss_tokens for g in row for s in g)
+    return {
+        "name": name,
+        "world": world,
+        "row": row,
+        "payloads": payloads,
+        "exchanges": exchanges,
+        "t_tok": t_tok,
+    }
+
+
+def cases_for(world: int) -> list[dict]:
+    rng = np.random.default_rng(world)
+    moved = [[rng.integers(8, 200, int(rng.integers(0, 3))).tolist() for _ in range(2)] for _ in range(world)]
+    moved[0][0] = [300, 180, 90]  # rank 0 crowded: some of its clips go elsewhere
+    silent = [[[], []] for _ in range(world)]
+    crowded = [[[120, 64], [200], [48, 48, 96]]] + [[[], []] for _ in range(1, world)]
+    return [make_case("moved", moved), make_case("no_audio", silent), make_case("one_rank_all", crowded)]
+
+
+def info(rank: int) -> StepInfo:
+    return StepInfo(rank, 0, 0, False, 0, 0, 0, 0, 0, 0, 1.0, 0.0)
+
+
+def one_phase_batch(case: dict, rank: int) -> dict[str, np.ndarray]:
+    spec = JobSpec(world_size=case["world"], token_budget=4096)
+    return collate(spec, [case["payloads"][s.id] for s in case["row"][rank]])
+
+
+def two_phase_batch(case: dict, rank: int) -> dict[str, np.ndarray]:
+    spec = JobSpec(world_size=case["world"], token_budget=4096)
+    ex = case["exchanges"][rank]
+    step = Step(tuple(case["row"][rank]), info(rank), None, ex)
+    clips = [case["payloads"][c.sample_id] for c in ex.encode]
+    return collate(spec, [case["payloads"][s.id] for s in case["row"][rank]], step=step, clips=clips)
+
+
+def make_model() -> TinyMLLM:
+    torch.manual_seed(99)
+    return TinyMLLM(
+        IMG, vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, d_vision=16, n_vision_layers=1,
+        n_vision_heads=2, audio_token_id=AUD, n_mels=N_MELS, d_audio=16,
+    )  # fmt: skip
+
+
+def grads(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {
+        n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy().copy()
+        for n, p in model.named_parameters()
+    }
+
+
+def reference(case: dict) -> tuple[float, dict[str, np.ndarray]]:
+    model = make_model()
+    total = 0
+    for r in range(case["world"]):
+        batch = to_torch(one_phase_batch(case, r))
+        total = total + token_loss_sum(model(batch), batch["labels"])[0]
+    (total / case["t_tok"]).backward()
+    return float(total.detach()) / case["t_tok"], grads(model)
+
+
+def swapped(case: dict) -> dict[str, np.ndarray]:
+    """Rank 0's placement with two received clips of equal tokens swapped (a valid, wrong exchange)."""
+    arrays = two_phase_batch(case, 0)
+    place, tokens = arrays["audio_placement"].copy(), arrays["audio_clip_tokens"]
+    pairs = [
+        (i, j)
+        for i in range(len(place))
+        for j in range(i + 1, len(place))
+        if tokens[place[i]] == tokens[place[j]]
+    ]
+    i, j = pairs[0]
+    place[[i, j]] = place[[j, i]]
+    return {**arrays, "audio_placement": place}
+
+
+def run_rank(rank: int, world: int, cases: list[dict]) -> dict:
+    ddp = DDP(make_model())
+    out: dict = {}
+    for case in [*cases, {**cases[2], "name": "control"}]:
+        ddp.zero_grad(set_to_none=True)
+        arrays = swapped(case) if case["name"] == "control" and rank == 0 else two_phase_batch(case, rank)
+        batch = to_torch(arrays)
+        t_r = sum(s.loss_tokens for s in case["row"][rank])
+        logits = ddp(batch)
+        scaled_loss(logits, batch["labels"], loss_scale(t_r, case["t_tok"], world), t_r).backward()
+        with torch.no_grad():
+            share = float(token_loss_sum(logits, batch["labels"])[0]) / case["t_tok"]
+        out[case["name"]] = (
+            share,
+            grads(ddp.module),
+            int(arrays.get("audio_features", np.zeros((0,))).shape[0]),
+        )
+    return out
+
+
+def worker(rank: int, world: int, cases: list[dict], out_dir: str) -> None:
+    faulthandler.enable(all_threads=True)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        result = run_rank(rank, world, cases)
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda n: f"world{n}")
+def run(request, tmp_path_factory) -> dict:
+    world = request.param
+    cases = cases_for(world)
+    out_dir = tmp_path_factory.mktemp(f"audio{world}")
+    mp.spawn(worker, args=(world, cases, str(out_dir)), nprocs=world, join=True)
+    ranks = [pickle.loads((out_dir / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    return {"cases": {c["name"]: c for c in cases}, "ranks": ranks}
+
+
+def max_error(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> tuple[float, float]:
+    err = max(float(np.abs(got[n] - want[n]).max()) for n in want)
+    return err, RTOL * max(1.0, max(float(np.abs(w).max()) for w in want.values()))
+
+
+@pytest.mark.parametrize("name", ["moved", "no_audio", "one_rank_all"])
+def test_an_exchanged_audio_phase_trains_like_one_process(run, name):
+    case = run["cases"][name]
+    want_loss, want = reference(case)
+    got_loss = sum(r[name][0] for r in run["ranks"])
+    assert abs(got_loss - want_loss) <= RTOL * max(1.0, abs(want_loss)), (got_loss, want_loss)
+    for rank, res in enumerate(run["ranks"]):
+        err, tol = max_error(res[name][1], want)
+        assert err <= tol, (name, rank, err, tol)
+    audio = [n for n in want if n.startswith("audio.")]
+    encoded = [c for ex in case["exchanges"] for c in ex.encode]
+    clips = [(s.id, k) for g in case["row"] for s in g for k in range(len(s.audio))]
+    assert sorted((c.sample_id, c.index) for c in encoded) == sorted(clips)  # each clip encoded once
+    if name == "no_audio":
+        assert not encoded and not any(want[n].any() for n in audio)
+    else:  # clips moved, and the audio encoder learns from them
+        assert any(c.owner != ex.rank for ex in case["exchanges"] for c in ex.encode)
+        assert all(want[n].any() for n in audio)
+    if name == "one_rank_all":  # the crowded rank's clips were spread: every rank encoded some frames
+        assert all(r[name][2] > 0 for r in run["ranks"])
+
+
+def test_a_wrong_audio_placement_is_caught(run):
+    _, want = reference(run["cases"]["one_rank_all"])
+    errs = [max_error(r["control"][1], want) for r in run["ranks"]]
+    assert any(err > 100 * tol for err, tol in errs), errs
+
+
+def test_the_audio_exchange_arrays_are_the_phase_keys():
+    case = cases_for(2)[0]
+    arrays = two_phase_batch(case, 1)
+    assert set(AUDIO_EXCHANGE_KEYS) <= set(arrays)
+    own_clips = sum(len(s.audio) for s in case["row"][1])
+    assert len(arrays["audio_placement"]) == own_clips == len(arrays["audio_clip_tokens"])
+    assert int(arrays["audio_frames"].sum()) == arrays["audio_features"].shape[0]  # the clips it encodes
+    assert arrays["audio_frames"].tolist() == [c.patches for c in case["exchanges"][1].encode]
+    single = exchange_audio_embeddings(torch.zeros(3, 2), {})  # one-phase batch: nothing to exchange
+    assert single.shape == (3, 2)
