@@ -1,11 +1,13 @@
-"""The audio phase exchanged (issue 25): the coordinator's audio plan (`plan_phase` with `AudioCost`), the
-rank service's batches (`batchd.service.collate`: the LLM samples without their clips' features, the
-features of the clips this rank encodes, the `AUDIO_EXCHANGE_KEYS` arrays) and `TinyMLLM`'s audio encoder
-with `exchange_audio_embeddings`, trained by DDP on gloo at world sizes 2-4, give the loss and every
-gradient of one process training every rank's one-phase batch (each rank encoding its own clips).
+"""Two encoder phases exchanged (issue 25): the plans of the vision and the audio phase (`plan_phase` with
+`VisionCost`, `AudioCost`), the rank service's batches (`batchd.service.collate`: the LLM samples without
+their pixels and clips, the pixels and features of the images and clips this rank encodes, both phases'
+exchange arrays) and `TinyMLLM`'s two encoders with `exchange_image_embeddings` and
+`exchange_audio_embeddings`, trained by DDP on gloo at world sizes 2-4, give the loss and every gradient
+of one process training every rank's one-phase batch (each rank encoding its own images and clips).
 
-Cases: clips on every rank, some moved; a step with no clip; one rank holding every clip. A control
-swaps two received clips of equal size on rank 0: valid arrays, a wrong step, and the comparison sees it.
+Cases: images and clips on every rank, some moved; a step with images and no clip; one rank holding every
+image and clip. A control swaps two received clips of equal size on rank 0: valid arrays, a wrong step,
+and the comparison sees it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from batchd.core import (
     Sample,
     Step,
     StepInfo,
+    VisionCost,
     loss_scale,
     plan_phase,
 )
@@ -40,43 +43,56 @@ from batchd.testing import TinyMLLM, clip_tokens
 pytestmark = pytest.mark.slow
 
 WORLDS = (2, 3, 4)
-VOCAB, IMG, AUD, N_MELS = 64, 3, 2, 16  # text tokens are drawn from [4, VOCAB)
+VOCAB, IMG, AUD, N_MELS, PATCH = 64, 3, 2, 16, 12  # text tokens are drawn from [4, VOCAB)
+GRIDS = ((1, 2, 2), (1, 2, 4), (1, 4, 4))  # 1, 2 and 4 image tokens
 RTOL = 1e-5
 
 
-def make_sample(sid: int, home: int, frames: list[int]) -> tuple[Sample, dict[str, np.ndarray]]:
-    """Deterministic per id: text around each clip's audio tokens (labels -100 there), random features."""
+def make_sample(
+    sid: int, home: int, frames: list[int], grids: list[int]
+) -> tuple[Sample, dict[str, np.ndarray]]:
+    """Deterministic per id: text around each image's and each clip's tokens (labels -100 there), random
+    pixels and features. `grids`: indices into GRIDS."""
     rng = np.random.default_rng([777, sid])
     ids: list[int] = []
     labels: list[int] = []
-    for f in [*frames, None]:
+    items = [(IMG, int(np.prod(GRIDS[g])) // 4) for g in grids] + [(AUD, clip_tokens(f)) for f in frames]
+    for item in [*items, None]:
         text = rng.integers(4, VOCAB, int(rng.integers(3, 8))).tolist()
         ids, labels = ids + text, labels + text
-        if f is None:
+        if item is None:
             break
-        ids += [AUD] * clip_tokens(f)
-        labels += [IGNORE_INDEX] * clip_tokens(f)
+        ids += [item[0]] * item[1]
+        labels += [IGNORE_INDEX] * item[1]
     labels[:2] = [IGNORE_INDEX] * 2
     payload = {"input_ids": np.asarray(ids, np.int64), "labels": np.asarray(labels, np.int64)}
+    if grids:
+        patches = [int(np.prod(GRIDS[g])) for g in grids]
+        payload["pixel_values"] = rng.standard_normal((sum(patches), PATCH)).astype(np.float32)
+        payload["image_grid_thw"] = np.asarray([GRIDS[g] for g in grids], np.int64)
     if frames:
         payload["audio_features"] = rng.standard_normal((sum(frames), N_MELS)).astype(np.float32)
         payload["audio_frames"] = np.asarray(frames, np.int64)
+    images = tuple((int(np.prod(GRIDS[g])), int(np.prod(GRIDS[g])) // 4) for g in grids)
     audio = tuple((f, clip_tokens(f)) for f in frames)
-    return Sample(sid, len(ids), core.loss_tokens(payload["labels"]), home_rank=home, audio=audio), payload
+    loss = core.loss_tokens(payload["labels"])
+    return Sample(sid, len(ids), loss, home_rank=home, images=images, audio=audio), payload
 
 
-def make_case(name: str, groups: list[list[list[int]]]) -> dict:
-    """groups[r] = rank r's LLM samples, each its clips' frame counts; homes rotate so clips move."""
+def make_case(name: str, groups: list[list[tuple[list[int], list[int]]]]) -> dict:
+    """groups[r] = rank r's LLM samples, each (its clips' frame counts, its images' GRIDS indices); homes
+    rotate so payloads move."""
     world = len(groups)
     row, payloads, sid = [], {}, 0
     for r, group in enumerate(groups):
         row.append([])
-        for frames in group:
-            sample, payload = make_sample(sid, (r + sid) % world, frames)
+        for frames, grids in group:
+            sample, payload = make_sample(sid, (r + sid) % world, frames, grids)
             row[r].append(sample)
             payloads[sid] = payload
             sid += 1
     exchanges = plan_phase(row, AudioCost())
+    vision = plan_phase(row, VisionCost())
     t_tok = sum(s.loss_tokens for g in row for s in g)
     return {
         "name": name,
@@ -84,16 +100,25 @@ def make_case(name: str, groups: list[list[list[int]]]) -> dict:
         "row": row,
         "payloads": payloads,
         "exchanges": exchanges,
+        "vision": vision,
         "t_tok": t_tok,
     }
 
 
 def cases_for(world: int) -> list[dict]:
     rng = np.random.default_rng(world)
-    moved = [[rng.integers(8, 200, int(rng.integers(0, 3))).tolist() for _ in range(2)] for _ in range(world)]
-    moved[0][0] = [300, 180, 90]  # rank 0 crowded: some of its clips go elsewhere
-    silent = [[[], []] for _ in range(world)]
-    crowded = [[[120, 64], [200], [48, 48, 96]]] + [[[], []] for _ in range(1, world)]
+
+    def sample(clips: int, images: int) -> tuple[list[int], list[int]]:
+        return rng.integers(8, 200, clips).tolist(), rng.integers(0, len(GRIDS), images).tolist()
+
+    moved = [
+        [sample(int(rng.integers(0, 3)), int(rng.integers(0, 3))) for _ in range(2)] for _ in range(world)
+    ]
+    moved[0][0] = ([300, 180, 90], [2, 2, 1])  # rank 0 crowded: some of its clips and images go elsewhere
+    silent = [[sample(0, 2), sample(0, 1)] for _ in range(world)]  # images, no clip
+    crowded = [[([120, 64], [0, 2]), ([200], [1]), ([48, 48, 96], [2, 0])]] + [
+        [([], []), ([], [])] for _ in range(1, world)
+    ]
     return [make_case("moved", moved), make_case("no_audio", silent), make_case("one_rank_all", crowded)]
 
 
@@ -108,17 +133,19 @@ def one_phase_batch(case: dict, rank: int) -> dict[str, np.ndarray]:
 
 def two_phase_batch(case: dict, rank: int) -> dict[str, np.ndarray]:
     spec = JobSpec(world_size=case["world"], token_budget=4096)
-    ex = case["exchanges"][rank]
-    step = Step(tuple(case["row"][rank]), info(rank), None, ex)
+    ex, vision = case["exchanges"][rank], case["vision"][rank]
+    step = Step(tuple(case["row"][rank]), info(rank), vision, ex)
     clips = [case["payloads"][c.sample_id] for c in ex.encode]
-    return collate(spec, [case["payloads"][s.id] for s in case["row"][rank]], step=step, clips=clips)
+    images = [case["payloads"][im.sample_id] for im in vision.encode]
+    payloads = [case["payloads"][s.id] for s in case["row"][rank]]
+    return collate(spec, payloads, step=step, images=images, clips=clips)
 
 
 def make_model() -> TinyMLLM:
     torch.manual_seed(99)
     return TinyMLLM(
         IMG, vocab_size=VOCAB, d_model=32, n_layers=1, n_heads=2, d_vision=16, n_vision_layers=1,
-        n_vision_heads=2, audio_token_id=AUD, n_mels=N_MELS, d_audio=16,
+        n_vision_heads=2, patch_dim=PATCH, audio_token_id=AUD, n_mels=N_MELS, d_audio=16,
     )  # fmt: skip
 
 
@@ -214,10 +241,17 @@ def test_an_exchanged_audio_phase_trains_like_one_process(run, name):
     for rank, res in enumerate(run["ranks"]):
         err, tol = max_error(res[name][1], want)
         assert err <= tol, (name, rank, err, tol)
-    audio = [n for n in want if n.startswith("audio.")]
+    audio, vision = ([n for n in want if n.startswith(p)] for p in ("audio.", "vision."))
     encoded = [c for ex in case["exchanges"] for c in ex.encode]
     clips = [(s.id, k) for g in case["row"] for s in g for k in range(len(s.audio))]
     assert sorted((c.sample_id, c.index) for c in encoded) == sorted(clips)  # each clip encoded once
+    images = [im for ex in case["vision"] for im in ex.encode]
+    assert sorted((im.sample_id, im.index) for im in images) == sorted(
+        (s.id, k) for g in case["row"] for s in g for k in range(len(s.images))
+    )  # each image encoded once
+    images_moved = any(im.owner != ex.rank for ex in case["vision"] for im in ex.encode)
+    assert images and (images_moved or name == "no_audio")  # both phases move items at once
+    assert all(want[n].any() for n in vision)  # the vision encoder learns in every case
     if name == "no_audio":
         assert not encoded and not any(want[n].any() for n in audio)
     else:  # clips moved, and the audio encoder learns from them
