@@ -61,9 +61,15 @@ from batchd.client import (
     scaled_loss_and_mean,
     token_loss_sum,
 )
-from batchd.core import VISION_KEYS, ViewSource
+from batchd.core import AUDIO_KEYS, VISION_KEYS, ViewSource
 from batchd.launch import StepTicker
-from batchd.service.preprocess import SYNTHETIC_PATCH_DIM, synthetic_image_payload, synthetic_payload
+from batchd.service.preprocess import (
+    SYNTHETIC_MELS,
+    SYNTHETIC_PATCH_DIM,
+    synthetic_audio_payload,
+    synthetic_image_payload,
+    synthetic_payload,
+)
 
 # Model presets. `llama-100m`: 12 layers, d_model 768, 12 heads, SwiGLU 2048, vocab 32000 (tied head):
 # 24.6M embedding + 12 x 7.1M = 109.5M parameters, a Llama-style decoder for the GPU run.
@@ -178,7 +184,9 @@ class VisionTimer:
         return total
 
 
-def build_model(name: str, seed: int, max_len: int, images: bool = False) -> torch.nn.Module:
+def build_model(
+    name: str, seed: int, max_len: int, images: bool = False, audio: bool = False
+) -> torch.nn.Module:
     """The preset `name`, randomly initialised from `seed` (identical on every rank); with `images`, the
     same LM behind `TinyMLLM`'s vision encoder (its image token: the synthetic vocabulary's last id).
     `tiny-qwen2vl`: the stock HF Qwen2-VL adapted by `batchd.two_phase` (`hf_qwen2vl`), with or
@@ -190,8 +198,9 @@ def build_model(name: str, seed: int, max_len: int, images: bool = False) -> tor
     cfg = dict(MODELS[name])
     cfg["max_len"] = max(cfg["max_len"], max_len)
     torch.manual_seed(seed)
-    if images:
-        return TinyMLLM(SYNTHETIC_VOCAB - 1, patch_dim=SYNTHETIC_PATCH_DIM, **cfg)
+    if images:  # with `audio`, its audio encoder too (the clips' placeholder: the vocabulary's id - 2)
+        heard = {"audio_token_id": SYNTHETIC_VOCAB - 2, "n_mels": SYNTHETIC_MELS} if audio else {}
+        return TinyMLLM(SYNTHETIC_VOCAB - 1, patch_dim=SYNTHETIC_PATCH_DIM, **cfg, **heard)
     return TinyCausalLM(**cfg)
 
 
@@ -209,34 +218,44 @@ def fixed_batches(
 
 
 def payload(
-    sample_id: int, lengths: list[int], seed: int, images: list[list[list[int]]] | None = None
+    sample_id: int,
+    lengths: list[int],
+    seed: int,
+    images: list[list[list[int]]] | None = None,
+    audio: list[list[list[int]]] | None = None,
 ) -> dict[str, np.ndarray]:
     """The sample batchd's SyntheticSource serves for `sample_id` (same tokens, labels, length; with
-    `images`, the same synthetic pixels)."""
+    `images`, the same synthetic pixels; with `audio`, the same synthetic clips)."""
+    clips = [tuple(c) for c in audio[sample_id]] if audio is not None else []
+    length = lengths[sample_id] - sum(t for _, t in clips)
     if images is not None:
-        return synthetic_image_payload(
-            sample_id, lengths[sample_id], [tuple(im) for im in images[sample_id]], seed, SYNTHETIC_VOCAB
+        base = synthetic_image_payload(
+            sample_id, length, [tuple(im) for im in images[sample_id]], seed, SYNTHETIC_VOCAB
         )
-    return synthetic_payload(sample_id, lengths[sample_id], seed, SYNTHETIC_VOCAB)
+    else:
+        base = synthetic_payload(sample_id, length, seed, SYNTHETIC_VOCAB)
+    return base if audio is None else synthetic_audio_payload(base, sample_id, clips, seed, SYNTHETIC_VOCAB)
 
 
 class SyntheticDataset(torch.utils.data.Dataset):
     """Map-style dataset of the synthetic samples, one torch dict per id (what ODB's workers load)."""
 
-    def __init__(self, lengths: list[int], seed: int, images: list | None = None) -> None:
-        self.lengths, self.seed, self.images = list(lengths), seed, images
+    def __init__(
+        self, lengths: list[int], seed: int, images: list | None = None, audio: list | None = None
+    ) -> None:
+        self.lengths, self.seed, self.images, self.audio = list(lengths), seed, images, audio
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        p = payload(int(i), self.lengths, self.seed, self.images)
+        p = payload(int(i), self.lengths, self.seed, self.images, self.audio)
         out = {
             "input_ids": torch.from_numpy(p["input_ids"].astype(np.int64)),
             "labels": torch.from_numpy(p["labels"].astype(np.int64)),
             "sample_id": int(i),
         }
-        for key in VISION_KEYS:
+        for key in VISION_KEYS + AUDIO_KEYS:
             if key in p:
                 out[key] = torch.from_numpy(p[key])
         return out
@@ -248,7 +267,10 @@ ODB_PASS_KEYS = ("total_batch_size", "odb_total_tokens")  # set per sample by OD
 def odb_collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """The user collate handed to ODB: `collate_padded` (batchd's padded layout) + ids + ODB's metadata."""
     out: dict[str, Any] = collate_padded(
-        [{k: s[k].numpy() for k in ("input_ids", "labels", *VISION_KEYS) if k in s} for s in samples]
+        [
+            {k: s[k].numpy() for k in ("input_ids", "labels", *VISION_KEYS, *AUDIO_KEYS) if k in s}
+            for s in samples
+        ]
     )
     out["sample_ids"] = torch.tensor([s["sample_id"] for s in samples], dtype=torch.int64)
     for key in ODB_PASS_KEYS:
@@ -291,8 +313,9 @@ class _Recorder:
                 "loss_sum": float(s),
                 "loss_tokens": int(n),
             }
-            pixels = batch.get("pixel_values")
+            pixels, frames = batch.get("pixel_values"), batch.get("audio_features")
             rec["patches"] = int(pixels.shape[0]) if pixels is not None else 0  # the encoder's load
+            rec["frames"] = int(frames.shape[0]) if frames is not None else 0
         rec["t"] = time.monotonic() - t0
         rec["wait_s"] = wait_s
         self.steps.append(rec)
@@ -376,7 +399,7 @@ def _iter_fixed(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
     for k, ids in enumerate(mine):
         # every rank knows every view: the step's real tokens over all ranks, without a collective
         holder["global_tokens"] = sum(lengths[i] for view in views if k < len(view) for i in view[k])
-        batch = collate_padded([payload(i, lengths, seed, cfg.get("images")) for i in ids])
+        batch = collate_padded([payload(i, lengths, seed, cfg.get("images"), cfg.get("audio")) for i in ids])
         if k_acc == 1:
             yield ids, batch, None, 0
             continue
@@ -411,7 +434,7 @@ def _iter_odb(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
         workers = cfg["odb_workers"]  # gloo group by iteration, a fresh loader would reuse the first name
         sampler = ViewSampler(cfg["num_samples"], cfg["rank"], cfg["world_size"], cfg["seed"])
         loader = torch.utils.data.DataLoader(
-            SyntheticDataset(cfg["lengths"], cfg["seed"], cfg.get("images")),
+            SyntheticDataset(cfg["lengths"], cfg["seed"], cfg.get("images"), cfg.get("audio")),
             batch_size=1,
             sampler=sampler,
             num_workers=workers,
@@ -481,7 +504,8 @@ def evaluate(model: torch.nn.Module, cfg: dict[str, Any], device: torch.device) 
         def flush(g):
             nonlocal total, count
             batch = _device_batch(
-                collate_padded([payload(i, lengths, seed, cfg.get("images")) for i in g]), device
+                collate_padded([payload(i, lengths, seed, cfg.get("images"), cfg.get("audio")) for i in g]),
+                device,
             )
             if cfg.get("model") in HF_MODELS:
                 batch = hf_pixels(batch)
@@ -516,12 +540,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         world_size=world_size,
         timeout=timedelta(seconds=cfg.get("gloo_timeout_s", 600)),
     )
-    model = build_model(cfg["model"], cfg["seed"], max(cfg["all_lengths"]) + 1, bool(cfg.get("images"))).to(
-        device
-    )
+    images, audio = bool(cfg.get("images")), bool(cfg.get("audio"))
+    model = build_model(cfg["model"], cfg["seed"], max(cfg["all_lengths"]) + 1, images, audio).to(device)
     hf = cfg["model"] in HF_MODELS
     tower = vision_module(model)
-    timer = VisionTimer(tower) if tower is not None and cfg.get("images") else None
+    timer = VisionTimer(tower) if tower is not None and images else None
+    heard = VisionTimer(model.audio) if audio and getattr(model, "audio", None) is not None else None
     if cuda:
         model = model.to(torch.bfloat16)
     ddp = DDP(model, device_ids=[device.index] if cuda else None)
@@ -530,7 +554,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     holder: dict[str, Any] = {"window": _Window(cfg.get("accumulate", 1))}
     if system == "fixed" and cfg.get("accumulate", 1) > 1:  # fixed knows every rank's batches
         holder["loss_tokens"] = {
-            i: loss_tokens(payload(i, cfg["lengths"], cfg["seed"], cfg.get("images"))["labels"])
+            i: loss_tokens(
+                payload(i, cfg["lengths"], cfg["seed"], cfg.get("images"), cfg.get("audio"))["labels"]
+            )
             for i in range(cfg["num_samples"])
         }
     window, update_tokens = holder["window"], 0
@@ -583,14 +609,18 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                         batch = _device_batch(batch, device)
                         if hf:
                             batch = hf_pixels(batch)
-                        if timer is not None:
-                            timer.on = True
+                        for t in (timer, heard):
+                            if t is not None:
+                                t.on = True
                         logits = _backward(ddp, batch, scale, tokens, sync)
-                        if timer is not None:
-                            timer.on = False
+                        for t in (timer, heard):
+                            if t is not None:
+                                t.on = False
                         rec.add(ids, batch, logits, t0, wait_s)
                         if timer is not None:
                             rec.steps[-1]["vision_s"] = timer.take()
+                        if heard is not None:
+                            rec.steps[-1]["audio_s"] = heard.take()
                     if window.end:
                         _update(ddp, opt, lr, window.end_scale)
                         updates.append(update_tokens)

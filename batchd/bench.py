@@ -248,6 +248,7 @@ def summarize(
         "vision_imbalance": _vision_imbalance(results, n_steps),
         "encoder_patches": sum(s.get("patches", 0) for r in results for s in r["steps"]),
         **_vision_share(results[0]),
+        **_vision_share(results[0], "audio", "frames"),
         "params": results[0].get("params"),
         "loss_curve": curve,
         "step_times": times,
@@ -278,24 +279,25 @@ def _update_length_spread(results: list[dict[str, Any]]) -> float:
     return statistics.pstdev(means) / statistics.fmean(means)
 
 
-def _vision_share(result: dict[str, Any]) -> dict[str, Any]:
+def _vision_share(result: dict[str, Any], tower: str = "vision", load: str = "patches") -> dict[str, Any]:
     """Rank 0's vision tower share of its steps (`VisionTimer`, multimodal workloads): `vision_share`, the
     tower's forward + backward seconds over the rank's wall time (every step's whole span: data wait,
     forward, backward and all-reduce, optimizer); `vision_share_mean`, the mean over its steps with images
-    of each step's share; `vision_s`, the seconds in all. Empty for a text workload."""
+    of each step's share; `vision_s`, the seconds in all. Empty for a text workload. With `tower="audio"`
+    (and `load="frames"`) the same of the audio encoder (`audio_share`, ...; a workload with clips)."""
     steps = result["steps"]
-    if not steps or "vision_s" not in steps[0]:
+    if not steps or f"{tower}_s" not in steps[0]:
         return {}
     spans, prev = [], 0.0
     for s in steps:
         spans.append(max(s["t"] - prev, 1e-9))
         prev = s["t"]
-    vis = [s.get("vision_s", 0.0) for s in steps]
-    with_images = [v / span for v, span, s in zip(vis, spans, steps, strict=False) if s.get("patches")]
+    vis = [s.get(f"{tower}_s", 0.0) for s in steps]
+    with_items = [v / span for v, span, s in zip(vis, spans, steps, strict=False) if s.get(load)]
     return {
-        "vision_s": sum(vis),
-        "vision_share": sum(vis) / result["wall_s"] if result["wall_s"] > 0 else None,
-        "vision_share_mean": sum(with_images) / len(with_images) if with_images else 0.0,
+        f"{tower}_s": sum(vis),
+        f"{tower}_share": sum(vis) / result["wall_s"] if result["wall_s"] > 0 else None,
+        f"{tower}_share_mean": sum(with_items) / len(with_items) if with_items else 0.0,
     }
 
 
@@ -506,9 +508,15 @@ def run_bench(
     if not workload.is_file():
         raise ValueError(f"workload file not found: {workload=}")
     read = read_workload(workload)
-    all_images = None
+    all_images = all_audio = None
     if read and isinstance(read[0], Sample):  # a multimodal workload: synthetic images, the tiny MLLM
         all_lengths, all_images = [s.length for s in read], [[list(im) for im in s.images] for s in read]
+        if any(s.audio for s in read):  # and audio clips: its audio encoder too
+            all_audio = [[list(c) for c in s.audio] for s in read]
+            if hf_vlm:
+                raise ValueError(
+                    f"{workload} has audio clips: --model {model} has no audio encoder (the tiny MLLM has)"
+                )
     else:
         all_lengths = read
     if systems is None:
@@ -570,6 +578,7 @@ def run_bench(
         "step_time": step_time,
         "heldout_ids": list(range(num_samples, num_samples + heldout)),
         "images": all_images[: num_samples + heldout] if all_images else None,
+        "audio": all_audio[: num_samples + heldout] if all_audio else None,
     }
     work = Path(tempfile.mkdtemp(prefix="batchd-bench-"))
     (work / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
@@ -622,6 +631,7 @@ def run_bench(
                     if s.get("vision_share") is not None
                     else ""
                 )
+                + (f", audio encoder {_pct(s['audio_share'])}" if s.get("audio_share") is not None else "")
                 + f" ({s['outer_s']:.0f} s in all)"
             )
     finally:

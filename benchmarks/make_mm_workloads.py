@@ -24,7 +24,8 @@ files:
   at 224..448 px, 15% documents of 2..8 pages at 900..1,800 px; text as in `sharegpt4o-like` for the
   image samples, 50..400 for the video and 200..2,000 for the documents.
 - `audio-visual` (4,096 samples): speech and sound beside images, Qwen2-Audio geometry (log-mel frames at
-  100 per second, one token per 4 frames, clips of at most 30 s = 3,000 frames, not padded): 35% one
+  100 per second, tokens by Qwen2-Audio's rule, about one per 4 frames, clips of at most 30 s = 3,000
+  frames, not padded): 35% one
   spoken instruction (lognormal mean 8 s, CV 0.8, 1..30 s; text mean 120, CV 0.6, 10..1,000), 20%
   multi-turn audio with 2..5 clips of 2..20 s (text mean 300, CV 0.8, 20..3,000), 20% one image
   (Qwen2-VL geometry, 224..1,024 px) and one clip of 2..15 s (text 20..400), 15% one or two images
@@ -42,13 +43,14 @@ from pathlib import Path
 import numpy as np
 
 from batchd.core import Sample, format_workload
+from batchd.service.preprocess import qwen2_audio_tokens
 
 OUT = Path(__file__).resolve().parent / "workloads"
 N = 4096
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 1024 * 28 * 28  # Qwen2-VL's resize bounds (max lowered to 1,024 tokens)
 
 Row = tuple[int, list[int], list[int]] | tuple[int, list[int], list[int], list[int], list[int]]
-FRAMES_PER_S, FRAMES_PER_TOKEN = 100, 4
+FRAMES_PER_S = 100
 
 
 def lognormal(rng: np.random.Generator, mean: float, cv: float, lo: int, hi: int) -> int:
@@ -149,8 +151,8 @@ def clip(rng: np.random.Generator, lo_s: float, hi_s: float, mean_s: float | Non
     else:
         sigma2 = np.log(1 + 0.8 * 0.8)
         secs = float(np.clip(rng.lognormal(np.log(mean_s) - sigma2 / 2, np.sqrt(sigma2)), lo_s, hi_s))
-    frames = max(FRAMES_PER_TOKEN, int(secs * FRAMES_PER_S))
-    return frames, frames // FRAMES_PER_TOKEN
+    frames = max(4, int(secs * FRAMES_PER_S))
+    return frames, qwen2_audio_tokens(frames)
 
 
 def audio_visual(seed: int = 16) -> list[Row]:

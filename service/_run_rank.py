@@ -191,9 +191,10 @@ def make_source(
         )
     if lengths is None:
         return IngestSource(spec.window), None
-    images = None
-    if lengths and isinstance(lengths[0], Sample):  # a multimodal workload: synthetic images too
+    images = audio = None
+    if lengths and isinstance(lengths[0], Sample):  # a multimodal workload: synthetic images (clips) too
         images = [s.images for s in lengths]
+        audio = [s.audio for s in lengths] if any(s.audio for s in lengths) else None
         lengths = [s.length for s in lengths]
     return SyntheticSource(
         lengths,
@@ -205,6 +206,7 @@ def make_source(
         vocab_size,
         wrap=spec.mode == "non-join",
         images=images,
+        audio=audio,
     ), None
 
 

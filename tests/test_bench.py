@@ -256,3 +256,40 @@ def test_bench_batchd_systems_with_trainers_that_take_5s_per_step(tmp_path):
     assert re.search(r"\[bench\] batchd-odb: 16/16 samples \(100%\), \d+ steps, done in", proc.stderr), (
         proc.stderr[-4000:]
     )
+
+
+@pytest.mark.slow
+def test_bench_trains_vision_and_audio_with_one_phase_and_every_phase_alike(tmp_path):
+    """`batchd bench` on a workload with images and audio clips (the first 40 samples of audio-visual.csv):
+    the tiny MLLM gets its audio encoder, every system trains every sample once, each reports rank 0's
+    vision-tower and audio-encoder shares, and balancing every encoder phase (batchd-2phase: images and
+    clips encoded where the plans put them, returned by the exchanges) trains the same steps to the same
+    loss as one phase (every rank encoding its own)."""
+    from batchd.core import format_workload, parse_workload
+
+    source = Path(bench.__file__).resolve().parents[1] / "benchmarks" / "workloads" / "audio-visual.csv"
+    samples = parse_workload(source.read_text().splitlines())[:40]
+    assert any(s.audio for s in samples) and any(s.images for s in samples)
+    workload = tmp_path / "av.csv"
+    workload.write_text(format_workload(samples))
+    argv = [
+        sys.executable,
+        "-m",
+        "batchd.bench",
+        "--json",
+        "--workload",
+        str(workload),
+        "--num-samples",
+        "32",
+    ]
+    argv += ["--heldout", "0", "--token-budget", "4096", "--systems", "fixed,batchd-balanced,batchd-2phase"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    s = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, r in s["systems"].items():
+        assert (r["samples"], r["missing"], r["duplicates"]) == (32, 0, 0), (name, r)
+        assert r["audio_share"] > 0 and r["vision_share"] > 0, (name, r)
+        assert f"audio encoder {100 * r['audio_share']:.1f}%" in proc.stderr
+    one, every = s["systems"]["batchd-balanced"], s["systems"]["batchd-2phase"]
+    assert one["steps"] == every["steps"]
+    np.testing.assert_allclose(every["loss_curve"], one["loss_curve"], rtol=1e-4)

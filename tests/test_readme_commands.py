@@ -184,6 +184,9 @@ RUN_BY = {
         "tests/test_resize.py::test_batchd_simulate_resize_prints_each_world_size_and_change"
     ),
     "batchd bench": "tests/test_readme_commands.py::test_bench_runs_as_the_readme_shows_it",
+    "batchd bench --workload benchmarks/workloads/audio-visual.csv": (
+        "tests/test_bench.py::test_bench_trains_vision_and_audio_with_one_phase_and_every_phase_alike"
+    ),
     "batchd bench --epochs 3": "tests/test_readme_commands.py::test_bench_runs_as_the_readme_shows_it",
     "batchd demo --help": "tests/test_readme_commands.py::test_readme_and_help_commands_parse",
     "batchd simulate": "tests/test_readme_commands.py::test_simulate_runs_as_the_readme_shows_it",

@@ -27,6 +27,8 @@ import numpy as np
 
 from batchd.core import Remainder, Sample, ViewSource
 
+from ._audio import qwen2_audio_tokens
+
 EXHAUSTED = object()
 Payload = dict[str, np.ndarray]
 NO_REASONS: Mapping[str, int] = types.MappingProxyType(
@@ -176,25 +178,26 @@ def synthetic_audio_payload(
     n_mels: int = SYNTHETIC_MELS,
 ) -> Payload:
     """`payload` (a synthetic sample of length - audio tokens) with audio clips: clip k's `tokens`
-    placeholder tokens (id vocab_size - 2; a text token of that id becomes vocab_size - 3; labels -100)
-    after the first token, and `frames` random float32 feature rows of `n_mels` (frames = 4 x tokens:
-    Qwen2-Audio's stride-2 convolution and stride-2 pool).
+    placeholder tokens (id vocab_size - 2; a text token of that id becomes vocab_size - 3, in every sample of
+    a dataset with audio, clips or not: only clips hold the id; labels -100)
+    after the first token, and `frames` random float32 feature rows of `n_mels` (tokens =
+    `qwen2_audio_tokens(frames)`: Qwen2-Audio's stride-2 convolution and stride-2 pool, about frames / 4).
 
     Raises:
-        ValueError: a clip whose frames are not 4 x tokens.
+        ValueError: a clip whose tokens are not its frames' by that rule.
     """
-    if not audio:
-        return payload
-    rng = np.random.default_rng([seed, sample_id, 2])
     ids, labels = np.array(payload["input_ids"]), np.array(payload["labels"])
     ids[ids == vocab_size - 2] = vocab_size - 3
     labels[labels == vocab_size - 2] = vocab_size - 3
+    if not audio:
+        return {**payload, "input_ids": ids, "labels": labels}
+    rng = np.random.default_rng([seed, sample_id, 2])
     feats = []
     for k, (frames, tokens) in enumerate(audio):
-        if frames != 4 * tokens:
+        if tokens != qwen2_audio_tokens(frames):
             raise ValueError(
-                f"sample {sample_id}: clip {k} has {frames=} {tokens=}; synthetic clips need frames = "
-                f"4 x tokens"
+                f"sample {sample_id}: clip {k} has {frames=} {tokens=}; synthetic clips need tokens = "
+                f"qwen2_audio_tokens(frames) = {qwen2_audio_tokens(frames)}"
             )
         feats.append(rng.standard_normal((frames, n_mels), dtype=np.float32))
     heard = sum(t for _, t in audio)
@@ -286,6 +289,8 @@ class SyntheticSource:
             )
         else:
             payload = synthetic_payload(sample_id, length, self.seed, self.vocab_size)
+        if self.audio is None:
+            return payload
         return synthetic_audio_payload(payload, sample_id, clips, self.seed, self.vocab_size)
 
     def materialize_many(self, sample_ids: Sequence[int]) -> list[Payload]:
