@@ -397,6 +397,23 @@ class CoordinatorMetrics:
             scope: (exch.labels(scope=scope), exch_rows.labels(scope=scope))
             for scope in ("intra_node", "cross_node")
         }
+        clips = Counter(
+            "batchd_job_exchanged_clips_total",
+            "Steps with the audio phase balanced: audio clips encoded on another rank than their sample's, "
+            "by scope.",
+            ["scope"],
+            registry=r,
+        )
+        clip_rows = Counter(
+            "batchd_job_exchanged_clip_rows_total",
+            "Embedding rows (audio tokens) of those clips, by scope.",
+            ["scope"],
+            registry=r,
+        )
+        self._exchanged_audio = {
+            scope: (clips.labels(scope=scope), clip_rows.labels(scope=scope))
+            for scope in ("intra_node", "cross_node")
+        }
 
     def _register_counts(self, r: CollectorRegistry) -> None:
         """The job-wide counts of the committed steps, their samples and sample tokens."""
@@ -468,9 +485,10 @@ class CoordinatorMetrics:
         self.barrier_wait.observe(barrier_wait_s)
         self.align_latency.observe(decide_s)
 
-    def observe_exchanges(self, counts: dict[str, int]) -> None:
-        """One round's vision exchanges (`batchd.core.exchanged`, summed over its steps)."""
-        for scope, (images, rows) in self._exchanged.items():
+    def observe_exchanges(self, counts: dict[str, int], audio: bool = False) -> None:
+        """One round's vision exchanges (`batchd.core.exchanged`, summed over its steps); with `audio`, its
+        audio exchanges (the same counts, of clips)."""
+        for scope, (images, rows) in (self._exchanged_audio if audio else self._exchanged).items():
             images.inc(counts[f"{scope}_images"])
             rows.inc(counts[f"{scope}_rows"])
 

@@ -300,7 +300,7 @@ def test_the_audio_phase_is_exchanged_beside_the_vision_phase_across_a_rank_rest
         ]  # fmt: skip
 
     restarted = threading.Event()
-    with InProcessJob(spec, sources=sources(), rank_state_dir=tmp_path, grace=30.0) as job:
+    with InProcessJob(spec, sources=sources(), rank_state_dir=tmp_path, grace=30.0, metrics=True) as job:
 
         def on_step(rank: int, n: int) -> None:
             if rank == 1 and n == 4 and not restarted.is_set():
@@ -337,3 +337,10 @@ def test_the_audio_phase_is_exchanged_beside_the_vision_phase_across_a_rank_rest
             moved += sum(n for e, n in enumerate(b["audio_recv_splits"].tolist()) if e != r)
     assert sorted(seen) == list(range(len(lengths)))
     assert with_clips > 0 and moved > 0, (with_clips, moved)
+    scraped = {  # the coordinator counts the clip rows it had cross ranks (every rank its own node here)
+        s.labels.get("scope"): s.value
+        for m in job.cmetrics.registry.collect()
+        for s in m.samples
+        if s.name == "batchd_job_exchanged_clip_rows_total"
+    }
+    assert scraped == {"intra_node": 0, "cross_node": moved}, (scraped, moved)

@@ -32,8 +32,8 @@ def observe_decision(
     decide_s: float,
 ) -> None:
     """A decided round: the wait for its reports (`wait_s`: first report -> last), the decision's time
-    (`decide_s`), and for a plan the samples it moves and the images its vision plan exchanges, by node
-    (`topology`, the node index per rank; None: every rank its own node)."""
+    (`decide_s`), and for a plan the samples it moves and the images (clips) its vision (audio) plan
+    exchanges, by node (`topology`, the node index per rank; None: every rank its own node)."""
     _guarded(metrics.observe_decision, wait_s, decide_s)
     if decision.plan is not None:
         plan = decision.plan
@@ -41,6 +41,9 @@ def observe_decision(
     if decision.vision is not None:
         vision = decision.vision
         _guarded(lambda: metrics.observe_exchanges(round_exchanges(vision, topology)))
+    if decision.audio is not None:
+        audio = decision.audio
+        _guarded(lambda: metrics.observe_exchanges(round_exchanges(audio, topology), audio=True))
 
 
 def observe_commit(
