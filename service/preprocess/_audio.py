@@ -26,7 +26,7 @@ import numpy as np
 
 from ._parse import Record
 from ._quarantine import Reject
-from ._stage import IGNORE_INDEX, Example, Stage, StageContext, _as_ref
+from ._stage import Example, Stage, StageContext, _as_ref, expand_placeholders
 from ._tokenizer import TokenizerRef
 
 SAMPLE_RATE = 16000
@@ -195,20 +195,8 @@ class Qwen2Audio(Stage):
                     "audio_frames": np.array([len(feats)], dtype=np.int64),
                 }
             )
-        counts = np.ones(len(ex.input_ids), dtype=np.int64)
-        counts[positions] = tokens
-        labels = np.repeat(ex.labels, counts)
-        starts = np.cumsum(counts) - counts
         bos, eos = self._token_id(self.audio_bos), self._token_id(self.audio_eos)
-        spans = []
-        for pos, n in zip(positions, tokens, strict=True):
-            s = int(starts[pos])
-            labels[s : s + n] = IGNORE_INDEX
-            lo = 1 if pos > 0 and ex.input_ids[pos - 1] == bos else 0
-            hi = 1 if pos + 1 < len(ex.input_ids) and ex.input_ids[pos + 1] == eos else 0
-            spans.append((s - lo, s + n + hi))
-        ex.input_ids = np.repeat(ex.input_ids, counts).astype(np.int32)
-        ex.labels = labels.astype(np.int32)
+        spans = expand_placeholders(ex, positions, tokens, bos, eos)
         ex.audio_tokens, ex.audio_tensors, ex.audio_spans = tokens, tensors, spans
         return ex
 

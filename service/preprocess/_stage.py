@@ -55,6 +55,30 @@ class Example:
     extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
+def expand_placeholders(
+    ex: Example, positions: np.ndarray, tokens: list[int], start: int | None = None, end: int | None = None
+) -> list[tuple[int, int]]:
+    """Expands the placeholder token at each of `positions` (in `ex.input_ids`) into `tokens[k]` copies,
+    labels -100 there, and writes `ex.input_ids` / `ex.labels` (int32). Returns each item's token span in
+    the new sequence, widened by one where the token before it is `start` or the one after it is `end` (a
+    template's vision start / end or audio bos / eos marker), so that `Truncate` drops items whole."""
+    assert ex.input_ids is not None and ex.labels is not None
+    counts = np.ones(len(ex.input_ids), dtype=np.int64)
+    counts[positions] = tokens
+    labels = np.repeat(ex.labels, counts)
+    starts = np.cumsum(counts) - counts  # new position of each old token
+    spans = []
+    for pos, n in zip(positions, tokens, strict=True):
+        lo = 1 if start is not None and pos > 0 and ex.input_ids[pos - 1] == start else 0
+        hi = 1 if end is not None and pos + 1 < len(ex.input_ids) and ex.input_ids[pos + 1] == end else 0
+        s = int(starts[pos])
+        labels[s : s + n] = IGNORE_INDEX
+        spans.append((s - lo, s + n + hi))
+    ex.input_ids = np.repeat(ex.input_ids, counts).astype(np.int32)
+    ex.labels = labels.astype(np.int32)
+    return spans
+
+
 class StageContext:
     """What a stage knows besides the example: ids and a generator seeded per (seed, epoch, id, stage)."""
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from ._parse import IMAGE_MARKER, Record
 from ._quarantine import Reject
-from ._stage import IGNORE_INDEX, Example, Stage, StageContext, _as_ref
+from ._stage import Example, Stage, StageContext, _as_ref, expand_placeholders
 from ._tokenizer import TokenizerRef
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -111,8 +111,9 @@ class _VisionStage(Stage):
     def setup(self) -> None:
         self.tokenizer.token_id(self.image_token)
 
-    def _span_extra(self, ids: np.ndarray, pos: int) -> tuple[int, int]:
-        return 0, 0
+    def _markers(self) -> tuple[int | None, int | None]:
+        """The ids of the template's start / end tokens around an image's tokens (None: none)."""
+        return None, None
 
     def __call__(self, ex: Example, ctx: StageContext) -> Example:
         if ex.input_ids is None or ex.labels is None:
@@ -125,23 +126,12 @@ class _VisionStage(Stage):
             )
         if not len(positions):
             return ex
-        counts = np.ones(len(ex.input_ids), dtype=np.int64)
         tokens, tensors = [], []
         for img in ex.images:
             n, t = self.tokens_and_tensors(img)
             tokens.append(n)
             tensors.append(t)
-        counts[positions] = tokens
-        ids = np.repeat(ex.input_ids, counts)
-        labels = np.repeat(ex.labels, counts)
-        starts = np.cumsum(counts) - counts  # new position of each old token
-        spans = []
-        for pos, n in zip(positions, tokens, strict=False):
-            lo, hi = self._span_extra(ex.input_ids, int(pos))
-            s = int(starts[pos])
-            labels[s : s + n] = IGNORE_INDEX
-            spans.append((s - lo, s + n + hi))
-        ex.input_ids, ex.labels = ids.astype(np.int32), labels.astype(np.int32)
+        spans = expand_placeholders(ex, positions, tokens, *self._markers())
         ex.image_tokens, ex.image_tensors, ex.image_spans = tokens, tensors, spans
         return ex
 
@@ -213,11 +203,8 @@ class Qwen2VLVision(_VisionStage):
             "image_grid_thw": np.array([[1, gh, gw]], dtype=np.int64),
         }
 
-    def _span_extra(self, ids: np.ndarray, pos: int) -> tuple[int, int]:
-        vs, ve = self.tokenizer.token_id(self.vision_start), self.tokenizer.token_id(self.vision_end)
-        lo = 1 if pos > 0 and ids[pos - 1] == vs else 0
-        hi = 1 if pos + 1 < len(ids) and ids[pos + 1] == ve else 0
-        return lo, hi
+    def _markers(self) -> tuple[int | None, int | None]:
+        return self.tokenizer.token_id(self.vision_start), self.tokenizer.token_id(self.vision_end)
 
 
 class LlavaVision(_VisionStage):
