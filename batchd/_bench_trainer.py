@@ -66,9 +66,7 @@ from batchd.launch import StepTicker
 from batchd.service.preprocess import (
     SYNTHETIC_MELS,
     SYNTHETIC_PATCH_DIM,
-    synthetic_audio_payload,
-    synthetic_image_payload,
-    synthetic_payload,
+    synthetic_sample,
 )
 
 # Model presets. `llama-100m`: 12 layers, d_model 768, 12 heads, SwiGLU 2048, vocab 32000 (tied head):
@@ -226,15 +224,14 @@ def payload(
 ) -> dict[str, np.ndarray]:
     """The sample batchd's SyntheticSource serves for `sample_id` (same tokens, labels, length; with
     `images`, the same synthetic pixels; with `audio`, the same synthetic clips)."""
-    clips = [tuple(c) for c in audio[sample_id]] if audio is not None else []
-    length = lengths[sample_id] - sum(t for _, t in clips)
-    if images is not None:
-        base = synthetic_image_payload(
-            sample_id, length, [tuple(im) for im in images[sample_id]], seed, SYNTHETIC_VOCAB
-        )
-    else:
-        base = synthetic_payload(sample_id, length, seed, SYNTHETIC_VOCAB)
-    return base if audio is None else synthetic_audio_payload(base, sample_id, clips, seed, SYNTHETIC_VOCAB)
+    return synthetic_sample(
+        sample_id,
+        lengths[sample_id],
+        seed,
+        SYNTHETIC_VOCAB,
+        [tuple(im) for im in images[sample_id]] if images is not None else None,
+        [tuple(c) for c in audio[sample_id]] if audio is not None else None,
+    )
 
 
 class SyntheticDataset(torch.utils.data.Dataset):

@@ -70,6 +70,7 @@ from ._sources import (
     synthetic_audio_payload,
     synthetic_image_payload,
     synthetic_payload,
+    synthetic_sample,
 )
 from ._stage import Example, Stage, StageContext, resolve_stage
 from ._text import QWEN2VL_IMAGE, TEMPLATES, ChatTemplate, Tokenize, Truncate
@@ -164,5 +165,6 @@ __all__ = [
     "synthetic_audio_payload",
     "synthetic_image_payload",
     "synthetic_payload",
+    "synthetic_sample",
     "train_tokenizer",
 ]

@@ -210,6 +210,26 @@ def synthetic_audio_payload(
     }
 
 
+def synthetic_sample(
+    sample_id: int,
+    length: int,
+    seed: int,
+    vocab_size: int,
+    images: Sequence[tuple[int, int]] | None = None,
+    audio: Sequence[tuple[int, int]] | None = None,
+    patch_dim: int = SYNTHETIC_PATCH_DIM,
+) -> Payload:
+    """The synthetic sample `SyntheticSource` serves: `length` tokens in all, with `images` (None: a text
+    dataset, `synthetic_payload`) and `audio` clips (None: a dataset without audio; their tokens count in
+    `length`, `synthetic_audio_payload`)."""
+    base_length = length - sum(t for _, t in audio or ())
+    if images is not None:
+        base = synthetic_image_payload(sample_id, base_length, images, seed, vocab_size, patch_dim)
+    else:
+        base = synthetic_payload(sample_id, base_length, seed, vocab_size)
+    return base if audio is None else synthetic_audio_payload(base, sample_id, audio, seed, vocab_size)
+
+
 def payload_nbytes(payload: Mapping[str, Any]) -> int:
     """Bytes of a payload's arrays as they cross the network (`Sample.nbytes`): the sum of their `nbytes`.
 
@@ -281,17 +301,15 @@ class SyntheticSource:
     def materialize(self, sample_id: int) -> Payload:
         if not 0 <= sample_id < len(self.lengths):
             raise KeyError(f"sample {sample_id} is not in this dataset of {len(self.lengths)} samples")
-        clips = self.audio[sample_id] if self.audio is not None else ()
-        length = self.lengths[sample_id] - sum(t for _, t in clips)
-        if self.images is not None:
-            payload = synthetic_image_payload(
-                sample_id, length, self.images[sample_id], self.seed, self.vocab_size, self.patch_dim
-            )
-        else:
-            payload = synthetic_payload(sample_id, length, self.seed, self.vocab_size)
-        if self.audio is None:
-            return payload
-        return synthetic_audio_payload(payload, sample_id, clips, self.seed, self.vocab_size)
+        return synthetic_sample(
+            sample_id,
+            self.lengths[sample_id],
+            self.seed,
+            self.vocab_size,
+            self.images[sample_id] if self.images is not None else None,
+            self.audio[sample_id] if self.audio is not None else None,
+            self.patch_dim,
+        )
 
     def materialize_many(self, sample_ids: Sequence[int]) -> list[Payload]:
         return [self.materialize(int(i)) for i in sample_ids]
