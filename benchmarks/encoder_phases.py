@@ -35,7 +35,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import add_common_args, command_line, finish  # noqa: E402
-from phase_balance import least_time, p99, repeat  # noqa: E402
+from phase_balance import (  # noqa: E402  (the same jobs, bounds and solver limits as phase-balance)
+    BOUND_TOL,
+    CONFIG,
+    EXACT_LIMIT_S,
+    EXACT_MAX_RANKS,
+    EXACT_STEPS,
+    LOCAL_RANKS,
+    RANKS,
+    WORKLOADS_DIR,
+    exact_stats,
+    least_time,
+    p99,
+    repeat,
+)
 
 from batchd import read_workload  # noqa: E402
 from batchd.core import (  # noqa: E402
@@ -44,7 +57,6 @@ from batchd.core import (  # noqa: E402
     JobSpec,
     Sample,
     VisionCost,
-    exact_placement,
     exchanged,
     imbalance,
     phase_loads,
@@ -56,22 +68,8 @@ from batchd.core import (  # noqa: E402
 
 SECTION = "encoder-phases"
 MEASURES = ("benchmarks/encoder_phases.py", "core")
-WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
 WORKLOADS = ("audio-visual",)
-RANKS = (8, 64)
-LOCAL_RANKS = 8
-CONFIG = {
-    "token_budget": 8192,
-    "window": 64,
-    "depth": 4,
-    "cost": "padded",
-    "mode": "join",
-    "policy": "balanced",
-    "shuffle": False,
-}
 ENCODERS: tuple[EncoderCost, ...] = (VisionCost(), AudioCost())
-BOUND_TOL = 0.01  # issue 25: each encoder phase within 1% of its per-step lower bound
-EXACT_STEPS, EXACT_LIMIT_S, EXACT_MAX_RANKS = 6, 3.0, 8
 
 HEADERS = [
     "workload",
@@ -121,7 +119,7 @@ def encoder_stats(rows: Sequence[Sequence[Sequence[Sample]]], enc: EncoderCost, 
         ex_moved = exchanged(ex, nodes)
         moved["intra"] += ex_moved["intra_node_images"]
         moved["cross"] += ex_moved["cross_node_images"]
-        exact_rows.append((row, costs, max(loads)))
+        exact_rows.append((costs, max(loads)))
     steps = len(single)
     out = {
         "encoder": enc.name,
@@ -140,23 +138,9 @@ def encoder_stats(rows: Sequence[Sequence[Sequence[Sample]]], enc: EncoderCost, 
     return out
 
 
-def exact_gaps(rows: Sequence[tuple[object, list[float], float]], n: int) -> dict:
-    """The exact optimum on up to `EXACT_STEPS` evenly spaced steps: plan / exact and exact / bound."""
-    pick = list(rows[:: max(1, len(rows) // EXACT_STEPS)][:EXACT_STEPS])
-    plan_over, exact_over, proved = [], [], 0
-    for _row, costs, peak in pick:
-        res = exact_placement(costs, n, time_limit_s=EXACT_LIMIT_S)
-        assert res is not None
-        plan_over.append(peak / res.peak)
-        exact_over.append(res.peak / vision_bound(costs, n))
-        proved += res.optimal
-    return {
-        "steps": len(pick),
-        "proved": proved,
-        "plan_over_exact": statistics.fmean(plan_over) if pick else None,
-        "plan_over_exact_max": max(plan_over, default=None),
-        "exact_over_bound": statistics.fmean(exact_over) if pick else None,
-    }
+def exact_gaps(rows: Sequence[tuple[list[float], float]], n: int) -> dict:
+    """`exact_stats` on up to `EXACT_STEPS` evenly spaced steps (its items' costs, the plan's peak)."""
+    return exact_stats(list(rows[:: max(1, len(rows) // EXACT_STEPS)][:EXACT_STEPS]), n)
 
 
 def plan_ms(rows: Sequence[Sequence[Sequence[Sample]]], side_by_side: int) -> list[float]:

@@ -130,28 +130,35 @@ def least_time(fn: Callable[[], object]) -> float:
 
 def exact_gaps(rows: Sequence[Sequence[Sequence[Sample]]], spec: JobSpec, nodes: list[int]) -> dict:
     """On up to `EXACT_STEPS` steps with images, evenly spaced: the exact optimum (`exact_placement`,
-    `EXACT_LIMIT_S` per solve) against `plan_vision`'s peak and the bound."""
+    `EXACT_LIMIT_S` per solve) against `plan_vision`'s peak and the bound (`exact_stats`)."""
     cost = spec.vision_cost()
     with_images = [row for row in rows if vision_images(row)]
     pick = with_images[:: max(1, len(with_images) // EXACT_STEPS)][:EXACT_STEPS]
-    plan_over, exact_over, proved, secs = [], [], 0, []
+    steps = []
     for row in pick:
-        images = vision_images(row)
-        costs = [cost.image(im.patches) for im in images]
-        res = exact_placement(costs, len(row), time_limit_s=EXACT_LIMIT_S)  # the peak only
+        costs = [cost.image(im.patches) for im in vision_images(row)]
+        steps.append((costs, max(phase_loads(plan_vision(row, cost, nodes), cost))))
+    return exact_stats(steps, len(nodes))
+
+
+def exact_stats(steps: Sequence[tuple[Sequence[float], float]], n: int) -> dict:
+    """Per step (its items' costs, a plan's peak on n ranks): the exact optimum (`exact_placement`, the peak
+    only, `EXACT_LIMIT_S` per solve) against the plan's peak and the bound; means and worst."""
+    plan_over, exact_over, proved, secs = [], [], 0, []
+    for costs, peak in steps:
+        res = exact_placement(costs, n, time_limit_s=EXACT_LIMIT_S)
         assert res is not None
-        peak = max(phase_loads(plan_vision(row, cost, nodes), cost))
         plan_over.append(peak / res.peak)
-        exact_over.append(res.peak / vision_bound(costs, len(row)))
+        exact_over.append(res.peak / vision_bound(costs, n))
         proved += res.optimal
         secs.append(res.seconds)
     return {
-        "steps": len(pick),
+        "steps": len(steps),
         "proved": proved,
-        "plan_over_exact": statistics.fmean(plan_over) if pick else None,
+        "plan_over_exact": statistics.fmean(plan_over) if steps else None,
         "plan_over_exact_max": max(plan_over, default=None),
-        "exact_over_bound": statistics.fmean(exact_over) if pick else None,
-        "exact_s": statistics.fmean(secs) if pick else None,
+        "exact_over_bound": statistics.fmean(exact_over) if steps else None,
+        "exact_s": statistics.fmean(secs) if steps else None,
     }
 
 
