@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_exchange import RTOL, grads, max_error  # the vision exchange's tests: the same comparisons
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchd import core
@@ -45,7 +46,6 @@ pytestmark = pytest.mark.slow
 WORLDS = (2, 3, 4)
 VOCAB, IMG, AUD, N_MELS, PATCH = 64, 3, 2, 16, 12  # text tokens are drawn from [4, VOCAB)
 GRIDS = ((1, 2, 2), (1, 2, 4), (1, 4, 4))  # 1, 2 and 4 image tokens
-RTOL = 1e-5
 
 
 def make_sample(
@@ -149,13 +149,6 @@ def make_model() -> TinyMLLM:
     )  # fmt: skip
 
 
-def grads(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {
-        n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().numpy().copy()
-        for n, p in model.named_parameters()
-    }
-
-
 def reference(case: dict) -> tuple[float, dict[str, np.ndarray]]:
     model = make_model()
     total = 0
@@ -225,11 +218,6 @@ def run(request, tmp_path_factory) -> dict:
     mp.spawn(worker, args=(world, cases, str(out_dir)), nprocs=world, join=True)
     ranks = [pickle.loads((out_dir / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     return {"cases": {c["name"]: c for c in cases}, "ranks": ranks}
-
-
-def max_error(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> tuple[float, float]:
-    err = max(float(np.abs(got[n] - want[n]).max()) for n in want)
-    return err, RTOL * max(1.0, max(float(np.abs(w).max()) for w in want.values()))
 
 
 @pytest.mark.parametrize("name", ["moved", "no_audio", "one_rank_all"])
