@@ -13,6 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from ._encoders import EncoderCost
 from ._phases import exchanged, imbalance, phase_loads, single_phase, vision_bound
 from ._plan_moves import plan_moves
 from ._spec import JobSpec
@@ -26,56 +27,59 @@ def synthetic_token_loss(sample_id: int) -> float:
     return 0.5 + ((sample_id * 2654435761) % 1000) / 100.0
 
 
-class AudioPhase:
-    """The audio encoder phase's balance over consumed steps with clips: single-phase (each rank encodes
-    its own clips) and planned (the steps' `audio_exchange`), beside the per-step bound."""
+EXCHANGED_KEYS = ("intra_node_images", "intra_node_rows", "cross_node_images", "cross_node_rows")
 
-    def __init__(self, spec: JobSpec) -> None:
-        self.cost = spec.audio_cost()
-        self.steps = self.planned_steps = self.clips = 0
-        self.single = self.planned = self.bound = 0.0
-        self.cross = 0
+
+class EncoderPhase:
+    """One encoder phase's balance over the consumed steps that hold its items (images for `VisionCost`,
+    clips for `AudioCost`): sums of each step's max / mean rank load, single-phase (each rank encodes its own
+    LLM samples' items) and planned (the steps' exchanges, the `Step` attribute `exchange`), of two per-step
+    lower bounds (max(C / N, largest item) and `vision_bound`, over C / N), and the items the plan
+    exchanged, intra- and cross-node (`EXCHANGED_KEYS`)."""
+
+    def __init__(self, cost: EncoderCost, exchange: str) -> None:
+        self.cost, self.exchange = cost, exchange
+        self.steps = self.planned_steps = self.items = 0
+        self.single = self.planned = self.bound = self.tight = 0.0
+        self.moved = dict.fromkeys(EXCHANGED_KEYS, 0)
 
     def add(self, step: tuple[Step, ...], row: list[tuple[Any, ...]], nodes: Sequence[int] | None) -> None:
         loads = phase_loads(single_phase(row, self.cost), self.cost)
         single = imbalance(loads)
-        if single is None:  # no clip in this step
+        if single is None:  # no item of this encoder in this step
             return
-        costs = [self.cost.item(f) for s in step for x in s.samples for f, _ in x.audio]
+        costs = [self.cost.item(size) for s in step for x in s.samples for size, _ in self.cost.items(x)]
+        mean = sum(loads) / len(loads)
         self.steps += 1
-        self.clips += len(costs)
+        self.items += len(costs)
         self.single += single
-        self.bound += vision_bound(costs, len(step)) / (sum(loads) / len(loads))
-        exchanges = [s.audio_exchange for s in step if s.audio_exchange is not None]
+        self.bound += max(mean, max(costs)) / mean
+        self.tight += vision_bound(costs, len(step)) / mean
+        exchanges = [x for x in (getattr(s, self.exchange) for s in step) if x is not None]
         if len(exchanges) == len(step):
             self.planned_steps += 1
             self.planned += imbalance(phase_loads(exchanges, self.cost)) or 1.0
-            self.cross += exchanged(exchanges, nodes)["cross_node_images"]
+            for k, v in exchanged(exchanges, nodes).items():
+                self.moved[k] += v
 
-    def result(self, steps: int) -> dict[str, Any]:
-        return {
-            "audio_clips": self.clips,
-            "audio_steps": self.steps,
-            "audio_imbalance_single": self.single / self.steps if self.steps else None,
-            "audio_imbalance_two": self.planned / self.planned_steps if self.planned_steps else None,
-            "audio_bound_pigeonhole": self.bound / self.steps if self.steps else None,
-            "exchanged_cross_node_clips_per_step": self.cross / max(steps, 1),
-        }
+    def mean(self, total: float, planned: bool = False) -> float | None:
+        """`total` over the steps with items (planned: with the plan's exchanges); None without any."""
+        n = self.planned_steps if planned else self.steps
+        return total / n if n else None
 
 
 class PhaseMetrics:
-    """Per-phase balance of consumed steps (module docstring): sums of each step's max / mean rank load,
-    per phase and plan, and the embeddings the two-phase plan exchanges."""
+    """Per-phase balance of consumed steps (module docstring): the LLM phase's max / mean rank cost per step,
+    and each encoder phase's (`EncoderPhase`: vision, and audio when the workload has clips)."""
 
-    KEYS = ("intra_node_images", "intra_node_rows", "cross_node_images", "cross_node_rows")
+    KEYS = EXCHANGED_KEYS
 
     def __init__(self, spec: JobSpec, nodes: Sequence[int] | None = None) -> None:
-        self.vision = spec.vision_cost()
         self.nodes = nodes
-        self.steps = self.llm_steps = self.vision_steps = self.two_steps = self.images = 0
-        self.llm = self.single = self.two = self.bound = self.tight = 0.0
-        self.moved = dict.fromkeys(self.KEYS, 0)
-        self.audio = AudioPhase(spec)
+        self.steps = self.llm_steps = 0
+        self.llm = 0.0
+        self.vision = EncoderPhase(spec.vision_cost(), "exchange")
+        self.audio = EncoderPhase(spec.audio_cost(), "audio_exchange")
 
     def add(self, step: tuple[Step, ...]) -> None:
         self.steps += 1
@@ -84,44 +88,38 @@ class PhaseMetrics:
             self.llm_steps += 1
             self.llm += llm
         row = [s.samples for s in step]
+        self.vision.add(step, row, self.nodes)
         self.audio.add(step, row, self.nodes)
-        loads = phase_loads(single_phase(row), self.vision)
-        single = imbalance(loads)
-        if single is None:  # no vision cost in this step
-            return
-        self.images += sum(len(x.images) for s in step for x in s.samples)
-        self.vision_steps += 1
-        self.single += single
-        mean = sum(loads) / len(loads)
-        costs = [self.vision.image(p) for s in step for x in s.samples for p, _ in x.images]
-        self.bound += max(mean, max(costs)) / mean
-        self.tight += vision_bound(costs, len(step)) / mean
-        exchanges = [s.exchange for s in step if s.exchange is not None]
-        if len(exchanges) == len(step):
-            self.two_steps += 1
-            self.two += imbalance(phase_loads(exchanges, self.vision)) or 1.0
-            for k, v in exchanged(exchanges, self.nodes).items():
-                self.moved[k] += v
 
     def result(self, sim: Simulator) -> dict[str, Any]:
         steps = max(self.steps, 1)
         plans = sim.vision_plan_s
+        v, a = self.vision, self.audio
         out: dict[str, Any] = {
             "phases": sim.spec.phases,
-            "images": self.images,
-            "vision_steps": self.vision_steps,
+            "images": v.items,
+            "vision_steps": v.steps,
             "llm_imbalance": self.llm / self.llm_steps if self.llm_steps else None,
-            "vision_imbalance_single": self.single / self.vision_steps if self.vision_steps else None,
-            "vision_imbalance_two": self.two / self.two_steps if self.two_steps else None,
-            "vision_bound": self.bound / self.vision_steps if self.vision_steps else None,
-            "vision_bound_pigeonhole": self.tight / self.vision_steps if self.vision_steps else None,
+            "vision_imbalance_single": v.mean(v.single),
+            "vision_imbalance_two": v.mean(v.planned, planned=True),
+            "vision_bound": v.mean(v.bound),
+            "vision_bound_pigeonhole": v.mean(v.tight),
         }
         for k in self.KEYS:
-            out[f"exchanged_{k}_per_step"] = self.moved[k] / steps
+            out[f"exchanged_{k}_per_step"] = v.moved[k] / steps
         out["vision_plan_rounds"] = len(plans)
         out["vision_plan_per_round_s"] = sum(plans) / len(plans) if plans else 0.0
         if sim.has_audio:
-            out.update(self.audio.result(self.steps))
+            out.update(
+                {
+                    "audio_clips": a.items,
+                    "audio_steps": a.steps,
+                    "audio_imbalance_single": a.mean(a.single),
+                    "audio_imbalance_two": a.mean(a.planned, planned=True),
+                    "audio_bound_pigeonhole": a.mean(a.tight),
+                    "exchanged_cross_node_clips_per_step": a.moved["cross_node_images"] / steps,
+                }
+            )
         return out
 
 
