@@ -89,6 +89,7 @@ from ._liveness import Liveness
 from ._loss import loss_scale
 from ._microbatch import balanced_split, chunk_split
 from ._node_plan import decision_for_node, round_exchanges
+from ._phase_bound import encoder_bound
 from ._phase_exact import ExactPlacement, exact_placement
 from ._phases import (
     AUDIO_EXCHANGE_KEYS,
@@ -211,6 +212,7 @@ __all__ = [
     "collate_padded",
     "contiguous_greedy",
     "decision_for_node",
+    "encoder_bound",
     "epoch_permutation",
     "exact_placement",
     "exchange_arrays",

@@ -52,9 +52,11 @@ Measured steps, splits and IDLE steps under both rules: docs/benchmarks.md (Batc
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._encoders import EncoderCost
 from ._exchange import Exchange
 from ._ledger import StepLedger
 from ._phases import plan_vision_round
@@ -76,6 +78,12 @@ from ._state import (
     check_state,
 )
 from ._types import Sample, check_int
+
+# plans one round's exchange of an encoder phase: (plan[rank][step], its cost, nodes) -> [rank][step]
+PhasePlanner = Callable[
+    [Sequence[Sequence[Sequence[Sample]]], EncoderCost, Sequence[int] | None],
+    tuple[tuple[Exchange, ...], ...],
+]
 
 if TYPE_CHECKING:
     from ._resize import ResumePoint
@@ -206,11 +214,21 @@ class Coordinator:
         of `state_dict` (the daemon owns it). Raises ValueError on a `nodes` or `vision_nodes` without one
         int >= 0 per rank.
 
-        `vision_planner` and `audio_planner` (attributes; default `plan_vision_round`) plan a round's
-        exchange of the vision phase and, when the round has clips, of the audio phase (each phase on its
-        own, N-phase balancing); the simulator wraps the vision one to time it."""
+        `vision_planner` and `audio_planner` (attributes; default `plan_vision_round` with the spec's
+        `phase_exact_nodes`) plan a round's exchange of the vision phase and, when the round has clips, of
+        the audio phase (each phase on its own, N-phase balancing); the simulator wraps the vision one to
+        time it."""
         spec.check_daemon()
-        self.vision_planner = self.audio_planner = plan_vision_round
+        if spec.phase_exact_nodes:
+            try:
+                import scipy.optimize  # noqa: F401  (the exact option's solver, imported on first use)
+            except ImportError as exc:
+                raise ValueError(
+                    f"phase_exact_nodes={spec.phase_exact_nodes} needs scipy: pip install 'batchd[exact]'"
+                ) from exc
+        planner: PhasePlanner = functools.partial(plan_vision_round, exact_nodes=spec.phase_exact_nodes)
+        self.vision_planner: PhasePlanner = planner
+        self.audio_planner: PhasePlanner = planner
         self.plan_stats: dict[str, int] = {}  # node-aware planning counts (`plan_round`'s `stats`)
         self.spec = spec
         self.world_size, self.policy, self.token_budget = (

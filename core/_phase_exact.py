@@ -38,6 +38,7 @@ def exact_placement(
     n: int,
     owners: Sequence[int] | None = None,
     time_limit_s: float = 10.0,
+    node_limit: int | None = None,
 ) -> ExactPlacement | None:
     """The least-peak placement of items of `costs` on `n` ranks (module docstring).
 
@@ -47,6 +48,8 @@ def exact_placement(
         owners: Each item's owner rank; with it, a second solve keeps the least peak and moves the fewest
             items off their owners.
         time_limit_s: HiGHS's time limit, per solve.
+        node_limit: At most this many branch-and-bound nodes per solve (None: no limit). Unlike the time
+            limit it makes the result independent of the machine's speed (a plan's input).
 
     Returns:
         The placement, or None when the solver found no feasible one in time.
@@ -55,6 +58,8 @@ def exact_placement(
 
     check_int("n", n, lo=1)
     check_number("time_limit_s", time_limit_s, gt=0.0)
+    if node_limit is not None:
+        check_int("node_limit", node_limit, lo=1)
     m = len(costs)
     if any(c <= 0 for c in costs):
         raise ValueError(f"costs must be > 0, got min(costs)={min(costs)!r}")
@@ -65,13 +70,14 @@ def exact_placement(
     scale = max(costs)  # HiGHS works on costs scaled to <= 1: its presolve returned suboptimal peaks,
     unit = [c / scale for c in costs]  # "optimal", with costs in the thousands
     t0 = time.perf_counter()
-    first = _solve(unit, n, None, None, time_limit_s)
+    limits = {"time_limit": time_limit_s} | ({} if node_limit is None else {"node_limit": node_limit})
+    first = _solve(unit, n, None, None, limits)
     if first is None:
         return None
     where, optimal = first
     if owners is not None:
         peak = max(_loads(where, unit, n))
-        second = _solve(unit, n, owners, peak * (1 + 1e-7), time_limit_s)
+        second = _solve(unit, n, owners, peak * (1 + 1e-7), limits)
         if second is not None:
             where, optimal = second[0], optimal and second[1]
     return ExactPlacement(where, max(_loads(where, costs, n)), optimal, time.perf_counter() - t0)
@@ -85,7 +91,7 @@ def _loads(where: Sequence[int], costs: Sequence[float], n: int) -> list[float]:
 
 
 def _solve(
-    unit: Sequence[float], n: int, owners: Sequence[int] | None, cap: float | None, time_limit_s: float
+    unit: Sequence[float], n: int, owners: Sequence[int] | None, cap: float | None, limits: dict[str, float]
 ) -> tuple[tuple[int, ...], bool] | None:
     """One MILP: without `owners`, minimize the peak T; with them, minimize the items moved off their
     owners subject to every rank's load <= `cap`. (placement, proved optimal) or None."""
@@ -120,7 +126,7 @@ def _solve(
         constraints=LinearConstraint(a.tocsr(), lo, hi),
         integrality=integrality,
         bounds=Bounds(np.zeros(nv), ub),
-        options={"time_limit": time_limit_s, "disp": False, "mip_rel_gap": 0.0},
+        options={**limits, "disp": False, "mip_rel_gap": 0.0},
     )
     if res.x is None:
         return None

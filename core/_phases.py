@@ -35,6 +35,12 @@ image embeddings travel back to the rank whose LLM sample holds them: one `all_t
    they lower it, until the peak is within 0.5% of the bound; first only those that put no image off its
    owner's node, then (if still above) any. The greedies stop where first-fit runs out of room; the
    search takes the plan the rest of the way to its bound (docs/benchmarks.md, two-phase balancing).
+6. Second start (`batchd.core._phase_ldm`). Still above that tolerance, a step of at most `LDM_MAX_WORK`
+   items x ranks is also partitioned by the largest differencing method (Karmarkar-Karp), each bin on the
+   rank owning most of its items, and searched the same way; it replaces the plan where its peak is lower
+   by `LDM_GAIN` (many nearly equal big images, where first fit stops short; it moves more images).
+7. Exact option (`exact_nodes` > 0): a step of at most `EXACT_MAX_RANKS` ranks and `EXACT_MAX_ITEMS`
+   items is also solved as a MILP (`exact_placement`) within a node budget; the lower peak wins.
 
 The exchange of a step, per rank (`Exchange`): `encode`, the images it encodes, ordered by owner rank
 and then by the owner's LLM image order; `sources`, for each image of its own LLM samples (samples in
@@ -65,7 +71,8 @@ import numpy as np
 
 from ._encoders import EncoderCost
 from ._exchange import Exchange, ImageRef
-from ._phase_search import improve
+from ._phase_ldm import LDM_GAIN, LDM_MAX_WORK, ldm_place
+from ._phase_search import TOL, improve
 from ._types import Sample, check_int
 
 SLACKS = (0.0, 0.01, 0.02, 0.035, 0.05, 0.1, 0.2, 0.5)
@@ -73,6 +80,10 @@ REFINE = 6  # bisection steps between the last slack cap that failed and the fir
 # Keep-first's plan is taken when its peak is within this fraction of the bound: the one-pass greedy packs
 # tighter but moves about twice the images (cross-node too) and plans 3-4x slower (docs/benchmarks.md).
 ACCEPT = 0.02
+# The exact option (`exact_nodes` > 0): steps of at most this many ranks and items are also solved as a
+# MILP (`exact_placement`), within the node budget; its placement is taken when its peak is lower.
+EXACT_MAX_RANKS, EXACT_MAX_ITEMS = 8, 64
+EXACT_GUARD_S = 60.0  # a wall-clock guard per solve (the node budget is what bounds the work)
 
 
 def _images(row: Sequence[Sequence[Sample]], cost: EncoderCost | None = None) -> list[ImageRef]:
@@ -206,8 +217,37 @@ def _place(
     return keep[0], keep[2]
 
 
+def _second_start(
+    where: list[int], costs: list[float], owners: list[int], nodes: list[int], floor: float
+) -> list[int]:
+    """`where`, or the LDM partition after the same local search where its peak is lower by `LDM_GAIN`
+    (step 6 of the module docstring); tried only on steps still above the search's tolerance and within
+    `LDM_MAX_WORK`."""
+    n = len(nodes)
+    peak = _peak(where, costs, n)
+    if len(costs) * n > LDM_MAX_WORK or peak <= floor * (1.0 + TOL):
+        return where
+    other = improve(ldm_place(costs, owners, n), costs, owners, nodes, floor)
+    return other if _peak(other, costs, n) < peak * (1.0 - LDM_GAIN) else where
+
+
+def _exact(where: list[int], costs: list[float], owners: list[int], n: int, exact_nodes: int) -> list[int]:
+    """`where`, or the exact solver's placement when the step is small enough and it peaks lower."""
+    if exact_nodes <= 0 or n > EXACT_MAX_RANKS or len(costs) > EXACT_MAX_ITEMS or min(costs) <= 0:
+        return where
+    from ._phase_exact import exact_placement
+
+    res = exact_placement(costs, n, owners, time_limit_s=EXACT_GUARD_S, node_limit=exact_nodes)
+    if res is None or res.peak >= _peak(where, costs, n) * (1.0 - 1e-9):
+        return where
+    return list(res.where)
+
+
 def plan_vision(
-    row: Sequence[Sequence[Sample]], cost: EncoderCost, nodes: Sequence[int] | None = None
+    row: Sequence[Sequence[Sample]],
+    cost: EncoderCost,
+    nodes: Sequence[int] | None = None,
+    exact_nodes: int = 0,
 ) -> list[Exchange]:
     """The plan of one encoder phase of one step (module docstring): the vision phase with a `VisionCost`,
     any other encoder's with its cost model (`AudioCost`: the samples' audio clips). `plan_phase` is the
@@ -217,6 +257,10 @@ def plan_vision(
         row: row[r] is rank r's LLM group at this step (empty = IDLE).
         cost: The encoder's cost model; it also names the items it encodes (`EncoderCost.items`).
         nodes: nodes[r] is rank r's node; None = every rank its own node.
+        exact_nodes: > 0: a step of at most `EXACT_MAX_RANKS` ranks and `EXACT_MAX_ITEMS` items is also
+            solved exactly (`exact_placement`: least peak, then fewest items off their owners; at most this
+            many branch-and-bound nodes per solve, so the plan stays a function of its inputs), and that
+            placement is taken where its peak is lower. Needs scipy (`batchd[exact]`).
 
     Returns:
         One `Exchange` per rank.
@@ -230,7 +274,10 @@ def plan_vision(
         return [Exchange(r, n) for r in range(n)]
     costs = [cost.item(im.patches) for im in images]
     where, _cap = _place(images, costs, where_node)
-    where = improve(where, costs, [im.owner for im in images], where_node, vision_bound(costs, n))
+    owners, floor = [im.owner for im in images], vision_bound(costs, n)
+    where = improve(where, costs, owners, where_node, floor)
+    where = _second_start(where, costs, owners, where_node, floor)
+    where = _exact(where, costs, owners, n, exact_nodes)
     encode: list[list[ImageRef]] = [[] for _ in range(n)]
     sources: list[list[int]] = [[] for _ in range(n)]
     tokens: list[list[int]] = [[] for _ in range(n)]
@@ -262,7 +309,10 @@ plan_phase = plan_vision
 
 
 def plan_phases(
-    row: Sequence[Sequence[Sample]], encoders: Sequence[EncoderCost], nodes: Sequence[int] | None = None
+    row: Sequence[Sequence[Sample]],
+    encoders: Sequence[EncoderCost],
+    nodes: Sequence[int] | None = None,
+    exact_nodes: int = 0,
 ) -> dict[str, list[Exchange]]:
     """Every encoder phase of one step, each planned on its own (`plan_phase`): {encoder name: one
     `Exchange` per rank}. The LLM plan (the row) is shared; each encoder's exchange is composed with it
@@ -270,16 +320,19 @@ def plan_phases(
     names = [e.name for e in encoders]
     if len(set(names)) != len(names):
         raise ValueError(f"encoders must have distinct names, got {names=}")
-    return {e.name: plan_phase(row, e, nodes) for e in encoders}
+    return {e.name: plan_phase(row, e, nodes, exact_nodes) for e in encoders}
 
 
 def plan_vision_round(
-    plan: Sequence[Sequence[Sequence[Sample]]], cost: EncoderCost, nodes: Sequence[int] | None = None
+    plan: Sequence[Sequence[Sequence[Sample]]],
+    cost: EncoderCost,
+    nodes: Sequence[int] | None = None,
+    exact_nodes: int = 0,
 ) -> tuple[tuple[Exchange, ...], ...]:
     """`plan_vision` for every step of a round's plan (plan[rank][step]): vision[rank][step]."""
     n = len(plan)
     steps = len(plan[0]) if n else 0
-    per_step = [plan_vision([plan[r][s] for r in range(n)], cost, nodes) for s in range(steps)]
+    per_step = [plan_vision([plan[r][s] for r in range(n)], cost, nodes, exact_nodes) for s in range(steps)]
     return tuple(tuple(per_step[s][r] for s in range(steps)) for r in range(n))
 
 

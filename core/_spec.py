@@ -84,6 +84,18 @@ class JobSpec:
     vision_quadratic: int = _field(
         8192, "q of the vision encoder's cost per image (patches + patches^2 / q; 0: linear)", metavar="Q"
     )
+    audio_quadratic: int = _field(
+        6144,
+        "q of the audio encoder's cost per clip of f frames (f / 4 + f / 2 + (f / 2)^2 / q; 0: linear)",
+        metavar="Q",
+    )
+    phase_exact_nodes: int = _field(
+        0,
+        "phases=2: also solve each small step's encoder placement exactly (a MILP through scipy's HiGHS, "
+        "steps of <= 8 ranks and <= 64 items, at most this many branch-and-bound nodes per solve) and "
+        "take it where it peaks lower; 0: off (seconds per step: docs/benchmarks.md, encoder-phases)",
+        metavar="K",
+    )
     deterministic: bool = _field(
         False,
         "the same data, seed, config and world size give the same batches, steps and "
@@ -134,6 +146,10 @@ class JobSpec:
                 "over_budget='truncate'"
             )
         check_int("vision_quadratic", self.vision_quadratic, lo=0)
+        check_int("audio_quadratic", self.audio_quadratic, lo=0)
+        check_int("phase_exact_nodes", self.phase_exact_nodes, lo=0)
+        if self.phase_exact_nodes and self.phases != 2:
+            raise ValueError(f"phase_exact_nodes needs phases=2, got phases={self.phases}")
         if self.quota is not None:
             check_int("quota", self.quota, lo=0)
         for name in ("tokens_per_update", "samples_per_update"):
@@ -156,8 +172,8 @@ class JobSpec:
         return CostModel(self.cost, self.quadratic)
 
     def audio_cost(self) -> AudioCost:
-        """The audio encoder's per-clip cost model (N-phase balancing; `AudioCost`'s defaults)."""
-        return AudioCost()
+        """The audio encoder's per-clip cost model (N-phase balancing; `AudioCost` with `audio_quadratic`)."""
+        return AudioCost(quadratic=self.audio_quadratic)
 
     def vision_cost(self) -> VisionCost:
         """The vision encoder's per-image cost model (two-phase balancing)."""

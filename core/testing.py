@@ -7,6 +7,7 @@ level dealing (`batchd.core._plan_nodes`, `batchd.core._plan_deal`). Tests impor
 no test imports a private module.
 """
 
+from ._phase_ldm import LDM_GAIN, ldm_place
 from ._phase_search import PARTNERS
 from ._phase_search import improve as vision_improve
 from ._phases import ACCEPT, SLACKS
@@ -19,9 +20,11 @@ from ._plan_nodes import outliers
 
 __all__ = [
     "ACCEPT",
+    "LDM_GAIN",
     "PARTNERS",
     "SLACKS",
     "deal_levels",
+    "ldm_place",
     "outliers",
     "vision_greedy",
     "vision_images",

@@ -137,6 +137,36 @@ def test_audio_cost_by_hand_and_validation():
         plan_phases([[Sample(0, 1)]], [VisionCost(), VisionCost(quadratic=0)])
 
 
+def test_the_simulator_plans_with_the_exact_option_and_never_peaks_higher():
+    rng = random.Random(5)
+    data = [
+        Sample(k, 200 + rng.randrange(400), images=tuple((rng.randrange(64, 2048), 16) for _ in range(k % 4)))
+        for k in range(48)
+    ]
+    spec = JobSpec(world_size=3, token_budget=2048, policy="balanced", phases=2, window=16, shuffle=False)
+    plain = simulate(data, spec)
+    exact = simulate(data, spec.replace(phase_exact_nodes=200))
+    assert exact["steps"] == plain["steps"] and exact["llm_imbalance"] == plain["llm_imbalance"]
+    assert exact["vision_imbalance_two"] <= plain["vision_imbalance_two"] + 1e-9
+    assert wire.spec_from_pb(wire.spec_to_pb(spec.replace(phase_exact_nodes=200))).phase_exact_nodes == 200
+
+
+def test_the_job_sets_the_audio_cost_and_the_wire_carries_it():
+    spec = JobSpec(world_size=2, token_budget=64, policy="balanced", phases=2, audio_quadratic=1000)
+    assert spec.audio_cost() == AudioCost(quadratic=1000)
+    assert JobSpec(world_size=2, token_budget=64).audio_cost() == AudioCost()
+    assert wire.spec_from_pb(wire.spec_to_pb(spec)) == spec
+    with pytest.raises(ValueError, match="audio_quadratic"):
+        JobSpec(world_size=2, token_budget=64, audio_quadratic=-1)
+    # the simulator plans the audio phase with the job's cost: a clip of 3,000 frames weighs more with q=1000
+    heavy = simulate([Sample(0, 40, audio=((3000, 750),)), Sample(1, 40, audio=((100, 25),))], spec)
+    light = simulate(
+        [Sample(0, 40, audio=((3000, 750),)), Sample(1, 40, audio=((100, 25),))],
+        spec.replace(audio_quadratic=0),
+    )
+    assert heavy["audio_imbalance_single"] != light["audio_imbalance_single"]
+
+
 def test_sample_audio_round_trips_json_wire_and_the_workload_csv():
     s = Sample(3, 1300, -1, 1, (("text", 50),), 0, ((256, 64),), ((3000, 750), (400, 436)))
     assert Sample.from_json(s.to_json()) == s
