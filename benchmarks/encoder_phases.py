@@ -6,9 +6,9 @@ step: each rank's group) are planned for every encoder with `plan_phases` (`Visi
 Per encoder, over the steps that hold its items:
 
 - imbalance, mean over steps of max / mean rank encoder cost: **single** (each rank encodes its own LLM
-  samples' items) and **planned**, beside the per-step lower bound `vision_bound` / (C / N) (an item is
-  encoded whole on one rank);
-- the plan's peak over that step's bound: mean and worst step;
+  samples' items) and **planned**, beside two per-step lower bounds over C / N: `vision_bound` (an item is
+  encoded whole on one rank) and `encoder_bound` (also counting which items fit beside the big ones);
+- the plan's peak over each step's bounds: mean, and worst step for `encoder_bound` (the target's);
 - at N <= 8, the exact optimum (`exact_placement`, a MILP through scipy's HiGHS) on `EXACT_STEPS` steps:
   plan / exact and exact / bound;
 - items encoded off their LLM rank per step, intra- and cross-node.
@@ -57,6 +57,7 @@ from batchd.core import (  # noqa: E402
     JobSpec,
     Sample,
     VisionCost,
+    encoder_bound,
     exchanged,
     imbalance,
     phase_loads,
@@ -79,7 +80,9 @@ HEADERS = [
     "items/step",
     "single",
     "planned",
+    "bound whole",
     "bound",
+    "over whole (mean)",
     "over bound (mean)",
     "over bound (worst)",
     "intra-node moved/step",
@@ -95,14 +98,17 @@ HEADERS_EXACT = [
     "max",
     "exact / bound",
 ]
+OPTION_NODES = 100  # the exact option's branch-and-bound node budget per solve (`phase_exact_nodes`)
+HEADERS_OPTION = ["workload", "N", "encoder", "steps", "plain over bound", "with exact option over bound"]
+HEADERS_OPTION += ["plain ms/step", "with exact option ms/step"]
 HEADERS_TIME = ["workload", "N", "LLM imbalance", "plan ms/step (all encoders)", "p99", "8N ranks ms", "p99"]
 
 
 def encoder_stats(rows: Sequence[Sequence[Sequence[Sample]]], enc: EncoderCost, nodes: list[int]) -> dict:
     """Per-step balance of one encoder's phase over the steps that hold its items (module docstring)."""
-    single, planned, bound, over, items = [], [], [], [], 0
+    single, planned, bound, whole, over, over_whole, items = [], [], [], [], [], [], 0
     moved = {"intra": 0, "cross": 0}
-    exact_rows = []
+    exact_rows, with_items = [], []
     for row in rows:
         costs = [enc.item(size) for g in row for s in g for size, _ in enc.items(s)]
         if not costs:
@@ -112,15 +118,19 @@ def encoder_stats(rows: Sequence[Sequence[Sequence[Sample]]], enc: EncoderCost, 
         mean = sum(costs) / len(row)
         single.append(imbalance(phase_loads(single_phase(row, enc), enc)) or 1.0)
         planned.append(max(loads) / mean)
-        floor = vision_bound(costs, len(row))
+        floor, pigeonhole = encoder_bound(costs, len(row)), vision_bound(costs, len(row))
         bound.append(floor / mean)
+        whole.append(pigeonhole / mean)
         over.append(max(loads) / floor)
+        over_whole.append(max(loads) / pigeonhole)
         items += len(costs)
         ex_moved = exchanged(ex, nodes)
         moved["intra"] += ex_moved["intra_node_images"]
         moved["cross"] += ex_moved["cross_node_images"]
         exact_rows.append((costs, max(loads)))
+        with_items.append(row)
     steps = len(single)
+    picked = with_items[:: max(1, len(with_items) // EXACT_STEPS)][:EXACT_STEPS]
     out = {
         "encoder": enc.name,
         "steps": steps,
@@ -128,14 +138,39 @@ def encoder_stats(rows: Sequence[Sequence[Sequence[Sample]]], enc: EncoderCost, 
         "single": statistics.fmean(single) if steps else None,
         "planned": statistics.fmean(planned) if steps else None,
         "bound": statistics.fmean(bound) if steps else None,
+        "whole": statistics.fmean(whole) if steps else None,
         "over_bound": statistics.fmean(over) if steps else None,
         "over_bound_max": max(over, default=None),
+        "over_whole": statistics.fmean(over_whole) if steps else None,
         "intra_per_step": moved["intra"] / max(len(rows), 1),
         "cross_per_step": moved["cross"] / max(len(rows), 1),
         "exact": exact_gaps(exact_rows, len(nodes)) if len(nodes) <= EXACT_MAX_RANKS else None,
+        "option": option_stats(picked, enc, nodes) if len(nodes) <= EXACT_MAX_RANKS else None,
     }
     out["bound_met"] = out["over_bound"] is not None and out["over_bound"] <= 1 + BOUND_TOL
     return out
+
+
+def option_stats(rows: Sequence[Sequence[Sequence[Sample]]], enc: EncoderCost, nodes: list[int]) -> dict:
+    """The planner with and without its exact option (`exact_nodes=OPTION_NODES`) on these steps: each
+    plan's peak over the step's `encoder_bound` (means) and the seconds per step (least of 3 runs)."""
+    over: dict[int, list[float]] = {0: [], OPTION_NODES: []}
+    secs: dict[int, list[float]] = {0: [], OPTION_NODES: []}
+    for row in rows:
+        costs = [enc.item(size) for g in row for s in g for size, _ in enc.items(s)]
+        floor = encoder_bound(costs, len(row))
+        for k in over:
+            ex = plan_phases(row, [enc], nodes, exact_nodes=k)[enc.name]
+            over[k].append(max(phase_loads(ex, enc)) / floor)
+            secs[k].append(least_time(lambda row=row, k=k: plan_phases(row, [enc], nodes, exact_nodes=k)))
+    return {
+        "steps": len(rows),
+        "nodes": OPTION_NODES,
+        "over_plain": statistics.fmean(over[0]) if rows else None,
+        "over_option": statistics.fmean(over[OPTION_NODES]) if rows else None,
+        "s_plain": statistics.fmean(secs[0]) if rows else None,
+        "s_option": statistics.fmean(secs[OPTION_NODES]) if rows else None,
+    }
 
 
 def exact_gaps(rows: Sequence[tuple[list[float], float]], n: int) -> dict:
@@ -190,14 +225,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for n in args.ranks:
             results.append(measure(name, samples, n))
             print(f"{name} N={n} done", file=sys.stderr, flush=True)
-    rows, rows_exact, rows_time = [], [], []
+    rows, rows_exact, rows_time, rows_option = [], [], [], []
     for x in results:
         for e in x["encoders"]:
             rows.append(
                 [
                     x["workload"], x["N"], e["encoder"], e["steps"], e["items_per_step"], e["single"],
-                    e["planned"], e["bound"], e["over_bound"], e["over_bound_max"], e["intra_per_step"],
-                    e["cross_per_step"],
+                    e["planned"], e["whole"], e["bound"], e["over_whole"], e["over_bound"],
+                    e["over_bound_max"], e["intra_per_step"], e["cross_per_step"],
                 ]
             )  # fmt: skip
             if (g := e["exact"]) is not None:
@@ -207,6 +242,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         g["plan_over_exact_max"], g["exact_over_bound"],
                     ]
                 )  # fmt: skip
+            if (o := e["option"]) is not None:
+                rows_option.append(
+                    [x["workload"], x["N"], e["encoder"], o["steps"], o["over_plain"], o["over_option"]]
+                    + [o["s_plain"] * 1e3, o["s_option"] * 1e3]
+                )
         rows_time.append(
             [x["workload"], x["N"], x["llm"], x["plan_ms"], x["plan_ms_p99"], x["wide_ms"], x["wide_ms_p99"]]
         )
@@ -217,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rows": rows,
         "headers_exact": HEADERS_EXACT,
         "rows_exact": rows_exact,
+        "headers_option": HEADERS_OPTION,
+        "rows_option": rows_option,
         "headers_time": HEADERS_TIME,
         "rows_time": rows_time,
         "results": results,
@@ -229,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bound_tol": BOUND_TOL,
         "exact_steps": EXACT_STEPS,
         "exact_limit_s": EXACT_LIMIT_S,
+        "option_nodes": OPTION_NODES,
     }
     finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
