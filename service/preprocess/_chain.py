@@ -11,10 +11,14 @@ The default chain and what each stage reads -> writes:
     Truncate          everything above             -> cut to the cutoff (never inside an image or a clip)
                                                       or Reject
 
-With `processor=DIR` the model's own Hugging Face processor replaces the middle stages (its audio side is
-not run yet: a record with audio clips is quarantined as "unsupported_audio"):
+With `processor=DIR` the model's own Hugging Face processor replaces the middle stages, audio included when
+it has an audio feature extractor (Qwen2-Audio); without one, a record with clips is quarantined as
+"unsupported_audio":
 
-    HFProcessor       messages, system, images     -> input_ids, labels, image_spans, image_tensors, extra
+    HFProcessor       messages, system, images,    -> input_ids, labels, image_spans, image_tensors,
+                      audios                          audio_spans, audio_tensors, extra
+    _NoAudio          audios                       -> a guard: clips left are rejected (HFProcessor empties
+                                                      `audios` once it has taken them)
 
 `Preprocessor` runs a chain on a parsed record and returns the sample's metadata and payload: the
 payload is a dict of numpy arrays (`input_ids` and `labels` int32, plus `pixel_values` and, for
@@ -72,7 +76,8 @@ def default_stages(
         system_prompts: Candidates for SystemPrompt (default: three generic prompts).
         min_pixels, max_pixels: Qwen2-VL's smart_resize bounds.
         processor: A Hugging Face processor directory (the model's own, read offline): its chat template,
-            tokenizer and image processor replace `tokenizer`, `template`, `vision` and the pixel bounds.
+            tokenizer, image processor and audio feature extractor replace `tokenizer`, `template`,
+            `vision`, the pixel bounds and `audio`.
         audio: "qwen2_audio" (records' audio clips become Qwen2-Audio tokens and log-mel features) or None
             (records with audio are quarantined as "unsupported_audio").
     """
@@ -95,7 +100,7 @@ def default_stages(
             TurnSubsample(p=0.3),
             RandomResizedCrop(p=0.5),
         ]
-    if processor is not None:  # its processor's audio side is not run yet: records with audio are refused
+    if processor is not None:  # HFProcessor takes (and consumes) the clips or refuses them; _NoAudio: a guard
         chain += [HFProcessor(processor), _NoAudio()]
     elif vision in ("qwen2_vl", "llava", None):
         stage: Stage = (

@@ -1,7 +1,8 @@
-"""`HFProcessor`: a stage that runs a model's own Hugging Face processor (template, tokenizer, images).
+"""`HFProcessor`: a stage that runs a model's own Hugging Face processor (template, tokenizer, images, audio).
 
-    HFProcessor   messages, system, images -> text, input_ids, labels, image_spans, image_tokens,
-                                              image_tensors, extra
+    HFProcessor   messages, system, images, audios -> text, input_ids, labels, image_spans, image_tokens,
+                                                      image_tensors, audio_spans, audio_tokens,
+                                                      audio_tensors, extra
 
 It replaces `ChatTemplate`, `Tokenize` and the vision stage of the default chain with what the model's
 own processor directory (`save_pretrained` output, read offline) does: its chat template renders the
@@ -19,11 +20,18 @@ Labels (what carries loss: the assistant turns' content and their end-of-turn to
                   conversation is not a prefix of the whole (one that rewrites earlier turns) is rejected
                   per record as `template_error`.
     "auto"        (default) "generation" when the template has such blocks, else "prefix".
-Image tokens never carry loss.
+Image and audio tokens never carry loss.
 
 Each image must become one run of the processor's image token (Qwen2-VL, Qwen2.5-VL, LLaVA...): that
 run, widened by the tokens the template writes around each image, is the image's span for `Truncate`.
 A processor that splits an image into several runs (tiled images) rejects such records (`image_mismatch`).
+
+Audio clips alike, with a processor that has an audio feature extractor (Qwen2-Audio: Whisper's, and
+`<|AUDIO|>` runs between `<|audio_bos|>` / `<|audio_eos|>`): the record's `<audio>` markers become
+`{"type": "audio"}` parts, its decoded clips go to the processor, each clip must become one run of its
+audio token (else `audio_mismatch`, or `bad_audio` naming a clip too short for one token), and the clip's
+features are kept without the processor's padding to its window (`_hf_audio`). A processor without an
+audio feature extractor rejects records with clips (`unsupported_audio`).
 """
 
 from __future__ import annotations
@@ -37,7 +45,17 @@ from typing import Any
 
 import numpy as np
 
-from ._parse import IMAGE_MARKER
+from ._hf_audio import (
+    AudioSide,
+    _first_line,
+    audio_runs,
+    audio_side,
+    audio_tensors,
+    clip_reject,
+    prepare_clips,
+    with_clips,
+)
+from ._parse import AUDIO_MARKER, IMAGE_MARKER
 from ._quarantine import Reject
 from ._stage import IGNORE_INDEX, Example, Stage, StageContext
 
@@ -46,17 +64,12 @@ log = logging.getLogger(__name__)
 LABEL_MODES = ("auto", "generation", "prefix")
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _DROP = ("attention_mask", "offset_mapping", "text_replacement_offsets", "assistant_masks")
+_MARKERS_RE = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(AUDIO_MARKER)})")
 
 
 # ---------------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------------
-def _first_line(exc: BaseException, limit: int = 300) -> str:
-    text = str(exc).strip().splitlines()
-    line = text[0] if text else ""
-    return f"{type(exc).__name__}: {line[:limit]}"
-
-
 def _processor_class_name(path: Path) -> str | None:
     """The `processor_class` a processor directory names (processor, preprocessor or tokenizer config)."""
     for name in ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json"):
@@ -150,8 +163,11 @@ class _Loaded:
         from transformers import PreTrainedTokenizerBase
 
         self.proc = proc
-        self.text_only = isinstance(proc, PreTrainedTokenizerBase) or not hasattr(proc, "image_processor")
-        self.tok = proc if isinstance(proc, PreTrainedTokenizerBase) else proc.tokenizer
+        is_tok = isinstance(proc, PreTrainedTokenizerBase)
+        self.tok = proc if is_tok else proc.tokenizer
+        self.has_images = not is_tok and hasattr(proc, "image_processor")
+        self.audio: AudioSide | None = None if is_tok else audio_side(proc, self.tok, path)
+        self.text_only = not self.has_images and self.audio is None  # the tokenizer does all the work
         template = getattr(proc, "chat_template", None) or getattr(self.tok, "chat_template", None)
         if isinstance(template, dict):
             template = template.get("default")
@@ -168,7 +184,7 @@ class _Loaded:
         self.image_token: str | None = None
         self.image_token_id: int | None = None
         self.wrap: tuple[list[int], list[int]] = ([], [])
-        if not self.text_only:
+        if self.has_images:
             self.image_token = getattr(proc, "image_token", None)
             tid = getattr(proc, "image_token_id", None)
             if tid is None and self.image_token is not None:
@@ -235,17 +251,20 @@ class _Loaded:
 
 
 class HFProcessor(Stage):
-    """Runs a model's own Hugging Face processor on a conversation and its images (see the module docstring).
+    """Runs a model's own Hugging Face processor on a conversation, its images and its audio clips (see the
+    module docstring).
 
     The processor is loaded offline from `path` once per process (`setup`, or the first call) and never
     pickled: the stage ships to Ray actors as its arguments only. A directory with an image processor
-    gives a multimodal processor; one with only a tokenizer a text-only one (a record with images is then
-    rejected as `unsupported_image`).
+    and/or an audio feature extractor gives a multimodal processor; one with only a tokenizer a text-only
+    one. A record with images (clips) the processor has no image processor (audio feature extractor) for
+    is rejected as `unsupported_image` (`unsupported_audio`).
 
     Per record: the messages (system first when the record has one) become HF chat messages whose
-    content is a list of `{"type": "text", "text": ...}` / `{"type": "image"}` parts (plain strings for a
-    text-only processor), the image parts where the `<image>` markers were, in order; the processor's
-    `apply_chat_template(..., tokenize=True)` renders and processes them with `ex.images`. Results:
+    content is a list of `{"type": "text", "text": ...}` / `{"type": "image"}` / `{"type": "audio"}` parts
+    (plain strings for a text-only processor), where the `<image>` / `<audio>` markers were, in order; the
+    processor renders and processes them with `ex.images` and `ex.audios` (consumed: left empty, the clips'
+    tensors take their place). Results:
         input_ids       the processor's, unchanged; labels per the module docstring.
         image_spans     per image, the run of its image tokens, widened by the tokens the template writes
                         around each image (Qwen2-VL: `<|vision_start|>` ... `<|vision_end|>`); each image
@@ -253,10 +272,15 @@ class HFProcessor(Stage):
         image_tensors   per image, the processor's per-image outputs: with `image_grid_thw`, the rows of
                         tensors with sum(prod(grid)) rows split by prod(grid) (Qwen2-VL `pixel_values`)
                         and the grid's own rows; else tensors with one leading row per image.
+        audio_spans     per clip, the run of its audio tokens widened by the processor's audio bos / eos
+                        tokens; audio_tokens: the run's length (what the processor expanded it to).
+        audio_tensors   per clip, its features without the padding to the window: `audio_features`
+                        [frames, n_mels], `audio_frames` [1] (`_hf_audio`).
         extra           everything else but `attention_mask`: per-token tensors ([1, n]) as [n] arrays
                         (`Truncate` cuts them with input_ids), others as the processor returns them.
-    A processor error on a record becomes `Reject`: `bad_image` naming the image the image processor
-    fails on, `template_error` when the template cannot render the conversation, else `processor_error`.
+    A processor error on a record becomes `Reject`: `bad_image` / `bad_audio` naming the image / clip the
+    processor fails on (or a clip too long for its window, too short for a token), `template_error` when
+    the template cannot render the conversation, else `processor_error`.
 
     Args:
         path: The processor directory (`save_pretrained` output, e.g. the model's checkout).
@@ -316,18 +340,20 @@ class HFProcessor(Stage):
         return "generation" if self._load().generation else "prefix"
 
     def conversation(self, ex: Example) -> list[dict[str, Any]]:
-        """The record as HF chat messages (content parts for a multimodal processor, strings otherwise)."""
+        """The record as HF chat messages (content parts for a multimodal processor, strings otherwise):
+        `{"type": "image"}` / `{"type": "audio"}` parts where the `<image>` / `<audio>` markers were."""
         msgs = [{"role": "system", "content": ex.system}] if ex.system is not None else []
         msgs += ex.messages
         if self._load().text_only:
             return [{"role": m["role"], "content": m["content"]} for m in msgs]
         out = []
+        kinds = {IMAGE_MARKER: "image", AUDIO_MARKER: "audio"}
         for m in msgs:
             parts: list[dict[str, Any]] = []
-            for k, piece in enumerate(m["content"].split(IMAGE_MARKER)):
-                if k:
-                    parts.append({"type": "image"})
-                if piece:
+            for piece in _MARKERS_RE.split(m["content"]):
+                if piece in kinds:
+                    parts.append({"type": kinds[piece]})
+                elif piece:
                     parts.append({"type": "text", "text": piece})
             out.append({"role": m["role"], "content": parts or [{"type": "text", "text": ""}]})
         return out
@@ -335,12 +361,8 @@ class HFProcessor(Stage):
     # -- per record ---------------------------------------------------------------------------------
     def __call__(self, ex: Example, ctx: StageContext) -> Example:
         lp = self._load()
-        markers = sum(m["content"].count(IMAGE_MARKER) for m in ex.messages)
-        markers += ex.system.count(IMAGE_MARKER) if ex.system else 0
-        if markers != len(ex.images):
-            raise Reject("image_mismatch", f"{markers} {IMAGE_MARKER} markers but {len(ex.images)} images")
-        if ex.images and lp.text_only:
-            raise Reject("unsupported_image", f"the processor at {self.path} has no image processor")
+        self._check_items(lp, ex)
+        clips = prepare_clips(lp.audio, ex.audios) if lp.audio is not None and ex.audios else []
         conv = self.conversation(ex)
         try:
             text = lp.render(conv)
@@ -349,43 +371,66 @@ class HFProcessor(Stage):
             raise
         except Exception as exc:  # noqa: BLE001 - the template's own errors (raise_exception, bad roles)
             raise Reject("template_error", _first_line(exc)) from None
-        out = self._process(lp, conv, ex.images, text)
+        out = self._process(lp, conv, ex.images, clips, text)
         ids = np.asarray(out.pop("input_ids"))[0].astype(np.int64)
         n = len(ids)
         runs = self._image_runs(lp, ids, len(ex.images))
+        heard = audio_runs(lp.audio, lp.proc, ids, clips) if lp.audio is not None and clips else []
         if lp.generation:
             mask = np.asarray(out["assistant_masks"])[0].astype(bool)
         else:
-            mask = self._span_mask(
-                lp,
-                np.asarray(out["offset_mapping"])[0],
-                spans,
-                text,
-                runs,
-                out.get("text_replacement_offsets"),
-            )
+            replacements = out.get("text_replacement_offsets")
+            if heard and not (replacements and replacements[0]):
+                raise Reject(
+                    "processor_error",
+                    "the processor gives no text_replacement_offsets: cannot place the labels past "
+                    "its expanded audio placeholders (give the template {% generation %} blocks)",
+                )
+            mask = self._span_mask(lp, np.asarray(out["offset_mapping"])[0], spans, text, runs, replacements)
         for k in _DROP:
             out.pop(k, None)
         labels = np.where(mask, ids, IGNORE_INDEX)
-        image_spans = [self._widen(lp, ids, s, e) for s, e in runs]
-        for s, e in image_spans:
+        image_spans = [self._widen(lp.wrap, ids, s, e) for s, e in runs]
+        audio_spans = [self._widen(lp.audio.wrap, ids, s, e) for s, e in heard] if lp.audio else []
+        for s, e in image_spans + audio_spans:
             labels[s:e] = IGNORE_INDEX
         ex.text, ex.input_ids, ex.labels = text, ids.astype(np.int32), labels.astype(np.int32)
         ex.image_spans = image_spans
         ex.image_tokens = [int(np.count_nonzero(ids[s:e] == lp.image_token_id)) for s, e in runs]
+        if clips:  # the clips are consumed: their tensors replace them (a later `_NoAudio` passes)
+            ex.audio_tokens, ex.audio_tensors = audio_tensors(out, heard)
+            ex.audio_spans, ex.audios = audio_spans, []
         ex.image_tensors, extra = self._split(out, n, len(ex.images))
         ex.extra.update(extra)
         return ex
 
-    def _process(self, lp: _Loaded, conv, images: list[Any], text: str) -> dict[str, Any]:
-        """The processor's outputs (numpy, batch of one) for the conversation and its images.
+    def _check_items(self, lp: _Loaded, ex: Example) -> None:
+        """Reject a record whose markers do not match its images / clips, or that has images (clips) this
+        processor has no image processor (audio feature extractor) for."""
+        for marker, items, what in ((IMAGE_MARKER, ex.images, "image"), (AUDIO_MARKER, ex.audios, "audio")):
+            found = sum(m["content"].count(marker) for m in ex.messages)
+            found += ex.system.count(marker) if ex.system else 0
+            if found != len(items):
+                raise Reject(f"{what}_mismatch", f"{found} {marker} markers but {len(items)} {what}s")
+        if ex.images and not lp.has_images:
+            raise Reject("unsupported_image", f"the processor at {self.path} has no image processor")
+        if ex.audios and lp.audio is None:
+            raise Reject("unsupported_audio", f"the processor at {self.path} has no audio feature extractor")
 
-        "generation" labels: `apply_chat_template(..., tokenize=True, return_assistant_tokens_mask=True)`.
-        "prefix" labels: the processor called on the rendered `text` and the images, as that method calls
-        it (no special tokens added when the text starts with the tokenizer's BOS; a tokenizer never adds
-        them), with the token offsets the labels need.
+    def _process(
+        self, lp: _Loaded, conv, images: list[Any], clips: list[np.ndarray], text: str
+    ) -> dict[str, Any]:
+        """The processor's outputs (numpy, batch of one) for the conversation, its images and its clips.
+
+        "generation" labels: `apply_chat_template(..., tokenize=True, return_assistant_tokens_mask=True)`,
+        the clips in the conversation's audio parts. "prefix" labels: the processor called on the rendered
+        `text`, the images and the clips (`audio=`), as that method calls it (no special tokens added when
+        the text starts with the tokenizer's BOS; a tokenizer never adds them), with the token offsets the
+        labels need.
         """
         extra: dict[str, Any] = dict(self.processor_kwargs)
+        if clips and lp.audio is not None:
+            extra["sampling_rate"] = lp.audio.rate
         try:
             if lp.generation:
                 kwargs: dict[str, Any] = dict(
@@ -397,13 +442,12 @@ class HFProcessor(Stage):
                     **lp.template_kwargs,
                 )
                 if lp.text_only:
-                    kwargs["tokenizer_kwargs"] = extra
-                else:
-                    kwargs["processor_kwargs"] = {**extra, **({"images": list(images)} if images else {})}
-                return dict(lp.proc.apply_chat_template(conv, **kwargs))
+                    return dict(lp.tok.apply_chat_template(conv, tokenizer_kwargs=extra, **kwargs))
+                kwargs["processor_kwargs"] = {**extra, **({"images": list(images)} if images else {})}
+                return dict(lp.proc.apply_chat_template(with_clips(conv, clips) if clips else conv, **kwargs))
             extra["return_offsets_mapping"] = True
             if lp.text_only:
-                return dict(lp.proc([text], add_special_tokens=False, return_tensors="np", **extra))
+                return dict(lp.tok([text], add_special_tokens=False, return_tensors="np", **extra))
             bos = lp.tok.bos_token
             if bos is not None and text.startswith(bos):
                 extra["add_special_tokens"] = False
@@ -413,19 +457,21 @@ class HFProcessor(Stage):
                     images=list(images) if images else None,
                     return_tensors="np",
                     return_text_replacement_offsets=True,
+                    **({"audio": list(clips)} if clips else {}),
                     **extra,
                 )
             )
         except Exception as exc:  # noqa: BLE001 - whatever the processor raises on this record
-            raise self._reject(lp, images, exc) from None
+            raise self._reject(lp, images, clips, exc) from None
 
-    def _reject(self, lp: _Loaded, images: list[Any], exc: Exception) -> Reject:
-        for k, img in enumerate(images):  # which image? (only on the error path)
+    def _reject(self, lp: _Loaded, images: list[Any], clips: list[np.ndarray], exc: Exception) -> Reject:
+        for k, img in enumerate(images):  # which image or clip? (only on the error path)
             try:
                 lp.proc.image_processor(images=[img], return_tensors="np")
             except Exception as img_exc:  # noqa: BLE001
                 return Reject("bad_image", f"images[{k}]: {_first_line(img_exc)}")
-        return Reject("processor_error", _first_line(exc))
+        bad = clip_reject(lp.audio, clips) if lp.audio is not None and clips else None
+        return bad or Reject("processor_error", _first_line(exc))
 
     def _prefix_spans(self, lp: _Loaded, conv: list[dict[str, Any]], text: str) -> list[tuple[int, int]]:
         """Character spans of the assistant turns in `text` (module docstring, labels "prefix")."""
@@ -469,8 +515,9 @@ class HFProcessor(Stage):
         return runs
 
     @staticmethod
-    def _widen(lp: _Loaded, ids: np.ndarray, s: int, e: int) -> tuple[int, int]:
-        before, after = lp.wrap
+    def _widen(wrap: tuple[list[int], list[int]], ids: np.ndarray, s: int, e: int) -> tuple[int, int]:
+        """The run s:e widened by the tokens `wrap` says the template writes around each item."""
+        before, after = wrap
         if before and s >= len(before) and ids[s - len(before) : s].tolist() == before:
             s -= len(before)
         if after and ids[e : e + len(after)].tolist() == after:
