@@ -7,7 +7,7 @@
 Two-phase (vision-balanced) MLLM steps: `exchange_image_embeddings` sends each rank's encoder output
 to the images' owners and returns its own images in LLM order. Stock HF multimodal models (Qwen2-VL,
 Qwen2.5-VL, LLaVA): `two_phase(model)` adapts one in place to every batchd step (one- and two-phase,
-padded and packed), without forking it.
+padded and packed), without forking it; a stock Qwen2-Audio (`AUDIO_FAMILIES`) likewise for the audio phase.
 
 Pipeline parallelism: `pipeline_steps(client, m)` makes m consecutive steps one pipeline step, and
 `microbatches(batch, info, m)` splits one step into m parts of balanced cost, the loss exact either way.
@@ -51,6 +51,7 @@ from ._train import (
     weighted_steps,
 )
 from ._vlm import (
+    AUDIO_FAMILIES,
     PACKED_ATTENTION,
     VLM_FAMILIES,
     check_model_batch,
@@ -78,6 +79,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AUDIO_FAMILIES",
     "BatchClient",
     "BatchdDataModule",
     "BatchdError",

@@ -29,6 +29,11 @@ trains on every kind of batchd step:
   the graph is the same on every step. The logits are unchanged bit for bit (x + 0.0 = x); the cost is one
   indexing op per vision parameter. A rank with nothing to encode does not run the tower.
 
+**Audio** (``Qwen2AudioForConditionalGeneration``, `AUDIO_FAMILIES`): the same adaptation of its audio phase
+(its audio tower encodes the clips the audio plan gave this rank, `exchange_audio_embeddings` returns them to
+their owners, written at the audio tokens; each clip padded to the stock encoder's fixed 30 s window, so
+every clip costs the tower the same), `batchd.client._audio_lm.AudioAdapter`.
+
 Calling it. `batchd.client.forward_logits(model, batch)`, `train_step`, `BatchdTrainer` and `batchd_backward`
 pass the whole batch (the adapted model has ``takes_batch = True``); ``model(batch)`` takes a batchd batch
 (labels, sample ids and packing boundaries are dropped), ``model(**hf_kwargs)`` the model's own keyword
@@ -48,10 +53,12 @@ from typing import Any
 
 import torch
 
+from ._audio_lm import AUDIO_FAMILIES, AudioAdapter
 from ._collate import NON_MODEL_KEYS
 from ._exchange import exchange_image_embeddings
 
 __all__ = [
+    "AUDIO_FAMILIES",
     "PACKED_ATTENTION",
     "VLM_FAMILIES",
     "check_model_batch",
@@ -156,24 +163,31 @@ def _is_packed(batch: Mapping[str, Any]) -> bool:
 
 def check_model_batch(model: Any, batch: Mapping[str, Any]) -> None:
     """Raises ValueError where `model` would train on `batch` silently wrong: a stock HF multimodal model of
-    `VLM_FAMILIES` not adapted by `two_phase` (Qwen2-VL would get 1-D positions for its M-RoPE, a two-phase
-    batch's pixels are other ranks' images), another HF model given a two-phase batch, or a packed row on an
-    attention implementation that lets samples attend to each other (`check_packed_attention`)."""
+    `VLM_FAMILIES` or `AUDIO_FAMILIES` not adapted by `two_phase` (Qwen2-VL would get 1-D positions for its
+    M-RoPE, a two-phase batch's pixels or clips are other ranks'), another HF model given a two-phase batch
+    (vision or audio exchange), a model adapted for one modality given the other's inputs, or a packed row on
+    an attention implementation that lets samples attend to each other (`check_packed_attention`)."""
     module = getattr(model, "module", model)
     config = getattr(module, "config", None)
     if config is not None and not is_two_phase(module) and not getattr(module, "takes_batch", False):
         model_type = getattr(config, "model_type", None)
-        if model_type in VLM_FAMILIES:
+        if model_type in VLM_FAMILIES or model_type in AUDIO_FAMILIES:
             raise ValueError(
                 f"a {type(module).__name__} (model_type={model_type!r}) trains on batchd batches "
                 f"through batchd.two_phase(model): call it once before DDP / Trainer"
             )
-        if batch.get("vision_send_splits") is not None:
-            raise ValueError(
-                f"a two-phase batch (vision_send_splits) needs a model that runs the exchange: "
-                f"{type(module).__name__} is not one of {sorted(VLM_FAMILIES)} adapted by "
-                f"batchd.two_phase; use phases = 1 for it"
-            )
+        for key in ("vision_send_splits", "audio_send_splits"):
+            if batch.get(key) is not None:
+                raise ValueError(
+                    f"a two-phase batch ({key}) needs a model that runs the exchange: "
+                    f"{type(module).__name__} is not one of {sorted(VLM_FAMILIES) + list(AUDIO_FAMILIES)} "
+                    f"adapted by batchd.two_phase; use phases = 1 for it"
+                )
+    stray = [
+        k for k in getattr(getattr(module, _ADAPTED, None), "foreign_keys", ()) if batch.get(k) is not None
+    ]
+    if stray:
+        raise ValueError(f"{type(module).__name__} adapted by batchd.two_phase does not take {stray}")
     if _is_packed(batch):
         check_packed_attention(module)
 
@@ -190,11 +204,13 @@ def _tensor(value: Any, name: str, device: torch.device) -> torch.Tensor:
 class _Adapter:
     """The state `two_phase` keeps on the model: its own forward, its family and the exchange group."""
 
+    foreign_keys = ("audio_features", "audio_send_splits")  # batch keys it does not consume
+
     def __init__(self, model: torch.nn.Module, group: Any) -> None:
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in VLM_FAMILIES:
             raise ValueError(
-                f"two_phase adapts {sorted(VLM_FAMILIES)} (config.model_type), got "
+                f"two_phase adapts {sorted(VLM_FAMILIES) + list(AUDIO_FAMILIES)} (config.model_type), got "
                 f"{type(model).__name__} with model_type={model_type!r}"
             )
         inner = getattr(model, "model", None)
@@ -207,7 +223,7 @@ class _Adapter:
         self.inner = inner
         language = {id(p) for p in inner.get_input_embeddings().parameters()}
         language |= {id(p) for n, p in inner.named_parameters() if n.startswith("language_model.")}
-        self.vision_params = [p for p in inner.parameters() if id(p) not in language and p.requires_grad]
+        self.vision_params = [p for p in inner.parameters() if id(p) not in language]
         self.forward = model.forward  # the model's own (bound) forward
         self.group = group
 
@@ -223,14 +239,17 @@ class _Adapter:
             )
         # every vision parameter enters the graph times 0.0 (LLaVA's tower has layers past the feature layer
         # that the stock forward never uses): DDP sees a gradient for each on every step
-        anchor = torch.stack([p.reshape(-1)[0] for p in self.vision_params]).sum() * 0.0
+        params = [p for p in self.vision_params if p.requires_grad]  # as frozen now, not at adaptation
+        trains = bool(params)  # False: a frozen vision tower and projector
+        anchor = torch.stack([p.reshape(-1)[0] for p in params]).sum() * 0.0 if trains else None
         if pixels is not None:
             pixels = _tensor(pixels, "pixel_values", device)
         if pixels is None or pixels.shape[0] == 0:  # nothing to encode: zero rows, the tower is not run
             embed = self.inner.get_input_embeddings().weight
             # the rows require grad so the exchange's backward (a collective: the other ranks' all-to-all
             # waits for this rank's) runs here too; rows that need no grad would skip it and hang the step
-            encoded = embed.new_zeros((0, embed.shape[1])).requires_grad_(torch.is_grad_enabled())
+            # (or on none: no rank's rows require grad where the tower is frozen)
+            encoded = embed.new_zeros((0, embed.shape[1])).requires_grad_(torch.is_grad_enabled() and trains)
         else:
             encoded = self.encode(
                 self.inner, pixels, _tensor(grid, "image_grid_thw", device) if grid is not None else None
@@ -324,7 +343,8 @@ class _Adapter:
 
         kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(own,))}
         out = self.forward(input_ids=input_ids, **kwargs)
-        out["logits"] = out["logits"] + anchor.to(out["logits"].dtype)
+        if anchor is not None:
+            out["logits"] = out["logits"] + anchor.to(out["logits"].dtype)
         return out
 
 
@@ -341,7 +361,8 @@ def two_phase(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
 
     Args:
         model: A ``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration`` or
-            ``LlavaForConditionalGeneration`` (`VLM_FAMILIES`, by ``config.model_type``).
+            ``LlavaForConditionalGeneration`` (`VLM_FAMILIES`, by ``config.model_type``), or a
+            ``Qwen2AudioForConditionalGeneration`` (`AUDIO_FAMILIES`: the audio phase, `AudioAdapter`).
         group: The process group of the two-phase exchange (None = the default group).
 
     Raises:
@@ -351,7 +372,11 @@ def two_phase(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
     if adapter is not None:
         adapter.group = group
         return model
-    adapter = _Adapter(model, group)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in AUDIO_FAMILIES:
+        adapter = AudioAdapter(model, group, check_packed_attention)
+    else:
+        adapter = _Adapter(model, group)
     object.__setattr__(model, _ADAPTED, adapter)
     model.forward = types.MethodType(_adapted_forward, model)
     model.takes_batch = True
