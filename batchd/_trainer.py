@@ -16,7 +16,9 @@ all-reduces "has data": a rank that runs out while another has data repeats its 
 
 Every step also all-reduces (loss sum, loss tokens) to log the global per-token loss.
 Writes one JSON result: steps, wall time, losses, sample ids per step, padded and real tokens, the
-longest sample, and `wait_s`: the time the loop spent blocked waiting for its next batch (the
+longest sample, each step's encoder loads (`encoded_patches`, audio `encoded_frames`, and the clips it
+encoded, `encoded_clips`: every clip once over all ranks; a baseline batch repeated as padding counts
+none), and `wait_s`: the time the loop spent blocked waiting for its next batch (the
 `next()` of the batch iterator, or the fixed path's polls), from which the demo's stall fraction
 `wait_s / wall_s` comes.
 """
@@ -75,12 +77,14 @@ def build_model(
     model_cfg: dict[str, Any], seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> torch.nn.Module:
     """The demo's model: `TinyCausalLM`, or `TinyMLLM` (its encoder reads the batches' pixels) when
-    `model_cfg` names an ``image_token_id``."""
+    `model_cfg` names an ``image_token_id``; with an ``audio_token_id`` too, its audio encoder reads the
+    batches' clips (`audio_features`, and the audio exchange when the batch carries one)."""
     torch.manual_seed(seed)
     cfg = {**MODEL_DEFAULTS, **model_cfg}
     if cfg.get("image_token_id") is not None:
         return TinyMLLM(**cfg).to(dtype)
-    cfg.pop("image_token_id", None)
+    for key in ("image_token_id", "audio_token_id", "n_mels"):
+        cfg.pop(key, None)
     return TinyCausalLM(**cfg).to(dtype)
 
 
@@ -88,6 +92,15 @@ def _patches(batch: dict[str, Any]) -> int:
     """Vision-encoder patches this rank ran this step (the encoder's load)."""
     pixels = batch.get("pixel_values")
     return int(pixels.shape[0]) if pixels is not None else 0
+
+
+def _record_encoders(result: dict[str, Any], batch: Any, new_clips: bool = True) -> None:
+    """This step's encoder loads: vision patches, audio frames, and the clips it encoded (`new_clips`
+    False: a batch repeated as padding, whose clips were counted once already)."""
+    result["encoded_patches"].append(_patches(batch))
+    frames = batch.get("audio_frames")
+    result["encoded_frames"].append(int(frames.sum()) if frames is not None else 0)
+    result["encoded_clips"].append(len(frames) if frames is not None and new_clips else 0)
 
 
 def fixed_batches(
@@ -160,6 +173,8 @@ def run(
         "sample_ids": [],
         "idle": 0,
         "encoded_patches": [],
+        "encoded_frames": [],  # audio-encoder frames per step, and clips encoded (all ranks: each once)
+        "encoded_clips": [],
         "real_tokens": 0,
         "padded_tokens": 0,
         "grads": [],
@@ -243,7 +258,7 @@ def _run_batchd(rank, world_size, service, ddp, opt, result, grad_steps, step_ti
                 )
             opt.step()
             result["sample_ids"].append(ids)
-            result["encoded_patches"].append(_patches(batch))
+            _record_encoders(result, batch)
             _log_global_loss(logits, batch["labels"], result)
             if ticker is not None:
                 ticker.tick(len(ids))
@@ -323,7 +338,7 @@ def _run_fixed(rank, world_size, lengths, batch_size, seed, model_cfg, ddp, opt,
         (s / max(n, 1)).backward()
         opt.step()
         result["sample_ids"].append(ids)
-        result["encoded_patches"].append(_patches(batch))
+        _record_encoders(result, batch)
         _log_global_loss(logits, batch["labels"], result)
         if ticker is not None:
             ticker.tick(len(ids))
@@ -364,7 +379,7 @@ def _run_fixed_source(source, batch_size, ddp, opt, result, ticker=None) -> None
         (s / max(n, 1) if n else logits.sum() * 0.0).backward()
         opt.step()
         result["sample_ids"].append(ids)
-        result["encoded_patches"].append(_patches(batch))
+        _record_encoders(result, batch, new_clips=bool(items))
         _log_global_loss(logits, batch["labels"], result)
         if ticker is not None:
             ticker.tick(len(items))  # a rank past its view repeats its first batch: not progress

@@ -6,13 +6,15 @@ trainer processes (torch.distributed gloo on CPU) that train a tiny multimodal L
 causal LM with `--synthetic`) for one epoch through the batchd client, two-phase by default on image data
 (`run_demo`'s `phases`). Each rank's service preprocesses its sampler view of the dataset with its own
 Ray actors (`batchd node --dataset`: chat template, the demo BPE tokenizer, Qwen2-VL visual tokens with pixel
-values, cutoff L) and batches the realized lengths; samples the balanced plan moves between ranks are
-handed over inside the agent; the default dataset is generated
-(`make_demo_dataset`: conversations, images and a few deliberately bad records, no downloads). Then it
-runs the same model with fixed batching on the same preprocessed samples (each baseline trainer runs
-the same RaySource view; DistributedSampler semantics, OOM-safe batch size floor(L / longest realized
-length)) and reports both. `synthetic=True` (`--synthetic`) serves synthetic tokenized samples with
-long-tail lengths instead, without Ray (`batchd node --lengths`).
+values, Qwen2-Audio clip tokens with log-mel features, cutoff L) and batches the realized lengths;
+samples the balanced plan moves between ranks are handed over inside the agent; the default dataset is
+generated (`make_demo_dataset`: conversations, images, audio clips in `DEMO_AUDIO_FRACTION` of the records
+and a few deliberately bad records, no downloads); `TinyMLLM` has its audio encoder, and clips are
+generated, where the chain turns clips into audio tokens (`audio_model_cfg`). Then it runs the same model
+with fixed batching on the same preprocessed samples (each baseline trainer runs the same RaySource view
+and encodes its own images and clips, one phase; DistributedSampler semantics, OOM-safe batch size
+floor(L / longest realized length)) and reports both. `synthetic=True` (`--synthetic`) serves synthetic
+tokenized samples with long-tail lengths instead, without Ray (`batchd node --lengths`).
 
 Every process is a child of this one and is terminated on any exit path; the Ray this demo started is
 shut down on every exit path too, and its raylet and workers with it. Ctrl-C (SIGINT) and SIGTERM stop
@@ -30,7 +32,10 @@ delivered to training, which backpressure holds to the trainers' pace), `capacit
 per second of actor busy time, all actors: what the pool could sustain), `actor_busy_fraction` (actor
 time inside preprocessing / (actors x the sources' active time)), and `stall_fraction`: the largest over
 ranks of (trainer time blocked in the batch iterator's `next()`) / (trainer epoch wall time), with
-the per-rank values in `stall_fraction_per_rank`.
+the per-rank values in `stall_fraction_per_rank`; for the generated dataset `expected_quarantined` and
+`expected_clips` (the clips its good records hold). The summary's (and the baseline's) `clips`: clips the
+audio encoders encoded, each once (= `expected_clips` unless truncation dropped one), and `audio_imbalance`:
+`vision_imbalance` of the audio encoder's frames (None without clips).
 
 Why the tiny model is compute-bound: each step costs ~6 x 0.5M params x padded tokens FLOPs (about
 3 GFLOP for a full 1024-token step), while the per-step overhead (2 MB gloo all-reduce, AdamW over 0.5M
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -72,6 +78,7 @@ from batchd.launch import (
 )
 from batchd.proto import Progress
 from batchd.service.preprocess import (
+    HFProcessor,
     Quarantine,
     RecordDataset,
     TokenizerRef,
@@ -85,6 +92,8 @@ DEMO_BUDGET = 1024
 
 
 IMAGE_TOKEN = "<|image_pad|>"  # the Qwen2-VL visual token of the demo chain: where TinyMLLM writes images
+AUDIO_TOKEN = "<|AUDIO|>"  # the Qwen2-Audio clip token of the demo chain: where TinyMLLM writes clips
+DEMO_AUDIO_FRACTION = 0.1  # share of the generated records with 1-2 clips (where the chain hears them)
 
 
 def demo_lengths(num_samples: int, seed: int = 7, longest: int = 512) -> list[int]:
@@ -183,18 +192,20 @@ def run_demo(
     `JobSpec.deterministic`: the same data, seed and config give the same batches, steps and losses
     (`step_digests`, `losses` in the summary) whatever the actors' and trainers' speed.
 
-    Ray path (default): `dataset` (None: generate `num_samples` demo records), `num_actors` preprocessing
-    actors in all (the same number per rank, at least one each), `ray_address` (None: start a local Ray
-    here, which the node agent joins), `tokenizer` (None: the demo tokenizer), `processor` (a Hugging Face
-    processor directory whose `HFProcessor` replaces the built-in template/tokenizer/vision stages; its
-    tokenizer sizes the model unless `tokenizer` is given). `synthetic=True`:
-    synthetic samples, no Ray.
+    Ray path (default): `dataset` (None: generate `num_samples` demo records, `DEMO_AUDIO_FRACTION` of
+    them with clips where the chain turns clips into audio tokens, `audio_model_cfg`), `num_actors`
+    preprocessing actors in all (the same number per rank, at least one each), `ray_address` (None: start
+    a local Ray here, which the node agent joins), `tokenizer` (None: the demo tokenizer), `processor` (a
+    Hugging Face processor directory whose `HFProcessor` replaces the built-in template/tokenizer/vision/
+    audio stages; its tokenizer sizes the model unless `tokenizer` is given; clips only when it has an
+    audio feature extractor). `synthetic=True`: synthetic samples, no Ray.
 
     `phases` (None: 2 for the image data of the Ray path under policy balanced, else 1): with 2 the
     coordinator also balances the vision encoder every step (`batchd.core.plan_vision`) and the trainers'
-    `TinyMLLM` exchanges the image embeddings with one all-to-all per step. Two-phase is the default for
-    image data because its cost is one collective of a few embedding rows while an unbalanced encoder
-    phase makes every rank wait for the one that holds most images (`vision_imbalance` in the summary).
+    `TinyMLLM` exchanges the image embeddings with one all-to-all per step (and in rounds with clips the
+    audio encoder's likewise, `audio_imbalance`). Two-phase is the default for image data because its
+    cost is one collective of a few embedding rows while an unbalanced encoder phase makes every rank
+    wait for the one that holds most images (`vision_imbalance` in the summary).
     """
     if phases is None:
         phases = 2 if not synthetic and policy == "balanced" else 1
@@ -372,6 +383,8 @@ def _add_baseline(summary: dict[str, Any], b: dict[str, Any], bs: int) -> None:
         "loss_last": b["loss_last"],
         "stall_fraction": b["stall_fraction"],
         "vision_imbalance": b["vision_imbalance"],
+        "clips": b["clips"],
+        "audio_imbalance": b["audio_imbalance"],
     }
     summary["speedup"] = b["wall_s"] / summary["wall_s"]
 
@@ -391,6 +404,34 @@ def _vocab_size(tokenizer: str | os.PathLike) -> int:
         FileNotFoundError, ValueError: naming `tokenizer` when it is missing or not a tokenizer.
     """
     return TokenizerRef(tokenizer).id_space
+
+
+def audio_model_cfg(tok: str | os.PathLike, processor: str | os.PathLike | None = None) -> dict[str, int]:
+    """TinyMLLM's audio keys where the node agent's chain turns clips into audio tokens: the built-in chain's
+    `Qwen2Audio` (every job's chain runs it; a tokenizer holding `<|AUDIO|>`), or with `processor` the
+    model's own processor when it has an audio feature extractor and an audio token (its mel bins too).
+    {} where the chain quarantines clips (`unsupported_audio`): the model then has no audio encoder."""
+    token, n_mels = AUDIO_TOKEN, None
+    if processor:
+        from transformers import SequenceFeatureExtractor
+
+        notes = logging.getLogger("batchd.service.preprocess")  # its load notes: the node agent logs them
+        level = notes.level
+        notes.setLevel(logging.ERROR)
+        try:
+            proc = HFProcessor(processor).processor
+        finally:
+            notes.setLevel(level)
+        fe = getattr(proc, "audio_processor", None) or getattr(proc, "feature_extractor", None)
+        token = getattr(proc, "audio_token", None)
+        if not isinstance(fe, SequenceFeatureExtractor) or not token:
+            return {}
+        token, n_mels = str(token), int(fe.feature_size)
+    try:
+        cfg = {"audio_token_id": TokenizerRef(tok).token_id(token)}
+    except (KeyError, ValueError):
+        return {}
+    return cfg | ({"n_mels": n_mels} if n_mels else {})
 
 
 def _run_ray(
@@ -418,15 +459,19 @@ def _run_ray(
     show=None,
 ) -> dict[str, Any]:
     expected_bad: dict[int, str] | None = None
-    if dataset is None:
-        demo = make_demo_dataset(work / "data", num_samples=num_samples, seed=seed)
-        dataset, expected_bad = str(demo.path), demo.bad
-        records = demo.num_records
-    else:
+    expected_clips = None
+    if dataset is not None:
         records = len(RecordDataset(dataset))  # validates the schema here, before any process starts
     tok = Path(tokenizer) if tokenizer else Path(processor) if processor else demo_tokenizer()
-    # A missing or bad tokenizer fails here, before any process. The model reads the images (TinyMLLM).
+    # A missing or bad tokenizer fails here, before any process. The model reads the images (TinyMLLM),
+    # and the clips where the node agent's chain turns them into audio tokens.
     model_cfg = {"vocab_size": _vocab_size(tok), "image_token_id": TokenizerRef(tok).token_id(IMAGE_TOKEN)}
+    model_cfg |= audio_model_cfg(tok, processor)
+    if dataset is None:  # clips only where the chain hears them: else they would be quarantined
+        heard = DEMO_AUDIO_FRACTION if "audio_token_id" in model_cfg else 0.0
+        demo = make_demo_dataset(work / "data", num_samples=num_samples, seed=seed, audio_fraction=heard)
+        dataset, expected_bad, expected_clips = str(demo.path), demo.bad, demo.clips
+        records = demo.num_records
     per_rank = actors_per_rank(num_actors, world_size)
     if ray_address is None:  # one Ray for the whole demo: the node agent joins it (--ray-address)
         handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -534,6 +579,7 @@ def _run_ray(
     )
     if expected_bad is not None:
         pre["expected_quarantined"] = len(expected_bad)
+        pre["expected_clips"] = expected_clips
         pre["accounting_ok"] = pre["accounting_ok"] and quarantined_ids == set(expected_bad)
     summary["preprocess"] = pre
     if baseline:
@@ -619,6 +665,8 @@ def summarize(
         "stall_fraction": max(stalls),
         "stall_fraction_per_rank": stalls,
         "vision_imbalance": vision_imbalance(results),
+        "clips": sum(sum(r.get("encoded_clips", ())) for r in results),
+        "audio_imbalance": vision_imbalance(results, "encoded_frames"),
     }
 
 
@@ -633,10 +681,11 @@ def step_digests(results: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def vision_imbalance(results: list[dict[str, Any]]) -> float | None:
+def vision_imbalance(results: list[dict[str, Any]], load: str = "encoded_patches") -> float | None:
     """The mean over steps with images of (max / mean) of the encoder patches the ranks ran (1.0: every
-    rank encoded alike); None when no step had an image or a trainer did not record them."""
-    per_rank = [r.get("encoded_patches") for r in results]
+    rank encoded alike); None when no step had an image or a trainer did not record them. `load`
+    "encoded_frames": the same of the audio encoder's frames, over steps with clips."""
+    per_rank = [r.get(load) for r in results]
     if not all(per_rank) or len({len(p) for p in per_rank}) != 1:
         return None
     return mean_imbalance(zip(*per_rank, strict=False))

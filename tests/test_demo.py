@@ -1,11 +1,14 @@
 """`batchd demo --json` through the Ray preprocessing pipeline, as a user runs it (a subprocess).
 
-The demo generates its dataset (conversations, images and a few deliberately bad records), starts one
-local Ray, the coordinator, a node agent whose two ranks each preprocess their view with a Ray actor, two gloo
-trainers, then the fixed-batching baseline on the same preprocessed samples. Checked: equal steps per
-rank, every good record trained on exactly once, `emitted + quarantined == records read`, exactly the
-generated bad records quarantined, the `preprocess` keys, and that no process of the demo (its children,
-Ray's raylet, GCS and workers) outlives it: they are found by an environment marker they all inherit.
+The demo generates its dataset (conversations, images, audio clips in a tenth of the records and a few
+deliberately bad records), starts one local Ray, the coordinator, a node agent whose two ranks each
+preprocess their view with a Ray actor, two gloo trainers, then the fixed-batching baseline on the same
+preprocessed samples. Checked: equal steps per rank, every good record trained on exactly once, `emitted +
+quarantined == records read`, exactly the generated bad records quarantined (no record with clips among
+them), the `preprocess` keys, every generated clip preprocessed and encoded exactly once by each system's
+audio encoders (batchd's two-phase, the baseline's one-phase), and that no process of the demo (its
+children, Ray's raylet, GCS and workers) outlives it: they are found by an environment marker they all
+inherit.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import uuid
 import pytest
 from _procs import processes_with_marker
 
-from batchd.service.preprocess import demo_bad_ids
+from batchd.demo import DEMO_AUDIO_FRACTION
+from batchd.service.preprocess import demo_bad_ids, demo_records
 
 pytestmark = pytest.mark.slow
 
@@ -61,6 +65,15 @@ def test_demo_runs_through_the_ray_pipeline():
     # Image data, policy balanced: two-phase by default; the trainers' TinyMLLM encoded images, exchanged.
     assert s["phases"] == 2 and s["vision_imbalance"] is not None and s["vision_imbalance"] >= 1.0, s
     assert b["vision_imbalance"] is not None, b
+    # Audio: a tenth of the generated good records carry 1-2 clips (none of them is quarantined); the chain
+    # turned each into audio tokens and features, and each system's audio encoders encoded every clip once
+    # (batchd: two-phase, the coordinator's audio plan; the baseline: its own clips, one phase).
+    records, _ = demo_records(NUM, 0, audio_fraction=DEMO_AUDIO_FRACTION)
+    clips = sum(len(r["audios"]) for r in records if r is not None)
+    assert clips > 0 and pre["expected_clips"] == clips, (clips, pre)
+    assert "unsupported_audio" not in pre["reasons"] and "bad_audio" not in pre["reasons"], pre
+    assert s["clips"] == b["clips"] == clips, (s["clips"], b["clips"], clips)
+    assert s["audio_imbalance"] >= 1.0 and b["audio_imbalance"] >= 1.0, (s, b)
 
     deadline = time.monotonic() + 15  # Ray's processes are killed by ray.shutdown(); allow them to exit
     left = processes_with_marker(marker)

@@ -2,7 +2,9 @@
 
 `demo_records(n, seed)` generates n conversation records: 1-3 user/assistant rounds whose lengths follow
 a long-tailed (log-normal) word count, an optional system prompt, and for a fraction of the records 1-2
-small generated PNG images (gradients and boxes, 32-224 px a side) with `<image>` markers. The assistant
+small generated PNG images (gradients and boxes, 32-224 px a side) with `<image>` markers; with
+`audio_fraction` > 0, for that share of the records also 1-2 generated WAV clips (tones, noise) with
+`<audio>` markers (`DemoDataset.clips` counts them). The assistant
 answers are a learnable function of the question (its words in reverse order after a fixed preamble),
 so a tiny model's loss falls during the demo. A few records are deliberately bad (empty conversation,
 missing content, undecodable image, no assistant turn, more `<image>` markers than images, and in JSONL
@@ -178,12 +180,14 @@ def demo_corpus(num_records: int = 1500, seed: int = 12345) -> Iterator[str]:
 
 @dataclasses.dataclass(frozen=True)
 class DemoDataset:
-    """A written demo dataset: its file, how many records, and the bad ones with their quarantine codes."""
+    """A written demo dataset: its file, how many records, the bad ones with their quarantine codes, and how
+    many audio clips its records hold (`clips`, all in good records)."""
 
     path: Path
     num_records: int
     bad: dict[int, str]
     format: str
+    clips: int = 0
 
     @property
     def num_good(self) -> int:
@@ -256,9 +260,10 @@ def make_demo_dataset(
         num_samples, seed, image_fraction, bad_fraction, max_image_side, kinds, audio_fraction
     )
     stem = f"demo-{num_samples}-{seed}"
+    clips = sum(len(r.get("audios", ())) for r in records if r is not None)
     if format == "jsonl":
         path = _write_jsonl(out, stem, records)
-        return DemoDataset(path, num_samples, bad, format)
+        return DemoDataset(path, num_samples, bad, format, clips)
     msg_type = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     table = pa.table(
         {
@@ -283,4 +288,4 @@ def make_demo_dataset(
         path = out / f"{stem}.arrow"
         with paipc.new_file(path, table.schema) as writer:
             writer.write_table(table, max_chunksize=256)
-    return DemoDataset(path, num_samples, bad, format)
+    return DemoDataset(path, num_samples, bad, format, clips)
