@@ -63,8 +63,8 @@ import torch
 
 from batchd.core import AUDIO_EXCHANGE_KEYS, AUDIO_KEYS
 
-from ._collate import NON_MODEL_KEYS
 from ._exchange import exchange_audio_embeddings
+from ._stock import as_tensor, batchd_kwargs
 
 __all__ = ["AUDIO_FAMILIES", "AudioAdapter", "audio_window", "whisper_silence"]
 
@@ -90,15 +90,8 @@ def audio_window(tower: Any) -> int:
     return int(tower.config.max_source_positions * tower.conv1.stride[0] * tower.conv2.stride[0])
 
 
-def _tensor(value: Any, name: str, device: torch.device) -> torch.Tensor:
-    try:
-        return value.to(device) if isinstance(value, torch.Tensor) else torch.as_tensor(value, device=device)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{name} must be a tensor or an array, got {type(value).__name__}") from None
-
-
 def _counts(frames: Any) -> list[int]:
-    counts = [int(f) for f in _tensor(frames, "audio_frames", torch.device("cpu")).reshape(-1).tolist()]
+    counts = [int(f) for f in as_tensor(frames, "audio_frames", torch.device("cpu")).reshape(-1).tolist()]
     if any(f < 1 for f in counts):
         raise ValueError(f"every clip has >= 1 frame, got audio_frames={counts}")
     return counts
@@ -197,29 +190,22 @@ class AudioAdapter:
             encoded = embed.new_zeros((0, embed.shape[1])).requires_grad_(torch.is_grad_enabled() and trains)
         else:
             tower = self.inner.audio_tower.conv1.weight.device  # the stock forward encodes there too
-            encoded = self.encode(_tensor(feats, "audio_features", tower).to(embed.dtype), counts)
+            encoded = self.encode(as_tensor(feats, "audio_features", tower).to(embed.dtype), counts)
         return exchange_audio_embeddings(encoded, exchange, self.group), anchor
 
     # -- the forward --------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            if len(args) != 1 or not isinstance(args[0], Mapping) or kwargs:
-                return self.forward(*args, **kwargs)
-            kwargs = {k: v for k, v in args[0].items() if k not in NON_MODEL_KEYS}
-            kwargs["use_cache"] = False
-        if (
-            kwargs.get("use_cache")
-            or kwargs.get("input_ids") is None
-            or any(kwargs.get(k) is not None for k in _GENERATION)
-        ):
-            return self.forward(**{k: v for k, v in kwargs.items() if k not in _BATCHD_KEYS})
+        step, stock = batchd_kwargs(self.forward, args, kwargs, _GENERATION, _BATCHD_KEYS)
+        if step is None:
+            return stock
+        kwargs = step
         device = self.inner.get_input_embeddings().weight.device
-        input_ids = _tensor(kwargs.pop("input_ids"), "input_ids", device)
+        input_ids = as_tensor(kwargs.pop("input_ids"), "input_ids", device)
         exchange = {k: kwargs.pop(k) for k in AUDIO_EXCHANGE_KEYS if k in kwargs}
         at = input_ids == self.token_id
         tokens = exchange.get(AUDIO_EXCHANGE_KEYS[3])  # checked before the collective
         if exchange.get(AUDIO_EXCHANGE_KEYS[0]) is not None and tokens is not None:
-            rows = int(_tensor(tokens, AUDIO_EXCHANGE_KEYS[3], torch.device("cpu")).sum())
+            rows = int(as_tensor(tokens, AUDIO_EXCHANGE_KEYS[3], torch.device("cpu")).sum())
             if rows != int(at.sum()):
                 raise ValueError(
                     f"the batch has {int(at.sum())} audio-token positions (audio_token_id={self.token_id}) "

@@ -54,8 +54,8 @@ from typing import Any
 import torch
 
 from ._audio_lm import AUDIO_FAMILIES, AudioAdapter
-from ._collate import NON_MODEL_KEYS
 from ._exchange import exchange_image_embeddings
+from ._stock import as_tensor, batchd_kwargs
 
 __all__ = [
     "AUDIO_FAMILIES",
@@ -192,15 +192,6 @@ def check_model_batch(model: Any, batch: Mapping[str, Any]) -> None:
         check_packed_attention(module)
 
 
-def _tensor(value: Any, name: str, device: torch.device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    try:
-        return torch.as_tensor(value, device=device)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{name} must be a tensor or an array, got {type(value).__name__}") from None
-
-
 class _Adapter:
     """The state `two_phase` keeps on the model: its own forward, its family and the exchange group."""
 
@@ -243,7 +234,7 @@ class _Adapter:
         trains = bool(params)  # False: a frozen vision tower and projector
         anchor = torch.stack([p.reshape(-1)[0] for p in params]).sum() * 0.0 if trains else None
         if pixels is not None:
-            pixels = _tensor(pixels, "pixel_values", device)
+            pixels = as_tensor(pixels, "pixel_values", device)
         if pixels is None or pixels.shape[0] == 0:  # nothing to encode: zero rows, the tower is not run
             embed = self.inner.get_input_embeddings().weight
             # the rows require grad so the exchange's backward (a collective: the other ranks' all-to-all
@@ -252,7 +243,7 @@ class _Adapter:
             encoded = embed.new_zeros((0, embed.shape[1])).requires_grad_(torch.is_grad_enabled() and trains)
         else:
             encoded = self.encode(
-                self.inner, pixels, _tensor(grid, "image_grid_thw", device) if grid is not None else None
+                self.inner, pixels, as_tensor(grid, "image_grid_thw", device) if grid is not None else None
             )
         return exchange_image_embeddings(encoded, exchange, self.group), anchor
 
@@ -298,26 +289,19 @@ class _Adapter:
 
     # -- the forward --------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if args:
-            if len(args) != 1 or not isinstance(args[0], Mapping) or kwargs:
-                return self.forward(*args, **kwargs)
-            kwargs = {k: v for k, v in args[0].items() if k not in NON_MODEL_KEYS}
-            kwargs["use_cache"] = False
-        if (
-            kwargs.get("use_cache")
-            or kwargs.get("input_ids") is None
-            or any(kwargs.get(k) is not None for k in _GENERATION)
-        ):
-            return self.forward(**{k: v for k, v in kwargs.items() if k not in _BATCHD_KEYS})
+        step, stock = batchd_kwargs(self.forward, args, kwargs, _GENERATION, _BATCHD_KEYS)
+        if step is None:
+            return stock
+        kwargs = step
         device = self.inner.get_input_embeddings().weight.device
-        input_ids = _tensor(kwargs.pop("input_ids"), "input_ids", device)
+        input_ids = as_tensor(kwargs.pop("input_ids"), "input_ids", device)
         exchange = {k: kwargs.pop(k) for k in _BATCHD_KEYS if k in kwargs}
         two = exchange.get("vision_send_splits") is not None
         grid = kwargs.pop("image_grid_thw", None)
         own, anchor = self.vision(kwargs.pop("pixel_values", None), grid, exchange, device)
         llm_grids = exchange.get("llm_image_grid_thw") if two else grid
         if llm_grids is not None:
-            llm_grids = _tensor(llm_grids, "llm_image_grid_thw", device).reshape(-1, 3)
+            llm_grids = as_tensor(llm_grids, "llm_image_grid_thw", device).reshape(-1, 3)
             llm_grids = llm_grids if llm_grids.shape[0] else None
         position_ids = kwargs.get("position_ids")
         packed = _is_packed(kwargs)
@@ -328,16 +312,16 @@ class _Adapter:
             types_ = (
                 self.token_types(input_ids)
                 if types_ is None
-                else _tensor(types_, "mm_token_type_ids", device)
+                else as_tensor(types_, "mm_token_type_ids", device)
             )
             kwargs["mm_token_type_ids"] = types_
             if llm_grids is not None:
                 kwargs["image_grid_thw"] = llm_grids
             if packed:
                 kwargs["position_ids"] = self.packed_positions(
-                    input_ids, _tensor(position_ids, "position_ids", device), types_, llm_grids
+                    input_ids, as_tensor(position_ids, "position_ids", device), types_, llm_grids
                 )
-            elif position_ids is not None and _tensor(position_ids, "position_ids", device).ndim == 2:
+            elif position_ids is not None and as_tensor(position_ids, "position_ids", device).ndim == 2:
                 kwargs.pop("position_ids")  # 1-D positions: the model computes M-RoPE from the grids
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 

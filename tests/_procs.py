@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
@@ -133,3 +134,44 @@ def spawn(fn, args: tuple, nprocs: int, limit_s: float = 600.0) -> None:
             raise AssertionError(
                 f"{nprocs} spawned processes of {fn.__name__} still ran after {limit_s:g}s (a hang)"
             )
+
+
+def gloo_rank(
+    rank: int, world: int, out_dir: str, run, args: tuple, hang_s: float, pg_timeout_s: float
+) -> None:
+    """A spawned rank: joins a gloo group (file rendezvous in `out_dir`), pickles `run(rank, *args)` to
+    out_dir/rank{rank}.pkl, and leaves the group after a barrier (no rank tears its connections down while
+    a peer may still be in a collective). Past `hang_s` faulthandler prints every thread's stack and exits."""
+    import datetime
+    import faulthandler
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    faulthandler.enable(all_threads=True)
+    faulthandler.dump_traceback_later(hang_s, exit=True)  # a hang prints where it is
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{out_dir}/rendezvous",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
+    try:
+        result = run(rank, *args)
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_ranks(run, args: tuple, world: int, out_dir: Path, limit_s: float, pg_timeout_s: float) -> list:
+    """`run(rank, *args)` on `world` spawned gloo ranks (`gloo_rank`): their results in rank order. A rank
+    that raises fails here; ranks still running after `limit_s` are killed and AssertionError raised."""
+    import pickle
+
+    spawn(gloo_rank, (world, str(out_dir), run, args, limit_s - 20, pg_timeout_s), world, limit_s)
+    return [pickle.loads((Path(out_dir) / f"rank{r}.pkl").read_bytes()) for r in range(world)]

@@ -29,19 +29,12 @@ one-phase batch equal the stock forward's, and the refusals of `two_phase` and `
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
-import os
-import pickle
-import time
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _procs import gloo_ranks  # tests/ is on sys.path (pytest; spawn copies it)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchd import core
@@ -284,26 +277,6 @@ def run_model(rank: int, model: torch.nn.Module, steps: list[dict]) -> dict:
     return out
 
 
-def worker(rank: int, steps: list[dict], out_dir: str) -> None:
-    faulthandler.enable(all_threads=True)
-    faulthandler.dump_traceback_later(SPAWN_DEADLINE_S - 20, exit=True)  # a hang prints where it is
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out_dir}/rendezvous",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
-    )
-    try:
-        result = run_rank(rank, steps)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def steps() -> dict:
     return {s["name"]: s for s in make_steps()}
@@ -312,17 +285,7 @@ def steps() -> dict:
 @pytest.fixture(scope="module")
 def ranks(steps, tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("gloo-audio")
-    ctx = mp.start_processes(
-        worker, args=(list(steps.values()), str(out_dir)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"the {WORLD} gloo ranks did not finish within {SPAWN_DEADLINE_S} s")
-    return [pickle.loads((Path(out_dir) / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
+    return gloo_ranks(run_rank, (list(steps.values()),), WORLD, out_dir, SPAWN_DEADLINE_S, PG_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

@@ -26,19 +26,14 @@ and the refusals of `check_packed_attention`, `check_model_batch` and `two_phase
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
-import os
-import pickle
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _procs import gloo_ranks  # tests/ is on sys.path (pytest; spawn copies it)
 from test_exchange import swapped as swapped_placement  # the same control as batchd's own TinyMLLM's
 from test_hf_processor import _img, _run  # tests/ is on sys.path (pytest; spawn copies it)
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -266,40 +261,6 @@ def run_rank(rank: int, spec: dict) -> dict:
     return out
 
 
-def worker(rank: int, world: int, spec: dict, out_dir: str) -> None:
-    faulthandler.enable(all_threads=True)
-    faulthandler.dump_traceback_later(SPAWN_DEADLINE_S - 20, exit=True)  # a hang prints where it is
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out_dir}/rendezvous",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
-    )
-    try:
-        result = run_rank(rank, spec)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-        dist.barrier()  # no rank tears its connections down while a peer may still be in a collective
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(world: int, spec: dict, out_dir: Path) -> list[dict]:
-    ctx = mp.start_processes(
-        worker, args=(world, spec, str(out_dir)), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            pytest.fail(f"the {world} gloo ranks did not finish within {SPAWN_DEADLINE_S} s")
-    return [pickle.loads((out_dir / f"rank{r}.pkl").read_bytes()) for r in range(world)]
-
-
 # -- fixtures ------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def families(tmp_path_factory) -> dict:
@@ -319,7 +280,9 @@ def families(tmp_path_factory) -> dict:
 def ranks(families, tmp_path_factory) -> dict:
     spec = {f: {"tokenizer": v["tokenizer"], "steps": list(v["steps"].values())} for f, v in families.items()}
     t0 = time.perf_counter()
-    results = spawn(3, spec, tmp_path_factory.mktemp("gloo"))
+    results = gloo_ranks(
+        run_rank, (spec,), 3, tmp_path_factory.mktemp("gloo"), SPAWN_DEADLINE_S, PG_TIMEOUT_S
+    )
     wall = time.perf_counter() - t0
     print(f"gloo ranks: {wall:.1f} s")
     return {"results": results}
