@@ -7,7 +7,7 @@ so the smaller images cannot fit beside them; the plan's peak sits ~12% above `v
 the bound's slack, not the plan's (a placement below ~13,300 is impossible, see below). `encoder_bound`
 proves such caps infeasible and returns the largest cap it refuted.
 
-Refuting a cap T (`refutes`). For k >= 1, let H be the j costliest items, all costlier than T / (k + 1), so a
+Refuting a cap T (`_refutes`). For k >= 1, let H be the j costliest items, all costlier than T / (k + 1), so a
 rank of load <= T encodes at most k of them; with j > (k - 1)N at least p = j - (k - 1)N ranks encode
 exactly k. Such a rank's room for other items is at most T minus the k cheapest items of H, so every item
 outside H costlier than that room (the set M) goes to one of the other N - p ranks. Those ranks hold the
@@ -45,16 +45,23 @@ def _lpt_peak(costs: Sequence[float], n: int) -> float:
     return max(loads)
 
 
-def refutes(costs: Sequence[float], n: int, cap: float) -> bool:
-    """True when no placement of items of `costs` (sorted costliest first) on n ranks has every rank's load
-    <= `cap` (module docstring: the total, then the counting argument for every k and j)."""
-    c = costs
-    m = len(c)
-    prefix = [0.0, *itertools.accumulate(c)]
+class _Sorted:
+    """Items costliest first, with what every refutation reads: prefix sums, and negated costs (ascending,
+    for bisect). Built once per bound, not once per bisection step."""
+
+    def __init__(self, costs: Sequence[float]) -> None:
+        self.c = costs
+        self.prefix = [0.0, *itertools.accumulate(costs)]
+        self.desc = [-x for x in costs]
+
+
+def _refutes(items: _Sorted, n: int, cap: float) -> bool:
+    """True when no placement of the items on n ranks has every rank's load <= `cap` (module docstring:
+    the total, then the counting argument for every k and j)."""
+    m, prefix, desc = len(items.c), items.prefix, items.desc
     tol = 1e-12 * max(cap, 1.0)
     if prefix[-1] > n * cap + tol * n:
         return True
-    desc = [-x for x in c]  # ascending, for bisect
     k = 1
     while (k - 1) * n < m:
         lim = cap / (k + 1)
@@ -83,11 +90,12 @@ def encoder_bound(costs: Sequence[float], n: int) -> float:
     if not c:
         return 0.0
     lo, hi = vision_bound(c, n), _lpt_peak(c, n)
+    items = _Sorted(c)
     for _ in range(BISECT):
         if hi - lo <= 1e-9 * hi:
             break
         mid = (lo + hi) / 2
-        if refutes(c, n, mid):
+        if _refutes(items, n, mid):
             lo = mid
         else:
             hi = mid
