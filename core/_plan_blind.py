@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from ._cost import CostModel
 from ._grouping import split_largest
+from ._plan_level import final_rows, level_choice
 from ._plan_mix import mix_groups, mix_order
 from ._policy import Entry, Group, form_groups, group_lengths, rank_groups
 from ._types import Sample
@@ -145,6 +146,32 @@ def split_to_slots(groups: list[Group], slots: int, cost: CostModel) -> list[Gro
     return [[flat[j] for j in g] for g in idx]
 
 
+def _level(
+    inputs: PlanInputs, groups: Sequence[Group], slots: int, target: int, width: int
+) -> list[Group] | None:
+    """`level_choice` over the ranked `groups` (ages from `inputs.now`; patience max_wait // 2)."""
+    costs = [inputs.cost.cost(group_lengths(g)) for g in groups]
+    ages = [inputs.now - min(e.arrival for e in g) for g in groups]
+    quota = quotas(inputs.pool, target, inputs.world_size)
+    patience = max(1, inputs.max_wait // 2)
+    return level_choice(groups, costs, ages, slots, width, quota, inputs.max_wait, patience)
+
+
+def _rows(chosen: list[Group], n: int, target: int, cost: CostModel, width: int) -> list[list[Group]]:
+    """The round's rows: the cost-sorted groups cut into rows of `n`; with fewer than `width` x `target`
+    (an epoch's end), cut by `final_rows` into rows of at most `width` <= n, and each row's costliest
+    groups split to fill its n ranks."""
+    chosen = sorted(chosen, key=lambda g: -cost.cost(group_lengths(g)))
+    if width == n and len(chosen) >= n * target:
+        return [chosen[i : i + n] for i in range(0, len(chosen), n)]
+    bounds = final_rows([cost.cost(group_lengths(g)) for g in chosen], width, target)
+    rows = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        row = split_to_slots(chosen[a:b], n, cost)
+        rows.append(sorted(row, key=lambda g: -cost.cost(group_lengths(g))))
+    return rows
+
+
 def plan_blind(inputs: PlanInputs, rng: random.Random) -> Plan:
     """The node-blind plan of a non-empty round (`inputs.pool` non-empty, `inputs.capacity` >= 1):
     plan[rank][step], T steps per rank. Draws from `rng` for the ranking and the row shuffle."""
@@ -153,20 +180,23 @@ def plan_blind(inputs: PlanInputs, rng: random.Random) -> Plan:
     groups = rank_groups(groups, budget, cost, inputs.now, inputs.max_wait, rng, inputs.final)
     target = round_target(len(groups), n, inputs.capacity, inputs.final)
     slots = n * target
-    chosen = choose(groups, slots, target, n)
-    if inputs.refine and len(chosen) == slots:
+    width = n
+    if inputs.final and not inputs.mix and len(groups) > slots:  # an epoch's last rounds: spread the stub
+        width = -(-len(groups) // -(-len(groups) // n))
+    leveled = _level(inputs, groups, target * width, target, width)
+    if leveled is None:
+        width = n
+    chosen = choose(groups, slots, target, n) if leveled is None else leveled
+    if inputs.refine and leveled is None and len(chosen) == slots:
         refined = refine_groups([e for g in chosen for e in g], slots, budget, cost)
         if refined is not None:
             chosen = refined
-    if len(chosen) < slots:
-        chosen = split_to_slots(chosen, slots, cost)
     if inputs.mix:
         quota, salt = quotas(inputs.pool, target, n), zlib.crc32(str(inputs.seed).encode())
         mixed = mix_groups(inputs.pool, chosen, slots, budget, cost, quota, inputs.final, n, salt)
         if mixed is not None:
             chosen = mixed
-    chosen.sort(key=lambda g: -cost.cost(group_lengths(g)))
-    rows = [chosen[i : i + n] for i in range(0, len(chosen), n)]
+    rows = _rows(chosen, n, target, cost, width)
     rng.shuffle(rows)
     if inputs.mix:
         rows = [rows[i] for i in mix_order([sum(map(len, row)) for row in rows])]

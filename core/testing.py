@@ -3,7 +3,8 @@
 `batchd.core`'s planners are tested through their public functions and, where a property belongs to
 one step, through that step: the vision plan's greedy placement and its search (`batchd.core._phases`),
 its local search (`batchd.core._phase_search`), and the node-aware round plan's outlier pooling and
-level dealing (`batchd.core._plan_nodes`, `batchd.core._plan_deal`). Tests import them from here, so
+level dealing (`batchd.core._plan_nodes`, `batchd.core._plan_deal`), and the node-blind plan's level
+rows (`batchd.core._plan_level`). Tests import them from here, so
 no test imports a private module.
 """
 
@@ -16,14 +17,18 @@ from ._phases import _images as vision_images
 from ._phases import _lpt as vision_lpt
 from ._phases import _place as vision_place
 from ._plan_deal import deal_levels
+from ._plan_level import LEVEL_TOLERANCE, final_rows, level_choice
 from ._plan_nodes import outliers
 
 __all__ = [
     "ACCEPT",
     "LDM_GAIN",
+    "LEVEL_TOLERANCE",
     "PARTNERS",
     "SLACKS",
     "deal_levels",
+    "final_rows",
+    "level_choice",
     "ldm_place",
     "outliers",
     "vision_greedy",

@@ -3,6 +3,8 @@
 `tests/data/plan_rounds.json` (written by `tests/_plan_cases.py`) holds 200 seeded rounds, node-blind
 and node-aware over every cost model, with the plans and stats the planner returned when it still took
 twelve positional arguments (before its split into `core/_plan*.py`): the refactor changed none.
+Re-recorded once since, when level rows (`core/_plan_level.py`) changed the node-blind plans (the
+node-aware ones stayed as recorded).
 """
 
 from __future__ import annotations
