@@ -149,7 +149,13 @@ def split_to_slots(groups: list[Group], slots: int, cost: CostModel) -> list[Gro
 def _level(
     inputs: PlanInputs, groups: Sequence[Group], slots: int, target: int, width: int
 ) -> list[Group] | None:
-    """`level_choice` over the ranked `groups` (ages from `inputs.now`; patience max_wait // 2)."""
+    """`level_choice` over the ranked `groups` (ages from `inputs.now`; patience max_wait // 2), or None
+    in a round the pool cannot fill (T below capacity, the source not yet exhausted: an epoch's end
+    draining). There a level choice would leave its rigid outliers as the epoch's last step, which
+    nothing can split over the ranks (llava-like, 64 ranks: a last step of 36 singletons and 7 images);
+    the ranked prefix leaves the incomplete groups, which split."""
+    if not inputs.final and target < inputs.capacity:
+        return None
     costs = [inputs.cost.cost(group_lengths(g)) for g in groups]
     ages = [inputs.now - min(e.arrival for e in g) for g in groups]
     quota = quotas(inputs.pool, target, inputs.world_size)
