@@ -27,8 +27,9 @@ def plan_round(inputs: PlanInputs) -> RoundPlan:
     no group of several samples costs more than the budget; every rank r gets at least min(T, B_r) of
     its B_r pooled samples; a final round with T < capacity takes the whole pool; the same inputs give
     the same plan. Node-aware adds: every step's slowest rank costs exactly its level (the global cost
-    sort of the round's groups cut into rows of N). Cost: O(P log P) for P pooled samples plus
-    O(log L) regroupings of the chosen ones (node-aware: per node, plus O(swaps x N x T)).
+    sort of the round's groups cut into rows of N). Cost: O(P log P) for P pooled samples, O(T x K x N)
+    for the node-blind level rows of K groups, plus O(log L) regroupings of the chosen ones (node-aware:
+    per node, plus O(swaps x N x T)).
     """
     if not inputs.pool or inputs.capacity < 1:
         return RoundPlan(tuple(() for _ in range(inputs.world_size)))

@@ -1,15 +1,17 @@
 """The node-blind balanced plan of one round, and the steps the node-aware plan shares with it.
 
 `plan_blind` plans T steps for all N ranks from the pooled window (docs/design/balancing.md, "Node-blind
-plan"): group and rank the pool, take the best N x T groups keeping every rank's quota (`choose`),
-regroup them under the smallest capacity that still fits (`refine_groups`), split the costliest if slots are
-left (`split_to_slots`), sort by cost, cut rows of N, shuffle the rows and place each group on the rank
-holding most of its samples (`place`).
+plan"): group and rank the pool, take N x T groups row by row so each step's ranks cost alike
+(`_plan_level.level_choice`), or else the best N x T keeping every rank's quota (`choose`) regrouped under
+the smallest capacity that still fits (`refine_groups`); sort by cost, cut rows of N (an epoch's last
+round: `final_rows`, then `split_to_slots` fills each row's idle ranks), shuffle the rows and place each
+group on the rank holding most of its samples (`place`).
 
 Invariants: each chosen sample is in exactly one group, every rank gets exactly T steps (IDLE = empty),
 no group of several samples costs more than the budget, every rank r receives at least
 q_r = min(T, B_r) of its B_r pooled samples; the plan is a function of the inputs and the rng's state.
-Cost: O(P log P) for P pooled samples plus O(log L) regroupings of the chosen ones.
+Cost: O(P log P) for P pooled samples, O(T x K x N) for the level rows of K groups, plus O(log L)
+regroupings of the chosen ones.
 """
 
 from __future__ import annotations
