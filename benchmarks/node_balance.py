@@ -68,9 +68,27 @@ HEADERS = [
 ]
 
 
-def padding(lengths: Sequence[int]) -> tuple[float, float]:
+FRONTIER = (
+    0.999,
+    0.99,
+    0.98,
+    0.97,
+    0.95,
+    0.9,
+    0.85,
+    0.8,
+    0.7,
+)  # node-pure groups kept at >= this padding efficiency
+
+
+def padding(lengths: Sequence[int]) -> tuple[float, float, list[list[float]]]:
     """Padding efficiency (real / padded tokens) of the first window (`window` samples per rank, file
-    order) grouped under L pooled, and grouped per node (node-pure groups)."""
+    order) grouped under L pooled, and grouped per node (node-pure groups); and the locality frontier
+    between them: for each threshold of `FRONTIER`, every node's node-pure groups with at least that
+    efficiency stay on their node and the rest of the samples are grouped pooled, as
+    [threshold, pooled fraction of the samples, efficiency]. A pooled sample leaves its node unless it
+    lands there (1 in nodes), so the fraction bounds the cross-node share of any plan that keeps
+    exactly those groups local."""
     n, k, w = CONFIG["world_size"], LOCAL_RANKS, CONFIG["window"]
     cost = CostModel(CONFIG["cost"])
     entries = [Entry(Sample(i, lengths[i], -1, i % n), 0) for i in range(min(len(lengths), n * w))]
@@ -78,14 +96,31 @@ def padding(lengths: Sequence[int]) -> tuple[float, float]:
     for e in entries:
         per_node.setdefault(e.sample.home_rank // k, []).append(e)
 
+    def group_cost(g: list[Entry]) -> float:
+        return cost.cost([e.sample.length for e in g])
+
     def efficiency(groups: list) -> float:
         real = sum(e.sample.length for g in groups for e in g)
-        return real / sum(cost.cost([e.sample.length for e in g]) for g in groups)
+        return real / sum(group_cost(g) for g in groups)
 
     budget = CONFIG["token_budget"]
+    local = [form_groups(x, budget, cost) for x in per_node.values()]
+    frontier = []
+    for threshold in FRONTIER:
+        kept = [
+            g
+            for groups in local
+            for g in groups
+            if sum(e.sample.length for e in g) >= threshold * group_cost(g)
+        ]
+        ids = {e.sample.id for g in kept for e in g}
+        rest = [e for e in entries if e.sample.id not in ids]
+        grouped = kept + form_groups(rest, budget, cost)
+        frontier.append([threshold, len(rest) / len(entries), efficiency(grouped)])
     return (
         efficiency(form_groups(entries, budget, cost)),
-        efficiency([g for x in per_node.values() for g in form_groups(x, budget, cost)]),
+        efficiency([g for groups in local for g in groups]),
+        frontier,
     )
 
 
@@ -120,7 +155,7 @@ def measure(workloads: Path, repeat: int) -> dict:
             rows.append(_row(name, label, m))
         d_cvl = aware["compute_vs_limit"] - blind["compute_vs_limit"]
         ratio = _ratio(blind["cross_node_moved"], aware["cross_node_moved"])
-        pooled, per_node = padding(lengths)
+        pooled, per_node, frontier = padding(lengths)
         verdicts.append(
             {
                 "workload": name,
@@ -132,9 +167,25 @@ def measure(workloads: Path, repeat: int) -> dict:
                 "samples": len(lengths),
                 "padding_pooled": pooled,
                 "padding_per_node": per_node,
+                "frontier": frontier,
+                # the best efficiency of the frontier that pools at most 1 / CROSS_RATIO of the samples
+                "frontier_best": max((f[2] for f in frontier if f[1] <= 1 / CROSS_RATIO), default=None),
             }
         )
-    return {"headers": HEADERS, "rows": rows, "verdicts": verdicts}
+    frontier_headers = ["threshold"] + [
+        f"{v['workload']} {x}" for v in verdicts for x in ("pooled", "efficiency")
+    ]
+    frontier_rows = [
+        [t] + [x for v in verdicts for x in (v["frontier"][i][1], v["frontier"][i][2])]
+        for i, t in enumerate(FRONTIER)
+    ]
+    return {
+        "headers": HEADERS,
+        "rows": rows,
+        "verdicts": verdicts,
+        "frontier_headers": frontier_headers,
+        "frontier_rows": frontier_rows,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
