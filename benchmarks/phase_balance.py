@@ -226,6 +226,7 @@ def measure(name: str, samples: Sequence[Sample], n: int) -> dict:
     spec = JobSpec(world_size=n, **CONFIG)
     one = simulate(data, spec, local_ranks=LOCAL_RANKS)
     two = simulate(data, spec.replace(phases=2), local_ranks=LOCAL_RANKS)
+    prefix = simulate(data, spec.replace(phases=2, level_rows=False), local_ranks=LOCAL_RANKS)
     assert one["steps"] == two["steps"] and one["missing"] == two["missing"] == 0, (one, two)
     plan, old, rows = step_plans(data, spec.replace(phases=2))
     plan_ms = [t * 1e3 for t in plan]
@@ -255,6 +256,13 @@ def measure(name: str, samples: Sequence[Sample], n: int) -> dict:
         "wide_plan_p99_ms": p99(wide) if wide else None,
         "exact": exact,
         "plan_round_ms": two["vision_plan_per_round_s"] * 1e3,
+        "prefix": {  # the same run with level rows off (the ranked prefix: the plan before them)
+            "steps": prefix["steps"],
+            "llm": prefix["llm_imbalance"],
+            "vision": prefix["vision_imbalance_two"],
+            "cvl": prefix["compute_vs_limit"],
+        },
+        "cvl": two["compute_vs_limit"],
     }
 
 
@@ -273,8 +281,19 @@ HEADERS_OLD += ["worst step"]
 HEADERS_OLD += ["intra img greedy", "intra img +search", "cross img greedy", "cross img +search"]
 HEADERS_OLD += ["plan ms greedy", "plan ms +search", "p99 ms +search"]
 HEADERS_OLD += ["8N ranks", "plan ms at 8N", "p99 ms at 8N"]
+HEADERS_LEVEL = ["workload", "N", "steps prefix", "steps level", "LLM prefix", "LLM level"]
+HEADERS_LEVEL += ["cvl prefix", "cvl level", "vision 2-phase prefix", "vision 2-phase level"]
 HEADERS_EXACT = ["workload", "N", "steps solved", "proved optimal", "plan / exact (mean)"]
 HEADERS_EXACT += ["plan / exact (worst)", "exact / bound (mean)", "solve s (mean)"]
+
+
+def level_row(r: dict) -> list[object]:
+    """The LLM phase with level rows (the default) and with the ranked prefix, same data and spec."""
+    p = r["prefix"]
+    return [r["workload"], r["N"], p["steps"], r["steps"], p["llm"], r["llm_two"], p["cvl"], r["cvl"]] + [
+        p["vision"],
+        r["vision_two"],
+    ]
 
 
 def table_rows(results: Sequence[dict]) -> tuple[list[list[object]], list[list[object]], list[list[object]]]:
@@ -338,6 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, old, exact = table_rows(results)
     data = {"headers": HEADERS, "rows": rows, "headers_old": HEADERS_OLD, "rows_old": old}
     data.update(headers_exact=HEADERS_EXACT, rows_exact=exact)
+    data.update(headers_level=HEADERS_LEVEL, rows_level=[level_row(r) for r in results])
     data.update(results=results, wall_s=time.perf_counter() - t0, python=platform.python_version())
     data["llm_identical"] = all(r["llm_two"] == r["llm_single"] for r in results)
     config = {"command": command_line(__file__, argv), "ranks": args.ranks, "limit": args.limit}

@@ -322,6 +322,7 @@ class Coordinator:
                 max_wait=self.policy.max_wait,
                 seed=f"plan:{self.seed}:{self.epoch}:{self.round}",
                 refine=self.policy.refine,
+                level_rows=self.spec.level_rows,
                 nodes=self.nodes,
                 mix=self.spec.tokens_per_update is not None or self.spec.samples_per_update is not None,
             )

@@ -156,7 +156,7 @@ def _level(
     draining). There a level choice would leave its rigid outliers as the epoch's last step, which
     nothing can split over the ranks (llava-like, 64 ranks: a last step of 36 singletons and 7 images);
     the ranked prefix leaves the incomplete groups, which split."""
-    if not inputs.final and target < inputs.capacity:
+    if not inputs.level_rows or (not inputs.final and target < inputs.capacity):
         return None
     costs = [inputs.cost.cost(group_lengths(g)) for g in groups]
     ages = [inputs.now - min(e.arrival for e in g) for g in groups]

@@ -43,6 +43,8 @@ class PlanInputs:
             optimizer updates of several steps (the coordinator sets it with `tokens_per_update` /
             `samples_per_update`); the rng draws are the same either way. The node-blind plan only
             (node-aware ignores it).
+        level_rows: Node-blind: take the round's groups row by row so each step's ranks cost alike
+            (`_plan_level`); off, the first N x T groups in ranked order.
 
     Raises:
         ValueError: a field out of its range or of the wrong type, naming it.
@@ -60,6 +62,7 @@ class PlanInputs:
     refine: bool = True
     nodes: Sequence[int] | None = None
     mix: bool = False
+    level_rows: bool = True
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, lo=1)
@@ -74,6 +77,7 @@ class PlanInputs:
         if isinstance(seed, bool) or not isinstance(seed, int | str):
             raise ValueError(f"seed must be an int or a str, got {seed=!r}")
         check_bool("refine", self.refine)
+        check_bool("level_rows", self.level_rows)
         check_bool("mix", self.mix)
         pool = tuple(self.pool)
         for i, e in enumerate(pool):

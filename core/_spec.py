@@ -64,6 +64,11 @@ class JobSpec:
         "min", "DGAP target rule: min (batchd's) or odb (ODB 0.1.2's max-target rule)", choices=ALIGN_RULES
     )
     refine: bool = _field(True, "balanced: shrink the round's group capacity so groups cost alike")
+    level_rows: bool = _field(
+        True,
+        "balanced: take a round's groups row by row so each step's ranks cost alike, outliers waiting "
+        "a few rounds for peers (off: the first groups in ranked order; docs/design/balancing.md)",
+    )
     node_aware: bool = _field(
         False,
         "balanced, ranks served by node agents: balance inside each node first, so "
@@ -131,6 +136,7 @@ class JobSpec:
         check_choice("collate", self.collate, COLLATE)
         check_bool("shuffle", self.shuffle)
         check_bool("refine", self.refine)
+        check_bool("level_rows", self.level_rows)
         check_bool("node_aware", self.node_aware)
         check_bool("deterministic", self.deterministic)
         check_choice("phases", self.phases, PHASES)
