@@ -16,6 +16,7 @@ regroupings of the chosen ones.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import zlib
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 from ._cost import CostModel
 from ._grouping import split_largest
 from ._plan_level import final_rows, level_choice
-from ._plan_mix import mix_groups, mix_order
+from ._plan_mix import IDLE_SLACK, mix_groups, mix_order
 from ._policy import Entry, Group, form_groups, group_lengths, rank_groups
 from ._types import Sample
 
@@ -166,18 +167,55 @@ def _level(
 
 
 def _rows(chosen: list[Group], n: int, target: int, cost: CostModel, width: int) -> list[list[Group]]:
-    """The round's rows: the cost-sorted groups cut into rows of `n`; with fewer than `width` x `target`
-    (an epoch's end), cut by `final_rows` into rows of at most `width` <= n, and each row's costliest
-    groups split to fill its n ranks."""
+    """The round's rows: the cost-sorted groups cut into rows of `n`. With fewer than `width` x `target`
+    (an epoch's end) two cuts compete: the costliest groups split until n x `target` (or only
+    singletons) and cut into rows of n, or `final_rows` into rows of at most `width` <= n, each row's
+    costliest groups split to fill its n ranks; the one of lower `_score` wins (ties: the first)."""
     chosen = sorted(chosen, key=lambda g: -cost.cost(group_lengths(g)))
     if width == n and len(chosen) >= n * target:
         return [chosen[i : i + n] for i in range(0, len(chosen), n)]
+
+    def by_cost(groups: list[Group]) -> list[Group]:
+        return sorted(groups, key=lambda g: -cost.cost(group_lengths(g)))
+
+    split = by_cost(split_to_slots(chosen, n * target, cost))
+    whole = [split[i : i + n] for i in range(0, len(split), n)]
     bounds = final_rows([cost.cost(group_lengths(g)) for g in chosen], width, target)
-    rows = []
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        row = split_to_slots(chosen[a:b], n, cost)
-        rows.append(sorted(row, key=lambda g: -cost.cost(group_lengths(g))))
-    return rows
+    spread = [by_cost(split_to_slots(chosen[a:b], n, cost)) for a, b in itertools.pairwise(bounds)]
+    return min((whole, spread), key=lambda rows: _score(rows, n, cost))
+
+
+def _score(rows: list[list[Group]], n: int, cost: CostModel) -> float:
+    """The sum over rows of max / mean rank cost (mean over all n ranks: idle ones cost 0)."""
+    total = 0.0
+    for row in rows:
+        costs = [cost.cost(group_lengths(g)) for g in row]
+        total += max(costs) * n / sum(costs) if sum(costs) > 0 else 1.0
+    return total
+
+
+def _mixed(
+    inputs: PlanInputs, chosen: list[Group], rows: list[list[Group]], slots: int, target: int
+) -> list[list[Group]]:
+    """The round's rows mixed (`mix_groups` on `chosen` split to `slots`), kept if they leave at most
+    `IDLE_SLACK` of their compute idle beyond the unmixed `rows`; else `rows`."""
+    n, cost = inputs.world_size, inputs.cost
+    base = split_to_slots(chosen, slots, cost) if len(chosen) < slots else chosen
+    quota, salt = quotas(inputs.pool, target, n), zlib.crc32(str(inputs.seed).encode())
+    mixed = mix_groups(inputs.pool, base, slots, inputs.token_budget, cost, quota, inputs.final, n, salt)
+    if mixed is None:
+        return rows
+    mixed_rows = _rows(mixed, n, target, cost, n)
+    idle, compute = _waste(mixed_rows, n, cost)
+    return mixed_rows if idle <= _waste(rows, n, cost)[0] + IDLE_SLACK * compute else rows
+
+
+def _waste(rows: list[list[Group]], n: int, cost: CostModel) -> tuple[float, float]:
+    """(idle, compute) of `rows`: compute, the sum over rows of n x the row's costliest group; idle,
+    compute minus every group's cost."""
+    costs = [[cost.cost(group_lengths(g)) for g in row] for row in rows]
+    compute = sum(n * max(c) for c in costs if c)
+    return compute - sum(map(sum, costs)), compute
 
 
 def plan_blind(inputs: PlanInputs, rng: random.Random) -> Plan:
@@ -199,12 +237,9 @@ def plan_blind(inputs: PlanInputs, rng: random.Random) -> Plan:
         refined = refine_groups([e for g in chosen for e in g], slots, budget, cost)
         if refined is not None:
             chosen = refined
-    if inputs.mix:
-        quota, salt = quotas(inputs.pool, target, n), zlib.crc32(str(inputs.seed).encode())
-        mixed = mix_groups(inputs.pool, chosen, slots, budget, cost, quota, inputs.final, n, salt)
-        if mixed is not None:
-            chosen = mixed
     rows = _rows(chosen, n, target, cost, width)
+    if inputs.mix:
+        rows = _mixed(inputs, chosen, rows, slots, target)
     rng.shuffle(rows)
     if inputs.mix:
         rows = [rows[i] for i in mix_order([sum(map(len, row)) for row in rows])]

@@ -67,7 +67,8 @@ class JobSpec:
     level_rows: bool = _field(
         True,
         "balanced: take a round's groups row by row so each step's ranks cost alike, outliers waiting "
-        "a few rounds for peers (off: the first groups in ranked order; docs/design/balancing.md)",
+        "a few rounds for peers (off: the first groups in ranked order, as before them; "
+        "docs/design/balancing.md)",
     )
     node_aware: bool = _field(
         False,
