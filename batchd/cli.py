@@ -18,6 +18,7 @@ import shutil
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
 from batchd._config import DROP, EXAMPLE, add_job_flags, load_config
 from batchd._lengths import read_workload
@@ -577,6 +578,13 @@ def _demo(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0 if ok else 1
+    print_demo(summary)
+    return 0 if ok else 1
+
+
+def print_demo(summary: dict[str, Any]) -> None:
+    """`batchd demo`'s plain-text report of a run's summary (`--json` prints the summary itself)."""
+    pre = summary.get("preprocess")
     print(f"steps per rank      {summary['steps_per_rank']}  (idle rank-steps: {summary['idle']})")
     print(
         f"samples             {summary['emitted']} emitted, {summary['missing']} missing, "
@@ -587,6 +595,12 @@ def _demo(args: argparse.Namespace) -> int:
         print(
             f"vision encoder      {summary['phases']}-phase: slowest rank / mean, in encoder patches: "
             f"{summary['vision_imbalance']:.3f} (mean over steps with images)"
+        )
+    if summary.get("clips"):
+        audio = summary.get("audio_imbalance")
+        print(
+            f"audio encoder       {summary['clips']} clips, each encoded once"
+            + (f"; slowest rank / mean, in frames: {audio:.3f}" if audio is not None else "")
         )
     print(f"loss                {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}")
     print(f"epoch wall time     {summary['wall_s']:.2f}s")
@@ -616,7 +630,6 @@ def _demo(args: argparse.Namespace) -> int:
             )
         )
         print(f"speedup             {summary['speedup']:.2f}x")
-    return 0 if ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
