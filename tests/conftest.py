@@ -27,15 +27,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 REPO = Path(__file__).resolve().parents[1]
 
 
-def pytest_collection_modifyitems(config, items):
-    """Every `slow` test joins one xdist group: under `pytest -n 2 --dist loadgroup` (CI) the slow
-    multi-process tests run one after another on one worker, as they do alone, while the fast ones run on
-    the other worker beside them (no two slow tests start their Rays and process groups at once)."""
-    for item in items:
-        if item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.xdist_group("slow"))
-
-
 def workload_dir() -> Path:
     """The shared benchmark workloads (../shared/workloads beside the checkout)."""
     return REPO.parent / "shared" / "workloads"

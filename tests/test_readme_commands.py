@@ -340,7 +340,8 @@ def test_readme_and_help_commands_parse():
 
 def test_install_line_is_what_ci_runs():
     """The README's first lines are what `.ci/run` runs on a clean clone: the install, then the suite,
-    in two stages: the checks, then every test on two pytest-xdist workers (the slow ones in one group)."""
+    in two stages that split it by the `slow` marker (together: every test once; the fast stage on two
+    pytest-xdist workers)."""
     first = bash_blocks(readme_text())[0]
     install, demo, suite = block_commands(first)
     ci = (REPO / ".ci" / "run").read_text()
@@ -350,7 +351,7 @@ def test_install_line_is_what_ci_runs():
         assert step.replace("pip install", "python -m pip install --quiet") in ci, (step, ci)
     assert demo == "batchd demo" and suite == "python -m pytest -q"
     runs = [line.strip() for line in ci.splitlines() if line.strip().startswith("python -m pytest")]
-    assert runs == [f"{suite} -n 2 --dist loadgroup"], runs
+    assert runs == [f'{suite} -m "not slow" -n 2', f"{suite} -m slow"], runs
     assert ".ci/run" in readme_text() and "two stages" in readme_text()
 
 
