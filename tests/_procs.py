@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from pathlib import Path
 
+FREE_PORTS = (20000, 32768)  # below Linux's ephemeral range (32768-60999), which port-0 binds draw from
+
 
 def free_block(n: int) -> int:
-    """A port p with p .. p + n - 1 all free on loopback right now."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + n >= 65536:
-            continue
+    """A port p with p .. p + n - 1 all free on loopback right now, drawn from `FREE_PORTS`: below the
+    ephemeral range, so a server that another test process binds to port 0 meanwhile (CI runs the fast
+    tests beside the slow ones) cannot take a port handed out here before its job binds it."""
+    rng = random.Random(f"{os.getpid()}:{time.monotonic_ns()}")
+    lo, hi = FREE_PORTS
+    for _ in range(200):
+        base = rng.randrange(lo, hi - n)
         socks = []
         try:
             for port in range(base, base + n):
@@ -28,7 +31,7 @@ def free_block(n: int) -> int:
         finally:
             for s in socks:
                 s.close()
-    raise RuntimeError(f"no block of {n} free ports")
+    raise RuntimeError(f"no block of {n} free ports in {FREE_PORTS}")
 
 
 def processes_with_marker(marker: str) -> list[str]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _procs import free_block
 
 from batchd.cli import build_parser, main
 from batchd.config import DROP, EXAMPLE, ConfigError, JsonFormatter, build_config, load_config
@@ -219,9 +219,7 @@ def test_json_log_lines_keep_extra_fields():
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_block(1)  # below the ephemeral range: no port-0 server elsewhere takes it meanwhile
 
 
 @pytest.mark.slow

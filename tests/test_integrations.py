@@ -25,7 +25,6 @@ import copy
 import json
 import math
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import numpy as np
 import pytest
 import torch
 from _jobs import InProcessJob, job_pool
-from _procs import spawn
+from _procs import free_block, spawn
 
 from batchd.client import (
     BatchClient,
@@ -578,9 +577,7 @@ def test_collate_layouts_give_the_same_batchd_loss(make_job):
 
 # -- two processes, gloo ---------------------------------------------------------------------------------
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_block(1)  # below the ephemeral range: no port-0 server elsewhere takes it meanwhile
 
 
 def _params(model: torch.nn.Module) -> list[float]:

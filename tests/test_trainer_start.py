@@ -14,22 +14,20 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from _procs import free_block
 
 PY = sys.executable
 WAITING = "waiting for the rank service at 127.0.0.1:{port} (rank 0 of 1)"
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_block(1)  # below the ephemeral range: no port-0 server elsewhere takes it meanwhile
 
 
 def _trainer_env(**extra: str) -> dict[str, str]:
