@@ -12,16 +12,10 @@ and the comparison sees it.
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
-import os
-import pickle
-
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _procs import gloo_ranks
 from test_exchange import RTOL, grads, max_error  # the vision exchange's tests: the same comparisons
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -44,6 +38,8 @@ from batchd.testing import TinyMLLM, clip_tokens
 pytestmark = pytest.mark.slow
 
 WORLDS = (2, 3, 4)
+SPAWN_DEADLINE_S = 300.0  # liveness backstop for a world's spawned ranks (`_procs.gloo_ranks`)
+PG_TIMEOUT_S = 60
 VOCAB, IMG, AUD, N_MELS, PATCH = 64, 3, 2, 16, 12  # text tokens are drawn from [4, VOCAB)
 GRIDS = ((1, 2, 2), (1, 2, 4), (1, 4, 4))  # 1, 2 and 4 image tokens
 
@@ -194,29 +190,12 @@ def run_rank(rank: int, world: int, cases: list[dict]) -> dict:
     return out
 
 
-def worker(rank: int, world: int, cases: list[dict], out_dir: str) -> None:
-    faulthandler.enable(all_threads=True)
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{out_dir}/rendezvous", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )  # fmt: skip
-    try:
-        result = run_rank(rank, world, cases)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda n: f"world{n}")
 def run(request, tmp_path_factory) -> dict:
     world = request.param
     cases = cases_for(world)
     out_dir = tmp_path_factory.mktemp(f"audio{world}")
-    mp.spawn(worker, args=(world, cases, str(out_dir)), nprocs=world, join=True)
-    ranks = [pickle.loads((out_dir / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    ranks = gloo_ranks(run_rank, (world, cases), world, out_dir, SPAWN_DEADLINE_S, PG_TIMEOUT_S)
     return {"cases": {c["name"]: c for c in cases}, "ranks": ranks}
 
 

@@ -18,18 +18,14 @@ the end.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import faulthandler
-import json
 import math
-import os
 import random
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _procs import gloo_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchd.client import (
@@ -45,6 +41,8 @@ from batchd.core import JobSpec, Simulator, Step, UpdateWindows, loss_scale, upd
 from batchd.testing import TinyCausalLM
 
 WORLD = 4
+SPAWN_DEADLINE_S = 300.0  # liveness backstop for the spawned ranks (`_procs.gloo_ranks`)
+PG_TIMEOUT_S = 60
 UPDATE_TOKENS = 900  # tokens_per_update of the update case: about three steps of 4 ranks
 VOCAB = 128
 NUM_SAMPLES = 62
@@ -279,38 +277,21 @@ def run_update_case(rank: int, case: dict) -> dict:
     return out
 
 
-def worker(rank: int, cases: list[dict], out_dir: str) -> None:
-    # A rank has twice died of SIGABRT ("terminate called without an active exception", native, in gloo)
-    # in a full CI run and never in 30+ runs of this file alone, quiet or under load; faulthandler prints
-    # every thread's Python stack on SIGABRT, so the next occurrence says where (init, a step, teardown).
-    faulthandler.enable(all_threads=True)
-    torch.set_num_threads(1)
-    # A file rendezvous: a port picked free by the parent can be taken by another process before rank 0
-    # binds it (CI once lost a spawned rank to SIGABRT at start-up); the file cannot.
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out_dir}/rendezvous",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        results = {
-            case["policy"]: (run_update_case if case["policy"] == "updates" else run_case)(rank, case)
-            for case in cases
-        }
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-        json.dump(results, f)
+def run_rank(rank: int, cases: list[dict]) -> dict:
+    """One spawned rank's results per case (`_procs.gloo_rank` runs it in the gloo group: a file
+    rendezvous, since a port picked free by the parent could be taken before rank 0 binds it, and
+    faulthandler on, so a native SIGABRT in gloo prints where every thread was)."""
+    return {
+        case["policy"]: (run_update_case if case["policy"] == "updates" else run_case)(rank, case)
+        for case in cases
+    }
 
 
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory) -> dict:
     cases = [*(build_case(p) for p in POLICIES), build_update_case()]
     out_dir = tmp_path_factory.mktemp("ddp")
-    mp.spawn(worker, args=(cases, str(out_dir)), nprocs=WORLD, join=True)
-    ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    ranks = gloo_ranks(run_rank, (cases,), WORLD, out_dir, SPAWN_DEADLINE_S, PG_TIMEOUT_S)
     return {"cases": {c["policy"]: c for c in cases}, "ranks": ranks}
 
 

@@ -21,10 +21,6 @@ the end.
 
 from __future__ import annotations
 
-import datetime
-import faulthandler
-import os
-import pickle
 import time
 from collections import Counter
 
@@ -32,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _procs import gloo_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchd import core
@@ -41,6 +37,8 @@ from batchd.core import EXCHANGE_KEYS, Exchange, Sample, VisionCost, exchange_ar
 from batchd.testing import PATCH_DIM, TinyCausalLM, TinyMLLM, image_patches
 
 WORLDS = (2, 3, 4)
+SPAWN_DEADLINE_S = 300.0  # liveness backstop for a world's spawned ranks (`_procs.gloo_ranks`)
+PG_TIMEOUT_S = 60
 VOCAB = 64
 IMG = 3  # the image placeholder id; text tokens are drawn from [4, VOCAB)
 SMALL, WIDE, BIG = (1, 4, 4), (1, 4, 8), (1, 8, 8)
@@ -237,35 +235,14 @@ def run_rank(rank: int, world: int, cases: list[dict]) -> dict:
     return out
 
 
-def worker(rank: int, world: int, cases: list[dict], out_dir: str) -> None:
-    faulthandler.enable(all_threads=True)
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{out_dir}/rendezvous",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        result = run_rank(rank, world, cases)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-        # no rank tears its connections down while a peer may still be reading the last exchange
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda n: f"world{n}")
 def run(request, tmp_path_factory) -> dict:
     world = request.param
     cases = cases_for(world)
     out_dir = tmp_path_factory.mktemp(f"exchange{world}")
     t0 = time.perf_counter()
-    mp.spawn(worker, args=(world, cases, str(out_dir)), nprocs=world, join=True)
+    ranks = gloo_ranks(run_rank, (world, cases), world, out_dir, SPAWN_DEADLINE_S, PG_TIMEOUT_S)
     wall = time.perf_counter() - t0
-    ranks = [pickle.loads((out_dir / f"rank{r}.pkl").read_bytes()) for r in range(world)]
     return {"world": world, "cases": {c["name"]: c for c in cases}, "ranks": ranks, "wall_s": wall}
 
 
