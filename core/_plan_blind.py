@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from ._cost import CostModel
 from ._grouping import split_largest
 from ._plan_level import final_rows, level_choice
-from ._plan_mix import IDLE_SLACK, mix_groups, mix_order
+from ._plan_mix import IDLE_SLACK, mix_groups, mix_order, rows_waste
 from ._policy import Entry, Group, form_groups, group_lengths, rank_groups
 from ._types import Sample
 
@@ -206,16 +206,8 @@ def _mixed(
     if mixed is None:
         return rows
     mixed_rows = _rows(mixed, n, target, cost, n)
-    idle, compute = _waste(mixed_rows, n, cost)
-    return mixed_rows if idle <= _waste(rows, n, cost)[0] + IDLE_SLACK * compute else rows
-
-
-def _waste(rows: list[list[Group]], n: int, cost: CostModel) -> tuple[float, float]:
-    """(idle, compute) of `rows`: compute, the sum over rows of n x the row's costliest group; idle,
-    compute minus every group's cost."""
-    costs = [[cost.cost(group_lengths(g)) for g in row] for row in rows]
-    compute = sum(n * max(c) for c in costs if c)
-    return compute - sum(map(sum, costs)), compute
+    idle, compute = rows_waste(mixed_rows, n, cost)
+    return mixed_rows if idle <= rows_waste(rows, n, cost)[0] + IDLE_SLACK * compute else rows
 
 
 def plan_blind(inputs: PlanInputs, rng: random.Random) -> Plan:

@@ -141,9 +141,16 @@ def mix_order(counts: Sequence[int]) -> list[int]:
 
 
 def round_waste(groups: Sequence[Group], world_size: int, cost: CostModel) -> tuple[float, float]:
-    """(idle, compute) of the round's steps when `groups` are sorted by cost and cut into rows of
-    `world_size` (the plan's deal): compute, the sum over rows of `world_size` x the row's costliest
-    group; idle, compute minus every group's cost. O(G log G)."""
-    costs = sorted((cost.cost([e.sample.length for e in g]) for g in groups), reverse=True)
-    compute = sum(world_size * costs[i] for i in range(0, len(costs), world_size))
-    return compute - sum(costs), compute
+    """`rows_waste` of the round's steps when `groups` are sorted by cost and cut into rows of
+    `world_size` (the plan's deal). O(G log G)."""
+    ordered = sorted(groups, key=lambda g: -cost.cost([e.sample.length for e in g]))
+    rows = [ordered[i : i + world_size] for i in range(0, len(ordered), world_size)]
+    return rows_waste(rows, world_size, cost)
+
+
+def rows_waste(rows: Sequence[Sequence[Group]], world_size: int, cost: CostModel) -> tuple[float, float]:
+    """(idle, compute) of steps dealt as `rows`: compute, the sum over rows of `world_size` x the row's
+    costliest group; idle, compute minus every group's cost. O(G)."""
+    costs = [[cost.cost([e.sample.length for e in g]) for g in row] for row in rows]
+    compute = sum(world_size * max(c) for c in costs if c)
+    return compute - sum(c for row in costs for c in row), compute
