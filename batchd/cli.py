@@ -77,8 +77,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="K",
         help="ranks per node (rank r on node r // K): the result splits moved samples/bytes into "
-        "intra- and cross-node, and with --node-aware balanced plans node-aware (default: every rank "
-        "its own node)",
+        "intra- and cross-node; balanced plans node-local rounds where they cost as node-blind "
+        "(--node-local, on; packed and attention cost), or with --node-aware every round node-aware "
+        "(default: every rank its own node)",
     )
     p.add_argument(
         "--resize",

@@ -324,6 +324,7 @@ class Coordinator:
                 refine=self.policy.refine,
                 level_rows=self.spec.level_rows,
                 nodes=self.nodes,
+                node_local=self.spec.node_local and not self.spec.node_aware,
                 mix=self.spec.tokens_per_update is not None or self.spec.samples_per_update is not None,
             )
         )

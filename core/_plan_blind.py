@@ -213,6 +213,21 @@ def _mixed(
 def plan_blind(inputs: PlanInputs, rng: random.Random) -> Plan:
     """The node-blind plan of a non-empty round (`inputs.pool` non-empty, `inputs.capacity` >= 1):
     plan[rank][step], T steps per rank. Draws from `rng` for the ranking and the row shuffle."""
+    n = inputs.world_size
+    rows = blind_rows(inputs, rng)
+    rng.shuffle(rows)
+    if inputs.mix:
+        rows = [rows[i] for i in mix_order([sum(map(len, row)) for row in rows])]
+    plan: Plan = [[] for _ in range(n)]
+    for row in rows:
+        for rank, group in enumerate(place(row, n)):
+            plan[rank].append(tuple(e.sample for e in group) if group else ())
+    return plan
+
+
+def blind_rows(inputs: PlanInputs, rng: random.Random) -> list[list[Group]]:
+    """The node-blind round's T rows of at most N groups each, costliest row first (mixed rows: in
+    `_mixed`'s order), before the shuffle. Draws from `rng` for the ranking."""
     n, budget, cost = inputs.world_size, inputs.token_budget, inputs.cost
     groups = form_groups(inputs.pool, budget, cost)
     groups = rank_groups(groups, budget, cost, inputs.now, inputs.max_wait, rng, inputs.final)
@@ -232,11 +247,4 @@ def plan_blind(inputs: PlanInputs, rng: random.Random) -> Plan:
     rows = _rows(chosen, n, target, cost, width)
     if inputs.mix:
         rows = _mixed(inputs, chosen, rows, slots, target)
-    rng.shuffle(rows)
-    if inputs.mix:
-        rows = [rows[i] for i in mix_order([sum(map(len, row)) for row in rows])]
-    plan: Plan = [[] for _ in range(n)]
-    for row in rows:
-        for rank, group in enumerate(place(row, n)):
-            plan[rank].append(tuple(e.sample for e in group) if group else ())
-    return plan
+    return rows

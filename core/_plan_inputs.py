@@ -45,6 +45,8 @@ class PlanInputs:
             (node-aware ignores it).
         level_rows: Node-blind: take the round's groups row by row so each step's ranks cost alike
             (`_plan_level`); off, the first N x T groups in ranked order.
+        node_local: With `nodes`: plan node-local rounds where they cost as node-blind (`_plan_local`,
+            additive costs; padded cost plans node-blind) instead of the node-aware plan.
 
     Raises:
         ValueError: a field out of its range or of the wrong type, naming it.
@@ -63,6 +65,7 @@ class PlanInputs:
     nodes: Sequence[int] | None = None
     mix: bool = False
     level_rows: bool = True
+    node_local: bool = False
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, lo=1)
@@ -78,6 +81,7 @@ class PlanInputs:
             raise ValueError(f"seed must be an int or a str, got {seed=!r}")
         check_bool("refine", self.refine)
         check_bool("level_rows", self.level_rows)
+        check_bool("node_local", self.node_local)
         check_bool("mix", self.mix)
         pool = tuple(self.pool)
         for i, e in enumerate(pool):
@@ -99,6 +103,8 @@ class RoundPlan:
         node_fallback: Node-aware planning was asked for but the round was planned node-blind (the swap
             repair exceeded its guard).
         node_swaps: Groups swapped across nodes to keep every step under its level (node-aware only).
+        node_local: The round was planned node-local (`_plan_local`): no sample leaves its node but
+            those of its over-budget steps.
 
     Raises:
         ValueError: ranks of different step counts, both `node_aware` and `node_fallback`, or swaps
@@ -109,6 +115,7 @@ class RoundPlan:
     node_aware: bool = False
     node_fallback: bool = False
     node_swaps: int = 0
+    node_local: bool = False
 
     def __post_init__(self) -> None:
         steps = {len(p) for p in self.plan}
@@ -118,6 +125,8 @@ class RoundPlan:
         if node_aware and node_fallback:
             raise ValueError(f"a round is planned node-aware or fallen back, not both: {node_fallback=}")
         check_int("node_swaps", self.node_swaps, lo=0)
+        if self.node_local and (node_aware or node_fallback):
+            raise ValueError(f"a node-local round is neither node-aware nor fallen back: {self.node_local=}")
         node_swaps = self.node_swaps
         if node_swaps and not node_aware:
             raise ValueError(f"only a node-aware plan swaps groups, got {node_swaps=}")
@@ -130,10 +139,13 @@ class RoundPlan:
     @property
     def stats(self) -> dict[str, int]:
         """The round's planning counts, to be summed over rounds: {} node-blind, {"node_aware": 1,
-        "node_swaps": s} planned per node, {"node_fallback": 1} fallen back (the coordinator's
-        `plan_stats` and the simulator's `node_planned_rounds` / `node_fallback_rounds` / `node_swaps`)."""
+        "node_swaps": s} planned per node, {"node_fallback": 1} fallen back, {"node_local": 1} node-local
+        (the coordinator's `plan_stats` and the simulator's `node_planned_rounds` /
+        `node_fallback_rounds` / `node_swaps` / `node_local_rounds`)."""
         if self.node_aware:
             return {"node_aware": 1, "node_swaps": self.node_swaps}
         if self.node_fallback:
             return {"node_fallback": 1}
+        if self.node_local:
+            return {"node_local": 1}
         return {}

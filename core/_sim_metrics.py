@@ -297,6 +297,7 @@ class SimMetrics:
                 "node_planned_rounds": stats.get("node_aware", 0),
                 "node_fallback_rounds": stats.get("node_fallback", 0),
                 "node_swaps": stats.get("node_swaps", 0),
+                "node_local_rounds": stats.get("node_local", 0),
                 "plan_per_round_s": sim.plan_s / rounds,
             }
         )
@@ -354,6 +355,7 @@ RESULT_FIELDS: dict[str, str] = {
     "node_planned_rounds": "rounds planned node-aware",
     "node_fallback_rounds": "rounds planned node-blind",
     "node_swaps": "group pairs swapped across nodes by the node-aware plan",
+    "node_local_rounds": "rounds planned node-local (node_local, additive costs)",
     "plan_per_round_s": "the coordinator's planning seconds per round",
     "phases": "1, or 2 with the vision encoder balanced too",
     "images": "images in the workload",

@@ -13,8 +13,10 @@ how far the straggler-bound compute is from a perfectly packed, perfectly balanc
 Topology (`local_ranks` = K): rank r sits on node r // K. The result then splits `moved` into
 intra-node and cross-node samples and bytes (`plan_moves`: `nbytes`, else 8 x length), totals and
 means per round; with `node_aware` (the job's `node_aware`, or the argument) `balanced` plans
-node-aware (`PlanInputs.nodes`), without it the plan stays node-blind and only the counts use the
-topology. K = 1 or None: every rank is its own node and the plan is node-blind, as without topology.
+node-aware (`PlanInputs.nodes`); without it, the job's `node_local` (on by default) plans node-local
+rounds where they cost as node-blind (additive costs), and otherwise the plan stays node-blind and only
+the counts use the topology. K = 1 or None: every rank is its own node and the plan is node-blind, as
+without topology.
 
 Multimodal workloads: `lengths` may be `Sample`s (ids 0..n-1 in order, e.g. from `parse_workload`)
 whose `images` carry (patches, tokens) per image. The result then adds per-phase balance (`PhaseMetrics`):
@@ -57,7 +59,8 @@ class Simulator:
 
     `local_ranks` (K >= 1, or None): ranks per node, rank r on node r // K (module docstring);
     `node_aware` (None: the job's `spec.node_aware`): with K > 1, `balanced` plans node-aware (else
-    node-blind, its moves counted under the topology).
+    node-local where `spec.node_local` keeps a round, node-blind otherwise, its moves counted under the
+    topology).
     """
 
     def __init__(
@@ -113,10 +116,11 @@ class Simulator:
             for r in range(c.world_size)
         ]
         old = getattr(self, "coordinator", None)
+        local = c.node_local and not self.node_aware and k > 1
         self.coordinator = Coordinator(
-            c,
+            c.replace(node_aware=self.node_aware) if c.node_aware != self.node_aware else c,
             epoch,
-            self.nodes if self.planned_by_node else None,
+            self.nodes if self.planned_by_node or local else None,
             self.nodes if k > 1 else None,
         )
         self._time_vision_plan()

@@ -75,6 +75,12 @@ class JobSpec:
         "balanced, ranks served by node agents: balance inside each node first, so "
         "fewer samples cross nodes; steps may cost a little more (docs/benchmarks.md)",
     )
+    node_local: bool = _field(
+        True,
+        "balanced, ranks served by node agents, additive cost (packed, attention): plan a round per "
+        "node, so no sample leaves its node, where its cost per token is within 1 percent of "
+        "node-blind (docs/design/balancing.md); node_aware forces a per-node plan instead",
+    )
     quota: int | None = _field(None, "non-join: samples per epoch (the simulator's default: all samples)")
     quadratic: int = _field(4096, "q of the attention cost model (len + len^2 / q)", metavar="Q")
     collate: str = _field("padded", "batch layout the rank service builds", choices=COLLATE)
@@ -139,6 +145,7 @@ class JobSpec:
         check_bool("refine", self.refine)
         check_bool("level_rows", self.level_rows)
         check_bool("node_aware", self.node_aware)
+        check_bool("node_local", self.node_local)
         check_bool("deterministic", self.deterministic)
         check_choice("phases", self.phases, PHASES)
         if self.phases == 2 and (self.policy != "balanced" or self.mode != "join"):

@@ -18,12 +18,14 @@ from ._phases import _lpt as vision_lpt
 from ._phases import _place as vision_place
 from ._plan_deal import deal_levels
 from ._plan_level import LEVEL_TOLERANCE, final_rows, level_choice
+from ._plan_local import LOCAL_TOLERANCE
 from ._plan_nodes import outliers
 
 __all__ = [
     "ACCEPT",
     "LDM_GAIN",
     "LEVEL_TOLERANCE",
+    "LOCAL_TOLERANCE",
     "PARTNERS",
     "SLACKS",
     "deal_levels",

@@ -59,7 +59,7 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("world_size", "token_budget", "policy", "mode", "cost", "window", "depth", "seed", "batch_size", "max_wait", "align", "refine", "quota", "over_budget", "quadratic", "collate", "shuffle", "epochs", "node_aware", "phases", "vision_quadratic", "deterministic", "tokens_per_update", "samples_per_update", "update_rule", "audio_quadratic", "phase_exact_nodes", "no_level_rows")
+    __slots__ = ("world_size", "token_budget", "policy", "mode", "cost", "window", "depth", "seed", "batch_size", "max_wait", "align", "refine", "quota", "over_budget", "quadratic", "collate", "shuffle", "epochs", "node_aware", "phases", "vision_quadratic", "deterministic", "tokens_per_update", "samples_per_update", "update_rule", "audio_quadratic", "phase_exact_nodes", "no_level_rows", "no_node_local")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class JobSpec(_message.Message):
     AUDIO_QUADRATIC_FIELD_NUMBER: _ClassVar[int]
     PHASE_EXACT_NODES_FIELD_NUMBER: _ClassVar[int]
     NO_LEVEL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NO_NODE_LOCAL_FIELD_NUMBER: _ClassVar[int]
     world_size: int
     token_budget: int
     policy: str
@@ -116,7 +117,8 @@ class JobSpec(_message.Message):
     audio_quadratic: int
     phase_exact_nodes: int
     no_level_rows: bool
-    def __init__(self, world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., cost: _Optional[str] = ..., window: _Optional[int] = ..., depth: _Optional[int] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_wait: _Optional[int] = ..., align: _Optional[str] = ..., refine: _Optional[bool] = ..., quota: _Optional[int] = ..., over_budget: _Optional[str] = ..., quadratic: _Optional[int] = ..., collate: _Optional[str] = ..., shuffle: _Optional[bool] = ..., epochs: _Optional[int] = ..., node_aware: _Optional[bool] = ..., phases: _Optional[int] = ..., vision_quadratic: _Optional[int] = ..., deterministic: _Optional[bool] = ..., tokens_per_update: _Optional[int] = ..., samples_per_update: _Optional[int] = ..., update_rule: _Optional[str] = ..., audio_quadratic: _Optional[int] = ..., phase_exact_nodes: _Optional[int] = ..., no_level_rows: _Optional[bool] = ...) -> None: ...
+    no_node_local: bool
+    def __init__(self, world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., cost: _Optional[str] = ..., window: _Optional[int] = ..., depth: _Optional[int] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_wait: _Optional[int] = ..., align: _Optional[str] = ..., refine: _Optional[bool] = ..., quota: _Optional[int] = ..., over_budget: _Optional[str] = ..., quadratic: _Optional[int] = ..., collate: _Optional[str] = ..., shuffle: _Optional[bool] = ..., epochs: _Optional[int] = ..., node_aware: _Optional[bool] = ..., phases: _Optional[int] = ..., vision_quadratic: _Optional[int] = ..., deterministic: _Optional[bool] = ..., tokens_per_update: _Optional[int] = ..., samples_per_update: _Optional[int] = ..., update_rule: _Optional[str] = ..., audio_quadratic: _Optional[int] = ..., phase_exact_nodes: _Optional[int] = ..., no_level_rows: _Optional[bool] = ..., no_node_local: _Optional[bool] = ...) -> None: ...
 
 class StepInfo(_message.Message):
     __slots__ = ("rank", "step", "round", "is_idle", "local_samples", "local_tokens", "local_loss_tokens", "global_samples", "global_tokens", "global_loss_tokens", "loss_scale", "cost", "epoch", "update", "not_update_end", "update_scale", "update_loss_tokens", "update_step")

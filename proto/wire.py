@@ -45,13 +45,15 @@ def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
     d["tokens_per_update"] = spec.tokens_per_update or 0
     d["samples_per_update"] = spec.samples_per_update or 0
     d["no_level_rows"] = not d.pop("level_rows")
+    d["no_node_local"] = not d.pop("node_local")
     return pb.JobSpec(**d)
 
 
 def spec_from_pb(m: pb.JobSpec) -> JobSpec:
     """The `JobSpec` of a message, validated by its constructor (ValueError names a bad field)."""
-    d = {f.name: getattr(m, f.name) for f in FIELDS if f.name != "level_rows"}
+    d = {f.name: getattr(m, f.name) for f in FIELDS if f.name not in ("level_rows", "node_local")}
     d["level_rows"] = not m.no_level_rows
+    d["node_local"] = not m.no_node_local
     d["quota"] = None if m.quota < 0 else int(m.quota)
     d["epochs"] = max(m.epochs, 1)  # a peer that predates the field sends 0
     d["phases"] = max(m.phases, 1)

@@ -121,7 +121,10 @@ def test_the_vision_plan_uses_the_simulators_topology_without_changing_the_llm_p
     flat = Simulator(samples, spec)
     nodes = Simulator(samples, spec, local_ranks=4)
     assert flat.coordinator.vision_nodes is None and nodes.coordinator.vision_nodes == [0] * 4 + [1] * 4
-    assert nodes.coordinator.nodes is None  # the LLM plan stays node-blind unless node_aware
+    # node_local (on by default) hands the topology to the LLM plan; under padded cost its rounds stay
+    # node-blind, so the plans below are the same
+    assert nodes.coordinator.nodes == [0] * 4 + [1] * 4
+    assert Simulator(samples, spec.replace(node_local=False), local_ranks=4).coordinator.nodes is None
     for a, b in zip(flat, nodes, strict=True):
         assert [s.samples for s in a] == [s.samples for s in b]
 

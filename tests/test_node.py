@@ -146,18 +146,20 @@ def _check_exactly_once(results, n: int) -> None:
     assert ids == list(range(n)), f"{len(ids)} ids, {len(set(ids))} distinct, expected {n}"
 
 
-@pytest.mark.parametrize("node_aware", [False, True], ids=["node-blind", "node-aware"])
-def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_process(node_job, node_aware):
+@pytest.mark.parametrize(
+    "plan",
+    [{"node_local": False}, {"cost": "packed"}, {"node_aware": True}],
+    ids=["node-blind", "node-local", "node-aware"],
+)
+def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_process(node_job, plan):
     lengths = _lengths()
-    spec = JobSpec(
-        world_size=4, token_budget=1024, policy="balanced", window=24, depth=3, seed=11, node_aware=node_aware
-    )
+    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=24, depth=3, seed=11, **plan)
     job = node_job(spec, lengths, nodes=2)
     results = _drain(job)
     _check_exactly_once(results, len(lengths))
     assert job.state.node_of == {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}
     assert job.state.topology() == [0, 0, 1, 1]
-    assert job.state.core.nodes == ([0, 0, 1, 1] if node_aware else None)
+    assert job.state.core.nodes == (None if plan == {"node_local": False} else [0, 0, 1, 1])
     home = {i: r for a in job.agents for r, c in a.cores.items() for i in c.source.view._view}
     moved = [sum(1 for ids, _ in res for i in ids if home[i] != r) for r, res in enumerate(results)]
     local = {r: c.fetched["local"] for a in job.agents for r, c in a.cores.items()}
@@ -177,6 +179,9 @@ def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_pr
     for r in range(4):
         same_node = sum(1 for ids, _ in results[r] for i in ids if home[i] != r and home[i] // 2 == r // 2)
         assert local[r] == same_node, (r, local[r], same_node)
+    if "cost" in plan:  # node-local rounds cross no node: only the epoch's node-blind tail fetches
+        assert job.state.core.plan_stats.get("node_local", 0) >= 3, job.state.core.plan_stats
+        assert sum(remote.values()) < 0.3 * (sum(local.values()) + sum(remote.values())), (local, remote)
 
 
 def test_an_agent_restarted_abruptly_mid_epoch_resumes_its_ranks_exactly(node_job, tmp_path):

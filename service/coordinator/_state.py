@@ -490,7 +490,8 @@ class CoordinatorState:
         t_last = time.perf_counter()
         topology = self.topology()
         try:
-            self.core.set_topology(topology if self.spec.node_aware else None, topology)
+            planned = self.spec.node_aware or self.spec.node_local
+            self.core.set_topology(topology if planned else None, topology)
             decision = self.core.decide(list(self._reports.values()))
         except ValueError as exc:
             self._fail_locked(f"round {key[1]} could not be decided: {exc}")
