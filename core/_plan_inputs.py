@@ -46,7 +46,7 @@ class PlanInputs:
         level_rows: Node-blind: take the round's groups row by row so each step's ranks cost alike
             (`_plan_level`); off, the first N x T groups in ranked order.
         node_local: With `nodes`: plan node-local rounds where they cost as node-blind (`_plan_local`,
-            additive costs; padded cost plans node-blind) instead of the node-aware plan.
+            packed cost; padded and attention cost plan node-blind) instead of the node-aware plan.
 
     Raises:
         ValueError: a field out of its range or of the wrong type, naming it.

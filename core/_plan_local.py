@@ -1,9 +1,10 @@
 """The node-local plan of one round: each node plans its own samples, kept if it costs as node-blind.
 
 Node-blind balancing (`_plan_blind`) pools every rank's window, so almost every sample trains on another
-node than its own. With an additive cost (packed, attention) a node whose window holds a few steps of
-samples fills its own ranks' steps about as fully as the pooled window does, and then nothing needs to
-cross a node. `plan_local` (docs/design/balancing.md, "Node-local rounds"):
+node than its own. With an additive cost a node whose window holds a few steps of samples fills its own
+ranks' steps about as fully as the pooled window does, and then nothing needs to cross a node.
+`plan_round` calls `plan_local` for packed cost only (attention's outliers cost up to ~10 x L, and
+node-local rounds split them over more steps: docs/design/balancing.md, "Node-local rounds"):
 
 1. Plan the round node-blind (`blind_rows`). Its rows that hold an over-budget sample are kept as they
    are: level rows gather those rigid outliers from every node into few steps, which one node cannot.
@@ -25,8 +26,8 @@ cross a node. `plan_local` (docs/design/balancing.md, "Node-local rounds"):
 Invariants of a kept round (node-blind's): each chosen sample in exactly one group, T steps per rank,
 no group of several samples over the budget, every rank's quota, a function of the inputs; and it
 costs at most (1 + LOCAL_TOLERANCE) x node-blind's per unit of work, and a sample leaves its node only
-in an over-budget step or to fill a thin node (which took its whole pool). Cost: node-blind's plan plus one per node on its own pool
-(O(P log P) in all), and O(waiting x K) per step for the top-up.
+in an over-budget step or to fill a thin node (which took its whole pool). Cost: node-blind's plan
+plus one per node on its own pool (O(P log P) in all), and O(waiting x K) per step for the top-up.
 """
 
 from __future__ import annotations

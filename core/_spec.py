@@ -77,7 +77,7 @@ class JobSpec:
     )
     node_local: bool = _field(
         True,
-        "balanced, ranks served by node agents, additive cost (packed, attention): plan a round per "
+        "balanced, ranks served by node agents, packed cost: plan a round per "
         "node, so no sample leaves its node, where its cost per token is within 1 percent of "
         "node-blind (docs/design/balancing.md); node_aware forces a per-node plan instead",
     )

@@ -102,7 +102,7 @@ def test_a_node_local_round_keeps_every_invariant_and_costs_as_node_blind(inputs
     if not result.node_local:
         assert result.plan == blind.plan and result.stats == {}
         return
-    assert cost.additive and not inputs.final
+    assert cost.name == "packed" and not inputs.final
     taken = {s.id for s in emitted}
     for t in range(target):
         if any(cost.item(s.length) > BUDGET for p in plan for s in p[t]):
@@ -149,10 +149,11 @@ def test_a_round_each_node_fills_alone_moves_nothing_across_nodes(seed):
     assert _per_work(local.plan, inputs.cost) <= (1 + LOCAL_TOLERANCE) * _per_work(blind.plan, inputs.cost)
 
 
-def test_padded_cost_and_node_local_off_plan_as_before():
+def test_padded_and_attention_cost_and_node_local_off_plan_as_before():
     inputs = _full_round(2, 4, 0)
-    padded = PlanInputs(**{**_fields(inputs), "cost": CostModel("padded"), "node_local": True})
-    assert plan_round(padded) == _blind(padded)  # node-pure padded groups pad more: node-blind
+    for name in ("padded", "attention"):  # node-pure padded groups pad more; attention: its outliers
+        other = PlanInputs(**{**_fields(inputs), "cost": CostModel(name), "node_local": True})
+        assert plan_round(other) == _blind(other)
     assert plan_round(inputs).node_aware  # nodes without node_local: the node-aware plan, as before
 
 
