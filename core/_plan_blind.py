@@ -213,8 +213,13 @@ def _mixed(
 def plan_blind(inputs: PlanInputs, rng: random.Random) -> Plan:
     """The node-blind plan of a non-empty round (`inputs.pool` non-empty, `inputs.capacity` >= 1):
     plan[rank][step], T steps per rank. Draws from `rng` for the ranking and the row shuffle."""
+    return deal_rows(inputs, blind_rows(inputs, rng), rng)
+
+
+def deal_rows(inputs: PlanInputs, rows: list[list[Group]], rng: random.Random) -> Plan:
+    """The plan of node-blind rows: shuffled by `rng` (mixed rounds: then in `mix_order`), each row's
+    groups placed on the ranks holding most of their samples (`place`). Shuffles `rows` in place."""
     n = inputs.world_size
-    rows = blind_rows(inputs, rng)
     rng.shuffle(rows)
     if inputs.mix:
         rows = [rows[i] for i in mix_order([sum(map(len, row)) for row in rows])]

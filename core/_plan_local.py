@@ -39,9 +39,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ._cost import CostModel
-from ._plan_blind import Plan, blind_rows, place, quotas
+from ._plan_blind import Plan, blind_rows, deal_rows, place, quotas
 from ._plan_deal import place_on
-from ._plan_mix import mix_order
+from ._plan_nodes import _Topology
 from ._policy import Entry, Group, form_groups, group_lengths
 
 if TYPE_CHECKING:
@@ -61,27 +61,20 @@ def plan_local(inputs: PlanInputs, rng: random.Random) -> tuple[Plan, bool]:
     not kept is `plan_blind`'s."""
     assert inputs.nodes is not None
     n = inputs.world_size
-    members = [[r for r in range(n) if inputs.nodes[r] == node] for node in sorted(set(inputs.nodes))]
+    members = _Topology.of(inputs.nodes).members
     blind = blind_rows(inputs, rng)
     local = _local_round(inputs, members, blind)
-    plan: Plan = [[] for _ in range(n)]
     if local is None:
-        rng.shuffle(blind)
-        if inputs.mix:
-            blind = [blind[i] for i in mix_order([sum(map(len, row)) for row in blind])]
-        steps = [place(row, n) for row in blind]
-    else:
-        fixed, per_node = local
-        order = list(range(len(fixed) + len(per_node[0])))
-        rng.shuffle(order)
-        steps = [
-            place(fixed[s], n) if s < len(fixed) else _place_nodes(per_node, s - len(fixed), members, n)
-            for s in order
-        ]
-    for step in steps:
+        return deal_rows(inputs, blind, rng), False
+    fixed, per_node = local
+    order = list(range(len(fixed) + len(per_node[0])))
+    rng.shuffle(order)
+    plan: Plan = [[] for _ in range(n)]
+    for s in order:
+        step = place(fixed[s], n) if s < len(fixed) else _place_nodes(per_node, s - len(fixed), members, n)
         for rank, group in enumerate(step):
             plan[rank].append(tuple(e.sample for e in group) if group else ())
-    return plan, local is not None
+    return plan, True
 
 
 def _place_nodes(
@@ -134,12 +127,8 @@ def _local_round(
     need = quotas(inputs.pool, len(rows), n)
     if any(got.get(r, 0) < q for r, q in need.items()):
         return None
-    if cost.additive:
-        surplus = {r: c - need.get(r, 0) for r, c in got.items()}
-        _top_up(inputs, per_node, pools, surplus, thin)
-        rows = fixed + [
-            [g for i in range(len(members)) for g in per_node[i][s]] for s in range(len(per_node[0]))
-        ]
+    if cost.additive:  # fills the groups of `rows` in place
+        _top_up(inputs, per_node, pools, {r: c - need.get(r, 0) for r, c in got.items()}, thin)
     b_cost, b_tokens = rows_cost(blind, inputs)
     l_cost, l_tokens = rows_cost(rows, inputs)
     if not (b_tokens > 0 and l_tokens > 0 and l_cost * b_tokens <= (1 + LOCAL_TOLERANCE) * b_cost * l_tokens):
