@@ -55,6 +55,7 @@ __all__ = [
     "idle_share",
     "json_safe",
     "load_result",
+    "machine",
     "measured",
     "merged_stats",
     "render_section",
@@ -225,6 +226,19 @@ def _is_num(s: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def machine(shared: str | None = None) -> str:
+    """The machine line of a result: "CPython 3.11.7, 2 CPU(s), x86_64", with "shared by `shared`" after
+    the CPU count when the measured processes share the cores."""
+    import os
+    import platform
+
+    where = f" shared by {shared}" if shared else ""
+    return (
+        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s){where}, "
+        f"{platform.machine()}"
+    )
 
 
 def measured(r: Mapping[str, Any]) -> str:

@@ -44,7 +44,6 @@ import argparse
 import gc
 import multiprocessing as mp
 import os
-import platform
 import random
 import statistics
 import sys
@@ -63,6 +62,7 @@ from _report import (  # noqa: E402
     finish,
     format_profile,
     idle_share,
+    machine,
     merged_stats,
 )
 
@@ -576,10 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     data = {"headers": HEADERS, "rows": rows, "runs": runs, "diag": diag, "grpcio": grpc.__version__}
     data.update(wall_s=time.perf_counter() - t_all, idle_before=idle0, idle_after=idle_share())
     data["target"] = next((r for r in runs if r["N"] == TARGET_N), None)
-    data["machine"] = (
-        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
-        f"shared by the coordinator and the client processes, {platform.machine()}"
-    )
+    data["machine"] = machine("the coordinator and the client processes")
     config = {"command": command_line(__file__, argv), "ranks": ranks, "rounds": args.rounds}
     config.update(warmup=args.warmup, client_procs=args.client_procs, budget=BUDGET, window=WINDOW)
     config.update(depth=DEPTH, target_p99_ms=TARGET_P99_MS, target_n=TARGET_N)

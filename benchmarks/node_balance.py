@@ -19,8 +19,6 @@ Usage: python benchmarks/node_balance.py [--workloads DIR] [--repeat R] [--windo
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import sys
 import time
 from collections.abc import Sequence
@@ -28,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import DEFAULT_WORKLOADS, add_common_args, command_line, finish  # noqa: E402
+from _report import DEFAULT_WORKLOADS, add_common_args, command_line, finish, machine  # noqa: E402
 
 from batchd import read_lengths  # noqa: E402
 from batchd.core import CostModel, Entry, JobSpec, Sample, form_groups, simulate  # noqa: E402
@@ -218,10 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     data = measure(args.workloads, args.repeat)
     data["wall_s"] = time.perf_counter() - t0
-    data["machine"] = (
-        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), "
-        f"{platform.machine()}"
-    )
+    data["machine"] = machine()
     config = {**CONFIG, "local_ranks": LOCAL_RANKS, "repeat": args.repeat, "workloads": list(WORKLOADS)}
     config.update(cvl_tolerance=CVL_TOLERANCE, cross_ratio=CROSS_RATIO)
     config["command"] = command_line(__file__, argv)

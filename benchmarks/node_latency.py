@@ -58,7 +58,6 @@ import gc
 import inspect
 import multiprocessing as mp
 import os
-import platform
 import queue
 import random
 import sys
@@ -77,6 +76,7 @@ from _report import (  # noqa: E402
     finish,
     format_profile,
     idle_share,
+    machine,
     merged_stats,
 )
 
@@ -820,10 +820,7 @@ def main(argv: list[str] | None = None) -> int:
 
     data.update(wall_s=time.perf_counter() - t_all, idle_before=idle0, idle_after=idle_share())
     data["grpcio"] = grpc.__version__
-    data["machine"] = (
-        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
-        f"shared by the coordinator and the client processes, {platform.machine()}"
-    )
+    data["machine"] = machine("the coordinator and the client processes")
     label = f"before: sync ({args.before})"
     pairs = list(zip(data["before"], data["runs"], strict=False))
     ordered = [(r, lab) for b, a in pairs for r, lab in ((b, label), (a, "after: grpc.aio"))]

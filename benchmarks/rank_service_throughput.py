@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import time
@@ -46,6 +45,7 @@ from _report import (  # noqa: E402
     finish,
     format_profile,
     idle_share,
+    machine,
     merged_stats,
 )
 
@@ -283,10 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     data.update(wall_s=wall, idle_before=idle0, idle_after=idle_share(), need_per_s=need)
     data.update(step_tflop=step_flop / 1e12, step_ms=1000 * step_s)
     data["best"], data["worst"] = max(r["batches_per_s"] for r in runs), min(r["batches_per_s"] for r in runs)
-    data["machine"] = (
-        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s) "
-        f"shared by the service and client processes, {platform.machine()}"
-    )
+    data["machine"] = machine("the service and client processes")
     config = {"command": command_line(__file__, argv), "samples": args.samples, "credits": args.credits}
     config.update(warmup=args.warmup, budget=BUDGET, window=WINDOW, depth=DEPTH)
     config.update(params=PARAMS, peak_tflops=PEAK_TFLOPS, mfu=MFU)

@@ -26,8 +26,6 @@ Usage: python benchmarks/throughput.py [--samples N] [--runs R] [--profile] [--s
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import statistics
 import sys
@@ -38,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import DEFAULT_WORKLOADS, REPO, add_common_args, command_line, finish  # noqa: E402
+from _report import DEFAULT_WORKLOADS, REPO, add_common_args, command_line, finish, machine  # noqa: E402
 
 from batchd import read_lengths
 from batchd.core import (  # noqa: E402
@@ -260,10 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prof_text = profile_rank(lengths, policies[0]) if args.profile else ""
     data["profile"] = [ln.replace(str(REPO) + "/", "") for ln in prof_text.strip().splitlines() if ln.strip()]
     data["wall_s"] = time.perf_counter() - t_all
-    data["machine"] = (
-        f"{platform.python_implementation()} {platform.python_version()}, {os.cpu_count()} CPU(s), "
-        f"{platform.machine()}"
-    )
+    data["machine"] = machine()
     config = {k: v for k, v in vars(args).items() if k not in ("out", "print")}
     config.update(budget=BUDGET, window=WINDOW, depth=DEPTH, target_rate=TARGET_RATE)
     config.update(target_e2e_s=TARGET_E2E_S, workloads=str(args.workloads))
