@@ -106,6 +106,8 @@ class RankReport:
         groups: Candidate groups it formed from the window.
         exhausted: Its source has no more samples this epoch.
         pool: `balanced` only: its buffered samples and their arrival rounds.
+        unread: Samples its source still holds this epoch, not yet in its window (None: unknown, e.g.
+            non-join mode's endless views); node-local rounds share out the nodes' remaining work by it.
     """
 
     rank: int
@@ -115,6 +117,7 @@ class RankReport:
     groups: int
     exhausted: bool
     pool: tuple[tuple[Sample, int], ...] = ()
+    unread: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +132,14 @@ class RoundDecision:
     plan: tuple[tuple[tuple[Sample, ...], ...], ...] | None = None
     vision: tuple[tuple[Exchange, ...], ...] | None = None
     audio: tuple[tuple[Exchange, ...], ...] | None = None
+
+    @functools.cached_property
+    def planned_ids(self) -> frozenset[int]:
+        """The ids of every sample in `plan` (empty without one), computed once per decision: each rank
+        (a node agent holds several) removes its planned samples in O(its buffer), not O(plan)."""
+        if self.plan is None:
+            return frozenset()
+        return frozenset(s.id for steps in self.plan for group in steps for s in group)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +207,13 @@ def target_odb(reports: Sequence[RankReport]) -> int:
 
 
 _RULES = {"min": target_min, "odb": target_odb}
+
+
+def _unread(reports: Sequence[RankReport]) -> tuple[int, ...] | None:
+    """Per rank (rank order) the samples its source still holds; None unless every rank knows it."""
+    if any(r.unread is None for r in reports):
+        return None
+    return tuple(int(r.unread) for r in reports)  # type: ignore[arg-type]
 
 
 class Coordinator:
@@ -295,6 +313,8 @@ class Coordinator:
             check_int(f"capacity of rank {r.rank}", r.capacity, lo=0)
             check_int(f"buffered of rank {r.rank}", r.buffered, lo=0)
             check_int(f"groups of rank {r.rank}", r.groups, lo=0)
+            if r.unread is not None:
+                check_int(f"unread of rank {r.rank}", r.unread, lo=0)
         if self.policy.pooled:
             decision = self._plan(reports)
         else:
@@ -325,6 +345,7 @@ class Coordinator:
                 level_rows=self.spec.level_rows,
                 nodes=self.nodes,
                 node_local=self.spec.node_local and not self.spec.node_aware,
+                unread=_unread(reports),
                 mix=self.spec.tokens_per_update is not None or self.spec.samples_per_update is not None,
             )
         )

@@ -31,8 +31,9 @@ def plan_round(inputs: PlanInputs) -> RoundPlan:
     its B_r pooled samples; a final round with T < capacity takes the whole pool; the same inputs give
     the same plan. Node-aware adds: every step's slowest rank costs exactly its level (the global cost
     sort of the round's groups cut into rows of N). Node-local adds: a kept round costs at most
-    (1 + LOCAL_TOLERANCE) x node-blind's per token and moves only its over-budget steps' samples off
-    their node. Cost: O(P log P) for P pooled samples, O(T x K x N)
+    (1 + LOCAL_TOLERANCE) x node-blind's per token and moves a sample off its node only in an
+    over-budget step, into room its thin node's own samples do not fit, or to share out the remaining
+    work (`unread`) among the nodes. Cost: O(P log P) for P pooled samples, O(T x K x N)
     for the node-blind level rows of K groups, plus O(log L) regroupings of the chosen ones (node-aware:
     per node, plus O(swaps x N x T)).
     """

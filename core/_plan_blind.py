@@ -230,11 +230,15 @@ def deal_rows(inputs: PlanInputs, rows: list[list[Group]], rng: random.Random) -
     return plan
 
 
-def blind_rows(inputs: PlanInputs, rng: random.Random) -> list[list[Group]]:
+def blind_rows(
+    inputs: PlanInputs, rng: random.Random, groups: list[Group] | None = None
+) -> list[list[Group]]:
     """The node-blind round's T rows of at most N groups each, costliest row first (mixed rows: in
-    `_mixed`'s order), before the shuffle. Draws from `rng` for the ranking."""
+    `_mixed`'s order), before the shuffle. Draws from `rng` for the ranking. `groups`: the pool's
+    `form_groups`, where the caller has them already."""
     n, budget, cost = inputs.world_size, inputs.token_budget, inputs.cost
-    groups = form_groups(inputs.pool, budget, cost)
+    if groups is None:
+        groups = form_groups(inputs.pool, budget, cost)
     groups = rank_groups(groups, budget, cost, inputs.now, inputs.max_wait, rng, inputs.final)
     target = round_target(len(groups), n, inputs.capacity, inputs.final)
     slots = n * target

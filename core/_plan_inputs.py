@@ -47,6 +47,9 @@ class PlanInputs:
             (`_plan_level`); off, the first N x T groups in ranked order.
         node_local: With `nodes`: plan node-local rounds where they cost as node-blind (`_plan_local`,
             packed cost; padded and attention cost plan node-blind) instead of the node-aware plan.
+        unread: `unread[r]` the samples rank r's source still holds this epoch, beyond its window
+            (>= 0); node-local rounds share out each node's remaining work by it. None: unknown (no
+            sharing out). Stored as a tuple.
 
     Raises:
         ValueError: a field out of its range or of the wrong type, naming it.
@@ -66,6 +69,7 @@ class PlanInputs:
     mix: bool = False
     level_rows: bool = True
     node_local: bool = False
+    unread: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, lo=1)
@@ -90,6 +94,13 @@ class PlanInputs:
         object.__setattr__(self, "pool", pool)
         if self.nodes is not None:
             object.__setattr__(self, "nodes", tuple(check_nodes(self.nodes, self.world_size)))
+        if self.unread is not None:
+            unread = tuple(self.unread)
+            if len(unread) != self.world_size:
+                raise ValueError(f"unread must have world_size={self.world_size} entries, got {len(unread)=}")
+            for r, u in enumerate(unread):
+                check_int(f"unread[{r}]", u, lo=0)
+            object.__setattr__(self, "unread", unread)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,10 @@ node-local rounds split them over more steps: docs/design/balancing.md, "Node-lo
    holding K_n x t complete groups of their own (`CostModel.complete`) hold all but `THIN_SHARE` of
    the ranks; the others are thin. Each node runs the node-blind round (`blind_rows`: grouping,
    ranking, level rows, quotas) on its own pool, ranks and seed, with t steps (a thin node: a final
-   round, its whole pool); step s is every node's s-th costliest row, so costly rows meet costly rows.
+   round, its whole pool if it fits); step s is every node's s-th costliest row, so costly rows meet
+   costly rows. Before that, with the ranks' `unread` counts, `share_out` moves work from the nodes
+   holding more than their ranks' share of the job's remaining work to those holding less, so that
+   every node's sources run dry about together and the epoch ends without a tail of light steps.
 3. Each node fills the room under each step's level (its costliest group on any node) with its own
    waiting samples, oldest first (`_top_up`), then swaps one young sample per group for a waiting
    one that fills more (`_swap_up`); the room a thin node has left is filled from the other nodes'
@@ -26,8 +29,10 @@ node-local rounds split them over more steps: docs/design/balancing.md, "Node-lo
 Invariants of a kept round (node-blind's): each chosen sample in exactly one group, T steps per rank,
 no group of several samples over the budget, every rank's quota, a function of the inputs; and it
 costs at most (1 + LOCAL_TOLERANCE) x node-blind's per unit of work, and a sample leaves its node only
-in an over-budget step or to fill a thin node (which took its whole pool). Cost: node-blind's plan
-plus one per node on its own pool (O(P log P) in all), and O(waiting x K) per step for the top-up.
+in an over-budget step, into room on a thin node that none of that node's waiting samples fits, or
+by `share_out` (from a node above its share of the remaining work to one below). Cost: node-blind's
+plan plus one per node on its own pool (O(P log P) in all), and O(waiting + placed x K) per step for
+the top-up.
 """
 
 from __future__ import annotations
@@ -114,6 +119,8 @@ def _local_round(
     for e in inputs.pool:
         if e.sample.id not in out and cost.item(e.sample.length) <= budget:
             pools[node_of[e.sample.home_rank]].append(e)
+    if inputs.unread is not None:
+        share_out(inputs, members, pools, len(blind) - len(fixed))
     planned = _node_rows(inputs, members, pools, len(blind) - len(fixed))
     if planned is None:
         return None
@@ -136,31 +143,101 @@ def _local_round(
     return fixed, per_node
 
 
+def node_shares(
+    inputs: PlanInputs, members: Sequence[Sequence[int]], pools: Sequence[Sequence[Entry]]
+) -> list[float]:
+    """Per node its share of the job's remaining work in ranks' worth (they sum to N): N x R_n / sum R,
+    where R_n, node n's remaining work, is its pooled samples' cost plus each of its ranks' `unread`
+    samples at that rank's mean pooled sample cost (the pool's mean for a rank with none pooled)."""
+    assert inputs.unread is not None
+    cost = inputs.cost
+    work: dict[int, float] = {}
+    count: dict[int, int] = {}
+    for pool in pools:
+        for e in pool:
+            work[e.sample.home_rank] = work.get(e.sample.home_rank, 0.0) + cost.item(e.sample.length)
+            count[e.sample.home_rank] = count.get(e.sample.home_rank, 0) + 1
+    mean = sum(work.values()) / max(sum(count.values()), 1)
+    unread = inputs.unread
+    left = [
+        sum(work.get(r, 0.0) + unread[r] * (work[r] / count[r] if count.get(r) else mean) for r in ranks)
+        for ranks in members
+    ]
+    total = sum(left)
+    if total <= 0:
+        return [float(len(ranks)) for ranks in members]
+    return [inputs.world_size * x / total for x in left]
+
+
+def share_out(
+    inputs: PlanInputs, members: Sequence[Sequence[int]], pools: list[list[Entry]], rows: int
+) -> None:
+    """Step 2a: a node n whose share s_n of the remaining work (`node_shares`) exceeds its K_n ranks
+    hands (s_n - K_n) x rows x L of it, its oldest samples first (one whose cost is more than twice the
+    amount left stays, and each rank keeps `rows` of its own), to the nodes below their share, each
+    (costliest first) to the one with the most room (K_m - s_m) x rows x L left: so every node's own
+    samples run out about when the others' do, and the epoch ends without a tail on the nodes that
+    had the most work. In place; the importing node plans a received sample as aged (it goes this
+    round) under a rank of no quota."""
+    cost, budget = inputs.cost, float(inputs.token_budget)
+    shares = node_shares(inputs, members, pools)
+    moving: list[Entry] = []
+    for i, pool in enumerate(pools):
+        want = (shares[i] - len(members[i])) * rows * budget
+        if want <= 0:
+            continue
+        own: dict[int, int] = {}
+        for e in pool:
+            own[e.sample.home_rank] = own.get(e.sample.home_rank, 0) + 1
+        keep = []
+        for e in sorted(pool, key=lambda e: (e.arrival, e.sample.id)):
+            c = cost.item(e.sample.length)
+            if want >= c / 2 and own[e.sample.home_rank] > rows:  # its rank keeps its quota at home
+                moving.append(e)
+                own[e.sample.home_rank] -= 1
+                want -= c
+            else:
+                keep.append(e)
+        pool[:] = keep
+    room = {i: (len(members[i]) - s) * rows * budget for i, s in enumerate(shares) if s < len(members[i])}
+    for e in sorted(moving, key=lambda e: (-cost.item(e.sample.length), e.sample.id)):
+        to = max(room, key=lambda i: (room[i], -i))  # shares sum to N: one above its share, one below
+        pools[to].append(Entry(e.sample, min(e.arrival, inputs.now - inputs.max_wait)))
+        room[to] -= cost.item(e.sample.length)
+
+
 def _node_rows(
     inputs: PlanInputs, members: Sequence[Sequence[int]], pools: Sequence[list[Entry]], most: int
 ) -> tuple[list[Rows], list[bool]] | None:
     """Step 2: per node its t rows (global home ranks, row 0 costliest) and whether it is thin (fewer
-    than K_n x t complete groups: it takes its whole pool, rows light or IDLE), or None when t < 1."""
+    than K_n x t complete groups: a final round of its pool, rows light or IDLE), or None when t < 1."""
+    from ._plan_inputs import PlanInputs
+
     budget, cost = inputs.token_budget, inputs.cost
+    subs: list[list[Entry]] = []
+    grouped = []
+    for i, pool in enumerate(pools):
+        local, k = {r: j for j, r in enumerate(members[i])}, len(members[i])
+        entries = [  # a sample `share_out` moved here: under rank k, of no quota
+            Entry(e.sample._replace(home_rank=local.get(e.sample.home_rank, k)), e.arrival) for e in pool
+        ]
+        subs.append(entries)
+        grouped.append(form_groups(entries, budget, cost))
     fills = [
-        sum(1 for g in form_groups(pool, budget, cost) if cost.complete(group_lengths(g), budget))
-        // len(members[i])
-        for i, pool in enumerate(pools)
+        sum(1 for g in groups if cost.complete(group_lengths(g), budget)) // len(members[i])
+        for i, groups in enumerate(grouped)
     ]
     n, t = inputs.world_size, most
     while t >= 1 and sum(len(members[i]) for i, f in enumerate(fills) if f < t) > THIN_SHARE * n:
         t -= 1
     if t < 1:
         return None
-    from ._plan_inputs import PlanInputs
-
     out: list[Rows] = []
     for i, pool in enumerate(pools):
         k = len(members[i])
-        local = {r: j for j, r in enumerate(members[i])}
         back = {e.sample.id: e for e in pool}
         sub = PlanInputs(
-            pool=[Entry(e.sample._replace(home_rank=local[e.sample.home_rank]), e.arrival) for e in pool],
+            pool=subs[i],
             world_size=k,
             capacity=t,
             final=fills[i] < t,  # thin: everything it has
@@ -172,7 +249,7 @@ def _node_rows(
             refine=inputs.refine,
             level_rows=inputs.level_rows,
         )
-        rows = blind_rows(sub, random.Random(sub.seed)) if pool else []
+        rows = blind_rows(sub, random.Random(sub.seed), grouped[i]) if pool else []
         if len(rows) > t or (len(rows) < t and fills[i] >= t):
             return None
         rows += [[] for _ in range(t - len(rows))]
@@ -183,6 +260,17 @@ def _node_rows(
             ]
         )
     return out, [f < t for f in fills]
+
+
+def _levels(inputs: PlanInputs, per_node: Sequence[Rows]) -> list[float]:
+    """Per row its level: its costliest group on any node, at most the budget."""
+    cost, budget = inputs.cost, float(inputs.token_budget)
+    return [
+        min(
+            budget, max((cost.cost(group_lengths(g)) for node in per_node for g in node[s] if g), default=0.0)
+        )
+        for s in range(len(per_node[0]))
+    ]
 
 
 def _top_up(
@@ -196,14 +284,7 @@ def _top_up(
     nodes, at most the budget) with its own waiting samples, costliest first, each into the group of
     that row it fits most tightly, then `_swap_up`; a thin node's room left (IDLE groups included) is
     then filled the same way from the other nodes' waiting samples. In place."""
-    cost, budget = inputs.cost, float(inputs.token_budget)
-    rows = len(per_node[0])
-    levels = [
-        min(
-            budget, max((cost.cost(group_lengths(g)) for node in per_node for g in node[s] if g), default=0.0)
-        )
-        for s in range(rows)
-    ]
+    cost, rows, levels = inputs.cost, len(per_node[0]), _levels(inputs, per_node)
     taken = {e.sample.id for node in per_node for row in node for g in row for e in g}
     spare: list[Entry] = []
     for i, node in enumerate(per_node):
@@ -224,18 +305,20 @@ def _fill(
     cost: CostModel, row: list[Group], level: float, left: list[Entry]
 ) -> tuple[list[float], list[Entry]]:
     """Best fit decreasing of `left` (costliest first) into the groups of `row` (IDLE ones too) up to
-    `level` each; returns the room left per group and the samples left, in order. In place."""
+    `level` each; returns the room left per group and the samples left, in order. In place.
+    O(left + placed x groups)."""
     room = [level - cost.cost(group_lengths(g)) if g else level for g in row]
+    most = max(room, default=0.0)  # a sample costing more fits no group: O(1) to skip it
     keep = []
     for e in left:
         c = cost.item(e.sample.length)
-        fits = [j for j in range(len(row)) if room[j] >= c]
-        if fits:
-            best = min(fits, key=lambda j: room[j])
-            row[best].append(e)
-            room[best] -= c
-        else:
+        if c > most:
             keep.append(e)
+            continue
+        best = min((j for j in range(len(row)) if room[j] >= c), key=lambda j: room[j])
+        row[best].append(e)
+        room[best] -= c
+        most = max(room)
     return room, keep
 
 

@@ -51,6 +51,9 @@ class Entry:
         self.arrival = arrival
         self.order = (-sample.length, sample.id)
 
+    def __repr__(self) -> str:
+        return f"Entry({self.sample!r}, {self.arrival})"
+
 
 Group = list[Entry]
 _ORDER = operator.attrgetter("order")

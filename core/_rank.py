@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Any
 
 from ._align import ProtocolError, RankCommit, RankReport, RoundDecision, RoundTotals
@@ -110,6 +111,7 @@ class RankState:
         self.round = 0
         self.step = 0
         self.exhausted = False
+        self.unread: int | None = None  # samples the source still holds this epoch (`set_unread`)
         self.rejected: list[tuple[int, str]] = []
         self._rejected_ids: set[int] = set()
         self.counters = {"admitted": 0, "over_budget": 0, "truncated": 0, "rejected": 0, "moved_in": 0}
@@ -206,6 +208,14 @@ class RankState:
     def mark_exhausted(self) -> None:
         """The source has no more samples for this epoch."""
         self.exhausted = True
+        self.unread = 0
+
+    def set_unread(self, unread: int | None) -> None:
+        """How many samples the source still holds this epoch beyond the window (None: unknown), sent
+        with the next report: node-local rounds share out the nodes' remaining work by it."""
+        if unread is not None:
+            check_int("unread", unread, lo=0)
+        self.unread = unread
 
     # -- round ---------------------------------------------------------------------------------------
     def report(self, capacity: int) -> RankReport:
@@ -223,7 +233,9 @@ class RankState:
                 self.buffer, self.token_budget, self.cost, self.round, rng, self.exhausted
             )
             pool, groups = (), len(self._candidates)
-        return RankReport(self.rank, self.round, capacity, len(self.buffer), groups, self.exhausted, pool)
+        return RankReport(
+            self.rank, self.round, capacity, len(self.buffer), groups, self.exhausted, pool, self.unread
+        )
 
     def apply(self, decision: RoundDecision) -> RankCommit:
         """Emits the decision's T groups (overflow recirculates, splits if needed, IDLE pads)."""
@@ -239,8 +251,7 @@ class RankState:
                 raise ProtocolError(
                     f"rank {self.rank}: balanced round {self.round} needs a plan for every rank"
                 )
-            planned = {s.id for steps in decision.plan for group in steps for s in group}
-            self._remove(planned)
+            self._remove(decision.planned_ids)
             emitted = [list(g) for g in decision.plan[self.rank]]
             self.counters["moved_in"] += sum(s.home_rank != self.rank for g in emitted for s in g)
             for name, phase in (("vision", decision.vision), ("audio", decision.audio)):
@@ -337,10 +348,13 @@ class RankState:
             return None
         return phase[j] if j < len(phase) else Exchange(self.rank, self.world_size)
 
-    def _remove(self, ids: set[int]) -> None:
+    def _remove(self, ids: AbstractSet[int]) -> None:
+        """Drops the buffered samples whose id is in `ids`. O(buffer)."""
         if ids:
-            self.buffer = [e for e in self.buffer if e.sample.id not in ids]
-            self._ids.difference_update(ids)
+            kept = [e for e in self.buffer if e.sample.id not in ids]
+            if len(kept) != len(self.buffer):
+                self._ids.difference_update(e.sample.id for e in self.buffer if e.sample.id in ids)
+                self.buffer = kept
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -379,6 +393,7 @@ class RankState:
         check_state(state, expect, f"RankState(rank={self.rank})")
         self.epoch, self.round, self.step = state[K_EPOCH], state[K_ROUND], state[K_STEP]
         self.exhausted = state[K_EXHAUSTED]
+        self.unread = 0 if self.exhausted else None  # the source sets it again before the next report
         self.buffer = [Entry(Sample.from_json(s), a) for s, a in state[K_BUFFER]]
         self._ids = {e.sample.id for e in self.buffer}
         self.rejected = [(int(i), str(r)) for i, r in state[K_REJECTED]]

@@ -206,6 +206,8 @@ class Simulator:
                     rank.push(Sample(i, x.length, -1, rank.rank, *fields))
             if not rank.exhausted and (src.exhausted() or rank.rejected_all(len(src))):
                 rank.mark_exhausted()
+            elif not rank.exhausted:
+                rank.set_unread(src.unread())
 
     def run_round(self) -> int:
         """Runs one alignment round; returns the steps it added per rank."""

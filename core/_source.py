@@ -87,6 +87,10 @@ class ViewSource:
         rng = np.random.default_rng([self.seed, self.epoch, self.rank, p])
         return [self._view[i] for i in rng.permutation(len(self._view))]
 
+    def unread(self) -> int | None:
+        """Ids of this epoch's view not yet taken (None with wrap: the view never ends)."""
+        return None if self.wrap else len(self._view) - self.position
+
     def exhausted(self) -> bool:
         """True when no id is left (never, with wrap, unless the view is empty)."""
         if not self._view:

@@ -4,8 +4,8 @@
 one step, through that step: the vision plan's greedy placement and its search (`batchd.core._phases`),
 its local search (`batchd.core._phase_search`), and the node-aware round plan's outlier pooling and
 level dealing (`batchd.core._plan_nodes`, `batchd.core._plan_deal`), and the node-blind plan's level
-rows (`batchd.core._plan_level`). Tests import them from here, so
-no test imports a private module.
+rows (`batchd.core._plan_level`), and the node-local round's sharing out (`batchd.core._plan_local`).
+Tests import them from here, so no test imports a private module.
 """
 
 from ._phase_ldm import LDM_GAIN, ldm_place
@@ -18,7 +18,7 @@ from ._phases import _lpt as vision_lpt
 from ._phases import _place as vision_place
 from ._plan_deal import deal_levels
 from ._plan_level import LEVEL_TOLERANCE, final_rows, level_choice
-from ._plan_local import LOCAL_TOLERANCE
+from ._plan_local import LOCAL_TOLERANCE, node_shares, share_out
 from ._plan_nodes import outliers
 
 __all__ = [
@@ -32,7 +32,9 @@ __all__ = [
     "final_rows",
     "level_choice",
     "ldm_place",
+    "node_shares",
     "outliers",
+    "share_out",
     "vision_greedy",
     "vision_images",
     "vision_improve",

@@ -225,7 +225,7 @@ class PoolEntry(_message.Message):
     def __init__(self, sample: _Optional[_Union[SampleMeta, _Mapping]] = ..., arrival: _Optional[int] = ...) -> None: ...
 
 class AlignRequest(_message.Message):
-    __slots__ = ("rank", "epoch", "round", "capacity", "buffered", "groups", "exhausted", "pool")
+    __slots__ = ("rank", "epoch", "round", "capacity", "buffered", "groups", "exhausted", "pool", "unread")
     RANK_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,7 @@ class AlignRequest(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    UNREAD_FIELD_NUMBER: _ClassVar[int]
     rank: int
     epoch: int
     round: int
@@ -242,7 +243,8 @@ class AlignRequest(_message.Message):
     groups: int
     exhausted: bool
     pool: _containers.RepeatedCompositeFieldContainer[PoolEntry]
-    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., capacity: _Optional[int] = ..., buffered: _Optional[int] = ..., groups: _Optional[int] = ..., exhausted: _Optional[bool] = ..., pool: _Optional[_Iterable[_Union[PoolEntry, _Mapping]]] = ...) -> None: ...
+    unread: int
+    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., round: _Optional[int] = ..., capacity: _Optional[int] = ..., buffered: _Optional[int] = ..., groups: _Optional[int] = ..., exhausted: _Optional[bool] = ..., pool: _Optional[_Iterable[_Union[PoolEntry, _Mapping]]] = ..., unread: _Optional[int] = ...) -> None: ...
 
 class Group(_message.Message):
     __slots__ = ("samples",)

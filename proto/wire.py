@@ -144,13 +144,22 @@ def report_to_pb(r: RankReport, epoch: int) -> pb.AlignRequest:
         groups=r.groups,
         exhausted=r.exhausted,
         pool=[pb.PoolEntry(sample=sample_to_pb(s), arrival=a) for s, a in r.pool],
+        unread=r.unread,
     )
 
 
 def report_from_pb(m: pb.AlignRequest) -> RankReport:
     pool = tuple((sample_from_pb(e.sample), int(e.arrival)) for e in m.pool)
+    unread = int(m.unread) if m.HasField("unread") else None
     return RankReport(
-        int(m.rank), int(m.round), int(m.capacity), int(m.buffered), int(m.groups), bool(m.exhausted), pool
+        int(m.rank),
+        int(m.round),
+        int(m.capacity),
+        int(m.buffered),
+        int(m.groups),
+        bool(m.exhausted),
+        pool,
+        unread,
     )
 
 

@@ -74,12 +74,14 @@ def test_every_id_exactly_once_or_quarantined(pool, demo, tmp_path):
     sources = [
         RaySource(None, rank, 2, seed=3, epoch=0, pool=pool, quarantine=quarantine) for rank in range(2)
     ]
+    assert [src.unread() for src in sources] == [len(src) for src in sources]  # what the rank reports
     emitted = {rank: drain(src) for rank, src in enumerate(sources)}
     ids = [s.id for items in emitted.values() for s, _ in items]
     assert len(ids) == len(set(ids)) == demo.num_good
     assert set(ids) == set(range(NUM)) - set(demo.bad)
     for rank, src in enumerate(sources):
         assert src.emitted + src.quarantined == len(src) == src.records_read
+        assert src.unread() == 0
         assert all(s.home_rank == rank for s, _ in emitted[rank])
         assert src.poll(0) is EXHAUSTED
     assert quarantine.counts == {code: list(demo.bad.values()).count(code) for code in set(demo.bad.values())}
@@ -193,6 +195,7 @@ def test_start_epoch_gives_the_next_epochs_view_with_cumulative_counters(pool, d
 
 def test_wrap_mode_starts_a_new_pass_and_resumes_in_it(pool, demo):
     src = RaySource(None, 1, 4, seed=0, epoch=0, pool=pool, wrap=True, max_in_flight=8)
+    assert src.unread() is None  # an endless view: unknown
     good = [i for i in src.view.ids() if i not in demo.bad]
     items = drain(src, limit=len(good) + 10)
     ids = [s.id for s, _ in items]

@@ -273,10 +273,7 @@ class RaySource:
         While the view is being read the share counts at least `MIN_JUDGED` records (a few bad records
         early in a view are not yet a share); once the view is finished (`final`) it is judged on what was
         read, however few, so the rule holds for every dataset size."""
-        bad, read = (
-            self.quarantined,
-            self.records_read + self._ledger.ready_count(),
-        )
+        bad, read = self.quarantined, self.records_read + self._ledger.ready_count()
         if self.max_bad_fraction >= 1.0 or not bad:
             return
         if bad <= self.max_bad_fraction * (read if final else max(read, MIN_JUDGED)):
@@ -390,6 +387,11 @@ class RaySource:
                     return None
                 self._collect(max(remaining, 0.0))
                 collected = True
+
+    def unread(self) -> int | None:
+        """This epoch's samples not yet returned by `poll`, in flight included (None with wrap)."""
+        with self._lock:
+            return None if self.wrap else max(len(self.view) - self.view.position, 0) + self._ledger.open
 
     def peek_id(self) -> int | None:
         """The id the next emitted sample will most likely have (exact in ordered mode, unless

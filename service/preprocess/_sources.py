@@ -51,6 +51,9 @@ class Source(Protocol):
         state_dict() / load_state_dict(state): a JSON-safe resume point taken between polls; loading a
             state of another rank, world size, seed, epoch or dataset raises ValueError naming it.
         stats(): counters for logs and metrics (JSON-safe); close(): frees workers (idempotent).
+        unread() (optional): samples of this epoch's view not yet returned by `poll` (None: unknown,
+            e.g. an endless non-join view); reported each round, node-local rounds share out the nodes'
+            remaining work by it. A source without it reports unknown.
         reasons: the records this source quarantined (all epochs so far), counted by reason code
             (`Quarantine.code_of`); read from the thread that polls; empty for a source that cannot
             quarantine (`NO_REASONS`).
@@ -331,6 +334,9 @@ class SyntheticSource:
 
     def peek_id(self) -> int | None:
         return self.view.peek()
+
+    def unread(self) -> int | None:
+        return self.view.unread()
 
     def poll(self, timeout: float = 0.0):
         i = self.view.next()

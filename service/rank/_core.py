@@ -505,21 +505,19 @@ class RankServiceCore:
             if self.state.push(sample, cut) == "rejected":
                 continue
             held[sample.id] = payload
+        unread = getattr(self.source, "unread", None)  # optional in `Source`
+        self.state.set_unread(0 if self.state.exhausted else unread() if callable(unread) else None)
 
     def _wait_for_room(self) -> int:
         """Waits until the trainer has freed output slots (a slow trainer as long as it takes; a gone one
         fails in `_watch`); returns the capacity to report. Raises CoordinatorError on failure or stop."""
         with self.cond:
+            spec = self.spec
             while (
-                (
-                    capacity := report_capacity(
-                        self.delivery.capacity, self.spec.depth, self.spec.deterministic
-                    )
-                )
-                is None
-                and self.failure is None
-                and not self._stop.is_set()
-            ):
+                capacity := report_capacity(self.delivery.capacity, spec.depth, spec.deterministic)
+            ) is None:
+                if self.failure is not None or self._stop.is_set():
+                    break
                 self.waiting_for_trainer = True
                 self.cond.wait(0.5)
             self.waiting_for_trainer = False
