@@ -20,8 +20,11 @@ node-local rounds split them over more steps: docs/design/balancing.md, "Node-lo
 3. Each node fills the room under each step's level (its costliest group on any node) with its own
    waiting samples, oldest first (`_top_up`), then swaps one young sample per group for a waiting
    one that fills more (`_swap_up`); the room a thin node has left is filled from the other nodes'
-   waiting samples: the only samples that cross a node in a kept round, besides over-budget steps.
-4. The round is kept if every rank r still gets min(T, B_r) of its B_r samples and its cost per unit
+   waiting samples where none of its own fits: with step 2's sharing out and the over-budget steps,
+   the only samples that cross a node in a kept round. Before the top-up, a rank short of
+   min(T, B_r) (node-blind's over-budget rows hold none of its samples) swaps its waiting samples in
+   for those of ranks above their quota (`_repair`).
+4. The round is kept if every rank r gets min(T, B_r) of its B_r samples and its cost per unit
    of work (sum over steps of the slowest rank's cost / the samples' own costs) is within
    `LOCAL_TOLERANCE` of node-blind's for the same round. Otherwise, or when no t >= 1 exists, in a final
    or mixed round, or with a home rank outside [0, N), the round is node-blind's, bit for bit.
@@ -132,10 +135,12 @@ def _local_round(
             for e in g:
                 got[e.sample.home_rank] = got.get(e.sample.home_rank, 0) + 1
     need = quotas(inputs.pool, len(rows), n)
-    if any(got.get(r, 0) < q for r, q in need.items()):
+    surplus = {r: got.get(r, 0) - need.get(r, 0) for r in got.keys() | need.keys()}
+    short = {r: -k for r, k in surplus.items() if k < 0}
+    if short and not _repair(inputs, per_node, pools, short, surplus, node_of):
         return None
     if cost.additive:  # fills the groups of `rows` in place
-        _top_up(inputs, per_node, pools, {r: c - need.get(r, 0) for r, c in got.items()}, thin)
+        _top_up(inputs, per_node, pools, surplus, thin)
     b_cost, b_tokens = rows_cost(blind, inputs)
     l_cost, l_tokens = rows_cost(rows, inputs)
     if not (b_tokens > 0 and l_tokens > 0 and l_cost * b_tokens <= (1 + LOCAL_TOLERANCE) * b_cost * l_tokens):
@@ -271,6 +276,55 @@ def _levels(inputs: PlanInputs, per_node: Sequence[Rows]) -> list[float]:
         )
         for s in range(len(per_node[0]))
     ]
+
+
+def _repair(
+    inputs: PlanInputs,
+    per_node: list[Rows],
+    pools: Sequence[list[Entry]],
+    short: dict[int, int],
+    surplus: dict[int, int],
+    node_of: dict[int, int],
+) -> bool:
+    """Gives each rank r short of its quota (its node's t rows cover min(t, B_r), node-blind's kept
+    over-budget rows may hold none of its samples) short[r] of its waiting samples, cheapest first,
+    each swapped into its node's rows for a sample of a rank above its quota (`surplus`, updated) that
+    costs at least as much less the group's room under its row's level; False where one cannot be. In
+    place: the swapped-out sample waits."""
+    cost, levels = inputs.cost, _levels(inputs, per_node)
+    taken = {e.sample.id for node in per_node for row in node for g in row for e in g}
+    for r, missing in sorted(short.items()):
+        node = node_of[r]
+        mine = sorted(
+            (e for e in pools[node] if e.sample.home_rank == r and e.sample.id not in taken),
+            key=lambda e: (cost.item(e.sample.length), e.sample.id),
+        )
+        for x in mine[:missing]:
+            cx = cost.item(x.sample.length)
+            best = None  # (cost given up, row, group, position)
+            for s, row in enumerate(per_node[node]):
+                for j, g in enumerate(row):
+                    room = levels[s] - cost.cost(group_lengths(g))
+                    for p, y in enumerate(g):
+                        cy = cost.item(y.sample.length)
+                        if (
+                            surplus.get(y.sample.home_rank, 0) > 0
+                            and cx <= cy + room
+                            and (best is None or cy < best[0])
+                        ):
+                            best = (cy, s, j, p)
+            if best is None:
+                return False
+            _, s, j, p = best
+            y = per_node[node][s][j][p]
+            per_node[node][s][j][p] = x
+            surplus[y.sample.home_rank] -= 1
+            surplus[r] += 1
+            taken.add(x.sample.id)
+            missing -= 1
+        if missing:
+            return False
+    return True
 
 
 def _top_up(

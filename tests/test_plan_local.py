@@ -306,3 +306,37 @@ def test_ranks_report_what_their_sources_have_not_yet_given():
     rank = RankState(spec, 0)
     rank.mark_exhausted()
     assert rank.report(1).unread == 0
+
+
+def test_a_rank_short_of_its_quota_after_the_over_budget_row_swaps_its_sample_in():
+    """Node 0's rank 0 holds only samples that fill a group alone, so its node's t rows give it t of
+    them; node-blind's over-budget row holds none of them, and its quota is t + 1. The repair swaps one of
+    its waiting samples for one of a rank above its quota: the round stays node-local (node-blind's
+    without the repair, checked by hand) and every quota holds."""
+    g = random.Random(6)
+    pool = []
+    for r in range(8):
+        for j in range(40):
+            n = g.randint(33, 60) if r % 4 == 0 else g.randint(4, 16)
+            pool.append(Entry(Sample(r * 100 + j, n, -1, r), g.randint(0, 3)))
+    pool += [Entry(Sample(5000 + k, 100, -1, 1 + 4 * k), 0) for k in range(2)]  # over budget, aged
+    inputs = PlanInputs(
+        pool,
+        8,
+        3,
+        False,
+        BUDGET,
+        CostModel("packed"),
+        6,
+        4,
+        6,
+        nodes=[r // 4 for r in range(8)],
+        node_local=True,
+    )
+    result = plan_round(inputs)
+    assert result.node_local
+    over = [t for t in range(result.target) if any(s.length > BUDGET for p in result.plan for s in p[t])]
+    assert over, "the round keeps node-blind's over-budget row"
+    for r in range(8):
+        got = sum(1 for p in result.plan for g in p for s in g if s.home_rank == r)
+        assert got >= min(result.target, 40), f"rank {r}: {got} samples in {result.target} steps"
