@@ -516,7 +516,7 @@ collate = "padded"         # padded | packed rows
 over_budget = "singleton"  # singleton | truncate | reject (samples longer than L_max)
 seed = 0
 epochs = 1                 # each epoch: a new seeded view of the data per rank
-# node_local = false       # balanced + node agents, packed cost: plan rounds per node where
+# node_local = false       # balanced + node agents, packed/attention: plan rounds per node where
                            # that costs as node-blind (on by default; docs/design/balancing.md)
 # node_aware = true        # balanced + node agents: balance inside each node first (fewer bytes cross
                            # nodes, steps may cost a little more: docs/benchmarks.md, node-balance)

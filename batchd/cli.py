@@ -78,7 +78,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         metavar="K",
         help="ranks per node (rank r on node r // K): the result splits moved samples/bytes into "
         "intra- and cross-node; balanced plans node-local rounds where they cost as node-blind "
-        "(--node-local, on; packed cost), or with --node-aware every round node-aware "
+        "(--node-local, on; packed, attention cost), or with --node-aware every round node-aware "
         "(default: every rank its own node)",
     )
     p.add_argument(

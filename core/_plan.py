@@ -3,7 +3,7 @@
 The coordinator sees every rank's buffered metadata (lengths, never payloads) and plans the round's
 T steps for all N ranks at once: `plan_round(PlanInputs(...)) -> RoundPlan`. Without a topology the
 plan is node-blind (`_plan_blind`); with `nodes` and `node_local` a round is planned per node where
-that costs as node-blind (`_plan_local`, packed cost); with `nodes` alone it is node-aware
+that costs as node-blind (`_plan_local`, additive costs); with `nodes` alone it is node-aware
 (`_plan_nodes`, `_plan_deal`), and falls back to node-blind if its swap repair exceeds its guard.
 What the planner guarantees and why (progress bound, cost levels, the proofs, measured figures):
 docs/design/balancing.md.
@@ -40,7 +40,7 @@ def plan_round(inputs: PlanInputs) -> RoundPlan:
     if not inputs.pool or inputs.capacity < 1:
         return RoundPlan(tuple(() for _ in range(inputs.world_size)))
     if inputs.nodes is not None and inputs.node_local:
-        if inputs.cost.name != "packed":  # padded, attention: node-blind (docs/design/balancing.md)
+        if not inputs.cost.additive:  # padded: node-blind (docs/design/balancing.md, "Why not padded")
             return RoundPlan(_frozen(plan_blind(inputs, random.Random(inputs.seed))))
         plan, local = plan_local(inputs, random.Random(inputs.seed))
         return RoundPlan(_frozen(plan), node_local=local)

@@ -46,7 +46,7 @@ class PlanInputs:
         level_rows: Node-blind: take the round's groups row by row so each step's ranks cost alike
             (`_plan_level`); off, the first N x T groups in ranked order.
         node_local: With `nodes`: plan node-local rounds where they cost as node-blind (`_plan_local`,
-            packed cost; padded and attention cost plan node-blind) instead of the node-aware plan.
+            packed and attention cost; padded cost plans node-blind) instead of the node-aware plan.
         unread: `unread[r]` the samples rank r's source still holds this epoch, beyond its window
             (>= 0); node-local rounds share out each node's remaining work by it. None: unknown (no
             sharing out). Stored as a tuple.

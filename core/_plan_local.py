@@ -3,8 +3,8 @@
 Node-blind balancing (`_plan_blind`) pools every rank's window, so almost every sample trains on another
 node than its own. With an additive cost a node whose window holds a few steps of samples fills its own
 ranks' steps about as fully as the pooled window does, and then nothing needs to cross a node.
-`plan_round` calls `plan_local` for packed cost only (attention's outliers cost up to ~10 x L, and
-node-local rounds split them over more steps: docs/design/balancing.md, "Node-local rounds"):
+`plan_round` calls `plan_local` for additive costs, packed and attention (node-pure padded groups pad
+more: docs/design/balancing.md, "Node-local rounds"):
 
 1. Plan the round node-blind (`blind_rows`). Its rows that hold an over-budget sample are kept as they
    are: level rows gather those rigid outliers from every node into few steps, which one node cannot.
@@ -100,7 +100,7 @@ def _place_nodes(
 
 def rows_cost(rows: Sequence[Sequence[Group]], inputs: PlanInputs) -> tuple[float, float]:
     """(sum over rows of the costliest group's cost, the work: sum of the samples' own costs) of a
-    round's rows; their ratio is the round's cost per unit of work (tokens, for packed)."""
+    round's rows; their ratio is the round's cost per unit of work."""
     cost = inputs.cost
     total = sum(max((cost.cost(group_lengths(g)) for g in row if g), default=0.0) for row in rows)
     return total, sum(cost.item(e.sample.length) for row in rows for g in row for e in g)

@@ -77,8 +77,8 @@ class JobSpec:
     )
     node_local: bool = _field(
         True,
-        "balanced, ranks served by node agents, packed cost: plan a round per "
-        "node, so no sample leaves its node, where its cost per token is within 1 percent of "
+        "balanced, ranks served by node agents, packed or attention cost: plan a round per "
+        "node, so few samples leave their node, where its cost per token is within 1 percent of "
         "node-blind (docs/design/balancing.md); node_aware forces a per-node plan instead",
     )
     quota: int | None = _field(None, "non-join: samples per epoch (the simulator's default: all samples)")
