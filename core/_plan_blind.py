@@ -243,7 +243,7 @@ def blind_rows(
     target = round_target(len(groups), n, inputs.capacity, inputs.final)
     slots = n * target
     width = n
-    if inputs.final and not inputs.mix and len(groups) > slots:  # an epoch's last rounds: spread the stub
+    if inputs.final and len(groups) > slots:  # an epoch's last rounds: spread the stub (mixed or not)
         width = -(-len(groups) // -(-len(groups) // n))
     leveled = _level(inputs, groups, target * width, target, width)
     if leveled is None:
