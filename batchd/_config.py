@@ -208,6 +208,7 @@ class RankConfig:
     state_dir: str | None = None
     client_grace_s: float = 30.0
     trainer_timeout_s: float = 1800.0
+    retain_mb: float = 2048.0  # memory per rank for consumed batches held for a rewind to a checkpoint
 
     def __post_init__(self) -> None:
         check_str("rank.host", self.host)
@@ -216,6 +217,7 @@ class RankConfig:
         check_str("rank.state_dir", self.state_dir, optional=True)
         check_number("rank.client_grace_s", self.client_grace_s)
         check_number("rank.trainer_timeout_s", self.trainer_timeout_s)
+        check_number("rank.retain_mb", self.retain_mb, gt=-1e-9)
 
     def port_of(self, rank: int) -> int:
         return self.base_port + rank if self.base_port else 0

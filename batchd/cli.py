@@ -292,6 +292,13 @@ def _add_rank_args(p: argparse.ArgumentParser, who: str) -> None:
         "--client-grace", type=float, help="seconds a disconnected trainer has to come back (default 30)"
     )
     p.add_argument(
+        "--retain-mb",
+        type=float,
+        metavar="MB",
+        help="memory per rank for the batches consumed since the trainer's second-last checkpoint, held "
+        "so that trainers restarted from it get them again (default 2048)",
+    )
+    p.add_argument(
         "--trainer-timeout",
         type=float,
         metavar="S",
@@ -405,7 +412,7 @@ def _service_config(args: argparse.Namespace):
     overrides |= _overrides(
         args,
         "rank",
-        ("host", "state_dir", "client_grace", "trainer_timeout"),
+        ("host", "state_dir", "client_grace", "trainer_timeout", "retain_mb"),
         {"client_grace": "client_grace_s", "trainer_timeout": "trainer_timeout_s"},
     )
     overrides |= _overrides(
@@ -457,6 +464,7 @@ def _service_kwargs(args: argparse.Namespace, cfg, base: int) -> dict:
         metrics_port=args.metrics_port if args.metrics_port is not None else cfg.rank.metrics_port_of(base),
         metrics_host=args.metrics_host or cfg.rank.host,
         trainer_timeout_s=cfg.rank.trainer_timeout_s,
+        retain_bytes=int(cfg.rank.retain_mb * 2**20),
         startup_timeout_s=cfg.coordinator.startup_timeout_s,
         source_options=d.source_options(),
     )

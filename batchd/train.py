@@ -303,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sleep S seconds per step, before training it (simulates a slower model)",
     )
     p.add_argument(
+        "--crash-at",
+        default=None,
+        metavar="R:K[:RANK],...",
+        help="test hook: os._exit(1) in torchrun restart R after K steps of that run (on rank RANK only, "
+        "if given), after the step is logged and before it is trained",
+    )
+    p.add_argument(
         "--ids-log",
         default=None,
         metavar="FILE",
@@ -383,7 +390,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    _init_process_group(backend, args.timeout, rank)
+    try:
+        _init_process_group(backend, args.timeout, rank)
+    except RestartStoreError as exc:
+        print(f"[rank {rank}] batchd.train: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     ddp = None
     works: list[
         Any
@@ -491,9 +502,43 @@ def _init_process_group(backend: str, timeout_s: float, rank: int) -> None:
 
     threading.Thread(target=watch, name="batchd-init-watchdog", daemon=True).start()
     try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = _restart_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            world = int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     finally:
         done.set()
+
+
+class RestartStoreError(ValueError):
+    """torchrun restarts a worker group on several hosts over its shared rendezvous store."""
+
+
+def _restart_store(timeout: timedelta) -> Any:
+    """The process group's store under torchrun `--max-restarts`, or None for `env://`'s own.
+
+    torchrun (since torch 2.5) hands its workers the rendezvous store of its agent, the same one for every
+    restart, without a prefix per restart: a restarted group reads the old group's addresses and gloo or
+    NCCL connects to peers that are gone (pytorch #135712). On one host every worker of a group has the
+    same restart count, so the store is prefixed with it. Across hosts the agents count restarts apart,
+    so that is refused at start, naming the way out."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) == 0:
+        return None
+    if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:
+        raise RestartStoreError(
+            "torchrun --max-restarts across several hosts shares its rendezvous store between restarts, "
+            "so a restarted group can reach the old group's peers (pytorch #135712): set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every host's environment"
+        )
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    tcp = dist.TCPStore(host, port, int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"batchd/restart_{restart}", tcp)
 
 
 def _destroy_process_group() -> None:
@@ -669,6 +714,17 @@ def _agree_position(client: Any, device: torch.device) -> None:
         client.epoch, client.next_step, client.finished = epoch, next_step, bool(finished)
 
 
+def _maybe_crash(spec: str | None, rank: int, steps: int) -> None:
+    """`--crash-at`: dies like an OOM kill would, without a word, when this run reached its step."""
+    if not spec:
+        return
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    for item in spec.split(","):
+        r, k, *who = (int(x) for x in item.split(":"))
+        if r == restart and k == steps and (not who or who[0] == rank):
+            os._exit(1)
+
+
 def _log_step(fd: int | None, epoch: int, step: int, ids: list[int], patches: int) -> None:
     if fd is not None:  # one write per line: a kill leaves whole lines
         line = {"epoch": epoch, "step": step, "ids": ids, "patches": patches}
@@ -737,6 +793,7 @@ def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> d
                     patches.append(_patches(batch))
                     exchange_steps += int("vision_send_splits" in batch)
                     _log_step(ids_log, epoch, info.step, ids.tolist() if ids is not None else [], patches[-1])
+                    _maybe_crash(args.crash_at, rank, steps + 1)
                     if args.step_time > 0:
                         time.sleep(args.step_time)
                     _check_vocabulary(batch, vocab, args)

@@ -13,6 +13,14 @@ steps (the service's alignment guarantees it).
   (a restored client starts at its saved epoch and keeps its position in it).
 - Resume: `state_dict()` stores rank, world size, epoch and the next step; `load_state_dict()` refuses
   a state of another rank or world size. A new client resumes exactly where the old one stopped.
+- Rewind to a checkpoint: `state_dict()` also tells the rank service that a checkpoint is taken there.
+  The service keeps every batch from the older of the last two such checkpoints on (a crash while the
+  newest is written resumes from the one before), so trainers that crash at any step and restart together
+  from their last checkpoint get the steps after it again: the same batches, in this epoch or the ones
+  before it. `checkpointed()` says the save completed: the service then frees the batches before it at
+  once. Take `state_dict()` for checkpoints only (not for logging: two calls free the batches before the
+  first). The service's memory for held batches is bounded (`batchd node --retain-mb`); past it, the
+  oldest are freed and a resume before them is refused, naming the step it can resume from.
   `load_state_dict(state, resize=True)` takes a state saved at another world size, for a job resumed at
   this one (`batchd coordinator --resize`).
 - Start order: the first connection waits up to `startup_timeout_s` (default 10 min) for a rank service
@@ -105,6 +113,12 @@ class BatchClient:
         self._connected = False  # once a stream got through, an unreachable service is a restart
         self.next_step = 0
         self.finished = False
+        self._marks: list[
+            tuple[int, int, bool]
+        ] = []  # checkpoints to tell the service, (epoch, step, durable)
+        self._marks_lock = threading.Lock()
+        self._open_requests: queue.Queue | None = None  # the open stream's requests (acks, checkpoints)
+        self._last_point: tuple[int, int] | None = None
         self.resize_from = 0  # `load_state_dict(..., resize=True)` of a state saved at another world size
         if security is not None and (token is not None or tls_ca is not None):
             raise ValueError(
@@ -127,6 +141,10 @@ class BatchClient:
 
     # -- state ---------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """This client's position, for a checkpoint: the rank service keeps the batches after it for a
+        restart from it (see module docstring, "Rewind to a checkpoint")."""
+        self._last_point = (self.epoch, self.next_step)
+        self._mark((*self._last_point, False))
         return {
             "version": 1,
             "rank": self.rank,
@@ -137,6 +155,19 @@ class BatchClient:
             "next_step": self.next_step,
             "finished": self.finished,
         }
+
+    def checkpointed(self) -> None:
+        """The checkpoint of the last `state_dict()` is saved (its write completed): the rank service frees
+        the batches before it now, instead of keeping them until the next checkpoint. Optional."""
+        if self._last_point is not None:
+            self._mark((*self._last_point, True))
+
+    def _mark(self, mark: tuple[int, int, bool]) -> None:
+        with self._marks_lock:
+            if self._open_requests is not None:
+                self._open_requests.put(mark)
+            else:  # told when the next stream opens
+                self._marks.append(mark)
 
     def load_state_dict(self, state: Mapping[str, Any], resize: bool = False) -> None:
         """Resumes where `state` (a `state_dict()`) stopped. A state of another rank or world size is refused,
@@ -275,25 +306,35 @@ class BatchClient:
                     raise self._unreachable("Batches", code, details, limit, not self._connected) from None
                 raise RankServiceError(f"{self._party()}: {code.name}: {details}", code) from None
 
+    def _requests(self, acks: queue.Queue) -> Iterator[pb.BatchRequest]:
+        """A `Batches` call's requests: where to start, then each ack (an int) and checkpoint (a tuple)."""
+        yield pb.BatchRequest(
+            start_step=self.next_step,
+            credits=self.credits,
+            epoch=self.epoch,
+            rank=self.rank,
+            group_rank=self.group_rank,
+            group_size=self.group_size,
+            resize_from=self.resize_from,
+        )
+        while (item := acks.get()) is not None:
+            if isinstance(item, tuple):
+                epoch, step, durable = item
+                yield pb.BatchRequest(saved_epoch=epoch, saved_step=step, saved_durable=durable)
+            else:
+                yield pb.BatchRequest(ack_step=item)
+
     def _stream(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:
         """One `Batches` call. A receiver thread reads and decodes up to `credits` batches ahead while the
         trainer computes (torch releases the GIL), so receiving and decoding hide behind the step."""
         acks: queue.Queue = queue.Queue()
+        with self._marks_lock:  # checkpoints taken while no stream was open go first
+            for mark in self._marks:
+                acks.put(mark)
+            self._marks.clear()
+            self._open_requests = acks
 
-        def requests():
-            yield pb.BatchRequest(
-                start_step=self.next_step,
-                credits=self.credits,
-                epoch=self.epoch,
-                rank=self.rank,
-                group_rank=self.group_rank,
-                group_size=self.group_size,
-                resize_from=self.resize_from,
-            )
-            while (ack := acks.get()) is not None:
-                yield pb.BatchRequest(ack_step=ack)
-
-        call = self.stub.Batches(requests())
+        call = self.stub.Batches(self._requests(acks))
         ready: queue.Queue = queue.Queue(maxsize=self.credits)
         stop = threading.Event()
 
@@ -350,6 +391,8 @@ class BatchClient:
                 yield tensors, info
                 acks.put(self.next_step)
         finally:
+            with self._marks_lock:
+                self._open_requests = None
             stop.set()
             acks.put(None)
             call.cancel()

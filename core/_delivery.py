@@ -24,8 +24,17 @@ Contract:
   every member acknowledged every step. The first trainer to connect fixes the group size; one that
   declares another size is refused, naming both; a second process for a member is refused, naming the
   rank, the member and the holder.
-- Resume: a trainer resumes at `start_step`; a step before the last acknowledgement was freed and
-  cannot be sent again, so such a start is refused naming both numbers.
+- Resume and rewind: a trainer resumes at (epoch, `start_step`) anywhere from the `floor` on. Steps the
+  trainers consumed stay held until their checkpoints make them unneeded, so trainers that restart together
+  from a checkpoint at step S (a crash after S: the steps after it belonged to a model that was thrown
+  away) get the steps after S again, the same batches, in this epoch or in an epoch before it (`past`).
+  A member's checkpoints (`checkpoint`: `BatchClient.state_dict()` was taken there; `durable`: the
+  trainer said the save completed) move the floor: it is the older of each member's last two checkpoints
+  (a crash in the middle of writing the newest one resumes from the one before), or its last durable
+  one, whichever is later, the minimum over the members; it never moves back. A trainer that rewinds
+  drops its checkpoints after the rewind point (they were of the lineage thrown away). `drop_until`
+  raises the floor (the service's memory budget for held steps). A start before the floor is refused,
+  naming both positions.
 - Resize: until its service knows whether the job was resized since its state was saved, a rank holds
   its trainers back (`await_resume`: they WAIT); not resized, it goes on where it stands (`release`);
   resized, its first trainer's (epoch, start_step) is the request the service passes to the
@@ -44,7 +53,20 @@ import dataclasses
 from collections.abc import Hashable, Mapping
 from typing import Any
 
-from ._state import K_ACKED, K_DONE, K_END_SENT, K_ENDS, K_EPOCH, K_GROUP, K_MADE, K_PREV, K_READY
+from ._state import (
+    K_ACKED,
+    K_DONE,
+    K_END_SENT,
+    K_ENDS,
+    K_EPOCH,
+    K_FLOOR,
+    K_GROUP,
+    K_MADE,
+    K_PAST,
+    K_POINTS,
+    K_PREV,
+    K_READY,
+)
 from ._types import check_int
 
 # outcomes of `connect`
@@ -88,12 +110,25 @@ class Connect:
     reason: str = ""
 
 
+Point = tuple[int, int]  # (epoch, step): a position in the job, ordered
+
+
 class _Member:
     """One trainer process of a rank's group: who streams to it, what it was sent and consumed."""
 
-    __slots__ = ("holder", "credits", "cursor", "acked", "end_sent", "gone_since", "unattended_since")
+    __slots__ = (
+        "holder",
+        "credits",
+        "cursor",
+        "acked",
+        "end_sent",
+        "gone_since",
+        "unattended_since",
+        "points",
+        "replay",
+    )
 
-    def __init__(self, now: float, acked: int = 0) -> None:
+    def __init__(self, now: float, acked: int = 0, points: list[Point] | None = None) -> None:
         self.holder: Hashable | None = None
         self.credits = 1
         self.cursor = acked  # the next step to send
@@ -101,6 +136,9 @@ class _Member:
         self.end_sent = False  # this member took the end of the epoch
         self.gone_since: float | None = None  # it left mid-epoch at this time
         self.unattended_since = now  # no process connected as this member since
+        self.points: list[Point] = list(points or [])  # its last checkpoints, oldest first (at most 2)
+        # replaying an epoch before the current one: [epoch, cursor, acked] of that epoch, else None
+        self.replay: list[int] | None = None
 
 
 class Delivery:
@@ -125,6 +163,9 @@ class Delivery:
         self.rank, self.epochs, self.depth = rank, epochs, depth
         self.grace_s, self.trainer_timeout_s = grace_s, trainer_timeout_s
         self.group_size: int | None = None  # fixed by the first trainer that connects
+        self.members: list[_Member] = []
+        self.floor: Point = (epoch, 0)  # the earliest position a trainer may resume at
+        self.past: dict[int, int] = {}  # epochs before this one whose steps are still held: steps made
         self._reset(epoch, now)
         self.prev_epoch_steps = 0
         self.awaiting = False  # a resized job: the first trainer's position says where it goes on
@@ -136,7 +177,10 @@ class Delivery:
         self.made = 0  # steps made in this epoch (0..made-1)
         self.acked = acked  # every step < acked was consumed by every member
         self.done = False  # no step follows `made` in this epoch
-        self.members = [_Member(now, acked) for _ in range(self.group_size or 1)]
+        points = [m.points for m in self.members] or [[]]
+        self.members = [
+            _Member(now, acked, points[k] if k < len(points) else None) for k in range(self.group_size or 1)
+        ]
 
     # -- views ---------------------------------------------------------------------------------------
     @property
@@ -214,7 +258,9 @@ class Delivery:
                 f"(end sent: {self.end_sent}, epochs {self.epochs})"
             )
         self.prev_epoch_steps = self.made
+        self.past[self.epoch] = self.made
         self._reset(self.epoch + 1, now)
+        self._normalize_floor()
 
     # -- a resized job ---------------------------------------------------------------------------------
     def await_resume(self) -> None:
@@ -234,8 +280,11 @@ class Delivery:
         check_int("epoch", epoch, lo=0, hi=self.epochs - 1)
         check_int("step", step, lo=0)
         self.awaiting, self.resume_request = False, None
+        for m in self.members:
+            m.points = []
         self._reset(epoch, now, acked=step)
         self.made = step
+        self.floor, self.past = (epoch, step), {}
 
     # -- the trainer's side --------------------------------------------------------------------------
     def connect(
@@ -266,8 +315,15 @@ class Delivery:
         m = self.members[member] if self.group_size is not None or member == 0 else None
         if epoch == self.epoch + 1 < self.epochs and (self.end_sent or (m is not None and m.end_sent)):
             return Connect(WAIT, f"rank {self.rank} starts epoch {epoch} next")
-        if epoch + 1 == self.epoch and start_step >= self.prev_epoch_steps:
-            return Connect(END)  # it took every step of the epoch before but lost the end
+        steps_before = self.past.get(epoch, self.prev_epoch_steps if epoch + 1 == self.epoch else None)
+        if epoch < self.epoch and steps_before is not None and start_step >= steps_before:
+            return Connect(END)  # it took every step of that epoch but lost the end
+        if epoch < self.epoch and epoch in self.past and (epoch, start_step) >= self.floor:
+            if m is not None and m.holder is not None and m.holder != client:
+                return self._busy(m, member, group_size)
+            return self._attach(client, epoch, start_step, credits, member, group_size)
+        if epoch < self.epoch and (epoch, start_step) < self.floor:
+            return self._before_floor(epoch, start_step)
         if epoch != self.epoch:
             if epoch >= self.epochs:
                 why = f"the job runs {self.epochs} epoch(s), 0..{self.epochs - 1}"
@@ -277,24 +333,41 @@ class Delivery:
                 )
             return Connect(REFUSED, f"the trainer asked for epoch {epoch}, but {why}")
         if m is not None and m.holder is not None and m.holder != client:
-            whose = f"rank {self.rank}'s" + (f" group member {member}'s" if group_size > 1 else "")
-            return Connect(
-                REFUSED,
-                f"{whose} batches already stream to trainer {m.holder}; a rank serves one "
-                f"trainer" + (" per group member" if group_size > 1 else ""),
-            )
-        if start_step < self.acked:
-            return Connect(
-                REFUSED,
-                f"the trainer resumes rank {self.rank} at step {start_step} of epoch {epoch}, "
-                f"but steps < {self.acked} were acknowledged and freed",
-            )
+            return self._busy(m, member, group_size)
+        if (epoch, start_step) < self.floor:
+            return self._before_floor(epoch, start_step)
         if start_step > self.made:
             return Connect(
                 REFUSED,
                 f"the trainer resumes rank {self.rank} at step {start_step} of epoch {epoch}, "
                 f"but this rank made {self.made} step(s) so far",
             )
+        return self._attach(client, epoch, start_step, credits, member, group_size)
+
+    def _before_floor(self, epoch: int, start_step: int) -> Connect:
+        fe, fs = self.floor
+        return Connect(
+            REFUSED,
+            f"the trainer resumes rank {self.rank} at step {start_step} of epoch {epoch}, but this rank "
+            f"holds steps only from epoch {fe} step {fs} on (it is at step {self.acked} of epoch "
+            f"{self.epoch}; the steps before the trainer's second-last checkpoint, or past the service's "
+            "retention budget, were freed): resume from a later checkpoint",
+        )
+
+    def _busy(self, m: _Member, member: int, group_size: int) -> Connect:
+        whose = f"rank {self.rank}'s" + (f" group member {member}'s" if group_size > 1 else "")
+        return Connect(
+            REFUSED,
+            f"{whose} batches already stream to trainer {m.holder}; a rank serves one "
+            f"trainer" + (" per group member" if group_size > 1 else ""),
+        )
+
+    def _attach(
+        self, client: Hashable, epoch: int, start_step: int, credits: int, member: int, group_size: int
+    ) -> Connect:
+        """Attaches member `member` at (epoch, start_step), a position the checks of `connect` allowed: in
+        this epoch, or replaying one before it (`past`). A start before what the member consumed is a
+        rewind: what it consumed after it is sent again, and its checkpoints after it are dropped."""
         if self.group_size is None:
             self.group_size = group_size
             if group_size > 1:
@@ -302,10 +375,21 @@ class Delivery:
                 self.members = [old] + [
                     _Member(old.unattended_since, self.acked) for _ in range(group_size - 1)
                 ]
-            m = self.members[member]
-        assert m is not None
-        m.holder, m.credits, m.cursor = client, max(int(credits), 1), start_step
+        m = self.members[member]
+        m.holder, m.credits = client, max(int(credits), 1)
         m.gone_since = None
+        at = (epoch, start_step)
+        # where a trainer first starts is a checkpoint (its loaded one, or the job's start)
+        m.points = [p for p in m.points if p <= at] if m.points else [at]
+        if epoch < self.epoch:  # replaying an epoch before this one; this one is sent again after it
+            m.replay = [epoch, start_step, start_step]
+            m.cursor = m.acked = 0
+            m.end_sent = False
+            return Connect(ATTACHED)
+        m.replay = None
+        if start_step < m.acked:  # a rewind (a member that took the end consumed every step)
+            m.acked, m.end_sent = start_step, False
+        m.cursor = start_step
         self._ack(m, start_step)
         return Connect(ATTACHED)
 
@@ -315,6 +399,7 @@ class Delivery:
         if m is None:
             return
         m.holder = None
+        m.replay = None  # a replay goes on where the trainer says when it connects again
         m.unattended_since = now
         if not m.end_sent:
             m.gone_since = now
@@ -323,7 +408,9 @@ class Delivery:
         """The member streaming to `client` consumed every step < `step`; a step is freed once every
         member of the group consumed it."""
         m = self._member(client)
-        if m is not None:
+        if m is not None and m.replay is not None:
+            m.replay[2] = max(m.replay[2], min(step, self.past[m.replay[0]]))
+        elif m is not None:
             self._ack(m, step)
 
     def _ack(self, m: _Member, step: int) -> None:
@@ -338,15 +425,29 @@ class Delivery:
         m = self._member(client)
         if m is None:
             return None
+        if m.replay is not None:
+            _, cursor, acked = m.replay
+            made = self.past[m.replay[0]]
+            if cursor < made:
+                return cursor if cursor - acked < m.credits else None
+            return SEND_END if acked >= made else None
         if m.cursor < self.made:
             return m.cursor if m.cursor - m.acked < m.credits else None
-        if self.done and self.acked >= self.made:
+        if self.done and self.acked >= self.made and m.acked >= self.made:
             return SEND_END
         return None
 
+    def epoch_of(self, client: Hashable) -> int:
+        """The epoch whose steps `client` is sent: this one, or the one it replays."""
+        m = self._member(client)
+        return m.replay[0] if m is not None and m.replay is not None else self.epoch
+
     def sent(self, client: Hashable, step: int) -> None:
         m = self._member(client)
-        if m is not None and step == m.cursor:
+        if m is not None and m.replay is not None:
+            if step == m.replay[1]:
+                m.replay[1] += 1
+        elif m is not None and step == m.cursor:
             m.cursor += 1
 
     def mark_end_sent(self, client: Hashable) -> None:
@@ -354,7 +455,62 @@ class Delivery:
         m = self._member(client)
         if m is None or self.next_for(client) != SEND_END:
             raise ValueError(f"rank {self.rank}: the end of epoch {self.epoch} is not due")
-        m.end_sent = True
+        if m.replay is not None:  # the end of a replayed epoch: it asks for the next one again
+            m.replay = None
+        else:
+            m.end_sent = True
+
+    # -- checkpoints and the floor ---------------------------------------------------------------------
+    def checkpoint(self, client: Hashable, epoch: int, step: int, durable: bool = False) -> None:
+        """The member streaming to `client` took a checkpoint at (epoch, step) (`BatchClient.state_dict`);
+        `durable`: its save completed. Moves the floor (see module docstring)."""
+        check_int("epoch", epoch, lo=0)
+        check_int("step", step, lo=0)
+        m = self._member(client)
+        if m is None:
+            return
+        at = (epoch, step)
+        m.points = [at] if durable else [p for p in m.points if p < at][-1:] + [at]
+        self._refloor()
+
+    def drop_until(self, epoch: int, step: int) -> None:
+        """Raises the floor to (epoch, step), or to the lowest position a connected member still has to
+        consume, whichever is earlier: earlier steps are no longer held (a memory budget)."""
+        self.floor = max(self.floor, min((epoch, step), *(self._position(m) for m in self.members)))
+        self._normalize_floor()
+
+    def _position(self, m: _Member) -> Point:
+        """The first step member `m` has not consumed."""
+        return (m.replay[0], m.replay[2]) if m.replay is not None else (self.epoch, m.acked)
+
+    def _refloor(self) -> None:
+        lows = [m.points[0] for m in self.members if m.points]
+        if len(lows) == len(self.members):
+            self.floor = max(self.floor, min(lows))
+            self._normalize_floor()
+
+    def _normalize_floor(self) -> None:
+        """An epoch's end as floor is the next epoch's start; past epochs before the floor are dropped."""
+        epoch, step = self.floor
+        while epoch < self.epoch and step >= self.past.get(
+            epoch, self.prev_epoch_steps if epoch + 1 == self.epoch else 0
+        ):
+            epoch, step = epoch + 1, 0
+        self.floor = (epoch, step)
+        self.past = {q: n for q, n in self.past.items() if q >= epoch}
+
+    def held_from(self, epoch: int) -> int | None:
+        """The first step of `epoch` still held (consumed steps the floor keeps, then the ready ones), or
+        None when none of it is held."""
+        if epoch == self.epoch:
+            return (
+                min(self.acked, self.floor[1])
+                if self.floor[0] == epoch
+                else (0 if self.floor[0] < epoch else self.acked)
+            )
+        if epoch not in self.past:
+            return None
+        return self.floor[1] if self.floor[0] == epoch else 0
 
     # -- liveness ------------------------------------------------------------------------------------
     def check(self, now: float) -> str | None:
@@ -391,6 +547,9 @@ class Delivery:
             K_PREV: self.prev_epoch_steps,
             K_GROUP: self.group_size,
             K_ENDS: [k for k, m in enumerate(self.members) if m.end_sent],
+            K_FLOOR: list(self.floor),
+            K_PAST: {str(q): n for q, n in self.past.items()},
+            K_POINTS: [[list(p) for p in m.points] for m in self.members],
         }
 
     def load_state_dict(self, state: Mapping[str, Any], now: float) -> None:
@@ -406,3 +565,8 @@ class Delivery:
         self.done, self.prev_epoch_steps = state[K_DONE], state[K_PREV]
         for k in state.get(K_ENDS, range(len(self.members)) if state[K_END_SENT] else ()):
             self.members[k].end_sent = True
+        floor = state.get(K_FLOOR, [self.epoch, self.acked])  # a state from before rewinds: what was held
+        self.floor = (int(floor[0]), int(floor[1]))
+        self.past = {int(q): int(n) for q, n in state.get(K_PAST, {}).items()}
+        for m, points in zip(self.members, state.get(K_POINTS, []), strict=False):
+            m.points = [(int(e), int(s)) for e, s in points]

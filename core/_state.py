@@ -42,6 +42,9 @@ K_READY, K_MADE, K_ACKED, K_END_SENT, K_PREV, K_GROUP, K_ENDS = (
     "group_size",
     "ends_sent",
 )
+# Delivery's rewind to a checkpoint: the earliest (epoch, step) a trainer may resume at, the epochs before
+# the current one whose steps are still held ({epoch: steps made}), each member's last checkpoints
+K_FLOOR, K_PAST, K_POINTS = "floor", "past_epochs", "checkpoints"
 # Coordinator: the epoch's optimizer updates (`UpdateWindows`)
 K_UPDATES, K_UPDATE_SEEN, K_UPDATE_OPEN, K_UPDATE_LOSS, K_UPDATE_STEPS = (
     "updates",

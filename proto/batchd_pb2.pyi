@@ -505,7 +505,7 @@ class IngestReply(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., quarantined: _Optional[_Iterable[_Union[Quarantined, _Mapping]]] = ...) -> None: ...
 
 class BatchRequest(_message.Message):
-    __slots__ = ("start_step", "credits", "ack_step", "epoch", "rank", "group_rank", "group_size", "resize_from")
+    __slots__ = ("start_step", "credits", "ack_step", "epoch", "rank", "group_rank", "group_size", "resize_from", "saved_step", "saved_epoch", "saved_durable")
     START_STEP_FIELD_NUMBER: _ClassVar[int]
     CREDITS_FIELD_NUMBER: _ClassVar[int]
     ACK_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -514,6 +514,9 @@ class BatchRequest(_message.Message):
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     RESIZE_FROM_FIELD_NUMBER: _ClassVar[int]
+    SAVED_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAVED_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SAVED_DURABLE_FIELD_NUMBER: _ClassVar[int]
     start_step: int
     credits: int
     ack_step: int
@@ -522,7 +525,10 @@ class BatchRequest(_message.Message):
     group_rank: int
     group_size: int
     resize_from: int
-    def __init__(self, start_step: _Optional[int] = ..., credits: _Optional[int] = ..., ack_step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., group_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., resize_from: _Optional[int] = ...) -> None: ...
+    saved_step: int
+    saved_epoch: int
+    saved_durable: bool
+    def __init__(self, start_step: _Optional[int] = ..., credits: _Optional[int] = ..., ack_step: _Optional[int] = ..., epoch: _Optional[int] = ..., rank: _Optional[int] = ..., group_rank: _Optional[int] = ..., group_size: _Optional[int] = ..., resize_from: _Optional[int] = ..., saved_step: _Optional[int] = ..., saved_epoch: _Optional[int] = ..., saved_durable: _Optional[bool] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("info", "tensors", "sample_ids", "end_of_epoch")

@@ -18,7 +18,7 @@ from batchd.proto import Security
 from ._metrics import RankMetrics
 from ._node_link import NodeLink
 from .preprocess import Source
-from .rank import RankServiceCore, create_rank_server
+from .rank import RETAIN_BYTES, RankServiceCore, create_rank_server
 
 
 class NodeAgent:
@@ -43,6 +43,7 @@ class NodeAgent:
         metrics: bool = False,
         trainer_timeout_s: float = 1800.0,
         startup_timeout_s: float = 600.0,
+        retain_bytes: int = RETAIN_BYTES,
     ) -> None:
         ranks = sorted(sources)
         bad = [r for r in ranks if not 0 <= r < spec.world_size]
@@ -68,6 +69,7 @@ class NodeAgent:
                 trainer_timeout_s=trainer_timeout_s,
                 security=security,
                 metrics=self.metrics.get(r),
+                retain_bytes=retain_bytes,
             )
             for r in ranks
         }

@@ -34,7 +34,7 @@ from ._run_common import (
 )
 from ._run_rank import make_source, write_stats
 from .preprocess import RayLost, RaySource, SharedRay, Source, job_key
-from .rank import RankServiceCore, job_samples
+from .rank import RETAIN_BYTES, RankServiceCore, job_samples
 
 
 def node_ranks(
@@ -97,6 +97,7 @@ def run_node(
     trainer_timeout_s: float = 1800.0,
     startup_timeout_s: float = 600.0,
     source_options: dict | None = None,
+    retain_bytes: int = RETAIN_BYTES,
 ) -> int:
     """`batchd node`: serves `ranks` (one `RankServiceCore` each, one gRPC server, one coordinator stream)
     until every one of its trainers took the job's last step, or the job failed. Sources as for
@@ -143,6 +144,7 @@ def run_node(
             startup_timeout_s,
             held.fetched,
             held.ray,
+            retain_bytes,
         )
     finally:
         held.close(stats_file)
@@ -314,6 +316,7 @@ def _serve_node(
     startup_timeout_s: float,
     fetched: dict[int, dict[str, int]] | None = None,
     shared: SharedRay | None = None,
+    retain_bytes: int = RETAIN_BYTES,
 ) -> int:
     """Serves the node's ranks (see `run_node`); `fetched` gets each rank's moved-sample counts at the end.
     `shared`: the Ray its sources run on, watched: once it goes away the job fails, naming it."""
@@ -331,6 +334,7 @@ def _serve_node(
         metrics_port is not None,
         trainer_timeout_s,
         startup_timeout_s,
+        retain_bytes,
     )
     cores = agent.cores
     metrics_server = _start_node_agent(

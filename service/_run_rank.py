@@ -51,7 +51,7 @@ from .preprocess import (
     job_key,
     share_ray,
 )
-from .rank import RankServiceCore, create_rank_server
+from .rank import RETAIN_BYTES, RankServiceCore, create_rank_server
 
 
 def make_ray_source(
@@ -235,6 +235,7 @@ def run_rank(
     trainer_timeout_s: float = 1800.0,
     startup_timeout_s: float = 600.0,
     source_options: dict | None = None,
+    retain_bytes: int = RETAIN_BYTES,
 ) -> int:
     if lengths is not None and dataset is not None:
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
@@ -274,6 +275,7 @@ def run_rank(
             trainer_timeout_s,
             startup_timeout_s,
             shared,
+            retain_bytes,
         )
     finally:
         if ray_source is not None:
@@ -300,6 +302,7 @@ def _serve_rank(
     trainer_timeout_s: float = 1800.0,
     startup_timeout_s: float = 600.0,
     shared: SharedRay | None = None,
+    retain_bytes: int = RETAIN_BYTES,
 ) -> int:
     """Serves one rank until its trainer took the job's last step (and left), or the job failed.
 
@@ -317,6 +320,7 @@ def _serve_rank(
         trainer_timeout_s=trainer_timeout_s,
         security=security,
         metrics=metrics,
+        retain_bytes=retain_bytes,
     )
     server, bound = create_rank_server(f"{host}:{port}", core, security)
     metrics_server, metrics_bound = start_metrics(metrics, metrics_host, metrics_port, f"rank {rank}")

@@ -126,6 +126,7 @@ class InProcessJob:
         coordinator_state_dir: str | None = None,
         rank_state_dir: str | os.PathLike | None = None,
         resize: bool = False,
+        retain_bytes: int | None = None,
     ) -> None:
         """Starts the job.
 
@@ -147,6 +148,8 @@ class InProcessJob:
             coordinator_state_dir: The coordinator's journal (`restart_coordinator` resumes from it).
             rank_state_dir: The rank services' journals (`restart_rank` resumes from them).
             resize: The coordinator resizes the job journaled in `coordinator_state_dir` (`--resize`).
+            retain_bytes: Each rank service's memory for consumed batches held for a rewind (None: its
+                default).
         """
         if lengths is None and sources is None:
             raise ValueError(f"give lengths or sources, got {lengths=} and {sources=}")
@@ -161,6 +164,7 @@ class InProcessJob:
         self.lease_s, self.startup_timeout_s = lease_s, startup_timeout_s
         self.coordinator_state_dir, self.rank_state_dir = coordinator_state_dir, rank_state_dir
         self.grace, self.connect_timeout_s = grace, connect_timeout_s
+        self.retain = {} if retain_bytes is None else {"retain_bytes": retain_bytes}
         self.cores: list[RankServiceCore] = []
         self.servers: list = []
         self.ports: list[int] = []
@@ -237,6 +241,7 @@ class InProcessJob:
                 metrics=m,
                 trainer_timeout_s=self.trainer_timeout_s,
                 state_dir=self.rank_state_dir,
+                **self.retain,
             )
         except BaseException:
             coord.close()

@@ -192,10 +192,12 @@ def test_refusals_name_the_problem():
     assert busy.outcome == REFUSED and "already stream to trainer a" in busy.reason
     d.add([0, 1])
     d.ack("a", 2)
+    d.checkpoint("a", 0, 2, durable=True)  # the trainer saved at step 2: steps before it are freed
     d.disconnect("a", 1.0)
     freed = d.connect("b", 0, 1, 1, 1.0)
     assert (
-        freed.outcome == REFUSED and "at step 1 of epoch 0, but steps < 2 were acknowledged" in freed.reason
+        freed.outcome == REFUSED
+        and "at step 1 of epoch 0, but this rank holds steps only from epoch 0 step 2 on" in freed.reason
     )
     ahead = d.connect("b", 0, 5, 1, 1.0)
     assert ahead.outcome == REFUSED and "made 2 step(s) so far" in ahead.reason
@@ -213,6 +215,7 @@ def test_epoch_hand_off_wait_and_a_lost_end():
     d.sent("a", 0)
     d.ack("a", 1)
     d.mark_end_sent("a")
+    d.checkpoint("a", 0, 1, durable=True)  # saved at the epoch's end: epoch 0 is no longer held
     d.disconnect("a", 1.0)
     assert d.connect("b", 1, 0, 1, 1.0).outcome == WAIT, "epoch 1 starts once the loop hands off"
     d.advance(1.0)

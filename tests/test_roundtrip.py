@@ -800,7 +800,7 @@ def test_rank_journal_of_this_version_restores(journal_dir):
     assert core.state.state_dict() == journal["rank"] and core.delivery.state_dict() == journal["delivery"]
 
 
-@pytest.mark.parametrize("version", [1, 3, 5, "4", None, 4.0, True])
+@pytest.mark.parametrize("version", [1, 4, 6, "5", None, 5.0, True])
 def test_rank_journal_of_another_version_is_refused_naming_the_file_and_both_versions(journal_dir, version):
     state_dir, journal = journal_dir
     if version is None:
@@ -809,12 +809,13 @@ def test_rank_journal_of_another_version_is_refused_naming_the_file_and_both_ver
         journal["version"] = version
     (state_dir / "rank-0.json").write_text(json.dumps(journal))
     found = "without a 'version' key" if version is None else f"version {version!r}"
-    with pytest.raises(ValueError, match=rf"rank-0\.json: rank journal {found}, this build reads version 4"):
+    with pytest.raises(ValueError, match=rf"rank-0\.json: rank journal {found}, this build reads version 5"):
         _restore(state_dir)
 
 
 @pytest.mark.parametrize(
-    "key", ["delivery", "rank", "source", "ready", "rejected_before", "finish_acked", "filled", "resize"]
+    "key",
+    ["delivery", "rank", "source", "ready", "rejected_before", "finish_acked", "filled", "resize", "past"],
 )
 def test_rank_journal_missing_a_key_is_refused_naming_it(journal_dir, key):
     state_dir, journal = journal_dir
@@ -822,7 +823,7 @@ def test_rank_journal_missing_a_key_is_refused_naming_it(journal_dir, key):
     (state_dir / "rank-0.json").write_text(json.dumps(journal))
     with pytest.raises(
         ValueError,
-        match=rf"rank-0\.json: rank journal version 4 lacks the required key\(s\) "
+        match=rf"rank-0\.json: rank journal version 5 lacks the required key\(s\) "
         rf"\['{key}'\]",
     ):
         _restore(state_dir)

@@ -17,6 +17,7 @@ Private modules, one part each (each module's docstring states its contract):
 """
 
 from ._core import RankServiceCore
+from ._delivery import RETAIN_BYTES
 from ._journal import JOURNAL, JOURNAL_KEYS, JOURNAL_VERSION, read_journal
 from ._payloads import FETCH_CHUNK, Payloads, collate, materialize_many, resolve_payloads
 from ._server import FETCH_REPLY_BYTES, RankServicer, create_rank_server, job_samples
@@ -28,6 +29,7 @@ __all__ = [
     "JOURNAL_KEYS",
     "JOURNAL_VERSION",
     "Payloads",
+    "RETAIN_BYTES",
     "RankServiceCore",
     "RankServicer",
     "collate",

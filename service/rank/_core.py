@@ -60,12 +60,11 @@ from ..preprocess import (
     RayLost,
     Source,
     TooManyBadRecords,
-    loss_tokens_of,
     missing_source_members,
 )
-from ._delivery import WATCH_S, TrainerSide, TrainerStream
+from ._delivery import RETAIN_BYTES, WATCH_S, TrainerSide, TrainerStream
 from ._journal import journal_path, journal_record, restore, write_journal
-from ._payloads import FetchRefused, Payloads, batch_of, resolve_payloads
+from ._payloads import FetchRefused, Payloads, batch_of, truncated
 
 log = logging.getLogger("batchd.rank")
 DETERMINISTIC_POLL_S = (
@@ -98,6 +97,7 @@ class RankServiceCore:
         security: Security | None = None,
         metrics: RankMetrics | None = None,
         trainer_timeout_s: float = 1800.0,
+        retain_bytes: int = RETAIN_BYTES,
     ) -> None:
         """Raises TypeError naming the missing members when `source` is not a `Source`, and ValueError
         naming the file and why when `state_dir` holds a journal this build cannot resume from."""
@@ -137,7 +137,7 @@ class RankServiceCore:
         self._thread: threading.Thread | None = None
         self._watcher: threading.Thread | None = None
         self.streams = TrainerSide(
-            self.delivery, self.cond, self._stop, lambda: self.failure, self._write_journal
+            self.delivery, self.cond, self._stop, lambda: self.failure, self._write_journal, retain_bytes
         )
         self.store = Payloads(
             rank, spec.world_size, source, lambda: self.coord, security, self._stop, lambda: self.epoch
@@ -147,7 +147,7 @@ class RankServiceCore:
             restore(self, self.journal)
         self.delivery.await_resume()  # trainers wait until the registration says whether the job was resized
         if metrics is not None:  # read at scrape time, lock-free: len() of a list / dict
-            metrics.bind(lambda: len(self.state.buffer), lambda: len(self.batches), lambda: self.epoch)
+            metrics.bind(lambda: len(self.state.buffer), lambda: len(self.delivery.ready), lambda: self.epoch)
 
     def new_state(self, epoch: int) -> RankState:
         """A fresh rank state of `epoch` for this rank."""
@@ -385,7 +385,7 @@ class RankServiceCore:
                     self.cond.notify_all()
                 log.info("rank %d: its trainer took the job's last step", self.rank)
                 break
-            self._next_epoch()
+            self._next_epoch()  # unless a trainer rewound into this epoch since: then it takes its end again
 
     def _resume(self, registered: pb.RegisterReply) -> None:
         """The job was resized (`batchd.core._resize`; generation `registered.generation`): what this rank
@@ -400,7 +400,7 @@ class RankServiceCore:
         with self.cond:
             if not self.delivery.awaiting:
                 self.delivery.await_resume()
-            self.batches.clear()
+            self.streams.clear()
             self.payloads.clear()
             self.finished = self.restored_finished = self.filled = False
             deadline = time.monotonic() + self.trainer_timeout_s
@@ -444,13 +444,16 @@ class RankServiceCore:
         """Starts the next epoch: a fresh rank state and the source's next view. In non-join mode the
         samples still buffered at the quota are dropped, as at the end of a one-epoch job."""
         with self.cond:
+            if not self.delivery.can_advance:  # a trainer rewound into this epoch after taking its end
+                return
             self.rejected_before += self.state.counters["rejected"]
+            self.streams.end_epoch()
             self.delivery.advance(time.monotonic())
             self.state = self.new_state(self.epoch)
             self.source.start_epoch(self.epoch)
             self.samples_made = 0
             self.payloads.clear()
-            self.batches.clear()
+            self.streams.prune()
             self._write_journal()
             self.cond.notify_all()
         log.info("rank %d: epoch %d of %d starts", self.rank, self.epoch, self.spec.epochs)
@@ -492,16 +495,7 @@ class RankServiceCore:
                 continue
             cut = None
             if self.spec.over_budget == "truncate" and sample.length > self.state.truncate_length:
-                # Cut the token sequences only. Other arrays (pixel_values, image_grid_thw) are kept whole:
-                # an image whose tokens are cut would need the pipeline's spans to drop consistently, which
-                # is why `batchd rank --dataset` preprocesses with cutoff <= truncate_length (the Truncate
-                # stage drops whole images) and never reaches this branch.
-                n = self.state.truncate_length
-                payload = dict(resolve_payloads([payload])[0])
-                for k in ("input_ids", "labels"):
-                    if k in payload:
-                        payload[k] = payload[k][:n]
-                cut = loss_tokens_of(payload["labels"]) if "labels" in payload else n - 1
+                payload, cut = truncated(payload, self.state.truncate_length)
             if self.state.push(sample, cut) == "rejected":
                 continue
             held[sample.id] = payload
@@ -592,7 +586,13 @@ class RankServiceCore:
             log.exception("metrics update failed")
 
     def _batch(
-        self, step: Step, payloads: list[Any], images: list[Any] | None = None, clips: list[Any] | None = None
+        self,
+        step: Step,
+        payloads: list[Any],
+        images: list[Any] | None = None,
+        clips: list[Any] | None = None,
+        epoch: int | None = None,
     ) -> pb.Batch:
-        """`batch_of` in this rank's epoch (one attribute, so a benchmark can wrap it per instance)."""
-        return batch_of(self.spec, self.epoch, step, payloads, images, clips)
+        """`batch_of` in this rank's epoch, or `epoch` (one attribute, so a benchmark can wrap it per
+        instance)."""
+        return batch_of(self.spec, self.epoch if epoch is None else epoch, step, payloads, images, clips)

@@ -15,6 +15,11 @@ capacity the rank reports is `depth - ready`, so the round never makes more step
 held until the trainer acknowledges it (it asks for the next step), so a restarted trainer gets it again;
 end of epoch is sent only after every step is acknowledged, and journaled as sent before it is written.
 
+Rewind: consumed batches stay held from the floor on (`core.Delivery`: the older of the trainer's last two
+checkpoints), in this epoch (`batches`) and in epochs before it (`past`), so trainers restarted from their
+checkpoint get the same batches again. They count against `retain_bytes`: past it, the oldest are freed
+(the floor rises, logged once per epoch with what a restart can still resume from).
+
 Failure: the job's failure (it names the rank) reaches the trainer as a RuntimeError (the handler sends
 ABORTED). A trainer that disconnects mid-epoch and does not come back within `client_grace_s` fails the job,
 naming this rank; so does a trainer that never connects, or does not come back for the next epoch, while
@@ -24,6 +29,7 @@ rank's watcher thread).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -32,8 +38,11 @@ from typing import Any
 from batchd.core import ATTACHED, SEND_END, WAIT, Connect, Delivery, Step
 from batchd.proto import batchd_pb2 as pb
 
+log = logging.getLogger("batchd.rank")
+
 WATCH_S = 0.5  # how often the liveness of the trainer is judged (`Delivery.check`)
 BUSY_WAIT_S = 2.0  # a new trainer stream waits this long for a holder whose stream is ending
+RETAIN_BYTES = 2 << 30  # default memory for consumed batches held for a rewind, per rank
 
 
 class TrainerStream:
@@ -69,15 +78,94 @@ class TrainerSide:
         stop: threading.Event,
         failure: Callable[[], str | None],
         on_end_sent: Callable[[], None],
+        retain_bytes: int = RETAIN_BYTES,
     ) -> None:
+        if retain_bytes < 0:
+            raise ValueError(f"retain_bytes must be >= 0, got {retain_bytes=}")
         self.delivery, self.cond, self._stop = delivery, cond, stop
         self._failure, self._on_end_sent = failure, on_end_sent
         self.batches: dict[int, tuple[Step, pb.Batch]] = {}
+        self.past: dict[int, dict[int, tuple[Step, pb.Batch]]] = {}  # epochs before this one, held
+        self.retain_bytes = retain_bytes
+        self._sizes: dict[tuple[int, int], int] = {}  # (epoch, step) -> the batch's bytes, once measured
+        self._over_budget_logged = -1  # the epoch whose budget overrun was logged
         self.resize_from = 0  # a resized job: the world size of the first trainer's saved state
 
+    def end_epoch(self) -> None:
+        """The epoch ends (call before `Delivery.advance`, with `cond` held): its batches stay held as a past
+        epoch, for as long as the floor keeps them."""
+        self.past[self.delivery.epoch] = dict(self.batches)
+        self.batches.clear()
+
+    def clear(self) -> None:
+        """Forgets every batch (a resized job starts over)."""
+        self.batches.clear()
+        self.past.clear()
+        self._sizes.clear()
+
+    def batch_of(self, epoch: int, step: int) -> pb.Batch:
+        return (self.batches if epoch == self.delivery.epoch else self.past[epoch])[step][1]
+
+    def held_bytes(self) -> int:
+        """Bytes of the consumed batches held for a rewind (measured once per batch)."""
+        return sum(size for _, _, size in self._consumed())
+
+    def _consumed(self) -> list[tuple[int, int, int]]:
+        """(epoch, step, bytes) of each held batch every member consumed, oldest first."""
+        d = self.delivery
+        held = [(q, self.past[q]) for q in sorted(self.past)] + [(d.epoch, self.batches)]
+        out = []
+        for q, batches in held:
+            for i in sorted(batches):
+                if q == d.epoch and i >= d.acked:
+                    break
+                size = self._sizes.get((q, i))
+                if size is None:
+                    size = self._sizes[(q, i)] = batches[i][1].ByteSize()
+                out.append((q, i, size))
+        return out
+
     def _prune_locked(self) -> None:
-        for i in [i for i in self.batches if i < self.delivery.acked]:
-            del self.batches[i]
+        d = self.delivery
+        consumed = self._consumed()
+        total = sum(size for _, _, size in consumed)
+        if total > self.retain_bytes:
+            for q, i, size in consumed:
+                total -= size
+                if total <= self.retain_bytes:
+                    d.drop_until(q, i + 1)
+                    break
+            if self._over_budget_logged != d.epoch:
+                self._over_budget_logged = d.epoch
+                log.warning(
+                    "rank %d: the batches consumed since its trainer's second-last checkpoint pass the "
+                    "retention budget (%.0f MiB): a restarted trainer can resume no earlier than epoch "
+                    "%d step %d; checkpoint more often or raise the budget (--retain-mb)",
+                    d.rank,
+                    self.retain_bytes / 2**20,
+                    *d.floor,
+                )
+        for q in [q for q in self.past if d.held_from(q) is None]:
+            del self.past[q]
+        for q, batches in [*self.past.items(), (d.epoch, self.batches)]:
+            low = d.held_from(q) or 0
+            for i in [i for i in batches if i < low]:
+                del batches[i]
+                self._sizes.pop((q, i), None)
+        for key in [k for k in self._sizes if k[0] < d.floor[0]]:
+            del self._sizes[key]
+
+    def prune(self) -> None:
+        """Frees what the floor no longer keeps (call with `cond` held)."""
+        self._prune_locked()
+
+    def checkpoint(self, stream: TrainerStream, epoch: int, step: int, durable: bool) -> None:
+        """`stream`'s trainer took a checkpoint at (epoch, step) (`Delivery.checkpoint`): frees what the
+        floor no longer keeps."""
+        with self.cond:
+            self.delivery.checkpoint(stream, epoch, step, durable)
+            self._prune_locked()
+            self.cond.notify_all()
 
     def detach(self, stream: TrainerStream) -> None:
         """The end of `stream`'s call (its grace period starts, `Delivery.disconnect`)."""
@@ -149,7 +237,7 @@ class TrainerSide:
                     self.cond.notify_all()
                     return None
                 if nxt is not None:
-                    return nxt, self.batches[nxt][1]
+                    return nxt, self.batch_of(self.delivery.epoch_of(stream), nxt)
                 self.cond.wait(0.5)
 
     def sent(self, stream: TrainerStream, step: int) -> None:

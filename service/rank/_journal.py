@@ -10,7 +10,9 @@ is lost or duplicated.
 
 Format (version `JOURNAL_VERSION`, every key of `JOURNAL_KEYS` required, of its type, no other key):
 `delivery` (`core.Delivery.state_dict`), `rank` (`core.RankState.state_dict`), `source` (the source's
-`state_dict`), `ready` (the held steps, `Step.to_json`), `rejected_before` (over-budget rejections of the
+`state_dict`), `ready` (the held steps of this epoch: consumed ones the floor keeps for a rewind, then
+the unacknowledged ones; `Step.to_json`), `past` (the held steps of epochs before this one, by epoch),
+`rejected_before` (over-budget rejections of the
 epochs before this one), `finish_acked` (the coordinator took this rank's Finish), `resize` (the job's
 resize generation the state is of, and that resize's remainder, which a restored source reads again) and
 `filled`: the buffer
@@ -50,6 +52,7 @@ class Journaled(Protocol):
     state: Any
     source: Any
     batches: Any
+    streams: Any
     payloads: Any
     rejected_before: Any
     finished: bool
@@ -61,12 +64,17 @@ class Journaled(Protocol):
     def new_state(self, epoch: int) -> Any: ...
 
     def _batch(
-        self, step: Step, payloads: list[Any], images: list[Any] | None, clips: list[Any] | None = None
+        self,
+        step: Step,
+        payloads: list[Any],
+        images: list[Any] | None,
+        clips: list[Any] | None = None,
+        epoch: int | None = None,
     ) -> Any: ...
 
 
 JOURNAL = "rank-{rank}.json"
-JOURNAL_VERSION = 4
+JOURNAL_VERSION = 5
 J_VERSION, J_DELIVERY, J_RANK, J_SOURCE, J_READY, J_REJECTED_BEFORE, J_FINISH_ACKED, J_FILLED = (
     "version",
     "delivery",
@@ -78,6 +86,7 @@ J_VERSION, J_DELIVERY, J_RANK, J_SOURCE, J_READY, J_REJECTED_BEFORE, J_FINISH_AC
     "filled",
 )
 J_RESIZE = "resize"  # {"generation": the job's resizes this state is of, "remainder": Remainder JSON or null}
+J_PAST = "past"  # {"epoch": [held steps of that epoch, Step JSON]} for epochs before this one
 JOURNAL_KEYS = {
     J_VERSION: int,
     J_DELIVERY: dict,
@@ -88,6 +97,7 @@ JOURNAL_KEYS = {
     J_FINISH_ACKED: bool,
     J_FILLED: bool,
     J_RESIZE: dict,
+    J_PAST: dict,
 }  # every key required, this type
 
 
@@ -158,7 +168,11 @@ def journal_record(core: Journaled, filled: bool) -> dict[str, Any]:
         J_DELIVERY: core.delivery.state_dict(),
         J_RANK: core.state.state_dict(),
         J_SOURCE: core.source.state_dict(),
-        J_READY: [core.batches[i][0].to_json() for i in core.delivery.ready],
+        J_READY: [core.batches[i][0].to_json() for i in sorted(core.batches)],
+        J_PAST: {
+            str(q): [batches[i][0].to_json() for i in sorted(batches)]
+            for q, batches in core.streams.past.items()
+        },
         J_REJECTED_BEFORE: core.rejected_before,
         J_FINISH_ACKED: core.finished,
         J_FILLED: filled,
@@ -210,6 +224,13 @@ def restore(core: Journaled, path: Path) -> None:
         remainder = (
             core.remainder if core.remainder is not None and core.remainder.epoch == core.epoch else None
         )
+        past = {int(q): [Step.from_json(j) for j in steps] for q, steps in state[J_PAST].items()}
+        for q in sorted(past):  # held for a rewind: re-made in their own epoch
+            core.source.start_epoch(q)
+            core.streams.past[q] = {
+                step.info.step: (step, batch)
+                for step, batch in zip(past[q], _remake(core, past[q], [], q)[1], strict=True)
+            }
         if core.epoch != 0 or remainder is not None:
             core.state = core.new_state(core.epoch)
             core.source.start_epoch(core.epoch, remainder)
@@ -222,6 +243,31 @@ def restore(core: Journaled, path: Path) -> None:
         ) from exc
     ids = [entry.sample.id for entry in core.state.buffer]
     steps = [Step.from_json(step_json) for step_json in state[J_READY]]
+    made, batches = _remake(core, steps, ids, core.epoch)
+    core.payloads.update((i, made[i]) for i in ids)
+    for step, batch in zip(steps, batches, strict=True):
+        core.batches[step.info.step] = (step, batch)
+    core.streams.prune()
+    core.restored_finished = core.delivery.finished
+    core.finished = state[J_FINISH_ACKED]  # the coordinator knew: it may be gone by now
+    core.filled = state[J_FILLED]  # report the journaled buffer as it is (see module docstring)
+    log.info(
+        "rank %d restored from %s at epoch %d round %d (step %d)%s",
+        core.rank,
+        path,
+        core.epoch,
+        core.state.round,
+        core.state.step,
+        "; its trainer took the job's last step" if core.restored_finished else "",
+    )
+
+
+def _remake(
+    core: Journaled, steps: list[Step], ids: list[int], epoch: int
+) -> tuple[dict[int, Any], list[Any]]:
+    """Re-makes the payloads of `ids` and of `steps` (their samples, the images and clips they encode) in
+    one `materialize_many` call of the source (in `epoch`), and collates each step: (payloads by id, the
+    steps' batches in order)."""
     wanted = list(
         dict.fromkeys(
             [
@@ -238,23 +284,12 @@ def restore(core: Journaled, path: Path) -> None:
         )
     )
     made = dict(zip(wanted, materialize_many(core.source, wanted), strict=False))  # each block read once
-    core.payloads.update((i, made[i]) for i in ids)
+    batches = []
     for step in steps:
         payloads = [made[s.id] for s in step.samples]
         images = [made[im.sample_id] for im in step.exchange.encode] if step.exchange is not None else None
         clips = None
         if step.audio_exchange is not None:
             clips = [made[c.sample_id] for c in step.audio_exchange.encode]
-        core.batches[step.info.step] = (step, core._batch(step, payloads, images, clips))
-    core.restored_finished = core.delivery.finished
-    core.finished = state[J_FINISH_ACKED]  # the coordinator knew: it may be gone by now
-    core.filled = state[J_FILLED]  # report the journaled buffer as it is (see module docstring)
-    log.info(
-        "rank %d restored from %s at epoch %d round %d (step %d)%s",
-        core.rank,
-        path,
-        core.epoch,
-        core.state.round,
-        core.state.step,
-        "; its trainer took the job's last step" if core.restored_finished else "",
-    )
+        batches.append(core._batch(step, payloads, images, clips, epoch))
+    return made, batches

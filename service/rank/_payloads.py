@@ -59,7 +59,7 @@ from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
 from .._coord_client import CoordinatorClient
-from ..preprocess import Payload, Source, resolve_many
+from ..preprocess import Payload, Source, loss_tokens_of, resolve_many
 
 log = logging.getLogger("batchd.rank")
 FETCH_CHUNK = 64  # sample ids per Fetch request
@@ -77,6 +77,20 @@ def materialize_many(source: Source, ids: list[int]) -> list[Payload]:
     if not ids:
         return []
     return resolve_payloads(list(source.materialize_many(ids)))
+
+
+def truncated(payload: Payload, n: int) -> tuple[dict[str, Any], int]:
+    """A sample's payload cut to its first `n` tokens (`over_budget = "truncate"`), and its loss tokens.
+
+    Cuts the token sequences only. Other arrays (pixel_values, image_grid_thw) are kept whole: an image
+    whose tokens are cut would need the pipeline's spans to drop consistently, which is why `batchd rank
+    --dataset` preprocesses with cutoff <= truncate_length (the Truncate stage drops whole images) and
+    never needs this."""
+    out = dict(resolve_payloads([payload])[0])
+    for k in ("input_ids", "labels"):
+        if k in out:
+            out[k] = out[k][:n]
+    return out, loss_tokens_of(out["labels"]) if "labels" in out else n - 1
 
 
 def collate(

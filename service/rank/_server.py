@@ -102,7 +102,12 @@ class RankServicer(pb_grpc.RankServiceServicer):
         def read_acks() -> None:
             try:
                 for req in request_iterator:
-                    core.ack(stream, int(req.ack_step))
+                    if req.HasField("saved_step"):
+                        core.streams.checkpoint(
+                            stream, int(req.saved_epoch), int(req.saved_step), req.saved_durable
+                        )
+                    else:
+                        core.ack(stream, int(req.ack_step))
             except grpc.RpcError:
                 pass
             except ValueError:  # the stream ended under the reader

@@ -1,0 +1,124 @@
+"""Restarts as real training jobs live them: plain `torchrun --max-restarts` over a node agent, trainers that
+checkpoint every 5 steps and die (`os._exit(1)`, as an OOM kill) at steps between checkpoints, in both
+epochs, with optimizer updates of several steps; meanwhile the node agent and the coordinator are killed
+with SIGKILL and restarted with the same command (the job config journals, as `batchd config --example`
+writes it). torchrun restarts the worker group from its last checkpoint each time, the rank services send
+the steps after it again, and the job completes: by the trainers' ids logs, every sample id is trained
+exactly once per epoch in the lineage that survives, and every step sent again is the same batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from _procs import free_block, wait_until
+from _readme_job import end_job, job_env
+
+from batchd.demo import demo_lengths
+
+pytestmark = pytest.mark.slow
+
+SAMPLES = 600
+
+
+def surviving_steps(work: Path, rank: int) -> tuple[list[dict], dict[tuple[int, int], list[list[int]]]]:
+    """Rank `rank`'s ids log split by torchrun restart: (the steps of the lineage that survives: each run's
+    steps before the point the next run resumed at; every delivery of each (epoch, step), in order)."""
+    runs: dict[int, list[dict]] = collections.defaultdict(list)
+    deliveries: dict[tuple[int, int], list[list[int]]] = collections.defaultdict(list)
+    for line in (work / f"ids-{rank}.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        runs[entry["restart"]].append(entry)
+        deliveries[(entry["epoch"], entry["step"])].append(entry["ids"])
+    order = sorted(runs)
+    kept = []
+    for k, restart in enumerate(order):
+        resumed = (
+            min(((e["epoch"], e["step"]) for e in runs[order[k + 1]]), default=None)
+            if k + 1 < len(order)
+            else None
+        )
+        kept += [e for e in runs[restart] if resumed is None or (e["epoch"], e["step"]) < resumed]
+    return kept, deliveries
+
+
+def test_torchrun_max_restarts_resume_every_crash_and_every_party_recovers(tmp_path):
+    (tmp_path / "lengths.txt").write_text("\n".join(map(str, demo_lengths(SAMPLES, seed=3))) + "\n")
+    cport, aport = free_block(1), free_block(2)
+    (tmp_path / "job.toml").write_text(
+        '[job]\nworld_size = 2\ntoken_budget = 1024\npolicy = "balanced"\nwindow = 32\ndepth = 4\n'
+        "seed = 3\nepochs = 2\ndeterministic = true\ntokens_per_update = 3000\n"
+        '[data]\nlengths = "lengths.txt"\n'
+        f'[coordinator]\nport = {cport}\nlease_s = 60.0\nstate_dir = "state/coordinator"\n'
+        f'[rank]\nbase_port = {aport}\nstate_dir = "state/ranks"\n'
+    )
+    marker = f"BATCHD_TEST_RESTART={uuid.uuid4().hex}"
+    env = job_env(tempfile.mkdtemp(prefix="bdr-", dir="/tmp"), marker)
+    coordinator = ["batchd", "coordinator", "--config", "job.toml"]
+    node = ["batchd", "node", "--config", "job.toml", "--local-ranks", "2", "--node-rank", "0"]
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "3",
+        "--standalone", "-m", "batchd.train", "--node-agent", f"127.0.0.1:{aport}", "--checkpoint", "ckpt",
+        "--checkpoint-every", "5", "--crash-at", "0:8:1,1:9:0,2:31:1", "--ids-log", "ids-{rank}.jsonl",
+        "--step-time", "0.05", "--vocab-size", "512", "--d-model", "32", "--n-layers", "1", "--n-heads", "2",
+        "--log-every", "0",
+    ]  # fmt: skip
+    logs = {name: open(tmp_path / f"{name}.log", "a") for name in ("coordinator", "node", "torchrun")}
+
+    def start(name: str, argv: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=logs[name], stderr=subprocess.STDOUT)
+
+    def logged() -> int:
+        return sum(len(f.read_text().splitlines()) for f in tmp_path.glob("ids-*.jsonl"))
+
+    def tail() -> str:
+        return "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-3000:]}" for n in logs)
+
+    def running() -> bool:
+        gone = {n: p.poll() for n, p in [*procs.items(), ("torchrun", trainers)] if p.poll() is not None}
+        assert not gone, f"exited early: {gone}\n{tail()}"
+        return True
+
+    procs = {"coordinator": start("coordinator", coordinator), "node": start("node", node)}
+    trainers = start("torchrun", torchrun)
+    try:
+        for victim, after in (("node", 30), ("coordinator", 60)):  # SIGKILL, then the same command again
+            wait_until(f"{after} steps logged", lambda a=after: running() and logged() >= a, 240, tail)
+            procs[victim].send_signal(signal.SIGKILL)
+            procs[victim].wait(10)
+            time.sleep(0.5)
+            procs[victim] = start(victim, coordinator if victim == "coordinator" else node)
+        assert trainers.wait(300) == 0, tail()
+        for name, p in procs.items():
+            assert p.wait(60) == 0, f"{name}: {tail()}"
+    finally:
+        for p in [trainers, *procs.values()]:
+            if p.poll() is None:
+                p.kill()
+        end_job(marker)
+        for f in logs.values():
+            f.close()
+    out = tail()
+    assert "Traceback" not in (tmp_path / "node.log").read_text(), out
+    restarts = set()
+    for epoch in range(2):
+        seen = collections.Counter()
+        for rank in range(2):
+            kept, deliveries = surviving_steps(tmp_path, rank)
+            seen.update(i for e in kept if e["epoch"] == epoch for i in e["ids"])
+            again = {k: v for k, v in deliveries.items() if len(v) > 1}
+            assert again, "some steps were sent again after a crash"
+            assert all(v == [v[0]] * len(v) for v in again.values()), "a step sent again is the same batch"
+            restarts |= {e["restart"] for e in kept}
+        assert sorted(seen) == list(range(SAMPLES)) and max(seen.values()) == 1, (epoch, len(seen))
+    assert restarts == {0, 1, 2, 3}, restarts
+    assert out.count("resumed from ckpt/rank-0.pt") == 3, out
