@@ -206,7 +206,7 @@ class RankConfig:
     base_port: int = 0
     metrics_base_port: int | None = None
     state_dir: str | None = None
-    client_grace_s: float = 30.0
+    client_grace_s: float = 600.0
     trainer_timeout_s: float = 1800.0
     retain_mb: float = 2048.0  # memory per rank for consumed batches held for a rewind to a checkpoint
 
@@ -552,14 +552,18 @@ port = 7000
 # address = "coordinator.example:7000"   # where rank services dial (default 127.0.0.1:port)
 lease_s = 60.0             # a party silent this long is gone: the job fails naming it
 startup_timeout_s = 600.0  # parties start in any order; each waits this long for the others
-# state_dir = "/var/lib/batchd"   # the coordinator's journal: kill -9 and restart resumes the job
+state_dir = "state/coordinator"  # its journal: killed and started again with the same command, it resumes
+                           # the job (relative to this file; remove the directory to start a job over)
 # metrics_port = 9100
 
 [rank]
 host = "127.0.0.1"
 base_port = 7100           # rank r listens on base_port + r
 # metrics_base_port = 9200
-# state_dir = "/var/lib/batchd"
+state_dir = "state/ranks"  # their journals (and the steps held since the trainers' checkpoints)
+client_grace_s = 600.0     # a trainer that disconnected comes back within this: a torchrun restart
+                           # that loads the model and the checkpoint
+# retain_mb = 2048.0       # memory per rank for the steps held for trainers restarting from a checkpoint
 # trainer_timeout_s = 1800.0   # ready batches wait this long for a trainer that has not connected
 
 [security]

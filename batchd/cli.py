@@ -289,7 +289,9 @@ def _add_rank_args(p: argparse.ArgumentParser, who: str) -> None:
         help="seconds to wait for the coordinator to answer at start (default 600)",
     )
     p.add_argument(
-        "--client-grace", type=float, help="seconds a disconnected trainer has to come back (default 30)"
+        "--client-grace",
+        type=float,
+        help="seconds a disconnected trainer has to come back: a restart from its checkpoint (default 600)",
     )
     p.add_argument(
         "--retain-mb",
@@ -883,6 +885,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_demo)
 
     add_bench_parser(sub)
+    sub.add_parser(
+        "torchrun",
+        help="torchrun for a batchd job: restarts that work, one line on Ctrl-C (same arguments)",
+        description="torch.distributed.run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (restarted worker "
+        "groups connect to each other, pytorch #135712) and a one-line end on Ctrl-C / SIGTERM (exit "
+        "130 / 143) that says how to resume; every argument is torchrun's (`batchd torchrun --help` "
+        "prints torchrun's own).",
+    )
     return parser
 
 
@@ -895,6 +905,11 @@ EXIT_CLOSED_PIPE = 141  # standard output was closed early (`| head`): nothing m
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    if args_in[:1] == ["torchrun"]:  # every argument is torchrun's: not parsed here
+        from batchd._torchrun import main as torchrun_main
+
+        return torchrun_main(args_in[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("coordinator", "rank", "node") and not faulthandler.is_enabled():

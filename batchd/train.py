@@ -75,6 +75,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -340,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("WARNING")  # batchd's own lines (waiting, progress) at INFO; torch's and others' quieter
     logging.getLogger("batchd").setLevel(logging.INFO)
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+    _stop_quietly_on_signals(rank, args.checkpoint)
     services: ElasticServices | None = None
     try:  # bad addresses and TLS/token/tokenizer files fail here, before the rendezvous, in one line
         if not args.startup_timeout > 0:
@@ -476,6 +478,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.summary:
         Path(args.summary.format(rank=rank)).write_text(line)
     return 0
+
+
+def _stop_quietly_on_signals(rank: int, checkpoint: str | None) -> None:
+    """Ctrl-C and SIGTERM (torchrun passes either on to its workers) end this rank at once in one line,
+    exit 130 / 143, without a traceback or a wait on peers that are stopping too: the checkpoint on disk
+    is where the job goes on."""
+
+    def stop(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        where = f"; its last checkpoint is in {checkpoint}" if checkpoint else ""
+        print(f"[rank {rank}] batchd.train: stopped by {name}{where}", file=sys.stderr, flush=True)
+        os._exit(143 if signum == signal.SIGTERM else 130)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
 
 
 INIT_GRACE_S = 60.0  # past the process group's own timeout, the watchdog ends a stuck init

@@ -105,7 +105,7 @@ class JobPlan:
     budget: int = BUDGET
     window: int = WINDOW
     depth: int = DEPTH
-    client_grace: float | None = None  # rank services' --client-grace (None: theirs, 30 s)
+    client_grace: float | None = None  # rank services' --client-grace (None: theirs, 600 s)
 
     def est_steps(self) -> int:
         """A rough number of steps of the whole job (for placing the faults)."""

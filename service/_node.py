@@ -38,7 +38,7 @@ class NodeAgent:
         port: int = 0,
         advertise: str | None = None,
         state_dir: str | os.PathLike | None = None,
-        client_grace_s: float = 30.0,
+        client_grace_s: float = 600.0,
         security: Security | None = None,
         metrics: bool = False,
         trainer_timeout_s: float = 1800.0,

@@ -81,7 +81,7 @@ def run_node(
     advertise: str | None = None,
     port_file: str | None = None,
     state_dir: str | None = None,
-    client_grace_s: float = 30.0,
+    client_grace_s: float = 600.0,
     vocab_size: int = 512,
     dataset: str | None = None,
     tokenizer: str | None = None,

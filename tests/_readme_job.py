@@ -8,6 +8,7 @@ final `wait` for the services. `job_env` is the environment of one job (its mark
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -40,7 +41,7 @@ def readme_script(
     block = readme_job_block()
     script = ["set -euo pipefail"]
     for line in block.splitlines():
-        if line.startswith("torchrun "):
+        if line.startswith("batchd torchrun "):
             assert "--node-agent 127.0.0.1:7100" in line, line
             line = line.split("#")[0].replace(
                 "--node-agent 127.0.0.1:7100", f"--node-agent 127.0.0.1:{rport}"
@@ -85,6 +86,27 @@ def trained_ids(work: Path, ranks: int = 2) -> list[int]:
         for line in (work / f"ids-{r}.jsonl").read_text().splitlines():
             ids += json.loads(line)["ids"]
     return ids
+
+
+def surviving_steps(work: Path, rank: int) -> tuple[list[dict], dict[tuple[int, int], list[list[int]]]]:
+    """Rank `rank`'s ids logs split by run (`ids-{rank}.run{k}.jsonl` of earlier commands, then
+    `ids-{rank}.jsonl`) and torchrun restart: (the steps of the lineage that survives: each run's steps
+    before the point the next run resumed at; every delivery of each (epoch, step), in order)."""
+    runs: dict[tuple[int, int], list[dict]] = collections.defaultdict(list)
+    deliveries: dict[tuple[int, int], list[list[int]]] = collections.defaultdict(list)
+    files = sorted(work.glob(f"ids-{rank}.run*.jsonl")) + [work / f"ids-{rank}.jsonl"]
+    for k, path in enumerate(files):
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            runs[(k, entry["restart"])].append(entry)
+            deliveries[(entry["epoch"], entry["step"])].append(entry["ids"])
+    order = sorted(runs)
+    kept = []
+    for k, run in enumerate(order):
+        later = runs[order[k + 1]] if k + 1 < len(order) else []
+        resumed = min(((e["epoch"], e["step"]) for e in later), default=None)
+        kept += [e for e in runs[run] if resumed is None or (e["epoch"], e["step"]) < resumed]
+    return kept, deliveries
 
 
 def end_job(marker: str, timeout: float = 15.0) -> list[str]:

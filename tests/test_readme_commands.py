@@ -119,8 +119,15 @@ RUN_BY = {
     "batchd node --config job.toml --local-ranks 2 --node-rank 0": (
         "tests/test_readme_job.py::test_readme_real_job_runs_as_written"
     ),
-    "torchrun --nproc-per-node 2 -m batchd.train --node-agent 127.0.0.1:7100 --tokenizer tok.json": (
-        "tests/test_readme_job.py::test_readme_real_job_runs_as_written"
+    (
+        "batchd torchrun --nproc-per-node 2 --max-restarts 3 -m batchd.train --node-agent 127.0.0.1:7100 "
+        "--tokenizer tok.json --checkpoint ckpt"
+    ): "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
+    "python -m batchd.train --checkpoint DIR --checkpoint-every N": (
+        "tests/test_restart.py::test_torchrun_max_restarts_resume_every_crash_and_every_party_recovers"
+    ),
+    "batchd torchrun": (
+        "tests/test_restart.py::test_ctrl_c_of_batchd_torchrun_ends_in_one_line_and_the_same_command_resumes"
     ),
     (
         "batchd coordinator --world-size 2 --token-budget 8192 --policy balanced --port 7000 "
@@ -313,7 +320,7 @@ def test_readme_and_help_commands_parse():
             # the install and test lines (test_install_line_is_what_ci_runs), heredocs that write files
             continue
         words = cmd.replace("|", " ").split()
-        if cmd.startswith("torchrun"):
+        if cmd.startswith(("torchrun", "batchd torchrun")):
             if "-m" not in words:
                 continue  # torchrun's own flags only
             words = ["python"] + words[words.index("-m") :]

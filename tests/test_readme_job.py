@@ -20,7 +20,7 @@ import uuid
 
 import pytest
 from _procs import free_block
-from _readme_job import REPO, end_job, job_env, readme_script
+from _readme_job import REPO, end_job, job_env, readme_script, surviving_steps
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +39,12 @@ def stats_fields() -> set[str]:
 
 def test_readme_real_job_runs_as_written(tmp_path):
     cport, rport = free_block(1), free_block(2)
-    script = readme_script(cport, rport, node_args="--stats-file stats.json")  # README "Stats file": per rank
+    script = readme_script(  # README "Stats file": per rank; rank 1's trainer dies once at its 5th step
+        cport,
+        rport,
+        train_args="--checkpoint-every 3 --crash-at 0:5:1 --ids-log ids-{rank}.jsonl",
+        node_args="--stats-file stats.json",
+    )
     ray_tmp = tempfile.mkdtemp(prefix="bdj-", dir="/tmp")  # short socket paths for Ray
     marker = f"BATCHD_TEST_README={uuid.uuid4().hex}"
     env = job_env(ray_tmp, marker)
@@ -56,6 +61,10 @@ def test_readme_real_job_runs_as_written(tmp_path):
         assert run.returncode == 0, out
         results = [json.loads((tmp_path / f"summary-{r}.json").read_text()) for r in range(2)]
         assert results[0]["steps"] == results[1]["steps"] > 0, results
+        # torchrun restarted the group from its checkpoint at step 3: every id once in what survives
+        assert "resumed from ckpt/rank-0.pt at epoch 0 step 3" in run.stderr, out
+        kept = [i for r in range(2) for e in surviving_steps(tmp_path, r)[0] for i in e["ids"]]
+        assert len(kept) == len(set(kept)) > 0, out
         started = re.findall(r"rank (\d): started an embedded Ray for this job \(gcs (\S+)\)", run.stderr)
         assert len(started) == 1 and "joined" not in run.stderr, out  # one Ray, in the agent
         assert re.search(r"node agent '[^']+' serving ranks \[0, 1\]", run.stderr), out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from _procs import free_block, wait_until
-from _readme_job import end_job, job_env
+from _readme_job import end_job, job_env, surviving_steps
 
 from batchd.demo import demo_lengths
 
@@ -30,37 +31,35 @@ pytestmark = pytest.mark.slow
 SAMPLES = 600
 
 
-def surviving_steps(work: Path, rank: int) -> tuple[list[dict], dict[tuple[int, int], list[list[int]]]]:
-    """Rank `rank`'s ids log split by torchrun restart: (the steps of the lineage that survives: each run's
-    steps before the point the next run resumed at; every delivery of each (epoch, step), in order)."""
-    runs: dict[int, list[dict]] = collections.defaultdict(list)
-    deliveries: dict[tuple[int, int], list[list[int]]] = collections.defaultdict(list)
-    for line in (work / f"ids-{rank}.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        runs[entry["restart"]].append(entry)
-        deliveries[(entry["epoch"], entry["step"])].append(entry["ids"])
-    order = sorted(runs)
-    kept = []
-    for k, restart in enumerate(order):
-        resumed = (
-            min(((e["epoch"], e["step"]) for e in runs[order[k + 1]]), default=None)
-            if k + 1 < len(order)
-            else None
-        )
-        kept += [e for e in runs[restart] if resumed is None or (e["epoch"], e["step"]) < resumed]
-    return kept, deliveries
-
-
-def test_torchrun_max_restarts_resume_every_crash_and_every_party_recovers(tmp_path):
-    (tmp_path / "lengths.txt").write_text("\n".join(map(str, demo_lengths(SAMPLES, seed=3))) + "\n")
+def _job_dir(work: Path, deterministic: bool = True) -> int:
+    """Writes the job (lengths, job.toml journaling as `batchd config --example` does) into `work`;
+    returns the node agent's port."""
+    (work / "lengths.txt").write_text("\n".join(map(str, demo_lengths(SAMPLES, seed=3))) + "\n")
     cport, aport = free_block(1), free_block(2)
-    (tmp_path / "job.toml").write_text(
+    (work / "job.toml").write_text(
         '[job]\nworld_size = 2\ntoken_budget = 1024\npolicy = "balanced"\nwindow = 32\ndepth = 4\n'
-        "seed = 3\nepochs = 2\ndeterministic = true\ntokens_per_update = 3000\n"
+        f"seed = 3\nepochs = 2\ndeterministic = {str(deterministic).lower()}\ntokens_per_update = 3000\n"
         '[data]\nlengths = "lengths.txt"\n'
         f'[coordinator]\nport = {cport}\nlease_s = 60.0\nstate_dir = "state/coordinator"\n'
         f'[rank]\nbase_port = {aport}\nstate_dir = "state/ranks"\n'
     )
+    return aport
+
+
+def _every_id_once(work: Path) -> None:
+    """Every id once per epoch in the surviving lineage; a step sent again is the same batch."""
+    for epoch in range(2):
+        seen: collections.Counter = collections.Counter()
+        for rank in range(2):
+            kept, deliveries = surviving_steps(work, rank)
+            seen.update(i for e in kept if e["epoch"] == epoch for i in e["ids"])
+            again = {k: v for k, v in deliveries.items() if len(v) > 1}
+            assert all(v == [v[0]] * len(v) for v in again.values()), "a step sent again is the same batch"
+        assert sorted(seen) == list(range(SAMPLES)) and max(seen.values()) == 1, (epoch, len(seen))
+
+
+def test_torchrun_max_restarts_resume_every_crash_and_every_party_recovers(tmp_path):
+    aport = _job_dir(tmp_path)
     marker = f"BATCHD_TEST_RESTART={uuid.uuid4().hex}"
     env = job_env(tempfile.mkdtemp(prefix="bdr-", dir="/tmp"), marker)
     coordinator = ["batchd", "coordinator", "--config", "job.toml"]
@@ -109,16 +108,65 @@ def test_torchrun_max_restarts_resume_every_crash_and_every_party_recovers(tmp_p
             f.close()
     out = tail()
     assert "Traceback" not in (tmp_path / "node.log").read_text(), out
-    restarts = set()
-    for epoch in range(2):
-        seen = collections.Counter()
-        for rank in range(2):
-            kept, deliveries = surviving_steps(tmp_path, rank)
-            seen.update(i for e in kept if e["epoch"] == epoch for i in e["ids"])
-            again = {k: v for k, v in deliveries.items() if len(v) > 1}
-            assert again, "some steps were sent again after a crash"
-            assert all(v == [v[0]] * len(v) for v in again.values()), "a step sent again is the same batch"
-            restarts |= {e["restart"] for e in kept}
-        assert sorted(seen) == list(range(SAMPLES)) and max(seen.values()) == 1, (epoch, len(seen))
-    assert restarts == {0, 1, 2, 3}, restarts
+    _every_id_once(tmp_path)
+    for rank in range(2):
+        kept, deliveries = surviving_steps(tmp_path, rank)
+        assert {e["restart"] for e in kept} == {0, 1, 2, 3}, "a part of every torchrun restart survives"
+        assert any(len(v) > 1 for v in deliveries.values()), "steps were sent again after each crash"
     assert out.count("resumed from ckpt/rank-0.pt") == 3, out
+
+
+def test_ctrl_c_of_batchd_torchrun_ends_in_one_line_and_the_same_command_resumes(tmp_path):
+    """SIGINT to `batchd torchrun`'s process group (a terminal's Ctrl-C) mid-job: exit 130, no traceback,
+    the last line says how to go on; the same command again completes the job, every id once."""
+    aport = _job_dir(tmp_path, deterministic=False)
+    marker = f"BATCHD_TEST_RESTART={uuid.uuid4().hex}"
+    env = job_env(tempfile.mkdtemp(prefix="bdr-", dir="/tmp"), marker)
+    train = [
+        "batchd", "torchrun", "--nproc-per-node", "2", "--standalone", "-m", "batchd.train", "--node-agent",
+        f"127.0.0.1:{aport}", "--checkpoint", "ckpt", "--checkpoint-every", "5", "--ids-log",
+        "ids-{rank}.jsonl", "--step-time", "0.1", "--vocab-size", "512", "--d-model", "32", "--n-layers",
+        "1", "--n-heads", "2", "--log-every", "0",
+    ]  # fmt: skip
+    services = [
+        subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for argv in (
+            ["batchd", "coordinator", "--config", "job.toml"],
+            ["batchd", "node", "--config", "job.toml", "--local-ranks", "2", "--node-rank", "0"],
+        )
+    ]
+    first = tmp_path / "first.log"
+    ids0 = tmp_path / "ids-0.jsonl"
+    try:
+        with open(first, "w") as out:
+            group = subprocess.Popen(
+                train, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            wait_until(
+                "steps past the second checkpoint",
+                lambda: group.poll() is None and ids0.exists() and len(ids0.read_text().splitlines()) >= 12,
+                120,
+                first.read_text,
+            )
+            os.killpg(group.pid, signal.SIGINT)
+            assert group.wait(60) == 130, first.read_text()
+        text = first.read_text()
+        assert "Traceback" not in text, text
+        last = text.strip().splitlines()[-1]
+        assert last.startswith("batchd torchrun: stopped by SIGINT; run the same command again"), text
+        saved = json.loads((tmp_path / "ckpt" / "rank-0.pos.json").read_text())
+        at = f"epoch {saved['epoch']} step {saved['next_step']}"
+        assert saved["next_step"] >= 5 and f"last checkpoint in ckpt ({at})" in last, text
+        for r in range(2):  # the same command again: a new torchrun, whose restarts count from 0
+            (tmp_path / f"ids-{r}.jsonl").rename(tmp_path / f"ids-{r}.run0.jsonl")
+        again = subprocess.run(train, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stderr[-4000:]
+        assert f"resumed from ckpt/rank-0.pt at {at}" in again.stderr, again.stderr[-4000:]
+        for p in services:
+            assert p.wait(60) == 0
+    finally:
+        for p in services:
+            if p.poll() is None:
+                p.kill()
+        end_job(marker)
+    _every_id_once(tmp_path)

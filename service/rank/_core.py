@@ -92,7 +92,7 @@ class RankServiceCore:
         source: Source,
         state_dir: str | os.PathLike | None = None,
         epoch: int = 0,
-        client_grace_s: float = 30.0,
+        client_grace_s: float = 600.0,
         fill_timeout_s: float = 0.5,
         security: Security | None = None,
         metrics: RankMetrics | None = None,
