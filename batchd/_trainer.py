@@ -142,7 +142,8 @@ def run(
     """Trains one epoch on this rank; writes and returns the result dict. `step_time` (batchd mode):
     seconds slept per step, a stand-in for a real model's step (tests of slow trainers)."""
     torch.set_num_threads(threads)
-    model_cfg = model_cfg or {}
+    # positions reach the longest sample either side may send (rotary: nothing to allocate)
+    model_cfg = {"max_len": max(4096, cutoff, *(lengths or [])), **(model_cfg or {})}
     source = None
     if mode != "batchd" and dataset is not None:  # started before the clock, like the rank services
         ensure_ray(ray_address)

@@ -403,17 +403,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ] = []  # the last collectives' handles: released after the process group (see _vision_imbalance)
     try:
         torch.manual_seed(args.seed)
-        if hf_model is not None:  # adapted before DDP wraps it: DDP sees the model's own parameters
-            from batchd.client import two_phase
-
-            model = two_phase(hf_model.to(device))
-        else:
-            model = TinyCausalLM(
-                vocab_size=vocab, d_model=args.d_model, n_layers=args.n_layers, n_heads=args.n_heads
-            ).to(device)
-        if args.strategy == "fsdp2":  # before the optimizer: fully_shard makes the parameters DTensors
-            _fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         client = BatchClient(
             address,
             rank,
@@ -423,6 +412,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             security=security,
             startup_timeout_s=args.startup_timeout,
         )
+        longest = client.job_max_tokens()  # the job's longest sample: the model's positions must reach it
+        if hf_model is not None:  # adapted before DDP wraps it: DDP sees the model's own parameters
+            from batchd.client import two_phase
+
+            _check_positions(hf_model, longest, args.hf_model)
+            model = two_phase(hf_model.to(device))
+        else:
+            model = TinyCausalLM(
+                vocab_size=vocab,
+                d_model=args.d_model,
+                n_layers=args.n_layers,
+                n_heads=args.n_heads,
+                max_len=max(4096, longest) if longest else 1 << 20,  # rotary: no table to size
+            ).to(device)
+        if args.strategy == "fsdp2":  # before the optimizer: fully_shard makes the parameters DTensors
+            _fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         ckpt = Path(args.checkpoint) / f"rank-{rank}.pt" if args.checkpoint else None
         load, resize = _checkpoint_to_load(ckpt, world_size)
         if load is not None:  # before DDP wraps the model: DDP broadcasts rank 0's weights
@@ -455,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except JobFailed as exc:
         print(f"[rank {rank}] batchd job failed: {exc}", file=sys.stderr, flush=True)
         return 1
-    except VocabularyError as exc:
+    except (VocabularyError, PositionsError) as exc:
         print(f"[rank {rank}] batchd.train: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except BatchdError as exc:  # e.g. the rank service unreachable: one line naming it, not a traceback
@@ -751,6 +757,24 @@ def _log_step(fd: int | None, epoch: int, step: int, ids: list[int], patches: in
         }
         os.write(fd, (json.dumps(line) + "\n").encode())
         os.fsync(fd)
+
+
+class PositionsError(ValueError):
+    """The job sends samples longer than the model's positions reach."""
+
+
+def _check_positions(model: torch.nn.Module, longest: int | None, name: str) -> None:
+    """Refuses, before the first step, a model whose position embeddings cannot reach the job's longest
+    sample (`BatchClient.job_max_tokens`): one line naming both numbers, not a traceback mid-job."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    limit = getattr(text, "max_position_embeddings", None)
+    if longest and isinstance(limit, int) and longest > limit:
+        raise PositionsError(
+            f"the job sends samples of up to {longest} tokens (its token_budget and over_budget policy), "
+            f"but --hf-model {name} takes at most {limit} positions (max_position_embeddings): lower "
+            '[job] token_budget, or cut long samples (over_budget = "truncate")'
+        )
 
 
 class VocabularyError(ValueError):

@@ -217,6 +217,12 @@ class BatchClient:
         Waits like `job_epochs`."""
         return self._status(timeout).job_samples or None
 
+    def job_max_tokens(self, timeout: float | None = None) -> int | None:
+        """The most tokens one sample of a step may have (the job's token budget and over-budget policy,
+        its sources' cutoff), or None when the rank service does not know: size the model's positions by
+        it. Waits like `job_epochs`."""
+        return self._status(timeout).max_tokens or None
+
     def _status(self, timeout: float | None) -> pb.RankStatusReply:
         """This rank's `RankStatus`, retried while the rank service is unreachable (not up yet) for up to
         `timeout` (default `startup_timeout_s`)."""

@@ -565,7 +565,7 @@ class RankStatusRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ...) -> None: ...
 
 class RankStatusReply(_message.Message):
-    __slots__ = ("rank", "buffered", "ready", "next_step", "round", "state", "failure", "epoch", "epochs", "fetched_local", "fetched_remote", "job_samples")
+    __slots__ = ("rank", "buffered", "ready", "next_step", "round", "state", "failure", "epoch", "epochs", "fetched_local", "fetched_remote", "job_samples", "max_tokens")
     RANK_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
@@ -578,6 +578,7 @@ class RankStatusReply(_message.Message):
     FETCHED_LOCAL_FIELD_NUMBER: _ClassVar[int]
     FETCHED_REMOTE_FIELD_NUMBER: _ClassVar[int]
     JOB_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rank: int
     buffered: int
     ready: int
@@ -590,4 +591,5 @@ class RankStatusReply(_message.Message):
     fetched_local: int
     fetched_remote: int
     job_samples: int
-    def __init__(self, rank: _Optional[int] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., next_step: _Optional[int] = ..., round: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., fetched_local: _Optional[int] = ..., fetched_remote: _Optional[int] = ..., job_samples: _Optional[int] = ...) -> None: ...
+    max_tokens: int
+    def __init__(self, rank: _Optional[int] = ..., buffered: _Optional[int] = ..., ready: _Optional[int] = ..., next_step: _Optional[int] = ..., round: _Optional[int] = ..., state: _Optional[str] = ..., failure: _Optional[str] = ..., epoch: _Optional[int] = ..., epochs: _Optional[int] = ..., fetched_local: _Optional[int] = ..., fetched_remote: _Optional[int] = ..., job_samples: _Optional[int] = ..., max_tokens: _Optional[int] = ...) -> None: ...

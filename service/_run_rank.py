@@ -110,6 +110,7 @@ def make_ray_source(
     except BaseException:
         shared.close()
         raise
+    source.longest = cutoff  # `Source.longest`: the chain's Truncate stage cuts every sample to it
     return source, shared
 
 

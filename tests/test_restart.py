@@ -34,7 +34,9 @@ SAMPLES = 600
 def _job_dir(work: Path, deterministic: bool = True) -> int:
     """Writes the job (lengths, job.toml journaling as `batchd config --example` does) into `work`;
     returns the node agent's port."""
-    (work / "lengths.txt").write_text("\n".join(map(str, demo_lengths(SAMPLES, seed=3))) + "\n")
+    lengths = demo_lengths(SAMPLES, seed=3)
+    lengths[17] = 5199  # over the budget (a step of its own) and over the tiny model's default 4096 positions
+    (work / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
     cport, aport = free_block(1), free_block(2)
     (work / "job.toml").write_text(
         '[job]\nworld_size = 2\ntoken_budget = 1024\npolicy = "balanced"\nwindow = 32\ndepth = 4\n'

@@ -8,6 +8,7 @@ saves and crashes, and restarts of the rank service (its state saved and loaded)
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -333,5 +334,24 @@ def test_past_the_retention_budget_a_rewind_is_refused_naming_where_it_may_resum
     assert "pass the retention budget" in caplog.text
     with job.client(0) as c:
         c.load_state_dict(states[0])
-        with pytest.raises(BatchdError, match="holds steps only from epoch 0 step [56]"):
+        with pytest.raises(BatchdError, match=r"holds steps only from epoch 0 step \d+") as refused:
             list(c)
+    # the budget freed every step the trainer consumed (how many its acks had told is timing's)
+    floor = int(re.search(r"holds steps only from epoch 0 step (\d+)", str(refused.value)).group(1))
+    assert floor > states[0]["next_step"], str(refused.value)
+
+
+@pytest.mark.parametrize("over_budget, expected", [("singleton", 5199), ("truncate", 256), ("reject", 256)])
+def test_trainers_learn_the_longest_sample_the_job_sends(job_factory, over_budget, expected):
+    """`BatchClient.job_max_tokens()`: what a trainer sizes its model's positions by (a 5,199-token sample
+    under a 256-token budget: its own step under `singleton`, cut or refused otherwise)."""
+    spec = JobSpec(
+        world_size=1, token_budget=256, policy="local", window=16, depth=3, over_budget=over_budget
+    )
+    lengths = _lengths(40)
+    lengths[7] = 5199
+    job = job_factory(spec, lengths)
+    with job.client(0) as c:
+        assert c.job_max_tokens() == expected
+        longest = max(int(b["input_ids"].shape[-1]) for b, _ in c)
+    assert longest <= expected

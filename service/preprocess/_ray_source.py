@@ -137,6 +137,7 @@ class RaySource:
     ) -> None:
         _check_options(payload, wrap, ordered, chunk_size, max_attempts, max_bad_fraction)
         self.memory_budget = parse_bytes(memory_budget)
+        self.longest: int | None = None  # `Source.longest`: set by whoever chose the stages' cutoff
         self.max_bad_fraction = float(max_bad_fraction)
         pool, self._own_pool = _open_pool(
             dataset, pool, self.memory_budget, stages, num_actors, ray_address, actor_num_cpus, node_id

@@ -54,6 +54,8 @@ class Source(Protocol):
         unread() (optional): samples of this epoch's view not yet returned by `poll` (None: unknown,
             e.g. an endless non-join view); reported each round, node-local rounds share out the nodes'
             remaining work by it. A source without it reports unknown.
+        longest (optional): the most tokens one of its samples has (after its own cutoff), or None when
+            unknown; told to trainers (`RankStatus.max_tokens`) so they size their models' positions.
         reasons: the records this source quarantined (all epochs so far), counted by reason code
             (`Quarantine.code_of`); read from the thread that polls; empty for a source that cannot
             quarantine (`NO_REASONS`).
@@ -290,6 +292,7 @@ class SyntheticSource:
         self.images = [tuple(tuple(im) for im in row) for row in images] if images is not None else None
         self.patch_dim = patch_dim
         self.lengths = list(lengths)
+        self.longest = max(self.lengths, default=0)  # `Source.longest`
         self.rank, self.seed, self.vocab_size = rank, seed, vocab_size
         self.view = ViewSource(len(self.lengths), rank, world_size, seed, epoch, shuffle, wrap)
 

@@ -193,12 +193,22 @@ class RankServicer(pb_grpc.RankServiceServicer):
                 fetched_local=core.fetched["local"],
                 fetched_remote=core.fetched["remote"],
                 job_samples=job_samples(core),
+                max_tokens=max_tokens(core),
             )
 
 
 def _decode_pushed(req: pb.IngestRequest) -> tuple[Sample, Payload]:
     """A pushed record's (metadata, payload); ValueError when its bytes do not decode."""
     return wire.sample_from_pb(req.meta), wire.tensors_from_pb(req.tensors)
+
+
+def max_tokens(core: RankServiceCore) -> int:
+    """The most tokens one sample of this rank's steps may have: what the over-budget policy cuts or
+    rejects above (`truncate`, `reject`), else its source's longest sample (`Source.longest`); 0 when
+    unknown (a pushed source under `singleton`)."""
+    if core.spec.over_budget in ("truncate", "reject"):
+        return core.state.truncate_length
+    return int(getattr(core.source, "longest", None) or 0)
 
 
 def job_samples(core: RankServiceCore) -> int:
