@@ -401,18 +401,20 @@ class FinishReply(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeHello(_message.Message):
-    __slots__ = ("protocol", "node", "ranks", "spec", "address")
+    __slots__ = ("protocol", "node", "ranks", "spec", "address", "journaled")
     PROTOCOL_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    JOURNALED_FIELD_NUMBER: _ClassVar[int]
     protocol: NodeProtocol
     node: str
     ranks: _containers.RepeatedScalarFieldContainer[int]
     spec: JobSpec
     address: str
-    def __init__(self, protocol: _Optional[_Union[NodeProtocol, str]] = ..., node: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
+    journaled: bool
+    def __init__(self, protocol: _Optional[_Union[NodeProtocol, str]] = ..., node: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., address: _Optional[str] = ..., journaled: _Optional[bool] = ...) -> None: ...
 
 class NodeAlign(_message.Message):
     __slots__ = ("epoch", "round", "reports")

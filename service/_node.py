@@ -85,6 +85,7 @@ class NodeAgent:
             self.address,
             startup_timeout_s=startup_timeout_s,
             security=security,
+            journaled=all(core.journal is not None for core in self.cores.values()),
         )
         for r, core in self.cores.items():
             core.coord = self.link.client(r)

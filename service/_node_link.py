@@ -100,6 +100,7 @@ class NodeLink:
         address: str,
         startup_timeout_s: float = 600.0,
         security: Security | None = None,
+        journaled: bool = False,
     ) -> None:
         if not ranks:
             raise ValueError(f"a node agent serves at least one rank, got {ranks=}")
@@ -107,6 +108,7 @@ class NodeLink:
             raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s=}")
         self.coordinator, self.node, self.ranks, self.spec = coordinator, node, sorted(ranks), spec
         self.address, self.startup_timeout_s = address, startup_timeout_s
+        self.journaled = journaled  # told in the hello: the coordinator judges a broken stream by it
         self.channel = channel(coordinator, security, CHANNEL_OPTIONS)
         self.stub = pb_grpc.CoordinatorStub(self.channel)
         self.lease_s = 60.0
@@ -144,6 +146,7 @@ class NodeLink:
                     ranks=self.ranks,
                     spec=wire.spec_to_pb(self.spec),
                     address=self.address,
+                    journaled=self.journaled,
                 )
             )
         )

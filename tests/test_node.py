@@ -9,6 +9,7 @@ Every wait is a deadline on an event.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from concurrent import futures
@@ -17,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 from _jobs import drain_clients
+from _procs import wait_until
 
 from batchd.client import BatchClient
 from batchd.core import JobSpec, RankState, RoundDecision, Sample
@@ -406,3 +408,27 @@ def test_an_agent_told_apart_from_a_coordinator_that_predates_node_agents():
     finally:
         link.close()
         server.stop(0)
+
+
+def test_a_dead_agent_is_noticed_at_once_and_without_a_journal_fails_the_job_before_its_lease(
+    node_job, tmp_path, caplog
+):
+    """An agent's process gone (its stream broke) is logged at once; one that journals is waited for (a
+    restart resumes it), one without a journal fails the job once it has not reconnected for 10 s,
+    naming it, long before its 60 s lease."""
+    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=16, depth=2, seed=4)
+    journaled = node_job(spec, _lengths(200), nodes=2, state_dir=tmp_path, lease_s=60.0)
+    plain = node_job(spec, _lengths(200), nodes=2, lease_s=60.0)
+    for job in (journaled, plain):
+        wait_until("both agents registered", lambda j=job: len(j.state.liveness.registered) == 4, 30)
+    with caplog.at_level(logging.WARNING, logger="batchd.coordinator"):
+        t0 = time.monotonic()
+        for job in (journaled, plain):
+            job.agents[1].stop(grace=0)
+        wait_until("the plain job failed", lambda: plain.state.failure is not None, 40)
+        took = time.monotonic() - t0
+    assert "node agent 'node-1' (rank(s) [2, 3]) went away" in plain.state.failure, plain.state.failure
+    assert "keeps no journal" in plain.state.failure and took < 30, (took, plain.state.failure)
+    assert journaled.state.failure is None, journaled.state.failure
+    assert "node agent 'node-1' (rank(s) [2, 3]): its stream broke" in caplog.text
+    assert "resumes from its journal" in caplog.text

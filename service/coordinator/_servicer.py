@@ -153,13 +153,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         reply each in order. Domain errors end the stream with their status code (the agent reports
         them); a shutdown of a stream its agent already cancelled ends it quietly."""
         session = NodeSession(self.state)
-        async for request in request_iterator:
-            try:
-                yield await self._node_reply(session, request)
-            except DOMAIN_ERRORS as exc:
-                if isinstance(exc, ShuttingDown) and context.cancelled():
-                    return
-                await self._abort(context, exc)
+        try:
+            async for request in request_iterator:
+                try:
+                    yield await self._node_reply(session, request)
+                except DOMAIN_ERRORS as exc:
+                    if isinstance(exc, ShuttingDown) and context.cancelled():
+                        return
+                    await self._abort(context, exc)
+        finally:  # its agent's process may be gone: noticed now, not at the lease
+            if session.name is not None:
+                self.state.node_stream_ended(session.name, sorted(session.ranks), session.journaled)
 
     async def _node_reply(self, session: NodeSession, request: pb.NodeRequest) -> pb.NodeReply | bytes:
         kind = request.WhichOneof("kind")

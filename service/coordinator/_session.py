@@ -40,6 +40,7 @@ class NodeSession:
         self.state = state
         self.name: str | None = None
         self.ranks: frozenset[int] = frozenset()
+        self.journaled = False  # the agent journals: a restart of it resumes its ranks
         self._decision: tuple[int, int, RoundDecision, bytes] | None = None  # epoch, round, original, reply
 
     def hello(self, hello: pb.NodeHello) -> pb.NodeReply:
@@ -58,7 +59,7 @@ class NodeSession:
             raise ValueError(f"node agent {hello.node!r} sent an invalid job spec: {exc}") from None
         ranks = [int(r) for r in hello.ranks]
         epoch, rnd, addrs = self.state.register_node(hello.node, ranks, spec, hello.address)
-        self.name, self.ranks = hello.node, frozenset(ranks)
+        self.name, self.ranks, self.journaled = hello.node, frozenset(ranks), bool(hello.journaled)
         return pb.NodeReply(registered=register_reply(self.state, epoch, rnd, addrs))
 
     def own(self, kind: str, ranks: Iterable[int]) -> list[int]:

@@ -52,6 +52,7 @@ from . import _recovery as recovery
 from . import _resize as resizing
 from . import _topology as topo
 from ._barrier import Barrier, ShuttingDown
+from ._gone import BrokenStreams
 from ._observe import observe_commit, observe_decision
 from ._watchdog import LeaseWatchdog
 
@@ -114,6 +115,7 @@ class CoordinatorState:
         self.addresses: dict[int, str] = {}
         self.node_of: dict[int, str] = {}  # rank -> the name of the node agent serving it
         self.liveness = Liveness(spec.world_size, lease_s, startup_timeout_s, time.monotonic())
+        self.broken = BrokenStreams(lease_s)  # node agents whose stream broke (`_gone`)
         self._reports: dict[int, RankReport] = {}
         self._commits: dict[int, RankCommit] = {}
         self._commit_sums: dict[int, Sums] = {}  # rank -> its steps' sums
@@ -251,13 +253,19 @@ class CoordinatorState:
             now = time.monotonic()
             if self.failure is not None or self.job_done:
                 return now, None
-            failure = self.liveness.check(now)
+            failure = self.liveness.check(now) or self.broken.check(now)
             if failure is not None:
                 self._fail_locked(failure)
                 return now, None
             if now < log_after:
                 return now, None
             return now, self.liveness.waiting(now) or self._waiting_for_trainers()
+
+    def node_stream_ended(self, node: str, ranks: list[int], journaled: bool) -> None:
+        """A node agent's stream ended (`_gone`): noticed unless the job or its ranks are done."""
+        with self._lock:
+            if self.failure is None and not self.job_done and not set(ranks) <= self.liveness.finished:
+                self.broken.broke(node, ranks, journaled, time.monotonic())
 
     def _waiting_for_trainers(self) -> str | None:
         if self.rounds_done:
@@ -352,6 +360,7 @@ class CoordinatorState:
             for r in ranks:
                 self._register_locked(r, address, node)
             topo.label_node(node, self.node_of, self.addresses, self.liveness)
+            self.broken.back(node)
             log.info("node agent %r at %s registered rank(s) %s", node, address, topo.span(sorted(ranks)))
             return self.epoch, self.core.round, self._addresses()
 
