@@ -40,7 +40,8 @@ DDP model), and are refused otherwise in one line, as is `deepspeed` without the
 
 Test hooks (`benchmarks/chaos.py`): `--step-time S` sleeps S seconds per step (a stand-in for a slow
 model); `--ids-log FILE` appends one JSON line per step as the batch arrives, before it is trained
-(`{"epoch", "step", "ids", "patches", "world", "restart"}`, fsynced; `patches`: the vision-encoder
+(`{"epoch", "step", "ids", "patches", "t", "world", "restart"}`, fsynced; `t`: the wall clock;
+`patches`: the vision-encoder
 patches this rank runs that step, the rows of its `pixel_values`; `world`: the world size; `restart`:
 torchrun's $TORCHELASTIC_RESTART_COUNT), so a restarted trainer that replays a step logs it again with
 the same ids.
@@ -750,7 +751,7 @@ def _maybe_crash(spec: str | None, rank: int, steps: int) -> None:
 
 def _log_step(fd: int | None, epoch: int, step: int, ids: list[int], patches: int) -> None:
     if fd is not None:  # one write per line: a kill leaves whole lines
-        line = {"epoch": epoch, "step": step, "ids": ids, "patches": patches}
+        line = {"epoch": epoch, "step": step, "ids": ids, "patches": patches, "t": round(time.time(), 3)}
         line |= {
             "world": dist.get_world_size(),
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),

@@ -3,7 +3,8 @@
 Each job runs the real command lines on loopback: one `batchd coordinator`, N `batchd rank` services
 (each with `--state-dir`; `--lengths FILE` synthetic samples, or `--dataset` on a small generated demo
 dataset preprocessed by Ray actors, one per rank, on a Ray this process starts) and N trainers
-(`python -m batchd.train`, gloo DDP on CPU, `--checkpoint DIR --checkpoint-every 1`, a per-job
+(`python -m batchd.train`, gloo DDP on CPU, `--checkpoint DIR --checkpoint-every K` (default 5: a
+killed trainer's group resumes up to K steps back, and the rank services send those steps again), a per-job
 `--step-time` drawn log-uniformly from [--min-step-time, --max-step-time], and `--ids-log`: one fsynced
 JSON line per step, written as the batch arrives, before it is trained).
 
@@ -106,6 +107,7 @@ class JobPlan:
     window: int = WINDOW
     depth: int = DEPTH
     client_grace: float | None = None  # rank services' --client-grace (None: theirs, 600 s)
+    checkpoint_every: int = 5  # the trainers' --checkpoint-every
 
     def est_steps(self) -> int:
         """A rough number of steps of the whole job (for placing the faults)."""
@@ -423,7 +425,7 @@ class Job:
         p, w = self.plan, self.work
         for r in range(p.world_size):
             argv = [PY, "-m", "batchd.train", "--rank-services", services, *model, *MODEL]
-            argv += ["--checkpoint", str(w / "ckpt"), "--checkpoint-every", "1"]
+            argv += ["--checkpoint", str(w / "ckpt"), "--checkpoint-every", str(p.checkpoint_every)]
             argv += ["--step-time", str(p.step_time), "--ids-log", str(w / "ids-{rank}.jsonl")]
             argv += ["--summary", str(w / "summary-{rank}.json"), "--log-every", "0", "--timeout", "120"]
             env = {
@@ -919,6 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         help="which jobs read the Ray-preprocessed dataset (auto: those with actor faults, and every other)",
     )
     ap.add_argument("--job-timeout", type=float, default=240.0, help="seconds before a job is killed")
+    ap.add_argument("--checkpoint-every", type=int, default=5, help="the trainers' steps between checkpoints")
     ap.add_argument(
         "--work", type=Path, default=None, help="keep the jobs' logs here (default: a temporary dir)"
     )
@@ -949,6 +952,8 @@ def main(argv: list[str] | None = None) -> int:
         args.faults_per_job,
         dataset=args.dataset,
     )
+    for plan in plans:
+        plan.checkpoint_every = args.checkpoint_every
     with tempfile.TemporaryDirectory(prefix="batchd-chaos-") as tmp:
         work = args.work or Path(tmp)
         report = run_jobs(plans, work, journal, job_timeout_s=args.job_timeout, notes=notes)

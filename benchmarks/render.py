@@ -45,6 +45,7 @@ ORDER = (
     "bench-updates",
     "update-replay",
     "chaos",
+    "restart",
     "elastic",
     "node-balance",
     "_notes/node-balance",
@@ -87,6 +88,7 @@ FULL_RUNS = {
     "bench-epochs": "python benchmarks/bench_epochs.py",
     "bench-updates": "python benchmarks/bench_updates.py",
     "update-replay": "python benchmarks/update_replay.py",
+    "restart": "python benchmarks/restart.py",
     "chaos": "python benchmarks/chaos.py --jobs 6 --seed 0 --faults-per-job 2 --json /tmp/chaos_full.json "
     "--work /tmp/chaos_full",
     "elastic": "python benchmarks/elastic.py",

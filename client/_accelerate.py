@@ -51,6 +51,13 @@ k undoes ``accelerator.backward``'s division), so the update is the gradient of 
 the whole window; a window the stream ends in is filled with zero-weight IDLE steps, so the last
 optimizer step happens. Checkpoint after optimizer steps: the client has read the whole window.
 
+Checkpoints: after an optimizer step, save ``accelerator.save_state(folder)`` and, beside it, each rank's
+``client.state_dict()``; once every rank's save completed (``accelerator.wait_for_everyone()``: rank 0
+wrote the model and optimizer) call ``client.checkpointed()``. The rank service keeps the batches after
+the last checkpoints, so trainers that crash and restart from one (``accelerator.load_state(folder)``,
+``client.load_state_dict(saved)``, then the epoch loop from ``client.epoch``) get the same batches
+again (`BatchClient`, "Rewind to a checkpoint"). Take ``state_dict()`` only for checkpoints.
+
 This module imports neither accelerate nor transformers; the accelerator is only used through
 ``device``, ``process_index``, ``num_processes``, ``gradient_accumulation_steps`` and ``backward``.
 """

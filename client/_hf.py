@@ -31,7 +31,11 @@ trains on this rank's batchd stream instead of a dataset:
 * **Checkpoints.** Every Trainer checkpoint also gets ``batchd_client_rank{r}.json`` (the client's
   ``state_dict()``, written by each rank); ``train(resume_from_checkpoint=...)`` loads it into the
   client and sets ``args.ignore_data_skip = True``, since batchd resumes the stream itself (Trainer's
-  own batch skipping needs a DataLoader and would skip a second time).
+  own batch skipping needs a DataLoader and would skip a second time). The rank service keeps the
+  batches after the last checkpoints (`BatchClient.state_dict`, "Rewind to a checkpoint"), so trainers
+  that crash after a checkpoint and resume from it get the same batches again. Once the checkpoint is
+  written (every rank's client state, after a barrier when there are several ranks, and rank 0's model
+  and optimizer), `BatchClient.checkpointed` lets the service free the batches before it.
 
 * **Optimizer updates of a fixed token count** (the job's ``tokens_per_update`` /
   ``samples_per_update``): one Trainer step is one batchd update, however many batchd steps it holds.
@@ -311,6 +315,9 @@ class BatchdTrainer(transformers.Trainer):
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(self.client.state_dict(), f)
         os.replace(tmp, path)
+        if self.args.world_size > 1:  # rank 0 saves the model and optimizer, each rank its client state
+            self.accelerator.wait_for_everyone()
+        self.client.checkpointed()  # the checkpoint is complete: the service frees the batches before it
 
     def train(
         self,

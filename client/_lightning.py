@@ -28,7 +28,14 @@ trains on this rank's batchd stream:
   stream position after the last batch *trained on*: Lightning fetches one batch ahead, so the client's
   own position is one step further. Rank 0 writes Lightning's checkpoint, but the position holds for
   every rank (the streams are aligned: same epoch, same step count), so each rank restores its own
-  client from it in ``trainer.fit(..., ckpt_path=...)``.
+  client from it in ``trainer.fit(..., ckpt_path=...)``. ``state_dict`` also tells the rank service
+  that a checkpoint is taken at that position (`BatchClient.state_dict`, "Rewind to a checkpoint"): it
+  keeps the batches after it, so trainers that crash after a checkpoint and resume from it get the same
+  batches again. Lightning saves synchronously (then a barrier), so when the next batch reaches the
+  device the save has completed on every rank and the data module says so (`BatchClient.checkpointed`:
+  the service frees the batches before it); not with an ``AsyncCheckpointIO``. Lightning calls
+  ``state_dict`` only to save a checkpoint; do not call it for anything else. A failed ``fit`` closes
+  the stream (``on_exception``), so a retry in the same process can connect again.
 
 * **Optimizer updates of a fixed token count** (the job's ``tokens_per_update`` /
   ``samples_per_update``): an update spans a varying number of steps, which Lightning's automatic
@@ -69,6 +76,8 @@ from ._accelerate import batchd_loss, hf_model_inputs
 from ._client import BatchClient
 from ._train import _to_device, scale_gradients
 from ._vlm import check_model_batch
+
+AsyncCheckpointIO = pl.plugins.io.AsyncCheckpointIO  # saves in a thread: its completion is not known here
 
 
 class BatchdStep:
@@ -124,6 +133,7 @@ class BatchdDataModule(pl.LightningDataModule):
         self._client: BatchClient | None = client if isinstance(client, BatchClient) else None
         self._it: Iterator | None = None
         self._trained: tuple[int, int] | None = None  # (epoch, step) of the last batch sent to training
+        self._saving = False  # a checkpoint's state_dict was taken; its save completes before the next batch
         self._pending: Mapping[str, Any] | None = None  # a state loaded before the client existed
 
     # -- the client ----------------------------------------------------------------------------------
@@ -158,6 +168,9 @@ class BatchdDataModule(pl.LightningDataModule):
 
     def teardown(self, stage: str) -> None:
         self._close()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._close()  # the stream ends with the failed fit: a retry in this process may connect again
 
     def _close(self) -> None:
         if self._it is not None:
@@ -209,22 +222,27 @@ class BatchdDataModule(pl.LightningDataModule):
                 f"batchd_lightning_step(self, model, batch, info) from training_step; got step "
                 f"{info.step} of update {info.update}"
             )
+        if self._saving and trainer is not None:  # the checkpoint taken since the last batch is written
+            self._saving = False
+            if not isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
+                self.client.checkpointed()
         self._trained = (self.client.epoch, info.step)
         return BatchdStep(_to_device(batch.batch, device), batch.info)
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The stream position after the last batch trained on (rank-independent: see module docstring)."""
+        """The stream position after the last batch trained on (rank-independent: see module docstring),
+        which the client tells its rank service as the checkpoint's position."""
         client = self.client
-        state = client.state_dict()
-        if (
-            self._trained is not None
-            and self._trained[0] == client.epoch
-            and self._trained[1] + 1 < client.next_step
-        ):
-            state.update(
-                next_step=self._trained[1] + 1, finished=False
-            )  # the fetched-ahead batch is not trained
+        ahead = (client.epoch, client.next_step, client.finished)
+        if self._trained is not None and (self._trained[0], self._trained[1] + 1) < ahead[:2]:
+            # the fetched-ahead batch is not trained: the checkpoint, and the service's mark, are before it
+            client.epoch, client.next_step, client.finished = self._trained[0], self._trained[1] + 1, False
+        try:
+            state = client.state_dict()
+        finally:
+            client.epoch, client.next_step, client.finished = ahead
+        self._saving = True
         return {k: state[k] for k in ("version", "world_size", "epoch", "next_step", "finished")}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

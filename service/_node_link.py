@@ -359,6 +359,7 @@ class NodeLink:
 
     def _beat(self) -> None:
         last_ok = time.monotonic()
+        told = False  # the coordinator's absence was logged since the last heartbeat that got through
         while not self._stop.wait(min(self.lease_s / 3, HEARTBEAT_S)):
             with self.cond:
                 ranks = sorted(self.running)
@@ -368,7 +369,7 @@ class NodeLink:
                 reply = self.stub.Heartbeat(
                     pb.HeartbeatRequest(rank=ranks[0], ranks=ranks), timeout=self.lease_s / 3
                 )
-                last_ok = time.monotonic()
+                last_ok, told = time.monotonic(), False
                 if reply.state == "failed":
                     self._failed(reply.failure)
                     return
@@ -386,6 +387,16 @@ class NodeLink:
                         f"{self.node!r}: {exc.code().name}: {exc.details()}"
                     )
                     return
+                if not told:  # noticed now: a coordinator restarted with its journal resumes the job
+                    told = True
+                    log.warning(
+                        "node agent %r: the coordinator at %s is unreachable (%s); retrying for up to its "
+                        "lease (%gs)",
+                        self.node,
+                        self.coordinator,
+                        exc.code().name,
+                        self.lease_s,
+                    )
                 if time.monotonic() - last_ok > self.lease_s:
                     self._failed(
                         f"coordinator at {self.coordinator} unreachable for {self.lease_s:g}s: "
