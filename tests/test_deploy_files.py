@@ -228,6 +228,8 @@ def parse_error(parser, argv: list[str]) -> str | None:
 def check(inv: Invocation) -> str | None:
     """Why `inv` would not start (None when every parser accepts it): `batchd ...` by the CLI's
     parser; `torchrun ...` by torch's, then its `-m batchd.train` arguments by the trainer's."""
+    if inv.program == "batchd" and inv.argv[:1] == ["torchrun"]:  # `batchd torchrun`: torchrun's arguments
+        inv = dataclasses.replace(inv, program="torchrun", argv=inv.argv[1:])
     if inv.program == "batchd":
         error = parse_error(build_parser(), inv.argv)
         return f"{inv}: {error}" if error else None
@@ -374,6 +376,8 @@ def compose_invocations(cpu: bool = False) -> list[Invocation]:
         argv = [*entry, *command]
         if argv[:2] == ["bash", "-c"]:
             found += shell_invocations(argv[2], {}, source)
+        elif Path(argv[0]).name == "batchd" and argv[1:2] == ["torchrun"]:  # torchrun's own arguments
+            found.append(Invocation(source, "torchrun", argv[2:]))
         elif Path(argv[0]).name in ("batchd", "torchrun"):
             found.append(Invocation(source, Path(argv[0]).name, argv[1:]))
     return found
