@@ -10,13 +10,15 @@ restarted from its journal (the held steps re-made from the source).
 
 Part 2, failures (real processes, the README recipe's defaults: the config journals both services,
 `client_grace_s` 600, `batchd torchrun --max-restarts 3`, `python -m batchd.train --checkpoint-every 5`, a
-node agent of 2 ranks, 1 s steps): one job per kind of failure, each injected once after
-`--fault-after` steps: a trainer that dies (`--crash-at`), the node agent and the coordinator SIGKILLed and
-started again at once with the same command (a supervisor's `restart: on-failure`). Measured from the
-logs: the time to notice it (torchrun's failure line; the coordinator's "stream broke" line; the node
-agent's "coordinator ... is unreachable" line), how long training stood still (the widest gap between
-rank 0's steps after the fault, less one step time: the trainers go on with the batches already made
-while a service restarts), and the samples lost and duplicated in the lineage that survives (both 0).
+node agent of 2 ranks, 1 s steps): one job per kind of failure, each injected once after `--fault-after`
+steps: a trainer that dies (`--crash-at`); the node agent, the coordinator, and (in the per-rank layout:
+one `batchd rank` per trainer rank) a rank service SIGKILLed and started again at once with the same
+command (a supervisor's `restart: on-failure`). Measured from the logs: the time to notice it (torchrun's
+failure line; the coordinator's "stream broke" line; the node agent's "coordinator ... is unreachable"
+line; the trainer's first "waiting for the rank service" line, which comes after 5 s of retries), how
+long training stood still (the widest gap between rank 0's steps after the fault, less one step time:
+the trainers go on with the batches already made while a service restarts), and the samples lost and
+duplicated in the lineage that survives (both must be 0).
 
 Usage: python benchmarks/restart.py [--intervals 10,50] [--fault-after 12] [--step-time 1.0] [--out PATH]
        [--print]
@@ -132,18 +134,21 @@ def failure(kind: str, fault_after: int, step_time: float, work: Path) -> dict[s
     )
     marker = f"BATCHD_BENCH_RESTART={uuid.uuid4().hex}"
     env = job_env(tempfile.mkdtemp(prefix="bdb-", dir="/tmp"), marker)
-    argv = {
-        "coordinator": ["batchd", "coordinator", "--config", "job.toml"],
-        "node": ["batchd", "node", "--config", "job.toml", "--local-ranks", "2", "--node-rank", "0"],
-    }
+    argv = {"coordinator": ["batchd", "coordinator", "--config", "job.toml"]}
+    if kind == "rank":  # the per-rank layout: one `batchd rank` per trainer rank, rank 1 the victim
+        argv |= {f"rank{r}": ["batchd", "rank", "--config", "job.toml", "--rank", str(r)] for r in (0, 1)}
+        where = ["--base-port", str(aport)]
+    else:
+        argv["node"] = ["batchd", "node", "--config", "job.toml", "--local-ranks", "2", "--node-rank", "0"]
+        where = ["--node-agent", f"127.0.0.1:{aport}"]
     crash = ["--crash-at", f"0:{fault_after}:1"] if kind == "trainer" else []
     train = [
         "batchd", "torchrun", "--nproc-per-node", "2", "--max-restarts", "3", "--standalone", "-m",
-        "batchd.train", "--node-agent", f"127.0.0.1:{aport}", "--checkpoint", "ckpt", "--checkpoint-every",
+        "batchd.train", *where, "--checkpoint", "ckpt", "--checkpoint-every",
         "5", "--ids-log", "ids-{rank}.jsonl", "--step-time", str(step_time), "--vocab-size", "512",
         "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--log-every", "0", *crash,
     ]  # fmt: skip
-    logs = {n: open(work / f"{n}.log", "a") for n in ("coordinator", "node", "torchrun")}
+    logs = {n: open(work / f"{n}.log", "a") for n in [*argv, "torchrun"]}
 
     def start(name: str, cmd: list[str]) -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=work, env=env, stdout=logs[name], stderr=subprocess.STDOUT)
@@ -156,11 +161,12 @@ def failure(kind: str, fault_after: int, step_time: float, work: Path) -> dict[s
     t_fault = None
     try:
         wait_until("steps", lambda: len({e["step"] for e in steps() if e["epoch"] == 0}) >= fault_after, 300)
-        if kind in ("node", "coordinator"):
-            procs[kind].send_signal(signal.SIGKILL)
+        victim = {"node": "node", "coordinator": "coordinator", "rank": "rank1"}.get(kind)
+        if victim is not None:
+            procs[victim].send_signal(signal.SIGKILL)
             t_fault = time.time()
-            procs[kind].wait(10)
-            procs[kind] = start(kind, argv[kind])
+            procs[victim].wait(10)
+            procs[victim] = start(victim, argv[victim])
         ok = group.wait(600) == 0
         for p in procs.values():
             ok = ok and p.wait(60) == 0
@@ -176,11 +182,13 @@ def failure(kind: str, fault_after: int, step_time: float, work: Path) -> dict[s
         t_fault = max(e["t"] for e in every if e["restart"] == 0)
     assert t_fault is not None
     text = {n: (work / f"{n}.log").read_text() for n in logs}
-    noticed = {
-        "trainer": _stamp(text["torchrun"], r"^E(\d{4} [\d:.]+) .*failed \(exitcode: 1\)", torch_format=True),
-        "node": _stamp(text["coordinator"], r"^([\d-]+ [\d:,]+) WARNING .*its stream broke"),
-        "coordinator": _stamp(text["node"], r"^([\d-]+ [\d:,]+) WARNING .*coordinator at .* is unreachable"),
+    log_name, pattern = {
+        "trainer": ("torchrun", r"^E(\d{4} [\d:.]+) .*failed \(exitcode: 1\)"),
+        "node": ("coordinator", r"^([\d-]+ [\d:,]+) WARNING .*its stream broke"),
+        "coordinator": ("node", r"^([\d-]+ [\d:,]+) WARNING .*coordinator at .* is unreachable"),
+        "rank": ("torchrun", r"^([\d-]+ [\d:,]+) INFO .*waiting for the rank service at .*rank 1"),
     }[kind]
+    noticed = _stamp(text[log_name], pattern, torch_format=kind == "trainer")
     rank0 = sorted(json.loads(ln)["t"] for ln in (work / "ids-0.jsonl").read_text().splitlines())
     # the longest the trainers stood still after the fault: the widest gap between rank 0's steps, less a step
     pause = max((b - a for a, b in zip(rank0, rank0[1:], strict=False) if b > t_fault), default=0.0)
@@ -229,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         failures = []
-        for kind in ("trainer", "node", "coordinator"):
+        for kind in ("trainer", "node", "coordinator", "rank"):
             work = Path(tmp) / f"fail-{kind}"
             work.mkdir()
             failures.append(failure(kind, args.fault_after, args.step_time, work))
