@@ -355,3 +355,64 @@ def test_trainers_learn_the_longest_sample_the_job_sends(job_factory, over_budge
         assert c.job_max_tokens() == expected
         longest = max(int(b["input_ids"].shape[-1]) for b, _ in c)
     assert longest <= expected
+
+
+def test_a_two_phase_rewind_sends_the_same_pixels_and_exchange_again(tmp_path, job_factory):
+    """Two-phase steps (each step's images spread over the ranks for the encoder): trainers restarted
+    from a checkpoint get the same batches, pixels and exchange arrays included, from memory and from a
+    rank service restarted from its journal (which re-makes the images its held steps encode)."""
+    from batchd.service.preprocess import SyntheticSource
+
+    rng = np.random.default_rng(3)
+    lengths, images = [], []
+    for _ in range(120):
+        ims = tuple((4 * t, t) for t in (int(rng.choice([4, 16])) for _ in range(int(rng.choice([0, 1, 2])))))
+        lengths.append(int(rng.integers(8, 100)) + sum(t for _, t in ims))
+        images.append(ims)
+    spec = JobSpec(
+        world_size=2, token_budget=512, policy="balanced", window=12, depth=2, seed=3, phases=2,
+        deterministic=True,
+    )  # fmt: skip
+
+    def sources():
+        return [
+            SyntheticSource(
+                lengths, r, 2, spec.seed, 0, spec.shuffle, vocab_size=64, images=images, patch_dim=8
+            )
+            for r in range(2)
+        ]
+
+    job = job_factory(spec, sources=sources(), rank_state_dir=tmp_path)
+    record: list[list] = [[], []]
+    states: list[list[dict]] = [[], []]
+
+    def first(r: int) -> None:
+        with job.client(r) as c:
+            for n, (batch, info) in enumerate(c, 1):
+                record[r].append((info.step, {k: v.clone() for k, v in batch.items() if torch.is_tensor(v)}))
+                if n in (3, 5):
+                    states[r].append(c.state_dict())
+                if n == 8:
+                    return True
+        return False
+
+    assert per_rank(first, 2) == [True, True], "each trainer crashed at its 8th step"
+    assert any("vision_send_splits" in b for r in range(2) for _, b in record[r]), "steps exchange images"
+
+    def again(r: int) -> list:
+        with job.client(r, reconnect_timeout_s=30) as c:
+            c.load_state_dict(states[r][0])
+            return [(info.step, batch) for _, (batch, info) in zip(range(5), c, strict=False)]
+
+    for restart in (False, True):
+        if restart:
+            source = sources()[1]
+            job.restart_rank(1, source)
+        for r, steps in enumerate(per_rank(again, 2)):
+            sent = dict(record[r])
+            assert [s for s, _ in steps] == [3, 4, 5, 6, 7]
+            for s, batch in steps:
+                keys = {k for k, v in batch.items() if torch.is_tensor(v)}
+                assert keys == set(sent[s]), (restart, r, s)
+                for k in keys:
+                    assert torch.equal(batch[k], sent[s][k]), (restart, r, s, k)
