@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 
 import numpy as np
 import pytest
@@ -416,3 +417,31 @@ def test_a_two_phase_rewind_sends_the_same_pixels_and_exchange_again(tmp_path, j
                 assert keys == set(sent[s]), (restart, r, s)
                 for k in keys:
                     assert torch.equal(batch[k], sent[s][k]), (restart, r, s, k)
+
+
+def test_trainers_taking_5s_per_step_rewind_past_a_2s_lease(job_factory):
+    """Timeouts judge liveness, never speed: steps of 5 s under a 2 s lease, a checkpoint, a crash two
+    steps later and a restart from the checkpoint: the job goes on, every id once in what survives."""
+    n = 60
+    spec = JobSpec(world_size=2, token_budget=256, policy="balanced", window=8, depth=2, seed=6)
+    job = job_factory(spec, _lengths(n, seed=6), lease_s=2.0)
+    first: list[list] = [[], []]
+    saved: list[dict] = [{}, {}]
+
+    def crashing(r: int) -> bool:
+        with job.client(r) as c:
+            for k, (batch, info) in enumerate(c, 1):
+                first[r].append((0, info.step, batch["sample_ids"].tolist(), batch["input_ids"]))
+                if k == 1:
+                    saved[r] = c.state_dict()
+                time.sleep(
+                    5.0 if k <= 2 else 0.0
+                )  # the stand-in for a slow GPU step, not a wait for an event
+                if k == 3:
+                    return True
+        return False
+
+    assert per_rank(crashing, 2) == [True, True]
+    resumed = per_rank(lambda r: _resume(job, r, saved[r]), 2)
+    ids = [i for r in range(2) for x in _lineage(first[r], resumed[r], saved[r]) for i in x[2]]
+    assert sorted(ids) == list(range(n)) and job.state.failure is None
