@@ -19,24 +19,40 @@ tiny one; loaded offline, fp32, by `batchd._vlm_tiny.load_vlm`), adapted by `bat
 before DDP wraps it, so the same `train_step` loop trains it on one- and two-phase, padded or packed
 batches (the rank services then run the model's own processor: `[pipeline] processor = DIR`). The size
 flags are ignored and `--vocab-size` is refused: the model's embedding is the vocabulary (`--tokenizer`,
-if given, must fit in it). With `--checkpoint DIR` every rank saves the
-model, the optimizer and `BatchClient.state_dict()` every `--checkpoint-every` steps and at the end,
-and resumes from its file when it exists, so a restarted torchrun continues mid-epoch (the
-rank services must still be running, or have been restarted with `--state-dir`). A restarted group
-first agrees on the furthest saved position (a rank killed between the all-reduce of step s and its own
-save is one step behind: step s was consumed by the collective, so it skips it rather than replaying it
-against the others' next step). Beside each checkpoint a small `rank-<r>.pos.json` holds its position:
-when the furthest position in DIR was saved at another world size (the job was resized: `batchd
-coordinator --resize`), every rank loads that checkpoint (`BatchClient.load_state_dict(..., resize=True)`;
-DDP replicates the model, so any rank's serves all) and the rank services resume the epoch there.
+if given, must fit in it). With `--checkpoint DIR` every rank saves the model, the optimizer and
+`BatchClient.state_dict()` every `--checkpoint-every` steps (at the next update's end) and at the end,
+and resumes from DIR when it holds a checkpoint, so a restarted torchrun continues mid-epoch (the rank
+services must still be running, or have been restarted with `--state-dir`; they keep the steps from the
+older of the last two checkpoints on, so a group that crashed between two saves, or during one, gets
+them again). With `ddp` each rank writes its own `rank-<r>.pt` (atomically: a temporary file, then a
+rename). A restarted group first agrees on the furthest saved position (a rank killed between the
+all-reduce of step s and its own save is one step behind: step s was consumed by the collective, so it
+skips it rather than replaying it against the others' next step). Beside each checkpoint a small
+`rank-<r>.pos.json` holds its position: when the furthest position in DIR was saved at another world
+size (the job was resized: `batchd coordinator --resize`), every rank loads that checkpoint
+(`BatchClient.load_state_dict(..., resize=True)`; DDP replicates the model, so any rank's serves all)
+and the rank services resume the epoch there.
+
+`fsdp2` and `deepspeed` shard the model and the optimizer, so a checkpoint is one directory that every
+rank writes its shards into together: `DIR/fsdp2-<n>/` (`torch.distributed.checkpoint`: `get_state_dict`
+then `dcp.save`; resumed with `dcp.load` then `set_state_dict`) or `DIR/deepspeed-<n>/` (the engine's
+`save_checkpoint` / `load_checkpoint`, tag `deepspeed-<n>`), each rank's `BatchClient.state_dict()` in it
+as `data-rank-<r>.json`. Once every rank wrote its part (a barrier), rank 0 points `DIR/latest.json` at
+the new directory (a temporary file, then a rename), so a crash in the middle of a save resumes from the
+one before; after a second barrier every rank writes its `rank-<r>.pos.json`, tells its rank service the
+save completed (`BatchClient.checkpointed()`: it frees the steps before it) and rank 0 removes the older
+directories. Every rank resumes from the directory `latest.json` names (rank 0 reads it and tells the
+others), so they start at the same position; DIR must be shared by every host. These checkpoints resume
+at the world size they were saved at only: a resized job (another world size than `latest.json`'s) is
+refused at start in one line, as is a DIR that another `--strategy` saved into.
 
 `--strategy` picks the data parallelism; every one trains the same loop on the same loss scale:
 `ddp` (the default, DistributedDataParallel), `fsdp2` (torch's `fully_shard` on each transformer block,
 then the root; `train_step` unchanged: FSDP2's reduce-scatter averages over the ranks like DDP) and
 `deepspeed` (ZeRO `--zero-stage`, default 2, over the process group made here; AdamW as its optimizer,
 no gradient accumulation; `batchd.client.batchd_deepspeed_backward` then `engine.step()`). `fsdp2` and
-`deepspeed` train the tiny LM only, without `--checkpoint` (the per-rank checkpoint holds a replicated
-DDP model), and are refused otherwise in one line, as is `deepspeed` without the deepspeed package.
+`deepspeed` train the tiny LM only (with `--hf-model` they are refused in one line, as is `deepspeed`
+without the deepspeed package); their checkpoints are sharded (above).
 
 Test hooks (`benchmarks/chaos.py`): `--step-time S` sleeps S seconds per step (a stand-in for a slow
 model); `--ids-log FILE` appends one JSON line per step as the batch arrives, before it is trained
@@ -63,10 +79,11 @@ Exit status: 0 done; 1 the job failed (`JobFailed`: the message names the failed
 before or outside the job, in one line `[rank R] batchd.train: error: ...`: a bad flag or file, or a
 rank service that cannot be reached (or refuses this trainer): the line names its address.
 
-Trade-offs: one checkpoint file per rank (the DDP model is replicated, so this stores N copies; simple
-and independent of a shared filesystem's consistency); the trainer fails fast with exit code 1 and
-the job's failure message (naming the failed rank) when any party fails, and leaves restarts to torchrun
-(`--max-restarts`) or the orchestrator.
+Trade-offs: with `ddp` one checkpoint file per rank (the DDP model is replicated, so this stores N
+copies; simple and independent of a shared filesystem's consistency), with `fsdp2` / `deepspeed` one
+sharded directory on a shared filesystem (each rank writes 1/N of the model and optimizer); the trainer
+fails fast with exit code 1 and the job's failure message (naming the failed rank) when any party fails,
+and leaves restarts to torchrun (`--max-restarts`) or the orchestrator.
 """
 
 from __future__ import annotations
@@ -76,6 +93,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -373,12 +391,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rank, world_size, args.rank_services, args.rank_host, args.base_port
             )
         security = security_from_args(args)
-        if args.strategy != "ddp" and (args.hf_model is not None or args.checkpoint is not None):
+        if args.strategy != "ddp" and args.hf_model is not None:
             raise ValueError(
-                f"--strategy {args.strategy} trains the tiny LM without --checkpoint (per-rank "
-                f"checkpoints hold replicated DDP weights), got --hf-model={args.hf_model} "
-                f"--checkpoint={args.checkpoint}"
+                f"--strategy {args.strategy} trains the tiny LM only, got --hf-model={args.hf_model}"
             )
+        if args.checkpoint is not None:
+            _check_checkpoint_dir(Path(args.checkpoint), args.strategy, world_size)
         if args.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
             raise ValueError("--strategy deepspeed needs the deepspeed package: pip install deepspeed")
         if args.hf_model is not None:
@@ -430,8 +448,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.strategy == "fsdp2":  # before the optimizer: fully_shard makes the parameters DTensors
             _fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        ckpt = Path(args.checkpoint) / f"rank-{rank}.pt" if args.checkpoint else None
-        load, resize = _checkpoint_to_load(ckpt, world_size)
+        step = train_step
+        if args.strategy == "deepspeed":  # before its checkpoint: the engine loads it
+            ddp, step = _deepspeed_engine(model, opt, args), _deepspeed_step
+        ckpt: Path | _ShardedCheckpoint | None = None
+        if args.checkpoint is not None and args.strategy != "ddp":  # one directory, every rank's shards
+            ckpt = _ShardedCheckpoint(Path(args.checkpoint), args.strategy, rank, ddp)
+            ckpt.load(model, opt, client)
+        elif args.checkpoint is not None:
+            ckpt = Path(args.checkpoint) / f"rank-{rank}.pt"
+        load, resize = _checkpoint_to_load(ckpt, world_size) if isinstance(ckpt, Path) else (None, False)
         if load is not None:  # before DDP wraps the model: DDP broadcasts rank 0's weights
             state = torch.load(load, map_location=device, weights_only=False)
             model.load_state_dict(state["model"])
@@ -449,13 +475,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         if ckpt is not None:
             _agree_position(client, device)
-        step = train_step
         if args.strategy == "ddp":
             ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
         elif args.strategy == "fsdp2":
             ddp = model
-        else:
-            ddp, step = _deepspeed_engine(model, opt, args), _deepspeed_step
         summary = _loop(client, ddp, opt, rank, args, ckpt, step, works)
         if services is not None:  # the job ended: they exit by themselves once every rank finished
             services.wait(120.0)
@@ -556,8 +579,9 @@ def _restart_store(timeout: timedelta) -> Any:
     if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:
         raise RestartStoreError(
             "torchrun --max-restarts across several hosts shares its rendezvous store between restarts, "
-            "so a restarted group can reach the old group's peers (pytorch #135712): set "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every host's environment"
+            "so a restarted group can reach the old group's peers (pytorch #135712): run it as `batchd "
+            "torchrun` with --rdzv-backend c10d (or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every host; "
+            "a static rendezvous always shares it)"
         )
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -592,6 +616,9 @@ def _deepspeed_engine(model: torch.nn.Module, opt: torch.optim.Optimizer, args: 
     import deepspeed
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # its CPU backend JIT-compiles a shared-memory all-reduce on its first init (~40 s, needs a compiler),
+    # used only by inference_all_reduce: off, training reduces over the process group
+    deepspeed.ops.__compatible_ops__ = {**deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm": False}
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -682,7 +709,132 @@ def _vision_imbalance(patches: list[int], device: torch.device, works: list[Any]
     return sum(ratios) / len(ratios) if ratios else None
 
 
-def _save(ckpt: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, client: Any) -> None:
+POINTER = "latest.json"  # fsdp2 / deepspeed: names the last complete checkpoint directory of --checkpoint
+
+
+def _read_pointer(directory: Path) -> dict[str, Any] | None:
+    """DIR/latest.json (`_ShardedCheckpoint`): {"strategy", "dir", "seq", "world_size", "epoch",
+    "next_step"}, or None when DIR holds no sharded checkpoint."""
+    try:
+        return json.loads((directory / POINTER).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _check_checkpoint_dir(directory: Path, strategy: str, world_size: int) -> None:
+    """Refuses, before the rendezvous, a `--checkpoint` DIR this run cannot resume from: one that another
+    `--strategy` saved into, or a sharded (fsdp2 / deepspeed) checkpoint of another world size."""
+    pointer = _read_pointer(directory)
+    saved_by = pointer["strategy"] if pointer else ("ddp" if any(directory.glob("rank-*.pt")) else None)
+    if saved_by is not None and saved_by != strategy:
+        raise ValueError(
+            f"--checkpoint {directory} holds a --strategy {saved_by} checkpoint, got --strategy {strategy}: "
+            "resume with the strategy that saved it, or give another directory"
+        )
+    if pointer is not None and int(pointer["world_size"]) != world_size:
+        raise ValueError(
+            f"--strategy {strategy} resumes at the world size it saved at (resizing needs --strategy ddp): "
+            f"--checkpoint {directory} was saved at world size {pointer['world_size']}, got {world_size=}"
+        )
+
+
+class _ShardedCheckpoint:
+    """`--checkpoint DIR` of `--strategy fsdp2 / deepspeed` (see module docstring): every save a new
+    directory DIR/<strategy>-<n>, written by every rank together, then named by DIR/latest.json. All its
+    methods are collectives: every rank calls them at the same step.
+
+    Args:
+        directory: DIR.
+        strategy: "fsdp2" or "deepspeed".
+        rank: This rank.
+        engine: The DeepSpeed engine (deepspeed), else None.
+    """
+
+    def __init__(self, directory: Path, strategy: str, rank: int, engine: Any = None) -> None:
+        self.directory, self.strategy, self.rank, self.engine = directory, strategy, rank, engine
+        self.seq = 0  # the number n of the last complete save, DIR/<strategy>-<n>
+
+    def load(self, model: torch.nn.Module, opt: torch.optim.Optimizer, client: Any) -> None:
+        """Loads the model, the optimizer and `client`'s position of the directory latest.json names, when
+        there is one; removes the directories of saves that did not complete."""
+        pointer = None
+        if self.rank == 0:
+            pointer = _read_pointer(self.directory)
+            self._remove_others(pointer["dir"] if pointer else None)
+        box = [pointer]
+        dist.broadcast_object_list(box, src=0)  # every rank the same checkpoint, whatever it sees of DIR
+        pointer = box[0]
+        if pointer is None:
+            return
+        self.seq, where = int(pointer["seq"]), self.directory / pointer["dir"]
+        if self.strategy == "fsdp2":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            model_state, optim_state = get_state_dict(model, opt)  # this rank's shards, filled in place
+            state = {"model": model_state, "optimizer": optim_state}
+            dcp.load(state, checkpoint_id=str(where))
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        else:
+            path, _ = self.engine.load_checkpoint(str(self.directory), tag=pointer["dir"])
+            if path is None:
+                raise FileNotFoundError(f"DeepSpeed found no checkpoint in {where} (named by {POINTER})")
+        client.load_state_dict(json.loads((where / f"data-rank-{self.rank}.json").read_text()))
+        print(
+            f"[rank {self.rank}] resumed from {where} at epoch {client.epoch} step {client.next_step}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def save(self, model: torch.nn.Module, opt: torch.optim.Optimizer, client: Any) -> None:
+        data = client.state_dict()  # once: it tells the rank service a checkpoint is taken here
+        name = f"{self.strategy}-{self.seq + 1:06d}"
+        where = self.directory / name
+        where.mkdir(parents=True, exist_ok=True)
+        if self.strategy == "fsdp2":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict
+
+            model_state, optim_state = get_state_dict(model, opt)
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(where))
+        else:
+            self.engine.save_checkpoint(str(self.directory), tag=name, save_latest=False)
+        (where / f"data-rank-{self.rank}.json").write_text(json.dumps(data))
+        dist.barrier()  # every rank's part is written
+        if self.rank == 0:
+            pointer = {
+                "strategy": self.strategy,
+                "dir": name,
+                "seq": self.seq + 1,
+                "world_size": data["world_size"],
+                "epoch": data["epoch"],
+                "next_step": data["next_step"],
+            }
+            tmp = self.directory / f"{POINTER}.tmp"
+            tmp.write_text(json.dumps(pointer))
+            tmp.replace(self.directory / POINTER)  # atomic: a crash before it resumes from the one before
+        dist.barrier()  # the save is complete on every rank
+        self.seq += 1
+        pos, tmp = self.directory / f"rank-{self.rank}.pos.json", self.directory / f"rank-{self.rank}.pos.tmp"
+        tmp.write_text(json.dumps(data))  # its position, as ddp's (`batchd torchrun`'s note reads it)
+        tmp.replace(pos)
+        client.checkpointed()  # the rank service frees the steps before it
+        if self.rank == 0:
+            self._remove_others(name)
+
+    def _remove_others(self, keep: str | None) -> None:
+        """Removes DIR/<strategy>-* but `keep`: older saves, and saves that did not complete."""
+        for old in self.directory.glob(f"{self.strategy}-*"):
+            if old.is_dir() and old.name != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+def _save(
+    ckpt: Path | _ShardedCheckpoint, model: torch.nn.Module, opt: torch.optim.Optimizer, client: Any
+) -> None:
+    if isinstance(ckpt, _ShardedCheckpoint):
+        ckpt.save(model, opt, client)
+        return
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     tmp = ckpt.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "data": client.state_dict()}, tmp)
@@ -697,8 +849,8 @@ def _position(data: dict[str, Any]) -> tuple[int, int, int]:
 
 
 def _checkpoint_to_load(ckpt: Path | None, world_size: int) -> tuple[Path | None, bool]:
-    """(the checkpoint this rank resumes from, whether the job was resized since it was saved). Every
-    rank's file holds the same model and optimizer at an update's end (DDP replicates them); the
+    """`--strategy ddp`'s (the checkpoint this rank resumes from, whether the job was resized since it was
+    saved). Every rank's file holds the same model and optimizer at an update's end (DDP replicates them); the
     furthest position saved in the directory says where the job stands. Saved at this world size: each
     rank its own file (`_agree_position` evens out a step between them). Saved at another (the job was
     resized, `batchd coordinator --resize`): every rank the furthest one, its data state at that size."""

@@ -404,14 +404,27 @@ def test_batchd_deepspeed_backward_refuses_gradient_accumulation():
         batchd_deepspeed_backward(Engine(), None, Info)
 
 
-def test_batchd_train_refuses_a_strategy_it_cannot_run(monkeypatch, capsys):
-    """--strategy fsdp2/deepspeed with --checkpoint (or --hf-model): exit 2 in one line, before the
-    rendezvous."""
+def test_batchd_train_refuses_a_strategy_it_cannot_run(monkeypatch, capsys, tmp_path):
+    """--strategy fsdp2/deepspeed with --hf-model, a --checkpoint DIR another strategy saved into, or a
+    sharded checkpoint of another world size (a resize): exit 2 in one line, before the rendezvous."""
     from batchd import train
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert train.main(["--base-port", "7100", "--strategy", "fsdp2", "--checkpoint", "ckpt"]) == 2
+    assert train.main(["--base-port", "7100", "--strategy", "fsdp2", "--hf-model", "x"]) == 2
     err = capsys.readouterr().err
-    assert "batchd.train: error: --strategy fsdp2 trains the tiny LM without --checkpoint" in err, err
+    assert "batchd.train: error: --strategy fsdp2 trains the tiny LM only" in err, err
+    ddp = tmp_path / "ddp"
+    ddp.mkdir()
+    (ddp / "rank-0.pt").write_bytes(b"")
+    assert train.main(["--base-port", "7100", "--strategy", "fsdp2", "--checkpoint", str(ddp)]) == 2
+    err = capsys.readouterr().err
+    assert f"--checkpoint {ddp} holds a --strategy ddp checkpoint, got --strategy fsdp2" in err, err
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    pointer = {"strategy": "deepspeed", "dir": "deepspeed-3", "seq": 3, "world_size": 4, "epoch": 0}
+    (sharded / "latest.json").write_text(json.dumps({**pointer, "next_step": 9}))
+    assert train.main(["--base-port", "7100", "--strategy", "deepspeed", "--checkpoint", str(sharded)]) == 2
+    err = capsys.readouterr().err
+    assert "--strategy deepspeed resumes at the world size it saved at" in err, err
