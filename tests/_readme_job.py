@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from _procs import processes_with_marker
+from _procs import free_block, processes_with_marker
 
 REPO = Path(__file__).resolve().parents[1]
 # The sample dataset's size in the tests (the README makes 256). `make_demo_dataset` writes at least one
@@ -107,6 +107,22 @@ def surviving_steps(work: Path, rank: int) -> tuple[list[dict], dict[tuple[int, 
         resumed = min(((e["epoch"], e["step"]) for e in later), default=None)
         kept += [e for e in runs[run] if resumed is None or (e["epoch"], e["step"]) < resumed]
     return kept, deliveries
+
+
+def restart_job(work: Path, lengths: list[int], deterministic: bool = True, epochs: int = 2) -> int:
+    """Writes a 2-rank job over synthetic `lengths` into `work` (lengths.txt, job.toml journaling both
+    services as `batchd config --example` does, updates of several steps); returns the node agent's port."""
+    (work / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
+    cport, aport = free_block(1), free_block(2)
+    (work / "job.toml").write_text(
+        '[job]\nworld_size = 2\ntoken_budget = 1024\npolicy = "balanced"\nwindow = 32\ndepth = 4\n'
+        f"seed = 3\nepochs = {epochs}\ndeterministic = {str(deterministic).lower()}\n"
+        "tokens_per_update = 3000\n"
+        '[data]\nlengths = "lengths.txt"\n'
+        f'[coordinator]\nport = {cport}\nlease_s = 60.0\nstate_dir = "state/coordinator"\n'
+        f'[rank]\nbase_port = {aport}\nstate_dir = "state/ranks"\n'
+    )
+    return aport
 
 
 def end_job(marker: str, timeout: float = 15.0) -> list[str]:

@@ -21,8 +21,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from _procs import free_block, wait_until
-from _readme_job import end_job, job_env, surviving_steps
+from _procs import wait_until
+from _readme_job import end_job, job_env, restart_job, surviving_steps
 
 from batchd.demo import demo_lengths
 
@@ -36,16 +36,7 @@ def _job_dir(work: Path, deterministic: bool = True) -> int:
     returns the node agent's port."""
     lengths = demo_lengths(SAMPLES, seed=3)
     lengths[17] = 5199  # over the budget (a step of its own) and over the tiny model's default 4096 positions
-    (work / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
-    cport, aport = free_block(1), free_block(2)
-    (work / "job.toml").write_text(
-        '[job]\nworld_size = 2\ntoken_budget = 1024\npolicy = "balanced"\nwindow = 32\ndepth = 4\n'
-        f"seed = 3\nepochs = 2\ndeterministic = {str(deterministic).lower()}\ntokens_per_update = 3000\n"
-        '[data]\nlengths = "lengths.txt"\n'
-        f'[coordinator]\nport = {cport}\nlease_s = 60.0\nstate_dir = "state/coordinator"\n'
-        f'[rank]\nbase_port = {aport}\nstate_dir = "state/ranks"\n'
-    )
-    return aport
+    return restart_job(work, lengths, deterministic)
 
 
 def _every_id_once(work: Path) -> None:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _procs import free_block, wait_until
-from _readme_job import end_job, job_env, surviving_steps
+from _procs import wait_until
+from _readme_job import end_job, job_env, restart_job, surviving_steps
 
 from batchd.demo import demo_lengths
 
@@ -38,16 +38,7 @@ def _job_dir(work: Path) -> int:
     """Writes the job (lengths, job.toml journaling both services) into `work`; returns the node agent's
     port."""
     work.mkdir()
-    (work / "lengths.txt").write_text("\n".join(map(str, demo_lengths(SAMPLES, seed=3))) + "\n")
-    cport, aport = free_block(1), free_block(2)
-    (work / "job.toml").write_text(
-        '[job]\nworld_size = 2\ntoken_budget = 1024\npolicy = "balanced"\nwindow = 32\ndepth = 4\n'
-        f"seed = 3\nepochs = {EPOCHS}\ndeterministic = true\ntokens_per_update = 3000\n"
-        '[data]\nlengths = "lengths.txt"\n'
-        f'[coordinator]\nport = {cport}\nlease_s = 60.0\nstate_dir = "state/coordinator"\n'
-        f'[rank]\nbase_port = {aport}\nstate_dir = "state/ranks"\n'
-    )
-    return aport
+    return restart_job(work, demo_lengths(SAMPLES, seed=3), epochs=EPOCHS)
 
 
 def _start(work: Path, strategy: str, crash: list[str], env: dict) -> list[subprocess.Popen]:
