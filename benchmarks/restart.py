@@ -2,11 +2,12 @@
 
 Part 1, held steps (in process: `tests/_jobs.InProcessJob`, a coordinator and 2 rank services over loopback
 gRPC, the odb-synthetic workload, L=8192, balanced, window 64, depth 8): 2 trainer threads take a
-checkpoint (`BatchClient.state_dict()`) every N steps for N in `--intervals`, padded and packed. Measured
-per rank: the bytes of one held batch (mean), the most bytes held for a rewind over the epoch (the steps
-since the older of the last two checkpoints), the time from a restarted trainer's connect to its first
-batch (a rewind N steps back, served from memory), and the same after its rank service was killed and
-restarted from its journal (the held steps re-made from the source).
+checkpoint (`BatchClient.state_dict()`) every N steps for N in `--intervals`, padded and packed, and crash
+at step 3.5 N. Measured per rank: the bytes of one held batch (mean), the most bytes held for a rewind over
+the run (the steps since the older of the last two checkpoints: up to 2 N, just before a checkpoint), the
+time from a restarted trainer's connect to its first batch (a rewind N / 2 steps back, served from memory),
+and the same from the moment both rank services were killed and started again from their journals (the
+held steps re-made from the source) to that first batch.
 
 Part 2, failures (real processes, the README recipe's defaults: the config journals both services,
 `client_grace_s` 600, `batchd torchrun --max-restarts 3`, `python -m batchd.train --checkpoint-every 5`, a
@@ -14,11 +15,11 @@ node agent of 2 ranks, 1 s steps): one job per kind of failure, each injected on
 steps: a trainer that dies (`--crash-at`); the node agent, the coordinator, and (in the per-rank layout:
 one `batchd rank` per trainer rank) a rank service SIGKILLed and started again at once with the same
 command (a supervisor's `restart: on-failure`). Measured from the logs: the time to notice it (torchrun's
-failure line; the coordinator's "stream broke" line; the node agent's "coordinator ... is unreachable"
-line; the trainer's first "waiting for the rank service" line, which comes after 5 s of retries), how
-long training stood still (the widest gap between rank 0's steps after the fault, less one step time:
-the trainers go on with the batches already made while a service restarts), and the samples lost and
-duplicated in the lineage that survives (both must be 0).
+failure line; the coordinator's "stream broke" line; the node agent's "stream to the coordinator ...
+broke" or "coordinator ... is unreachable" line; the trainer's first "waiting for the rank service" line,
+which comes after 5 s of retries), how long training stood still (the widest gap between rank 0's steps
+after the fault, less one step time: the trainers go on with the batches already made while a service
+restarts), and the samples lost and duplicated in the lineage that survives (both must be 0).
 
 Usage: python benchmarks/restart.py [--intervals 10,50] [--fault-after 12] [--step-time 1.0] [--out PATH]
        [--print]
@@ -89,11 +90,11 @@ def held(collate: str, interval: int, lengths: list[int], work: Path) -> dict[st
             t.join()
         out["batch_bytes"] = sum(sizes) / len(sizes)
         out["held_mib"] = max(peaks) / 2**20
-        out["held_steps"] = 2 * interval + interval // 2  # from the second-last checkpoint to the crash
         out["rewind_first_batch_s"] = first_batch(job, states)
-        for r in range(2):
+        t0 = time.perf_counter()
+        for r in range(2):  # killed and started again: the journal's held steps are re-made
             job.restart_rank(r)
-        out["restored_first_batch_s"] = first_batch(job, states)
+        out["restored_first_batch_s"] = time.perf_counter() - t0 + first_batch(job, states)
     return out
 
 
@@ -185,7 +186,7 @@ def failure(kind: str, fault_after: int, step_time: float, work: Path) -> dict[s
     log_name, pattern = {
         "trainer": ("torchrun", r"^E(\d{4} [\d:.]+) .*failed \(exitcode: 1\)"),
         "node": ("coordinator", r"^([\d-]+ [\d:,]+) WARNING .*its stream broke"),
-        "coordinator": ("node", r"^([\d-]+ [\d:,]+) WARNING .*coordinator at .* is unreachable"),
+        "coordinator": ("node", r"^([\d-]+ [\d:,]+) WARNING .*coordinator at \S+ (is unreachable|broke)"),
         "rank": ("torchrun", r"^([\d-]+ [\d:,]+) INFO .*waiting for the rank service at .*rank 1"),
     }[kind]
     noticed = _stamp(text[log_name], pattern, torch_format=kind == "trainer")

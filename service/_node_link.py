@@ -222,7 +222,15 @@ class NodeLink:
                 self._requests.put(request)
                 return next(self._replies)
             except grpc.RpcError as exc:
-                if transient(exc):
+                if transient(exc):  # noticed now: a coordinator restarted with its journal resumes the job
+                    log.warning(
+                        "node agent %r: its stream to the coordinator at %s broke (%s); reopening it for up "
+                        "to a lease (%gs)",
+                        self.node,
+                        self.coordinator,
+                        exc.code().name,
+                        self.lease_s,
+                    )
                     self._replies = None  # reopen on the retry
                 raise
             except StopIteration:  # the server ended the stream without a status: treat as a restart
