@@ -87,50 +87,64 @@ class TrainerSide:
         self.batches: dict[int, tuple[Step, pb.Batch]] = {}
         self.past: dict[int, dict[int, tuple[Step, pb.Batch]]] = {}  # epochs before this one, held
         self.retain_bytes = retain_bytes
-        self._sizes: dict[tuple[int, int], int] = {}  # (epoch, step) -> the batch's bytes, once measured
+        # the consumed batches held, oldest first: (epoch, step) -> bytes (measured once), and their sum
+        self._counted: dict[tuple[int, int], int] = {}
+        self._held = 0
+        self._count_from = 0  # this epoch's steps below it are counted (or were freed)
         self._over_budget_logged = -1  # the epoch whose budget overrun was logged
         self.resize_from = 0  # a resized job: the world size of the first trainer's saved state
 
     def end_epoch(self) -> None:
         """The epoch ends (call before `Delivery.advance`, with `cond` held): its batches stay held as a past
         epoch, for as long as the floor keeps them."""
+        self._count()
         self.past[self.delivery.epoch] = dict(self.batches)
         self.batches.clear()
+        self._count_from = 0
 
     def clear(self) -> None:
         """Forgets every batch (a resized job starts over)."""
         self.batches.clear()
         self.past.clear()
-        self._sizes.clear()
+        self._counted.clear()
+        self._held, self._count_from = 0, 0
 
     def batch_of(self, epoch: int, step: int) -> pb.Batch:
         return (self.batches if epoch == self.delivery.epoch else self.past[epoch])[step][1]
 
     def held_bytes(self) -> int:
-        """Bytes of the consumed batches held for a rewind (measured once per batch)."""
-        return sum(size for _, _, size in self._consumed())
+        """Bytes of the consumed batches held for a rewind (each batch measured once)."""
+        return self._held
 
-    def _consumed(self) -> list[tuple[int, int, int]]:
-        """(epoch, step, bytes) of each held batch every member consumed, oldest first."""
+    def recount(self) -> None:
+        """Counts every held batch again, oldest first (after the batches were restored from a journal)."""
+        self._counted.clear()
+        self._held = 0
+        for q in sorted(self.past):
+            for i in sorted(self.past[q]):
+                self._add(q, i, self.past[q][i][1])
+        self._count_from = 0
+        self._count()
+
+    def _add(self, epoch: int, step: int, batch: pb.Batch) -> None:
+        size = self._counted[(epoch, step)] = batch.ByteSize()
+        self._held += size
+
+    def _count(self) -> None:
+        """Counts this epoch's batches consumed since the last count (in step order: oldest first)."""
         d = self.delivery
-        held = [(q, self.past[q]) for q in sorted(self.past)] + [(d.epoch, self.batches)]
-        out = []
-        for q, batches in held:
-            for i in sorted(batches):
-                if q == d.epoch and i >= d.acked:
-                    break
-                size = self._sizes.get((q, i))
-                if size is None:
-                    size = self._sizes[(q, i)] = batches[i][1].ByteSize()
-                out.append((q, i, size))
-        return out
+        for i in range(self._count_from, d.acked):
+            item = self.batches.get(i)
+            if item is not None and (d.epoch, i) not in self._counted:
+                self._add(d.epoch, i, item[1])
+        self._count_from = max(self._count_from, d.acked)
 
     def _prune_locked(self) -> None:
         d = self.delivery
-        consumed = self._consumed()
-        total = sum(size for _, _, size in consumed)
-        if total > self.retain_bytes:
-            for q, i, size in consumed:
+        self._count()
+        if self._held > self.retain_bytes:
+            total = self._held
+            for (q, i), size in self._counted.items():  # oldest first
                 total -= size
                 if total <= self.retain_bytes:
                     d.drop_until(q, i + 1)
@@ -145,15 +159,15 @@ class TrainerSide:
                     self.retain_bytes / 2**20,
                     *d.floor,
                 )
-        for q in [q for q in self.past if d.held_from(q) is None]:
+        while self._counted:  # free the oldest the floor no longer keeps: they were all consumed
+            q, i = next(iter(self._counted))
+            low = d.held_from(q)
+            if low is not None and i >= low:
+                break
+            self._held -= self._counted.pop((q, i))
+            (self.batches if q == d.epoch else self.past.get(q, {})).pop(i, None)
+        for q in [q for q in self.past if d.held_from(q) is None or not self.past[q]]:
             del self.past[q]
-        for q, batches in [*self.past.items(), (d.epoch, self.batches)]:
-            low = d.held_from(q) or 0
-            for i in [i for i in batches if i < low]:
-                del batches[i]
-                self._sizes.pop((q, i), None)
-        for key in [k for k in self._sizes if k[0] < d.floor[0]]:
-            del self._sizes[key]
 
     def prune(self) -> None:
         """Frees what the floor no longer keeps (call with `cond` held)."""

@@ -247,6 +247,7 @@ def restore(core: Journaled, path: Path) -> None:
     core.payloads.update((i, made[i]) for i in ids)
     for step, batch in zip(steps, batches, strict=True):
         core.batches[step.info.step] = (step, batch)
+    core.streams.recount()
     core.streams.prune()
     core.restored_finished = core.delivery.finished
     core.finished = state[J_FINISH_ACKED]  # the coordinator knew: it may be gone by now
