@@ -279,8 +279,14 @@ def test_readme_commands_parse():
                 words = shlex.split(part.replace("$r", "0").replace(">", " > ").split(" > ")[0])
                 if words[:1] != ["batchd"]:
                     continue
+                if words[1:2] == ["torchrun"]:  # torchrun's arguments, by torch's own parser
+                    from torch.distributed.run import get_args_parser
+
+                    parser_of, words = get_args_parser(), words[1:]
+                else:
+                    parser_of = parser
                 try:
-                    parser.parse_args(words[1:])
+                    parser_of.parse_args(words[1:])
                 except SystemExit as exc:
                     pytest.fail(f"README command does not parse ({exc.code}): {' '.join(words)}")
                 checked += 1
