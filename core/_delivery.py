@@ -315,7 +315,7 @@ class Delivery:
         m = self.members[member] if self.group_size is not None or member == 0 else None
         if epoch == self.epoch + 1 < self.epochs and (self.end_sent or (m is not None and m.end_sent)):
             return Connect(WAIT, f"rank {self.rank} starts epoch {epoch} next")
-        steps_before = self.past.get(epoch, self.prev_epoch_steps if epoch + 1 == self.epoch else None)
+        steps_before = self._steps_of(epoch)
         if epoch < self.epoch and steps_before is not None and start_step >= steps_before:
             return Connect(END)  # it took every step of that epoch but lost the end
         if epoch < self.epoch and epoch in self.past and (epoch, start_step) >= self.floor:
@@ -492,12 +492,14 @@ class Delivery:
     def _normalize_floor(self) -> None:
         """An epoch's end as floor is the next epoch's start; past epochs before the floor are dropped."""
         epoch, step = self.floor
-        while epoch < self.epoch and step >= self.past.get(
-            epoch, self.prev_epoch_steps if epoch + 1 == self.epoch else 0
-        ):
+        while epoch < self.epoch and step >= (self._steps_of(epoch) or 0):
             epoch, step = epoch + 1, 0
         self.floor = (epoch, step)
         self.past = {q: n for q, n in self.past.items() if q >= epoch}
+
+    def _steps_of(self, epoch: int) -> int | None:
+        """Steps made in an epoch before this one, when known (held, or the one just before)."""
+        return self.past.get(epoch, self.prev_epoch_steps if epoch + 1 == self.epoch else None)
 
     def held_from(self, epoch: int) -> int | None:
         """The first step of `epoch` still held (consumed steps the floor keeps, then the ready ones), or
