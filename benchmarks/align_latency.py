@@ -41,43 +41,29 @@ Usage: python benchmarks/align_latency.py [--ranks 8,32,64] [--rounds 250] [--wa
 from __future__ import annotations
 
 import argparse
-import gc
 import multiprocessing as mp
-import os
-import random
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _align_procs import BUDGET, DEPTH, WINDOW, client_main, coordinator_main  # noqa: E402
 from _report import (  # noqa: E402
     DEFAULT_WORKLOADS,
     REPO,
     add_common_args,
     command_line,
     finish,
-    format_profile,
     idle_share,
     machine,
-    merged_stats,
 )
 
 SECTION = "align-latency"
-MEASURES = ("benchmarks/align_latency.py", "core", "proto", "service")
-BUDGET, WINDOW, DEPTH = 8192, 64, 8
+MEASURES = ("benchmarks/align_latency.py", "benchmarks/_align_procs.py", "core", "proto", "service")
 TARGET_P99_MS, TARGET_N = 5.0, 64
-
-
-def job_spec(world_size: int):
-    from batchd.core import JobSpec
-
-    return JobSpec(
-        world_size=world_size, token_budget=BUDGET, policy="local", window=WINDOW, depth=DEPTH, seed=0
-    )
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -89,196 +75,52 @@ def pct(xs: list[float], q: float) -> float:
     return s[k]
 
 
-PROFILE_GROUPS = (
-    ("gRPC Python server/channel code", lambda f, fn: "/grpc/" in f),
-    ("asyncio event loop (the grpc.aio server's)", lambda f, fn: "/asyncio/" in f or "_contextvars" in fn),
-    (
-        "locks, conditions, queues (thread hand-offs)",
-        lambda f, fn: (
-            f.endswith("threading.py")
-            or f.endswith("queue.py")
-            or any(x in fn for x in ("_thread.lock", "_thread.RLock", "SimpleQueue"))
-        ),
-    ),
-    ("batchd.proto.wire (protobuf <-> core dataclasses)", lambda f, fn: f.endswith("proto/wire.py")),
-    (
-        "coordinator state + core (decide/commit)",
-        lambda f, fn: "/core/" in f or "/service/coordinator/" in f,
-    ),
-)
-
-
-def profile_groups(stats) -> list[tuple[str, float]]:
-    """Own (tottime) CPU seconds per group of functions; builtins called from batchd code land in "other"."""
-    totals = {name: 0.0 for name, _ in PROFILE_GROUPS}
-    other = 0.0
-    for (filename, _line, func), row in stats.stats.items():
-        for name, match in PROFILE_GROUPS:
-            if match(filename, func):
-                totals[name] += row[2]
-                break
-        else:
-            other += row[2]
-    return [*totals.items(), ("other (builtins, protobuf, dataclasses, ...)", other)]
-
-
-def cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-# -- coordinator process ---------------------------------------------------------------------------
-def coordinator_main(conn, world_size: int, mode: str) -> None:
-    """Runs the coordinator server until told to stop; `mode` is "plain", "phases" or "profile"."""
-    from batchd.service import create_server
-
-    profiles: list = []
-    if mode == "profile":
-        import cProfile
-
-        def install(frame, event, arg):  # first event of a new thread: hand over to a C profiler
-            prof = cProfile.Profile(time.thread_time)  # CPU time of this thread only
-            profiles.append(prof)
-            prof.enable()
-
-        threading.setprofile(install)
-    server, port, state = create_server(
-        "127.0.0.1:0", job_spec(world_size), lease_s=120.0, startup_timeout_s=600.0
-    )
-    events: list[tuple] = []
-    if mode == "phases":
-        # The server hands every Align/Commit to `submit_align/submit_commit` (non-blocking; a barrier's
-        # waiters then await it): their entry is when the message reached the coordinator's logic.
-        orig_align, orig_commit = state.submit_align, state.submit_commit
-        core = state.core
-        orig_decide, orig_core_commit = core.decide, core.commit
-
-        def align(epoch, reports):
-            for report in reports:
-                events.append(("align_in", report.round, report.rank, time.perf_counter()))
-            return orig_align(epoch, reports)
-
-        def commit(epoch, commits, *rest):
-            for c in commits:
-                events.append(("commit_in", c.round, c.rank, time.perf_counter()))
-            return orig_commit(epoch, commits, *rest)
-
-        def decide(reports):
-            t = time.perf_counter()
-            out = orig_decide(reports)
-            events.append(("decide", out.round, -1, t, time.perf_counter()))
-            return out
-
-        def core_commit(commits, *rest):
-            t = time.perf_counter()
-            out = orig_core_commit(commits, *rest)
-            events.append(("core_commit", out.round, -1, t, time.perf_counter()))
-            return out
-
-        state.submit_align, state.submit_commit = align, commit
-        core.decide, core.commit = decide, core_commit
-    server.start()
-    conn.send(port)
-    cpu0 = None
-    while True:
-        msg = conn.recv()
-        if msg == "mark":  # start of the measured rounds
-            cpu0 = cpu_s()
-            conn.send(None)
-        elif msg == "stop":
-            break
-    result: dict[str, Any] = {
-        "latencies_ms": list(state.latencies_ms),
-        "cpu_s": cpu_s() - (cpu0 or 0.0),
-        "events": events,
-        "threads": threading.active_count(),
-    }
-    if profiles:
-        threading.setprofile(None)
-        stats = merged_stats(profiles)
-        result["profile"] = format_profile(stats, 14) if stats is not None else ""
-        result["profile_groups"] = profile_groups(stats) if stats is not None else []
-        result["profiled_threads"] = len(profiles)
-    conn.send(result)
-    state.close()
-    server.stop(0)
-
-
-# -- client processes ------------------------------------------------------------------------------
-def client_main(
-    ranks: list[int],
-    world_size: int,
-    address: str,
-    pool: list[int],
-    total_rounds: int,
-    warmup: int,
-    barrier,
-    out_q,
-) -> None:
-    """Runs ranks `ranks` as threads; puts
-    {rank: [(t_send, t_decision, t_commit_send, t_totals, compute)]}."""
-    from batchd.core import RankState, Sample
-    from batchd.service import CoordinatorClient
-
-    spec = job_spec(world_size)
-    per_rank = WINDOW * (total_rounds + 2)  # a round can emit at most a whole window
-    data = {}
-    for r in ranks:
-        lengths = random.Random(1000 + r).choices(pool, k=per_rank)
-        data[r] = [Sample(r + world_size * i, n, n - 1, r) for i, n in enumerate(lengths)]
-    # The pre-built samples (up to ~600k objects per process) would make every full cyclic-GC pass scan
-    # them, stalling all rank threads of the process for ~100 ms; a rank service holds one window.
-    gc.collect()
-    gc.freeze()
-    clients = {r: CoordinatorClient(address, r, spec) for r in ranks}
-    failures: list[str] = []
-    for r in ranks:
-        clients[r].register(f"bench-rank-{r}")
-        clients[r].start_heartbeats(failures.append)
-    go = threading.Event()
-    results: dict[int, list[tuple[float, ...]]] = {}
-    cpu: dict[str, float] = {}
-
-    def run(r: int) -> None:
-        state = RankState(spec, r)
-        coord = clients[r]
-        it = iter(data[r])
-        rows = []
-        go.wait()
-        for rnd in range(total_rounds):
-            c0 = time.perf_counter()
-            while state.room > 0:
-                state.push(next(it))
-            report = state.report(DEPTH)
-            t0 = time.perf_counter()
-            decision = coord.align(0, report)
-            t1 = time.perf_counter()
-            c = state.apply(decision)
-            t2 = time.perf_counter()
-            totals = coord.commit(0, c)
-            t3 = time.perf_counter()
-            state.finalize(totals)
-            t4 = time.perf_counter()
-            rows.append((t0, t1, t2, t3, (t0 - c0) + (t2 - t1) + (t4 - t3)))
-            if rnd == warmup - 1 and r == ranks[0]:
-                cpu["start"] = cpu_s()
-                out_q.put("warm")
-        results[r] = rows
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in ranks]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    go.set()
-    for t in threads:
-        t.join()
-    cpu["end"] = cpu_s()
-    for c in clients.values():
-        c.close()
-    out_q.put({"results": results, "cpu_s": cpu["end"] - cpu.get("start", cpu["end"]), "failures": failures})
-
-
 # -- driver ----------------------------------------------------------------------------------------
+def _collect(out_q, n: int, procs: list, parent) -> list[dict[str, Any]]:
+    """The `n` client processes' outputs, failing fast when one exits non-zero; on the first "warm"
+    (a client through its warm-up) starts the coordinator's CPU clock (`mark` on `parent`)."""
+    outs: list[dict[str, Any]] = []
+    marked = False
+    while len(outs) < n:
+        try:
+            msg = out_q.get(timeout=0.5)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            for p in procs:
+                if p.exitcode not in (None, 0):
+                    raise RuntimeError(f"client process exited with {p.exitcode}") from None
+            continue
+        if msg == "warm":  # the first client is through its warm-up: start the coordinator's CPU clock
+            if not marked:
+                parent.send("mark")
+                parent.recv()
+                marked = True
+            continue
+        outs.append(msg)
+    return outs
+
+
+def _stop(procs: list, coord) -> None:
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.terminate()
+    coord.join(10)
+    if coord.is_alive():
+        coord.terminate()
+
+
+def _client_times(results: dict[int, list], world_size: int, warmup: int, total: int) -> dict[str, list]:
+    """Per measured round, in ms: client (Align sent -> totals, max over ranks), span (first Align sent ->
+    last totals) and the slowest rank's own compute."""
+    client_ms, span_ms, compute_ms = [], [], []
+    for rnd in range(warmup, total):
+        rows = [results[r][rnd] for r in range(world_size)]
+        client_ms.append(1000 * max(row[3] - row[0] for row in rows))
+        span_ms.append(1000 * (max(row[3] for row in rows) - min(row[0] for row in rows)))
+        compute_ms.append(1000 * max(row[4] for row in rows))
+    return {"client_ms": client_ms, "span_ms": span_ms, "compute_ms": compute_ms}
+
+
 def run_once(
     world_size: int, pool: list[int], rounds: int, warmup: int, client_procs: int, mode: str = "plain"
 ) -> dict[str, Any]:
@@ -308,35 +150,13 @@ def run_once(
             procs.append(p)
         barrier.wait(timeout=300)
         t_start = time.perf_counter()
-        outs = []
-        marked = False
-        while len(outs) < len(groups):
-            try:
-                msg = out_q.get(timeout=0.5)
-            except Exception:  # noqa: BLE001 - queue.Empty
-                for p in procs:
-                    if p.exitcode not in (None, 0):
-                        raise RuntimeError(f"client process exited with {p.exitcode}") from None
-                continue
-            if msg == "warm":  # the first client is through its warm-up: start the coordinator's CPU clock
-                if not marked:
-                    parent.send("mark")
-                    parent.recv()
-                    marked = True
-                continue
-            outs.append(msg)
+        outs = _collect(out_q, len(groups), procs, parent)
         wall = time.perf_counter() - t_start
         status = _status(address)
         parent.send("stop")
         coord_out = parent.recv()
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.terminate()
-        coord.join(10)
-        if coord.is_alive():
-            coord.terminate()
+        _stop(procs, coord)
     failures = [f for o in outs for f in o["failures"]]
     if failures:
         raise RuntimeError(f"job failed during the benchmark: {failures[0]}")
@@ -349,12 +169,6 @@ def run_once(
     coord_ms = lat[-rounds:]
     if list(status.round_latency_ms) != lat[-100:]:
         raise RuntimeError("Status().round_latency_ms disagrees with the coordinator's own record")
-    client_ms, span_ms, compute_ms = [], [], []
-    for rnd in range(warmup, total):
-        rows = [results[r][rnd] for r in range(world_size)]
-        client_ms.append(1000 * max(row[3] - row[0] for row in rows))
-        span_ms.append(1000 * (max(row[3] for row in rows) - min(row[0] for row in rows)))
-        compute_ms.append(1000 * max(row[4] for row in rows))
     t_meas = max(results[r][-1][3] for r in results) - min(results[r][warmup][0] for r in results)
     out = {
         "N": world_size,
@@ -362,9 +176,7 @@ def run_once(
         "warmup": warmup,
         "groups": [len(g) for g in groups],
         "coord_ms": coord_ms,
-        "client_ms": client_ms,
-        "span_ms": span_ms,
-        "compute_ms": compute_ms,
+        **_client_times(results, world_size, warmup, total),
         "wall_s": wall,
         "rounds_per_s": rounds / t_meas,
         "coord_cpu_per_round_ms": 1000 * coord_out["cpu_s"] / rounds,
