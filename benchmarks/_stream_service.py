@@ -238,22 +238,36 @@ def _watch(
         time.sleep(0.5)
 
 
+@dataclasses.dataclass(frozen=True)
+class RunSettings:
+    """One service run's settings: the rank services' memory budget (bytes), the ranks, `[pipeline]
+    max_pixels`, the batching policy and, for a resume run, `kill_at`: the share of the good samples the
+    trainers got when the service is SIGKILLed and restarted (None: no kill)."""
+
+    budget: int
+    ranks: int
+    max_pixels: int
+    policy: str = "balanced"
+    kill_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget <= 0 or self.ranks < 1 or self.max_pixels <= 0:
+            raise ValueError(f"need positive settings: {self.budget=} {self.ranks=} {self.max_pixels=}")
+        if self.kill_at is not None and not 0 < self.kill_at < 1:
+            raise ValueError(f"kill_at is a share in (0, 1): {self.kill_at=}")
+
+
 def service_run(
-    work: Path,
-    gen: Generated,
-    budget: int,
-    ranks: int,
-    ray_address: str,
-    max_pixels: int,
-    policy: str = "balanced",
-    kill_at: float | None = None,
-    say: Callable[[str], None] = print,
+    work: Path, gen: Generated, settings: RunSettings, ray_address: str, say: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    """One epoch through a coordinator, the rank service(s) and model-free trainers; with `kill_at`, the
-    service is SIGKILLed once the trainers got that share of the good samples and restarted."""
+    """One epoch through a coordinator, the rank service(s) and model-free trainers; with
+    `settings.kill_at`, the service is SIGKILLed once the trainers got that share of the good samples and
+    restarted."""
     from batchd.core import JobSpec
     from batchd.launch import spec_argv
 
+    budget, ranks, max_pixels = settings.budget, settings.ranks, settings.max_pixels
+    policy, kill_at = settings.policy, settings.kill_at
     work.mkdir(parents=True, exist_ok=True)
     spec = spec_argv(JobSpec(world_size=ranks, **{**JOB, "policy": policy}))
     (work / "pipeline.toml").write_text(f"[pipeline]\nmin_pixels = {MIN_PIXELS}\nmax_pixels = {max_pixels}\n")

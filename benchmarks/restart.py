@@ -118,6 +118,29 @@ def first_batch(job: Any, states: list[list[dict]]) -> float:
 
 
 # -- part 2: failures --------------------------------------------------------------------------------------
+def _commands(
+    kind: str, aport: int, fault_after: int, step_time: float
+) -> tuple[dict[str, list[str]], list[str]]:
+    """The job's service commands by party name (the coordinator, then `batchd rank` x 2 for `kind` "rank",
+    else one `batchd node`) and the trainers' `batchd torchrun` (crashing rank 0 at `fault_after` for
+    "trainer")."""
+    argv = {"coordinator": ["batchd", "coordinator", "--config", "job.toml"]}
+    if kind == "rank":  # the per-rank layout: one `batchd rank` per trainer rank, rank 1 the victim
+        argv |= {f"rank{r}": ["batchd", "rank", "--config", "job.toml", "--rank", str(r)] for r in (0, 1)}
+        where = ["--base-port", str(aport)]
+    else:
+        argv["node"] = ["batchd", "node", "--config", "job.toml", "--local-ranks", "2", "--node-rank", "0"]
+        where = ["--node-agent", f"127.0.0.1:{aport}"]
+    crash = ["--crash-at", f"0:{fault_after}:1"] if kind == "trainer" else []
+    train = [
+        "batchd", "torchrun", "--nproc-per-node", "2", "--max-restarts", "3", "--standalone", "-m",
+        "batchd.train", *where, "--checkpoint", "ckpt", "--checkpoint-every",
+        "5", "--ids-log", "ids-{rank}.jsonl", "--step-time", str(step_time), "--vocab-size", "512",
+        "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--log-every", "0", *crash,
+    ]  # fmt: skip
+    return argv, train
+
+
 def failure(kind: str, fault_after: int, step_time: float, work: Path) -> dict[str, Any]:
     from _procs import free_block, wait_until
     from _readme_job import end_job, job_env, surviving_steps
@@ -135,20 +158,7 @@ def failure(kind: str, fault_after: int, step_time: float, work: Path) -> dict[s
     )
     marker = f"BATCHD_BENCH_RESTART={uuid.uuid4().hex}"
     env = job_env(tempfile.mkdtemp(prefix="bdb-", dir="/tmp"), marker)
-    argv = {"coordinator": ["batchd", "coordinator", "--config", "job.toml"]}
-    if kind == "rank":  # the per-rank layout: one `batchd rank` per trainer rank, rank 1 the victim
-        argv |= {f"rank{r}": ["batchd", "rank", "--config", "job.toml", "--rank", str(r)] for r in (0, 1)}
-        where = ["--base-port", str(aport)]
-    else:
-        argv["node"] = ["batchd", "node", "--config", "job.toml", "--local-ranks", "2", "--node-rank", "0"]
-        where = ["--node-agent", f"127.0.0.1:{aport}"]
-    crash = ["--crash-at", f"0:{fault_after}:1"] if kind == "trainer" else []
-    train = [
-        "batchd", "torchrun", "--nproc-per-node", "2", "--max-restarts", "3", "--standalone", "-m",
-        "batchd.train", *where, "--checkpoint", "ckpt", "--checkpoint-every",
-        "5", "--ids-log", "ids-{rank}.jsonl", "--step-time", str(step_time), "--vocab-size", "512",
-        "--d-model", "32", "--n-layers", "1", "--n-heads", "2", "--log-every", "0", *crash,
-    ]  # fmt: skip
+    argv, train = _commands(kind, aport, fault_after, step_time)
     logs = {n: open(work / f"{n}.log", "a") for n in [*argv, "torchrun"]}
 
     def start(name: str, cmd: list[str]) -> subprocess.Popen:

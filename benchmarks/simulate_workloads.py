@@ -110,6 +110,131 @@ class _Captured(Exception):
     """Raised by the stand-in all_gather in the capture pass."""
 
 
+class _OdbRanks:
+    """`world_size` ranks of the ODB package in one process: each rank's view (round-robin ids), window
+    buffer and collate rng, the stand-in `dist` per rank, and the tallies of the steps they emitted."""
+
+    def __init__(
+        self, grouping: Any, lengths: Sequence[int], world_size: int, budget: int, window: int, depth: int
+    ):
+        n = len(lengths)
+        self.grouping, self.lengths, self.world_size = grouping, lengths, world_size
+        self.budget, self.window, self.depth = budget, window, depth
+        self.cost = CostModel("padded")
+        self.views = [list(range(r, n, world_size)) for r in range(world_size)]
+        self.position = [0] * world_size
+        self.buffers: list[list[dict]] = [[] for _ in range(world_size)]
+        self.rngs = [
+            random.Random(1042) for _ in range(world_size)
+        ]  # ODB's collate loop: Random(random_seed)
+        self.ids_cache: dict[int, tuple[int, ...]] = {}
+        self.counts = [0] * n
+        self.real = self.padded = self.steps = self.idle = self.over = 0
+        self.slowest = 0.0
+        self.payload: list[Any] = [None] * world_size
+        self.gathered: list[Any] = [None]
+        self.fakes = [self._fake_dist(r) for r in range(world_size)]
+
+    def _fake_dist(self, rank: int) -> types.SimpleNamespace:
+        payload, gathered = self.payload, self.gathered
+
+        def all_gather_into_tensor(out, inp, group=None):
+            if gathered[0] is None:
+                payload[rank] = inp.clone()
+                raise _Captured
+            out.copy_(gathered[0])
+
+        return types.SimpleNamespace(
+            get_world_size=lambda g=None: self.world_size,
+            get_rank=lambda g=None: rank,
+            all_gather_into_tensor=all_gather_into_tensor,
+        )
+
+    def refill(self) -> list[bool]:
+        """Refills every buffer to the window from the rank's view; which ranks are finished."""
+        for r in range(self.world_size):
+            buf, view = self.buffers[r], self.views[r]
+            while len(buf) < self.window and self.position[r] < len(view):
+                i = view[self.position[r]]
+                self.position[r] += 1
+                length = self.lengths[i]
+                ids = self.ids_cache.get(length)
+                if ids is None:
+                    ids = self.ids_cache[length] = (0,) * length
+                buf.append({"input_ids": ids, "sample_id": i})
+        return [
+            self.position[r] >= len(self.views[r]) and not self.buffers[r] for r in range(self.world_size)
+        ]
+
+    def align(self, finished: list[bool], torch: Any) -> list[list[list[dict]]]:
+        """One round: each rank's all_gather payload captured, then every rank aligned with the gathered
+        tensor; the groups each rank emits (shuffled as its collate loop does, at most `depth`)."""
+        g, group_handle = self.grouping, object()  # any non-None ddp_group selects the DDP branch
+        budgets = [0 if f else self.depth for f in finished]
+        kw = dict(join_mode=True, loss_scaling=False, max_groups=self.window)
+        self.gathered[0] = None
+        for r in range(self.world_size):  # pass 1: capture each rank's all_gather payload
+            g.dist = self.fakes[r]
+            try:
+                g.grouping_data(
+                    [[s] for s in self.buffers[r]], self.budget, group_handle, finished[r], budgets[r], **kw
+                )
+            except _Captured:
+                pass
+        self.gathered[0] = torch.cat(self.payload)
+        emitted: list[list[list[dict]]] = []
+        for r in range(self.world_size):  # pass 2: every rank aligns with the gathered tensor
+            g.dist = self.fakes[r]
+            groups, overflow, _all_done, skip = g.grouping_data(
+                [[s] for s in self.buffers[r]], self.budget, group_handle, finished[r], budgets[r], **kw
+            )
+            self.buffers[r] = list(overflow)
+            if skip or (finished[r] and budgets[r] == 0):
+                groups = []  # collate_once returns before emitting (and before shuffling)
+            else:
+                self.rngs[r].shuffle(groups)
+            emitted.append(groups[: self.depth])
+            self.buffers[r].extend(s for grp in groups[self.depth :] for s in grp)  # never: target <= budget
+        return emitted
+
+    def tally(self, emitted: list[list[list[dict]]]) -> int:
+        """Counts the round's steps (step j pairs group j of every rank); returns how many."""
+        t = max(len(g) for g in emitted)
+        for j in range(t):
+            worst = 0.0
+            for r in range(self.world_size):
+                if j >= len(emitted[r]) or not emitted[r][j]:
+                    self.idle += 1
+                    continue
+                group = emitted[r][j]
+                ls = [len(s["input_ids"]) for s in group]
+                for s in group:
+                    self.counts[s["sample_id"]] += 1
+                c = self.cost.cost(ls)
+                self.real += sum(ls)
+                self.padded += self.cost.materialized_tokens(ls)
+                worst = max(worst, c)
+                self.over += len(ls) > 1 and c > self.budget
+            self.slowest += worst
+        return t
+
+    def metrics(self) -> dict[str, Any]:
+        real, steps, world_size, budget = self.real, self.steps, self.world_size, self.budget
+        return {
+            "steps": steps,
+            "idle": self.idle,
+            "padding_efficiency": real / self.padded if self.padded else 1.0,
+            "step_efficiency": real / (steps * world_size * budget) if steps else 0.0,
+            "compute_vs_limit": self.slowest / (real / world_size) if real else 0.0,
+            "moved": 0,
+            "missing": sum(1 for k in self.counts if k == 0),
+            "duplicates": sum(k - 1 for k in self.counts if k > 1),
+            "over_budget": self.over,
+            "real_tokens": real,
+            "ideal_steps": math.ceil(real / (world_size * budget)),
+        }
+
+
 def odb_package(
     lengths: Sequence[int], world_size: int, budget: int, window: int, depth: int, max_rounds: int = 1_000_000
 ) -> dict[str, Any] | str:
@@ -120,114 +245,24 @@ def odb_package(
         import torch
     except Exception as exc:  # noqa: BLE001 - any import failure means "no baseline"
         return f"not installed ({type(exc).__name__})"
-    n = len(lengths)
-    cost = CostModel("padded")
-    views = [list(range(r, n, world_size)) for r in range(world_size)]
-    position = [0] * world_size
-    buffers: list[list[dict]] = [[] for _ in range(world_size)]
-    rngs = [random.Random(1042) for _ in range(world_size)]  # ODB's collate loop: random.Random(random_seed)
-    ids_cache: dict[int, tuple[int, ...]] = {}
-    counts = [0] * n
-    real = padded = steps = idle = over = rounds = stalled = 0
-    slowest = 0.0
-    payload: list[Any] = [None] * world_size
-    gathered: list[Any] = [None]
-
-    def fake_dist(rank: int) -> types.SimpleNamespace:
-        def all_gather_into_tensor(out, inp, group=None):
-            if gathered[0] is None:
-                payload[rank] = inp.clone()
-                raise _Captured
-            out.copy_(gathered[0])
-
-        return types.SimpleNamespace(
-            get_world_size=lambda g=None: world_size,
-            get_rank=lambda g=None: rank,
-            all_gather_into_tensor=all_gather_into_tensor,
-        )
-
-    fakes = [fake_dist(r) for r in range(world_size)]
-    group_handle = object()  # any non-None ddp_group selects the DDP branch
+    ranks = _OdbRanks(odb_grouping, lengths, world_size, budget, window, depth)
+    rounds = stalled = 0
     real_dist = odb_grouping.dist
     try:
         while rounds < max_rounds:
-            for r in range(world_size):  # refill every buffer to the window from the rank's view
-                buf, view = buffers[r], views[r]
-                while len(buf) < window and position[r] < len(view):
-                    i = view[position[r]]
-                    position[r] += 1
-                    length = lengths[i]
-                    ids = ids_cache.get(length)
-                    if ids is None:
-                        ids = ids_cache[length] = (0,) * length
-                    buf.append({"input_ids": ids, "sample_id": i})
-            finished = [position[r] >= len(views[r]) and not buffers[r] for r in range(world_size)]
+            finished = ranks.refill()
             if all(finished):
                 break
-            budgets = [0 if f else depth for f in finished]
-            kw = dict(join_mode=True, loss_scaling=False, max_groups=window)
-            gathered[0] = None
-            for r in range(world_size):  # pass 1: capture each rank's all_gather payload
-                odb_grouping.dist = fakes[r]
-                try:
-                    odb_grouping.grouping_data(
-                        [[s] for s in buffers[r]], budget, group_handle, finished[r], budgets[r], **kw
-                    )
-                except _Captured:
-                    pass
-            gathered[0] = torch.cat(payload)
-            emitted: list[list[list[dict]]] = []
-            for r in range(world_size):  # pass 2: every rank aligns with the gathered tensor
-                odb_grouping.dist = fakes[r]
-                groups, overflow, _all_done, skip = odb_grouping.grouping_data(
-                    [[s] for s in buffers[r]], budget, group_handle, finished[r], budgets[r], **kw
-                )
-                buffers[r] = list(overflow)
-                if skip or (finished[r] and budgets[r] == 0):
-                    groups = []  # collate_once returns before emitting (and before shuffling)
-                else:
-                    rngs[r].shuffle(groups)
-                emitted.append(groups[:depth])
-                buffers[r].extend(s for g in groups[depth:] for s in g)  # never happens: target <= budget
+            emitted = ranks.align(finished, torch)
             rounds += 1
-            t = max(len(g) for g in emitted)
+            t = ranks.tally(emitted)
             stalled = 0 if t else stalled + 1
             if stalled > 3:
                 return f"stalled at round {rounds}"
-            for j in range(t):  # step j of the round pairs group j of every rank
-                worst = 0.0
-                for r in range(world_size):
-                    if j >= len(emitted[r]) or not emitted[r][j]:
-                        idle += 1
-                        continue
-                    group = emitted[r][j]
-                    ls = [len(s["input_ids"]) for s in group]
-                    for s in group:
-                        counts[s["sample_id"]] += 1
-                    c = cost.cost(ls)
-                    real += sum(ls)
-                    padded += cost.materialized_tokens(ls)
-                    worst = max(worst, c)
-                    over += len(ls) > 1 and c > budget
-                slowest += worst
-            steps += t
+            ranks.steps += t
     finally:
         odb_grouping.dist = real_dist
-    return {
-        "steps": steps,
-        "idle": idle,
-        "padding_efficiency": real / padded if padded else 1.0,
-        "step_efficiency": real / (steps * world_size * budget) if steps else 0.0,
-        "compute_vs_limit": slowest / (real / world_size) if real else 0.0,
-        "moved": 0,
-        "missing": sum(1 for k in counts if k == 0),
-        "duplicates": sum(k - 1 for k in counts if k > 1),
-        "over_budget": over,
-        "real_tokens": real,
-        "ideal_steps": math.ceil(real / (world_size * budget)),
-        "rounds": rounds,
-        "version": odb.__version__,
-    }
+    return {**ranks.metrics(), "rounds": rounds, "version": odb.__version__}
 
 
 # -- rows ------------------------------------------------------------------------------------------------

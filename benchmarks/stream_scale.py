@@ -85,7 +85,7 @@ from _stream_data import (  # noqa: E402, F401  (re-exported: tests/test_stream_
     shuffle_quality,
     text_record,
 )
-from _stream_service import exact, raysource_first, service_run, trainer_main  # noqa: E402
+from _stream_service import RunSettings, exact, raysource_first, service_run, trainer_main  # noqa: E402
 
 from batchd.core import parse_bytes  # noqa: E402
 
@@ -250,9 +250,8 @@ def service_parts(
             work = root / "runs" / name.replace(" ", "-")
             if work.exists():
                 shutil.rmtree(work)
-            runs[name] = run_ = service_run(
-                work, images, budget, args.ranks, address, args.max_pixels, policy, kill, say=say
-            )
+            settings = RunSettings(budget, args.ranks, args.max_pixels, policy, kill)
+            runs[name] = run_ = service_run(work, images, settings, address, say=say)
             say(
                 f"service run {name!r}: {run_['samples']} samples in {run_['wall_s']:.0f} s, "
                 f"exact={exact(run_)}, dup={run_['duplicates']}, "

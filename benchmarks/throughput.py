@@ -61,6 +61,26 @@ def draw_lengths(workloads: Path, n: int, seed: int) -> list[int]:
     return random.Random(seed).choices(pool, k=n)
 
 
+def _fill(ranks: list[RankState], lengths: Sequence[int], position: list[int], rank_t: list[dict]) -> None:
+    """Fills each rank's window from its view (ids r, r+N, ...; `position` its next id), marking a rank
+    exhausted at the view's end; adds the time to build the samples and to push them to `rank_t`."""
+    pc, world_size, n = time.perf_counter, len(ranks), len(lengths)
+    for r, rank in enumerate(ranks):
+        t0 = pc()
+        i = position[r]
+        stop = min(i + rank.room * world_size, n)
+        batch = [Sample(j, lengths[j], -1, r) for j in range(i, stop, world_size)]
+        t1 = pc()
+        for sample in batch:
+            rank.push(sample)
+        position[r] = i = stop
+        if i >= n and not rank.exhausted:
+            rank.mark_exhausted()
+        t2 = pc()
+        rank_t[r]["build"] += t1 - t0
+        rank_t[r]["push"] += t2 - t1
+
+
 def drive(lengths: Sequence[int], world_size: int, policy: str, seed: int = 0) -> dict[str, Any]:
     """Runs one epoch of `lengths` through N ranks and a coordinator, timing every call."""
     pc = time.perf_counter
@@ -82,20 +102,7 @@ def drive(lengths: Sequence[int], world_size: int, policy: str, seed: int = 0) -
     emitted = [0] * world_size
     rounds = steps = 0
     while True:
-        for r, rank in enumerate(ranks):
-            t0 = pc()
-            i = position[r]
-            stop = min(i + rank.room * world_size, n)
-            batch = [Sample(j, lengths[j], -1, r) for j in range(i, stop, world_size)]
-            t1 = pc()
-            for sample in batch:
-                rank.push(sample)
-            position[r] = i = stop
-            if i >= n and not rank.exhausted:
-                rank.mark_exhausted()
-            t2 = pc()
-            rank_t[r]["build"] += t1 - t0
-            rank_t[r]["push"] += t2 - t1
+        _fill(ranks, lengths, position, rank_t)
         reports = []
         for r, rank in enumerate(ranks):
             t0 = pc()
