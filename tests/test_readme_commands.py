@@ -54,7 +54,10 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 # Pages whose commands other tests own (module docstring): generated, and the cluster deployment.
-NOT_HERE = {DOCS / "benchmarks.md": "tests/test_bench_docs.py", DOCS / "deployment.md": "tests/test_deploy_files.py"}
+NOT_HERE = {
+    DOCS / "benchmarks.md": "tests/test_bench_docs.py",
+    DOCS / "deployment.md": "tests/test_deploy_files.py",
+}
 COMMAND_START = ("batchd ", "python -m batchd", "torchrun ")
 
 
@@ -273,7 +276,9 @@ def test_every_readme_command_is_run_by_a_test():
     assert len(commands) > 40, commands  # the extraction found the pages' commands
     assert {p.name for p in pages()} >= {"README.md", "operations.md", "multimodal.md", "internals.md"}
     missing = [c for c in commands if c not in RUN_BY]
-    assert not missing, f"commands the pages show that no test runs (add one to RUN_BY with its test): {missing}"
+    assert not missing, (
+        f"commands the pages show that no test runs (add one to RUN_BY with its test): {missing}"
+    )
     gone = {ref for ref in RUN_BY.values() if not _test_exists(ref)}
     assert not gone, f"RUN_BY names tests that do not exist: {gone}"
     stale = [c for c in RUN_BY if c not in commands]
@@ -290,7 +295,7 @@ def test_block_commands_join_lines_cut_comments_and_skip_heredocs():
 
 
 # -- every link resolves ----------------------------------------------------------------------------
-CODE_DIRS = ("batchd", "core", "proto", "service", "client", "benchmarks", "tools", "tests", "deploy", "docker")
+CODE_DIRS = "batchd core proto service client benchmarks tools tests deploy docker".split()
 
 
 def _slug(heading: str) -> str:
@@ -333,12 +338,14 @@ def test_every_link_and_anchor_resolves():
         for path in (REPO / top).rglob("*"):
             if path.suffix not in (".py", ".j2", ".sh", ".yaml", ".toml") or ".venv" in path.parts:
                 continue
-            for target in re.findall(r"((?:README|docs/[\w/-]+)\.md#[\w-]+)", path.read_text(errors="replace")):
+            text = path.read_text(errors="replace")
+            for target in re.findall(r"((?:README|docs/[\w/-]+)\.md#[\w-]+)", text):
                 checked += 1
                 why = _broken(REPO, target)
                 if why:
                     bad.append(f"{path.relative_to(REPO)}: {target}: {why}")
     assert not bad, "links that do not resolve:\n" + "\n".join(bad)
+    assert checked >= 2, checked  # the help texts' references were found (`--stats-file`'s, at least)
     assert anchors(README) >= {"quickstart", "a-real-job", "training-with-the-client", "exit-statuses"}
 
 
@@ -483,7 +490,9 @@ def _env(marker: str | None = None) -> dict[str, str]:
 
 
 def test_simulate_runs_as_the_readme_shows_it(tmp_path):
-    usage = re.search(r"### `batchd simulate`\n\n```\n(.*?)```", page_with("### `batchd simulate`"), re.S).group(1)
+    usage = re.search(
+        r"### `batchd simulate`\n\n```\n(.*?)```", page_with("### `batchd simulate`"), re.S
+    ).group(1)
     required = usage
     while "[" in required:  # drop the optional parts (nested brackets from the inside out)
         required = re.sub(r"\[[^\[\]]*\]", "", required)
