@@ -14,7 +14,7 @@ and so is what a job is made of: `JobSpec` (the job every party agrees on), `Con
 (the config file), `simulate` (the daemon's core over a list of lengths, no processes), and one error
 hierarchy: `BatchdError` > `JobFailed`, `CoordinatorError`, `RankServiceError`; bad configs raise
 `ConfigError` (a ValueError). The layers underneath (`batchd.core`, `batchd.proto`, `batchd.service`,
-`batchd.client`) keep their own public modules; see the README's architecture section.
+`batchd.client`) keep their own public modules; see docs/internals.md#layers.
 
 Names resolve on first use, so `import batchd.service` (the daemon) never imports torch.
 """

@@ -4,7 +4,7 @@
 tokenizer, the image processor and the family's chat template; and of the model: its config and random
 weights), so `HFProcessor(path)` and ``AutoModelForImageTextToText.from_pretrained(path)`` load it exactly as
 they load ``Qwen/Qwen2-VL-2B-Instruct`` or ``llava-hf/llava-1.5-7b-hf``. The tests, `batchd bench --model
-tiny-qwen2vl` and the README's recipe use it; a real job points at its model's own directory instead.
+tiny-qwen2vl` and docs/multimodal.md's recipe use it; a real job points at its model's own directory instead.
 
 Families (`TINY_VLM_FAMILIES`):
     qwen2_vl   ``Qwen2VLForConditionalGeneration``: a 2-block ViT (patch 14, temporal patch 2, 2x2 merger,

@@ -272,7 +272,7 @@ def _add_rank_args(p: argparse.ArgumentParser, who: str) -> None:
         metavar="FILE",
         help="write the source's counters here as JSON on exit; a node agent writes one file per rank, "
         "'.rank<r>' before the suffix (stats.json: stats.rank0.json, stats.rank1.json ...) or where "
-        "FILE has '{rank}'. Fields: README, 'Stats file'",
+        "FILE has '{rank}'. Fields: docs/operations.md#stats-file",
     )
     g.add_argument(
         "--max-bad-fraction",

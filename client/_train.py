@@ -232,8 +232,9 @@ def check_one_step_update(info: Any, where: str) -> None:
     if info.update_step != 0 or not info.update_end:
         raise ValueError(
             f"{where} does not take optimizer updates of several steps (the job's tokens_per_update / "
-            f"samples_per_update) yet: use batchd.train_step, or the loop of README 'Optimizer updates "
-            f"of a fixed token count'; got step {info.step} inside update {info.update}"
+            "samples_per_update) yet: use batchd.train_step, or the loop of "
+            "docs/restarts-and-elastic.md#optimizer-updates-of-a-fixed-token-count; "
+            f"got step {info.step} inside update {info.update}"
         )
 
 

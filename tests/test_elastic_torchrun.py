@@ -1,5 +1,6 @@
-"""The torchrun elastic recipe (README, "Elastic jobs"): two torchrun agents on loopback stand for two hosts
-(`--nnodes 1:2 --max-restarts 3`, c10d rendezvous), each running 2 workers of `python -m batchd.train
+"""The torchrun elastic recipe (docs/restarts-and-elastic.md#elastic-jobs-resuming-at-another-world-size):
+two torchrun agents on loopback stand for two hosts (`--nnodes 1:2 --max-restarts 3`, c10d rendezvous),
+each running 2 workers of `python -m batchd.train
 --elastic DIR --config job.toml`: rank 0 starts the coordinator, each host's local rank 0 its node agent.
 Host 1 is lost mid-epoch (its agent, workers and services SIGKILLed); torchrun restarts host 0's workers at
 world size 2, they restart the services (the coordinator resizing the job) and resume from the furthest

@@ -5,7 +5,7 @@ batchd's tiny LM (`batchd.TinyCausalLM`, untied head, seeded, float32) on real i
 coordinator and two rank services over loopback gRPC, synthetic lengths with masked prompts), one epoch per
 job, each with its own real `BatchClient`s:
 
-* FSDP2, float32, the README loop (`train_step` unchanged) on a skewed job whose rank 1 is IDLE from its
+* FSDP2, float32, the docs loop (`train_step` unchanged) on a skewed job whose rank 1 is IDLE from its
   second step: the first steps' unsharded gradients (``DTensor.full_tensor()``) and the ranks' mean scaled
   loss equal a single-process reference on the same global batch (each sample forwarded alone, the
   per-token mean over every sample of the step) within fp32 tolerance; DDP-style plain averaging of the
@@ -81,7 +81,7 @@ def _ds_config(stage: int) -> dict:
 
 
 def _fsdp2_epoch(address: str, rank: int, mixed: bool) -> dict:
-    """The README's FSDP2 loop; the optimizer records the first K steps' full gradients and parameters."""
+    """The docs' FSDP2 loop; the optimizer records the first K steps' full gradients and parameters."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = tiny_model()

@@ -1,9 +1,9 @@
-"""A stock Hugging Face multimodal model trained two-phase through the daemon: the README's "Stock Hugging
-Face multimodal models" recipe, run as written by bash in an empty directory.
+"""A stock Hugging Face multimodal model trained two-phase through the daemon: the "Stock Hugging Face
+multimodal models" recipe of docs/multimodal.md, run as written by bash in an empty directory.
 
-The block is taken from README.md and run line by line: `batchd tiny-vlm vlm` writes the tiny Qwen2-VL and
+The block is taken from the page and run line by line: `batchd tiny-vlm vlm` writes the tiny Qwen2-VL and
 its processor, the records (the demo generator's, with images) go to train.parquet, job.toml is the
-README's (`[pipeline] processor = "vlm"`, `phases = 2`), then a coordinator, a node agent whose Ray actors
+page's (`[pipeline] processor = "vlm"`, `phases = 2`), then a coordinator, a node agent whose Ray actors
 run the model's own processor, and `torchrun ... -m batchd.train --hf-model vlm`: two gloo ranks training
 the stock `Qwen2VLForConditionalGeneration` through `batchd.two_phase` (its own vision tower, the exchange,
 its own LLM). The test changes only what a shared test machine needs: free ports, 40 records
@@ -32,13 +32,13 @@ RECORDS = 40
 
 
 def readme_block() -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index("### Stock Hugging Face multimodal models")
+    text = (REPO / "docs" / "multimodal.md").read_text()
+    start = text.index("## Stock Hugging Face multimodal models")
     return re.search(r"```bash\n(.*?)```", text[start:], re.S).group(1)
 
 
 def script(cport: int, rport: int) -> list[str]:
-    """The README block with free ports, fewer records and the trainer's logs."""
+    """The page's block with free ports, fewer records and the trainer's logs."""
     block = readme_block()
     assert 'make_demo_dataset(".", 256,' in block and "port = 7000" in block and "base_port = 7100" in block
     block = (

@@ -1,4 +1,4 @@
-"""The README's "A real job" recipe, run as written by bash in an empty directory.
+"""The README's "A real job" recipe, run as written by bash in an empty directory, then its ids check.
 
 The block is taken from README.md and run line by line; the test only adds what a user edits or what
 a shared test machine needs: after `batchd config --example`, job.toml gets free ports, a smaller
@@ -6,7 +6,8 @@ budget and window (the README's "edit" step), the sample dataset is smaller, the
 smaller model and the port of the edited config, and a final `wait` for the services. Checked: the
 script succeeds, both trainers ran the same number of steps, the coordinator and the node agent exited
 0 on their own, the agent served both ranks on one embedded Ray it started, and no process of the job
-is left.
+is left. Then the README's "Check that every sample was trained once" block, run as written on the
+trainers' `--ids-log` files, reports every record that was not quarantined trained once.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ pytestmark = pytest.mark.slow
 
 
 def stats_fields() -> set[str]:
-    """The fields the README's "Stats file" table documents."""
-    text = (REPO / "README.md").read_text()
-    table = text[text.index("### Stats file") :].split("\n## ", 1)[0]
+    """The fields the "Stats file" table of docs/operations.md documents."""
+    text = (REPO / "docs" / "operations.md").read_text()
+    table = text[text.index("## Stats file") :].split("\n## ", 1)[0]
     return {
         f
         for row in table.splitlines()
@@ -37,9 +38,16 @@ def stats_fields() -> set[str]:
     }
 
 
+def ids_check_block() -> str:
+    """The README's bash block after "Check that every sample was trained once"."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("Check that every sample was trained once")
+    return re.search(r"```bash\n(.*?)```", text[start:], re.S).group(1)
+
+
 def test_readme_real_job_runs_as_written(tmp_path):
     cport, rport = free_block(1), free_block(2)
-    script = readme_script(  # README "Stats file": per rank; rank 1's trainer dies once at its 5th step
+    script = readme_script(  # stats per rank (docs/operations.md); rank 1's trainer dies once at its 5th step
         cport,
         rport,
         train_args="--checkpoint-every 3 --crash-at 0:5:1 --ids-log ids-{rank}.jsonl",
@@ -78,6 +86,21 @@ def test_readme_real_job_runs_as_written(tmp_path):
         for r in range(2):
             stats = json.loads((tmp_path / f"stats.rank{r}.json").read_text())
             assert stats["rank"] == r and set(stats) <= documented, (set(stats) - documented, stats)
+        # the README's check, as written, on the trainers' --ids-log files (a restart replayed steps)
+        check = subprocess.run(
+            ["bash", "-c", ids_check_block()],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert check.returncode == 0, check.stderr
+        trained, want, twice = re.fullmatch(
+            r"(\d+) of (\d+) samples trained, (\d+) more than once\n", check.stdout
+        ).groups()
+        assert trained == want and int(want) > 0 and twice == "0", check.stdout
+        assert int(want) == len(kept) == len(set(kept)), (check.stdout, len(kept))
     finally:
         left = end_job(marker)  # the Ray a rank service started stops with it; let it exit
         shutil.rmtree(ray_tmp, ignore_errors=True)

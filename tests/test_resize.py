@@ -193,7 +193,7 @@ def test_simulate_reports_each_change_and_what_the_epoch_lost_none_of():
 
 
 def test_batchd_simulate_resize_prints_each_world_size_and_change(tmp_path, capsys):
-    """`batchd simulate --resize STEP:W` as the README shows it: text and --json; a bad item is refused."""
+    """`batchd simulate --resize STEP:W` as the docs show it: text and --json; a bad item is refused."""
     from batchd.cli import main
 
     lengths = tmp_path / "lengths.txt"
