@@ -26,10 +26,12 @@ from ._run_common import log
 from ._service_config import SourceOptions
 from .preprocess import (
     IngestSource,
+    PoolOptions,
     RaySource,
     RecordDataset,
     SharedRay,
     Source,
+    StreamOptions,
     SyntheticSource,
     default_stages,
     share_ray,
@@ -52,7 +54,7 @@ def make_ray_source(
     The chain's cutoff is at most the longest length a lone sample may have under the job's budget and
     cost (`max_fitting_length`), so no sample ever reaches the rank's own truncation, which could not
     cut pixel values consistently (the Truncate stage drops whole images). `options.source_options`:
-    more `RaySource` keywords ([data] `memory_budget`, `max_bad_fraction`).
+    more `StreamOptions` fields ([data] `memory_budget`, `max_bad_fraction`).
     """
     if options.dataset is None:
         raise ValueError(f"a Ray source needs a dataset, got dataset={options.dataset!r}")
@@ -76,11 +78,10 @@ def make_ray_source(
             spec.seed,
             0,
             spec.shuffle,
-            stages=stages,
-            num_actors=options.num_actors,
-            quarantine=options.quarantine,
-            wrap=spec.mode == "non-join",
-            **(options.source_options or {}),
+            pool=PoolOptions(stages=stages, num_actors=options.num_actors),
+            options=StreamOptions(
+                wrap=spec.mode == "non-join", quarantine=options.quarantine, **(options.source_options or {})
+            ),
         )
     except BaseException:
         shared.close()

@@ -21,6 +21,7 @@ from typing import Any
 from batchd.core import Sample
 from batchd.proto import Security
 
+from .preprocess import StreamOptions
 from .rank import RETAIN_BYTES
 
 
@@ -29,8 +30,9 @@ class SourceOptions:
     """Where a rank's samples come from: `lengths` (synthetic samples of these lengths, or multimodal
     `Sample`s, `vocab_size` tokens), `dataset` (records preprocessed by `num_actors` Ray actors per rank with
     `default_stages(tokenizer, cutoff=cutoff, **pipeline)`, on the Ray at `ray_address`, bad records
-    written to `quarantine`; `source_options`: more `RaySource` keywords, e.g. `memory_budget`,
-    `max_bad_fraction`), or neither (producers push samples through Ingest). Not both."""
+    written to `quarantine`; `source_options`: more `StreamOptions` fields, e.g. `memory_budget`,
+    `max_bad_fraction`, not `wrap` (the job's mode says) nor `quarantine`), or neither (producers push
+    samples through Ingest). Not both."""
 
     lengths: Sequence[int] | Sequence[Sample] | None = None
     dataset: str | None = None
@@ -55,6 +57,15 @@ class SourceOptions:
             raise ValueError(f"num_actors must be >= 1, got num_actors={self.num_actors}")
         if self.cutoff is not None and self.cutoff < 1:
             raise ValueError(f"cutoff must be >= 1 (or None), got cutoff={self.cutoff}")
+        if self.source_options is not None:
+            allowed = {f.name for f in dataclasses.fields(StreamOptions)} - {"wrap", "quarantine"}
+            unknown = sorted(set(self.source_options) - allowed)
+            if unknown:
+                raise ValueError(
+                    f"source_options has unknown key(s) {unknown} (it takes {sorted(allowed)}), got "
+                    f"source_options={dict(self.source_options)}"
+                )
+            StreamOptions(**self.source_options)  # raises ValueError naming a bad value
 
 
 @dataclasses.dataclass(frozen=True)
