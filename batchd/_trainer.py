@@ -58,6 +58,7 @@ from batchd.core import epoch_permutation
 from batchd.proto import batchd_pb2 as pb
 from batchd.service.preprocess import (
     EXHAUSTED,
+    PoolOptions,
     RaySource,
     default_stages,
     ensure_ray,
@@ -154,8 +155,9 @@ def run(
             seed,
             0,
             shuffle,
-            num_actors=num_actors,
-            stages=default_stages(tokenizer, cutoff=cutoff, processor=processor),
+            pool=PoolOptions(
+                num_actors=num_actors, stages=default_stages(tokenizer, cutoff=cutoff, processor=processor)
+            ),
         )
     dist.init_process_group(
         "gloo",

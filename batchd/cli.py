@@ -444,31 +444,41 @@ def _service_config(args: argparse.Namespace):
     return cfg, coordinator
 
 
-def _service_kwargs(args: argparse.Namespace, cfg, base: int) -> dict:
-    """What `run_rank` and `run_node` take alike; `base` is the rank whose ports the config gives."""
+def _service_object(args: argparse.Namespace, cfg, base: int):
+    """The `ServiceConfig` of `run_rank` and `run_node` (flags over `cfg`); `base` is the rank whose ports
+    the config gives."""
+    from batchd.service import Endpoint, Limits, ServiceConfig, SourceOptions
+
     d = cfg.data
-    return dict(
-        lengths=read_workload(d.lengths) if d.lengths else None,
-        host=cfg.rank.host,
-        port=args.port if args.port is not None else cfg.rank.port_of(base),
-        port_file=args.port_file,
+    return ServiceConfig(
+        source=SourceOptions(
+            lengths=read_workload(d.lengths) if d.lengths else None,
+            dataset=d.dataset,
+            tokenizer=cfg.pipeline.tokenizer,
+            num_actors=d.num_actors,
+            ray_address=d.ray_address,
+            quarantine=d.quarantine,
+            cutoff=cfg.pipeline.cutoff,
+            pipeline=cfg.pipeline.stage_kwargs(),
+            source_options=d.source_options(),
+        ),
+        endpoint=Endpoint(
+            host=cfg.rank.host,
+            port=args.port if args.port is not None else cfg.rank.port_of(base),
+            advertise=getattr(args, "advertise", None),
+            port_file=args.port_file,
+            metrics_port=cfg.rank.metrics_port_of(base) if args.metrics_port is None else args.metrics_port,
+            metrics_host=args.metrics_host or cfg.rank.host,
+            security=cfg.security_object(),
+        ),
+        limits=Limits(
+            client_grace_s=cfg.rank.client_grace_s,
+            trainer_timeout_s=cfg.rank.trainer_timeout_s,
+            startup_timeout_s=cfg.coordinator.startup_timeout_s,
+            retain_bytes=int(cfg.rank.retain_mb * 2**20),
+        ),
         state_dir=cfg.rank.state_dir,
-        client_grace_s=cfg.rank.client_grace_s,
-        dataset=d.dataset,
-        tokenizer=cfg.pipeline.tokenizer,
-        num_actors=d.num_actors,
-        ray_address=d.ray_address,
-        quarantine=d.quarantine,
         stats_file=d.stats_file,
-        pipeline=cfg.pipeline.stage_kwargs(),
-        cutoff=cfg.pipeline.cutoff,
-        security=cfg.security_object(),
-        metrics_port=args.metrics_port if args.metrics_port is not None else cfg.rank.metrics_port_of(base),
-        metrics_host=args.metrics_host or cfg.rank.host,
-        trainer_timeout_s=cfg.rank.trainer_timeout_s,
-        retain_bytes=int(cfg.rank.retain_mb * 2**20),
-        startup_timeout_s=cfg.coordinator.startup_timeout_s,
-        source_options=d.source_options(),
     )
 
 
@@ -481,7 +491,7 @@ def _rank(args: argparse.Namespace) -> int:
     if args.rank >= cfg.job.world_size:
         raise ValueError(f"--rank must be < world size {cfg.job.world_size}, got rank={args.rank}")
     _logging(cfg)
-    return run_rank(cfg.job, args.rank, coordinator, **_service_kwargs(args, cfg, args.rank))
+    return run_rank(cfg.job, args.rank, coordinator, _service_object(args, cfg, args.rank))
 
 
 def _node(args: argparse.Namespace) -> int:
@@ -495,9 +505,7 @@ def _node(args: argparse.Namespace) -> int:
             f"{ranks[0]}..{ranks[-1]}, but the job's world size is {cfg.job.world_size}"
         )
     _logging(cfg)
-    return run_node(
-        cfg.job, ranks, coordinator, name=args.name, advertise=args.advertise, **_service_kwargs(args, cfg, 0)
-    )
+    return run_node(cfg.job, ranks, coordinator, _service_object(args, cfg, 0), name=args.name)
 
 
 def _config_cmd(args: argparse.Namespace) -> int:

@@ -35,13 +35,22 @@ def raysource_first(
     gen: Generated, budget: int, stages: list, num_actors: int, samples: int = 64
 ) -> dict[str, Any]:
     """From opening the dataset to a RaySource's first sample (and to its `samples`-th)."""
-    from batchd.service.preprocess import RaySource, RecordDataset
+    from batchd.service.preprocess import PoolOptions, RaySource, RecordDataset, StreamOptions
 
     evict(gen.files)
     t0 = time.perf_counter()
     ds = RecordDataset(gen.path)
     t_open = time.perf_counter() - t0
-    src = RaySource(ds, 0, 1, SEED, 0, True, stages=stages, num_actors=num_actors, memory_budget=budget)
+    src = RaySource(
+        ds,
+        0,
+        1,
+        SEED,
+        0,
+        True,
+        pool=PoolOptions(stages=stages, num_actors=num_actors),
+        options=StreamOptions(memory_budget=budget),
+    )
     try:
         t_made = time.perf_counter() - t0
         got, t_first, at_first = 0, None, None

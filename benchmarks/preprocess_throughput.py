@@ -82,10 +82,10 @@ def bench_inprocess(dataset, stages, limit: int) -> dict[str, float]:
 
 
 def drain_epoch(pool, epoch: int, chunk_size: int | None = None) -> tuple[int, float]:
-    from batchd.service.preprocess import EXHAUSTED, RaySource
+    from batchd.service.preprocess import EXHAUSTED, RaySource, StreamOptions
 
-    kwargs = {"chunk_size": chunk_size} if chunk_size else {}
-    src = RaySource(None, 0, 1, seed=0, epoch=epoch, pool=pool, **kwargs)
+    options = StreamOptions(chunk_size=chunk_size) if chunk_size else None
+    src = RaySource(None, 0, 1, seed=0, epoch=epoch, pool=pool, options=options)
     t0 = time.perf_counter()
     n = 0
     while True:

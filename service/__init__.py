@@ -15,6 +15,7 @@ from ._run_coordinator import run_coordinator
 from ._run_node import node_ranks, run_node
 from ._run_rank import run_rank
 from ._security import add_port, server_interceptors
+from ._service_config import Endpoint, Limits, ServiceConfig, SourceOptions
 from .coordinator import CoordinatorServicer, CoordinatorState, create_server
 from .rank import RankServiceCore, RankServicer, collate, create_rank_server
 
@@ -23,8 +24,10 @@ __all__ = [
     "CoordinatorMetrics",
     "CoordinatorServicer",
     "CoordinatorState",
+    "Endpoint",
     "Journal",
     "JournalError",
+    "Limits",
     "LocalRankClient",
     "MergedRegistry",
     "NodeAgent",
@@ -33,6 +36,8 @@ __all__ = [
     "RankServiceCore",
     "RankServicer",
     "RateWindow",
+    "ServiceConfig",
+    "SourceOptions",
     "add_port",
     "collate",
     "create_rank_server",

@@ -11,21 +11,28 @@ Ray, signals, exit status); tests build it in process.
 from __future__ import annotations
 
 import os
+from typing import cast
 
 from batchd.core import JobSpec
-from batchd.proto import Security
 
+from ._coord_client import CoordinatorClient
 from ._metrics import RankMetrics
 from ._node_link import NodeLink
+from ._service_config import Endpoint, Limits
 from .preprocess import Source
-from .rank import RETAIN_BYTES, RankServiceCore, create_rank_server
+from .rank import RankServiceCore, create_rank_server
+
+StateDir = str | os.PathLike[str] | None
 
 
 class NodeAgent:
     """Serves the ranks of `sources` ({rank: its source}) as node agent `name` (see module docstring).
 
-    `advertise` is the host peers reach it at (default `host`). `start()` starts the server, the link and
-    the ranks' loops; `port` is then the bound port; `stop()` ends them all.
+    `endpoint` (default `Endpoint()`): its host and port, `advertise` (the host peers reach it at; default
+    the host) and security (its port file and metrics are the process's: `run_node`); `limits` (default
+    `Limits()`) and `state_dir` (its ranks' journals) go to each rank's core; `metrics`: keep each rank's
+    `RankMetrics` (`self.metrics`). `start()` starts the server, the link and the ranks' loops; `port` is
+    then the bound port; `stop()` ends them all.
     """
 
     def __init__(
@@ -34,16 +41,10 @@ class NodeAgent:
         coordinator: str,
         name: str,
         sources: dict[int, Source],
-        host: str = "127.0.0.1",
-        port: int = 0,
-        advertise: str | None = None,
-        state_dir: str | os.PathLike | None = None,
-        client_grace_s: float = 600.0,
-        security: Security | None = None,
+        endpoint: Endpoint | None = None,
+        limits: Limits | None = None,
+        state_dir: StateDir = None,
         metrics: bool = False,
-        trainer_timeout_s: float = 1800.0,
-        startup_timeout_s: float = 600.0,
-        retain_bytes: int = RETAIN_BYTES,
     ) -> None:
         ranks = sorted(sources)
         bad = [r for r in ranks if not 0 <= r < spec.world_size]
@@ -54,43 +55,51 @@ class NodeAgent:
             )
         if not name:
             raise ValueError(f"a node agent needs a name, got {name=}")
+        endpoint = Endpoint() if endpoint is None else endpoint
+        limits = Limits() if limits is None else limits
         self.spec, self.coordinator, self.name, self.ranks = spec, coordinator, name, ranks
-        self.host, self.advertise, self.security = host, advertise, security
-        self.startup_timeout_s = startup_timeout_s
+        self.host, self.advertise, self.security = endpoint.host, endpoint.advertise, endpoint.security
+        self.startup_timeout_s = limits.startup_timeout_s
         self.metrics = {r: RankMetrics(r) for r in ranks} if metrics else {}
         self.cores: dict[int, RankServiceCore] = {
-            r: RankServiceCore(
-                r,
-                spec,
-                None,
-                sources[r],
-                state_dir=state_dir,
-                client_grace_s=client_grace_s,
-                trainer_timeout_s=trainer_timeout_s,
-                security=security,
-                metrics=self.metrics.get(r),
-                retain_bytes=retain_bytes,
-            )
-            for r in ranks
+            r: self._core(r, spec, sources[r], limits, state_dir) for r in ranks
         }
         for core in self.cores.values():
             core.local_peers = {r: c for r, c in self.cores.items() if r != core.rank}
-        self.server, self.port = create_rank_server(f"{host}:{port}", self.cores, security)
-        self.address = f"{advertise or host}:{self.port}"
+        bind = f"{endpoint.host}:{endpoint.port}"
+        self.server, self.port = create_rank_server(bind, self.cores, self.security)
+        self.address = f"{endpoint.advertise or endpoint.host}:{self.port}"
         self.link = NodeLink(
             coordinator,
             name,
             ranks,
             spec,
             self.address,
-            startup_timeout_s=startup_timeout_s,
-            security=security,
+            startup_timeout_s=limits.startup_timeout_s,
+            security=self.security,
             journaled=all(core.journal is not None for core in self.cores.values()),
         )
         for r, core in self.cores.items():
-            core.coord = self.link.client(r)
+            core.coord = cast(CoordinatorClient, self.link.client(r))  # the same interface, for its ranks
             if core.finished:  # restored after its trainer took the job's last step: it calls no more
                 self.link.retire(r)
+
+    def _core(
+        self, rank: int, spec: JobSpec, source: Source, limits: Limits, state_dir: StateDir
+    ) -> RankServiceCore:
+        """Rank `rank`'s service core, its coordinator client set once the link is up (`__init__`)."""
+        return RankServiceCore(
+            rank,
+            spec,
+            cast(CoordinatorClient, None),
+            source,
+            state_dir=state_dir,
+            client_grace_s=limits.client_grace_s,
+            trainer_timeout_s=limits.trainer_timeout_s,
+            security=self.security,
+            metrics=self.metrics.get(rank),
+            retain_bytes=limits.retain_bytes,
+        )
 
     def start(self) -> None:
         self.server.start()

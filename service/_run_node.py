@@ -12,18 +12,23 @@ it serves it logs its progress every $BATCHD_PROGRESS_S seconds (`_NodeProgress`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from prometheus_client import CollectorRegistry
 
 from batchd.core import JobSpec
-from batchd.proto import Progress, Security
+from batchd.proto import Progress
 
 from ._metrics_http import MergedRegistry, start_metrics_server, stop_metrics_server
 from ._node import NodeAgent
+from ._rank_source import make_source, write_stats
 from ._run_common import (
     RESTORED_LINGER_S,
     linger_until_told,
@@ -32,30 +37,30 @@ from ._run_common import (
     stop_event,
     write_port_file,
 )
-from ._run_rank import make_source, write_stats
+from ._service_config import Endpoint, ServiceConfig, SourceOptions
 from .preprocess import RayLost, RaySource, SharedRay, Source, job_key
-from .rank import RETAIN_BYTES, RankServiceCore, job_samples
+from .rank import RankServiceCore, job_samples
 
 
 def node_ranks(
-    local_ranks: int | None = None, node_rank: int | None = None, env: dict[str, str] | None = None
+    local_ranks: int | None = None, node_rank: int | None = None, env: Mapping[str, str] | None = None
 ) -> list[int]:
     """The global ranks a node agent serves: node_rank * K .. node_rank * K + K - 1, torchrun's numbering.
 
     K is `local_ranks`, else $LOCAL_WORLD_SIZE (torchrun's); the node rank is `node_rank`, else $GROUP_RANK
     (torchrun), else $NODE_RANK. Raises ValueError naming what is missing or bad.
     """
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
 
     def pick(value: int | None, names: tuple[str, ...], what: str) -> int:
         if value is not None:
             return value
         for name in names:
-            if env.get(name, "").strip():
+            if environ.get(name, "").strip():
                 try:
-                    return int(env[name])
+                    return int(environ[name])
                 except ValueError:
-                    raise ValueError(f"${name}={env[name]!r} is not an integer ({what})") from None
+                    raise ValueError(f"${name}={environ[name]!r} is not an integer ({what})") from None
         raise ValueError(
             f"the node agent needs {what}: pass --{what.replace('_', '-')} or set "
             f"{' or '.join('$' + n for n in names)}"
@@ -74,89 +79,46 @@ def run_node(
     spec: JobSpec,
     ranks: list[int],
     coordinator: str,
-    lengths: list[int] | None,
+    config: ServiceConfig | None = None,
     name: str | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    advertise: str | None = None,
-    port_file: str | None = None,
-    state_dir: str | None = None,
-    client_grace_s: float = 600.0,
-    vocab_size: int = 512,
-    dataset: str | None = None,
-    tokenizer: str | None = None,
-    num_actors: int = 2,
-    ray_address: str | None = None,
-    quarantine: str | None = None,
-    stats_file: str | None = None,
-    pipeline: dict | None = None,
-    cutoff: int | None = None,
-    security: Security | None = None,
-    metrics_port: int | None = None,
-    metrics_host: str = "127.0.0.1",
-    trainer_timeout_s: float = 1800.0,
-    startup_timeout_s: float = 600.0,
-    source_options: dict | None = None,
-    retain_bytes: int = RETAIN_BYTES,
 ) -> int:
     """`batchd node`: serves `ranks` (one `RankServiceCore` each, one gRPC server, one coordinator stream)
-    until every one of its trainers took the job's last step, or the job failed. Sources as for
-    `run_rank`, one per rank (`num_actors` actors per rank; `stats_file` gets `{rank}` filled in or, without
-    it, ".rank<r>" before its suffix). `advertise` is the host peers on other nodes reach it at (default
-    `host`, or this machine's name when `host` is 0.0.0.0)."""
-    _check_node_ranks(spec, ranks, lengths, dataset)
+    until every one of its trainers took the job's last step, or the job failed. `config` (default
+    `ServiceConfig()`): sources as for `run_rank`, one per rank (`num_actors` actors per rank);
+    `stats_file` gets `{rank}` filled in or, without it, ".rank<r>" before its suffix; `endpoint.advertise`
+    is the host peers on other nodes reach it at (default its host, or this machine's name when the host
+    is 0.0.0.0). `name`: the agent's name in logs and failures (default: the host name)."""
+    config = ServiceConfig() if config is None else config
+    stats_file = config.stats_file
+    return serve_ranks(
+        spec, ranks, coordinator, config, name or socket.gethostname(), lambda r: _rank_path(stats_file, r)
+    )
+
+
+def serve_ranks(
+    spec: JobSpec,
+    ranks: list[int],
+    coordinator: str,
+    config: ServiceConfig,
+    name: str,
+    stats_path: Callable[[int], str | None],
+) -> int:
+    """Opens the sources of `ranks` and serves them as node agent `name` (`run_node`; `run_rank` is this
+    with one rank); `stats_path(r)` is where rank r's source counters go (None: nowhere)."""
+    _check_node_ranks(spec, ranks)
     held = _NodeSources()
     try:
         try:
-            held.open(
-                spec,
-                ranks,
-                lengths,
-                vocab_size,
-                dataset,
-                tokenizer,
-                num_actors,
-                ray_address,
-                quarantine,
-                cutoff,
-                pipeline,
-                source_options,
-                job_key(coordinator, spec),
-            )
+            held.open(spec, ranks, config.source, job_key(coordinator, spec))
         except RayLost as lost:
-            return ray_lost_at_start(coordinator, ranks, spec, security, lost)
-        return _serve_node(
-            spec,
-            ranks,
-            coordinator,
-            name or socket.gethostname(),
-            held.sources,
-            host,
-            port,
-            advertise,
-            port_file,
-            state_dir,
-            client_grace_s,
-            security,
-            metrics_port,
-            metrics_host,
-            trainer_timeout_s,
-            startup_timeout_s,
-            held.fetched,
-            held.ray,
-            retain_bytes,
-        )
+            return ray_lost_at_start(coordinator, ranks, spec, config.endpoint.security, lost)
+        return _serve_node(spec, coordinator, name, config, held)
     finally:
-        held.close(stats_file)
+        held.close(stats_path)
 
 
-def _check_node_ranks(
-    spec: JobSpec, ranks: list[int], lengths: list[int] | None, dataset: str | None
-) -> None:
-    """Raises ValueError when both `lengths` and `dataset` are given, or `ranks` is empty or holds a rank
-    outside the job's 0..world_size-1."""
-    if lengths is not None and dataset is not None:
-        raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
+def _check_node_ranks(spec: JobSpec, ranks: list[int]) -> None:
+    """Raises ValueError when `ranks` is empty or holds a rank outside the job's 0..world_size-1."""
     bad = [r for r in ranks if not 0 <= r < spec.world_size]
     if not ranks or bad:
         raise ValueError(
@@ -180,59 +142,21 @@ class _NodeSources:
     def ray(self) -> SharedRay | None:
         return self.shared[0] if self.shared else None
 
-    def open(
-        self,
-        spec: JobSpec,
-        ranks: list[int],
-        lengths: list[int] | None,
-        vocab_size: int,
-        dataset: str | None,
-        tokenizer: str | None,
-        num_actors: int,
-        ray_address: str | None,
-        quarantine: str | None,
-        cutoff: int | None,
-        pipeline: dict | None,
-        source_options: dict | None,
-        job: str,
-    ) -> None:
-        """Opens each rank's source (`_run_rank.make_source`); raises `RayLost` if the Ray went away."""
+    def open(self, spec: JobSpec, ranks: list[int], options: SourceOptions, job: str) -> None:
+        """Opens each rank's source (`make_source`); raises `RayLost` if the Ray went away."""
         for r in ranks:
-            self.sources[r], ray_handle = make_source(
-                spec,
-                r,
-                lengths,
-                vocab_size,
-                dataset,
-                tokenizer,
-                num_actors,
-                ray_address,
-                quarantine,
-                cutoff,
-                pipeline,
-                source_options,
-                job,
-            )
+            self.sources[r], ray_handle = make_source(spec, r, options, job)
             if ray_handle is not None:
                 self.shared.append(ray_handle)
 
-    def close(self, stats_file: str | None) -> None:
-        """Writes each `RaySource`'s stats (one file per rank: `_rank_path`), closes the sources, then the
-        Ray handles, even when a write fails."""
-        ray = self.ray
+    def close(self, stats_path: Callable[[int], str | None]) -> None:
+        """Writes each `RaySource`'s stats (rank r's to `stats_path(r)`), closes the sources, then the Ray
+        handles, even when a write fails."""
         try:
             for r, src in self.sources.items():
                 if isinstance(src, RaySource):
-                    path = _rank_path(stats_file, r)
                     try:
-                        write_stats(
-                            path,
-                            r,
-                            src,
-                            ray.address if ray is not None else None,
-                            self.fetched.get(r),
-                            ray_gone=ray is not None and ray.lost is not None,
-                        )
+                        write_stats(stats_path(r), r, src, self.ray, self.fetched.get(r))
                     finally:
                         src.close()
         finally:
@@ -297,58 +221,31 @@ class _NodeProgress:
             self.bar.close()
 
 
-def _serve_node(
-    spec: JobSpec,
-    ranks: list[int],
-    coordinator: str,
-    name: str,
-    sources: dict[int, Source],
-    host: str,
-    port: int,
-    advertise: str | None,
-    port_file: str | None,
-    state_dir: str | None,
-    client_grace_s: float,
-    security: Security | None,
-    metrics_port: int | None,
-    metrics_host: str,
-    trainer_timeout_s: float,
-    startup_timeout_s: float,
-    fetched: dict[int, dict[str, int]] | None = None,
-    shared: SharedRay | None = None,
-    retain_bytes: int = RETAIN_BYTES,
-) -> int:
-    """Serves the node's ranks (see `run_node`); `fetched` gets each rank's moved-sample counts at the end.
-    `shared`: the Ray its sources run on, watched: once it goes away the job fails, naming it."""
+def _serve_node(spec: JobSpec, coordinator: str, name: str, config: ServiceConfig, held: _NodeSources) -> int:
+    """Serves the ranks of `held.sources` (see `run_node`); `held.fetched` gets each rank's moved-sample
+    counts at the end. `held.ray`: the Ray its sources run on, watched: once it goes away the job fails,
+    naming it."""
+    endpoint = config.endpoint
     agent = NodeAgent(
         spec,
         coordinator,
         name,
-        sources,
-        host,
-        port,
-        _advertised(host, advertise),
-        state_dir,
-        client_grace_s,
-        security,
-        metrics_port is not None,
-        trainer_timeout_s,
-        startup_timeout_s,
-        retain_bytes,
+        held.sources,
+        dataclasses.replace(endpoint, advertise=_advertised(endpoint.host, endpoint.advertise)),
+        config.limits,
+        config.state_dir,
+        endpoint.metrics_port is not None,
     )
     cores = agent.cores
-    metrics_server = _start_node_agent(
-        agent, name, host, port_file, security, metrics_host, metrics_port, shared
-    )
+    metrics_server = _start_node_agent(agent, endpoint, held.ray)
     stop = stop_event()
     progress = _NodeProgress(name, cores[min(cores)])
     try:
-        status = _wait_node(agent, stop, progress, client_grace_s)
+        status = _wait_node(agent, stop, progress, config.limits.client_grace_s)
     finally:
         progress.close()
         agent.stop()
-        if fetched is not None:
-            fetched.update((r, dict(core.fetched)) for r, core in cores.items())
+        held.fetched.update((r, dict(core.fetched)) for r, core in cores.items())
         if metrics_server is not None:
             stop_metrics_server(metrics_server)
     if stop.is_set() and not all(c.finished for c in cores.values()) and status == 0:
@@ -356,36 +253,34 @@ def _serve_node(
     return status
 
 
-def _start_node_agent(
-    agent: NodeAgent,
-    name: str,
-    host: str,
-    port_file: str | None,
-    security: Security | None,
-    metrics_host: str,
-    metrics_port: int | None,
-    shared: SharedRay | None,
-) -> Any:
+def _start_node_agent(agent: NodeAgent, endpoint: Endpoint, shared: SharedRay | None) -> Any:
     """Starts `agent` with its ranks' merged metrics (when it keeps metrics), watches its Ray (`shared`),
     writes the port file and logs where it serves; returns the metrics server, or None."""
     metrics_server = metrics_bound = None
-    if agent.metrics:
+    if agent.metrics and endpoint.metrics_port is not None:
+        registry = MergedRegistry([m.registry for m in agent.metrics.values()])
         metrics_server, metrics_bound = start_metrics_server(
-            MergedRegistry([m.registry for m in agent.metrics.values()]), metrics_host, metrics_port
+            cast(CollectorRegistry, registry), endpoint.metrics_host, endpoint.metrics_port
+        )
+        log.info(
+            "node agent %r: Prometheus metrics on http://%s:%d/metrics",
+            agent.name,
+            endpoint.metrics_host,
+            metrics_bound,
         )
     agent.start()
     if shared is not None:
         shared.watch(lambda lost: _node_ray_lost(agent, lost))
     bound = agent.port
-    write_port_file(port_file, bound, metrics_bound)
+    write_port_file(endpoint.port_file, bound, metrics_bound)
     log.info(
         "node agent %r serving ranks %s on %s:%d (peers reach it at %s; %s)",
-        name,
+        agent.name,
         agent.ranks,
-        host,
+        endpoint.host,
         bound,
         agent.address,
-        security.describe() if security else "plaintext",
+        endpoint.security.describe() if endpoint.security else "plaintext",
     )
     return metrics_server
 

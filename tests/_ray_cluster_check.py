@@ -31,7 +31,7 @@ import time
 AGENT = r"""
 import json, sys, time
 import ray
-from batchd.preprocess import EXHAUSTED, RaySource, default_stages, share_ray
+from batchd.preprocess import EXHAUSTED, PoolOptions, RaySource, default_stages, share_ray
 address, ip, data, tok = sys.argv[1:5]
 if ip:
     ray.init(address=address, _node_ip_address=ip)  # what a driver on host `ip` does by itself
@@ -82,8 +82,10 @@ def main(work: str) -> dict:
     from ray.cluster_utils import Cluster
 
     from batchd.preprocess import (
+        PoolOptions,
         PreprocessPool,
         RaySource,
+        StreamOptions,
         TokenizerRef,
         default_stages,
         demo_tokenizer,
@@ -133,11 +135,8 @@ def main(work: str) -> dict:
                 rank,
                 2,
                 seed=1,
-                stages=stages,
-                num_actors=2,
-                actor_num_cpus=0.5,
-                node_id=nodes[name],
-                chunk_size=2,
+                pool=PoolOptions(stages=stages, num_actors=2, actor_num_cpus=0.5, node_id=nodes[name]),
+                options=StreamOptions(chunk_size=2),
             )
             items = drain(src)
             samples = [s for s, _ in items]
@@ -159,7 +158,9 @@ def main(work: str) -> dict:
         facts["t_pinned_s"] = time.monotonic() - t0
 
         # 2. defaults: this driver's node (the head), and an agent's driver attached to B
-        with RaySource(data.path, 0, 4, seed=0, stages=stages, num_actors=1, actor_num_cpus=0.25) as src:
+        with RaySource(
+            data.path, 0, 4, seed=0, pool=PoolOptions(stages=stages, num_actors=1, actor_num_cpus=0.25)
+        ) as src:
             facts["default"] = {
                 "target": src.stats()["node_id"],
                 "actors": src.actor_nodes(),
@@ -193,7 +194,11 @@ def main(work: str) -> dict:
 
         # 4. opting out
         with RaySource(
-            data.path, 0, 4, seed=0, stages=stages, num_actors=1, actor_num_cpus=0.25, node_id=""
+            data.path,
+            0,
+            4,
+            seed=0,
+            pool=PoolOptions(stages=stages, num_actors=1, actor_num_cpus=0.25, node_id=""),
         ) as src:
             facts["unpinned"] = {
                 "target": src.stats()["node_id"],

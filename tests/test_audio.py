@@ -279,12 +279,16 @@ def test_a_step_without_audio_keeps_the_audio_encoder_in_the_graph_and_the_image
 def test_a_dataset_with_audio_streams_through_the_ray_actors(ray_session, tmp_path, fmt):
     """The demo generator's clips (tones, noise; some at 22.05 kHz) in a Parquet column or WAV files beside
     a JSONL file reach every sample's metadata and payload through the real actor pool."""
-    from batchd.service.preprocess import EXHAUSTED, RaySource, make_demo_dataset
+    from batchd.service.preprocess import EXHAUSTED, PoolOptions, RaySource, make_demo_dataset
 
     demo = make_demo_dataset(tmp_path, 64, seed=5, audio_fraction=0.5, bad_fraction=0.0, format=fmt)
     got = {}
     with RaySource(
-        demo.path, 0, 1, seed=0, stages=default_stages(cutoff=4096), num_actors=1, actor_num_cpus=0.5
+        demo.path,
+        0,
+        1,
+        seed=0,
+        pool=PoolOptions(stages=default_stages(cutoff=4096), num_actors=1, actor_num_cpus=0.5),
     ) as src:
         while (item := src.poll(120.0)) is not EXHAUSTED:
             assert item is not None, "the source stalled"

@@ -433,7 +433,7 @@ def test_config_and_cli_take_a_processor_directory(tmp_path, qwen):
 
 @pytest.mark.slow
 def test_ray_actors_run_the_processor(ray_session, qwen, tmp_path):
-    from batchd.preprocess import EXHAUSTED, RaySource, make_demo_dataset, resolve
+    from batchd.preprocess import EXHAUSTED, PoolOptions, RaySource, make_demo_dataset, resolve
 
     demo = make_demo_dataset(tmp_path, num_samples=16, seed=4, image_fraction=0.5, bad_fraction=0.0)
     src = RaySource(
@@ -442,9 +442,9 @@ def test_ray_actors_run_the_processor(ray_session, qwen, tmp_path):
         1,
         0,
         0,
-        stages=default_stages(processor=qwen[0], cutoff=2048),
-        num_actors=1,
-        actor_num_cpus=0.5,
+        pool=PoolOptions(
+            stages=default_stages(processor=qwen[0], cutoff=2048), num_actors=1, actor_num_cpus=0.5
+        ),
     )
     try:
         got = []

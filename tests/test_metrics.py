@@ -339,9 +339,11 @@ def test_run_coordinator_and_run_rank_serve_metrics(tmp_path):
     try:
         cinfo = _wait_json(tmp_path / "c.json")
         rank_code = (
-            "from batchd.core import JobSpec; from batchd.service import run_rank; import sys; "
-            f"sys.exit(run_rank(JobSpec({spec_kw}), 0, '127.0.0.1:{cinfo['port']}', {lengths!r}, "
-            f"port_file={str(tmp_path / 'r.json')!r}, metrics_port=0))"
+            "from batchd.core import JobSpec; import sys; "
+            "from batchd.service import Endpoint, ServiceConfig, SourceOptions, run_rank; "
+            f"config = ServiceConfig(SourceOptions({lengths!r}), "
+            f"Endpoint(port_file={str(tmp_path / 'r.json')!r}, metrics_port=0)); "
+            f"sys.exit(run_rank(JobSpec({spec_kw}), 0, '127.0.0.1:{cinfo['port']}', config))"
         )
         rank = subprocess.Popen([sys.executable, "-c", rank_code])
         procs.append(rank)

@@ -25,7 +25,15 @@ from batchd.core import JobSpec, RankState, RoundDecision, Sample
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.proto import wire
-from batchd.service import CoordinatorMetrics, NodeAgent, NodeLink, create_server, node_ranks
+from batchd.service import (
+    CoordinatorMetrics,
+    Endpoint,
+    Limits,
+    NodeAgent,
+    NodeLink,
+    create_server,
+    node_ranks,
+)
 from batchd.service.preprocess import SyntheticSource
 
 HOST = "127.0.0.1"
@@ -73,10 +81,9 @@ class NodeJob:
             f"{HOST}:{self.port}",
             f"node-{g}",
             sources,
-            HOST,
-            port,
+            Endpoint(HOST, port),
+            Limits(startup_timeout_s=30.0),
             state_dir=None if self.state_dir is None else self.state_dir / f"node-{g}",
-            startup_timeout_s=30.0,
         )
         agent.start()
         return agent

@@ -19,6 +19,7 @@ from batchd.preprocess import (
     PreprocessPool,
     Quarantine,
     RaySource,
+    StreamOptions,
     Tokenize,
     TokenizerRef,
     default_stages,
@@ -72,7 +73,8 @@ def test_every_id_exactly_once_or_quarantined(pool, demo, tmp_path):
     qpath = tmp_path / "quarantine.jsonl"
     quarantine = Quarantine(qpath)
     sources = [
-        RaySource(None, rank, 2, seed=3, epoch=0, pool=pool, quarantine=quarantine) for rank in range(2)
+        RaySource(None, rank, 2, seed=3, epoch=0, pool=pool, options=StreamOptions(quarantine=quarantine))
+        for rank in range(2)
     ]
     assert [src.unread() for src in sources] == [len(src) for src in sources]  # what the rank reports
     emitted = {rank: drain(src) for rank, src in enumerate(sources)}
@@ -109,8 +111,12 @@ def test_every_id_exactly_once_or_quarantined(pool, demo, tmp_path):
 
 
 def test_deterministic_order_payloads_and_materialize(pool):
-    a = drain(RaySource(None, 1, 2, seed=9, epoch=2, pool=pool, chunk_size=3))
-    b = drain(RaySource(None, 1, 2, seed=9, epoch=2, pool=pool, chunk_size=5, max_in_flight=7))
+    a = drain(RaySource(None, 1, 2, seed=9, epoch=2, pool=pool, options=StreamOptions(chunk_size=3)))
+    b = drain(
+        RaySource(
+            None, 1, 2, seed=9, epoch=2, pool=pool, options=StreamOptions(chunk_size=5, max_in_flight=7)
+        )
+    )
     assert [s for s, _ in a] == [s for s, _ in b]  # same view order and metadata, whatever the chunking
     src = RaySource(None, 1, 2, seed=9, epoch=2, pool=pool)
     for (s, ref), (_, ref2) in list(zip(a, b, strict=False))[:6]:
@@ -120,7 +126,9 @@ def test_deterministic_order_payloads_and_materialize(pool):
     bad = next(i for i in range(NUM) if i % 2 == 1 and i not in {s.id for s, _ in a})
     with pytest.raises(KeyError, match="quarantined"):
         src.materialize(bad)
-    as_dicts = drain(RaySource(None, 1, 2, seed=9, epoch=2, pool=pool, payload="dict"), limit=3)
+    as_dicts = drain(
+        RaySource(None, 1, 2, seed=9, epoch=2, pool=pool, options=StreamOptions(payload="dict")), limit=3
+    )
     assert isinstance(as_dicts[0][1], dict) and as_dicts[0][0] == a[0][0]
 
 
@@ -134,12 +142,14 @@ def test_actors_run_on_the_node_of_the_process_that_made_the_pool(pool, ray_sess
 
 @pytest.mark.parametrize("ordered", [True, False])
 def test_resume_from_a_saved_state_gives_exactly_the_rest(pool, ordered):
-    first = RaySource(None, 0, 1, seed=4, epoch=1, pool=pool, ordered=ordered, max_in_flight=24)
+    first = RaySource(
+        None, 0, 1, seed=4, epoch=1, pool=pool, options=StreamOptions(ordered=ordered, max_in_flight=24)
+    )
     head = drain(first, limit=37)
     state = json.loads(json.dumps(first.state_dict()))  # what a journal would hold (tasks still in flight)
     assert first.in_flight > 0
     first.close()
-    second = RaySource(None, 0, 1, seed=4, epoch=1, pool=pool, ordered=ordered)
+    second = RaySource(None, 0, 1, seed=4, epoch=1, pool=pool, options=StreamOptions(ordered=ordered))
     second.load_state_dict(state)
     tail = drain(second)
     ids = [s.id for s, _ in head + tail]
@@ -166,7 +176,9 @@ def test_one_epoch_reads_each_block_once(ray_session, tok, tmp_path):
     pq.write_table(pq.read_table(data.path), path, row_group_size=6)
     with PreprocessPool(str(path), default_stages(tok, cutoff=1024), num_actors=2, actor_num_cpus=0.5) as p:
         window = 2 * max(p.dataset.block_bytes)
-        src = RaySource(None, 0, 1, seed=0, epoch=0, pool=p, memory_budget=4 * window, chunk_size=4)
+        src = RaySource(
+            None, 0, 1, seed=0, epoch=0, pool=p, options=StreamOptions(memory_budget=4 * window, chunk_size=4)
+        )
         assert len(p.dataset.blocks) == 16 and len(src.view.windows) >= 5
         assert len(drain(src)) == 96
         st = src.stats()
@@ -175,7 +187,7 @@ def test_one_epoch_reads_each_block_once(ray_session, tok, tmp_path):
 
 
 def test_start_epoch_gives_the_next_epochs_view_with_cumulative_counters(pool, demo):
-    src = RaySource(None, 0, 2, seed=6, epoch=0, pool=pool, chunk_size=4)
+    src = RaySource(None, 0, 2, seed=6, epoch=0, pool=pool, options=StreamOptions(chunk_size=4))
     first = drain(src)
     src.start_epoch(1)
     second = drain(src)
@@ -194,7 +206,7 @@ def test_start_epoch_gives_the_next_epochs_view_with_cumulative_counters(pool, d
 
 
 def test_wrap_mode_starts_a_new_pass_and_resumes_in_it(pool, demo):
-    src = RaySource(None, 1, 4, seed=0, epoch=0, pool=pool, wrap=True, max_in_flight=8)
+    src = RaySource(None, 1, 4, seed=0, epoch=0, pool=pool, options=StreamOptions(wrap=True, max_in_flight=8))
     assert src.unread() is None  # an endless view: unknown
     good = [i for i in src.view.ids() if i not in demo.bad]
     items = drain(src, limit=len(good) + 10)
@@ -203,7 +215,7 @@ def test_wrap_mode_starts_a_new_pass_and_resumes_in_it(pool, demo):
     assert set(ids[len(good) :]) <= set(good)  # the second pass, in a fresh order
     state = src.state_dict()
     nxt = src.poll(5.0)
-    src2 = RaySource(None, 1, 4, seed=0, epoch=0, pool=pool, wrap=True)
+    src2 = RaySource(None, 1, 4, seed=0, epoch=0, pool=pool, options=StreamOptions(wrap=True))
     src2.load_state_dict(state)
     assert src2.poll(5.0)[0] == nxt[0]
 
@@ -228,9 +240,7 @@ def test_actor_killed_mid_epoch_and_a_record_that_crashes_its_worker(ray_session
             seed=0,
             epoch=0,
             pool=kpool,
-            max_in_flight=16,
-            max_attempts=2,
-            quarantine=tmp_path / "q.jsonl",
+            options=StreamOptions(max_in_flight=16, max_attempts=2, quarantine=tmp_path / "q.jsonl"),
         )
         head = drain(src, limit=20)
         assert src.in_flight > 0
@@ -245,11 +255,22 @@ def test_actor_killed_mid_epoch_and_a_record_that_crashes_its_worker(ray_session
         assert lines[poison].startswith("worker_crashed: the actor died 2 times")
         # The killed actor came back and works.
         # (an eighth of the data: its share of bad records is not what this judges)
-        assert len(drain(RaySource(None, 0, 8, seed=0, epoch=1, pool=kpool, max_bad_fraction=1.0))) > 0
+        assert (
+            len(
+                drain(
+                    RaySource(
+                        None, 0, 8, seed=0, epoch=1, pool=kpool, options=StreamOptions(max_bad_fraction=1.0)
+                    )
+                )
+            )
+            > 0
+        )
 
 
 def test_backpressure_bounds_outstanding_work(pool):
-    src = RaySource(None, 0, 1, seed=0, epoch=3, pool=pool, max_in_flight=5, chunk_size=2)
+    src = RaySource(
+        None, 0, 1, seed=0, epoch=3, pool=pool, options=StreamOptions(max_in_flight=5, chunk_size=2)
+    )
     assert src.poll(5.0) is not None
     time.sleep(0.3)  # the actors finish what they hold; nothing more is requested without polls
     assert src.in_flight <= 5 and len(src._tasks) <= 3

@@ -53,6 +53,7 @@ from batchd.service.preprocess import (
     Quarantine,
     RaySource,
     Source,
+    StreamOptions,
     SyntheticSource,
     TokenizerRef,
     default_stages,
@@ -560,9 +561,10 @@ def test_ray_source_round_trip_continues_identically(ray_pool, cut):
 
     def make(**kw):
         # a tenth of the records are bad by design: their share is not what this test judges
-        args = {"rank": 1, "world_size": 2, "seed": 5, "epoch": 0, "max_bad_fraction": 1.0}
+        args = {"rank": 1, "world_size": 2, "seed": 5, "epoch": 0}
         args.update(kw)
-        return RaySource(None, pool=pool, chunk_size=3, max_in_flight=9, **args)
+        options = StreamOptions(chunk_size=3, max_in_flight=9, max_bad_fraction=1.0)
+        return RaySource(None, pool=pool, options=options, **args)
 
     original = make()
     ray_items(original, cut)

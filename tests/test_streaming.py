@@ -23,10 +23,12 @@ from test_pipeline import drain  # the shared poll-until-EXHAUSTED helper, with 
 from batchd.core import BlockView
 from batchd.preprocess import (
     BlockReader,
+    PoolOptions,
     RaySource,
     RecordDataset,
     Reject,
     SchemaError,
+    StreamOptions,
     SyntheticSource,
     TooManyBadRecords,
     default_stages,
@@ -269,12 +271,8 @@ def test_ray_source_streams_each_rank_its_own_blocks_in_bounded_memory_and_resum
     ds = RecordDataset(tmp_path / "a.parquet")
     budget = 4 * 2 * max(ds.block_bytes)  # windows of two blocks, the reader holds four at most
     common = dict(
-        stages=text_stages,
-        num_actors=1,
-        actor_num_cpus=0.5,
-        memory_budget=budget,
-        max_bad_fraction=0.5,
-        quarantine=tmp_path / "q.jsonl",
+        pool=PoolOptions(stages=text_stages, num_actors=1, actor_num_cpus=0.5),
+        options=StreamOptions(memory_budget=budget, max_bad_fraction=0.5, quarantine=tmp_path / "q.jsonl"),
     )
     got: list[int] = []
     for rank in range(2):
@@ -313,11 +311,8 @@ def test_too_many_bad_records_fail_with_their_reasons_and_the_file(ray_session, 
         tmp_path / "d.jsonl",
         0,
         1,
-        stages=text_stages,
-        num_actors=1,
-        actor_num_cpus=0.5,
-        max_bad_fraction=0.3,
-        quarantine=q,
+        pool=PoolOptions(stages=text_stages, num_actors=1, actor_num_cpus=0.5),
+        options=StreamOptions(max_bad_fraction=0.3, quarantine=q),
     )
     try:  # 25% bad, under 0.3: the epoch runs, every bad record quarantined with its reason
         assert len(drain(ok)) == 112 and ok.quarantined == 38 and ok.reasons == {"schema": 38}
@@ -331,11 +326,8 @@ def test_too_many_bad_records_fail_with_their_reasons_and_the_file(ray_session, 
         tmp_path / "d.jsonl",
         0,
         1,
-        stages=text_stages,
-        num_actors=1,
-        actor_num_cpus=0.5,
-        max_bad_fraction=0.1,
-        quarantine=q,
+        pool=PoolOptions(stages=text_stages, num_actors=1, actor_num_cpus=0.5),
+        options=StreamOptions(max_bad_fraction=0.1, quarantine=q),
     )
     try:
         with pytest.raises(TooManyBadRecords) as e:
@@ -351,7 +343,13 @@ def test_a_block_larger_than_a_window_fails_at_start_naming_file_and_block(tmp_p
     _write_parquet(tmp_path / "a.parquet", 100, 100)
     ds = RecordDataset(tmp_path / "a.parquet")
     with pytest.raises(ValueError, match=r"a.parquet: row group 0 holds .* raise \[data\] memory_budget"):
-        RaySource(ds, 0, 1, stages=text_stages, memory_budget=4 * ds.block_bytes[0] - 4)
+        RaySource(
+            ds,
+            0,
+            1,
+            pool=PoolOptions(stages=text_stages),
+            options=StreamOptions(memory_budget=4 * ds.block_bytes[0] - 4),
+        )
 
 
 # -- a restarted rank replays the rounds decided before its crash on the buffer it reported -------------

@@ -1,10 +1,13 @@
 """batchd's preprocessing data plane: records -> stages -> Ray actor pool -> per-rank sources.
 
-    from batchd.service.preprocess import RaySource, make_demo_dataset, default_stages, resolve
+    from batchd.service.preprocess import (
+        PoolOptions, RaySource, StreamOptions, default_stages, make_demo_dataset, resolve,
+    )
 
     demo = make_demo_dataset("/tmp/demo", num_samples=512)
-    with RaySource(demo.path, rank=0, world_size=2, seed=0, epoch=0, num_actors=2,
-                   stages=default_stages(cutoff=1024), quarantine="/tmp/demo/quarantine.jsonl") as src:
+    pool = PoolOptions(stages=default_stages(cutoff=1024), num_actors=2)
+    options = StreamOptions(quarantine="/tmp/demo/quarantine.jsonl")
+    with RaySource(demo.path, rank=0, world_size=2, seed=0, epoch=0, pool=pool, options=options) as src:
         item = src.poll(1.0)              # (Sample, ObjectRef) | None | EXHAUSTED
         payload = resolve(item[1])        # {"input_ids", "labels", ["pixel_values", "image_grid_thw"]}
 
@@ -18,7 +21,8 @@ Private modules, one concern each (`_chain` is the one that imports every stage)
                features, audio tokens), `_hf` (`HFProcessor`: a model's own HF
                processor), `_chain` (`default_stages`, `Preprocessor`)
     Ray        `_ray` (connect, `resolve`), `_pool` (the actor pool), `_ray_source` (`RaySource`),
-               `_ledger` (its record of pulled samples)
+               `_ray_options` (its `PoolOptions`, `StreamOptions`), `_ledger` (its record of pulled
+               samples)
     sources    `_sources` (the `Source` protocol, synthetic and pushed sources); `_demo_data`
 Imports only `batchd.core`: the rank service builds on it, never the other way.
 """
@@ -49,7 +53,8 @@ from ._ray import (
     share_ray,
     start_local_ray,
 )
-from ._ray_source import DEFAULT_MAX_BAD_FRACTION, DEFAULT_MEMORY_BUDGET, RaySource
+from ._ray_options import DEFAULT_MAX_BAD_FRACTION, DEFAULT_MEMORY_BUDGET, PoolOptions, StreamOptions
+from ._ray_source import RaySource
 from ._reader import BlockReader
 from ._schema import SchemaError
 from ._sources import (
@@ -95,6 +100,7 @@ __all__ = [
     "LlavaVision",
     "NO_REASONS",
     "Payload",
+    "PoolOptions",
     "PreprocessPool",
     "PreprocessWorker",
     "Preprocessor",
@@ -119,6 +125,7 @@ __all__ = [
     "Source",
     "Stage",
     "StageContext",
+    "StreamOptions",
     "SyntheticSource",
     "SystemPrompt",
     "TEMPLATES",

@@ -52,21 +52,20 @@ from typing import Any
 import numpy as np
 import ray
 
-from batchd.core import BlockView, Remainder, Sample, parse_bytes
+from batchd.core import BlockView, Remainder, Sample
 
 from ._dataset import RecordDataset
 from ._ledger import Ledger
 from ._pool import PreprocessPool
 from ._quarantine import Quarantine, TooManyBadRecords
 from ._ray import ray_lost
+from ._ray_options import PoolOptions, StreamOptions
 from ._reader import BlockReader
 from ._sources import EXHAUSTED
 
 log = logging.getLogger("batchd.preprocess")
 
 STATE_VERSION = 2
-DEFAULT_MEMORY_BUDGET = 2 << 30
-DEFAULT_MAX_BAD_FRACTION = 0.1
 MIN_JUDGED = 100
 
 
@@ -74,8 +73,8 @@ MIN_JUDGED = 100
 class _Task:
     seqs: list[int]
     actor: int
-    payloads: list[ray.ObjectRef]
-    probe: ray.ObjectRef | None  # set when the task ran alone on its actor (`PreprocessPool.submit`)
+    payloads: list[ray.ObjectRef[Any]]
+    probe: ray.ObjectRef[Any] | None  # set when the task ran alone on its actor (`PreprocessPool.submit`)
 
 
 class RaySource:
@@ -87,69 +86,41 @@ class RaySource:
     written to the quarantine file. At the end of the view, `emitted + quarantined == len(self)`.
 
     Args:
-        dataset: A RecordDataset or paths (None when `pool` is given: the pool's dataset).
-        rank, world_size, seed, epoch, shuffle, wrap: The view (`batchd.core.BlockView`).
-        stages: The chain when this source builds its own pool (None = `default_stages()`).
-        num_actors: Actors of its own pool (ignored with `pool`).
-        pool: A shared `PreprocessPool` (not closed by `close()`).
-        max_in_flight: Samples requested but not yet returned by poll (backpressure); default
-            4 x actors x chunk_size.
-        chunk_size: Samples per actor task (amortizes Ray's per-task cost: see docs/benchmarks.md).
-        ordered: Emit in view order (deterministic; default) or in completion order (no head-of-line wait;
-            not with `wrap`).
-        quarantine: A Quarantine, a JSONL path for one, or None (counts only).
-        max_attempts: Actor deaths a sample may see before it is quarantined as `worker_crashed`.
-        payload: "ref" (default) or "dict".
-        memory_budget: Bytes (or a size like "1GiB") bounding what this source holds: blocks are read in
-            windows of at most a quarter of it, and at most half of it is held (module docstring).
-        max_bad_fraction: The share of bad records read above which `poll` raises `TooManyBadRecords`
-            (0..1; 1 never fails).
-        ray_address, actor_num_cpus: For its own pool (see PreprocessPool).
-        node_id: Where its own pool's actors run, softly (see PreprocessPool): None (default) = the node
-            of this process, so a node agent's actors land on its own node; a hex node id = that node;
-            "" = anywhere (Ray's placement). Ignored with `pool` (the pool's placement holds).
+        dataset: A RecordDataset or paths (None when `pool` is a shared pool: the pool's dataset).
+        rank, world_size, seed, epoch, shuffle: The view (`batchd.core.BlockView`; its wrap: `options`).
+        pool: A shared `PreprocessPool` (not closed by `close()`), or how to build its own
+            (`PoolOptions`; None = `PoolOptions()`).
+        options: How it streams (`StreamOptions`; None = `StreamOptions()`): backpressure, order, wrap,
+            quarantine, attempts, payload, memory budget, bad-record share.
     """
 
     def __init__(
         self,
-        dataset: RecordDataset | str | os.PathLike | Sequence[Any] | None,
+        dataset: RecordDataset | str | os.PathLike[str] | Sequence[Any] | None,
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
         epoch: int = 0,
         shuffle: bool = True,
         *,
-        stages: Sequence[Any] | None = None,
-        num_actors: int = 2,
-        pool: PreprocessPool | None = None,
-        max_in_flight: int | None = None,
-        chunk_size: int = 8,
-        ordered: bool = True,
-        wrap: bool = False,
-        quarantine: Quarantine | str | os.PathLike | None = None,
-        max_attempts: int = 3,
-        payload: str = "ref",
-        ray_address: str | None = None,
-        actor_num_cpus: float = 1.0,
-        node_id: str | None = None,
-        memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
-        max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION,
+        pool: PreprocessPool | PoolOptions | None = None,
+        options: StreamOptions | None = None,
     ) -> None:
-        _check_options(payload, wrap, ordered, chunk_size, max_attempts, max_bad_fraction)
-        self.memory_budget = parse_bytes(memory_budget)
+        options = StreamOptions() if options is None else options
+        if not isinstance(options, StreamOptions):
+            raise ValueError(f"options must be a StreamOptions, got {options=}")
+        self.memory_budget = options.budget_bytes
         self.longest: int | None = None  # `Source.longest`: set by whoever chose the stages' cutoff
-        self.max_bad_fraction = float(max_bad_fraction)
-        pool, self._own_pool = _open_pool(
-            dataset, pool, self.memory_budget, stages, num_actors, ray_address, actor_num_cpus, node_id
-        )
-        self.pool = pool
-        self.dataset = pool.dataset
+        self.max_bad_fraction = float(options.max_bad_fraction)
+        own_pool, self._own_pool = _open_pool(dataset, pool, self.memory_budget)
+        self.pool = own_pool
+        self.dataset = own_pool.dataset
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
-        self.wrap, self.ordered, self.chunk_size, self.max_attempts = wrap, ordered, chunk_size, max_attempts
-        self.max_in_flight = max_in_flight or 4 * pool.num_actors * chunk_size
-        if self.max_in_flight < 1:
-            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight=}")
-        self.fetch_payloads = payload == "dict"
+        self.wrap, self.ordered = options.wrap, options.ordered
+        self.chunk_size, self.max_attempts = options.chunk_size, options.max_attempts
+        self.max_in_flight = options.max_in_flight or 4 * own_pool.num_actors * options.chunk_size
+        self.fetch_payloads = options.payload == "dict"
+        quarantine = options.quarantine
         self.quarantine = quarantine if isinstance(quarantine, Quarantine) else Quarantine(quarantine)
         self.view = BlockView(
             self.dataset.block_rows,
@@ -159,7 +130,7 @@ class RaySource:
             seed,
             epoch,
             shuffle,
-            wrap,
+            self.wrap,
             window_bytes=self.memory_budget // 4,
         )
         self.reader = BlockReader(self.dataset, self.memory_budget // 2)
@@ -176,7 +147,7 @@ class RaySource:
     # -- bookkeeping ---------------------------------------------------------------------------------
     def _reset(self, low: int, skip: set[int]) -> None:
         self._ledger = Ledger(low, skip, self.ordered)  # the pulled samples, from seq `low` on
-        self._tasks: dict[ray.ObjectRef, _Task] = {}
+        self._tasks: dict[ray.ObjectRef[Any], _Task] = {}
         self._suspects: collections.deque[int] = collections.deque()  # to rerun alone on an idle actor
         self._unsent: list[list[int]] = []  # pulled, not yet accepted by the pool
         self._hold(False)
@@ -307,7 +278,7 @@ class RaySource:
         for ref in done:
             self._finish(ref)
 
-    def _finish(self, ref: ray.ObjectRef) -> None:
+    def _finish(self, ref: ray.ObjectRef[Any]) -> None:
         task = self._tasks.pop(ref)
         try:
             metas = ray.get(ref)
@@ -355,6 +326,7 @@ class RaySource:
         if seq is None:
             return None
         e = self._ledger.entries[seq]
+        assert e.sample is not None  # READY: `mark_ready` set it
         item = (e.sample, ray.get(e.payload) if self.fetch_payloads else e.payload)
         e.sample = e.payload = None
         self._ledger.resolve(seq)
@@ -366,7 +338,7 @@ class RaySource:
         return self._ledger.open == 0 and self.view.exhausted()
 
     # -- the source interface ------------------------------------------------------------------------
-    def poll(self, timeout: float = 0.0):
+    def poll(self, timeout: float = 0.0) -> tuple[Sample, Any] | object | None:
         """The next `(Sample, payload)`, None if none is ready within `timeout` s, or EXHAUSTED."""
         deadline = time.monotonic() + max(timeout, 0.0)
         with self._lock:
@@ -411,7 +383,7 @@ class RaySource:
 
     def materialize_many(self, sample_ids: Sequence[int]) -> list[dict[str, np.ndarray]]:
         """`materialize` for several ids, spread over the pool."""
-        out: dict[int, dict[str, np.ndarray]] = {}
+        out: dict[int, ray.ObjectRef[Any]] = {}  # id -> its payload's reference
         # In block order: each chunk then reads few blocks, and each block is read once per call.
         todo = sorted(dict.fromkeys(int(i) for i in sample_ids), key=lambda i: (self.dataset.block_of(i), i))
         for _attempt in range(self.max_attempts):
@@ -421,6 +393,7 @@ class RaySource:
             for k in range(0, len(todo), self.chunk_size):
                 chunk = todo[k : k + self.chunk_size]
                 sent = self.pool.submit(self.reader.items(chunk), self.epoch, self.seed, "force")
+                assert sent is not None  # "force" is never refused (`PreprocessPool.submit`)
                 tasks.append((chunk, sent[1]))
             failed: list[int] = []
             bad: list[str] = []
@@ -444,8 +417,8 @@ class RaySource:
             raise RuntimeError(
                 f"samples {todo[:10]} could not be preprocessed: actors died {self.max_attempts} times"
             )
-        refs = [out[int(i)] for i in sample_ids]
-        return ray.get(refs)
+        payloads: list[dict[str, np.ndarray]] = ray.get([out[int(i)] for i in sample_ids])
+        return payloads
 
     # -- state ---------------------------------------------------------------------------------------
     def _view_state_at(self, seq: int) -> dict[str, Any]:
@@ -547,51 +520,35 @@ def check_blocks(dataset: RecordDataset, window_bytes: int) -> None:
         )
 
 
-def _check_options(
-    payload: str, wrap: bool, ordered: bool, chunk_size: int, max_attempts: int, max_bad_fraction: float
-) -> None:
-    """Raises ValueError naming the first of `RaySource`'s options that is out of range."""
-    if payload not in ("ref", "dict"):
-        raise ValueError(f"payload must be 'ref' or 'dict', got {payload=}")
-    if wrap and not ordered:
-        raise ValueError("wrap=True (non-join mode) needs ordered=True: peek_id must name the next sample")
-    if chunk_size < 1 or max_attempts < 1:
-        raise ValueError(f"chunk_size and max_attempts must be >= 1, got {chunk_size=} {max_attempts=}")
-    if isinstance(max_bad_fraction, bool) or not 0.0 <= float(max_bad_fraction) <= 1.0:
-        raise ValueError(f"max_bad_fraction must be in [0, 1], got {max_bad_fraction=}")
-
-
 def _open_pool(
-    dataset: RecordDataset | str | os.PathLike | Sequence[Any] | None,
-    pool: PreprocessPool | None,
+    dataset: RecordDataset | str | os.PathLike[str] | Sequence[Any] | None,
+    pool: PreprocessPool | PoolOptions | None,
     memory_budget: int,
-    stages: Sequence[Any] | None,
-    num_actors: int,
-    ray_address: str | None,
-    actor_num_cpus: float,
-    node_id: str | None,
 ) -> tuple[PreprocessPool, bool]:
-    """The pool a `RaySource` runs on, and whether it is the source's own: `pool` when given (`dataset`,
-    if given too, must have as many records as the pool's), else a new `PreprocessPool` over `dataset`
-    (opened as a `RecordDataset` if it is paths). The dataset's blocks are checked against the read-ahead
-    window (`check_blocks`, a quarter of `memory_budget`) before any actor starts."""
-    if pool is None and dataset is not None and not isinstance(dataset, RecordDataset):
-        dataset = RecordDataset(dataset)
-    probe = pool.dataset if pool is not None else dataset
-    if isinstance(probe, RecordDataset):
-        check_blocks(probe, memory_budget // 4)
-    if pool is None:
+    """The pool a `RaySource` runs on, and whether it is the source's own: `pool` when it is a shared pool
+    (`dataset`, if given too, must have as many records as the pool's), else a new `PreprocessPool` over
+    `dataset` (opened as a `RecordDataset` if it is paths) built as `pool` says (None: `PoolOptions()`).
+    The dataset's blocks are checked against the read-ahead window (`check_blocks`, a quarter of
+    `memory_budget`) before any actor starts."""
+    if not isinstance(pool, PreprocessPool):
+        build = PoolOptions() if pool is None else pool
+        if not isinstance(build, PoolOptions):
+            raise ValueError(f"pool must be a PreprocessPool, a PoolOptions or None, got {pool=}")
         if dataset is None:
             raise ValueError("RaySource needs a dataset or a pool")
-        pool = PreprocessPool(
-            dataset,
-            stages,
-            num_actors,
-            ray_address=ray_address,
-            actor_num_cpus=actor_num_cpus,
-            node_id=node_id,
+        records = dataset if isinstance(dataset, RecordDataset) else RecordDataset(dataset)
+        check_blocks(records, memory_budget // 4)
+        own = PreprocessPool(
+            records,
+            build.stages,
+            build.num_actors,
+            ray_address=build.ray_address,
+            actor_num_cpus=build.actor_num_cpus,
+            node_id=build.node_id,
         )
-        return pool, True
+        return own, True
+    if isinstance(pool.dataset, RecordDataset):
+        check_blocks(pool.dataset, memory_budget // 4)
     if dataset is not None:
         n = len(dataset) if isinstance(dataset, RecordDataset) else None
         if dataset is not pool.dataset and n is not None and n != len(pool.dataset):
