@@ -73,10 +73,13 @@ TARGET_P99_MS, TARGET_N = 5.0, 64
 
 
 def job_spec(world_size: int):
-    from batchd.core import JobSpec
+    from batchd.core import JobSpec, PolicySpec
 
     return JobSpec(
-        world_size=world_size, token_budget=BUDGET, policy="local", window=WINDOW, depth=DEPTH, seed=0
+        world_size=world_size,
+        token_budget=BUDGET,
+        seed=0,
+        policy=PolicySpec(name="local", window=WINDOW, depth=DEPTH),
     )
 
 

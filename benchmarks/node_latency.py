@@ -90,10 +90,13 @@ TARGET_64_MS, TARGET_512_MS = 5.0, 25.0
 
 
 def job_spec(world_size: int):
-    from batchd.core import JobSpec
+    from batchd.core import JobSpec, PolicySpec
 
     return JobSpec(
-        world_size=world_size, token_budget=BUDGET, policy="local", window=WINDOW, depth=DEPTH, seed=0
+        world_size=world_size,
+        token_budget=BUDGET,
+        seed=0,
+        policy=PolicySpec(name="local", window=WINDOW, depth=DEPTH),
     )
 
 
