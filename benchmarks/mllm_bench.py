@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         token_budget=args.token_budget,
         systems=MM_SYSTEMS,
         window=args.window,
+        depth=8,  # as recorded (the spec's default is 4)
         heldout=16,
         repeats=args.repeats,
         plots=False,

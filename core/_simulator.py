@@ -35,7 +35,6 @@ whether or not the LLM plan is node-aware.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -257,7 +256,7 @@ class Simulator:
         topology = self._topology()
         return {
             **({"topology": topology} if topology is not None else {}),
-            "config": dataclasses.asdict(self.spec),
+            "config": self.spec.keys(),
             "epoch": self.epoch,
             "coordinator": self.coordinator.state_dict(),
             "ranks": [r.state_dict() for r in self.ranks],
@@ -278,10 +277,8 @@ class Simulator:
             self.remainder = rem
             self._start(self.spec.replace(world_size=rem.world_size))
         saved = dict(state["config"])
-        if saved != dataclasses.asdict(self.spec):
-            diff = {
-                k: (saved.get(k), v) for k, v in dataclasses.asdict(self.spec).items() if saved.get(k) != v
-            }
+        if saved != self.spec.keys():
+            diff = {k: (saved.get(k), v) for k, v in self.spec.keys().items() if saved.get(k) != v}
             raise ValueError(f"simulator state was saved with another config (saved, current): {diff}")
         if state.get("topology") != self._topology():
             raise ValueError(

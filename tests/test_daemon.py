@@ -387,7 +387,7 @@ def test_coordinator_rejects_bad_messages_with_status_codes(caplog):
         assert e.value.details() == "Register from rank 99, but the job has ranks 0..1 (world_size=2)"
         with pytest.raises(grpc.RpcError) as e:
             stub.Register(pb.RegisterRequest(rank=1), timeout=5)
-        assert "Register from rank 1 carries an invalid job spec: world_size must be" in e.value.details()
+        assert "Register from rank 1 carries an invalid job spec: policy must be one of" in e.value.details()
     finally:
         state.close()
         server.stop(0)

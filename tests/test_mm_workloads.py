@@ -200,7 +200,7 @@ def test_cli_simulate_prints_per_phase_balance(tmp_path, capsys):
 def test_cli_simulate_phases_flag_and_errors(tmp_path, capsys):
     path = write_workload(tmp_path, 40)
     base = ["simulate", "--workload", str(path), "--world-size", "2", "--token-budget", "4096", "--quiet"]
-    assert main([*base, "--phases", "2"]) == 2  # phases=2 needs balanced
+    assert main([*base, "--policy", "local", "--phases", "2"]) == 2  # phases=2 needs balanced
     assert "phases=2 needs policy='balanced'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*base, "--phases", "3"])

@@ -150,7 +150,7 @@ def _check_exactly_once(results, n: int) -> None:
 
 @pytest.mark.parametrize(
     "plan",
-    [{"node_local": False}, {"cost": "packed"}, {"node_aware": True}],
+    [{"nodes": "blind"}, {"cost": "packed"}, {"nodes": "aware"}],
     ids=["node-blind", "node-local", "node-aware"],
 )
 def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_process(node_job, plan):
@@ -163,7 +163,7 @@ def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_pr
     _check_exactly_once(results, len(lengths))
     assert job.state.node_of == {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}
     assert job.state.topology() == [0, 0, 1, 1]
-    assert job.state.core.nodes == (None if plan == {"node_local": False} else [0, 0, 1, 1])
+    assert job.state.core.nodes == (None if plan == {"nodes": "blind"} else [0, 0, 1, 1])
     home = {i: r for a in job.agents for r, c in a.cores.items() for i in c.source.view._view}
     moved = [sum(1 for ids, _ in res for i in ids if home[i] != r) for r, res in enumerate(results)]
     local = {r: c.fetched["local"] for a in job.agents for r, c in a.cores.items()}

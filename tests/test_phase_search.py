@@ -195,14 +195,14 @@ def test_the_job_turns_the_exact_option_on_for_two_phase_jobs_only():
         phases=Phases(count=2, exact_nodes=50),
     )
     assert spec.phases.exact_nodes == 50
-    with pytest.raises(ValueError, match="phase_exact_nodes needs phases=2"):
+    with pytest.raises(ValueError, match="exact_nodes needs phases=2"):
         JobSpec(
             world_size=2,
             token_budget=64,
             phases=Phases(exact_nodes=50),
             policy=PolicySpec(name="local", window=512, depth=8),
         )
-    with pytest.raises(ValueError, match="phase_exact_nodes"):
+    with pytest.raises(ValueError, match="phases.exact_nodes"):
         JobSpec(
             world_size=2,
             token_budget=64,

@@ -153,10 +153,10 @@ def test_the_simulator_plans_with_the_exact_option_and_never_peaks_higher():
         phases=Phases(count=2),
     )
     plain = simulate(data, spec)
-    exact = simulate(data, spec.replace(phase_exact_nodes=200))
+    exact = simulate(data, spec.replace(phase_exact_nodes=200))  # the key: phases.exact_nodes
     assert exact["steps"] == plain["steps"] and exact["llm_imbalance"] == plain["llm_imbalance"]
     assert exact["vision_imbalance_two"] <= plain["vision_imbalance_two"] + 1e-9
-    assert wire.spec_from_pb(wire.spec_to_pb(spec.replace(phase_exact_nodes=200))).phase_exact_nodes == 200
+    assert wire.spec_from_pb(wire.spec_to_pb(spec.replace(phase_exact_nodes=200))).phases.exact_nodes == 200
 
 
 def test_the_job_sets_the_audio_cost_and_the_wire_carries_it():

@@ -126,7 +126,7 @@ def test_an_open_update_without_weight_is_not_closed_at_the_epoch_end():
 )
 def test_job_spec_refuses_bad_update_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        JobSpec(world_size=2, token_budget=64, **kwargs)
+        JobSpec.from_keys(world_size=2, token_budget=64, **kwargs)
 
 
 # -- through the simulator (the daemon's core) ------------------------------------------------------
