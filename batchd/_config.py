@@ -4,7 +4,9 @@ A file has up to seven sections; every key is optional except `job.world_size` a
 (which may also come from the command line). Unknown sections or keys are errors, not silently ignored:
 a typo such as `token_buget` would otherwise run a job with the default budget.
 
-    [job]          the `batchd.core.JobSpec` every party must agree on (its keys are its fields)
+    [job]          the `batchd.core.JobSpec` every party must agree on: its top-level fields, and its
+                   parts as tables [job.policy], [job.cost], [job.phases], [job.updates]
+                   (batchd._job_keys; a flat [job] of the first drafts migrates, with a warning)
     [data]         where a rank service's samples come from: dataset | lengths, Ray actors, quarantine
     [pipeline]     the preprocessing chain: template, tokenizer, vision, augmentation, cutoff; or processor
     [coordinator]  listen address, the address ranks dial, lease and start-up timeout, journal, metrics port
@@ -25,17 +27,15 @@ a job; the deployment-file tests load configs written for another machine with `
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from batchd._job_keys import job_spec, migrate_job, place_key
 from batchd.core import (
-    FIELDS,
-    REQUIRED,
     JobSpec,
     check_bool,
     check_choice,
@@ -51,7 +51,6 @@ LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 VISIONS = ("qwen2_vl", "llava", "none")
 TRUNCATE_POLICIES = ("truncate", "reject")
-JOB_KEYS = tuple(f.name for f in FIELDS)  # [job] is the JobSpec: its keys are the dataclass's fields
 
 
 DROP = object()  # an override with this value removes the key (e.g. `--lengths` drops the file's dataset)
@@ -341,64 +340,33 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-def _merge(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def _merge(
+    raw: Mapping[str, Any], overrides: Mapping[str, Any], source: str | None = None
+) -> dict[str, dict[str, Any]]:
     merged: dict[str, dict[str, Any]] = {}
     for section, body in raw.items():
         if section not in SECTIONS:
             raise ConfigError(f"unknown section [{section}]; sections are {list(SECTIONS)}")
         if not isinstance(body, Mapping):
             raise ConfigError(f"[{section}] must be a table of keys, got {section}={body!r}")
-        merged[section] = dict(body)
+        try:
+            merged[section] = migrate_job(body, source or "config") if section == "job" else dict(body)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     for dotted, value in overrides.items():
         section, _, key = dotted.partition(".")
         if section not in SECTIONS or not key:
             raise ConfigError(f"override keys are 'section.key' with a known section, got {dotted!r}")
-        if value is DROP:
+        if section == "job" and value is not None and value is not DROP:
+            try:
+                place_key(merged.setdefault("job", {}), key, value)  # a flag's key: into its part's table
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        elif value is DROP:
             merged.get(section, {}).pop(key, None)
         elif value is not None:
             merged.setdefault(section, {})[key] = value
     return merged
-
-
-def add_job_flags(
-    parser: Any,
-    only: Sequence[str] | None = None,
-    exclude: Sequence[str] = (),
-    defaults: Mapping[str, Any] | None = None,
-    shown: Mapping[str, Any] | None = None,
-) -> None:
-    """Adds one flag per `JobSpec` field to `parser` (`--token-budget` for `token_budget`, `--shuffle` /
-    `--no-shuffle` for a bool), with the help, choices and metavar of the field's metadata.
-
-    A flag's default is None ("not given", so a config file's value survives) unless `defaults` gives
-    one (commands without a config file: demo, bench); `shown` changes only the default the help
-    states. Values are validated by `JobSpec` when the spec is built, so errors name the field.
-    """
-    types = {"int": int, "int | None": int, "str": str}
-    for f in FIELDS:
-        if (only is not None and f.name not in only) or f.name in exclude:
-            continue
-        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
-        default, shown = (defaults or {}).get(f.name), shown or {}
-        stated = shown.get(f.name, f.default if default is None else default)
-        if f.name in REQUIRED and default is None and f.name not in shown:
-            text = meta["help"] + " (a flag or --config's [job])"
-        else:
-            text = f"{meta['help']} (default: {stated})"
-        if f.type == "bool":
-            parser.add_argument(
-                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=text
-            )
-        else:
-            parser.add_argument(
-                flag,
-                dest=f.name,
-                type=types[str(f.type)],
-                choices=meta.get("choices"),
-                metavar=meta.get("metavar"),
-                default=default,
-                help=text,
-            )
 
 
 def _check_keys(section: str, body: Mapping[str, Any], known: tuple[str, ...]) -> None:
@@ -426,16 +394,11 @@ def _check_files(cfg: Config) -> None:
 
 
 def _job_spec(body: dict[str, Any]) -> JobSpec:
-    """The `JobSpec` of a [job] section, validated by JobSpec itself (its errors name the field)."""
-    _check_keys("job", body, JOB_KEYS)
-    for req in REQUIRED:
-        if req not in body:
-            flag = "--" + req.replace("_", "-")
-            raise ConfigError(f"job.{req} is required: set it under [job] in the config file or pass {flag}")
+    """The `JobSpec` of a nested [job] section, validated by JobSpec itself (its errors name the field)."""
     try:
-        return JobSpec(**body).check_daemon()
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"job.{exc}") from None
+        return job_spec(body)
+    except ValueError as exc:  # its message names job.KEY and the value
+        raise ConfigError(str(exc)) from None
 
 
 def build_config(
@@ -460,7 +423,7 @@ def build_config(
     from_file = {f"{s}.{k}" for s, body in raw.items() if isinstance(body, Mapping) for k in body}
     from_file -= {k for k, v in overrides.items() if v is not None}
     try:
-        merged = _merge(raw, overrides)
+        merged = _merge(raw, overrides, source)
         base = Path(base_dir) if base_dir is not None else None
         sections: dict[str, Any] = {}
         for name, cls in _SECTION_TYPES.items():
@@ -509,21 +472,29 @@ EXAMPLE = """\
 [job]                      # must be identical for every party (ranks register with it)
 world_size = 2             # trainer ranks
 token_budget = 8192        # L_max: tokens a rank's step may materialize
-policy = "balanced"        # local | balanced | odb | fixed | sorted
 mode = "join"              # join (every sample once) | non-join (quota, then stop)
-window = 512               # samples buffered per rank before grouping
-depth = 8                  # batches a rank keeps ready
-cost = "padded"            # padded | packed | attention
-collate = "padded"         # padded | packed rows
-over_budget = "singleton"  # singleton | truncate | reject (samples longer than L_max)
 seed = 0
 epochs = 1                 # each epoch: a new seeded view of the data per rank
-# node_local = false       # balanced + node agents, packed/attention: plan rounds per node where
-                           # that costs as node-blind (on by default; docs/design/balancing.md)
-# node_aware = true        # balanced + node agents: balance inside each node first (fewer bytes cross
-                           # nodes, steps may cost a little more: docs/benchmarks.md, node-balance)
 # deterministic = true     # the same batches, steps and loss on every run (same data, seed, config),
                            # whatever the speed of actors and trainers; costs wall time (docs/benchmarks.md)
+
+[job.policy]               # flags: --policy, --window, --depth, --over-budget, --collate, --nodes, ...
+name = "balanced"          # balanced | local | odb | fixed | sorted
+window = 128               # samples buffered per rank before grouping
+depth = 4                  # batches a rank keeps ready
+over_budget = "singleton"  # singleton | truncate | reject (samples longer than L_max)
+collate = "padded"         # padded | packed rows
+# nodes = "local"          # balanced + node agents: local (per-node rounds where they cost as node-blind:
+                           # packed/attention cost), blind, or aware (balance inside each node first:
+                           # padded cost where cross-node bytes dominate; docs/benchmarks.md, node-balance)
+
+[job.cost]                 # flags: --cost, --quadratic
+name = "padded"            # padded | packed | attention
+
+# [job.phases]             # flags: --phases, --vision-quadratic, --audio-quadratic, --phase-exact-nodes
+# count = 2                # balanced, join: also balance the vision encoder per step
+
+# [job.updates]            # flags: --tokens-per-update, --samples-per-update, --update-rule
 # tokens_per_update = 262144  # one optimizer update per this many global loss tokens (gradient
                            # accumulation over steps; off: one update per step)
 

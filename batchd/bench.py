@@ -58,7 +58,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from batchd._config import add_job_flags
+from batchd._job_keys import add_job_flags
 from batchd._lengths import read_workload
 from batchd.core import JobSpec, Sample, check_int, format_workload, mean_imbalance
 from batchd.launch import Processes, spec_argv, start_services, start_trainers, wait_trainers
@@ -398,9 +398,9 @@ def run_bench(
     device: str = "cpu",
     model: str | None = None,
     out: str | Path | None = None,
-    seed: int = 0,
-    window: int = 128,
-    depth: int = 8,
+    seed: int | None = None,
+    window: int | None = None,
+    depth: int | None = None,
     heldout: int = 64,
     odb_workers: int = 2,
     lr: float = 1e-3,
@@ -409,9 +409,9 @@ def run_bench(
     lr_scaling: str = "sqrt",
     plots: bool = True,
     progress: Callable[[str], None] | None = None,
-    epochs: int = 1,
+    epochs: int | None = None,
     step_time: float = 0.0,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
     accumulate: int = 1,
     tokens_per_update: int | str | None = None,
 ) -> dict[str, Any]:
@@ -430,7 +430,8 @@ def run_bench(
             default workload bimodal.csv, 256 samples, `HF_VLM_SYSTEMS`) (None: tiny on CPU,
             llama-100m on CUDA).
         out: Directory for bench.json and the PNG plots (None: no files).
-        seed: Seeds the model, the sampler views and the synthetic samples.
+        seed: Seeds the model, the sampler views and the synthetic samples (None, like window, depth,
+            epochs and deterministic: `JobSpec`'s default).
         window: Per-rank window in samples (batchd `--window`, ODB `buffer_size`).
         depth: batchd's per-rank ready batches (`--depth`).
         heldout: Samples after the training set evaluated after every epoch, clock paused (0: none).
@@ -474,15 +475,12 @@ def run_bench(
     from batchd._bench_trainer import MODELS
 
     # the job's fields are validated by JobSpec itself (the one set of rules every command uses)
-    job = JobSpec(
-        world_size=world_size,
-        token_budget=token_budget,
-        window=window,
-        depth=depth,
-        seed=seed,
-        epochs=epochs,
-        deterministic=deterministic,
-    )
+    given = dict(window=window, depth=depth, seed=seed, epochs=epochs, deterministic=deterministic)
+    job = JobSpec.from_keys(
+        world_size=world_size, token_budget=token_budget, **{k: v for k, v in given.items() if v is not None}
+    )  # None: the spec's default
+    window, depth, seed = job.policy.window, job.policy.depth, job.seed
+    epochs, deterministic = job.epochs, job.deterministic
     if tokens_per_update is not None and tokens_per_update != "auto":
         job = job.replace(tokens_per_update=tokens_per_update)  # validated there
     for name, value, lo in (
@@ -666,7 +664,7 @@ def run_bench(
         "epochs": epochs,
         "deterministic": deterministic,
         "accumulate": accumulate,
-        "tokens_per_update": job.tokens_per_update,
+        "tokens_per_update": job.updates.tokens_per_update,
         "longest": max(lengths),
         "mean_length": sum(lengths) / len(lengths),
         "layout": {name: BATCHD_SYSTEMS.get(name, ("", "padded"))[1] for name in systems},
@@ -715,7 +713,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_job_flags(
         p,
         only=("world_size", "token_budget", "window", "depth", "seed", "epochs", "deterministic"),
-        defaults={"window": 128, "depth": 8, "seed": 0, "epochs": 1, "deterministic": False},
+        spec_defaults=True,
         shown={"world_size": "2 on cpu, 1 on cuda", "token_budget": "8192 on cpu, 16384 on cuda"},
     )
     p.add_argument(

@@ -20,11 +20,12 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
-from batchd._config import DROP, EXAMPLE, add_job_flags, load_config
+from batchd._config import DROP, EXAMPLE, load_config
+from batchd._job_keys import add_job_flags
 from batchd._lengths import read_workload
 from batchd._logging import setup_logging
 from batchd.bench import add_bench_parser
-from batchd.core import FIELDS, REQUIRED, RESULT_FIELDS, JobSpec, simulate
+from batchd.core import KEYS, REQUIRED, RESULT_FIELDS, JobSpec, simulate
 from batchd.proto import Progress
 
 
@@ -40,7 +41,8 @@ def _positive(text: str) -> int:
 
 # Flags default to None ("not given") so a config file's value survives unless the flag is given;
 # the help strings state the built-in defaults, which live in the config dataclasses and
-# batchd.core.JobSpec (the job flags are derived from its fields).
+# batchd.core.JobSpec (the job flags are derived from its leaves, `KEYS`).
+SIM_EXCLUDE = ("collate", "epochs")  # the job flags `batchd simulate` does not take
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
@@ -70,16 +72,16 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "(docs/workloads.md), else one length per line",
     )
     p.add_argument("--config", default=None, metavar="FILE", help="job config (TOML/YAML); its [job] is used")
-    add_job_flags(p, exclude=("collate", "epochs"), shown={"shuffle": False})
+    add_job_flags(p, exclude=SIM_EXCLUDE)
     p.add_argument(
         "--local-ranks",
         type=_positive,
         default=None,
         metavar="K",
         help="ranks per node (rank r on node r // K): the result splits moved samples/bytes into "
-        "intra- and cross-node; balanced plans node-local rounds where they cost as node-blind "
-        "(--node-local, on; packed, attention cost), or with --node-aware every round node-aware "
-        "(default: every rank its own node)",
+        "intra- and cross-node; balanced plans as --nodes says: node-local rounds where they cost as "
+        "node-blind (local; packed, attention cost), every round node-aware (aware) or node-blind "
+        "(blind) (default: every rank its own node)",
     )
     p.add_argument(
         "--resize",
@@ -108,7 +110,7 @@ def _resizes(text: str) -> list[tuple[int, int]]:
     return out
 
 
-SIM_KEYS = tuple(f.name for f in FIELDS if f.name not in ("collate", "epochs"))
+SIM_KEYS = tuple(k for k in KEYS if k not in SIM_EXCLUDE)
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -119,7 +121,7 @@ def _simulate(args: argparse.Namespace) -> int:
         for req in REQUIRED:
             if req not in given:
                 raise ValueError(f"--{req.replace('_', '-')} is required (or give --config with [job] {req})")
-        spec = JobSpec(**{"shuffle": False, **given})  # simulate's default: no shuffle (a file's order)
+        spec = JobSpec.from_keys(**given)
     lengths = read_workload(args.workload or args.lengths)
     total = len(lengths) if spec.quota is None else min(spec.quota, len(lengths))
     with Progress("simulate", total, "samples", enabled=not (args.json or args.quiet), emit=_say) as bar:
@@ -314,7 +316,7 @@ def _add_spec(p: argparse.ArgumentParser) -> None:
     add_job_flags(g)
 
 
-SPEC_FLAGS = tuple(f.name for f in FIELDS)
+SPEC_FLAGS = tuple(KEYS)
 
 
 def _add_security(p: argparse.ArgumentParser) -> None:
@@ -523,7 +525,7 @@ def _config_cmd(args: argparse.Namespace) -> int:
     else:
         print(
             f"{args.file}: ok ({cfg.job.world_size} ranks, L_max {cfg.job.token_budget}, "
-            f"policy {cfg.job.policy}, mode {cfg.job.mode})"
+            f"policy {cfg.job.policy.name}, mode {cfg.job.mode})"
         )
     return 0
 
@@ -804,15 +806,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_job_flags(
         p,
         only=("world_size", "token_budget", "policy", "window", "depth", "seed", "deterministic"),
-        defaults={
-            "world_size": 2,
-            "token_budget": 1024,
-            "policy": "balanced",
-            "window": 128,
-            "depth": 4,
-            "seed": 0,
-            "deterministic": False,
-        },
+        defaults={"world_size": 2, "token_budget": 1024},
+        spec_defaults=True,
     )
     p.add_argument(
         "--num-samples",

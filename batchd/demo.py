@@ -166,10 +166,10 @@ def run_demo(
     world_size: int = 2,
     num_samples: int = 1024,
     token_budget: int = DEMO_BUDGET,
-    policy: str = "balanced",
-    window: int = 128,
-    depth: int = 4,
-    seed: int = 0,
+    policy: str | None = None,
+    window: int | None = None,
+    depth: int | None = None,
+    seed: int | None = None,
     baseline: bool = True,
     progress=None,
     timeout: float = 900.0,
@@ -184,13 +184,14 @@ def run_demo(
     memory_budget: str | None = None,
     max_bad_fraction: float | None = None,
     processor: str | None = None,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
 ) -> dict[str, Any]:
     """Runs the demo; returns the summary dict `batchd demo --json` prints. `step_time`: seconds each batchd
     trainer sleeps per step (a real model's step time; the job must not mind). `memory_budget`,
     `max_bad_fraction`: the node agent's [data] keys (None: their defaults). `deterministic`: the job's
     `JobSpec.deterministic`: the same data, seed and config give the same batches, steps and losses
-    (`step_digests`, `losses` in the summary) whatever the actors' and trainers' speed.
+    (`step_digests`, `losses` in the summary) whatever the actors' and trainers' speed. `policy`,
+    `window`, `depth`, `seed`, `deterministic`: the job's keys (None: `JobSpec`'s defaults).
 
     Ray path (default): `dataset` (None: generate `num_samples` demo records, `DEMO_AUDIO_FRACTION` of
     them with clips where the chain turns clips into audio tokens, `audio_model_cfg`), `num_actors`
@@ -207,6 +208,11 @@ def run_demo(
     cost is one collective of a few embedding rows while an unbalanced encoder phase makes every rank
     wait for the one that holds most images (`vision_imbalance` in the summary).
     """
+    given = dict(policy=policy, window=window, depth=depth, seed=seed, deterministic=deterministic)
+    job = JobSpec.from_keys(
+        world_size=world_size, token_budget=token_budget, **{k: v for k, v in given.items() if v is not None}
+    )
+    policy, seed = job.policy.name, job.seed
     if phases is None:
         phases = 2 if not synthetic and policy == "balanced" else 1
     say = progress or (lambda msg: None)
@@ -223,18 +229,7 @@ def run_demo(
     t_start = time.perf_counter()
     try:
         say(f"logs and temporary files in {work}")
-        spec = spec_argv(
-            JobSpec(
-                world_size=world_size,
-                token_budget=token_budget,
-                policy=policy,
-                window=window,
-                depth=depth,
-                seed=seed,
-                phases=phases,
-                deterministic=deterministic,
-            )
-        )
+        spec = spec_argv(job.replace(phases=phases))
         if synthetic:
             summary = _run_synthetic(
                 procs,
@@ -279,7 +274,7 @@ def run_demo(
                 show,
             )
         summary["phases"] = phases
-        summary["deterministic"] = deterministic
+        summary["deterministic"] = job.deterministic
         return summary
     except BaseException as exc:
         if signals.received is not None:  # whatever the signal broke on its way (a child's exit, a wait)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from batchd.core import FIELDS, JobFailed, JobSpec
+from batchd.core import JobFailed, JobSpec
 from batchd.proto import Progress
 
 SERVICE_START_S = 120.0  # a rank service with --dataset starts its actors before it listens
@@ -283,13 +283,13 @@ def wait_port(path: Path, proc: subprocess.Popen, name: str, timeout: float = 60
 
 
 def spec_argv(spec: JobSpec) -> list[str]:
-    """The `batchd coordinator` / `batchd rank` flags that give exactly `spec` (every field, by name):
-    the inverse of the CLI's flags, which are derived from the same `JobSpec` fields."""
+    """The `batchd coordinator` / `batchd rank` flags that give exactly `spec` (every leaf, by its key):
+    the inverse of the CLI's flags, which are derived from the same `JobSpec` leaves (`JobSpec.keys`)."""
     argv = []
-    for f in FIELDS:
-        value, flag = getattr(spec, f.name), "--" + f.name.replace("_", "-")
+    for key, value in spec.keys().items():
+        flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + f.name.replace("_", "-"))
+            argv.append(flag if value else "--no-" + key.replace("_", "-"))
         elif value is not None:
             argv += [flag, str(value)]
     return argv

@@ -17,10 +17,13 @@ BUDGET, WINDOW, DEPTH = 8192, 64, 8
 
 
 def job_spec(world_size: int):
-    from batchd.core import JobSpec
+    from batchd.core import JobSpec, PolicySpec
 
     return JobSpec(
-        world_size=world_size, token_budget=BUDGET, policy="local", window=WINDOW, depth=DEPTH, seed=0
+        world_size=world_size,
+        token_budget=BUDGET,
+        seed=0,
+        policy=PolicySpec(name="local", window=WINDOW, depth=DEPTH),
     )
 
 

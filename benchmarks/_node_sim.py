@@ -22,10 +22,13 @@ STEP_S = 0.050  # the simulated trainer's step time
 
 
 def job_spec(world_size: int):
-    from batchd.core import JobSpec
+    from batchd.core import JobSpec, PolicySpec
 
     return JobSpec(
-        world_size=world_size, token_budget=BUDGET, policy="local", window=WINDOW, depth=DEPTH, seed=0
+        world_size=world_size,
+        token_budget=BUDGET,
+        seed=0,
+        policy=PolicySpec(name="local", window=WINDOW, depth=DEPTH),
     )
 
 

@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             num_samples=args.num_samples,
             systems=parse_systems(args.systems),
             seed=seed,
+            depth=8,  # as recorded (the spec's default is 4)
             accumulate=args.accumulate,
             tokens_per_update="auto",
             lr_scaling=args.lr_scaling,

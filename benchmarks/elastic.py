@@ -340,11 +340,17 @@ def restart_plans(seed: int, root: Path, budget_mib: int, say=print) -> dict[str
 def quality(lengths: list[int]) -> list[dict[str, Any]]:
     """Batching around a resize (`batchd simulate --resize`): 8 ranks losing a 2-rank agent at step 10,
     and 6 growing back to 8 at step 25, against the same steps of the job without a change."""
-    from batchd.core import JobSpec, simulate
+    from batchd.core import CostModel, JobSpec, PolicySpec, simulate
 
     out = []
     for policy, cost in (("balanced", "padded"), ("balanced", "packed")):
-        spec = JobSpec(world_size=8, token_budget=8192, policy=policy, cost=cost, window=128, seed=0)
+        spec = JobSpec(
+            world_size=8,
+            token_budget=8192,
+            seed=0,
+            policy=PolicySpec(name=policy, window=128, depth=8),
+            cost=CostModel(name=cost),
+        )
         res = simulate(lengths, spec, resize=[(10, 6), (25, 8)])
         for m in res["resizes"]:
             out.append({"cost": cost, **{k: m[k] for k in ("step", "from", "to", "after", "without")}})

@@ -50,17 +50,14 @@ SYNTHETIC_SAMPLES, RAY_RECORDS = 2048, 600
 
 
 def job_spec():
-    from batchd.core import JobSpec
+    from batchd.core import JobSpec, PolicySpec
 
     return JobSpec(
         world_size=WORLD,
         token_budget=BUDGET,
-        policy="balanced",
-        window=WINDOW,
-        depth=DEPTH,
         seed=0,
-        collate="padded",
         epochs=EPOCHS,
+        policy=PolicySpec(name="balanced", window=WINDOW, depth=DEPTH, collate="padded"),
     )
 
 

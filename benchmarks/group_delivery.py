@@ -34,10 +34,13 @@ GROUPS = (1, 2, 4)
 def run(k: int, lengths: list[int], budget: int) -> float:
     from _jobs import job_pool
 
-    from batchd.core import JobSpec
+    from batchd.core import JobSpec, PolicySpec
 
     spec = JobSpec(
-        world_size=2, token_budget=budget, policy="balanced", window=64, depth=8, seed=3, collate="packed"
+        world_size=2,
+        token_budget=budget,
+        seed=3,
+        policy=PolicySpec(name="balanced", window=64, depth=8, collate="packed"),
     )
     with job_pool() as start:
         job = start(spec, lengths)

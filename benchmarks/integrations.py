@@ -117,12 +117,15 @@ def strategies(samples: int, budget: int, warmup: int) -> dict[str, Any]:
     import torch.multiprocessing as mp
     from _jobs import job_pool
 
-    from batchd.core import JobSpec
+    from batchd.core import JobSpec, PolicySpec
 
     rng = np.random.default_rng(3)
     lengths = np.clip(rng.lognormal(4.0, 0.7, samples), 8, budget).astype(int).tolist()
     spec = JobSpec(
-        world_size=2, token_budget=budget, policy="balanced", window=64, depth=4, seed=7, collate="padded"
+        world_size=2,
+        token_budget=budget,
+        seed=7,
+        policy=PolicySpec(name="balanced", window=64, depth=4, collate="padded"),
     )
     with job_pool(vocab_size=512) as start, tempfile.TemporaryDirectory() as out:
         jobs = {s: start(spec, lengths) for s in STRATEGIES}

@@ -142,12 +142,15 @@ def measure(samples: int, hidden: int, repeat: int) -> list[dict[str, Any]]:
     import torch.multiprocessing as mp
     from _jobs import job_pool
 
-    from batchd.core import JobSpec
+    from batchd.core import JobSpec, PolicySpec
 
     rng = np.random.default_rng(3)
     lengths = np.clip(rng.lognormal(3.3, 0.6, samples), 3, 120).astype(int).tolist()
     spec = JobSpec(
-        world_size=2, token_budget=256, policy="local", window=16, depth=3, seed=7, collate="padded"
+        world_size=2,
+        token_budget=256,
+        seed=7,
+        policy=PolicySpec(name="local", window=16, depth=3, collate="padded"),
     )
     with job_pool(vocab_size=512) as make, tempfile.TemporaryDirectory() as out:
         jobs = [{kind: make(spec, lengths) for kind in ("plain", "lightning")} for _ in range(repeat)]

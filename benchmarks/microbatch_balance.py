@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import DEFAULT_WORKLOADS, add_common_args, command_line, finish  # noqa: E402
 
-from batchd.core import CostModel, JobSpec, Simulator, balanced_split, chunk_split  # noqa: E402
+from batchd.core import CostModel, JobSpec, PolicySpec, Simulator, balanced_split, chunk_split  # noqa: E402
 
 SECTION = "microbatch"
 MEASURES = ("benchmarks/microbatch_balance.py", "core", "client")
@@ -49,11 +49,9 @@ def _spec(budget: int) -> JobSpec:
     return JobSpec(
         world_size=8,
         token_budget=budget,
-        policy="balanced",
-        window=512,
-        cost="attention",
-        collate="packed",
         seed=0,
+        policy=PolicySpec(name="balanced", window=512, depth=8, collate="packed"),
+        cost=CostModel(name="attention"),
     )
 
 

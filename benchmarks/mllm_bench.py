@@ -142,9 +142,14 @@ def exchange_time(
     import torch.multiprocessing as mp
 
     from batchd import read_workload
-    from batchd.core import JobSpec, Simulator
+    from batchd.core import JobSpec, Phases, PolicySpec, Simulator
 
-    spec = JobSpec(world_size=world, token_budget=token_budget, policy="balanced", window=window, phases=2)
+    spec = JobSpec(
+        world_size=world,
+        token_budget=token_budget,
+        policy=PolicySpec(name="balanced", window=window, depth=8),
+        phases=Phases(count=2),
+    )
     rows = []
     for step in Simulator(read_workload(workload)[:num_samples], spec):
         send = [[0] * world for _ in range(world)]
@@ -240,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         token_budget=args.token_budget,
         systems=MM_SYSTEMS,
         window=args.window,
+        depth=8,  # as recorded (the spec's default is 4)
         heldout=16,
         repeats=args.repeats,
         plots=False,

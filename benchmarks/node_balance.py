@@ -1,7 +1,7 @@
 """Node-aware balancing at scale: `balanced` node-blind vs node-aware on 1,024 ranks, 8 per node.
 
 Runs `batchd.core.simulate` twice per workload with the same topology (`local_ranks=8`: rank r on node
-r // 8, 128 nodes): once node-blind (`node_aware=False`, today's plan, its moves counted under the
+r // 8, 128 nodes): once node-blind (`nodes="blind"`, today's plan, its moves counted under the
 topology) and once node-aware, and records the rows in benchmarks/results/node-balance.json (template:
 benchmarks/templates/node-balance.md.j2).
 
@@ -123,8 +123,10 @@ def padding(lengths: Sequence[int]) -> tuple[float, float, list[list[float]]]:
 
 
 def run(lengths: Sequence[int], aware: bool) -> dict:
-    # node-blind: node_local off too (a no-op under padded cost, named so the row stays node-blind)
-    return simulate(lengths, JobSpec(**CONFIG, node_local=False), local_ranks=LOCAL_RANKS, node_aware=aware)
+    # node-blind: nodes="blind" (node-local would be a no-op under padded cost; named so the row stays blind)
+    return simulate(
+        lengths, JobSpec.from_keys(**CONFIG, nodes="aware" if aware else "blind"), local_ranks=LOCAL_RANKS
+    )
 
 
 def _row(name: str, label: str, m: dict) -> list[object]:

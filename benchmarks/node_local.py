@@ -1,8 +1,8 @@
 """Node-local rounds: `balanced` node-blind vs node-local (the default) under packed and attention cost.
 
 Runs `batchd.core.simulate` with the same topology (`local_ranks=8`: rank r on node r // 8) twice per
-workload and configuration: node-blind (`node_local=False`, its moves counted under the topology) and
-node-local (`node_local=True`, the default: each round planned per node where that costs as node-blind,
+workload and configuration: node-blind (`nodes="blind"`, its moves counted under the topology) and
+node-local (`nodes="local"`, the default: each round planned per node where that costs as node-blind,
 docs/design/balancing.md "Node-local rounds"). Records benchmarks/results/node-local.json (template:
 benchmarks/templates/node-local.md.j2).
 
@@ -101,10 +101,10 @@ def measure(workloads: Path, configs: Sequence[tuple]) -> dict:
     rows, verdicts = [], []
     for config in configs:
         n, window, repeat, cost, shuffle, names = config
-        spec = JobSpec(world_size=n, window=window, cost=cost, shuffle=shuffle, **BASE)
+        spec = JobSpec.from_keys(world_size=n, window=window, cost=cost, shuffle=shuffle, **BASE)
         for name in names:
             lengths = read_lengths(str(workloads / f"{name}.txt")) * repeat
-            blind = simulate(lengths, spec.replace(node_local=False), local_ranks=LOCAL_RANKS)
+            blind = simulate(lengths, spec.replace(nodes="blind"), local_ranks=LOCAL_RANKS)
             local = simulate(lengths, spec, local_ranks=LOCAL_RANKS)
             for label, m in (("node-blind", blind), ("node-local", local)):
                 assert m["missing"] == m["duplicates"] == 0, (name, label, m["missing"], m["duplicates"])
@@ -136,8 +136,10 @@ def measure_seeds(workloads: Path, config: tuple, seeds: int) -> list[dict]:
         lengths = read_lengths(str(workloads / f"{name}.txt")) * repeat
         b_cvl, l_cvl, b_cross, l_cross, d = [], [], 0, 0, []
         for seed in range(seeds):
-            spec = JobSpec(world_size=n, window=window, cost=cost, shuffle=shuffle, seed=seed, **BASE)
-            blind = simulate(lengths, spec.replace(node_local=False), local_ranks=LOCAL_RANKS)
+            spec = JobSpec.from_keys(
+                world_size=n, window=window, cost=cost, shuffle=shuffle, seed=seed, **BASE
+            )
+            blind = simulate(lengths, spec.replace(nodes="blind"), local_ranks=LOCAL_RANKS)
             local = simulate(lengths, spec, local_ranks=LOCAL_RANKS)
             for m in (blind, local):
                 assert m["missing"] == m["duplicates"] == 0, (name, seed, m["missing"], m["duplicates"])

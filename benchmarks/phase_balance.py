@@ -47,6 +47,7 @@ from _report import add_common_args, command_line, finish  # noqa: E402
 from batchd import read_workload  # noqa: E402
 from batchd.core import (  # noqa: E402
     JobSpec,
+    PolicySpec,
     Sample,
     encoder_bound,
     exact_placement,
@@ -365,7 +366,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config["spec"] = list(CONFIG.items())  # in this order (the JSON sorts a dict's keys)
     config.update(llm_tolerance=LLM_TOLERANCE, timing_repeats=TIMING_REPEATS, accept=ACCEPT)
     config.update(bound_tol=BOUND_TOL, exact_steps=EXACT_STEPS, exact_limit_s=EXACT_LIMIT_S)
-    config["vision_quadratic"] = JobSpec(world_size=1, token_budget=1).vision_quadratic
+    config["vision_quadratic"] = JobSpec(
+        world_size=1, token_budget=1, policy=PolicySpec(name="local", window=512, depth=8)
+    ).vision_quadratic
     finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
 

@@ -65,18 +65,15 @@ def cpu_s() -> float:
 
 
 def job_spec(samples: int):
-    from batchd.core import JobSpec
+    from batchd.core import JobSpec, PolicySpec
 
     return JobSpec(
         world_size=1,
         token_budget=BUDGET,
-        policy="local",
-        window=WINDOW,
-        depth=DEPTH,
         seed=0,
         mode="non-join",
         quota=samples,
-        collate="padded",
+        policy=PolicySpec(name="local", window=WINDOW, depth=DEPTH, collate="padded"),
     )
 
 

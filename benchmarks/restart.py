@@ -56,10 +56,13 @@ BUDGET = 8192
 def held(collate: str, interval: int, lengths: list[int], work: Path) -> dict[str, Any]:
     from _jobs import job_pool
 
-    from batchd.core import JobSpec
+    from batchd.core import JobSpec, PolicySpec
 
     spec = JobSpec(
-        world_size=2, token_budget=BUDGET, policy="balanced", window=64, depth=8, seed=3, collate=collate
+        world_size=2,
+        token_budget=BUDGET,
+        seed=3,
+        policy=PolicySpec(name="balanced", window=64, depth=8, collate=collate),
     )
     out: dict[str, Any] = {"collate": collate, "interval": interval}
     with job_pool() as start:

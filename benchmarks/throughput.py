@@ -42,6 +42,7 @@ from batchd import read_lengths
 from batchd.core import (  # noqa: E402
     Coordinator,
     JobSpec,
+    PolicySpec,
     RankState,
     Sample,
     simulate,
@@ -88,10 +89,8 @@ def drive(lengths: Sequence[int], world_size: int, policy: str, seed: int = 0) -
         shuffle=False,
         world_size=world_size,
         token_budget=BUDGET,
-        policy=policy,
-        window=WINDOW,
-        depth=DEPTH,
         seed=seed,
+        policy=PolicySpec(name=policy, window=WINDOW, depth=DEPTH),
     )
     ranks = [RankState(cfg, r) for r in range(world_size)]
     coord = Coordinator(cfg)
@@ -161,7 +160,10 @@ def bench_rank(lengths: Sequence[int], world_size: int, policy: str, runs: int) 
 
 def bench_e2e(lengths: Sequence[int], policy: str) -> dict[str, Any]:
     cfg = JobSpec(
-        shuffle=False, world_size=64, token_budget=BUDGET, policy=policy, window=WINDOW, depth=DEPTH
+        shuffle=False,
+        world_size=64,
+        token_budget=BUDGET,
+        policy=PolicySpec(name=policy, window=WINDOW, depth=DEPTH),
     )
     t0 = time.perf_counter()
     m = simulate(lengths, cfg)

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import DEFAULT_WORKLOADS, add_common_args, command_line, finish  # noqa: E402
 
-from batchd.core import JobSpec, Simulator, UpdateWindows, epoch_permutation  # noqa: E402
+from batchd.core import CostModel, JobSpec, PolicySpec, Simulator, Updates, UpdateWindows, epoch_permutation  # noqa: E402
 
 SECTION = "update-replay"
 MEASURES = ("benchmarks/update_replay.py", "core")
@@ -96,13 +96,12 @@ def partition(system: str, lengths: list[int], tokens: list[int], seed: int) -> 
     spec = JobSpec(
         world_size=WORLD,
         token_budget=BUDGET,
-        policy="balanced",
-        window=128,
-        depth=8,
         seed=seed,
-        cost="packed" if layout == "packed" else "padded",
-        collate="packed" if layout == "packed" else "padded",
-        tokens_per_update=None if unmixed else g,
+        policy=PolicySpec(
+            name="balanced", window=128, depth=8, collate="packed" if layout == "packed" else "padded"
+        ),
+        cost=CostModel(name="packed" if layout == "packed" else "padded"),
+        updates=Updates(tokens_per_update=None if unmixed else g),
     )
     sim = Simulator(lengths[:SAMPLES], spec)
     steps = [[s.id for step in per_rank for s in step.samples] for per_rank in sim]

@@ -16,7 +16,8 @@ plan; its steps in `_plan_blind`, `_plan_nodes`, `_plan_deal`, `_plan_moves`), `
 view of a decision), `_align` (DGAP messages, target rules, `Coordinator`), `_rank` (`RankState`),
 `_source` and `_blockview` (sampler views), `_delivery`, `_liveness`, `_loss`, `_microbatch`,
 `_collate`, `_updates` (optimizer update boundaries), `_ledger` (the step ledger), `_resize` (an epoch
-resumed at another world size), `_spec` (`JobSpec`), `_workload` (workload files), `_sim_metrics`,
+resumed at another world size), `_spec_parts` (its parts: `PolicySpec`, `Phases`, `Updates`), `_spec`
+(`JobSpec`), `_workload` (workload files), `_sim_metrics`,
 `_simulator`. No module cycle:
 `tools/import_graph.py --check` fails on one. `batchd.core.testing` exposes planner steps for their
 property tests.
@@ -38,6 +39,7 @@ from ._choices import (
     COLLATE,
     COST_MODELS,
     MODES,
+    NODE_PLANS,
     OVER_BUDGET,
     PHASES,
     POLICIES,
@@ -114,7 +116,8 @@ from ._resize import Remainder, ResumePoint, remaining_order, resume_point
 from ._sim_metrics import RESULT_FIELDS, PhaseMetrics, SimMetrics, synthetic_token_loss
 from ._simulator import Simulator, simulate
 from ._source import ViewSource, epoch_permutation
-from ._spec import FIELDS, REQUIRED, JobSpec
+from ._spec import GROUPS, KEYS, REQUIRED, JobSpec, SpecKey
+from ._spec_parts import POLICY_KNOBS, Phases, PolicySpec, Updates
 from ._state import STATE_VERSION, ClockedStateful, Stateful, check_state
 from ._step import Step, StepInfo
 from ._types import (
@@ -151,20 +154,25 @@ __all__ = [
     "Entry",
     "ExactPlacement",
     "Exchange",
-    "FIELDS",
+    "GROUPS",
     "IGNORE_INDEX",
     "ImageRef",
     "JobFailed",
     "JobSpec",
+    "KEYS",
     "LLM_GRID_KEY",
     "Liveness",
     "MODES",
+    "NODE_PLANS",
     "OVER_BUDGET",
     "PHASES",
     "POLICIES",
+    "POLICY_KNOBS",
     "PhaseMetrics",
+    "Phases",
     "PlanInputs",
     "Policy",
+    "PolicySpec",
     "ProtocolError",
     "REFUSED",
     "REQUIRED",
@@ -183,6 +191,7 @@ __all__ = [
     "Sample",
     "SimMetrics",
     "Simulator",
+    "SpecKey",
     "Stateful",
     "Step",
     "StepInfo",
@@ -191,6 +200,7 @@ __all__ = [
     "UPDATE_RULES",
     "UpdateEnds",
     "UpdateWindows",
+    "Updates",
     "VISION_KEYS",
     "ViewSource",
     "VisionCost",

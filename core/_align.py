@@ -233,18 +233,19 @@ class Coordinator:
         int >= 0 per rank.
 
         `vision_planner` and `audio_planner` (attributes; default `plan_vision_round` with the spec's
-        `phase_exact_nodes`) plan a round's exchange of the vision phase and, when the round has clips, of
+        `phases.exact_nodes`) plan a round's exchange of the vision phase and, when the round has clips, of
         the audio phase (each phase on its own, N-phase balancing); the simulator wraps the vision one to
         time it."""
         spec.check_daemon()
-        if spec.phase_exact_nodes:
+        exact_nodes = spec.phases.exact_nodes
+        if exact_nodes:
             try:
                 import scipy.optimize  # noqa: F401  (the exact option's solver, imported on first use)
             except ImportError as exc:
                 raise ValueError(
-                    f"phase_exact_nodes={spec.phase_exact_nodes} needs scipy: pip install 'batchd[exact]'"
+                    f"phases.exact_nodes={exact_nodes} needs scipy: pip install 'batchd[exact]'"
                 ) from exc
-        planner: PhasePlanner = functools.partial(plan_vision_round, exact_nodes=spec.phase_exact_nodes)
+        planner: PhasePlanner = functools.partial(plan_vision_round, exact_nodes=exact_nodes)
         self.vision_planner: PhasePlanner = planner
         self.audio_planner: PhasePlanner = planner
         self.plan_stats: dict[str, int] = {}  # node-aware planning counts (`plan_round`'s `stats`)
@@ -260,8 +261,8 @@ class Coordinator:
         # LLM planning or not (an exchange inside a node is cheap, across nodes it is not).
         self.set_topology(nodes, vision_nodes if vision_nodes is not None else nodes)
         self.cost = spec.cost_model()
-        self.vision_cost = spec.vision_cost() if spec.phases == 2 else None
-        self.audio_cost = spec.audio_cost() if spec.phases == 2 else None
+        self.vision_cost = spec.vision_cost() if spec.phases.count == 2 else None
+        self.audio_cost = spec.audio_cost() if spec.phases.count == 2 else None
         self.mode, self.seed, self.epoch = spec.mode, spec.seed, epoch
         self.quota = spec.quota if spec.mode == "non-join" else None
         self.round = 0
@@ -342,11 +343,11 @@ class Coordinator:
                 max_wait=self.policy.max_wait,
                 seed=f"plan:{self.seed}:{self.epoch}:{self.round}",
                 refine=self.policy.refine,
-                level_rows=self.spec.level_rows,
+                level_rows=self.spec.policy.level_rows,
                 nodes=self.nodes,
-                node_local=self.spec.node_local and not self.spec.node_aware,
+                node_plan=self.spec.policy.nodes,
                 unread=_unread(reports),
-                mix=self.spec.tokens_per_update is not None or self.spec.samples_per_update is not None,
+                mix=self.spec.updates.enabled,
             )
         )
         for key, count in planned.stats.items():
@@ -519,13 +520,13 @@ class Coordinator:
     def _update_fields(self) -> dict[str, Any]:
         """The update settings a state must match (the rule only where updates are counted: a state
         saved before the settings existed has neither, and matches a job without them)."""
-        spec = self.spec
+        updates = self.spec.updates
         out: dict[str, Any] = {
-            "tokens_per_update": spec.tokens_per_update,
-            "samples_per_update": spec.samples_per_update,
+            "tokens_per_update": updates.tokens_per_update,
+            "samples_per_update": updates.samples_per_update,
         }
-        if spec.tokens_per_update is not None or spec.samples_per_update is not None:
-            out["update_rule"] = spec.update_rule
+        if updates.enabled:
+            out["update_rule"] = updates.update_rule
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -10,18 +10,20 @@ from __future__ import annotations
 
 # `JobSpec.mode`: join (every sample once) or non-join (a sample quota); the coordinator closes the epoch.
 MODES = ("join", "non-join")
-# `JobSpec.policy`: the grouping policy (`Policy`).
+# `PolicySpec.name`: the grouping policy (`Policy`).
 POLICIES = ("balanced", "fixed", "local", "odb", "sorted")
-# `JobSpec.align`: the DGAP target rule (`target_min`, `target_odb`).
+# `PolicySpec.align`: the DGAP target rule (`target_min`, `target_odb`).
 ALIGN_RULES = ("min", "odb")
-# `JobSpec.cost`: the cost model of a group (`CostModel`).
+# `JobSpec.cost.name`: the cost model of a group (`CostModel`).
 COST_MODELS = ("attention", "packed", "padded")
-# `JobSpec.over_budget`: what the rank state does with a sample longer than the token budget.
+# `PolicySpec.over_budget`: what the rank state does with a sample longer than the token budget.
 OVER_BUDGET = ("reject", "singleton", "truncate")
-# `JobSpec.phases`: 1 (LLM plan only) or 2 (a vision-encoder plan per step beside it).
+# `PolicySpec.nodes`: how `balanced` plans a round once node agents registered the topology.
+NODE_PLANS = ("aware", "blind", "local")
+# `Phases.count`: 1 (LLM plan only) or 2 (a vision-encoder plan per step beside it).
 PHASES = (1, 2)
-# `JobSpec.collate`: the batch layout the rank service builds.
+# `PolicySpec.collate`: the batch layout the rank service builds.
 COLLATE = ("packed", "padded")
-# `JobSpec.update_rule`: where an optimizer update closes when `tokens_per_update` or `samples_per_update`
+# `Updates.update_rule`: where an optimizer update closes when `tokens_per_update` or `samples_per_update`
 # is set (`UpdateWindows`): cumulative (update k at the running count k x G) or at_least (each >= G).
 UPDATE_RULES = ("at_least", "cumulative")

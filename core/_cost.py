@@ -30,8 +30,12 @@ class CostModel:
         quadratic: The `q` of the attention-aware model (ignored by the others).
     """
 
-    name: str = "padded"
-    quadratic: int = 4096
+    name: str = dataclasses.field(
+        default="padded", metadata={"help": "cost model of a group", "choices": COST_MODELS, "key": "cost"}
+    )
+    quadratic: int = dataclasses.field(
+        default=4096, metadata={"help": "q of the attention cost model (len + len^2 / q)", "metavar": "Q"}
+    )
 
     def __post_init__(self) -> None:
         check_choice("cost", self.name, COST_MODELS)

@@ -39,12 +39,12 @@ def plan_round(inputs: PlanInputs) -> RoundPlan:
     """
     if not inputs.pool or inputs.capacity < 1:
         return RoundPlan(tuple(() for _ in range(inputs.world_size)))
-    if inputs.nodes is not None and inputs.node_local:
+    if inputs.nodes is not None and inputs.node_plan == "local":
         if not inputs.cost.additive:  # padded: node-blind (docs/design/balancing.md, "Why not padded")
             return RoundPlan(_frozen(plan_blind(inputs, random.Random(inputs.seed))))
         plan, local = plan_local(inputs, random.Random(inputs.seed))
         return RoundPlan(_frozen(plan), node_local=local)
-    if inputs.nodes is not None:
+    if inputs.nodes is not None and inputs.node_plan == "aware":
         planned = plan_nodes(inputs, random.Random(inputs.seed))
         if planned is not None:
             plan, swaps = planned

@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from ._choices import NODE_PLANS
 from ._cost import CostModel
 from ._plan_moves import check_nodes
 from ._policy import Entry
-from ._types import Sample, check_bool, check_int
+from ._types import Sample, check_bool, check_choice, check_int
 
 PlanSteps = tuple[tuple[tuple[Sample, ...], ...], ...]  # plan[rank][step] -> samples (() = IDLE)
 
@@ -45,8 +46,10 @@ class PlanInputs:
             (node-aware ignores it).
         level_rows: Node-blind: take the round's groups row by row so each step's ranks cost alike
             (`_plan_level`); off, the first N x T groups in ranked order.
-        node_local: With `nodes`: plan node-local rounds where they cost as node-blind (`_plan_local`,
-            packed and attention cost; padded cost plans node-blind) instead of the node-aware plan.
+        node_plan: How a round with `nodes` is planned (`NODE_PLANS`, `PolicySpec.nodes`): `aware` (this
+            planner's default, so `nodes` alone plans node-aware) balances inside each node first;
+            `local` plans node-local rounds where they cost as node-blind (`_plan_local`, packed and
+            attention cost; padded cost plans node-blind); `blind` ignores `nodes`.
         unread: `unread[r]` the samples rank r's source still holds this epoch, beyond its window
             (>= 0); node-local rounds share out each node's remaining work by it. None: unknown (no
             sharing out). Stored as a tuple.
@@ -68,7 +71,7 @@ class PlanInputs:
     nodes: Sequence[int] | None = None
     mix: bool = False
     level_rows: bool = True
-    node_local: bool = False
+    node_plan: str = "aware"
     unread: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
@@ -85,7 +88,7 @@ class PlanInputs:
             raise ValueError(f"seed must be an int or a str, got {seed=!r}")
         check_bool("refine", self.refine)
         check_bool("level_rows", self.level_rows)
-        check_bool("node_local", self.node_local)
+        check_choice("node_plan", self.node_plan, NODE_PLANS)
         check_bool("mix", self.mix)
         pool = tuple(self.pool)
         for i, e in enumerate(pool):

@@ -81,22 +81,23 @@ def group_lengths(group: Sequence[Entry]) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """A grouping policy (see module docstring).
+    """A grouping policy (see module docstring), built from the job's `PolicySpec` (whose fields hold
+    the defaults).
 
     Attributes:
         name: One of `POLICIES`.
         batch_size: B of the `fixed` and `sorted` baselines.
         max_wait: Rounds after which a buffered sample leaves with the next emitted groups.
-        align: Target rule: `min` (batchd's, default) or `odb` (ODB 0.1.2's); `odb` policy forces `odb`.
+        align: Target rule: `min` (batchd's) or `odb` (ODB 0.1.2's); `odb` policy forces `odb`.
         refine: `balanced` only: shrink the capacity of the round's groups by binary search so they cost
             about the same (lowers the slowest rank's cost per step).
     """
 
-    name: str = "local"
-    batch_size: int = 8
-    max_wait: int = 16
-    align: str = "min"
-    refine: bool = True
+    name: str
+    batch_size: int
+    max_wait: int
+    align: str
+    refine: bool
 
     def __post_init__(self) -> None:
         check_choice("policy", self.name, POLICIES)

@@ -104,7 +104,8 @@ class RankState:
         self.rank, self.world_size, self.policy = rank, spec.world_size, spec.policy_object()
         self.token_budget = spec.token_budget
         self.cost = spec.cost_model()
-        self.window, self.over_budget, self.seed, self.epoch = spec.window, spec.over_budget, spec.seed, epoch
+        self.window, self.over_budget = spec.policy.window, spec.policy.over_budget
+        self.seed, self.epoch = spec.seed, epoch
         self._truncate_to = max_fitting_length(self.token_budget, self.cost)
         self.buffer: list[Entry] = []
         self._ids: set[int] = set()
@@ -117,7 +118,7 @@ class RankState:
         self.counters = {"admitted": 0, "over_budget": 0, "truncated": 0, "rejected": 0, "moved_in": 0}
         self._candidates: list[Group] | None = None
         self._emitted: list[list[Sample]] | None = None
-        self.phases = spec.phases
+        self.phases = spec.phases.count
         self._vision: list[Exchange] | None = None  # this round's exchanges (phases=2), one per emitted step
         self._audio: list[Exchange] | None = None  # the same for the audio phase, when the round has clips
         self.update_denominator = spec.update_denominator()  # D of the loss scale (`_updates`), or None

@@ -96,7 +96,7 @@ class PhaseMetrics:
         plans = sim.vision_plan_s
         v, a = self.vision, self.audio
         out: dict[str, Any] = {
-            "phases": sim.spec.phases,
+            "phases": sim.spec.phases.count,
             "images": v.items,
             "vision_steps": v.steps,
             "llm_imbalance": self.llm / self.llm_steps if self.llm_steps else None,
@@ -237,12 +237,12 @@ class SimMetrics:
         for r in sim.ranks:
             counters.update(r.counters)
         return {
-            "policy": c.policy,
+            "policy": c.policy.name,
             "world_size": n,
             "token_budget": c.token_budget,
-            "window": c.window,
+            "window": c.policy.window,
             "mode": c.mode,
-            "cost": c.cost,
+            "cost": c.cost.name,
             "align": sim.coordinator.policy.align,
             "seed": c.seed,
             "samples": self.n,
@@ -274,7 +274,7 @@ class SimMetrics:
             "wall_s": wall_s,
             "samples_per_s_per_rank": self.emitted / n / wall_s if wall_s > 0 else 0.0,
             **self.node_result(sim),
-            **(self.phases.result(sim) if sim.multimodal or c.phases == 2 else {}),
+            **(self.phases.result(sim) if sim.multimodal or c.phases.count == 2 else {}),
         }
 
     def node_result(self, sim: Simulator) -> dict[str, Any]:

@@ -12,10 +12,10 @@ how far the straggler-bound compute is from a perfectly packed, perfectly balanc
 
 Topology (`local_ranks` = K): rank r sits on node r // K. The result then splits `moved` into
 intra-node and cross-node samples and bytes (`plan_moves`: `nbytes`, else 8 x length), totals and
-means per round; with `node_aware` (the job's `node_aware`, or the argument) `balanced` plans
-node-aware (`PlanInputs.nodes`); without it, the job's `node_local` (on by default) plans node-local
-rounds where they cost as node-blind (additive costs), and otherwise the plan stays node-blind and only
-the counts use the topology. K = 1 or None: every rank is its own node and the plan is node-blind, as
+means per round; `balanced` plans as the job's `policy.nodes` says: `aware` node-aware
+(`PlanInputs.nodes`), `local` (the default) node-local rounds where they cost as node-blind (additive
+costs), and otherwise (`blind`, or padded cost) the plan stays node-blind and only the counts use the
+topology. K = 1 or None: every rank is its own node and the plan is node-blind, as
 without topology.
 
 Multimodal workloads: `lengths` may be `Sample`s (ids 0..n-1 in order, e.g. from `parse_workload`)
@@ -35,7 +35,6 @@ whether or not the LLM plan is node-aware.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -50,16 +49,15 @@ from ._sim_metrics import SimMetrics
 from ._source import ViewSource
 from ._spec import JobSpec
 from ._step import Step
-from ._types import Sample, check_bool, check_int
+from ._types import Sample, check_int
 
 
 class Simulator:
     """Runs one epoch of `spec` over `lengths` (sample id = index): ints, or `Sample`s with `id` == index
     (their modality counts and images are kept; home rank and loss tokens are the simulator's).
 
-    `local_ranks` (K >= 1, or None): ranks per node, rank r on node r // K (module docstring);
-    `node_aware` (None: the job's `spec.node_aware`): with K > 1, `balanced` plans node-aware (else
-    node-local where `spec.node_local` keeps a round, node-blind otherwise, its moves counted under the
+    `local_ranks` (K >= 1, or None): ranks per node, rank r on node r // K (module docstring); with
+    K > 1, `balanced` plans as `spec.policy.nodes` says (node-blind ones count their moves under the
     topology).
     """
 
@@ -69,13 +67,10 @@ class Simulator:
         spec: JobSpec,
         epoch: int = 0,
         local_ranks: int | None = None,
-        node_aware: bool | None = None,
     ) -> None:
         if local_ranks is not None:
             check_int("local_ranks", local_ranks, lo=1)
-        node_aware = spec.node_aware if node_aware is None else node_aware
-        check_bool("node_aware", node_aware)
-        self.local_ranks, self.node_aware = local_ranks, node_aware
+        self.local_ranks, self.node_plan = local_ranks, spec.policy.nodes
         self.records: list[Sample] | None = None
         if lengths and isinstance(lengths[0], Sample):
             records: list[Sample] = []
@@ -116,11 +111,10 @@ class Simulator:
             for r in range(c.world_size)
         ]
         old = getattr(self, "coordinator", None)
-        local = c.node_local and not self.node_aware and k > 1
         self.coordinator = Coordinator(
-            c.replace(node_aware=self.node_aware) if c.node_aware != self.node_aware else c,
+            c,
             epoch,
-            self.nodes if self.planned_by_node or local else None,
+            self.nodes if k > 1 and self.node_plan != "blind" else None,
             self.nodes if k > 1 else None,
         )
         self._time_vision_plan()
@@ -178,8 +172,8 @@ class Simulator:
 
     @property
     def planned_by_node(self) -> bool:
-        """True when the coordinator plans node-aware (K > 1 and `node_aware`)."""
-        return self.node_aware and (self.local_ranks or 1) > 1
+        """True when the coordinator plans node-aware (K > 1 and `policy.nodes` aware)."""
+        return self.node_plan == "aware" and (self.local_ranks or 1) > 1
 
     @property
     def done(self) -> bool:
@@ -212,7 +206,7 @@ class Simulator:
     def run_round(self) -> int:
         """Runs one alignment round; returns the steps it added per rank."""
         self._fill()
-        depth = self.spec.depth
+        depth = self.spec.policy.depth
         # A round runs once the steps of the last one were taken (`next_step`): every slot is free. In
         # deterministic mode the ranks report the daemon's fixed capacity (`report_capacity`), as they do.
         reports = [
@@ -254,9 +248,7 @@ class Simulator:
     # -- state ---------------------------------------------------------------------------------------
     def _topology(self) -> dict[str, Any] | None:
         return (
-            None
-            if self.local_ranks is None
-            else {"local_ranks": self.local_ranks, "node_aware": self.node_aware}
+            None if self.local_ranks is None else {"local_ranks": self.local_ranks, "nodes": self.node_plan}
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -264,7 +256,7 @@ class Simulator:
         topology = self._topology()
         return {
             **({"topology": topology} if topology is not None else {}),
-            "config": dataclasses.asdict(self.spec),
+            "config": self.spec.keys(),
             "epoch": self.epoch,
             "coordinator": self.coordinator.state_dict(),
             "ranks": [r.state_dict() for r in self.ranks],
@@ -285,10 +277,8 @@ class Simulator:
             self.remainder = rem
             self._start(self.spec.replace(world_size=rem.world_size))
         saved = dict(state["config"])
-        if saved != dataclasses.asdict(self.spec):
-            diff = {
-                k: (saved.get(k), v) for k, v in dataclasses.asdict(self.spec).items() if saved.get(k) != v
-            }
+        if saved != self.spec.keys():
+            diff = {k: (saved.get(k), v) for k, v in self.spec.keys().items() if saved.get(k) != v}
             raise ValueError(f"simulator state was saved with another config (saved, current): {diff}")
         if state.get("topology") != self._topology():
             raise ValueError(
@@ -312,7 +302,6 @@ def simulate(
     spec: JobSpec,
     on_step: Callable[[tuple[Step, ...]], None] | None = None,
     local_ranks: int | None = None,
-    node_aware: bool | None = None,
     resize: Sequence[tuple[int, int]] = (),
     around: int = 8,
 ) -> dict[str, Any]:
@@ -320,7 +309,7 @@ def simulate(
 
     `lengths`: ints, or `Sample`s with images (`parse_workload`; the result then adds `PhaseMetrics`).
     `on_step` (e.g. a progress bar) sees each aligned step (one `Step` per rank) as it is emitted.
-    `local_ranks` / `node_aware`: the topology (`Simulator`).
+    `local_ranks`: the topology (`Simulator`; `spec.policy.nodes` says how `balanced` plans with it).
     `resize`: (step, world size) changes (`Simulator.resize`), each made at the first step at or after
     its step that starts an optimizer update; the result then adds `segments` (each world size's
     first step and steps per rank) and `resizes`: per change the step it was made at (None if the
@@ -332,7 +321,7 @@ def simulate(
         check_int("resize step", step_at, lo=0)
         check_int("resize world size", world, lo=1)
     t0 = time.perf_counter()
-    sim = Simulator(lengths, spec, local_ranks=local_ranks, node_aware=node_aware)
+    sim = Simulator(lengths, spec, local_ranks=local_ranks)
     metrics = SimMetrics(len(lengths), spec, sim.nodes)
     made: list[dict[str, Any]] = [{"asked": a, "step": None, "from": None, "to": w} for a, w in changes]
     pending = list(range(len(changes)))
@@ -351,7 +340,7 @@ def simulate(
     out = metrics.result(sim, time.perf_counter() - t0)
     if changes:
         base = SimMetrics(len(lengths), spec)
-        for step in Simulator(lengths, spec, local_ranks=local_ranks, node_aware=node_aware):
+        for step in Simulator(lengths, spec, local_ranks=local_ranks):
             base.add(step)
         starts = [m["step"] for m in made if m["step"] is not None]
         for m in made:

@@ -1,197 +1,121 @@
 """`JobSpec`: the one description of a job that every party agrees on, and the simulator runs.
 
-The coordinator, every rank service and `batchd simulate` take the same frozen dataclass; the
-config file's `[job]` keys, the command line's job flags and the wire message are all derived from
-its fields (`FIELDS`, each field's `metadata["help"]`). A rank registering with a spec that differs
-from the coordinator's is refused, naming the fields (`diff`): a silent mismatch (another window,
-seed or token_budget on one rank) would break the protocol's guarantees.
+The coordinator, every rank service and `batchd simulate` take the same frozen dataclass: a few
+fields every job has, and four nested parts that own their knobs (`policy`: `PolicySpec`, `cost`:
+`CostModel`, `phases`: `Phases`, `updates`: `Updates`; `_spec_parts`). The config file's `[job]`
+section (its nested tables `[job.policy]`, ...), the command line's job flags and the wire message are
+all derived from these fields: `KEYS` names every leaf by its unique key (the flag's name, e.g.
+`window` for `policy.window`). A rank registering with a spec that differs from the coordinator's is
+refused, naming the fields (`diff`, e.g. `policy.window`): a silent mismatch (another window, seed or
+token_budget on one rank) would break the protocol's guarantees.
 
-Validation happens once, here, in `__post_init__`; every error names the field and the bad value.
+Every default has its one home here. Validation happens in the parts' and the spec's
+`__post_init__`; every error names the field and the bad value.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
-from ._choices import (
-    ALIGN_RULES,
-    COLLATE,
-    COST_MODELS,
-    MODES,
-    OVER_BUDGET,
-    PHASES,
-    POLICIES,
-    UPDATE_RULES,
-)
+from ._choices import MODES
 from ._cost import CostModel
 from ._encoders import AudioCost, VisionCost
 from ._policy import Policy
+from ._spec_parts import Phases, PolicySpec, Updates, leaf
 from ._types import check_bool, check_choice, check_int
 from ._updates import UpdateWindows, denominator
-
-
-def _field(default: Any, help: str, **meta: Any) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, **meta})
 
 
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
     """The batching configuration of one job (see the module docstring).
 
-    Attributes are listed with their help text in `batchd config --example` and `--help`. The two
+    Leaves are listed with their help text in `batchd config --example` and `--help`. The two fields
     without defaults are `world_size` and `token_budget` (L_max: the most one rank's step may cost, in
-    the cost model's tokens).
+    the cost model's tokens). `JobSpec(world_size=2, token_budget=64)` is a balanced job
+    (`PolicySpec`'s docstring says why its window and depth).
     """
 
     world_size: int = dataclasses.field(metadata={"help": "number of trainer ranks", "metavar": "N"})
     token_budget: int = dataclasses.field(
         metadata={"help": "L_max: the most one rank's step may cost, in tokens", "metavar": "L"}
     )
-    policy: str = _field("local", "grouping policy", choices=POLICIES)
-    window: int = _field(512, "samples a rank buffers before grouping", metavar="W")
-    batch_size: int = _field(8, "B of the fixed and sorted baselines", metavar="B")
-    mode: str = _field(
+    mode: str = leaf(
         "join", "termination: join (every sample once) or non-join (a sample quota)", choices=MODES
     )
-    cost: str = _field("padded", "cost model of a group", choices=COST_MODELS)
-    over_budget: str = _field("singleton", "what a sample longer than token_budget does", choices=OVER_BUDGET)
-    seed: int = _field(0, "seeds sampler views and the emission order")
-    shuffle: bool = _field(True, "a seeded permutation of ids per epoch (off: rank r owns ids r, r+N, ...)")
-    depth: int = _field(8, "batches a rank keeps ready (the alignment capacity)", metavar="D")
-    max_wait: int = _field(16, "rounds a sample may wait in a window", metavar="R")
-    align: str = _field(
-        "min", "DGAP target rule: min (batchd's) or odb (ODB 0.1.2's max-target rule)", choices=ALIGN_RULES
-    )
-    refine: bool = _field(True, "balanced: shrink the round's group capacity so groups cost alike")
-    level_rows: bool = _field(
-        True,
-        "balanced: take a round's groups row by row so each step's ranks cost alike, outliers waiting "
-        "a few rounds for peers (off: the first groups in ranked order, as before them; "
-        "docs/design/balancing.md)",
-    )
-    node_aware: bool = _field(
-        False,
-        "balanced, ranks served by node agents: balance inside each node first, so "
-        "fewer samples cross nodes; steps may cost a little more (docs/benchmarks.md)",
-    )
-    node_local: bool = _field(
-        True,
-        "balanced, ranks served by node agents, packed or attention cost: plan a round per "
-        "node, so few samples leave their node, where its cost per token is within 1 percent of "
-        "node-blind (docs/design/balancing.md); node_aware forces a per-node plan instead",
-    )
-    quota: int | None = _field(None, "non-join: samples per epoch (the simulator's default: all samples)")
-    quadratic: int = _field(4096, "q of the attention cost model (len + len^2 / q)", metavar="Q")
-    collate: str = _field("padded", "batch layout the rank service builds", choices=COLLATE)
-    epochs: int = _field(
-        1, "epochs the job runs; each is a new seeded view of the data per rank", metavar="E"
-    )
-    phases: int = _field(
-        1,
-        "balanced, join: 2 also balances the vision encoder per step (OrchMLLM two-phase: "
-        "images are encoded on other ranks and their embeddings exchanged with one all-to-all)",
-        choices=PHASES,
-    )
-    vision_quadratic: int = _field(
-        8192, "q of the vision encoder's cost per image (patches + patches^2 / q; 0: linear)", metavar="Q"
-    )
-    audio_quadratic: int = _field(
-        6144,
-        "q of the audio encoder's cost per clip of f frames (f / 4 + f / 2 + (f / 2)^2 / q; 0: linear)",
-        metavar="Q",
-    )
-    phase_exact_nodes: int = _field(
-        0,
-        "phases=2: also solve each small step's encoder placement exactly (a MILP through scipy's HiGHS, "
-        "steps of <= 8 ranks and <= 64 items, at most this many branch-and-bound nodes per solve) and "
-        "take it where it peaks lower; 0: off (seconds per step: docs/benchmarks.md, encoder-phases)",
-        metavar="K",
-    )
-    deterministic: bool = _field(
+    quota: int | None = leaf(None, "non-join: samples per epoch (the simulator's default: all samples)")
+    epochs: int = leaf(1, "epochs the job runs; each is a new seeded view of the data per rank", metavar="E")
+    seed: int = leaf(0, "seeds sampler views and the emission order")
+    shuffle: bool = leaf(True, "a seeded permutation of ids per epoch (off: rank r owns ids r, r+N, ...)")
+    deterministic: bool = leaf(
         False,
         "the same data, seed, config and world size give the same batches, steps and "
         "loss on every run, whatever the speed of preprocessing and trainers: a rank reports "
         "only a full window (or its source's end) and a fixed capacity (costs wall time: "
         "docs/benchmarks.md)",
     )
-    tokens_per_update: int | None = _field(
-        None,
-        "G: one optimizer update per G global loss tokens (gradients accumulate over the steps of an "
-        "update; off: one update per step)",
-        metavar="G",
-    )
-    samples_per_update: int | None = _field(
-        None, "one optimizer update per this many global samples (instead of tokens_per_update)", metavar="S"
-    )
-    update_rule: str = _field(
-        "cumulative",
-        "where an update ends: cumulative (update k at the epoch's running count k x G: G per update on "
-        "average) or at_least (each update >= G)",
-        choices=UPDATE_RULES,
-    )
+    policy: PolicySpec = dataclasses.field(default_factory=PolicySpec)
+    cost: CostModel = dataclasses.field(default_factory=CostModel)
+    phases: Phases = dataclasses.field(default_factory=Phases)
+    updates: Updates = dataclasses.field(default_factory=Updates)
 
     def __post_init__(self) -> None:
         check_int("world_size", self.world_size, lo=1)
         check_int("token_budget", self.token_budget, lo=1)
-        check_int("window", self.window, lo=1)
-        check_int("depth", self.depth, lo=1)
-        check_int("seed", self.seed)
-        check_int("epochs", self.epochs, lo=1)
         check_choice("mode", self.mode, MODES)
-        check_choice("over_budget", self.over_budget, OVER_BUDGET)
-        check_choice("collate", self.collate, COLLATE)
+        if self.quota is not None:
+            check_int("quota", self.quota, lo=0)
+        check_int("epochs", self.epochs, lo=1)
+        check_int("seed", self.seed)
         check_bool("shuffle", self.shuffle)
-        check_bool("refine", self.refine)
-        check_bool("level_rows", self.level_rows)
-        check_bool("node_aware", self.node_aware)
-        check_bool("node_local", self.node_local)
         check_bool("deterministic", self.deterministic)
-        check_choice("phases", self.phases, PHASES)
-        if self.phases == 2 and (self.policy != "balanced" or self.mode != "join"):
+        for name, cls in GROUPS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"{name} must be a {cls.__name__}, got {name}={getattr(self, name)!r}")
+        if self.phases.count == 2 and (self.policy.name != "balanced" or self.mode != "join"):
             raise ValueError(
                 f"phases=2 needs policy='balanced' and mode='join' (the coordinator plans every "
-                f"rank's step), got policy={self.policy!r} mode={self.mode!r}"
+                f"rank's step), got policy={self.policy.name!r} mode={self.mode!r}"
             )
-        if self.phases == 2 and self.over_budget == "truncate":
+        if self.phases.count == 2 and self.policy.over_budget == "truncate":
             raise ValueError(
                 "phases=2 cannot truncate over-budget samples (a cut would split an image's "
                 "tokens from its pixels); use over_budget='singleton' or 'reject', got "
                 "over_budget='truncate'"
             )
-        check_int("vision_quadratic", self.vision_quadratic, lo=0)
-        check_int("audio_quadratic", self.audio_quadratic, lo=0)
-        check_int("phase_exact_nodes", self.phase_exact_nodes, lo=0)
-        if self.phase_exact_nodes and self.phases != 2:
-            raise ValueError(f"phase_exact_nodes needs phases=2, got phases={self.phases}")
-        if self.quota is not None:
-            check_int("quota", self.quota, lo=0)
-        for name in ("tokens_per_update", "samples_per_update"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), lo=1)
-        if self.tokens_per_update is not None and self.samples_per_update is not None:
-            raise ValueError(
-                f"set tokens_per_update or samples_per_update, not both, got "
-                f"tokens_per_update={self.tokens_per_update} samples_per_update={self.samples_per_update}"
-            )
-        check_choice("update_rule", self.update_rule, UPDATE_RULES)
-        self.policy_object()
-        self.cost_model()
+
+    @classmethod
+    def from_keys(cls, **keys: Any) -> JobSpec:
+        """The spec of flat keys (`KEYS`: the command line's names, e.g. `window=64, nodes="blind"`);
+        a whole part may also be given by its field name (`policy=PolicySpec(...)`). Unknown keys raise
+        ValueError naming them."""
+        return _place(cls, None, keys)
+
+    def replace(self, **changes: Any) -> JobSpec:
+        """A copy with `changes` by key (`KEYS`, e.g. `window=64`) or whole parts by field name."""
+        return _place(JobSpec, self, changes)
+
+    def keys(self) -> dict[str, Any]:
+        """{key: value} of every leaf (`KEYS` order): what `from_keys` takes back."""
+        return {
+            k: getattr(getattr(self, p.group) if p.group else self, p.field.name) for k, p in KEYS.items()
+        }
 
     def policy_object(self) -> Policy:
         """The grouping policy these fields describe."""
-        return Policy(self.policy, self.batch_size, self.max_wait, self.align, self.refine)
+        return self.policy.build()
 
     def cost_model(self) -> CostModel:
-        return CostModel(self.cost, self.quadratic)
+        return self.cost
 
     def audio_cost(self) -> AudioCost:
-        """The audio encoder's per-clip cost model (N-phase balancing; `AudioCost` with `audio_quadratic`)."""
-        return AudioCost(quadratic=self.audio_quadratic)
+        """The audio encoder's per-clip cost model (N-phase balancing; `Phases.audio_quadratic`)."""
+        return self.phases.audio_cost()
 
     def vision_cost(self) -> VisionCost:
         """The vision encoder's per-image cost model (two-phase balancing)."""
-        return VisionCost(quadratic=self.vision_quadratic)
+        return self.phases.vision_cost()
 
     def check_daemon(self) -> JobSpec:
         """Raises ValueError if the daemon cannot run this spec (the simulator can): non-join needs a
@@ -202,24 +126,77 @@ class JobSpec:
 
     def update_windows(self) -> UpdateWindows:
         """A fresh epoch's update boundaries (`UpdateWindows`) for these fields."""
-        if self.samples_per_update is not None:
-            return UpdateWindows(self.samples_per_update, "samples", self.update_rule)
-        return UpdateWindows(self.tokens_per_update, "tokens", self.update_rule)
+        u = self.updates
+        if u.samples_per_update is not None:
+            return UpdateWindows(u.samples_per_update, "samples", u.update_rule)
+        return UpdateWindows(u.tokens_per_update, "tokens", u.update_rule)
 
     def update_denominator(self) -> int | None:
         """D of the loss scale with updates of a fixed count (`batchd.core._updates`), else None."""
-        return denominator(
-            self.tokens_per_update, self.samples_per_update, self.world_size, self.token_budget
-        )
+        u = self.updates
+        return denominator(u.tokens_per_update, u.samples_per_update, self.world_size, self.token_budget)
 
     def diff(self, other: JobSpec) -> dict[str, tuple[Any, Any]]:
-        """Fields where `other` differs: {field: (self's, other's)}."""
-        a, b = dataclasses.asdict(self), dataclasses.asdict(other)
+        """Leaves where `other` differs: {dotted field, e.g. "policy.window": (self's, other's)}."""
+        a, b = _dotted(self), _dotted(other)
         return {k: (a[k], b[k]) for k in a if a[k] != b[k]}
 
-    def replace(self, **changes: Any) -> JobSpec:
-        return dataclasses.replace(self, **changes)
+
+GROUPS: dict[str, type] = {"policy": PolicySpec, "cost": CostModel, "phases": Phases, "updates": Updates}
 
 
-FIELDS: tuple[dataclasses.Field[Any], ...] = dataclasses.fields(JobSpec)
+class SpecKey(NamedTuple):
+    """A leaf of `JobSpec`: its part (`group`, None at the top level) and its dataclass field."""
+
+    group: str | None
+    field: dataclasses.Field[Any]
+
+    @property
+    def path(self) -> str:
+        """The dotted field name ("policy.window"; "seed" at the top level)."""
+        return f"{self.group}.{self.field.name}" if self.group else self.field.name
+
+
+def _keys() -> dict[str, SpecKey]:
+    out: dict[str, SpecKey] = {}
+    for f in dataclasses.fields(JobSpec):
+        parts = [SpecKey(f.name, g) for g in dataclasses.fields(GROUPS[f.name])] if f.name in GROUPS else []
+        for key, item in (
+            [(f.name, SpecKey(None, f))]
+            if not parts
+            else [(g.field.metadata.get("key", g.field.name), g) for g in parts]
+        ):
+            if key in out:
+                raise AssertionError(f"two JobSpec leaves share the key {key!r}")
+            out[key] = item
+    return out
+
+
+KEYS: dict[str, SpecKey] = _keys()  # every leaf by its key (the flag's name), in field order
 REQUIRED = ("world_size", "token_budget")
+
+
+def _place(cls: type[JobSpec], base: JobSpec | None, keys: dict[str, Any]) -> JobSpec:
+    top: dict[str, Any] = {}
+    parts: dict[str, dict[str, Any]] = {}
+    for key, value in keys.items():
+        if key in GROUPS and isinstance(value, GROUPS[key]):
+            top[key] = value
+        elif key in KEYS:
+            item = KEYS[key]
+            if item.group is None:
+                top[key] = value
+            else:
+                parts.setdefault(item.group, {})[item.field.name] = value
+        else:
+            raise ValueError(f"unknown JobSpec key {key!r}; the keys are {sorted(KEYS)}")
+    for group, changes in parts.items():
+        if group in top:
+            raise ValueError(f"give {group} whole or by its keys, not both, got {sorted(changes)}")
+        current = getattr(base, group) if base is not None else GROUPS[group]()
+        top[group] = dataclasses.replace(current, **changes)
+    return dataclasses.replace(base, **top) if base is not None else cls(**top)
+
+
+def _dotted(spec: JobSpec) -> dict[str, Any]:
+    return {p.path: getattr(getattr(spec, p.group) if p.group else spec, p.field.name) for p in KEYS.values()}

@@ -59,66 +59,88 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("world_size", "token_budget", "policy", "mode", "cost", "window", "depth", "seed", "batch_size", "max_wait", "align", "refine", "quota", "over_budget", "quadratic", "collate", "shuffle", "epochs", "node_aware", "phases", "vision_quadratic", "deterministic", "tokens_per_update", "samples_per_update", "update_rule", "audio_quadratic", "phase_exact_nodes", "no_level_rows", "no_node_local")
+    __slots__ = ("world_size", "token_budget", "mode", "quota", "epochs", "seed", "shuffle", "deterministic", "policy", "cost", "phases", "updates")
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
-    POLICY_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    world_size: int
+    token_budget: int
+    mode: str
+    quota: int
+    epochs: int
+    seed: int
+    shuffle: bool
+    deterministic: bool
+    policy: PolicySpec
+    cost: CostModel
+    phases: Phases
+    updates: Updates
+    def __init__(self, world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., mode: _Optional[str] = ..., quota: _Optional[int] = ..., epochs: _Optional[int] = ..., seed: _Optional[int] = ..., shuffle: _Optional[bool] = ..., deterministic: _Optional[bool] = ..., policy: _Optional[_Union[PolicySpec, _Mapping]] = ..., cost: _Optional[_Union[CostModel, _Mapping]] = ..., phases: _Optional[_Union[Phases, _Mapping]] = ..., updates: _Optional[_Union[Updates, _Mapping]] = ...) -> None: ...
+
+class PolicySpec(_message.Message):
+    __slots__ = ("name", "window", "depth", "max_wait", "align", "over_budget", "collate", "batch_size", "refine", "level_rows", "nodes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_FIELD_NUMBER: _ClassVar[int]
     ALIGN_FIELD_NUMBER: _ClassVar[int]
-    REFINE_FIELD_NUMBER: _ClassVar[int]
-    QUOTA_FIELD_NUMBER: _ClassVar[int]
     OVER_BUDGET_FIELD_NUMBER: _ClassVar[int]
-    QUADRATIC_FIELD_NUMBER: _ClassVar[int]
     COLLATE_FIELD_NUMBER: _ClassVar[int]
-    SHUFFLE_FIELD_NUMBER: _ClassVar[int]
-    EPOCHS_FIELD_NUMBER: _ClassVar[int]
-    NODE_AWARE_FIELD_NUMBER: _ClassVar[int]
-    PHASES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REFINE_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    window: int
+    depth: int
+    max_wait: int
+    align: str
+    over_budget: str
+    collate: str
+    batch_size: int
+    refine: bool
+    level_rows: bool
+    nodes: str
+    def __init__(self, name: _Optional[str] = ..., window: _Optional[int] = ..., depth: _Optional[int] = ..., max_wait: _Optional[int] = ..., align: _Optional[str] = ..., over_budget: _Optional[str] = ..., collate: _Optional[str] = ..., batch_size: _Optional[int] = ..., refine: _Optional[bool] = ..., level_rows: _Optional[bool] = ..., nodes: _Optional[str] = ...) -> None: ...
+
+class CostModel(_message.Message):
+    __slots__ = ("name", "quadratic")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    QUADRATIC_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    quadratic: int
+    def __init__(self, name: _Optional[str] = ..., quadratic: _Optional[int] = ...) -> None: ...
+
+class Phases(_message.Message):
+    __slots__ = ("count", "vision_quadratic", "audio_quadratic", "exact_nodes")
+    COUNT_FIELD_NUMBER: _ClassVar[int]
     VISION_QUADRATIC_FIELD_NUMBER: _ClassVar[int]
-    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_QUADRATIC_FIELD_NUMBER: _ClassVar[int]
+    EXACT_NODES_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    vision_quadratic: int
+    audio_quadratic: int
+    exact_nodes: int
+    def __init__(self, count: _Optional[int] = ..., vision_quadratic: _Optional[int] = ..., audio_quadratic: _Optional[int] = ..., exact_nodes: _Optional[int] = ...) -> None: ...
+
+class Updates(_message.Message):
+    __slots__ = ("tokens_per_update", "samples_per_update", "update_rule")
     TOKENS_PER_UPDATE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_PER_UPDATE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_RULE_FIELD_NUMBER: _ClassVar[int]
-    AUDIO_QUADRATIC_FIELD_NUMBER: _ClassVar[int]
-    PHASE_EXACT_NODES_FIELD_NUMBER: _ClassVar[int]
-    NO_LEVEL_ROWS_FIELD_NUMBER: _ClassVar[int]
-    NO_NODE_LOCAL_FIELD_NUMBER: _ClassVar[int]
-    world_size: int
-    token_budget: int
-    policy: str
-    mode: str
-    cost: str
-    window: int
-    depth: int
-    seed: int
-    batch_size: int
-    max_wait: int
-    align: str
-    refine: bool
-    quota: int
-    over_budget: str
-    quadratic: int
-    collate: str
-    shuffle: bool
-    epochs: int
-    node_aware: bool
-    phases: int
-    vision_quadratic: int
-    deterministic: bool
     tokens_per_update: int
     samples_per_update: int
     update_rule: str
-    audio_quadratic: int
-    phase_exact_nodes: int
-    no_level_rows: bool
-    no_node_local: bool
-    def __init__(self, world_size: _Optional[int] = ..., token_budget: _Optional[int] = ..., policy: _Optional[str] = ..., mode: _Optional[str] = ..., cost: _Optional[str] = ..., window: _Optional[int] = ..., depth: _Optional[int] = ..., seed: _Optional[int] = ..., batch_size: _Optional[int] = ..., max_wait: _Optional[int] = ..., align: _Optional[str] = ..., refine: _Optional[bool] = ..., quota: _Optional[int] = ..., over_budget: _Optional[str] = ..., quadratic: _Optional[int] = ..., collate: _Optional[str] = ..., shuffle: _Optional[bool] = ..., epochs: _Optional[int] = ..., node_aware: _Optional[bool] = ..., phases: _Optional[int] = ..., vision_quadratic: _Optional[int] = ..., deterministic: _Optional[bool] = ..., tokens_per_update: _Optional[int] = ..., samples_per_update: _Optional[int] = ..., update_rule: _Optional[str] = ..., audio_quadratic: _Optional[int] = ..., phase_exact_nodes: _Optional[int] = ..., no_level_rows: _Optional[bool] = ..., no_node_local: _Optional[bool] = ...) -> None: ...
+    def __init__(self, tokens_per_update: _Optional[int] = ..., samples_per_update: _Optional[int] = ..., update_rule: _Optional[str] = ...) -> None: ...
 
 class StepInfo(_message.Message):
     __slots__ = ("rank", "step", "round", "is_idle", "local_samples", "local_tokens", "local_loss_tokens", "global_samples", "global_tokens", "global_loss_tokens", "loss_scale", "cost", "epoch", "update", "not_update_end", "update_scale", "update_loss_tokens", "update_step")

@@ -20,7 +20,7 @@ from typing import Any, cast, overload
 import numpy as np
 
 from batchd.core import (
-    FIELDS,
+    GROUPS,
     Exchange,
     ImageRef,
     JobSpec,
@@ -39,28 +39,36 @@ MAX_TENSOR_BYTES = 256 << 20
 
 
 def spec_to_pb(spec: JobSpec) -> pb.JobSpec:
-    """Every `JobSpec` field by name (the message mirrors the dataclass; quota None travels as -1)."""
-    d = dataclasses.asdict(spec)
-    d["quota"] = -1 if spec.quota is None else spec.quota
-    d["tokens_per_update"] = spec.tokens_per_update or 0
-    d["samples_per_update"] = spec.samples_per_update or 0
-    d["no_level_rows"] = not d.pop("level_rows")
-    d["no_node_local"] = not d.pop("node_local")
-    return pb.JobSpec(**d)
+    """Every `JobSpec` field by name, its parts as nested messages (quota None travels as -1, an update
+    size None as 0)."""
+    top = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in GROUPS}
+    top["quota"] = -1 if spec.quota is None else spec.quota
+    u = spec.updates
+    return pb.JobSpec(
+        **top,
+        policy=pb.PolicySpec(**dataclasses.asdict(spec.policy)),
+        cost=pb.CostModel(name=spec.cost.name, quadratic=spec.cost.quadratic),
+        phases=pb.Phases(**dataclasses.asdict(spec.phases)),
+        updates=pb.Updates(
+            tokens_per_update=u.tokens_per_update or 0,
+            samples_per_update=u.samples_per_update or 0,
+            update_rule=u.update_rule,
+        ),
+    )
 
 
 def spec_from_pb(m: pb.JobSpec) -> JobSpec:
-    """The `JobSpec` of a message, validated by its constructor (ValueError names a bad field)."""
-    d = {f.name: getattr(m, f.name) for f in FIELDS if f.name not in ("level_rows", "node_local")}
-    d["level_rows"] = not m.no_level_rows
-    d["node_local"] = not m.no_node_local
-    d["quota"] = None if m.quota < 0 else int(m.quota)
-    d["epochs"] = max(m.epochs, 1)  # a peer that predates the field sends 0
-    d["phases"] = max(m.phases, 1)
-    d["tokens_per_update"] = int(m.tokens_per_update) or None
-    d["samples_per_update"] = int(m.samples_per_update) or None
-    d["update_rule"] = m.update_rule or "cumulative"
-    return JobSpec(**d)
+    """The `JobSpec` of a message, validated by the constructors (ValueError names a bad field)."""
+    parts: dict[str, Any] = {}
+    for name, cls in GROUPS.items():
+        msg = getattr(m, name)
+        parts[name] = {f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)}
+    for name in ("tokens_per_update", "samples_per_update"):  # 0 on the wire: off
+        parts["updates"][name] = int(parts["updates"][name]) or None
+    parts = {name: GROUPS[name](**kw) for name, kw in parts.items()}
+    top = {f.name: getattr(m, f.name) for f in dataclasses.fields(JobSpec) if f.name not in GROUPS}
+    top["quota"] = None if m.quota < 0 else int(m.quota)
+    return JobSpec(**top, **parts)
 
 
 def sample_to_pb(s: Sample) -> pb.SampleMeta:

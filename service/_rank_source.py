@@ -100,7 +100,7 @@ def make_source(
         return cast(Source, source), shared
     lengths: Sequence[Any] | None = options.lengths
     if lengths is None:
-        return IngestSource(spec.window), None
+        return IngestSource(spec.policy.window), None
     images = audio = None
     if lengths and isinstance(lengths[0], Sample):  # a multimodal workload: synthetic images (clips) too
         images = [s.images for s in lengths]

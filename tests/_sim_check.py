@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from batchd.core import CostModel, JobSpec, Simulator, synthetic_token_loss
+from batchd.core import JobSpec, Simulator, synthetic_token_loss
 
 
 def run_checked(lengths, config: JobSpec, local_ranks=None):
@@ -13,7 +13,7 @@ def run_checked(lengths, config: JobSpec, local_ranks=None):
     invariants; returns (sim, schedule)."""
     sim = Simulator(lengths, config, local_ranks=local_ranks)
     n = config.world_size
-    cost = CostModel(config.cost)
+    cost = config.cost
     budget = config.token_budget
     schedule = []
     for index, step in enumerate(sim):
@@ -30,7 +30,7 @@ def run_checked(lengths, config: JobSpec, local_ranks=None):
             if s.samples and sim.coordinator.policy.enforces_budget:
                 over = cost.cost(lengths_s) > budget
                 assert not over or len(lengths_s) == 1, f"group over budget: {lengths_s} > {budget}"
-            if config.over_budget != "singleton":
+            if config.policy.over_budget != "singleton":
                 assert all(cost.item(x) <= budget for x in lengths_s)
             if not sim.coordinator.policy.pooled:
                 assert all(x.home_rank == s.info.rank for x in s.samples), "a local policy moved a sample"
@@ -58,8 +58,8 @@ def check_epoch(lengths, config: JobSpec, sim, schedule):
     counts = Counter(i for step in schedule for group in step for i in group)
     rejected = {i for r in sim.ranks for i, _ in r.rejected}
     assert sim.coordinator.done
-    if config.over_budget == "reject":
-        cost = CostModel(config.cost)
+    if config.policy.over_budget == "reject":
+        cost = config.cost
         over = {i for i, x in enumerate(lengths) if cost.item(x) > config.token_budget}
         # join reads every record; non-join may close its quota before reaching some of them
         assert rejected == over if config.mode == "join" else rejected <= over

@@ -12,6 +12,7 @@ from batchd.core import (
     Entry,
     JobSpec,
     PlanInputs,
+    PolicySpec,
     ProtocolError,
     RankCommit,
     RankReport,
@@ -115,7 +116,9 @@ def test_seed_max_rule_would_break_capacity():
 
 
 def test_coordinator_rejects_bad_rounds():
-    c = Coordinator(JobSpec(world_size=2, token_budget=100))
+    c = Coordinator(
+        JobSpec(world_size=2, token_budget=100, policy=PolicySpec(name="local", window=512, depth=8))
+    )
     ok = [RankReport(0, 0, 1, 1, 1, False), RankReport(1, 0, 1, 1, 1, False)]
     with pytest.raises(ProtocolError, match=r"missing .* rank\(s\) \[1\]"):
         c.decide(ok[:1])
@@ -136,14 +139,18 @@ def test_coordinator_rejects_bad_rounds():
 
 
 def test_rank_rejects_out_of_order_messages():
-    r = RankState(JobSpec(world_size=1, token_budget=100, window=2), 0)
+    r = RankState(
+        JobSpec(world_size=1, token_budget=100, policy=PolicySpec(name="local", window=2, depth=8)), 0
+    )
     r.push(Sample(1, 10))
     with pytest.raises(ProtocolError, match="already buffered"):
         r.push(Sample(1, 10))
     r.push(Sample(2, 10))
     with pytest.raises(ProtocolError, match="full"):
         r.push(Sample(3, 10))
-    c = Coordinator(JobSpec(world_size=1, token_budget=100))
+    c = Coordinator(
+        JobSpec(world_size=1, token_budget=100, policy=PolicySpec(name="local", window=512, depth=8))
+    )
     report = r.report(4)
     with pytest.raises(ProtocolError, match="push during round"):
         r.push(Sample(4, 10))
@@ -159,7 +166,14 @@ def test_rank_rejects_out_of_order_messages():
 
 def test_over_budget_policies():
     for policy, outcome in (("singleton", "over_budget"), ("truncate", "truncated"), ("reject", "rejected")):
-        r = RankState(JobSpec(world_size=1, token_budget=100, window=4, over_budget=policy), 0)
+        r = RankState(
+            JobSpec(
+                world_size=1,
+                token_budget=100,
+                policy=PolicySpec(name="local", window=4, depth=8, over_budget=policy),
+            ),
+            0,
+        )
         assert r.push(Sample(1, 150, 120)) == outcome
         if policy == "reject":
             assert r.rejected == [(1, "length 150 costs 150 > token_budget 100")] and not r.buffer

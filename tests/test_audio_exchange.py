@@ -25,6 +25,7 @@ from batchd.core import (
     AUDIO_EXCHANGE_KEYS,
     AudioCost,
     JobSpec,
+    PolicySpec,
     Sample,
     Step,
     StepInfo,
@@ -123,12 +124,16 @@ def info(rank: int) -> StepInfo:
 
 
 def one_phase_batch(case: dict, rank: int) -> dict[str, np.ndarray]:
-    spec = JobSpec(world_size=case["world"], token_budget=4096)
+    spec = JobSpec(
+        world_size=case["world"], token_budget=4096, policy=PolicySpec(name="local", window=512, depth=8)
+    )
     return collate(spec, [case["payloads"][s.id] for s in case["row"][rank]])
 
 
 def two_phase_batch(case: dict, rank: int) -> dict[str, np.ndarray]:
-    spec = JobSpec(world_size=case["world"], token_budget=4096)
+    spec = JobSpec(
+        world_size=case["world"], token_budget=4096, policy=PolicySpec(name="local", window=512, depth=8)
+    )
     ex, vision = case["exchanges"][rank], case["vision"][rank]
     step = Step(tuple(case["row"][rank]), info(rank), vision, ex)
     clips = [case["payloads"][c.sample_id] for c in ex.encode]

@@ -14,6 +14,7 @@ from _procs import free_block
 
 from batchd.cli import build_parser, main
 from batchd.config import DROP, EXAMPLE, ConfigError, JsonFormatter, build_config, load_config
+from batchd.core import JobSpec
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "odb-synthetic.txt"
 
@@ -30,12 +31,14 @@ def example(tmp_path) -> Path:
 
 def test_example_config_loads_with_defaults_and_relative_paths(example, tmp_path):
     cfg = load_config(example, check_files=False)
-    assert (cfg.job.world_size, cfg.job.token_budget, cfg.job.policy, cfg.job.window) == (
+    job = cfg.job
+    assert (job.world_size, job.token_budget, job.policy.name, job.policy.window) == (
         2,
         8192,
         "balanced",
-        512,
+        128,
     )
+    assert job == JobSpec.from_keys(world_size=2, token_budget=8192)  # the example shows the defaults
     assert cfg.data.dataset == str(tmp_path / "train.parquet")  # relative to the config file
     assert cfg.coordinator.dial_address() == "127.0.0.1:7000"
     assert cfg.rank.port_of(1) == 7101 and cfg.rank.metrics_port_of(1) is None
@@ -126,7 +129,7 @@ def test_overrides_beat_the_file_and_none_means_not_given(example):
         },
         check_files=False,
     )
-    assert cfg.job.token_budget == 4096 and cfg.job.policy == "balanced"
+    assert cfg.job.token_budget == 4096 and cfg.job.policy.name == "balanced"
     assert cfg.coordinator.dial_address() == "10.0.0.5:7000"
     with pytest.raises(ConfigError, match="override keys are 'section.key'"):
         load_config(example, {"token_budget": 1}, check_files=False)
@@ -176,7 +179,8 @@ def test_config_command_checks_a_file(example, capsys):
 def test_simulate_config_plus_flags_equals_flags_alone(tmp_path, capsys):
     cfg = write(
         tmp_path / "sim.toml",
-        '[job]\nworld_size = 4\ntoken_budget = 4096\npolicy = "balanced"\nwindow = 128\nshuffle = false\n',
+        "[job]\nworld_size = 4\ntoken_budget = 4096\nshuffle = false\n"
+        '[job.policy]\nname = "balanced"\nwindow = 128\n',
     )
     assert (
         main(["simulate", "--lengths", str(WORKLOAD), "--config", str(cfg), "--policy", "local", "--json"])
@@ -197,6 +201,7 @@ def test_simulate_config_plus_flags_equals_flags_alone(tmp_path, capsys):
                 "local",
                 "--window",
                 "128",
+                "--no-shuffle",
                 "--json",
             ]
         )
@@ -232,7 +237,7 @@ def test_services_run_from_one_config_file(tmp_path):
     cport, rport = _free_port(), _free_port()
     cfg = write(
         tmp_path / "job.toml",
-        f'[job]\nworld_size = 1\ntoken_budget = 256\npolicy = "local"\nwindow = 32\n'
+        f'[job]\nworld_size = 1\ntoken_budget = 256\n[job.policy]\nname = "local"\nwindow = 32\n'
         f'[data]\nlengths = "{lengths.name}"\n[coordinator]\nport = {cport}\n'
         f'[rank]\nbase_port = {rport}\n[logging]\nformat = "json"\n',
     )

@@ -13,7 +13,7 @@ import threading
 import grpc
 import pytest
 
-from batchd.core import JobSpec, RankCommit, RankReport
+from batchd.core import JobSpec, PolicySpec, RankCommit, RankReport
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.proto import wire
@@ -21,7 +21,7 @@ from batchd.service import create_server
 from batchd.service.coordinator import Barrier
 
 HOST = "127.0.0.1"
-SPEC = JobSpec(world_size=3, token_budget=1024, policy="local", window=8, depth=2)
+SPEC = JobSpec(world_size=3, token_budget=1024, policy=PolicySpec(name="local", window=8, depth=2))
 
 
 @pytest.fixture
@@ -175,7 +175,7 @@ def test_stop_releases_the_port_for_a_restart_at_once():
 
 _STOP_FREES_THE_POLLER = """
 import sys
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec
 from batchd.service import create_server
 
 for _ in range(3):
@@ -217,7 +217,7 @@ def test_commits_read_off_the_wire_total_as_the_core_sums_them(mode):
 
     rng = random.Random(7)
     for quota in (10_000, 40, 3):
-        spec = JobSpec(
+        spec = JobSpec.from_keys(
             world_size=4,
             token_budget=1024,
             window=8,

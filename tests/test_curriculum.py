@@ -14,7 +14,7 @@ import pytest
 from conftest import workload_dir
 
 from batchd import read_lengths
-from batchd.core import JobSpec, Simulator
+from batchd.core import JobSpec, PolicySpec, Simulator
 
 
 def _lengths(name: str) -> list[int]:
@@ -45,7 +45,13 @@ def mean_trend(name: str, policy: str, seeds=range(3)) -> float:
             [
                 step_trend(
                     lengths,
-                    JobSpec(world_size=4, token_budget=8192, policy=policy, window=128, seed=s, shuffle=True),
+                    JobSpec(
+                        world_size=4,
+                        token_budget=8192,
+                        seed=s,
+                        shuffle=True,
+                        policy=PolicySpec(name=policy, window=128, depth=8),
+                    ),
                 )
                 for s in seeds
             ]

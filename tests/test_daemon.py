@@ -13,7 +13,7 @@ import pytest
 from _jobs import InProcessJob, job_pool
 
 from batchd.client import BatchClient, BatchdError, JobFailed
-from batchd.core import JobSpec, RankState
+from batchd.core import JobSpec, PolicySpec, RankState
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.proto import wire
@@ -40,7 +40,9 @@ def _lengths(n=400, seed=1):
 @pytest.mark.parametrize("policy", ["local", "balanced", "odb"])
 def test_four_ranks_equal_steps_every_id_once(job_factory, policy):
     lengths = _lengths()
-    spec = JobSpec(world_size=4, token_budget=1024, policy=policy, window=32, depth=4, seed=3)
+    spec = JobSpec(
+        world_size=4, token_budget=1024, seed=3, policy=PolicySpec(name=policy, window=32, depth=4)
+    )
     results = _consume_all(job_factory(spec, lengths))
     steps = [len(r) for r in results]
     assert len(set(steps)) == 1 and steps[0] > 0
@@ -66,7 +68,10 @@ def test_four_ranks_equal_steps_every_id_once(job_factory, policy):
 def test_batches_carry_the_payloads_collated(job_factory):
     lengths = _lengths(60)
     spec = JobSpec(
-        world_size=2, token_budget=2048, policy="local", window=16, depth=2, seed=5, collate="packed"
+        world_size=2,
+        token_budget=2048,
+        seed=5,
+        policy=PolicySpec(name="local", window=16, depth=2, collate="packed"),
     )
     job = job_factory(spec, lengths)
     with job.client(0) as c:
@@ -102,12 +107,9 @@ def test_moved_samples_arrive_intact_in_any_fetch_reply_size(job_factory, monkey
     spec = JobSpec(
         world_size=2,
         token_budget=1024,
-        policy="balanced",
-        window=24,
-        depth=3,
         seed=9,
-        collate="packed",
         shuffle=False,
+        policy=PolicySpec(name="balanced", window=24, depth=3, collate="packed"),
     )  # rank r's view: ids r, r + 2, ...
     job = job_factory(spec, lengths)
     results = job.drain(60, project=lambda b, info: (b["sample_ids"].tolist(), b["input_ids"][0].numpy()))
@@ -126,7 +128,9 @@ def test_moved_samples_arrive_intact_in_any_fetch_reply_size(job_factory, monkey
 
 def test_client_resumes_mid_epoch_from_its_state(job_factory):
     lengths = _lengths(200)
-    spec = JobSpec(world_size=1, token_budget=512, policy="local", window=32, depth=3, seed=1)
+    spec = JobSpec(
+        world_size=1, token_budget=512, seed=1, policy=PolicySpec(name="local", window=32, depth=3)
+    )
     job = job_factory(spec, lengths)
     c = job.client(0)
     seen = []
@@ -150,7 +154,13 @@ def test_client_resumes_mid_epoch_from_its_state(job_factory):
 @pytest.mark.parametrize("policy", ["local", "balanced"])
 def test_each_epoch_serves_every_sample_once_in_a_new_order(job_factory, policy):
     n, epochs = 160, 3
-    spec = JobSpec(world_size=2, token_budget=512, policy=policy, window=16, depth=3, seed=3, epochs=epochs)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=512,
+        seed=3,
+        epochs=epochs,
+        policy=PolicySpec(name=policy, window=16, depth=3),
+    )
     job = job_factory(spec, _lengths(n))
     got = job.drain_epochs(epochs, 60, lambda b, info: (b["sample_ids"].tolist(), info))
     orders = []
@@ -174,7 +184,13 @@ def test_rank_service_restarted_in_a_later_epoch_resumes_it(tmp_path):
     """A rank service restarted from its journal in epoch 1 (of 3) reloads that epoch's view, and the
     trainer's restored client finishes it and the next one: every id once per epoch."""
     n, epochs = 90, 3
-    spec = JobSpec(world_size=1, token_budget=512, policy="local", window=16, depth=3, seed=5, epochs=epochs)
+    spec = JobSpec(
+        world_size=1,
+        token_budget=512,
+        seed=5,
+        epochs=epochs,
+        policy=PolicySpec(name="local", window=16, depth=3),
+    )
     lengths = _lengths(n)
     server, port, state = create_server("127.0.0.1:0", spec, lease_s=30, startup_timeout_s=60)
     server.start()
@@ -246,7 +262,9 @@ def test_rank_service_restarted_in_a_later_epoch_resumes_it(tmp_path):
 
 
 def test_next_epoch_needs_the_end_of_this_one(job_factory):
-    spec = JobSpec(world_size=1, token_budget=512, policy="local", window=16, depth=3, seed=1, epochs=2)
+    spec = JobSpec(
+        world_size=1, token_budget=512, seed=1, epochs=2, policy=PolicySpec(name="local", window=16, depth=3)
+    )
     job = job_factory(spec, _lengths(80))
     with job.client(0) as c:
         first = next(iter(c))
@@ -263,7 +281,9 @@ def test_next_epoch_needs_the_end_of_this_one(job_factory):
 def test_end_of_epoch_waits_until_every_step_is_acknowledged(job_factory):
     """A trainer that holds its last batch unacknowledged does not get end of epoch, and the batch stays
     held for a restart; acknowledging it ends the stream with nothing left held."""
-    spec = JobSpec(world_size=1, token_budget=512, policy="local", window=16, depth=3, seed=1)
+    spec = JobSpec(
+        world_size=1, token_budget=512, seed=1, policy=PolicySpec(name="local", window=16, depth=3)
+    )
     job = job_factory(spec, _lengths(60))
     core = job.cores[0]
     requests: queue.Queue = queue.Queue()
@@ -314,7 +334,7 @@ def _coord_stub(job):
 
 
 def test_coordinator_rejects_bad_messages_with_status_codes(caplog):
-    spec = JobSpec(world_size=2, token_budget=100, window=4)
+    spec = JobSpec(world_size=2, token_budget=100, policy=PolicySpec(name="local", window=4, depth=8))
     server, port, state = create_server("127.0.0.1:0", spec, 60, 60)
     server.start()
     try:
@@ -367,14 +387,16 @@ def test_coordinator_rejects_bad_messages_with_status_codes(caplog):
         assert e.value.details() == "Register from rank 99, but the job has ranks 0..1 (world_size=2)"
         with pytest.raises(grpc.RpcError) as e:
             stub.Register(pb.RegisterRequest(rank=1), timeout=5)
-        assert "Register from rank 1 carries an invalid job spec: world_size must be" in e.value.details()
+        assert "Register from rank 1 carries an invalid job spec: policy must be one of" in e.value.details()
     finally:
         state.close()
         server.stop(0)
 
 
 def test_a_second_trainer_and_bad_fetches_are_refused_naming_the_problem(job_factory):
-    spec = JobSpec(world_size=2, token_budget=512, policy="local", window=16, depth=2, seed=1)
+    spec = JobSpec(
+        world_size=2, token_budget=512, seed=1, policy=PolicySpec(name="local", window=16, depth=2)
+    )
     job = job_factory(spec, _lengths(80))
     with job.client(0) as first, job.client(0) as second:
         it = iter(first)
@@ -406,7 +428,7 @@ def test_rank_started_long_before_its_coordinator_registers_in_time():
     out a ~4-6 s backoff then, and miss the deadline.)"""
     from batchd.launch import free_port
 
-    spec = JobSpec(world_size=1, token_budget=100, window=4)
+    spec = JobSpec(world_size=1, token_budget=100, policy=PolicySpec(name="local", window=4, depth=8))
     port = free_port()
     client = CoordinatorClient(f"127.0.0.1:{port}", 0, spec, startup_timeout_s=8)
     started: list = []
@@ -433,7 +455,7 @@ def test_rank_started_long_before_its_coordinator_registers_in_time():
 def test_round_waits_for_a_live_rank_and_fails_on_a_gone_one():
     """Timeouts judge liveness, not speed: a round waits for rank 1 for three leases while it heartbeats;
     once rank 1 goes silent, the next round fails every waiting rank with a message naming it."""
-    spec = JobSpec(world_size=3, token_budget=100, window=4)
+    spec = JobSpec(world_size=3, token_budget=100, policy=PolicySpec(name="local", window=4, depth=8))
     server, port, state = create_server("127.0.0.1:0", spec, lease_s=1.0, startup_timeout_s=30)
     server.start()
     clients = [CoordinatorClient(f"127.0.0.1:{port}", r, spec, startup_timeout_s=10) for r in range(3)]
@@ -489,7 +511,7 @@ def test_round_waits_for_a_live_rank_and_fails_on_a_gone_one():
 
 
 def test_rank_that_never_registers_fails_the_job_at_the_startup_timeout():
-    spec = JobSpec(world_size=2, token_budget=100, window=4)
+    spec = JobSpec(world_size=2, token_budget=100, policy=PolicySpec(name="local", window=4, depth=8))
     server, port, state = create_server("127.0.0.1:0", spec, lease_s=30, startup_timeout_s=1.0)
     server.start()
     client = CoordinatorClient(f"127.0.0.1:{port}", 0, spec, startup_timeout_s=10)
@@ -504,7 +526,7 @@ def test_rank_that_never_registers_fails_the_job_at_the_startup_timeout():
 
 
 def test_silent_rank_misses_its_lease():
-    spec = JobSpec(world_size=2, token_budget=100, window=4)
+    spec = JobSpec(world_size=2, token_budget=100, policy=PolicySpec(name="local", window=4, depth=8))
     server, port, state = create_server("127.0.0.1:0", spec, lease_s=0.6, startup_timeout_s=30)
     server.start()
     try:
@@ -525,7 +547,9 @@ def test_silent_rank_misses_its_lease():
 
 def test_dead_trainer_fails_every_party_naming_its_rank(job_factory):
     lengths = _lengths(300)
-    spec = JobSpec(world_size=2, token_budget=512, policy="local", window=16, depth=2, seed=2)
+    spec = JobSpec(
+        world_size=2, token_budget=512, seed=2, policy=PolicySpec(name="local", window=16, depth=2)
+    )
     job = job_factory(spec, lengths, lease_s=3, grace=0.5)
     c0, c1 = job.client(0), job.client(1)
     it1 = iter(c1)
@@ -543,7 +567,13 @@ def test_dead_trainer_fails_every_party_naming_its_rank(job_factory):
 def test_trainer_that_never_connects_fails_the_job_naming_its_rank(job_factory, epochs):
     """Rank 1's trainer never connects (epochs=1) or does not come back for epoch 1 (epochs=2): once its
     ready batches waited trainer_timeout_s, rank 0's trainer gets JobFailed naming rank 1."""
-    spec = JobSpec(world_size=2, token_budget=512, policy="local", window=16, depth=2, seed=2, epochs=epochs)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=512,
+        seed=2,
+        epochs=epochs,
+        policy=PolicySpec(name="local", window=16, depth=2),
+    )
     job = job_factory(spec, _lengths(200), trainer_timeout_s=3.0)
     if epochs == 2:
         got = job.drain(30)  # both trainers take epoch 0; then only rank 0's comes back
@@ -559,7 +589,9 @@ def test_trainer_that_never_connects_fails_the_job_naming_its_rank(job_factory, 
 def test_ingest_producer_of_the_next_epoch_waits_for_it():
     """A producer pushes epoch 0 and then epoch 1 (the same ids again) in one stream: the epoch-1 samples
     wait until the trainer has taken epoch 0, then fill epoch 1."""
-    spec = JobSpec(world_size=1, token_budget=64, window=4, epochs=2)
+    spec = JobSpec(
+        world_size=1, token_budget=64, epochs=2, policy=PolicySpec(name="local", window=4, depth=8)
+    )
     n = 12
     with InProcessJob(spec, sources=[IngestSource(capacity=4)], connect_timeout_s=30) as job:
         stub = pb_grpc.RankServiceStub(grpc.insecure_channel(job.rank_address(0)))
@@ -592,7 +624,7 @@ def test_ingest_producer_of_the_next_epoch_waits_for_it():
 
 
 def test_ingest_validates_quarantines_and_pushes_back(caplog):
-    spec = JobSpec(world_size=1, token_budget=64, window=4)
+    spec = JobSpec(world_size=1, token_budget=64, policy=PolicySpec(name="local", window=4, depth=8))
     with InProcessJob(spec, sources=[IngestSource(capacity=4)], connect_timeout_s=30) as job:
         rport = job.ports[0]
         stub = pb_grpc.RankServiceStub(grpc.insecure_channel(f"127.0.0.1:{rport}"))

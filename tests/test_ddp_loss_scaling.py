@@ -37,7 +37,7 @@ from batchd.client import (
     token_loss_sum,
     train_step,
 )
-from batchd.core import JobSpec, Simulator, Step, UpdateWindows, loss_scale, update_scale
+from batchd.core import JobSpec, PolicySpec, Simulator, Step, UpdateWindows, loss_scale, update_scale
 from batchd.testing import TinyCausalLM
 
 WORLD = 4
@@ -88,7 +88,12 @@ def build_case(policy: str) -> dict:
     for seed in range(64):
         rng = random.Random(seed)
         lengths = [rng.randint(4, 96) for _ in range(NUM_SAMPLES)]
-        config = JobSpec(shuffle=False, world_size=WORLD, token_budget=192, policy=policy, window=8)
+        config = JobSpec(
+            shuffle=False,
+            world_size=WORLD,
+            token_budget=192,
+            policy=PolicySpec(name=policy, window=8, depth=8),
+        )
         steps = list(Simulator(lengths, config))
         idle = [j for j, st in enumerate(steps) if any(s.info.is_idle for s in st)]
         if idle:
@@ -117,7 +122,12 @@ def build_update_case() -> dict:
     for seed in range(64):
         rng = random.Random(1000 + seed)
         lengths = [rng.randint(4, 96) for _ in range(NUM_SAMPLES)]
-        spec = JobSpec(shuffle=False, world_size=WORLD, token_budget=192, policy="local", window=8)
+        spec = JobSpec(
+            shuffle=False,
+            world_size=WORLD,
+            token_budget=192,
+            policy=PolicySpec(name="local", window=8, depth=8),
+        )
         payloads = {i: make_payload(i, n) for i, n in enumerate(lengths)}
         true_loss = {i: loss_tokens(p["labels"]) for i, p in payloads.items()}
         steps = [rescale(st, true_loss) for st in Simulator(lengths, spec)]
@@ -380,7 +390,19 @@ def test_train_step_idle_and_errors(tiny):
     model, batch = tiny
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
-    info = Simulator([3], JobSpec(shuffle=False, world_size=2, token_budget=8)).next_step()[1].info
+    info = (
+        Simulator(
+            [3],
+            JobSpec(
+                shuffle=False,
+                world_size=2,
+                token_budget=8,
+                policy=PolicySpec(name="local", window=512, depth=8),
+            ),
+        )
+        .next_step()[1]
+        .info
+    )
     assert info.is_idle
     assert math.isnan(train_step(model, optimizer, None, info))
     assert all(

@@ -624,7 +624,7 @@ def test_job_configs_load_and_validate(name: str, tmp_path: Path) -> None:
 def test_config_validation_rejects_a_bad_config(tmp_path: Path) -> None:
     load_config = pytest.importorskip("batchd.config", reason="batchd.config not there yet").load_config
     path = tmp_path / "job.toml"
-    path.write_text(read("docker/job.toml").replace('policy = "balanced"', 'policy = "fastest"'))
+    path.write_text(read("docker/job.toml").replace('name = "balanced"', 'name = "fastest"'))
     with pytest.raises(ValueError, match="policy"):
         load_config(path, check_files=False)
 

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd.core import JobSpec, Simulator, fill_may_stop, fixed_capacity, report_capacity
+from batchd.core import JobSpec, PolicySpec, Simulator, fill_may_stop, fixed_capacity, report_capacity
 from batchd.service import RankServiceCore
 from batchd.service.preprocess import SyntheticSource
 
@@ -62,9 +62,7 @@ def test_the_flag_travels_on_the_wire_in_config_files_and_on_the_command_line(tm
     spec = JobSpec(world_size=2, token_budget=64, deterministic=True)
     assert wire.spec_from_pb(wire.spec_to_pb(spec)) == spec
     assert wire.spec_from_pb(wire.spec_to_pb(spec.replace(deterministic=False))).deterministic is False
-    assert spec.diff(spec.replace(deterministic=False)) == {
-        "deterministic": (True, False)
-    }  # a rank must agree
+    assert spec.diff(spec.replace(deterministic=False)) == {"deterministic": (True, False)}  # ranks agree
     cfg = tmp_path / "job.toml"
     cfg.write_text("[job]\nworld_size = 2\ntoken_budget = 64\ndeterministic = true\n")
     assert load_config(cfg, check_files=False).job == spec
@@ -88,10 +86,15 @@ def test_the_flag_travels_on_the_wire_in_config_files_and_on_the_command_line(tm
 
 def test_the_simulator_reports_the_fixed_capacity():
     lengths = [int(x) for x in np.random.default_rng(0).integers(8, 120, 200)]
-    spec = JobSpec(world_size=2, token_budget=256, window=16, depth=6, deterministic=True)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=256,
+        deterministic=True,
+        policy=PolicySpec(name="local", window=16, depth=6),
+    )
     sim = Simulator(lengths, spec)
     while not sim.coordinator.done:
-        assert sim.run_round() <= fixed_capacity(spec.depth) == 3
+        assert sim.run_round() <= fixed_capacity(spec.policy.depth) == 3
         sim.pending = [type(q)() for q in sim.pending]  # the trainers took them
 
 
@@ -120,9 +123,15 @@ LENGTHS = [int(x) for x in np.random.default_rng(3).integers(8, 200, 240)]
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_a_deterministic_rank_reports_a_full_window_whatever_the_source_had_ready(deterministic):
-    spec = JobSpec(world_size=2, token_budget=512, window=24, seed=5, deterministic=deterministic)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=512,
+        seed=5,
+        deterministic=deterministic,
+        policy=PolicySpec(name="local", window=24, depth=8),
+    )
     fast = SyntheticSource(LENGTHS, 0, 2, spec.seed)
-    expected = [fast.poll()[0].id for _ in range(spec.window)]
+    expected = [fast.poll()[0].id for _ in range(spec.policy.window)]
     core = RankServiceCore(
         0, spec, None, JitterySource(LENGTHS, 0, 2, spec.seed, jitter=1), fill_timeout_s=0.001
     )
@@ -131,15 +140,30 @@ def test_a_deterministic_rank_reports_a_full_window_whatever_the_source_had_read
     if deterministic:
         assert got == expected and core.state.room == 0
     else:  # today's default: what was ready (a prefix of the view, its length by timing)
-        assert got == expected[: len(got)] and len(got) < spec.window
+        assert got == expected[: len(got)] and len(got) < spec.policy.window
 
 
 def test_a_deterministic_rank_refuses_a_source_in_completion_order():
     source = SyntheticSource(LENGTHS, 0, 2)
     source.ordered = False  # what a RaySource(ordered=False) says
     with pytest.raises(ValueError, match="deterministic=true needs a source that emits in its view's order"):
-        RankServiceCore(0, JobSpec(world_size=2, token_budget=64, deterministic=True), None, source)
-    RankServiceCore(0, JobSpec(world_size=2, token_budget=64), None, source)  # the default mode takes it
+        RankServiceCore(
+            0,
+            JobSpec(
+                world_size=2,
+                token_budget=64,
+                deterministic=True,
+                policy=PolicySpec(name="local", window=512, depth=8),
+            ),
+            None,
+            source,
+        )
+    RankServiceCore(
+        0,
+        JobSpec(world_size=2, token_budget=64, policy=PolicySpec(name="local", window=512, depth=8)),
+        None,
+        source,
+    )  # the default mode takes it
 
 
 # -- in-process jobs -------------------------------------------------------------------------------
@@ -195,12 +219,9 @@ def test_a_deterministic_job_makes_the_same_batches_whatever_the_speed_of_source
     spec = JobSpec(
         world_size=2,
         token_budget=512,
-        policy=policy,
-        align=align,
-        window=16,
-        depth=4,
         seed=5,
         deterministic=True,
+        policy=PolicySpec(name=policy, window=16, depth=4, align=align),
     )
     fast = _run(spec, None, False)
     slow = _run(spec, 7, True)
@@ -219,7 +240,11 @@ def test_a_deterministic_rank_killed_mid_job_resumes_the_same_batches(tmp_path):
     """kill -9 after a decided round, restart from the journal with a source of other timing: every sample
     once (exactly-once), and the very batches of a run without the crash."""
     spec = JobSpec(
-        world_size=2, token_budget=512, policy="balanced", window=16, depth=4, seed=5, deterministic=True
+        world_size=2,
+        token_budget=512,
+        seed=5,
+        deterministic=True,
+        policy=PolicySpec(name="balanced", window=16, depth=4),
     )
     plain = _run(spec, None, False)
     crashed = _run(spec, 3, True, tmp_path, crash_round=3)

@@ -75,21 +75,37 @@ def _simulate_help() -> str:
 def test_simulate_help_explains_every_output_field(tmp_path):
     """Every key `batchd simulate` prints, text and multimodal (images, audio), two-phase, with a topology and
     resized, is in RESULT_FIELDS, and `batchd simulate --help` lists each with its meaning."""
-    from batchd.core import JobSpec, parse_workload, simulate
+    from batchd.core import JobSpec, Phases, PolicySpec, parse_workload, simulate
 
-    text = simulate([16 + 37 * i % 900 for i in range(200)], JobSpec(world_size=2, token_budget=2048))
+    text = simulate(
+        [16 + 37 * i % 900 for i in range(200)],
+        JobSpec(world_size=2, token_budget=2048, policy=PolicySpec(name="local", window=512, depth=8)),
+    )
     workload = (REPO / "benchmarks" / "workloads" / "bimodal.csv").read_text().splitlines()[:201]
     mm = simulate(
         parse_workload(workload),
-        JobSpec(world_size=4, token_budget=8192, policy="balanced", phases=2),
+        JobSpec(
+            world_size=4,
+            token_budget=8192,
+            policy=PolicySpec(name="balanced", window=512, depth=8),
+            phases=Phases(count=2),
+        ),
         local_ranks=2,
     )
     resized = simulate(
-        [16 + 37 * i % 900 for i in range(200)], JobSpec(world_size=2, token_budget=2048), resize=[(3, 3)]
+        [16 + 37 * i % 900 for i in range(200)],
+        JobSpec(world_size=2, token_budget=2048, policy=PolicySpec(name="local", window=512, depth=8)),
+        resize=[(3, 3)],
     )
     audio = (REPO / "benchmarks" / "workloads" / "audio-visual.csv").read_text().splitlines()[:201]
     heard = simulate(
-        parse_workload(audio), JobSpec(world_size=4, token_budget=8192, policy="balanced", phases=2)
+        parse_workload(audio),
+        JobSpec(
+            world_size=4,
+            token_budget=8192,
+            policy=PolicySpec(name="balanced", window=512, depth=8),
+            phases=Phases(count=2),
+        ),
     )
     assert heard["audio_imbalance_two"] <= heard["audio_imbalance_single"], heard
     keys = set(text) | set(mm) | set(resized) | set(heard)

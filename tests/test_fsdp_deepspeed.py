@@ -42,7 +42,7 @@ from batchd.client import (
     train_step,
     weighted_steps,
 )
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec, Updates
 
 deepspeed = pytest.importorskip("deepspeed")  # the dev extra pins it; the helper itself needs no deepspeed
 
@@ -259,13 +259,12 @@ def runs(tmp_path_factory):
             spec = JobSpec(
                 world_size=2,
                 token_budget=BUDGET,
-                policy="local" if skewed else "balanced",
-                window=16,
-                depth=3,
                 seed=SEED,
-                collate="padded",
                 shuffle=not skewed,
-                tokens_per_update=UPDATE_TOKENS.get(name),
+                policy=PolicySpec(
+                    name="local" if skewed else "balanced", window=16, depth=3, collate="padded"
+                ),
+                updates=Updates(tokens_per_update=UPDATE_TOKENS.get(name)),
             )
             rng = np.random.default_rng(3)
             lengths = (

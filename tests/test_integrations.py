@@ -44,7 +44,7 @@ from batchd.client import (
     hf_model_inputs,
     token_loss_sum,
 )
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec, Updates
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -93,14 +93,11 @@ def make_job():
             spec = JobSpec(
                 world_size=world_size,
                 token_budget=budget,
-                policy=policy,
-                window=16,
-                depth=3,
                 seed=SEED,
-                collate=collate,
                 shuffle=not skewed,
                 epochs=epochs,
-                tokens_per_update=tokens_per_update,
+                policy=PolicySpec(name=policy, window=16, depth=3, collate=collate),
+                updates=Updates(tokens_per_update=tokens_per_update),
             )
             lengths = [150 if i % 2 == 0 else 5 for i in range(n)] if skewed else lengths_for(n)
             return start(spec, lengths)

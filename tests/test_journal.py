@@ -8,7 +8,7 @@ import threading
 import pytest
 from _jobs import InProcessJob
 
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec
 from batchd.service import Journal, JournalError, decode_records, encode_record
 from batchd.service.coordinator import JOURNAL, create_server
 
@@ -65,7 +65,7 @@ def test_a_journal_of_another_job_or_version_is_refused_naming_why(tmp_path):
 
 
 def test_coordinator_refuses_a_journal_of_another_job(tmp_path):
-    spec = JobSpec(world_size=2, token_budget=512, window=8)
+    spec = JobSpec(world_size=2, token_budget=512, policy=PolicySpec(name="local", window=8, depth=8))
     server, _, state = create_server("127.0.0.1:0", spec, state_dir=tmp_path)
     state.close()
     server.stop(0)
@@ -80,7 +80,7 @@ def test_a_compaction_keeps_the_record_that_triggered_it(tmp_path):
     from batchd.core import RankCommit, RankReport
     from batchd.service import CoordinatorState
 
-    spec = JobSpec(world_size=1, token_budget=512, window=8)
+    spec = JobSpec(world_size=1, token_budget=512, policy=PolicySpec(name="local", window=8, depth=8))
     state = CoordinatorState(spec, state_dir=tmp_path, compact_every=1)
     state.register(0, spec, "127.0.0.1:1")
     decision = state.submit_align(0, [RankReport(0, 0, 1, 0, 0, False, ())])
@@ -101,7 +101,13 @@ def test_coordinator_restarted_mid_epoch_resumes_the_job(tmp_path, policy):
     """The coordinator is killed three times while two trainers read two epochs; each new one resumes from
     the journal: every id once per epoch, equal steps, and the job ends done."""
     n, epochs = 240, 2
-    spec = JobSpec(world_size=2, token_budget=512, policy=policy, window=16, depth=2, seed=5, epochs=epochs)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=512,
+        seed=5,
+        epochs=epochs,
+        policy=PolicySpec(name=policy, window=16, depth=2),
+    )
     lengths = [8 + (i * 37) % 200 for i in range(n)]
     with InProcessJob(spec, lengths, lease_s=20, coordinator_state_dir=str(tmp_path)) as job:
         steps_seen = threading.Semaphore(0)

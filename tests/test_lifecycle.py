@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from _procs import descendants, processes_with_marker, start_times, still_alive
 
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec
 from batchd.launch import Processes, spec_argv, start_services
 
 pytestmark = pytest.mark.slow
@@ -212,7 +212,9 @@ def test_rank_services_on_one_host_share_one_ray(tmp_path):
     ray_tmp = tempfile.mkdtemp(prefix="bdr-", dir="/tmp")
     marker = f"BATCHD_TEST_SHARED_RAY={uuid.uuid4().hex}"
     procs = Processes(tmp_path, {"TMPDIR": ray_tmp, marker.split("=")[0]: marker.split("=")[1]})
-    spec = spec_argv(JobSpec(world_size=world, token_budget=1024, policy="balanced", window=32, depth=2))
+    spec = spec_argv(
+        JobSpec(world_size=world, token_budget=1024, policy=PolicySpec(name="balanced", window=32, depth=2))
+    )
     try:
         _, ports = start_services(
             procs,

@@ -25,7 +25,7 @@ from _jobs import job_pool
 from test_integrations import ATOL, SEED, VOCAB, flat_grad, lengths_for, max_err, reference_grad, tiny_llama
 
 from batchd.client import BatchClient
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec, Updates
 
 pl = pytest.importorskip("pytorch_lightning")
 
@@ -44,14 +44,11 @@ def make_job(
     spec = JobSpec(
         world_size=world_size,
         token_budget=budget,
-        policy=policy,
-        window=16,
-        depth=3,
         seed=SEED,
-        collate=collate,
         shuffle=not skewed,
         epochs=epochs,
-        tokens_per_update=tokens_per_update,
+        policy=PolicySpec(name=policy, window=16, depth=3, collate=collate),
+        updates=Updates(tokens_per_update=tokens_per_update),
     )
     lengths = [150 if i % 2 == 0 else 5 for i in range(n)] if skewed else lengths_for(n)
     return start(spec, lengths)

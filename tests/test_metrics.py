@@ -26,7 +26,7 @@ from _jobs import InProcessJob, job_pool
 from prometheus_client.parser import text_string_to_metric_families
 
 from batchd.client import BatchClient
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.proto import wire
@@ -85,14 +85,11 @@ def test_counters_equal_what_the_trainers_received(jobs, policy, collate, quota)
     spec = JobSpec(
         world_size=2,
         token_budget=1024,
-        policy=policy,
-        window=24,
-        depth=3,
         seed=2,
         shuffle=False,
-        collate=collate,
         mode=mode,
         quota=quota,
+        policy=PolicySpec(name=policy, window=24, depth=3, collate=collate),
     )
     job = jobs(spec, lengths)
     got = _drain(job)
@@ -192,7 +189,13 @@ def test_counters_equal_what_the_trainers_received(jobs, policy, collate, quota)
 
 def test_counters_span_every_epoch_and_gauges_name_the_epoch(jobs):
     lengths = skewed_lengths(120)
-    spec = JobSpec(world_size=2, token_budget=1024, policy="balanced", window=24, depth=3, seed=2, epochs=3)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=1024,
+        seed=2,
+        epochs=3,
+        policy=PolicySpec(name="balanced", window=24, depth=3),
+    )
     job = jobs(spec, lengths)
     got = job.drain_epochs(3, 60, lambda b, info: (b["sample_ids"].tolist(), info))
     job.wait_state("done")
@@ -211,18 +214,24 @@ def test_counters_span_every_epoch_and_gauges_name_the_epoch(jobs):
 
 def test_live_gauges_while_the_trainer_is_behind(jobs):
     lengths = skewed_lengths(400)
-    spec = JobSpec(world_size=1, token_budget=1024, policy="local", window=32, depth=3, seed=1, shuffle=False)
+    spec = JobSpec(
+        world_size=1,
+        token_budget=1024,
+        seed=1,
+        shuffle=False,
+        policy=PolicySpec(name="local", window=32, depth=3),
+    )
     job = jobs(spec, lengths)
     deadline = time.monotonic() + 20
     while True:  # no trainer yet: the service fills its output slots and its window, then waits
         m = scrape(job.rank_metrics_port(0))
-        if value(m, "batchd_ready_batches", rank="0") == spec.depth and value(
+        if value(m, "batchd_ready_batches", rank="0") == spec.policy.depth and value(
             m, "batchd_steps_total", rank="0"
         ):
             break
         assert time.monotonic() < deadline, m
         time.sleep(0.05)
-    assert value(m, "batchd_steps_total", rank="0") == spec.depth
+    assert value(m, "batchd_steps_total", rank="0") == spec.policy.depth
     assert value(m, "batchd_buffer_depth", rank="0") == len(job.cores[0].state.buffer) > 0
     assert value(scrape(job.coordinator_metrics_port), "batchd_job_state", batchd_job_state="running") == 1
     got = _drain(job)[0]
@@ -230,7 +239,11 @@ def test_live_gauges_while_the_trainer_is_behind(jobs):
 
 
 def test_quarantined_records_by_reason():
-    spec = JobSpec(world_size=1, token_budget=64, window=4, over_budget="reject")
+    spec = JobSpec(
+        world_size=1,
+        token_budget=64,
+        policy=PolicySpec(name="local", window=4, depth=8, over_budget="reject"),
+    )
     with InProcessJob(spec, sources=[IngestSource(capacity=4)], connect_timeout_s=30, metrics=True) as job:
         rport, hport = job.ports[0], job.rank_metrics_port(0)
         stub = pb_grpc.RankServiceStub(grpc.insecure_channel(f"127.0.0.1:{rport}"))
@@ -269,7 +282,13 @@ def test_quarantined_records_by_reason():
 
 def test_a_failing_metrics_update_never_fails_the_job(jobs, caplog):
     lengths = skewed_lengths(120)
-    spec = JobSpec(world_size=2, token_budget=1024, policy="local", window=16, depth=2, seed=0, shuffle=False)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=1024,
+        seed=0,
+        shuffle=False,
+        policy=PolicySpec(name="local", window=16, depth=2),
+    )
     wrong = CoordinatorMetrics(1, spec.cost_model())  # one per-rank series: rank 1's update raises IndexError
     job = jobs(spec, lengths, coordinator_metrics=wrong)
     got = _drain(job)

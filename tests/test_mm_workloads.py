@@ -13,6 +13,8 @@ from batchd.cli import main
 from batchd.core import (
     WORKLOAD_HEADER,
     JobSpec,
+    Phases,
+    PolicySpec,
     Sample,
     Simulator,
     format_workload,
@@ -74,7 +76,7 @@ def mm_samples(n: int) -> list[Sample]:
 
 def test_simulator_reports_per_phase_balance_by_hand():
     samples = mm_samples(400)
-    spec = JobSpec(world_size=4, token_budget=4096, policy="balanced", window=32, depth=4)
+    spec = JobSpec(world_size=4, token_budget=4096, policy=PolicySpec(name="balanced", window=32, depth=4))
     vision = spec.vision_cost()
     llm, single, bound, steps = [], [], [], 0
 
@@ -117,25 +119,33 @@ def test_simulator_reports_per_phase_balance_by_hand():
 
 def test_the_vision_plan_uses_the_simulators_topology_without_changing_the_llm_plan():
     samples = mm_samples(300)
-    spec = JobSpec(world_size=8, token_budget=4096, policy="balanced", window=32, depth=4, phases=2)
+    spec = JobSpec(
+        world_size=8,
+        token_budget=4096,
+        policy=PolicySpec(name="balanced", window=32, depth=4),
+        phases=Phases(count=2),
+    )
     flat = Simulator(samples, spec)
     nodes = Simulator(samples, spec, local_ranks=4)
     assert flat.coordinator.vision_nodes is None and nodes.coordinator.vision_nodes == [0] * 4 + [1] * 4
-    # node_local (on by default) hands the topology to the LLM plan; under padded cost its rounds stay
+    # nodes="local" (the default) hands the topology to the LLM plan; under padded cost its rounds stay
     # node-blind, so the plans below are the same
     assert nodes.coordinator.nodes == [0] * 4 + [1] * 4
-    assert Simulator(samples, spec.replace(node_local=False), local_ranks=4).coordinator.nodes is None
+    assert Simulator(samples, spec.replace(nodes="blind"), local_ranks=4).coordinator.nodes is None
     for a, b in zip(flat, nodes, strict=True):
         assert [s.samples for s in a] == [s.samples for s in b]
 
 
 def test_text_only_results_keep_their_keys():
-    result = simulate([5, 9, 30, 2] * 10, JobSpec(world_size=2, token_budget=64))
+    result = simulate(
+        [5, 9, 30, 2] * 10,
+        JobSpec(world_size=2, token_budget=64, policy=PolicySpec(name="local", window=512, depth=8)),
+    )
     assert "vision_imbalance_single" not in result and "llm_imbalance" not in result
 
 
 def test_simulator_rejects_samples_out_of_order():
-    spec = JobSpec(world_size=2, token_budget=64)
+    spec = JobSpec(world_size=2, token_budget=64, policy=PolicySpec(name="local", window=512, depth=8))
     with pytest.raises(ValueError, match=r"lengths\[1\] must be a Sample with id 1"):
         Simulator([Sample(0, 5), Sample(2, 5)], spec)
     with pytest.raises(ValueError, match=r"lengths\[1\] must be a Sample with id 1"):
@@ -190,7 +200,7 @@ def test_cli_simulate_prints_per_phase_balance(tmp_path, capsys):
 def test_cli_simulate_phases_flag_and_errors(tmp_path, capsys):
     path = write_workload(tmp_path, 40)
     base = ["simulate", "--workload", str(path), "--world-size", "2", "--token-budget", "4096", "--quiet"]
-    assert main([*base, "--phases", "2"]) == 2  # phases=2 needs balanced
+    assert main([*base, "--policy", "local", "--phases", "2"]) == 2  # phases=2 needs balanced
     assert "phases=2 needs policy='balanced'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*base, "--phases", "3"])

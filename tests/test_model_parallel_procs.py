@@ -23,7 +23,7 @@ import pytest
 from _jobs import job_pool
 from _procs import free_block, wait_until
 
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec
 
 HERE = Path(__file__).resolve().parent
 DP, TP = 2, 2
@@ -69,7 +69,10 @@ def make_job():
 
 def _spec() -> JobSpec:
     return JobSpec(
-        world_size=DP, token_budget=256, policy="balanced", window=16, depth=3, seed=2, collate="packed"
+        world_size=DP,
+        token_budget=256,
+        seed=2,
+        policy=PolicySpec(name="balanced", window=16, depth=3, collate="packed"),
     )
 
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from batchd.client import collate_padded, token_loss_sum
-from batchd.core import JobSpec, epoch_permutation
+from batchd.core import JobSpec, PolicySpec, epoch_permutation
 from batchd.demo import demo_lengths
 from batchd.launch import Processes, rank_argv, spec_argv, start_services, start_trainers, wait_port
 from batchd.proto import batchd_pb2 as pb
@@ -64,7 +64,10 @@ class Job:
         self.procs = Processes(work)
         self.spec = spec_argv(
             JobSpec(
-                world_size=WORLD, token_budget=budget, policy=policy, window=window, depth=depth, seed=SEED
+                world_size=WORLD,
+                token_budget=budget,
+                seed=SEED,
+                policy=PolicySpec(name=policy, window=window, depth=depth),
             )
         )
         self.lengths_file = work / "lengths.txt"

@@ -21,7 +21,7 @@ from _jobs import drain_clients
 from _procs import wait_until
 
 from batchd.client import BatchClient
-from batchd.core import JobSpec, RankState, RoundDecision, Sample
+from batchd.core import JobSpec, PolicySpec, RankState, RoundDecision, Sample
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.proto import wire
@@ -157,18 +157,20 @@ def _check_exactly_once(results, n: int) -> None:
 
 @pytest.mark.parametrize(
     "plan",
-    [{"node_local": False}, {"cost": "packed"}, {"node_aware": True}],
+    [{"nodes": "blind"}, {"cost": "packed"}, {"nodes": "aware"}],
     ids=["node-blind", "node-local", "node-aware"],
 )
 def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_process(node_job, plan):
     lengths = _lengths()
-    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=24, depth=3, seed=11, **plan)
+    spec = JobSpec.from_keys(
+        world_size=4, token_budget=1024, policy="balanced", window=24, depth=3, seed=11, **plan
+    )
     job = node_job(spec, lengths, nodes=2)
     results = _drain(job)
     _check_exactly_once(results, len(lengths))
     assert job.state.node_of == {0: "node-0", 1: "node-0", 2: "node-1", 3: "node-1"}
     assert job.state.topology() == [0, 0, 1, 1]
-    assert job.state.core.nodes == (None if plan == {"node_local": False} else [0, 0, 1, 1])
+    assert job.state.core.nodes == (None if plan == {"nodes": "blind"} else [0, 0, 1, 1])
     home = {i: r for a in job.agents for r, c in a.cores.items() for i in c.source.view._view}
     moved = [sum(1 for ids, _ in res for i in ids if home[i] != r) for r, res in enumerate(results)]
     local = {r: c.fetched["local"] for a in job.agents for r, c in a.cores.items()}
@@ -195,7 +197,9 @@ def test_node_agents_run_a_balanced_job_moving_samples_between_their_ranks_in_pr
 
 def test_an_agent_restarted_abruptly_mid_epoch_resumes_its_ranks_exactly(node_job, tmp_path):
     lengths = _lengths(300, seed=8)
-    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=16, depth=2, seed=4)
+    spec = JobSpec(
+        world_size=4, token_budget=1024, seed=4, policy=PolicySpec(name="balanced", window=16, depth=2)
+    )
     job = node_job(spec, lengths, nodes=2, state_dir=tmp_path)
     restarted = threading.Event()
 
@@ -213,7 +217,9 @@ def test_an_agent_restarted_abruptly_mid_epoch_resumes_its_ranks_exactly(node_jo
 
 def test_node_agents_ride_out_a_coordinator_restart(node_job, tmp_path):
     lengths = _lengths(240, seed=2)
-    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=16, depth=2, seed=9)
+    spec = JobSpec(
+        world_size=4, token_budget=1024, seed=9, policy=PolicySpec(name="balanced", window=16, depth=2)
+    )
     job = node_job(spec, lengths, nodes=2, state_dir=tmp_path)
     restarted = threading.Event()
 
@@ -231,7 +237,9 @@ def test_a_trainer_taking_5s_per_step_is_waited_for_past_the_lease(node_job):
     """Timeouts judge liveness, never speed: with a 2 s lease, a trainer that takes 5 s per step holds every
     barrier for longer than a lease; the node heartbeats keep its agent (and the other) alive."""
     lengths = [300] * 48
-    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=4, depth=1, seed=1)
+    spec = JobSpec(
+        world_size=4, token_budget=1024, seed=1, policy=PolicySpec(name="balanced", window=4, depth=1)
+    )
     job = node_job(spec, lengths, nodes=2, lease_s=2.0)
     slow_steps = []
 
@@ -259,7 +267,7 @@ def test_node_ranks_follow_torchrun_and_name_what_is_missing():
 
 @pytest.fixture
 def coordinator():
-    spec = JobSpec(world_size=4, token_budget=1024, policy="local", window=8, depth=2)
+    spec = JobSpec(world_size=4, token_budget=1024, policy=PolicySpec(name="local", window=8, depth=2))
     server, port, state = create_server(f"{HOST}:0", spec, 1.5, 60.0)
     server.start()
     channel = grpc.insecure_channel(f"{HOST}:{port}")
@@ -301,7 +309,7 @@ def test_the_coordinator_refuses_a_node_of_another_protocol_or_out_of_order(coor
         )
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "rank(s) [3], which it did not register" in e.value.details()
-    bad = JobSpec(world_size=4, token_budget=2048, policy="local", window=8, depth=2)
+    bad = JobSpec(world_size=4, token_budget=2048, policy=PolicySpec(name="local", window=8, depth=2))
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Node(iter([_hello(bad, "b", [2, 3])]), timeout=5))
     assert "token_budget: coordinator 1024, node agent 2048" in e.value.details()
@@ -349,7 +357,7 @@ def test_a_balanced_plan_reaches_each_node_cut_to_what_it_needs():
 def test_a_replay_goes_at_once_while_the_nodes_other_rank_is_elsewhere():
     """After a restart, a rank behind replays rounds the coordinator has passed without waiting for the
     node's other rank (which may wait for its trainer, which waits in DDP for this one)."""
-    spec = JobSpec(world_size=2, token_budget=256, policy="local", window=4, depth=4)
+    spec = JobSpec(world_size=2, token_budget=256, policy=PolicySpec(name="local", window=4, depth=4))
     server, port, state = create_server(f"{HOST}:0", spec, 10.0, 60.0)
     server.start()
     links = []
@@ -407,7 +415,12 @@ def test_an_agent_told_apart_from_a_coordinator_that_predates_node_agents():
     port = server.add_insecure_port(f"{HOST}:0")
     server.start()  # serves no method at all: every call is UNIMPLEMENTED
     link = NodeLink(
-        f"{HOST}:{port}", "n", [0], JobSpec(world_size=1, token_budget=64), "127.0.0.1:9", startup_timeout_s=5
+        f"{HOST}:{port}",
+        "n",
+        [0],
+        JobSpec(world_size=1, token_budget=64, policy=PolicySpec(name="local", window=512, depth=8)),
+        "127.0.0.1:9",
+        startup_timeout_s=5,
     )
     try:
         with pytest.raises(CoordinatorError, match="does not serve node agents.*same batchd version"):
@@ -423,7 +436,9 @@ def test_a_dead_agent_is_noticed_at_once_and_without_a_journal_fails_the_job_bef
     """An agent's process gone (its stream broke) is logged at once; one that journals is waited for (a
     restart resumes it), one without a journal fails the job once it has not reconnected for 10 s,
     naming it, long before its 60 s lease."""
-    spec = JobSpec(world_size=4, token_budget=1024, policy="balanced", window=16, depth=2, seed=4)
+    spec = JobSpec(
+        world_size=4, token_budget=1024, seed=4, policy=PolicySpec(name="balanced", window=16, depth=2)
+    )
     journaled = node_job(spec, _lengths(200), nodes=2, state_dir=tmp_path, lease_s=60.0)
     plain = node_job(spec, _lengths(200), nodes=2, lease_s=60.0)
     for job in (journaled, plain):

@@ -17,6 +17,7 @@ from batchd.core import (
     Entry,
     JobSpec,
     PlanInputs,
+    PolicySpec,
     Sample,
     Simulator,
     plan_moves,
@@ -292,7 +293,7 @@ def test_plan_moves_counts_by_hand():
     [([0, 1], "len"), ([0, -1, 0, 0], r"nodes\[1\]"), ([0, 1.0, 0, 0], r"nodes\[1\]"), ("0000", "sequence")],
 )
 def test_coordinator_validates_nodes(nodes, match):
-    spec = JobSpec(world_size=4, token_budget=64, policy="balanced")
+    spec = JobSpec(world_size=4, token_budget=64, policy=PolicySpec(name="balanced", window=512, depth=8))
     with pytest.raises(ValueError, match=match):
         Coordinator(spec, 0, nodes)
     with pytest.raises(ValueError, match=match):
@@ -300,7 +301,7 @@ def test_coordinator_validates_nodes(nodes, match):
 
 
 def test_coordinator_state_dict_ignores_the_topology():
-    spec = JobSpec(world_size=4, token_budget=64, policy="balanced")
+    spec = JobSpec(world_size=4, token_budget=64, policy=PolicySpec(name="balanced", window=512, depth=8))
     assert Coordinator(spec, 0, [0, 0, 1, 1]).state_dict() == Coordinator(spec, 0).state_dict()
 
 
@@ -321,13 +322,10 @@ def test_simulated_epochs_keep_the_protocol_with_a_topology(
     config = JobSpec(
         world_size=world_size,
         token_budget=64,
-        policy="balanced",
-        window=window,
         mode=mode,
-        cost=cost,
-        depth=depth,
         shuffle=False,
-        node_aware=True,
+        policy=PolicySpec(name="balanced", window=window, depth=depth, nodes="aware"),
+        cost=CostModel(name=cost),
     )
     sim, schedule = run_checked(lengths, config, local_ranks=k)
     check_epoch(lengths, config, sim, schedule)
@@ -335,14 +333,16 @@ def test_simulated_epochs_keep_the_protocol_with_a_topology(
     assert m["node_aware"] and m["local_ranks"] == k
     assert m["intra_node_moved"] + m["cross_node_moved"] == m["moved"]
     assert m["node_planned_rounds"] + m["node_fallback_rounds"] <= m["rounds"]
-    blind = simulate(lengths, config, local_ranks=k, node_aware=False)
+    blind = simulate(lengths, config.replace(nodes="blind"), local_ranks=k)
     assert not blind["node_aware"] and blind["node_planned_rounds"] == 0
     assert blind["intra_node_moved"] + blind["cross_node_moved"] == blind["moved"]
 
 
 def test_simulator_topology_defaults_and_state():
     lengths = [random.Random(i).randint(1, 64) for i in range(200)]
-    config = JobSpec(world_size=4, token_budget=64, policy="balanced", window=16, shuffle=False)
+    config = JobSpec(
+        world_size=4, token_budget=64, shuffle=False, policy=PolicySpec(name="balanced", window=16, depth=8)
+    )
     plain = simulate(lengths, config)
     assert plain["local_ranks"] == 1 and not plain["node_aware"] and plain["intra_node_moved"] == 0
     assert plain["cross_node_moved"] == plain["moved"]
@@ -411,7 +411,10 @@ def test_outliers_pool_the_sample_that_pads_a_group():
 def test_simulator_reports_swaps():
     lengths = [random.Random(i).randint(1, 64) for i in range(400)]
     config = JobSpec(
-        world_size=8, token_budget=64, policy="balanced", window=16, shuffle=False, node_aware=True
+        world_size=8,
+        token_budget=64,
+        shuffle=False,
+        policy=PolicySpec(name="balanced", window=16, depth=8, nodes="aware"),
     )
     m = simulate(lengths, config, local_ranks=2)
     assert m["node_swaps"] >= 0 and m["node_planned_rounds"] >= 1 and m["node_fallback_rounds"] == 0

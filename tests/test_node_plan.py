@@ -17,6 +17,7 @@ from batchd.core import (
     Exchange,
     ImageRef,
     JobSpec,
+    PolicySpec,
     RoundDecision,
     Sample,
     decision_for_node,
@@ -107,7 +108,9 @@ def test_round_exchanges_sums_the_steps(case):
 
 
 def test_set_topology_validates_both_before_setting_either():
-    core = Coordinator(JobSpec(world_size=2, token_budget=512, window=8))
+    core = Coordinator(
+        JobSpec(world_size=2, token_budget=512, policy=PolicySpec(name="local", window=8, depth=8))
+    )
     core.set_topology([0, 0], [0, 1])
     assert (core.nodes, core.vision_nodes) == ([0, 0], [0, 1])
     with pytest.raises(ValueError, match=r"nodes\[1\]"):

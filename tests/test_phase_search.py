@@ -186,14 +186,29 @@ def test_the_exact_option_reaches_the_optimum_the_heuristic_misses_and_is_repeat
 
 
 def test_the_job_turns_the_exact_option_on_for_two_phase_jobs_only():
-    from batchd.core import JobSpec
+    from batchd.core import JobSpec, Phases, PolicySpec
 
-    spec = JobSpec(world_size=2, token_budget=64, policy="balanced", phases=2, phase_exact_nodes=50)
-    assert spec.phase_exact_nodes == 50
-    with pytest.raises(ValueError, match="phase_exact_nodes needs phases=2"):
-        JobSpec(world_size=2, token_budget=64, phase_exact_nodes=50)
-    with pytest.raises(ValueError, match="phase_exact_nodes"):
-        JobSpec(world_size=2, token_budget=64, policy="balanced", phases=2, phase_exact_nodes=-1)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=64,
+        policy=PolicySpec(name="balanced", window=512, depth=8),
+        phases=Phases(count=2, exact_nodes=50),
+    )
+    assert spec.phases.exact_nodes == 50
+    with pytest.raises(ValueError, match="exact_nodes needs phases=2"):
+        JobSpec(
+            world_size=2,
+            token_budget=64,
+            phases=Phases(exact_nodes=50),
+            policy=PolicySpec(name="local", window=512, depth=8),
+        )
+    with pytest.raises(ValueError, match="phases.exact_nodes"):
+        JobSpec(
+            world_size=2,
+            token_budget=64,
+            policy=PolicySpec(name="balanced", window=512, depth=8),
+            phases=Phases(count=2, exact_nodes=-1),
+        )
 
 
 @settings(max_examples=120, deadline=None)

@@ -16,6 +16,8 @@ from batchd.core import (
     Exchange,
     ImageRef,
     JobSpec,
+    Phases,
+    PolicySpec,
     Sample,
     Simulator,
     VisionCost,
@@ -331,12 +333,17 @@ def workload(n: int, seed: int) -> list[Sample]:
 
 
 @pytest.mark.parametrize(
-    "world_size, local_ranks, node_aware", [(4, None, False), (8, 4, False), (8, 4, True)]
+    "world_size, local_ranks, nodes", [(4, None, "local"), (8, 4, "local"), (8, 4, "aware")]
 )
-def test_two_phase_round_trip_attaches_an_exchange_covering_each_step(world_size, local_ranks, node_aware):
+def test_two_phase_round_trip_attaches_an_exchange_covering_each_step(world_size, local_ranks, nodes):
     samples = workload(600, 3)
-    spec = JobSpec(world_size=world_size, token_budget=4096, policy="balanced", phases=2, window=32, depth=4)
-    sim = Simulator(samples, spec, local_ranks=local_ranks, node_aware=node_aware)
+    spec = JobSpec(
+        world_size=world_size,
+        token_budget=4096,
+        policy=PolicySpec(name="balanced", window=32, depth=4, nodes=nodes),
+        phases=Phases(count=2),
+    )
+    sim = Simulator(samples, spec, local_ranks=local_ranks)
     by_id = {x.id: x for x in samples}
     steps = 0
     for step in sim:
@@ -359,7 +366,7 @@ def Step_json_round_trips(step) -> bool:
 
 
 def test_one_phase_steps_carry_no_exchange():
-    spec = JobSpec(world_size=4, token_budget=4096, policy="balanced", window=32)
+    spec = JobSpec(world_size=4, token_budget=4096, policy=PolicySpec(name="balanced", window=32, depth=8))
     assert all(s.exchange is None for step in Simulator(workload(200, 5), spec) for s in step)
 
 
@@ -377,7 +384,12 @@ def test_a_two_phase_simulator_resumed_mid_epoch_reproduces_the_rest_exchanges_i
         for i in range(160)
     ]
     samples = [s.replace(length=s.length + sum(t for _, t in s.images)) for s in samples]
-    spec = JobSpec(world_size=3, token_budget=1024, policy="balanced", window=12, depth=3, phases=2)
+    spec = JobSpec(
+        world_size=3,
+        token_budget=1024,
+        policy=PolicySpec(name="balanced", window=12, depth=3),
+        phases=Phases(count=2),
+    )
 
     def rest(sim):
         return [tuple(json.dumps(st.to_json(), sort_keys=True) for st in step) for step in sim]

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from batchd.core import (
     AudioCost,
     JobSpec,
+    Phases,
+    PolicySpec,
     RoundDecision,
     Sample,
     Step,
@@ -143,21 +145,42 @@ def test_the_simulator_plans_with_the_exact_option_and_never_peaks_higher():
         Sample(k, 200 + rng.randrange(400), images=tuple((rng.randrange(64, 2048), 16) for _ in range(k % 4)))
         for k in range(48)
     ]
-    spec = JobSpec(world_size=3, token_budget=2048, policy="balanced", phases=2, window=16, shuffle=False)
+    spec = JobSpec(
+        world_size=3,
+        token_budget=2048,
+        shuffle=False,
+        policy=PolicySpec(name="balanced", window=16, depth=8),
+        phases=Phases(count=2),
+    )
     plain = simulate(data, spec)
-    exact = simulate(data, spec.replace(phase_exact_nodes=200))
+    exact = simulate(data, spec.replace(phase_exact_nodes=200))  # the key: phases.exact_nodes
     assert exact["steps"] == plain["steps"] and exact["llm_imbalance"] == plain["llm_imbalance"]
     assert exact["vision_imbalance_two"] <= plain["vision_imbalance_two"] + 1e-9
-    assert wire.spec_from_pb(wire.spec_to_pb(spec.replace(phase_exact_nodes=200))).phase_exact_nodes == 200
+    assert wire.spec_from_pb(wire.spec_to_pb(spec.replace(phase_exact_nodes=200))).phases.exact_nodes == 200
 
 
 def test_the_job_sets_the_audio_cost_and_the_wire_carries_it():
-    spec = JobSpec(world_size=2, token_budget=64, policy="balanced", phases=2, audio_quadratic=1000)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=64,
+        policy=PolicySpec(name="balanced", window=512, depth=8),
+        phases=Phases(count=2, audio_quadratic=1000),
+    )
     assert spec.audio_cost() == AudioCost(quadratic=1000)
-    assert JobSpec(world_size=2, token_budget=64).audio_cost() == AudioCost()
+    assert (
+        JobSpec(
+            world_size=2, token_budget=64, policy=PolicySpec(name="local", window=512, depth=8)
+        ).audio_cost()
+        == AudioCost()
+    )
     assert wire.spec_from_pb(wire.spec_to_pb(spec)) == spec
     with pytest.raises(ValueError, match="audio_quadratic"):
-        JobSpec(world_size=2, token_budget=64, audio_quadratic=-1)
+        JobSpec(
+            world_size=2,
+            token_budget=64,
+            phases=Phases(audio_quadratic=-1),
+            policy=PolicySpec(name="local", window=512, depth=8),
+        )
     # the simulator plans the audio phase with the job's cost: a clip of 3,000 frames weighs more with q=1000
     heavy = simulate([Sample(0, 40, audio=((3000, 750),)), Sample(1, 40, audio=((100, 25),))], spec)
     light = simulate(
@@ -210,7 +233,13 @@ def test_the_coordinator_plans_the_audio_phase_of_every_step_and_the_wire_carrie
         samples.append(
             Sample(i, rng.randint(1, 300) + sum(t for _, t in clips + images), -1, 0, (), 0, images, clips)
         )
-    spec = JobSpec(world_size=world, token_budget=4096, policy="balanced", phases=2, window=8, seed=seed)
+    spec = JobSpec(
+        world_size=world,
+        token_budget=4096,
+        seed=seed,
+        policy=PolicySpec(name="balanced", window=8, depth=8),
+        phases=Phases(count=2),
+    )
     seen: Counter[tuple[int, int]] = Counter()
 
     def check(step):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from _jobs import InProcessJob, job_pool
 
-from batchd.core import JobSpec
+from batchd.core import JobSpec, Phases, PolicySpec
 from batchd.service.preprocess import SyntheticSource, synthetic_audio_payload, synthetic_image_payload
 
 PATCH_DIM = 4  # small pixel rows: the data path, not the pixels, is under test
@@ -149,7 +149,11 @@ def job_factory():
 def test_two_phase_job_encodes_every_image_once_and_returns_it_to_its_owner(job_factory, world):
     lengths, images = _workload(160, seed=world)
     spec = JobSpec(
-        world_size=world, token_budget=512, policy="balanced", window=16, depth=3, seed=5, phases=2
+        world_size=world,
+        token_budget=512,
+        seed=5,
+        policy=PolicySpec(name="balanced", window=16, depth=3),
+        phases=Phases(count=2),
     )
     job = job_factory(spec, sources=_sources(spec, lengths, images))
     results = job.drain(project=_project)
@@ -160,7 +164,12 @@ def test_two_phase_job_encodes_every_image_once_and_returns_it_to_its_owner(job_
 def test_one_rank_holding_every_image_spreads_them_and_image_free_steps_run(job_factory):
     # Only samples of rank 0's view carry images: its LLM groups hold them all, the plan spreads the encoding.
     spec = JobSpec(
-        world_size=3, token_budget=512, policy="balanced", window=8, depth=2, seed=2, phases=2, shuffle=False
+        world_size=3,
+        token_budget=512,
+        seed=2,
+        shuffle=False,
+        policy=PolicySpec(name="balanced", window=8, depth=2),
+        phases=Phases(count=2),
     )
     n = 90
     lengths, images = _workload(n, seed=1, all_images_on={i for i in range(n) if i % 3 == 0 and i < 45})
@@ -177,7 +186,13 @@ def test_one_rank_holding_every_image_spreads_them_and_image_free_steps_run(job_
 
 def test_a_rank_restarted_mid_epoch_reproduces_the_rest_of_the_exchange(tmp_path):
     lengths, images = _workload(150, seed=7)
-    spec = JobSpec(world_size=3, token_budget=512, policy="balanced", window=12, depth=2, seed=3, phases=2)
+    spec = JobSpec(
+        world_size=3,
+        token_budget=512,
+        seed=3,
+        policy=PolicySpec(name="balanced", window=12, depth=2),
+        phases=Phases(count=2),
+    )
     restarted = threading.Event()
     with InProcessJob(
         spec, sources=_sources(spec, lengths, images), rank_state_dir=tmp_path, grace=30.0
@@ -206,7 +221,13 @@ def test_node_agents_exchange_images_with_a_cut_plan(tmp_path):
     from test_node import NodeJob, _drain  # noqa: F401 - the node-agent harness
 
     lengths, images = _workload(200, seed=11)
-    spec = JobSpec(world_size=4, token_budget=512, policy="balanced", window=12, depth=2, seed=8, phases=2)
+    spec = JobSpec(
+        world_size=4,
+        token_budget=512,
+        seed=8,
+        policy=PolicySpec(name="balanced", window=12, depth=2),
+        phases=Phases(count=2),
+    )
     job = NodeJob(spec, lengths, nodes=2, images=images, patch_dim=PATCH_DIM, vocab_size=VOCAB)
     try:
         from _jobs import drain_clients
@@ -288,7 +309,13 @@ def test_the_audio_phase_is_exchanged_beside_the_vision_phase_across_a_rank_rest
     from _jobs import drain_clients
 
     lengths, images, audio = _audio_workload(150, seed=9)
-    spec = JobSpec(world_size=3, token_budget=512, policy="balanced", window=12, depth=2, seed=4, phases=2)
+    spec = JobSpec(
+        world_size=3,
+        token_budget=512,
+        seed=4,
+        policy=PolicySpec(name="balanced", window=12, depth=2),
+        phases=Phases(count=2),
+    )
 
     def sources():
         return [

@@ -284,9 +284,15 @@ def test_rank_services_on_ray_sources_run_several_epochs(pool, demo):
     record reaches a trainer exactly once per epoch, and each source's counters cover both epochs."""
     from _jobs import InProcessJob
 
-    from batchd.core import JobSpec
+    from batchd.core import JobSpec, PolicySpec
 
-    spec = JobSpec(world_size=2, token_budget=2048, policy="balanced", window=16, depth=3, seed=2, epochs=2)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=2048,
+        seed=2,
+        epochs=2,
+        policy=PolicySpec(name="balanced", window=16, depth=3),
+    )
     sources = [RaySource(None, r, 2, seed=spec.seed, epoch=0, pool=pool) for r in range(2)]
     good = sorted(set(range(NUM)) - set(demo.bad))
     with InProcessJob(spec, sources=sources, startup_timeout_s=120) as job:

@@ -1,6 +1,6 @@
 """Level rows of the node-blind round plan (`batchd.core._plan_level`): which groups a round takes so a
 step's ranks cost alike, how an epoch's last round spreads its stub over its steps, and the
-`JobSpec.level_rows` switch (on by default, on the wire as `no_level_rows`)."""
+`PolicySpec.level_rows` switch (on by default)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd.core import CostModel, Entry, JobSpec, PlanInputs, Sample, plan_round, simulate
+from batchd.core import CostModel, Entry, JobSpec, PlanInputs, PolicySpec, Sample, plan_round, simulate
 from batchd.core.testing import final_rows, level_choice
 from batchd.proto.wire import spec_from_pb, spec_to_pb
 
@@ -120,7 +120,11 @@ def test_level_rows_lower_the_straggler_bound_compute_of_a_job_and_can_be_turned
     rng = random.Random(0)
     lengths = [rng.randint(4200, 8192) if rng.random() < 0.3 else rng.randint(100, 1500) for _ in range(2048)]
     spec = JobSpec(
-        world_size=8, token_budget=8192, window=64, depth=4, cost="padded", policy="balanced", shuffle=False
+        world_size=8,
+        token_budget=8192,
+        shuffle=False,
+        policy=PolicySpec(name="balanced", window=64, depth=4),
+        cost=CostModel(name="padded"),
     )
     level, prefix = simulate(lengths, spec), simulate(lengths, spec.replace(level_rows=False))
     for r in (level, prefix):
@@ -128,13 +132,12 @@ def test_level_rows_lower_the_straggler_bound_compute_of_a_job_and_can_be_turned
     assert level["compute_vs_limit"] < prefix["compute_vs_limit"] - 0.04, (level, prefix)
 
 
-def test_level_rows_travel_on_the_wire_and_a_peer_without_the_field_means_on():
-    spec = JobSpec(world_size=2, token_budget=64, policy="balanced")
-    assert spec.level_rows is True
+def test_level_rows_travel_on_the_wire():
+    spec = JobSpec(world_size=2, token_budget=64, policy=PolicySpec(name="balanced", window=512, depth=8))
+    assert spec.policy.level_rows is True
     for value in (True, False):
-        assert spec_from_pb(spec_to_pb(spec.replace(level_rows=value))).level_rows is value
-    older = spec_to_pb(spec)
-    older.ClearField("no_level_rows")  # what a peer that predates the field sends
-    assert spec_from_pb(older).level_rows is True
+        assert spec_from_pb(spec_to_pb(spec.replace(level_rows=value))).policy.level_rows is value
     with pytest.raises(ValueError, match="level_rows"):
-        JobSpec(world_size=2, token_budget=64, level_rows=1)
+        JobSpec(
+            world_size=2, token_budget=64, policy=PolicySpec(name="local", window=512, depth=8, level_rows=1)
+        )

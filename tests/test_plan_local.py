@@ -1,5 +1,5 @@
-"""Node-local rounds (`JobSpec.node_local`, `core/_plan_local.py`): each node plans its own samples, kept
-where that costs as node-blind; the switch on the wire (`no_node_local`)."""
+"""Node-local rounds (`PolicySpec.nodes = "local"`, `core/_plan_local.py`): each node plans its own samples,
+kept where that costs as node-blind; the choice on the wire (`policy.nodes`)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from batchd.core import (
     Entry,
     JobSpec,
     PlanInputs,
+    PolicySpec,
     RankReport,
     RankState,
     RoundPlan,
@@ -62,13 +63,13 @@ def rounds(draw):
         seed=draw(st.integers(0, 3)),
         refine=draw(st.booleans()),
         nodes=nodes,
-        node_local=True,
+        node_plan="local",
         unread=unread,
     )
 
 
 def _blind(inputs: PlanInputs) -> RoundPlan:
-    return plan_round(PlanInputs(**{**_fields(inputs), "nodes": None, "node_local": False}))
+    return plan_round(PlanInputs(**{**_fields(inputs), "nodes": None, "node_plan": "blind"}))
 
 
 def _fields(inputs: PlanInputs) -> dict:
@@ -152,7 +153,7 @@ def _full_round(nodes_n: int, k: int, seed: int) -> PlanInputs:
 @pytest.mark.parametrize("seed", range(4))
 def test_a_round_each_node_fills_alone_moves_nothing_across_nodes(seed):
     inputs = _full_round(3, 4, seed)
-    local = plan_round(PlanInputs(**{**_fields(inputs), "node_local": True}))
+    local = plan_round(PlanInputs(**{**_fields(inputs), "node_plan": "local"}))
     assert local.node_local and local.stats == {"node_local": 1}
     assert plan_moves(local.plan, inputs.nodes)["cross_node_samples"] == 0
     blind = _blind(inputs)
@@ -162,12 +163,13 @@ def test_a_round_each_node_fills_alone_moves_nothing_across_nodes(seed):
 
 def test_padded_cost_and_node_local_off_plan_as_before_and_attention_is_node_local():
     inputs = _full_round(2, 4, 0)
-    padded = PlanInputs(**{**_fields(inputs), "cost": CostModel("padded"), "node_local": True})
+    padded = PlanInputs(**{**_fields(inputs), "cost": CostModel("padded"), "node_plan": "local"})
     assert plan_round(padded) == _blind(padded)  # node-pure padded groups pad more
-    attention = PlanInputs(**{**_fields(inputs), "cost": CostModel("attention"), "node_local": True})
+    attention = PlanInputs(**{**_fields(inputs), "cost": CostModel("attention"), "node_plan": "local"})
     local = plan_round(attention)
     assert local.node_local and plan_moves(local.plan, inputs.nodes)["cross_node_samples"] == 0
-    assert plan_round(inputs).node_aware  # nodes without node_local: the node-aware plan, as before
+    aware = PlanInputs(**{**_fields(inputs), "node_plan": "aware"})
+    assert plan_round(aware).node_aware  # nodes planned aware: the node-aware plan, as before
 
 
 def test_a_packed_job_moves_5x_fewer_samples_across_nodes_at_the_same_compute():
@@ -175,25 +177,29 @@ def test_a_packed_job_moves_5x_fewer_samples_across_nodes_at_the_same_compute():
     at least 5x fewer cross-node samples than node-blind, compute_vs_limit within +0.01."""
     g = random.Random(5)
     lengths = [min(8192, int(g.lognormvariate(6.0, 0.9)) + 16) for _ in range(16 * 64 * 16)]
-    spec = JobSpec(world_size=16, token_budget=8192, policy="balanced", window=64, depth=4, cost="packed")
+    spec = JobSpec(
+        world_size=16,
+        token_budget=8192,
+        policy=PolicySpec(name="balanced", window=64, depth=4),
+        cost=CostModel(name="packed"),
+    )
     local = simulate(lengths, spec, local_ranks=8)
-    blind = simulate(lengths, spec.replace(node_local=False), local_ranks=8)
+    blind = simulate(lengths, spec.replace(nodes="blind"), local_ranks=8)
     assert local["missing"] == local["duplicates"] == 0 and local["emitted"] == len(lengths)
     assert local["node_local_rounds"] > 0 and blind["node_local_rounds"] == 0
     assert local["cross_node_moved"] * 5 <= blind["cross_node_moved"], (local, blind)
     assert local["compute_vs_limit"] <= blind["compute_vs_limit"] + 0.01
 
 
-def test_node_local_travels_on_the_wire_and_a_peer_without_the_field_means_on():
-    spec = JobSpec(world_size=2, token_budget=64)
-    assert spec.node_local is True
-    for value in (True, False):
-        assert spec_from_pb(spec_to_pb(spec.replace(node_local=value))).node_local is value
-    older = spec_to_pb(spec)
-    older.ClearField("no_node_local")  # what a peer that predates the field sends
-    assert spec_from_pb(older).node_local is True
-    with pytest.raises(ValueError, match="node_local"):
-        JobSpec(world_size=2, token_budget=64, node_local=1)
+def test_node_planning_travels_on_the_wire_and_is_one_choice():
+    spec = JobSpec(world_size=2, token_budget=64)  # balanced, the default
+    assert spec.policy.nodes == "local"
+    for value in ("local", "blind", "aware"):
+        assert spec_from_pb(spec_to_pb(spec.replace(nodes=value))).policy.nodes == value
+    with pytest.raises(ValueError, match="policy.nodes"):
+        JobSpec(world_size=2, token_budget=64, policy=PolicySpec(nodes="both"))
+    with pytest.raises(ValueError, match="node_plan"):
+        PlanInputs(**{**_fields(_full_round(2, 4, 0)), "node_plan": True})
 
 
 def test_a_round_plan_is_node_local_or_node_aware_not_both():
@@ -245,9 +251,9 @@ def test_a_node_with_more_work_left_hands_its_samples_to_the_others():
     inputs = PlanInputs(
         pool, 8, 3, False, BUDGET, CostModel("packed"), 0, 8, 0, nodes=[r // 4 for r in range(8)]
     )
-    even = plan_round(PlanInputs(**{**_fields(inputs), "node_local": True, "unread": [100] * 8}))
+    even = plan_round(PlanInputs(**{**_fields(inputs), "node_plan": "local", "unread": [100] * 8}))
     assert even.node_local and plan_moves(even.plan, inputs.nodes)["cross_node_samples"] == 0
-    heavy = plan_round(PlanInputs(**{**_fields(inputs), "node_local": True, "unread": [400] * 4 + [0] * 4}))
+    heavy = plan_round(PlanInputs(**{**_fields(inputs), "node_plan": "local", "unread": [400] * 4 + [0] * 4}))
     assert heavy.node_local
     crossed = [(s, r) for r, p in enumerate(heavy.plan) for g in p for s in g if s.home_rank // 4 != r // 4]
     assert crossed and all(s.home_rank < 4 <= r for s, r in crossed)
@@ -268,10 +274,14 @@ def test_a_job_whose_nodes_differ_in_work_ends_with_node_blind_compute(seed):
         for i in range(n * 512)
     ]
     spec = JobSpec(
-        world_size=n, token_budget=8192, policy="balanced", window=32, depth=4, cost="packed", shuffle=False
+        world_size=n,
+        token_budget=8192,
+        shuffle=False,
+        policy=PolicySpec(name="balanced", window=32, depth=4),
+        cost=CostModel(name="packed"),
     )
     local = simulate(lengths, spec, local_ranks=8)
-    blind = simulate(lengths, spec.replace(node_local=False), local_ranks=8)
+    blind = simulate(lengths, spec.replace(nodes="blind"), local_ranks=8)
     assert local["missing"] == local["duplicates"] == 0 and local["emitted"] == len(lengths)
     assert local["compute_vs_limit"] <= blind["compute_vs_limit"] + 0.01, (local, blind)
     assert local["cross_node_moved"] * 5 <= blind["cross_node_moved"], (local, blind)
@@ -296,7 +306,7 @@ def test_ranks_report_what_their_sources_have_not_yet_given():
     src.poll()
     assert src.unread() == 4
     assert SyntheticSource([8] * 10, 0, 2, wrap=True).unread() is None
-    spec = JobSpec(world_size=2, token_budget=64, policy="balanced")
+    spec = JobSpec(world_size=2, token_budget=64, policy=PolicySpec(name="balanced", window=512, depth=8))
     rank = RankState(spec, 0)
     assert rank.report(1).unread is None
     for value in (7, None):
@@ -333,7 +343,7 @@ def test_a_rank_short_of_its_quota_after_the_over_budget_row_swaps_its_sample_in
         4,
         6,
         nodes=[r // 4 for r in range(8)],
-        node_local=True,
+        node_plan="local",
     )
     result = plan_round(inputs)
     assert result.node_local

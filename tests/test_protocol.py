@@ -9,7 +9,7 @@ from _sim_check import check_epoch, run_checked
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd.core import POLICIES, JobSpec, Simulator
+from batchd.core import POLICIES, CostModel, JobSpec, PolicySpec, Simulator
 
 
 @st.composite
@@ -42,18 +42,20 @@ def configs(draw, budget, policies=POLICIES, modes=("join", "non-join")):
     return JobSpec(
         world_size=draw(st.sampled_from([1, 2, 3, 4, 7, 8, 16, 64])),
         token_budget=budget,
-        policy=policy,
-        window=draw(st.sampled_from([1, 2, 5, 16, 64, 512])),
-        batch_size=draw(st.integers(1, 9)),
         mode=draw(st.sampled_from(modes)),
-        cost=draw(st.sampled_from(["padded", "packed", "attention"])),
-        over_budget=draw(st.sampled_from(["singleton", "truncate", "reject"])),
         seed=draw(st.integers(0, 3)),
         shuffle=draw(st.booleans()),
-        depth=draw(st.integers(1, 9)),
-        max_wait=draw(st.integers(1, 20)),
-        align=draw(st.sampled_from(["min", "odb"])),
         quota=draw(st.one_of(st.none(), st.integers(0, 300))),
+        policy=PolicySpec(
+            name=policy,
+            window=draw(st.sampled_from([1, 2, 5, 16, 64, 512])),
+            depth=draw(st.integers(1, 9)),
+            max_wait=draw(st.integers(1, 20)),
+            align=draw(st.sampled_from(["min", "odb"])),
+            over_budget=draw(st.sampled_from(["singleton", "truncate", "reject"])),
+            batch_size=draw(st.integers(1, 9)) if policy in ("fixed", "sorted") else 8,
+        ),
+        cost=CostModel(name=draw(st.sampled_from(["padded", "packed", "attention"]))),
     )
 
 
@@ -83,7 +85,9 @@ def test_resume_from_any_step_reproduces_the_rest(data):
 
 
 def test_world_larger_than_dataset_idles_but_aligns():
-    config = JobSpec(shuffle=False, world_size=64, token_budget=100, policy="local", window=4)
+    config = JobSpec(
+        shuffle=False, world_size=64, token_budget=100, policy=PolicySpec(name="local", window=4, depth=8)
+    )
     sim, schedule = run_checked([50, 60, 70], config)
     check_epoch([50, 60, 70], config, sim, schedule)
     assert len(schedule) == 1
@@ -91,7 +95,16 @@ def test_world_larger_than_dataset_idles_but_aligns():
 
 def test_empty_dataset_ends_immediately():
     for mode in ("join", "non-join"):
-        sim, schedule = run_checked([], JobSpec(shuffle=False, world_size=4, token_budget=100, mode=mode))
+        sim, schedule = run_checked(
+            [],
+            JobSpec(
+                shuffle=False,
+                world_size=4,
+                token_budget=100,
+                mode=mode,
+                policy=PolicySpec(name="local", window=512, depth=8),
+            ),
+        )
         assert schedule == [] and sim.coordinator.done
 
 
@@ -242,19 +255,14 @@ HYPOTHESIS_BALANCED_LENGTHS = (
 HYPOTHESIS_BALANCED_SPEC = JobSpec(
     world_size=16,
     token_budget=64,
-    policy="balanced",
-    window=2,
-    batch_size=1,
     mode="join",
-    cost="padded",
-    over_budget="singleton",
     seed=0,
     shuffle=False,
-    depth=1,
-    max_wait=5,
-    align="min",
-    refine=True,
     quota=None,
+    policy=PolicySpec(
+        name="balanced", window=2, depth=1, max_wait=5, align="min", over_budget="singleton", refine=True
+    ),
+    cost=CostModel(name="padded"),
 )
 
 
@@ -269,11 +277,8 @@ HYPOTHESIS_BALANCED_SPEC = JobSpec(
             JobSpec(
                 world_size=4,
                 token_budget=64,
-                policy="balanced",
-                window=2,
-                depth=1,
                 shuffle=False,
-                max_wait=100,
+                policy=PolicySpec(name="balanced", window=2, depth=1, max_wait=100),
             ),
         ),
         (
@@ -281,11 +286,8 @@ HYPOTHESIS_BALANCED_SPEC = JobSpec(
             JobSpec(
                 world_size=8,
                 token_budget=64,
-                policy="balanced",
-                window=2,
-                depth=1,
                 shuffle=False,
-                max_wait=100,
+                policy=PolicySpec(name="balanced", window=2, depth=1, max_wait=100),
             ),
         ),
     ],

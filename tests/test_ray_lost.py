@@ -23,7 +23,7 @@ import grpc
 import pytest
 from _procs import processes_with_marker, wait_until
 
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec
 from batchd.demo import IMAGE_TOKEN
 from batchd.launch import Processes, spec_argv, start_node_agents, start_trainers
 from batchd.preprocess import make_demo_dataset
@@ -79,7 +79,9 @@ def test_ray_killed_under_a_running_node_agent_fails_the_job_naming_it(tmp_path)
     ray_tmp = tempfile.mkdtemp(prefix="bdk-", dir="/tmp")  # short socket paths; isolation is not its job
     marker = f"BATCHD_TEST_RAY_LOST={uuid.uuid4().hex}"
     procs = Processes(tmp_path, {"TMPDIR": ray_tmp, marker.split("=")[0]: marker.split("=")[1]})
-    spec = spec_argv(JobSpec(world_size=2, token_budget=1024, policy="balanced", window=32, depth=2))
+    spec = spec_argv(
+        JobSpec(world_size=2, token_budget=1024, policy=PolicySpec(name="balanced", window=32, depth=2))
+    )
     names = ["coordinator", "node-0", "batchd-0", "batchd-1"]
     logs = lambda: "\n".join(f"--- {n}\n{procs.log(n)}" for n in names)  # noqa: E731
     try:

@@ -21,16 +21,17 @@ from pathlib import Path
 import pytest
 from _readme_job import end_job
 
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec
 from batchd.preprocess import RayLost, SharedRay, job_key, ray_lost
 
 PROBE = Path(__file__).with_name("_share_ray_probe.py")
 
 
 def test_job_key_names_one_job():
-    spec = JobSpec(world_size=2, token_budget=1024)
+    spec = JobSpec(world_size=2, token_budget=1024, policy=PolicySpec(name="local", window=512, depth=8))
     assert job_key("127.0.0.1:7000", spec) == job_key(
-        "127.0.0.1:7000", JobSpec(world_size=2, token_budget=1024)
+        "127.0.0.1:7000",
+        JobSpec(world_size=2, token_budget=1024, policy=PolicySpec(name="local", window=512, depth=8)),
     )
     assert job_key("127.0.0.1:7000", spec) != job_key("127.0.0.1:7001", spec)  # another coordinator
     assert job_key("127.0.0.1:7000", spec) != job_key("127.0.0.1:7000", spec.replace(seed=spec.seed + 1))

@@ -17,9 +17,11 @@ from hypothesis import strategies as st
 from batchd.core import (
     BlockView,
     JobSpec,
+    PolicySpec,
     Remainder,
     Simulator,
     StepLedger,
+    Updates,
     ViewSource,
     resume_point,
     simulate,
@@ -103,10 +105,20 @@ def test_view_states_name_the_resize_they_read():
 def test_resume_point_refuses_a_step_inside_an_update_or_past_the_ledger():
     ledger = StepLedger()
     ledger.add([[0], [1], [2], [3]], [5, 5, 5, 5])
-    windows = JobSpec(world_size=2, token_budget=64, tokens_per_update=10).update_windows()
+    windows = JobSpec(
+        world_size=2,
+        token_budget=64,
+        updates=Updates(tokens_per_update=10),
+        policy=PolicySpec(name="local", window=512, depth=8),
+    ).update_windows()
     point = resume_point(ledger, 2, windows)
     assert point.emitted == 2 and point.windows["updates"] == 1
-    spec = JobSpec(world_size=2, token_budget=64, tokens_per_update=10)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=64,
+        updates=Updates(tokens_per_update=10),
+        policy=PolicySpec(name="local", window=512, depth=8),
+    )
     with pytest.raises(ValueError, match="inside optimizer update 1 \\(steps 2..; it ends at step 3\\)"):
         resume_point(ledger, 3, spec.update_windows())
     with pytest.raises(ValueError, match="committed only 4 step"):
@@ -134,13 +146,11 @@ def test_a_resize_at_any_step_keeps_every_id_once_and_the_loss_scale_exact(
     spec = JobSpec(
         world_size=world,
         token_budget=1024,
-        policy=policy,
         mode=mode,
-        window=16,
-        depth=4,
         seed=seed,
-        tokens_per_update=per_update,
         quota=len(LENGTHS) - 7 if mode == "non-join" else None,
+        policy=PolicySpec(name=policy, window=16, depth=4),
+        updates=Updates(tokens_per_update=per_update),
     )
     out = simulate(LENGTHS, spec, resize=changes)
     assert out["loss_scale_error"] < 1e-9
@@ -158,7 +168,11 @@ def test_a_resized_simulator_resumes_from_its_state_exactly():
     """Saved after a resize (mid-epoch, steps pending), a new simulator of the original job restores
     the resized parties and yields the same steps."""
     spec = JobSpec(
-        world_size=4, token_budget=1024, policy="balanced", window=16, seed=3, tokens_per_update=1500
+        world_size=4,
+        token_budget=1024,
+        seed=3,
+        policy=PolicySpec(name="balanced", window=16, depth=8),
+        updates=Updates(tokens_per_update=1500),
     )
     sim = Simulator(LENGTHS, spec)
     while sim.taken < 6 or sim.update_open:
@@ -178,7 +192,7 @@ def test_simulate_reports_each_change_and_what_the_epoch_lost_none_of():
     lengths = [random.Random(i).randint(8, 900) for i in range(400)]
     out = simulate(
         lengths,
-        JobSpec(world_size=4, token_budget=2048, policy="balanced", window=32),
+        JobSpec(world_size=4, token_budget=2048, policy=PolicySpec(name="balanced", window=32, depth=8)),
         resize=[(5, 2), (9, 3), (10**6, 2)],
     )
     assert (out["missing"], out["duplicates"]) == (0, 0)

@@ -17,14 +17,16 @@ import threading
 import pytest
 from _jobs import InProcessJob, per_rank
 
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec, Updates
 from batchd.service import JournalError
 
 LENGTHS = [16 + (37 * i) % 500 for i in range(240)]
 
 
 def _spec(world: int, **kw) -> JobSpec:
-    return JobSpec(world_size=world, token_budget=1024, policy="balanced", window=16, depth=4, seed=2, **kw)
+    return JobSpec.from_keys(
+        world_size=world, token_budget=1024, policy="balanced", window=16, depth=4, seed=2, **kw
+    )
 
 
 def _run(
@@ -103,11 +105,9 @@ def test_a_resize_is_refused_without_the_flag_mid_update_and_on_other_checkpoint
             JobSpec(
                 world_size=3,
                 token_budget=2048,
-                policy="balanced",
-                window=16,
-                depth=4,
                 seed=2,
-                tokens_per_update=4000,
+                policy=PolicySpec(name="balanced", window=16, depth=4),
+                updates=Updates(tokens_per_update=4000),
             ),
             LENGTHS,
             coordinator_state_dir=coord_dir,

@@ -32,7 +32,7 @@ from _jobs import InProcessJob, job_pool
 from test_integrations import SEED, VOCAB, lengths_for, tiny_llama, trainer_args
 
 from batchd.client import BatchClient, batchd_backward, batchd_batches
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,9 +51,13 @@ class Crash(Exception):
 @pytest.fixture
 def make_job():
     spec = JobSpec(
-        world_size=1, token_budget=256, policy="local", window=16, depth=3, seed=SEED, epochs=EPOCHS,
+        world_size=1,
+        token_budget=256,
+        seed=SEED,
+        epochs=EPOCHS,
         deterministic=True,
-    )  # fmt: skip
+        policy=PolicySpec(name="local", window=16, depth=3),
+    )
     with job_pool(vocab_size=VOCAB) as start:
         yield lambda: start(spec, lengths_for(N))
 

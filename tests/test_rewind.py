@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchd.client import BatchdError
-from batchd.core import ATTACHED, END, REFUSED, SEND_END, WAIT, Delivery, JobSpec
+from batchd.core import ATTACHED, END, REFUSED, SEND_END, WAIT, Delivery, JobSpec, Phases, PolicySpec
 
 GRACE, TRAINER = 30.0, 1800.0
 
@@ -249,9 +249,13 @@ def test_trainers_restarted_from_a_checkpoint_get_the_same_batches_and_every_id_
     every id once per epoch. A trainer resuming before the floor is refused, naming it."""
     n = 240
     spec = JobSpec(
-        world_size=2, token_budget=256, policy="balanced", window=16, depth=3, seed=2, epochs=2,
+        world_size=2,
+        token_budget=256,
+        seed=2,
+        epochs=2,
         deterministic=True,
-    )  # fmt: skip
+        policy=PolicySpec(name="balanced", window=16, depth=3),
+    )
     job = job_factory(spec, _lengths(n))
 
     first_runs = per_rank(lambda r: _first_run(job, r), 2)
@@ -308,7 +312,9 @@ def _resume(job, r, state):
 def test_a_restarted_rank_service_still_rewinds_its_trainer(tmp_path, job_factory):
     """The held batches are journaled (their steps) and re-made by a restarted rank service: a trainer
     restarted from its checkpoint after the service was killed and restarted gets the same batches."""
-    spec = JobSpec(world_size=1, token_budget=256, policy="local", window=16, depth=3, seed=4, epochs=1)
+    spec = JobSpec(
+        world_size=1, token_budget=256, seed=4, epochs=1, policy=PolicySpec(name="local", window=16, depth=3)
+    )
     job = job_factory(spec, _lengths(160), rank_state_dir=tmp_path)
     first: list = []
     with job.client(0) as c:
@@ -327,7 +333,9 @@ def test_a_restarted_rank_service_still_rewinds_its_trainer(tmp_path, job_factor
 
 
 def test_past_the_retention_budget_a_rewind_is_refused_naming_where_it_may_resume(job_factory, caplog):
-    spec = JobSpec(world_size=1, token_budget=256, policy="local", window=16, depth=3, seed=4)
+    spec = JobSpec(
+        world_size=1, token_budget=256, seed=4, policy=PolicySpec(name="local", window=16, depth=3)
+    )
     job = job_factory(spec, _lengths(160), retain_bytes=1)
     first: list = []
     with caplog.at_level(logging.WARNING, logger="batchd.rank"), job.client(0) as c:
@@ -347,7 +355,9 @@ def test_trainers_learn_the_longest_sample_the_job_sends(job_factory, over_budge
     """`BatchClient.job_max_tokens()`: what a trainer sizes its model's positions by (a 5,199-token sample
     under a 256-token budget: its own step under `singleton`, cut or refused otherwise)."""
     spec = JobSpec(
-        world_size=1, token_budget=256, policy="local", window=16, depth=3, over_budget=over_budget
+        world_size=1,
+        token_budget=256,
+        policy=PolicySpec(name="local", window=16, depth=3, over_budget=over_budget),
     )
     lengths = _lengths(40)
     lengths[7] = 5199
@@ -371,9 +381,13 @@ def test_a_two_phase_rewind_sends_the_same_pixels_and_exchange_again(tmp_path, j
         lengths.append(int(rng.integers(8, 100)) + sum(t for _, t in ims))
         images.append(ims)
     spec = JobSpec(
-        world_size=2, token_budget=512, policy="balanced", window=12, depth=2, seed=3, phases=2,
+        world_size=2,
+        token_budget=512,
+        seed=3,
         deterministic=True,
-    )  # fmt: skip
+        policy=PolicySpec(name="balanced", window=12, depth=2),
+        phases=Phases(count=2),
+    )
 
     def sources():
         return [
@@ -423,7 +437,9 @@ def test_trainers_taking_5s_per_step_rewind_past_a_2s_lease(job_factory):
     """Timeouts judge liveness, never speed: steps of 5 s under a 2 s lease, a checkpoint, a crash two
     steps later and a restart from the checkpoint: the job goes on, every id once in what survives."""
     n = 60
-    spec = JobSpec(world_size=2, token_budget=256, policy="balanced", window=8, depth=2, seed=6)
+    spec = JobSpec(
+        world_size=2, token_budget=256, seed=6, policy=PolicySpec(name="balanced", window=8, depth=2)
+    )
     job = job_factory(spec, _lengths(n, seed=6), lease_s=2.0)
     first: list[list] = [[], []]
     saved: list[dict] = [{}, {}]

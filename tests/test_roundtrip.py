@@ -38,11 +38,13 @@ from batchd.core import (
     Coordinator,
     Delivery,
     JobSpec,
+    PolicySpec,
     ProtocolError,
     RankState,
     Remainder,
     Sample,
     Simulator,
+    Updates,
     ViewSource,
 )
 from batchd.service import CoordinatorClient, RankServiceCore
@@ -97,26 +99,36 @@ def digest(arrays: dict[str, np.ndarray]) -> tuple:
 # ---------------------------------------------------------------------------------------------------
 LENGTHS = [int(n) for n in np.random.default_rng(7).integers(1, 180, 90)] + [300, 420]  # two over budget
 WORLDS = {
-    "local": JobSpec(world_size=3, token_budget=256, window=7, depth=2, seed=3, policy="local"),
-    "balanced": JobSpec(world_size=3, token_budget=256, window=7, depth=2, seed=3, policy="balanced"),
+    "local": JobSpec(
+        world_size=3, token_budget=256, seed=3, policy=PolicySpec(name="local", window=7, depth=2)
+    ),
+    "balanced": JobSpec(
+        world_size=3, token_budget=256, seed=3, policy=PolicySpec(name="balanced", window=7, depth=2)
+    ),
     "odb-non-join": JobSpec(
-        world_size=3, token_budget=256, window=7, depth=3, seed=3, policy="odb", mode="non-join", quota=70
+        world_size=3,
+        token_budget=256,
+        seed=3,
+        mode="non-join",
+        quota=70,
+        policy=PolicySpec(name="odb", window=7, depth=3),
     ),
     # Optimizer updates of a fixed count: the coordinator carries the open update across rounds.
     "balanced-updates": JobSpec(
-        world_size=3, token_budget=256, window=7, depth=2, seed=3, policy="balanced", tokens_per_update=900
+        world_size=3,
+        token_budget=256,
+        seed=3,
+        policy=PolicySpec(name="balanced", window=7, depth=2),
+        updates=Updates(tokens_per_update=900),
     ),
     "local-non-join-updates": JobSpec(
         world_size=3,
         token_budget=256,
-        window=7,
-        depth=3,
         seed=3,
-        policy="local",
         mode="non-join",
         quota=70,
-        samples_per_update=10,
-        update_rule="at_least",
+        policy=PolicySpec(name="local", window=7, depth=3),
+        updates=Updates(samples_per_update=10, update_rule="at_least"),
     ),
 }
 COMPONENTS = ("simulator", "coordinator", "rank", "view")
@@ -599,7 +611,12 @@ def test_every_source_implements_the_protocol(ray_pool):
 def test_rank_service_refuses_a_source_that_is_not_a_Source_naming_what_it_lacks():
     assert not isinstance(_Partial(), Source)
     with pytest.raises(TypeError, match=r"_Partial lacks \['materialize_many', 'peek_id', 'reasons'\]"):
-        RankServiceCore(0, JobSpec(world_size=1, token_budget=64, window=4), None, _Partial())
+        RankServiceCore(
+            0,
+            JobSpec(world_size=1, token_budget=64, policy=PolicySpec(name="local", window=4, depth=8)),
+            None,
+            _Partial(),
+        )
 
 
 class _Partial:
@@ -631,7 +648,9 @@ class _Partial:
 # BatchClient and the rank journal, against in-process jobs
 # ---------------------------------------------------------------------------------------------------
 JOB_LENGTHS = [int(n) for n in np.random.default_rng(11).integers(2, 300, 70)]
-JOB_SPEC = JobSpec(world_size=1, token_budget=512, policy="local", window=12, depth=1, seed=6, epochs=2)
+JOB_SPEC = JobSpec(
+    world_size=1, token_budget=512, seed=6, epochs=2, policy=PolicySpec(name="local", window=12, depth=1)
+)
 
 
 @pytest.fixture

@@ -25,14 +25,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from batchd.client import BatchClient, BatchdError
-from batchd.core import CoordinatorError, JobSpec
+from batchd.core import CoordinatorError, JobSpec, PolicySpec
 from batchd.proto import Security, channel
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.service import CoordinatorClient, create_server
 
 TOKEN = "s3cret-batchd-token-0123456789"
-SPEC = JobSpec(world_size=1, token_budget=1024)
+SPEC = JobSpec(world_size=1, token_budget=1024, policy=PolicySpec(name="local", window=512, depth=8))
 
 
 # -- a small PKI -------------------------------------------------------------------------------------
@@ -321,7 +321,11 @@ def test_job_end_to_end_under_mutual_tls_and_token(pki):
     trainers, every channel under mutual TLS + token: trainer->rank, rank->coordinator, rank->rank."""
     lengths = np.clip(np.random.default_rng(5).lognormal(4.0, 0.9, 120), 2, 900).astype(int).tolist()
     spec = JobSpec(
-        world_size=2, token_budget=1024, policy="balanced", window=16, depth=4, seed=3, shuffle=False
+        world_size=2,
+        token_budget=1024,
+        seed=3,
+        shuffle=False,
+        policy=PolicySpec(name="balanced", window=16, depth=4),
     )  # unshuffled views: sample i's home rank is i % 2
     service = Security.from_files(
         pki["server"], pki["server_key"], pki["ca"], client_auth=True, token_file=pki["token_file"]

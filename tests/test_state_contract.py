@@ -20,6 +20,7 @@ from batchd.core import (
     Delivery,
     JobSpec,
     Liveness,
+    PolicySpec,
     RankState,
     Remainder,
     Stateful,
@@ -45,7 +46,7 @@ def test_each_state_key_is_defined_once_in_the_state_module():
 
 
 def _parts():
-    spec = JobSpec(world_size=2, token_budget=64)
+    spec = JobSpec(world_size=2, token_budget=64, policy=PolicySpec(name="local", window=512, depth=8))
     return [
         Coordinator(spec),
         RankState(spec, rank=0),

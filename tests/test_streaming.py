@@ -375,11 +375,11 @@ def test_a_rank_killed_after_its_round_was_decided_replays_it_exactly(tmp_path, 
     readiness is timing. Every sample exactly once, and every step's totals match the ranks' batches."""
     from _jobs import InProcessJob, drain_clients
 
-    from batchd.core import CoordinatorError, JobSpec
+    from batchd.core import CoordinatorError, JobSpec, PolicySpec
 
     n = 240
     lengths = [int(x) for x in np.random.default_rng(3).integers(8, 200, n)]
-    spec = JobSpec(world_size=2, token_budget=512, policy=policy, window=24, depth=2, seed=5)
+    spec = JobSpec(world_size=2, token_budget=512, seed=5, policy=PolicySpec(name=policy, window=24, depth=2))
     sources = [_TimingSource(lengths, r, 2, spec.seed, 0, spec.shuffle) for r in range(2)]
     crashed = threading.Event()
     with InProcessJob(spec, sources=sources, rank_state_dir=tmp_path, grace=30.0) as job:

@@ -17,9 +17,11 @@ from batchd.core import (
     Entry,
     JobSpec,
     PlanInputs,
+    PolicySpec,
     RankState,
     Sample,
     Simulator,
+    Updates,
     UpdateWindows,
     plan_round,
     simulate,
@@ -124,7 +126,7 @@ def test_an_open_update_without_weight_is_not_closed_at_the_epoch_end():
 )
 def test_job_spec_refuses_bad_update_settings(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        JobSpec(world_size=2, token_budget=64, **kwargs)
+        JobSpec.from_keys(world_size=2, token_budget=64, **kwargs)
 
 
 # -- through the simulator (the daemon's core) ------------------------------------------------------
@@ -133,15 +135,15 @@ spec_st = st.builds(
     lambda n, pol, mode, g, unit, rule, window, seed: JobSpec(
         world_size=n,
         token_budget=256,
-        policy=pol,
         mode=mode,
         quota=50 if mode == "non-join" else None,
-        window=window,
-        depth=3,
         seed=seed,
-        tokens_per_update=g if unit == "tokens" else None,
-        samples_per_update=max(g // 60, 1) if unit == "samples" else None,
-        update_rule=rule,
+        policy=PolicySpec(name=pol, window=window, depth=3),
+        updates=Updates(
+            tokens_per_update=g if unit == "tokens" else None,
+            samples_per_update=max(g // 60, 1) if unit == "samples" else None,
+            update_rule=rule,
+        ),
     ),
     st.integers(1, 4),
     st.sampled_from(["balanced", "local", "odb"]),
@@ -156,7 +158,7 @@ spec_st = st.builds(
 
 @given(spec_st, st.lists(st.integers(1, 300), min_size=1, max_size=80))
 def test_simulated_updates_are_exact_agreed_and_lose_nothing(spec, lengths):
-    if spec.policy == "balanced" and spec.mode == "non-join":
+    if spec.policy.name == "balanced" and spec.mode == "non-join":
         spec = spec.replace(mode="join", quota=None)
     if spec.quota is not None:  # a quota over the workload wraps around: ids then repeat by design
         spec = spec.replace(quota=min(spec.quota, len(lengths)))
@@ -182,7 +184,12 @@ def test_simulated_updates_are_exact_agreed_and_lose_nothing(spec, lengths):
 def test_control_per_step_scaling_is_not_exact_over_an_update():
     """The check above can fail: scaling each step by its own tokens inside an update is off."""
     lengths = [17, 250, 3, 90, 128, 40, 7, 200, 66, 31] * 4
-    spec = JobSpec(world_size=2, token_budget=256, policy="local", window=6, tokens_per_update=700)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=256,
+        policy=PolicySpec(name="local", window=6, depth=8),
+        updates=Updates(tokens_per_update=700),
+    )
     per_step = loss_sum = worst = 0.0
     for step in Simulator(lengths, spec):
         for s in step:
@@ -210,7 +217,12 @@ def _one_sample_round(coord: Coordinator, ranks: list[RankState], exhausted: boo
 
 
 def test_an_epoch_that_ends_in_a_round_without_steps_closes_its_update_on_an_idle_step():
-    spec = JobSpec(world_size=2, token_budget=64, policy="local", window=4, tokens_per_update=1000)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=64,
+        policy=PolicySpec(name="local", window=4, depth=8),
+        updates=Updates(tokens_per_update=1000),
+    )
     coord, ranks = Coordinator(spec), [RankState(spec, r) for r in range(2)]
     totals, steps = _one_sample_round(coord, ranks, False, Sample(0, 10, -1, 0))
     assert totals.steps == 1 and totals.update_end == (False,) and not totals.done
@@ -225,7 +237,7 @@ def test_an_epoch_that_ends_in_a_round_without_steps_closes_its_update_on_an_idl
 
 
 def test_without_updates_every_step_ends_one_and_the_scale_is_per_step():
-    spec = JobSpec(world_size=2, token_budget=64, policy="local", window=4)
+    spec = JobSpec(world_size=2, token_budget=64, policy=PolicySpec(name="local", window=4, depth=8))
     coord, ranks = Coordinator(spec), [RankState(spec, r) for r in range(2)]
     totals, steps = _one_sample_round(coord, ranks, True, Sample(0, 10, -1, 0))
     (a,), (b,) = steps
@@ -234,9 +246,14 @@ def test_without_updates_every_step_ends_one_and_the_scale_is_per_step():
 
 
 def test_wire_carries_the_update_fields_and_reads_an_old_peer_as_one_update_per_step():
-    spec = JobSpec(world_size=3, token_budget=64, tokens_per_update=123, update_rule="at_least")
+    spec = JobSpec(
+        world_size=3,
+        token_budget=64,
+        updates=Updates(tokens_per_update=123, update_rule="at_least"),
+        policy=PolicySpec(name="local", window=512, depth=8),
+    )
     assert wire.spec_from_pb(wire.spec_to_pb(spec)) == spec
-    plain = JobSpec(world_size=3, token_budget=64)
+    plain = JobSpec(world_size=3, token_budget=64, policy=PolicySpec(name="local", window=512, depth=8))
     assert wire.spec_from_pb(wire.spec_to_pb(plain)) == plain
     coord, ranks = Coordinator(spec), [RankState(spec, r) for r in range(3)]
     totals, steps = _one_sample_round(coord, ranks, False, Sample(5, 30, -1, 0))
@@ -254,16 +271,25 @@ def test_wire_carries_the_update_fields_and_reads_an_old_peer_as_one_update_per_
 
 
 def test_a_coordinator_state_of_other_update_settings_is_refused():
-    spec = JobSpec(world_size=2, token_budget=64, tokens_per_update=100)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=64,
+        updates=Updates(tokens_per_update=100),
+        policy=PolicySpec(name="local", window=512, depth=8),
+    )
     state = Coordinator(spec).state_dict()
     with pytest.raises(ValueError, match="tokens_per_update"):
         Coordinator(spec.replace(tokens_per_update=200)).load_state_dict(state)
     with pytest.raises(ValueError, match="update_rule"):
         Coordinator(spec.replace(update_rule="at_least")).load_state_dict(state)
-    old = Coordinator(JobSpec(world_size=2, token_budget=64)).state_dict()
+    old = Coordinator(
+        JobSpec(world_size=2, token_budget=64, policy=PolicySpec(name="local", window=512, depth=8))
+    ).state_dict()
     for key in ("tokens_per_update", "samples_per_update", "updates", "update_seen"):
         old.pop(key, None)
-    Coordinator(JobSpec(world_size=2, token_budget=64)).load_state_dict(old)  # saved before the fields
+    Coordinator(
+        JobSpec(world_size=2, token_budget=64, policy=PolicySpec(name="local", window=512, depth=8))
+    ).load_state_dict(old)  # saved before the fields
 
 
 def test_integrations_refuse_an_update_their_weights_cannot_serve():
@@ -279,7 +305,12 @@ def test_integrations_refuse_an_update_their_weights_cannot_serve():
         weighted_steps,
     )
 
-    spec = JobSpec(world_size=2, token_budget=64, policy="local", window=4, tokens_per_update=500)
+    spec = JobSpec(
+        world_size=2,
+        token_budget=64,
+        policy=PolicySpec(name="local", window=4, depth=8),
+        updates=Updates(tokens_per_update=500),
+    )
     sim = Simulator([30] * 40, spec)
     steps = []
     while (got := sim.next_step()) is not None:

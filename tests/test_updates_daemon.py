@@ -10,19 +10,17 @@ import numpy as np
 import pytest
 from _jobs import InProcessJob
 
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec, Updates
 
 LENGTHS = [8 + (i * 37) % 200 for i in range(240)]
 SPEC = JobSpec(
     world_size=2,
     token_budget=512,
-    policy="balanced",
-    window=16,
-    depth=2,
     seed=5,
     epochs=2,
-    deterministic=True,  # the same batches on every run, so two runs can be compared step by step
-    tokens_per_update=1500,  # about two steps of two ranks
+    deterministic=True,
+    policy=PolicySpec(name="balanced", window=16, depth=2),
+    updates=Updates(tokens_per_update=1500),
 )
 FIELDS = ("update", "update_step", "update_end", "update_scale", "update_loss_tokens", "loss_scale")
 

@@ -20,7 +20,7 @@ from test_hf_vlm import sample_loss  # the stock model called the HF way on one 
 
 from batchd import two_phase
 from batchd.client import loss_tokens
-from batchd.core import JobSpec
+from batchd.core import JobSpec, PolicySpec
 from batchd.service.preprocess import (
     HFProcessor,
     Preprocessor,
@@ -107,7 +107,10 @@ def test_batchd_trainer_trains_a_stock_qwen2_vl(data, tmp_path, collate):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     spec = JobSpec(
-        world_size=1, token_budget=1024, policy="balanced", window=8, depth=2, seed=3, collate=collate
+        world_size=1,
+        token_budget=1024,
+        seed=3,
+        policy=PolicySpec(name="balanced", window=8, depth=2, collate=collate),
     )
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"),

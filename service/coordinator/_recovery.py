@@ -43,8 +43,8 @@ Record = dict[str, Any]
 
 
 def job_of(spec: JobSpec) -> dict[str, Any]:
-    """What names a job in its journal: its spec."""
-    return dataclasses.asdict(spec)
+    """What names a job in its journal: its spec, by key (`JobSpec.keys`; `JobSpec.from_keys` reads it)."""
+    return spec.keys()
 
 
 def register_record(rank: int, address: str, node: str | None) -> Record:

@@ -55,7 +55,7 @@ def resize_from(path: Path, job: dict[str, Any], resize: bool) -> JobSpec | None
     diff = sorted(k for k in set(theirs) | set(job) if theirs.get(k) != job.get(k))
     if diff == ["world_size"]:
         if resize:
-            return JobSpec(**theirs)
+            return JobSpec.from_keys(**theirs)
         raise JournalError(
             f"{path}: the job ran at world_size {theirs['world_size']}, this command says "
             f"{job['world_size']}; to go on at {job['world_size']} ranks from the trainers' checkpoint, "

@@ -499,7 +499,7 @@ class CoordinatorState:
         t_last = time.perf_counter()
         topology = self.topology()
         try:
-            planned = self.spec.node_aware or self.spec.node_local
+            planned = self.spec.policy.nodes != "blind"
             self.core.set_topology(topology if planned else None, topology)
             decision = self.core.decide(list(self._reports.values()))
         except ValueError as exc:

@@ -119,7 +119,7 @@ class RankServiceCore:
         self.client_grace_s, self.fill_timeout_s = client_grace_s, fill_timeout_s
         self.trainer_timeout_s = trainer_timeout_s
         self.delivery = Delivery(
-            rank, spec.epochs, spec.depth, client_grace_s, trainer_timeout_s, time.monotonic(), epoch
+            rank, spec.epochs, spec.policy.depth, client_grace_s, trainer_timeout_s, time.monotonic(), epoch
         )
         self.state = self.new_state(epoch)
         self.rejected_before = 0  # over-budget rejections of the epochs before this one (metrics)
@@ -494,7 +494,7 @@ class RankServiceCore:
             if self.state.was_rejected(sample.id):
                 continue
             cut = None
-            if self.spec.over_budget == "truncate" and sample.length > self.state.truncate_length:
+            if self.spec.policy.over_budget == "truncate" and sample.length > self.state.truncate_length:
                 payload, cut = truncated(payload, self.state.truncate_length)
             if self.state.push(sample, cut) == "rejected":
                 continue
@@ -508,7 +508,7 @@ class RankServiceCore:
         with self.cond:
             spec = self.spec
             while (
-                capacity := report_capacity(self.delivery.capacity, spec.depth, spec.deterministic)
+                capacity := report_capacity(self.delivery.capacity, spec.policy.depth, spec.deterministic)
             ) is None:
                 if self.failure is not None or self._stop.is_set():
                     break

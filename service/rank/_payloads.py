@@ -133,7 +133,7 @@ def collate(
         return out
     if not payloads:
         return idle_batch(pad_id)
-    if spec.collate == "packed":
+    if spec.policy.collate == "packed":
         return collate_packed(payloads)
     return collate_padded(payloads, pad_id=pad_id)
 

@@ -206,7 +206,7 @@ def max_tokens(core: RankServiceCore) -> int:
     """The most tokens one sample of this rank's steps may have: what the over-budget policy cuts or
     rejects above (`truncate`, `reject`), else its source's longest sample (`Source.longest`); 0 when
     unknown (a pushed source under `singleton`)."""
-    if core.spec.over_budget in ("truncate", "reject"):
+    if core.spec.policy.over_budget in ("truncate", "reject"):
         return core.state.truncate_length
     return int(getattr(core.source, "longest", None) or 0)
 
