@@ -82,15 +82,14 @@ def main(work: str) -> dict:
     from ray.cluster_utils import Cluster
 
     from batchd.preprocess import (
-        PreprocessPool,
         RaySource,
         TokenizerRef,
         default_stages,
         demo_tokenizer,
         make_demo_dataset,
-        payload_nbytes,
         resolve_many,
     )
+    from batchd.testing import PreprocessPool, payload_nbytes
 
     t0 = time.monotonic()
     facts: dict = {}

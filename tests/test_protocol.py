@@ -9,7 +9,8 @@ from _sim_check import check_epoch, run_checked
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd.core import POLICIES, JobSpec, Simulator
+from batchd.core import JobSpec, Simulator
+from batchd.testing import POLICIES
 
 
 @st.composite

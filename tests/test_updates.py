@@ -14,17 +14,16 @@ from hypothesis import strategies as st
 from batchd.core import (
     Coordinator,
     CostModel,
-    Entry,
     JobSpec,
     PlanInputs,
     RankState,
     Sample,
     Simulator,
-    UpdateWindows,
     plan_round,
     simulate,
 )
 from batchd.proto import wire
+from batchd.testing import Entry, UpdateWindows
 
 counts_st = st.lists(st.integers(0, 60), min_size=1, max_size=60)
 
@@ -274,10 +273,10 @@ def test_integrations_refuse_an_update_their_weights_cannot_serve():
     from batchd.client import (
         batchd_deepspeed_backward,
         check_one_step_update,
-        check_weighted,
         optimizer_updates,
         weighted_steps,
     )
+    from batchd.testing import check_weighted
 
     spec = JobSpec(world_size=2, token_budget=64, policy="local", window=4, tokens_per_update=500)
     sim = Simulator([30] * 40, spec)
