@@ -226,10 +226,10 @@ def users(root: Path = ROOT) -> dict[tuple[str, str], set[str]]:
 
 
 def pointers(root: Path = ROOT) -> set[tuple[str, str, str]]:
-    """(package, name, file) for every whole name (`batchd.core.plan_vision`) in batchd's source, tests,
+    """(package, name, file) for every whole name (`batchd.core.plan_vision`) in batchd's source,
     benchmarks, README.md and docs/: a name a reader is sent to."""
     files = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
-    for d in [*SOURCES, "tests", "benchmarks"]:
+    for d in [*SOURCES, "benchmarks"]:
         files += sorted((root / d).rglob("*.py"))
     return {
         (_norm(m.group(1)), m.group(2), path.relative_to(root).as_posix())
