@@ -51,7 +51,7 @@ from phase_balance import (  # noqa: E402  (the same jobs, bounds and solver lim
 )
 
 from batchd import read_workload  # noqa: E402
-from batchd.core import (
+from batchd.core import (  # noqa: E402
     AudioCost,
     JobSpec,
     Sample,
@@ -62,7 +62,7 @@ from batchd.core import (
     plan_phases,
     simulate,
 )
-from batchd.testing import EncoderCost, phase_loads, single_phase, vision_bound
+from batchd.testing import EncoderCost, phase_loads, single_phase, vision_bound  # noqa: E402
 
 SECTION = "encoder-phases"
 MEASURES = ("benchmarks/encoder_phases.py", "core")

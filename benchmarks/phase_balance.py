@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import add_common_args, command_line, finish  # noqa: E402
 
 from batchd import read_workload  # noqa: E402
-from batchd.core import (
+from batchd.core import (  # noqa: E402
     JobSpec,
     Sample,
     encoder_bound,
