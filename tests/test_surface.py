@@ -43,11 +43,11 @@ def test_the_checker_reads_the_real_exports_and_their_users():
     # one of each kind of use, so a scanner that stopped seeing one fails here
     assert "batchd/__init__.py" in used[("batchd.core", "JobSpec")]  # a string table
     assert "service/rank/_core.py" in used[("batchd.core", "Delivery")]  # an import from another layer
-    assert "docs/integrations.md#doc" in used[("batchd.client", "BatchdTrainer")]  # a doc's code block
-    assert "docs/workloads.md#doc" in used[("batchd.core", "parse_workload")]  # named whole in a doc
-    assert "docs/internals.md#doc" in used[("batchd.core", "Liveness")]  # the doc's batchd.core section
-    assert "client/__init__.py#doc" in used[("batchd.client", "optimizer_updates")]  # its own docstring
-    assert "client/_train.py#text" in used[("batchd.client", "check_model_batch")]  # a docstring's pointer
+    assert "docs/integrations.md (doc)" in used[("batchd.client", "BatchdTrainer")]  # a doc's code block
+    assert "docs/workloads.md (doc)" in used[("batchd.core", "parse_workload")]  # named whole in a doc
+    assert "docs/internals.md (doc)" in used[("batchd.core", "Liveness")]  # the doc's batchd.core section
+    assert "client/__init__.py (doc)" in used[("batchd.client", "optimizer_updates")]  # its own docstring
+    assert "client/_train.py (text)" in used[("batchd.client", "check_model_batch")]  # a docstring's pointer
 
 
 def _layer(root: Path, d: str, names: list[str], doc: str = "") -> None:

@@ -199,8 +199,9 @@ def exports(root: Path = ROOT) -> dict[str, list[str]]:
 
 
 def users(root: Path = ROOT) -> dict[tuple[str, str], set[str]]:
-    """(package, name) -> the files (`path`, or `path#doc` for a doc) that use it, the package's own
-    files, `testing` modules, tests/ and benchmarks/ left out (see the module docstring)."""
+    """(package, name) -> who uses it: a file (`service/_x.py`), a doc or a package's docstring
+    (`docs/a.md (doc)`), a source file whose docstring or comment names it whole (`client/_y.py (text)`).
+    The package's own files, `testing` modules, tests/ and benchmarks/ are left out (module docstring)."""
     out: dict[tuple[str, str], set[str]] = defaultdict(set)
     for d in SOURCES:
         for path in sorted((root / d).rglob("*.py")):
@@ -212,16 +213,16 @@ def users(root: Path = ROOT) -> dict[tuple[str, str], set[str]]:
                 if not rel.startswith(PACKAGES[pkg] + "/"):
                     out[(pkg, name)].add(rel)
             for m in _QUALIFIED.finditer(text):  # a docstring's or comment's pointer to the public name
-                out[(_norm(m.group(1)), m.group(2))].add(rel + "#text")
+                out[(_norm(m.group(1)), m.group(2))].add(rel + " (text)")
     for pkg, d in PACKAGES.items():
         for key in docstring_uses(pkg, (root / d / "__init__.py").read_text()):
-            out[key].add(f"{d}/__init__.py#doc")
+            out[key].add(f"{d}/__init__.py (doc)")
     docs = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
     for path in docs:
         rel = path.relative_to(root).as_posix()
         if rel not in USER_DOCS_EXCEPT:
             for key in doc_uses(path.read_text()):
-                out[key].add(rel + "#doc")
+                out[key].add(rel + " (doc)")
     return out
 
 
