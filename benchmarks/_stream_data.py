@@ -45,7 +45,7 @@ RUN_LIMIT_S = 1500.0
 
 
 def _words() -> list[str]:
-    from batchd.service.preprocess import DEMO_WORDS  # the demo tokenizer was trained on these
+    from batchd.testing import DEMO_WORDS  # the demo tokenizer was trained on these
 
     return list(DEMO_WORDS)
 

@@ -53,19 +53,16 @@ from phase_balance import (  # noqa: E402  (the same jobs, bounds and solver lim
 from batchd import read_workload  # noqa: E402
 from batchd.core import (  # noqa: E402
     AudioCost,
-    EncoderCost,
     JobSpec,
     Sample,
     VisionCost,
     encoder_bound,
     exchanged,
     imbalance,
-    phase_loads,
     plan_phases,
     simulate,
-    single_phase,
-    vision_bound,
 )
+from batchd.testing import EncoderCost, phase_loads, single_phase, vision_bound  # noqa: E402
 
 SECTION = "encoder-phases"
 MEASURES = ("benchmarks/encoder_phases.py", "core")

@@ -70,13 +70,13 @@ def service_main(conn, source_kind: str, lengths: list[int]) -> None:
     pool = None
     if source_kind == "ray":
         from batchd.service.preprocess import (
-            PreprocessPool,
             RaySource,
             default_stages,
             demo_tokenizer,
             make_demo_dataset,
             start_local_ray,
         )
+        from batchd.testing import PreprocessPool
 
         start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
         work = Path(tempfile.mkdtemp(prefix="batchd-epoch-bench-"))

@@ -87,7 +87,8 @@ def save_qwen2vl_processor(path: Path, tokenizer_json: Path, template: str) -> P
 
 
 def records_of(name: str, n: int) -> list[Any]:
-    from batchd.service.preprocess import demo_records, parse_record
+    from batchd.service.preprocess import demo_records
+    from batchd.testing import parse_record
 
     frac, side, _ = WORKLOADS[name]
     raw, _ = demo_records(n, seed=11, image_fraction=frac, bad_fraction=0.0, max_image_side=side)

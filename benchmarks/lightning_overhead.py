@@ -54,7 +54,8 @@ def tiny_llama(hidden: int) -> torch.nn.Module:
 
 
 def plain_epoch(address: str, rank: int, world: int, hidden: int) -> dict:
-    from batchd.client import BatchClient, batchd_loss, hf_model_inputs
+    from batchd.client import BatchClient, batchd_loss
+    from batchd.testing import hf_model_inputs
 
     model = torch.nn.parallel.DistributedDataParallel(tiny_llama(hidden))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -9,7 +9,7 @@ microbatches' costs (attention cost sum of len + len^2/q; an empty microbatch co
 - `split`: one batchd step of budget M x L split by `batchd.core.balanced_split`
   (`batchd.client.microbatches`);
 - `chunks`: that step split by count, as a pipeline schedule does by default (`torch.chunk` of the rows
-  in the step's order: `batchd.core.chunk_split`).
+  in the step's order: `batchd.testing.chunk_split`).
 
 For `steps`, each rank's last pipeline step of the epoch, when the epoch's step count is not a multiple of
 M, holds fewer than M batchd steps (`pipeline_steps` fills it with zero-weight IDLE steps): one per rank
@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import DEFAULT_WORKLOADS, add_common_args, command_line, finish  # noqa: E402
 
-from batchd.core import CostModel, JobSpec, PolicySpec, Simulator, balanced_split, chunk_split  # noqa: E402
+from batchd.core import CostModel, JobSpec, PolicySpec, Simulator, balanced_split  # noqa: E402
+from batchd.testing import chunk_split  # noqa: E402
 
 SECTION = "microbatch"
 MEASURES = ("benchmarks/microbatch_balance.py", "core", "client")

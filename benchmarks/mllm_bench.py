@@ -45,9 +45,10 @@ def encoder_share(workload: Path, num_samples: int, token_budget: int, seed: int
     import torch
 
     from batchd import read_workload
-    from batchd.client import collate_padded, to_torch
+    from batchd.client import collate_padded
     from batchd.testing import bench_model as build_model
     from batchd.testing import bench_payload as payload
+    from batchd.testing import to_torch
 
     torch.set_num_threads(1)
     samples = read_workload(workload)[:num_samples]

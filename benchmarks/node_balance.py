@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import DEFAULT_WORKLOADS, add_common_args, command_line, finish, machine  # noqa: E402
 
 from batchd import read_lengths  # noqa: E402
-from batchd.core import CostModel, Entry, JobSpec, Sample, form_groups, simulate  # noqa: E402
+from batchd.core import CostModel, JobSpec, Sample, simulate  # noqa: E402
+from batchd.testing import Entry, form_groups  # noqa: E402
 
 SECTION = "node-balance"
 MEASURES = ("benchmarks/node_balance.py", "core")

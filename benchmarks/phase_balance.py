@@ -51,13 +51,11 @@ from batchd.core import (  # noqa: E402
     Sample,
     encoder_bound,
     exact_placement,
-    imbalance,
-    phase_loads,
+    imbalance,  # noqa: E402  (the greedy alone)
     plan_vision,
     simulate,
-    vision_bound,
 )
-from batchd.core.testing import ACCEPT, vision_images, vision_place  # noqa: E402  (the greedy alone)
+from batchd.testing import ACCEPT, phase_loads, vision_bound, vision_images, vision_place  # noqa: E402  (the greedy alone)
 
 SECTION = "phase-balance"
 MEASURES = ("benchmarks/phase_balance.py", "core")

@@ -102,7 +102,7 @@ def drain_epoch(pool, epoch: int, chunk_size: int | None = None) -> tuple[int, f
 def bench_pool(
     dataset, stages, actors: int, epochs: int, chunk_sizes: Sequence[int | None] = (None,)
 ) -> dict[Any, dict[str, float]]:
-    from batchd.service.preprocess import PreprocessPool
+    from batchd.testing import PreprocessPool
 
     out = {}
     with PreprocessPool(dataset, stages, num_actors=actors, actor_num_cpus=1) as pool:

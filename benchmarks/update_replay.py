@@ -44,7 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import DEFAULT_WORKLOADS, add_common_args, command_line, finish  # noqa: E402
 
-from batchd.core import CostModel, JobSpec, PolicySpec, Simulator, Updates, UpdateWindows, epoch_permutation  # noqa: E402
+from batchd.core import CostModel, JobSpec, PolicySpec, Simulator, Updates, epoch_permutation  # noqa: E402
+from batchd.testing import UpdateWindows  # noqa: E402
 
 SECTION = "update-replay"
 MEASURES = ("benchmarks/update_replay.py", "core")

@@ -25,11 +25,11 @@ Imports `batchd.core` and `batchd.proto` only; nothing from the daemon.
 
 import importlib
 
-from batchd.core import BatchdError, JobFailed, RankServiceError, StepInfo
+from batchd.core import BatchdError, JobFailed
 
-from ._accelerate import batchd_accumulate, batchd_backward, batchd_batches, batchd_loss, hf_model_inputs
+from ._accelerate import batchd_accumulate, batchd_backward, batchd_batches, batchd_loss
 from ._client import BatchClient
-from ._collate import IGNORE_INDEX, collate_packed, collate_padded, idle_batch, loss_tokens, to_torch
+from ._collate import collate_packed, collate_padded, idle_batch, loss_tokens
 from ._deepspeed import batchd_deepspeed_backward
 from ._exchange import exchange_audio_embeddings, exchange_embeddings, exchange_image_embeddings
 from ._microbatch import microbatches, pipeline_steps
@@ -37,9 +37,7 @@ from ._train import (
     accumulating,
     apply_update_scale,
     check_one_step_update,
-    check_weighted,
     forward_logits,
-    next_update,
     optimizer_updates,
     scale_gradients,
     scaled_loss,
@@ -47,16 +45,13 @@ from ._train import (
     step_batch,
     token_loss_sum,
     train_step,
-    weigh_update,
     weighted_steps,
 )
 from ._vlm import (
     AUDIO_FAMILIES,
     PACKED_ATTENTION,
-    VLM_FAMILIES,
     check_model_batch,
     check_packed_attention,
-    is_two_phase,
     two_phase,
 )
 
@@ -66,7 +61,6 @@ _LAZY = {
     "BatchdStream": "._hf",
     "BatchdTrainer": "._hf",
     "BatchdDataModule": "._lightning",
-    "BatchdStep": "._lightning",
     "batchd_lightning_step": "._lightning",
     "batchd_lightning_loss": "._lightning",
 }
@@ -83,15 +77,10 @@ __all__ = [
     "BatchClient",
     "BatchdDataModule",
     "BatchdError",
-    "BatchdStep",
     "BatchdStream",
     "BatchdTrainer",
-    "IGNORE_INDEX",
     "JobFailed",
     "PACKED_ATTENTION",
-    "RankServiceError",
-    "StepInfo",
-    "VLM_FAMILIES",
     "accumulating",
     "apply_update_scale",
     "batchd_accumulate",
@@ -104,29 +93,23 @@ __all__ = [
     "check_model_batch",
     "check_one_step_update",
     "check_packed_attention",
-    "check_weighted",
     "collate_packed",
     "collate_padded",
     "exchange_audio_embeddings",
     "exchange_embeddings",
     "exchange_image_embeddings",
     "forward_logits",
-    "hf_model_inputs",
     "idle_batch",
-    "is_two_phase",
     "loss_tokens",
     "microbatches",
-    "next_update",
     "optimizer_updates",
     "pipeline_steps",
     "scale_gradients",
     "scaled_loss",
     "scaled_loss_and_mean",
     "step_batch",
-    "to_torch",
     "token_loss_sum",
     "train_step",
     "two_phase",
-    "weigh_update",
     "weighted_steps",
 ]

@@ -19,8 +19,8 @@ view of a decision), `_align` (DGAP messages, target rules, `Coordinator`), `_ra
 resumed at another world size), `_spec_parts` (its parts: `PolicySpec`, `Phases`, `Updates`), `_spec`
 (`JobSpec`), `_workload` (workload files), `_sim_metrics`,
 `_simulator`. No module cycle:
-`tools/import_graph.py --check` fails on one. `batchd.core.testing` exposes planner steps for their
-property tests.
+`tools/import_graph.py --check` fails on one. `batchd.core.testing` exposes what only tests and
+benchmarks use (planner steps, grouping functions, ...); `batchd.testing` gathers it.
 """
 
 from ._align import (
@@ -30,25 +30,11 @@ from ._align import (
     RankReport,
     RoundDecision,
     RoundTotals,
-    target_min,
-    target_odb,
 )
 from ._blockview import BlockView
-from ._choices import (
-    ALIGN_RULES,
-    COLLATE,
-    COST_MODELS,
-    MODES,
-    NODE_PLANS,
-    OVER_BUDGET,
-    PHASES,
-    POLICIES,
-    UPDATE_RULES,
-)
 from ._collate import (
     AUDIO_KEYS,
     IGNORE_INDEX,
-    LLM_GRID_KEY,
     TOKEN_KEYS,
     VISION_KEYS,
     clip_of,
@@ -67,32 +53,23 @@ from ._cost import CostModel
 from ._delivery import (
     ATTACHED,
     END,
-    REFUSED,
     SEND_END,
     WAIT,
     Connect,
     Delivery,
-    fixed_capacity,
     report_capacity,
 )
-from ._encoders import AudioCost, EncoderCost, VisionCost
+from ._encoders import AudioCost, VisionCost
 from ._errors import BatchdError, CoordinatorError, JobFailed, RankServiceError
 from ._exchange import Exchange, ImageRef
-from ._grouping import (
-    best_fit_decreasing,
-    contiguous_greedy,
-    fixed_chunks,
-    odb_greedy,
-    odb_split,
-    split_largest,
-)
+from ._grouping import contiguous_greedy
 from ._ledger import StepLedger
 from ._liveness import Liveness
 from ._loss import loss_scale
-from ._microbatch import balanced_split, chunk_split
+from ._microbatch import balanced_split
 from ._node_plan import decision_for_node, round_exchanges
 from ._phase_bound import encoder_bound
-from ._phase_exact import ExactPlacement, exact_placement
+from ._phase_exact import exact_placement
 from ._phases import (
     AUDIO_EXCHANGE_KEYS,
     EXCHANGE_KEYS,
@@ -100,25 +77,20 @@ from ._phases import (
     exchanged,
     imbalance,
     mean_imbalance,
-    phase_loads,
-    plan_phase,
     plan_phases,
     plan_vision,
-    plan_vision_round,
-    single_phase,
-    vision_bound,
 )
 from ._plan import PlanInputs, RoundPlan, plan_round
 from ._plan_moves import plan_moves
-from ._policy import Entry, Policy, form_groups
+from ._policy import Policy
 from ._rank import RankState, fill_may_stop, max_fitting_length
-from ._resize import Remainder, ResumePoint, remaining_order, resume_point
-from ._sim_metrics import RESULT_FIELDS, PhaseMetrics, SimMetrics, synthetic_token_loss
+from ._resize import Remainder, resume_point
+from ._sim_metrics import RESULT_FIELDS
 from ._simulator import Simulator, simulate
 from ._source import ViewSource, epoch_permutation
-from ._spec import GROUPS, KEYS, REQUIRED, JobSpec, SpecKey
-from ._spec_parts import POLICY_KNOBS, Phases, PolicySpec, Updates
-from ._state import STATE_VERSION, ClockedStateful, Stateful, check_state
+from ._spec import GROUPS, KEYS, REQUIRED, JobSpec
+from ._spec_parts import Phases, PolicySpec, Updates
+from ._state import STATE_VERSION, Stateful, check_state
 from ._step import Step, StepInfo
 from ._types import (
     Sample,
@@ -129,20 +101,15 @@ from ._types import (
     check_str,
     parse_bytes,
 )
-from ._updates import UpdateEnds, UpdateWindows, update_scale
-from ._workload import WORKLOAD_HEADER, format_workload, parse_lengths, parse_workload
+from ._workload import format_workload, parse_lengths, parse_workload
 
 __all__ = [
-    "ALIGN_RULES",
     "ATTACHED",
     "AUDIO_EXCHANGE_KEYS",
     "AUDIO_KEYS",
     "AudioCost",
     "BatchdError",
     "BlockView",
-    "COLLATE",
-    "COST_MODELS",
-    "ClockedStateful",
     "Connect",
     "Coordinator",
     "CoordinatorError",
@@ -150,9 +117,6 @@ __all__ = [
     "Delivery",
     "END",
     "EXCHANGE_KEYS",
-    "EncoderCost",
-    "Entry",
-    "ExactPlacement",
     "Exchange",
     "GROUPS",
     "IGNORE_INDEX",
@@ -160,21 +124,12 @@ __all__ = [
     "JobFailed",
     "JobSpec",
     "KEYS",
-    "LLM_GRID_KEY",
     "Liveness",
-    "MODES",
-    "NODE_PLANS",
-    "OVER_BUDGET",
-    "PHASES",
-    "POLICIES",
-    "POLICY_KNOBS",
-    "PhaseMetrics",
     "Phases",
     "PlanInputs",
     "Policy",
     "PolicySpec",
     "ProtocolError",
-    "REFUSED",
     "REQUIRED",
     "RESULT_FIELDS",
     "RankCommit",
@@ -182,39 +137,30 @@ __all__ = [
     "RankServiceError",
     "RankState",
     "Remainder",
-    "ResumePoint",
     "RoundDecision",
     "RoundPlan",
     "RoundTotals",
     "SEND_END",
     "STATE_VERSION",
     "Sample",
-    "SimMetrics",
     "Simulator",
-    "SpecKey",
     "Stateful",
     "Step",
     "StepInfo",
     "StepLedger",
     "TOKEN_KEYS",
-    "UPDATE_RULES",
-    "UpdateEnds",
-    "UpdateWindows",
     "Updates",
     "VISION_KEYS",
     "ViewSource",
     "VisionCost",
     "WAIT",
-    "WORKLOAD_HEADER",
     "balanced_split",
-    "best_fit_decreasing",
     "check_bool",
     "check_choice",
     "check_int",
     "check_number",
     "check_state",
     "check_str",
-    "chunk_split",
     "clip_of",
     "collate_clips",
     "collate_images",
@@ -228,9 +174,6 @@ __all__ = [
     "exchange_arrays",
     "exchanged",
     "fill_may_stop",
-    "fixed_capacity",
-    "fixed_chunks",
-    "form_groups",
     "format_workload",
     "idle_batch",
     "image_of",
@@ -240,30 +183,17 @@ __all__ = [
     "loss_tokens",
     "max_fitting_length",
     "mean_imbalance",
-    "odb_greedy",
-    "odb_split",
     "parse_bytes",
     "parse_lengths",
     "parse_workload",
-    "phase_loads",
     "plan_moves",
-    "plan_phase",
     "plan_phases",
     "plan_round",
     "plan_vision",
-    "plan_vision_round",
-    "remaining_order",
     "report_capacity",
     "resume_point",
     "round_exchanges",
     "simulate",
-    "single_phase",
-    "split_largest",
     "strip_audio",
     "strip_vision",
-    "synthetic_token_loss",
-    "target_min",
-    "target_odb",
-    "update_scale",
-    "vision_bound",
 ]

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from batchd.core import CostModel, Entry, PlanInputs, Sample, plan_round
+from batchd.core import CostModel, PlanInputs, Sample, plan_round
+from batchd.testing import Entry
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "plan_rounds.json"
 BUDGET = 64

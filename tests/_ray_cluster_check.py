@@ -83,16 +83,15 @@ def main(work: str) -> dict:
 
     from batchd.preprocess import (
         PoolOptions,
-        PreprocessPool,
         RaySource,
         StreamOptions,
         TokenizerRef,
         default_stages,
         demo_tokenizer,
         make_demo_dataset,
-        payload_nbytes,
         resolve_many,
     )
+    from batchd.testing import PreprocessPool, payload_nbytes
 
     t0 = time.monotonic()
     facts: dict = {}

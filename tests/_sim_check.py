@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from batchd.core import JobSpec, Simulator, synthetic_token_loss
+from batchd.core import JobSpec, Simulator
+from batchd.testing import synthetic_token_loss
 
 
 def run_checked(lengths, config: JobSpec, local_ranks=None):

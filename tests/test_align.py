@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 from batchd.core import (
     Coordinator,
     CostModel,
-    Entry,
     JobSpec,
     PlanInputs,
     PolicySpec,
@@ -19,9 +18,8 @@ from batchd.core import (
     RankState,
     Sample,
     plan_round,
-    target_min,
-    target_odb,
 )
+from batchd.testing import Entry, target_min, target_odb
 
 report_st = st.builds(
     lambda cap, buf, groups, ex: (cap, buf, min(groups, buf), ex),

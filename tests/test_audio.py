@@ -13,19 +13,10 @@ import pytest
 import soundfile
 import torch
 
-from batchd.client import to_torch, token_loss_sum
+from batchd.client import token_loss_sum
 from batchd.core import collate_padded
-from batchd.service.preprocess import (
-    Preprocessor,
-    Reject,
-    default_stages,
-    parse_record,
-    qwen2_audio_tokens,
-    read_audio,
-    resample,
-    resolve,
-)
-from batchd.testing import TinyMLLM, clip_tokens
+from batchd.service.preprocess import Preprocessor, Reject, default_stages, qwen2_audio_tokens, resolve
+from batchd.testing import TinyMLLM, clip_tokens, parse_record, read_audio, resample, to_torch
 
 RATE = 16000
 

@@ -20,7 +20,7 @@ from test_exchange import RTOL, grads, max_error  # the vision exchange's tests:
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchd import core
-from batchd.client import IGNORE_INDEX, exchange_audio_embeddings, scaled_loss, to_torch, token_loss_sum
+from batchd.client import exchange_audio_embeddings, scaled_loss, token_loss_sum
 from batchd.core import (
     AUDIO_EXCHANGE_KEYS,
     AudioCost,
@@ -31,10 +31,9 @@ from batchd.core import (
     StepInfo,
     VisionCost,
     loss_scale,
-    plan_phase,
 )
 from batchd.service import collate
-from batchd.testing import TinyMLLM, clip_tokens
+from batchd.testing import IGNORE_INDEX, TinyMLLM, clip_tokens, plan_phase, to_torch
 
 pytestmark = pytest.mark.slow
 

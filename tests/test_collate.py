@@ -15,15 +15,8 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd.client import (
-    IGNORE_INDEX,
-    collate_packed,
-    collate_padded,
-    idle_batch,
-    loss_tokens,
-    token_loss_sum,
-)
-from batchd.testing import TinyCausalLM
+from batchd.client import collate_packed, collate_padded, idle_batch, loss_tokens, token_loss_sum
+from batchd.testing import IGNORE_INDEX, TinyCausalLM
 
 VOCAB = 512
 

@@ -28,17 +28,9 @@ import torch.distributed as dist
 from _procs import gloo_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from batchd.client import (
-    IGNORE_INDEX,
-    collate_packed,
-    collate_padded,
-    loss_tokens,
-    scaled_loss,
-    token_loss_sum,
-    train_step,
-)
-from batchd.core import JobSpec, PolicySpec, Simulator, Step, UpdateWindows, loss_scale, update_scale
-from batchd.testing import TinyCausalLM
+from batchd.client import collate_packed, collate_padded, loss_tokens, scaled_loss, token_loss_sum, train_step
+from batchd.core import JobSpec, PolicySpec, Simulator, Step, loss_scale
+from batchd.testing import IGNORE_INDEX, TinyCausalLM, UpdateWindows, update_scale
 
 WORLD = 4
 SPAWN_DEADLINE_S = 300.0  # liveness backstop for the spawned ranks (`_procs.gloo_ranks`)

@@ -11,7 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd.core import ATTACHED, END, REFUSED, SEND_END, WAIT, Delivery, Liveness
+from batchd.core import ATTACHED, END, SEND_END, WAIT, Delivery, Liveness
+from batchd.testing import REFUSED
 
 GRACE, TRAINER = 30.0, 1800.0
 

@@ -25,7 +25,8 @@ import pytest
 from _procs import processes_with_marker
 
 from batchd.demo import DEMO_AUDIO_FRACTION
-from batchd.service.preprocess import demo_bad_ids, demo_records
+from batchd.service.preprocess import demo_records
+from batchd.testing import demo_bad_ids
 
 pytestmark = pytest.mark.slow
 

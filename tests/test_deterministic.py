@@ -21,9 +21,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd.core import JobSpec, PolicySpec, Simulator, fill_may_stop, fixed_capacity, report_capacity
+from batchd.core import JobSpec, PolicySpec, Simulator, fill_may_stop, report_capacity
 from batchd.service import RankServiceCore
 from batchd.service.preprocess import SyntheticSource
+from batchd.testing import fixed_capacity
 
 
 # -- the core rules --------------------------------------------------------------------------------

@@ -32,9 +32,17 @@ from _procs import gloo_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from batchd import core
-from batchd.client import IGNORE_INDEX, exchange_image_embeddings, scaled_loss, to_torch, token_loss_sum
+from batchd.client import exchange_image_embeddings, scaled_loss, token_loss_sum
 from batchd.core import EXCHANGE_KEYS, Exchange, Sample, VisionCost, exchange_arrays, loss_scale, plan_vision
-from batchd.testing import PATCH_DIM, TinyCausalLM, TinyMLLM, image_patches
+from batchd.testing import (
+    IGNORE_INDEX,
+    PATCH_DIM,
+    TinyCausalLM,
+    TinyMLLM,
+    image_patches,
+    phase_loads,
+    to_torch,
+)
 
 WORLDS = (2, 3, 4)
 SPAWN_DEADLINE_S = 300.0  # liveness backstop for a world's spawned ranks (`_procs.gloo_ranks`)
@@ -293,7 +301,7 @@ def test_plans_encode_every_image_once_and_spread_a_crowded_rank(run):
     crowded = run["cases"]["one_rank_all"]
     assert all(s.images == () for g in crowded["row"][1:] for s in g)
     assert all(ex.encode for ex in crowded["exchanges"]), [len(ex.encode) for ex in crowded["exchanges"]]
-    loads = core.phase_loads(crowded["exchanges"], COST)
+    loads = phase_loads(crowded["exchanges"], COST)
     total = COST.samples(crowded["row"][0])
     floor = max(total / world, max(COST.image(p) for s in crowded["row"][0] for p, _ in s.images))
     assert max(loads) <= 1.5 * floor < total, loads  # near the best possible, far below one rank doing all

@@ -120,7 +120,7 @@ def test_the_demos_own_bad_records_never_fail_a_small_demo():
     """The generated dataset has at least one bad record of each kind, however small: the demo's default
     max_bad_fraction leaves room for all of them on one rank's view, and is the README's 0.1 otherwise."""
     from batchd.demo import generated_bad_fraction
-    from batchd.service.preprocess import demo_bad_ids
+    from batchd.testing import demo_bad_ids
 
     for n, world in ((16, 2), (64, 2), (96, 2), (128, 4), (1024, 2)):
         bad = len(demo_bad_ids(n, 0))

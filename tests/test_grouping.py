@@ -5,14 +5,8 @@ import functools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd.core import (
-    best_fit_decreasing,
-    contiguous_greedy,
-    fixed_chunks,
-    odb_greedy,
-    odb_split,
-    split_largest,
-)
+from batchd.core import contiguous_greedy
+from batchd.testing import best_fit_decreasing, fixed_chunks, odb_greedy, odb_split, split_largest
 
 lengths_st = st.lists(st.integers(1, 600), min_size=0, max_size=40).map(lambda xs: sorted(xs, reverse=True))
 budget_st = st.integers(1, 2000)

@@ -23,10 +23,9 @@ from batchd.preprocess import (
     StageContext,
     Truncate,
     default_stages,
-    parse_record,
 )
-from batchd.service.preprocess import qwen2_audio_tokens, read_audio, resample
-from batchd.testing import tiny_processor, tiny_tokenizer
+from batchd.service.preprocess import qwen2_audio_tokens
+from batchd.testing import parse_record, read_audio, resample, tiny_processor, tiny_tokenizer
 
 RATE = 16000
 

@@ -3,7 +3,7 @@ process calling the stock model the HF way.
 
 The model is a tiny ``Qwen2AudioForConditionalGeneration`` built locally from its config (16 mel bins, a
 1-layer audio encoder of width 16 whose fixed window is 2 x 64 = 128 frames, a 1-layer Qwen2 LM of width 32,
-vocabulary 64, sdpa). Clips are real Whisper log-mel features (`batchd.service.preprocess.log_mel` of
+vocabulary 64, sdpa). Clips are real Whisper log-mel features (`batchd.testing.log_mel` of
 synthetic waveforms, not padded, as batchd's ``Qwen2Audio`` stage stores them), their audio tokens expanded
 by Qwen2-Audio's rule. A pair of gloo processes (spawned once for the module) wraps the adapted model in
 DDP and runs every step in sequence: each rank's batch is built by the rank service's own `collate`
@@ -40,18 +40,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from batchd import core
 from batchd.client import (
     AUDIO_FAMILIES,
-    IGNORE_INDEX,
     check_model_batch,
     forward_logits,
-    is_two_phase,
     scaled_loss,
-    to_torch,
     token_loss_sum,
     two_phase,
 )
-from batchd.core import AudioCost, Sample, Step, StepInfo, loss_scale, plan_phase
+from batchd.core import AudioCost, Sample, Step, StepInfo, loss_scale
 from batchd.service import collate
-from batchd.service.preprocess import log_mel, qwen2_audio_tokens
+from batchd.service.preprocess import qwen2_audio_tokens
+from batchd.testing import IGNORE_INDEX, is_two_phase, log_mel, plan_phase, to_torch
 
 SEED = 4321
 WORLD = 2

@@ -30,9 +30,8 @@ from batchd.preprocess import (
     Truncate,
     default_stages,
     demo_records,
-    parse_record,
 )
-from batchd.testing import LLAVA_TEMPLATE, tiny_tokenizer
+from batchd.testing import LLAVA_TEMPLATE, parse_record, tiny_tokenizer
 
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 64
 

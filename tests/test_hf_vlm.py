@@ -43,16 +43,14 @@ from batchd.client import (
     check_model_batch,
     check_packed_attention,
     forward_logits,
-    is_two_phase,
     scaled_loss,
-    to_torch,
     token_loss_sum,
     two_phase,
 )
 from batchd.core import Sample, VisionCost, loss_scale, plan_vision
 from batchd.service import collate
-from batchd.service.preprocess import HFProcessor, finalize
-from batchd.testing import TINY_VLM_FAMILIES, tiny_processor, tiny_vlm
+from batchd.service.preprocess import HFProcessor
+from batchd.testing import TINY_VLM_FAMILIES, finalize, is_two_phase, tiny_processor, tiny_vlm, to_torch
 
 SEED = 1234
 ATOL, RTOL = 1e-5, 1e-4  # float32 models

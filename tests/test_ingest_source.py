@@ -17,11 +17,10 @@ from batchd.service.preprocess import (
     EXHAUSTED,
     IngestRefused,
     IngestSource,
-    check_pushed,
     loss_tokens_of,
-    payload_nbytes,
     synthetic_payload,
 )
+from batchd.testing import check_pushed, payload_nbytes
 
 
 def pushed(i: int, n: int, home_rank: int = 7, **changes):

@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchd.preprocess import EmptyDatasetError, RecordDataset, TokenizerRef, demo_tokenizer
+from batchd.preprocess import RecordDataset, TokenizerRef, demo_tokenizer
+from batchd.testing import EmptyDatasetError
 
 
 def batchd(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:

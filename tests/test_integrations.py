@@ -41,10 +41,10 @@ from batchd.client import (
     batchd_loss,
     collate_packed,
     collate_padded,
-    hf_model_inputs,
     token_loss_sum,
 )
 from batchd.core import JobSpec, PolicySpec, Updates
+from batchd.testing import hf_model_inputs
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from batchd.core import Sample
-from batchd.service.preprocess import Ledger
+from batchd.testing import Ledger
 
 FLIGHT, READY, DONE = Ledger.FLIGHT, Ledger.READY, Ledger.DONE
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import batchd
 from batchd.client import collate_packed, collate_padded, forward_logits, microbatches, scaled_loss
-from batchd.core import StepInfo, balanced_split, chunk_split
+from batchd.core import StepInfo, balanced_split
+from batchd.testing import chunk_split
 
 
 def _loads(costs, parts):

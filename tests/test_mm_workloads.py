@@ -11,7 +11,6 @@ import pytest
 from batchd import read_workload
 from batchd.cli import main
 from batchd.core import (
-    WORKLOAD_HEADER,
     JobSpec,
     Phases,
     PolicySpec,
@@ -21,10 +20,9 @@ from batchd.core import (
     imbalance,
     parse_lengths,
     parse_workload,
-    phase_loads,
     simulate,
-    single_phase,
 )
+from batchd.testing import WORKLOAD_HEADER, phase_loads, single_phase
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = REPO / "benchmarks" / "workloads"

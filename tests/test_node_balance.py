@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from batchd.core import (
     Coordinator,
     CostModel,
-    Entry,
     JobSpec,
     PlanInputs,
     PolicySpec,
@@ -24,6 +23,7 @@ from batchd.core import (
     plan_round,
     simulate,
 )
+from batchd.testing import Entry
 
 BUDGET = 64
 
@@ -373,7 +373,7 @@ def test_deal_levels_swaps_a_group_above_its_row_level():
     """Two nodes of one rank, T = 2. Global sort 10, 9 | 1, IDLE: levels 10 and 1. Node 0 holds 10 and 9,
     so its 9 sits in row 2 above level 1: one of node 0's groups over level 1 (the 10 on a tie of
     samples moved) swaps with node 1's 1, which sits in row 1 (level 10 covers 10)."""
-    from batchd.core.testing import deal_levels
+    from batchd.testing import deal_levels
 
     cost = CostModel("padded")
     a, b, c = _group([10], 0, 0), _group([9], 0, 1), _group([1], 1, 2)
@@ -387,7 +387,7 @@ def test_deal_levels_swaps_a_group_above_its_row_level():
 
 
 def test_deal_levels_without_violation_swaps_nothing():
-    from batchd.core.testing import deal_levels
+    from batchd.testing import deal_levels
 
     cost = CostModel("padded")
     groups = [[_group([8], 0, 0), _group([2], 0, 1)], [_group([7], 1, 2), _group([3], 1, 3)]]
@@ -398,7 +398,7 @@ def test_deal_levels_without_violation_swaps_nothing():
 def test_outliers_pool_the_sample_that_pads_a_group():
     """Padded cost, capacity 64: one 16 among eight 8s costs two slots node-pure (16 x 4, then 8 x 5...);
     pooling the 16 leaves one full group of eight 8s; a prohibitive penalty pools nothing."""
-    from batchd.core.testing import outliers
+    from batchd.testing import outliers
 
     entries = _group([16] + [8] * 8)
     groups, out = outliers(entries, 64, 0.05)

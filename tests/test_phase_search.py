@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchd.core import VisionCost, encoder_bound, exact_placement, phase_loads, plan_vision, vision_bound
-from batchd.core.testing import PARTNERS, vision_images, vision_place
-from batchd.core.testing import vision_improve as improve
+from batchd.core import VisionCost, encoder_bound, exact_placement, plan_vision
+from batchd.testing import PARTNERS, phase_loads, vision_bound, vision_images, vision_place
+from batchd.testing import vision_improve as improve
 
 EPS = 1e-9
 
@@ -214,7 +214,7 @@ def test_the_job_turns_the_exact_option_on_for_two_phase_jobs_only():
 @settings(max_examples=120, deadline=None)
 @given(st.lists(st.integers(1, 60), min_size=1, max_size=8), st.integers(1, 3), st.data())
 def test_ldm_places_every_item_within_four_thirds_of_the_optimum(costs, n, data):
-    from batchd.core.testing import ldm_place
+    from batchd.testing import ldm_place
 
     costs = [float(c) for c in costs]
     owners = data.draw(st.lists(st.integers(0, n - 1), min_size=len(costs), max_size=len(costs)))
@@ -226,7 +226,7 @@ def test_ldm_places_every_item_within_four_thirds_of_the_optimum(costs, n, data)
 
 def test_ldm_keeps_a_bin_on_its_majority_owner_and_the_planner_takes_it_where_it_pays():
     from batchd.core import Sample
-    from batchd.core.testing import LDM_GAIN, ldm_place
+    from batchd.testing import LDM_GAIN, ldm_place
 
     # 8, 7, 6, 5, 4 on 2 ranks: differencing ends at 16 / 14 (not the optimum 15 / 15); each bin goes to
     # the rank owning most of its items

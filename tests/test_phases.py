@@ -24,16 +24,12 @@ from batchd.core import (
     exchanged,
     imbalance,
     mean_imbalance,
-    phase_loads,
     plan_vision,
-    plan_vision_round,
-    single_phase,
-    vision_bound,
 )
-from batchd.core.testing import ACCEPT, SLACKS
-from batchd.core.testing import vision_greedy as _greedy
-from batchd.core.testing import vision_images as _images
-from batchd.core.testing import vision_place as _place
+from batchd.testing import ACCEPT, SLACKS, phase_loads, plan_vision_round, single_phase, vision_bound
+from batchd.testing import vision_greedy as _greedy
+from batchd.testing import vision_images as _images
+from batchd.testing import vision_place as _place
 
 EPS = 1e-9
 

@@ -25,17 +25,13 @@ from batchd.core import (
     VisionCost,
     format_workload,
     parse_workload,
-    phase_loads,
-    plan_phase,
     plan_phases,
     plan_vision,
-    plan_vision_round,
     simulate,
-    single_phase,
-    vision_bound,
 )
 from batchd.proto import wire
 from batchd.proto.wire import sample_from_pb, sample_to_pb
+from batchd.testing import phase_loads, plan_phase, plan_vision_round, single_phase, vision_bound
 
 EPS = 1e-9
 ENCODERS = (VisionCost(), AudioCost())

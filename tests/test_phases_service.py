@@ -15,7 +15,8 @@ import pytest
 from _jobs import InProcessJob, job_pool
 
 from batchd.core import JobSpec, Phases, PolicySpec
-from batchd.service.preprocess import SyntheticSource, synthetic_audio_payload, synthetic_image_payload
+from batchd.service.preprocess import SyntheticSource
+from batchd.testing import synthetic_audio_payload, synthetic_image_payload
 
 PATCH_DIM = 4  # small pixel rows: the data path, not the pixels, is under test
 VOCAB = 512

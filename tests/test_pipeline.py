@@ -16,7 +16,6 @@ import pytest
 from batchd.preprocess import (
     EXHAUSTED,
     ChatTemplate,
-    PreprocessPool,
     Quarantine,
     RaySource,
     StreamOptions,
@@ -25,10 +24,10 @@ from batchd.preprocess import (
     default_stages,
     demo_tokenizer,
     make_demo_dataset,
-    payload_nbytes,
     resolve,
     resolve_many,
 )
+from batchd.testing import PreprocessPool, payload_nbytes
 
 NUM = 120
 

@@ -14,7 +14,8 @@ import json
 import pytest
 from _plan_cases import FIXTURE, inputs, outcome
 
-from batchd.core import CostModel, Entry, PlanInputs, RoundPlan, Sample, plan_round
+from batchd.core import CostModel, PlanInputs, RoundPlan, Sample, plan_round
+from batchd.testing import Entry
 
 RECORDED = json.loads(FIXTURE.read_text())
 

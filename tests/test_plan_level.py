@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd.core import CostModel, Entry, JobSpec, PlanInputs, PolicySpec, Sample, plan_round, simulate
-from batchd.core.testing import final_rows, level_choice
+from batchd.core import CostModel, JobSpec, PlanInputs, PolicySpec, Sample, plan_round, simulate
 from batchd.proto.wire import spec_from_pb, spec_to_pb
+from batchd.testing import Entry, final_rows, level_choice
 
 
 def _objective(costs, bounds, n):

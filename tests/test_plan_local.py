@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 
 from batchd.core import (
     CostModel,
-    Entry,
     JobSpec,
     PlanInputs,
     PolicySpec,
@@ -23,9 +22,9 @@ from batchd.core import (
     plan_round,
     simulate,
 )
-from batchd.core.testing import LOCAL_TOLERANCE, node_shares, share_out
 from batchd.proto.wire import report_from_pb, report_to_pb, spec_from_pb, spec_to_pb
 from batchd.service.preprocess import SyntheticSource
+from batchd.testing import LOCAL_TOLERANCE, Entry, node_shares, share_out
 
 BUDGET = 64
 

@@ -9,7 +9,8 @@ from _sim_check import check_epoch, run_checked
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchd.core import POLICIES, CostModel, JobSpec, PolicySpec, Simulator
+from batchd.core import CostModel, JobSpec, PolicySpec, Simulator
+from batchd.testing import POLICIES
 
 
 @st.composite

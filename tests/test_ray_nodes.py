@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from batchd.core import Sample
-from batchd.preprocess import EXHAUSTED, IngestSource, SyntheticSource, payload_nbytes
+from batchd.preprocess import EXHAUSTED, IngestSource, SyntheticSource
+from batchd.testing import payload_nbytes
 
 HERE = Path(__file__).resolve().parent
 

@@ -22,7 +22,8 @@ import pytest
 from _readme_job import end_job
 
 from batchd.core import JobSpec, PolicySpec
-from batchd.preprocess import RayLost, SharedRay, job_key, ray_lost
+from batchd.preprocess import RayLost, SharedRay, job_key
+from batchd.testing import ray_lost
 
 PROBE = Path(__file__).with_name("_share_ray_probe.py")
 
@@ -125,7 +126,8 @@ def test_a_ray_start_that_times_out_is_tried_again_and_other_errors_raise(monkey
     start is faked: the test is of the retry, not of Ray."""
     import ray
 
-    from batchd.service.preprocess import START_ATTEMPTS, start_local_ray
+    from batchd.service.preprocess import start_local_ray
+    from batchd.testing import START_ATTEMPTS
 
     calls = []
     errors = [

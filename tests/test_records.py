@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchd.preprocess import Quarantine, RecordDataset, Reject, SchemaError, make_demo_dataset, parse_record
-from batchd.service.preprocess import iter_records
+from batchd.preprocess import Quarantine, RecordDataset, Reject, SchemaError, make_demo_dataset
+from batchd.testing import iter_records, parse_record
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchd.client import BatchdError
-from batchd.core import ATTACHED, END, REFUSED, SEND_END, WAIT, Delivery, JobSpec, Phases, PolicySpec
+from batchd.core import ATTACHED, END, SEND_END, WAIT, Delivery, JobSpec, Phases, PolicySpec
+from batchd.testing import REFUSED
 
 GRACE, TRAINER = 30.0, 1800.0
 

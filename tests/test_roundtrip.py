@@ -51,7 +51,6 @@ from batchd.service import CoordinatorClient, RankServiceCore
 from batchd.service.preprocess import (
     EXHAUSTED,
     IngestSource,
-    PreprocessPool,
     Quarantine,
     RaySource,
     Source,
@@ -63,6 +62,7 @@ from batchd.service.preprocess import (
     make_demo_dataset,
     resolve_many,
 )
+from batchd.testing import PreprocessPool
 
 
 def json_round_trip(state: Any) -> Any:

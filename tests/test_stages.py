@@ -12,14 +12,12 @@ import pytest
 from PIL import Image
 
 from batchd.preprocess import (
-    TEMPLATES,
     ChatTemplate,
     Example,
     LlavaVision,
     Preprocessor,
     Qwen2VLVision,
     RandomResizedCrop,
-    Record,
     Reject,
     Stage,
     StageContext,
@@ -29,10 +27,8 @@ from batchd.preprocess import (
     TurnSubsample,
     default_stages,
     demo_tokenizer,
-    parse_record,
-    smart_resize,
 )
-from batchd.service.preprocess import demo_record
+from batchd.testing import TEMPLATES, Record, demo_record, parse_record, smart_resize
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import pytest
 from batchd.core import (
     STATE_VERSION,
     BlockView,
-    ClockedStateful,
     Coordinator,
     Delivery,
     JobSpec,
@@ -28,6 +27,7 @@ from batchd.core import (
     ViewSource,
     check_state,
 )
+from batchd.testing import ClockedStateful
 
 CORE = Path(__file__).resolve().parents[1] / "core"
 

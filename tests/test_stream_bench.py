@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import stream_scale
 
-from batchd.service.preprocess import RecordDataset, Reject, decode_images, iter_records, parse_record
+from batchd.service.preprocess import RecordDataset, Reject
+from batchd.testing import decode_images, iter_records, parse_record
 
 
 def test_noise_pngs_are_valid_distinct_and_incompressible():

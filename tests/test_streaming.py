@@ -33,11 +33,8 @@ from batchd.preprocess import (
     TooManyBadRecords,
     default_stages,
     demo_tokenizer,
-    iter_records,
-    line_index,
-    line_numbers,
-    scan_lines,
 )
+from batchd.testing import iter_records, line_index, line_numbers, scan_lines
 
 
 # -- BlockView ---------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import pytest
 from _procs import free_block, processes_with_marker, wait_until
 from _readme_job import RECORDS, end_job, job_env, readme_script, trained_ids
 
-from batchd.service.preprocess import demo_bad_ids
+from batchd.testing import demo_bad_ids
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from batchd.core import (
     Coordinator,
     CostModel,
-    Entry,
     JobSpec,
     PlanInputs,
     PolicySpec,
@@ -22,11 +21,11 @@ from batchd.core import (
     Sample,
     Simulator,
     Updates,
-    UpdateWindows,
     plan_round,
     simulate,
 )
 from batchd.proto import wire
+from batchd.testing import Entry, UpdateWindows
 
 counts_st = st.lists(st.integers(0, 60), min_size=1, max_size=60)
 
@@ -300,10 +299,10 @@ def test_integrations_refuse_an_update_their_weights_cannot_serve():
     from batchd.client import (
         batchd_deepspeed_backward,
         check_one_step_update,
-        check_weighted,
         optimizer_updates,
         weighted_steps,
     )
+    from batchd.testing import check_weighted
 
     spec = JobSpec(
         world_size=2,

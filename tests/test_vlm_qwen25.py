@@ -15,9 +15,9 @@ import torch
 from test_hf_vlm import sample_loss  # the stock model called the HF way on one sample
 
 from batchd import core
-from batchd.client import to_torch, token_loss_sum, two_phase
-from batchd.service.preprocess import Example, HFProcessor, StageContext, finalize
-from batchd.testing import tiny_processor
+from batchd.client import token_loss_sum, two_phase
+from batchd.service.preprocess import Example, HFProcessor, StageContext
+from batchd.testing import finalize, tiny_processor, to_torch
 
 pytest.importorskip("transformers")
 

@@ -21,15 +21,8 @@ from test_hf_vlm import sample_loss  # the stock model called the HF way on one 
 from batchd import two_phase
 from batchd.client import loss_tokens
 from batchd.core import JobSpec, PolicySpec
-from batchd.service.preprocess import (
-    HFProcessor,
-    Preprocessor,
-    SyntheticSource,
-    Truncate,
-    demo_record,
-    parse_record,
-)
-from batchd.testing import tiny_processor, tiny_vlm
+from batchd.service.preprocess import HFProcessor, Preprocessor, SyntheticSource, Truncate
+from batchd.testing import demo_record, parse_record, tiny_processor, tiny_vlm
 
 transformers = pytest.importorskip("transformers")
 
