@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 
@@ -43,12 +44,12 @@ def call_coordinator(
     address: str,
     rank: int,
     what: str,
-    fn: Callable,
-    request,
+    fn: Callable[..., Any],
+    request: Any,
     timeout: float | None,
     retry_s: float,
     stop: threading.Event,
-):
+) -> Any:
     """`fn(request, timeout=timeout)`, a unary call of rank `rank` to the coordinator at `address`, retried
     while the coordinator is unreachable for up to `retry_s` (or until `stop`); raises CoordinatorError
     naming the address, the call and the rank (its gRPC code kept) when it gives up or is refused."""
@@ -98,13 +99,15 @@ class CoordinatorClient:
         self._stop.set()
         self.channel.close()
 
-    def _call(self, what: str, fn: Callable, request, timeout: float | None, retry_s: float):
+    def _call(
+        self, what: str, fn: Callable[..., Any], request: Any, timeout: float | None, retry_s: float
+    ) -> Any:  # the protobuf reply of `fn`
         return call_coordinator(self.address, self.rank, what, fn, request, timeout, retry_s, self._stop)
 
     def register(self, my_address: str) -> pb.RegisterReply:
         """Registers (again: a restarted rank, or a rank refreshing its peers' addresses)."""
         retry = self.lease_s if self.registered else self.startup_timeout_s
-        reply = self._call(
+        reply: pb.RegisterReply = self._call(
             "Register",
             self.stub.Register,
             pb.RegisterRequest(rank=self.rank, spec=wire.spec_to_pb(self.spec), address=my_address),

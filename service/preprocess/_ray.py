@@ -44,7 +44,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -226,7 +226,7 @@ class RayLost(RuntimeError):
 def _raylet_address() -> str | None:
     """host:port of the raylet this process is attached to (None when unknown)."""
     with contextlib.suppress(Exception):
-        node = ray._private.worker.global_worker.node
+        node: Any = ray._private.worker.global_worker.node  # Ray's private node object
         return f"{node.node_ip_address}:{int(node.node_manager_port)}"
     return None
 
@@ -242,14 +242,16 @@ def ray_lost(address: str | None = None, raylet: str | None = None, timeout: flo
             return None
         address = ray.get_runtime_context().gcs_address
         raylet = raylet or _raylet_address()
+    why = "unreachable"
     for attempt in range(2):
-        why = None
+        why_now = None
         if not _gcs_reachable(address, timeout):
-            why = f"its GCS at {address} is unreachable"
+            why_now = f"its GCS at {address} is unreachable"
         elif raylet and not _gcs_reachable(raylet, timeout):
-            why = f"the raylet of this node at {raylet} is unreachable"
-        if why is None:
+            why_now = f"the raylet of this node at {raylet} is unreachable"
+        if why_now is None:
             return None
+        why = why_now
         if attempt == 0:
             time.sleep(0.5)
     return RayLost(address, why)
@@ -400,7 +402,8 @@ def _end_leftovers(
 def _started_raylet_pid() -> int | None:
     """The pid of the raylet this process started (`ray.init` without an address), or None."""
     with contextlib.suppress(Exception):
-        return ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+        node: Any = ray._private.worker._global_node  # Ray's private node object
+        return int(node.all_processes["raylet"][0].process.pid)
     return None
 
 
@@ -440,7 +443,7 @@ def _descendants(root: int) -> dict[int, str]:
 
 def _alive(pid: int) -> bool:
     fields = _stat(pid)
-    return bool(fields) and fields[0] not in ("Z", "X")
+    return bool(fields) and fields is not None and fields[0] not in ("Z", "X")
 
 
 def _flock(fd: int, shared: bool, wait: bool) -> bool:
@@ -461,7 +464,7 @@ def _local_auth() -> None:
     an address): a Ray started on this host by `ray.init` (Ray >= 2.5x) requires the token in
     ~/.ray/auth_token, and an explicit address does not turn token auth on by itself."""
     try:
-        from ray._raylet import AuthenticationTokenLoader
+        from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # newer Ray only
     except ImportError:  # a Ray without token auth
         return
     if os.environ.get("RAY_AUTH_MODE") is None and AuthenticationTokenLoader.instance().has_token(
@@ -471,7 +474,7 @@ def _local_auth() -> None:
 
 
 @contextlib.contextmanager
-def _host_lock():
+def _host_lock() -> Iterator[None]:
     """Serializes `share_ray`'s look-or-start across the processes of this host (a lock file in the
     temp dir)."""
     fd = os.open(os.path.join(tempfile.gettempdir(), "batchd-ray-start.lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -505,7 +508,7 @@ def quiet_token_auth() -> None:
         return
     os.environ["RAY_AUTH_MODE"] = "token"
     with contextlib.suppress(Exception):  # refresh Ray's cached config, as Ray's own switch does
-        from ray._raylet import Config
+        from ray._raylet import Config  # type: ignore[attr-defined]  # not in Ray's stub
 
         Config.initialize("")
 
@@ -583,9 +586,8 @@ def share_ray(
 
 def resolve(payload: Any) -> dict[str, np.ndarray]:
     """The payload dict of a sample: `ray.get` when it is an ObjectRef, the value itself otherwise."""
-    if isinstance(payload, ray.ObjectRef):
-        return ray.get(payload)
-    return payload
+    got: dict[str, np.ndarray] = ray.get(payload) if isinstance(payload, ray.ObjectRef) else payload
+    return got
 
 
 def resolve_many(payloads: Sequence[Any]) -> list[dict[str, np.ndarray]]:

@@ -31,7 +31,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sized
 from typing import Any
 
 import grpc
@@ -90,7 +90,7 @@ class RankServiceCore:
         spec: JobSpec,
         coordinator: CoordinatorClient,
         source: Source,
-        state_dir: str | os.PathLike | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
         epoch: int = 0,
         client_grace_s: float = 600.0,
         fill_timeout_s: float = 0.5,
@@ -427,7 +427,8 @@ class RankServiceCore:
                 self.delivery.close()
             self._write_journal()
             self.cond.notify_all()
-        left = f", {len(self.source)} sample(s) of its share left" if remainder is not None else ""
+        share = len(self.source) if isinstance(self.source, Sized) else "?"
+        left = f", {share} sample(s) of its share left" if remainder is not None else ""
         log.info(
             "rank %d: the resized job goes on at epoch %d step %d%s", self.rank, reply.epoch, reply.step, left
         )
@@ -515,7 +516,7 @@ class RankServiceCore:
                 self.waiting_for_trainer = True
                 self.cond.wait(0.5)
             self.waiting_for_trainer = False
-            if self.failure is not None or self._stop.is_set():
+            if capacity is None or self.failure is not None or self._stop.is_set():
                 raise CoordinatorError(self.failure or "stopped")
         return capacity
 

@@ -47,19 +47,26 @@ class Journaled(Protocol):
     this module does not import the core that imports it."""
 
     rank: int
-    epoch: int
-    delivery: Any
     state: Any
-    source: Any
-    batches: Any
-    streams: Any
-    payloads: Any
     rejected_before: Any
     finished: bool
     restored_finished: bool
     filled: bool
     generation: int
     remainder: Any
+
+    @property
+    def epoch(self) -> int: ...
+    @property
+    def delivery(self) -> Any: ...
+    @property
+    def source(self) -> Any: ...
+    @property
+    def batches(self) -> Any: ...
+    @property
+    def streams(self) -> Any: ...
+    @property
+    def payloads(self) -> Any: ...
 
     def new_state(self, epoch: int) -> Any: ...
 
@@ -101,7 +108,7 @@ JOURNAL_KEYS = {
 }  # every key required, this type
 
 
-def journal_path(state_dir: str | os.PathLike | None, rank: int) -> Path | None:
+def journal_path(state_dir: str | os.PathLike[str] | None, rank: int) -> Path | None:
     """Rank `rank`'s journal in `state_dir` (created if missing: a bad directory fails at startup rather
     than mid-round at the first journal); None without a `state_dir`."""
     if not state_dir:
@@ -111,7 +118,7 @@ def journal_path(state_dir: str | os.PathLike | None, rank: int) -> Path | None:
     return path
 
 
-def read_journal(path: str | os.PathLike) -> dict[str, Any]:
+def read_journal(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The rank journal at `path`, checked strictly: a JSON object of version JOURNAL_VERSION with every key
     of JOURNAL_KEYS, each of its type, and no other key.
 

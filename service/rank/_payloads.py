@@ -371,9 +371,14 @@ class Payloads:
         out: list[Payload] = []
         while len(out) < len(ids):  # a reply may hold a prefix (size cap): ask for the rest
             request = pb.FetchRequest(ids=ids[len(out) :], epoch=self._epoch(), rank=home)
+
+            def fetch(request: pb.FetchRequest = request) -> pb.FetchReply:
+                got: pb.FetchReply = self._peer(home).Fetch(request, timeout=60)  # the peer as of now
+                return got
+
             try:
                 reply = retry_while_unreachable(
-                    lambda request=request: self._peer(home).Fetch(request, timeout=60),
+                    fetch,
                     self._coord().lease_s,
                     f"rank {home} (rank {self.rank} fetching moved samples)",
                     stop=self._stop,

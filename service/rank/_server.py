@@ -15,8 +15,9 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent import futures
+from typing import NoReturn
 
 import grpc
 
@@ -30,6 +31,13 @@ from ..preprocess import IngestRefused, Payload
 from ._core import RankServiceCore
 from ._delivery import TrainerStream
 from ._payloads import FetchRefused
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """`context.abort`, which raises (grpc's contract); typed as never returning."""
+    context.abort(code, message)
+    raise AssertionError("grpc's ServicerContext.abort returned")
+
 
 log = logging.getLogger("batchd.rank")
 FETCH_REPLY_BYTES = 16 << 20  # a Fetch reply stops adding samples past this (the message cap is 64 MiB)
@@ -50,11 +58,12 @@ class RankServicer(pb_grpc.RankServiceServicer):
             raise ValueError("a rank service needs at least one rank")
         self.core = next(iter(self.cores.values()))  # the one-rank case
 
-    def _pick(self, rank: int | None, context, what: str) -> RankServiceCore:
+    def _pick(self, rank: int | None, context: grpc.ServicerContext, what: str) -> RankServiceCore:
         if rank is None:
             if len(self.cores) == 1:
                 return self.core
-            context.abort(
+            _abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{what}: this node agent serves ranks {sorted(self.cores)}; the request must name its "
                 f"rank (a client older than node agents?)",
@@ -62,14 +71,17 @@ class RankServicer(pb_grpc.RankServiceServicer):
         core = self.cores.get(rank)
         if core is None:
             served = sorted(self.cores)
-            context.abort(
+            _abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{what} for rank {rank}, but this service serves rank{'s' if len(served) > 1 else ''} "
                 f"{served if len(served) > 1 else served[0]}: check the trainer's rank and address",
             )
         return core
 
-    def Batches(self, request_iterator, context):
+    def Batches(
+        self, request_iterator: Iterator[pb.BatchRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.Batch]:
         try:
             first = next(request_iterator)
         except StopIteration:
@@ -129,7 +141,9 @@ class RankServicer(pb_grpc.RankServiceServicer):
             yield batch
             core.sent(stream, step)
 
-    def Ingest(self, request_iterator, context):
+    def Ingest(
+        self, request_iterator: Iterator[pb.IngestRequest], context: grpc.ServicerContext
+    ) -> pb.IngestReply:
         """Decodes each pushed record and hands it to the rank's `IngestSource.ingest` (which validates and
         queues it, or quarantines it); replies with the counts. A refusal (`IngestRefused`) ends the stream
         with FAILED_PRECONDITION."""
@@ -163,7 +177,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.IngestReply(accepted=accepted, quarantined=quarantined)
 
-    def Fetch(self, request, context):
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchReply:
         """The payloads of `request.ids`, in order: a prefix of them when the reply would pass
         `fetch_reply_bytes` (at least one); the caller asks again for the rest. Samples of this epoch or of
         the one before (a peer still finishing it) are served; another epoch is refused."""
@@ -172,10 +186,10 @@ class RankServicer(pb_grpc.RankServiceServicer):
             samples = core.lend_out([int(i) for i in request.ids], int(request.epoch), self.fetch_reply_bytes)
         except FetchRefused as exc:
             code = grpc.StatusCode.NOT_FOUND if exc.not_found else grpc.StatusCode.FAILED_PRECONDITION
-            context.abort(code, str(exc))
+            _abort(context, code, str(exc))
         return pb.FetchReply(samples=samples)
 
-    def RankStatus(self, request, context):
+    def RankStatus(self, request: pb.RankStatusRequest, context: grpc.ServicerContext) -> pb.RankStatusReply:
         core = self._pick(int(request.rank) if request.HasField("rank") else None, context, "RankStatus")
         with core.cond:
             state = "failed" if core.failure else ("done" if core.done else "running")
