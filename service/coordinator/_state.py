@@ -1,6 +1,7 @@
 """The coordinator's logic for one job: registration, the two barriers of every round, epochs, job end.
 
-`CoordinatorState` is thread-safe and knows no gRPC (`_servicer` is the wire layer over it).
+`CoordinatorState` is thread-safe and knows no gRPC nor protobuf: it takes and answers core types
+(`_answers`); `_servicer` is the wire layer over it, with `_convert` for the replies.
 
 Per round: every rank sends `Align` (its report) and waits until all N reports are in, then the core
 decides T (or the balanced plan) and every call returns it; `Commit` works the same way and returns
@@ -44,13 +45,13 @@ from batchd.core import (
     RoundDecision,
     RoundTotals,
 )
-from batchd.proto import batchd_pb2 as pb
 
 from .._journal import Journal
 from .._metrics import CoordinatorMetrics
 from . import _recovery as recovery
 from . import _resize as resizing
 from . import _topology as topo
+from ._answers import JobStatus, Registration, Resumed
 from ._barrier import Barrier, ShuttingDown
 from ._gone import BrokenStreams
 from ._observe import observe_commit, observe_decision
@@ -164,12 +165,13 @@ class CoordinatorState:
     snapshot_records = _snapshot
 
     # -- resize (`_resize`) ------------------------------------------------------------------------------
-    def resume(self, rank: int, epoch: int, step: int, from_world: int) -> tuple[int, int, int, str, bool]:
+    def resume(self, rank: int, epoch: int, step: int, from_world: int) -> Resumed:
         """A rank of the resized job resumes its trainer's (epoch, step) (`_resize.resume`)."""
         with self._lock:
             self._check_alive([rank])
             self._touch([rank], "Resume")
-            return resizing.resume(self, rank, epoch, step, from_world)
+            epoch, rnd, step, remainder, job_end = resizing.resume(self, rank, epoch, step, from_world)
+            return Resumed(epoch, rnd, step, remainder, job_end, resizing.generation(self))
 
     def _restore(self, records: list[dict[str, Any]]) -> None:
         """Rebuilds the state from the journal's records (`_recovery`), then compacts the journal."""
@@ -328,13 +330,21 @@ class CoordinatorState:
             self._compact_if_due()
         self.liveness.register(rank, time.monotonic())
 
-    def _addresses(self) -> list[str]:
-        addrs = [self.addresses.get(r, "") for r in range(self.spec.world_size)]
-        return addrs if all(addrs) else []
+    def _registration(self) -> Registration:
+        addrs = tuple(self.addresses.get(r, "") for r in range(self.spec.world_size))
+        return Registration(
+            self.epoch,
+            self.core.round,
+            addrs if all(addrs) else (),
+            self.lease_s,
+            resizing.generation(self),
+            resizing.resume_needed(self),
+        )
 
-    def register(self, rank: int, spec: JobSpec, address: str) -> tuple[int, int, list[str]]:
-        """Rank `rank` at `address` registers (again, after a restart): (epoch, round, every rank's
-        address, or [] until all registered). Raises ValueError, ProtocolError, JobFailed, ShuttingDown."""
+    def register(self, rank: int, spec: JobSpec, address: str) -> Registration:
+        """Rank `rank` at `address` registers (again, after a restart): where the job is, every rank's
+        address (none until all registered), the lease and the resize. Raises ValueError, ProtocolError,
+        JobFailed, ShuttingDown."""
         with self._lock:
             self._check_alive([rank])
             self.check_rank(rank, "Register")
@@ -342,11 +352,9 @@ class CoordinatorState:
             # A rank a node agent serves keeps its node when it registers alone (refreshing its peers).
             node = self.node_of.get(rank) if self.addresses.get(rank) == address else None
             self._register_locked(rank, address, node)
-            return self.epoch, self.core.round, self._addresses()
+            return self._registration()
 
-    def register_node(
-        self, node: str, ranks: list[int], spec: JobSpec, address: str
-    ) -> tuple[int, int, list[str]]:
+    def register_node(self, node: str, ranks: list[int], spec: JobSpec, address: str) -> Registration:
         """A node agent (`node`, its name) serving `ranks` at `address` registers them all (again, after a
         restart); returns as `register`. Refuses a rank that another node agent serves and that is still
         alive (`_topology.check_claim`)."""
@@ -362,7 +370,7 @@ class CoordinatorState:
             topo.label_node(node, self.node_of, self.addresses, self.liveness)
             self.broken.back(node)
             log.info("node agent %r at %s registered rank(s) %s", node, address, topo.span(sorted(ranks)))
-            return self.epoch, self.core.round, self._addresses()
+            return self._registration()
 
     def topology(self) -> list[int] | None:
         """The node index of every rank, or None while node-blind (`_topology.node_indices`)."""
@@ -575,16 +583,16 @@ class CoordinatorState:
         self._complete(("commit", *key), totals)
         return totals
 
-    def status(self) -> pb.StatusReply:
-        """The `Status` reply: state, failure, epoch, round, registered and finished ranks, the last 100
+    def status(self) -> JobStatus:
+        """What `Status` reports: state, failure, epoch, round, registered and finished ranks, the last 100
         rounds' latencies (ms, first report -> totals)."""
         with self._lock:
-            return pb.StatusReply(
+            return JobStatus(
                 state=self.state,
                 failure=self.failure or "",
                 epoch=self.epoch,
                 round=self.core.round,
-                registered=sorted(self.addresses),
-                round_latency_ms=list(self.latencies_ms)[-100:],
-                finished=sorted(self.liveness.finished),
+                registered=tuple(sorted(self.addresses)),
+                finished=tuple(sorted(self.liveness.finished)),
+                round_latency_ms=tuple(list(self.latencies_ms)[-100:]),
             )
