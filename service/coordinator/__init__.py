@@ -4,9 +4,11 @@
 
 - `_state`: `CoordinatorState`, the job's logic (thread-safe, no gRPC, no protobuf): registration, the
   align and commit barriers of every round, epochs, job end; its answers are `_answers`' core types;
+- `_round`: `RoundInbox`, the round in progress: its reports and commits, its pending barriers;
 - `_barrier`: `Barrier`, one barrier's outcome and how sync and async waiters get it; `ShuttingDown`;
 - `_watchdog`: the lease watchdog thread (liveness, never speed);
 - `_recovery`: the journal's records, the replay tables, snapshot and restore (restart after kill -9);
+- `_resize`: a resized job, as functions over explicit values returning what changes (`Position`);
 - `_topology`: node agents' claims on ranks, their labels, the node index per rank;
 - `_observe`: the per-round metrics;
 - `_session`: `NodeSession`, one node agent's `Node` stream (version and ownership checks, its view of
