@@ -203,8 +203,7 @@ class Payloads:
             ranks still to take each.
         address: This rank's own address (for asking the coordinator for its peers').
         peers: Every rank's address, by rank (as the coordinator last said).
-        local_peers: The other ranks of this node agent, in process (objects with `take_lent` and
-            `source`: their `RankServiceCore`s).
+        local_peers: The other ranks of this node agent, in process (their `Payloads`).
         fetched: Moved-in samples taken in process ("local") and fetched over gRPC ("remote").
     """
 
@@ -228,7 +227,7 @@ class Payloads:
         self._lend_lock = threading.Lock()
         self.address = ""
         self.peers: list[str] = []
-        self.local_peers: Mapping[int, Any] = {}
+        self.local_peers: Mapping[int, Payloads] = {}
         self.fetched = {"local": 0, "remote": 0}
         self._peer_stubs: dict[str, pb_grpc.RankServiceStub] = {}  # one channel per peer address, for the job
         self._peer_channels: list[grpc.Channel] = []
@@ -401,7 +400,7 @@ class Payloads:
         self.fetched["remote"] += len(out)
         return out
 
-    def _take_local(self, home: Any, ids: list[int]) -> list[Payload]:
+    def _take_local(self, home: Payloads, ids: list[int]) -> list[Payload]:
         """Moved samples of a rank of this node agent: references handed over in process, no copy."""
         out = []
         for i in ids:

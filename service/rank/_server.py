@@ -89,7 +89,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
         core = self._pick(int(first.rank) if first.HasField("rank") else None, context, "Batches")
         stream = TrainerStream(context.peer(), context)
         try:
-            outcome = core.connect(
+            outcome = core.streams.connect(
                 stream,
                 int(first.epoch),
                 int(first.start_step),
@@ -109,7 +109,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
         if outcome.outcome != ATTACHED:
             log.warning("Batches: refused trainer %s: %s", stream, outcome.reason)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, outcome.reason or "not attached")
-        context.add_callback(lambda: core.detach(stream))
+        context.add_callback(lambda: core.streams.detach(stream))
 
         def read_acks() -> None:
             try:
@@ -119,7 +119,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
                             stream, int(req.saved_epoch), int(req.saved_step), req.saved_durable
                         )
                     else:
-                        core.ack(stream, int(req.ack_step))
+                        core.streams.ack(stream, int(req.ack_step))
             except grpc.RpcError:
                 pass
             except ValueError:  # the stream ended under the reader
@@ -128,7 +128,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
         threading.Thread(target=read_acks, name=f"batchd-acks-{core.rank}", daemon=True).start()
         while True:
             try:
-                item = core.next_item(stream)
+                item = core.streams.next_item(stream)
             except RuntimeError as exc:
                 core.failure_told = core.failure is not None
                 context.abort(grpc.StatusCode.ABORTED, str(exc))
@@ -139,7 +139,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
                 return
             step, batch = item
             yield batch
-            core.sent(stream, step)
+            core.streams.sent(stream, step)
 
     def Ingest(
         self, request_iterator: Iterator[pb.IngestRequest], context: grpc.ServicerContext
@@ -204,8 +204,8 @@ class RankServicer(pb_grpc.RankServiceServicer):
                 failure=core.failure or "",
                 epoch=core.epoch,
                 epochs=core.spec.epochs,
-                fetched_local=core.fetched["local"],
-                fetched_remote=core.fetched["remote"],
+                fetched_local=core.store.fetched["local"],
+                fetched_remote=core.store.fetched["remote"],
                 job_samples=job_samples(core),
                 max_tokens=max_tokens(core),
             )
