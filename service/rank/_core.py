@@ -10,7 +10,8 @@ protocol against the coordinator:
 and a watcher thread judges the trainer's liveness. The parts, each in its own module:
     `_delivery`  the trainer streams (attach, credits, acks) over `core.Delivery`: `TrainerSide`
     `_payloads`  the payloads held, lent to and fetched from peers, and collation: `Payloads`, `collate`
-    `_journal`   the rank journal (written after every round and fill; `restore` on a restart)
+    `_journal`   the rank journal (written after every round and fill; a restart builds the core from its
+                 `JournalRecord`: `_restore`)
     `_server`    the gRPC servicer over one or several cores
 
 Deterministic mode (`JobSpec.deterministic`): the rank reports only a full window (or its source's end),
