@@ -391,9 +391,6 @@ class CoordinatorState:
                 self.informed.update(ranks)
             return self.state, self.failure or ""
 
-    def heartbeat(self, rank: int) -> tuple[str, str]:
-        return self.heartbeat_many([rank])
-
     def finish(self, rank: int) -> None:
         """Rank `rank`'s trainer took the job's last step (ProtocolError before the last round)."""
         with self._lock:
