@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -71,6 +71,28 @@ def call_coordinator(
         raise CoordinatorError(
             f"{what} from rank {rank} failed: {exc.code().name}: {exc.details()}", exc.code()
         ) from None
+
+
+class CoordinatorLink(Protocol):
+    """What a rank service calls of its coordinator: a `CoordinatorClient` of its own, or, in a node
+    agent, the node's `LocalRankClient` (its aligns and commits ride the node's one stream)."""
+
+    @property
+    def lease_s(self) -> float: ...
+
+    def register(self, my_address: str) -> pb.RegisterReply: ...
+
+    def align(self, epoch: int, report: RankReport) -> RoundDecision: ...
+
+    def commit(self, epoch: int, commit: RankCommit) -> RoundTotals: ...
+
+    def resume(self, epoch: int, step: int, from_world: int) -> pb.ResumeReply: ...
+
+    def finish(self) -> None: ...
+
+    def fail(self, reason: str) -> None: ...
+
+    def start_heartbeats(self, on_failure: Callable[[str], None]) -> None: ...
 
 
 class CoordinatorClient:

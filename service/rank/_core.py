@@ -51,7 +51,7 @@ from batchd.core import (
 from batchd.proto import Security
 from batchd.proto import batchd_pb2 as pb
 
-from .._coord_client import CoordinatorClient
+from .._coord_client import CoordinatorLink
 from .._metrics import RankMetrics, materialized_tokens
 from ..preprocess import (
     EXHAUSTED,
@@ -89,7 +89,7 @@ class RankServiceCore:
         self,
         rank: int,
         spec: JobSpec,
-        coordinator: CoordinatorClient,
+        coordinator: CoordinatorLink,
         source: Source,
         state_dir: str | os.PathLike[str] | None = None,
         epoch: int = 0,

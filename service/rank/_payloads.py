@@ -58,7 +58,7 @@ from batchd.proto import CHANNEL_OPTIONS, Security, Unreachable, channel, retry_
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
-from .._coord_client import CoordinatorClient
+from .._coord_client import CoordinatorLink
 from ..preprocess import Payload, Source, loss_tokens_of, resolve_many
 
 log = logging.getLogger("batchd.rank")
@@ -212,7 +212,7 @@ class Payloads:
         rank: int,
         world_size: int,
         source: Source,
-        coord: Callable[[], CoordinatorClient],
+        coord: Callable[[], CoordinatorLink],
         security: Security | None,
         stop: threading.Event,
         epoch: Callable[[], int],
