@@ -24,6 +24,7 @@ Imports `batchd.core` and `batchd.proto` only; nothing from the daemon.
 """
 
 import importlib
+from typing import Any
 
 from batchd.core import BatchdError, JobFailed
 
@@ -66,7 +67,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

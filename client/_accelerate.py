@@ -100,7 +100,8 @@ def logits_of(outputs: Any) -> torch.Tensor:
         return outputs
     if isinstance(outputs, Mapping) or hasattr(outputs, "keys"):
         if "logits" in outputs:
-            return outputs["logits"]
+            logits: torch.Tensor = outputs["logits"]
+            return logits
         raise ValueError(f"the model output has no 'logits': keys={list(outputs.keys())}")
     if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], torch.Tensor):
         return outputs[0]

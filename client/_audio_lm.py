@@ -168,7 +168,8 @@ class AudioAdapter:
         hidden = tower(features, attention_mask=attention).last_hidden_state
         projected = self.inner.multi_modal_projector(hidden)  # [clips, window tokens, hidden]
         keep = torch.arange(projected.shape[1], device=projected.device)[None, :] < out_lengths[:, None]
-        return projected[keep.to(projected.device)]
+        rows: torch.Tensor = projected[keep.to(projected.device)]
+        return rows
 
     def audio(
         self, feats: Any, frames: Any, exchange: Mapping[str, Any]

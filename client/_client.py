@@ -45,8 +45,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Generator, Iterator, Mapping
+from typing import Any, cast
 
 import grpc
 import torch
@@ -117,7 +117,8 @@ class BatchClient:
             tuple[int, int, bool]
         ] = []  # checkpoints to tell the service, (epoch, step, durable)
         self._marks_lock = threading.Lock()
-        self._open_requests: queue.Queue | None = None  # the open stream's requests (acks, checkpoints)
+        # The open stream's requests: acks (int), checkpoints (epoch, step, durable), None to end it.
+        self._open_requests: queue.Queue[int | tuple[int, int, bool] | None] | None = None
         self._last_point: tuple[int, int] | None = None
         self.resize_from = 0  # `load_state_dict(..., resize=True)` of a state saved at another world size
         if security is not None and (token is not None or tls_ca is not None):
@@ -231,9 +232,10 @@ class BatchClient:
         while True:
             left = limit - (time.monotonic() - start)
             try:  # no wait_for_ready: a refused connection fails at once, and its reason is logged
-                return self.stub.RankStatus(
+                reply: pb.RankStatusReply = self.stub.RankStatus(
                     pb.RankStatusRequest(rank=self.rank), timeout=max(min(left, WAIT_LOG_S), 0.1)
                 )
+                return reply
             except grpc.RpcError as exc:
                 now = time.monotonic()
                 if not (transient(exc) or exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -269,7 +271,7 @@ class BatchClient:
         )
 
     # -- iteration -----------------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:
+    def __iter__(self) -> Generator[tuple[dict[str, Any], StepInfo], None, None]:
         start = None
         last_log = time.monotonic()
         while not self.finished:
@@ -312,7 +314,7 @@ class BatchClient:
                     raise self._unreachable("Batches", code, details, limit, not self._connected) from None
                 raise RankServiceError(f"{self._party()}: {code.name}: {details}", code) from None
 
-    def _requests(self, acks: queue.Queue) -> Iterator[pb.BatchRequest]:
+    def _requests(self, acks: queue.Queue[int | tuple[int, int, bool] | None]) -> Iterator[pb.BatchRequest]:
         """A `Batches` call's requests: where to start, then each ack (an int) and checkpoint (a tuple)."""
         yield pb.BatchRequest(
             start_step=self.next_step,
@@ -330,10 +332,10 @@ class BatchClient:
             else:
                 yield pb.BatchRequest(ack_step=item)
 
-    def _stream(self) -> Iterator[tuple[dict[str, torch.Tensor], StepInfo]]:
+    def _stream(self) -> Iterator[tuple[dict[str, Any], StepInfo]]:
         """One `Batches` call. A receiver thread reads and decodes up to `credits` batches ahead while the
         trainer computes (torch releases the GIL), so receiving and decoding hide behind the step."""
-        acks: queue.Queue = queue.Queue()
+        acks: queue.Queue[int | tuple[int, int, bool] | None] = queue.Queue()
         with self._marks_lock:  # checkpoints taken while no stream was open go first
             for mark in self._marks:
                 acks.put(mark)
@@ -341,10 +343,10 @@ class BatchClient:
             self._open_requests = acks
 
         call = self.stub.Batches(self._requests(acks))
-        ready: queue.Queue = queue.Queue(maxsize=self.credits)
+        ready: queue.Queue[object] = queue.Queue(maxsize=self.credits)
         stop = threading.Event()
 
-        def put(item) -> bool:
+        def put(item: object) -> bool:
             while not stop.is_set():
                 try:
                     ready.put(item, timeout=0.1)
@@ -362,7 +364,8 @@ class BatchClient:
                     info = wire.info_from_pb(batch.info)
                     if info.step != expected:
                         raise BatchdError(f"rank {self.rank}: expected step {expected}, got {info.step}")
-                    tensors = {
+                    # Model inputs: tensors, and max_seqlen as a plain int (flash-attention's kwarg).
+                    tensors: dict[str, Any] = {
                         name: torch.from_numpy(arr.copy())
                         for name, arr in wire.tensors_from_pb(batch.tensors).items()
                     }
@@ -392,7 +395,7 @@ class BatchClient:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                tensors, info = item
+                tensors, info = cast(tuple[dict[str, Any], StepInfo], item)
                 self.next_step = info.step + 1
                 yield tensors, info
                 acks.put(self.next_step)

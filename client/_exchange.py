@@ -132,7 +132,7 @@ def _all_to_all(
 class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         encoded: torch.Tensor,
         send: list[int],
         recv: list[int],
@@ -147,7 +147,7 @@ class _Exchange(torch.autograd.Function):
         return received.index_select(0, gather)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None, None, None]:
         (inverse,) = ctx.saved_tensors
         back = grad.index_select(0, inverse)  # rows in received order again
         grad_encoded = _all_to_all(back, sum(ctx.send), ctx.send, ctx.recv, ctx.group, ctx.world)
@@ -207,7 +207,11 @@ def exchange_embeddings(
         )
     gather, inverse = _plan(encoded.shape[0], send, recv, placement, image_tokens, keys)
     gather_t, inverse_t = (torch.from_numpy(ix).to(encoded.device) for ix in (gather, inverse))
-    return _Exchange.apply(encoded, send, recv, gather_t, inverse_t, group, world)
+    # torch's autograd.Function.apply is declared without types.
+    out: torch.Tensor = _Exchange.apply(  # type: ignore[no-untyped-call]
+        encoded, send, recv, gather_t, inverse_t, group, world
+    )
+    return out
 
 
 def exchange_image_embeddings(

@@ -69,12 +69,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import torch
 import transformers
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from batchd.core import StepInfo
 
 from ._accelerate import accumulation_windows, hf_model_inputs, logits_of
 from ._client import BatchClient
@@ -105,7 +107,7 @@ class BatchdStream:
     def __init__(self, client: BatchClient, epochs: int | None = None) -> None:
         _check_epochs(epochs)
         self.client, self.epochs = client, epochs
-        self._it: Iterator | None = None
+        self._it: Generator[tuple[dict[str, Any], StepInfo], None, None] | None = None
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.close()
@@ -118,7 +120,7 @@ class BatchdStream:
         while True:
             self._it = iter(client)
             for batch, info in self._it:
-                batch[INFO_KEY] = info
+                batch[INFO_KEY] = info  # the trainer's loss reads the step's weights here
                 yield batch
             if client.epoch + 1 >= self.epochs:
                 return
@@ -212,8 +214,8 @@ class BatchdTrainer(transformers.Trainer):
         return self._stream
 
     def get_batch_samples(
-        self, epoch_iterator: Iterator, num_batches: int, device: torch.device
-    ) -> tuple[list, None]:
+        self, epoch_iterator: Iterator[dict[str, Any]], num_batches: int, device: torch.device
+    ) -> tuple[list[dict[str, Any]], None]:
         """The next optimizer step's inputs: one batchd update (``gradient_accumulation_steps`` = 1), or
         k one-step updates weighted over their window (module docstring).
 
@@ -281,7 +283,7 @@ class BatchdTrainer(transformers.Trainer):
 
     def _track_num_input_tokens(self, inputs: dict[str, Any]) -> None:
         for batch in inputs.get(UPDATE_KEY, [inputs]):
-            super()._track_num_input_tokens(batch)
+            super()._track_num_input_tokens(batch)  # type: ignore[no-untyped-call]  # transformers: untyped
 
     # -- loss ------------------------------------------------------------------------------------------
     def compute_loss(
@@ -331,10 +333,10 @@ class BatchdTrainer(transformers.Trainer):
             ValueError: if the checkpoint to resume from has no batchd client state for this rank.
         """
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)  # type: ignore[no-untyped-call]
             if resume_from_checkpoint is None:
                 raise ValueError(f"no checkpoint to resume from in {self.args.output_dir=}")
-        if resume_from_checkpoint:
+        if isinstance(resume_from_checkpoint, str) and resume_from_checkpoint:
             path = os.path.join(resume_from_checkpoint, CLIENT_STATE_FILE.format(rank=self.client.rank))
             if not os.path.isfile(path):
                 raise ValueError(

@@ -62,7 +62,7 @@ package ``batchd.client`` imports this module lazily.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -71,6 +71,8 @@ try:  # the unified package when present (its Trainer checks against its own Lig
     import lightning.pytorch as pl
 except ImportError:  # pragma: no cover - depends on what is installed
     import pytorch_lightning as pl
+
+from batchd.core import StepInfo
 
 from ._accelerate import batchd_loss, hf_model_inputs
 from ._client import BatchClient
@@ -108,7 +110,7 @@ class _Stream:
         return self.dm._epoch()
 
 
-class BatchdDataModule(pl.LightningDataModule):
+class BatchdDataModule(pl.LightningDataModule):  # type: ignore[misc]  # Lightning: not type-checked here
     """A ``LightningDataModule`` over this rank's batchd stream (module docstring).
 
     Args:
@@ -131,7 +133,7 @@ class BatchdDataModule(pl.LightningDataModule):
             )
         self._source, self.epochs = client, epochs
         self._client: BatchClient | None = client if isinstance(client, BatchClient) else None
-        self._it: Iterator | None = None
+        self._it: Generator[tuple[dict[str, Any], StepInfo], None, None] | None = None
         self._trained: tuple[int, int] | None = None  # (epoch, step) of the last batch sent to training
         self._saving = False  # a checkpoint's state_dict was taken; its save completes before the next batch
         self._pending: Mapping[str, Any] | None = None  # a state loaded before the client existed
@@ -141,7 +143,8 @@ class BatchdDataModule(pl.LightningDataModule):
     def client(self) -> BatchClient:
         """This rank's client (made by the factory on first use)."""
         if self._client is None:
-            client = self._source()
+            source = self._source
+            client = source if isinstance(source, BatchClient) else source()
             if not isinstance(client, BatchClient):
                 raise ValueError(f"the client factory must return a BatchClient, got {type(client).__name__}")
             self._client = client
@@ -252,7 +255,7 @@ class BatchdDataModule(pl.LightningDataModule):
         self._restore(state_dict)
 
     def _restore(self, state: Mapping[str, Any]) -> None:
-        client = self._client
+        client = self.client  # made already: a state loaded before it waits in `_pending`
         client.load_state_dict({**state, "rank": client.rank})  # refuses another world size or version
         self._trained, self._pending = None, None
 

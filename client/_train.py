@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -144,17 +144,20 @@ def forward_logits(model: torch.nn.Module, batch: Mapping[str, Any]) -> torch.Te
     check_model_batch(model, batch)
     if getattr(getattr(model, "module", model), "takes_batch", False):
         out = model(batch)
-        return out if isinstance(out, torch.Tensor) else out["logits"]
+        logits: torch.Tensor = out if isinstance(out, torch.Tensor) else out["logits"]
+        return logits
     if batch.get("cu_seqlens") is not None:  # a packed row: varlen attention
-        return model(
+        logits = model(
             batch["input_ids"],
             attention_mask=batch.get("attention_mask"),
             position_ids=batch.get("position_ids"),
             cu_seqlens=batch["cu_seqlens"],
         )
-    return model(
+        return logits
+    logits = model(
         batch["input_ids"], attention_mask=batch.get("attention_mask"), position_ids=batch.get("position_ids")
     )
+    return logits
 
 
 def train_step(
@@ -194,7 +197,7 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
     with accumulating(ddp_model, info):
         loss, mean = step_loss(ddp_model, batch, info, next(ddp_model.parameters()).device)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch declares Tensor.backward untyped
     if info.update_end:
         apply_update_scale(ddp_model, info)
         optimizer.step()
@@ -238,7 +241,7 @@ def check_one_step_update(info: Any, where: str) -> None:
         )
 
 
-def optimizer_updates(steps: Iterable[tuple[Any, Any]]) -> Iterator[list[tuple[Any, Any]]]:
+def optimizer_updates(steps: Iterable[tuple[Any, Any]]) -> Generator[list[tuple[Any, Any]], None, None]:
     """Groups a rank's (batch, StepInfo) stream into its optimizer updates, each weighted over itself
     (`weigh_update`): each list holds the steps of one update, the last with ``update_end``.
 
@@ -299,7 +302,7 @@ def weigh_update(update: list[tuple[Any, Any]]) -> list[tuple[Any, Any]]:
     return [(b, dataclasses.replace(i, loss_scale=i.loss_scale * scale, update_scale=1.0)) for b, i in update]
 
 
-def weighted_steps(steps: Iterable[tuple[Any, Any]]) -> Iterator[tuple[Any, Any]]:
+def weighted_steps(steps: Iterable[tuple[Any, Any]]) -> Generator[tuple[Any, Any], None, None]:
     """`optimizer_updates` flattened: the stream's steps in order, each weighted over its update (read
     an update ahead). Loops that take one step at a time (``batchd_deepspeed_backward``) read this."""
     updates = optimizer_updates(steps)

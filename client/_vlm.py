@@ -99,7 +99,9 @@ class _Family:
     grids: bool  # pixel_values are patch rows split by image_grid_thw (else one [3, S, S] image per row)
 
 
-def _qwen_encode(inner: Any, pixels: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+def _qwen_encode(inner: Any, pixels: torch.Tensor, grid: torch.Tensor | None) -> torch.Tensor:
+    if grid is None:
+        raise ValueError(f"a Qwen2-VL family model needs image_grid_thw with its pixels, got {grid=}")
     out = inner.get_image_features(pixels, grid, return_dict=True)
     return torch.cat(tuple(out.pooler_output), dim=0)
 
@@ -120,7 +122,7 @@ def _llava_encode(inner: Any, pixels: torch.Tensor, grid: torch.Tensor | None) -
 
 _QWEN = _Family(mrope=True, grids=True)
 _LLAVA = _Family(mrope=False, grids=False)
-VLM_FAMILIES: dict[str, tuple[_Family, Callable]] = {
+VLM_FAMILIES: dict[str, tuple[_Family, Callable[[Any, torch.Tensor, torch.Tensor | None], torch.Tensor]]] = {
     "qwen2_vl": (_QWEN, _qwen_encode),
     "qwen2_5_vl": (_QWEN, _qwen_encode),
     "llava": (_LLAVA, _llava_encode),
@@ -325,7 +327,9 @@ class _Adapter:
                 kwargs.pop("position_ids")  # 1-D positions: the model computes M-RoPE from the grids
         from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-        kwargs["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(own,))}
+        # The model reads pooler_output as a tuple of per-image rows (what its own encoder returns).
+        own_outputs = BaseModelOutputWithPooling(pooler_output=(own,))  # type: ignore[arg-type]
+        kwargs["mm_encoder_outputs"] = {"image": own_outputs}
         out = self.forward(input_ids=input_ids, **kwargs)
         if anchor is not None:
             out["logits"] = out["logits"] + anchor.to(out["logits"].dtype)
@@ -363,5 +367,5 @@ def two_phase(model: torch.nn.Module, group: Any = None) -> torch.nn.Module:
         adapter = _Adapter(model, group)
     object.__setattr__(model, _ADAPTED, adapter)
     model.forward = types.MethodType(_adapted_forward, model)
-    model.takes_batch = True
+    model.takes_batch = True  # type: ignore[assignment]  # a plain flag on the module, not a submodule
     return model

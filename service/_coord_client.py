@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any, Protocol
 
 import grpc
 
@@ -43,12 +44,12 @@ def call_coordinator(
     address: str,
     rank: int,
     what: str,
-    fn: Callable,
-    request,
+    fn: Callable[..., Any],
+    request: Any,
     timeout: float | None,
     retry_s: float,
     stop: threading.Event,
-):
+) -> Any:
     """`fn(request, timeout=timeout)`, a unary call of rank `rank` to the coordinator at `address`, retried
     while the coordinator is unreachable for up to `retry_s` (or until `stop`); raises CoordinatorError
     naming the address, the call and the rank (its gRPC code kept) when it gives up or is refused."""
@@ -70,6 +71,28 @@ def call_coordinator(
         raise CoordinatorError(
             f"{what} from rank {rank} failed: {exc.code().name}: {exc.details()}", exc.code()
         ) from None
+
+
+class CoordinatorLink(Protocol):
+    """What a rank service calls of its coordinator: a `CoordinatorClient` of its own, or, in a node
+    agent, the node's `LocalRankClient` (its aligns and commits ride the node's one stream)."""
+
+    @property
+    def lease_s(self) -> float: ...
+
+    def register(self, my_address: str) -> pb.RegisterReply: ...
+
+    def align(self, epoch: int, report: RankReport) -> RoundDecision: ...
+
+    def commit(self, epoch: int, commit: RankCommit) -> RoundTotals: ...
+
+    def resume(self, epoch: int, step: int, from_world: int) -> pb.ResumeReply: ...
+
+    def finish(self) -> None: ...
+
+    def fail(self, reason: str) -> None: ...
+
+    def start_heartbeats(self, on_failure: Callable[[str], None]) -> None: ...
 
 
 class CoordinatorClient:
@@ -98,13 +121,15 @@ class CoordinatorClient:
         self._stop.set()
         self.channel.close()
 
-    def _call(self, what: str, fn: Callable, request, timeout: float | None, retry_s: float):
+    def _call(
+        self, what: str, fn: Callable[..., Any], request: Any, timeout: float | None, retry_s: float
+    ) -> Any:  # the protobuf reply of `fn`
         return call_coordinator(self.address, self.rank, what, fn, request, timeout, retry_s, self._stop)
 
     def register(self, my_address: str) -> pb.RegisterReply:
         """Registers (again: a restarted rank, or a rank refreshing its peers' addresses)."""
         retry = self.lease_s if self.registered else self.startup_timeout_s
-        reply = self._call(
+        reply: pb.RegisterReply = self._call(
             "Register",
             self.stub.Register,
             pb.RegisterRequest(rank=self.rank, spec=wire.spec_to_pb(self.spec), address=my_address),

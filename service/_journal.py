@@ -23,7 +23,7 @@ import os
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 log = logging.getLogger("batchd.journal")
 VERSION = 1
@@ -40,7 +40,8 @@ def encode_record(record: Mapping[str, Any]) -> bytes:
 
 def decode_records(data: bytes) -> tuple[list[dict[str, Any]], int, str | None]:
     """Parses `data`: (records, bytes of valid records, why the rest is bad or None)."""
-    records, pos = [], 0
+    records: list[dict[str, Any]] = []
+    pos = 0
     while pos < len(data):
         end = data.find(b"\n", pos)
         if end < 0:
@@ -63,10 +64,10 @@ def decode_records(data: bytes) -> tuple[list[dict[str, Any]], int, str | None]:
 class Journal:
     """The journal at `path` for the job named by `job` (a JSON-safe mapping; see module docstring)."""
 
-    def __init__(self, path: str | os.PathLike, job: Mapping[str, Any]) -> None:
+    def __init__(self, path: str | os.PathLike[str], job: Mapping[str, Any]) -> None:
         self.path = Path(path)
         self.job = dict(job)
-        self._fh = None
+        self._fh: BinaryIO | None = None
         self.records_written = 0
 
     def _header(self) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.metrics_core import Metric
 
 
 def start_metrics_server(
@@ -56,7 +57,7 @@ class MergedRegistry:
     def __init__(self, registries: list[CollectorRegistry]) -> None:
         self.registries = list(registries)
 
-    def collect(self):
+    def collect(self) -> list[Metric]:
         families: dict[str, Any] = {}
         for registry in self.registries:
             for family in registry.collect():

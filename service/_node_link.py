@@ -26,7 +26,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import grpc
 
@@ -56,9 +57,10 @@ class _Call:
 
     __slots__ = ("rank", "kind", "epoch", "round", "message", "result", "error", "done")
 
-    def __init__(self, rank: int, kind: str, epoch: int, rnd: int, message) -> None:
+    def __init__(self, rank: int, kind: str, epoch: int, rnd: int, message: RankReport | RankCommit) -> None:
         self.rank, self.kind, self.epoch, self.round, self.message = rank, kind, epoch, rnd, message
-        self.result = self.error = None
+        self.result: RoundDecision | RoundTotals | None = None
+        self.error: CoordinatorError | None = None
         self.done = False
 
     @property
@@ -70,7 +72,7 @@ class _Requests:
     """The request side of the stream: an iterator fed by `put`, ended by `close`."""
 
     def __init__(self) -> None:
-        self._q: queue.Queue = queue.Queue()
+        self._q: queue.Queue[pb.NodeRequest | None] = queue.Queue()
 
     def put(self, request: pb.NodeRequest) -> None:
         self._q.put(request)
@@ -78,7 +80,7 @@ class _Requests:
     def close(self) -> None:
         self._q.put(None)
 
-    def __iter__(self):
+    def __iter__(self) -> _Requests:
         return self
 
     def __next__(self) -> pb.NodeRequest:
@@ -119,7 +121,7 @@ class NodeLink:
         self.pending: dict[int, _Call] = {}
         self.running = set(self.ranks)  # ranks whose round loop still calls (not finished)
         self._requests: _Requests | None = None
-        self._replies = None
+        self._replies: Iterator[pb.NodeReply] | None = None
         self._stop = threading.Event()
         self._hello_lock = threading.Lock()
         self._on_failure: list[Callable[[str], None]] = []
@@ -136,9 +138,9 @@ class NodeLink:
         """Opens a stream and says hello; returns the registration (raises grpc.RpcError)."""
         if self._requests is not None:
             self._requests.close()
-        self._requests = _Requests()
-        self._replies = self.stub.Node(self._requests)
-        self._requests.put(
+        self._requests = requests = _Requests()
+        self._replies = replies = cast(Iterator[pb.NodeReply], self.stub.Node(requests))
+        requests.put(
             pb.NodeRequest(
                 hello=pb.NodeHello(
                     protocol=pb.NODE_PROTOCOL_V1,
@@ -150,13 +152,13 @@ class NodeLink:
                 )
             )
         )
-        reply = next(self._replies)
+        reply = next(replies)
         if reply.WhichOneof("kind") != "registered":
             raise RuntimeError(
                 f"the coordinator answered the hello of node agent {self.node!r} with "
                 f"{reply.WhichOneof('kind')}"
             )
-        registered = reply.registered
+        registered: pb.RegisterReply = reply.registered
         self.lease_s = registered.lease_ms / 1000 or self.lease_s
         self.position = (int(registered.epoch), int(registered.round))
         self.registered = registered
@@ -193,7 +195,7 @@ class NodeLink:
             if self.registered is not None:
                 return self.registered
             try:
-                reply = retry_while_unreachable(
+                reply: pb.RegisterReply = retry_while_unreachable(
                     self._open, self.startup_timeout_s, self._what("hello"), stop=self._stop, logger=log
                 )
             except (Unreachable, grpc.RpcError) as exc:
@@ -211,16 +213,18 @@ class NodeLink:
             self._thread.start()
             return reply
 
-    def _exchange(self, request: pb.NodeRequest, what: str):
+    def _exchange(self, request: pb.NodeRequest, what: str) -> pb.NodeReply:
         """Sends `request` and returns its reply; a broken stream is reopened (new hello) and the request
         sent again, for up to a lease (the coordinator replays what it decided)."""
 
-        def once():
+        def once() -> pb.NodeReply:
             if self._replies is None:
                 self._open()
+            requests, replies = self._requests, self._replies
+            assert requests is not None and replies is not None  # _open set both
             try:
-                self._requests.put(request)
-                return next(self._replies)
+                requests.put(request)
+                return next(replies)
             except grpc.RpcError as exc:
                 if transient(exc):  # noticed now: a coordinator restarted with its journal resumes the job
                     log.warning(
@@ -240,9 +244,10 @@ class NodeLink:
         deadline = time.monotonic() + self.lease_s
         while True:
             try:
-                return retry_while_unreachable(
+                reply: pb.NodeReply = retry_while_unreachable(
                     once, max(deadline - time.monotonic(), 0.1), self._what(what), stop=self._stop, logger=log
                 )
+                return reply
             except _Ended:
                 if time.monotonic() > deadline or self._stop.is_set():
                     raise CoordinatorError(
@@ -269,7 +274,7 @@ class NodeLink:
                 while batch is None and self.failure is None and not self._stop.is_set():
                     self.cond.wait(0.5)
                     batch = self._ready()
-                if self.failure is not None or self._stop.is_set():
+                if self.failure is not None or self._stop.is_set() or batch is None:
                     return
             first = batch[0]
             what = f"{first.kind} of epoch {first.epoch} round {first.round}"
@@ -278,7 +283,7 @@ class NodeLink:
                     align=pb.NodeAlign(
                         epoch=first.epoch,
                         round=first.round,
-                        reports=[wire.report_to_pb(c.message, c.epoch) for c in batch],
+                        reports=[wire.report_to_pb(cast(RankReport, c.message), c.epoch) for c in batch],
                     )
                 )
             else:
@@ -286,9 +291,11 @@ class NodeLink:
                     commit=pb.NodeCommit(
                         epoch=first.epoch,
                         round=first.round,
-                        commits=[wire.commit_to_pb(c.message, c.epoch) for c in batch],
+                        commits=[wire.commit_to_pb(cast(RankCommit, c.message), c.epoch) for c in batch],
                     )
                 )
+            result: RoundDecision | RoundTotals | None
+            error: CoordinatorError | None
             try:
                 reply = self._exchange(request, what)
                 if first.kind == "align":
@@ -308,7 +315,9 @@ class NodeLink:
                     self.failure = error
                 self.cond.notify_all()
 
-    def call(self, rank: int, kind: str, epoch: int, message) -> RoundDecision | RoundTotals:
+    def call(
+        self, rank: int, kind: str, epoch: int, message: RankReport | RankCommit
+    ) -> RoundDecision | RoundTotals:
         """Rank `rank`'s align or commit: waits for its reply (see module docstring)."""
         call = _Call(rank, kind, epoch, message.round, message)
         with self.cond:
@@ -328,6 +337,7 @@ class NodeLink:
                 self.cond.wait(0.5)
         if call.error is not None:
             raise call.error
+        assert call.result is not None  # done without an error: `_run` set the reply
         return call.result
 
     def retire(self, rank: int) -> None:
@@ -344,7 +354,9 @@ class NodeLink:
             self.cond.notify_all()
 
     # -- unary calls, heartbeats -----------------------------------------------------------------------
-    def unary(self, what: str, fn: Callable, request, rank: int, timeout: float = 10.0):
+    def unary(
+        self, what: str, fn: Callable[..., Any], request: Any, rank: int, timeout: float = 10.0
+    ) -> Any:  # the protobuf reply of `fn`
         """A unary call on behalf of `rank` (Register, Finish), retried for up to a lease."""
         return call_coordinator(self.coordinator, rank, what, fn, request, timeout, self.lease_s, self._stop)
 
@@ -443,13 +455,14 @@ class LocalRankClient:
         if self.link.registered is None:
             return self.link.hello()
         request = pb.RegisterRequest(rank=self.rank, spec=wire.spec_to_pb(self.link.spec), address=my_address)
-        return self.link.unary("Register", self.link.stub.Register, request, self.rank)
+        reply: pb.RegisterReply = self.link.unary("Register", self.link.stub.Register, request, self.rank)
+        return reply
 
     def align(self, epoch: int, report: RankReport) -> RoundDecision:
-        return self.link.call(self.rank, "align", epoch, report)
+        return cast(RoundDecision, self.link.call(self.rank, "align", epoch, report))
 
     def commit(self, epoch: int, commit: RankCommit) -> RoundTotals:
-        return self.link.call(self.rank, "commit", epoch, commit)
+        return cast(RoundTotals, self.link.call(self.rank, "commit", epoch, commit))
 
     def resume(self, epoch: int, step: int, from_world: int) -> pb.ResumeReply:
         """`CoordinatorClient.resume`, a unary call of this rank."""

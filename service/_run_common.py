@@ -16,7 +16,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from batchd.core import JobSpec
 from batchd.proto import Security
@@ -25,28 +27,34 @@ from ._coord_client import CoordinatorClient
 from ._metrics_http import start_metrics_server
 from .preprocess import RayLost
 
+if TYPE_CHECKING:
+    from ._metrics import CoordinatorMetrics, RankMetrics
+    from .rank import RankServiceCore
+
 log = logging.getLogger("batchd")
 LINGER_S = 2.0
 RESTORED_LINGER_S = 10.0
 
 
-def write_port_file(path: str | os.PathLike | None, port: int, metrics_port: int | None = None) -> None:
+def write_port_file(path: str | os.PathLike[str] | None, port: int, metrics_port: int | None = None) -> None:
     """Writes `{"port", "pid"}` (and `"metrics_port"` when given) as JSON to `path`, when given: to a
     temporary file first, then renamed over `path`, so a reader never sees it half written."""
     if path:
         p = Path(path)
         tmp = p.with_suffix(p.suffix + ".tmp")
-        info = {"port": port, "pid": os.getpid()}
+        info: dict[str, int] = {"port": port, "pid": os.getpid()}
         if metrics_port is not None:
             info["metrics_port"] = metrics_port
         tmp.write_text(json.dumps(info))
         os.replace(tmp, p)
 
 
-def start_metrics(metrics, host: str, port: int | None, who: str):
-    """Serves `metrics.registry` on host:port (0 = a free port) when `port` is given: (server, bound),
-    else (None, None)."""
-    if port is None:
+def start_metrics(
+    metrics: RankMetrics | CoordinatorMetrics | None, host: str, port: int | None, who: str
+) -> tuple[Any, int | None]:
+    """Serves `metrics.registry` on host:port (0 = a free port) when `port` (and `metrics`) is given:
+    (server, bound), else (None, None)."""
+    if port is None or metrics is None:
         return None, None
     server, bound = start_metrics_server(metrics.registry, host, port)
     log.info("%s: Prometheus metrics on http://%s:%d/metrics", who, host, bound)
@@ -62,7 +70,7 @@ def stop_event() -> threading.Event:
     return stop
 
 
-def linger_until_told(cores, stop: threading.Event, grace_s: float) -> None:
+def linger_until_told(cores: Sequence[RankServiceCore], stop: threading.Event, grace_s: float) -> None:
     """After the job failed: stays LINGER_S, then until every rank's trainer heard why (ABORTED, or a
     RankStatus that said it), at most `grace_s`: a trainer still starting when the job failed would find
     no service and wait out its start-up timeout instead of failing with the message that names the

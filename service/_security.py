@@ -48,7 +48,7 @@ def _abort_handler(handler: grpc.RpcMethodHandler | None, message: str) -> grpc.
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-class BearerTokenInterceptor(grpc.ServerInterceptor):
+class BearerTokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]  # grpc has no stubs
     """Refuses every call that lacks `authorization: Bearer <token>` metadata with UNAUTHENTICATED."""
 
     def __init__(self, token: str) -> None:
@@ -74,7 +74,9 @@ class BearerTokenInterceptor(grpc.ServerInterceptor):
             return "wrong bearer token"
         return None
 
-    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+    def intercept_service(
+        self, continuation: Callable[[Any], Any], handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
         problem = self.check(handler_call_details.invocation_metadata)
         if problem is None:
             return continuation(handler_call_details)
@@ -100,13 +102,15 @@ def _aio_abort_handler(handler: grpc.RpcMethodHandler | None, message: str) -> g
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):
+class AioBearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc: no stubs
     """`BearerTokenInterceptor` for a grpc.aio server (same check, same refusal)."""
 
     def __init__(self, token: str) -> None:
         self._check = BearerTokenInterceptor(token)
 
-    async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+    async def intercept_service(
+        self, continuation: Callable[[Any], Any], handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler:
         problem = self._check.check(handler_call_details.invocation_metadata)
         if problem is None:
             return await continuation(handler_call_details)
@@ -142,8 +146,8 @@ def add_port(server: grpc.Server | grpc.aio.Server, address: str, security: Secu
     credentials = security.server_credentials() if security is not None and security.tls else None
     try:
         if credentials is None:
-            return server.add_insecure_port(address)
-        return server.add_secure_port(address, credentials)
+            return int(server.add_insecure_port(address))
+        return int(server.add_secure_port(address, credentials))
     except RuntimeError as exc:  # grpc.aio: "Failed to bind to address ..."
         if isinstance(server, grpc.aio.Server):
             log.debug("%s", exc)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from batchd.service import Endpoint, Limits, ServiceConfig, SourceOptions
-from batchd.service.preprocess import DEFAULT_MEMORY_BUDGET, PoolOptions, StreamOptions
+from batchd.service.preprocess import PoolOptions, StreamOptions
 from batchd.service.rank import RETAIN_BYTES
 
 
@@ -20,7 +20,7 @@ def test_defaults_are_the_services():
     assert (endpoint.host, endpoint.port, endpoint.metrics_port) == ("127.0.0.1", 0, None)
     assert config.limits == Limits(600.0, 1800.0, 600.0, RETAIN_BYTES)
     assert (config.state_dir, config.stats_file) == (None, None)
-    assert StreamOptions().budget_bytes == DEFAULT_MEMORY_BUDGET and PoolOptions().num_actors == 2
+    assert StreamOptions().budget_bytes == 2 << 30 and PoolOptions().num_actors == 2
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.state_dir = "/tmp/x"  # type: ignore[misc]
 

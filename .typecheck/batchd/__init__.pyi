@@ -1,1 +1,2 @@
-"""The `batchd` namespace as mypy sees it: core/ and proto/ linked in (see [tool.mypy] in pyproject)."""
+"""The `batchd` namespace as mypy sees it: core/, proto/, service/ and client/ linked in (see
+[tool.mypy] in pyproject)."""

@@ -25,14 +25,13 @@ those totals as the round's pending decision, the replay tables, and the ranks.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from batchd.core import Coordinator, JobSpec, RoundDecision, RoundTotals, StepLedger
-from batchd.proto import batchd_pb2 as pb
-from batchd.proto import wire
+
+from ._convert import decode_decision, decode_totals, encode_decision, encode_totals
 
 JOURNAL = "coordinator.journal"
 COMPACT_EVERY = 4096  # journal records between compactions (a compacted journal holds ~20 records)
@@ -59,7 +58,7 @@ def decision_record(key: Key, decision: RoundDecision) -> Record:
         "kind": "decision",
         "epoch": key[0],
         "round": key[1],
-        "reply": base64.b64encode(wire.decision_to_pb(decision, key[0]).SerializeToString()).decode(),
+        "reply": encode_decision(decision, key[0]),
     }
 
 
@@ -73,7 +72,7 @@ def totals_record(
         "epoch": key[0],
         "round": key[1],
         "core": core_state,
-        "reply": base64.b64encode(wire.totals_to_pb(totals, key[0]).SerializeToString()).decode(),
+        "reply": encode_totals(totals, key[0]),
     }
     if ledger is not None:
         record["ledger"] = ledger_record(ledger, ledger.steps - totals.steps)
@@ -106,14 +105,6 @@ def read_ledger(ledger: StepLedger | None, rec: Mapping[str, Any]) -> StepLedger
         ledger.truncate(first)
         ledger.add(rec["rows"], rec["loss"])
     return ledger
-
-
-def _decision_of(rec: Mapping[str, Any]) -> RoundDecision:
-    return wire.decision_from_pb(pb.AlignReply.FromString(base64.b64decode(rec["reply"])))
-
-
-def _totals_of(rec: Mapping[str, Any]) -> RoundTotals:
-    return wire.totals_from_pb(pb.CommitReply.FromString(base64.b64decode(rec["reply"])))
 
 
 def _trim(table: dict[Key, Any]) -> None:
@@ -205,7 +196,7 @@ class Recovered:
 
     def _totals(self, rec: Mapping[str, Any]) -> None:
         key = (rec["epoch"], rec["round"])
-        self.replay.totals[key] = _totals_of(rec)
+        self.replay.totals[key] = decode_totals(rec["reply"])
         if rec.get("ledger"):
             self.ledger = read_ledger(self.ledger, rec["ledger"])
         if rec.get("core"):
@@ -218,7 +209,7 @@ class Recovered:
             self._register(rec)
         elif kind == "decision":
             key = (rec["epoch"], rec["round"])
-            self.replay.decisions[key] = _decision_of(rec)
+            self.replay.decisions[key] = decode_decision(rec["reply"])
             self.pending = key
         elif kind == "totals":
             self._totals(rec)

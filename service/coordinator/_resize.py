@@ -17,6 +17,10 @@
    the ranks hand it to their trainers and finish). Aligning before the resize is resumed is refused.
 3. `restore` (a restart of a resized coordinator) rebuilds the resize from its journal record: the
    core of the new size at R0 when no round was committed since (later rounds' totals carry the core).
+
+The seam with `CoordinatorState`: these are functions over explicit values (the resize, the spec, where
+the job is); what a step changes comes back as a `Position` (epoch and protocol core) that the state
+installs, and the state alone forgets parties, journals and compacts.
 """
 
 from __future__ import annotations
@@ -24,14 +28,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
-from batchd.core import Coordinator, JobSpec, Liveness, ProtocolError, Remainder, StepLedger, resume_point
+from batchd.core import Coordinator, JobSpec, ProtocolError, Remainder, StepLedger, resume_point
 
 from .._journal import JournalError, decode_records
 from . import _recovery as recovery
+from ._answers import Resumed
 
 log = logging.getLogger("batchd.coordinator")
 
@@ -126,53 +130,36 @@ class ResizeState:
         return self.step is None
 
 
-def generation(state: Any) -> int:
-    """Resizes of `state`'s job so far."""
-    rs: ResizeState | None = state.resize_state
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """What a resize step changes in the coordinator: the epoch and the protocol core it goes on with."""
+
+    epoch: int
+    core: Coordinator
+
+
+def generation(rs: ResizeState | None) -> int:
+    """Resizes of the job so far (`rs`: its newest resize, or None)."""
     return rs.generation if rs is not None else 0
 
 
-def resume_needed(state: Any) -> bool:
-    """A fresh rank of `state`'s job must Resume before its first round: the job was resized and has not
-    gone past the first round at the new size."""
-    rs: ResizeState | None = state.resize_state
+def resume_needed(rs: ResizeState | None, at: tuple[int, int]) -> bool:
+    """A fresh rank must Resume before its first round: the job was resized and, at `at` (its epoch and
+    round now), has not gone past the first round at the new size."""
     if rs is None:
         return False
-    return rs.pending or (state.epoch, state.core.round) == (position(rs)[0], first_round(rs))
+    return rs.pending or at == (position(rs)[0], first_round(rs))
 
 
-def reset_parties(state: Any) -> None:
-    """Forgets every party of the old size: registrations, finishes, the failure, the rounds' replay
-    tables (step 1)."""
-    state.addresses, state.node_of, state.informed = {}, {}, set()
-    spec: JobSpec = state.spec
-    state.liveness = Liveness(spec.world_size, state.lease_s, state.startup_timeout_s, time.monotonic())
-    state.failure = None
-    for pending in (state._reports, state._commits, state._commit_sums):
-        pending.clear()
-    state._replay = recovery.ReplayTables()
-
-
-def journal_resize(state: Any) -> None:
-    """Journals the resize's record (its step fixed)."""
-    state._log(state.resize_state.record())
-    state._compact_if_due()
-
-
-def begin(state: Any, old: JobSpec, new: JobSpec, generation: int) -> ResizeState:
-    """Makes `state` (a `CoordinatorState` restored at `old`'s world size) a resize to `new` (module
-    docstring, step 1). Call with the state's journal restored and before any party connects."""
-    core: Coordinator = state.core
+def begin(
+    old: JobSpec, new: JobSpec, generation: int, epoch: int, core: Coordinator
+) -> tuple[ResizeState, Position]:
+    """A resize to `new` of a job restored at `old`'s world size in `epoch` with protocol `core` (module
+    docstring, step 1): the resize and the placeholder position the coordinator waits at until a rank
+    resumes. The caller forgets the parties of the old size and journals the new job."""
     rs = ResizeState(
-        generation, old.world_size, new.world_size, state.epoch, core.round + 1, core.done, core.ledger
+        generation, old.world_size, new.world_size, epoch, core.round + 1, core.done, core.ledger
     )
-    state.spec = new
-    reset_parties(state)
-    state.core = placeholder(new, rs)
-    state.resize_state = rs
-    if state.journal is not None:
-        state.journal.job = recovery.job_of(new)
-        state.journal.compact(state.snapshot_records())
     log.warning(
         "job resized from %d to %d rank(s) (generation %d) in epoch %d after %d step(s)%s: the ranks "
         "resume at their trainers' checkpoint",
@@ -183,7 +170,7 @@ def begin(state: Any, old: JobSpec, new: JobSpec, generation: int) -> ResizeStat
         rs.ledger.steps,
         " (its last)" if rs.epoch_done else "",
     )
-    return rs
+    return rs, Position(rs.epoch, placeholder(new, rs))
 
 
 def placeholder(spec: JobSpec, rs: ResizeState) -> Coordinator:
@@ -193,11 +180,19 @@ def placeholder(spec: JobSpec, rs: ResizeState) -> Coordinator:
     return core
 
 
-def resume(state: Any, rank: int, epoch: int, step: int, from_world: int) -> tuple[int, int, int, str, bool]:
-    """A rank's Resume (module docstring, step 2): (epoch, first round, first step, remainder JSON or "",
-    whether the job's last epoch is complete at that step: only its end is left for the trainers to
-    take). Raises ProtocolError naming what cannot be resumed."""
-    rs: ResizeState | None = state.resize_state
+def resume(
+    rs: ResizeState | None,
+    spec: JobSpec,
+    at: tuple[int, int],
+    rank: int,
+    epoch: int,
+    step: int,
+    from_world: int,
+) -> tuple[Resumed, Position | None]:
+    """A rank's Resume (module docstring, step 2) of the job `spec` at `at` (its epoch and round now):
+    where the job goes on (`Resumed`), and, when this Resume fixed S, the position the coordinator goes on
+    from (then the caller journals `rs.record()`; `rs` holds S). Raises ProtocolError naming what cannot be
+    resumed."""
     if rs is None:
         raise ProtocolError(f"rank {rank} asked to resume, but the job was never resized")
     if from_world and from_world != rs.old_world:
@@ -205,21 +200,23 @@ def resume(state: Any, rank: int, epoch: int, step: int, from_world: int) -> tup
             f"rank {rank}'s trainer resumes a state saved at world size {from_world}, but the job ran at "
             f"{rs.old_world} before it was resized to {rs.world}: another job's checkpoint"
         )
+    moved = None
     if rs.pending:
-        fix(state, rs, rank, epoch, step)
+        moved = fix(spec, rs, rank, epoch, step)
     elif (epoch, step) != position(rs):
         raise ProtocolError(
             f"rank {rank}'s trainer resumes epoch {epoch} at step {step}, but the resized job goes on from "
             f"epoch {position(rs)[0]} step {position(rs)[1]} (another rank's trainer resumed there): the "
             f"trainers must resume from the same checkpoint"
         )
-    elif (state.epoch, state.core.round) != (position(rs)[0], first_round(rs)):
+    elif at != (position(rs)[0], first_round(rs)):
         raise ProtocolError(
             f"rank {rank} asks to resume the resized job, which has gone on past its first round: a rank "
             f"of it that lost its state cannot rejoin"
         )
     remainder = "" if rs.remainder is None else json.dumps(rs.remainder.to_json())
-    return position(rs)[0], first_round(rs), position(rs)[1], remainder, rs.job_end
+    epoch, step = position(rs)
+    return Resumed(epoch, first_round(rs), step, remainder, rs.job_end, rs.generation), moved
 
 
 def finished_core(spec: JobSpec, rs: ResizeState) -> Coordinator:
@@ -239,19 +236,17 @@ def first_round(rs: ResizeState) -> int:
     return 0 if rs.next_epoch else rs.round
 
 
-def fix(state: Any, rs: ResizeState, rank: int, epoch: int, step: int) -> None:
-    """Fixes S from the first Resume: the core of the new size, journaled."""
-    spec: JobSpec = state.spec
+def fix(spec: JobSpec, rs: ResizeState, rank: int, epoch: int, step: int) -> Position:
+    """Fixes S in `rs` from the first Resume: the position of the new size the job goes on from."""
     whole_epoch_done = rs.epoch_done and step == rs.ledger.steps
     if epoch == rs.epoch + 1 and step == 0 and rs.epoch_done or (epoch == rs.epoch and whole_epoch_done):
         rs.step = rs.ledger.steps
         if rs.epoch + 1 >= spec.epochs:  # the job's last epoch is complete: its end is all there is left
             rs.job_end = True
-            state.epoch, state.core = rs.epoch, finished_core(spec, rs)
-        else:
-            rs.next_epoch = True
-            state.epoch, state.core = rs.epoch + 1, Coordinator(spec, rs.epoch + 1)
-    elif epoch == rs.epoch:
+            return Position(rs.epoch, finished_core(spec, rs))
+        rs.next_epoch = True
+        return Position(rs.epoch + 1, Coordinator(spec, rs.epoch + 1))
+    if epoch == rs.epoch:
         try:
             point = resume_point(rs.ledger, step, spec.update_windows())
         except ValueError as exc:
@@ -259,14 +254,17 @@ def fix(state: Any, rs: ResizeState, rank: int, epoch: int, step: int) -> None:
         core = Coordinator(spec, rs.epoch)
         rs.remainder = Remainder(rs.epoch, step, rs.world, rs.generation, rs.ledger.consumed(step))
         core.resume_at(point, rs.round, rs.ledger)
-        rs.step, state.core = step, core
-    else:
-        raise ProtocolError(
-            f"rank {rank}'s trainer resumes epoch {epoch} at step {step}, but the job was resized in epoch "
-            f"{rs.epoch}{' (done)' if rs.epoch_done else ''}: its checkpoint must be of that epoch, or "
-            f"taken at its end"
-        )
-    journal_resize(state)
+        rs.step = step
+        return Position(rs.epoch, core)
+    raise ProtocolError(
+        f"rank {rank}'s trainer resumes epoch {epoch} at step {step}, but the job was resized in epoch "
+        f"{rs.epoch}{' (done)' if rs.epoch_done else ''}: its checkpoint must be of that epoch, or "
+        f"taken at its end"
+    )
+
+
+def log_fixed(rs: ResizeState, rank: int) -> None:
+    """Says where the resized job goes on, once S is fixed and journaled."""
     log.warning(
         "resized job goes on at %d rank(s) from epoch %d step %d (rank %d's trainer)%s",
         rs.world,
@@ -276,26 +274,24 @@ def fix(state: Any, rs: ResizeState, rank: int, epoch: int, step: int) -> None:
     )
 
 
-def restore(state: Any, recovered: recovery.Recovered) -> None:
-    """After `state` restored its journal: rebuilds its resize from the newest `resize` record (module
-    docstring, step 3)."""
+def restore(
+    recovered: recovery.Recovered, spec: JobSpec, now: Position
+) -> tuple[ResizeState | None, Position]:
+    """The resize a restarted coordinator rebuilds from the newest `resize` record of its journal (module
+    docstring, step 3), and the position it goes on from (`now`, what the rounds' records restored, when
+    no record says otherwise)."""
     if recovered.resize is None:
-        return
+        return None, now
     rs = ResizeState.from_record(recovered.resize, recovered.ledger)
-    state.resize_state = rs
-    core: Coordinator = state.core
     if rs.pending:
-        state.epoch, state.core = rs.epoch, placeholder(state.spec, rs)
-        return
+        return rs, Position(rs.epoch, placeholder(spec, rs))
     epoch, rnd = position(rs)[0], first_round(rs)
-    if (core.epoch, core.round) >= (epoch, rnd) and recovered.replay.core_state is not None:
-        return  # rounds of the new size were committed: their totals restored the core
+    if (now.core.epoch, now.core.round) >= (epoch, rnd) and recovered.replay.core_state is not None:
+        return rs, now  # rounds of the new size were committed: their totals restored the core
     if rs.next_epoch:
-        state.epoch, state.core = epoch, Coordinator(state.spec, epoch)
-        return
+        return rs, Position(epoch, Coordinator(spec, epoch))
     if rs.job_end:
-        state.epoch, state.core = rs.epoch, finished_core(state.spec, rs)
-        return
-    core = Coordinator(state.spec, rs.epoch)
-    core.resume_at(resume_point(rs.ledger, position(rs)[1], state.spec.update_windows()), rnd, rs.ledger)
-    state.epoch, state.core = rs.epoch, core
+        return rs, Position(rs.epoch, finished_core(spec, rs))
+    core = Coordinator(spec, rs.epoch)
+    core.resume_at(resume_point(rs.ledger, position(rs)[1], spec.update_windows()), rnd, rs.ledger)
+    return rs, Position(rs.epoch, core)

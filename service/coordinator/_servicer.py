@@ -27,7 +27,8 @@ from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.proto import wire
 
 from ._barrier import Barrier, ShuttingDown
-from ._session import NodeSession, register_reply
+from ._convert import register_reply, resume_reply, status_reply
+from ._session import NodeSession
 from ._state import CoordinatorState
 
 log = logging.getLogger("batchd.coordinator")
@@ -89,8 +90,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 raise ValueError(
                     f"Register from rank {request.rank} carries an invalid job spec: {exc}"
                 ) from None
-            epoch, rnd, addrs = self.state.register(request.rank, spec, request.address)
-            return register_reply(self.state, epoch, rnd, addrs)
+            return register_reply(self.state.register(request.rank, spec, request.address))
         except DOMAIN_ERRORS as exc:
             await self._abort(context, exc)
 
@@ -114,13 +114,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext) -> Any:
         try:
             self.state.check_rank(request.rank, "Resume")
-            epoch, rnd, step, remainder, job_end = self.state.resume(
+            resumed = self.state.resume(
                 int(request.rank), int(request.epoch), int(request.step), int(request.from_world_size)
             )
-            generation = self.state.resize_state.generation if self.state.resize_state else 0
-            return pb.ResumeReply(
-                epoch=epoch, round=rnd, step=step, generation=generation, remainder=remainder, job_end=job_end
-            )
+            return resume_reply(resumed)
         except DOMAIN_ERRORS as exc:
             await self._abort(context, exc)
 
@@ -144,7 +141,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.FailReply()
 
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> Any:
-        return self.state.status()
+        return status_reply(self.state.status())
 
     async def Node(
         self, request_iterator: AsyncIterator[pb.NodeRequest], context: grpc.aio.ServicerContext

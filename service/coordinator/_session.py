@@ -15,21 +15,8 @@ from batchd.core import ProtocolError, RoundDecision, decision_for_node
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import wire
 
-from . import _resize as resizing
+from ._convert import register_reply
 from ._state import CoordinatorState
-
-
-def register_reply(state: CoordinatorState, epoch: int, rnd: int, addresses: list[str]) -> pb.RegisterReply:
-    """The reply to a registration: where the job is, the lease, every rank's address ([] until all),
-    the job's resize generation and whether a fresh rank must Resume first (`_resize`)."""
-    return pb.RegisterReply(
-        epoch=epoch,
-        round=rnd,
-        lease_ms=int(state.lease_s * 1000),
-        rank_addresses=addresses,
-        generation=resizing.generation(state),
-        resume_needed=resizing.resume_needed(state),
-    )
 
 
 class NodeSession:
@@ -58,9 +45,9 @@ class NodeSession:
         except ValueError as exc:
             raise ValueError(f"node agent {hello.node!r} sent an invalid job spec: {exc}") from None
         ranks = [int(r) for r in hello.ranks]
-        epoch, rnd, addrs = self.state.register_node(hello.node, ranks, spec, hello.address)
+        registration = self.state.register_node(hello.node, ranks, spec, hello.address)
         self.name, self.ranks, self.journaled = hello.node, frozenset(ranks), bool(hello.journaled)
-        return pb.NodeReply(registered=register_reply(self.state, epoch, rnd, addrs))
+        return pb.NodeReply(registered=register_reply(registration))
 
     def own(self, kind: str, ranks: Iterable[int]) -> list[int]:
         """The ranks of an `align` / `commit` message (`kind`), once checked to be this agent's own.

@@ -1,6 +1,7 @@
 """The coordinator's logic for one job: registration, the two barriers of every round, epochs, job end.
 
-`CoordinatorState` is thread-safe and knows no gRPC (`_servicer` is the wire layer over it).
+`CoordinatorState` is thread-safe and knows no gRPC nor protobuf: it takes and answers core types
+(`_answers`); `_servicer` is the wire layer over it, with `_convert` for the replies.
 
 Per round: every rank sends `Align` (its report) and waits until all N reports are in, then the core
 decides T (or the balanced plan) and every call returns it; `Commit` works the same way and returns
@@ -17,8 +18,9 @@ Epochs: once epoch e is done, the first `Align` of epoch e+1 starts a fresh prot
 Job end: after the last epoch's rounds, each rank calls `Finish` once its trainer took its last step;
 the job is done (the coordinator process exits) when every rank finished.
 
-Who else owns what: liveness and its watchdog thread `_watchdog`; journal records, snapshot and restore
-`_recovery`; node agents and the topology `_topology`; per-round metrics `_observe`.
+Who else owns what: the round's pending messages and barriers `_round`; liveness and its watchdog thread
+`_watchdog`; journal records, snapshot and restore `_recovery`; what a resize changes `_resize` (this
+state installs it); node agents and the topology `_topology`; per-round metrics `_observe`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,35 +45,20 @@ from batchd.core import (
     RoundDecision,
     RoundTotals,
 )
-from batchd.proto import batchd_pb2 as pb
 
 from .._journal import Journal
 from .._metrics import CoordinatorMetrics
 from . import _recovery as recovery
 from . import _resize as resizing
 from . import _topology as topo
+from ._answers import JobStatus, Registration, Resumed
 from ._barrier import Barrier, ShuttingDown
 from ._gone import BrokenStreams
 from ._observe import observe_commit, observe_decision
+from ._round import RoundInbox, Sums, one_round
 from ._watchdog import LeaseWatchdog
 
 log = logging.getLogger("batchd.coordinator")
-
-Sums = tuple[tuple[int, int, int], ...]  # per step of one commit: (samples, tokens, loss tokens)
-
-
-def _one_round(msgs: Sequence[RankReport] | Sequence[RankCommit], what: str) -> int:
-    """The one round of a message's reports / commits; ProtocolError on two rounds or a rank twice."""
-    rounds = {m.round for m in msgs}
-    if len(rounds) != 1:
-        raise ProtocolError(
-            f"one {what} message holds rounds {sorted(rounds)} of ranks "
-            f"{sorted(m.rank for m in msgs)}; a message carries one round"
-        )
-    ranks = [m.rank for m in msgs]
-    if len(set(ranks)) != len(ranks):
-        raise ProtocolError(f"one {what} message names a rank twice: {sorted(ranks)}")
-    return rounds.pop()
 
 
 class CoordinatorState:
@@ -107,7 +93,7 @@ class CoordinatorState:
         self.metrics = metrics
         self.lease_s, self.startup_timeout_s = lease_s, startup_timeout_s
         self._lock = threading.Lock()  # guards everything below; never held while waiting for a barrier
-        self._barriers: dict[tuple[str, int, int], Barrier] = {}  # pending ones, completed exactly once
+        self.inbox = RoundInbox()  # the round's messages and pending barriers (`_round`)
         self.epoch = 0
         self.core = self._new_core(0)
         self.failure: str | None = None
@@ -116,11 +102,7 @@ class CoordinatorState:
         self.node_of: dict[int, str] = {}  # rank -> the name of the node agent serving it
         self.liveness = Liveness(spec.world_size, lease_s, startup_timeout_s, time.monotonic())
         self.broken = BrokenStreams(lease_s)  # node agents whose stream broke (`_gone`)
-        self._reports: dict[int, RankReport] = {}
-        self._commits: dict[int, RankCommit] = {}
-        self._commit_sums: dict[int, Sums] = {}  # rank -> its steps' sums
         self._replay = recovery.ReplayTables()
-        self._round_started: float | None = None
         self.latencies_ms: collections.deque[float] = collections.deque(maxlen=1000)
         self._stop = threading.Event()
         self.journal = Journal(path, recovery.job_of(spec)) if path is not None else None
@@ -129,7 +111,7 @@ class CoordinatorState:
         if self.journal is not None:
             self._restore(self.journal.open())
         if old is not None and not self.job_done:  # a finished job has nothing left to resize
-            resizing.begin(self, old, new, resizing.generation(self) + 1)
+            self._begin_resize(old, new)
         self._watchdog = LeaseWatchdog(self.check_leases, min(lease_s / 4, 1.0), self._stop)
         self._watchdog.start()
         if metrics is not None:
@@ -161,23 +143,55 @@ class CoordinatorState:
             self.addresses, self.node_of, self._replay, self.liveness.finished, self.failure, ledger, resize
         )
 
-    snapshot_records = _snapshot
-
     # -- resize (`_resize`) ------------------------------------------------------------------------------
-    def resume(self, rank: int, epoch: int, step: int, from_world: int) -> tuple[int, int, int, str, bool]:
-        """A rank of the resized job resumes its trainer's (epoch, step) (`_resize.resume`)."""
+    def _begin_resize(self, old: JobSpec, new: JobSpec) -> None:
+        """Makes this state, restored at `old`'s world size, a resize to `new` (`_resize.begin`): the
+        parties of the old size are forgotten and the journal is rewritten with the new job. Call before
+        any party connects."""
+        rs, at = resizing.begin(old, new, resizing.generation(self.resize_state) + 1, self.epoch, self.core)
+        self.spec = new
+        self._reset_parties()
+        self.epoch, self.core = at.epoch, at.core
+        self.resize_state = rs
+        if self.journal is not None:
+            self.journal.job = recovery.job_of(new)
+            self.journal.compact(self._snapshot())
+
+    def _reset_parties(self) -> None:
+        """Forgets every party of the old size: registrations, finishes, the failure, the rounds' replay
+        tables (a resize)."""
+        self.addresses, self.node_of, self.informed = {}, {}, set()
+        spec = self.spec
+        self.liveness = Liveness(spec.world_size, self.lease_s, self.startup_timeout_s, time.monotonic())
+        self.failure = None
+        self.inbox.clear()
+        self._replay = recovery.ReplayTables()
+
+    def resume(self, rank: int, epoch: int, step: int, from_world: int) -> Resumed:
+        """A rank of the resized job resumes its trainer's (epoch, step) (`_resize.resume`); the first one
+        fixes where the job goes on, journaled before anyone is told."""
         with self._lock:
             self._check_alive([rank])
             self._touch([rank], "Resume")
-            return resizing.resume(self, rank, epoch, step, from_world)
+            rs = self.resize_state
+            resumed, moved = resizing.resume(
+                rs, self.spec, (self.epoch, self.core.round), rank, epoch, step, from_world
+            )
+            if moved is not None and rs is not None:
+                self.epoch, self.core = moved.epoch, moved.core
+                self._log(rs.record())
+                self._compact_if_due()
+                resizing.log_fixed(rs, rank)
+            return resumed
 
     def _restore(self, records: list[dict[str, Any]]) -> None:
         """Rebuilds the state from the journal's records (`_recovery`), then compacts the journal."""
         got = recovery.replay_records(records)
         self.addresses, self.node_of, self._replay = got.addresses, got.node_of, got.replay
         self.failure = got.failure
-        self.epoch, self.core = recovery.resume_core(got, self.epoch, self.core, self._new_core)
-        resizing.restore(self, got)
+        epoch, core = recovery.resume_core(got, self.epoch, self.core, self._new_core)
+        self.resize_state, at = resizing.restore(got, self.spec, resizing.Position(epoch, core))
+        self.epoch, self.core = at.epoch, at.core
         self.liveness.restore(got.registered, got.finished, time.monotonic())
         for node in set(self.node_of.values()):
             topo.label_node(node, self.node_of, self.addresses, self.liveness)
@@ -220,14 +234,9 @@ class CoordinatorState:
         raises `ShuttingDown` (UNAVAILABLE: callers retry), the watchdog stops, the journal is closed."""
         with self._lock:
             self._stop.set()
-            self._complete_all((ShuttingDown, "the coordinator is shutting down"))
+            self.inbox.complete_all((ShuttingDown, "the coordinator is shutting down"))
             if self.journal is not None:
                 self.journal.close()
-
-    def _complete_all(self, error: tuple[type[Exception], str]) -> None:
-        for barrier in self._barriers.values():
-            barrier.complete(error=error)
-        self._barriers.clear()
 
     def _fail_locked(self, message: str) -> None:
         if self.failure is None:
@@ -238,7 +247,7 @@ class CoordinatorState:
                 self._compact_if_due()
             except OSError as exc:
                 log.error("could not journal the failure: %s", exc)
-        self._complete_all((JobFailed, self.failure))
+        self.inbox.complete_all((JobFailed, self.failure))
 
     def fail(self, rank: int, reason: str) -> None:
         """Fails the job (`Fail` RPC): every waiter, pending and later, gets JobFailed(ABORTED)."""
@@ -328,13 +337,21 @@ class CoordinatorState:
             self._compact_if_due()
         self.liveness.register(rank, time.monotonic())
 
-    def _addresses(self) -> list[str]:
-        addrs = [self.addresses.get(r, "") for r in range(self.spec.world_size)]
-        return addrs if all(addrs) else []
+    def _registration(self) -> Registration:
+        addrs = tuple(self.addresses.get(r, "") for r in range(self.spec.world_size))
+        return Registration(
+            self.epoch,
+            self.core.round,
+            addrs if all(addrs) else (),
+            self.lease_s,
+            resizing.generation(self.resize_state),
+            resizing.resume_needed(self.resize_state, (self.epoch, self.core.round)),
+        )
 
-    def register(self, rank: int, spec: JobSpec, address: str) -> tuple[int, int, list[str]]:
-        """Rank `rank` at `address` registers (again, after a restart): (epoch, round, every rank's
-        address, or [] until all registered). Raises ValueError, ProtocolError, JobFailed, ShuttingDown."""
+    def register(self, rank: int, spec: JobSpec, address: str) -> Registration:
+        """Rank `rank` at `address` registers (again, after a restart): where the job is, every rank's
+        address (none until all registered), the lease and the resize. Raises ValueError, ProtocolError,
+        JobFailed, ShuttingDown."""
         with self._lock:
             self._check_alive([rank])
             self.check_rank(rank, "Register")
@@ -342,11 +359,9 @@ class CoordinatorState:
             # A rank a node agent serves keeps its node when it registers alone (refreshing its peers).
             node = self.node_of.get(rank) if self.addresses.get(rank) == address else None
             self._register_locked(rank, address, node)
-            return self.epoch, self.core.round, self._addresses()
+            return self._registration()
 
-    def register_node(
-        self, node: str, ranks: list[int], spec: JobSpec, address: str
-    ) -> tuple[int, int, list[str]]:
+    def register_node(self, node: str, ranks: list[int], spec: JobSpec, address: str) -> Registration:
         """A node agent (`node`, its name) serving `ranks` at `address` registers them all (again, after a
         restart); returns as `register`. Refuses a rank that another node agent serves and that is still
         alive (`_topology.check_claim`)."""
@@ -362,7 +377,7 @@ class CoordinatorState:
             topo.label_node(node, self.node_of, self.addresses, self.liveness)
             self.broken.back(node)
             log.info("node agent %r at %s registered rank(s) %s", node, address, topo.span(sorted(ranks)))
-            return self.epoch, self.core.round, self._addresses()
+            return self._registration()
 
     def topology(self) -> list[int] | None:
         """The node index of every rank, or None while node-blind (`_topology.node_indices`)."""
@@ -375,9 +390,6 @@ class CoordinatorState:
             if self.failure is not None:
                 self.informed.update(ranks)
             return self.state, self.failure or ""
-
-    def heartbeat(self, rank: int) -> tuple[str, str]:
-        return self.heartbeat_many([rank])
 
     def finish(self, rank: int) -> None:
         """Rank `rank`'s trainer took the job's last step (ProtocolError before the last round)."""
@@ -398,17 +410,6 @@ class CoordinatorState:
                 )
 
     # -- barriers ------------------------------------------------------------------------------------
-    def _barrier(self, key: tuple[str, int, int]) -> Barrier:
-        barrier = self._barriers.get(key)
-        if barrier is None:
-            barrier = self._barriers[key] = Barrier(key)
-        return barrier
-
-    def _complete(self, key: tuple[str, int, int], result: RoundDecision | RoundTotals) -> None:
-        barrier = self._barriers.pop(key, None)
-        if barrier is not None:
-            barrier.complete(result)
-
     def barrier_future(self, barrier: Barrier) -> asyncio.Future[Barrier]:
         """A future of the running loop for one waiter, resolved (to `barrier`) once `barrier` completes:
         await it, then read `outcome`. Cancelling it (the waiter's call ended) touches no other waiter."""
@@ -445,9 +446,7 @@ class CoordinatorState:
         if epoch == self.epoch + 1 and self.core.done:
             self.epoch = epoch
             self.core = self._new_core(epoch)
-            self._reports.clear()
-            self._commits.clear()
-            self._commit_sums.clear()
+            self.inbox.clear()
             return
         raise ProtocolError(
             f"epoch {epoch} requested while the coordinator is in epoch {self.epoch} "
@@ -470,7 +469,7 @@ class CoordinatorState:
         with self._lock:
             self._check_alive(ranks)
             self._touch(ranks, "Align")
-            rnd = _one_round(reports, "Align")
+            rnd = one_round(reports, "Align")
             key = (epoch, rnd)
             replay = self._replay.decisions.get(key)
             if replay is not None:  # for a restarted rank
@@ -486,12 +485,9 @@ class CoordinatorState:
                     f"rank(s) {ranks} report round {rnd} of epoch {epoch}; "
                     f"the coordinator is at round {self.core.round}"
                 )
-            if not self._reports:
-                self._round_started = time.perf_counter()
-            for report in reports:
-                self._reports[report.rank] = report
-            if len(self._reports) < self.spec.world_size:
-                return self._barrier(("align", *key))
+            self.inbox.add_reports(reports)
+            if len(self.inbox.reports) < self.spec.world_size:
+                return self.inbox.barrier(("align", *key))
             return self._decide(key)
 
     def _decide(self, key: tuple[int, int]) -> RoundDecision:
@@ -501,18 +497,18 @@ class CoordinatorState:
         try:
             planned = self.spec.policy.nodes != "blind"
             self.core.set_topology(topology if planned else None, topology)
-            decision = self.core.decide(list(self._reports.values()))
+            decision = self.core.decide(list(self.inbox.reports.values()))
         except ValueError as exc:
             self._fail_locked(f"round {key[1]} could not be decided: {exc}")
             raise
         self._log(recovery.decision_record(key, decision))
         if self.metrics is not None:
-            wait_s = t_last - (self._round_started or t_last)
+            wait_s = t_last - (self.inbox.started or t_last)
             observe_decision(self.metrics, decision, topology, wait_s, time.perf_counter() - t_last)
         self._replay.decided(key, decision)
         self._compact_if_due()
-        self._reports.clear()
-        self._complete(("align", *key), decision)
+        self.inbox.reports.clear()
+        self.inbox.complete(("align", *key), decision)
         return decision
 
     # -- commit ----------------------------------------------------------------------------------------
@@ -530,7 +526,7 @@ class CoordinatorState:
         with self._lock:
             self._check_alive(ranks)
             self._touch(ranks, "Commit")
-            rnd = _one_round(commits, "Commit")
+            rnd = one_round(commits, "Commit")
             key = (epoch, rnd)
             replay = self._replay.totals.get(key)
             if replay is not None:
@@ -541,23 +537,16 @@ class CoordinatorState:
                     f"before it was decided (coordinator at epoch {self.epoch} "
                     f"round {self.core.round})"
                 )
-            for i, commit in enumerate(commits):
-                self._commits[commit.rank] = commit
-                if sums is not None:
-                    self._commit_sums[commit.rank] = sums[i]
-                else:
-                    self._commit_sums.pop(commit.rank, None)
-            if len(self._commits) < self.spec.world_size:
-                return self._barrier(("commit", *key))
+            self.inbox.add_commits(commits, sums)
+            if len(self.inbox.commits) < self.spec.world_size:
+                return self.inbox.barrier(("commit", *key))
             return self._total(key)
 
     def _total(self, key: tuple[int, int]) -> RoundTotals:
         """Every commit of round `key` is in: totals, journals, completes the barrier."""
-        commits = list(self._commits.values())
+        commits = list(self.inbox.commits.values())
         try:
-            totals = self.core.commit(
-                commits, self._commit_sums if len(self._commit_sums) == len(self._commits) else None
-            )
+            totals = self.core.commit(commits, self.inbox.all_sums())
         except ValueError as exc:
             self._fail_locked(f"round {key[1]} could not be committed: {exc}")
             raise
@@ -566,25 +555,25 @@ class CoordinatorState:
         self._replay.committed(key, totals, core_state)
         self._compact_if_due()
         if self.metrics is not None:
-            round_s = time.perf_counter() - (self._round_started or time.perf_counter())
+            round_s = time.perf_counter() - (self.inbox.started or time.perf_counter())
             observe_commit(self.metrics, commits, totals, round_s)
-        self._commits.clear()
-        self._commit_sums.clear()
-        if self._round_started is not None:
-            self.latencies_ms.append((time.perf_counter() - self._round_started) * 1000)
-        self._complete(("commit", *key), totals)
+        self.inbox.commits.clear()
+        self.inbox.sums.clear()
+        if self.inbox.started is not None:
+            self.latencies_ms.append((time.perf_counter() - self.inbox.started) * 1000)
+        self.inbox.complete(("commit", *key), totals)
         return totals
 
-    def status(self) -> pb.StatusReply:
-        """The `Status` reply: state, failure, epoch, round, registered and finished ranks, the last 100
+    def status(self) -> JobStatus:
+        """What `Status` reports: state, failure, epoch, round, registered and finished ranks, the last 100
         rounds' latencies (ms, first report -> totals)."""
         with self._lock:
-            return pb.StatusReply(
+            return JobStatus(
                 state=self.state,
                 failure=self.failure or "",
                 epoch=self.epoch,
                 round=self.core.round,
-                registered=sorted(self.addresses),
-                round_latency_ms=list(self.latencies_ms)[-100:],
-                finished=sorted(self.liveness.finished),
+                registered=tuple(sorted(self.addresses)),
+                finished=tuple(sorted(self.liveness.finished)),
+                round_latency_ms=tuple(list(self.latencies_ms)[-100:]),
             )

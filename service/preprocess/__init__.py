@@ -20,8 +20,9 @@ Private modules, one concern each (`_chain` is the one that imports every stage)
                truncate), `_vision` (images, visual tokens), `_audio` (clips: decoding, log-mel
                features, audio tokens), `_hf` (`HFProcessor`: a model's own HF
                processor), `_chain` (`default_stages`, `Preprocessor`)
-    Ray        `_ray` (connect, `resolve`), `_pool` (the actor pool), `_ray_source` (`RaySource`),
-               `_ray_options` (its `PoolOptions`, `StreamOptions`), `_ledger` (its record of pulled
+    Ray        `_ray` (connect, `resolve`), `_ray_procs` (a Ray's processes on this host, its leftovers),
+               `_pool` (the actor pool), `_ray_source` (`RaySource`), `_ray_options` (its `PoolOptions`,
+               `StreamOptions`), `_ledger` (its record of pulled
                samples)
     sources    `_sources` (the `Source` protocol, synthetic and pushed sources); `_demo_data`
 Imports only `batchd.core`: the rank service builds on it, never the other way.

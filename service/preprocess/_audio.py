@@ -126,7 +126,10 @@ def qwen2_audio_tokens(frames: int) -> int:
 def _feature_extractor(n_mels: int, rate: int) -> Any:
     from transformers import WhisperFeatureExtractor
 
-    return WhisperFeatureExtractor(feature_size=n_mels, sampling_rate=rate, hop_length=HOP)
+    # transformers declares this constructor untyped.
+    return WhisperFeatureExtractor(  # type: ignore[no-untyped-call]
+        feature_size=n_mels, sampling_rate=rate, hop_length=HOP
+    )
 
 
 def log_mel(x: np.ndarray, n_mels: int = 128, rate: int = SAMPLE_RATE) -> np.ndarray:
@@ -152,7 +155,7 @@ class Qwen2Audio(Stage):
 
     def __init__(
         self,
-        tokenizer: str | os.PathLike | TokenizerRef | None = None,
+        tokenizer: str | os.PathLike[str] | TokenizerRef | None = None,
         audio_token: str = "<|AUDIO|>",
         audio_bos: str = "<|audio_bos|>",
         audio_eos: str = "<|audio_eos|>",

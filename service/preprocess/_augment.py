@@ -91,7 +91,7 @@ class RandomResizedCrop(Stage):
         area = height * width
         log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
         for _ in range(10):
-            target = area * rng.uniform(*self.scale)
+            target = area * rng.uniform(self.scale[0], self.scale[1])
             aspect = math.exp(rng.uniform(*log_ratio))
             w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
             if 0 < w <= width and 0 < h <= height:

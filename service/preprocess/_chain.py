@@ -52,7 +52,7 @@ from ._vision import LlavaVision, Qwen2VLVision, _NoImages, decode_images
 
 
 def default_stages(
-    tokenizer: str | os.PathLike | TokenizerRef | None = None,
+    tokenizer: str | os.PathLike[str] | TokenizerRef | None = None,
     template: str = "qwen2",
     vision: str | None = "qwen2_vl",
     cutoff: int = 4096,
@@ -61,7 +61,7 @@ def default_stages(
     system_prompts: Sequence[str] | None = None,
     min_pixels: int = 56 * 56,
     max_pixels: int = 14 * 14 * 4 * 1280,
-    processor: str | os.PathLike | None = None,
+    processor: str | os.PathLike[str] | None = None,
     audio: str | None = "qwen2_audio",
 ) -> list[Stage]:
     """The standard chain: [augmentation] -> chat template -> tokenize -> vision -> truncate, or with

@@ -26,7 +26,7 @@ import dataclasses
 import json
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -83,9 +83,8 @@ class Block:
 
 
 def _columns(schema: pa.Schema) -> list[str]:
-    return [
-        c for c in (_conversation_column(schema.names), "images", "audios", "system") if c in schema.names
-    ]
+    wanted = (_conversation_column(schema.names), "images", "audios", "system")
+    return [c for c in wanted if c is not None and c in schema.names]
 
 
 def _parquet_blocks(path: str) -> tuple[list[tuple[int, int, int, int]], tuple[str, ...]]:
@@ -110,8 +109,7 @@ def _parquet_blocks(path: str) -> tuple[list[tuple[int, int, int, int]], tuple[s
 def _arrow_blocks(path: str) -> tuple[list[tuple[int, int, int, int]], tuple[str, ...], str]:
     """Blocks of an Arrow IPC file ('file' format: by index) or stream ('stream': by byte range)."""
     fs, inner = filesystem_of(path)
-    opener = (lambda: pa.memory_map(inner)) if not _is_uri(path) else (lambda: fs.open_input_file(inner))
-    with opener() as f:
+    with pa.memory_map(inner) if not _is_uri(path) else fs.open_input_file(inner) as f:
         try:
             reader = paipc.open_file(f)
         except pa.ArrowInvalid:
@@ -170,7 +168,7 @@ class RecordDataset:
     """
 
     def __init__(
-        self, paths: str | os.PathLike | Sequence[str | os.PathLike], format: str | None = None
+        self, paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], format: str | None = None
     ) -> None:
         self.paths = expand_paths(paths)
         self.files: list[FileInfo] = []
@@ -333,7 +331,8 @@ class RecordDataset:
 def raw_object(raw: Any, source: str) -> dict[str, Any]:
     """A row as Python objects: JSONL text is parsed and its field types checked (Reject on a bad line)."""
     if not isinstance(raw, str):
-        return raw
+        parsed: dict[str, Any] = raw  # an Arrow row: Python objects already
+        return parsed
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
@@ -343,7 +342,8 @@ def raw_object(raw: Any, source: str) -> dict[str, Any]:
         check_json_row(obj, file, int(row) if row.isdigit() else 0)
     except SchemaError as exc:
         raise Reject("schema", f"field {exc.field!r}: {exc.problem}") from None
-    return obj
+    checked: dict[str, Any] = obj
+    return checked
 
 
 def parse_item(raw: Any, source: str, base_dir: str) -> Record:
@@ -351,7 +351,9 @@ def parse_item(raw: Any, source: str, base_dir: str) -> Record:
     return parse_record(raw_object(raw, source), base_dir)
 
 
-def iter_records(dataset: RecordDataset, ids: Iterable[int] | None = None):
+def iter_records(
+    dataset: RecordDataset, ids: Iterable[int] | None = None
+) -> Iterator[tuple[int, Record | Reject]]:
     """(id, Record | Reject) pairs: a convenience for inspecting a dataset without Ray."""
     for i in range(len(dataset)) if ids is None else ids:
         try:

@@ -227,7 +227,7 @@ def _write_jsonl(out: Path, stem: str, records: list[Any]) -> Path:
 
 
 def make_demo_dataset(
-    out_dir: str | os.PathLike,
+    out_dir: str | os.PathLike[str],
     num_samples: int = 512,
     seed: int = 0,
     image_fraction: float = 0.3,

@@ -32,11 +32,12 @@ def _is_uri(path: str) -> bool:
     return "://" in path
 
 
-def filesystem_of(path: str | os.PathLike) -> tuple[pafs.FileSystem, str]:
+def filesystem_of(path: str | os.PathLike[str]) -> tuple[pafs.FileSystem, str]:
     """(pyarrow filesystem, path inside it) for a local path or a filesystem URI."""
     s = os.fspath(path)
     if _is_uri(s):
-        return pafs.FileSystem.from_uri(s)
+        fs, inner = pafs.FileSystem.from_uri(s)
+        return fs, str(inner)
     return pafs.LocalFileSystem(), os.path.abspath(s)
 
 
@@ -54,7 +55,7 @@ def _format_of(path: str, fmt: str | None) -> str:
     return _EXTENSIONS[ext]
 
 
-def expand_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
+def expand_paths(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
     """Files behind `paths`: each a file, a directory (its supported files, sorted) or a URI."""
     items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     if not items:
@@ -103,4 +104,4 @@ def _base_dir(path: str) -> str:
 def _read_bytes(path: str) -> bytes:
     fs, inner = filesystem_of(path)
     with fs.open_input_stream(inner) as f:
-        return f.read()
+        return bytes(f.read())

@@ -93,7 +93,7 @@ def _has_image_processor(path: Path) -> bool:
         return False
 
 
-def _without_video(path: Path, cause: Exception):
+def _without_video(path: Path, cause: Exception) -> Any:
     """The directory's processor class loaded without its video processor, or None when it has none.
 
     Image-and-video processors (Qwen2-VL, Qwen2.5-VL...) fail to load where transformers cannot build
@@ -107,7 +107,7 @@ def _without_video(path: Path, cause: Exception):
     if cls is None or not any("video" in a for a in cls.get_attributes()):
         return None
     keep = [a for a in cls.get_attributes() if "video" not in a]
-    image_text = type(cls.__name__, (cls,), {"get_attributes": classmethod(lambda c: list(keep))})
+    image_text: Any = type(cls.__name__, (cls,), {"get_attributes": classmethod(lambda c: list(keep))})
     proc = image_text.from_pretrained(str(path), local_files_only=True)
     log.warning(
         "processor %s at %s loaded without its video processor (%s); images and text work",
@@ -118,7 +118,7 @@ def _without_video(path: Path, cause: Exception):
     return proc
 
 
-def load_processor(path: str | os.PathLike):
+def load_processor(path: str | os.PathLike[str]) -> Any:
     """The processor of a local Hugging Face directory, offline: `AutoProcessor` (an image-and-video one
     without its video processor when that cannot load), else `AutoTokenizer` for a directory without an
     image processor (a text-only processor: the tokenizer itself).
@@ -130,7 +130,8 @@ def load_processor(path: str | os.PathLike):
 
     path = Path(path)
     try:
-        return AutoProcessor.from_pretrained(str(path), local_files_only=True)
+        # transformers declares AutoProcessor.from_pretrained untyped; the processor is any ProcessorMixin.
+        return AutoProcessor.from_pretrained(str(path), local_files_only=True)  # type: ignore[no-untyped-call]
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, ImportError... by case
         first = exc
     try:
@@ -159,7 +160,7 @@ def load_processor(path: str | os.PathLike):
 class _Loaded:
     """What `HFProcessor` derives from the loaded processor once per process (never pickled)."""
 
-    def __init__(self, proc, path: str, labels: str, template_kwargs: dict[str, Any]) -> None:
+    def __init__(self, proc: Any, path: str, labels: str, template_kwargs: dict[str, Any]) -> None:
         from transformers import PreTrainedTokenizerBase
 
         self.proc = proc
@@ -198,13 +199,14 @@ class _Loaded:
 
     def render(self, conv: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         """The template's text for one conversation (`apply_chat_template(..., tokenize=False)`)."""
-        return self.proc.apply_chat_template(
+        rendered: str = self.proc.apply_chat_template(
             conv,
             chat_template=self.template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
             **self.template_kwargs,
         )
+        return rendered
 
     def render_many(
         self, convs: list[list[dict[str, Any]]], add_generation_prompt: bool = False
@@ -238,7 +240,7 @@ class _Loaded:
         while hi < min(len(with_img), len(without)) - lo and with_img[-1 - hi] == without[-1 - hi]:
             hi += 1
         inserted = with_img[lo : len(with_img) - hi]
-        if inserted.count(self.image_token) != 1:
+        if self.image_token is None or inserted.count(self.image_token) != 1:
             return [], []
         before, after = inserted.split(self.image_token)
         enc = self.tok.backend_tokenizer if hasattr(self.tok, "backend_tokenizer") else None
@@ -295,7 +297,7 @@ class HFProcessor(Stage):
 
     def __init__(
         self,
-        path: str | os.PathLike,
+        path: str | os.PathLike[str],
         labels: str = "auto",
         template_kwargs: dict[str, Any] | None = None,
         processor_kwargs: dict[str, Any] | None = None,
@@ -330,7 +332,7 @@ class HFProcessor(Stage):
         return self._loaded
 
     @property
-    def processor(self):
+    def processor(self) -> Any:
         """The loaded processor (a `ProcessorMixin`, or a tokenizer for a text-only directory)."""
         return self._load().proc
 
@@ -386,6 +388,7 @@ class HFProcessor(Stage):
                     "the processor gives no text_replacement_offsets: cannot place the labels past "
                     "its expanded audio placeholders (give the template {% generation %} blocks)",
                 )
+            assert spans is not None  # found above for "prefix" labels (not lp.generation)
             mask = self._span_mask(lp, np.asarray(out["offset_mapping"])[0], spans, text, runs, replacements)
         for k in _DROP:
             out.pop(k, None)
@@ -418,7 +421,7 @@ class HFProcessor(Stage):
             raise Reject("unsupported_audio", f"the processor at {self.path} has no audio feature extractor")
 
     def _process(
-        self, lp: _Loaded, conv, images: list[Any], clips: list[np.ndarray], text: str
+        self, lp: _Loaded, conv: list[dict[str, Any]], images: list[Any], clips: list[np.ndarray], text: str
     ) -> dict[str, Any]:
         """The processor's outputs (numpy, batch of one) for the conversation, its images and its clips.
 
@@ -543,6 +546,7 @@ class HFProcessor(Stage):
                 ends.append(int(r["span"][1]))
                 gained.append(int(r["new_span"][1]) - int(r["span"][1]))
         elif runs:
+            assert lp.image_token is not None  # image runs are found by the image token
             pos, width = 0, len(lp.image_token)
             for s, e in runs:
                 at = text.index(lp.image_token, pos)

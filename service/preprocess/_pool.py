@@ -48,6 +48,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -63,10 +64,13 @@ INLINE_ARGS_BYTES = 90_000  # below Ray's max_direct_call_object_size (100 KiB):
 START_CHECK_S = 5.0  # how often a slow actor start checks that the Ray is still there
 
 
+_Pairs = tuple[tuple[int, int], ...]  # (encoder patches or frames, tokens) per image or clip
+
+
 class PreprocessWorker:
     """The actor: parses the records it is sent and runs the chain (one task = a few samples)."""
 
-    def __init__(self, args: bytes | list[ray.ObjectRef]) -> None:
+    def __init__(self, args: bytes | list[ray.ObjectRef[Any]]) -> None:
         stages = ray.cloudpickle.loads(args) if isinstance(args, bytes) else ray.get(args[0])
         self.pre = Preprocessor(stages)
         self.pre.setup()
@@ -84,7 +88,9 @@ class PreprocessWorker:
         clip).
         """
         t0, c0 = time.perf_counter(), time.process_time()
-        metas, payloads = [], []
+        # (length, loss, text, vision, reason, nbytes, images, audio): see above
+        metas: list[tuple[int, int, int, int, str | None, int, _Pairs, _Pairs]] = []
+        payloads: list[dict[str, np.ndarray] | None] = []
         for i, source, base_dir, raw in items:
             try:
                 meta, payload = self.pre(parse_item(raw, source, base_dir), i, epoch, source, base_dir, seed)
@@ -158,7 +164,7 @@ class PreprocessPool:
 
     def __init__(
         self,
-        dataset: RecordDataset | str | os.PathLike | Sequence[str | os.PathLike],
+        dataset: RecordDataset | str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         stages: Sequence[Any] | None = None,
         num_actors: int = 2,
         *,
@@ -178,10 +184,10 @@ class PreprocessPool:
         # spec, so a restarted actor always gets it again, and Ray does not warn at every start that an
         # actor with max_restarts > 0 has constructor arguments in the object store. A large one goes
         # through the store, referenced by the pool for its lifetime (passed nested, fetched by the actor).
-        pickled = ray.cloudpickle.dumps(self.stages)
+        pickled = ray.cloudpickle.dumps(self.stages)  # type: ignore[no-untyped-call]  # Ray: untyped
         self._args_ref = ray.put(self.stages) if len(pickled) > INLINE_ARGS_BYTES else None
         args = pickled if self._args_ref is None else [self._args_ref]
-        options = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": actor_num_cpus}
+        options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": actor_num_cpus}
         self.node_id = affinity_node(node_id) if "scheduling_strategy" not in (actor_options or {}) else None
         if self.node_id is not None:
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
@@ -189,7 +195,8 @@ class PreprocessPool:
             )
         options.update(actor_options or {})
         cls = ray.remote(PreprocessWorker).options(**options)
-        self.actors = [cls.remote(args) for _ in range(num_actors)]
+        # Ray actor handles: their remote methods carry no types.
+        self.actors: list[Any] = [cls.remote(args) for _ in range(num_actors)]
         self.loads = [0] * num_actors  # tasks submitted and not finished, per actor
         self._holds = 0  # sources waiting for an idle actor (normal submissions pause meanwhile)
         self._lock = threading.Lock()
@@ -216,7 +223,7 @@ class PreprocessPool:
                         start_timeout_s,
                     )
         if pending:
-            total = ray.cluster_resources().get("CPU", 0)
+            total = ray.cluster_resources().get("CPU", 0)  # type: ignore[no-untyped-call]  # Ray: untyped
             self.close()
             raise RuntimeError(
                 f"only {num_actors - len(pending)} of {num_actors} preprocessing actors started "
@@ -244,7 +251,7 @@ class PreprocessPool:
 
     def submit(
         self, items: Sequence[tuple[int, str, str, Any]], epoch: int, seed: int, mode: str = "normal"
-    ) -> tuple[int, list[ray.ObjectRef], ray.ObjectRef | None] | None:
+    ) -> tuple[int, list[ray.ObjectRef[Any]], ray.ObjectRef[Any] | None] | None:
         """Sends `items` (`RecordDataset.items`) to an actor: (actor index, [metadata ref, payload
         refs...], probe), or None if refused.
 
@@ -277,7 +284,7 @@ class PreprocessPool:
         return k, refs, probe
 
     @staticmethod
-    def probe_ok(probe: ray.ObjectRef | None) -> bool:
+    def probe_ok(probe: ray.ObjectRef[Any] | None) -> bool:
         """Whether a `submit` probe succeeded (the actor answered it before running the task)."""
         if probe is None:
             return False

@@ -47,7 +47,7 @@ class Quarantine:
         path: JSONL file to append to (parent directories are created); None keeps counts only.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path) if path is not None else None
         self.counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
@@ -94,7 +94,7 @@ class Quarantine:
             self.counts = collections.Counter(counts)
 
     @staticmethod
-    def read(path: str | os.PathLike) -> list[dict[str, Any]]:
+    def read(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         """The lines of a quarantine file."""
         with open(path, encoding="utf-8") as f:
             return [json.loads(line) for line in f if line.strip()]

@@ -30,6 +30,9 @@ running Ray: a node agent started with it attaches to that node's raylet (tests/
 
 `resolve(payload)` / `resolve_many(payloads)` turn a sample's payload reference into its dict, at
 collate time.
+
+Seam: reading and signalling this host's processes (which are a Ray's, which a killed raylet left
+behind) is `_ray_procs`; this module decides what they mean.
 """
 
 from __future__ import annotations
@@ -44,11 +47,13 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import ray
+
+from ._ray_procs import JOB_ENV, descendants, end_leftovers, has_env, ray_processes, start_time
 
 log = logging.getLogger("batchd.preprocess")
 
@@ -142,14 +147,13 @@ def running_ray_address() -> str | None:
         with open(os.path.join(_ray_root(), "ray_current_cluster"), encoding="utf-8") as f:
             candidates.append(f.read().strip())
     session = os.path.join(_ray_root(), "session_")
-    for _, cmd in _ray_processes():
+    for _, cmd in ray_processes():
         if session in cmd:
             candidates += [m for m in re.findall(r"--gcs-address=([^\x00\s]+)", cmd) if m not in candidates]
     return next((a for a in candidates if a and _gcs_reachable(a)), None)
 
 
 FAMILY_EVERY = 5  # `SharedRay.check`s between two looks at the processes of a Ray started here
-JOB_ENV = "BATCHD_RAY_JOB"  # carried by the processes of an embedded Ray: the key of the job that started it
 
 
 def job_key(coordinator: str, spec: Any) -> str:
@@ -166,41 +170,6 @@ def job_key(coordinator: str, spec: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _own_pids() -> list[int]:
-    """The pids of this user's processes on this host, ascending (a /proc scan; [] where there is none)."""
-    uid = os.getuid() if hasattr(os, "getuid") else None
-    out = []
-    with contextlib.suppress(OSError):
-        for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
-            with contextlib.suppress(OSError):
-                if uid is None or os.stat(f"/proc/{pid}").st_uid == uid:
-                    out.append(pid)
-    return out
-
-
-def _has_env(pid: int, tag: bytes) -> bool:
-    """Whether process `pid` started with `tag` ("NAME=value") in its environment."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return tag in f.read().split(b"\0")
-    except OSError:
-        return False
-
-
-def _ray_processes() -> list[tuple[int, str]]:
-    """(pid, cmdline) of this user's Ray processes on this host that name a GCS (`--gcs-address=`)."""
-    out = []
-    for pid in _own_pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        if "--gcs-address=" in cmd:
-            out.append((pid, cmd))
-    return out
-
-
 def job_ray_address(key: str) -> str | None:
     """The GCS address of the Ray job `key` started on this host (`share_ray`), or None.
 
@@ -209,8 +178,8 @@ def job_ray_address(key: str) -> str | None:
     with the same `TMPDIR` still tell their Rays apart. Counts only while its GCS accepts connections."""
     tag = f"{JOB_ENV}={key}".encode()
     candidates: list[str] = []
-    for pid, cmd in _ray_processes():
-        if _has_env(pid, tag):
+    for pid, cmd in ray_processes():
+        if has_env(pid, tag):
             candidates += [m for m in re.findall(r"--gcs-address=([^\x00\s]+)", cmd) if m not in candidates]
     return next((a for a in candidates if a and _gcs_reachable(a)), None)
 
@@ -226,7 +195,7 @@ class RayLost(RuntimeError):
 def _raylet_address() -> str | None:
     """host:port of the raylet this process is attached to (None when unknown)."""
     with contextlib.suppress(Exception):
-        node = ray._private.worker.global_worker.node
+        node: Any = ray._private.worker.global_worker.node  # Ray's private node object
         return f"{node.node_ip_address}:{int(node.node_manager_port)}"
     return None
 
@@ -242,14 +211,16 @@ def ray_lost(address: str | None = None, raylet: str | None = None, timeout: flo
             return None
         address = ray.get_runtime_context().gcs_address
         raylet = raylet or _raylet_address()
+    why = "unreachable"
     for attempt in range(2):
-        why = None
+        why_now = None
         if not _gcs_reachable(address, timeout):
-            why = f"its GCS at {address} is unreachable"
+            why_now = f"its GCS at {address} is unreachable"
         elif raylet and not _gcs_reachable(raylet, timeout):
-            why = f"the raylet of this node at {raylet} is unreachable"
-        if why is None:
+            why_now = f"the raylet of this node at {raylet} is unreachable"
+        if why_now is None:
             return None
+        why = why_now
         if attempt == 0:
             time.sleep(0.5)
     return RayLost(address, why)
@@ -282,13 +253,13 @@ class SharedRay:
         self._unwatch = threading.Event()
         self._watcher: threading.Thread | None = None
         self._raylet_pid = _started_raylet_pid() if started else None
-        self._raylet_start = _start_time(self._raylet_pid) if self._raylet_pid is not None else None
+        self._raylet_start = start_time(self._raylet_pid) if self._raylet_pid is not None else None
         self._family: dict[int, str] = {}  # the raylet's descendants seen alive: {pid: start time}
         self._checks = 0
 
     def check(self) -> RayLost | None:
         """`ray_lost` for this Ray (its GCS and this node's raylet); remembered in `lost`. While a Ray
-        started here is alive, the processes its raylet started are noted (`_end_leftovers` ends them
+        started here is alive, the processes its raylet started are noted (`end_leftovers` ends them
         once it is gone)."""
         if self.lost is None:
             self.lost = ray_lost(self.address, self.raylet)
@@ -300,7 +271,7 @@ class SharedRay:
                 and self._raylet_pid is not None
                 and (self._checks < 3 * FAMILY_EVERY or self._checks % FAMILY_EVERY == 0)
             ):
-                self._family.update(_descendants(self._raylet_pid))
+                self._family.update(descendants(self._raylet_pid))
             self._checks += 1
         return self.lost
 
@@ -337,7 +308,7 @@ class SharedRay:
                         time.sleep(poll_s)
                 ray.shutdown()
                 if self.lost is not None:
-                    _end_leftovers(self.job, self._family, self._raylet_start)
+                    end_leftovers(self.job, self._family, self._raylet_start)
                 log.info("stopped the embedded Ray at %s", self.address)
             elif self.connected and self.lost is None and ray.is_initialized():
                 ray.shutdown()  # disconnect before the lock goes: the owner may stop the Ray right after
@@ -345,102 +316,12 @@ class SharedRay:
             os.close(fd)
 
 
-AGENT_START_S = 30.0  # a raylet starts its agents within this many seconds of its own start
-
-
-def _orphaned_agents(raylet_start: str | None) -> set[int]:
-    """This user's Ray processes (`ray::` titles) left without a parent (adopted by pid 1) that started
-    within AGENT_START_S of the raylet started at `raylet_start` (clock ticks since boot, /proc's): the
-    agents of that raylet when it was killed before the watch saw them."""
-    if raylet_start is None:
-        return set()
-    lo = int(raylet_start)
-    hi = lo + int(AGENT_START_S * os.sysconf("SC_CLK_TCK"))
-    out = set()
-    for pid in _own_pids():
-        fields = _stat(pid)
-        if not fields or fields[0] in ("Z", "X") or fields[1] != "1" or not lo <= int(fields[19]) <= hi:
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if f.read().startswith(b"ray::"):
-                    out.add(pid)
-        except OSError:
-            continue
-    return out
-
-
-def _end_leftovers(
-    job: str | None, family: dict[int, str], raylet_start: str | None = None, grace_s: float = 5.0
-) -> None:
-    """Ends what is left of an embedded Ray that went away: Ray's agents (DashboardAgent, RuntimeEnvAgent)
-    and workers outlive a raylet killed with SIGKILL. Only processes this Ray started: its raylet's
-    descendants seen alive (`family`, {pid: start time}, so a reused pid is spared), its agents orphaned
-    before the watch saw them (`_orphaned_agents`, by the raylet's start time) and those
-    carrying this job's `$BATCHD_RAY_JOB` (inherited from this process when it started that Ray; Ray's
-    agents may hide it, setting their title over it); never this process."""
-    mine = {pid for pid, start in family.items() if _start_time(pid) == start} | _orphaned_agents(
-        raylet_start
-    )
-    if job:
-        tag = f"{JOB_ENV}={job}".encode()
-        mine.update(pid for pid in _own_pids() if _has_env(pid, tag))
-    mine.discard(os.getpid())
-    for sig in (15, 9):  # SIGTERM, then SIGKILL for what is still there after the grace
-        for pid in mine:
-            with contextlib.suppress(OSError):
-                os.kill(pid, sig)
-        deadline = time.monotonic() + grace_s
-        while sig == 15 and time.monotonic() < deadline and any(_alive(p) for p in mine):
-            time.sleep(0.1)
-    if mine:
-        log.info("ended %d leftover process(es) of the Ray that went away", len(mine))
-
-
 def _started_raylet_pid() -> int | None:
     """The pid of the raylet this process started (`ray.init` without an address), or None."""
     with contextlib.suppress(Exception):
-        return ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+        node: Any = ray._private.worker._global_node  # Ray's private node object
+        return int(node.all_processes["raylet"][0].process.pid)
     return None
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _start_time(pid: int) -> str | None:
-    fields = _stat(pid)
-    return fields[19] if fields and fields[0] not in ("Z", "X") else None
-
-
-def _descendants(root: int) -> dict[int, str]:
-    """The live descendants of `root`, as {pid: start time}."""
-    children: dict[int, list[int]] = {}
-    starts: dict[int, str] = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                fields = _stat(int(name))
-                if fields and fields[0] not in ("Z", "X"):
-                    children.setdefault(int(fields[1]), []).append(int(name))
-                    starts[int(name)] = fields[19]
-    found: dict[int, str] = {}
-    stack = list(children.get(root, []))
-    while stack:
-        pid = stack.pop()
-        if pid not in found and pid in starts:
-            found[pid] = starts[pid]
-            stack.extend(children.get(pid, []))
-    return found
-
-
-def _alive(pid: int) -> bool:
-    fields = _stat(pid)
-    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 def _flock(fd: int, shared: bool, wait: bool) -> bool:
@@ -461,7 +342,7 @@ def _local_auth() -> None:
     an address): a Ray started on this host by `ray.init` (Ray >= 2.5x) requires the token in
     ~/.ray/auth_token, and an explicit address does not turn token auth on by itself."""
     try:
-        from ray._raylet import AuthenticationTokenLoader
+        from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # newer Ray only
     except ImportError:  # a Ray without token auth
         return
     if os.environ.get("RAY_AUTH_MODE") is None and AuthenticationTokenLoader.instance().has_token(
@@ -471,7 +352,7 @@ def _local_auth() -> None:
 
 
 @contextlib.contextmanager
-def _host_lock():
+def _host_lock() -> Iterator[None]:
     """Serializes `share_ray`'s look-or-start across the processes of this host (a lock file in the
     temp dir)."""
     fd = os.open(os.path.join(tempfile.gettempdir(), "batchd-ray-start.lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -505,7 +386,7 @@ def quiet_token_auth() -> None:
         return
     os.environ["RAY_AUTH_MODE"] = "token"
     with contextlib.suppress(Exception):  # refresh Ray's cached config, as Ray's own switch does
-        from ray._raylet import Config
+        from ray._raylet import Config  # type: ignore[attr-defined]  # not in Ray's stub
 
         Config.initialize("")
 
@@ -583,9 +464,8 @@ def share_ray(
 
 def resolve(payload: Any) -> dict[str, np.ndarray]:
     """The payload dict of a sample: `ray.get` when it is an ObjectRef, the value itself otherwise."""
-    if isinstance(payload, ray.ObjectRef):
-        return ray.get(payload)
-    return payload
+    got: dict[str, np.ndarray] = ray.get(payload) if isinstance(payload, ray.ObjectRef) else payload
+    return got
 
 
 def resolve_many(payloads: Sequence[Any]) -> list[dict[str, np.ndarray]]:

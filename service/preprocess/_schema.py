@@ -25,15 +25,15 @@ class SchemaError(ValueError):
 
 
 def _is_str(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
+    return bool(pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t))
 
 
 def _is_bin(t: pa.DataType) -> bool:
-    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t)
+    return bool(pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_binary_view(t))
 
 
 def _is_list(t: pa.DataType) -> bool:
-    return (
+    return bool(
         pa.types.is_list(t)
         or pa.types.is_large_list(t)
         or pa.types.is_fixed_size_list(t)

@@ -17,11 +17,12 @@ plan can prefer moving the groups that carry the fewest bytes.
 
 from __future__ import annotations
 
+import enum
 import queue
 import threading
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -29,8 +30,18 @@ from batchd.core import Remainder, Sample, ViewSource
 
 from ._audio import qwen2_audio_tokens
 
-EXHAUSTED = object()
+
+class _End(enum.Enum):
+    EXHAUSTED = "exhausted"
+
+    def __repr__(self) -> str:
+        return "EXHAUSTED"
+
+
+EXHAUSTED = _End.EXHAUSTED  # `Source.poll`: the epoch's view is done
 Payload = dict[str, np.ndarray]
+# What `Source.poll` returns: a sample and its payload, None (nothing ready yet) or EXHAUSTED.
+Poll = tuple[Sample, Payload] | Literal[_End.EXHAUSTED] | None
 NO_REASONS: Mapping[str, int] = types.MappingProxyType(
     {}
 )  # `Source.reasons` of a source that quarantines nothing
@@ -63,7 +74,7 @@ class Source(Protocol):
 
     reasons: Mapping[str, int]
 
-    def poll(self, timeout: float = 0.0) -> Any: ...
+    def poll(self, timeout: float = 0.0) -> Poll: ...
 
     def peek_id(self) -> int | None: ...
 
@@ -284,12 +295,14 @@ class SyntheticSource:
         count in lengths[i])."""
         if audio is not None and len(audio) != len(lengths):
             raise ValueError(f"audio must hold one entry per sample, got {len(audio)=} for {len(lengths)=}")
-        self.audio = [tuple(tuple(c) for c in row) for row in audio] if audio is not None else None
+        self.audio = [tuple((int(f), int(t)) for f, t in row) for row in audio] if audio is not None else None
         if vocab_size < 2:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size=}")
         if images is not None and len(images) != len(lengths):
             raise ValueError(f"images must hold one entry per sample, got {len(images)=} for {len(lengths)=}")
-        self.images = [tuple(tuple(im) for im in row) for row in images] if images is not None else None
+        self.images = (
+            [tuple((int(p), int(t)) for p, t in row) for row in images] if images is not None else None
+        )
         self.patch_dim = patch_dim
         self.lengths = list(lengths)
         self.longest = max(self.lengths, default=0)  # `Source.longest`
@@ -341,7 +354,7 @@ class SyntheticSource:
     def unread(self) -> int | None:
         return self.view.unread()
 
-    def poll(self, timeout: float = 0.0):
+    def poll(self, timeout: float = 0.0) -> Poll:
         i = self.view.next()
         if i is None:
             return EXHAUSTED
@@ -402,7 +415,7 @@ class IngestSource:
     reasons: Mapping[str, int] = NO_REASONS
 
     def __init__(self, capacity: int) -> None:
-        self._q: queue.Queue = queue.Queue(maxsize=max(capacity, 1))
+        self._q: queue.Queue[tuple[Sample, Payload]] = queue.Queue(maxsize=max(capacity, 1))
         self._ended = threading.Event()
         self._ids: set[int] = set()
         self._lock = threading.Lock()
@@ -496,7 +509,7 @@ class IngestSource:
     def peek_id(self) -> int | None:
         return None
 
-    def poll(self, timeout: float = 0.0):
+    def poll(self, timeout: float = 0.0) -> Poll:
         try:
             return self._q.get(timeout=timeout) if timeout > 0 else self._q.get_nowait()
         except queue.Empty:

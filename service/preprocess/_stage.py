@@ -113,12 +113,12 @@ class Stage:
         return f"{self.name}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
 
 
-def _as_ref(tokenizer: str | os.PathLike | TokenizerRef | None) -> TokenizerRef:
+def _as_ref(tokenizer: str | os.PathLike[str] | TokenizerRef | None) -> TokenizerRef:
     return tokenizer if isinstance(tokenizer, TokenizerRef) else TokenizerRef(tokenizer)
 
 
 class _FunctionStage(Stage):
-    def __init__(self, fn: Callable, wants_ctx: bool) -> None:
+    def __init__(self, fn: Callable[..., Example | None], wants_ctx: bool) -> None:
         self.fn, self.wants_ctx = fn, wants_ctx
 
     @property
@@ -126,7 +126,8 @@ class _FunctionStage(Stage):
         return getattr(self.fn, "__qualname__", repr(self.fn))
 
     def __call__(self, ex: Example, ctx: StageContext) -> Example | None:
-        return self.fn(ex, ctx) if self.wants_ctx else self.fn(ex)
+        out: Example | None = self.fn(ex, ctx) if self.wants_ctx else self.fn(ex)
+        return out
 
 
 def _import_attr(spec: str) -> Any:
@@ -139,7 +140,7 @@ def _import_attr(spec: str) -> Any:
     return obj
 
 
-def resolve_stage(spec: Any) -> Stage | Callable:
+def resolve_stage(spec: Any) -> Stage | Callable[..., Example | None]:
     """A callable stage from an instance, a class (built without arguments), a function or 'module:attr'."""
     if isinstance(spec, str):
         spec = _import_attr(spec)

@@ -12,7 +12,7 @@ vision stage has expanded the image tokens, so the cutoff counts every token the
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -123,7 +123,8 @@ class ChatTemplate(Stage):
     def __call__(self, ex: Example, ctx: StageContext) -> Example:
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        rendered, spans = render_jinja_template(
+        # transformers declares the plain form's return (str); with the mask it returns (texts, spans).
+        rendered, spans = cast(Any, render_jinja_template)(
             conversations=[self.messages_of(ex)],
             chat_template=self.jinja,
             return_assistant_tokens_mask=True,
@@ -131,7 +132,7 @@ class ChatTemplate(Stage):
             default_system=self.default_system,
             **self.template_kwargs,
         )
-        ex.text, ex.assistant_spans = rendered[0], [tuple(s) for s in spans[0]]
+        ex.text, ex.assistant_spans = rendered[0], [(int(s), int(e)) for s, e in spans[0]]
         return ex
 
 
@@ -149,7 +150,7 @@ class Tokenize(Stage):
         tokenizer: Path to a local tokenizer.json, or a TokenizerRef (default: the demo tokenizer).
     """
 
-    def __init__(self, tokenizer: str | os.PathLike | TokenizerRef | None = None) -> None:
+    def __init__(self, tokenizer: str | os.PathLike[str] | TokenizerRef | None = None) -> None:
         self.tokenizer = _as_ref(tokenizer)
 
     def setup(self) -> None:
@@ -199,6 +200,8 @@ class Truncate(Stage):
         self.cutoff, self.policy = int(cutoff), policy
 
     def __call__(self, ex: Example, ctx: StageContext) -> Example:
+        if ex.input_ids is None or ex.labels is None:
+            raise ValueError(f"{self.name} needs input_ids: put it after Tokenize")
         n = len(ex.input_ids)
         if n <= self.cutoff:
             return ex

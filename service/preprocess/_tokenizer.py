@@ -26,7 +26,11 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -50,7 +54,7 @@ PAD_TOKEN = "<|endoftext|>"
 
 def train_tokenizer(
     texts: Iterable[str], vocab_size: int = 2048, special_tokens: Iterable[str] = SPECIAL_TOKENS
-):
+) -> Tokenizer:
     """A byte-level BPE `tokenizers.Tokenizer` trained on `texts` (deterministic for the same input)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -73,7 +77,7 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def demo_tokenizer(path: str | os.PathLike | None = None, vocab_size: int = 1024) -> Path:
+def demo_tokenizer(path: str | os.PathLike[str] | None = None, vocab_size: int = 1024) -> Path:
     """The demo tokenizer.json (trained on the demo generator's text), written to `path` or a cache file.
 
     Training takes about a second; the cached file is reused (its name carries a hash of the recipe).
@@ -95,14 +99,17 @@ def demo_tokenizer(path: str | os.PathLike | None = None, vocab_size: int = 1024
 
 
 @functools.lru_cache(maxsize=8)
-def _build(json_text: str, pad_token: str | None):
+def _build(json_text: str, pad_token: str | None) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
     kwargs: dict[str, Any] = {}
     if pad_token is not None:
         kwargs["pad_token"] = pad_token
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json_text), **kwargs)
+    # transformers declares this constructor without types.
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=Tokenizer.from_str(json_text), **kwargs
+    )
 
 
 def _read_tokenizer_dir(path: Path) -> tuple[str, str | None]:
@@ -139,8 +146,11 @@ class TokenizerRef:
     """
 
     def __init__(
-        self, source: str | os.PathLike | TokenizerRef | None = None, pad_token: str | None = None
+        self, source: str | os.PathLike[str] | TokenizerRef | None = None, pad_token: str | None = None
     ) -> None:
+        self.json_text: str
+        self.pad_token: str | None
+        self.name: str
         if isinstance(source, TokenizerRef):
             self.json_text, self.pad_token, self.name = source.json_text, source.pad_token, source.name
             return
@@ -172,14 +182,14 @@ class TokenizerRef:
             self.pad_token = PAD_TOKEN
 
     @property
-    def hf(self):
+    def hf(self) -> PreTrainedTokenizerFast:
         """The `transformers.PreTrainedTokenizerFast` (built once per process)."""
         return _build(self.json_text, self.pad_token)
 
     def token_id(self, token: str) -> int:
         """The id of a token that must be in the vocabulary (a special token, usually)."""
         i = self.hf.convert_tokens_to_ids(token)
-        if i is None or i == self.hf.unk_token_id or self.hf.convert_ids_to_tokens(i) != token:
+        if not isinstance(i, int) or i == self.hf.unk_token_id or self.hf.convert_ids_to_tokens(i) != token:
             raise ValueError(f"token {token!r} is not in the tokenizer {self.name}")
         return int(i)
 

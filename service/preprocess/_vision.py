@@ -16,9 +16,12 @@ import io
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 from ._parse import IMAGE_MARKER, Record
 from ._quarantine import Reject
@@ -92,9 +95,9 @@ def smart_resize(
     return h_bar, w_bar
 
 
-def _normalize(img, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+def _normalize(img: Image.Image, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
     """A PIL RGB image as a normalized float32 array [3, H, W]."""
-    arr = np.asarray(img, dtype=np.float32) * (1.0 / 255.0)
+    arr: np.ndarray = np.asarray(img, dtype=np.float32) * (1.0 / 255.0)
     arr = (arr - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
     return np.ascontiguousarray(arr.transpose(2, 0, 1))
 
@@ -105,7 +108,7 @@ class _VisionStage(Stage):
     image_token: str
     tokenizer: TokenizerRef
 
-    def tokens_and_tensors(self, img) -> tuple[int, dict[str, np.ndarray]]:
+    def tokens_and_tensors(self, img: Image.Image) -> tuple[int, dict[str, np.ndarray]]:
         raise NotImplementedError
 
     def setup(self) -> None:
@@ -153,7 +156,7 @@ class Qwen2VLVision(_VisionStage):
 
     def __init__(
         self,
-        tokenizer: str | os.PathLike | TokenizerRef | None = None,
+        tokenizer: str | os.PathLike[str] | TokenizerRef | None = None,
         image_token: str = "<|image_pad|>",
         vision_start: str = "<|vision_start|>",
         vision_end: str = "<|vision_end|>",
@@ -185,7 +188,7 @@ class Qwen2VLVision(_VisionStage):
         h, w = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
         return (h // self.factor) * (w // self.factor)
 
-    def tokens_and_tensors(self, img) -> tuple[int, dict[str, np.ndarray]]:
+    def tokens_and_tensors(self, img: Image.Image) -> tuple[int, dict[str, np.ndarray]]:
         from PIL import Image
 
         try:
@@ -216,7 +219,7 @@ class LlavaVision(_VisionStage):
 
     def __init__(
         self,
-        tokenizer: str | os.PathLike | TokenizerRef | None = None,
+        tokenizer: str | os.PathLike[str] | TokenizerRef | None = None,
         image_token: str = IMAGE_MARKER,
         image_size: int = 336,
         patch_size: int = 14,
@@ -231,7 +234,7 @@ class LlavaVision(_VisionStage):
     def num_tokens(self, height: int = 0, width: int = 0) -> int:
         return (self.image_size // self.patch_size) ** 2
 
-    def tokens_and_tensors(self, img) -> tuple[int, dict[str, np.ndarray]]:
+    def tokens_and_tensors(self, img: Image.Image) -> tuple[int, dict[str, np.ndarray]]:
         from PIL import Image
 
         side = max(img.width, img.height)

@@ -12,7 +12,8 @@ Private modules, one part each (each module's docstring states its contract):
                  control (`depth`), trainer liveness
     `_payloads`  payloads held, lent to peers and fetched from them for balancing moves; `collate`,
                  `resolve_payloads`, `materialize_many`
-    `_journal`   the rank journal: `read_journal`, the record, `restore` (restart without loss)
+    `_journal`   the rank journal: `read_journal`, `JournalRecord` (parsed, written), `load_journal`,
+                 `remake` (a restored rank re-collates its held steps); the core restores itself from it
     `_server`    the thin gRPC servicer, `create_rank_server`, `job_samples`
 """
 

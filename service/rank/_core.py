@@ -10,7 +10,8 @@ protocol against the coordinator:
 and a watcher thread judges the trainer's liveness. The parts, each in its own module:
     `_delivery`  the trainer streams (attach, credits, acks) over `core.Delivery`: `TrainerSide`
     `_payloads`  the payloads held, lent to and fetched from peers, and collation: `Payloads`, `collate`
-    `_journal`   the rank journal (written after every round and fill; `restore` on a restart)
+    `_journal`   the rank journal (written after every round and fill; a restart builds the core from its
+                 `JournalRecord`: `_restore`)
     `_server`    the gRPC servicer over one or several cores
 
 Deterministic mode (`JobSpec.deterministic`): the rank reports only a full window (or its source's end),
@@ -31,13 +32,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sized
+from pathlib import Path
 from typing import Any
 
 import grpc
 
 from batchd.core import (
-    Connect,
     CoordinatorError,
     Delivery,
     JobSpec,
@@ -50,20 +51,19 @@ from batchd.core import (
 from batchd.proto import Security
 from batchd.proto import batchd_pb2 as pb
 
-from .._coord_client import CoordinatorClient
+from .._coord_client import CoordinatorLink
 from .._metrics import RankMetrics, materialized_tokens
 from ..preprocess import (
     EXHAUSTED,
     IngestRefused,
     IngestSource,
-    Payload,
     RayLost,
     Source,
     TooManyBadRecords,
     missing_source_members,
 )
-from ._delivery import RETAIN_BYTES, WATCH_S, TrainerSide, TrainerStream
-from ._journal import journal_path, journal_record, restore, write_journal
+from ._delivery import RETAIN_BYTES, WATCH_S, TrainerSide
+from ._journal import JournalRecord, journal_path, load_journal, remake, restore_error, write_journal
 from ._payloads import FetchRefused, Payloads, batch_of, truncated
 
 log = logging.getLogger("batchd.rank")
@@ -80,17 +80,18 @@ class RankServiceCore:
     `failure_told` (the trainer heard it), `finished` (the coordinator knows this rank's trainer took
     the job's last step), `restored_finished` (restored from a journal written after that),
     `waiting_for_trainer` (the loop waits for a free output slot), `samples_made` (samples of every rank
-    in this epoch's steps so far), `journal` (its path, or None); and, from the parts, `batches`,
-    `payloads`, `lent`, `lent_takers`, `address`, `peers`, `local_peers`, `fetched`.
+    in this epoch's steps so far), `journal` (its path, or None); its parts `streams` (`TrainerSide`:
+    the trainer streams and the held batches) and `store` (`Payloads`: the payloads held, lent and
+    fetched, the peers' addresses), which callers use directly.
     """
 
     def __init__(
         self,
         rank: int,
         spec: JobSpec,
-        coordinator: CoordinatorClient,
+        coordinator: CoordinatorLink,
         source: Source,
-        state_dir: str | os.PathLike | None = None,
+        state_dir: str | os.PathLike[str] | None = None,
         epoch: int = 0,
         client_grace_s: float = 600.0,
         fill_timeout_s: float = 0.5,
@@ -144,7 +145,9 @@ class RankServiceCore:
         )
         self.journal = journal_path(state_dir, rank)
         if self.journal is not None and self.journal.exists():
-            restore(self, self.journal)
+            record = load_journal(self.journal, rank, self.state.world_size)
+            if record is not None:  # else a resized job's: the rank resumes where the coordinator says
+                self._restore(record, self.journal)
         self.delivery.await_resume()  # trainers wait until the registration says whether the job was resized
         if metrics is not None:  # read at scrape time, lock-free: len() of a list / dict
             metrics.bind(lambda: len(self.state.buffer), lambda: len(self.delivery.ready), lambda: self.epoch)
@@ -162,87 +165,21 @@ class RankServiceCore:
         """This epoch has no further step."""
         return self.delivery.done
 
-    # -- the parts' state, under the names it always had ----------------------------------------------
-    @property
-    def batches(self) -> dict[int, tuple[Step, pb.Batch]]:
-        return self.streams.batches
-
-    @property
-    def payloads(self) -> dict[int, Payload]:
-        return self.store.held
-
-    @property
-    def lent(self) -> dict[int, Payload]:
-        return self.store.lent
-
-    @property
-    def lent_takers(self) -> dict[int, int]:
-        return self.store.lent_takers
-
+    # -- kept for the launchers (service/_node.py, _run_node.py) until their rework lands: use `store` ----
     @property
     def fetched(self) -> dict[str, int]:
         return self.store.fetched
 
     @property
-    def address(self) -> str:
-        return self.store.address
-
-    @address.setter
-    def address(self, value: str) -> None:
-        self.store.address = value
-
-    @property
-    def peers(self) -> list[str]:
-        return self.store.peers
-
-    @peers.setter
-    def peers(self, value: list[str]) -> None:
-        self.store.peers = value
-
-    @property
-    def local_peers(self) -> Mapping[int, RankServiceCore]:
+    def local_peers(self) -> Mapping[int, Payloads]:
         """The other ranks of this node agent, in process (their moved samples are handed over, no copy)."""
         return self.store.local_peers
 
     @local_peers.setter
     def local_peers(self, value: Mapping[int, RankServiceCore]) -> None:
-        self.store.local_peers = value
+        self.store.local_peers = {r: core.store for r, core in value.items()}
 
-    # -- trainer side (`_delivery`) and lending (`_payloads`): what the servicer calls --------------------
-    def connect(
-        self,
-        stream: TrainerStream,
-        epoch: int,
-        start_step: int,
-        credits: int,
-        member: int = 0,
-        group_size: int = 1,
-        resize_from: int = 0,
-    ) -> Connect:
-        """`TrainerSide.connect`."""
-        return self.streams.connect(stream, epoch, start_step, credits, member, group_size, resize_from)
-
-    def next_item(self, stream: TrainerStream) -> tuple[int, pb.Batch] | None:
-        """`TrainerSide.next_item`."""
-        return self.streams.next_item(stream)
-
-    def sent(self, stream: TrainerStream, step: int) -> None:
-        self.streams.sent(stream, step)
-
-    def ack(self, stream: TrainerStream, step: int) -> None:
-        self.streams.ack(stream, step)
-
-    def detach(self, stream: TrainerStream) -> None:
-        self.streams.detach(stream)
-
-    def take_lent(self, sample_id: int) -> Payload | None:
-        """`Payloads.take_lent`."""
-        return self.store.take_lent(sample_id)
-
-    def untake_lent(self, sample_id: int, payload: Payload) -> None:
-        """`Payloads.untake_lent`."""
-        self.store.untake_lent(sample_id, payload)
-
+    # -- what the servicer calls beside the parts (`streams`: the trainers, `store`: lending) ------------
     def lend_out(self, ids: list[int], epoch: int, limit_bytes: int) -> list[pb.IngestRequest]:
         """`Payloads.lend_out` for a peer's `Fetch` of samples of `epoch`: this epoch or the one before (a
         peer still finishing it). Raises FetchRefused for another epoch, or a payload no one has."""
@@ -277,12 +214,71 @@ class RankServiceCore:
 
     # -- journal (`_journal`) -----------------------------------------------------------------------
     def _write_journal(self, filled: bool = False) -> None:
-        if self.journal is not None:
-            write_journal(self.journal, journal_record(self, filled))
+        """Journals this rank now (call with `cond` held: the states must not move under it)."""
+        if self.journal is None:
+            return
+        ready, past = self.streams.batches, self.streams.past
+        record = JournalRecord(
+            delivery=self.delivery.state_dict(),
+            rank=self.state.state_dict(),
+            source=self.source.state_dict(),
+            ready=tuple(ready[i][0] for i in sorted(ready)),
+            past={q: tuple(held[i][0] for i in sorted(held)) for q, held in past.items()},
+            rejected_before=self.rejected_before,
+            finish_acked=self.finished,
+            filled=filled,
+            generation=self.generation,
+            remainder=self.remainder,
+        )
+        write_journal(self.journal, record.to_json())
+
+    def _restore(self, record: JournalRecord, path: Path) -> None:
+        """Builds this (new) rank service's state from its journal `record` (`_journal` module docstring):
+        the delivery, the epoch's rank state and source position, the buffered payloads and the held steps
+        (re-collated), whether the trainer took the job's last step and whether the buffer was filled.
+        Raises ValueError naming `path` when a state is of another job, rank or configuration."""
+        self.generation, self.remainder = record.generation, record.remainder
+        try:
+            self.delivery.load_state_dict(record.delivery, time.monotonic())
+            rem = (
+                self.remainder if self.remainder is not None and self.remainder.epoch == self.epoch else None
+            )
+            for q in sorted(record.past):  # held for a rewind: re-made in their own epoch
+                self.source.start_epoch(q)
+                _, batches = remake(self.source, record.past[q], [], q, self._batch)
+                held = zip(record.past[q], batches, strict=True)
+                self.streams.past[q] = {step.info.step: (step, batch) for step, batch in held}
+            if self.epoch != 0 or rem is not None:
+                self.state = self.new_state(self.epoch)
+                self.source.start_epoch(self.epoch, rem)
+            self.rejected_before = record.rejected_before
+            self.state.load_state_dict(record.rank)
+            self.source.load_state_dict(record.source)
+        except (ValueError, KeyError) as exc:  # a state of another job, rank or configuration
+            raise restore_error(path, self.rank, exc) from exc
+        ids = [entry.sample.id for entry in self.state.buffer]
+        made, batches = remake(self.source, record.ready, ids, self.epoch, self._batch)
+        self.store.held.update((i, made[i]) for i in ids)
+        for step, batch in zip(record.ready, batches, strict=True):
+            self.streams.batches[step.info.step] = (step, batch)
+        self.streams.recount()
+        self.streams.prune()
+        self.restored_finished = self.delivery.finished
+        self.finished = record.finish_acked  # the coordinator knew: it may be gone by now
+        self.filled = record.filled  # report the journaled buffer as it is (see `_journal`)
+        log.info(
+            "rank %d restored from %s at epoch %d round %d (step %d)%s",
+            self.rank,
+            path,
+            self.epoch,
+            self.state.round,
+            self.state.step,
+            "; its trainer took the job's last step" if self.restored_finished else "",
+        )
 
     # -- loop ---------------------------------------------------------------------------------------
     def start(self, my_address: str) -> None:
-        self.address = my_address
+        self.store.address = my_address
         self._thread = threading.Thread(target=self._run, name=f"batchd-rank-{self.rank}", daemon=True)
         self._thread.start()
         self._watcher = threading.Thread(
@@ -363,8 +359,8 @@ class RankServiceCore:
 
     def _epochs(self) -> None:
         """Registers, then runs the rounds of each epoch until the trainer took the job's last step."""
-        reply = self.coord.register(self.address)
-        self.peers = list(reply.rank_addresses)
+        reply = self.coord.register(self.store.address)
+        self.store.peers = list(reply.rank_addresses)
         self.coord.start_heartbeats(self.set_failure)
         if reply.generation != self.generation:
             self._resume(reply)
@@ -401,7 +397,7 @@ class RankServiceCore:
             if not self.delivery.awaiting:
                 self.delivery.await_resume()
             self.streams.clear()
-            self.payloads.clear()
+            self.store.held.clear()
             self.finished = self.restored_finished = self.filled = False
             deadline = time.monotonic() + self.trainer_timeout_s
             while self.delivery.resume_request is None:
@@ -427,7 +423,8 @@ class RankServiceCore:
                 self.delivery.close()
             self._write_journal()
             self.cond.notify_all()
-        left = f", {len(self.source)} sample(s) of its share left" if remainder is not None else ""
+        share = len(self.source) if isinstance(self.source, Sized) else "?"
+        left = f", {share} sample(s) of its share left" if remainder is not None else ""
         log.info(
             "rank %d: the resized job goes on at epoch %d step %d%s", self.rank, reply.epoch, reply.step, left
         )
@@ -452,7 +449,7 @@ class RankServiceCore:
             self.state = self.new_state(self.epoch)
             self.source.start_epoch(self.epoch)
             self.samples_made = 0
-            self.payloads.clear()
+            self.store.held.clear()
             self.streams.prune()
             self._write_journal()
             self.cond.notify_all()
@@ -515,7 +512,7 @@ class RankServiceCore:
                 self.waiting_for_trainer = True
                 self.cond.wait(0.5)
             self.waiting_for_trainer = False
-            if self.failure is not None or self._stop.is_set():
+            if capacity is None or self.failure is not None or self._stop.is_set():
                 raise CoordinatorError(self.failure or "stopped")
         return capacity
 
@@ -555,7 +552,7 @@ class RankServiceCore:
             )
         with self.cond:
             for i, step, b in batches:
-                self.batches[i] = (step, b)
+                self.streams.batches[i] = (step, b)
             self.delivery.add([i for i, _, _ in batches])
             if totals.done:
                 self.delivery.close()
@@ -575,7 +572,7 @@ class RankServiceCore:
             payloads = [self.store.take(s) for s in step.samples]
             batches.append((step.info.step, step, self._batch(step, payloads, images, clips)))
         for sample_id in image_only:  # pixels of other ranks' LLM samples, encoded here: done with
-            self.payloads.pop(sample_id, None)
+            self.store.held.pop(sample_id, None)
         return batches
 
     @staticmethod

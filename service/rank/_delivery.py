@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from batchd.core import ATTACHED, SEND_END, WAIT, Connect, Delivery, Step
 from batchd.proto import batchd_pb2 as pb
@@ -217,7 +217,8 @@ class TrainerSide:
                 failure = self._failure()
                 if failure is not None:
                     raise RuntimeError(failure)
-                holder = self.delivery.holder_of(member)
+                # The delivery's clients are this rank's TrainerStreams (core keeps them as Hashable).
+                holder = cast(TrainerStream | None, self.delivery.holder_of(member))
                 now = time.monotonic()
                 if holder is not None and holder is not stream:
                     if not holder.context.is_active():  # its end is not processed yet
@@ -250,7 +251,7 @@ class TrainerSide:
                     self._on_end_sent()
                     self.cond.notify_all()
                     return None
-                if nxt is not None:
+                if isinstance(nxt, int):
                     return nxt, self.batch_of(self.delivery.epoch_of(stream), nxt)
                 self.cond.wait(0.5)
 

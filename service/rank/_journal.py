@@ -3,7 +3,8 @@
 With `state_dir`, a rank service rewrites one JSON object, `rank-{rank}.json` (`JOURNAL`), whole and
 atomically (a temporary file, fsynced, renamed over the old one) after every round, and after every fill,
 before the round's report. It is metadata only: the rank state, the source position, the steps the trainer
-has not acknowledged. A restarted service (`restore`) reloads it, re-materializes the payloads by id
+has not acknowledged. A restarted service is built from its record (`load_journal` parses it into a
+`JournalRecord`; `RankServiceCore` restores itself from that), re-materializes the payloads by id
 (`SyntheticSource`, `RaySource`; see `batchd.service.preprocess`), re-collates the unacknowledged steps,
 re-registers and resends its report: the coordinator replays rounds that were already decided, so nothing
 is lost or duplicated.
@@ -22,55 +23,26 @@ decided on (a source whose readiness depends on timing, like a RaySource, would 
 
 This is not the append-only record journal of `batchd.service.Journal` (the coordinator's): the rank's
 state is small and replaced whole every round, so one object rewritten atomically is all it needs.
-Cost: one JSON encode and one fsync per round and per fill; `restore` makes every payload it needs in one
-`Source.materialize_many` call.
+Cost: one JSON encode and one fsync per round and per fill; a restore makes every payload it needs in one
+`Source.materialize_many` call (`remake`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
-import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from batchd.core import Remainder, Step
 
+from ..preprocess import Payload, Source
 from ._payloads import materialize_many
 
 log = logging.getLogger("batchd.rank")
-
-
-class Journaled(Protocol):
-    """What the journal reads from and restores into: `RankServiceCore`'s parts (`_core`), named here so
-    this module does not import the core that imports it."""
-
-    rank: int
-    epoch: int
-    delivery: Any
-    state: Any
-    source: Any
-    batches: Any
-    streams: Any
-    payloads: Any
-    rejected_before: Any
-    finished: bool
-    restored_finished: bool
-    filled: bool
-    generation: int
-    remainder: Any
-
-    def new_state(self, epoch: int) -> Any: ...
-
-    def _batch(
-        self,
-        step: Step,
-        payloads: list[Any],
-        images: list[Any] | None,
-        clips: list[Any] | None = None,
-        epoch: int | None = None,
-    ) -> Any: ...
 
 
 JOURNAL = "rank-{rank}.json"
@@ -101,7 +73,7 @@ JOURNAL_KEYS = {
 }  # every key required, this type
 
 
-def journal_path(state_dir: str | os.PathLike | None, rank: int) -> Path | None:
+def journal_path(state_dir: str | os.PathLike[str] | None, rank: int) -> Path | None:
     """Rank `rank`'s journal in `state_dir` (created if missing: a bad directory fails at startup rather
     than mid-round at the first journal); None without a `state_dir`."""
     if not state_dir:
@@ -111,7 +83,7 @@ def journal_path(state_dir: str | os.PathLike | None, rank: int) -> Path | None:
     return path
 
 
-def read_journal(path: str | os.PathLike) -> dict[str, Any]:
+def read_journal(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The rank journal at `path`, checked strictly: a JSON object of version JOURNAL_VERSION with every key
     of JOURNAL_KEYS, each of its type, and no other key.
 
@@ -161,26 +133,97 @@ def read_journal(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
-def journal_record(core: Journaled, filled: bool) -> dict[str, Any]:
-    """The journal object of `core` now (call with `core.cond` held: the states must not move under it)."""
-    return {
-        J_VERSION: JOURNAL_VERSION,
-        J_DELIVERY: core.delivery.state_dict(),
-        J_RANK: core.state.state_dict(),
-        J_SOURCE: core.source.state_dict(),
-        J_READY: [core.batches[i][0].to_json() for i in sorted(core.batches)],
-        J_PAST: {
-            str(q): [batches[i][0].to_json() for i in sorted(batches)]
-            for q, batches in core.streams.past.items()
-        },
-        J_REJECTED_BEFORE: core.rejected_before,
-        J_FINISH_ACKED: core.finished,
-        J_FILLED: filled,
-        J_RESIZE: {
-            "generation": core.generation,
-            "remainder": core.remainder.to_json() if core.remainder is not None else None,
-        },
-    }
+@dataclasses.dataclass(frozen=True)
+class JournalRecord:
+    """One rank journal, parsed (the format: module docstring). `delivery`, `rank` and `source` are their
+    owners' `state_dict`s (checked when loaded); `ready` the held steps of this epoch, `past` those of
+    earlier epochs by epoch; `finish_acked`, `filled`, `generation` and `remainder` as `J_FINISH_ACKED`,
+    `J_FILLED` and `J_RESIZE` say."""
+
+    delivery: dict[str, Any]
+    rank: dict[str, Any]
+    source: dict[str, Any]
+    ready: tuple[Step, ...]
+    past: dict[int, tuple[Step, ...]]
+    rejected_before: int
+    finish_acked: bool
+    filled: bool
+    generation: int
+    remainder: Remainder | None
+
+    def __post_init__(self) -> None:
+        if self.rejected_before < 0 or self.generation < 0:
+            raise ValueError(
+                f"a rank journal needs rejected_before, generation >= 0, got {self.rejected_before=} "
+                f"{self.generation=}"
+            )
+
+    @staticmethod
+    def from_json(state: Mapping[str, Any]) -> JournalRecord:
+        """The record of a journal object `read_journal` checked. Raises ValueError or KeyError on a
+        malformed nested value."""
+        resize = state[J_RESIZE]
+        return JournalRecord(
+            delivery=state[J_DELIVERY],
+            rank=state[J_RANK],
+            source=state[J_SOURCE],
+            ready=tuple(Step.from_json(j) for j in state[J_READY]),
+            past={int(q): tuple(Step.from_json(j) for j in steps) for q, steps in state[J_PAST].items()},
+            rejected_before=state[J_REJECTED_BEFORE],
+            finish_acked=state[J_FINISH_ACKED],
+            filled=state[J_FILLED],
+            generation=int(resize["generation"]),
+            remainder=Remainder.from_json(resize["remainder"]) if resize.get("remainder") else None,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """The journal object (`JOURNAL_VERSION`): what `write_journal` writes."""
+        return {
+            J_VERSION: JOURNAL_VERSION,
+            J_DELIVERY: self.delivery,
+            J_RANK: self.rank,
+            J_SOURCE: self.source,
+            J_READY: [step.to_json() for step in self.ready],
+            J_PAST: {str(q): [step.to_json() for step in steps] for q, steps in self.past.items()},
+            J_REJECTED_BEFORE: self.rejected_before,
+            J_FINISH_ACKED: self.finish_acked,
+            J_FILLED: self.filled,
+            J_RESIZE: {
+                "generation": self.generation,
+                "remainder": self.remainder.to_json() if self.remainder is not None else None,
+            },
+        }
+
+
+def load_journal(path: Path, rank: int, world_size: int) -> JournalRecord | None:
+    """The record a rank service of `rank` at `world_size` restores from (`RankServiceCore`), or None
+    when the journal at `path` is of a job at another world size (the job was resized since): the rank
+    then starts empty and resumes where the coordinator says (`RankServiceCore._resume`).
+
+    Raises:
+        ValueError: naming the file and why (`read_journal`; a malformed state).
+    """
+    state = read_journal(path)
+    saved_world = state[J_RANK].get("world_size")
+    if saved_world != world_size and state[J_RANK].get("rank") == rank:  # a resized job
+        log.warning(
+            "rank %d: %s is of a job at world size %s; this one runs at %d (a resize): not restored, the "
+            "rank resumes where the coordinator says",
+            rank,
+            path,
+            saved_world,
+            world_size,
+        )
+        return None
+    try:
+        return JournalRecord.from_json(state)
+    except (ValueError, KeyError) as exc:
+        raise restore_error(path, rank, exc) from exc
+
+
+def restore_error(path: Path, rank: int, exc: Exception) -> ValueError:
+    """The error of a journal whose states do not fit this job, rank or configuration."""
+    return ValueError(f"{path}: cannot resume rank {rank} from this journal: {type(exc).__name__}: {exc}")
 
 
 def write_journal(path: Path, record: dict[str, Any]) -> None:
@@ -193,82 +236,15 @@ def write_journal(path: Path, record: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def restore(core: Journaled, path: Path) -> None:
-    """Loads `core`'s state from its journal at `path` (see module docstring): the delivery, the epoch's
-    rank state and source position, the buffered payloads and the held steps (re-collated with
-    `core._batch`), whether the trainer took the job's last step and whether the buffer was filled. A
-    journal of another world size (the job was resized since) is left as it is: the rank starts empty
-    and resumes where the coordinator says (`RankServiceCore._resume`).
-
-    Raises:
-        ValueError: naming the file and why (`read_journal`; a state of another job, rank or
-            configuration).
-    """
-    state = read_journal(path)
-    saved_world = state[J_RANK].get("world_size")
-    if saved_world != core.state.world_size and state[J_RANK].get("rank") == core.rank:  # a resized job
-        log.warning(
-            "rank %d: %s is of a job at world size %s; this one runs at %d (a resize): not restored, the "
-            "rank resumes where the coordinator says",
-            core.rank,
-            path,
-            saved_world,
-            core.state.world_size,
-        )
-        return
-    try:
-        resize = state[J_RESIZE]
-        core.generation = int(resize["generation"])
-        core.remainder = Remainder.from_json(resize["remainder"]) if resize.get("remainder") else None
-        core.delivery.load_state_dict(state[J_DELIVERY], time.monotonic())
-        remainder = (
-            core.remainder if core.remainder is not None and core.remainder.epoch == core.epoch else None
-        )
-        past = {int(q): [Step.from_json(j) for j in steps] for q, steps in state[J_PAST].items()}
-        for q in sorted(past):  # held for a rewind: re-made in their own epoch
-            core.source.start_epoch(q)
-            core.streams.past[q] = {
-                step.info.step: (step, batch)
-                for step, batch in zip(past[q], _remake(core, past[q], [], q)[1], strict=True)
-            }
-        if core.epoch != 0 or remainder is not None:
-            core.state = core.new_state(core.epoch)
-            core.source.start_epoch(core.epoch, remainder)
-        core.rejected_before = state[J_REJECTED_BEFORE]
-        core.state.load_state_dict(state[J_RANK])
-        core.source.load_state_dict(state[J_SOURCE])
-    except (ValueError, KeyError) as exc:  # a state of another job, rank or configuration
-        raise ValueError(
-            f"{path}: cannot resume rank {core.rank} from this journal: {type(exc).__name__}: {exc}"
-        ) from exc
-    ids = [entry.sample.id for entry in core.state.buffer]
-    steps = [Step.from_json(step_json) for step_json in state[J_READY]]
-    made, batches = _remake(core, steps, ids, core.epoch)
-    core.payloads.update((i, made[i]) for i in ids)
-    for step, batch in zip(steps, batches, strict=True):
-        core.batches[step.info.step] = (step, batch)
-    core.streams.recount()
-    core.streams.prune()
-    core.restored_finished = core.delivery.finished
-    core.finished = state[J_FINISH_ACKED]  # the coordinator knew: it may be gone by now
-    core.filled = state[J_FILLED]  # report the journaled buffer as it is (see module docstring)
-    log.info(
-        "rank %d restored from %s at epoch %d round %d (step %d)%s",
-        core.rank,
-        path,
-        core.epoch,
-        core.state.round,
-        core.state.step,
-        "; its trainer took the job's last step" if core.restored_finished else "",
-    )
+Collate = Callable[[Step, list[Payload], list[Payload] | None, list[Payload] | None, int], Any]
 
 
-def _remake(
-    core: Journaled, steps: list[Step], ids: list[int], epoch: int
-) -> tuple[dict[int, Any], list[Any]]:
+def remake(
+    source: Source, steps: Sequence[Step], ids: list[int], epoch: int, collate: Collate
+) -> tuple[dict[int, Payload], list[Any]]:
     """Re-makes the payloads of `ids` and of `steps` (their samples, the images and clips they encode) in
-    one `materialize_many` call of the source (in `epoch`), and collates each step: (payloads by id, the
-    steps' batches in order)."""
+    one `materialize_many` call of `source` (in `epoch`), and collates each step with `collate` (step,
+    payloads, images, clips, epoch): (payloads by id, the steps' batches in order)."""
     wanted = list(
         dict.fromkeys(
             [
@@ -284,7 +260,7 @@ def _remake(
             ]
         )
     )
-    made = dict(zip(wanted, materialize_many(core.source, wanted), strict=False))  # each block read once
+    made = dict(zip(wanted, materialize_many(source, wanted), strict=False))  # each block read once
     batches = []
     for step in steps:
         payloads = [made[s.id] for s in step.samples]
@@ -292,5 +268,5 @@ def _remake(
         clips = None
         if step.audio_exchange is not None:
             clips = [made[c.sample_id] for c in step.audio_exchange.encode]
-        batches.append(core._batch(step, payloads, images, clips, epoch))
+        batches.append(collate(step, payloads, images, clips, epoch))
     return made, batches

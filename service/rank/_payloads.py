@@ -58,7 +58,7 @@ from batchd.proto import CHANNEL_OPTIONS, Security, Unreachable, channel, retry_
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
-from .._coord_client import CoordinatorClient
+from .._coord_client import CoordinatorLink
 from ..preprocess import Payload, Source, loss_tokens_of, resolve_many
 
 log = logging.getLogger("batchd.rank")
@@ -203,8 +203,7 @@ class Payloads:
             ranks still to take each.
         address: This rank's own address (for asking the coordinator for its peers').
         peers: Every rank's address, by rank (as the coordinator last said).
-        local_peers: The other ranks of this node agent, in process (objects with `take_lent` and
-            `source`: their `RankServiceCore`s).
+        local_peers: The other ranks of this node agent, in process (their `Payloads`).
         fetched: Moved-in samples taken in process ("local") and fetched over gRPC ("remote").
     """
 
@@ -213,7 +212,7 @@ class Payloads:
         rank: int,
         world_size: int,
         source: Source,
-        coord: Callable[[], CoordinatorClient],
+        coord: Callable[[], CoordinatorLink],
         security: Security | None,
         stop: threading.Event,
         epoch: Callable[[], int],
@@ -228,7 +227,7 @@ class Payloads:
         self._lend_lock = threading.Lock()
         self.address = ""
         self.peers: list[str] = []
-        self.local_peers: Mapping[int, Any] = {}
+        self.local_peers: Mapping[int, Payloads] = {}
         self.fetched = {"local": 0, "remote": 0}
         self._peer_stubs: dict[str, pb_grpc.RankServiceStub] = {}  # one channel per peer address, for the job
         self._peer_channels: list[grpc.Channel] = []
@@ -371,9 +370,14 @@ class Payloads:
         out: list[Payload] = []
         while len(out) < len(ids):  # a reply may hold a prefix (size cap): ask for the rest
             request = pb.FetchRequest(ids=ids[len(out) :], epoch=self._epoch(), rank=home)
+
+            def fetch(request: pb.FetchRequest = request) -> pb.FetchReply:
+                got: pb.FetchReply = self._peer(home).Fetch(request, timeout=60)  # the peer as of now
+                return got
+
             try:
                 reply = retry_while_unreachable(
-                    lambda request=request: self._peer(home).Fetch(request, timeout=60),
+                    fetch,
                     self._coord().lease_s,
                     f"rank {home} (rank {self.rank} fetching moved samples)",
                     stop=self._stop,
@@ -396,7 +400,7 @@ class Payloads:
         self.fetched["remote"] += len(out)
         return out
 
-    def _take_local(self, home: Any, ids: list[int]) -> list[Payload]:
+    def _take_local(self, home: Payloads, ids: list[int]) -> list[Payload]:
         """Moved samples of a rank of this node agent: references handed over in process, no copy."""
         out = []
         for i in ids:

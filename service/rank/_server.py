@@ -15,8 +15,9 @@ import functools
 import itertools
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent import futures
+from typing import NoReturn
 
 import grpc
 
@@ -30,6 +31,13 @@ from ..preprocess import IngestRefused, Payload
 from ._core import RankServiceCore
 from ._delivery import TrainerStream
 from ._payloads import FetchRefused
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """`context.abort`, which raises (grpc's contract); typed as never returning."""
+    context.abort(code, message)
+    raise AssertionError("grpc's ServicerContext.abort returned")
+
 
 log = logging.getLogger("batchd.rank")
 FETCH_REPLY_BYTES = 16 << 20  # a Fetch reply stops adding samples past this (the message cap is 64 MiB)
@@ -50,11 +58,12 @@ class RankServicer(pb_grpc.RankServiceServicer):
             raise ValueError("a rank service needs at least one rank")
         self.core = next(iter(self.cores.values()))  # the one-rank case
 
-    def _pick(self, rank: int | None, context, what: str) -> RankServiceCore:
+    def _pick(self, rank: int | None, context: grpc.ServicerContext, what: str) -> RankServiceCore:
         if rank is None:
             if len(self.cores) == 1:
                 return self.core
-            context.abort(
+            _abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{what}: this node agent serves ranks {sorted(self.cores)}; the request must name its "
                 f"rank (a client older than node agents?)",
@@ -62,14 +71,17 @@ class RankServicer(pb_grpc.RankServiceServicer):
         core = self.cores.get(rank)
         if core is None:
             served = sorted(self.cores)
-            context.abort(
+            _abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{what} for rank {rank}, but this service serves rank{'s' if len(served) > 1 else ''} "
                 f"{served if len(served) > 1 else served[0]}: check the trainer's rank and address",
             )
         return core
 
-    def Batches(self, request_iterator, context):
+    def Batches(
+        self, request_iterator: Iterator[pb.BatchRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.Batch]:
         try:
             first = next(request_iterator)
         except StopIteration:
@@ -77,7 +89,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
         core = self._pick(int(first.rank) if first.HasField("rank") else None, context, "Batches")
         stream = TrainerStream(context.peer(), context)
         try:
-            outcome = core.connect(
+            outcome = core.streams.connect(
                 stream,
                 int(first.epoch),
                 int(first.start_step),
@@ -97,7 +109,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
         if outcome.outcome != ATTACHED:
             log.warning("Batches: refused trainer %s: %s", stream, outcome.reason)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, outcome.reason or "not attached")
-        context.add_callback(lambda: core.detach(stream))
+        context.add_callback(lambda: core.streams.detach(stream))
 
         def read_acks() -> None:
             try:
@@ -107,7 +119,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
                             stream, int(req.saved_epoch), int(req.saved_step), req.saved_durable
                         )
                     else:
-                        core.ack(stream, int(req.ack_step))
+                        core.streams.ack(stream, int(req.ack_step))
             except grpc.RpcError:
                 pass
             except ValueError:  # the stream ended under the reader
@@ -116,7 +128,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
         threading.Thread(target=read_acks, name=f"batchd-acks-{core.rank}", daemon=True).start()
         while True:
             try:
-                item = core.next_item(stream)
+                item = core.streams.next_item(stream)
             except RuntimeError as exc:
                 core.failure_told = core.failure is not None
                 context.abort(grpc.StatusCode.ABORTED, str(exc))
@@ -127,9 +139,11 @@ class RankServicer(pb_grpc.RankServiceServicer):
                 return
             step, batch = item
             yield batch
-            core.sent(stream, step)
+            core.streams.sent(stream, step)
 
-    def Ingest(self, request_iterator, context):
+    def Ingest(
+        self, request_iterator: Iterator[pb.IngestRequest], context: grpc.ServicerContext
+    ) -> pb.IngestReply:
         """Decodes each pushed record and hands it to the rank's `IngestSource.ingest` (which validates and
         queues it, or quarantines it); replies with the counts. A refusal (`IngestRefused`) ends the stream
         with FAILED_PRECONDITION."""
@@ -163,7 +177,7 @@ class RankServicer(pb_grpc.RankServiceServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         return pb.IngestReply(accepted=accepted, quarantined=quarantined)
 
-    def Fetch(self, request, context):
+    def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> pb.FetchReply:
         """The payloads of `request.ids`, in order: a prefix of them when the reply would pass
         `fetch_reply_bytes` (at least one); the caller asks again for the rest. Samples of this epoch or of
         the one before (a peer still finishing it) are served; another epoch is refused."""
@@ -172,10 +186,10 @@ class RankServicer(pb_grpc.RankServiceServicer):
             samples = core.lend_out([int(i) for i in request.ids], int(request.epoch), self.fetch_reply_bytes)
         except FetchRefused as exc:
             code = grpc.StatusCode.NOT_FOUND if exc.not_found else grpc.StatusCode.FAILED_PRECONDITION
-            context.abort(code, str(exc))
+            _abort(context, code, str(exc))
         return pb.FetchReply(samples=samples)
 
-    def RankStatus(self, request, context):
+    def RankStatus(self, request: pb.RankStatusRequest, context: grpc.ServicerContext) -> pb.RankStatusReply:
         core = self._pick(int(request.rank) if request.HasField("rank") else None, context, "RankStatus")
         with core.cond:
             state = "failed" if core.failure else ("done" if core.done else "running")
@@ -190,8 +204,8 @@ class RankServicer(pb_grpc.RankServiceServicer):
                 failure=core.failure or "",
                 epoch=core.epoch,
                 epochs=core.spec.epochs,
-                fetched_local=core.fetched["local"],
-                fetched_remote=core.fetched["remote"],
+                fetched_local=core.store.fetched["local"],
+                fetched_remote=core.store.fetched["remote"],
                 job_samples=job_samples(core),
                 max_tokens=max_tokens(core),
             )
