@@ -165,7 +165,8 @@ class Delivery:
         self.group_size: int | None = None  # fixed by the first trainer that connects
         self.members: list[_Member] = []
         self.floor: Point = (epoch, 0)  # the earliest position a trainer may resume at
-        self.past: dict[int, int] = {}  # epochs before this one whose steps are still held: steps made
+        # steps made in each epoch before this one; those at or after the floor's epoch are still held
+        self.past: dict[int, int] = {}
         self._reset(epoch, now)
         self.prev_epoch_steps = 0
         self.awaiting = False  # a resized job: the first trainer's position says where it goes on
@@ -490,12 +491,13 @@ class Delivery:
             self._normalize_floor()
 
     def _normalize_floor(self) -> None:
-        """An epoch's end as floor is the next epoch's start; past epochs before the floor are dropped."""
+        """An epoch's end as floor is the next epoch's start. Epochs before the floor's hold no step but
+        keep their step counts in `past`: a trainer restarting at such an epoch's end (or in an epoch
+        with no steps) is told it ended, not refused."""
         epoch, step = self.floor
         while epoch < self.epoch and step >= (self._steps_of(epoch) or 0):
             epoch, step = epoch + 1, 0
         self.floor = (epoch, step)
-        self.past = {q: n for q, n in self.past.items() if q >= epoch}
 
     def _steps_of(self, epoch: int) -> int | None:
         """Steps made in an epoch before this one, when known (held, or the one just before)."""
@@ -510,7 +512,7 @@ class Delivery:
                 if self.floor[0] == epoch
                 else (0 if self.floor[0] < epoch else self.acked)
             )
-        if epoch not in self.past:
+        if epoch not in self.past or epoch < self.floor[0]:
             return None
         return self.floor[1] if self.floor[0] == epoch else 0
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from _jobs import job_pool, per_rank
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from batchd.client import BatchdError
@@ -53,6 +53,14 @@ def _attach(d: Delivery, t: _Trainer, member: int, group: int, credits: int, now
 
 
 @settings(max_examples=300, deadline=None)
+@example(  # empty epochs, no checkpoint, a crash: the restart at (0, 0) replays nothing and ends them
+    steps_per_epoch=[0, 0, 0],
+    depth=1,
+    credits=1,
+    group=1,
+    every=1,
+    actions=["make", "take", "make", "make", "take", "crash"],
+)
 @given(
     steps_per_epoch=st.lists(st.integers(0, 9), min_size=1, max_size=3),
     depth=st.integers(1, 4),
