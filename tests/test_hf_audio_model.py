@@ -178,7 +178,7 @@ def make_steps() -> list[dict]:
 
 def rank_arrays(step: dict, rank: int) -> dict[str, np.ndarray]:
     """What the rank service delivers to `rank` for this step (its own `collate`)."""
-    spec = types.SimpleNamespace(collate=step["layout"])
+    spec = types.SimpleNamespace(policy=types.SimpleNamespace(collate=step["layout"]))
     payloads = [step["payloads"][s.id] for s in step["row"][rank]]
     if step["exchanges"] is None:
         return collate(spec, payloads, PAD)

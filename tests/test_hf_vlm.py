@@ -173,7 +173,7 @@ def _steps(stage) -> list[dict]:
 
 def rank_batch(step: dict, rank: int, pad_id: int) -> dict:
     """What the rank service delivers to `rank` for this step (its own `collate`), as torch tensors."""
-    spec = types.SimpleNamespace(collate=step["layout"])
+    spec = types.SimpleNamespace(policy=types.SimpleNamespace(collate=step["layout"]))
     payloads = [step["payloads"][i] for i in step["row"][rank]]
     if step["phases"] == 2:
         ex = step["exchanges"][rank]

@@ -36,7 +36,7 @@ def make_job():
 
 
 def _spec(**kw) -> JobSpec:
-    return JobSpec(
+    return JobSpec.from_keys(
         **{
             "world_size": 2,
             "token_budget": 256,
