@@ -5,7 +5,9 @@ port) to its port file (`write_port_file`: JSON, replaced atomically). It serves
 given a metrics port (`start_metrics`), stops on SIGTERM or SIGINT (`stop_event`), and exits on its
 own once its job is done or failed. After a failure it lingers (`LINGER_S`, `linger_until_told`) so
 every party reads the failure message; a Ray lost while the sources start fails the job at once
-(`ray_lost_at_start`). Exit status, for all three: 0 done, 1 job failed, 130 interrupted.
+(`ray_lost_at_start`). For all three: they return 0 when done, 130 when interrupted (the coordinator 143 on
+SIGTERM), and raise `JobFailed` naming the reason when the job failed (`batchd CMD: the job failed: ...`,
+exit 1).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
-from batchd.core import JobSpec
+from batchd.core import JobFailed, JobSpec
 from batchd.proto import Security
 
 from ._coord_client import CoordinatorClient
@@ -53,12 +56,25 @@ def start_metrics(metrics, host: str, port: int | None, who: str):
     return server, bound
 
 
-def stop_event() -> threading.Event:
+class StopEvent(threading.Event):
+    """Set by SIGTERM or SIGINT (`stop_event`); `signum` is the first of them that came (None before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.signum: int | None = None
+
+    def stop(self, signum: int) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self.set()
+
+
+def stop_event() -> StopEvent:
     """An event that SIGTERM and SIGINT set (the handlers are this process's from now on): the serving
     loops poll it and exit with status 130 when it was set before their job ended."""
-    stop = threading.Event()
+    stop = StopEvent()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _frame: stop.stop(signum))
     return stop
 
 
@@ -75,13 +91,12 @@ def linger_until_told(cores, stop: threading.Event, grace_s: float) -> None:
 
 def ray_lost_at_start(
     coordinator: str, ranks: list[int], spec: JobSpec, security: Security | None, lost: RayLost
-) -> int:
+) -> NoReturn:
     """The Ray went away while the ranks' sources were starting: tells the coordinator (so the other ranks
-    and the trainers learn at once, naming it) and returns the failed-job status 1."""
-    log.error("rank %d: job failed: %s", ranks[0], lost)
+    and the trainers learn at once, naming it) and raises `JobFailed` naming it (a failed job, status 1)."""
     client = CoordinatorClient(coordinator, ranks[0], spec, security=security)
     try:
         client.fail(str(lost))
     finally:
         client.close()
-    return 1
+    raise JobFailed(f"rank {ranks[0]}: {lost}")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batchd.core import JobSpec
+from batchd.core import JobFailed, JobSpec
 from batchd.proto import Progress, Security
 
 from ._metrics_http import MergedRegistry, start_metrics_server, stop_metrics_server
@@ -353,6 +353,8 @@ def _serve_node(
             stop_metrics_server(metrics_server)
     if stop.is_set() and not all(c.finished for c in cores.values()) and status == 0:
         return 130
+    if status == 1:
+        raise JobFailed(agent.failure or "the job failed")
     return status
 
 

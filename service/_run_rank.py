@@ -24,7 +24,7 @@ import resource
 import time
 from pathlib import Path
 
-from batchd.core import JobSpec, Sample, max_fitting_length
+from batchd.core import JobFailed, JobSpec, Sample, max_fitting_length
 from batchd.proto import Security
 
 from ._coord_client import CoordinatorClient
@@ -363,4 +363,6 @@ def _serve_rank(
             stop_metrics_server(metrics_server)
     if stop.is_set() and not core.finished and status == 0:
         return 130
+    if status == 1:
+        raise JobFailed(core.failure or "the job failed")
     return status
