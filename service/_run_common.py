@@ -12,10 +12,12 @@ exit 1).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -44,6 +46,48 @@ def write_port_file(path: str | os.PathLike | None, port: int, metrics_port: int
             info["metrics_port"] = metrics_port
         tmp.write_text(json.dumps(info))
         os.replace(tmp, p)
+
+
+def check_port_free(host: str, port: int | None, what: str) -> None:
+    """Raises OSError naming `what`, host:port and the process that listens there (Linux: from /proc) when
+    the port cannot be bound; nothing for port 0 or None (any free port). A service calls it before it
+    starts or joins Ray: a second agent started on a running job's config fails at once on its port, instead
+    of joining that job's Ray and waiting for actors its CPUs cannot hold."""
+    if not port:
+        return
+    bind_host = host.strip("[]") or "0.0.0.0"
+    family = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no owner
+        try:
+            probe.bind((bind_host, port))
+        except OSError as exc:
+            holder = port_holder(port)
+            by = f" by {holder}" if holder else ""
+            raise OSError(
+                f"{what} port {port} on {host} is in use{by} ({exc.strerror}): is a service of this job "
+                f"already running? Stop it, or give this one another port"
+            ) from None
+
+
+def port_holder(port: int) -> str | None:
+    """'pid N (its command line)' of the process listening on TCP `port` (Linux /proc; None when unknown,
+    e.g. another user's process or no /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table, encoding="ascii") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if len(cols) > 9 and int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
+                    inodes.add(f"socket:[{cols[9]}]")  # 0A: LISTEN
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()) if inodes else ():
+        with contextlib.suppress(OSError):
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                return f"pid {pid} ({cmd})" if cmd else f"pid {pid}"
+    return None
 
 
 def start_metrics(metrics, host: str, port: int | None, who: str):

@@ -26,6 +26,7 @@ from ._metrics_http import MergedRegistry, start_metrics_server, stop_metrics_se
 from ._node import NodeAgent
 from ._run_common import (
     RESTORED_LINGER_S,
+    check_port_free,
     linger_until_told,
     log,
     ray_lost_at_start,
@@ -33,7 +34,7 @@ from ._run_common import (
     write_port_file,
 )
 from ._run_rank import make_source, write_stats
-from .preprocess import RayLost, RaySource, SharedRay, Source, job_key
+from .preprocess import BadRecordTally, RayLost, RaySource, SharedRay, Source, job_key
 from .rank import RETAIN_BYTES, RankServiceCore, job_samples
 
 
@@ -105,6 +106,8 @@ def run_node(
     it, ".rank<r>" before its suffix). `advertise` is the host peers on other nodes reach it at (default
     `host`, or this machine's name when `host` is 0.0.0.0)."""
     _check_node_ranks(spec, ranks, lengths, dataset)
+    check_port_free(host, port, "the node agent's")  # before Ray: a second agent fails here, at once
+    check_port_free(metrics_host, metrics_port, "the node agent's metrics")
     held = _NodeSources()
     try:
         try:
@@ -196,7 +199,9 @@ class _NodeSources:
         source_options: dict | None,
         job: str,
     ) -> None:
-        """Opens each rank's source (`_run_rank.make_source`); raises `RayLost` if the Ray went away."""
+        """Opens each rank's source (`_run_rank.make_source`); raises `RayLost` if the Ray went away. The
+        ranks' sources judge [data] max_bad_fraction together (one `BadRecordTally`): over their records."""
+        source_options = {**(source_options or {}), "bad_tally": BadRecordTally()}
         for r in ranks:
             self.sources[r], ray_handle = make_source(
                 spec,

@@ -32,6 +32,7 @@ from ._metrics import RankMetrics
 from ._metrics_http import stop_metrics_server
 from ._run_common import (
     RESTORED_LINGER_S,
+    check_port_free,
     linger_until_told,
     log,
     ray_lost_at_start,
@@ -240,6 +241,8 @@ def run_rank(
 ) -> int:
     if lengths is not None and dataset is not None:
         raise ValueError("give either lengths (synthetic samples) or a dataset, not both")
+    check_port_free(host, port, f"rank {rank}'s")  # before Ray: a second service fails here, at once
+    check_port_free(metrics_host, metrics_port, f"rank {rank}'s metrics")
     try:
         source, shared = make_source(
             spec,

@@ -10,8 +10,8 @@
 
 Private modules, one concern each (`_chain` is the one that imports every stage):
     records    `_files` (paths, URIs, formats), `_schema` (`SchemaError`), `_quarantine` (`Reject`,
-               `Quarantine`, `TooManyBadRecords`), `_parse` (one record), `_jsonl_index` (JSONL byte
-               offsets, cached), `_dataset` (`RecordDataset`: metadata and blocks), `_reader`
+               `Quarantine`, `TooManyBadRecords`, `BadRecordTally`), `_parse` (one record), `_jsonl_index`
+               (JSONL byte offsets, cached), `_dataset` (`RecordDataset`: metadata and blocks), `_reader`
                (`BlockReader`: a rank's blocks, read ahead within a budget)
     stages     `_tokenizer`, `_stage` (the stage contract), `_augment`, `_text` (template, tokenize,
                truncate), `_vision` (images, visual tokens), `_audio` (clips: decoding, log-mel
@@ -33,7 +33,7 @@ from ._jsonl_index import line_index, line_numbers, scan_lines
 from ._ledger import Ledger
 from ._parse import Record, parse_record
 from ._pool import PreprocessPool, PreprocessWorker
-from ._quarantine import Quarantine, Reject, TooManyBadRecords
+from ._quarantine import BadRecordTally, Quarantine, Reject, TooManyBadRecords
 from ._ray import (
     START_ATTEMPTS,
     RayLost,
@@ -78,6 +78,7 @@ from ._tokenizer import SPECIAL_TOKENS, TokenizerRef, demo_tokenizer, train_toke
 from ._vision import LlavaVision, Qwen2VLVision, decode_images, smart_resize
 
 __all__ = [
+    "BadRecordTally",
     "Block",
     "BlockReader",
     "ChatTemplate",
