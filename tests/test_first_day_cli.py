@@ -25,9 +25,8 @@ from batchd.preprocess import RecordDataset, demo_tokenizer
 PACKAGE_WORKLOADS = Path(batchd.__file__).resolve().parent / "workloads"
 
 
-def _env(tmp_path: Path | None = None) -> dict[str, str]:
-    """The user's environment: `batchd` on PATH, no torchrun or Ray variables, no workload override; with
-    `tmp_path`, temporary files (the demo's kept quarantine) go there."""
+def _env() -> dict[str, str]:
+    """The user's environment: `batchd` on PATH, no torchrun or Ray variables, no workload override."""
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
@@ -38,14 +37,12 @@ def _env(tmp_path: Path | None = None) -> dict[str, str]:
         env.pop(var, None)
     for var in ("BATCHD_WORKLOADS", "BATCHD_NODE_AGENT", "TORCHELASTIC_ERROR_FILE"):
         env.pop(var, None)
-    if tmp_path is not None:
-        env["TMPDIR"] = str(tmp_path)
     return env
 
 
-def _run(*args: str, cwd: Path, timeout: float, env: dict[str, str] | None = None):
+def _run(*args: str, cwd: Path, timeout: float):
     return subprocess.run(
-        ["batchd", *args], cwd=cwd, env=env or _env(), capture_output=True, text=True, timeout=timeout
+        ["batchd", *args], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -259,21 +256,14 @@ def test_a_file_9_percent_bad_passes_the_default_limit_though_one_rank_reads_13_
     assert _views(data) == _views(probe)  # the bad lines moved no record to another rank
     assert len(schema_bad) / len(small) > 0.1 > (len(schema_bad) + len(latin1)) / 66
 
-    proc = _run(
-        "demo",
-        "--dataset",
-        str(data),
-        "--no-baseline",
-        "--json",
-        cwd=tmp_path,
-        timeout=400,
-        env=_env(tmp_path),
-    )
+    proc = _run("demo", "--dataset", str(data), "--no-baseline", "--json", cwd=tmp_path, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     pre = json.loads(proc.stdout.strip().splitlines()[-1])["preprocess"]
+    kept_file = Path(pre["quarantine_file"])  # the demo keeps it beside its temporary directory
+    kept = [json.loads(line) for line in kept_file.read_text().splitlines()]
+    kept_file.unlink()
     assert pre["reasons"] == {"schema": 4, "invalid_utf8": 2}, pre
     assert pre["quarantined"] == 6 and pre["samples"] == 60 and pre["records_read"] == 66, pre
-    kept = [json.loads(line) for line in Path(pre["quarantine_file"]).read_text().splitlines()]
     utf8 = {q["id"]: q["reason"] for q in kept if q["reason"].startswith("invalid_utf8")}
     assert set(utf8) == latin1, kept
     assert all(r.startswith("invalid_utf8: byte 0xe9 at column ") for r in utf8.values()), utf8
@@ -286,13 +276,12 @@ def test_a_file_above_the_limit_overall_fails_naming_the_share(tmp_path):
     views = _views(probe)
     bad = set(sorted(views[0])[:4]) | set(sorted(views[1])[:4])
     data = _records_file(tmp_path / "mine.jsonl", bad, set())
-    proc = _run(
-        "demo", "--dataset", str(data), "--no-baseline", cwd=tmp_path, timeout=400, env=_env(tmp_path)
-    )
+    proc = _run("demo", "--dataset", str(data), "--no-baseline", cwd=tmp_path, timeout=400)
     err = proc.stderr
     assert proc.returncode == 1 and "Traceback" not in err, (proc.returncode, err[-3000:])
     failed = [ln for ln in err.splitlines() if ln.startswith("batchd demo: the job failed: ")]
     assert len(failed) == 1, err[-3000:]
+    Path(failed[0].split("; see ", 1)[1].split(". Fix the data", 1)[0]).unlink()  # the demo's kept copy
     assert "8 of the 66 records ranks 0, 1 read (12.1%) are bad" in failed[0], failed[0]
     assert "max_bad_fraction = 0.1" in failed[0] and "by reason: schema 8" in failed[0], failed[0]
 
