@@ -355,14 +355,14 @@ def security_from_args(args: argparse.Namespace):
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one rank's epochs; returns the exit code (1 when the job failed, 2 on an error)."""
     args = build_parser().parse_args(argv)
-    if args.epochs is not None and args.epochs < 1:
-        raise SystemExit(f"--epochs must be >= 1, got {args.epochs}")
     setup_logging("WARNING")  # batchd's own lines (waiting, progress) at INFO; torch's and others' quieter
     logging.getLogger("batchd").setLevel(logging.INFO)
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     _stop_quietly_on_signals(rank, args.checkpoint)
     services: ElasticServices | None = None
     try:  # bad addresses and TLS/token/tokenizer files fail here, before the rendezvous, in one line
+        if args.epochs is not None and args.epochs < 1:
+            raise ValueError(f"--epochs must be >= 1, got {args.epochs}")
         if not args.startup_timeout > 0:
             raise ValueError(f"--startup-timeout must be > 0, got {args.startup_timeout}")
         progress_interval()  # a bad $BATCHD_PROGRESS_S fails here

@@ -118,13 +118,35 @@ def test_torchrun_failure_ends_in_the_trainers_one_line_errors(tmp_path):
 
 @pytest.mark.slow
 def test_torchrun_failure_without_an_error_line_names_the_exit_status(tmp_path):
-    """A trainer that exits before its error line (a usage error): its exit status, in one line."""
-    args = ("torchrun", "--nproc-per-node", "1", "-m", "batchd.train", "--epochs", "0")
+    """A trainer that exits without an error line of its own (argparse's usage error, before batchd's
+    handling): its exit status, in one line."""
+    args = ("torchrun", "--nproc-per-node", "1", "-m", "batchd.train", "--no-such-flag")
     proc = _run(*args, cwd=tmp_path, timeout=240)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     tail = _tail_after(proc.stderr, "batchd torchrun: the worker group failed:")
-    assert tail == ["[rank 0] exited with status 1 (its own lines above say why)"], tail
-    assert "--epochs must be >= 1, got 0" in proc.stderr, proc.stderr[-3000:]
+    assert tail == ["[rank 0] exited with status 2 (its own lines above say why)"], tail
+    assert "unrecognized arguments: --no-such-flag" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_a_trainer_flag_error_is_its_one_line_and_its_torchrun_error_file(monkeypatch, capsys, tmp_path):
+    """`--epochs 0` is a flag error (exit 2, `[rank R] batchd.train: error: ...`, README "Exit statuses";
+    it was exit 1 without the prefix), and under torchrun the same line is the rank's error file, in the
+    format torch.distributed.elastic reads (what `batchd torchrun` prints at the end)."""
+    from batchd import train
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert train.main(["--base-port", "7100", "--epochs", "0"]) == 2
+    finally:  # the trainer's quiet-stop handlers are not this test process's
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+    line = "[rank 0] batchd.train: error: --epochs must be >= 1, got 0"
+    assert capsys.readouterr().err.strip() == line
+    message = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert message["message"] == line == message["extraInfo"]["py_callstack"], message
 
 
 # -- 4. the services' promised lines (README, "Exit statuses") ------------------------------------------
