@@ -11,8 +11,11 @@ It is `torch.distributed.run` (the code behind `torchrun`), and adds:
 - Ctrl-C and SIGTERM end it in one line, no traceback (exit 130 and 143): torchrun has stopped the
   workers by then, and the line says where the trainers' last checkpoint is and how to resume (run the
   same command again; the rank services keep the steps after the checkpoint for `client_grace_s`).
-- A failed worker group (torchrun's ChildFailedError, after its restarts) ends in torchrun's summary of
-  the failures, without the traceback around it (exit 1).
+- A failed worker group (torchrun's ChildFailedError, after its restarts) ends in the failed ranks' own
+  one-line errors (exit 1), no traceback and no torchrun summary: `batchd.train` writes its line to the
+  error file torchrun gives each worker ($TORCHELASTIC_ERROR_FILE); a rank that left none (killed, or a
+  crash outside batchd's handling) gets a line with its exit status or signal. torchrun runs without its
+  `@record` wrapper, which would only copy the first error file and log that it has nowhere to put it.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 EXIT_FAILED, EXIT_SIGINT, EXIT_SIGTERM = 1, 130, 143
 
@@ -52,6 +56,23 @@ def checkpoint_note(argv: Sequence[str]) -> str:
     return f"the trainers resume from their last checkpoint in {directory} (epoch {epoch} step {step})"
 
 
+def failure_lines(failures: Mapping[int, Any]) -> list[str]:
+    """One line per failed rank of torchrun's `ChildFailedError.failures` (global rank -> ProcessFailure),
+    by rank: the rank's own line from its error file, else its exit status or signal."""
+    lines = []
+    for rank, failure in sorted(failures.items()):
+        message = failure.message if failure.error_file != "<N/A>" else None
+        if isinstance(message, dict):
+            message = message.get("message")
+        if isinstance(message, str) and message.strip():
+            lines.append(message.strip().splitlines()[-1])
+        elif failure.exitcode < 0:
+            lines.append(f"[rank {rank}] ended by {failure.signal_name()} (its own lines above say why)")
+        else:
+            lines.append(f"[rank {rank}] exited with status {failure.exitcode} (its own lines above say why)")
+    return lines
+
+
 def main(argv: Sequence[str]) -> int:
     """Runs torchrun with `argv` (see module docstring); returns the exit status."""
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
@@ -60,7 +81,7 @@ def main(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
-        torchrun.main(list(argv))
+        torchrun.run(torchrun.parse_args(list(argv)))  # torchrun.main, less its @record
     except (SignalException, KeyboardInterrupt) as exc:
         sig = getattr(exc, "sigval", signal.SIGINT)
         name = signal.Signals(sig).name
@@ -72,6 +93,7 @@ def main(argv: Sequence[str]) -> int:
         )
         return EXIT_SIGTERM if sig == signal.SIGTERM else EXIT_SIGINT
     except ChildFailedError as exc:
-        print(f"batchd torchrun: the worker group failed\n{exc.format_msg()}", file=sys.stderr, flush=True)
+        lines = "\n".join(failure_lines(exc.failures))
+        print(f"batchd torchrun: the worker group failed:\n{lines}", file=sys.stderr, flush=True)
         return EXIT_FAILED
     return 0

@@ -78,11 +78,10 @@ BATCHD_SYSTEMS = {
     "batchd-2phase": ("balanced", "padded", 2),
 }
 REPO = Path(__file__).resolve().parents[1]
-WORKLOAD_DIRS = (
-    REPO / "shared" / "workloads",
-    REPO.parent / "shared" / "workloads",
-    REPO / "benchmarks" / "workloads",
-)
+# The public length workloads ship inside the package (batchd/workloads/*.txt, package data), so the
+# installed console script finds its default workload; the multimodal .csv ones live in the checkout.
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+WORKLOAD_DIRS = (WORKLOADS, REPO / "benchmarks" / "workloads")
 # `--model tiny-qwen2vl` (the stock HF Qwen2-VL through `batchd.two_phase`): a multimodal workload and its
 # systems by default, the packed one included (one row per step, M-RoPE per sample)
 HF_VLM_DEFAULTS = {"workload": "bimodal.csv", "num_samples": 256}
@@ -106,7 +105,8 @@ DEFAULTS = {  # per device: world size, model, workload file name, token budget,
 
 
 def default_workload(name: str = "odb-synthetic.txt") -> Path | None:
-    """The shared workload file `name` ($BATCHD_WORKLOADS, ./shared/workloads or ../shared/workloads)."""
+    """The workload file `name` ($BATCHD_WORKLOADS, then the package's batchd/workloads, then the checkout's
+    benchmarks/workloads); None when none holds it."""
     dirs = [Path(os.environ["BATCHD_WORKLOADS"])] if os.environ.get("BATCHD_WORKLOADS") else []
     for d in [*dirs, *WORKLOAD_DIRS]:
         if (d / name).is_file():
@@ -419,7 +419,7 @@ def run_bench(
 
     Args:
         workload: Length file (one length per line; id = line number). None: the device's default
-            shared workload (odb-synthetic on CPU, sharegpt4o-like on CUDA).
+            workload in batchd/workloads (odb-synthetic on CPU, sharegpt4o-like on CUDA).
         num_samples: Train on the first `num_samples` lengths (None: the device default).
         world_size: Trainer processes (None: 2 on CPU, 1 on CUDA).
         token_budget: L_max per rank step (None: 8192 on CPU, 16384 on CUDA).
@@ -720,7 +720,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--workload",
         metavar="FILE",
         default=None,
-        help="length file, one length per line (default: shared/workloads/odb-synthetic.txt on cpu, "
+        help="length file, one length per line (default: the packaged odb-synthetic.txt on cpu, "
         "sharegpt4o-like.txt on cuda), or a multimodal .csv (docs/workloads.md): synthetic "
         "images and the tiny MLLM (batchd.TinyMLLM)",
     )

@@ -3,7 +3,8 @@
 `batchd coordinator` and `batchd rank` take a job config file (`--config`, see `batchd._config`);
 every flag overrides one key of it, and the merged result is validated before anything starts.
 Errors (bad flags, bad config, a dead peer) exit with status 2 and a one-line message naming the field
-or party; a failed job exits 1, Ctrl-C / SIGTERM 130.
+or party; a failed job exits 1 with `batchd CMD: the job failed: <reason>`, Ctrl-C / SIGTERM 130 with
+`batchd CMD: interrupted` (`batchd coordinator` exits 143 on SIGTERM).
 """
 
 from __future__ import annotations
@@ -642,15 +643,15 @@ def print_demo(summary: dict[str, Any]) -> None:
     if "baseline" in summary:
         b = summary["baseline"]
         print(
-            f"fixed batching      {b['wall_s']:.2f}s, {b['steps']} steps of {b['batch_size']}, padding "
-            f"efficiency {b['padding_efficiency']:.3f}"
+            f"fixed batching      {b['wall_s']:.2f}s at batch size B={b['batch_size']} (as batchd bench), "
+            f"{b['steps']} steps, padding efficiency {b['padding_efficiency']:.3f}"
             + (
                 f", vision encoder {b['vision_imbalance']:.3f}"
                 if b.get("vision_imbalance") is not None
                 else ""
             )
         )
-        print(f"speedup             {summary['speedup']:.2f}x")
+        print(f"speedup             {summary['speedup']:.2f}x over fixed batching at B={b['batch_size']}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -904,6 +905,7 @@ EXIT_OK = 0
 EXIT_JOB_FAILED = 1  # the job failed: a party failed or is gone, too many bad records, samples lost
 EXIT_ERROR = 2  # a flag, a config key, a file, or a party that cannot be reached (one line names it)
 EXIT_INTERRUPTED = 130  # Ctrl-C or SIGTERM
+EXIT_TERMINATED = 143  # SIGTERM, from `batchd coordinator` (and `batchd torchrun`)
 EXIT_CLOSED_PIPE = 141  # standard output was closed early (`| head`): nothing more is printed
 
 
@@ -922,6 +924,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status = args.func(args)
         sys.stdout.flush()  # here, not at exit: a closed pipe is handled below
+        if status in (EXIT_INTERRUPTED, EXIT_TERMINATED) and args.command in ("coordinator", "rank", "node"):
+            print(f"batchd {args.command}: interrupted", file=sys.stderr, flush=True)  # a service's stop
         return status
     except KeyboardInterrupt as exc:
         print(

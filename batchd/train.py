@@ -355,14 +355,14 @@ def security_from_args(args: argparse.Namespace):
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one rank's epochs; returns the exit code (1 when the job failed, 2 on an error)."""
     args = build_parser().parse_args(argv)
-    if args.epochs is not None and args.epochs < 1:
-        raise SystemExit(f"--epochs must be >= 1, got {args.epochs}")
     setup_logging("WARNING")  # batchd's own lines (waiting, progress) at INFO; torch's and others' quieter
     logging.getLogger("batchd").setLevel(logging.INFO)
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     _stop_quietly_on_signals(rank, args.checkpoint)
     services: ElasticServices | None = None
     try:  # bad addresses and TLS/token/tokenizer files fail here, before the rendezvous, in one line
+        if args.epochs is not None and args.epochs < 1:
+            raise ValueError(f"--epochs must be >= 1, got {args.epochs}")
         if not args.startup_timeout > 0:
             raise ValueError(f"--startup-timeout must be > 0, got {args.startup_timeout}")
         progress_interval()  # a bad $BATCHD_PROGRESS_S fails here
@@ -404,8 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             hf_model, vocab = None, vocab_size(args.vocab_size, args.tokenizer)
     except (ValueError, OSError) as exc:
-        print(f"[rank {rank}] batchd.train: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return _fail(rank, f"batchd.train: error: {exc}", 2)
     cuda = torch.cuda.is_available() and args.backend != "gloo"
     backend = args.backend if args.backend != "auto" else ("nccl" if cuda else "gloo")
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
@@ -414,8 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _init_process_group(backend, args.timeout, rank)
     except RestartStoreError as exc:
-        print(f"[rank {rank}] batchd.train: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return _fail(rank, f"batchd.train: error: {exc}", 2)
     ddp = None
     works: list[
         Any
@@ -483,14 +481,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if services is not None:  # the job ended: they exit by themselves once every rank finished
             services.wait(120.0)
     except JobFailed as exc:
-        print(f"[rank {rank}] batchd job failed: {exc}", file=sys.stderr, flush=True)
-        return 1
+        return _fail(rank, f"batchd job failed: {exc}", 1)
     except (VocabularyError, PositionsError) as exc:
-        print(f"[rank {rank}] batchd.train: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return _fail(rank, f"batchd.train: error: {exc}", 2)
     except BatchdError as exc:  # e.g. the rank service unreachable: one line naming it, not a traceback
-        print(f"[rank {rank}] batchd.train: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return _fail(rank, f"batchd.train: error: {exc}", 2)
     finally:
         _destroy_process_group()
         del ddp  # its reducer holds the process group: its gloo threads are joined here, then the handles go
@@ -508,6 +503,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.summary:
         Path(args.summary.format(rank=rank)).write_text(line)
     return 0
+
+
+def _fail(rank: int, reason: str, code: int) -> int:
+    """Prints `[rank R] reason` on stderr and returns `code`. Under torchrun ($TORCHELASTIC_ERROR_FILE set for
+    each worker) the same line becomes the rank's error file, in the format `torch.distributed.elastic`
+    reads (a message and, in place of a Python traceback, the line itself): `batchd torchrun` ends a failed
+    worker group with these lines, and torchrun's own failure summary shows them."""
+    line = f"[rank {rank}] {reason}"
+    print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        info = {"py_callstack": line, "timestamp": str(int(time.time()))}
+        try:
+            Path(error_file).write_text(json.dumps({"message": {"message": line, "extraInfo": info}}))
+        except OSError:
+            pass  # the line is on stderr already; torchrun then reports the exit status alone
+    return code
 
 
 def _stop_quietly_on_signals(rank: int, checkpoint: str | None) -> None:
@@ -537,15 +549,16 @@ def _init_process_group(backend: str, timeout_s: float, rank: int) -> None:
 
     def watch() -> None:
         if not done.wait(timeout_s + INIT_GRACE_S):
-            print(
-                f"[rank {rank}] batchd.train: error: the {backend} process group did not form within "
-                f"{timeout_s + INIT_GRACE_S:g}s (--timeout {timeout_s:g} + {INIT_GRACE_S:g}); a peer "
-                f"unreachable or stuck in its own init (MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
-                f"MASTER_PORT={os.environ.get('MASTER_PORT')})",
-                file=sys.stderr,
-                flush=True,
+            os._exit(
+                _fail(
+                    rank,
+                    f"batchd.train: error: the {backend} process group did not form within "
+                    f"{timeout_s + INIT_GRACE_S:g}s (--timeout {timeout_s:g} + {INIT_GRACE_S:g}); a peer "
+                    f"unreachable or stuck in its own init (MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
+                    f"MASTER_PORT={os.environ.get('MASTER_PORT')})",
+                    1,
+                )
             )
-            os._exit(1)
 
     threading.Thread(target=watch, name="batchd-init-watchdog", daemon=True).start()
     try:

@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "benchmarks.md"
 RESULTS = REPO / "benchmarks" / "results"
 TEMPLATES = REPO / "benchmarks" / "templates"
-DEFAULT_WORKLOADS = REPO.parent / "shared" / "workloads"
+DEFAULT_WORKLOADS = REPO / "batchd" / "workloads"  # the public length files (package data)
 CODE_DIRS = ("core", "proto", "service", "client", "batchd")  # what `dirty` looks at
 
 __all__ = [

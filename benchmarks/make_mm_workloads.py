@@ -12,7 +12,7 @@ files:
   multiples of 28 px (patch 14, 2 x 2 merge) and scaled into 56^2..1024 x 28^2 pixels, so
   patches = (h / 14)(w / 14) <= 4,096 and tokens = patches / 4; 0..4 images per sample (probabilities
   0.20, 0.45, 0.18, 0.10, 0.07); long-tailed text (lognormal, mean 900, CV 1.0, clipped to 16..12,000),
-  the shape of `../shared/workloads/sharegpt4o-like.txt`.
+  the shape of `batchd/workloads/sharegpt4o-like.txt`.
 - `bimodal` (4,096 samples): 88% small one-image samples (Qwen2-VL geometry, 224..448 px sides, text
   30..200) and 12% long documents with 4..16 pages at 448..896 px sides (capped at 1,024 tokens per
   page) and 500..3,000 text tokens.

@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _rel(p: Path) -> str:
     try:
-        return str(p.resolve().relative_to(Path(__file__).resolve().parents[2]))
+        return str(p.resolve().relative_to(Path(__file__).resolve().parents[1]))
     except ValueError:
         return str(p)
 

@@ -5,22 +5,26 @@ port) to its port file (`write_port_file`: JSON, replaced atomically). It serves
 given a metrics port (`start_metrics`), stops on SIGTERM or SIGINT (`stop_event`), and exits on its
 own once its job is done or failed. After a failure it lingers (`LINGER_S`, `linger_until_told`) so
 every party reads the failure message; a Ray lost while the sources start fails the job at once
-(`ray_lost_at_start`). Exit status, for all three: 0 done, 1 job failed, 130 interrupted.
+(`ray_lost_at_start`). For all three: they return 0 when done, 130 when interrupted (the coordinator 143 on
+SIGTERM), and raise `JobFailed` naming the reason when the job failed (`batchd CMD: the job failed: ...`,
+exit 1).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from batchd.core import JobSpec
+from batchd.core import JobFailed, JobSpec
 from batchd.proto import Security
 
 from ._coord_client import CoordinatorClient
@@ -49,6 +53,48 @@ def write_port_file(path: str | os.PathLike[str] | None, port: int, metrics_port
         os.replace(tmp, p)
 
 
+def check_port_free(host: str, port: int | None, what: str) -> None:
+    """Raises OSError naming `what`, host:port and the process that listens there (Linux: from /proc) when
+    the port cannot be bound; nothing for port 0 or None (any free port). A service calls it before it
+    starts or joins Ray: a second agent started on a running job's config fails at once on its port, instead
+    of joining that job's Ray and waiting for actors its CPUs cannot hold."""
+    if not port:
+        return
+    bind_host = host.strip("[]") or "0.0.0.0"
+    family = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds: TIME_WAIT is no owner
+        try:
+            probe.bind((bind_host, port))
+        except OSError as exc:
+            holder = port_holder(port)
+            by = f" by {holder}" if holder else ""
+            raise OSError(
+                f"{what} port {port} on {host} is in use{by} ({exc.strerror}): is a service of this job "
+                f"already running? Stop it, or give this one another port"
+            ) from None
+
+
+def port_holder(port: int) -> str | None:
+    """'pid N (its command line)' of the process listening on TCP `port` (Linux /proc; None when unknown,
+    e.g. another user's process or no /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table, encoding="ascii") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if len(cols) > 9 and int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A":
+                    inodes.add(f"socket:[{cols[9]}]")  # 0A: LISTEN
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()) if inodes else ():
+        with contextlib.suppress(OSError):
+            fds = os.listdir(f"/proc/{pid}/fd")
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                return f"pid {pid} ({cmd})" if cmd else f"pid {pid}"
+    return None
+
+
 def start_metrics(
     metrics: RankMetrics | CoordinatorMetrics | None, host: str, port: int | None, who: str
 ) -> tuple[Any, int | None]:
@@ -61,12 +107,25 @@ def start_metrics(
     return server, bound
 
 
-def stop_event() -> threading.Event:
+class StopEvent(threading.Event):
+    """Set by SIGTERM or SIGINT (`stop_event`); `signum` is the first of them that came (None before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.signum: int | None = None
+
+    def stop(self, signum: int) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self.set()
+
+
+def stop_event() -> StopEvent:
     """An event that SIGTERM and SIGINT set (the handlers are this process's from now on): the serving
     loops poll it and exit with status 130 when it was set before their job ended."""
-    stop = threading.Event()
+    stop = StopEvent()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _frame: stop.stop(signum))
     return stop
 
 
@@ -83,13 +142,12 @@ def linger_until_told(cores: Sequence[RankServiceCore], stop: threading.Event, g
 
 def ray_lost_at_start(
     coordinator: str, ranks: list[int], spec: JobSpec, security: Security | None, lost: RayLost
-) -> int:
+) -> NoReturn:
     """The Ray went away while the ranks' sources were starting: tells the coordinator (so the other ranks
-    and the trainers learn at once, naming it) and returns the failed-job status 1."""
-    log.error("rank %d: job failed: %s", ranks[0], lost)
+    and the trainers learn at once, naming it) and raises `JobFailed` naming it (a failed job, status 1)."""
     client = CoordinatorClient(coordinator, ranks[0], spec, security=security)
     try:
         client.fail(str(lost))
     finally:
         client.close()
-    return 1
+    raise JobFailed(f"rank {ranks[0]}: {lost}")

@@ -1,16 +1,18 @@
 """`batchd coordinator`: the process around the alignment coordinator (`run_coordinator`).
 
 It serves the coordinator's gRPC service (and its metrics, when asked) until every rank finished
-(`Finish`), or the job failed: then it stays until every rank heard why, at most a lease. Exit status
-0 done, 1 job failed, 130 interrupted. With `--state-dir` it journals its state and a restart with the
-same command resumes; a journal of a finished job makes it exit 0 at once.
+(`Finish`), or the job failed: then it stays until every rank heard why, at most a lease. It returns 0
+when done, 130 when interrupted by SIGINT and 143 by SIGTERM, and raises `JobFailed` naming the reason
+when the job failed (`batchd coordinator: the job failed: ...`, exit 1). With `--state-dir` it journals
+its state and a restart with the same command resumes; a journal of a finished job makes it exit 0 at once.
 """
 
 from __future__ import annotations
 
+import signal
 import time
 
-from batchd.core import JobSpec
+from batchd.core import JobFailed, JobSpec
 from batchd.proto import Security
 
 from ._metrics import CoordinatorMetrics
@@ -86,5 +88,7 @@ def run_coordinator(
         if metrics_server is not None:
             stop_metrics_server(metrics_server)
     if state.state == "running":
-        return 130
-    return 0 if state.state == "done" else 1
+        return 143 if stop.signum == signal.SIGTERM else 130
+    if state.state != "done":
+        raise JobFailed(state.failure or "the job failed")
+    return 0

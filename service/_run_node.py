@@ -23,7 +23,7 @@ from typing import Any, cast
 
 from prometheus_client import CollectorRegistry
 
-from batchd.core import JobSpec
+from batchd.core import JobFailed, JobSpec
 from batchd.proto import Progress
 
 from ._metrics_http import MergedRegistry, start_metrics_server, stop_metrics_server
@@ -31,6 +31,7 @@ from ._node import NodeAgent
 from ._rank_source import make_source, write_stats
 from ._run_common import (
     RESTORED_LINGER_S,
+    check_port_free,
     linger_until_told,
     log,
     ray_lost_at_start,
@@ -38,7 +39,7 @@ from ._run_common import (
     write_port_file,
 )
 from ._service_config import Endpoint, ServiceConfig, SourceOptions
-from .preprocess import RayLost, RaySource, SharedRay, Source, job_key
+from .preprocess import BadRecordTally, RayLost, RaySource, SharedRay, Source, job_key
 from .rank import RankServiceCore, job_samples
 
 
@@ -106,6 +107,10 @@ def serve_ranks(
     """Opens the sources of `ranks` and serves them as node agent `name` (`run_node`; `run_rank` is this
     with one rank); `stats_path(r)` is where rank r's source counters go (None: nowhere)."""
     _check_node_ranks(spec, ranks)
+    endpoint, one = config.endpoint, len(ranks) == 1 and name == f"rank-{ranks[0]}"
+    who = f"rank {ranks[0]}'s" if one else "the node agent's"
+    check_port_free(endpoint.host, endpoint.port, who)  # before Ray: a second agent fails here, at once
+    check_port_free(endpoint.metrics_host, endpoint.metrics_port, f"{who} metrics")
     held = _NodeSources()
     try:
         try:
@@ -144,6 +149,9 @@ class _NodeSources:
 
     def open(self, spec: JobSpec, ranks: list[int], options: SourceOptions, job: str) -> None:
         """Opens each rank's source (`make_source`); raises `RayLost` if the Ray went away."""
+        source = dict(options.source_options or {})
+        source["bad_tally"] = BadRecordTally()  # the ranks judge [data] max_bad_fraction over their records
+        options = dataclasses.replace(options, source_options=source)
         for r in ranks:
             self.sources[r], ray_handle = make_source(spec, r, options, job)
             if ray_handle is not None:
@@ -250,6 +258,8 @@ def _serve_node(spec: JobSpec, coordinator: str, name: str, config: ServiceConfi
             stop_metrics_server(metrics_server)
     if stop.is_set() and not all(c.finished for c in cores.values()) and status == 0:
         return 130
+    if status == 1:
+        raise JobFailed(agent.failure or "the job failed")
     return status
 
 

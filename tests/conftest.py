@@ -28,8 +28,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def workload_dir() -> Path:
-    """The shared benchmark workloads (../shared/workloads beside the checkout)."""
-    return REPO.parent / "shared" / "workloads"
+    """The public length workloads, committed as package data (batchd/workloads/*.txt)."""
+    return REPO / "batchd" / "workloads"
 
 
 @pytest.fixture(autouse=True)

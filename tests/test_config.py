@@ -16,7 +16,7 @@ from batchd.cli import build_parser, main
 from batchd.config import DROP, EXAMPLE, ConfigError, JsonFormatter, build_config, load_config
 from batchd.core import JobSpec
 
-WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "odb-synthetic.txt"
+WORKLOAD = Path(__file__).resolve().parents[1] / "batchd" / "workloads" / "odb-synthetic.txt"
 
 
 def write(path: Path, text: str) -> Path:
@@ -175,7 +175,6 @@ def test_config_command_checks_a_file(example, capsys):
     assert "data.dataset names a file that does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not WORKLOAD.exists(), reason="needs ../shared/workloads")
 def test_simulate_config_plus_flags_equals_flags_alone(tmp_path, capsys):
     cfg = write(
         tmp_path / "sim.toml",

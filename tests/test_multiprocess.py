@@ -263,7 +263,7 @@ def test_killed_trainer_fails_every_party_naming_its_rank(jobs):
     codes = job.wait_exit(others, 45)
     assert job.proc(f"trainer-{victim}").wait(5) == -signal.SIGKILL
     # The coordinator names the dead trainer's rank, and every other party reports that same failure.
-    failures = re.findall(r"job failed: (.*)", job.log("coordinator"))
+    failures = re.findall(r"^batchd coordinator: the job failed: (.*)$", job.log("coordinator"), re.M)
     assert len(failures) == 1 and re.search(rf"\brank {victim}\b", failures[0]), job.logs()
     for name in others:
         if name.startswith("trainer-"):

@@ -515,10 +515,6 @@ def test_simulate_runs_as_the_readme_shows_it(tmp_path):
 def test_bench_runs_as_the_readme_shows_it(tmp_path):
     """`batchd bench` with its defaults: the default systems on the default workload (odb-synthetic), only
     fewer samples and epochs than the README's figures; every system trains every id once."""
-    from batchd.bench import default_workload
-
-    if default_workload() is None:
-        pytest.skip("shared/workloads/odb-synthetic.txt is not beside this checkout")
     proc = subprocess.run(
         ["batchd", "bench", "--epochs", "3", "--num-samples", "24", "--heldout", "4"],
         cwd=tmp_path,

@@ -13,8 +13,8 @@
 
 Private modules, one concern each (`_chain` is the one that imports every stage):
     records    `_files` (paths, URIs, formats), `_schema` (`SchemaError`), `_quarantine` (`Reject`,
-               `Quarantine`, `TooManyBadRecords`), `_parse` (one record), `_jsonl_index` (JSONL byte
-               offsets, cached), `_dataset` (`RecordDataset`: metadata and blocks), `_reader`
+               `Quarantine`, `TooManyBadRecords`, `BadRecordTally`), `_parse` (one record), `_jsonl_index`
+               (JSONL byte offsets, cached), `_dataset` (`RecordDataset`: metadata and blocks), `_reader`
                (`BlockReader`: a rank's blocks, read ahead within a budget)
     stages     `_tokenizer`, `_stage` (the stage contract), `_augment`, `_text` (template, tokenize,
                truncate), `_vision` (images, visual tokens), `_audio` (clips: decoding, log-mel
@@ -34,7 +34,7 @@ from ._chain import Preprocessor, default_stages
 from ._dataset import RecordDataset
 from ._demo_data import demo_records, make_demo_dataset
 from ._hf import HFProcessor
-from ._quarantine import Quarantine, Reject, TooManyBadRecords
+from ._quarantine import BadRecordTally, Quarantine, Reject, TooManyBadRecords
 from ._ray import (
     RayLost,
     SharedRay,
@@ -70,6 +70,7 @@ from ._tokenizer import SPECIAL_TOKENS, TokenizerRef, demo_tokenizer, train_toke
 from ._vision import LlavaVision, Qwen2VLVision
 
 __all__ = [
+    "BadRecordTally",
     "BlockReader",
     "ChatTemplate",
     "EXHAUSTED",

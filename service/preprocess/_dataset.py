@@ -12,9 +12,10 @@ its blocks, the unit a reader reads:
 
 Sample ids are global: file 0's rows first, in row order, then file 1's, and so on; every non-blank JSONL
 line is one record (an invalid one too). `read_block(k)` gives block k's rows (an Arrow table of the used
-columns, or the JSONL lines as text) and `items(block, rows)` the per-record items a preprocessing actor
-parses (`parse_item`): a bad record is a `Reject` for that id only, a JSONL row with a wrongly typed field
-included (reason ``schema: field 'messages': expected a list of messages, got str``).
+columns, or the JSONL lines as text; a line that is not UTF-8 as its bytes, quarantined as ``invalid_utf8``,
+never decoded with replacement characters and trained) and `items(block, rows)` the per-record items a
+preprocessing actor parses (`parse_item`): a bad record is a `Reject` for that id only, a JSONL row with a
+wrongly typed field included (reason ``schema: field 'messages': expected a list of messages, got str``).
 What a rank reads, in which order and how much it holds is `RaySource`'s (`BlockView`, `BlockReader`).
 """
 
@@ -252,8 +253,9 @@ class RecordDataset:
         return f"{self.files[k].path}:{row}"
 
     # -- reading -------------------------------------------------------------------------------------
-    def read_block(self, k: int) -> pa.Table | list[str]:
-        """Block k's rows: an Arrow table of the used columns, or (JSONL) the lines' text."""
+    def read_block(self, k: int) -> pa.Table | list[str | bytes]:
+        """Block k's rows: an Arrow table of the used columns, or (JSONL) the lines' text (the bytes of a line
+        that is not UTF-8: `raw_object` rejects it)."""
         b = self.blocks[k]
         info = self.files[b.file]
         fs, inner = filesystem_of(info.path)
@@ -277,13 +279,10 @@ class RecordDataset:
             data = f.read(b.end - b.start)
         rel_s = starts[i0 : i0 + b.rows] - b.start
         rel_e = ends[i0 : i0 + b.rows] - b.start
-        return [
-            data[s:e].decode("utf-8", errors="replace")
-            for s, e in zip(rel_s.tolist(), rel_e.tolist(), strict=False)
-        ]
+        return [_text(data[s:e]) for s, e in zip(rel_s.tolist(), rel_e.tolist(), strict=False)]
 
     def items(
-        self, k: int, data: pa.Table | list[str], ids: Sequence[int]
+        self, k: int, data: pa.Table | list[str | bytes], ids: Sequence[int]
     ) -> list[tuple[int, str, str, Any]]:
         """(id, source, base_dir, raw) of `ids` (all in block k) from its `read_block` data: raw is the row
         as Python objects, or a JSONL line's text (parsed by `parse_item`)."""
@@ -300,7 +299,7 @@ class RecordDataset:
             for i, r, raw in zip(ids, rows, raws, strict=True)
         ]
 
-    def _cached_block(self, k: int) -> pa.Table | list[str]:
+    def _cached_block(self, k: int) -> pa.Table | list[str | bytes]:
         with self._cache_lock:
             if k in self._cache:
                 self._cache.move_to_end(k)
@@ -328,8 +327,24 @@ class RecordDataset:
         return parse_item(raw, source, base_dir)
 
 
+def _text(line: bytes) -> str | bytes:
+    """A JSONL line's text, or its bytes when it is not UTF-8 (JSON text is UTF-8, RFC 8259)."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError:
+        return line
+
+
 def raw_object(raw: Any, source: str) -> dict[str, Any]:
-    """A row as Python objects: JSONL text is parsed and its field types checked (Reject on a bad line)."""
+    """A row as Python objects: JSONL text is parsed and its field types checked (Reject on a bad line:
+    ``invalid_utf8`` for a line that is not UTF-8, ``invalid_json``, ``schema``)."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise Reject(
+                "invalid_utf8", f"byte 0x{raw[exc.start]:02x} at column {exc.start + 1} is not UTF-8"
+            ) from None
     if not isinstance(raw, str):
         parsed: dict[str, Any] = raw  # an Arrow row: Python objects already
         return parsed

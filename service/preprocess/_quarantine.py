@@ -5,7 +5,8 @@ unknown roles, no assistant turn, undecodable images, a stage's error...) are ra
 detail)` by the record parser or a stage, inside the pipeline, and end up in a `Quarantine`: a JSONL
 file of `{id, source, reason, epoch}` lines plus counts by reason code. They are never raised to the
 caller: a bad record never kills the epoch. (Problems with a file's schema are `SchemaError`, raised
-when the dataset is opened: see `_schema`.)
+when the dataset is opened: see `_schema`.) Too many of them fail the job (`TooManyBadRecords`), judged
+over the records of every source that shares a `BadRecordTally`: a node agent's ranks share one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import collections
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,26 +102,68 @@ class Quarantine:
 
 
 class TooManyBadRecords(RuntimeError):
-    """More than `max_bad_fraction` of the records a rank read were bad: the job stops (names the counts,
-    the reasons and the quarantine file)."""
+    """More than `max_bad_fraction` of the records read were bad (by `ranks`: one rank, or the ranks whose
+    sources share a `BadRecordTally`): the job stops (names the counts, the reasons and the quarantine file).
+    """
 
     def __init__(
         self,
-        rank: int,
+        ranks: int | Sequence[int],
         bad: int,
         read: int,
         max_bad_fraction: float,
         reasons: Mapping[str, int],
         path: str | None,
     ) -> None:
-        self.rank, self.bad, self.read, self.max_bad_fraction = rank, bad, read, max_bad_fraction
+        self.ranks = [ranks] if isinstance(ranks, int) else sorted(ranks)
+        self.rank, self.bad, self.read, self.max_bad_fraction = self.ranks[0], bad, read, max_bad_fraction
         self.reasons, self.path = dict(reasons), path
         top = ", ".join(
             f"{code} {n}" for code, n in sorted(self.reasons.items(), key=lambda kv: (-kv[1], kv[0]))
         )
         where = f"see {path}" if path else "no quarantine file was given ([data] quarantine)"
+        who = "this rank" if len(self.ranks) == 1 else "ranks " + ", ".join(map(str, self.ranks))
         super().__init__(
-            f"{bad} of the {read} records this rank read ({100 * bad / read:.1f}%) are bad, more than "
+            f"{bad} of the {read} records {who} read ({100 * bad / read:.1f}%) are bad, more than "
             f"[data] max_bad_fraction = {max_bad_fraction:g}; by reason: {top}; {where}. Fix the data, or "
             f"raise max_bad_fraction to train on the rest"
         )
+
+
+class BadRecordTally:
+    """The bad-record counts of several sources (one per rank), judged together: the ranks a node agent
+    serves share one, so `max_bad_fraction` judges the share of bad records among all their records (the
+    job's, where one agent serves every rank), not one rank's, whose share of a small file's few bad
+    records can be well above the file's. A source `join`s with its rank, `note`s its counts as it emits
+    and, to judge, gets everyone's from `totals`. Thread-safe (the sources poll on their own threads).
+
+    Each source reports when it judges (a quarantine, the end of its view) and as it emits, so the others'
+    counts lag by at most the samples they hold ready; at the end of a view the source reports exact ones."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._counts: dict[int, tuple[dict[str, int], int, bool]] = {}  # rank -> (reasons, read, finished)
+
+    def join(self, rank: int) -> None:
+        """Counts `rank` from now on (nothing read yet, not finished): until it reports, a view's end is
+        not the end of every view."""
+        with self._lock:
+            self._counts.setdefault(rank, ({}, 0, False))
+
+    def note(self, rank: int, reasons: Mapping[str, int], read: int, finished: bool = False) -> None:
+        """Records `rank`'s counts: bad records by reason code, records read, its view finished."""
+        with self._lock:
+            self._counts[rank] = (dict(reasons), read, finished)
+
+    def totals(
+        self, rank: int, reasons: Mapping[str, int], read: int, finished: bool
+    ) -> tuple[dict[str, int], int, bool, list[int]]:
+        """`note`s `rank`'s counts; returns (bad records by reason, records read, every view finished,
+        ranks) over every rank."""
+        with self._lock:
+            self.note(rank, reasons, read, finished)
+            total: collections.Counter[str] = collections.Counter()
+            for counted, _, _ in self._counts.values():
+                total.update(counted)
+            counts = self._counts.values()
+            return dict(total), sum(c[1] for c in counts), all(c[2] for c in counts), sorted(self._counts)

@@ -11,7 +11,7 @@ from typing import Any
 
 from batchd.core import parse_bytes
 
-from ._quarantine import Quarantine
+from ._quarantine import BadRecordTally, Quarantine
 
 DEFAULT_MEMORY_BUDGET = 2 << 30
 DEFAULT_MAX_BAD_FRACTION = 0.1
@@ -56,7 +56,9 @@ class StreamOptions:
     memory_budget: Bytes (or a size like "1GiB") bounding what the source holds: blocks are read in
         windows of at most a quarter of it, and at most half of it is held (`_ray_source`).
     max_bad_fraction: The share of bad records read above which `poll` raises `TooManyBadRecords` (0..1;
-        1 never fails).
+        1 never fails), of the records of every source sharing `bad_tally`.
+    bad_tally: The `BadRecordTally` shared by the sources whose bad records are judged together (a node
+        agent's ranks); None: the source's own.
     """
 
     max_in_flight: int | None = None
@@ -68,6 +70,7 @@ class StreamOptions:
     payload: str = "ref"
     memory_budget: int | str = DEFAULT_MEMORY_BUDGET
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
+    bad_tally: BadRecordTally | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.payload not in ("ref", "dict"):

@@ -15,9 +15,10 @@ window fails at start, naming file and block.
 
 Bad records: each one is quarantined with its reason. Once more than `max_bad_fraction` of the records
 read are bad, `poll` raises `TooManyBadRecords`, which fails the job with the counts by reason and the
-quarantine file. While a view is read the share counts at least `MIN_JUDGED` records, so a few bad ones
-early are not yet a share; at the end of the view it is judged on the records read, however few, so the
-rule holds for a dataset of any size.
+quarantine file. The share is that of every source sharing its `bad_tally` (a node agent's ranks: one
+rank's share of a small file's bad records can be well above the file's). While views are read it counts
+at least `MIN_JUDGED` records, so a few bad ones early are not yet a share; once every view of the tally
+ended it is judged on the records read, however few, so the rule holds for a dataset of any size.
 
 Order: each pulled sample gets the next sequence number in a `Ledger` (`_ledger`), which tracks it from
 in flight to ready to done and says which one leaves next (view order, or completion order); the source
@@ -57,7 +58,7 @@ from batchd.core import BlockView, Remainder, Sample
 from ._dataset import RecordDataset
 from ._ledger import Ledger
 from ._pool import PreprocessPool
-from ._quarantine import Quarantine, TooManyBadRecords
+from ._quarantine import BadRecordTally, Quarantine, TooManyBadRecords
 from ._ray import ray_lost
 from ._ray_options import PoolOptions, StreamOptions
 from ._reader import BlockReader
@@ -112,6 +113,8 @@ class RaySource:
         self.memory_budget = options.budget_bytes
         self.longest: int | None = None  # `Source.longest`: set by whoever chose the stages' cutoff
         self.max_bad_fraction = float(options.max_bad_fraction)
+        self.bad_tally = options.bad_tally or BadRecordTally()
+        self.bad_tally.join(rank)
         own_pool, self._own_pool = _open_pool(dataset, pool, self.memory_budget)
         self.pool = own_pool
         self.dataset = own_pool.dataset
@@ -240,24 +243,18 @@ class RaySource:
         self._judge(final=False)
 
     def _judge(self, final: bool) -> None:
-        """Raises TooManyBadRecords once the bad records pass `max_bad_fraction` of those read.
-
-        While the view is being read the share counts at least `MIN_JUDGED` records (a few bad records
-        early in a view are not yet a share); once the view is finished (`final`) it is judged on what was
-        read, however few, so the rule holds for every dataset size."""
-        bad, read = self.quarantined, self.records_read + self._ledger.ready_count()
+        """Raises TooManyBadRecords once the bad records pass `max_bad_fraction` of those read by every
+        source of `bad_tally`. While a view is being read the share counts at least `MIN_JUDGED` records (a
+        few bad records early are not yet a share); once every view is finished (this one: `final`) it is
+        judged on what was read, however few, so the rule holds for every dataset size."""
+        read = self.records_read + self._ledger.ready_count()
+        reasons, read, final, ranks = self.bad_tally.totals(self.rank, self.reasons, read, final)
+        bad, path = sum(reasons.values()), self.quarantine.path
         if self.max_bad_fraction >= 1.0 or not bad:
             return
         if bad <= self.max_bad_fraction * (read if final else max(read, MIN_JUDGED)):
             return
-        raise TooManyBadRecords(
-            self.rank,
-            bad,
-            read,
-            self.max_bad_fraction,
-            dict(self.reasons),
-            str(self.quarantine.path) if self.quarantine.path is not None else None,
-        )
+        raise TooManyBadRecords(ranks, bad, read, self.max_bad_fraction, reasons, None if path is None else str(path))
 
     def _collect(self, wait: float) -> None:
         refs = list(self._tasks)
@@ -332,6 +329,7 @@ class RaySource:
         self._ledger.resolve(seq)
         self.emitted += 1
         self._ledger.advance()
+        self.bad_tally.note(self.rank, self.reasons, self.records_read)  # for the others' judgement
         return item
 
     def _finished(self) -> bool:

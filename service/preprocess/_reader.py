@@ -26,7 +26,7 @@ log = logging.getLogger("batchd.preprocess")
 EXTRA_BLOCKS = 2  # blocks read at random (`items` of blocks not wanted) kept until the next `want`
 
 
-def _nbytes(data: pa.Table | list[str]) -> int:
+def _nbytes(data: pa.Table | list[str | bytes]) -> int:
     return int(data.nbytes) if isinstance(data, pa.Table) else sum(len(s) for s in data)
 
 

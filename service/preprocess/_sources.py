@@ -1,7 +1,7 @@
 """Sample sources a rank service pulls from: (metadata, payload) pairs for its view of the epoch.
 
 - `SyntheticSource`: deterministic tokenized samples with realized lengths from a list (e.g. one of
-  ../shared/workloads): token ids and the prompt mask come from a generator seeded by (seed, id), so
+  batchd/workloads): token ids and the prompt mask come from a generator seeded by (seed, id), so
   any payload can be re-materialized from its id alone. That is what makes a rank service restartable
   from a metadata-only journal, and what lets a balanced plan move a reference instead of a payload.
 - `IngestSource`: samples pushed by external producers through `RankService.Ingest`, validated on the
