@@ -316,7 +316,7 @@ def run_config(
     ideal = orc["ideal_steps"]
     rows = []
     for policy in policies:
-        m = simulate(lengths, JobSpec(**{"shuffle": False, **cfg, "policy": policy}))
+        m = simulate(lengths, JobSpec.from_keys(**{"shuffle": False, **cfg, "policy": policy}))
         assert m["ideal_steps"] == ideal, (m["ideal_steps"], ideal)
         rows.append(row(name, policy, m, orc["steps"], ideal, judge))
         if judge and policy in TARGETS:

@@ -347,10 +347,10 @@ def _wait_json(path: Path, timeout: float = 60.0) -> dict:
 @pytest.mark.slow
 def test_run_coordinator_and_run_rank_serve_metrics(tmp_path):
     lengths = skewed_lengths(80)
-    spec_kw = "world_size=1, token_budget=1024, window=16, depth=2, seed=0"
+    spec_kw = "world_size=1, token_budget=1024, policy='local', window=16, depth=2, seed=0"
     coord_code = (
         "from batchd.core import JobSpec; from batchd.service import run_coordinator; import sys; "
-        f"sys.exit(run_coordinator(JobSpec({spec_kw}), port_file={str(tmp_path / 'c.json')!r}, "
+        f"sys.exit(run_coordinator(JobSpec.from_keys({spec_kw}), port_file={str(tmp_path / 'c.json')!r}, "
         "metrics_port=0))"
     )
     coord = subprocess.Popen([sys.executable, "-c", coord_code])
@@ -362,7 +362,7 @@ def test_run_coordinator_and_run_rank_serve_metrics(tmp_path):
             "from batchd.service import Endpoint, ServiceConfig, SourceOptions, run_rank; "
             f"config = ServiceConfig(SourceOptions({lengths!r}), "
             f"Endpoint(port_file={str(tmp_path / 'r.json')!r}, metrics_port=0)); "
-            f"sys.exit(run_rank(JobSpec({spec_kw}), 0, '127.0.0.1:{cinfo['port']}', config))"
+            f"sys.exit(run_rank(JobSpec.from_keys({spec_kw}), 0, '127.0.0.1:{cinfo['port']}', config))"
         )
         rank = subprocess.Popen([sys.executable, "-c", rank_code])
         procs.append(rank)

@@ -254,7 +254,9 @@ class RaySource:
             return
         if bad <= self.max_bad_fraction * (read if final else max(read, MIN_JUDGED)):
             return
-        raise TooManyBadRecords(ranks, bad, read, self.max_bad_fraction, reasons, None if path is None else str(path))
+        raise TooManyBadRecords(
+            ranks, bad, read, self.max_bad_fraction, reasons, None if path is None else str(path)
+        )
 
     def _collect(self, wait: float) -> None:
         refs = list(self._tasks)
