@@ -569,30 +569,30 @@ def _tiny_vlm_cmd(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     progress = None if args.json else (lambda msg: print(f"[batchd demo] {msg}", file=sys.stderr, flush=True))
-    from batchd.demo import run_demo  # lazily, like the services: it imports Ray
+    from batchd.demo import DemoOptions, run_demo  # lazily, like the services: it imports Ray
 
-    summary = run_demo(
-        args.world_size,
-        args.num_samples,
-        args.token_budget,
-        args.policy,
-        args.window,
-        args.depth,
-        args.seed,
+    options = DemoOptions(
+        world_size=args.world_size,
+        token_budget=args.token_budget,
+        policy=args.policy,
+        window=args.window,
+        depth=args.depth,
+        seed=args.seed,
+        deterministic=args.deterministic,
+        phases=args.phases,
+        num_samples=args.num_samples,
         baseline=not args.no_baseline,
-        progress=progress,
+        step_time=args.step_time,
         synthetic=args.synthetic,
         dataset=args.dataset,
         num_actors=args.num_actors,
         ray_address=args.ray_address,
         tokenizer=args.tokenizer,
         processor=args.processor,
-        step_time=args.step_time,
-        phases=args.phases,
         memory_budget=args.memory_budget,
         max_bad_fraction=args.max_bad_fraction,
-        deterministic=args.deterministic,
     )
+    summary = run_demo(options, progress)
     pre = summary.get("preprocess")
     ok = pre is None or pre["accounting_ok"]
     if not ok:
