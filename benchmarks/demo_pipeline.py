@@ -29,7 +29,7 @@ from _cli_runs import cli_json, command, load_average, machine  # noqa: E402
 from _report import add_common_args, finish  # noqa: E402
 
 SECTION = "demo-pipeline"
-MEASURES = ["batchd/demo.py", "client", "core", "service"]
+MEASURES = ["batchd/demo.py", "batchd/_demo_ray.py", "batchd/_demo_run.py", "client", "core", "service"]
 TARGET = 0.05
 PREPROCESS_KEYS = (
     "stall_fraction",

@@ -34,7 +34,15 @@ from _cli_runs import cli_json, command, machine  # noqa: E402
 from _report import REPO, add_common_args, finish, idle_share  # noqa: E402
 
 SECTION = "demo"
-MEASURES = ["batchd/demo.py", "batchd/_model.py", "client", "core", "service"]
+MEASURES = [
+    "batchd/demo.py",
+    "batchd/_demo_ray.py",
+    "batchd/_demo_run.py",
+    "batchd/_model.py",
+    "client",
+    "core",
+    "service",
+]
 SUMMARY_KEYS = (
     "wall_s",
     "speedup",

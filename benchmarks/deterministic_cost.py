@@ -31,7 +31,14 @@ from _cli_runs import cli_json, command, machine  # noqa: E402
 from _report import add_common_args, finish  # noqa: E402
 
 SECTION = "deterministic"
-MEASURES = ["batchd/demo.py", "batchd/bench.py", "core", "service"]
+MEASURES = [
+    "batchd/demo.py",
+    "batchd/_demo_ray.py",
+    "batchd/_demo_run.py",
+    "batchd/bench.py",
+    "core",
+    "service",
+]
 BENCH_SYSTEMS = "batchd-balanced,batchd-packed"
 
 
