@@ -94,11 +94,9 @@ class NodeAgent:
             cast(CoordinatorClient, None),
             source,
             state_dir=state_dir,
-            client_grace_s=limits.client_grace_s,
-            trainer_timeout_s=limits.trainer_timeout_s,
+            limits=limits,
             security=self.security,
             metrics=self.metrics.get(rank),
-            retain_bytes=limits.retain_bytes,
         )
 
     def start(self) -> None:
