@@ -15,6 +15,7 @@ from _procs import free_block
 from batchd.cli import build_parser, main
 from batchd.config import DROP, EXAMPLE, ConfigError, JsonFormatter, build_config, load_config
 from batchd.core import JobSpec
+from batchd.service.preprocess import Qwen2VLImageConfig
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "odb-synthetic.txt"
 
@@ -43,7 +44,7 @@ def test_example_config_loads_with_defaults_and_relative_paths(example, tmp_path
     assert cfg.coordinator.dial_address() == "127.0.0.1:7000"
     assert cfg.rank.port_of(1) == 7101 and cfg.rank.metrics_port_of(1) is None
     assert cfg.security_object() is None
-    assert cfg.pipeline.stage_kwargs()["vision"] == "qwen2_vl"
+    assert cfg.pipeline.stage_kwargs()["vision"] == Qwen2VLImageConfig()  # qwen2_vl, transformers' bounds
 
 
 def test_missing_input_files_fail_at_load_naming_the_field(example):
