@@ -18,9 +18,9 @@ from batchd.core import JobSpec
 from ._coord_client import CoordinatorClient
 from ._metrics import RankMetrics
 from ._node_link import NodeLink
-from ._service_config import Endpoint, Limits
+from ._service_config import Endpoint
 from .preprocess import Source
-from .rank import RankServiceCore, create_rank_server
+from .rank import Limits, RankServiceCore, create_rank_server
 
 StateDir = str | os.PathLike[str] | None
 

@@ -27,15 +27,11 @@ def run_coordinator(
     state_dir: str | None = None,
     resize: bool = False,
 ) -> int:
-    """Serves `spec`'s coordinator at `endpoint` (its host, port, port file, metrics and security; its
-    `advertise` is not used: ranks dial the address they are given) until the job ends (module
-    docstring); returns the exit status. `lease_s`: a party silent this long is gone; `startup_timeout_s`:
-    how long it waits for every rank to register; `state_dir`: its journal; `resize`: resume the journal's
-    job at `spec`'s world size (needs `state_dir`).
-
-    Raises:
-        ValueError: naming the value, on `resize` without `state_dir` or a bad `endpoint`.
-    """
+    """Serves `spec`'s coordinator at `endpoint` (host, port, port file, metrics, security; `advertise`
+    unused) until the job ends, and returns the exit status (module docstring). `lease_s`: a party silent
+    this long is gone; `startup_timeout_s`: how long it waits for every rank to register; `state_dir`: its
+    journal; `resize`: resume the journal's job at `spec`'s world size. Raises ValueError naming the
+    value on `resize` without `state_dir` or an `endpoint` that is not an `Endpoint`."""
     endpoint = Endpoint() if endpoint is None else endpoint
     if not isinstance(endpoint, Endpoint):
         raise ValueError(f"endpoint must be an Endpoint, got {endpoint=!r}")

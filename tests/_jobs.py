@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from batchd.client import BatchClient
+from batchd.client import BatchClient, ClientOptions
 from batchd.core import JobSpec
 from batchd.proto import Security
 from batchd.service import (
@@ -290,9 +290,10 @@ class InProcessJob:
         """Rank `r`'s metrics HTTP port (with metrics)."""
         return self.http[1 + r][1]
 
-    def client(self, r: int = 0, **kwargs: Any) -> BatchClient:
-        """A trainer client of rank `r` (reconnect timeout 5 s unless given); `kwargs` go to `BatchClient`."""
-        kwargs.setdefault("reconnect_timeout_s", 5)
+    def client(self, r: int = 0, reconnect_timeout_s: float = 5, **kwargs: Any) -> BatchClient:
+        """A trainer client of rank `r` (`ClientOptions(reconnect_timeout_s=...)` unless `options` is given);
+        `kwargs` go to `BatchClient`."""
+        kwargs.setdefault("options", ClientOptions(reconnect_timeout_s=reconnect_timeout_s))
         return BatchClient(self.rank_address(r), r, self.spec.world_size, **kwargs)
 
     def payload(self, sample_id: int) -> dict[str, np.ndarray]:

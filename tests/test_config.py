@@ -232,7 +232,7 @@ def _free_port() -> int:
 def test_services_run_from_one_config_file(tmp_path):
     """`batchd coordinator --config` and `batchd rank --config --rank r` with nothing else: the rank
     finds the coordinator, its port and its data through the file; a client drains the epoch."""
-    from batchd.client import BatchClient
+    from batchd.client import BatchClient, ClientOptions
 
     lengths = write(tmp_path / "lengths.txt", "\n".join(str(1 + (7 * i) % 90) for i in range(120)) + "\n")
     cport, rport = _free_port(), _free_port()
@@ -253,7 +253,7 @@ def test_services_run_from_one_config_file(tmp_path):
     ]
     try:
         ids = []
-        with BatchClient(f"127.0.0.1:{rport}", 0, 1, reconnect_timeout_s=60) as client:
+        with BatchClient(f"127.0.0.1:{rport}", 0, 1, options=ClientOptions(reconnect_timeout_s=60)) as client:
             for batch, _info in client:
                 ids += batch["sample_ids"].tolist()
         assert sorted(ids) == list(range(120))

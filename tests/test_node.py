@@ -20,7 +20,7 @@ import pytest
 from _jobs import drain_clients
 from _procs import wait_until
 
-from batchd.client import BatchClient
+from batchd.client import BatchClient, ClientOptions
 from batchd.core import JobSpec, PolicySpec, RankState, RoundDecision, Sample
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
@@ -144,7 +144,7 @@ def _drain(job: NodeJob, on_step=None, limit_s: float = 90.0) -> list[list[tuple
     return [
         epochs[0]
         for epochs in drain_clients(
-            lambda r: BatchClient(job.address(r), r, world, reconnect_timeout_s=30),
+            lambda r: BatchClient(job.address(r), r, world, options=ClientOptions(reconnect_timeout_s=30)),
             world,
             1,
             limit_s,

@@ -230,12 +230,16 @@ def test_node_agents_exchange_images_with_a_cut_plan(tmp_path):
     try:
         from _jobs import drain_clients
 
-        from batchd.client import BatchClient
+        from batchd.client import BatchClient, ClientOptions
 
         results = [
             e[0]
             for e in drain_clients(
-                lambda r: BatchClient(job.address(r), r, 4, reconnect_timeout_s=30), 4, 1, 90.0, _project
+                lambda r: BatchClient(job.address(r), r, 4, options=ClientOptions(reconnect_timeout_s=30)),
+                4,
+                1,
+                90.0,
+                _project,
             )
         ]
     finally:

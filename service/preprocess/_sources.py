@@ -326,8 +326,9 @@ class SyntheticSource:
     ) -> None:
         data = data if isinstance(data, SyntheticData) else SyntheticData(data)
         self.data = data
-        self.images = list(data.images) if data.images is not None else None
-        self.audio = list(data.audio) if data.audio is not None else None
+        rows = tuple[tuple[int, int], ...]
+        self.images: list[rows] | None = [tuple(r) for r in data.images] if data.images is not None else None
+        self.audio: list[rows] | None = [tuple(r) for r in data.audio] if data.audio is not None else None
         self.patch_dim = data.patch_dim
         self.lengths = list(data.lengths)
         self.longest = max(self.lengths, default=0)  # `Source.longest`
