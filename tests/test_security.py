@@ -205,6 +205,9 @@ def test_security_rejects_bad_arguments_naming_field_and_path(pki, tmp_path):
         Security.from_files(token_file=tmp_path / "absent")
     with pytest.raises(ValueError, match="options must be a ClientOptions"):
         BatchClient("127.0.0.1:1", 0, 1, security=Security(token=TOKEN), options=TOKEN)
+    for bad, named in [(dict(credits=0), "credits=0"), (dict(startup_timeout_s=0), "startup_timeout_s=0")]:
+        with pytest.raises(ValueError, match=named):
+            ClientOptions(**bad)
     with pytest.raises(ValueError, match="serving TLS needs tls_cert and tls_key.* alone only makes a TLS"):
         create_server("127.0.0.1:0", SPEC, security=Security(tls_ca=pki["ca"]))
 
