@@ -32,6 +32,7 @@ _EXPORTS = {
     "BatchdError": "batchd.core",
     "BatchdStream": "batchd.client",
     "BatchdTrainer": "batchd.client",
+    "ClientOptions": "batchd.client",
     "Config": "batchd._config",
     "ConfigError": "batchd._config",
     "CoordinatorError": "batchd.core",

@@ -213,7 +213,7 @@ def _add_preprocessing(p: argparse.ArgumentParser, who: str) -> None:
 
 
 def _coordinator(args: argparse.Namespace) -> int:
-    from batchd.service import run_coordinator  # lazily: the daemon imports Ray and gRPC
+    from batchd.service import Endpoint, run_coordinator  # lazily: the daemon imports Ray and gRPC
 
     keys = common_overrides(args)
     keys |= overrides(
@@ -225,18 +225,16 @@ def _coordinator(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, keys)
     setup_job_logging(cfg)
     c = cfg.coordinator
-    return run_coordinator(
-        cfg.job,
+    endpoint = Endpoint(
         c.host,
         c.port,
-        args.port_file,
-        c.lease_s,
-        c.startup_timeout_s,
-        security=cfg.security_object(),
+        port_file=args.port_file,
         metrics_port=c.metrics_port,
         metrics_host=args.metrics_host or c.host,
-        state_dir=c.state_dir,
-        resize=args.resize,
+        security=cfg.security_object(),
+    )
+    return run_coordinator(
+        cfg.job, endpoint, c.lease_s, c.startup_timeout_s, state_dir=c.state_dir, resize=args.resize
     )
 
 

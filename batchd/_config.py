@@ -149,15 +149,19 @@ class PipelineConfig:
         check_int("pipeline.max_pixels", self.max_pixels, lo=self.min_pixels)
 
     def stage_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `default_stages` (tokenizer and cutoff are passed separately)."""
+        """Keyword arguments of `default_stages` (tokenizer and cutoff are passed separately); qwen2_vl's
+        pixel bounds as its `Qwen2VLImageConfig`."""
+        from batchd.service.preprocess import Qwen2VLImageConfig  # lazily: numpy, PIL
+
+        vision: str | Qwen2VLImageConfig | None = None if self.vision == "none" else self.vision
+        if vision == "qwen2_vl":
+            vision = Qwen2VLImageConfig(self.min_pixels, self.max_pixels)
         return {
             "processor": self.processor,
             "template": self.template,
-            "vision": None if self.vision == "none" else self.vision,
+            "vision": vision,
             "augment": self.augment,
             "policy": self.truncate,
-            "min_pixels": self.min_pixels,
-            "max_pixels": self.max_pixels,
         }
 
 

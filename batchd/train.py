@@ -109,6 +109,7 @@ import torch.distributed as dist
 from batchd.client import (
     BatchClient,
     BatchdError,
+    ClientOptions,
     JobFailed,
     batchd_deepspeed_backward,
     train_step,
@@ -420,15 +421,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ] = []  # the last collectives' handles: released after the process group (see _vision_imbalance)
     try:
         torch.manual_seed(args.seed)
-        client = BatchClient(
-            address,
-            rank,
-            world_size,
-            credits=args.credits,
-            reconnect_timeout_s=args.reconnect_timeout,
-            security=security,
-            startup_timeout_s=args.startup_timeout,
-        )
+        options = ClientOptions(args.credits, args.reconnect_timeout, args.startup_timeout)
+        client = BatchClient(address, rank, world_size, security=security, options=options)
         longest = client.job_max_tokens()  # the job's longest sample: the model's positions must reach it
         if hf_model is not None:  # adapted before DDP wraps it: DDP sees the model's own parameters
             from batchd.client import two_phase

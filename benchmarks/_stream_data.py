@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from batchd.core import BlockView, epoch_permutation
+from batchd.core import BlockLayout, BlockView, epoch_permutation
 
 DATA_DIR = Path("/tmp/batchd-stream-bench")
 SEED = 0
@@ -387,16 +387,8 @@ def shuffle_quality(
         for label, budget in cases:
             acc, windows = [], []
             for seed in SHUFFLE_SEEDS:
-                view = BlockView(
-                    rows,
-                    nbytes,
-                    0,
-                    world,
-                    seed,
-                    0,
-                    True,
-                    window_bytes=None if budget is None else budget // 4,
-                )
+                window = None if budget is None else budget // 4
+                view = BlockView(BlockLayout(rows, nbytes, window), 0, world, seed, 0, True)
                 acc.append(order_metrics(np.asarray(view.ids()), block_of))
                 windows.append(len(view.windows))
             out.append(

@@ -92,10 +92,10 @@ def trainer_main(argv: Sequence[str]) -> int:
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    from batchd.client import BatchClient
+    from batchd.client import BatchClient, ClientOptions
 
     with (
-        BatchClient(a.address, a.rank, a.world, reconnect_timeout_s=600, startup_timeout_s=600) as client,
+        BatchClient(a.address, a.rank, a.world, options=ClientOptions(reconnect_timeout_s=600)) as client,
         open(a.out, "a", encoding="utf-8") as f,
     ):
         for batch, info in client:

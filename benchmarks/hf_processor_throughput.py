@@ -131,6 +131,7 @@ def build_chains(tmp: Path) -> tuple[dict[str, Any], str]:
     from batchd.service.preprocess import (
         HFProcessor,
         Preprocessor,
+        Qwen2VLImageConfig,
         TokenizerRef,
         default_stages,
         demo_tokenizer,
@@ -141,7 +142,9 @@ def build_chains(tmp: Path) -> tuple[dict[str, Any], str]:
     gen = save_qwen2vl_processor(tmp / "qwen2vl-generation", tok_json, GENERATION_TEMPLATE)
     chains = {
         "built-in": Preprocessor(
-            default_stages(TokenizerRef(plain), cutoff=4096, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+            default_stages(
+                TokenizerRef(plain), vision=Qwen2VLImageConfig(MIN_PIXELS, MAX_PIXELS), cutoff=4096
+            )
         ),
         "HF processor": Preprocessor(default_stages(processor=plain, cutoff=4096)),
         "HF, generation template": Preprocessor(default_stages(processor=gen, cutoff=4096)),

@@ -153,7 +153,7 @@ def service_main(conn, lengths: list[int], samples: int, profile: bool = False) 
 def run_once(
     lengths: list[int], samples: int, credits: int, warmup: int, profile: bool = False
 ) -> dict[str, Any]:
-    from batchd.client import BatchClient
+    from batchd.client import BatchClient, ClientOptions
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -163,7 +163,7 @@ def run_once(
         if not parent.poll(60):
             raise RuntimeError("rank service did not start")
         port = parent.recv()
-        client = BatchClient(f"127.0.0.1:{port}", rank=0, world_size=1, credits=credits)
+        client = BatchClient(f"127.0.0.1:{port}", rank=0, world_size=1, options=ClientOptions(credits))
         n = 0
         real = 0
         t0 = c0 = None

@@ -226,7 +226,7 @@ def service_parts(
 
     import ray
 
-    from batchd.service.preprocess import default_stages, start_local_ray
+    from batchd.service.preprocess import Qwen2VLImageConfig, default_stages, start_local_ray
 
     start_local_ray(
         num_cpus=max(4, 2 * args.ranks),
@@ -237,7 +237,7 @@ def service_parts(
     )
     try:
         address = ray.get_runtime_context().gcs_address
-        stages = default_stages(min_pixels=MIN_PIXELS, max_pixels=args.max_pixels)
+        stages = default_stages(vision=Qwen2VLImageConfig(MIN_PIXELS, args.max_pixels))
         say("RaySource: time to first sample")
         first = raysource_first(images, budget, stages, num_actors=2)
         say(

@@ -29,7 +29,7 @@ from typing import Any
 from batchd.core import BatchdError, JobFailed
 
 from ._accelerate import batchd_accumulate, batchd_backward, batchd_batches, batchd_loss
-from ._client import BatchClient
+from ._client import BatchClient, ClientOptions
 from ._collate import collate_packed, collate_padded, idle_batch, loss_tokens
 from ._deepspeed import batchd_deepspeed_backward
 from ._exchange import exchange_audio_embeddings, exchange_embeddings, exchange_image_embeddings
@@ -80,6 +80,7 @@ __all__ = [
     "BatchdError",
     "BatchdStream",
     "BatchdTrainer",
+    "ClientOptions",
     "JobFailed",
     "PACKED_ATTENTION",
     "accumulating",

@@ -23,11 +23,12 @@ steps (the service's alignment guarantees it).
   oldest are freed and a resume before them is refused, naming the step it can resume from.
   `load_state_dict(state, resize=True)` takes a state saved at another world size, for a job resumed at
   this one (`batchd coordinator --resize`).
-- Start order: the first connection waits up to `startup_timeout_s` (default 10 min) for a rank service
-  that is not up yet (it may be starting Ray), logging every 5 s whom it waits for and why ("waiting for
-  the rank service at ADDR (rank R of N) (5s of 600s): UNAVAILABLE: ... Connection refused", the
-  services' wording), then raises `RankServiceError` naming the address and what was tried.
-- Rank service restart: UNAVAILABLE is retried for `reconnect_timeout_s`, from the next step.
+- Start order: the first connection waits up to `ClientOptions.startup_timeout_s` (default 10 min) for a
+  rank service that is not up yet (it may be starting Ray), logging every 5 s whom it waits for and why
+  ("waiting for the rank service at ADDR (rank R of N) (5s of 600s): UNAVAILABLE: ... Connection
+  refused", the services' wording), then raises `RankServiceError` naming the address and what was tried.
+- Rank service restart: UNAVAILABLE is retried for `ClientOptions.reconnect_timeout_s`, from the next
+  step. The three knobs (credits too) are one `ClientOptions`: `BatchClient(..., options=ClientOptions(...))`.
 - Step time: unlimited. A trainer may take minutes per step; only a party that is gone fails the job.
 - One trainer per rank: a second client on a rank's service is refused (`RankServiceError`, a
   `BatchdError`, naming the holder).
@@ -46,6 +47,7 @@ import queue
 import threading
 import time
 from collections.abc import Generator, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, cast
 
 import grpc
@@ -64,6 +66,30 @@ class _Ended(Exception):
     """A `Batches` stream ended without the end of the epoch."""
 
 
+@dataclass(frozen=True)
+class ClientOptions:
+    """How a `BatchClient` talks to its rank service: `credits`, the batches the service may send ahead of
+    consumption; `reconnect_timeout_s`, how long it retries a rank service that became unreachable (a
+    restart); `startup_timeout_s`, how long the first connection waits for a rank service that is not up
+    yet (module docstring).
+
+    Raises:
+        ValueError: naming the value, on `credits` < 1 or a timeout <= 0.
+    """
+
+    credits: int = 4
+    reconnect_timeout_s: float = 60.0
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.credits < 1:
+            raise ValueError(f"credits must be >= 1, got credits={self.credits}")
+        for name in ("reconnect_timeout_s", "startup_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {name}={value}")
+
+
 class BatchClient:
     """Iterates over (batch, StepInfo) for one rank (see module docstring).
 
@@ -72,15 +98,14 @@ class BatchClient:
         rank: This trainer's rank.
         world_size: Ranks in the job.
         epoch: Epoch to read.
-        credits: Batches the service may send ahead of consumption.
-        reconnect_timeout_s: How long to retry a rank service that became unreachable (a restart).
-        startup_timeout_s: How long the first connection waits for a rank service that is not up yet.
-        security: TLS / mutual TLS / bearer token of this trainer process (`batchd.proto.Security`);
-            None connects in plaintext without a token.
-        token: Shortcut for `Security(token=token, tls_ca=tls_ca)`; not together with `security`.
-        tls_ca: Shortcut: the CA that signed the rank service's certificate (turns TLS on).
+        security: TLS / mutual TLS / bearer token of this trainer process (`batchd.proto.Security`, e.g.
+            `Security(token=..., tls_ca=...)`); None connects in plaintext without a token.
         group_rank: This process's index in the rank's model-parallel group, in [0, group_size).
         group_size: Processes that consume this rank's batches together (1: a plain data-parallel trainer).
+        options: Credits and the reconnect and startup timeouts (`ClientOptions`; default `ClientOptions()`).
+
+    Raises:
+        ValueError: naming the value, on a rank or group rank out of range or `options` not a `ClientOptions`.
     """
 
     def __init__(
@@ -89,27 +114,24 @@ class BatchClient:
         rank: int,
         world_size: int,
         epoch: int = 0,
-        credits: int = 4,
-        reconnect_timeout_s: float = 60.0,
+        *,
         security: Security | None = None,
-        token: str | None = None,
-        tls_ca: str | None = None,
-        startup_timeout_s: float = 600.0,
         group_rank: int = 0,
         group_size: int = 1,
+        options: ClientOptions | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got {rank=} {world_size=}")
         if group_size < 1 or not 0 <= group_rank < group_size:
             raise ValueError(f"group_rank must be in [0, group_size), got {group_rank=} {group_size=}")
+        options = ClientOptions() if options is None else options
+        if not isinstance(options, ClientOptions):
+            raise ValueError(f"options must be a ClientOptions, got {options=!r}")
         self.group_rank, self.group_size = group_rank, group_size
-        if credits < 1:
-            raise ValueError(f"credits must be >= 1, got {credits=}")
-        if not reconnect_timeout_s > 0 or not startup_timeout_s > 0:
-            raise ValueError(f"timeouts must be > 0, got {reconnect_timeout_s=} {startup_timeout_s=}")
         self.address, self.rank, self.world_size, self.epoch = address, rank, world_size, epoch
-        self.credits, self.reconnect_timeout_s = credits, reconnect_timeout_s
-        self.startup_timeout_s = startup_timeout_s
+        self.options = options
+        self.credits, self.reconnect_timeout_s = options.credits, options.reconnect_timeout_s
+        self.startup_timeout_s = options.startup_timeout_s
         self._connected = False  # once a stream got through, an unreachable service is a restart
         self.next_step = 0
         self.finished = False
@@ -121,13 +143,6 @@ class BatchClient:
         self._open_requests: queue.Queue[int | tuple[int, int, bool] | None] | None = None
         self._last_point: tuple[int, int] | None = None
         self.resize_from = 0  # `load_state_dict(..., resize=True)` of a state saved at another world size
-        if security is not None and (token is not None or tls_ca is not None):
-            raise ValueError(
-                f"give security or the token/tls_ca shortcuts, not both, got {security=} "
-                f"{tls_ca=} token={'<set>' if token is not None else None}"
-            )
-        if token is not None or tls_ca is not None:
-            security = Security(tls_ca=tls_ca, token=token)
         self.channel = secure_channel(address, security, CHANNEL_OPTIONS)
         self.stub = pb_grpc.RankServiceStub(self.channel)
 

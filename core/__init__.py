@@ -31,7 +31,7 @@ from ._align import (
     RoundDecision,
     RoundTotals,
 )
-from ._blockview import BlockView
+from ._blockview import BlockLayout, BlockView
 from ._collate import (
     AUDIO_KEYS,
     IGNORE_INDEX,
@@ -109,6 +109,7 @@ __all__ = [
     "AUDIO_KEYS",
     "AudioCost",
     "BatchdError",
+    "BlockLayout",
     "BlockView",
     "Connect",
     "Coordinator",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import heapq
 import zlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -107,49 +108,71 @@ def cut_windows(
     return windows
 
 
+@dataclass(frozen=True, eq=False)
+class BlockLayout:
+    """How a dataset is stored and read: `block_rows[k]` rows and `block_bytes[k]` bytes a reader holds for
+    block k (in id order: block k's ids follow block k-1's; stored as int64 arrays), and `window_bytes`, a
+    window's budget (module docstring; None: one window per view). Its fingerprint is part of a
+    `BlockView`'s state.
+
+    Raises:
+        ValueError: naming the field, on mismatched lengths, negative sizes or a window budget < 1.
+    """
+
+    block_rows: Sequence[int] | np.ndarray
+    block_bytes: Sequence[int] | np.ndarray
+    window_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        block_rows, block_bytes = self.block_rows, self.block_bytes
+        if len(block_rows) != len(block_bytes):
+            raise ValueError(
+                f"block_rows and block_bytes must have one entry per block, got "
+                f"{len(block_rows)=} {len(block_bytes)=}"
+            )
+        rows, nbytes = np.asarray(block_rows, dtype=np.int64), np.asarray(block_bytes, dtype=np.int64)
+        if (rows < 0).any() or (nbytes < 0).any():
+            raise ValueError(f"block_rows and block_bytes must be >= 0, got {block_rows=} {block_bytes=}")
+        if self.window_bytes is not None:
+            check_int("window_bytes", self.window_bytes, lo=1)
+        object.__setattr__(self, "block_rows", rows)
+        object.__setattr__(self, "block_bytes", nbytes)
+
+
 class BlockView:
     """Rank `rank`'s stream of sample ids for one epoch of a block-stored dataset (module docstring).
 
     Args:
-        block_rows: Rows of each block, in id order (block k's ids follow block k-1's).
-        block_bytes: Bytes a reader holds for each block once read (same length as block_rows).
+        layout: The dataset's blocks and the window budget (`BlockLayout`).
         rank, world_size, seed, epoch, shuffle, wrap: As in `ViewSource`.
-        window_bytes: A window's budget (see module docstring); None: one window per view.
         remainder: After a resize of this epoch (`batchd.core.Remainder`, its `world_size` this one's):
             the units are dealt by the rows they have left, in an order seeded by the resize too, and a
             window holds only those rows; None: the whole epoch.
 
     Raises:
-        ValueError: naming the argument, on mismatched lengths or negative sizes.
+        ValueError: naming the argument, on a bad rank, world size or remainder.
     """
 
     def __init__(
         self,
-        block_rows: Sequence[int] | np.ndarray,
-        block_bytes: Sequence[int] | np.ndarray,
+        layout: BlockLayout,
         rank: int,
         world_size: int,
         seed: int = 0,
         epoch: int = 0,
         shuffle: bool = True,
         wrap: bool = False,
-        window_bytes: int | None = None,
         remainder: Remainder | None = None,
     ) -> None:
+        if not isinstance(layout, BlockLayout):
+            raise ValueError(f"layout must be a BlockLayout, got {layout=!r}")
         check_int("world_size", world_size, lo=1)
         check_int("rank", rank, lo=0, hi=world_size - 1)
         check_remainder(remainder, epoch, world_size)
-        if len(block_rows) != len(block_bytes):
-            raise ValueError(
-                f"block_rows and block_bytes must have one entry per block, got "
-                f"{len(block_rows)=} {len(block_bytes)=}"
-            )
-        self.block_rows = np.asarray(block_rows, dtype=np.int64)
-        self.block_bytes = np.asarray(block_bytes, dtype=np.int64)
-        if (self.block_rows < 0).any() or (self.block_bytes < 0).any():
-            raise ValueError("block_rows and block_bytes must be >= 0")
-        if window_bytes is not None:
-            check_int("window_bytes", window_bytes, lo=1)
+        self.blocks = layout
+        self.block_rows = np.asarray(layout.block_rows, dtype=np.int64)
+        self.block_bytes = np.asarray(layout.block_bytes, dtype=np.int64)
+        window_bytes = layout.window_bytes
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, epoch
         self.shuffle, self.wrap, self.window_bytes = shuffle, wrap, window_bytes
         self.num_samples = int(self.block_rows.sum())
@@ -259,16 +282,7 @@ class BlockView:
         """The same rank's view of `epoch`, from its start; with a resize's `remainder` (of `epoch`), the
         ids it left."""
         return BlockView(
-            self.block_rows,
-            self.block_bytes,
-            self.rank,
-            self.world_size,
-            self.seed,
-            epoch,
-            self.shuffle,
-            self.wrap,
-            self.window_bytes,
-            remainder,
+            self.blocks, self.rank, self.world_size, self.seed, epoch, self.shuffle, self.wrap, remainder
         )
 
     def reset(self) -> None:

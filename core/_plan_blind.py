@@ -202,7 +202,7 @@ def _mixed(
     n, cost = inputs.world_size, inputs.cost
     base = split_to_slots(chosen, slots, cost) if len(chosen) < slots else chosen
     quota, salt = quotas(inputs.pool, target, n), zlib.crc32(str(inputs.seed).encode())
-    mixed = mix_groups(inputs.pool, base, slots, inputs.token_budget, cost, quota, inputs.final, n, salt)
+    mixed = mix_groups(inputs, base, slots, quota, salt)
     if mixed is None:
         return rows
     mixed_rows = _rows(mixed, n, target, cost, n)

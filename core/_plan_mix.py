@@ -33,6 +33,7 @@ import operator
 from collections.abc import Mapping, Sequence
 
 from ._cost import CostModel
+from ._plan_inputs import PlanInputs
 from ._policy import Entry, Group
 
 _ORDER = operator.attrgetter("order")
@@ -48,21 +49,20 @@ def stream_order(pool: Sequence[Entry], salt: int) -> list[Entry]:
 
 
 def mix_groups(
-    pool: Sequence[Entry],
+    inputs: PlanInputs,
     chosen: Sequence[Group],
     slots: int,
-    token_budget: int,
-    cost: CostModel,
     quota: Mapping[int, int],
-    final: bool,
-    world_size: int,
     salt: int = 0,
 ) -> list[Group] | None:
-    """The round's groups mixed (module docstring): from the pool's oldest samples, else from the
-    samples of `chosen` (the unmixed plan's `slots` groups), each regrouped longest processing time
-    first into exactly `slots` groups; None (keep `chosen`) when neither is kept or mixing does not
-    apply (a non-additive cost model, fewer samples than `slots`, a sample over `token_budget`).
-    Deterministic. O(P log P) for P pooled samples."""
+    """The round's groups mixed (module docstring): from the pool's oldest samples (`inputs.pool`),
+    else from the samples of `chosen` (the unmixed plan's `slots` groups), each regrouped longest
+    processing time first into exactly `slots` groups; None (keep `chosen`) when neither is kept or
+    mixing does not apply (a non-additive `inputs.cost`, fewer samples than `slots`, a sample over
+    `inputs.token_budget`). A `final` round keeps every sample of `chosen`. Deterministic. O(P log P)
+    for P pooled samples."""
+    pool, token_budget, cost = inputs.pool, inputs.token_budget, inputs.cost
+    final, world_size = inputs.final, inputs.world_size
     if not cost.additive or slots < 1:
         return None
     base = [e for g in chosen for e in g]

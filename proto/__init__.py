@@ -8,7 +8,7 @@ Imports only `batchd.core`; the service and the client both build on it.
 """
 
 from . import wire
-from ._progress import PROGRESS_ENV, Progress, format_duration, progress_interval
+from ._progress import PROGRESS_ENV, Progress, ProgressOutput, format_duration, progress_interval
 from ._transport import (
     AUTH_HEADER,
     CHANNEL_OPTIONS,
@@ -34,6 +34,7 @@ __all__ = [
     "MAX_MESSAGE_BYTES",
     "PROGRESS_ENV",
     "Progress",
+    "ProgressOutput",
     "Security",
     "Unreachable",
     "WAIT_LOG_S",

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 PROGRESS_ENV = "BATCHD_PROGRESS_S"
@@ -57,6 +58,28 @@ def format_duration(seconds: float) -> str:
     return f"{s}s"
 
 
+@dataclass(frozen=True)
+class ProgressOutput:
+    """Where and when `Progress` shows itself: `stream`, the terminal a bar is drawn on and whose
+    `isatty()` picks the mode (None: stderr); `tty` False draws lines even on a terminal (a daemon in the
+    background), None asks `stream.isatty()`; `interval_s`, seconds between two lines off a terminal
+    (None: `progress_interval()`); `clock`, monotonic seconds (tests pass a fake clock).
+
+    Raises:
+        ValueError: naming `interval_s` when it is not > 0.
+    """
+
+    stream: TextIO | None = None
+    tty: bool | None = None
+    interval_s: float | None = None
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        interval_s = self.interval_s
+        if interval_s is not None and not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s=}")
+
+
 class Progress:
     """Counts `unit`s done out of `total` for `desc` (see the module docstring).
 
@@ -64,12 +87,10 @@ class Progress:
         desc: What is counted, the line's prefix (e.g. "rank 0", "batchd run").
         total: Units of the whole work, or None when not known.
         unit: The counted unit's name (plural), e.g. "samples".
-        interval_s: Seconds between two lines off a terminal (default: `progress_interval()`).
         emit: Where a line goes off a terminal (default: the `batchd.progress` logger, INFO).
-        stream: The terminal a bar is drawn on, and whose `isatty()` picks the mode (default stderr).
         enabled: False: a no-op (e.g. under --json or --quiet).
-        tty: False: lines even on a terminal (a daemon in the background); None: `stream.isatty()`.
-        clock: Monotonic seconds (tests pass a fake clock).
+        output: The stream, the mode, the interval between lines and the clock (`ProgressOutput`;
+            default: stderr, a bar on a terminal, `progress_interval()`, `time.monotonic`).
     """
 
     def __init__(
@@ -78,19 +99,18 @@ class Progress:
         total: int | None,
         unit: str = "samples",
         *,
-        interval_s: float | None = None,
         emit: Callable[[str], None] | None = None,
-        stream: TextIO | None = None,
         enabled: bool = True,
-        tty: bool | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        output: ProgressOutput | None = None,
     ) -> None:
         if total is not None and total < 0:
             raise ValueError(f"total must be >= 0 or None, got {total=}")
+        output = ProgressOutput() if output is None else output
+        if not isinstance(output, ProgressOutput):
+            raise ValueError(f"output must be a ProgressOutput, got {output=!r}")
+        stream, tty, clock = output.stream, output.tty, output.clock
         self.desc, self.total, self.unit = desc, total, unit
-        self.interval_s = progress_interval() if interval_s is None else interval_s
-        if not self.interval_s > 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s=}")
+        self.interval_s = progress_interval() if output.interval_s is None else output.interval_s
         self.emit = emit or log.info
         self.clock = clock
         self.n = self.steps = 0

@@ -15,9 +15,9 @@ from ._run_coordinator import run_coordinator
 from ._run_node import node_ranks, run_node
 from ._run_rank import run_rank
 from ._security import add_port, server_interceptors
-from ._service_config import Endpoint, Limits, ServiceConfig, SourceOptions
+from ._service_config import Endpoint, ServiceConfig, SourceOptions
 from .coordinator import CoordinatorServicer, CoordinatorState, create_server
-from .rank import RankServiceCore, RankServicer, collate, create_rank_server
+from .rank import Limits, RankServiceCore, RankServicer, collate, create_rank_server
 
 __all__ = [
     "CoordinatorClient",

@@ -18,9 +18,9 @@ from batchd.core import JobSpec
 from ._coord_client import CoordinatorClient
 from ._metrics import RankMetrics
 from ._node_link import NodeLink
-from ._service_config import Endpoint, Limits
+from ._service_config import Endpoint
 from .preprocess import Source
-from .rank import RankServiceCore, create_rank_server
+from .rank import Limits, RankServiceCore, create_rank_server
 
 StateDir = str | os.PathLike[str] | None
 
@@ -94,11 +94,9 @@ class NodeAgent:
             cast(CoordinatorClient, None),
             source,
             state_dir=state_dir,
-            client_grace_s=limits.client_grace_s,
-            trainer_timeout_s=limits.trainer_timeout_s,
+            limits=limits,
             security=self.security,
             metrics=self.metrics.get(rank),
-            retain_bytes=limits.retain_bytes,
         )
 
     def start(self) -> None:

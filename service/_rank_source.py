@@ -32,6 +32,7 @@ from .preprocess import (
     SharedRay,
     Source,
     StreamOptions,
+    SyntheticData,
     SyntheticSource,
     default_stages,
     share_ray,
@@ -106,17 +107,9 @@ def make_source(
         images = [s.images for s in lengths]
         audio = [s.audio for s in lengths] if any(s.audio for s in lengths) else None
         lengths = [s.length for s in lengths]
+    data = SyntheticData(lengths, options.vocab_size, images=images, audio=audio)
     synthetic = SyntheticSource(
-        lengths,
-        rank,
-        spec.world_size,
-        spec.seed,
-        0,
-        spec.shuffle,
-        options.vocab_size,
-        wrap=spec.mode == "non-join",
-        images=images,
-        audio=audio,
+        data, rank, spec.world_size, spec.seed, 0, spec.shuffle, wrap=spec.mode == "non-join"
     )
     return synthetic, None
 

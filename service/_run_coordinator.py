@@ -13,30 +13,36 @@ import signal
 import time
 
 from batchd.core import JobFailed, JobSpec
-from batchd.proto import Security
 
 from ._metrics import CoordinatorMetrics
 from ._metrics_http import stop_metrics_server
 from ._run_common import LINGER_S, log, start_metrics, stop_event, write_port_file
+from ._service_config import Endpoint
 from .coordinator import create_server
 
 
 def run_coordinator(
     spec: JobSpec,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    port_file: str | None = None,
+    endpoint: Endpoint | None = None,
     lease_s: float = 60.0,
     startup_timeout_s: float = 600.0,
-    security: Security | None = None,
-    metrics_port: int | None = None,
-    metrics_host: str = "127.0.0.1",
     state_dir: str | None = None,
     resize: bool = False,
 ) -> int:
+    """Serves `spec`'s coordinator at `endpoint` (host, port, port file, metrics, security; `advertise`
+    unused) until the job ends, and returns the exit status (module docstring). `lease_s`: a party silent
+    this long is gone; `startup_timeout_s`: how long it waits for every rank to register; `state_dir`: its
+    journal; `resize`: resume the journal's job at `spec`'s world size. Raises ValueError naming the
+    value on `resize` without `state_dir` or an `endpoint` that is not an `Endpoint`."""
+    endpoint = Endpoint() if endpoint is None else endpoint
+    if not isinstance(endpoint, Endpoint):
+        raise ValueError(f"endpoint must be an Endpoint, got {endpoint=!r}")
+    host, port, security = endpoint.host, endpoint.port, endpoint.security
     if resize and not state_dir:
         raise ValueError("--resize needs --state-dir: the journal of the job to resize")
-    metrics = CoordinatorMetrics(spec.world_size, spec.cost_model()) if metrics_port is not None else None
+    metrics = (
+        CoordinatorMetrics(spec.world_size, spec.cost_model()) if endpoint.metrics_port is not None else None
+    )
     server, bound, state = create_server(
         f"{host}:{port}",
         spec,
@@ -54,12 +60,14 @@ def run_coordinator(
         state.close()
         return 0
     try:
-        metrics_server, metrics_bound = start_metrics(metrics, metrics_host, metrics_port, "coordinator")
+        metrics_server, metrics_bound = start_metrics(
+            metrics, endpoint.metrics_host, endpoint.metrics_port, "coordinator"
+        )
     except OSError:
         state.close()
         raise
     server.start()
-    write_port_file(port_file, bound, metrics_bound)
+    write_port_file(endpoint.port_file, bound, metrics_bound)
     log.info(
         "coordinator listening on %s:%d for %d ranks (%s)%s",
         host,

@@ -24,7 +24,7 @@ from typing import Any, cast
 from prometheus_client import CollectorRegistry
 
 from batchd.core import JobFailed, JobSpec
-from batchd.proto import Progress
+from batchd.proto import Progress, ProgressOutput
 
 from ._metrics_http import MergedRegistry, start_metrics_server, stop_metrics_server
 from ._node import NodeAgent
@@ -220,7 +220,7 @@ class _NodeProgress:
                 f"node agent {self.name!r}: epoch {epoch + 1}/{core.spec.epochs}",
                 job_samples(core) or None,
                 "samples",
-                tty=False,
+                output=ProgressOutput(tty=False),
             )
         self.bar.update(made - self.bar.n, steps - self.bar.steps)
 

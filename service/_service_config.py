@@ -8,7 +8,8 @@
 
 Each is a frozen dataclass that validates in `__post_init__`, naming the bad value; the defaults of the
 service layer live here, once. The app layer (`batchd.cli`, config files) builds a `ServiceConfig` from its
-validated `Config`.
+validated `Config`. `Limits` is the rank service's own (`batchd.service.rank`, what `RankServiceCore`
+takes), re-exported here.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from batchd.core import Sample
 from batchd.proto import Security
 
 from .preprocess import StreamOptions
-from .rank import RETAIN_BYTES
+from .rank import Limits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,27 +97,6 @@ class Endpoint:
             raise ValueError(f"metrics_host must not be empty, got metrics_host={self.metrics_host!r}")
         if self.advertise is not None and not self.advertise:
             raise ValueError(f"advertise must not be empty (None: host), got advertise={self.advertise!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """How long a rank waits: `client_grace_s` for a trainer to come back (and for a failed job's trainers
-    to hear why), `trainer_timeout_s` for a trainer that holds a batch and says nothing, `startup_timeout_s`
-    for the coordinator to answer; `retain_bytes`: consumed batches held per rank for a rewind to a
-    checkpoint."""
-
-    client_grace_s: float = 600.0
-    trainer_timeout_s: float = 1800.0
-    startup_timeout_s: float = 600.0
-    retain_bytes: int = RETAIN_BYTES
-
-    def __post_init__(self) -> None:
-        for name in ("client_grace_s", "trainer_timeout_s", "startup_timeout_s"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0, got {name}={value}")
-        if self.retain_bytes < 0:
-            raise ValueError(f"retain_bytes must be >= 0, got retain_bytes={self.retain_bytes}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,12 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from batchd.client import BatchClient
+from batchd.client import BatchClient, ClientOptions
 from batchd.core import JobSpec
 from batchd.proto import Security
 from batchd.service import (
     CoordinatorClient,
     CoordinatorMetrics,
+    Limits,
     RankMetrics,
     RankServiceCore,
     create_rank_server,
@@ -39,7 +40,7 @@ from batchd.service import (
     start_metrics_server,
     stop_metrics_server,
 )
-from batchd.service.preprocess import SyntheticSource, synthetic_payload
+from batchd.service.preprocess import SyntheticData, SyntheticSource, synthetic_payload
 
 HOST = "127.0.0.1"
 
@@ -218,13 +219,12 @@ class InProcessJob:
         spec = self.spec
         if source is None:
             source = SyntheticSource(
-                self.lengths,
+                SyntheticData(self.lengths, self.vocab_size),
                 r,
                 spec.world_size,
                 spec.seed,
                 0,
                 spec.shuffle,
-                vocab_size=self.vocab_size,
                 wrap=spec.mode == "non-join",
             )
         coord = CoordinatorClient(
@@ -236,12 +236,12 @@ class InProcessJob:
                 spec,
                 coord,
                 source,
-                client_grace_s=self.grace,
+                state_dir=self.rank_state_dir,
+                limits=Limits(
+                    client_grace_s=self.grace, trainer_timeout_s=self.trainer_timeout_s, **self.retain
+                ),
                 security=self.security,
                 metrics=m,
-                trainer_timeout_s=self.trainer_timeout_s,
-                state_dir=self.rank_state_dir,
-                **self.retain,
             )
         except BaseException:
             coord.close()
@@ -290,9 +290,10 @@ class InProcessJob:
         """Rank `r`'s metrics HTTP port (with metrics)."""
         return self.http[1 + r][1]
 
-    def client(self, r: int = 0, **kwargs: Any) -> BatchClient:
-        """A trainer client of rank `r` (reconnect timeout 5 s unless given); `kwargs` go to `BatchClient`."""
-        kwargs.setdefault("reconnect_timeout_s", 5)
+    def client(self, r: int = 0, reconnect_timeout_s: float = 5, **kwargs: Any) -> BatchClient:
+        """A trainer client of rank `r` (`ClientOptions(reconnect_timeout_s=...)` unless `options` is given);
+        `kwargs` go to `BatchClient`."""
+        kwargs.setdefault("options", ClientOptions(reconnect_timeout_s=reconnect_timeout_s))
         return BatchClient(self.rank_address(r), r, self.spec.world_size, **kwargs)
 
     def payload(self, sample_id: int) -> dict[str, np.ndarray]:

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import batchd
-from batchd.client import BatchClient, train_step
+from batchd.client import BatchClient, ClientOptions, train_step
 from batchd.testing import FailureWatch as _FailureWatch
 from batchd.testing import raise_job_failure
 
@@ -46,9 +46,8 @@ def main() -> int:
         process_group=mesh["dp"].get_group(),
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    client = BatchClient(
-        services[dp_rank], dp_rank, dp, group_rank=tp_rank, group_size=tp, reconnect_timeout_s=5
-    )
+    options = ClientOptions(reconnect_timeout_s=5)
+    client = BatchClient(services[dp_rank], dp_rank, dp, group_rank=tp_rank, group_size=tp, options=options)
     batches = iter(client)
     watch = _FailureWatch(client)
     try:

@@ -15,6 +15,7 @@ from _procs import free_block
 from batchd.cli import build_parser, main
 from batchd.config import DROP, EXAMPLE, ConfigError, JsonFormatter, build_config, load_config
 from batchd.core import JobSpec
+from batchd.service.preprocess import Qwen2VLImageConfig
 
 WORKLOAD = Path(__file__).resolve().parents[1] / "batchd" / "workloads" / "odb-synthetic.txt"
 
@@ -43,7 +44,7 @@ def test_example_config_loads_with_defaults_and_relative_paths(example, tmp_path
     assert cfg.coordinator.dial_address() == "127.0.0.1:7000"
     assert cfg.rank.port_of(1) == 7101 and cfg.rank.metrics_port_of(1) is None
     assert cfg.security_object() is None
-    assert cfg.pipeline.stage_kwargs()["vision"] == "qwen2_vl"
+    assert cfg.pipeline.stage_kwargs()["vision"] == Qwen2VLImageConfig()  # qwen2_vl, transformers' bounds
 
 
 def test_missing_input_files_fail_at_load_naming_the_field(example):
@@ -230,7 +231,7 @@ def _free_port() -> int:
 def test_services_run_from_one_config_file(tmp_path):
     """`batchd coordinator --config` and `batchd rank --config --rank r` with nothing else: the rank
     finds the coordinator, its port and its data through the file; a client drains the epoch."""
-    from batchd.client import BatchClient
+    from batchd.client import BatchClient, ClientOptions
 
     lengths = write(tmp_path / "lengths.txt", "\n".join(str(1 + (7 * i) % 90) for i in range(120)) + "\n")
     cport, rport = _free_port(), _free_port()
@@ -251,7 +252,7 @@ def test_services_run_from_one_config_file(tmp_path):
     ]
     try:
         ids = []
-        with BatchClient(f"127.0.0.1:{rport}", 0, 1, reconnect_timeout_s=60) as client:
+        with BatchClient(f"127.0.0.1:{rport}", 0, 1, options=ClientOptions(reconnect_timeout_s=60)) as client:
             for batch, _info in client:
                 ids += batch["sample_ids"].tolist()
         assert sorted(ids) == list(range(120))

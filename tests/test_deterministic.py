@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchd.core import JobSpec, PolicySpec, Simulator, fill_may_stop, report_capacity
-from batchd.service import RankServiceCore
+from batchd.service import Limits, RankServiceCore
 from batchd.service.preprocess import SyntheticSource
 from batchd.testing import fixed_capacity
 
@@ -133,9 +133,8 @@ def test_a_deterministic_rank_reports_a_full_window_whatever_the_source_had_read
     )
     fast = SyntheticSource(LENGTHS, 0, 2, spec.seed)
     expected = [fast.poll()[0].id for _ in range(spec.policy.window)]
-    core = RankServiceCore(
-        0, spec, None, JitterySource(LENGTHS, 0, 2, spec.seed, jitter=1), fill_timeout_s=0.001
-    )
+    source = JitterySource(LENGTHS, 0, 2, spec.seed, jitter=1)
+    core = RankServiceCore(0, spec, None, source, limits=Limits(fill_timeout_s=0.001))
     core._fill()
     got = [e.sample.id for e in core.state.buffer]
     if deterministic:

@@ -22,6 +22,7 @@ from batchd.preprocess import (
     Example,
     HFProcessor,
     Preprocessor,
+    Qwen2VLImageConfig,
     Qwen2VLVision,
     Reject,
     StageContext,
@@ -204,7 +205,7 @@ def test_both_label_paths_agree_and_match_the_builtin_chain(qwen, qwen_gen):
     tok = TokenizerRef(qwen[0])
     record = parse_record({"messages": MULTI, "images": [_png(100, 150), _png(60, 300, 1)]})
     images = [Image.open(io.BytesIO(b)).convert("RGB") for b in (_png(100, 150), _png(60, 300, 1))]
-    vision = Qwen2VLVision(tok, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    vision = Qwen2VLVision(tok, Qwen2VLImageConfig(MIN_PIXELS, MAX_PIXELS))
     _, builtin = Preprocessor([ChatTemplate("qwen2"), Tokenize(tok), vision])(record, 0, 0)
     hf = _run(HFProcessor(qwen[0]), MULTI, images)
     assert np.array_equal(builtin["input_ids"], hf.input_ids) and np.array_equal(builtin["labels"], hf.labels)

@@ -202,7 +202,7 @@ def test_the_reaper_ends_descendants_and_orphans_that_hide_the_marker(tmp_path):
 
 
 def test_rank_services_on_one_host_share_one_ray(tmp_path):
-    from batchd.client import BatchClient
+    from batchd.client import BatchClient, ClientOptions
     from batchd.preprocess import make_demo_dataset
 
     world = 2
@@ -238,7 +238,9 @@ def test_rank_services_on_one_host_share_one_ray(tmp_path):
 
         def drain(r: int) -> None:
             try:
-                with BatchClient(f"127.0.0.1:{ports[r]}", r, world, reconnect_timeout_s=60) as client:
+                with BatchClient(
+                    f"127.0.0.1:{ports[r]}", r, world, options=ClientOptions(reconnect_timeout_s=60)
+                ) as client:
                     for _batch in client:
                         pass
             except BaseException as exc:  # noqa: BLE001 - reported by the main thread

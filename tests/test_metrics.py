@@ -349,9 +349,9 @@ def test_run_coordinator_and_run_rank_serve_metrics(tmp_path):
     lengths = skewed_lengths(80)
     spec_kw = "world_size=1, token_budget=1024, policy='local', window=16, depth=2, seed=0"
     coord_code = (
-        "from batchd.core import JobSpec; from batchd.service import run_coordinator; import sys; "
-        f"sys.exit(run_coordinator(JobSpec.from_keys({spec_kw}), port_file={str(tmp_path / 'c.json')!r}, "
-        "metrics_port=0))"
+        "from batchd.core import JobSpec; from batchd.service import Endpoint, run_coordinator; import sys; "
+        f"sys.exit(run_coordinator(JobSpec.from_keys({spec_kw}), "
+        f"Endpoint(port_file={str(tmp_path / 'c.json')!r}, metrics_port=0)))"
     )
     coord = subprocess.Popen([sys.executable, "-c", coord_code])
     procs = [coord]

@@ -20,7 +20,7 @@ import pytest
 from _jobs import drain_clients
 from _procs import wait_until
 
-from batchd.client import BatchClient
+from batchd.client import BatchClient, ClientOptions
 from batchd.core import JobSpec, PolicySpec, RankState, RoundDecision, Sample
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
@@ -34,7 +34,7 @@ from batchd.service import (
     create_server,
     node_ranks,
 )
-from batchd.service.preprocess import SyntheticSource
+from batchd.service.preprocess import SyntheticData, SyntheticSource
 
 HOST = "127.0.0.1"
 
@@ -50,7 +50,8 @@ class NodeJob:
     def __init__(
         self, spec: JobSpec, lengths, nodes: int, state_dir=None, lease_s: float = 10.0, **source_kwargs
     ) -> None:
-        """`source_kwargs` go to every `SyntheticSource` (e.g. images=, patch_dim=, vocab_size=)."""
+        """`source_kwargs` go to every `SyntheticSource`'s `SyntheticData` (e.g. images=, patch_dim=,
+        vocab_size=)."""
         self.spec, self.lengths, self.state_dir, self.lease_s = spec, lengths, state_dir, lease_s
         self.source_kwargs = source_kwargs
         self.k = spec.world_size // nodes
@@ -72,7 +73,12 @@ class NodeJob:
         spec = self.spec
         sources = {
             r: SyntheticSource(
-                self.lengths, r, spec.world_size, spec.seed, 0, spec.shuffle, **self.source_kwargs
+                SyntheticData(self.lengths, **self.source_kwargs),
+                r,
+                spec.world_size,
+                spec.seed,
+                0,
+                spec.shuffle,
             )
             for r in range(g * self.k, (g + 1) * self.k)
         }
@@ -138,7 +144,7 @@ def _drain(job: NodeJob, on_step=None, limit_s: float = 90.0) -> list[list[tuple
     return [
         epochs[0]
         for epochs in drain_clients(
-            lambda r: BatchClient(job.address(r), r, world, reconnect_timeout_s=30),
+            lambda r: BatchClient(job.address(r), r, world, options=ClientOptions(reconnect_timeout_s=30)),
             world,
             1,
             limit_s,

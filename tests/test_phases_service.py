@@ -15,7 +15,7 @@ import pytest
 from _jobs import InProcessJob, job_pool
 
 from batchd.core import JobSpec, Phases, PolicySpec
-from batchd.service.preprocess import SyntheticSource
+from batchd.service.preprocess import SyntheticData, SyntheticSource
 from batchd.testing import synthetic_audio_payload, synthetic_image_payload
 
 PATCH_DIM = 4  # small pixel rows: the data path, not the pixels, is under test
@@ -38,15 +38,12 @@ def _workload(n: int, seed: int, all_images_on: set[int] | None = None) -> tuple
 def _sources(spec: JobSpec, lengths, images):
     return [
         SyntheticSource(
-            lengths,
+            SyntheticData(lengths, VOCAB, images=images, patch_dim=PATCH_DIM),
             r,
             spec.world_size,
             spec.seed,
             0,
             spec.shuffle,
-            vocab_size=VOCAB,
-            images=images,
-            patch_dim=PATCH_DIM,
         )
         for r in range(spec.world_size)
     ]
@@ -233,12 +230,16 @@ def test_node_agents_exchange_images_with_a_cut_plan(tmp_path):
     try:
         from _jobs import drain_clients
 
-        from batchd.client import BatchClient
+        from batchd.client import BatchClient, ClientOptions
 
         results = [
             e[0]
             for e in drain_clients(
-                lambda r: BatchClient(job.address(r), r, 4, reconnect_timeout_s=30), 4, 1, 90.0, _project
+                lambda r: BatchClient(job.address(r), r, 4, options=ClientOptions(reconnect_timeout_s=30)),
+                4,
+                1,
+                90.0,
+                _project,
             )
         ]
     finally:
@@ -321,11 +322,15 @@ def test_the_audio_phase_is_exchanged_beside_the_vision_phase_across_a_rank_rest
     def sources():
         return [
             SyntheticSource(
-                lengths, r, 3, spec.seed, 0, spec.shuffle, vocab_size=VOCAB, images=images,
-                patch_dim=PATCH_DIM, audio=audio,
+                SyntheticData(lengths, VOCAB, images=images, audio=audio, patch_dim=PATCH_DIM),
+                r,
+                3,
+                spec.seed,
+                0,
+                spec.shuffle,
             )
             for r in range(3)
-        ]  # fmt: skip
+        ]
 
     restarted = threading.Event()
     with InProcessJob(spec, sources=sources(), rank_state_dir=tmp_path, grace=30.0, metrics=True) as job:

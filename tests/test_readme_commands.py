@@ -695,6 +695,18 @@ def test_records_blocks_write_files_batchd_reads(tmp_path, monkeypatch):
         assert len(ds) == 1, name
 
 
+def test_image_config_block_runs_and_bounds_the_visual_tokens():
+    """The built-in chain's block (`Qwen2VLImageConfig`, `Augmentation`), run as written: its vision stage
+    has the page's pixel bounds and its first stages are the augmentation."""
+    block = next(b for b in python_blocks() if "vision=Qwen2VLImageConfig(" in b)
+    scope: dict = {}
+    exec(compile(block, "README:image config", "exec"), scope)  # noqa: S102 - the README's own code
+    names = [type(s).__name__ for s in scope["stages"]]
+    assert names[:3] == ["SystemPrompt", "TurnSubsample", "RandomResizedCrop"], names
+    vision = next(s for s in scope["stages"] if type(s).__name__ == "Qwen2VLVision")
+    assert vision.num_tokens(4000, 3000) <= 256 < vision.num_tokens(4000, 3000) * 4, vision
+
+
 def test_processor_block_runs_with_a_local_processor(tmp_path, monkeypatch):
     """`default_stages(processor="Qwen2-VL-7B-Instruct", cutoff=4096)` on a locally built Qwen2-VL
     processor saved under that name (what a model's checkout holds): [HFProcessor, Truncate]."""

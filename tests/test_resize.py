@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchd.core import (
+    BlockLayout,
     BlockView,
     JobSpec,
     PolicySpec,
@@ -79,7 +80,7 @@ def test_a_block_remainder_reads_only_its_units_and_each_id_once(blocks, world, 
     rem = Remainder(epoch=0, step=3, world_size=world, generation=2, consumed=consumed)
     nbytes = [10 * b + 1 for b in blocks]
     views = [
-        BlockView(blocks, nbytes, r, world, 5, 0, window_bytes=window, remainder=rem) for r in range(world)
+        BlockView(BlockLayout(blocks, nbytes, window), r, world, 5, 0, remainder=rem) for r in range(world)
     ]
     ids = [i for v in views for i in v.ids()]
     assert sorted(ids) == sorted(set(range(n)) - consumed)

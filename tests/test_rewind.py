@@ -381,7 +381,7 @@ def test_a_two_phase_rewind_sends_the_same_pixels_and_exchange_again(tmp_path, j
     """Two-phase steps (each step's images spread over the ranks for the encoder): trainers restarted
     from a checkpoint get the same batches, pixels and exchange arrays included, from memory and from a
     rank service restarted from its journal (which re-makes the images its held steps encode)."""
-    from batchd.service.preprocess import SyntheticSource
+    from batchd.service.preprocess import SyntheticData, SyntheticSource
 
     rng = np.random.default_rng(3)
     lengths, images = [], []
@@ -401,7 +401,7 @@ def test_a_two_phase_rewind_sends_the_same_pixels_and_exchange_again(tmp_path, j
     def sources():
         return [
             SyntheticSource(
-                lengths, r, 2, spec.seed, 0, spec.shuffle, vocab_size=64, images=images, patch_dim=8
+                SyntheticData(lengths, 64, images=images, patch_dim=8), r, 2, spec.seed, 0, spec.shuffle
             )
             for r in range(2)
         ]

@@ -55,6 +55,7 @@ from batchd.service.preprocess import (
     RaySource,
     Source,
     StreamOptions,
+    SyntheticData,
     SyntheticSource,
     TokenizerRef,
     default_stages,
@@ -439,7 +440,7 @@ def _synthetic(
     seed: int = 4,
     lengths: list[int] = SYN_LENGTHS,
 ) -> SyntheticSource:
-    return SyntheticSource(lengths, rank, world_size, seed, epoch, shuffle, vocab_size=97, wrap=wrap)
+    return SyntheticSource(SyntheticData(lengths, 97), rank, world_size, seed, epoch, shuffle, wrap)
 
 
 def synthetic_pair(

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from batchd.client import BatchClient, BatchdError
+from batchd.client import BatchClient, BatchdError, ClientOptions
 from batchd.core import CoordinatorError, JobSpec, PolicySpec
 from batchd.proto import Security, channel
 from batchd.proto import batchd_pb2 as pb
@@ -203,8 +203,11 @@ def test_security_rejects_bad_arguments_naming_field_and_path(pki, tmp_path):
         Security.from_files(token_file=empty)
     with pytest.raises(ValueError, match="token_file=.* cannot be read"):
         Security.from_files(token_file=tmp_path / "absent")
-    with pytest.raises(ValueError, match="not both"):
-        BatchClient("127.0.0.1:1", 0, 1, security=Security(token=TOKEN), token=TOKEN)
+    with pytest.raises(ValueError, match="options must be a ClientOptions"):
+        BatchClient("127.0.0.1:1", 0, 1, security=Security(token=TOKEN), options=TOKEN)
+    for bad, named in [(dict(credits=0), "credits=0"), (dict(startup_timeout_s=0), "startup_timeout_s=0")]:
+        with pytest.raises(ValueError, match=named):
+            ClientOptions(**bad)
     with pytest.raises(ValueError, match="serving TLS needs tls_cert and tls_key.* alone only makes a TLS"):
         create_server("127.0.0.1:0", SPEC, security=Security(tls_ca=pki["ca"]))
 
@@ -343,9 +346,11 @@ def test_job_end_to_end_under_mutual_tls_and_token(pki):
             pytest.raises(BatchdError, match="UNAUTHENTICATED: missing 'authorization"),
         ):
             _first_batch(c)
-        no_cert = dict(tls_ca=pki["ca"], token=TOKEN, startup_timeout_s=0.5)  # the shortcuts
+        no_cert = Security(tls_ca=pki["ca"], token=TOKEN)
         with (
-            BatchClient(job.rank_address(0), 0, 2, **no_cert) as c,
+            BatchClient(
+                job.rank_address(0), 0, 2, security=no_cert, options=ClientOptions(startup_timeout_s=0.5)
+            ) as c,
             pytest.raises(BatchdError, match="unreachable for 0.5s: UNAVAILABLE"),
         ):
             _first_batch(c)

@@ -8,8 +8,9 @@ import dataclasses
 
 import pytest
 
-from batchd.service import Endpoint, Limits, ServiceConfig, SourceOptions
-from batchd.service.preprocess import PoolOptions, StreamOptions
+from batchd.core import JobSpec
+from batchd.service import Endpoint, Limits, ServiceConfig, SourceOptions, run_coordinator
+from batchd.service.preprocess import PoolOptions, StreamOptions, SyntheticData
 from batchd.service.rank import RETAIN_BYTES
 
 
@@ -42,6 +43,11 @@ def test_defaults_are_the_services():
         (lambda: Limits(client_grace_s=0), "client_grace_s=0"),
         (lambda: Limits(trainer_timeout_s=-1.0), "trainer_timeout_s=-1.0"),
         (lambda: Limits(retain_bytes=-1), "retain_bytes=-1"),
+        (lambda: Limits(fill_timeout_s=0.0), "fill_timeout_s=0.0"),
+        (lambda: SyntheticData([4, 5], vocab_size=1), "vocab_size=1"),
+        (lambda: SyntheticData([4, 5], images=[()]), r"len\(images\)=1"),
+        (lambda: SyntheticData([4, 5], audio=[(), (), ()]), r"len\(audio\)=3"),
+        (lambda: run_coordinator(JobSpec(world_size=1, token_budget=8), "127.0.0.1:0"), "endpoint must be"),
         (lambda: ServiceConfig(limits=None), "limits=None"),  # type: ignore[arg-type]
         (lambda: PoolOptions(num_actors=0), "num_actors=0"),
         (lambda: PoolOptions(actor_num_cpus=0), "actor_num_cpus=0"),

@@ -12,10 +12,12 @@ import pytest
 from PIL import Image
 
 from batchd.preprocess import (
+    Augmentation,
     ChatTemplate,
     Example,
     LlavaVision,
     Preprocessor,
+    Qwen2VLImageConfig,
     Qwen2VLVision,
     RandomResizedCrop,
     Reject,
@@ -115,6 +117,26 @@ def test_smart_resize_and_pixel_values_match_transformers():
         [1, 22, 36]
     ]
     np.testing.assert_allclose(tensors["pixel_values"], ref["pixel_values"], atol=1e-5)
+
+
+def test_a_qwen2vl_image_config_bounds_the_chains_visual_tokens_and_names_a_bad_value(tok):
+    small = Qwen2VLImageConfig(min_pixels=28 * 28, max_pixels=28 * 28 * 4)
+    assert smart_resize(768, 1024, 28, 28 * 28, 28 * 28 * 4) == (28, 56)  # 1 x 2 merges
+    assert Qwen2VLVision(None, small).num_tokens(768, 1024) == 2
+    chat = [{"role": "user", "content": "<image>Hi"}, {"role": "assistant", "content": "Noise."}]
+    rec = parse_record({"messages": chat, "images": [_png(768, 1024)]})
+    wide, _ = _run(default_stages(tok), rec)
+    capped, _ = _run(default_stages(tok, vision=small), rec)
+    assert wide.vision_tokens == 999 and capped.vision_tokens == 2
+    for bad, named in [
+        (dict(min_pixels=0), "min_pixels=0"),
+        (dict(min_pixels=100, max_pixels=99), "max_pixels=99"),
+        (dict(image_std=(1.0, 0.0, 1.0)), "image_std="),
+    ]:
+        with pytest.raises(ValueError, match=named):
+            Qwen2VLImageConfig(**bad)
+    with pytest.raises(ValueError, match="vision must be"):
+        default_stages(tok, vision="qwen3")
 
 
 def test_qwen2vl_expansion_of_a_1024x768_image(tok):
@@ -228,6 +250,13 @@ def test_stages_are_seeded_per_sample_and_epoch(tok):
         assert all(np.array_equal(a[1][k], b[1][k]) for k in a[1])
     changed = sum(run(i, 0)[0] != run(i, 1)[0] for i in range(12))
     assert changed >= 3  # a new epoch draws new augmentations
+    never = default_stages(tok, augment=Augmentation(p_system=0.0, p_turns=0.0, p_crop=0.0))
+    assert all(
+        _run(never, recs[i], sample_id=i)[0] == _run(default_stages(tok), recs[i], sample_id=i)[0]
+        for i in range(12)
+    )
+    with pytest.raises(ValueError, match="p_crop=2"):
+        Augmentation(p_crop=2)
 
 
 def test_random_resized_crop_and_turn_subsample(tok):

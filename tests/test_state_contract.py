@@ -14,6 +14,7 @@ import pytest
 
 from batchd.core import (
     STATE_VERSION,
+    BlockLayout,
     BlockView,
     Coordinator,
     Delivery,
@@ -51,7 +52,7 @@ def _parts():
         Coordinator(spec),
         RankState(spec, rank=0),
         ViewSource(10, rank=0, world_size=2),
-        BlockView([5, 5], [50, 50], rank=1, world_size=2),
+        BlockView(BlockLayout([5, 5], [50, 50]), rank=1, world_size=2),
         ViewSource(10, rank=1, world_size=2, remainder=Remainder(0, 3, 2, 1, {4, 7})),
         StepLedger(),
     ], [

@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_pipeline import drain  # the shared poll-until-EXHAUSTED helper, with its stall check
 
-from batchd.core import BlockView
+from batchd.core import BlockLayout, BlockView
 from batchd.preprocess import (
     BlockReader,
     PoolOptions,
@@ -50,7 +50,7 @@ def layouts(draw):
 @given(layouts())
 def test_blockview_views_partition_the_dataset_and_respect_the_window_budget(layout):
     rows, nbytes, world, window, seed, shuffle = layout
-    views = [BlockView(rows, nbytes, r, world, seed, 0, shuffle, window_bytes=window) for r in range(world)]
+    views = [BlockView(BlockLayout(rows, nbytes, window), r, world, seed, 0, shuffle) for r in range(world)]
     ids = [i for v in views for i in v.ids()]
     assert sorted(ids) == list(range(sum(rows)))  # every id in exactly one rank's view
     for v in views:
@@ -74,7 +74,7 @@ def test_blockview_resumes_exactly_from_any_position(layout, data):
     rows, nbytes, world, window, seed, shuffle = layout
     rank = data.draw(st.integers(0, world - 1))
     wrap = data.draw(st.booleans())
-    v = BlockView(rows, nbytes, rank, world, seed, 1, shuffle, wrap, window)
+    v = BlockView(BlockLayout(rows, nbytes, window), rank, world, seed, 1, shuffle, wrap)
     n = len(v)
     k = data.draw(st.integers(0, 2 * n + 1 if wrap else n))
     got = [v.next() for _ in range(k)]
@@ -84,33 +84,36 @@ def test_blockview_resumes_exactly_from_any_position(layout, data):
     at = json.loads(json.dumps(v.state_at(k if wrap else min(k, n))))  # what RaySource saves
     rest = [v.next() for _ in range(n + 3)]
     for saved in (state, at):
-        w = BlockView(rows, nbytes, rank, world, seed, 1, shuffle, wrap, window)
+        w = BlockView(BlockLayout(rows, nbytes, window), rank, world, seed, 1, shuffle, wrap)
         w.load_state_dict(saved)
         assert [w.next() for _ in range(n + 3)] == rest
     if wrap and n:  # every pass holds the view's ids once, each in its own order
-        fresh = BlockView(rows, nbytes, rank, world, seed, 1, shuffle, wrap, window)
+        fresh = BlockView(BlockLayout(rows, nbytes, window), rank, world, seed, 1, shuffle, wrap)
         passes = [[fresh.next() for _ in range(n)] for _ in range(3)]
         assert all(sorted(p) == sorted(fresh.ids()) for p in passes) and passes[0] == fresh.ids()
 
 
 def test_blockview_state_of_another_layout_or_rank_is_refused():
-    v = BlockView([10, 10, 10], [5, 5, 5], 0, 2, seed=1, window_bytes=5)
+    v = BlockView(BlockLayout([10, 10, 10], [5, 5, 5], 5), 0, 2, seed=1)
     state = v.state_dict()
     with pytest.raises(ValueError, match="layout"):
-        BlockView([10, 10, 10], [5, 5, 5], 0, 2, seed=1, window_bytes=10).load_state_dict(state)
+        BlockView(BlockLayout([10, 10, 10], [5, 5, 5], 10), 0, 2, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="rank"):
-        BlockView([10, 10, 10], [5, 5, 5], 1, 2, seed=1, window_bytes=5).load_state_dict(state)
+        BlockView(BlockLayout([10, 10, 10], [5, 5, 5], 5), 1, 2, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="one entry per block"):
-        BlockView([10, 10], [5], 0, 2)
+        BlockView(BlockLayout([10, 10], [5]), 0, 2)
 
 
 def test_blockview_splits_a_lone_block_so_every_rank_gets_a_share_and_epochs_reshuffle():
-    one = [BlockView([1000], [10], r, 4, seed=0) for r in range(4)]
+    one = [BlockView(BlockLayout([1000], [10]), r, 4, seed=0) for r in range(4)]
     sizes = [len(v) for v in one]  # units of ceil(1000 / (8 x 4)) = 32 rows: views differ by < one unit
     assert sum(sizes) == 1000 and max(sizes) - min(sizes) <= 32 and min(sizes) > 0
-    assert BlockView([1000], [10], 0, 4, epoch=0).ids() != BlockView([1000], [10], 0, 4, epoch=1).ids()
+    assert (
+        BlockView(BlockLayout([1000], [10]), 0, 4, epoch=0).ids()
+        != BlockView(BlockLayout([1000], [10]), 0, 4, epoch=1).ids()
+    )
     # small windows keep a block's rows together: each window reads one block
-    v = BlockView([50] * 8, [100] * 8, 0, 1, seed=3, window_bytes=100)
+    v = BlockView(BlockLayout([50] * 8, [100] * 8, 100), 0, 1, seed=3)
     assert len(v.windows) == 8 and all(len(v.window_blocks(w)) == 1 for w in range(8))
     ids = v.ids()
     assert all(len({i // 50 for i in ids[k : k + 50]}) == 1 for k in range(0, 400, 50))

@@ -21,7 +21,7 @@ from test_hf_vlm import sample_loss  # the stock model called the HF way on one 
 from batchd import two_phase
 from batchd.client import loss_tokens
 from batchd.core import JobSpec, PolicySpec
-from batchd.service.preprocess import HFProcessor, Preprocessor, SyntheticSource, Truncate
+from batchd.service.preprocess import HFProcessor, Preprocessor, SyntheticData, SyntheticSource, Truncate
 from batchd.testing import demo_record, parse_record, tiny_processor, tiny_vlm
 
 transformers = pytest.importorskip("transformers")
@@ -34,9 +34,8 @@ class PayloadSource(SyntheticSource):
     """A rank's view over given payloads and their metadata (image patches and tokens)."""
 
     def __init__(self, payloads, metas, rank: int, world_size: int, seed: int) -> None:
-        super().__init__(
-            [len(p["input_ids"]) for p in payloads], rank, world_size, seed, images=[m.images for m in metas]
-        )
+        lengths = [len(p["input_ids"]) for p in payloads]
+        super().__init__(SyntheticData(lengths, images=[m.images for m in metas]), rank, world_size, seed)
         self.payloads = payloads
 
     def materialize(self, sample_id: int):

@@ -29,7 +29,7 @@ Imports only `batchd.core`: the rank service builds on it, never the other way.
 """
 
 from ._audio import Qwen2Audio, qwen2_audio_tokens
-from ._augment import RandomResizedCrop, SystemPrompt, TurnSubsample
+from ._augment import Augmentation, RandomResizedCrop, SystemPrompt, TurnSubsample
 from ._chain import Preprocessor, default_stages
 from ._dataset import RecordDataset
 from ._demo_data import demo_records, make_demo_dataset
@@ -58,6 +58,7 @@ from ._sources import (
     IngestSource,
     Payload,
     Source,
+    SyntheticData,
     SyntheticSource,
     loss_tokens_of,
     missing_source_members,
@@ -67,9 +68,10 @@ from ._sources import (
 from ._stage import Example, Stage, StageContext
 from ._text import ChatTemplate, Tokenize, Truncate
 from ._tokenizer import SPECIAL_TOKENS, TokenizerRef, demo_tokenizer, train_tokenizer
-from ._vision import LlavaVision, Qwen2VLVision
+from ._vision import LlavaVision, Qwen2VLImageConfig, Qwen2VLVision
 
 __all__ = [
+    "Augmentation",
     "BadRecordTally",
     "BlockReader",
     "ChatTemplate",
@@ -84,6 +86,7 @@ __all__ = [
     "Preprocessor",
     "Quarantine",
     "Qwen2Audio",
+    "Qwen2VLImageConfig",
     "Qwen2VLVision",
     "RandomResizedCrop",
     "RayLost",
@@ -99,6 +102,7 @@ __all__ = [
     "Stage",
     "StageContext",
     "StreamOptions",
+    "SyntheticData",
     "SyntheticSource",
     "SystemPrompt",
     "Tokenize",

@@ -1,4 +1,5 @@
-"""Augmentation stages: `SystemPrompt`, `TurnSubsample`, `RandomResizedCrop`.
+"""Augmentation stages: `SystemPrompt`, `TurnSubsample`, `RandomResizedCrop`; `Augmentation`, the three as
+`default_stages(augment=...)` puts them.
 
 Each applies with probability `p` and draws only from ``ctx.rng``, so an augmentation is a pure
 function of (seed, epoch, sample id, stage index): the same within an epoch, fresh in the next one.
@@ -8,6 +9,7 @@ puts them first in the chain); none of them tokenizes.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -120,3 +122,44 @@ class RandomResizedCrop(Stage):
             out.append(crop)
         ex.images = out
         return ex
+
+
+DEFAULT_SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "Answer concisely.",
+    "You are a careful, precise assistant.",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Augmentation:
+    """The augmentation `default_stages(augment=...)` puts first in the chain: `SystemPrompt(system_prompts,
+    p=p_system)`, `TurnSubsample(p=p_turns)`, `RandomResizedCrop(p=p_crop)` (`augment=True`: these
+    defaults). `system_prompts` is stored as a tuple.
+
+    Raises:
+        ValueError: naming the value, on no system prompt or a probability outside [0, 1].
+    """
+
+    system_prompts: Sequence[str] = DEFAULT_SYSTEM_PROMPTS
+    p_system: float = 0.3
+    p_turns: float = 0.3
+    p_crop: float = 0.5
+
+    def __post_init__(self) -> None:
+        prompts = tuple(self.system_prompts)
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError(f"system_prompts must be one or more strings, got system_prompts={prompts!r}")
+        object.__setattr__(self, "system_prompts", prompts)
+        for name in ("p_system", "p_turns", "p_crop"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {name}={value}")
+
+    def stages(self) -> list[Stage]:
+        """The three stages, in chain order."""
+        return [
+            SystemPrompt(self.system_prompts, p=self.p_system),
+            TurnSubsample(p=self.p_turns),
+            RandomResizedCrop(p=self.p_crop),
+        ]

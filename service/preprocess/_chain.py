@@ -28,7 +28,8 @@ after every stage; `loss_tokens = count(labels[1:] != -100)`; modality tokens: (
 - audio), ("vision", expanded image placeholder tokens) and, with clips, ("audio", their tokens). Any other
 error a stage raises becomes `Reject("stage_error", ...)`: it quarantines the record, not the actor.
 
-The only module that imports every built-in stage (`_augment`, `_text`, `_vision`, `_hf`).
+The only module that imports every built-in stage (`_augment`, `_text`, `_vision`, `_hf`; the augmentation
+stages through `Augmentation`).
 """
 
 from __future__ import annotations
@@ -41,26 +42,23 @@ from typing import Any
 import numpy as np
 
 from ._audio import QWEN2_AUDIO, Qwen2Audio, _NoAudio, decode_audios
-from ._augment import RandomResizedCrop, SystemPrompt, TurnSubsample
+from ._augment import Augmentation
 from ._hf import HFProcessor
 from ._parse import IMAGE_MARKER, Record
 from ._quarantine import Reject
 from ._stage import IGNORE_INDEX, Example, Stage, StageContext, _as_ref, resolve_stage
 from ._text import QWEN2VL_IMAGE, ChatTemplate, Tokenize, Truncate
 from ._tokenizer import TokenizerRef
-from ._vision import LlavaVision, Qwen2VLVision, _NoImages, decode_images
+from ._vision import LlavaVision, Qwen2VLImageConfig, Qwen2VLVision, _NoImages, decode_images
 
 
 def default_stages(
     tokenizer: str | os.PathLike[str] | TokenizerRef | None = None,
     template: str = "qwen2",
-    vision: str | None = "qwen2_vl",
+    vision: str | Qwen2VLImageConfig | None = "qwen2_vl",
     cutoff: int = 4096,
     policy: str = "truncate",
-    augment: bool = False,
-    system_prompts: Sequence[str] | None = None,
-    min_pixels: int = 56 * 56,
-    max_pixels: int = 14 * 14 * 4 * 1280,
+    augment: bool | Augmentation = False,
     processor: str | os.PathLike[str] | None = None,
     audio: str | None = "qwen2_audio",
 ) -> list[Stage]:
@@ -70,14 +68,15 @@ def default_stages(
     Args:
         tokenizer: Local tokenizer.json (default: the demo tokenizer, trained locally on first use).
         template: "chatml", "qwen2", "llama3" or Jinja text.
-        vision: "qwen2_vl", "llava" or None (text only; records with images are then quarantined).
+        vision: "qwen2_vl" (Qwen2-VL with transformers' pixel bounds), a `Qwen2VLImageConfig` (Qwen2-VL
+            with its `min_pixels`, `max_pixels`, ...), "llava" or None (text only; records with images
+            are then quarantined).
         cutoff, policy: The Truncate stage.
-        augment: Add SystemPrompt, TurnSubsample and RandomResizedCrop.
-        system_prompts: Candidates for SystemPrompt (default: three generic prompts).
-        min_pixels, max_pixels: Qwen2-VL's smart_resize bounds.
+        augment: True: add SystemPrompt, TurnSubsample and RandomResizedCrop (`Augmentation()`); an
+            `Augmentation`: those with its prompts and probabilities.
         processor: A Hugging Face processor directory (the model's own, read offline): its chat template,
             tokenizer, image processor and audio feature extractor replace `tokenizer`, `template`,
-            `vision`, the pixel bounds and `audio`.
+            `vision` and `audio`.
         audio: "qwen2_audio" (records' audio clips become Qwen2-Audio tokens and log-mel features) or None
             (records with audio are quarantined as "unsupported_audio").
     """
@@ -86,38 +85,29 @@ def default_stages(
     placeholder = QWEN2_AUDIO if audio is not None else "<audio>"
     tok = _as_ref(tokenizer) if processor is None else None
     chain: list[Stage] = []
-    if augment:
-        chain += [
-            SystemPrompt(
-                system_prompts
-                or [
-                    "You are a helpful assistant.",
-                    "Answer concisely.",
-                    "You are a careful, precise assistant.",
-                ],
-                p=0.3,
-            ),
-            TurnSubsample(p=0.3),
-            RandomResizedCrop(p=0.5),
-        ]
+    if augment is not False:
+        if augment is not True and not isinstance(augment, Augmentation):
+            raise ValueError(f"augment must be a bool or an Augmentation, got {augment=!r}")
+        chain += (Augmentation() if augment is True else augment).stages()
     if processor is not None:  # HFProcessor takes (and consumes) the clips or refuses them; _NoAudio: a guard
         chain += [HFProcessor(processor), _NoAudio()]
-    elif vision in ("qwen2_vl", "llava", None):
+    elif vision in ("qwen2_vl", "llava", None) or isinstance(vision, Qwen2VLImageConfig):
+        qwen2_vl = Qwen2VLImageConfig() if vision == "qwen2_vl" else vision
         stage: Stage = (
-            Qwen2VLVision(tok, min_pixels=min_pixels, max_pixels=max_pixels)
-            if vision == "qwen2_vl"
+            Qwen2VLVision(tok, qwen2_vl)
+            if isinstance(qwen2_vl, Qwen2VLImageConfig)
             else LlavaVision(tok)
             if vision == "llava"
             else _NoImages()
         )
-        image = QWEN2VL_IMAGE if vision == "qwen2_vl" else IMAGE_MARKER
+        image = QWEN2VL_IMAGE if isinstance(qwen2_vl, Qwen2VLImageConfig) else IMAGE_MARKER
         chain += [
             ChatTemplate(template, image_placeholder=image, audio_placeholder=placeholder),
             Tokenize(tok),
         ]
         chain += [stage, Qwen2Audio(tok) if audio is not None else _NoAudio()]
     else:
-        raise ValueError(f"vision must be 'qwen2_vl', 'llava' or None, got {vision=}")
+        raise ValueError(f"vision must be 'qwen2_vl', a Qwen2VLImageConfig, 'llava' or None, got {vision=}")
     chain.append(Truncate(cutoff, policy))
     return chain
 

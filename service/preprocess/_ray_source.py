@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from batchd.core import BlockView, Remainder, Sample
+from batchd.core import BlockLayout, BlockView, Remainder, Sample
 
 from ._dataset import RecordDataset
 from ._ledger import Ledger
@@ -125,17 +125,8 @@ class RaySource:
         self.fetch_payloads = options.payload == "dict"
         quarantine = options.quarantine
         self.quarantine = quarantine if isinstance(quarantine, Quarantine) else Quarantine(quarantine)
-        self.view = BlockView(
-            self.dataset.block_rows,
-            self.dataset.block_bytes,
-            rank,
-            world_size,
-            seed,
-            epoch,
-            shuffle,
-            self.wrap,
-            window_bytes=self.memory_budget // 4,
-        )
+        layout = BlockLayout(self.dataset.block_rows, self.dataset.block_bytes, self.memory_budget // 4)
+        self.view = BlockView(layout, rank, world_size, seed, epoch, shuffle, self.wrap)
         self.reader = BlockReader(self.dataset, self.memory_budget // 2)
         self._want_window = -1
         self._lock = threading.RLock()

@@ -17,6 +17,7 @@ plan can prefer moving the groups that carry the fewest bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import queue
 import threading
@@ -266,8 +267,45 @@ def loss_tokens_of(labels: np.ndarray) -> int:
     return int(np.count_nonzero(labels[1:] != -100))
 
 
+@dataclasses.dataclass(frozen=True)
+class SyntheticData:
+    """A synthetic tokenized dataset: sample i has `lengths[i]` tokens drawn from `vocab_size` ids;
+    `images[i]`: its images as (patches, tokens) (`synthetic_image_payload`, `patch_dim` floats a patch),
+    None: text only; `audio[i]`: its audio clips as (frames, tokens) (`synthetic_audio_payload`; their
+    tokens count in lengths[i]). Stored as tuples.
+
+    Raises:
+        ValueError: naming the value, on `vocab_size` < 2, `patch_dim` < 1, or `images` / `audio` without
+            one entry per sample.
+    """
+
+    lengths: Sequence[int]
+    vocab_size: int = 512
+    images: Sequence[Sequence[tuple[int, int]]] | None = None
+    audio: Sequence[Sequence[tuple[int, int]]] | None = None
+    patch_dim: int = SYNTHETIC_PATCH_DIM
+
+    def __post_init__(self) -> None:
+        lengths, vocab_size, patch_dim = tuple(int(n) for n in self.lengths), self.vocab_size, self.patch_dim
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size=}")
+        if patch_dim < 1:
+            raise ValueError(f"patch_dim must be >= 1, got {patch_dim=}")
+        object.__setattr__(self, "lengths", lengths)
+        for name in ("images", "audio"):
+            rows = getattr(self, name)
+            if rows is None:
+                continue
+            if len(rows) != len(lengths):
+                raise ValueError(
+                    f"{name} must hold one entry per sample, got len({name})={len(rows)} for {len(lengths)=}"
+                )
+            object.__setattr__(self, name, tuple(tuple((int(a), int(b)) for a, b in row) for row in rows))
+
+
 class SyntheticSource:
-    """Rank `rank`'s view of a synthetic tokenized dataset with the given realized lengths (a `Source`).
+    """Rank `rank`'s view of a synthetic tokenized dataset (a `Source`): `data`, a `SyntheticData`, or its
+    realized lengths alone (`SyntheticData(lengths)`: text, a vocabulary of 512).
 
     Every sample is valid: nothing is quarantined (`reasons` stays empty). `state_dict()` is the view's
     (rank, world size, seed, epoch, dataset size, position); loading another one raises ValueError
@@ -278,35 +316,23 @@ class SyntheticSource:
 
     def __init__(
         self,
-        lengths: Sequence[int],
+        data: SyntheticData | Sequence[int],
         rank: int,
         world_size: int,
         seed: int = 0,
         epoch: int = 0,
         shuffle: bool = True,
-        vocab_size: int = 512,
         wrap: bool = False,
-        images: Sequence[Sequence[tuple[int, int]]] | None = None,
-        patch_dim: int = SYNTHETIC_PATCH_DIM,
-        audio: Sequence[Sequence[tuple[int, int]]] | None = None,
     ) -> None:
-        """`images[i]`: sample i's images as (patches, tokens) (`synthetic_image_payload`); None: text
-        only. `audio[i]`: its audio clips as (frames, tokens) (`synthetic_audio_payload`; their tokens
-        count in lengths[i])."""
-        if audio is not None and len(audio) != len(lengths):
-            raise ValueError(f"audio must hold one entry per sample, got {len(audio)=} for {len(lengths)=}")
-        self.audio = [tuple((int(f), int(t)) for f, t in row) for row in audio] if audio is not None else None
-        if vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {vocab_size=}")
-        if images is not None and len(images) != len(lengths):
-            raise ValueError(f"images must hold one entry per sample, got {len(images)=} for {len(lengths)=}")
-        self.images = (
-            [tuple((int(p), int(t)) for p, t in row) for row in images] if images is not None else None
-        )
-        self.patch_dim = patch_dim
-        self.lengths = list(lengths)
+        data = data if isinstance(data, SyntheticData) else SyntheticData(data)
+        self.data = data
+        rows = tuple[tuple[int, int], ...]
+        self.images: list[rows] | None = [tuple(r) for r in data.images] if data.images is not None else None
+        self.audio: list[rows] | None = [tuple(r) for r in data.audio] if data.audio is not None else None
+        self.patch_dim = data.patch_dim
+        self.lengths = list(data.lengths)
         self.longest = max(self.lengths, default=0)  # `Source.longest`
-        self.rank, self.seed, self.vocab_size = rank, seed, vocab_size
+        self.rank, self.seed, self.vocab_size = rank, seed, data.vocab_size
         self.view = ViewSource(len(self.lengths), rank, world_size, seed, epoch, shuffle, wrap)
 
     def start_epoch(self, epoch: int, remainder: Remainder | None = None) -> None:

@@ -12,6 +12,7 @@ is Qwen2-VL's resize rule, usable on its own to count an image's tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import os
@@ -139,6 +140,43 @@ class _VisionStage(Stage):
         return ex
 
 
+@dataclasses.dataclass(frozen=True)
+class Qwen2VLImageConfig:
+    """How Qwen2-VL sizes and cuts an image, as its Hugging Face image processor's config says
+    (`Qwen2VLImageProcessor`; these defaults are transformers'): `min_pixels`, `max_pixels`, the bounds of
+    `smart_resize`; `patch_size`, `merge_size`, `temporal_patch_size`, the vision encoder's geometry;
+    `image_mean`, `image_std`, the per-channel normalization (stored as tuples).
+
+    Raises:
+        ValueError: naming the value, on a size < 1, `max_pixels` < `min_pixels`, or a mean / std that is
+            not 3 numbers (a std of 0).
+    """
+
+    min_pixels: int = 56 * 56
+    max_pixels: int = 14 * 14 * 4 * 1280
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    image_mean: Sequence[float] = OPENAI_CLIP_MEAN
+    image_std: Sequence[float] = OPENAI_CLIP_STD
+
+    def __post_init__(self) -> None:
+        for name in ("min_pixels", "max_pixels", "patch_size", "merge_size", "temporal_patch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
+        if self.max_pixels < self.min_pixels:
+            raise ValueError(
+                f"max_pixels must be >= min_pixels, got max_pixels={self.max_pixels} "
+                f"min_pixels={self.min_pixels}"
+            )
+        for name in ("image_mean", "image_std"):
+            value = tuple(float(v) for v in getattr(self, name))
+            if len(value) != 3 or (name == "image_std" and 0.0 in value):
+                raise ValueError(f"{name} must be 3 numbers (a std non-zero), got {name}={value}")
+            object.__setattr__(self, name, value)
+
+
 class Qwen2VLVision(_VisionStage):
     """Qwen2-VL visual tokens: `smart_resize` to multiples of 28 px, one token per 2x2 merge of 14-px patches.
 
@@ -149,35 +187,38 @@ class Qwen2VLVision(_VisionStage):
 
     Args:
         tokenizer: Tokenizer holding the image tokens (default: the demo tokenizer).
-        min_pixels, max_pixels: Pixel bounds of smart_resize (transformers' defaults).
-        patch_size, merge_size, temporal_patch_size: The vision encoder's geometry.
+        images: The pixel bounds of smart_resize, the encoder's geometry and the normalization
+            (`Qwen2VLImageConfig`; default: transformers' Qwen2-VL defaults).
+        image_token, vision_start, vision_end: The template's image tokens.
         pixel_dtype: "float32" or "float16" for `pixel_values`.
+
+    Raises:
+        ValueError: naming the value when `images` is not a `Qwen2VLImageConfig`.
     """
 
     def __init__(
         self,
         tokenizer: str | os.PathLike[str] | TokenizerRef | None = None,
+        images: Qwen2VLImageConfig | None = None,
         image_token: str = "<|image_pad|>",
         vision_start: str = "<|vision_start|>",
         vision_end: str = "<|vision_end|>",
-        min_pixels: int = 56 * 56,
-        max_pixels: int = 14 * 14 * 4 * 1280,
-        patch_size: int = 14,
-        merge_size: int = 2,
-        temporal_patch_size: int = 2,
         pixel_dtype: str = "float32",
-        mean: Sequence[float] = OPENAI_CLIP_MEAN,
-        std: Sequence[float] = OPENAI_CLIP_STD,
     ) -> None:
+        images = Qwen2VLImageConfig() if images is None else images
+        if not isinstance(images, Qwen2VLImageConfig):
+            raise ValueError(f"images must be a Qwen2VLImageConfig, got {images=!r}")
         self.tokenizer = _as_ref(tokenizer)
+        self.images = images
         self.image_token, self.vision_start, self.vision_end = image_token, vision_start, vision_end
-        self.min_pixels, self.max_pixels = int(min_pixels), int(max_pixels)
-        self.patch_size, self.merge_size, self.temporal_patch_size = (
-            patch_size,
-            merge_size,
-            temporal_patch_size,
+        self.min_pixels, self.max_pixels = images.min_pixels, images.max_pixels
+        self.patch_size, self.merge_size = images.patch_size, images.merge_size
+        self.temporal_patch_size = images.temporal_patch_size
+        self.pixel_dtype, self.mean, self.std = (
+            np.dtype(pixel_dtype).name,
+            images.image_mean,
+            images.image_std,
         )
-        self.pixel_dtype, self.mean, self.std = np.dtype(pixel_dtype).name, tuple(mean), tuple(std)
 
     @property
     def factor(self) -> int:

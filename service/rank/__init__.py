@@ -8,6 +8,7 @@ out), `Ingest` (producers push samples), `Fetch` (payloads a balanced plan moved
 Private modules, one part each (each module's docstring states its contract):
     `_core`      `RankServiceCore`: the facade, its state and the round loop (fill, report, Align, lend,
                  Commit, finalize, collate, journal, expose), deterministic mode, failures
+    `_limits`    `Limits`: the core's timeouts and what it retains for a rewind
     `_delivery`  the trainer streams over the pure `core.Delivery`: attach, credits, acks, output flow
                  control (`depth`), trainer liveness
     `_payloads`  payloads held, lent to peers and fetched from them for balancing moves; `collate`,
@@ -20,6 +21,7 @@ Private modules, one part each (each module's docstring states its contract):
 from ._core import RankServiceCore
 from ._delivery import RETAIN_BYTES
 from ._journal import JOURNAL, JOURNAL_KEYS, JOURNAL_VERSION, read_journal
+from ._limits import Limits
 from ._payloads import FETCH_CHUNK, Payloads, collate, materialize_many, resolve_payloads
 from ._server import FETCH_REPLY_BYTES, RankServicer, create_rank_server, job_samples
 
@@ -29,6 +31,7 @@ __all__ = [
     "JOURNAL",
     "JOURNAL_KEYS",
     "JOURNAL_VERSION",
+    "Limits",
     "Payloads",
     "RETAIN_BYTES",
     "RankServiceCore",

@@ -62,8 +62,9 @@ from ..preprocess import (
     TooManyBadRecords,
     missing_source_members,
 )
-from ._delivery import RETAIN_BYTES, WATCH_S, TrainerSide
+from ._delivery import WATCH_S, TrainerSide
 from ._journal import JournalRecord, journal_path, load_journal, remake, restore_error, write_journal
+from ._limits import Limits
 from ._payloads import FetchRefused, Payloads, batch_of, truncated
 
 log = logging.getLogger("batchd.rank")
@@ -92,18 +93,21 @@ class RankServiceCore:
         coordinator: CoordinatorLink,
         source: Source,
         state_dir: str | os.PathLike[str] | None = None,
-        epoch: int = 0,
-        client_grace_s: float = 600.0,
-        fill_timeout_s: float = 0.5,
+        limits: Limits | None = None,
         security: Security | None = None,
         metrics: RankMetrics | None = None,
-        trainer_timeout_s: float = 1800.0,
-        retain_bytes: int = RETAIN_BYTES,
     ) -> None:
-        """Raises TypeError naming the missing members when `source` is not a `Source`, and ValueError
-        naming the file and why when `state_dir` holds a journal this build cannot resume from."""
-        if not trainer_timeout_s > 0 or not client_grace_s > 0:
-            raise ValueError(f"timeouts must be > 0, got {trainer_timeout_s=} {client_grace_s=}")
+        """`limits`: its timeouts and what it retains for a rewind (default `Limits()`); `state_dir`: its
+        journal; `security`: its server's and peer channels' TLS / token; `metrics`: Prometheus metrics
+        (None: off). It starts in epoch 0, or where its journal or the coordinator's registration says.
+
+        Raises TypeError naming the missing members when `source` is not a `Source`, and ValueError
+        naming the value when `limits` is not a `Limits`, or the file and why when `state_dir` holds a
+        journal this build cannot resume from."""
+        limits = Limits() if limits is None else limits
+        if not isinstance(limits, Limits):
+            raise ValueError(f"rank {rank}: limits must be a Limits, got {limits=!r}")
+        client_grace_s, trainer_timeout_s = limits.client_grace_s, limits.trainer_timeout_s
         if not isinstance(source, Source):
             raise TypeError(
                 f"rank {rank}: the source must implement batchd.service.preprocess.Source; "
@@ -117,12 +121,13 @@ class RankServiceCore:
         self.rank, self.spec, self.coord, self.source = rank, spec, coordinator, source
         self.metrics = metrics  # Prometheus metrics (`_metrics`), updated once per round; None = off
         self.security = security  # this process's TLS / token: its server and its peer (Fetch) channels
-        self.client_grace_s, self.fill_timeout_s = client_grace_s, fill_timeout_s
+        self.limits, retain_bytes = limits, limits.retain_bytes
+        self.client_grace_s, self.fill_timeout_s = client_grace_s, limits.fill_timeout_s
         self.trainer_timeout_s = trainer_timeout_s
         self.delivery = Delivery(
-            rank, spec.epochs, spec.policy.depth, client_grace_s, trainer_timeout_s, time.monotonic(), epoch
+            rank, spec.epochs, spec.policy.depth, client_grace_s, trainer_timeout_s, time.monotonic(), 0
         )
-        self.state = self.new_state(epoch)
+        self.state = self.new_state(0)
         self.rejected_before = 0  # over-budget rejections of the epochs before this one (metrics)
         self.finished = False
         self.filled = False  # the restored buffer is the current round's report (`_journal`)
