@@ -1,7 +1,7 @@
 """`batchd bench`: the side-by-side real training run of fixed batching, ODB 0.1.2 and batchd.
 
 Same data, same model, same seed, optimizer and token budget, N real trainer processes in DDP
-(`batchd._bench_trainer`, gloo on CPU): for each system in turn it trains one epoch over the first
+(`batchd._train.bench`, gloo on CPU): for each system in turn it trains one epoch over the first
 `num_samples` lengths of a workload file (synthetic tokenized samples of exactly those lengths: the
 content batchd's `SyntheticSource` makes for each id) and reports wall time, samples, steps, padding
 efficiency, the loss curve, the final loss and a held-out loss, plus the speedups over `fixed` and
@@ -27,13 +27,13 @@ the check `missing` / `duplicates` is reported per system. Wall time: the clock 
 rank has fetched its first batch (a barrier), so process start-up, gloo rendezvous, model build, Ray
 (none is used here), ODB's worker/collate-process start and startup jitter, and batchd's first round
 are excluded for every system alike (reported as `startup_s`); it stops at the last rank's last
-optimizer step. See `batchd/_bench_trainer.py` for the per-rank loop.
+optimizer step. See `batchd/_train/bench.py` for the per-rank loop.
 
 `--model tiny-qwen2vl` trains the stock Hugging Face `Qwen2VLForConditionalGeneration` of `batchd._vlm_tiny`
 adapted by `batchd.two_phase` (every system calls it through `forward_logits`), by default on
 `benchmarks/workloads/bimodal.csv` (256 samples) with `HF_VLM_SYSTEMS` (packed included: one row, restarting
 position_ids, per-sample M-RoPE). On multimodal workloads every system also reports rank 0's vision tower
-share of its time (`vision_share`, `vision_share_mean`: `batchd._bench_trainer.VisionTimer`); figures in
+share of its time (`vision_share`, `vision_share_mean`: `batchd._train.models.VisionTimer`); figures in
 docs/benchmarks.md.
 
 `--device cuda` runs world size 1 with a randomly initialised ~110M-parameter Llama-style model
@@ -165,7 +165,7 @@ def run_system(
             world_size,
             {**common, "system": system},
             per_rank,
-            module="batchd._bench_trainer",
+            module="batchd._train.bench",
         )
         return wait_trainers(procs, "trainer", outs, timeout, progress)
     finally:
@@ -451,7 +451,7 @@ def run_bench(
             (tests that slow trainers never fail a job); 0 in measurements.
         deterministic: The batchd systems' `JobSpec.deterministic` (batches independent of timing).
         accumulate: K: fixed and ODB 0.1.2 step the optimizer once per K steps (gradient accumulation,
-            the update's gradient its per-token mean; `batchd._bench_trainer._Window`).
+            the update's gradient its per-token mean; `batchd._train.bench_data.Window`).
         tokens_per_update: The batchd systems' `JobSpec.tokens_per_update`; "auto": fixed batching's
             mean global loss tokens per update (with `accumulate`), the comparison at equal update
             semantics. With either, the learning-rate rule compares an update's tokens with fixed
@@ -466,13 +466,13 @@ def run_bench(
     d = DEFAULTS[device]
     world_size = d["world_size"] if world_size is None else world_size
     model = d["model"] if model is None else model
-    from batchd._bench_trainer import HF_MODELS
+    from batchd._train.models import HF_MODELS
 
     hf_vlm = model in HF_MODELS
     token_budget = d["token_budget"] if token_budget is None else token_budget
     num_samples = (HF_VLM_DEFAULTS if hf_vlm else d)["num_samples"] if num_samples is None else num_samples
     systems = None if systems is None else list(systems)
-    from batchd._bench_trainer import MODELS
+    from batchd._train.models import MODELS
 
     # the job's fields are validated by JobSpec itself (the one set of rules every command uses)
     given = dict(window=window, depth=depth, seed=seed, epochs=epochs, deterministic=deterministic)
@@ -543,7 +543,7 @@ def run_bench(
     batch_size = max(1, token_budget // max(lengths))
     if lr_scaling not in LR_SCALING:
         raise ValueError(f"lr_scaling must be one of {list(LR_SCALING)}, got {lr_scaling=}")
-    from batchd._bench_trainer import fixed_batches
+    from batchd._train.bench_data import fixed_batches
 
     fixed_steps = max(
         len(fixed_batches(num_samples, r, world_size, seed, batch_size)) for r in range(world_size)
@@ -551,7 +551,7 @@ def run_bench(
     fixed_updates = math.ceil(fixed_steps / accumulate)
     lr_ref_tokens = round(sum(lengths) / fixed_updates) if lr_scaling != "none" else None
     if tokens_per_update == "auto":  # fixed batching's mean global loss tokens per update
-        from batchd._bench_trainer import payload
+        from batchd._train.bench_data import payload
         from batchd.client import loss_tokens
 
         loss = sum(loss_tokens(payload(i, lengths, seed)["labels"]) for i in range(num_samples))
