@@ -21,11 +21,11 @@ import textwrap
 from collections.abc import Sequence
 from typing import Any
 
+from batchd._bench_cli import add_bench_parser
 from batchd._config import DROP, EXAMPLE, load_config
 from batchd._job_keys import add_job_flags
 from batchd._lengths import read_workload
 from batchd._logging import setup_logging
-from batchd.bench import add_bench_parser
 from batchd.core import KEYS, REQUIRED, RESULT_FIELDS, JobSpec, simulate
 from batchd.proto import Progress
 
