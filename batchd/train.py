@@ -164,9 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RestartStoreError as exc:
         return _fail(rank, f"batchd.train: error: {exc}", 2)
     ddp = None
-    works: list[
-        Any
-    ] = []  # the last collectives' handles: released after the process group (_vision_imbalance)
+    works: list[Any] = []  # the last collectives' handles: released after the process group
     try:
         client = BatchClient(
             address,
