@@ -40,6 +40,7 @@ the encoder is built before the LM), so every DDP rank and a single-process refe
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -231,6 +232,44 @@ class AudioEncoder(nn.Module):
         return self.proj.weight.new_zeros((0, self.proj.weight.shape[0])) + zero
 
 
+@dataclass(frozen=True)
+class MLLMConfig:
+    """`TinyMLLM`'s sizes (its image token apart).
+
+    Args:
+        vocab_size, d_model, n_layers, n_heads, d_ff, max_len, tie_embeddings: The LM's (`TinyCausalLM`).
+        d_vision, n_vision_layers, n_vision_heads, patch_dim: The encoder's (`VisionEncoder`).
+        audio_token_id: The placeholder id of audio tokens (None: no audio encoder); n_mels, d_audio: its
+            encoder's (`AudioEncoder`), built after the LM so the image model's initialisation is unchanged.
+
+    Raises:
+        ValueError: naming a size that is not a positive int.
+    """
+
+    vocab_size: int = 512
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int | None = None
+    max_len: int = 4096
+    tie_embeddings: bool = True
+    d_vision: int = 64
+    n_vision_layers: int = 2
+    n_vision_heads: int = 2
+    patch_dim: int = PATCH_DIM
+    audio_token_id: int | None = None
+    n_mels: int = 128
+    d_audio: int = 64
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in ("tie_embeddings", "audio_token_id") or f.name == "d_ff" and value is None:
+                continue  # the audio token is checked against the vocabulary by `TinyMLLM`
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{f.name} must be an int >= 1, got {f.name}={value!r}")
+
+
 class TinyMLLM(nn.Module):
     """`VisionEncoder` + `TinyCausalLM` (module docstring for sizes and cost), and with `audio_token_id`
     an `AudioEncoder` whose clip embeddings go to the audio-token positions: the clips this rank encodes,
@@ -239,45 +278,41 @@ class TinyMLLM(nn.Module):
 
     Args:
         image_token_id: The placeholder id of image tokens in input_ids (in [1, vocab_size): 0 is the pad).
-        vocab_size, d_model, n_layers, n_heads, d_ff, max_len, tie_embeddings: The LM's (`TinyCausalLM`).
-        d_vision, n_vision_layers, n_vision_heads, patch_dim: The encoder's (`VisionEncoder`).
-        audio_token_id: The placeholder id of audio tokens (None: no audio encoder); n_mels, d_audio: its
-            encoder's (`AudioEncoder`), built after the LM so the image model's initialisation is unchanged.
+        config: Its sizes (`MLLMConfig`; default: its defaults).
+        **sizes: `MLLMConfig` fields that replace `config`'s (`TinyMLLM(5, vocab_size=64)`).
     """
 
     takes_batch = True  # `batchd.client.forward_logits` passes the whole batch (pixels, the exchange)
 
-    def __init__(
-        self,
-        image_token_id: int,
-        vocab_size: int = 512,
-        d_model: int = 128,
-        n_layers: int = 2,
-        n_heads: int = 4,
-        d_ff: int | None = None,
-        max_len: int = 4096,
-        tie_embeddings: bool = True,
-        d_vision: int = 64,
-        n_vision_layers: int = 2,
-        n_vision_heads: int = 2,
-        patch_dim: int = PATCH_DIM,
-        audio_token_id: int | None = None,
-        n_mels: int = 128,
-        d_audio: int = 64,
-    ) -> None:
+    def __init__(self, image_token_id: int, config: MLLMConfig | None = None, **sizes: Any) -> None:
+        """`sizes`: `MLLMConfig` fields, over `config` (or its defaults)."""
         super().__init__()
+        cfg = replace(config or MLLMConfig(), **sizes)
+        vocab_size, audio_token_id = cfg.vocab_size, cfg.audio_token_id
         for name, token in (("image_token_id", image_token_id), ("audio_token_id", audio_token_id)):
             if (token is not None or name == "image_token_id") and (
                 isinstance(token, bool) or not isinstance(token, int) or not 0 < token < vocab_size
             ):
                 raise ValueError(f"{name} must be an int in [1, {vocab_size=}), got {name}={token!r}")
+        self.config = cfg
         self.image_token_id, self.audio_token_id = image_token_id, audio_token_id
-        self.vision = VisionEncoder(d_model, d_vision, n_vision_layers, n_vision_heads, patch_dim)
+        self.vision = VisionEncoder(
+            cfg.d_model, cfg.d_vision, cfg.n_vision_layers, cfg.n_vision_heads, cfg.patch_dim
+        )
         self.vision.apply(TinyCausalLM._init)
-        self.lm = TinyCausalLM(vocab_size, d_model, n_layers, n_heads, d_ff, max_len, tie_embeddings)
+        lm = (
+            cfg.vocab_size,
+            cfg.d_model,
+            cfg.n_layers,
+            cfg.n_heads,
+            cfg.d_ff,
+            cfg.max_len,
+            cfg.tie_embeddings,
+        )
+        self.lm = TinyCausalLM(*lm)
         self.audio: AudioEncoder | None = None
         if audio_token_id is not None:
-            self.audio = AudioEncoder(d_model, n_mels, d_audio)
+            self.audio = AudioEncoder(cfg.d_model, cfg.n_mels, cfg.d_audio)
             self.audio.apply(TinyCausalLM._init)
 
     def num_parameters(self) -> int:

@@ -20,6 +20,7 @@ family's special tokens. Weights are seeded (`seed`), so every rank and a refere
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -98,24 +99,46 @@ def tiny_processor(family: str = "qwen2_vl"):
     )
 
 
+@dataclass(frozen=True)
+class Qwen2VLTokens:
+    """The token ids of a tiny Qwen2-VL's vocabulary (no tokenizer needed): its size, the image, video and
+    vision start / end placeholders, and the pad and end-of-sequence ids (None: none).
+
+    Raises:
+        ValueError: naming an id outside [0, vocab_size), or a vocabulary smaller than 1.
+    """
+
+    vocab_size: int
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    pad_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be an int >= 1, got {self.vocab_size=}")
+        for f in fields(self)[1:]:
+            token = getattr(self, f.name)
+            if token is None and f.name in ("pad_token_id", "eos_token_id"):
+                continue
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"{f.name} must be an int in [0, {self.vocab_size=}), got {f.name}={token!r}"
+                )
+
+
 def tiny_qwen2vl_config(
-    vocab_size: int,
-    image_token_id: int,
-    video_token_id: int,
-    vision_start_token_id: int,
-    vision_end_token_id: int,
-    pad_token_id: int | None = None,
-    eos_token_id: int | None = None,
-    attn_implementation: str = "sdpa",
-    max_position_embeddings: int = 8192,
+    tokens: Qwen2VLTokens, attn_implementation: str = "sdpa", max_position_embeddings: int = 8192
 ):
-    """The tiny Qwen2-VL's config for a vocabulary given by its ids (no tokenizer): `tiny_vlm_config`'s model,
+    """The tiny Qwen2-VL's config for a vocabulary given by its ids (`tokens`): `tiny_vlm_config`'s model,
     or `batchd bench --model tiny-qwen2vl`'s on the synthetic samples (their own image token id)."""
     from transformers import Qwen2VLConfig
 
     cfg = Qwen2VLConfig(
         text_config=dict(
-            vocab_size=vocab_size,
+            vocab_size=tokens.vocab_size,
             hidden_size=64,
             intermediate_size=128,
             num_hidden_layers=2,
@@ -123,9 +146,9 @@ def tiny_qwen2vl_config(
             num_key_value_heads=2,
             max_position_embeddings=max_position_embeddings,
             rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
-            pad_token_id=pad_token_id,
+            pad_token_id=tokens.pad_token_id,
             bos_token_id=None,
-            eos_token_id=eos_token_id,
+            eos_token_id=tokens.eos_token_id,
         ),
         vision_config=dict(
             depth=2,
@@ -138,10 +161,10 @@ def tiny_qwen2vl_config(
             spatial_merge_size=2,
             temporal_patch_size=2,
         ),
-        image_token_id=image_token_id,
-        video_token_id=video_token_id,
-        vision_start_token_id=vision_start_token_id,
-        vision_end_token_id=vision_end_token_id,
+        image_token_id=tokens.image_token_id,
+        video_token_id=tokens.video_token_id,
+        vision_start_token_id=tokens.vision_start_token_id,
+        vision_end_token_id=tokens.vision_end_token_id,
     )
     cfg._attn_implementation = attn_implementation
     return cfg
@@ -153,7 +176,7 @@ def tiny_vlm_config(family: str, tokenizer: Any, attn_implementation: str = "sdp
     ids = tokenizer.convert_tokens_to_ids
     vocab = len(tokenizer)
     if _check_family(family) == "qwen2_vl":
-        return tiny_qwen2vl_config(
+        tokens = Qwen2VLTokens(
             vocab,
             image_token_id=ids("<|image_pad|>"),
             video_token_id=ids("<|video_pad|>"),
@@ -161,8 +184,8 @@ def tiny_vlm_config(family: str, tokenizer: Any, attn_implementation: str = "sdp
             vision_end_token_id=ids("<|vision_end|>"),
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=ids("<|im_end|>"),
-            attn_implementation=attn_implementation,
         )
+        return tiny_qwen2vl_config(tokens, attn_implementation=attn_implementation)
     else:
         from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 

@@ -21,10 +21,10 @@ import os
 import sys
 from collections.abc import Sequence
 
+from batchd._bench_cli import add_bench_parser
 from batchd._cli_demo import add_demo_parser, print_demo
 from batchd._cli_services import add_service_parsers
 from batchd._cli_tools import add_tool_parsers
-from batchd.bench import add_bench_parser
 
 __all__ = ["build_parser", "main", "print_demo"]
 

@@ -4,7 +4,7 @@ multi-process tests share.
 `Processes` starts children in their own session with a run marker in their environment and stops them
 all on any exit path (a `Reaper` process ends them even if the parent is SIGKILLed); `start_services`
 starts a coordinator and N rank services (`batchd coordinator` / `batchd rank` as subprocesses) and
-waits for their ports; `start_trainers` / `wait_trainers` run the demo trainer (`batchd._trainer`) on
+waits for their ports; `start_trainers` / `wait_trainers` run the demo trainer (`batchd._train.demo`) on
 each rank. Linux only (PR_SET_PDEATHSIG, /proc).
 """
 
@@ -441,7 +441,7 @@ def start_trainers(
     world_size: int,
     common: dict[str, Any],
     per_rank: list[dict[str, Any]] | tuple[dict[str, Any], ...],
-    module: str = "batchd._trainer",
+    module: str = "batchd._train.demo",
 ) -> tuple[int, list[Path]]:
     """Starts `world_size` trainer processes ("TAG-R") of `module` (`python -m module --config
     TAG-R.cfg.json`); returns (gloo master port, result paths)."""

@@ -20,13 +20,13 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names for readers and type checkers; at run time `__getattr__` imports them
-    from batchd._bench_trainer import VisionTimer, hf_pixels, step_lr, vision_module
-    from batchd._bench_trainer import build_model as bench_model
-    from batchd._bench_trainer import payload as bench_payload
     from batchd._mllm import PATCH_DIM, AudioEncoder, TinyMLLM, clip_tokens, image_patches
     from batchd._model import TinyCausalLM
-    from batchd._trainer import _FailureWatch as FailureWatch
-    from batchd._trainer import build_model, raise_job_failure
+    from batchd._train.bench import step_lr
+    from batchd._train.bench_data import payload as bench_payload
+    from batchd._train.failure import FailureWatch, raise_job_failure
+    from batchd._train.models import VisionTimer, build_model, hf_pixels, vision_module
+    from batchd._train.models import build_model as bench_model
     from batchd._vlm_tiny import (
         LLAVA_TEMPLATE,
         QWEN2VL_TEMPLATE,
@@ -201,27 +201,27 @@ _GATHERED = {
 # public name -> (module, name there)
 _EXPORTS = {
     "AudioEncoder": ("batchd._mllm", "AudioEncoder"),
-    "FailureWatch": ("batchd._trainer", "_FailureWatch"),
+    "FailureWatch": ("batchd._train.failure", "FailureWatch"),
     "LLAVA_TEMPLATE": ("batchd._vlm_tiny", "LLAVA_TEMPLATE"),
     "PATCH_DIM": ("batchd._mllm", "PATCH_DIM"),
     "QWEN2VL_TEMPLATE": ("batchd._vlm_tiny", "QWEN2VL_TEMPLATE"),
     "TINY_VLM_FAMILIES": ("batchd._vlm_tiny", "TINY_VLM_FAMILIES"),
     "TinyCausalLM": ("batchd._model", "TinyCausalLM"),
     "TinyMLLM": ("batchd._mllm", "TinyMLLM"),
-    "VisionTimer": ("batchd._bench_trainer", "VisionTimer"),
-    "bench_model": ("batchd._bench_trainer", "build_model"),
-    "bench_payload": ("batchd._bench_trainer", "payload"),
-    "build_model": ("batchd._trainer", "build_model"),
+    "VisionTimer": ("batchd._train.models", "VisionTimer"),
+    "bench_model": ("batchd._train.models", "build_model"),
+    "bench_payload": ("batchd._train.bench_data", "payload"),
+    "build_model": ("batchd._train.models", "build_model"),
     "clip_tokens": ("batchd._mllm", "clip_tokens"),
-    "hf_pixels": ("batchd._bench_trainer", "hf_pixels"),
+    "hf_pixels": ("batchd._train.models", "hf_pixels"),
     "image_patches": ("batchd._mllm", "image_patches"),
     "load_vlm": ("batchd._vlm_tiny", "load_vlm"),
-    "raise_job_failure": ("batchd._trainer", "raise_job_failure"),
-    "step_lr": ("batchd._bench_trainer", "step_lr"),
+    "raise_job_failure": ("batchd._train.failure", "raise_job_failure"),
+    "step_lr": ("batchd._train.bench", "step_lr"),
     "tiny_processor": ("batchd._vlm_tiny", "tiny_processor"),
     "tiny_tokenizer": ("batchd._vlm_tiny", "tiny_tokenizer"),
     "tiny_vlm": ("batchd._vlm_tiny", "tiny_vlm"),
-    "vision_module": ("batchd._bench_trainer", "vision_module"),
+    "vision_module": ("batchd._train.models", "vision_module"),
 }
 
 _EXPORTS.update({name: (module, name) for module, names in _GATHERED.items() for name in names})

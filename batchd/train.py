@@ -93,7 +93,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -106,251 +105,40 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from batchd.client import (
-    BatchClient,
-    BatchdError,
-    ClientOptions,
-    JobFailed,
-    batchd_deepspeed_backward,
-    train_step,
-    weighted_steps,
-)
-from batchd.proto import Progress, Security, progress_interval
-from batchd.service.preprocess import TokenizerRef
+from batchd.client import BatchClient, BatchdError, ClientOptions, JobFailed, train_step
+from batchd.proto import progress_interval
 
 from ._elastic import ElasticServices
 from ._logging import setup_logging
-from ._model import TinyCausalLM
-from ._trainer import _FailureWatch, raise_job_failure
+from ._train.args import (
+    STRATEGIES,
+    build_parser,
+    env_int,
+    rank_service_address,
+    security_from_args,
+    vocab_size,
+)
+from ._train.checkpoint import (
+    ShardedCheckpoint,
+    agree_position,
+    check_checkpoint_dir,
+    checkpoint_to_load,
+)
+from ._train.loop import VocabularyError, train_loop
+from ._train.models import build_model
+from ._train.strategy import (
+    PositionsError,
+    RestartStoreError,
+    check_positions,
+    deepspeed_engine,
+    deepspeed_step,
+    destroy_process_group,
+    fully_shard_model,
+    load_hf_model,
+    restart_store,
+)
 
-STRATEGIES = ("ddp", "fsdp2", "deepspeed")
-
-
-def _env_int(name: str) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        raise ValueError(f"{name} is not set: start this module with torchrun ({name}=None)")
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {value=}") from None
-
-
-def rank_service_address(
-    rank: int,
-    world_size: int,
-    rank_services: str | None = None,
-    rank_host: str | None = None,
-    base_port: int | None = None,
-) -> str:
-    """The host:port of `rank`'s batching service.
-
-    Args:
-        rank: The global trainer rank.
-        world_size: Ranks in the job.
-        rank_services: A comma list of `world_size` addresses (indexed by rank), or one address
-            containing `{rank}` (formatted with the rank).
-        rank_host: With `base_port`: rank r's service listens on rank_host:base_port + r.
-        base_port: See `rank_host`.
-
-    Raises:
-        ValueError: when neither or both forms are given, or the list has the wrong length.
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size), got {rank=} {world_size=}")
-    if (rank_services is None) == (base_port is None):
-        raise ValueError(
-            f"give either rank_services or rank_host + base_port, got {rank_services=} {base_port=}"
-        )
-    if rank_services is not None:
-        if "{rank}" in rank_services:
-            return rank_services.format(rank=rank)
-        addresses = [a.strip() for a in rank_services.split(",") if a.strip()]
-        if len(addresses) != world_size:
-            raise ValueError(f"rank_services must list world_size={world_size} addresses, got {addresses=}")
-        return addresses[rank]
-    if base_port is None or not 0 < base_port + rank < 65536:
-        raise ValueError(f"base_port + rank must be a TCP port, got {base_port=} {rank=}")
-    return f"{rank_host or '127.0.0.1'}:{base_port + rank}"
-
-
-def vocab_size(explicit: int | None, tokenizer: str | None) -> int:
-    """The model's vocabulary: `explicit`, else 1 + the largest id of `tokenizer` (a tokenizer.json or a
-    Hugging Face tokenizer directory), else 512.
-
-    Raises:
-        ValueError: when `explicit` is smaller than the tokenizer's vocabulary (ids would overflow), or
-            `tokenizer` is not a tokenizer.
-        FileNotFoundError: naming `tokenizer` when it does not exist.
-    """
-    needed = TokenizerRef(tokenizer).id_space if tokenizer else None
-    if explicit is not None and needed is not None and explicit < needed:
-        raise ValueError(
-            f"vocab_size is smaller than the tokenizer's, got {explicit=} {needed=} ({tokenizer=})"
-        )
-    return explicit if explicit is not None else (needed or 512)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m batchd.train",
-        description="One torchrun-launched DDP rank training on its batchd rank service.",
-    )
-    where = p.add_mutually_exclusive_group()
-    where.add_argument(
-        "--node-agent",
-        metavar="HOST:PORT",
-        help="this host's node agent (`batchd node`), serving every local rank (default: $BATCHD_NODE_AGENT)",
-    )
-    where.add_argument(
-        "--rank-services",
-        metavar="ADDRS",
-        help="comma list of rank service addresses by global rank, or one with {rank}",
-    )
-    where.add_argument(
-        "--base-port", type=int, metavar="P", help="rank r's service listens on --rank-host:P+r"
-    )
-    p.add_argument("--rank-host", default="127.0.0.1", metavar="HOST", help="host of the rank services")
-    p.add_argument(
-        "--backend",
-        choices=("auto", "nccl", "gloo"),
-        default="auto",
-        help="process group backend (auto: nccl when CUDA is available, else gloo)",
-    )
-    p.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        help="model vocabulary (default: --tokenizer's, else 512 = `batchd rank --lengths`)",
-    )
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        metavar="FILE",
-        help="the rank services' tokenizer (a tokenizer.json or a Hugging Face tokenizer directory): "
-        "the model's vocabulary covers its ids",
-    )
-    p.add_argument(
-        "--hf-model",
-        default=None,
-        metavar="DIR",
-        help="train this stock Hugging Face multimodal model (Qwen2-VL, Qwen2.5-VL, LLaVA; a directory "
-        "save_pretrained wrote, read offline; `batchd tiny-vlm DIR` writes a tiny one) through "
-        "batchd.two_phase(model) instead of the tiny LM",
-    )
-    p.add_argument(
-        "--strategy",
-        choices=STRATEGIES,
-        default="ddp",
-        help="data parallelism: ddp (DistributedDataParallel), fsdp2 (torch's fully_shard per block, "
-        "then the root) or deepspeed (ZeRO, --zero-stage; needs the deepspeed package)",
-    )
-    p.add_argument(
-        "--zero-stage",
-        type=int,
-        choices=(0, 1, 2, 3),
-        default=2,
-        help="the DeepSpeed ZeRO stage with --strategy deepspeed",
-    )
-    p.add_argument("--d-model", type=int, default=128, help="model width")
-    p.add_argument("--n-layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--n-heads", type=int, default=4, help="attention heads")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=0, help="model initialisation seed")
-    p.add_argument(
-        "--epochs",
-        type=int,
-        default=None,
-        metavar="E",
-        help="epochs to train, 0..E-1 (default: all the job's epochs, asked of the rank service); "
-        "a checkpoint resumes mid-epoch",
-    )
-    p.add_argument("--credits", type=int, default=4, help="batches the rank service may send ahead")
-    p.add_argument(
-        "--reconnect-timeout",
-        type=float,
-        default=60.0,
-        help="seconds to retry an unreachable rank service (covers its restart)",
-    )
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=600.0,
-        metavar="S",
-        help="seconds to wait for a rank service that is not up yet (logged every 5 s); then exit 2",
-    )
-    p.add_argument("--timeout", type=float, default=600.0, help="process group collective timeout, seconds")
-    p.add_argument("--checkpoint", default=None, metavar="DIR", help="save/resume rank-<r>.pt here")
-    p.add_argument(
-        "--elastic",
-        default=None,
-        metavar="DIR",
-        help="torchrun elastic: rank 0 starts the coordinator (--resize) and each host's local rank 0 "
-        "its node agent, from --config, journaling under DIR (shared by every host), so a restarted "
-        "worker group goes on at its new world size (batchd/_elastic.py)",
-    )
-    p.add_argument(
-        "--config", default=None, metavar="FILE", help="the job config the --elastic services read"
-    )
-    p.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=100,
-        metavar="K",
-        help="steps between checkpoints (taken at the next end of an optimizer update)",
-    )
-    p.add_argument(
-        "--log-every", type=int, default=10, metavar="K", help="rank 0 logs the loss every K steps"
-    )
-    sec = p.add_argument_group("security (as the rank services: batchd.proto.Security)")
-    sec.add_argument(
-        "--tls-ca", default=None, metavar="FILE", help="CA of the rank service's certificate (TLS on)"
-    )
-    sec.add_argument("--tls-cert", default=None, metavar="FILE", help="client certificate (mutual TLS)")
-    sec.add_argument("--tls-key", default=None, metavar="FILE", help="key of --tls-cert")
-    sec.add_argument("--tls-client-auth", action="store_true", help="present --tls-cert (mutual TLS)")
-    sec.add_argument("--token-file", default=None, metavar="FILE", help="shared bearer token")
-    p.add_argument(
-        "--summary",
-        default=None,
-        metavar="FILE",
-        help="write this rank's JSON summary here ({rank} is replaced)",
-    )
-    p.add_argument(
-        "--step-time",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="sleep S seconds per step, before training it (simulates a slower model)",
-    )
-    p.add_argument(
-        "--crash-at",
-        default=None,
-        metavar="R:K[:RANK],...",
-        help="test hook: os._exit(1) in torchrun restart R after K steps of that run (on rank RANK only, "
-        "if given), after the step is logged and before it is trained",
-    )
-    p.add_argument(
-        "--ids-log",
-        default=None,
-        metavar="FILE",
-        help="append each step's epoch, step and sample ids here as a JSON line, fsynced, before "
-        "training it ({rank} is replaced)",
-    )
-    return p
-
-
-def security_from_args(args: argparse.Namespace):
-    """The trainer's `batchd.proto.Security` from its flags, or None (plaintext, no token)."""
-    if not any((args.tls_ca, args.tls_cert, args.tls_key, args.token_file, args.tls_client_auth)):
-        return None
-    return Security.from_files(
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_ca=args.tls_ca,
-        client_auth=args.tls_client_auth,
-        token_file=args.token_file,
-    )
+__all__ = ["STRATEGIES", "build_parser", "main", "rank_service_address", "security_from_args", "vocab_size"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -358,52 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging("WARNING")  # batchd's own lines (waiting, progress) at INFO; torch's and others' quieter
     logging.getLogger("batchd").setLevel(logging.INFO)
-    rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+    rank, world_size, local_rank = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK")
     _stop_quietly_on_signals(rank, args.checkpoint)
-    services: ElasticServices | None = None
     try:  # bad addresses and TLS/token/tokenizer files fail here, before the rendezvous, in one line
-        if args.epochs is not None and args.epochs < 1:
-            raise ValueError(f"--epochs must be >= 1, got {args.epochs}")
-        if not args.startup_timeout > 0:
-            raise ValueError(f"--startup-timeout must be > 0, got {args.startup_timeout}")
-        progress_interval()  # a bad $BATCHD_PROGRESS_S fails here
-        if args.elastic is not None:
-            if args.config is None or args.checkpoint is None or args.node_agent or args.rank_services:
-                raise ValueError(
-                    "--elastic DIR needs --config FILE and --checkpoint DIR, and starts its own node agent"
-                )
-            services = ElasticServices(args.config, args.elastic)
-            services.start()
-            args.node_agent = services.agent
-        node_agent = args.node_agent or (
-            os.environ.get("BATCHD_NODE_AGENT", "").strip() or None
-            if args.rank_services is None and args.base_port is None
-            else None
-        )
-        if node_agent is not None:
-            address = node_agent
-        elif args.rank_services is None and args.base_port is None:
-            raise ValueError(
-                "where is the rank service? pass --node-agent HOST:PORT (or set $BATCHD_NODE_AGENT), "
-                "--rank-services ADDRS or --base-port P"
-            )
-        else:
-            address = rank_service_address(
-                rank, world_size, args.rank_services, args.rank_host, args.base_port
-            )
+        services, address = _where(args, rank, world_size)
         security = security_from_args(args)
-        if args.strategy != "ddp" and args.hf_model is not None:
-            raise ValueError(
-                f"--strategy {args.strategy} trains the tiny LM only, got --hf-model={args.hf_model}"
-            )
-        if args.checkpoint is not None:
-            _check_checkpoint_dir(Path(args.checkpoint), args.strategy, world_size)
-        if args.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
-            raise ValueError("--strategy deepspeed needs the deepspeed package: pip install deepspeed")
-        if args.hf_model is not None:
-            hf_model = _load_hf_model(args)
-        else:
-            hf_model, vocab = None, vocab_size(args.vocab_size, args.tokenizer)
+        hf_model, vocab = _check_args(args, world_size)
     except (ValueError, OSError) as exc:
         return _fail(rank, f"batchd.train: error: {exc}", 2)
     cuda = torch.cuda.is_available() and args.backend != "gloo"
@@ -416,62 +164,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RestartStoreError as exc:
         return _fail(rank, f"batchd.train: error: {exc}", 2)
     ddp = None
-    works: list[
-        Any
-    ] = []  # the last collectives' handles: released after the process group (see _vision_imbalance)
+    works: list[Any] = []  # the last collectives' handles: released after the process group
     try:
-        torch.manual_seed(args.seed)
         options = ClientOptions(args.credits, args.reconnect_timeout, args.startup_timeout)
         client = BatchClient(address, rank, world_size, security=security, options=options)
-        longest = client.job_max_tokens()  # the job's longest sample: the model's positions must reach it
-        if hf_model is not None:  # adapted before DDP wraps it: DDP sees the model's own parameters
-            from batchd.client import two_phase
-
-            _check_positions(hf_model, longest, args.hf_model)
-            model = two_phase(hf_model.to(device))
-        else:
-            model = TinyCausalLM(
-                vocab_size=vocab,
-                d_model=args.d_model,
-                n_layers=args.n_layers,
-                n_heads=args.n_heads,
-                max_len=max(4096, longest) if longest else 1 << 20,  # rotary: no table to size
-            ).to(device)
-        if args.strategy == "fsdp2":  # before the optimizer: fully_shard makes the parameters DTensors
-            _fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        step = train_step
-        if args.strategy == "deepspeed":  # before its checkpoint: the engine loads it
-            ddp, step = _deepspeed_engine(model, opt, args), _deepspeed_step
-        ckpt: Path | _ShardedCheckpoint | None = None
-        if args.checkpoint is not None and args.strategy != "ddp":  # one directory, every rank's shards
-            ckpt = _ShardedCheckpoint(Path(args.checkpoint), args.strategy, rank, ddp)
-            ckpt.load(model, opt, client)
-        elif args.checkpoint is not None:
-            ckpt = Path(args.checkpoint) / f"rank-{rank}.pt"
-        load, resize = _checkpoint_to_load(ckpt, world_size) if isinstance(ckpt, Path) else (None, False)
-        if load is not None:  # before DDP wraps the model: DDP broadcasts rank 0's weights
-            state = torch.load(load, map_location=device, weights_only=False)
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optimizer"])
-            client.load_state_dict(state["data"], resize=resize)
-            print(
-                f"[rank {rank}] resumed from {load} at epoch {client.epoch} step {client.next_step}"
-                + (
-                    f" (saved at world size {state['data']['world_size']}: the job was resized)"
-                    if resize
-                    else ""
-                ),
-                file=sys.stderr,
-                flush=True,
-            )
-        if ckpt is not None:
-            _agree_position(client, device)
-        if args.strategy == "ddp":
-            ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if cuda else None)
-        elif args.strategy == "fsdp2":
-            ddp = model
-        summary = _loop(client, ddp, opt, rank, args, ckpt, step, works)
+        model = _model(args, client, device, hf_model, vocab)
+        ddp, opt, ckpt, step = _parallel(args, model, client, device)
+        summary = train_loop(client, ddp, opt, args, ckpt, step, works)
         if services is not None:  # the job ended: they exit by themselves once every rank finished
             services.wait(120.0)
     except JobFailed as exc:
@@ -481,22 +180,126 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BatchdError as exc:  # e.g. the rank service unreachable: one line naming it, not a traceback
         return _fail(rank, f"batchd.train: error: {exc}", 2)
     finally:
-        _destroy_process_group()
+        destroy_process_group()
         del ddp  # its reducer holds the process group: its gloo threads are joined here, then the handles go
         works.clear()
-    summary.update(
-        rank=rank,
-        world_size=world_size,
-        backend=backend,
-        device=str(device),
-        rank_service=address,
-        strategy=args.strategy,
-    )
+    where = {"backend": backend, "device": str(device), "rank_service": address, "strategy": args.strategy}
+    summary.update(rank=rank, world_size=world_size, **where)
     line = json.dumps(summary)
     print(line, flush=True)
     if args.summary:
         Path(args.summary.format(rank=rank)).write_text(line)
     return 0
+
+
+def _where(args: argparse.Namespace, rank: int, world_size: int) -> tuple[ElasticServices | None, str]:
+    """The `--elastic` services this rank started (or None), and its rank service's address."""
+    if args.epochs is not None and args.epochs < 1:
+        raise ValueError(f"--epochs must be >= 1, got {args.epochs}")
+    if not args.startup_timeout > 0:
+        raise ValueError(f"--startup-timeout must be > 0, got {args.startup_timeout}")
+    progress_interval()  # a bad $BATCHD_PROGRESS_S fails here
+    services = None
+    if args.elastic is not None:
+        if args.config is None or args.checkpoint is None or args.node_agent or args.rank_services:
+            raise ValueError(
+                "--elastic DIR needs --config FILE and --checkpoint DIR, and starts its own node agent"
+            )
+        services = ElasticServices(args.config, args.elastic)
+        services.start()
+        args.node_agent = services.agent
+    node_agent = args.node_agent or (
+        os.environ.get("BATCHD_NODE_AGENT", "").strip() or None
+        if args.rank_services is None and args.base_port is None
+        else None
+    )
+    if node_agent is not None:
+        return services, node_agent
+    if args.rank_services is None and args.base_port is None:
+        raise ValueError(
+            "where is the rank service? pass --node-agent HOST:PORT (or set $BATCHD_NODE_AGENT), "
+            "--rank-services ADDRS or --base-port P"
+        )
+    return services, rank_service_address(
+        rank, world_size, args.rank_services, args.rank_host, args.base_port
+    )
+
+
+def _check_args(args: argparse.Namespace, world_size: int) -> tuple[torch.nn.Module | None, int | None]:
+    """Refuses flags that cannot go together, before the rendezvous; returns the `--hf-model` (or None)
+    and the tiny LM's vocabulary (None with `--hf-model`)."""
+    if args.strategy != "ddp" and args.hf_model is not None:
+        raise ValueError(
+            f"--strategy {args.strategy} trains the tiny LM only, got --hf-model={args.hf_model}"
+        )
+    if args.checkpoint is not None:
+        check_checkpoint_dir(Path(args.checkpoint), args.strategy, world_size)
+    if args.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise ValueError("--strategy deepspeed needs the deepspeed package: pip install deepspeed")
+    if args.hf_model is not None:
+        return load_hf_model(args), None
+    return None, vocab_size(args.vocab_size, args.tokenizer)
+
+
+def _model(
+    args: argparse.Namespace, client: Any, device: torch.device, hf_model: Any, vocab: int | None
+) -> torch.nn.Module:
+    """The model this rank trains, on `device`: `--hf-model` adapted by `two_phase` (before DDP wraps it:
+    DDP sees the model's own parameters), else the tiny LM of the size flags."""
+    longest = client.job_max_tokens()  # the job's longest sample: the model's positions must reach it
+    if hf_model is not None:
+        from batchd.client import two_phase
+
+        torch.manual_seed(args.seed)
+        check_positions(hf_model, longest, args.hf_model)
+        return two_phase(hf_model.to(device))
+    sizes = {"vocab_size": vocab, "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads}
+    max_len = max(4096, longest) if longest else 1 << 20  # rotary: no table to size
+    return build_model("tiny", args.seed, max_len, **sizes).to(device)
+
+
+def _parallel(args: argparse.Namespace, model: torch.nn.Module, client: Any, device: torch.device) -> tuple:
+    """`--strategy`'s wrapped model, the optimizer, the checkpoint (resumed from when it holds one) and the
+    step function."""
+    rank = client.rank
+    if args.strategy == "fsdp2":  # before the optimizer: fully_shard makes the parameters DTensors
+        fully_shard_model(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    ddp, step = None, train_step
+    if args.strategy == "deepspeed":  # before its checkpoint: the engine loads it
+        ddp, step = deepspeed_engine(model, opt, args), deepspeed_step
+    ckpt: Path | ShardedCheckpoint | None = None
+    if args.checkpoint is not None and args.strategy != "ddp":  # one directory, every rank's shards
+        ckpt = ShardedCheckpoint(Path(args.checkpoint), args.strategy, rank, ddp)
+        ckpt.load(model, opt, client)
+    elif args.checkpoint is not None:
+        ckpt = Path(args.checkpoint) / f"rank-{rank}.pt"
+        _resume(ckpt, model, opt, client, device)
+    if ckpt is not None:
+        agree_position(client, device)
+    if args.strategy == "ddp":
+        cuda = device.type == "cuda"
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
+    elif args.strategy == "fsdp2":
+        ddp = model
+    return ddp, opt, ckpt, step
+
+
+def _resume(ckpt: Path, model: torch.nn.Module, opt: Any, client: Any, device: torch.device) -> None:
+    """`ddp`'s resume from its checkpoint file, before DDP wraps the model (DDP broadcasts rank 0's)."""
+    load, resize = checkpoint_to_load(ckpt, client.world_size)
+    if load is None:
+        return
+    state = torch.load(load, map_location=device, weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    client.load_state_dict(state["data"], resize=resize)
+    resized = f" (saved at world size {state['data']['world_size']}: the job was resized)" if resize else ""
+    print(
+        f"[rank {client.rank}] resumed from {load} at epoch {client.epoch} step {client.next_step}{resized}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _fail(rank: int, reason: str, code: int) -> int:
@@ -557,7 +360,7 @@ def _init_process_group(backend: str, timeout_s: float, rank: int) -> None:
     threading.Thread(target=watch, name="batchd-init-watchdog", daemon=True).start()
     try:
         timeout = timedelta(seconds=timeout_s)
-        store = _restart_store(timeout)
+        store = restart_store(timeout)
         if store is None:
             dist.init_process_group(backend, timeout=timeout)
         else:
@@ -565,492 +368,6 @@ def _init_process_group(backend: str, timeout_s: float, rank: int) -> None:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     finally:
         done.set()
-
-
-class RestartStoreError(ValueError):
-    """torchrun restarts a worker group on several hosts over its shared rendezvous store."""
-
-
-def _restart_store(timeout: timedelta) -> Any:
-    """The process group's store under torchrun `--max-restarts`, or None for `env://`'s own.
-
-    torchrun (since torch 2.5) hands its workers the rendezvous store of its agent, the same one for every
-    restart, without a prefix per restart: a restarted group reads the old group's addresses and gloo or
-    NCCL connects to peers that are gone (pytorch #135712). On one host every worker of a group has the
-    same restart count, so the store is prefixed with it. Across hosts the agents count restarts apart,
-    so that is refused at start, naming the way out."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return None
-    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) == 0:
-        return None
-    if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:
-        raise RestartStoreError(
-            "torchrun --max-restarts across several hosts shares its rendezvous store between restarts, "
-            "so a restarted group can reach the old group's peers (pytorch #135712): run it as `batchd "
-            "torchrun` with --rdzv-backend c10d (or set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on every host; "
-            "a static rendezvous always shares it)"
-        )
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    tcp = dist.TCPStore(host, port, int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"batchd/restart_{restart}", tcp)
-
-
-def _destroy_process_group() -> None:
-    """Ends the process group; through DeepSpeed once it wraps the group (it caches groups made from it,
-    stale in a later group of the same process unless it releases them)."""
-    ds_comm = sys.modules.get("deepspeed.comm")
-    if ds_comm is not None and ds_comm.is_initialized():
-        ds_comm.destroy_process_group()
-    else:
-        dist.destroy_process_group()
-
-
-def _fully_shard(model: torch.nn.Module) -> None:
-    """FSDP2: each transformer block its own group (all-gathered for its forward/backward, reduce-scattered
-    after), then the root (embedding, final norm, head). The gradient is averaged over the ranks like
-    DDP's, so `train_step` and its loss scale apply unchanged."""
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-
-
-def _deepspeed_engine(model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace) -> Any:
-    """A DeepSpeed engine over the process group already made (its backend), ZeRO stage `--zero-stage`,
-    `opt` as its optimizer, no gradient accumulation (each batchd step is one update)."""
-    import deepspeed
-
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    # its CPU backend JIT-compiles a shared-memory all-reduce on its first init (~40 s, needs a compiler),
-    # used only by inference_all_reduce: off, training reduces over the process group
-    deepspeed.ops.__compatible_ops__ = {**deepspeed.ops.__compatible_ops__, "deepspeed_shm_comm": False}
-    config = {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": {"stage": args.zero_stage},
-        "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10**9,
-    }
-    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
-    return engine
-
-
-def _deepspeed_step(engine: Any, opt: Any, batch: Any, info: Any) -> float:
-    """`train_step` for a DeepSpeed engine: forward, scaled loss, engine.backward, engine.step."""
-    loss = batchd_deepspeed_backward(engine, batch, info)
-    engine.step()
-    return loss
-
-
-def _load_hf_model(args: argparse.Namespace) -> torch.nn.Module:
-    """The `--hf-model` directory's model (offline, fp32); ValueError / OSError naming the directory."""
-    if args.vocab_size is not None:
-        raise ValueError(f"--vocab-size is the model's own with --hf-model, got {args.vocab_size=}")
-    path = Path(args.hf_model)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"--hf-model must be a model directory (save_pretrained's: config.json and the "
-            f"weights), got {args.hf_model!r}"
-        )
-    import transformers
-
-    from ._vlm_tiny import load_vlm
-
-    transformers.logging.disable_progress_bar()  # "Loading weights" per rank: noise in a trainer's log
-    try:
-        model = load_vlm(path)
-    except (ValueError, KeyError) as exc:  # transformers: an unknown model type, missing weights
-        raise ValueError(f"--hf-model {args.hf_model!r} does not load as a multimodal model: {exc}") from None
-    rows = model.get_input_embeddings().num_embeddings
-    vocab_size(rows, args.tokenizer)  # the rank services' tokenizer must fit the model's embedding
-    return model
-
-
-def _vocabulary(model: torch.nn.Module) -> int | None:
-    """Rows of the model's token embedding: `vocab_size` of the tiny LM, the input embedding's of an
-    HF model."""
-    if hasattr(model, "vocab_size") and isinstance(model.vocab_size, int):
-        return model.vocab_size
-    embeddings = getattr(model, "get_input_embeddings", None)
-    return embeddings().num_embeddings if embeddings is not None else None
-
-
-def _patches(batch: dict[str, Any]) -> int:
-    """Vision-encoder patches this rank runs this step: the rows of its `pixel_values` (0 without images)."""
-    pixels = batch.get("pixel_values")
-    return int(pixels.shape[0]) if pixels is not None and pixels.ndim > 0 else 0
-
-
-def _vision_imbalance(patches: list[int], device: torch.device, works: list[Any]) -> float | None:
-    """The mean over steps with images of max / mean rank patches, over every rank's `patches` (one entry
-    per step of this run; collectives: every rank calls it). Two all-reduces (max, sum) of one number per
-    step, so each rank holds one vector, not every rank's. None without images, or when the ranks ran
-    different numbers of steps (a resumed run whose ranks restarted at different points).
-
-    The collectives' handles go to `works`, which the caller keeps until the process group is gone: these
-    are the run's last collectives, and a gloo worker thread that dropped the last reference to one (its
-    Python tensors, so it needs the GIL) while the main thread destroys the group (holding the GIL, joining
-    that thread) deadlocks the exit."""
-    world = dist.get_world_size()
-
-    def all_reduce(t: torch.Tensor, op: Any) -> None:
-        work = dist.all_reduce(t, op=op, async_op=True)
-        works.append(work)
-        work.wait()
-
-    n = torch.tensor([len(patches), -len(patches)], dtype=torch.int64, device=device)
-    all_reduce(n, dist.ReduceOp.MAX)  # the longest run, and minus the shortest
-    longest, shortest = int(n[0]), -int(n[1])
-    high = torch.zeros(longest, dtype=torch.int64, device=device)
-    high[: len(patches)] = torch.tensor(patches, dtype=torch.int64)
-    total = high.clone()
-    all_reduce(high, dist.ReduceOp.MAX)
-    all_reduce(total, dist.ReduceOp.SUM)
-    if longest != shortest:
-        return None
-    ratios = [
-        h * world / t for h, t in zip(high.tolist(), total.tolist(), strict=False) if t > 0
-    ]  # = batchd.core.imbalance
-    return sum(ratios) / len(ratios) if ratios else None
-
-
-POINTER = "latest.json"  # fsdp2 / deepspeed: names the last complete checkpoint directory of --checkpoint
-
-
-def _read_pointer(directory: Path) -> dict[str, Any] | None:
-    """DIR/latest.json (`_ShardedCheckpoint`): {"strategy", "dir", "seq", "world_size", "epoch",
-    "next_step"}, or None when DIR holds no sharded checkpoint."""
-    try:
-        return json.loads((directory / POINTER).read_text())
-    except FileNotFoundError:
-        return None
-
-
-def _check_checkpoint_dir(directory: Path, strategy: str, world_size: int) -> None:
-    """Refuses, before the rendezvous, a `--checkpoint` DIR this run cannot resume from: one that another
-    `--strategy` saved into, or a sharded (fsdp2 / deepspeed) checkpoint of another world size."""
-    pointer = _read_pointer(directory)
-    saved_by = pointer["strategy"] if pointer else ("ddp" if any(directory.glob("rank-*.pt")) else None)
-    if saved_by is not None and saved_by != strategy:
-        raise ValueError(
-            f"--checkpoint {directory} holds a --strategy {saved_by} checkpoint, got --strategy {strategy}: "
-            "resume with the strategy that saved it, or give another directory"
-        )
-    if pointer is not None and int(pointer["world_size"]) != world_size:
-        raise ValueError(
-            f"--strategy {strategy} resumes at the world size it saved at (resizing needs --strategy ddp): "
-            f"--checkpoint {directory} was saved at world size {pointer['world_size']}, got {world_size=}"
-        )
-
-
-class _ShardedCheckpoint:
-    """`--checkpoint DIR` of `--strategy fsdp2 / deepspeed` (see module docstring): every save a new
-    directory DIR/<strategy>-<n>, written by every rank together, then named by DIR/latest.json. All its
-    methods are collectives: every rank calls them at the same step.
-
-    Args:
-        directory: DIR.
-        strategy: "fsdp2" or "deepspeed".
-        rank: This rank.
-        engine: The DeepSpeed engine (deepspeed), else None.
-    """
-
-    def __init__(self, directory: Path, strategy: str, rank: int, engine: Any = None) -> None:
-        self.directory, self.strategy, self.rank, self.engine = directory, strategy, rank, engine
-        self.seq = 0  # the number n of the last complete save, DIR/<strategy>-<n>
-
-    def load(self, model: torch.nn.Module, opt: torch.optim.Optimizer, client: Any) -> None:
-        """Loads the model, the optimizer and `client`'s position of the directory latest.json names, when
-        there is one; removes the directories of saves that did not complete."""
-        pointer = None
-        if self.rank == 0:
-            pointer = _read_pointer(self.directory)
-            self._remove_others(pointer["dir"] if pointer else None)
-        box = [pointer]
-        dist.broadcast_object_list(box, src=0)  # every rank the same checkpoint, whatever it sees of DIR
-        pointer = box[0]
-        if pointer is None:
-            return
-        self.seq, where = int(pointer["seq"]), self.directory / pointer["dir"]
-        if self.strategy == "fsdp2":
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-            model_state, optim_state = get_state_dict(model, opt)  # this rank's shards, filled in place
-            state = {"model": model_state, "optimizer": optim_state}
-            dcp.load(state, checkpoint_id=str(where))
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        else:
-            path, _ = self.engine.load_checkpoint(str(self.directory), tag=pointer["dir"])
-            if path is None:
-                raise FileNotFoundError(f"DeepSpeed found no checkpoint in {where} (named by {POINTER})")
-        client.load_state_dict(json.loads((where / f"data-rank-{self.rank}.json").read_text()))
-        print(
-            f"[rank {self.rank}] resumed from {where} at epoch {client.epoch} step {client.next_step}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def save(self, model: torch.nn.Module, opt: torch.optim.Optimizer, client: Any) -> None:
-        data = client.state_dict()  # once: it tells the rank service a checkpoint is taken here
-        name = f"{self.strategy}-{self.seq + 1:06d}"
-        where = self.directory / name
-        where.mkdir(parents=True, exist_ok=True)
-        if self.strategy == "fsdp2":
-            import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict
-
-            model_state, optim_state = get_state_dict(model, opt)
-            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(where))
-        else:
-            self.engine.save_checkpoint(str(self.directory), tag=name, save_latest=False)
-        (where / f"data-rank-{self.rank}.json").write_text(json.dumps(data))
-        dist.barrier()  # every rank's part is written
-        if self.rank == 0:
-            pointer = {
-                "strategy": self.strategy,
-                "dir": name,
-                "seq": self.seq + 1,
-                "world_size": data["world_size"],
-                "epoch": data["epoch"],
-                "next_step": data["next_step"],
-            }
-            tmp = self.directory / f"{POINTER}.tmp"
-            tmp.write_text(json.dumps(pointer))
-            tmp.replace(self.directory / POINTER)  # atomic: a crash before it resumes from the one before
-        dist.barrier()  # the save is complete on every rank
-        self.seq += 1
-        pos, tmp = self.directory / f"rank-{self.rank}.pos.json", self.directory / f"rank-{self.rank}.pos.tmp"
-        tmp.write_text(json.dumps(data))  # its position, as ddp's (`batchd torchrun`'s note reads it)
-        tmp.replace(pos)
-        client.checkpointed()  # the rank service frees the steps before it
-        if self.rank == 0:
-            self._remove_others(name)
-
-    def _remove_others(self, keep: str | None) -> None:
-        """Removes DIR/<strategy>-* but `keep`: older saves, and saves that did not complete."""
-        for old in self.directory.glob(f"{self.strategy}-*"):
-            if old.is_dir() and old.name != keep:
-                shutil.rmtree(old, ignore_errors=True)
-
-
-def _save(
-    ckpt: Path | _ShardedCheckpoint, model: torch.nn.Module, opt: torch.optim.Optimizer, client: Any
-) -> None:
-    if isinstance(ckpt, _ShardedCheckpoint):
-        ckpt.save(model, opt, client)
-        return
-    ckpt.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ckpt.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "data": client.state_dict()}, tmp)
-    tmp.replace(ckpt)  # atomic: a crash mid-save keeps the previous checkpoint
-    pos, tmp = ckpt.with_suffix(".pos.json"), ckpt.with_suffix(".pos.tmp")
-    tmp.write_text(json.dumps(client.state_dict()))  # its position, read without loading the model
-    tmp.replace(pos)
-
-
-def _position(data: dict[str, Any]) -> tuple[int, int, int]:
-    return int(data["epoch"]), int(data["next_step"]), int(data["finished"])
-
-
-def _checkpoint_to_load(ckpt: Path | None, world_size: int) -> tuple[Path | None, bool]:
-    """`--strategy ddp`'s (the checkpoint this rank resumes from, whether the job was resized since it was
-    saved). Every rank's file holds the same model and optimizer at an update's end (DDP replicates them); the
-    furthest position saved in the directory says where the job stands. Saved at this world size: each
-    rank its own file (`_agree_position` evens out a step between them). Saved at another (the job was
-    resized, `batchd coordinator --resize`): every rank the furthest one, its data state at that size."""
-    if ckpt is None:
-        return None, False
-    saved = {}
-    for pos in ckpt.parent.glob("rank-*.pos.json"):
-        try:
-            saved[pos] = json.loads(pos.read_text())
-        except ValueError:
-            continue
-    if not saved:
-        return (ckpt if ckpt.exists() else None), False
-    newest = max(saved, key=lambda p: _position(saved[p]))
-    if int(saved[newest]["world_size"]) == world_size:
-        return (ckpt if ckpt.exists() else None), False
-    return newest.with_name(newest.name.replace(".pos.json", ".pt")), True
-
-
-def _agree_position(client: Any, device: torch.device) -> None:
-    """Moves this rank to the furthest (epoch, next_step, finished) any rank saved. Checkpoints are per
-    rank, so a group killed between one rank's save and another's resumes up to one step apart; the step
-    in between went through the all-reduce on every rank, so the rank behind skips it."""
-    mine = torch.tensor(
-        [client.epoch, client.next_step, int(client.finished)], dtype=torch.int64, device=device
-    )
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    epoch, next_step, finished = max(tuple(int(x) for x in t.tolist()) for t in every)
-    if (epoch, next_step, finished) != (client.epoch, client.next_step, int(client.finished)):
-        print(
-            f"[rank {client.rank}] a peer saved a later position: epoch {epoch} step {next_step} "
-            f"(mine: epoch {client.epoch} step {client.next_step})",
-            file=sys.stderr,
-            flush=True,
-        )
-        client.epoch, client.next_step, client.finished = epoch, next_step, bool(finished)
-
-
-def _maybe_crash(spec: str | None, rank: int, steps: int) -> None:
-    """`--crash-at`: dies like an OOM kill would, without a word, when this run reached its step."""
-    if not spec:
-        return
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    for item in spec.split(","):
-        r, k, *who = (int(x) for x in item.split(":"))
-        if r == restart and k == steps and (not who or who[0] == rank):
-            os._exit(1)
-
-
-def _log_step(fd: int | None, epoch: int, step: int, ids: list[int], patches: int) -> None:
-    if fd is not None:  # one write per line: a kill leaves whole lines
-        line = {"epoch": epoch, "step": step, "ids": ids, "patches": patches, "t": round(time.time(), 3)}
-        line |= {
-            "world": dist.get_world_size(),
-            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
-        }
-        os.write(fd, (json.dumps(line) + "\n").encode())
-        os.fsync(fd)
-
-
-class PositionsError(ValueError):
-    """The job sends samples longer than the model's positions reach."""
-
-
-def _check_positions(model: torch.nn.Module, longest: int | None, name: str) -> None:
-    """Refuses, before the first step, a model whose position embeddings cannot reach the job's longest
-    sample (`BatchClient.job_max_tokens`): one line naming both numbers, not a traceback mid-job."""
-    config = getattr(model, "config", None)
-    text = getattr(config, "text_config", None) or config
-    limit = getattr(text, "max_position_embeddings", None)
-    if longest and isinstance(limit, int) and longest > limit:
-        raise PositionsError(
-            f"the job sends samples of up to {longest} tokens (its token_budget and over_budget policy), "
-            f"but --hf-model {name} takes at most {limit} positions (max_position_embeddings): lower "
-            '[job] token_budget, or cut long samples (over_budget = "truncate")'
-        )
-
-
-class VocabularyError(ValueError):
-    """A batch holds token ids the model's embedding has no row for: the trainer's vocabulary is not the
-    rank services' tokenizer's."""
-
-
-def _check_vocabulary(batch: dict[str, Any], vocab: int | None, args: argparse.Namespace) -> None:
-    ids = batch.get("input_ids")
-    if vocab is None or ids is None or ids.numel() == 0:
-        return
-    top = int(ids.max())
-    if top >= vocab:
-        if args.hf_model is not None:
-            raise VocabularyError(
-                f"token id {top} is past the vocabulary of --hf-model {args.hf_model} ({vocab} ids): "
-                "the rank services' processor ([pipeline] processor) must be this model's"
-            )
-        given = f"--tokenizer {args.tokenizer}" if args.tokenizer else "no --tokenizer"
-        raise VocabularyError(
-            f"token id {top} is past the model's vocabulary of {vocab} ({given}): give --tokenizer the "
-            "rank services' tokenizer (`batchd tokenizer tok.json` writes the default one) or a larger "
-            "--vocab-size"
-        )
-
-
-def _loop(client, ddp, opt, rank, args, ckpt, train_step, works: list[Any]) -> dict[str, Any]:
-    steps = idle = 0
-    due = False  # a checkpoint is due at the next update's end
-    epoch_steps: list[int] = []
-    patches: list[int] = []  # per step of this run: the encoder's load on this rank
-    exchange_steps = 0  # steps whose batch carried a two-phase vision exchange
-    loss = float("nan")
-    t0 = time.perf_counter()
-    watch = _FailureWatch(client)
-    module = getattr(ddp, "module", ddp)  # DDP's and DeepSpeed's wrapped model; FSDP2 shards it in place
-    vocab = _vocabulary(module)
-    ids_log = (
-        os.open(args.ids_log.format(rank=rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        if args.ids_log
-        else None
-    )
-    try:
-        epochs = args.epochs or client.job_epochs()
-        total = client.job_samples() if rank == 0 else None  # the job's samples per epoch, all ranks
-        for epoch in range(client.epoch, epochs):
-            client.set_epoch(epoch)  # the checkpoint's epoch keeps its position
-            n = 0
-            # closed only after a failure was asked about (see _trainer._run_batchd); DeepSpeed cannot
-            # rescale a gradient after the backward: it reads each update ahead, weighed over it
-            batches = weighted_steps(client) if args.strategy == "deepspeed" else iter(client)
-            bar = Progress(f"rank 0: epoch {epoch + 1}/{epochs}", total, "samples", enabled=rank == 0)
-            try:
-                for batch, info in batches:
-                    bar.update(info.global_samples, steps=1)
-                    ids = batch.pop("sample_ids", None)
-                    patches.append(_patches(batch))
-                    exchange_steps += int("vision_send_splits" in batch)
-                    _log_step(ids_log, epoch, info.step, ids.tolist() if ids is not None else [], patches[-1])
-                    _maybe_crash(args.crash_at, rank, steps + 1)
-                    if args.step_time > 0:
-                        time.sleep(args.step_time)
-                    _check_vocabulary(batch, vocab, args)
-                    loss = train_step(ddp, opt, batch, info)
-                    steps, n = steps + 1, n + 1
-                    idle += int(info.is_idle)
-                    if rank == 0 and args.log_every and steps % args.log_every == 0:
-                        print(
-                            f"[rank 0] epoch {epoch} step {info.step} loss {loss:.4f}",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                    due = due or steps % args.checkpoint_every == 0
-                    if ckpt is not None and due and info.update_end:  # no gradient held
-                        _save(ckpt, module, opt, client)
-                        due = False
-            except VocabularyError:
-                raise
-            except BatchdError as exc:  # the client's own diagnosis (JobFailed, or its service unreachable)
-                if not isinstance(exc, JobFailed) and watch.failure:  # the service failed the job first
-                    raise JobFailed(f"{watch.failure} (this trainer saw: {exc})") from exc
-                raise
-            except Exception as exc:  # a collective broke because a peer died: ask the rank service which
-                raise_job_failure(client, watch, exc)
-                raise
-            finally:
-                bar.close()
-                batches.close()
-            epoch_steps.append(n)
-    finally:
-        watch.stop()
-        if ids_log is not None:
-            os.close(ids_log)
-    if ckpt is not None:
-        _save(ckpt, module, opt, client)
-    client.close()
-    wall = round(time.perf_counter() - t0, 3)
-    vision = _vision_imbalance(patches, next(module.parameters()).device, works)
-    if rank == 0 and vision is not None:
-        print(
-            f"[rank 0] vision encoder: slowest rank / mean, in encoder patches: {vision:.3f} (mean over "
-            f"steps with images)",
-            file=sys.stderr,
-            flush=True,
-        )
-    return {
-        "steps": steps,
-        "idle": idle,
-        "epoch_steps": epoch_steps,
-        "epoch": client.epoch,
-        "next_step": client.next_step,
-        "last_loss": loss,
-        "wall_s": wall,
-        "vision_imbalance": vision,
-        "exchange_steps": exchange_steps,
-    }
 
 
 if __name__ == "__main__":

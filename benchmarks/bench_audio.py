@@ -6,7 +6,7 @@ LLM samples' images and clips) and `batchd-2phase` (the vision and the audio pha
 one all-to-all per encoder) on 2 gloo ranks, `--repeats` interleaved runs each (the median-wall run is
 reported, every run's wall time beside it). Both train the same steps (the LLM plan is the same), so the
 losses must agree; the rows compare wall time, rank 0's vision-tower and audio-encoder shares of its time
-(`batchd._bench_trainer.VisionTimer` on each encoder), and the vision phase's per-step imbalance.
+(`batchd._train.models.VisionTimer` on each encoder), and the vision phase's per-step imbalance.
 
 Result: benchmarks/results/bench-audio.json (template benchmarks/templates/bench-audio.md.j2).
 

@@ -28,7 +28,7 @@ from _cli_runs import machine  # noqa: E402
 from _report import add_common_args, finish, idle_share  # noqa: E402
 
 SECTION = "bench-epochs"
-MEASURES = ["batchd/bench.py", "batchd/_bench_trainer.py", "client", "core", "service"]
+MEASURES = ["batchd/bench.py", "batchd/_train", "client", "core", "service"]
 
 
 def time_to(evals: list[dict[str, Any]], target: float) -> tuple[int, float] | None:

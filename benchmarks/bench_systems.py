@@ -24,7 +24,7 @@ from _report import REPO, add_common_args, finish, idle_share  # noqa: E402
 
 SECTION = "bench"
 IMG = REPO / "docs" / "img"
-MEASURES = ["batchd/bench.py", "batchd/_bench_trainer.py", "batchd/_model.py", "client", "core", "service"]
+MEASURES = ["batchd/bench.py", "batchd/_train", "batchd/_model.py", "client", "core", "service"]
 SYSTEM_KEYS = (
     "wall_s",
     "wall_s_runs",

@@ -37,7 +37,7 @@ from _cli_runs import machine  # noqa: E402
 from _report import REPO, add_common_args, finish, idle_share  # noqa: E402
 
 SECTION = "bench-updates"
-MEASURES = ["batchd/bench.py", "batchd/_bench_trainer.py", "client", "core", "service"]
+MEASURES = ["batchd/bench.py", "batchd/_train", "client", "core", "service"]
 SYSTEMS = "fixed,odb-0.1.2,batchd-balanced,batchd-packed"
 KEEP = (
     "wall_s",

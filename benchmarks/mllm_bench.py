@@ -37,7 +37,7 @@ from _report import REPO, add_common_args, finish  # noqa: E402
 SECTION = "mllm-bench"
 WORKLOADS = REPO / "benchmarks" / "workloads"
 SHARE_GROUPS = 6
-MEASURES = ["batchd/bench.py", "batchd/_bench_trainer.py", "batchd/_mllm.py", "client", "core", "service"]
+MEASURES = ["batchd/bench.py", "batchd/_train", "batchd/_mllm.py", "client", "core", "service"]
 
 
 def encoder_share(workload: Path, num_samples: int, token_budget: int, seed: int = 0) -> dict[str, float]:

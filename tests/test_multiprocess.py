@@ -1,5 +1,5 @@
 """The daemon as real processes: `batchd coordinator`, 4 x `batchd rank` and 4 gloo DDP trainers
-(`python -m batchd._trainer`) on loopback, every server on port 0, CPU only.
+(`python -m batchd._train.demo`) on loopback, every server on port 0, CPU only.
 
 1. A full epoch: equal step counts, every sample id exactly once, and the all-reduced float64 gradients
    of the first two steps equal a single-process reference on the union of each step's samples
@@ -225,7 +225,7 @@ def test_epoch_gradients_equal_single_process_reference(jobs, policy):
         assert moved > 0, "the balanced plan moved no sample: the workload does not exercise it"
     assert all(len(r["grads"]) == GRAD_STEPS for r in results)
 
-    model = build_model(SMALL_MODEL, SEED, torch.float64)
+    model = build_model("tiny", SEED, dtype=torch.float64, **SMALL_MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in range(GRAD_STEPS):
         ids = [i for r in results for i in r["sample_ids"][step]]

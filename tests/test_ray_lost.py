@@ -1,7 +1,7 @@
 """A node agent whose Ray goes away under it (issue 19): the job fails at once, naming the Ray.
 
 Real parts: `batchd coordinator` (a short lease), `batchd node` with a dataset (its own embedded Ray,
-one actor per rank) and two real gloo trainers (`batchd._trainer`) that are taking batches. The test
+one actor per rank) and two real gloo trainers (`batchd._train.demo`) that are taking batches. The test
 kills the agent's Ray (kill -9 of its GCS and raylet, found by the GCS address the agent logged), then
 checks that the coordinator, the agent and both trainers end well within the start-up timeout, each
 with a message naming that Ray, without a traceback, and that nothing of the job is left.

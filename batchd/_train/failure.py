@@ -1,0 +1,69 @@
+"""What a trainer does when a step raised: ask its rank service whether the job failed (and who made it).
+
+A trainer blocked in a collective learns that a peer died only when a peer it exchanges with drops the
+connection, by which time its rank service may have failed and exited too: `FailureWatch` polls for the
+job's failure in the background and keeps the message, `raise_job_failure` turns the step's exception
+into `JobFailed` naming the rank that caused it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from batchd.client import JobFailed
+from batchd.proto import batchd_pb2 as pb
+
+
+class FailureWatch:
+    """Polls this rank's service for the job's failure in the background and keeps the message.
+
+    A trainer blocked in a collective learns that a peer died only when a peer it exchanges with
+    drops the connection (in a ring, after its neighbours have exited), by which time its rank service
+    may have failed and exited too; the message kept here still names the rank that caused it.
+    """
+
+    def __init__(self, client, period_s: float = 0.5) -> None:
+        self.client, self.period_s = client, period_s
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="batchd-failure-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                failure = self.client.stub.RankStatus(
+                    pb.RankStatusRequest(rank=self.client.rank), timeout=2
+                ).failure
+            except (grpc.RpcError, ValueError):  # ValueError: the channel was closed under us
+                continue
+            if failure:
+                self.failure = failure
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def raise_job_failure(client, watch: FailureWatch, exc: BaseException) -> None:
+    """A step raised (typically a collective broke because a peer died): when the rank service knows the
+    job failed, raise `JobFailed` with its message (it names the rank); otherwise return."""
+    failure = _job_failure(client, watch)
+    if failure:
+        raise JobFailed(f"{failure} (this trainer saw: {type(exc).__name__}: {exc})") from exc
+
+
+def _job_failure(client, watch: FailureWatch) -> str | None:
+    """After a collective failed, ask this rank's service why (its message names the failed rank)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            status = client.stub.RankStatus(pb.RankStatusRequest(rank=client.rank), timeout=2)
+            if status.failure:
+                return status.failure
+        except grpc.RpcError:
+            return watch.failure or f"rank service of rank {client.rank} at {client.address} is gone"
+        time.sleep(0.2)
+    return watch.failure
