@@ -151,9 +151,7 @@ def _node_args(run: DemoRun, data: _Data, ray_address: str, per_rank: list[int])
     args += ["--stats-file", str(work / "stats-{rank}.json")]
     if o.memory_budget is not None:
         args += ["--memory-budget", str(o.memory_budget)]
-    max_bad_fraction = o.max_bad_fraction
-    if max_bad_fraction is None and data.expected_bad:
-        max_bad_fraction = generated_bad_fraction(len(data.expected_bad), o.num_samples, o.world_size)
+    max_bad_fraction = _bad_limit(run, data)
     if max_bad_fraction is not None:
         args += ["--max-bad-fraction", str(max_bad_fraction)]
     if o.processor:
@@ -273,8 +271,18 @@ def _baseline(
         "cutoff": o.token_budget,
         "ray_address": ray_address,
         "processor": str(o.processor) if o.processor else None,
+        "max_bad_fraction": _bad_limit(run, data),  # the node agent's: the same records, judged alike
     }
     return run.trainers("fixed", common, [{"num_actors": n} for n in per_rank], good, "fixed run")
+
+
+def _bad_limit(run: DemoRun, data: _Data) -> float | None:
+    """The bad-record limit of the demo's services and baseline: the user's, else for the generated
+    dataset `generated_bad_fraction`, else None (the default)."""
+    o = run.options
+    if o.max_bad_fraction is None and data.expected_bad:
+        return generated_bad_fraction(len(data.expected_bad), o.num_samples, o.world_size)
+    return o.max_bad_fraction
 
 
 def _capacity(stats: list[dict[str, Any]]) -> float | None:

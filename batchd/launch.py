@@ -514,6 +514,13 @@ def _read_progress(outs: list[Path]) -> tuple[int, int]:
     return samples, steps
 
 
+def _failed_trainer(procs: Processes, name: str, code: int | None, lines: int = 40) -> str:
+    """A failed trainer's exit status and the end of its log: every one is shown, since the first
+    (rank 0) often only saw a peer go away, and the cause is in that peer's own log."""
+    tail = "\n".join(procs.log(name).splitlines()[-lines:])
+    return f"trainer {name} exited with {code}:\n{tail}"
+
+
 def wait_trainers(
     procs: Processes, tag: str, outs: list[Path], timeout: float, progress: Progress | None = None
 ) -> list[dict[str, Any]]:
@@ -521,7 +528,7 @@ def wait_trainers(
     follows the trainers' `StepTicker`s meanwhile, and is closed.
 
     Raises `JobFailed` with the reason a failed trainer gave in its "the job failed: ..." line (the job
-    failed: a party or the data), else RuntimeError with the first failing trainer's log."""
+    failed: a party or the data), else RuntimeError with every failed trainer's status and log tail."""
     deadline = time.monotonic() + timeout
     mine = [(n, p) for n, p in procs.procs if n.startswith(f"{tag}-")]
     try:
@@ -551,6 +558,5 @@ def wait_trainers(
             why = job_failure_line(procs.log(name))
             if why is not None:
                 raise JobFailed(why)
-        name = bad[0][0]
-        raise RuntimeError(f"trainer {name} exited with {bad[0][1]}:\n{procs.log(name)}")
+        raise RuntimeError("\n".join(_failed_trainer(procs, name, code) for name, code in bad))
     return [json.loads(o.read_text()) for o in outs]

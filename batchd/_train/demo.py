@@ -59,6 +59,7 @@ from batchd.service.preprocess import (
     EXHAUSTED,
     PoolOptions,
     RaySource,
+    StreamOptions,
     default_stages,
     ensure_ray,
     resolve_many,
@@ -84,9 +85,11 @@ class DemoRank:
             synthetic samples in fixed batches of `batch_size`, or with `dataset` a `RaySource` of it).
         seed, lr, model_cfg, dtype, threads, grad_steps: The model's seed, AdamW's rate, `build_model`
             sizes, parameter dtype, torch threads, and steps whose all-reduced gradient the result keeps.
-        gloo_timeout_s: The process group's collective timeout.
+        gloo_timeout_s: The process group's collective timeout: a liveness bound (a peer that dies closes
+            its connection at once; this only ends one that hangs), never a speed one.
         dataset, tokenizer, processor, cutoff, num_actors, ray_address, shuffle: The fixed baseline's
-            `RaySource` (the rank services' view, chain and seed).
+            `RaySource` (the rank services' view, chain and seed); max_bad_fraction: its bad-record limit
+            (the node agent's, so both judge the generated data alike; None: the source's default).
         step_time: Seconds slept per batchd step, a stand-in for a real model's step.
 
     Raises:
@@ -104,7 +107,7 @@ class DemoRank:
     seed: int = 0
     lr: float = 1e-3
     model_cfg: dict[str, Any] | None = None
-    gloo_timeout_s: float = 60.0
+    gloo_timeout_s: float = 600.0
     grad_steps: int = 0
     dtype: str = "float32"
     threads: int = 1
@@ -116,6 +119,7 @@ class DemoRank:
     shuffle: bool = True
     step_time: float = 0.0
     processor: str | None = None
+    max_bad_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -205,7 +209,11 @@ def _fixed_source(spec: DemoRank) -> RaySource | None:
     ensure_ray(spec.ray_address)
     stages = default_stages(spec.tokenizer, cutoff=spec.cutoff, processor=spec.processor)
     pool = PoolOptions(num_actors=spec.num_actors, stages=stages)
-    return RaySource(spec.dataset, spec.rank, spec.world_size, spec.seed, 0, spec.shuffle, pool=pool)
+    limit = {} if spec.max_bad_fraction is None else {"max_bad_fraction": spec.max_bad_fraction}
+    options = StreamOptions(**limit)
+    return RaySource(
+        spec.dataset, spec.rank, spec.world_size, spec.seed, 0, spec.shuffle, pool=pool, options=options
+    )
 
 
 def run(spec: DemoRank) -> dict[str, Any]:
