@@ -36,7 +36,8 @@ address, ip, data, tok = sys.argv[1:5]
 if ip:
     ray.init(address=address, _node_ip_address=ip)  # what a driver on host `ip` does by itself
 shared = share_ray(address)  # `batchd node --ray-address`: joins (or keeps the connection above)
-src = RaySource(data, 0, 4, seed=0, stages=default_stages(tok, cutoff=512), num_actors=1, actor_num_cpus=0.25)
+pool = PoolOptions(stages=default_stages(tok, cutoff=512), num_actors=1, actor_num_cpus=0.25)
+src = RaySource(data, 0, 4, seed=0, pool=pool)
 deadline, got = time.monotonic() + 60, 0
 while got < 2 and time.monotonic() < deadline:
     item = src.poll(0.5)

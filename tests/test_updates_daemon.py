@@ -108,5 +108,5 @@ def test_update_boundaries_agree_on_every_rank_and_survive_restarts_and_a_mid_up
         assert [x[3] for x in ends] == list(range(len(ends)))
         for ra, rb in zip(a, b, strict=True):
             # the loss scales of a step sum to N x T / G: the step's share of the update
-            assert ra[-1] + rb[-1] == pytest.approx(2 * ra[2] / SPEC.tokens_per_update)
+            assert ra[-1] + rb[-1] == pytest.approx(2 * ra[2] / SPEC.updates.tokens_per_update)
         assert sorted(i for r in range(2) for x in plain[r][e] for i in x[1]) == list(range(len(LENGTHS)))
