@@ -249,7 +249,10 @@ def _record(i: int, word: str = "plus") -> dict:
 def _views(path: Path, world_size: int = 2) -> list[set[int]]:
     """The ids each rank of the demo reads (seed 0, epoch 0, shuffled: the demo's job)."""
     ds = RecordDataset(str(path))
-    return [set(BlockView(BlockLayout(ds.block_rows, ds.block_bytes), r, world_size).ids()) for r in range(world_size)]
+    return [
+        set(BlockView(BlockLayout(ds.block_rows, ds.block_bytes), r, world_size).ids())
+        for r in range(world_size)
+    ]
 
 
 def _records_file(path: Path, schema_bad: set[int], latin1: set[int], n: int = 66) -> Path:
