@@ -3,11 +3,19 @@
 Timeouts judge liveness, never speed:
 - start-up: `register` waits up to `startup_timeout_s` (default 10 min) for a coordinator that is not up
   yet, logging every few seconds whom it waits for;
-- during the job, a call that finds the coordinator unreachable (restarting from its journal, say) is
-  retried for up to the coordinator's lease, then fails with a message naming its address;
+- during the job, a call that finds the coordinator unreachable (restarting from its journal, its host
+  cut off) is retried for up to `patience(lease)`, two leases, then fails with a message naming its
+  address;
 - the barrier calls themselves have no deadline: a barrier lasts as long as the slowest rank's trainer
   needs; a coordinator that vanished is found by the connection breaking (or keepalive pings);
-- heartbeats every min(lease/3, 2 s); a coordinator unreachable for a whole lease fails the job, naming it.
+- heartbeats every min(lease/3, 2 s); a coordinator unreachable for two leases fails the job, naming it.
+
+Why two leases: the coordinator alone judges liveness, with one lease; a party never gives up on it
+sooner than it could still be taken back. The second lease covers the time a healed link takes to carry
+a stalled connection's traffic again (TCP's retransmission backoff holds it for up to about as long
+as the outage, docs/deployment.md#network-faults) and the heartbeat in flight, so a link outage the
+coordinator rides through never fails a party on its own; a coordinator that failed the job meanwhile
+says why as soon as it is reached again.
 ABORTED carries the job's failure message (it names the failed rank) and is never retried.
 """
 
@@ -38,6 +46,12 @@ log = logging.getLogger("batchd.rank")
 
 
 HEARTBEAT_S = 2.0  # at most this long between two heartbeats
+PATIENCE_LEASES = 2  # a party waits this many of the coordinator's leases for it (module docstring)
+
+
+def patience(lease_s: float) -> float:
+    """Seconds a party retries a coordinator (or peer) it cannot reach before it fails the job."""
+    return PATIENCE_LEASES * lease_s
 
 
 def call_coordinator(
@@ -80,6 +94,9 @@ class CoordinatorLink(Protocol):
     @property
     def lease_s(self) -> float: ...
 
+    @property
+    def patience_s(self) -> float: ...
+
     def register(self, my_address: str) -> pb.RegisterReply: ...
 
     def align(self, epoch: int, report: RankReport) -> RoundDecision: ...
@@ -117,6 +134,10 @@ class CoordinatorClient:
         self._stop = threading.Event()
         self._hb: threading.Thread | None = None
 
+    @property
+    def patience_s(self) -> float:
+        return patience(self.lease_s)
+
     def close(self) -> None:
         self._stop.set()
         self.channel.close()
@@ -128,7 +149,7 @@ class CoordinatorClient:
 
     def register(self, my_address: str) -> pb.RegisterReply:
         """Registers (again: a restarted rank, or a rank refreshing its peers' addresses)."""
-        retry = self.lease_s if self.registered else self.startup_timeout_s
+        retry = self.patience_s if self.registered else self.startup_timeout_s
         reply: pb.RegisterReply = self._call(
             "Register",
             self.stub.Register,
@@ -141,22 +162,23 @@ class CoordinatorClient:
         return reply
 
     def align(self, epoch: int, report: RankReport) -> RoundDecision:
-        reply = self._call("Align", self.stub.Align, wire.report_to_pb(report, epoch), None, self.lease_s)
+        reply = self._call("Align", self.stub.Align, wire.report_to_pb(report, epoch), None, self.patience_s)
         return wire.decision_from_pb(reply)
 
     def commit(self, epoch: int, commit: RankCommit) -> RoundTotals:
-        reply = self._call("Commit", self.stub.Commit, wire.commit_to_pb(commit, epoch), None, self.lease_s)
+        request = wire.commit_to_pb(commit, epoch)
+        reply = self._call("Commit", self.stub.Commit, request, None, self.patience_s)
         return wire.totals_from_pb(reply)
 
     def resume(self, epoch: int, step: int, from_world: int) -> pb.ResumeReply:
         """Where the resized job goes on, for this rank whose trainer resumes `epoch` at `step`."""
         request = pb.ResumeRequest(rank=self.rank, epoch=epoch, step=step, from_world_size=from_world)
-        reply: pb.ResumeReply = self._call("Resume", self.stub.Resume, request, 60.0, self.lease_s)
+        reply: pb.ResumeReply = self._call("Resume", self.stub.Resume, request, 60.0, self.patience_s)
         return reply
 
     def finish(self) -> None:
         """Tells the coordinator this rank's trainer took the job's last step; stops the heartbeats."""
-        self._call("Finish", self.stub.Finish, pb.FinishRequest(rank=self.rank), 10.0, self.lease_s)
+        self._call("Finish", self.stub.Finish, pb.FinishRequest(rank=self.rank), 10.0, self.patience_s)
         self.stop_heartbeats()
 
     def stop_heartbeats(self) -> None:
@@ -173,7 +195,7 @@ class CoordinatorClient:
     def start_heartbeats(self, on_failure: Callable[[str], None]) -> None:
         """Heartbeats every min(lease/3, HEARTBEAT_S) in a daemon thread (so a failure elsewhere reaches this
         rank within seconds); `on_failure(message)` when the job failed or the coordinator has been
-        unreachable for a whole lease."""
+        unreachable for `patience_s`."""
 
         def beat() -> None:
             last_ok = time.monotonic()
@@ -198,9 +220,10 @@ class CoordinatorClient:
                             f"{exc.code().name}: {exc.details()}"
                         )
                         return
-                    if time.monotonic() - last_ok > self.lease_s:
+                    if time.monotonic() - last_ok > self.patience_s:
                         on_failure(
-                            f"coordinator at {self.address} unreachable for {self.lease_s:g}s: "
+                            f"coordinator at {self.address} unreachable for {self.patience_s:g}s "
+                            f"({PATIENCE_LEASES} leases): "
                             f"{exc.code().name}: {exc.details()}"
                         )
                         return

@@ -15,9 +15,10 @@ is a replay and is sent at once, alone if need be.
 
 Liveness, as for one rank (`_coord_client`): the hello waits up to `startup_timeout_s` for a coordinator
 that is not up yet; a stream that breaks (a coordinator restarting from its journal) is reopened, with a
-new hello and the call in flight sent again, for up to the coordinator's lease; one heartbeat per node
-(every rank it serves) every min(lease/3, 2 s). A failure (ABORTED from the coordinator, or a rank of
-this agent reporting one) reaches every rank's pending and later calls.
+new hello and the call in flight sent again, for up to two of the coordinator's leases (`patience`, why
+two: `_coord_client`); one heartbeat per node (every rank it serves) every min(lease/3, 2 s). A failure
+(ABORTED from the coordinator, or a rank of this agent reporting one) reaches every rank's pending and
+later calls.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from batchd.proto import (
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
 
-from ._coord_client import call_coordinator
+from ._coord_client import PATIENCE_LEASES, call_coordinator, patience
 
 log = logging.getLogger("batchd.node")
 
@@ -127,6 +128,11 @@ class NodeLink:
         self._on_failure: list[Callable[[str], None]] = []
         self._thread: threading.Thread | None = None
         self._hb: threading.Thread | None = None
+
+    @property
+    def patience_s(self) -> float:
+        """How long the agent retries a coordinator it cannot reach: `_coord_client.patience`."""
+        return patience(self.lease_s)
 
     def client(self, rank: int) -> LocalRankClient:
         if rank not in self.ranks:
@@ -215,7 +221,7 @@ class NodeLink:
 
     def _exchange(self, request: pb.NodeRequest, what: str) -> pb.NodeReply:
         """Sends `request` and returns its reply; a broken stream is reopened (new hello) and the request
-        sent again, for up to a lease (the coordinator replays what it decided)."""
+        sent again, for up to `patience_s` (the coordinator replays what it decided)."""
 
         def once() -> pb.NodeReply:
             if self._replies is None:
@@ -229,11 +235,12 @@ class NodeLink:
                 if transient(exc):  # noticed now: a coordinator restarted with its journal resumes the job
                     log.warning(
                         "node agent %r: its stream to the coordinator at %s broke (%s); reopening it for up "
-                        "to a lease (%gs)",
+                        "to %gs (%d leases)",
                         self.node,
                         self.coordinator,
                         exc.code().name,
-                        self.lease_s,
+                        self.patience_s,
+                        PATIENCE_LEASES,
                     )
                     self._replies = None  # reopen on the retry
                 raise
@@ -241,7 +248,7 @@ class NodeLink:
                 self._replies = None
                 raise _Ended() from None
 
-        deadline = time.monotonic() + self.lease_s
+        deadline = time.monotonic() + self.patience_s
         while True:
             try:
                 reply: pb.NodeReply = retry_while_unreachable(
@@ -357,12 +364,13 @@ class NodeLink:
     def unary(
         self, what: str, fn: Callable[..., Any], request: Any, rank: int, timeout: float = 10.0
     ) -> Any:  # the protobuf reply of `fn`
-        """A unary call on behalf of `rank` (Register, Finish), retried for up to a lease."""
-        return call_coordinator(self.coordinator, rank, what, fn, request, timeout, self.lease_s, self._stop)
+        """A unary call on behalf of `rank` (Register, Finish), retried for up to `patience_s`."""
+        patience_s = self.patience_s
+        return call_coordinator(self.coordinator, rank, what, fn, request, timeout, patience_s, self._stop)
 
     def start_heartbeats(self, on_failure: Callable[[str], None]) -> None:
         """One heartbeat for every rank still running, every min(lease/3, HEARTBEAT_S); `on_failure` of every
-        rank when the job failed or the coordinator has been unreachable for a whole lease."""
+        rank when the job failed or the coordinator has been unreachable for `patience_s`."""
         with self.cond:
             self._on_failure.append(on_failure)
             if self._hb is not None:
@@ -410,16 +418,18 @@ class NodeLink:
                 if not told:  # noticed now: a coordinator restarted with its journal resumes the job
                     told = True
                     log.warning(
-                        "node agent %r: the coordinator at %s is unreachable (%s); retrying for up to its "
-                        "lease (%gs)",
+                        "node agent %r: the coordinator at %s is unreachable (%s); retrying for up to %gs "
+                        "(%d leases)",
                         self.node,
                         self.coordinator,
                         exc.code().name,
-                        self.lease_s,
+                        self.patience_s,
+                        PATIENCE_LEASES,
                     )
-                if time.monotonic() - last_ok > self.lease_s:
+                if time.monotonic() - last_ok > self.patience_s:
                     self._failed(
-                        f"coordinator at {self.coordinator} unreachable for {self.lease_s:g}s: "
+                        f"coordinator at {self.coordinator} unreachable for {self.patience_s:g}s "
+                        f"({PATIENCE_LEASES} leases): "
                         f"{exc.code().name}: {exc.details()}"
                     )
                     return
@@ -448,6 +458,10 @@ class LocalRankClient:
     @property
     def lease_s(self) -> float:
         return self.link.lease_s
+
+    @property
+    def patience_s(self) -> float:
+        return self.link.patience_s
 
     def register(self, my_address: str) -> pb.RegisterReply:
         """The node's registration at first; later (a rank refreshing its peers' addresses) a unary Register

@@ -6,9 +6,9 @@ A rank reads from one of three sources (`SourceOptions`): `lengths` (synthetic t
 else starts an embedded one that the job's next rank services on this host join; never a Ray another
 job started. A Ray that goes away under a running service fails the job at once, naming it
 (`SharedRay.watch`, `RayLost`)) or neither (producers push samples through `Ingest`). With a stats
-file, a rank service reading a dataset writes its source's counters (samples, quarantined, records
-read, samples/s, actor busy time, the Ray node of each actor) there as JSON when it exits
-(`write_stats`; with a Ray address, the GCS address of the Ray it ran on).
+file, a rank service writes its counters there as JSON when it exits (`write_stats`): its moved samples
+and their bytes, and reading a dataset its source's (samples, quarantined, records read, samples/s,
+actor busy time, the Ray node of each actor; with a Ray address, the GCS address of the Ray it ran on).
 """
 
 from __future__ import annotations
@@ -117,43 +117,43 @@ def make_source(
 def write_stats(
     path: str | None,
     rank: int,
-    source: RaySource,
+    source: object,
     shared: SharedRay | None = None,
     fetched: dict[str, int] | None = None,
 ) -> None:
-    """Writes `source`'s counters (`Source.stats()`), its view's size, this process's peak resident memory
-    (`peak_rss_bytes`: a node agent's, all its ranks together), its pool's actor time, the Ray node each
-    actor runs on (`actor_nodes`) and each actor's peak resident memory to `path` as JSON (nothing when
-    `path` is empty); with `shared` (the Ray it ran on) that Ray's address (`ray_address`); a node agent
-    adds its rank's moved-sample counts (`fetched`: `fetched_local`, `fetched_remote`, as RankStatus
-    reports them).
+    """Writes rank `rank`'s counters to `path` as JSON (nothing when `path` is empty): this process's peak
+    resident memory (`peak_rss_bytes`: a node agent's, all its ranks together) and, from a node agent, its
+    moved-sample counts (`fetched`: `fetched_local`, `fetched_remote` as RankStatus reports them, and
+    `fetched_remote_bytes`) whatever the source; from a `RaySource` also its counters (`Source.stats()`),
+    its view's size, its pool's actor time, the Ray node each actor runs on (`actor_nodes`) and each
+    actor's peak resident memory, and with `shared` (the Ray it ran on) that Ray's address
+    (`ray_address`).
 
-    Only a `RaySource` has a view of known size and actors; the actor counters are best effort (a dead
-    Ray is logged, not raised; a Ray known to be gone, `shared.lost`, is not asked), the sample counts are
-    exact.
+    The actor counters are best effort (a dead Ray is logged, not raised; a Ray known to be gone,
+    `shared.lost`, is not asked), the sample counts are exact.
     """
     if not path:
         return
     stats: dict[str, Any] = {
         "rank": rank,
-        **source.stats(),
-        "view": len(source),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
-    if shared is not None and shared.address is not None:
-        stats["ray_address"] = shared.address
     for kind, n in (fetched or {}).items():
         stats[f"fetched_{kind}"] = n
-    try:
-        if shared is not None and shared.lost is not None:
-            raise RuntimeError("its Ray went away")
-        actors = source.pool.stats(timeout=5.0)
-        stats["actor_busy_s"] = sum(a["busy_s"] for a in actors)
-        stats["actor_cpu_s"] = sum(a["cpu_s"] for a in actors)
-        stats["actor_nodes"] = [a["node_id"] for a in actors]
-        stats["actor_peak_rss_bytes"] = [a["peak_rss_bytes"] for a in actors]
-    except Exception as exc:  # noqa: BLE001 - counters are best effort; the sample counts above are exact
-        log.warning("rank %d: no actor stats: %s", rank, exc)
+    if isinstance(source, RaySource):
+        stats |= {**source.stats(), "view": len(source)}
+        if shared is not None and shared.address is not None:
+            stats["ray_address"] = shared.address
+        try:
+            if shared is not None and shared.lost is not None:
+                raise RuntimeError("its Ray went away")
+            actors = source.pool.stats(timeout=5.0)
+            stats["actor_busy_s"] = sum(a["busy_s"] for a in actors)
+            stats["actor_cpu_s"] = sum(a["cpu_s"] for a in actors)
+            stats["actor_nodes"] = [a["node_id"] for a in actors]
+            stats["actor_peak_rss_bytes"] = [a["peak_rss_bytes"] for a in actors]
+        except Exception as exc:  # noqa: BLE001 - counters are best effort; the sample counts above are exact
+            log.warning("rank %d: no actor stats: %s", rank, exc)
     p = Path(path)
     tmp = p.with_suffix(p.suffix + ".tmp")
     tmp.write_text(json.dumps(stats))

@@ -158,14 +158,14 @@ class _NodeSources:
                 self.shared.append(ray_handle)
 
     def close(self, stats_path: Callable[[int], str | None]) -> None:
-        """Writes each `RaySource`'s stats (rank r's to `stats_path(r)`), closes the sources, then the Ray
-        handles, even when a write fails."""
+        """Writes each rank's stats (rank r's to `stats_path(r)`: a `RaySource`'s counters, any source's
+        moved-sample counts), closes the sources, then the Ray handles, even when a write fails."""
         try:
             for r, src in self.sources.items():
-                if isinstance(src, RaySource):
-                    try:
-                        write_stats(stats_path(r), r, src, self.ray, self.fetched.get(r))
-                    finally:
+                try:
+                    write_stats(stats_path(r), r, src, self.ray, self.fetched.get(r))
+                finally:
+                    if isinstance(src, RaySource):
                         src.close()
         finally:
             for handle in reversed(self.shared):  # the one that started an embedded Ray (the first) goes last

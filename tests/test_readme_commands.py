@@ -198,7 +198,7 @@ RUN_BY = {
     "batchd rank --rank r": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "torchrun --node-rank G": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
     "batchd node --node-rank G --advertise <its address> --ray-address <the cluster's Ray>": (
-        "tests/test_node_cluster.py::test_node_agents_on_a_multi_node_ray_cluster_survive_an_agent_kill"
+        "tests/test_netcluster.py::test_a_ray_job_across_hosts_with_images_two_phase_steps_and_an_agent_restart"
     ),
     "batchd coordinator --config job.toml --world-size 2 --state-dir /shared/batchd-coord --resize": (
         "tests/test_elastic.py::test_an_agent_killed_job_resumes_at_2_ranks_then_grows_to_3"

@@ -4,17 +4,27 @@ A trainer blocked in a collective learns that a peer died only when a peer it ex
 connection, by which time its rank service may have failed and exited too: `FailureWatch` polls for the
 job's failure in the background and keeps the message, `raise_job_failure` turns the step's exception
 into `JobFailed` naming the rank that caused it.
+
+A peer whose host is cut off or lost never drops its connections: a collective with it blocks until the
+process group's own timeout (`--timeout`, 30 min by default). So once the job has failed, a trainer still
+in its step `STUCK_EXIT_S` later is blocked on such a peer, and the watch ends it (`on_stuck`): exit 1
+with the job's failure, within about `STUCK_EXIT_S` of the failure (docs/deployment.md#network-faults).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
 from batchd.client import JobFailed
 from batchd.proto import batchd_pb2 as pb
+
+STUCK_EXIT_S = 20.0  # after the job failed, a trainer still in its step this long is ended (docstring)
 
 
 class FailureWatch:
@@ -25,8 +35,15 @@ class FailureWatch:
     may have failed and exited too; the message kept here still names the rank that caused it.
     """
 
-    def __init__(self, client, period_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        client,
+        period_s: float = 0.5,
+        on_stuck: Callable[[str], None] | None = None,
+        stuck_s: float = STUCK_EXIT_S,
+    ) -> None:
         self.client, self.period_s = client, period_s
+        self.on_stuck, self.stuck_s = on_stuck, stuck_s
         self.failure: str | None = None
         self._stop = threading.Event()
         threading.Thread(target=self._run, name="batchd-failure-watch", daemon=True).start()
@@ -41,10 +58,27 @@ class FailureWatch:
                 continue
             if failure:
                 self.failure = failure
+                if self.on_stuck is not None and not self._stop.wait(self.stuck_s):
+                    self.on_stuck(failure)  # the trainer did not stop the watch: still in its step
                 return
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def exit_stuck(rank: int, stuck_s: float = STUCK_EXIT_S) -> Callable[[str], None]:
+    """`FailureWatch.on_stuck` of `batchd.train`: print the job's failure as its one line and exit 1."""
+
+    def stuck(failure: str) -> None:
+        print(
+            f"[rank {rank}] batchd job failed: {failure} (this trainer was still in its step {stuck_s:g}s "
+            "later, blocked in a collective with a party that is gone: exiting)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+    return stuck
 
 
 def raise_job_failure(client, watch: FailureWatch, exc: BaseException) -> None:

@@ -17,7 +17,7 @@ from batchd.client import BatchdError, JobFailed, weighted_steps
 from batchd.proto import Progress
 
 from .checkpoint import save_checkpoint
-from .failure import FailureWatch, raise_job_failure
+from .failure import FailureWatch, exit_stuck, raise_job_failure
 from .models import patches
 
 
@@ -124,7 +124,7 @@ class _Loop:
             ddp, "module", ddp
         )  # DDP's and DeepSpeed's wrapped model; FSDP2 shards in place
         self.vocab = _vocabulary(self.module)
-        self.watch = FailureWatch(client)
+        self.watch = FailureWatch(client, on_stuck=exit_stuck(self.rank))
         self.ids_log = (
             os.open(args.ids_log.format(rank=self.rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             if args.ids_log

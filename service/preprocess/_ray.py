@@ -26,7 +26,8 @@ agent is its own node: the default node its `PreprocessPool`s pin their actors t
 started with `ray.init(address=..., _node_ip_address=...)` naming a node's own IP, or the pools are
 given `node_id` explicitly (tests/_ray_cluster_check.py does both). Ray reads no environment variable
 for that IP, so `share_ray` passes `$BATCHD_RAY_NODE_IP` (when set) as `_node_ip_address` when it joins a
-running Ray: a node agent started with it attaches to that node's raylet (tests/test_node_cluster.py).
+running Ray: a node agent started with it attaches to that node's raylet (tests/test_netcluster.py, hosts
+with their own addresses, sets it too).
 
 `resolve(payload)` / `resolve_many(payloads)` turn a sample's payload reference into its dict, at
 collate time.

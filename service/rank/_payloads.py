@@ -15,10 +15,10 @@ A lent payload is handed to each rank that takes it (its LLM owner, every rank e
 images; `lend_out` serves a peer's `Fetch`) and dropped after the last; one this rank also uses stays
 held (the same reference, no copy). A rank of the same node agent (`local_peers`) hands moved payloads
 over in process; others are fetched over one long-lived gRPC channel per peer address, retried while
-the peer restarts (up to the coordinator's lease; then the job fails naming it). A payload not held
-(after a restart) is re-made from the source by id. Thread safety: `lend`, `take_lent` and `untake_lent`
-take the lending lock (`lend_out` runs on the server's threads); everything else runs on the rank's loop
-thread.
+the peer restarts or a partition heals (up to two leases, `patience_s`; then the job fails naming it).
+A payload not held (after a restart) is re-made from the source by id. Thread safety: `lend`, `take_lent`
+and `untake_lent` take the lending lock (`lend_out` runs on the server's threads); everything else runs
+on the rank's loop thread.
 
 `collate` / `batch_of` turn one step's payloads into its arrays (padded, packed or two-phase; numpy, no
 torch) and its `pb.Batch`.
@@ -204,7 +204,8 @@ class Payloads:
         address: This rank's own address (for asking the coordinator for its peers').
         peers: Every rank's address, by rank (as the coordinator last said).
         local_peers: The other ranks of this node agent, in process (their `Payloads`).
-        fetched: Moved-in samples taken in process ("local") and fetched over gRPC ("remote").
+        fetched: Moved-in samples taken in process ("local") and fetched over gRPC ("remote"), and the
+            bytes of the Fetch replies that carried the latter ("remote_bytes", as serialized).
     """
 
     def __init__(
@@ -228,7 +229,7 @@ class Payloads:
         self.address = ""
         self.peers: list[str] = []
         self.local_peers: Mapping[int, Payloads] = {}
-        self.fetched = {"local": 0, "remote": 0}
+        self.fetched = {"local": 0, "remote": 0, "remote_bytes": 0}
         self._peer_stubs: dict[str, pb_grpc.RankServiceStub] = {}  # one channel per peer address, for the job
         self._peer_channels: list[grpc.Channel] = []
 
@@ -363,7 +364,8 @@ class Payloads:
 
     def fetch_ids(self, home: int, ids: list[int]) -> list[Payload]:
         """The payloads of `ids` from rank `home`. A peer that is unreachable (restarting from its journal)
-        is retried, with its address asked anew of the coordinator, for up to the coordinator's lease;
+        is retried, with its address asked anew of the coordinator, for up to two of the coordinator's leases
+        (its `patience_s`: a restart, or a partition between the two agents that heals);
         one that stays away fails the job, naming it. A rank of this node agent hands them over in process."""
         if home in self.local_peers:
             return self._take_local(self.local_peers[home], ids)
@@ -378,7 +380,7 @@ class Payloads:
             try:
                 reply = retry_while_unreachable(
                     fetch,
-                    self._coord().lease_s,
+                    self._coord().patience_s,
                     f"rank {home} (rank {self.rank} fetching moved samples)",
                     stop=self._stop,
                     on_retry=self._refresh_peers,
@@ -397,6 +399,7 @@ class Payloads:
             if not reply.samples:
                 raise RuntimeError(f"rank {home} returned no payload for samples {ids[len(out) :]}")
             out += [wire.tensors_from_pb(m.tensors) for m in reply.samples]
+            self.fetched["remote_bytes"] += reply.ByteSize()
         self.fetched["remote"] += len(out)
         return out
 
