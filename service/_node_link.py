@@ -314,6 +314,10 @@ class NodeLink:
                 result, error = None, self._error(what, exc)
             except CoordinatorError as exc:
                 result, error = None, exc
+            except ValueError:  # `close()` closed the channel under a retry: the agent is stopping
+                if not self._stop.is_set():
+                    raise
+                result, error = None, CoordinatorError(f"node agent {self.node!r} stopped ({what})")
             with self.cond:
                 for c in batch:
                     c.result, c.error, c.done = result, error, True

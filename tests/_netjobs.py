@@ -30,6 +30,7 @@ PY = sys.executable
 RAY = str(Path(PY).parent / "ray")
 COORD_PORT, AGENT_PORT, MASTER_PORT, RAY_PORT = 7000, 7100, 29500, 6379
 LOCAL = 2  # ranks per host
+RAY_START_TRIES = 3  # `HostJob.start_ray`
 
 
 @dataclass
@@ -47,6 +48,7 @@ class JobPlan:
     trainer: list[str] = field(default_factory=list)  # extra batchd.train flags (model, step time)
     agent: list[str] = field(default_factory=list)  # extra batchd node flags
     coordinator: list[str] = field(default_factory=list)
+    ray_env: dict[str, str] = field(default_factory=dict)  # extra environment of every Ray node and agent
 
     @property
     def world(self) -> int:
@@ -105,39 +107,50 @@ class HostJob:
         if host not in self.ray_tmp:
             self.ray_tmp[host] = tempfile.mkdtemp(prefix=f"bdr{host[-1]}-", dir="/tmp")
         tmp = self.ray_tmp[host]
-        return {**self.env, "RAY_TMPDIR": tmp, "TMPDIR": tmp, "RAY_AUTH_MODE": "token"}
+        return {**self.env, "RAY_TMPDIR": tmp, "TMPDIR": tmp, "RAY_AUTH_MODE": "token", **self.plan.ray_env}
 
     def start_ray(self) -> None:
-        """The Ray head on the head host, then a worker node on each trainer host (foreground: --block);
-        returns once each said it started (a node joins a head that is up; an agent needs its node)."""
+        """The Ray head on the head host, then a worker node on each trainer host, one after another
+        (foreground: --block); returns once each said it started (a node joins a head that is up; an
+        agent needs its node).
+
+        `ray start` gives its raylet a fixed 30 s to register with the GCS (ray/_private/node.py,
+        `raylet_start_wait_time_s`, not configurable), which a 2-core machine running the test suite
+        beside other work can miss; a node whose start timed out so is started again (its host's
+        processes killed first: only Ray runs there yet), up to RAY_START_TRIES times."""
         head = self.head
-        self.net.start(
-            "head",
-            "ray-head",
-            [RAY, "start", "--head", "--block", f"--node-ip-address={head}", f"--port={RAY_PORT}",
-             "--num-cpus=0", "--include-dashboard=false", "--disable-usage-stats"],
-            self._ray_env("head"),
-        )  # fmt: skip
-        self._ray_started("ray-head")
+        argv = [RAY, "start", "--head", "--block", f"--node-ip-address={head}", f"--port={RAY_PORT}",
+                "--num-cpus=0", "--include-dashboard=false", "--disable-usage-stats"]  # fmt: skip
+        self._start_ray_node("head", argv)
         for g in range(self.plan.hosts):
             host = self.host(g)
-            self.net.start(
-                host,
-                f"ray-{host}",
-                [RAY, "start", "--block", f"--address={head}:{RAY_PORT}",
-                 f"--node-ip-address={self.net.addr(host)}", "--num-cpus=2", "--disable-usage-stats"],
-                self._ray_env(host),
-            )  # fmt: skip
-        for g in range(self.plan.hosts):
-            self._ray_started(f"ray-{self.host(g)}")
+            ip = self.net.addr(host)
+            argv = [RAY, "start", "--block", f"--address={head}:{RAY_PORT}", f"--node-ip-address={ip}",
+                    "--num-cpus=2", "--disable-usage-stats"]  # fmt: skip
+            self._start_ray_node(host, argv)
 
-    def _ray_started(self, name: str) -> None:
-        until(
-            f"{name} to start",
-            lambda: "Ray runtime started" in self.net.log(name, 10**6),
-            180,
-            self.dead([name]),
-        )
+    def _start_ray_node(self, host: str, argv: list[str]) -> None:
+        for attempt in range(RAY_START_TRIES):
+            name = f"ray-{host}" if attempt == 0 else f"ray-{host}-try{attempt + 1}"
+            self.net.start(host, name, argv, self._ray_env(host))
+            try:
+                until(
+                    f"{name} to start",
+                    lambda n=name: "Ray runtime started" in self.net.log(n, 10**6),
+                    180,
+                    self.dead([name]),
+                )
+                return
+            except RuntimeError:
+                if "The current node timed out during startup" not in self.net.log(name, 10**6):
+                    raise
+                print(
+                    f"{name}: Ray's 30 s raylet registration window missed; starting the node again",
+                    flush=True,
+                )
+                self.net.kill_host(host)
+                self.net.procs.pop(name)[1].wait(30)  # its log stays; it is no party of the job
+        raise RuntimeError(f"the Ray node of {host} did not start in {RAY_START_TRIES} tries")
 
     def start_coordinator(self, name: str = "coordinator", extra: list[str] | None = None):
         argv = [

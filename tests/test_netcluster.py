@@ -241,3 +241,61 @@ def test_the_developer_script_runs_the_job_across_hosts(tmp_path):
     assert re.search(r"every id once; steps per rank \{0: (\d+), 1: \1, 2: \1, 3: \1\}", out), out
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"bdc{proc.pid}-" not in listed, listed  # the script execs python: its namespaces carry this pid
+
+
+def test_the_ray_heads_host_lost_ends_the_job_naming_it(net, tmp_path):
+    """The head (the Ray head and the coordinator, as in deploy/ray) is lost mid-job: every process on it
+    SIGKILLed. Each agent finds its Ray's GCS gone (`SharedRay.watch`) or the coordinator unreachable and
+    fails the job naming it; its trainers exit 1 with that line; every batchd party has exited 1 within
+    two leases and the trainers' grace, without a traceback; the Ray worker nodes stop by themselves once
+    Ray's `gcs_rpc_server_reconnect_timeout_s` (here 15 s, Ray's default 60 s) has passed."""
+    from batchd.preprocess import demo_tokenizer, make_demo_dataset
+
+    n = 160
+    data = make_demo_dataset(
+        tmp_path / "data", num_samples=n, seed=7, image_fraction=0.0, bad_fraction=0.0, format="parquet"
+    )
+    tok = str(demo_tokenizer(tmp_path / "tok.json"))
+    plan = JobPlan(
+        spec=SPEC,
+        lease_s=8.0,
+        ray=True,
+        dataset=str(data.path),
+        tokenizer=tok,
+        trainer=["--tokenizer", tok, *TINY[2:], "--step-time", "0.3", "--timeout", "300"],
+        ray_env={"RAY_gcs_rpc_server_reconnect_timeout_s": "15"},
+    )
+    job = HostJob(net, tmp_path, plan)
+    try:
+        job.start_all()
+        _steps_after(job, 3, "the first steps")
+        lost = time.monotonic()
+        net.kill_host("head")
+        batchd = [
+            name for name, (host, _) in net.procs.items() if host != "head" and not name.startswith("ray-")
+        ]
+        exits: dict[str, float] = {}
+
+        def record() -> bool:
+            for name, (host, p) in net.procs.items():
+                if host != "head" and name not in exits and p.poll() is not None:
+                    exits[name] = round(time.monotonic() - lost, 1)
+            return all(name in exits for name in batchd)
+
+        until("every batchd party exits", record, 2 * plan.lease_s + 40)
+        assert all(net.get(name).returncode == 1 for name in batchd), {
+            n: net.get(n).returncode for n in batchd
+        }
+        for name in batchd:
+            log = net.log(name, 10**6)
+            assert "Traceback" not in log, f"{name}:\n{log[-3000:]}"
+            assert re.search(
+                r"(its Ray at 10\.77\.0\.2:6379 went away|coordinator at 10\.77\.0\.2:7000 unreachable)", log
+            ), name
+        until("the Ray worker nodes stop", lambda: record() and len(exits) == len(net.procs) - 2, 90)
+        print(f"exits after the head was lost (s): {exits}")
+    except BaseException:
+        print(net.all_logs())
+        raise
+    finally:
+        job.close()
