@@ -67,6 +67,7 @@ ORDER = (
     "integrations",
     "_notes/integrations",
     "group-delivery",
+    "cluster",
 )
 
 # The last commit whose docs/benchmarks.md was written by the scripts directly, before results were
@@ -106,6 +107,7 @@ FULL_RUNS = {
     "microbatch": "python benchmarks/microbatch_balance.py",
     "integrations": "python benchmarks/integrations.py",
     "group-delivery": "python benchmarks/group_delivery.py",
+    "cluster": "python benchmarks/cluster.py",  # as root: it makes network namespaces
 }
 
 

@@ -169,7 +169,6 @@ RUN_BY = {
     "batchd rank --world-size 2 --token-budget 8192 --policy balanced --rank 0 --coordinator 127.0.0.1:7000 "
     "--dataset data.parquet --num-actors 2 --ray-address HEAD:6379 --quarantine bad.jsonl --state-dir "
     "/tmp/batchd --port 7100": "tests/test_readme_commands.py::test_readme_processes_block_runs",
-    "batchd rank --dataset": "tests/test_readme_commands.py::test_readme_processes_block_runs",
     "batchd simulate --help": "tests/test_readme_commands.py::test_readme_and_help_commands_parse",
     "batchd simulate --deterministic": (
         "tests/test_deterministic.py::"

@@ -1,0 +1,229 @@
+"""The network-fault scenarios of a cluster in a box, shared by tests/test_netcluster.py (which asserts
+their outcomes) and benchmarks/cluster.py (which records their figures).
+
+Each scenario runs one job on a `NetCluster` of a head and two trainer hosts (tests/_netjobs.py) and
+returns what happened as plain data: exit codes and times (seconds after the fault), steps, and the
+lines each party ended with. A failing scenario prints every party's log before it raises.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _netcluster import NetCluster
+from _netjobs import PY, HostJob, JobPlan, until, write_lengths
+
+SPEC = ["--token-budget", "256", "--window", "16", "--depth", "2", "--seed", "5"]
+TINY = ["--vocab-size", "512", "--d-model", "32", "--n-layers", "1", "--n-heads", "2"]
+EVERY_EXIT_S = 180.0  # a deadline on the job's end; it only bounds a failing run
+OUTAGE_S = 5.0  # the short faults' length
+LONG_CUT_S = 12.0  # past_the_lease: the cut, longer than its lease (8 s), shorter than two
+
+
+def synthetic(net: NetCluster, work: Path, n: int, lease_s: float, spec: list[str] = SPEC) -> HostJob:
+    plan = JobPlan(
+        spec=spec,
+        lease_s=lease_s,
+        lengths=str(write_lengths(work / "lengths.txt", n, hi=250)),
+        trainer=[*TINY, "--step-time", "0.3", "--reconnect-timeout", "120", "--timeout", "300"],
+    )
+    return HostJob(net, work, plan)
+
+
+def steps_after(job: HostJob, steps: int, what: str) -> float:
+    """Waits until every rank logged `steps` more steps; returns the seconds it took."""
+    t, start = time.monotonic(), job.steps_done()
+    until(what, lambda: job.steps_done() >= start + steps, 120, job.dead())
+    return time.monotonic() - t
+
+
+class _Exits:
+    """Records when each party of `names` exits, in seconds after `t0`."""
+
+    def __init__(self, net: NetCluster, names: list[str], t0: float) -> None:
+        self.net, self.names, self.t0 = net, names, t0
+        self.at: dict[str, float] = {}
+
+    def poll(self) -> bool:
+        for name in self.names:
+            if name not in self.at and self.net.get(name).poll() is not None:
+                self.at[name] = round(time.monotonic() - self.t0, 1)
+        return len(self.at) == len(self.names)
+
+
+def _last_lines(net: NetCluster, names: list[str]) -> dict[str, str]:
+    """Each party's last failure line (or its last line)."""
+    out = {}
+    for name in names:
+        lines = [ln for ln in net.log(name, 10**6).splitlines() if ln.strip()]
+        failed = [ln for ln in lines if "failed" in ln or "error" in ln.lower()]
+        out[name] = (failed or lines or [""])[-1]
+    return out
+
+
+def _guarded(net: NetCluster, job: HostJob, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return body()
+    except BaseException:
+        print(net.all_logs())
+        raise
+    finally:
+        job.close()
+
+
+def ride_through(net: NetCluster, work: Path) -> dict[str, Any]:
+    """Lease 12 s: a trainer host's link down 5 s, then the two trainer hosts partitioned from each other
+    5 s (both reach the coordinator), then the coordinator's host cut off 5 s, each after some steps.
+    Returns per fault the seconds from the fault, and from its end, to every rank's next 2 steps; the
+    exit codes, steps per rank (every id once checked), fetched counts, and the agents' logs."""
+    n = 360
+    job = synthetic(net, work, n, lease_s=12.0)
+    faults = {
+        "trainer host cut": (lambda: net.cut("host2"), lambda: net.heal("host2")),
+        "agents partitioned": (lambda: net.partition("host1", "host2"), lambda: net.join("host1", "host2")),
+        "coordinator host cut": (lambda: net.cut("head"), lambda: net.heal("head")),
+    }
+
+    def body() -> dict[str, Any]:
+        job.start_all()
+        everyone = list(net.procs)
+        steps_after(job, 3, "the first steps")
+        figures = {}
+        for name, (fault, heal) in faults.items():
+            t = time.monotonic()
+            fault()
+            time.sleep(OUTAGE_S)  # the outage itself, not a wait for an event
+            heal()
+            again = steps_after(job, 2, f"steps after {name}")
+            figures[name] = {"after_heal_s": round(again, 1), "after_fault_s": round(time.monotonic() - t, 1)}
+        codes = job.wait_exit(everyone, EVERY_EXIT_S)
+        return {
+            "lease_s": 12.0,
+            "outage_s": OUTAGE_S,
+            "faults": figures,
+            "codes": codes,
+            "steps": job.check_every_id_once(n),
+            "fetched_remote": {r: s["fetched_remote"] for r, s in job.stats().items()},
+            "agent_logs": {h: net.log(f"agent-{h}", 10**6) for h in ("host1", "host2")},
+        }
+
+    return _guarded(net, job, body)
+
+
+def past_the_lease(net: NetCluster, work: Path) -> dict[str, Any]:
+    """Lease 8 s; host2's link down for LONG_CUT_S, then up (within its agent's two leases). Returns each
+    party's exit code and time after the cut, when the coordinator failed the job, and every party's
+    log."""
+    job = synthetic(net, work, 360, lease_s=8.0)
+
+    def body() -> dict[str, Any]:
+        job.start_all()
+        everyone = list(net.procs)
+        steps_after(job, 3, "the first steps")
+        cut = time.monotonic()
+        wall_cut = time.time()
+        net.cut("host2")
+        exits = _Exits(net, everyone, cut)
+        until("host1's agent exits", lambda: exits.poll() or "agent-host1" in exits.at, 60)
+        until(f"{LONG_CUT_S:g} s of outage", lambda: exits.poll() or time.monotonic() - cut >= LONG_CUT_S, 60)
+        net.heal("host2")
+        # patience (16 s) + the failed coordinator's stay + STUCK_EXIT_S (20 s) of a trainer blocked in gloo
+        until("every party exits", exits.poll, 90)
+        failed = re.search(
+            r"^(\S+ \S+) ERROR batchd.coordinator\[\d+\]: job failed", net.log("coordinator", 10**6), re.M
+        )
+        noticed = None
+        if failed:
+            stamp = time.mktime(time.strptime(failed.group(1).split(",")[0], "%Y-%m-%d %H:%M:%S"))
+            noticed = round(stamp + int(failed.group(1).split(",")[1]) / 1000 - wall_cut, 1)
+        return {
+            "lease_s": 8.0,
+            "cut_s": LONG_CUT_S,
+            "codes": {name: net.get(name).returncode for name in everyone},
+            "exits_s": exits.at,
+            "noticed_s": noticed,
+            "lines": _last_lines(net, everyone),
+            "logs": {name: net.log(name, 10**6) for name in everyone},
+        }
+
+    return _guarded(net, job, body)
+
+
+def head_lost(net: NetCluster, work: Path) -> dict[str, Any]:
+    """A Ray job (text Parquet, tiny LM), lease 8 s; the head (Ray head and coordinator) loses every
+    process mid-job. Returns the exit codes and times after the loss of every party on the trainer hosts
+    (Ray worker nodes included: Ray's GCS reconnect timeout set to 15 s) and their logs."""
+    from batchd.preprocess import demo_tokenizer, make_demo_dataset
+
+    data = make_demo_dataset(
+        work / "data", num_samples=160, seed=7, image_fraction=0.0, bad_fraction=0.0, format="parquet"
+    )
+    tok = str(demo_tokenizer(work / "tok.json"))
+    plan = JobPlan(
+        spec=SPEC,
+        lease_s=8.0,
+        ray=True,
+        dataset=str(data.path),
+        tokenizer=tok,
+        trainer=["--tokenizer", tok, *TINY[2:], "--step-time", "0.3", "--timeout", "300"],
+        ray_env={"RAY_gcs_rpc_server_reconnect_timeout_s": "15"},
+    )
+    job = HostJob(net, work, plan)
+
+    def body() -> dict[str, Any]:
+        job.start_all()
+        steps_after(job, 3, "the first steps")
+        lost = time.monotonic()
+        net.kill_host("head")
+        remaining = [name for name, (host, _) in net.procs.items() if host != "head"]
+        batchd = [name for name in remaining if not name.startswith("ray-")]
+        exits = _Exits(net, remaining, lost)
+        until("every batchd party exits", lambda: exits.poll() or all(n in exits.at for n in batchd), 56)
+        until("the Ray worker nodes stop", exits.poll, 90)
+        return {
+            "lease_s": 8.0,
+            "batchd": batchd,
+            "codes": {name: net.get(name).returncode for name in remaining},
+            "exits_s": exits.at,
+            "lines": _last_lines(net, batchd),
+            "logs": {name: net.log(name, 10**6) for name in batchd},
+        }
+
+    return _guarded(net, job, body)
+
+
+def traffic(net: NetCluster, work: Path, lengths: Path, spec: list[str]) -> dict[str, Any]:
+    """The synthetic job over `lengths` with `spec` (balanced), 2 trainer hosts of 2 ranks: each rank's
+    moved samples (in process / fetched over the network, and the fetched bytes on the wire) against
+    `batchd simulate --local-ranks 2` of the same lengths and spec."""
+    plan = JobPlan(spec=spec, lease_s=60.0, lengths=str(lengths), trainer=[*TINY, "--timeout", "600"])
+    job = HostJob(net, work, plan)
+
+    def body() -> dict[str, Any]:
+        job.start_all()
+        job.wait_exit(list(net.procs), 900)
+        n = len(lengths.read_text().split())
+        steps = job.check_every_id_once(n)
+        stats = job.stats()
+        sim = subprocess.run(
+            [PY, "-m", "batchd", "simulate", "--lengths", str(lengths), "--world-size", str(plan.world),
+             *spec, "--local-ranks", "2", "--json", "--quiet"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        predicted = json.loads(sim.stdout)
+        return {
+            "samples": n,
+            "steps": steps[0],
+            "wall_s": round(job.elapsed(), 1),
+            "ranks": {r: {k: v for k, v in s.items() if k.startswith("fetched")} for r, s in stats.items()},
+            "simulated": {k: predicted[k] for k in predicted if "node_moved" in k or "node_bytes" in k}
+            | {"steps": predicted["steps"]},
+        }
+
+    return _guarded(net, job, body)
