@@ -14,7 +14,9 @@ Part 2, faults (tests/_netfaults.py, the scenarios tests/test_netcluster.py asse
 (5 s: a trainer host's link, the two trainer hosts partitioned, the coordinator's host) at lease 12 s,
 the time from the fault and from its end until every rank trained 2 more steps; a trainer host cut for
 12 s at lease 8 s, and the head (Ray head and coordinator) lost, the time after the fault at which each
-party exited; samples lost and duplicated in each job that completes (each must be 0: every id is checked
+party exited; under the torchrun elastic recipe across the two hosts (lease 5 s), host2 lost mid-epoch:
+the time until host1's torchrun finished the epoch at world size 2; samples lost and duplicated in each
+job that completes (each must be 0: every id is checked
 once in the trainers' ids logs, and a job that failed trained nothing twice).
 
 Usage: sudo python benchmarks/cluster.py [--samples 2048] [--budget 4096] [--out PATH] [--print]
@@ -23,6 +25,7 @@ Usage: sudo python benchmarks/cluster.py [--samples 2048] [--budget 4096] [--out
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import tempfile
 import time
@@ -52,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=4096, help="token budget of the traffic job (default 4096)")
     args = ap.parse_args(argv)
     from _netcluster import NetCluster
-    from _netfaults import head_lost, past_the_lease, ride_through, traffic
+    from _netfaults import elastic_host_lost, head_lost, past_the_lease, ride_through, traffic
 
     why = NetCluster.unavailable()
     if why:
@@ -70,14 +73,24 @@ def main(argv: list[str] | None = None) -> int:
             "ride_through": ride_through,
             "past_the_lease": past_the_lease,
             "head_lost": head_lost,
+            "elastic": elastic_host_lost,
         }
         for name, run in scenarios.items():
             print(f"cluster: {name} ...", file=sys.stderr, flush=True)
             w = work / name
             with NetCluster(["head", "host1", "host2"], w) as net:
                 got = run(net, w)
-            got.pop("logs", None)
-            got.pop("agent_logs", None)
+            if name == "elastic":
+                worlds = sorted({(ln["restart"], ln["world"]) for ln in got["lines"]})
+                got["worlds"] = worlds
+                resume = min(ln["step"] for ln in got["lines"] if ln["world"] == 2)
+                got["resume_step"] = resume
+                kept = [ln for ln in got["lines"] if ln["world"] == 2 or ln["step"] < resume]
+                seen = collections.Counter(i for ln in kept for i in ln["ids"])
+                got["lost"] = got["samples"] - len(seen)
+                got["duplicated"] = sum(c - 1 for c in seen.values())
+            for bulky in ("logs", "agent_logs", "log", "lines"):
+                got.pop(bulky, None)
             data[name] = got
     data["wall_s"] = round(time.monotonic() - t0, 1)
     config = {"command": command_line("cluster.py", argv), "samples": args.samples, "budget": args.budget}

@@ -11,8 +11,10 @@ Topology. Every "host" is a network namespace with one interface, `eth0`, its ow
 10.77.I.1, which forwards between the hosts (one veth pair per host). Nothing is added to the
 machine's own network stack: the veth pairs are created inside the namespaces, and the 10.77.0.0/16
 addresses exist only there. Each party runs in its host's namespace and, through a UTS namespace of
-its own, under its host's name (`hostname` prints it; node agents name themselves by it). Ports are
-the host's own: two hosts may listen on the same port.
+its own, under its host's name (`hostname` prints it; node agents name themselves by it), and every
+host resolves every host's name (an /etc/hosts of its own, /etc/netns/NS/hosts, which `ip netns exec`
+mounts over /etc/hosts: torchrun's rendezvous resolves its own host name). Ports are the host's own:
+two hosts may listen on the same port.
 
 Faults, each at the router (so a host sees silence, not an error):
 - `cut(host)` / `heal(host)`: the host's link down / up (every packet to or from it is dropped);
@@ -37,6 +39,7 @@ from pathlib import Path
 
 PREFIX = "bdc"
 SUBNET = "10.77"
+ETC_NETNS = Path("/etc/netns")  # `ip netns exec NS` mounts /etc/netns/NS/hosts over /etc/hosts
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -59,7 +62,8 @@ def _namespaces() -> list[str]:
 
 
 def _kill_namespace(ns: str) -> None:
-    """SIGKILLs every process in `ns` (repeatedly: a dying parent may still fork) and deletes it."""
+    """SIGKILLs every process in `ns` (repeatedly: a dying parent may still fork) and deletes it, and its
+    /etc/netns files."""
     for _ in range(20):
         pids = [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
         if not pids:
@@ -71,6 +75,7 @@ def _kill_namespace(ns: str) -> None:
                 pass
         time.sleep(0.1)
     _ip("netns", "del", ns, check=False)
+    shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
 
 
 def clean_stale() -> list[str]:
@@ -173,6 +178,10 @@ class NetCluster:
     def _add(self, ns: str) -> None:
         _ip("netns", "add", ns)
         self._made.append(ns)
+        etc = ETC_NETNS / ns  # `ip netns exec` bind-mounts these over /etc: each host resolves every name
+        etc.mkdir(parents=True, exist_ok=True)
+        names = "".join(f"{self.addr(h)} {h}\n" for h in self.hosts)
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n::1 localhost\n{names}")
 
     def close(self) -> None:
         """Ends every process of every host (SIGKILL) and deletes the namespaces."""
@@ -187,9 +196,15 @@ class NetCluster:
 
     # -- parties ----------------------------------------------------------------------------------------
     def start(
-        self, host: str, name: str, argv: list[str], env: dict[str, str] | None = None
+        self,
+        host: str,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
     ) -> subprocess.Popen:
-        """Runs `argv` on `host` (its network, its host name), output to logs/NAME.log; NAME is unique."""
+        """Runs `argv` on `host` (its network, its host name) in `cwd`, output to logs/NAME.log; NAME is
+        unique."""
         if name in self.procs:
             raise ValueError(f"a party named {name=} was started already")
         wrapped = [
@@ -205,6 +220,7 @@ class NetCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **(env or {})},
+                cwd=cwd,
                 start_new_session=True,
             )
         finally:

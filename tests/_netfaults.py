@@ -227,3 +227,71 @@ def traffic(net: NetCluster, work: Path, lengths: Path, spec: list[str]) -> dict
         }
 
     return _guarded(net, job, body)
+
+
+def elastic_host_lost(net: NetCluster, work: Path) -> dict[str, Any]:
+    """The torchrun elastic recipe across hosts (docs/restarts-and-elastic.md): on host1 and host2,
+    `torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d` (the rendezvous store on
+    host1, each torchrun advertising its own address) running `python -m batchd.train --elastic`, whose
+    workers start the coordinator (rank 0) and each host's agent, journals and checkpoints in the shared
+    work dir, lease 5 s. Both torchruns start at once; the rendezvous waits 20 s (`last_call_timeout`)
+    for the second host once the first joined, so a slow start of either still forms world size 4. host2
+    is lost (every process SIGKILLed) mid-epoch; torchrun restarts host1's workers at world size 2, which
+    resize the job and resume from the furthest checkpoint. Returns host1's torchrun exit code and time
+    after the loss, and every ids-log line."""
+    from batchd.demo import demo_lengths
+
+    samples = 1200
+    (work / "lengths.txt").write_text("\n".join(map(str, demo_lengths(samples, seed=3, longest=512))) + "\n")
+    (work / "job.toml").write_text(
+        "[job]\nworld_size = 4\ntoken_budget = 1024\nseed = 3\n[job.policy]\nwindow = 32\ndepth = 4\n"
+        '[data]\nlengths = "lengths.txt"\n'
+        "[coordinator]\nport = 7000\nlease_s = 5.0\n[rank]\nbase_port = 7100\n"
+    )
+    for host in ("host1", "host2"):
+        addr = net.addr(host)
+        argv = [
+            PY, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+            "--max-restarts", "3",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{net.addr('host1')}:29400", "--rdzv-id", "elastic",
+            "--rdzv-conf", "last_call_timeout=20,join_timeout=120", "--local-addr", addr,
+            "-m", "batchd.train", "--elastic", "state", "--config", "job.toml", "--checkpoint", "ckpt",
+            "--checkpoint-every", "1", "--ids-log", "ids-{rank}.jsonl", "--step-time", "0.1", *TINY,
+            "--log-every", "0", "--timeout", "60", "--reconnect-timeout", "5",
+        ]  # fmt: skip
+        env = {
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            "BATCHD_ADVERTISE": addr,
+            "GLOO_SOCKET_IFNAME": "eth0",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        net.start(host, f"torchrun-{host}", argv, env, cwd=work)
+
+    def lines() -> list[dict]:
+        return [
+            json.loads(ln)
+            for f in work.glob("ids-*.jsonl")
+            for ln in f.read_text().splitlines()
+            if ln.endswith("}")
+        ]
+
+    def body() -> dict[str, Any]:
+        alive = lambda: "torchrun-host1 exited" if net.get("torchrun-host1").poll() is not None else None  # noqa: E731
+        until("24 steps", lambda: len(lines()) >= 24, 240, alive)
+        lost = time.monotonic()
+        net.kill_host("host2")
+        code = net.get("torchrun-host1").wait(300)
+        return {
+            "samples": samples,
+            "code": code,
+            "done_s": round(time.monotonic() - lost, 1),
+            "lines": lines(),
+            "log": net.log("torchrun-host1", 10**6),
+        }
+
+    try:
+        return body()
+    except BaseException:
+        print(net.all_logs())
+        raise

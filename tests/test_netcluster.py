@@ -30,10 +30,10 @@ from pathlib import Path
 
 import pytest
 from _netcluster import NetCluster
-from _netfaults import head_lost, past_the_lease, ride_through, steps_after
+from _netfaults import elastic_host_lost, head_lost, past_the_lease, ride_through, steps_after
 from _netjobs import PY, HostJob, JobPlan
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 @pytest.fixture
@@ -187,3 +187,30 @@ def test_the_ray_heads_host_lost_ends_the_job_naming_it(net, tmp_path):
         gone = r"(its Ray at 10\.77\.0\.2:6379 went away|coordinator at 10\.77\.0\.2:7000 unreachable)"
         assert re.search(gone, log), f"{name}:\n{log[-2000:]}"
     print(f"exits after the head was lost (s): {got['exits_s']}")
+
+
+def test_a_host_lost_under_the_elastic_recipe_resizes_the_job(net, tmp_path):
+    """torchrun elastic across two hosts (each its own address; the rendezvous store on host1): host2 is
+    lost mid-epoch; host1's torchrun restarts its workers at world size 2, the coordinator resizes the job,
+    and they resume from the furthest checkpoint: every sample of the epoch trained exactly once (the
+    steps of world size 4 before the resume step, then every step of world size 2), both new ranks make
+    every step, host1's torchrun exits 0."""
+    import collections
+
+    got = elastic_host_lost(net, tmp_path)
+    assert got["code"] == 0, got["log"][-4000:]
+    lines = got["lines"]
+    worlds = {(ln["restart"], ln["world"]) for ln in lines}
+    assert (0, 4) in worlds and any(r > 0 and w == 2 for r, w in worlds), worlds
+    resume = min(ln["step"] for ln in lines if ln["world"] == 2)
+    assert resume > 0  # resumed mid-epoch
+    seen = collections.Counter(
+        i for ln in lines if ln["world"] == 2 or ln["step"] < resume for i in ln["ids"]
+    )
+    assert set(seen) == set(range(got["samples"])) and max(seen.values()) == 1, len(seen)
+    per_rank = collections.Counter(
+        (ln["world"], ln["restart"], ln["step"]) for ln in lines if ln["world"] == 2
+    )
+    assert set(per_rank.values()) == {2}
+    assert "saved at world size 4: the job was resized" in got["log"], got["log"][-3000:]
+    print(f"elastic: host1's torchrun done {got['done_s']} s after host2 was lost; resumed at step {resume}")
