@@ -30,6 +30,15 @@ __all__ = ["Harness", "free_port", "log_tail"]
 POLL_S = 0.05
 
 
+def join_or_terminate(procs: list, coord, timeout: float = 10.0) -> None:
+    """Joins the `multiprocessing` client processes `procs` and then the coordinator process `coord`,
+    each for up to `timeout` s, terminating any still alive (the latency benchmarks' end)."""
+    for p in [*procs, coord]:
+        p.join(timeout)
+        if p.is_alive():
+            p.terminate()
+
+
 def log_tail(log: Path, chars: int = 3000) -> str:
     """The last `chars` characters of a log ("" if it does not exist)."""
     try:

@@ -51,6 +51,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _align_procs import BUDGET, DEPTH, WINDOW, client_main, coordinator_main  # noqa: E402
+from _harness import join_or_terminate  # noqa: E402
 from _report import (  # noqa: E402
     DEFAULT_WORKLOADS,
     REPO,
@@ -97,16 +98,6 @@ def _collect(out_q, n: int, procs: list, parent) -> list[dict[str, Any]]:
             continue
         outs.append(msg)
     return outs
-
-
-def _stop(procs: list, coord) -> None:
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.terminate()
-    coord.join(10)
-    if coord.is_alive():
-        coord.terminate()
 
 
 def _client_times(results: dict[int, list], world_size: int, warmup: int, total: int) -> dict[str, list]:
@@ -156,7 +147,7 @@ def run_once(
         parent.send("stop")
         coord_out = parent.recv()
     finally:
-        _stop(procs, coord)
+        join_or_terminate(procs, coord)
     failures = [f for o in outs for f in o["failures"]]
     if failures:
         raise RuntimeError(f"job failed during the benchmark: {failures[0]}")

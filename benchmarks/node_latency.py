@@ -64,6 +64,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _harness import join_or_terminate  # noqa: E402
 from _node_coordinator import baseline_tree, coordinator_main  # noqa: E402
 from _node_sim import (  # noqa: E402
     BUDGET,
@@ -111,16 +112,6 @@ def _groups(agents: int, k: int, client_procs: int) -> list[list[tuple[str, list
     specs = [(f"node-{a}", list(range(a * k, (a + 1) * k))) for a in range(agents)]
     nproc = min(client_procs, agents)
     return [specs[i::nproc] for i in range(nproc)]
-
-
-def _stop(procs: list, coord) -> None:
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.terminate()
-    coord.join(10)
-    if coord.is_alive():
-        coord.terminate()
 
 
 def _round_times(
@@ -197,7 +188,7 @@ def run_nodes(
         parent.send("stop")
         coord_out = parent.recv()
     finally:
-        _stop(procs, coord)
+        join_or_terminate(procs, coord)
     errors = [e for o in outs for e in o["errors"]]
     if errors:
         raise RuntimeError(f"{len(errors)} error(s) during the benchmark, first: {errors[0]}")
@@ -267,7 +258,7 @@ def run_trainers(
         parent.send("stop")
         parent.recv()
     finally:
-        _stop(procs, coord)
+        join_or_terminate(procs, coord)
     errors = [e for o in outs for e in o["errors"]]
     if errors:
         raise RuntimeError(f"{len(errors)} error(s) in the trainer experiment, first: {errors[0]}")
