@@ -212,9 +212,9 @@ RUN_BY = {
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 "
         "--rdzv-backend c10d --rdzv-endpoint "
         "HEAD:29400 -m batchd.train --elastic /shared/batchd --config job.toml --checkpoint /shared/ckpt"
-    ): "tests/test_elastic_torchrun.py::test_torchrun_elastic_resizes_the_job_by_itself_when_a_host_is_lost",
+    ): "tests/test_netcluster.py::test_a_host_lost_under_the_elastic_recipe_resizes_the_job",
     "batchd coordinator --world-size $WORLD_SIZE --resize": (
-        "tests/test_elastic_torchrun.py::test_torchrun_elastic_resizes_the_job_by_itself_when_a_host_is_lost"
+        "tests/test_netcluster.py::test_a_host_lost_under_the_elastic_recipe_resizes_the_job"
     ),
     "python -m batchd.train --checkpoint DIR": (
         "tests/test_elastic.py::test_an_agent_killed_job_resumes_at_2_ranks_then_grows_to_3"
