@@ -25,7 +25,6 @@ Usage: sudo python benchmarks/cluster.py [--samples 2048] [--budget 4096] [--out
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 import tempfile
 import time
@@ -81,12 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             with NetCluster(["head", "host1", "host2"], w) as net:
                 got = run(net, w)
             if name == "elastic":
-                worlds = sorted({(ln["restart"], ln["world"]) for ln in got["lines"]})
-                got["worlds"] = worlds
-                resume = min(ln["step"] for ln in got["lines"] if ln["world"] == 2)
-                got["resume_step"] = resume
-                kept = [ln for ln in got["lines"] if ln["world"] == 2 or ln["step"] < resume]
-                seen = collections.Counter(i for ln in kept for i in ln["ids"])
+                seen = got.pop("trained")
                 got["lost"] = got["samples"] - len(seen)
                 got["duplicated"] = sum(c - 1 for c in seen.values())
             for bulky in ("logs", "agent_logs", "log", "lines"):

@@ -8,6 +8,8 @@ lines each party ended with. A failing scenario prints every party's log before 
 
 from __future__ import annotations
 
+import collections
+import datetime
 import json
 import re
 import subprocess
@@ -55,16 +57,6 @@ class _Exits:
             if name not in self.at and self.net.get(name).poll() is not None:
                 self.at[name] = round(time.monotonic() - self.t0, 1)
         return len(self.at) == len(self.names)
-
-
-def _last_lines(net: NetCluster, names: list[str]) -> dict[str, str]:
-    """Each party's last failure line (or its last line)."""
-    out = {}
-    for name in names:
-        lines = [ln for ln in net.log(name, 10**6).splitlines() if ln.strip()]
-        failed = [ln for ln in lines if "failed" in ln or "error" in ln.lower()]
-        out[name] = (failed or lines or [""])[-1]
-    return out
 
 
 def _guarded(net: NetCluster, job: HostJob, body: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -139,16 +131,15 @@ def past_the_lease(net: NetCluster, work: Path) -> dict[str, Any]:
             r"^(\S+ \S+) ERROR batchd.coordinator\[\d+\]: job failed", net.log("coordinator", 10**6), re.M
         )
         noticed = None
-        if failed:
-            stamp = time.mktime(time.strptime(failed.group(1).split(",")[0], "%Y-%m-%d %H:%M:%S"))
-            noticed = round(stamp + int(failed.group(1).split(",")[1]) / 1000 - wall_cut, 1)
+        if failed:  # the log's local time, as time.time() is
+            stamp = datetime.datetime.strptime(failed.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            noticed = round(stamp - wall_cut, 1)
         return {
             "lease_s": 8.0,
             "cut_s": LONG_CUT_S,
             "codes": {name: net.get(name).returncode for name in everyone},
             "exits_s": exits.at,
             "noticed_s": noticed,
-            "lines": _last_lines(net, everyone),
             "logs": {name: net.log(name, 10**6) for name in everyone},
         }
 
@@ -191,7 +182,6 @@ def head_lost(net: NetCluster, work: Path) -> dict[str, Any]:
             "batchd": batchd,
             "codes": {name: net.get(name).returncode for name in remaining},
             "exits_s": exits.at,
-            "lines": _last_lines(net, batchd),
             "logs": {name: net.log(name, 10**6) for name in batchd},
         }
 
@@ -238,7 +228,9 @@ def elastic_host_lost(net: NetCluster, work: Path) -> dict[str, Any]:
     for the second host once the first joined, so a slow start of either still forms world size 4. host2
     is lost (every process SIGKILLed) mid-epoch; torchrun restarts host1's workers at world size 2, which
     resize the job and resume from the furthest checkpoint. Returns host1's torchrun exit code and time
-    after the loss, and every ids-log line."""
+    after the loss, every ids-log line, the (restart, world size) pairs seen, the step the resized job
+    resumed at, and how often each id was trained in the surviving lineage (the steps of world size 4
+    before the resume step, then every step of world size 2)."""
     from batchd.demo import demo_lengths
 
     samples = 1200
@@ -282,11 +274,18 @@ def elastic_host_lost(net: NetCluster, work: Path) -> dict[str, Any]:
         lost = time.monotonic()
         net.kill_host("host2")
         code = net.get("torchrun-host1").wait(300)
+        logged = lines()
+        resized = [ln["step"] for ln in logged if ln["world"] == 2]
+        resume = min(resized) if resized else None
+        kept = [ln for ln in logged if ln["world"] == 2 or (resume is not None and ln["step"] < resume)]
         return {
             "samples": samples,
             "code": code,
             "done_s": round(time.monotonic() - lost, 1),
-            "lines": lines(),
+            "lines": logged,
+            "worlds": sorted({(ln["restart"], ln["world"]) for ln in logged}),
+            "resume_step": resume,
+            "trained": collections.Counter(i for ln in kept for i in ln["ids"]),  # the surviving lineage
             "log": net.log("torchrun-host1", 10**6),
         }
 
