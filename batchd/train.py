@@ -12,7 +12,8 @@ host's `batchd node`, which serves every local rank on one port; default $BATCHD
 `--rank-services` (a comma list indexed by global rank, or one address with a `{rank}` placeholder) or
 from `--rank-host HOST --base-port P` (rank r at HOST:P+r, one `batchd rank` per rank).
 
-The model is the demo's `TinyCausalLM` (size flags below): this is a smoke-test and template trainer;
+The model is the demo's `TinyCausalLM` (size flags below; with `--images`, `TinyMLLM`: the same LM with a
+vision encoder for the synthetic images of a workload CSV): this is a smoke-test and template trainer;
 a real job swaps in its own model and keeps the loop. With `--hf-model DIR` it is instead the stock Hugging
 Face multimodal model saved in DIR (a Qwen2-VL, Qwen2.5-VL or LLaVA checkout, or `batchd tiny-vlm DIR`'s
 tiny one; loaded offline, fp32, by `batchd._vlm_tiny.load_vlm`), adapted by `batchd.two_phase(model)`
@@ -64,7 +65,9 @@ the same ids.
 
 Summary (one JSON line on stdout, and `--summary FILE`): the strategy, steps, idle steps, steps per
 epoch, the last loss, the wall time, `exchange_steps` (steps whose batch carried a two-phase vision
-exchange) and `vision_imbalance`: the mean over steps with images of the slowest rank's
+exchange), `exchange_rows_to` (the encoder output rows this rank sent to each rank in those exchanges,
+indexed by rank; the embedding width times the element size gives the bytes, once forward and once
+backward) and `vision_imbalance`: the mean over steps with images of the slowest rank's
 encoder patches / the mean rank's (1.0: every rank encoded alike; all ranks' patches, gathered once at the
 end; null without images). Rank 0 also logs it ("vision encoder: ..."): with `phases = 2` the
 coordinator's vision plan keeps it near 1.
@@ -255,7 +258,7 @@ def _model(
         return two_phase(hf_model.to(device))
     sizes = {"vocab_size": vocab, "d_model": args.d_model, "n_layers": args.n_layers, "n_heads": args.n_heads}
     max_len = max(4096, longest) if longest else 1 << 20  # rotary: no table to size
-    return build_model("tiny", args.seed, max_len, **sizes).to(device)
+    return build_model("tiny", args.seed, max_len, images=args.images, **sizes).to(device)
 
 
 def _parallel(args: argparse.Namespace, model: torch.nn.Module, client: Any, device: torch.device) -> tuple:

@@ -7,8 +7,12 @@ the daemon's metrics. Pure functions; no planning here.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from ._types import Sample, check_int
+
+if TYPE_CHECKING:
+    from ._step import Step
 
 
 def sample_bytes(sample: Sample) -> int:
@@ -66,3 +70,25 @@ def plan_moves(
         "cross_node_samples": cross,
         "cross_node_bytes": cross_bytes,
     }
+
+
+def step_fetches(step: Sequence[Step], nodes: Sequence[int] | None = None) -> dict[str, int]:
+    """Counts the payloads the ranks of one aligned step fetch from other ranks (`step[rank]`): per rank,
+    the distinct samples of `Step.payload_refs` whose home is another rank: the LLM samples moved to it
+    and, two-phase, the samples of the images and clips it encodes for another rank. Intra-node when the
+    home rank shares the rank's node (`nodes` as in `plan_moves`), cross-node otherwise. O(refs).
+
+    Returns:
+        {"intra_node_fetched", "cross_node_fetched"}.
+    """
+    n = len(step)
+    where = check_nodes(nodes, n) if nodes is not None else list(range(n))
+    intra = cross = 0
+    for rank, s in enumerate(step):
+        homes = {i: home for i, home in s.payload_refs() if home != rank}
+        for home in homes.values():
+            if home < n and where[home] == where[rank]:
+                intra += 1
+            else:
+                cross += 1
+    return {"intra_node_fetched": intra, "cross_node_fetched": cross}

@@ -15,7 +15,7 @@ from typing import Any
 
 from ._encoders import EncoderCost
 from ._phases import exchanged, imbalance, phase_loads, single_phase, vision_bound
-from ._plan_moves import plan_moves
+from ._plan_moves import plan_moves, step_fetches
 from ._spec import JobSpec
 from ._step import Step
 
@@ -131,7 +131,15 @@ class SimMetrics:
         self.n, self.c = num_samples, spec
         self.nodes = nodes
         self.moves = dict.fromkeys(
-            ("intra_node_samples", "intra_node_bytes", "cross_node_samples", "cross_node_bytes"), 0
+            (
+                "intra_node_samples",
+                "intra_node_bytes",
+                "cross_node_samples",
+                "cross_node_bytes",
+                "intra_node_fetched",
+                "cross_node_fetched",
+            ),
+            0,
         )
         self.cost = spec.cost_model()
         self.counts = [0] * num_samples
@@ -162,6 +170,8 @@ class SimMetrics:
         rank_sums: list[float] = []
         real0, padded0 = self.real, self.padded
         for k, v in plan_moves([[s.samples] for s in step], self.nodes).items():
+            self.moves[k] += v
+        for k, v in step_fetches(step, self.nodes).items():
             self.moves[k] += v
         for rank, s in enumerate(step):
             self.steps[rank] += 1
@@ -289,6 +299,8 @@ class SimMetrics:
             ("intra_node_bytes", "intra_node_bytes"),
             ("cross_node_moved", "cross_node_samples"),
             ("cross_node_bytes", "cross_node_bytes"),
+            ("intra_node_fetched", "intra_node_fetched"),
+            ("cross_node_fetched", "cross_node_fetched"),
         ):
             out[key] = m[name]
             out[f"{key}_per_round"] = m[name] / rounds
@@ -352,6 +364,11 @@ RESULT_FIELDS: dict[str, str] = {
     "cross_node_moved_per_round": "per round",
     "intra_node_bytes_per_round": "per round",
     "cross_node_bytes_per_round": "per round",
+    "intra_node_fetched": "payloads a rank fetched from another rank of its node: the moved samples and, "
+    "two-phase, the samples of the images (clips) it encodes for another rank (distinct per step)",
+    "cross_node_fetched": "those it fetched from another node (the daemon's Fetch over the network)",
+    "intra_node_fetched_per_round": "per round",
+    "cross_node_fetched_per_round": "per round",
     "node_planned_rounds": "rounds planned node-aware",
     "node_fallback_rounds": "rounds planned node-blind",
     "node_swaps": "group pairs swapped across nodes by the node-aware plan",

@@ -63,6 +63,15 @@ class Step:
     exchange: Exchange | None = None
     audio_exchange: Exchange | None = None
 
+    def payload_refs(self) -> list[tuple[int, int]]:
+        """(sample id, home rank) of every sample whose payload the rank running this step needs: its LLM
+        samples, then the samples of the images and clips it encodes for the exchanges, in that order,
+        repeats kept. The rank fetches those whose home rank is another rank (the daemon's `Fetch`)."""
+        refs = [(s.id, s.home_rank) for s in self.samples]
+        for ex in (self.exchange, self.audio_exchange):
+            refs += [(im.sample_id, im.home_rank) for im in ex.encode] if ex is not None else []
+        return refs
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "samples": [s.to_json() for s in self.samples],

@@ -38,6 +38,7 @@ from ._phases import _place as vision_place
 from ._plan_deal import deal_levels
 from ._plan_level import LEVEL_TOLERANCE, final_rows, level_choice
 from ._plan_local import LOCAL_TOLERANCE, node_shares, share_out
+from ._plan_moves import step_fetches
 from ._plan_nodes import outliers
 from ._policy import Entry, form_groups
 from ._sim_metrics import synthetic_token_loss
@@ -78,6 +79,7 @@ __all__ = [
     "share_out",
     "single_phase",
     "split_largest",
+    "step_fetches",
     "synthetic_token_loss",
     "target_min",
     "target_odb",

@@ -219,6 +219,53 @@ def traffic(net: NetCluster, work: Path, lengths: Path, spec: list[str]) -> dict
     return _guarded(net, job, body)
 
 
+def traffic_two_phase(net: NetCluster, work: Path, workload: Path, spec: list[str]) -> dict[str, Any]:
+    """The synthetic job over a multimodal `workload` CSV with `spec` and `--phases 2`, 2 trainer hosts of 2
+    ranks, trainers on `TinyMLLM` (`--images`): per host, the samples and bytes its agent fetched from the
+    other host (`Fetch`) and the image-embedding rows its trainers sent to the other host's ranks in the
+    vision exchange, against `batchd simulate --workload ... --phases 2 --local-ranks 2` of the same data."""
+    spec = [*spec, "--phases", "2"]
+    plan = JobPlan(
+        spec=spec, lease_s=60.0, lengths=str(workload), trainer=[*TINY, "--images", "--timeout", "600"]
+    )
+    job = HostJob(net, work, plan)
+
+    def body() -> dict[str, Any]:
+        job.start_all()
+        parties = list(net.procs)
+        until("the job's end", lambda: all(net.get(p).poll() is not None for p in parties), 900, job.dead())
+        n = len(workload.read_text().splitlines()) - 1
+        steps = job.check_every_id_once(n)
+        stats = job.stats()
+        summaries = {r: json.loads((work / f"summary-{r}.json").read_text()) for r in range(plan.world)}
+        hosts: dict[int, dict[str, int]] = {}
+        for r in range(plan.world):
+            h = r // 2
+            rows = summaries[r]["exchange_rows_to"]
+            got = hosts.setdefault(h, {"fetched_remote": 0, "fetched_remote_bytes": 0, "exchanged_rows": 0})
+            got["fetched_remote"] += stats[r]["fetched_remote"]
+            got["fetched_remote_bytes"] += stats[r]["fetched_remote_bytes"]
+            got["exchanged_rows"] += sum(v for d, v in enumerate(rows) if d // 2 != h)
+        sim = subprocess.run(
+            [PY, "-m", "batchd", "simulate", "--workload", str(workload), "--world-size", str(plan.world),
+             *spec, "--local-ranks", "2", "--json", "--quiet"],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        predicted = json.loads(sim.stdout)
+        keys = ("cross_node_fetched", "cross_node_moved", "exchanged_cross_node_rows_per_step", "steps")
+        return {
+            "samples": n,
+            "steps": steps[0],
+            "exchange_steps": [summaries[r]["exchange_steps"] for r in range(plan.world)],
+            "wall_s": round(job.elapsed(), 1),
+            "d_model": int(TINY[TINY.index("--d-model") + 1]),
+            "hosts": hosts,
+            "simulated": {k: predicted[k] for k in keys},
+        }
+
+    return _guarded(net, job, body)
+
+
 def elastic_host_lost(net: NetCluster, work: Path) -> dict[str, Any]:
     """The torchrun elastic recipe across hosts (docs/restarts-and-elastic.md): on host1 and host2,
     `torchrun --nnodes 1:2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d` (the rendezvous store on

@@ -99,6 +99,10 @@ def test_stock_qwen2_vl_trains_two_phase_through_the_daemon(tmp_path):
             for r in range(2)
         ]
         assert sum(e["patches"] for lg in logs for e in lg) > 0, logs  # images reached the encoders
+        # every merged embedding row (4 patches, a 2x2 merge) went to one rank in the exchanges
+        sent = [r["exchange_rows_to"] for r in results]
+        assert all(len(s) == 2 for s in sent), sent
+        assert sum(map(sum, sent)) * 4 == sum(e["patches"] for lg in logs for e in lg), (sent, logs)
         vision = results[0]["vision_imbalance"]
         assert vision is not None and vision == results[1]["vision_imbalance"] and 1.0 <= vision, results
         m = re.search(

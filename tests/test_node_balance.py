@@ -14,16 +14,20 @@ from hypothesis import strategies as st
 from batchd.core import (
     Coordinator,
     CostModel,
+    Exchange,
+    ImageRef,
     JobSpec,
     PlanInputs,
     PolicySpec,
     Sample,
     Simulator,
+    Step,
+    StepInfo,
     plan_moves,
     plan_round,
     simulate,
 )
-from batchd.testing import Entry
+from batchd.testing import Entry, step_fetches
 
 BUDGET = 64
 
@@ -286,6 +290,28 @@ def test_plan_moves_counts_by_hand():
     }
     with pytest.raises(ValueError, match="len"):
         plan_moves(plan, [0, 0, 1])
+
+
+def test_step_fetches_counts_distinct_payloads_by_hand():
+    """A rank fetches the payloads of its moved LLM samples and of the samples whose images (clips) it
+    encodes for another rank, each sample once a step, none of its own."""
+    s = [Sample(0, 10, -1, 0), Sample(1, 10, -1, 2), Sample(2, 5, -1, 1)]
+    info = StepInfo(0, 0, 0, False, 1, 10, 10, 4, 40, 40, 1.0, 10.0)
+
+    def ex(rank: int, encode: list[tuple[int, int]]) -> Exchange:
+        return Exchange(rank, 4, tuple(ImageRef(i, k, home, 3, 4, 1) for k, (i, home) in enumerate(encode)))
+
+    step = (
+        # rank 0: its own sample 0, rank 2's sample 1 (cross); encodes two images of sample 1 (the same
+        # payload) and one of rank 1's sample 2 (intra)
+        Step((s[0], s[1]), info, ex(0, [(1, 2), (1, 2), (2, 1)])),
+        Step((), info, ex(1, [(2, 1)])),  # its own sample's image: nothing to fetch
+        Step((s[2],), info, None, ex(2, [(5, 3)])),  # sample 2 from rank 1 (cross); a clip of rank 3's 5
+        Step((), info),
+    )
+    assert step[0].payload_refs() == [(0, 0), (1, 2), (1, 2), (1, 2), (2, 1)]
+    assert step_fetches(step, [0, 0, 1, 1]) == {"intra_node_fetched": 2, "cross_node_fetched": 2}
+    assert step_fetches(step) == {"intra_node_fetched": 0, "cross_node_fetched": 4}
 
 
 @pytest.mark.parametrize(

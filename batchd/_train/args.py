@@ -147,6 +147,12 @@ def _add_model(p: argparse.ArgumentParser) -> None:
         "batchd.two_phase(model) instead of the tiny LM",
     )
     p.add_argument(
+        "--images",
+        action="store_true",
+        help="the tiny LM with a vision encoder in front (`TinyMLLM`), for the synthetic images of a "
+        "workload CSV (`batchd node --lengths W.csv`); with `phases = 2` it runs the vision exchange",
+    )
+    p.add_argument(
         "--strategy",
         choices=STRATEGIES,
         default="ddp",

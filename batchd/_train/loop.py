@@ -116,6 +116,7 @@ class _Loop:
         self.client, self.ddp, self.opt, self.args, self.ckpt = client, ddp, opt, args, ckpt
         self.rank = client.rank
         self.steps = self.idle = self.exchange_steps = 0  # exchange: steps that carried a vision exchange
+        self.rows_to: list[int] = []  # encoder output rows this rank sent to each rank in the exchanges
         self.due = False  # a checkpoint is due at the next update's end
         self.epoch_steps: list[int] = []
         self.loads: list[int] = []  # per step of this run: the encoder's load on this rank
@@ -163,6 +164,11 @@ class _Loop:
         ids = batch.pop("sample_ids", None)
         self.loads.append(patches(batch))
         self.exchange_steps += int("vision_send_splits" in batch)
+        if batch.get("vision_send_splits") is not None:
+            sent = [int(v) for v in batch["vision_send_splits"].tolist()]
+            self.rows_to += [0] * (len(sent) - len(self.rows_to))
+            for r, rows in enumerate(sent):
+                self.rows_to[r] += rows
         _log_step(self.ids_log, epoch, info.step, ids.tolist() if ids is not None else [], self.loads[-1])
         _maybe_crash(args.crash_at, self.rank, self.steps + 1)
         if args.step_time > 0:
@@ -222,4 +228,5 @@ def train_loop(client, ddp, opt, args, ckpt, train_step, works: list[Any]) -> di
         "wall_s": wall,
         "vision_imbalance": vision,
         "exchange_steps": run.exchange_steps,
+        "exchange_rows_to": run.rows_to,
     }

@@ -350,10 +350,7 @@ class Payloads:
         wanted: dict[int, list[int]] = {}
         seen: set[int] = set()
         for step in steps:
-            refs = [(s.id, s.home_rank) for s in step.samples]
-            for ex in (step.exchange, step.audio_exchange):  # the samples of the images (clips) encoded here
-                refs += [(im.sample_id, im.home_rank) for im in ex.encode] if ex is not None else []
-            for sample_id, home in refs:
+            for sample_id, home in step.payload_refs():
                 if home != self.rank and sample_id not in self.held and sample_id not in seen:
                     seen.add(sample_id)
                     wanted.setdefault(home, []).append(sample_id)
