@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from batchd._bench_cli import add_bench_parser
+from batchd._cli_calibrate import add_calibrate_parser
 from batchd._cli_demo import add_demo_parser, print_demo
 from batchd._cli_services import add_service_parsers
 from batchd._cli_tools import add_tool_parsers
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_service_parsers(sub)  # coordinator, rank, node
     add_demo_parser(sub)
     add_bench_parser(sub)
+    add_calibrate_parser(sub)
     sub.add_parser(
         "torchrun",
         help="torchrun for a batchd job: restarts that work, one line on Ctrl-C (same arguments)",

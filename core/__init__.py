@@ -18,7 +18,7 @@ view of a decision), `_align` (DGAP messages, target rules, `Coordinator`), `_ra
 `_collate`, `_updates` (optimizer update boundaries), `_ledger` (the step ledger), `_resize` (an epoch
 resumed at another world size), `_spec_parts` (its parts: `PolicySpec`, `Phases`, `Updates`), `_spec`
 (`JobSpec`), `_workload` (workload files), `_sim_metrics`,
-`_simulator`. No module cycle:
+`_simulator`, `_calibrate` (fitting a cost model and a budget to measured steps). No module cycle:
 `tools/import_graph.py --check` fails on one. `batchd.core.testing` exposes what only tests and
 benchmarks use (planner steps, grouping functions, ...); `batchd.testing` gathers it.
 """
@@ -32,6 +32,7 @@ from ._align import (
     RoundTotals,
 )
 from ._blockview import BlockLayout, BlockView
+from ._calibrate import CostFit, Measured, fit_layout
 from ._collate import (
     AUDIO_KEYS,
     IGNORE_INDEX,
@@ -114,6 +115,7 @@ __all__ = [
     "Connect",
     "Coordinator",
     "CoordinatorError",
+    "CostFit",
     "CostModel",
     "Delivery",
     "END",
@@ -126,6 +128,7 @@ __all__ = [
     "JobSpec",
     "KEYS",
     "Liveness",
+    "Measured",
     "Phases",
     "PlanInputs",
     "Policy",
@@ -175,6 +178,7 @@ __all__ = [
     "exchange_arrays",
     "exchanged",
     "fill_may_stop",
+    "fit_layout",
     "format_workload",
     "idle_batch",
     "image_of",

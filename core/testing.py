@@ -14,6 +14,7 @@ that). The rest that tests and benchmarks use is here, so no test imports a priv
 """
 
 from ._align import target_min, target_odb
+from ._calibrate import Fit, batch_terms
 from ._choices import POLICIES
 from ._delivery import REFUSED, fixed_capacity
 from ._encoders import EncoderCost
@@ -51,6 +52,7 @@ __all__ = [
     "ClockedStateful",
     "EncoderCost",
     "Entry",
+    "Fit",
     "LDM_GAIN",
     "LEVEL_TOLERANCE",
     "LOCAL_TOLERANCE",
@@ -60,6 +62,7 @@ __all__ = [
     "SLACKS",
     "UpdateWindows",
     "WORKLOAD_HEADER",
+    "batch_terms",
     "best_fit_decreasing",
     "chunk_split",
     "deal_levels",
