@@ -62,3 +62,15 @@ def ray_session():
     yield ray
     if started:
         ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    """.ci/run's lanes split the suite by marker: every `cluster` and `beside` test must also be `slow`, and
+    none both, or CI would run it twice or never."""
+    for item in items:
+        marks = {m.name for m in item.iter_markers()}
+        lane = {"beside", "cluster"} & marks
+        if lane and ("slow" not in marks or len(lane) == 2):
+            raise pytest.UsageError(
+                f"{item.nodeid}: a {' and '.join(sorted(lane))} test must be slow, and not both"
+            )

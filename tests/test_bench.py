@@ -34,6 +34,7 @@ def _workload(tmp_path: Path, n: int) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_bench_at_equal_update_semantics_counts_every_systems_updates(tmp_path):
     """`--accumulate K` (fixed: one update per K steps) against `--tokens-per-update auto` (batchd:
     one per G = fixed's mean global loss tokens per update): the JSON reports each system's updates,
@@ -63,6 +64,7 @@ def test_bench_at_equal_update_semantics_counts_every_systems_updates(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_bench_runs_all_systems_on_the_same_samples(tmp_path):
     workload = _workload(tmp_path, NUM + 8)
     out = tmp_path / "out"
@@ -210,6 +212,7 @@ def test_learning_rate_rule_is_one_rule_for_every_system():
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_bench_batchd_systems_with_trainers_that_take_5s_per_step(tmp_path):
     """`batchd bench` once failed at the end of every batchd system when the machine was busy (the
     coordinator left before the trainers' last steps); with 5 s steps it ends cleanly."""
@@ -259,6 +262,7 @@ def test_bench_batchd_systems_with_trainers_that_take_5s_per_step(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.beside
 def test_bench_trains_vision_and_audio_with_one_phase_and_every_phase_alike(tmp_path):
     """`batchd bench` on a workload with images and audio clips (the first 40 samples of audio-visual.csv):
     the tiny MLLM gets its audio encoder, every system trains every sample once, each reports rank 0's

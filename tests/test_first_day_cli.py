@@ -60,21 +60,6 @@ def test_every_default_workload_is_package_data(monkeypatch):
     assert names == ["llava-like.txt", "odb-synthetic.txt", "sharegpt4o-like.txt", "ultrachat-like.txt"]
 
 
-@pytest.mark.slow
-def test_bench_with_its_defaults_runs_from_an_empty_directory(tmp_path):
-    """`batchd bench` with its defaults (fewer samples) from a directory with no `shared` folder anywhere
-    near it: it finds its workload in the package and every system trains every id once."""
-    proc = _run("bench", "--num-samples", "24", "--heldout", "4", "--json", cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    workload = Path(result["workload"]).resolve()
-    assert workload == PACKAGE_WORKLOADS / "odb-synthetic.txt" and "shared" not in workload.parts, workload
-    assert {"fixed", "batchd-balanced"} <= set(result["systems"]), result["systems"].keys()
-    for line in proc.stderr.splitlines():  # "[bench] SYSTEM: ... (missing 0, dup 0) ..."
-        if "(missing " in line:
-            assert "(missing 0, dup 0)" in line, line
-
-
 # -- 2. the demo's baseline is fixed batching at B=2 ----------------------------------------------------
 @pytest.mark.slow
 def test_demo_compares_with_fixed_batching_at_b2_and_says_so(tmp_path):

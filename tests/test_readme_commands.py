@@ -455,8 +455,9 @@ def test_readme_and_help_commands_parse():
 
 def test_install_line_is_what_ci_runs():
     """The README's first lines are what `.ci/run` runs on a clean clone: the install, then the suite
-    split by the `slow` and `cluster` markers into three runs, the fast one and then the cluster one beside
-    the other slow ones (together: every test once; every cluster test is also marked slow)."""
+    split by the `slow`, `cluster` and `beside` markers into four runs: the fast one, the cluster one and the
+    beside one in a lane beside the other slow ones (together: every test once; every cluster and beside
+    test is also marked slow, and none is both)."""
     first = bash_blocks(readme_text())[0]
     install, demo, suite = block_commands(first)
     ci = (REPO / ".ci" / "run").read_text()
@@ -466,10 +467,11 @@ def test_install_line_is_what_ci_runs():
         assert step.replace("pip install", "python -m pip install --quiet") in ci, (step, ci)
     assert demo == "batchd demo" and suite == "python -m pytest -q"
     runs = [line.strip() for line in ci.splitlines() if line.strip().startswith("python -m pytest")]
-    assert len(runs) == 3, runs
+    assert len(runs) == 4, runs
     assert runs[0].startswith(f'{suite} -m "not slow" '), runs  # in the lane beside the slow one,
-    assert runs[1].startswith(f"{suite} -m cluster "), runs  # then these, in the same lane
-    assert runs[2].startswith(f'{suite} -m "slow and not cluster" '), runs
+    assert runs[1].startswith(f"{suite} -m cluster "), runs  # then these, in the same lane,
+    assert runs[2].startswith(f"{suite} -m beside "), runs  # then these
+    assert runs[3].startswith(f'{suite} -m "slow and not cluster and not beside"'), runs
     assert ".ci/run" in readme_text() and "two stages" in readme_text()
 
 
@@ -513,10 +515,12 @@ def test_simulate_runs_as_the_readme_shows_it(tmp_path):
 
 @pytest.mark.slow
 def test_bench_runs_as_the_readme_shows_it(tmp_path):
-    """`batchd bench` with its defaults: the default systems on the default workload (odb-synthetic), only
-    fewer samples and epochs than the README's figures; every system trains every id once."""
+    """`batchd bench` with its defaults from a directory with no `shared` folder anywhere near it: the
+    default systems on the default workload (odb-synthetic, found in the package), only fewer samples and
+    epochs than the README's figures (and --out, to read the workload back); every system trains every id
+    once."""
     proc = subprocess.run(
-        ["batchd", "bench", "--epochs", "3", "--num-samples", "24", "--heldout", "4"],
+        ["batchd", "bench", "--epochs", "3", "--num-samples", "24", "--heldout", "4", "--out", "res"],
         cwd=tmp_path,
         env=_env(),
         capture_output=True,
@@ -531,6 +535,11 @@ def test_bench_runs_as_the_readme_shows_it(tmp_path):
     for line in proc.stderr.splitlines():  # "[bench] SYSTEM: ... (missing 0, dup 0) ..."
         if "(missing " in line:
             assert "(missing 0, dup 0)" in line and "72 samples" in line, line
+    workload = Path(json.loads((tmp_path / "res" / "bench.json").read_text())["workload"]).resolve()
+    import batchd
+
+    assert workload == Path(batchd.__file__).resolve().parent / "workloads" / "odb-synthetic.txt", workload
+    assert "shared" not in workload.parts, workload
 
 
 def _processes_block() -> list[str]:

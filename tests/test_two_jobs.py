@@ -30,7 +30,7 @@ from _readme_job import RECORDS, end_job, job_env, readme_script, trained_ids
 
 from batchd.testing import demo_bad_ids
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.beside]  # CI: the second lane (.ci/run)
 
 DEMO_RECORDS = 48
 
