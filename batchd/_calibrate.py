@@ -2,8 +2,9 @@
 
 It trains the model on a designed set of batches (sample lengths from `min_length` doubling up to
 `max_tokens`; padded: 1, a middle count and the most rows of each length that fit `max_tokens`; packed:
-as many documents of each length in one row), times forward + backward + optimizer step (the median of
-`repeats` runs after one warm-up, synchronized on CUDA) and takes each step's peak memory: on CUDA the
+as many documents of each length in one row), times forward + backward + optimizer step (the fastest
+of `repeats` runs after one warm-up, synchronized on CUDA: whatever else the machine runs only ever adds
+to a step's time, so the fastest is the step's own) and takes each step's peak memory: on CUDA the
 caching allocator's `max_memory_allocated` (the real peak, reset before each step); on CPU the bytes
 the step holds at its peak as accounted by torch, the persistent state (parameters, gradients,
 optimizer state) plus the activations autograd saved for the backward (`saved_tensors_hooks`, each
@@ -31,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -155,7 +155,7 @@ def measure_step(
     model: torch.nn.Module, opt: torch.optim.Optimizer, lengths: Sequence[int], layout: str, vocab: int,
     device: torch.device, repeats: int,
 ) -> Measured:  # fmt: skip
-    """One designed batch: a warm-up step, then the median seconds of `repeats` steps and the peak
+    """One designed batch: a warm-up step, then the fastest of `repeats` steps' seconds and the peak
     bytes (module docstring)."""
     batch, info = _batch(lengths, layout, vocab, device)
     train_step(model, opt, batch, info)  # warm-up: kernels, the optimizer's state
@@ -175,7 +175,7 @@ def measure_step(
             peak = max(peak, int(torch.cuda.max_memory_allocated(device)))
         else:
             peak = max(peak, _state_bytes(model, opt) + saved.bytes)
-    return Measured(tuple(lengths), layout, statistics.median(times), peak)
+    return Measured(tuple(lengths), layout, min(times), peak)
 
 
 def build(

@@ -1,6 +1,6 @@
 """A timed stand-in model for `batchd calibrate`'s tests: its step costs known seconds.
 
-Its forward sleeps OVERHEAD + LINEAR x T + QUADRATIC x Q (T tokens materialized, Q attention pairs, as
+Its forward waits (awake) OVERHEAD + LINEAR x T + QUADRATIC x Q (T tokens materialized, Q attention pairs, as
 `batchd.core.batch_terms` counts them: padded rows x longest and rows x longest^2; packed the sum of the
 documents' lengths and of their squares, the documents read from ``cu_seqlens``), then returns the logits
 of a tiny embedding and head, so the backward and the optimizer step are real and cheap.
@@ -12,12 +12,21 @@ import time
 
 import torch
 
-OVERHEAD = 0.02  # seconds
-LINEAR = 20e-6  # seconds per token
+OVERHEAD = 0.04  # seconds
+LINEAR = 40e-6  # seconds per token
 Q = 512  # the length at which a sample's quadratic term equals its linear one
 QUADRATIC = LINEAR / Q  # seconds per attention pair
 VOCAB = 64
-SLEEP = True  # False: the same model without its sleeps (what the framework's own step costs)
+SLEEP = True  # False: the baseline, whose forward waits FLOOR only: what the step costs beside the terms
+FLOOR = 0.001
+
+
+def _spin(seconds: float) -> None:
+    """Waits `seconds` on the wall clock, awake: a sleep's wake-up comes late by a varying few ms on a busy
+    machine, a spin's end by at most a time slice, and only when it is preempted right then."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 class StandIn(torch.nn.Module):
@@ -36,8 +45,7 @@ class StandIn(torch.nn.Module):
         else:
             rows, longest = input_ids.shape
             t, q = rows * longest, rows * longest * longest
-        if SLEEP:
-            time.sleep(OVERHEAD + LINEAR * t + QUADRATIC * q)
+        _spin(OVERHEAD + LINEAR * t + QUADRATIC * q if SLEEP else FLOOR)
         return self.head(self.embed(input_ids))
 
 

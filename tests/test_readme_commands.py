@@ -230,6 +230,10 @@ RUN_BY = {
     "batchd demo --help": "tests/test_readme_commands.py::test_readme_and_help_commands_parse",
     "batchd simulate": "tests/test_readme_commands.py::test_simulate_runs_as_the_readme_shows_it",
     "batchd config": "tests/test_readme_job.py::test_readme_real_job_runs_as_written",
+    "batchd calibrate": "tests/test_calibrate.py::test_the_documented_command_runs_as_written",
+    "batchd calibrate --model tiny --max-tokens 512 --out calibration": (
+        "tests/test_calibrate.py::test_the_documented_command_runs_as_written"
+    ),
     "batchd tokenizer FILE": (
         "tests/test_inputs.py::"
         "test_tokenizer_command_writes_the_demo_tokenizer_and_a_directory_loads_the_same"
