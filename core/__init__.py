@@ -18,7 +18,8 @@ view of a decision), `_align` (DGAP messages, target rules, `Coordinator`), `_ra
 `_collate`, `_updates` (optimizer update boundaries), `_ledger` (the step ledger), `_resize` (an epoch
 resumed at another world size), `_spec_parts` (its parts: `PolicySpec`, `Phases`, `Updates`), `_spec`
 (`JobSpec`), `_workload` (workload files), `_sim_metrics`,
-`_simulator`, `_calibrate` (fitting a cost model and a budget to measured steps). No module cycle:
+`_simulator`, `_calibrate` (fitting a cost model and a budget to measured steps), `_cost_check`
+(how well the cost model predicted the trainers' measured steps). No module cycle:
 `tools/import_graph.py --check` fails on one. `batchd.core.testing` exposes what only tests and
 benchmarks use (planner steps, grouping functions, ...); `batchd.testing` gathers it.
 """
@@ -51,6 +52,7 @@ from ._collate import (
     strip_vision,
 )
 from ._cost import CostModel
+from ._cost_check import CheckSums, cost_check, own_counted
 from ._delivery import (
     ATTACHED,
     END,
@@ -112,6 +114,7 @@ __all__ = [
     "BatchdError",
     "BlockLayout",
     "BlockView",
+    "CheckSums",
     "Connect",
     "Coordinator",
     "CoordinatorError",
@@ -171,6 +174,7 @@ __all__ = [
     "collate_packed",
     "collate_padded",
     "contiguous_greedy",
+    "cost_check",
     "decision_for_node",
     "encoder_bound",
     "epoch_permutation",
@@ -188,6 +192,7 @@ __all__ = [
     "loss_tokens",
     "max_fitting_length",
     "mean_imbalance",
+    "own_counted",
     "parse_bytes",
     "parse_lengths",
     "parse_workload",

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 
 from batchd.client import BatchdError, JobFailed, weighted_steps
+from batchd.core import CheckSums, own_counted
 from batchd.proto import Progress
 
 from .checkpoint import save_checkpoint
 from .failure import FailureWatch, exit_stuck, raise_job_failure
-from .models import patches
+from .models import VisionTimer, patches
 
 
 def _maybe_crash(spec: str | None, rank: int, steps: int) -> None:
@@ -126,6 +127,14 @@ class _Loop:
         )  # DDP's and DeepSpeed's wrapped model; FSDP2 shards in place
         self.vocab = _vocabulary(self.module)
         self.watch = FailureWatch(client, on_stuck=exit_stuck(self.rank))
+        # the cost check: each step's planned cost and this rank's own compute (forward + backward)
+        self.costs: list[float] = []
+        self.compute: list[float] = []
+        self.timer = None
+        if args.strategy == "ddp":  # FSDP2 / DeepSpeed gather parameters inside the backward: not timed
+            cuda = next(self.module.parameters()).device.type == "cuda"
+            self.timer = VisionTimer(self.module, sync=cuda)
+            self.timer.on = True
         self.ids_log = (
             os.open(args.ids_log.format(rank=self.rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             if args.ids_log
@@ -175,6 +184,9 @@ class _Loop:
             time.sleep(args.step_time)
         _check_vocabulary(batch, self.vocab, args)
         self.loss = train_step(self.ddp, self.opt, batch, info)
+        if self.timer is not None:
+            self.costs.append(0.0 if info.is_idle else float(info.cost))
+            self.compute.append(self.timer.take())
         self.steps += 1
         self.idle += int(info.is_idle)
         if self.rank == 0 and args.log_every and self.steps % args.log_every == 0:
@@ -190,6 +202,31 @@ class _Loop:
         self.watch.stop()
         if self.ids_log is not None:
             os.close(self.ids_log)
+
+
+def _cost_check(run: _Loop, device: torch.device, works: list[Any]) -> dict[str, Any] | None:
+    """How well the job's cost model predicted the ranks' measured compute (`batchd.core.cost_check`),
+    from all-reduced sums (collectives: every rank calls it; handles kept in `works`, as
+    `_vision_imbalance`'s). None without timed steps, or when the ranks ran different numbers of steps."""
+    if run.timer is None:
+        return None
+
+    def all_reduce(values: list[float], op: Any) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        work = dist.all_reduce(t, op=op, async_op=True)
+        works.append(work)
+        work.wait()
+        return [float(v) for v in t.tolist()]
+
+    n = all_reduce([len(run.costs), -len(run.costs)], dist.ReduceOp.MAX)
+    if n[0] != -n[1] or not run.costs:
+        return None
+    counted = [int(v) for v in all_reduce(own_counted(run.costs, run.compute), dist.ReduceOp.MIN)]
+    sums = CheckSums.local(run.costs, run.compute, counted, dist.get_world_size())
+    for name, op in (("cost_max", "MAX"), ("cost_sum", "SUM"), ("time_max", "MAX"), ("time_sum", "SUM")):
+        setattr(sums, name, all_reduce(getattr(sums, name), getattr(dist.ReduceOp, op)))
+    sums.moments = all_reduce(sums.moments, dist.ReduceOp.SUM)
+    return sums.result()
 
 
 def train_loop(client, ddp, opt, args, ckpt, train_step, works: list[Any]) -> dict[str, Any]:
@@ -210,7 +247,19 @@ def train_loop(client, ddp, opt, args, ckpt, train_step, works: list[Any]) -> di
         save_checkpoint(ckpt, run.module, opt, client)
     client.close()
     wall = round(time.perf_counter() - t0, 3)
-    vision = _vision_imbalance(run.loads, next(run.module.parameters()).device, works)
+    device = next(run.module.parameters()).device
+    vision = _vision_imbalance(run.loads, device, works)
+    check = _cost_check(run, device, works)
+    if rank == 0 and check is not None and check["steps"]:
+        r2 = "-" if check["r2"] is None else f"{check['r2']:.3f}"
+        print(
+            f"[rank 0] cost model check: measured compute max/mean across ranks "
+            f"{check['measured_imbalance']:.3f} against {check['planned_imbalance']:.3f} planned; R^2 of "
+            f"compute on planned cost {r2} (over {check['steps']} steps; `batchd calibrate` measures a cost "
+            "model)",
+            file=sys.stderr,
+            flush=True,
+        )
     if rank == 0 and vision is not None:
         print(
             f"[rank 0] vision encoder: slowest rank / mean, in encoder patches: {vision:.3f} (mean over "
@@ -229,4 +278,5 @@ def train_loop(client, ddp, opt, args, ckpt, train_step, works: list[Any]) -> di
         "vision_imbalance": vision,
         "exchange_steps": run.exchange_steps,
         "exchange_rows_to": run.rows_to,
+        "cost_check": check,
     }

@@ -133,10 +133,14 @@ class VisionTimer:
     backward from the first gradient reaching the tower's output (after the two-phase exchange's own
     backward) to the last gradient accumulated into a tower parameter (its patch embedding, the first
     layer of the forward, comes last). A step whose rank encodes nothing counts 0 (only the zero-weight
-    anchor reaches the tower's parameters then). On CUDA the times are host times (kernels are async)."""
+    anchor reaches the tower's parameters then). On CUDA the times are host times (kernels are async),
+    unless `sync`: then every timestamp waits for the device first (one synchronization per parameter
+    tensor in the backward: a measurement, not a training setting).
+    The reference trainer times its whole model with it (`batchd.train`'s cost check)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, sync: bool = False) -> None:
         self.on = False
+        self.now = time.perf_counter if not sync else self._synced
         self.reset()
         module.register_forward_pre_hook(self._pre)
         module.register_forward_hook(self._post)
@@ -144,17 +148,22 @@ class VisionTimer:
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._acc)
 
+    @staticmethod
+    def _synced() -> float:
+        torch.cuda.synchronize()
+        return time.perf_counter()
+
     def reset(self) -> None:
         self.fwd_s, self.t_fwd, self.t_bwd, self.t_acc = 0.0, None, None, None
 
     def _pre(self, module, args) -> None:
         if self.on:
-            self.t_fwd = time.perf_counter()
+            self.t_fwd = self.now()
 
     def _post(self, module, args, output) -> None:
         if not self.on or self.t_fwd is None:
             return
-        self.fwd_s += time.perf_counter() - self.t_fwd
+        self.fwd_s += self.now() - self.t_fwd
         values = (
             output.values()
             if isinstance(output, dict)  # a ModelOutput; a tensor has .values() too
@@ -168,11 +177,11 @@ class VisionTimer:
 
     def _grad(self, grad: torch.Tensor) -> None:
         if self.t_bwd is None:
-            self.t_bwd = time.perf_counter()
+            self.t_bwd = self.now()
 
     def _acc(self, param: torch.Tensor) -> None:
         if self.on and self.t_bwd is not None:
-            self.t_acc = time.perf_counter()
+            self.t_acc = self.now()
 
     def take(self) -> float:
         """The last step's vision forward + backward seconds; resets."""
