@@ -46,6 +46,7 @@ coordinator and rank services) compete with the trainers for CPU, which is part 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import shutil
@@ -352,7 +353,9 @@ def _summary(
     if opts.out is not None:
         out = Path(opts.out)
         out.mkdir(parents=True, exist_ok=True)
-        if opts.plots and any("wall_s" in s for s in results.values()):
+        if opts.plots and importlib.util.find_spec("matplotlib") is None:
+            print("[bench] no plots: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        elif opts.plots and any("wall_s" in s for s in results.values()):
             title = (
                 f"{data.path.stem}, {n} samples, N={opts.world_size}, L={opts.token_budget}, "
                 f"{opts.model}, {opts.device}"

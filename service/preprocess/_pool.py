@@ -46,11 +46,14 @@ import resource
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+if TYPE_CHECKING:
+    import ray
+else:
+    from ._lazy_ray import ray  # imported on first use
 
 from ._chain import Preprocessor, default_stages
 from ._dataset import RecordDataset, parse_item
@@ -190,6 +193,8 @@ class PreprocessPool:
         options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0, "num_cpus": actor_num_cpus}
         self.node_id = affinity_node(node_id) if "scheduling_strategy" not in (actor_options or {}) else None
         if self.node_id is not None:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
             options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
                 self.node_id, soft=True, _spill_on_unavailable=True
             )

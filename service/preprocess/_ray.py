@@ -49,11 +49,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import ray
 
+if TYPE_CHECKING:
+    import ray
+else:
+    from ._lazy_ray import ray  # imported on first use
+
+from ._lazy_ray import loaded
 from ._ray_procs import JOB_ENV, descendants, end_leftovers, has_env, ray_processes, start_time
 
 log = logging.getLogger("batchd.preprocess")
@@ -465,12 +470,17 @@ def share_ray(
 
 def resolve(payload: Any) -> dict[str, np.ndarray]:
     """The payload dict of a sample: `ray.get` when it is an ObjectRef, the value itself otherwise."""
+    if not loaded():  # no ObjectRef exists before Ray was imported
+        plain: dict[str, np.ndarray] = payload
+        return plain
     got: dict[str, np.ndarray] = ray.get(payload) if isinstance(payload, ray.ObjectRef) else payload
     return got
 
 
 def resolve_many(payloads: Sequence[Any]) -> list[dict[str, np.ndarray]]:
     """`resolve` for a list, with one `ray.get` round trip for all the references in it."""
+    if not loaded():
+        return list(payloads)
     idx = [k for k, p in enumerate(payloads) if isinstance(p, ray.ObjectRef)]
     out = list(payloads)
     if idx:

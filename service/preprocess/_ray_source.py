@@ -48,10 +48,14 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import ray
+
+if TYPE_CHECKING:
+    import ray
+else:
+    from ._lazy_ray import ray  # imported on first use
 
 from batchd.core import BlockLayout, BlockView, Remainder, Sample
 
