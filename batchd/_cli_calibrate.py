@@ -8,21 +8,15 @@ import textwrap
 from pathlib import Path
 
 from batchd._cli_flags import positive
+from batchd.core import parse_bytes
 
-MEMORY_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
-
-def parse_bytes(text: str) -> int:
-    """'24GiB', '512M', '1e9' -> bytes; ArgumentTypeError naming the text otherwise."""
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    unit = t[-1] if t and t[-1] in MEMORY_UNITS else ""
+def _size(text: str) -> int:
+    """argparse type: a size such as 24GiB or 512MiB (`batchd.core.parse_bytes`)."""
     try:
-        value = float(t[: len(t) - len(unit)]) * MEMORY_UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a size such as 24GiB or 512MiB, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a memory limit must be > 0, got {text!r}")
-    return int(value)
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,7 +57,7 @@ def add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=positive, default=3, help="timed steps per batch (default 3)")
     p.add_argument(
         "--memory-limit",
-        type=parse_bytes,
+        type=_size,
         default=None,
         metavar="SIZE",
         help="the memory the budget must fit, e.g. 24GiB (default: CUDA the device's, CPU the available)",
