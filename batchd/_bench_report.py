@@ -8,7 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from batchd.core import mean_imbalance
+from batchd.core import cost_check, mean_imbalance
 
 
 def _epoch_evals(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -83,6 +83,7 @@ def summarize(
         "trainer_cpu_s": max(r.get("cpu_s", 0.0) for r in results),
         "rank_imbalance": sum(mats) / sum(mean_mat) if sum(mean_mat) else 1.0,
         "vision_imbalance": _vision_imbalance(results, n_steps),
+        "cost_check": _cost_check(results),
         "encoder_patches": sum(s.get("patches", 0) for r in results for s in r["steps"]),
         **_vision_share(results[0]),
         **_vision_share(results[0], "audio", "frames"),
@@ -136,6 +137,17 @@ def _vision_share(result: dict[str, Any], tower: str = "vision", load: str = "pa
         f"{tower}_share": sum(vis) / result["wall_s"] if result["wall_s"] > 0 else None,
         f"{tower}_share_mean": sum(with_items) / len(with_items) if with_items else 0.0,
     }
+
+
+def _cost_check(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """How well the planned cost (batchd's plan; fixed's and ODB's padded rows x longest) predicted each
+    rank's measured forward + backward, over the steps every rank ran (`batchd.core.cost_check`)."""
+    n = min(len(r["steps"]) for r in results)
+    steps = [[r["steps"][k] for r in results] for k in range(n)]
+    return cost_check(
+        [[float(x.get("cost", 0.0)) for x in row] for row in steps],
+        [[float(x.get("compute_s", 0.0)) for x in row] for row in steps],
+    )
 
 
 def _vision_imbalance(results: list[dict[str, Any]], n_steps: int) -> float | None:

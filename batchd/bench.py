@@ -297,6 +297,17 @@ def _run_systems(
     return {name: results[name] for name in systems if name in results}
 
 
+def _cost_line(check: dict[str, Any] | None) -> str:
+    """', compute max/mean 1.08 (planned 1.02), R^2 0.93' (`batchd.core.cost_check`), or ''."""
+    if not check or not check.get("steps") or check.get("measured_imbalance") is None:
+        return ""
+    r2 = "-" if check["r2"] is None else f"{check['r2']:.2f}"
+    return (
+        f", compute max/mean {check['measured_imbalance']:.2f} (planned "
+        f"{check['planned_imbalance']:.2f}), R^2 on cost {r2}"
+    )
+
+
 def _ran_line(system: str, s: dict[str, Any], run: str) -> str:
     return (
         f"[bench] {system}{run}: {s['wall_s']:.1f} s wall, {s['steps']} steps, "
@@ -309,6 +320,7 @@ def _ran_line(system: str, s: dict[str, Any], run: str) -> str:
             else ""
         )
         + (f", audio encoder {_pct(s['audio_share'])}" if s.get("audio_share") is not None else "")
+        + _cost_line(s.get("cost_check"))
         + f" ({s['outer_s']:.0f} s in all)"
     )
 

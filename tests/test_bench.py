@@ -61,6 +61,8 @@ def test_bench_at_equal_update_semantics_counts_every_systems_updates(tmp_path):
         assert r["update_tokens_min"] <= r["update_tokens_mean"] <= r["update_tokens_max"]
         assert r["tokens_curve"][-1] == r["real_tokens"] and np.isfinite(r["heldout_loss"])
         assert 0 < r["update_length_cv"] < 2  # the updates' composition spread, from their cut points
+        check = r["cost_check"]  # the planned cost against each rank's measured compute
+        assert check["steps"] > 0 and check["planned_imbalance"] >= 1 and check["measured_imbalance"] >= 1
 
 
 @pytest.mark.slow

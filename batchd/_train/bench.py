@@ -211,6 +211,8 @@ class _BenchRank:
             "audio_s": VisionTimer(model.audio)
             if audio and getattr(model, "audio", None) is not None
             else None,
+            # the rank's own forward + backward, for the cost check (`batchd.core.cost_check`)
+            "compute_s": VisionTimer(model, sync=self.cuda),
         }
         if self.cuda:
             model = model.to(torch.bfloat16)
@@ -272,6 +274,11 @@ class _BenchRank:
             for key, timer in self.timers.items():
                 if timer is not None:
                     self.rec.steps[-1][key] = timer.take()
+            # planned cost: the batchd plan's; fixed and ODB plan nothing: their padded rows x longest
+            planned = self.holder.pop("cost", None)
+            self.rec.steps[-1]["cost"] = (
+                planned if planned is not None else self.rec.steps[-1]["materialized"]
+            )
         if window.end:
             self._update(window.end_scale)
             self.rec.steps[-1]["update_end"] = True

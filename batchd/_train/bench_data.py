@@ -221,6 +221,7 @@ def iter_batchd(cfg: dict[str, Any], holder: dict[str, Any], epoch: int):
     for batch, info in it:
         ids = batch.pop("sample_ids").tolist()
         holder["global_tokens"] = int(info.global_tokens)
+        holder["cost"] = float(info.cost)  # the step's planned cost (the bench's cost check)
         holder["window"].batchd(info)
         if info.is_idle and batch.get("vision_send_splits") is None:
             yield [], None, 0.0, 0
