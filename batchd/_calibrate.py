@@ -187,18 +187,17 @@ def build(
         module, _, name = opts.entry.partition(":")
         if not name:
             raise ValueError(f"entry must be 'module:function', got {opts.entry=}")
-        sys.path.insert(0, str(Path.cwd()))
+        if str(Path.cwd()) not in sys.path:  # the user's module, beside where they run the command
+            sys.path.insert(0, str(Path.cwd()))
         made = getattr(importlib.import_module(module), name)(device)
         model, opt = made if isinstance(made, tuple) else (made, None)
         what = f"{opts.entry}()"
     elif opts.hf_model is not None:
         from batchd._vlm_tiny import load_vlm
+        from batchd.client import two_phase
 
-        model, opt, what = (
-            load_vlm(opts.hf_model).to(device, dtype),
-            None,
-            f"Hugging Face model {opts.hf_model}",
-        )
+        model = two_phase(load_vlm(opts.hf_model).to(device, dtype))  # as batchd.train trains it
+        opt, what = None, f"Hugging Face model {opts.hf_model}"
     else:
         from batchd._train.models import build_model
 
@@ -209,7 +208,22 @@ def build(
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     embed = getattr(model, "get_input_embeddings", lambda: None)()
     vocab = int(embed.num_embeddings) if embed is not None else VOCAB
-    return model, opt, min(vocab, 1 << 15), f"{what}, {opts.dtype}, on {device}"
+    special = _special_ids(getattr(model, "config", None))  # image and other markers: kept out of the text
+    vocab = min([vocab, 1 << 15, *(i for i in special if i > 1)])
+    return model, opt, vocab, f"{what}, {opts.dtype}, on {device}"
+
+
+def _special_ids(config: Any) -> set[int]:
+    """The `*_token_id` values of a Hugging Face config and its sub-configs (text, vision)."""
+    out: set[int] = set()
+    if config is None:
+        return out
+    for key, value in vars(config).items():
+        if key.endswith("token_id") and isinstance(value, int):
+            out.add(value)
+        elif key.endswith("_config") and hasattr(value, "__dict__"):
+            out |= _special_ids(value)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,3 +172,24 @@ def test_the_documented_command_runs_as_written(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert check.returncode == 0, check.stderr
+
+
+def test_a_stock_hugging_face_model_calibrates_with_its_image_markers_kept_out(tmp_path):
+    """`--hf-model` (the tiny stock Qwen2-VL, adapted as batchd.train adapts it): the designed text batches
+    never hold its image or other marker tokens (which would ask for image grids), and the fit is made."""
+    import json
+
+    bindir = Path(sys.executable).parent
+    made = subprocess.run(
+        [str(bindir / "batchd"), "tiny-vlm", str(tmp_path / "vlm")], capture_output=True, text=True
+    )
+    assert made.returncode == 0, made.stderr[-2000:]
+    run = subprocess.run(
+        [sys.executable, "-m", "batchd", "calibrate", "--hf-model", str(tmp_path / "vlm"),
+         "--max-tokens", "128", "--repeats", "1", "--layouts", "packed", "--out", str(tmp_path / "cal"),
+         "--quiet"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    cal = json.loads((tmp_path / "cal" / "calibration.json").read_text())
+    assert cal["model"].startswith("Hugging Face model") and cal["fits"]["packed"]["time"]["points"] >= 3
