@@ -71,11 +71,11 @@ backward) and `vision_imbalance`: the mean over steps with images of the slowest
 encoder patches / the mean rank's (1.0: every rank encoded alike; all ranks' patches, gathered once at the
 end; null without images). Rank 0 also logs it ("vision encoder: ..."): with `phases = 2` the
 coordinator's vision plan keeps it near 1. With `ddp`, `cost_check` says how well the job's cost model
-predicted the ranks' own compute (forward + backward, timed by hooks on the model; synchronized on CUDA):
-the mean over steps of measured max/mean across ranks against the planned cost's, and the R^2 of compute
-on planned cost (`batchd.core.cost_check`); rank 0 logs it ("cost model check: ..."). A measured
-imbalance well above the planned one, or a low R^2, means the plan balances the wrong cost: `batchd
-calibrate` measures the right one.
+predicted this rank's own compute (forward + backward, timed by hooks on the model; synchronized on
+CUDA): the R^2 of its compute on its steps' planned cost and that line (`batchd.core.cost_check`, over
+this rank's steps: no collective at the end; `batchd bench` compares the ranks); rank 0 logs it ("cost
+model check: ..."). A low R^2 means the plan balances the wrong cost: `batchd calibrate` measures the
+right one.
 
 Start order and progress: the trainer may start before its rank service / node agent; it waits up to
 `--startup-timeout` (default 600 s, like the services) and logs every 5 s whom it waits for and why

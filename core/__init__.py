@@ -52,7 +52,7 @@ from ._collate import (
     strip_vision,
 )
 from ._cost import CostModel
-from ._cost_check import CheckSums, cost_check, own_counted
+from ._cost_check import cost_check
 from ._delivery import (
     ATTACHED,
     END,
@@ -114,7 +114,6 @@ __all__ = [
     "BatchdError",
     "BlockLayout",
     "BlockView",
-    "CheckSums",
     "Connect",
     "Coordinator",
     "CoordinatorError",
@@ -192,7 +191,6 @@ __all__ = [
     "loss_tokens",
     "max_fitting_length",
     "mean_imbalance",
-    "own_counted",
     "parse_bytes",
     "parse_lengths",
     "parse_workload",

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["CheckSums", "cost_check", "own_counted"]
+__all__ = ["CheckSums", "cost_check"]
 
 MOMENTS = ("n", "x", "y", "xy", "xx", "yy")
 

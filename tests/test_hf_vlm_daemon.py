@@ -103,11 +103,9 @@ def test_stock_qwen2_vl_trains_two_phase_through_the_daemon(tmp_path):
         sent = [r["exchange_rows_to"] for r in results]
         assert all(len(s) == 2 for s in sent), sent
         assert sum(map(sum, sent)) * 4 == sum(e["patches"] for lg in logs for e in lg), (sent, logs)
-        # the cost model checked itself: the same all-reduced figures on both ranks, logged by rank 0
-        check = results[0]["cost_check"]
-        assert check == results[1]["cost_check"] and check["steps"] > 0, results
-        assert check["planned_imbalance"] >= 1 and check["measured_imbalance"] >= 1, check
-        assert "[rank 0] cost model check: measured compute max/mean across ranks" in run.stderr, out
+        # the cost model checked itself on each rank's own steps (its compute on its planned cost)
+        for r in results:
+            assert r["cost_check"]["steps"] > 0 and set(r["cost_check"]) >= {"r2", "slope_s"}, r
         vision = results[0]["vision_imbalance"]
         assert vision is not None and vision == results[1]["vision_imbalance"] and 1.0 <= vision, results
         m = re.search(

@@ -63,7 +63,7 @@ def test_readme_real_job_runs_as_written(tmp_path):
             env=env,
             capture_output=True,
             text=True,
-            timeout=400,
+            timeout=900,  # a backstop against a hang: it took 415 s beside two CPU burners
         )
         out = run.stdout[-4000:] + "\n--- stderr\n" + run.stderr[-6000:]
         assert run.returncode == 0, out

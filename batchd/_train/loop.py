@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from batchd.client import BatchdError, JobFailed, weighted_steps
-from batchd.core import CheckSums, own_counted
+from batchd.core import cost_check
 from batchd.proto import Progress
 
 from .checkpoint import save_checkpoint
@@ -204,29 +204,14 @@ class _Loop:
             os.close(self.ids_log)
 
 
-def _cost_check(run: _Loop, device: torch.device, works: list[Any]) -> dict[str, Any] | None:
-    """How well the job's cost model predicted the ranks' measured compute (`batchd.core.cost_check`),
-    from all-reduced sums (collectives: every rank calls it; handles kept in `works`, as
-    `_vision_imbalance`'s). None without timed steps, or when the ranks ran different numbers of steps."""
-    if run.timer is None:
+def _cost_check(run: _Loop) -> dict[str, Any] | None:
+    """How well the job's cost model predicted this rank's own measured compute (`batchd.core.cost_check`
+    over its steps alone: no collective at the end of the run; `batchd bench` compares the ranks). None
+    without timed steps."""
+    if run.timer is None or not run.costs:
         return None
-
-    def all_reduce(values: list[float], op: Any) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        work = dist.all_reduce(t, op=op, async_op=True)
-        works.append(work)
-        work.wait()
-        return [float(v) for v in t.tolist()]
-
-    n = all_reduce([len(run.costs), -len(run.costs)], dist.ReduceOp.MAX)
-    if n[0] != -n[1] or not run.costs:
-        return None
-    counted = [int(v) for v in all_reduce(own_counted(run.costs, run.compute), dist.ReduceOp.MIN)]
-    sums = CheckSums.local(run.costs, run.compute, counted, dist.get_world_size())
-    for name, op in (("cost_max", "MAX"), ("cost_sum", "SUM"), ("time_max", "MAX"), ("time_sum", "SUM")):
-        setattr(sums, name, all_reduce(getattr(sums, name), getattr(dist.ReduceOp, op)))
-    sums.moments = all_reduce(sums.moments, dist.ReduceOp.SUM)
-    return sums.result()
+    got = cost_check([[c] for c in run.costs], [[t] for t in run.compute])
+    return {k: got[k] for k in ("steps", "r2", "slope_s", "intercept_s")}
 
 
 def train_loop(client, ddp, opt, args, ckpt, train_step, works: list[Any]) -> dict[str, Any]:
@@ -249,14 +234,11 @@ def train_loop(client, ddp, opt, args, ckpt, train_step, works: list[Any]) -> di
     wall = round(time.perf_counter() - t0, 3)
     device = next(run.module.parameters()).device
     vision = _vision_imbalance(run.loads, device, works)
-    check = _cost_check(run, device, works)
-    if rank == 0 and check is not None and check["steps"]:
-        r2 = "-" if check["r2"] is None else f"{check['r2']:.3f}"
+    check = _cost_check(run)
+    if rank == 0 and check is not None and check["r2"] is not None:
         print(
-            f"[rank 0] cost model check: measured compute max/mean across ranks "
-            f"{check['measured_imbalance']:.3f} against {check['planned_imbalance']:.3f} planned; R^2 of "
-            f"compute on planned cost {r2} (over {check['steps']} steps; `batchd calibrate` measures a cost "
-            "model)",
+            f"[rank 0] cost model check: R^2 of this rank's compute on its planned cost {check['r2']:.3f} "
+            f"over {check['steps']} steps (`batchd calibrate` measures a cost model)",
             file=sys.stderr,
             flush=True,
         )
