@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from batchd.client import collate_packed, collate_padded, loss_tokens, train_step
-from batchd.core import CostFit, CostModel, Measured, StepInfo, fit_layout
+from batchd.core import BUDGET_QUANTUM, CostFit, CostModel, Measured, StepInfo, fit_layout
 
 LAYOUTS = ("padded", "packed")  # the rank service's collations (`[job.policy] collate`)
 
@@ -50,7 +50,6 @@ __all__ = ["CalibrateOptions", "Calibration", "calibrate", "design", "fragment",
 
 VOCAB = 512  # the reference models' synthetic vocabulary (an HF model's own is used when larger)
 EXTRAPOLATE = 2  # the budget is at most this many times the largest measured batch (max_tokens)
-BUDGET_QUANTUM = 64
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ._align import (
     RoundTotals,
 )
 from ._blockview import BlockLayout, BlockView
-from ._calibrate import CostFit, Measured, fit_layout
+from ._calibrate import BUDGET_QUANTUM, CostFit, Measured, fit_layout
 from ._collate import (
     AUDIO_KEYS,
     IGNORE_INDEX,
@@ -111,6 +111,7 @@ __all__ = [
     "AUDIO_EXCHANGE_KEYS",
     "AUDIO_KEYS",
     "AudioCost",
+    "BUDGET_QUANTUM",
     "BatchdError",
     "BlockLayout",
     "BlockView",

@@ -1,8 +1,7 @@
 """`batchd.core.cost_check`: how well the cost model predicted the ranks' measured compute.
 
-Its figures come from all-reducible sums (`CheckSums`), so the trainers never gather every rank's steps;
-here they are checked against the same figures computed directly from the whole matrix (numpy), by hand,
-and on their errors.
+Checked against the same figures computed with numpy from the whole matrix, by hand, and on its
+errors.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ matrices = st.integers(1, 4).flatmap(
 
 
 @given(matrices)
-def test_the_all_reducible_sums_give_the_direct_figures(rows):
+def test_the_figures_match_numpys(rows):
     costs = [[float(v) for v in c] for c, _ in rows]
     seconds = [list(s) for _, s in rows]
     got, want = cost_check(costs, seconds), _direct(costs, seconds)
