@@ -36,6 +36,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -86,6 +87,7 @@ class ElasticServices:
         self.config, self.dir = config, Path(directory)
         self.agent = f"127.0.0.1:{self.agent_port}"
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self._ending = threading.Event()  # `wait` began: the services' exits are the job's end
         self.advertise = env.get("BATCHD_ADVERTISE") or socket.gethostname()
 
     def start(self) -> None:
@@ -103,6 +105,25 @@ class ElasticServices:
             argv += ["--coordinator", f"{self.master}:{self.coordinator_port}", "--host", "0.0.0.0"]
             argv += ["--name", f"{socket.gethostname()}/{self.node_rank}", "--advertise", self.advertise]
             self._spawn("node", [*argv, "--port", str(self.agent_port)])
+        threading.Thread(target=self._watch, name="elastic-services", daemon=True).start()
+
+    def _watch(self) -> None:
+        """A service of this worker that exits with an error before the worker ends (e.g. a coordinator
+        that refuses its journal) ends the worker at once, naming it and its log's last line: its torchrun
+        then restarts or ends the group, instead of the trainers waiting out their start-up timeouts."""
+        while not self._ending.wait(0.5):
+            for name, proc in self.procs:
+                code = proc.poll()
+                if code not in (None, 0) and not self._ending.is_set():
+                    log = self.dir / "logs" / f"{name}-rank{self.rank}.log"
+                    lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+                    print(
+                        f"[rank {self.rank}] --elastic: the {name} this worker started exited {code}: "
+                        f"{lines[-1] if lines else '(no log)'} (log {log})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    os._exit(1)
 
     def _free(self, port: int) -> None:
         deadline = time.monotonic() + PORT_FREE_S
@@ -131,6 +152,7 @@ class ElasticServices:
     def wait(self, timeout: float) -> dict[str, int | None]:
         """Waits up to `timeout` seconds for the services to exit on their own (a finished job's do), then
         stops the rest; their exit statuses."""
+        self._ending.set()
         deadline = time.monotonic() + timeout
         out: dict[str, int | None] = {}
         for name, proc in self.procs:

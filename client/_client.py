@@ -239,6 +239,28 @@ class BatchClient:
         it. Waits like `job_epochs`."""
         return self._status(timeout).max_tokens or None
 
+    def report_oom(self, info: StepInfo, error: BaseException) -> JobFailed:
+        """Says that this trainer's step `info` of the current epoch ran out of memory (`error`): the job
+        lowers its token budget for every step not yet trained and fails, to go on from the trainers'
+        checkpoint once restarted (`Coordinator.Oom`). Returns the `JobFailed` to raise, which names the
+        step and both budgets (or, when the report could not be made, why)."""
+        request = pb.OomRequest(
+            rank=self.rank,
+            epoch=self.epoch,
+            step=info.step,
+            cost=info.cost,
+            token_budget=info.token_budget,
+            detail=str(error)[:1000],
+        )
+        try:
+            reply: pb.OomReply = self.stub.Oom(request, timeout=60)
+        except grpc.RpcError as exc:
+            return JobFailed(
+                f"rank {self.rank}'s trainer ran out of memory on step {info.step} ({error}); reporting "
+                f"it to {self._party()} failed: {exc.code().name}: {exc.details()}"
+            )
+        return JobFailed(reply.message)
+
     def _status(self, timeout: float | None) -> pb.RankStatusReply:
         """This rank's `RankStatus`, retried while the rank service is unreachable (not up yet) for up to
         `timeout` (default `startup_timeout_s`)."""

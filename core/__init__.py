@@ -19,7 +19,8 @@ view of a decision), `_align` (DGAP messages, target rules, `Coordinator`), `_ra
 resumed at another world size), `_spec_parts` (its parts: `PolicySpec`, `Phases`, `Updates`), `_spec`
 (`JobSpec`), `_workload` (workload files), `_sim_metrics`,
 `_simulator`, `_calibrate` (fitting a cost model and a budget to measured steps), `_cost_check`
-(how well the cost model predicted the trainers' measured steps). No module cycle:
+(how well the cost model predicted the trainers' measured steps), `_oom` (the budget after an
+out-of-memory step). No module cycle:
 `tools/import_graph.py --check` fails on one. `batchd.core.testing` exposes what only tests and
 benchmarks use (planner steps, grouping functions, ...); `batchd.testing` gathers it.
 """
@@ -71,6 +72,7 @@ from ._liveness import Liveness
 from ._loss import loss_scale
 from ._microbatch import balanced_split
 from ._node_plan import decision_for_node, round_exchanges
+from ._oom import lowered_budget
 from ._phase_bound import encoder_bound
 from ._phase_exact import exact_placement
 from ._phases import (
@@ -190,6 +192,7 @@ __all__ = [
     "llm_grids",
     "loss_scale",
     "loss_tokens",
+    "lowered_budget",
     "max_fitting_length",
     "mean_imbalance",
     "parse_bytes",

@@ -328,6 +328,7 @@ class RankState:
                 update_end=end,
                 update_scale=update_scale(denom, window_loss) if end else 1.0,
                 update_loss_tokens=window_loss if end else 0,
+                token_budget=self.spec.token_budget,
             )
             out.append(
                 Step(
@@ -379,6 +380,11 @@ class RankState:
             K_REJECTED: [list(r) for r in self.rejected],
             K_COUNTERS: dict(self.counters),
         }
+
+    @staticmethod
+    def budget_in(state: Mapping[str, Any]) -> int:
+        """The token budget a `state_dict()` was made under."""
+        return int(state[K_BUDGET])
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores a `state_dict()`; refuses a state of another rank, world size, seed, epoch, policy or

@@ -30,7 +30,8 @@ class StepInfo:
     before the optimizer step and `update_loss_tokens` is the update's global loss tokens (0 on the
     other steps). With updates of a fixed count, `loss_scale` is N t_r / D for the job's constant D, so
     the gradient after `update_scale` is the per-token mean over the whole update; without them
-    `update_scale` is 1.0 and `loss_scale` N t_r / T_tok, as before.
+    `update_scale` is 1.0 and `loss_scale` N t_r / T_tok, as before. `token_budget`: the job's budget when
+    the step was planned (it is lowered after an out-of-memory step, `batchd.core.lowered_budget`).
     """
 
     rank: int
@@ -50,6 +51,7 @@ class StepInfo:
     update_end: bool = True
     update_scale: float = 1.0
     update_loss_tokens: int = 0
+    token_budget: int = 0  # the job's token budget the step was planned under (0: not said)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

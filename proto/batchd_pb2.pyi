@@ -143,7 +143,7 @@ class Updates(_message.Message):
     def __init__(self, tokens_per_update: _Optional[int] = ..., samples_per_update: _Optional[int] = ..., update_rule: _Optional[str] = ...) -> None: ...
 
 class StepInfo(_message.Message):
-    __slots__ = ("rank", "step", "round", "is_idle", "local_samples", "local_tokens", "local_loss_tokens", "global_samples", "global_tokens", "global_loss_tokens", "loss_scale", "cost", "epoch", "update", "not_update_end", "update_scale", "update_loss_tokens", "update_step")
+    __slots__ = ("rank", "step", "round", "is_idle", "local_samples", "local_tokens", "local_loss_tokens", "global_samples", "global_tokens", "global_loss_tokens", "loss_scale", "cost", "epoch", "update", "not_update_end", "update_scale", "update_loss_tokens", "update_step", "token_budget")
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,7 @@ class StepInfo(_message.Message):
     UPDATE_SCALE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_LOSS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     rank: int
     step: int
     round: int
@@ -180,7 +181,8 @@ class StepInfo(_message.Message):
     update_scale: float
     update_loss_tokens: int
     update_step: int
-    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., is_idle: _Optional[bool] = ..., local_samples: _Optional[int] = ..., local_tokens: _Optional[int] = ..., local_loss_tokens: _Optional[int] = ..., global_samples: _Optional[int] = ..., global_tokens: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., loss_scale: _Optional[float] = ..., cost: _Optional[float] = ..., epoch: _Optional[int] = ..., update: _Optional[int] = ..., not_update_end: _Optional[bool] = ..., update_scale: _Optional[float] = ..., update_loss_tokens: _Optional[int] = ..., update_step: _Optional[int] = ...) -> None: ...
+    token_budget: int
+    def __init__(self, rank: _Optional[int] = ..., step: _Optional[int] = ..., round: _Optional[int] = ..., is_idle: _Optional[bool] = ..., local_samples: _Optional[int] = ..., local_tokens: _Optional[int] = ..., local_loss_tokens: _Optional[int] = ..., global_samples: _Optional[int] = ..., global_tokens: _Optional[int] = ..., global_loss_tokens: _Optional[int] = ..., loss_scale: _Optional[float] = ..., cost: _Optional[float] = ..., epoch: _Optional[int] = ..., update: _Optional[int] = ..., not_update_end: _Optional[bool] = ..., update_scale: _Optional[float] = ..., update_loss_tokens: _Optional[int] = ..., update_step: _Optional[int] = ..., token_budget: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("rank", "spec", "address")
@@ -193,7 +195,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("epoch", "round", "lease_ms", "round_timeout_ms", "rank_addresses", "generation", "resume_needed")
+    __slots__ = ("epoch", "round", "lease_ms", "round_timeout_ms", "rank_addresses", "generation", "resume_needed", "token_budget")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +203,7 @@ class RegisterReply(_message.Message):
     RANK_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     RESUME_NEEDED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     round: int
     lease_ms: int
@@ -208,7 +211,32 @@ class RegisterReply(_message.Message):
     rank_addresses: _containers.RepeatedScalarFieldContainer[str]
     generation: int
     resume_needed: bool
-    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., lease_ms: _Optional[int] = ..., round_timeout_ms: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., resume_needed: _Optional[bool] = ...) -> None: ...
+    token_budget: int
+    def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., lease_ms: _Optional[int] = ..., round_timeout_ms: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., resume_needed: _Optional[bool] = ..., token_budget: _Optional[int] = ...) -> None: ...
+
+class OomRequest(_message.Message):
+    __slots__ = ("rank", "epoch", "step", "cost", "token_budget", "detail")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    epoch: int
+    step: int
+    cost: float
+    token_budget: int
+    detail: str
+    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., cost: _Optional[float] = ..., token_budget: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class OomReply(_message.Message):
+    __slots__ = ("token_budget", "message")
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    token_budget: int
+    message: str
+    def __init__(self, token_budget: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ResumeRequest(_message.Message):
     __slots__ = ("rank", "epoch", "step", "from_world_size")

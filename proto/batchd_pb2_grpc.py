@@ -81,6 +81,11 @@ class CoordinatorStub:
                 request_serializer=batchd_dot_proto_dot_batchd__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=batchd_dot_proto_dot_batchd__pb2.ResumeReply.FromString,
                 _registered_method=True)
+        self.Oom = channel.unary_unary(
+                '/batchd.v1.Coordinator/Oom',
+                request_serializer=batchd_dot_proto_dot_batchd__pb2.OomRequest.SerializeToString,
+                response_deserializer=batchd_dot_proto_dot_batchd__pb2.OomReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -153,6 +158,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Oom(self, request, context):
+        """A rank's trainer ran out of memory on a step: the coordinator journals the lowered token budget
+        (`batchd.core.lowered_budget`) and fails the job, naming it; the restarted job goes on from the
+        trainers' checkpoint at that budget. Reports of the same lowering (the other ranks') get its budget.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -200,6 +214,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=batchd_dot_proto_dot_batchd__pb2.ResumeRequest.FromString,
                     response_serializer=batchd_dot_proto_dot_batchd__pb2.ResumeReply.SerializeToString,
+            ),
+            'Oom': grpc.unary_unary_rpc_method_handler(
+                    servicer.Oom,
+                    request_deserializer=batchd_dot_proto_dot_batchd__pb2.OomRequest.FromString,
+                    response_serializer=batchd_dot_proto_dot_batchd__pb2.OomReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -457,6 +476,33 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Oom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchd.v1.Coordinator/Oom',
+            batchd_dot_proto_dot_batchd__pb2.OomRequest.SerializeToString,
+            batchd_dot_proto_dot_batchd__pb2.OomReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class RankServiceStub:
     """---- rank service ----------------------------------------------------------------------------------
@@ -488,6 +534,11 @@ class RankServiceStub:
                 '/batchd.v1.RankService/RankStatus',
                 request_serializer=batchd_dot_proto_dot_batchd__pb2.RankStatusRequest.SerializeToString,
                 response_deserializer=batchd_dot_proto_dot_batchd__pb2.RankStatusReply.FromString,
+                _registered_method=True)
+        self.Oom = channel.unary_unary(
+                '/batchd.v1.RankService/Oom',
+                request_serializer=batchd_dot_proto_dot_batchd__pb2.OomRequest.SerializeToString,
+                response_deserializer=batchd_dot_proto_dot_batchd__pb2.OomReply.FromString,
                 _registered_method=True)
 
 
@@ -523,6 +574,13 @@ class RankServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Oom(self, request, context):
+        """A trainer ran out of memory: forwarded to the coordinator (`Coordinator.Oom`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RankServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -545,6 +603,11 @@ def add_RankServiceServicer_to_server(servicer, server):
                     servicer.RankStatus,
                     request_deserializer=batchd_dot_proto_dot_batchd__pb2.RankStatusRequest.FromString,
                     response_serializer=batchd_dot_proto_dot_batchd__pb2.RankStatusReply.SerializeToString,
+            ),
+            'Oom': grpc.unary_unary_rpc_method_handler(
+                    servicer.Oom,
+                    request_deserializer=batchd_dot_proto_dot_batchd__pb2.OomRequest.FromString,
+                    response_serializer=batchd_dot_proto_dot_batchd__pb2.OomReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -657,6 +720,33 @@ class RankService:
             '/batchd.v1.RankService/RankStatus',
             batchd_dot_proto_dot_batchd__pb2.RankStatusRequest.SerializeToString,
             batchd_dot_proto_dot_batchd__pb2.RankStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Oom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/batchd.v1.RankService/Oom',
+            batchd_dot_proto_dot_batchd__pb2.OomRequest.SerializeToString,
+            batchd_dot_proto_dot_batchd__pb2.OomReply.FromString,
             options,
             channel_credentials,
             insecure,

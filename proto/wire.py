@@ -378,6 +378,7 @@ def info_to_pb(i: StepInfo, epoch: int) -> pb.StepInfo:
         not_update_end=not i.update_end,
         update_scale=i.update_scale,
         update_loss_tokens=i.update_loss_tokens,
+        token_budget=i.token_budget,
     )
 
 
@@ -400,6 +401,7 @@ def info_from_pb(m: pb.StepInfo) -> StepInfo:
         update_end=not m.not_update_end,
         update_scale=float(m.update_scale) or 1.0,
         update_loss_tokens=int(m.update_loss_tokens),
+        token_budget=int(m.token_budget),
     )
 
 

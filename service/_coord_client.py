@@ -105,6 +105,8 @@ class CoordinatorLink(Protocol):
 
     def resume(self, epoch: int, step: int, from_world: int) -> pb.ResumeReply: ...
 
+    def oom(self, request: pb.OomRequest) -> pb.OomReply: ...
+
     def finish(self) -> None: ...
 
     def fail(self, reason: str) -> None: ...
@@ -174,6 +176,12 @@ class CoordinatorClient:
         """Where the resized job goes on, for this rank whose trainer resumes `epoch` at `step`."""
         request = pb.ResumeRequest(rank=self.rank, epoch=epoch, step=step, from_world_size=from_world)
         reply: pb.ResumeReply = self._call("Resume", self.stub.Resume, request, 60.0, self.patience_s)
+        return reply
+
+    def oom(self, request: pb.OomRequest) -> pb.OomReply:
+        """Reports this rank's trainer's out-of-memory step (`Coordinator.Oom`): the job's lowered budget."""
+        request.rank = self.rank
+        reply: pb.OomReply = self._call("Oom", self.stub.Oom, request, 10.0, self.patience_s)
         return reply
 
     def finish(self) -> None:

@@ -488,6 +488,12 @@ class LocalRankClient:
         reply: pb.ResumeReply = self.link.unary("Resume", self.link.stub.Resume, request, self.rank, 60.0)
         return reply
 
+    def oom(self, request: pb.OomRequest) -> pb.OomReply:
+        """`CoordinatorClient.oom`, a unary call of this rank."""
+        request.rank = self.rank
+        reply: pb.OomReply = self.link.unary("Oom", self.link.stub.Oom, request, self.rank)
+        return reply
+
     def finish(self) -> None:
         self.link.unary("Finish", self.link.stub.Finish, pb.FinishRequest(rank=self.rank), self.rank)
         self.link.retire(self.rank)

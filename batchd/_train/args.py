@@ -249,6 +249,14 @@ def _add_hooks(p: argparse.ArgumentParser) -> None:
         "if given), after the step is logged and before it is trained",
     )
     p.add_argument(
+        "--inject-oom-above",
+        type=float,
+        default=None,
+        metavar="COST",
+        help="test hook: raise torch.OutOfMemoryError before training any step of planned cost above COST "
+        "(StepInfo.cost), as a device too small for the job's token budget would",
+    )
+    p.add_argument(
         "--ids-log",
         default=None,
         metavar="FILE",

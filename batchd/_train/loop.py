@@ -33,10 +33,12 @@ def _maybe_crash(spec: str | None, rank: int, steps: int) -> None:
             os._exit(1)
 
 
-def _log_step(fd: int | None, epoch: int, step: int, ids: list[int], patches: int) -> None:
+def _log_step(fd: int | None, epoch: int, info: Any, ids: list[int], patches: int) -> None:
     if fd is not None:  # one write per line: a kill leaves whole lines
-        line = {"epoch": epoch, "step": step, "ids": ids, "patches": patches, "t": round(time.time(), 3)}
+        line = {"epoch": epoch, "step": info.step, "ids": ids, "patches": patches, "t": round(time.time(), 3)}
         line |= {
+            "cost": info.cost,
+            "token_budget": info.token_budget,
             "world": dist.get_world_size(),
             "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
         }
@@ -122,6 +124,7 @@ class _Loop:
         self.epoch_steps: list[int] = []
         self.loads: list[int] = []  # per step of this run: the encoder's load on this rank
         self.loss = float("nan")
+        self.budget = 0  # the token budget of the last step trained
         self.module = getattr(
             ddp, "module", ddp
         )  # DDP's and DeepSpeed's wrapped model; FSDP2 shards in place
@@ -178,12 +181,19 @@ class _Loop:
             self.rows_to += [0] * (len(sent) - len(self.rows_to))
             for r, rows in enumerate(sent):
                 self.rows_to[r] += rows
-        _log_step(self.ids_log, epoch, info.step, ids.tolist() if ids is not None else [], self.loads[-1])
+        _log_step(self.ids_log, epoch, info, ids.tolist() if ids is not None else [], self.loads[-1])
         _maybe_crash(args.crash_at, self.rank, self.steps + 1)
         if args.step_time > 0:
             time.sleep(args.step_time)
         _check_vocabulary(batch, self.vocab, args)
-        self.loss = train_step(self.ddp, self.opt, batch, info)
+        try:
+            if args.inject_oom_above is not None and info.cost > args.inject_oom_above:
+                what = f"planned cost {info.cost:g} > {args.inject_oom_above:g}"
+                raise torch.OutOfMemoryError(f"injected (--inject-oom-above): {what}")
+            self.loss = train_step(self.ddp, self.opt, batch, info)
+        except torch.OutOfMemoryError as exc:  # the job lowers its budget and restarts (`report_oom`)
+            raise self.client.report_oom(info, exc) from exc
+        self.budget = info.token_budget
         if self.timer is not None:
             self.costs.append(0.0 if info.is_idle else float(info.cost))
             self.compute.append(self.timer.take())
@@ -261,4 +271,5 @@ def train_loop(client, ddp, opt, args, ckpt, train_step, works: list[Any]) -> di
         "exchange_steps": run.exchange_steps,
         "exchange_rows_to": run.rows_to,
         "cost_check": check,
+        "token_budget": run.budget,
     }

@@ -10,7 +10,8 @@ import dataclasses
 class Registration:
     """Where the job is for a party that registered: `epoch`, `round`, every rank's address (`addresses`,
     empty until all registered), the lease (`lease_s`), the job's resize `generation` and whether a fresh
-    rank must Resume before its first round (`resume_needed`, `_resize`)."""
+    rank must Resume before its first round (`resume_needed`, `_resize`), and the job's token budget
+    when an out-of-memory step lowered it (`token_budget`; 0: the spec's)."""
 
     epoch: int
     round: int
@@ -18,6 +19,7 @@ class Registration:
     lease_s: float
     generation: int
     resume_needed: bool
+    token_budget: int = 0  # the job's budget when an out-of-memory step lowered it, else 0
 
     def __post_init__(self) -> None:
         if self.epoch < 0 or self.round < 0 or self.generation < 0 or not self.lease_s > 0:

@@ -23,6 +23,7 @@ def register_reply(reg: Registration) -> pb.RegisterReply:
         rank_addresses=list(reg.addresses),
         generation=reg.generation,
         resume_needed=reg.resume_needed,
+        token_budget=reg.token_budget,
     )
 
 

@@ -15,7 +15,9 @@ Records (JSON objects, `kind` first):
 - `ledger`: epoch, the first step, and per step its ids and global loss tokens (`batchd.core.StepLedger`):
   a snapshot holds one with every step of the current epoch (a round's rows ride in its totals);
 - `resize`: the job was resized (`_resize`): generation, world sizes, epoch, first round, step (null
-  until a rank resumed).
+  until a rank resumed);
+- `budget`: a trainer ran out of memory (`budget_record`): the lowered token budget, the budget it was
+  lowered from, the resize generation that goes on at it, and the step that failed (rank, epoch, step, cost).
 
 A snapshot (`snapshot`, written by `Journal.compact` every `COMPACT_EVERY` records and after a restore)
 holds the registrations, the replay tables, the finishes and the failure: about 20 records. Restoring
@@ -44,6 +46,23 @@ Record = dict[str, Any]
 def job_of(spec: JobSpec) -> dict[str, Any]:
     """What names a job in its journal: its spec, by key (`JobSpec.keys`; `JobSpec.from_keys` reads it)."""
     return spec.keys()
+
+
+def budget_record(
+    token_budget: int, old: int, generation: int, rank: int, epoch: int, step: int, cost: float
+) -> Record:
+    """The token budget lowered to `token_budget` from `old` after rank `rank`'s step (`epoch`, `step`) of
+    planned cost `cost` ran out of memory; resize generation `generation` goes on at it."""
+    return {
+        "kind": "budget",
+        "token_budget": token_budget,
+        "from": old,
+        "generation": generation,
+        "rank": rank,
+        "epoch": epoch,
+        "step": step,
+        "cost": cost,
+    }
 
 
 def register_record(rank: int, address: str, node: str | None) -> Record:
@@ -152,11 +171,13 @@ def snapshot(
     failure: str | None,
     ledger: StepLedger | None = None,
     resize: Record | None = None,
+    budget: Record | None = None,
 ) -> list[Record]:
-    """The records a restart needs: ranks, the resize, the epoch's ledger, the replay tables, finishes
-    (sorted), the failure."""
+    """The records a restart needs: ranks, the resize, the lowered budget, the epoch's ledger, the replay
+    tables, finishes (sorted), the failure."""
     out = [register_record(r, a, node_of.get(r)) for r, a in sorted(addresses.items())]
     out += [resize] if resize is not None else []
+    out += [budget] if budget is not None else []
     out += [ledger_record(ledger, 0)] if ledger is not None else []
     out += replay.records()
     out += [{"kind": "finish", "rank": r} for r in sorted(finished)]
@@ -179,6 +200,7 @@ class Recovered:
     failure: str | None = None
     ledger: StepLedger | None = None  # the newest epoch's
     resize: Record | None = None  # the newest resize record
+    budget: Record | None = None  # the newest lowered budget (`budget_record`)
 
     @property
     def awaiting_commits(self) -> bool:
@@ -221,6 +243,8 @@ class Recovered:
             self.ledger = read_ledger(self.ledger, rec)
         elif kind == "resize":
             self.resize = dict(rec)
+        elif kind == "budget":
+            self.budget = dict(rec)
 
 
 def replay_records(records: Sequence[Mapping[str, Any]]) -> Recovered:

@@ -160,11 +160,17 @@ def begin(
     rs = ResizeState(
         generation, old.world_size, new.world_size, epoch, core.round + 1, core.done, core.ledger
     )
+    budget = (
+        f", token budget {old.token_budget} -> {new.token_budget} (an out-of-memory step)"
+        if old.token_budget != new.token_budget
+        else ""
+    )
     log.warning(
-        "job resized from %d to %d rank(s) (generation %d) in epoch %d after %d step(s)%s: the ranks "
+        "job resized from %d to %d rank(s)%s (generation %d) in epoch %d after %d step(s)%s: the ranks "
         "resume at their trainers' checkpoint",
         old.world_size,
         new.world_size,
+        budget,
         generation,
         rs.epoch,
         rs.ledger.steps,

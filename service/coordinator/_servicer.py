@@ -136,6 +136,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         except DOMAIN_ERRORS as exc:
             await self._abort(context, exc)
 
+    async def Oom(self, request: pb.OomRequest, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            budget, message = self.state.oom(
+                int(request.rank), int(request.epoch), int(request.step), float(request.cost)
+            )
+            return pb.OomReply(token_budget=budget, message=message)
+        except DOMAIN_ERRORS as exc:
+            await self._abort(context, exc)
+
     async def Fail(self, request: pb.FailRequest, context: grpc.aio.ServicerContext) -> Any:
         self.state.fail(request.rank, request.reason or "reported a failure")
         return pb.FailReply()

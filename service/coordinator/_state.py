@@ -48,6 +48,7 @@ from batchd.core import (
 
 from .._journal import Journal
 from .._metrics import CoordinatorMetrics
+from . import _oom as oom
 from . import _recovery as recovery
 from . import _resize as resizing
 from . import _topology as topo
@@ -84,6 +85,8 @@ class CoordinatorState:
         path = Path(state_dir) / recovery.JOURNAL if state_dir is not None else None
         old = resizing.resize_from(path, recovery.job_of(spec), resize) if path is not None else None
         new, spec = spec, old or spec
+        self.configured_budget = new.token_budget  # the commands' (`_oom`: the job's may be lowered)
+        self.budget: dict[str, Any] | None = None  # the newest lowered budget's journal record
         if lease_s <= 0 or startup_timeout_s <= 0:
             raise ValueError(f"timeouts must be positive, got {lease_s=} {startup_timeout_s=}")
         if compact_every < 1:
@@ -110,8 +113,9 @@ class CoordinatorState:
         self.resize_state: resizing.ResizeState | None = None
         if self.journal is not None:
             self._restore(self.journal.open())
-        if old is not None and not self.job_done:  # a finished job has nothing left to resize
-            self._begin_resize(old, new)
+        lowered = oom.pending(self.budget, resizing.generation(self.resize_state))
+        if (old is not None or lowered) and not self.job_done:  # a finished job has nothing left to resize
+            self._begin_resize(self.spec, oom.at_budget(new, self.budget))  # at its restored budget
         self._watchdog = LeaseWatchdog(self.check_leases, min(lease_s / 4, 1.0), self._stop)
         self._watchdog.start()
         if metrics is not None:
@@ -140,8 +144,9 @@ class CoordinatorState:
         ledger = rs.ledger if rs is not None and rs.pending else self.core.ledger
         resize = rs.record() if rs is not None else None
         return recovery.snapshot(
-            self.addresses, self.node_of, self._replay, self.liveness.finished, self.failure, ledger, resize
-        )
+            self.addresses, self.node_of, self._replay, self.liveness.finished, self.failure, ledger, resize,
+            self.budget,
+        )  # fmt: skip
 
     # -- resize (`_resize`) ------------------------------------------------------------------------------
     def _begin_resize(self, old: JobSpec, new: JobSpec) -> None:
@@ -154,7 +159,7 @@ class CoordinatorState:
         self.epoch, self.core = at.epoch, at.core
         self.resize_state = rs
         if self.journal is not None:
-            self.journal.job = recovery.job_of(new)
+            self.journal.job = recovery.job_of(oom.configured(new, self.configured_budget))
             self.journal.compact(self._snapshot())
 
     def _reset_parties(self) -> None:
@@ -188,8 +193,9 @@ class CoordinatorState:
         """Rebuilds the state from the journal's records (`_recovery`), then compacts the journal."""
         got = recovery.replay_records(records)
         self.addresses, self.node_of, self._replay = got.addresses, got.node_of, got.replay
-        self.failure = got.failure
-        epoch, core = recovery.resume_core(got, self.epoch, self.core, self._new_core)
+        self.failure, self.budget, self.spec = got.failure, got.budget, oom.restored(self.spec, got)
+        core = self._new_core(self.epoch)
+        epoch, core = recovery.resume_core(got, self.epoch, core, self._new_core)
         self.resize_state, at = resizing.restore(got, self.spec, resizing.Position(epoch, core))
         self.epoch, self.core = at.epoch, at.core
         self.liveness.restore(got.registered, got.finished, time.monotonic())
@@ -254,6 +260,20 @@ class CoordinatorState:
         with self._lock:
             self._fail_locked(f"rank {rank}: {reason}")
 
+    def oom(self, rank: int, epoch: int, step: int, cost: float) -> tuple[int, str]:
+        """Rank `rank`'s trainer ran out of memory on (`epoch`, `step`), of planned cost `cost` (`_oom`):
+        journals the lowered budget, fails the job; returns (the job's budget after the restart, the
+        job's failure)."""
+        with self._lock:
+            self.check_rank(rank, "Oom")
+            gen = resizing.generation(self.resize_state)
+            rec, message = oom.report(self.budget, self.spec, gen, rank, (epoch, step), cost)
+            if rec is not None:
+                self._log(rec)
+                self.budget = rec
+            self._fail_locked(message)
+            return oom.at_budget(self.spec, self.budget).token_budget, self.failure or message
+
     def check_leases(self, log_after: float) -> tuple[float, str | None]:
         """The watchdog's tick (`_watchdog`): fails the job if a party's lease or the start-up timeout
         lapsed. Returns (now, whom the job waits for, or None): the latter only at now >= `log_after`,
@@ -317,7 +337,7 @@ class CoordinatorState:
 
     # -- registration --------------------------------------------------------------------------------
     def _check_spec(self, who: str, spec: JobSpec) -> None:
-        diff = self.spec.diff(spec)
+        diff = oom.configured(self.spec, self.configured_budget).diff(spec)
         if diff:
             party = who.split(" ")[0] if who.startswith("rank") else "node agent"
             detail = ", ".join(
@@ -346,6 +366,7 @@ class CoordinatorState:
             self.lease_s,
             resizing.generation(self.resize_state),
             resizing.resume_needed(self.resize_state, (self.epoch, self.core.round)),
+            self.spec.token_budget if self.budget is not None else 0,
         )
 
     def register(self, rank: int, spec: JobSpec, address: str) -> Registration:

@@ -10,19 +10,17 @@ protocol against the coordinator:
 and a watcher thread judges the trainer's liveness. The parts, each in its own module:
     `_delivery`  the trainer streams (attach, credits, acks) over `core.Delivery`: `TrainerSide`
     `_payloads`  the payloads held, lent to and fetched from peers, and collation: `Payloads`, `collate`
-    `_journal`   the rank journal (written after every round and fill; a restart builds the core from its
-                 `JournalRecord`: `_restore`)
-    `_server`    the gRPC servicer over one or several cores
+    `_journal`   the rank journal (each round and fill; a restart builds the core from it: `_restore`)
+    `_server`    the gRPC servicer over one or several cores;  `_limits`  its waits and its budget
 
 Deterministic mode (`JobSpec.deterministic`): the rank reports only a full window (or its source's end),
 waiting for the source as long as it takes, and a fixed capacity max(1, depth // 2) once that many slots
 are free (`batchd.core.fill_may_stop`, `report_capacity`): no report depends on timing, so with an
 ordered source (a `RaySource` emits in view order) the same data, seed and config make the same batches.
 
-Failure: the coordinator's failure (it names the rank) is passed to the trainer as ABORTED; a crash of
-the loop, a lost Ray (`RayLost`) or too many bad records (`TooManyBadRecords`) fail the job, named. Locking:
-`cond` guards the rank state, the delivery and the held batches; the loop holds it only between its
-coordinator calls, never across one.
+Failure: the coordinator's (it names the rank) reaches the trainer as ABORTED; a crash of the loop, a lost
+Ray (`RayLost`) or too many bad records fail the job, named. Locking: `cond` guards the rank state, the
+delivery and the held batches; the loop holds it only between its coordinator calls, never across one.
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ from ..preprocess import (
 )
 from ._delivery import WATCH_S, TrainerSide
 from ._journal import JournalRecord, journal_path, load_journal, remake, restore_error, write_journal
-from ._limits import Limits
+from ._limits import Limits, adopt_budget
 from ._payloads import FetchRefused, Payloads, batch_of, truncated
 
 log = logging.getLogger("batchd.rank")
@@ -253,8 +251,9 @@ class RankServiceCore:
                 _, batches = remake(self.source, record.past[q], [], q, self._batch)
                 held = zip(record.past[q], batches, strict=True)
                 self.streams.past[q] = {step.info.step: (step, batch) for step, batch in held}
+            adopt_budget(self, RankState.budget_in(record.rank), "its journal's")
+            self.state = self.new_state(self.epoch)
             if self.epoch != 0 or rem is not None:
-                self.state = self.new_state(self.epoch)
                 self.source.start_epoch(self.epoch, rem)
             self.rejected_before = record.rejected_before
             self.state.load_state_dict(record.rank)
@@ -365,6 +364,7 @@ class RankServiceCore:
     def _epochs(self) -> None:
         """Registers, then runs the rounds of each epoch until the trainer took the job's last step."""
         reply = self.coord.register(self.store.address)
+        adopt_budget(self, reply.token_budget, "the coordinator's")
         self.store.peers = list(reply.rank_addresses)
         self.coord.start_heartbeats(self.set_failure)
         if reply.generation != self.generation:

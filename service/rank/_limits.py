@@ -1,10 +1,17 @@
-"""`Limits`: how long a rank service waits for whom, and what it holds for a rewind (`RankServiceCore`)."""
+"""`Limits`: how long a rank service waits for whom, and what it holds for a rewind (`RankServiceCore`);
+`adopt_budget`: the token budget a rank plans at when the job lowered it."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from typing import Protocol
+
+from batchd.core import JobSpec
 
 from ._delivery import RETAIN_BYTES
+
+log = logging.getLogger("batchd.rank")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,3 +39,22 @@ class Limits:
                 raise ValueError(f"{name} must be > 0, got {name}={value}")
         if self.retain_bytes < 0:
             raise ValueError(f"retain_bytes must be >= 0, got retain_bytes={self.retain_bytes}")
+
+
+class _HasSpec(Protocol):
+    rank: int
+    spec: JobSpec
+
+
+def adopt_budget(core: _HasSpec, budget: int, whose: str) -> None:
+    """Makes `budget` (0: none said) the token budget `core` plans and reports its steps at: the job's,
+    lowered after an out-of-memory step (`batchd.service.coordinator._oom`), as `whose` says it."""
+    if budget and budget != core.spec.token_budget:
+        log.warning(
+            "rank %d: the job's token budget is %d, %s (lowered after an out-of-memory step; configured %d)",
+            core.rank,
+            budget,
+            whose,
+            core.spec.token_budget,
+        )
+        core.spec = dataclasses.replace(core.spec, token_budget=budget)

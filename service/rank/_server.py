@@ -21,7 +21,7 @@ from typing import NoReturn
 
 import grpc
 
-from batchd.core import ATTACHED, END, Sample
+from batchd.core import ATTACHED, END, CoordinatorError, Sample
 from batchd.proto import GRPC_OPTIONS, Security, wire
 from batchd.proto import batchd_pb2 as pb
 from batchd.proto import batchd_pb2_grpc as pb_grpc
@@ -188,6 +188,17 @@ class RankServicer(pb_grpc.RankServiceServicer):
             code = grpc.StatusCode.NOT_FOUND if exc.not_found else grpc.StatusCode.FAILED_PRECONDITION
             _abort(context, code, str(exc))
         return pb.FetchReply(samples=samples)
+
+    def Oom(self, request: pb.OomRequest, context: grpc.ServicerContext) -> pb.OomReply:
+        """A trainer's out-of-memory step, forwarded to the coordinator (`Coordinator.Oom`)."""
+        core = self._pick(int(request.rank), context, "Oom")
+        log.error(
+            "rank %d: its trainer ran out of memory on step %d: %s", core.rank, request.step, request.detail
+        )
+        try:
+            return core.coord.oom(request)
+        except CoordinatorError as exc:
+            _abort(context, exc.code or grpc.StatusCode.UNAVAILABLE, str(exc))
 
     def RankStatus(self, request: pb.RankStatusRequest, context: grpc.ServicerContext) -> pb.RankStatusReply:
         core = self._pick(int(request.rank) if request.HasField("rank") else None, context, "RankStatus")
