@@ -57,9 +57,9 @@ without the deepspeed package); their checkpoints are sharded (above).
 
 Test hooks (`benchmarks/chaos.py`): `--step-time S` sleeps S seconds per step (a stand-in for a slow
 model); `--ids-log FILE` appends one JSON line per step as the batch arrives, before it is trained
-(`{"epoch", "step", "ids", "patches", "t", "world", "restart"}`, fsynced; `t`: the wall clock;
-`patches`: the vision-encoder
-patches this rank runs that step, the rows of its `pixel_values`; `world`: the world size; `restart`:
+(`{"epoch", "step", "ids", "patches", "t", "cost", "token_budget", "world", "restart"}`, fsynced; `t`:
+the wall clock; `patches`: the vision-encoder patches this rank runs that step, the rows of its
+`pixel_values`; `cost` and `token_budget`: its `StepInfo`'s; `world`: the world size; `restart`:
 torchrun's $TORCHELASTIC_RESTART_COUNT), so a restarted trainer that replays a step logs it again with
 the same ids.
 
@@ -75,7 +75,10 @@ predicted this rank's own compute (forward + backward, timed by hooks on the mod
 CUDA): the R^2 of its compute on its steps' planned cost and that line (`batchd.core.cost_check`, over
 this rank's steps: no collective at the end; `batchd bench` compares the ranks); rank 0 logs it ("cost
 model check: ..."). A low R^2 means the plan balances the wrong cost: `batchd calibrate` measures the
-right one.
+right one. `token_budget`: the budget of its last step (lowered after an out-of-memory
+step: a `torch.OutOfMemoryError` in a step is reported, `BatchClient.report_oom`, and the job restarts at
+a lower budget, docs/restarts-and-elastic.md; `--inject-oom-above COST` raises one in every step of planned
+cost above COST, for tests).
 
 Start order and progress: the trainer may start before its rank service / node agent; it waits up to
 `--startup-timeout` (default 600 s, like the services) and logs every 5 s whom it waits for and why

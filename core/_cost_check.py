@@ -25,7 +25,7 @@ def cost_check(
             rank's zero-weight step would count as imbalance the plan chose);
         planned_imbalance / measured_imbalance: the mean over those steps of max / mean across ranks;
         r2: the R^2 of the least-squares line seconds = intercept_s + slope_s x cost over every (step, rank)
-            of them (None with fewer than 3 points or no spread in cost);
+            of them (None with fewer than 3 points or no spread in cost; 1.0 when every time is equal);
         slope_s, intercept_s: that line.
 
     Raises:
