@@ -8,7 +8,8 @@ matters to balance): `padded` (rows x longest), `packed` (the token sum), `atten
 q = 4096 and with the calibrated q, and the calibration's own three-term fit (overhead + linear x
 tokens + quadratic x attention pairs). Per model and layout: R^2 and the largest relative error.
 
-Usage: python benchmarks/calibrate_fit.py [--models tiny,llama-100m] [--max-tokens 2048] [--repeats 3]
+Usage: python benchmarks/calibrate_fit.py [--models tiny:2048,llama-100m:512] [--repeats 3]
+(MODEL:T: the largest batch measured, T tokens; on CPU llama-100m takes seconds per step)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import add_common_args, command_line, finish  # noqa: E402
 
 SECTION = "calibrate"
-MEASURES = ("fits", "recommended")
+MEASURES = ("benchmarks/calibrate_fit.py", "batchd/_calibrate.py", "core/_calibrate.py", "core/_cost.py")
 COST_MODELS = (("padded", None), ("packed", None), ("attention", 4096), ("attention", "fitted"))
 
 
@@ -85,21 +86,21 @@ def fit_model(model: str, max_tokens: int, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="tiny,llama-100m")
-    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--models", default="tiny:2048,llama-100m:512")
     ap.add_argument("--repeats", type=int, default=3)
     add_common_args(ap)
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(1)  # one core per trainer, as the bench runs its ranks
-    fits = [fit_model(m, args.max_tokens, args.repeats) for m in args.models.split(",")]
+    models = [(m.split(":")[0], int(m.split(":")[1]) if ":" in m else 2048) for m in args.models.split(",")]
+    fits = [fit_model(m, tokens, args.repeats) | {"max_tokens": tokens} for m, tokens in models]
     for f in fits:
         for r in f["rows"]:
             err = f"R^2 {r['r2']:.3f} max err {r['max_rel_err']:.1%}"
             print(f"{f['model']:>10} {r['layout']:>6} {r['cost']:<44} {err}")
     data = {"fits": fits, "recommended": {f["model"]: f["recommended"] for f in fits}}
-    config = {"models": args.models, "max_tokens": args.max_tokens, "repeats": args.repeats, "threads": 1}
+    config = {"models": args.models, "repeats": args.repeats, "threads": 1}
     config["command"] = command_line(__file__, argv)
     finish(args, SECTION, data, measures=MEASURES, config=config)
     return 0
