@@ -144,3 +144,77 @@ def test_an_injected_oom_lowers_the_budget_and_the_elastic_job_goes_on(tmp_path)
     assert set(steps.values()) == {2}, steps  # equal steps: both ranks took every step of the last run
     assert "ran out of memory on epoch 0 step" in log, log[-3000:]
     assert "the token budget goes from 1024 to" in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_an_injected_oom_under_the_readme_recipe_with_services_restarted_on_failure(tmp_path):
+    """The README recipe (coordinator and node agent journaling, `torchrun --max-restarts 3 --node-agent`)
+    with the services restarted when they exit with an error, as docker/compose.yaml's `restart:
+    on-failure:3` does: the OOM fails the job, every party restarts, and the job goes on at the lowered
+    budget to torchrun's exit 0; every id once in the surviving lineage; every party's last run exits 0."""
+    import threading
+    import uuid
+
+    from _readme_job import end_job, job_env, restart_job, surviving_steps
+
+    from batchd.demo import demo_lengths
+
+    aport = restart_job(tmp_path, demo_lengths(600, seed=3), epochs=1)
+    marker = f"BATCHD_TEST_OOM={uuid.uuid4().hex}"
+    env = job_env(str(tmp_path), marker)
+    commands = {
+        "coordinator": ["batchd", "coordinator", "--config", "job.toml"],
+        "node": ["batchd", "node", "--config", "job.toml", "--local-ranks", "2", "--node-rank", "0"],
+    }
+    torchrun = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "3",
+        "--standalone", "-m", "batchd.train", "--node-agent", f"127.0.0.1:{aport}", "--checkpoint", "ckpt",
+        "--checkpoint-every", "2", "--ids-log", "ids-{rank}.jsonl", *TINY, "--log-every", "0",
+        "--inject-oom-above", "1000",
+    ]  # fmt: skip
+    logs = {n: open(tmp_path / f"{n}.log", "a") for n in (*commands, "torchrun")}
+    codes: dict[str, list[int]] = {n: [] for n in commands}
+    stop = threading.Event()
+
+    def supervise(name: str) -> None:  # compose's `restart: on-failure:3`
+        while not stop.is_set():
+            p = subprocess.Popen(
+                commands[name], cwd=tmp_path, env=env, stdout=logs[name], stderr=subprocess.STDOUT
+            )
+            while p.poll() is None and not stop.wait(0.2):
+                pass
+            if p.poll() is None:
+                p.kill()
+            codes[name].append(p.wait())
+            if codes[name][-1] == 0 or len(codes[name]) > 3:
+                return
+
+    threads = [threading.Thread(target=supervise, args=(n,), daemon=True) for n in commands]
+    for t in threads:
+        t.start()
+    trainers = subprocess.Popen(
+        torchrun, cwd=tmp_path, env=env, stdout=logs["torchrun"], stderr=subprocess.STDOUT
+    )
+    try:
+        code = trainers.wait(400)
+        for t in threads:
+            t.join(120)
+    finally:
+        stop.set()
+        if trainers.poll() is None:
+            trainers.kill()
+        end_job(marker)
+        for f in logs.values():
+            f.close()
+    tail = "\n".join(f"--- {n}\n{(tmp_path / f'{n}.log').read_text()[-3000:]}" for n in logs)
+    assert code == 0, tail
+    assert all(c and c[-1] == 0 and len(c) >= 2 for c in codes.values()), (codes, tail)
+    seen: collections.Counter = collections.Counter()
+    budgets = set()
+    for rank in range(2):
+        kept, _ = surviving_steps(tmp_path, rank)
+        seen.update(i for e in kept for i in e["ids"])
+        budgets |= {e["token_budget"] for e in kept if e["restart"] == max(x["restart"] for x in kept)}
+    assert sorted(seen) == list(range(600)) and max(seen.values()) == 1, len(seen)
+    assert len(budgets) == 1 and budgets.pop() < 1024, budgets
+    assert "the token budget goes from 1024 to" in tail, tail
