@@ -66,6 +66,7 @@ def run_coordinator(
     except OSError:
         state.close()
         raise
+    stop = stop_event()  # before the port file says it serves: a signal then is a clean stop, never a kill
     server.start()
     write_port_file(endpoint.port_file, bound, metrics_bound)
     log.info(
@@ -76,7 +77,6 @@ def run_coordinator(
         security.describe() if security else "plaintext",
         f", journal in {state_dir}" if state_dir else "",
     )
-    stop = stop_event()
     try:
         while not stop.wait(0.2):
             if state.state == "done":
