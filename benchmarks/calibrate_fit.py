@@ -19,8 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import add_common_args, command_line, finish  # noqa: E402
 
@@ -30,18 +28,15 @@ COST_MODELS = (("padded", None), ("packed", None), ("attention", 4096), ("attent
 
 
 def affine_fit(costs: list[float], seconds: list[float]) -> dict[str, float]:
-    """R^2 and the largest relative error of the least-squares line seconds = a + b x cost."""
-    x, y = np.asarray(costs, dtype=float), np.asarray(seconds, dtype=float)
-    if np.ptp(x) == 0:
-        pred = np.full_like(y, y.mean())
-    else:
-        b, a = np.polyfit(x, y, 1)
-        pred = a + b * x
-    ss = float(((y - y.mean()) ** 2).sum())
-    return {
-        "r2": 1 - float(((y - pred) ** 2).sum()) / ss if ss > 0 else 1.0,
-        "max_rel_err": float((np.abs(pred - y) / y).max()),
-    }
+    """R^2 and the largest relative error of the least-squares line seconds = a + b x cost: the line of
+    `batchd.core.cost_check`, the check the trainers and the bench run, over one rank's steps."""
+    from batchd.core import cost_check
+
+    got = cost_check([[c] for c in costs], [[s] for s in seconds])
+    a, b = got["intercept_s"], got["slope_s"]
+    assert a is not None and b is not None and got["r2"] is not None, f"no line through {costs=}"
+    worst = max(abs(a + b * c - s) / s for c, s in zip(costs, seconds, strict=True))
+    return {"r2": float(got["r2"]), "max_rel_err": float(worst)}
 
 
 def fit_model(model: str, max_tokens: int, repeats: int) -> dict:

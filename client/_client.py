@@ -249,7 +249,6 @@ class BatchClient:
             epoch=self.epoch,
             step=info.step,
             cost=info.cost,
-            token_budget=info.token_budget,
             detail=str(error)[:1000],
         )
         try:

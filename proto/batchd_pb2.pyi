@@ -215,20 +215,18 @@ class RegisterReply(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., round: _Optional[int] = ..., lease_ms: _Optional[int] = ..., round_timeout_ms: _Optional[int] = ..., rank_addresses: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., resume_needed: _Optional[bool] = ..., token_budget: _Optional[int] = ...) -> None: ...
 
 class OomRequest(_message.Message):
-    __slots__ = ("rank", "epoch", "step", "cost", "token_budget", "detail")
+    __slots__ = ("rank", "epoch", "step", "cost", "detail")
     RANK_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     rank: int
     epoch: int
     step: int
     cost: float
-    token_budget: int
     detail: str
-    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., cost: _Optional[float] = ..., token_budget: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., cost: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class OomReply(_message.Message):
     __slots__ = ("token_budget", "message")
