@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import faulthandler
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -69,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("coordinator", "rank", "node") and not faulthandler.is_enabled():
         faulthandler.enable()  # a daemon that dies in native code (gRPC, torch) leaves its stacks in its log
+    if args.command in ("coordinator", "rank", "node") and hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a stuck one is
     from batchd.core import BatchdError, JobFailed
 
     try:

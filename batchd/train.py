@@ -100,6 +100,7 @@ and leaves restarts to torchrun (`--max-restarts`) or the orchestrator.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib.util
 import json
 import logging
@@ -155,6 +156,8 @@ __all__ = ["STRATEGIES", "build_parser", "main", "rank_service_address", "securi
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs one rank's epochs; returns the exit code (1 when the job failed, 2 on an error)."""
     args = build_parser().parse_args(argv)
+    if not faulthandler.is_enabled():
+        faulthandler.enable(all_threads=True)  # a rank that dies in native code leaves its stacks on stderr
     setup_logging("WARNING")  # batchd's own lines (waiting, progress) at INFO; torch's and others' quieter
     logging.getLogger("batchd").setLevel(logging.INFO)
     rank, world_size, local_rank = env_int("RANK"), env_int("WORLD_SIZE"), env_int("LOCAL_RANK")
@@ -174,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _init_process_group(backend, args.timeout, rank)
     except RestartStoreError as exc:
         return _fail(rank, f"batchd.train: error: {exc}", 2)
-    ddp = None
+    ddp = client = None
     works: list[Any] = []  # the last collectives' handles: released after the process group
     try:
         options = ClientOptions(args.credits, args.reconnect_timeout, args.startup_timeout)
@@ -191,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BatchdError as exc:  # e.g. the rank service unreachable: one line naming it, not a traceback
         return _fail(rank, f"batchd.train: error: {exc}", 2)
     finally:
+        if client is not None:  # every call ended before the interpreter tears gRPC down (also on errors)
+            client.close()
         destroy_process_group()
         del ddp  # its reducer holds the process group: its gloo threads are joined here, then the handles go
         works.clear()

@@ -377,6 +377,11 @@ class Job:
         except Exception as exc:  # noqa: BLE001 - a harness error fails this job, not the run
             self.notes.append(f"harness: {type(exc).__name__}: {exc}")
         finally:
+            stuck = [x for x in self.parties.values() if x.alive() and not x.name.startswith("trainer")]
+            for party in stuck:  # a service prints every thread's stack on SIGUSR1 (batchd.cli): its log
+                party.proc.send_signal(signal.SIGUSR1)  # says where it was stuck
+            if stuck:
+                time.sleep(1.0)  # the stacks' write before the kill
             for party in self.parties.values():
                 if party.alive():
                     party.kill("killed by the harness at the job's end (still running)")

@@ -10,6 +10,7 @@ Ray, signals, exit status); tests build it in process.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import cast
 
@@ -23,6 +24,8 @@ from .preprocess import Source
 from .rank import Limits, RankServiceCore, create_rank_server
 
 StateDir = str | os.PathLike[str] | None
+JOIN_S = 10.0  # `NodeAgent.stop` waits this long for each of its threads (they poll every 0.5 s)
+log = logging.getLogger("batchd.node")
 
 
 class NodeAgent:
@@ -126,9 +129,18 @@ class NodeAgent:
 
     def stop(self, grace: float = 1.0) -> None:
         """Stops the server (its trainers' streams end as a disconnect: they reconnect to a restarted agent),
-        then the ranks' loops and the link."""
+        then the ranks' loops and the link, and waits for their threads (up to `JOIN_S` each).
+
+        The wait matters at exit: a thread still inside a gRPC call when the interpreter finalizes is ended
+        holding that call's lock, and the call's finalizer then waits on the lock forever (a node agent
+        that never exited after its job, CI)."""
         done = self.server.stop(grace)
         for core in self.cores.values():
             core.stop()
         self.link.close()
         done.wait()
+        for core in self.cores.values():
+            core.join(JOIN_S)
+        stuck = [t.name for t in self.link.join(JOIN_S)]
+        if stuck:
+            log.warning("node agent %r: %s still running %gs after it stopped", self.name, stuck, JOIN_S)

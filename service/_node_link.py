@@ -446,6 +446,14 @@ class NodeLink:
             self._requests.close()
         self.channel.close()
 
+    def join(self, timeout: float) -> list[threading.Thread]:
+        """Waits up to `timeout` (each) for the link's threads to end after `close`; returns those still
+        running."""
+        threads = [t for t in (self._thread, self._hb) if t is not None]
+        for t in threads:
+            t.join(timeout)
+        return [t for t in threads if t.is_alive()]
+
 
 class _Ended(Exception):
     """The coordinator ended the node stream without an error (it is stopping)."""

@@ -134,7 +134,14 @@ class Job:
             try:
                 self.proc(name).wait(max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
-                raise AssertionError(f"{name} still running {timeout:g}s later\n{self.logs()}") from None
+                stuck = self.proc(name)
+                stuck.send_signal(signal.SIGUSR1)  # services print every thread's stack (batchd.cli)
+                time.sleep(1.0)  # the stacks' write, not an assertion's wait
+                stacks = self.procs.log(name)[-6000:]
+                raise AssertionError(
+                    f"{name} still running {timeout:g}s later\n{self.logs()}\n--- {name}'s stacks ---\n"
+                    f"{stacks}"
+                ) from None
         return {name: self.proc(name).returncode for name in names}
 
     def results(self) -> list[dict]:

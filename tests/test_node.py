@@ -27,6 +27,7 @@ from batchd.proto import batchd_pb2_grpc as pb_grpc
 from batchd.proto import wire
 from batchd.service import (
     CoordinatorMetrics,
+    CoordinatorState,
     Endpoint,
     Limits,
     NodeAgent,
@@ -257,6 +258,40 @@ def test_a_trainer_taking_5s_per_step_is_waited_for_past_the_lease(node_job):
     results = _drain(job, on_step)
     assert slow_steps == [1, 2] and job.state.failure is None
     _check_exactly_once(results, len(lengths))
+
+
+def test_a_stopped_agent_waits_for_its_link_thread_inside_a_call(node_job, monkeypatch):
+    """`NodeAgent.stop` returns once its link's thread left the call it was in: a thread still inside a
+    gRPC call when a process exits is ended holding that call's lock, and the exit hangs on it (CI)."""
+    entered, release = threading.Event(), threading.Event()
+    submit = CoordinatorState.submit_align
+
+    def held(self, epoch, reports):  # the first round's reports wait: the link stays inside its call
+        entered.set()
+        release.wait(10)
+        return submit(self, epoch, reports)
+
+    monkeypatch.setattr(CoordinatorState, "submit_align", held)
+    exchange = NodeLink._exchange
+
+    def slow_to_leave(self, request, what):  # the call ends under the thread: it leaves a little later
+        try:
+            return exchange(self, request, what)
+        finally:
+            time.sleep(0.5)
+
+    monkeypatch.setattr(NodeLink, "_exchange", slow_to_leave)
+    spec = JobSpec(world_size=2, token_budget=1024, seed=3, policy=PolicySpec(name="balanced", window=8))
+    job = node_job(spec, _lengths(120, seed=3), nodes=1)
+    agent = job.agents[0]
+    try:
+        assert entered.wait(30), "the node agent never sent its first round"
+        link = [t for t in threading.enumerate() if t.name == f"batchd-node-link-{agent.name}"]
+        assert len(link) == 1, threading.enumerate()
+        agent.stop(grace=0)
+        assert not link[0].is_alive(), "stop() returned with the link's thread still inside its call"
+    finally:
+        release.set()
 
 
 def test_node_ranks_follow_torchrun_and_name_what_is_missing():

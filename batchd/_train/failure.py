@@ -25,6 +25,7 @@ from batchd.client import JobFailed
 from batchd.proto import batchd_pb2 as pb
 
 STUCK_EXIT_S = 20.0  # after the job failed, a trainer still in its step this long is ended (docstring)
+JOIN_S = 5.0  # `FailureWatch.stop` waits this long for a poll in flight (its own timeout is 2 s)
 
 
 class FailureWatch:
@@ -46,7 +47,8 @@ class FailureWatch:
         self.on_stuck, self.stuck_s = on_stuck, stuck_s
         self.failure: str | None = None
         self._stop = threading.Event()
-        threading.Thread(target=self._run, name="batchd-failure-watch", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="batchd-failure-watch", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
@@ -62,8 +64,13 @@ class FailureWatch:
                     self.on_stuck(failure)  # the trainer did not stop the watch: still in its step
                 return
 
-    def stop(self) -> None:
+    def stop(self, join_s: float = JOIN_S) -> None:
+        """Stops the polling and waits up to `join_s` for its thread to end (it may be in a poll, which
+        times out after 2 s): a process that exits with the thread still inside gRPC tears gRPC down
+        under it."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(join_s)
 
 
 def exit_stuck(rank: int, stuck_s: float = STUCK_EXIT_S) -> Callable[[str], None]:

@@ -297,8 +297,8 @@ class RankServiceCore:
         self.store.close()
 
     def join(self, timeout: float | None = None) -> None:
-        if self._thread:
-            self._thread.join(timeout)
+        for thread in filter(None, (self._thread, self._watcher)):
+            thread.join(timeout)
 
     def set_failure(self, message: str) -> None:
         with self.cond:
