@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from _netcluster import NetCluster
-from _netjobs import PY, HostJob, JobPlan, until, write_lengths
+from _netjobs import AGENT_PORT, COORD_PORT, PY, HostJob, JobPlan, until, write_lengths
 
 SPEC = ["--token-budget", "256", "--window", "16", "--depth", "2", "--seed", "5"]
 TINY = ["--vocab-size", "512", "--d-model", "32", "--n-layers", "1", "--n-heads", "2"]
@@ -81,6 +81,10 @@ def ride_through(net: NetCluster, work: Path) -> dict[str, Any]:
         "agents partitioned": (lambda: net.partition("host1", "host2"), lambda: net.join("host1", "host2")),
         "coordinator host cut": (lambda: net.cut("head"), lambda: net.heal("head")),
     }
+    # during each fault, which of the job's own connections a new TCP connect can open (the outage was
+    # real): host1 to host2's agent, each trainer host to the coordinator
+    paths = {"host1->agent-host2": ("host1", "host2", AGENT_PORT)}
+    paths |= {f"{h}->coordinator": (h, "head", COORD_PORT) for h in ("host1", "host2")}
 
     def body() -> dict[str, Any]:
         job.start_all()
@@ -90,10 +94,15 @@ def ride_through(net: NetCluster, work: Path) -> dict[str, Any]:
         for name, (fault, heal) in faults.items():
             t = time.monotonic()
             fault()
-            time.sleep(OUTAGE_S)  # the outage itself, not a wait for an event
+            open_paths = {p: _connects(net, *where) for p, where in paths.items()}
+            time.sleep(max(OUTAGE_S - (time.monotonic() - t), 0.0))  # the outage, not a wait for an event
             heal()
             again = steps_after(job, 2, f"steps after {name}")
-            figures[name] = {"after_heal_s": round(again, 1), "after_fault_s": round(time.monotonic() - t, 1)}
+            figures[name] = {
+                "after_heal_s": round(again, 1),
+                "after_fault_s": round(time.monotonic() - t, 1),
+                "open_paths": sorted(p for p, ok in open_paths.items() if ok),
+            }
         codes = job.wait_exit(everyone, EVERY_EXIT_S)
         return {
             "lease_s": 12.0,
@@ -106,6 +115,12 @@ def ride_through(net: NetCluster, work: Path) -> dict[str, Any]:
         }
 
     return _guarded(net, job, body)
+
+
+def _connects(net: NetCluster, src: str, dst: str, port: int) -> bool:
+    """Whether a TCP connect from host `src` to `dst`:`port` opens within 1 s now."""
+    probe = f"import socket; socket.create_connection(({net.addr(dst)!r}, {port}), timeout=1).close()"
+    return net.exec(src, [PY, "-c", probe], timeout=30).returncode == 0
 
 
 def past_the_lease(net: NetCluster, work: Path) -> dict[str, Any]:

@@ -57,9 +57,15 @@ def test_link_faults_shorter_than_the_lease_ride_through(net, tmp_path):
     assert sum(got["fetched_remote"].values()) > 0, got[
         "fetched_remote"
     ]  # the plan moved samples across hosts
-    # the outages were real: the agents lost the coordinator during its host's cut
-    for host, log in got["agent_logs"].items():
-        assert "the coordinator at 10.77.0.2:7000 is unreachable" in log, host
+    # the outages were real: during each, exactly the paths it leaves open took a new connection. (Whether
+    # an agent logs the coordinator's absence depends on where its heartbeats fell: one sent late in a
+    # 5 s cut is carried by TCP's retransmission within its deadline, unnoticed.)
+    open_paths = {name: f["open_paths"] for name, f in got["faults"].items()}
+    assert open_paths == {
+        "trainer host cut": ["host1->coordinator"],
+        "agents partitioned": ["host1->coordinator", "host2->coordinator"],
+        "coordinator host cut": ["host1->agent-host2"],
+    }, open_paths
     print(f"ride-through: {json.dumps(got['faults'])}; steps per rank {got['steps'][0]}")
 
 
