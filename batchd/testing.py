@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the names for readers and type checkers; at run time `__get
     from batchd._train.failure import FailureWatch, raise_job_failure
     from batchd._train.models import VisionTimer, build_model, hf_pixels, vision_module
     from batchd._train.models import build_model as bench_model
+    from batchd._train.strategy import all_reduce_released
     from batchd._vlm_tiny import (
         LLAVA_TEMPLATE,
         QWEN2VL_TEMPLATE,
@@ -215,6 +216,7 @@ _EXPORTS = {
     "TinyCausalLM": ("batchd._model", "TinyCausalLM"),
     "TinyMLLM": ("batchd._mllm", "TinyMLLM"),
     "VisionTimer": ("batchd._train.models", "VisionTimer"),
+    "all_reduce_released": ("batchd._train.strategy", "all_reduce_released"),
     "bench_model": ("batchd._train.models", "build_model"),
     "bench_payload": ("batchd._train.bench_data", "payload"),
     "build_model": ("batchd._train.models", "build_model"),
@@ -264,6 +266,7 @@ __all__ = [
     "UpdateWindows",
     "VisionTimer",
     "WORKLOAD_HEADER",
+    "all_reduce_released",
     "batch_terms",
     "bench_model",
     "bench_payload",

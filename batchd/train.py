@@ -178,13 +178,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RestartStoreError as exc:
         return _fail(rank, f"batchd.train: error: {exc}", 2)
     ddp = client = None
-    works: list[Any] = []  # the last collectives' handles: released after the process group
     try:
         options = ClientOptions(args.credits, args.reconnect_timeout, args.startup_timeout)
         client = BatchClient(address, rank, world_size, security=security, options=options)
         model = _model(args, client, device, hf_model, vocab)
         ddp, opt, ckpt, step = _parallel(args, model, client, device)
-        summary = train_loop(client, ddp, opt, args, ckpt, step, works)
+        summary = train_loop(client, ddp, opt, args, ckpt, step)
         if services is not None:  # the job ended: they exit by themselves once every rank finished
             services.wait(120.0)
     except JobFailed as exc:
@@ -197,8 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if client is not None:  # every call ended before the interpreter tears gRPC down (also on errors)
             client.close()
         destroy_process_group()
-        del ddp  # its reducer holds the process group: its gloo threads are joined here, then the handles go
-        works.clear()
+        del ddp
     where = {"backend": backend, "device": str(device), "rank_service": address, "strategy": args.strategy}
     summary.update(rank=rank, world_size=world_size, **where)
     line = json.dumps(summary)

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .strategy import wait_released
+
 POINTER = "latest.json"  # fsdp2 / deepspeed: names the last complete checkpoint directory of --checkpoint
 
 
@@ -182,7 +184,7 @@ def agree_position(client: Any, device: torch.device) -> None:
         [client.epoch, client.next_step, int(client.finished)], dtype=torch.int64, device=device
     )
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
+    wait_released([dist.all_gather(every, mine, async_op=True)], [mine, *every])  # all_reduce_released
     epoch, next_step, finished = max(tuple(int(x) for x in t.tolist()) for t in every)
     if (epoch, next_step, finished) != (client.epoch, client.next_step, int(client.finished)):
         print(

@@ -70,6 +70,7 @@ from .._logging import setup_logging
 from ..launch import StepTicker
 from .failure import FailureWatch, raise_job_failure
 from .models import MODELS, build_model, patches
+from .strategy import all_reduce_released
 
 MODES = ("batchd", "fixed")
 
@@ -197,7 +198,7 @@ class _Training:
         with torch.no_grad():
             s, n = token_loss_sum(logits.detach().float(), batch["labels"])
             buf = torch.tensor([float(s), float(n)], dtype=torch.float64)
-            dist.all_reduce(buf)
+            all_reduce_released(buf, dist.ReduceOp.SUM)  # its last: nothing left to gloo's threads at exit
             result["losses"].append(float(buf[0] / buf[1]) if buf[1] > 0 else float("nan"))
 
 
@@ -345,7 +346,7 @@ def _run_fixed_source(source: RaySource, batch_size: int, train: _Training) -> N
         payloads = resolve_many([p for _, p in items])
         train.result["wait_s"] += time.perf_counter() - t_wait
         more = torch.tensor([1 if items else 0], dtype=torch.int64)
-        dist.all_reduce(more, op=dist.ReduceOp.MAX)
+        all_reduce_released(more, dist.ReduceOp.MAX)
         if not int(more):
             break
         if (

@@ -20,6 +20,7 @@ from batchd.proto import Progress
 from .checkpoint import save_checkpoint
 from .failure import FailureWatch, exit_stuck, raise_job_failure
 from .models import VisionTimer, patches
+from .strategy import all_reduce_released
 
 
 def _maybe_crash(spec: str | None, rank: int, steps: int) -> None:
@@ -79,22 +80,18 @@ def _vocabulary(model: torch.nn.Module) -> int | None:
     return embeddings().num_embeddings if embeddings is not None else None
 
 
-def _vision_imbalance(patches: list[int], device: torch.device, works: list[Any]) -> float | None:
+def _vision_imbalance(patches: list[int], device: torch.device) -> float | None:
     """The mean over steps with images of max / mean rank patches, over every rank's `patches` (one entry
     per step of this run; collectives: every rank calls it). Two all-reduces (max, sum) of one number per
     step, so each rank holds one vector, not every rank's. None without images, or when the ranks ran
     different numbers of steps (a resumed run whose ranks restarted at different points).
 
-    The collectives' handles go to `works`, which the caller keeps until the process group is gone: these
-    are the run's last collectives, and a gloo worker thread that dropped the last reference to one (its
-    Python tensors, so it needs the GIL) while the main thread destroys the group (holding the GIL, joining
-    that thread) deadlocks the exit."""
+    These are the run's last collectives, on tensors made here: each returns only once the backend let go
+    of its tensor (`all_reduce_released`), so no gloo worker still holds one when the process group is
+    destroyed (joining the worker while holding the GIL it needs: a hang) or the interpreter finalizes (an
+    abort)."""
     world = dist.get_world_size()
-
-    def all_reduce(t: torch.Tensor, op: Any) -> None:
-        work = dist.all_reduce(t, op=op, async_op=True)
-        works.append(work)
-        work.wait()
+    all_reduce = all_reduce_released
 
     n = torch.tensor([len(patches), -len(patches)], dtype=torch.int64, device=device)
     all_reduce(n, dist.ReduceOp.MAX)  # the longest run, and minus the shortest
@@ -224,10 +221,9 @@ def _cost_check(run: _Loop) -> dict[str, Any] | None:
     return {k: got[k] for k in ("steps", "r2", "slope_s", "intercept_s")}
 
 
-def train_loop(client, ddp, opt, args, ckpt, train_step, works: list[Any]) -> dict[str, Any]:
+def train_loop(client, ddp, opt, args, ckpt, train_step) -> dict[str, Any]:
     """Trains epochs `client.epoch` .. E-1 (`--epochs`, else the job's); saves the last checkpoint; returns
-    the rank's summary (`batchd/train.py`'s docstring). `works` keeps the last collectives' handles
-    (`_vision_imbalance`)."""
+    the rank's summary (`batchd/train.py`'s docstring)."""
     t0 = time.perf_counter()
     run = _Loop(client, ddp, opt, args, ckpt)
     rank = client.rank
@@ -243,7 +239,7 @@ def train_loop(client, ddp, opt, args, ckpt, train_step, works: list[Any]) -> di
     client.close()
     wall = round(time.perf_counter() - t0, 3)
     device = next(run.module.parameters()).device
-    vision = _vision_imbalance(run.loads, device, works)
+    vision = _vision_imbalance(run.loads, device)
     check = _cost_check(run)
     if rank == 0 and check is not None and check["r2"] is not None:
         print(

@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,30 @@ def restart_store(timeout: timedelta) -> Any:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     tcp = dist.TCPStore(host, port, int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
     return dist.PrefixStore(f"batchd/restart_{restart}", tcp)
+
+
+RELEASE_S = 30.0  # `all_reduce_released` waits this long at most for the worker's reference to go
+
+
+def all_reduce_released(t: torch.Tensor, op: Any) -> None:
+    """`dist.all_reduce(t, op)` that returns only once the backend let go of `t` as well.
+
+    A gloo worker thread drops its own reference to a collective after the caller's `wait()` returned.
+    For a tensor made in Python that last drop runs Python code (it needs the GIL): if the process is
+    already finalizing by then, CPython ends the thread inside a C++ destructor and the process aborts
+    ("terminate called without an active exception"; a trainer's core dump in CI showed a
+    `pt_gloo_runloop` thread in `~AsyncAllreduceWork` exactly so). Here the handle is dropped at once and
+    the caller sleeps (GIL released) until only its own reference to `t` is left, at most `RELEASE_S`."""
+    wait_released([dist.all_reduce(t, op=op, async_op=True)], [t])
+
+
+def wait_released(work: list[Any], tensors: list[torch.Tensor]) -> None:
+    """Waits for the one collective in `work` (a list, so that this frame holds the only handle), drops
+    it, then sleeps until the backend let go of every tensor of `tensors` (`all_reduce_released`)."""
+    work.pop().wait()
+    deadline = time.monotonic() + RELEASE_S
+    while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def destroy_process_group() -> None:
