@@ -96,18 +96,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError, TimeoutError) as exc:
         print(f"batchd {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    finally:
-        if args.command in ("coordinator", "rank", "node"):
-            _wait_grpc_threads(args.command)
-
-
-def _wait_grpc_threads(command: str) -> None:
-    """A daemon returns from main once gRPC's own threads ended (`batchd.proto.wait_grpc_threads`)."""
-    from batchd.proto import wait_grpc_threads
-
-    stuck = wait_grpc_threads()
-    if stuck:
-        print(f"batchd {command}: {len(stuck)} gRPC thread(s) still running at exit", file=sys.stderr)
 
 
 def _closed_pipe() -> int:

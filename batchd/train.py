@@ -118,7 +118,7 @@ import torch
 import torch.distributed as dist
 
 from batchd.client import BatchClient, BatchdError, ClientOptions, JobFailed, train_step
-from batchd.proto import progress_interval, wait_grpc_threads
+from batchd.proto import progress_interval
 
 from ._elastic import ElasticServices
 from ._logging import setup_logging
@@ -195,7 +195,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if client is not None:  # every call ended before the interpreter tears gRPC down (also on errors)
             client.close()
-            wait_grpc_threads()
         destroy_process_group()
         del ddp
     where = {"backend": backend, "device": str(device), "rank_service": address, "strategy": args.strategy}

@@ -8,7 +8,6 @@ Imports only `batchd.core`; the service and the client both build on it.
 """
 
 from . import wire
-from ._exit import wait_grpc_threads
 from ._progress import PROGRESS_ENV, Progress, ProgressOutput, format_duration, progress_interval
 from ._transport import (
     AUTH_HEADER,
@@ -45,6 +44,5 @@ __all__ = [
     "progress_interval",
     "retry_while_unreachable",
     "transient",
-    "wait_grpc_threads",
     "wire",
 ]

@@ -10,6 +10,7 @@ Ray, signals, exit status); tests build it in process.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from typing import cast
@@ -144,3 +145,7 @@ class NodeAgent:
         stuck = [t.name for t in self.link.join(JOIN_S)]
         if stuck:
             log.warning("node agent %r: %s still running %gs after it stopped", self.name, stuck, JOIN_S)
+        # A gRPC call raised is its own exception object: held in a traceback cycle, only the collector
+        # frees it, and run at interpreter exit its finalizer can wait forever on the call's lock (held by
+        # a gRPC thread the finalization ended). Collected here, gRPC's threads are still running.
+        gc.collect()

@@ -452,6 +452,7 @@ class NodeLink:
         threads = [t for t in (self._thread, self._hb) if t is not None]
         for t in threads:
             t.join(timeout)
+        self._replies = self._requests = None  # the stream's call object goes now, not in a finalizer
         return [t for t in threads if t.is_alive()]
 
 
