@@ -68,10 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return torchrun_main(args_in[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in ("coordinator", "rank", "node") and not faulthandler.is_enabled():
-        faulthandler.enable()  # a daemon that dies in native code (gRPC, torch) leaves its stacks in its log
-    if args.command in ("coordinator", "rank", "node") and hasattr(signal, "SIGUSR1"):
-        faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a stuck one is
+    if args.command in ("coordinator", "rank", "node"):
+        if not faulthandler.is_enabled():
+            faulthandler.enable()  # a daemon dying in native code (gRPC, torch) leaves its stacks in its log
+        if hasattr(signal, "SIGUSR1"):
+            faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: where a stuck one is
     from batchd.core import BatchdError, JobFailed
 
     try:

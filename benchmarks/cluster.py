@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 seen = got.pop("trained")
                 got["lost"] = got["samples"] - len(seen)
                 got["duplicated"] = sum(c - 1 for c in seen.values())
-            for bulky in ("logs", "agent_logs", "log", "lines"):
+            for bulky in ("logs", "log", "lines"):
                 got.pop(bulky, None)
             data[name] = got
     data["wall_s"] = round(time.monotonic() - t0, 1)

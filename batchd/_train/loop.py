@@ -91,16 +91,15 @@ def _vision_imbalance(patches: list[int], device: torch.device) -> float | None:
     destroyed (joining the worker while holding the GIL it needs: a hang) or the interpreter finalizes (an
     abort)."""
     world = dist.get_world_size()
-    all_reduce = all_reduce_released
 
     n = torch.tensor([len(patches), -len(patches)], dtype=torch.int64, device=device)
-    all_reduce(n, dist.ReduceOp.MAX)  # the longest run, and minus the shortest
+    all_reduce_released(n, dist.ReduceOp.MAX)  # the longest run, and minus the shortest
     longest, shortest = int(n[0]), -int(n[1])
     high = torch.zeros(longest, dtype=torch.int64, device=device)
     high[: len(patches)] = torch.tensor(patches, dtype=torch.int64)
     total = high.clone()
-    all_reduce(high, dist.ReduceOp.MAX)
-    all_reduce(total, dist.ReduceOp.SUM)
+    all_reduce_released(high, dist.ReduceOp.MAX)
+    all_reduce_released(total, dist.ReduceOp.SUM)
     if longest != shortest:
         return None
     ratios = [
